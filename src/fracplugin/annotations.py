@@ -1,0 +1,307 @@
+"""Pod annotations -> FractionRequest for one container (pure; no I/O).
+
+The contract is DESIGN.md section 4; the rules come from the reference node
+stack's annotation parser and KAI's NvFractions binder/admission
+(gpu-fractioning-reference.md sections 2a and 2b). Every refusal is a
+``FractionError`` naming the key, the value and the rule.
+
+Keys read, for container ``c`` and prefix ``p`` (default ``nvidia.com/container.``):
+
+- ``p c .gpu-memory.request`` / ``.gpu-memory.limit``: Kubernetes quantities,
+  rounded **up** to whole MiB, each >= 1 MiB; one defaults to the other.
+- ``p c .gpu-compute.mode``: exactly ``time-slicing`` (default) or ``sm-sharing``.
+- ``p c .gpu-compute.portion``: a finite decimal in (0, 1].
+- ``p c .gpus.devices``: comma list of GPU UUIDs, indices or CDI names.
+- pod-level KAI forms, used when no per-container memory key is given:
+  ``gpu-fraction`` (0 < f < 1), ``gpu-fraction.limit`` (f < l <= 1),
+  ``gpu-memory`` (MiB integer), ``gpu-fraction-num-devices`` (integer >= 1),
+  ``gpu-fraction-container-name`` (which container they apply to), and
+  ``kai.scheduler/container.<c>.gpu-memory.portion.limit`` (0 < l <= 1).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Mapping, Sequence
+
+from kubernetes.utils import parse_quantity
+
+from .model import ComputeMode, FractionError, FractionRequest, MemorySpec
+
+DEFAULT_PREFIX = "nvidia.com/container."
+MIB = 1 << 20
+# Larger than any GPU for decades; anything above is a typo (e.g. "40Ei").
+MAX_QUANTITY_BYTES = 1 << 50  # 1 PiB
+MAX_DEVICES = 64
+
+KEY_GPU_FRACTION = "gpu-fraction"
+KEY_GPU_FRACTION_LIMIT = "gpu-fraction.limit"
+KEY_GPU_MEMORY = "gpu-memory"
+KEY_NUM_DEVICES = "gpu-fraction-num-devices"
+KEY_CONTAINER_NAME = "gpu-fraction-container-name"
+KAI_PORTION_LIMIT = "kai.scheduler/container.{c}.gpu-memory.portion.limit"
+
+SUFFIX_REQUEST = ".gpu-memory.request"
+SUFFIX_LIMIT = ".gpu-memory.limit"
+SUFFIX_MODE = ".gpu-compute.mode"
+SUFFIX_PORTION = ".gpu-compute.portion"
+SUFFIX_DEVICES = ".gpus.devices"
+
+_DECIMAL_RE = re.compile(r"^[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?$")
+_INT_RE = re.compile(r"^[0-9]+$")
+
+
+def container_key(prefix: str, container: str, suffix: str) -> str:
+    """``<prefix><container><suffix>``; exact-key lookup means ``trainer`` never
+    matches ``trainer-2`` (gpu-fractioning-reference.md section 2a)."""
+    return f"{prefix}{container}{suffix}"
+
+
+def _no_padding(key: str, raw: str) -> None:
+    if raw == "":
+        raise FractionError(key, raw, "is blank: give a value or remove the annotation", "blank")
+    if raw != raw.strip():
+        raise FractionError(key, raw, "has leading or trailing whitespace", "whitespace")
+
+
+def parse_quantity_mib(key: str, raw: str) -> int:
+    """A Kubernetes quantity (``40Gi``, ``4096M``, ``1.5G``, ``4294967296``, ``1e9``)
+    -> whole MiB, rounded up (``1G`` -> 954, ``4096M`` -> 3907).
+
+    Parsing is the kubernetes client's ``parse_quantity``; the range rules are
+    ours: at least 1 MiB (1048576 bytes), at most 1 PiB, no whitespace.
+
+    Raises:
+        FractionError: blank, padded, non-numeric, negative, zero, sub-MiB or
+            absurd values, naming ``key`` and ``raw``.
+    """
+    _no_padding(key, raw)
+    try:
+        value = Decimal(parse_quantity(raw))
+    except (ValueError, InvalidOperation, TypeError, ArithmeticError):
+        raise FractionError(
+            key, raw, "is not a Kubernetes quantity (examples: 40Gi, 4096M, 1.5G, 4294967296)", "quantity"
+        ) from None
+    if not value.is_finite():
+        raise FractionError(key, raw, "is not a finite quantity", "quantity")
+    if value < 0:
+        raise FractionError(key, raw, "is negative: GPU memory must be at least 1Mi", "quantity")
+    if value > MAX_QUANTITY_BYTES:
+        raise FractionError(key, raw, "is absurdly large: GPU memory above 1Pi is refused", "quantity")
+    if value < MIB:
+        raise FractionError(key, raw, "is below 1Mi: GPU memory must be at least 1Mi (1048576 bytes)", "quantity")
+    return int(-(-value // MIB))  # ceil
+
+
+def _parse_fraction(key: str, raw: str, *, allow_one: bool) -> float:
+    """A decimal fraction in (0, 1] (``allow_one``) or (0, 1)."""
+    _no_padding(key, raw)
+    if not _DECIMAL_RE.match(raw):
+        raise FractionError(key, raw, "is not a decimal number (example: 0.5)", "fraction")
+    value = float(raw)
+    if not math.isfinite(value):
+        raise FractionError(key, raw, "is not a finite number", "fraction")
+    upper = "1]" if allow_one else "1)"
+    if value <= 0 or value > 1 or (value == 1 and not allow_one):
+        raise FractionError(key, raw, f"is outside (0, {upper}", "fraction")
+    return value
+
+
+def _parse_mode(key: str, raw: str) -> ComputeMode:
+    for mode in ComputeMode:
+        if raw == mode.value:
+            return mode
+    raise FractionError(key, raw, 'must be exactly "time-slicing" or "sm-sharing"', "mode")
+
+
+def _parse_positive_int(key: str, raw: str, *, maximum: int) -> int:
+    _no_padding(key, raw)
+    if not _INT_RE.match(raw):
+        raise FractionError(key, raw, "is not a whole number", "integer")
+    value = int(raw)
+    if value < 1:
+        raise FractionError(key, raw, "must be at least 1", "integer")
+    if value > maximum:
+        raise FractionError(key, raw, f"must be at most {maximum}", "integer")
+    return value
+
+
+def _parse_devices(key: str, raw: str) -> tuple[str, ...]:
+    entries = tuple(e.strip() for e in raw.split(","))
+    if any(e == "" for e in entries):
+        raise FractionError(key, raw, "has an empty entry: give a comma list of GPU UUIDs or indices", "devices")
+    if len(set(entries)) != len(entries):
+        raise FractionError(key, raw, "names a device twice", "devices")
+    if len(entries) > MAX_DEVICES:
+        raise FractionError(key, raw, f"names more than {MAX_DEVICES} devices", "devices")
+    return entries
+
+
+def parse(
+    annotations: Mapping[str, str],
+    container: str,
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    containers: Sequence[str] | None = None,
+) -> FractionRequest | None:
+    """Parse the annotations that concern ``container``.
+
+    Args:
+        annotations: the pod's annotations (key -> string value).
+        container: the container name (exact match).
+        prefix: the per-container key prefix (may be empty).
+        containers: the pod's app container names in spec order, when known.
+            Pod-level KAI forms without ``gpu-fraction-container-name`` apply to
+            the first of them (KAI's rule); when unknown (the NRI door sees one
+            container at a time) they apply to ``container``.
+
+    Returns:
+        A FractionRequest, or None when the container has no memory annotation
+        (it is not fractional and gets nothing). Memory values may be fractions
+        resolved later against the GPU (planner).
+
+    Raises:
+        FractionError: any rule of the contract broken (key, value, rule).
+    """
+    def ckey(suffix: str) -> str:
+        return container_key(prefix, container, suffix)
+
+    keys: dict[str, str] = {}
+    request: MemorySpec | None = None
+    limit: MemorySpec | None = None
+
+    # Per-container absolute forms (nvidia.com/container.<c>.gpu-memory.*).
+    k = ckey(SUFFIX_REQUEST)
+    if k in annotations:
+        request = MemorySpec(k, annotations[k], mib=parse_quantity_mib(k, annotations[k]))
+        keys["request"] = k
+    k = ckey(SUFFIX_LIMIT)
+    if k in annotations:
+        limit = MemorySpec(k, annotations[k], mib=parse_quantity_mib(k, annotations[k]))
+        keys["limit"] = k
+
+    # Pod-level KAI forms apply to one container of the pod.
+    applies = _pod_level_applies(annotations, container, containers)
+    if applies:
+        if request is None and KEY_GPU_FRACTION in annotations:
+            raw = annotations[KEY_GPU_FRACTION]
+            request = MemorySpec(KEY_GPU_FRACTION, raw, fraction=_parse_fraction(KEY_GPU_FRACTION, raw, allow_one=False))
+            keys["request"] = KEY_GPU_FRACTION
+        elif request is None and KEY_GPU_MEMORY in annotations:
+            raw = annotations[KEY_GPU_MEMORY]
+            mib = _parse_positive_int(KEY_GPU_MEMORY, raw, maximum=MAX_QUANTITY_BYTES // MIB)
+            request = MemorySpec(KEY_GPU_MEMORY, raw, mib=mib)
+            keys["request"] = KEY_GPU_MEMORY
+        if limit is None and KEY_GPU_FRACTION_LIMIT in annotations:
+            raw = annotations[KEY_GPU_FRACTION_LIMIT]
+            frac = _parse_fraction(KEY_GPU_FRACTION_LIMIT, raw, allow_one=True)
+            if request is not None and request.fraction is not None and frac <= request.fraction:
+                raise FractionError(
+                    KEY_GPU_FRACTION_LIMIT, raw,
+                    f'is not above {KEY_GPU_FRACTION}="{request.raw}": the limit must be greater than the fraction',
+                    "limit_below_request",
+                )
+            limit = MemorySpec(KEY_GPU_FRACTION_LIMIT, raw, fraction=frac)
+            keys["limit"] = KEY_GPU_FRACTION_LIMIT
+    k = KAI_PORTION_LIMIT.format(c=container)
+    if limit is None and k in annotations:
+        limit = MemorySpec(k, annotations[k], fraction=_parse_fraction(k, annotations[k], allow_one=True))
+        keys["limit"] = k
+
+    # Mode, portion and devices are validated even before we know the container
+    # is fractional, so a typo never goes unnoticed (reference: portion errors
+    # are errors in every mode).
+    mode = ComputeMode.TIME_SLICING
+    k = ckey(SUFFIX_MODE)
+    if k in annotations:
+        mode = _parse_mode(k, annotations[k])
+        keys["mode"] = k
+    portion: float | None = None
+    k = ckey(SUFFIX_PORTION)
+    if k in annotations:
+        portion = _parse_fraction(k, annotations[k], allow_one=True)
+        keys["portion"] = k
+    devices: tuple[str, ...] = ()
+    k = ckey(SUFFIX_DEVICES)
+    if k in annotations and annotations[k].strip() != "":
+        devices = _parse_devices(k, annotations[k])
+        keys["devices"] = k
+
+    if request is None and limit is None:
+        return None
+    if request is None:
+        request = limit
+        keys["request"] = keys["limit"]
+    if limit is None:
+        limit = request
+        keys["limit"] = keys["request"]
+    assert request is not None and limit is not None
+
+    if request.mib is not None and limit.mib is not None and limit.mib < request.mib:
+        raise FractionError(
+            limit.key, limit.raw,
+            f"is below the request {request.raw} ({request.mib} MiB): the limit must be >= the request",
+            "limit_below_request",
+        )
+    if (
+        request.fraction is not None and limit.fraction is not None
+        and limit is not request and limit.fraction < request.fraction
+    ):
+        raise FractionError(
+            limit.key, limit.raw,
+            f"is below the request {request.raw}: the limit must be >= the request",
+            "limit_below_request",
+        )
+
+    num_devices = len(devices) if devices else 1
+    if applies and KEY_NUM_DEVICES in annotations:
+        raw = annotations[KEY_NUM_DEVICES]
+        n = _parse_positive_int(KEY_NUM_DEVICES, raw, maximum=MAX_DEVICES)
+        keys["num_devices"] = KEY_NUM_DEVICES
+        if devices and n != len(devices):
+            raise FractionError(
+                KEY_NUM_DEVICES, raw,
+                f"does not match the {len(devices)} device(s) in {keys['devices']}",
+                "devices",
+            )
+        num_devices = n
+
+    return FractionRequest(
+        container=container,
+        request=request,
+        limit=limit,
+        compute_mode=mode,
+        portion=portion,
+        devices=devices,
+        num_devices=num_devices,
+        keys=keys,
+    )
+
+
+def _pod_level_applies(annotations: Mapping[str, str], container: str, containers: Sequence[str] | None) -> bool:
+    named = annotations.get(KEY_CONTAINER_NAME)
+    if named is not None:
+        _no_padding(KEY_CONTAINER_NAME, named)
+        if containers is not None and named not in containers:
+            raise FractionError(KEY_CONTAINER_NAME, named, "names no container of this pod", "container")
+        return named == container
+    if containers:
+        return containers[0] == container
+    return True
+
+
+def is_fractional(annotations: Mapping[str, str], container: str, *, prefix: str = DEFAULT_PREFIX) -> bool:
+    """True when ``container`` carries any memory annotation (per-container or
+    pod-level), whether or not it is valid. Cheap; never raises."""
+    if container_key(prefix, container, SUFFIX_REQUEST) in annotations:
+        return True
+    if container_key(prefix, container, SUFFIX_LIMIT) in annotations:
+        return True
+    if KAI_PORTION_LIMIT.format(c=container) in annotations:
+        return True
+    named = annotations.get(KEY_CONTAINER_NAME)
+    if named is not None and named != container:
+        return False
+    return any(k in annotations for k in (KEY_GPU_FRACTION, KEY_GPU_MEMORY, KEY_GPU_FRACTION_LIMIT))

@@ -1,0 +1,1 @@
+"""GPU inventory: NVML (real) and simulated (YAML node) backends behind one Protocol."""

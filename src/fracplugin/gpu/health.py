@@ -1,0 +1,285 @@
+"""GPU health from NVML XID events and MPS daemon health.
+
+Concurrency model: one daemon thread (``HealthMonitor.start``) is the only
+consumer of ``Inventory.events`` (the inventory contract). It also polls the
+injected MPS health source every ``poll_s`` seconds and expires XID marks.
+State is guarded by one lock; ``unhealthy()`` / ``healthy()`` are safe from any
+thread; subscribers are called on the monitor thread (or on the thread that
+calls ``record_xid`` / ``clear`` / ``check``) after every change, outside the
+lock, and must not block.
+
+Rules (kubelet-device-plugin.md D.10, issue 4 item 3):
+
+* An XID in ``ignored_xids`` (default 13, 31, 43, 45, 68, 109: application
+  errors, as NVIDIA's device plugin ignores them) changes nothing. Any other
+  XID marks the whole GPU Unhealthy (every fraction of it, in one update).
+* Recovery rule: a GPU marked by an XID becomes Healthy again when
+  ``xid_recovery_s`` seconds (default 300) pass without another critical XID
+  on it *and* the inventory still lists the GPU (re-probe), or at once on an
+  explicit ``clear(uuid)``. ``xid_recovery_s=None`` disables the timed
+  recovery (then only ``clear`` recovers).
+* MPS: a GPU is Unhealthy while its MPS source says it is down, and Healthy
+  again as soon as the source says it is up (see ``MpsHealth``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from ..model import ComputeMode
+from .inventory import Inventory, InventoryError, XidEvent
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+DEFAULT_XID_RECOVERY_S = 300.0
+
+MpsHealth = Any
+"""One of: ``None`` (MPS not supervised: always healthy); a callable with no
+argument ``() -> bool`` (one answer for every GPU: the daemons span all GPUs);
+a callable ``(gpu_uuid: str) -> bool``; or an object with ``healthy(mode:
+ComputeMode) -> bool`` (the MPS supervisor), in which case a GPU is healthy
+when the daemon of its tenants' mode is up (``mode_of(uuid)``), and a GPU with
+no tenants when any daemon is up."""
+
+
+def parse_xid_list(text: str | Iterable[int]) -> frozenset[int]:
+    """``"13,31, 43"`` or an iterable of ints -> frozenset. Raises ValueError."""
+    if isinstance(text, str):
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        try:
+            return frozenset(int(t) for t in items)
+        except ValueError:
+            raise ValueError(f"XID list {text!r} must be comma-separated integers") from None
+    return frozenset(int(x) for x in text)
+
+
+def gpu_health_fn(
+    mps_health: MpsHealth, mode_of: Callable[[str], ComputeMode | None] = lambda _u: None
+) -> Callable[[str], bool]:
+    """Normalise an MPS health source into ``(gpu_uuid) -> bool``. Raises
+    TypeError for an object of none of the accepted shapes (see ``MpsHealth``)."""
+    if mps_health is None:
+        return lambda _u: True
+    healthy = getattr(mps_health, "healthy", None)
+    if callable(healthy) and not inspect.isfunction(mps_health) and not inspect.ismethod(mps_health):
+
+        def by_mode(uuid: str) -> bool:
+            mode = mode_of(uuid)
+            if mode is not None:
+                return bool(healthy(mode))
+            return any(bool(healthy(m)) for m in ComputeMode)
+
+        return by_mode
+    if callable(mps_health):
+        try:
+            params = [
+                p
+                for p in inspect.signature(mps_health).parameters.values()
+                if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+        except (TypeError, ValueError):
+            params = []
+        if params:
+            return lambda u: bool(mps_health(u))
+        return lambda _u: bool(mps_health())
+    raise TypeError(f"mps_health {mps_health!r} is not a callable or an object with healthy(mode)")
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """Health of one GPU: ``healthy`` and, when not, ``reasons`` (e.g.
+    ``["xid 79", "mps down"]``)."""
+
+    uuid: str
+    healthy: bool
+    reasons: tuple[str, ...] = ()
+
+
+class HealthMonitor:
+    """Tracks per-GPU health.
+
+    Args:
+        inventory: the event source (``events(timeout_s)``); may be None (no XIDs).
+        gpu_uuids: the GPUs to track.
+        ignored_xids: XIDs that change nothing.
+        xid_recovery_s: quiet seconds after the last critical XID before the GPU
+            is Healthy again (None: only ``clear``).
+        mps_health: see ``MpsHealth``.
+        mode_of: compute mode of a GPU's tenants (``ledger.mode``), for ``MpsHealth`` objects.
+        poll_s: seconds per monitor-loop turn (event wait, MPS poll, recovery check).
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        inventory: Inventory | None,
+        gpu_uuids: Iterable[str],
+        *,
+        ignored_xids: Iterable[int] = DEFAULT_IGNORED_XIDS,
+        xid_recovery_s: float | None = DEFAULT_XID_RECOVERY_S,
+        mps_health: MpsHealth = None,
+        mode_of: Callable[[str], ComputeMode | None] = lambda _u: None,
+        poll_s: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._inventory = inventory
+        self._uuids = list(gpu_uuids)
+        self.ignored_xids = frozenset(ignored_xids)
+        self.xid_recovery_s = xid_recovery_s
+        self._mps = gpu_health_fn(mps_health, mode_of)
+        self._poll_s = poll_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._xid: dict[str, tuple[int, float]] = {}  # uuid -> (last xid, time)
+        self._mps_down: set[str] = set()
+        self._subs: list[Callable[[], None]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.events_seen = 0
+
+    # -- observers ---------------------------------------------------------
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after every health change."""
+        self._subs.append(callback)
+
+    def _notify(self) -> None:
+        for cb in list(self._subs):
+            try:
+                cb()
+            except Exception:  # a subscriber must never stop the monitor
+                log.exception("health subscriber failed")
+
+    def health(self, uuid: str) -> GpuHealth:
+        """Health of one GPU (an unknown UUID is reported healthy)."""
+        with self._lock:
+            reasons = []
+            if uuid in self._xid:
+                reasons.append(f"xid {self._xid[uuid][0]}")
+            if uuid in self._mps_down:
+                reasons.append("mps down")
+        return GpuHealth(uuid, not reasons, tuple(reasons))
+
+    def healthy(self, uuid: str) -> bool:
+        return self.health(uuid).healthy
+
+    def unhealthy(self) -> dict[str, list[str]]:
+        """GPU UUID -> reasons, for every unhealthy GPU."""
+        out: dict[str, list[str]] = {}
+        for u in self._uuids:
+            h = self.health(u)
+            if not h.healthy:
+                out[u] = list(h.reasons)
+        return out
+
+    # -- inputs ------------------------------------------------------------
+    def record_xid(self, event: XidEvent) -> bool:
+        """Apply one XID event. Returns True when it changed a GPU's health."""
+        self.events_seen += 1
+        if event.xid in self.ignored_xids:
+            log.info("ignoring XID %d on %s (in the ignored list)", event.xid, event.gpu_uuid)
+            return False
+        if event.gpu_uuid not in self._uuids:
+            log.warning("XID %d for unknown GPU %s", event.xid, event.gpu_uuid)
+            return False
+        with self._lock:
+            was = event.gpu_uuid in self._xid or event.gpu_uuid in self._mps_down
+            self._xid[event.gpu_uuid] = (event.xid, self._clock())
+        log.warning("critical XID %d on GPU %s: all its devices Unhealthy", event.xid, event.gpu_uuid)
+        if not was:
+            self._notify()
+        return not was
+
+    def clear(self, uuid: str) -> bool:
+        """Forget an XID mark now (operator action). True when health changed."""
+        with self._lock:
+            had = self._xid.pop(uuid, None) is not None
+            changed = had and uuid not in self._mps_down
+        if changed:
+            log.info("GPU %s XID mark cleared", uuid)
+            self._notify()
+        return changed
+
+    def check(self) -> bool:
+        """One turn of the slow checks: MPS health poll and XID quiet-period
+        recovery. Returns True when any GPU's health changed."""
+        now = self._clock()
+        present: set[str] | None = None
+        if self.xid_recovery_s is not None and self._xid and self._inventory is not None:
+            try:
+                present = {g.uuid for g in self._inventory.node().gpus}
+            except Exception as e:  # InventoryError or a driver failure: do not recover now
+                log.warning("inventory re-probe failed: %s", e)
+                present = set()
+        mps_down = set()
+        for u in self._uuids:
+            try:
+                ok = self._mps(u)
+            except Exception as e:
+                log.warning("MPS health probe failed for %s: %s", u, e)
+                ok = False
+            if not ok:
+                mps_down.add(u)
+        changed = False
+        with self._lock:
+            before = set(self._xid) | self._mps_down
+            if self.xid_recovery_s is not None:
+                for u, (xid, t) in list(self._xid.items()):
+                    if now - t >= self.xid_recovery_s and (present is None or u in present):
+                        log.info("GPU %s quiet for %.0f s after XID %d: Healthy again", u, now - t, xid)
+                        del self._xid[u]
+            self._mps_down = mps_down
+            after = set(self._xid) | self._mps_down
+            changed = before != after
+        if changed:
+            self._notify()
+        return changed
+
+    # -- thread ------------------------------------------------------------
+    def start(self) -> None:
+        """Start the monitor thread (idempotent). Runs one ``check`` first so the
+        first ListAndWatch answer already reflects MPS health."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self.check()
+        self._thread = threading.Thread(target=self._run, name="fracplugin-health", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the monitor thread and wait up to ``timeout_s``."""
+        self._stop.set()
+        t, self._thread = self._thread, None
+        if t is not None:
+            t.join(timeout_s)
+
+    def _run(self) -> None:
+        backoff = self._poll_s
+        while not self._stop.is_set():
+            try:
+                t0 = time.monotonic()
+                if self._inventory is not None:
+                    for ev in self._inventory.events(self._poll_s):
+                        self.record_xid(ev)
+                        if self._stop.is_set():
+                            return
+                # An event source that returns at once must not make this spin.
+                rest = self._poll_s - (time.monotonic() - t0)
+                if rest > 0:
+                    self._stop.wait(rest)
+                self.check()
+                backoff = self._poll_s
+            except InventoryError as e:
+                log.warning("XID event source failed: %s (retrying in %.1f s)", e, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+            except Exception:
+                log.exception("health monitor turn failed")
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)

@@ -1,0 +1,133 @@
+"""A simulated node read from YAML (``../shared/examples/nodes/gpu-node-1.yaml``).
+
+Concurrency: a lock guards the injected processes and the XID queue; any
+thread may inject, one health thread consumes ``events``.
+
+File shape::
+
+    node: gpu-node-1
+    driver_version: "615.71.09"
+    cuda_driver_version: 13040
+    gpus:
+      - {index: 0, uuid: GPU-..., name: ..., memory_mib: 81559, minor: 0,
+         pci_bus_id: "00000000:18:00.0", numa_node: 0, compute_capability: "9.0"}
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from ..model import GpuInfo, NodeInfo
+from .inventory import InventoryError, ProcessSample, XidEvent
+
+_REQUIRED = ("index", "uuid", "name", "memory_mib", "minor")
+
+
+def load_node(path: str | os.PathLike[str]) -> NodeInfo:
+    """Parse a node file into NodeInfo.
+
+    Raises:
+        InventoryError: unreadable file, bad YAML, or a GPU entry that lacks a
+            field or has a wrong type (the message names the file and the field).
+    """
+    p = Path(path)
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except OSError as exc:
+        raise InventoryError(f"cannot read node file {p}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise InventoryError(f"node file {p} is not valid YAML: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("gpus"), list):
+        raise InventoryError(f"node file {p} must be a mapping with a 'gpus' list")
+    gpus = []
+    for i, g in enumerate(doc["gpus"]):
+        if not isinstance(g, dict):
+            raise InventoryError(f"node file {p}: gpus[{i}] must be a mapping")
+        for k in _REQUIRED:
+            if k not in g:
+                raise InventoryError(f"node file {p}: gpus[{i}] lacks '{k}'")
+        try:
+            gpus.append(GpuInfo(
+                index=_int(g["index"]), uuid=str(g["uuid"]), name=str(g["name"]),
+                memory_mib=_int(g["memory_mib"]), minor=_int(g["minor"]),
+                pci_bus_id=str(g.get("pci_bus_id", "")),
+                numa_node=None if g.get("numa_node") is None else _int(g["numa_node"]),
+                compute_capability=str(g.get("compute_capability", "")),
+                mig_enabled=bool(g.get("mig_enabled", False)),
+            ))
+        except (TypeError, ValueError) as exc:
+            raise InventoryError(f"node file {p}: gpus[{i}]: {exc}") from None
+        if gpus[-1].memory_mib <= 0:
+            raise InventoryError(f"node file {p}: gpus[{i}].memory_mib must be positive")
+    uuids = [g.uuid for g in gpus]
+    if len(set(uuids)) != len(uuids) or len({g.index for g in gpus}) != len(gpus):
+        raise InventoryError(f"node file {p}: GPU uuids and indices must be unique")
+    try:
+        cuda = _int(doc.get("cuda_driver_version", 0))
+    except (TypeError, ValueError):
+        raise InventoryError(f"node file {p}: cuda_driver_version must be an integer") from None
+    return NodeInfo(
+        name=str(doc.get("node") or "simulated-node"),
+        driver_version=str(doc.get("driver_version", "")),
+        cuda_driver_version=cuda,
+        gpus=tuple(sorted(gpus, key=lambda g: g.index)),
+    )
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"expected an integer, got {v!r}")
+    return v
+
+
+class SimulatedInventory:
+    """Inventory backend for a node file; tests and the demo inject XIDs and processes.
+
+    Raises InventoryError from the constructor when the file is bad.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._node = load_node(path)
+        self._lock = threading.Lock()
+        self._processes: list[ProcessSample] = []
+        self._events: "queue.Queue[XidEvent]" = queue.Queue()
+
+    def node(self) -> NodeInfo:
+        return self._node
+
+    def processes(self) -> list[ProcessSample]:
+        with self._lock:
+            return list(self._processes)
+
+    def set_processes(self, samples: list[ProcessSample]) -> None:
+        """Replace the processes ``processes()`` reports."""
+        with self._lock:
+            self._processes = list(samples)
+
+    def inject_xid(self, gpu_uuid: str, xid: int) -> None:
+        """Queue an XID event on a GPU (raises InventoryError for an unknown GPU)."""
+        if self._node.gpu_by_uuid(gpu_uuid) is None:
+            raise InventoryError(f"no GPU {gpu_uuid} on simulated node {self._node.name}")
+        self._events.put(XidEvent(gpu_uuid=gpu_uuid, xid=xid, timestamp_s=time.monotonic()))
+
+    def events(self, timeout_s: float) -> Iterator[XidEvent]:
+        try:
+            yield self._events.get(timeout=max(timeout_s, 0.0))
+        except queue.Empty:
+            return
+        while True:
+            try:
+                yield self._events.get_nowait()
+            except queue.Empty:
+                return
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,329 @@
+"""Who holds what on each GPU, with the node-side guards and atomic persistence.
+
+Concurrency: one ``threading.RLock`` guards all state; every public method is
+safe to call from any thread (NRI handlers, gRPC workers, metrics scrapes).
+Subscribers are called after the lock is released.
+
+Invariants (checked by ``check_invariants`` and by property tests):
+
+- one compute mode per GPU at a time;
+- per GPU, the sum of request MiB held <= the GPU's memory;
+- per GPU, at most ``max_clients_per_gpu`` tenants (MPS client limit, 48 on
+  Volta and later: kubelet-device-plugin.md B.4);
+- an owner (pod uid, container) appears at most once per GPU.
+
+Persistence: a JSON document ``{"version": 1, "node": ..., "tenancies": [...]}``
+written to a temp file in the same directory, fsynced, renamed over the old
+file, and the directory fsynced. A file that cannot be read back is moved
+aside to ``<path>.corrupt-<unix seconds>`` and reported; it is never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from .model import ComputeMode, ContainerPlan, FractionError, GpuInfo, NodeInfo, Tenancy
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+DEFAULT_MAX_CLIENTS_PER_GPU = 48
+
+
+def admission_problem(
+    gpu: GpuInfo,
+    tenants: Sequence[Tenancy],
+    owner: tuple[str, str],
+    mode: ComputeMode,
+    request_mib: int,
+    max_clients: int,
+) -> str | None:
+    """Why ``owner`` cannot take ``request_mib`` MiB of ``gpu`` in ``mode``, or None.
+
+    ``tenants`` are the GPU's current tenancies; the owner's own earlier
+    entries are ignored (a restarted container replaces its hold). Shared by
+    the planner (to choose) and the ledger (to enforce atomically).
+    """
+    others = [t for t in tenants if t.owner != owner]
+    other_modes = [t for t in others if t.mode is not mode]
+    if other_modes:
+        t = other_modes[0]
+        return (
+            f"GPU {gpu.index} ({gpu.uuid}) is in {t.mode.value} mode for "
+            f"{t.namespace}/{t.pod_name}/{t.container}; one compute mode per GPU, this container wants {mode.value}"
+        )
+    held = sum(t.request_mib for t in others)
+    if held + request_mib > gpu.memory_mib:
+        return (
+            f"GPU {gpu.index} ({gpu.uuid}) has {gpu.memory_mib - held} MiB of {gpu.memory_mib} MiB free, "
+            f"this container requests {request_mib} MiB"
+        )
+    if len(others) >= max_clients:
+        return f"GPU {gpu.index} ({gpu.uuid}) already has {len(others)} tenants, the MPS limit is {max_clients}"
+    return None
+
+
+class Ledger:
+    """Per-GPU tenancy of this node.
+
+    Args:
+        node: the node's GPUs (memory sizes bound the guards).
+        path: the JSON file to persist to; None keeps the ledger in memory.
+        max_clients_per_gpu: tenants allowed per GPU.
+    """
+
+    def __init__(self, node: NodeInfo, path: str | os.PathLike[str] | None = None,
+                 max_clients_per_gpu: int = DEFAULT_MAX_CLIENTS_PER_GPU) -> None:
+        self._node = node
+        self._gpus = {g.uuid: g for g in node.gpus}
+        self._path = Path(path) if path is not None else None
+        self._max_clients = max_clients_per_gpu
+        self._lock = threading.RLock()
+        self._entries: list[Tenancy] = []
+        self._subscribers: list[Callable[[], None]] = []
+
+    # ---- reading -----------------------------------------------------------
+    @property
+    def node(self) -> NodeInfo:
+        return self._node
+
+    @property
+    def path(self) -> Path | None:
+        return self._path
+
+    def tenancies(self) -> list[Tenancy]:
+        """All tenancies, in admission order."""
+        with self._lock:
+            return list(self._entries)
+
+    def tenants(self, gpu_uuid: str) -> list[Tenancy]:
+        """Tenancies on one GPU."""
+        with self._lock:
+            return [t for t in self._entries if t.gpu_uuid == gpu_uuid]
+
+    def held_mib(self, gpu_uuid: str) -> int:
+        """Request MiB held on one GPU."""
+        return sum(t.request_mib for t in self.tenants(gpu_uuid))
+
+    def mode(self, gpu_uuid: str) -> ComputeMode | None:
+        """The compute mode of a GPU's tenants, None when it has none."""
+        tenants = self.tenants(gpu_uuid)
+        return tenants[0].mode if tenants else None
+
+    def find(self, pod_uid: str, container: str) -> list[Tenancy]:
+        """The tenancies of one container (one per GPU)."""
+        with self._lock:
+            return [t for t in self._entries if t.owner == (pod_uid, container)]
+
+    def find_container_id(self, container_id: str) -> list[Tenancy]:
+        """The tenancies recorded under a runtime container id."""
+        if not container_id:
+            return []
+        with self._lock:
+            return [t for t in self._entries if t.container_id == container_id]
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after every change (outside the lock)."""
+        with self._lock:
+            self._subscribers.append(callback)
+
+    # ---- changing ----------------------------------------------------------
+    def admit(self, plan: ContainerPlan, container_id: str = "") -> list[Tenancy]:
+        """Record ``plan``: one Tenancy per assigned GPU, replacing the owner's
+        earlier entries. Atomic: either every GPU is admitted or none.
+
+        Raises:
+            FractionError: a guard fails (code ``guard``) or a GPU is unknown;
+                the ledger is unchanged then.
+        """
+        owner = (plan.pod.uid, plan.container)
+        new = [
+            Tenancy(
+                pod_uid=plan.pod.uid, namespace=plan.pod.namespace, pod_name=plan.pod.name,
+                container=plan.container, gpu_uuid=g.uuid, request_mib=plan.request_mib,
+                limit_mib=plan.limit_mib, mode=plan.compute_mode, container_id=container_id,
+                mps_namespace=plan.mps.namespace, active_thread_percentage=plan.active_thread_percentage,
+            )
+            for g in plan.devices
+        ]
+        with self._lock:
+            for t in new:
+                gpu = self._gpus.get(t.gpu_uuid)
+                if gpu is None:
+                    raise FractionError("node", t.gpu_uuid, f"is not a GPU of node {self._node.name}", "device")
+                problem = admission_problem(
+                    gpu, [e for e in self._entries if e.gpu_uuid == gpu.uuid], owner,
+                    t.mode, t.request_mib, self._max_clients,
+                )
+                if problem:
+                    raise FractionError("node", str(plan.pod) + "/" + plan.container, problem, "guard")
+            before = self._entries
+            self._entries = [e for e in self._entries if e.owner != owner] + new
+            self._persist_or_rollback(before)
+        self._notify()
+        return new
+
+    def release(self, pod_uid: str, container: str) -> list[Tenancy]:
+        """Drop one container's tenancies; returns what was dropped."""
+        return self._remove(lambda t: t.owner == (pod_uid, container))
+
+    def release_container_id(self, container_id: str) -> list[Tenancy]:
+        """Drop the tenancies recorded under a runtime container id."""
+        if not container_id:
+            return []
+        return self._remove(lambda t: t.container_id == container_id)
+
+    def release_pod(self, pod_uid: str) -> list[Tenancy]:
+        """Drop every tenancy of a pod."""
+        return self._remove(lambda t: t.pod_uid == pod_uid)
+
+    def replace_all(self, tenancies: Iterable[Tenancy]) -> None:
+        """Replace the whole state (rebuild after a runtime Synchronize).
+
+        Records what is there without refusing: entries on unknown GPUs are
+        dropped with a warning; guard violations are logged, since the
+        containers already run.
+        """
+        kept: list[Tenancy] = []
+        seen: set[tuple[str, str, str]] = set()
+        for t in tenancies:
+            if t.gpu_uuid not in self._gpus:
+                log.warning("ledger: dropping tenancy on unknown GPU", extra={"gpu_uuid": t.gpu_uuid, "pod_uid": t.pod_uid})
+                continue
+            key = (t.pod_uid, t.container, t.gpu_uuid)
+            if key in seen:
+                continue
+            seen.add(key)
+            kept.append(t)
+        with self._lock:
+            before = self._entries
+            self._entries = kept
+            self._persist_or_rollback(before)
+            for problem in self.check_invariants():
+                log.warning("ledger: running containers break a guard: %s", problem)
+        self._notify()
+
+    def _remove(self, match: Callable[[Tenancy], bool]) -> list[Tenancy]:
+        with self._lock:
+            gone = [t for t in self._entries if match(t)]
+            if not gone:
+                return []
+            before = self._entries
+            self._entries = [t for t in self._entries if not match(t)]
+            self._persist_or_rollback(before)
+        self._notify()
+        return gone
+
+    def _notify(self) -> None:
+        with self._lock:
+            subscribers = list(self._subscribers)
+        for cb in subscribers:
+            try:
+                cb()
+            except Exception:  # a subscriber never breaks the ledger
+                log.exception("ledger subscriber failed")
+
+    # ---- invariants --------------------------------------------------------
+    def check_invariants(self) -> list[str]:
+        """Every broken invariant, as a sentence (empty when all hold)."""
+        problems = []
+        with self._lock:
+            entries = list(self._entries)
+        for gpu in self._node.gpus:
+            on = [t for t in entries if t.gpu_uuid == gpu.uuid]
+            if len({t.mode for t in on}) > 1:
+                problems.append(f"GPU {gpu.uuid} has tenants of more than one compute mode")
+            held = sum(t.request_mib for t in on)
+            if held > gpu.memory_mib:
+                problems.append(f"GPU {gpu.uuid} holds {held} MiB of {gpu.memory_mib} MiB")
+            if len(on) > self._max_clients:
+                problems.append(f"GPU {gpu.uuid} has {len(on)} tenants, limit {self._max_clients}")
+            owners = [t.owner for t in on]
+            if len(owners) != len(set(owners)):
+                problems.append(f"GPU {gpu.uuid} lists one container twice")
+        return problems
+
+    # ---- persistence -------------------------------------------------------
+    def load(self) -> list[str]:
+        """Read the file (if any) into memory; returns warnings for the operator.
+
+        A file that is not valid JSON of our format is moved aside to
+        ``<path>.corrupt-<unix seconds>`` and the ledger starts empty; records
+        on GPUs this node does not have are dropped with a warning.
+        """
+        if self._path is None or not self._path.exists():
+            return []
+        warnings: list[str] = []
+        try:
+            doc = json.loads(self._path.read_text())
+            if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION:
+                raise ValueError(f"unsupported format (version {doc.get('version') if isinstance(doc, dict) else None!r})")
+            records = doc["tenancies"]
+            if not isinstance(records, list):
+                raise ValueError("tenancies is not a list")
+            entries = [Tenancy.from_dict(r) for r in records]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            aside = self._path.with_name(f"{self._path.name}.corrupt-{int(time.time())}")
+            os.replace(self._path, aside)
+            msg = f"ledger file {self._path} is corrupt ({exc}); moved aside to {aside}, starting empty"
+            log.error(msg)
+            return [msg]
+        kept = []
+        for t in entries:
+            if t.gpu_uuid not in self._gpus:
+                warnings.append(f"ledger record for {t.namespace}/{t.pod_name}/{t.container} names GPU {t.gpu_uuid}, "
+                                f"which this node does not have; dropped")
+                continue
+            kept.append(t)
+        with self._lock:
+            self._entries = kept
+            for problem in self.check_invariants():
+                warnings.append(f"ledger file breaks a guard: {problem}")
+        for w in warnings:
+            log.warning(w)
+        self._notify()
+        return warnings
+
+    def _persist_or_rollback(self, before: list[Tenancy]) -> None:
+        try:
+            self._persist()
+        except OSError:
+            self._entries = before
+            raise
+
+    def _persist(self) -> None:
+        if self._path is None:
+            return
+        doc = {
+            "version": FORMAT_VERSION,
+            "node": self._node.name,
+            "tenancies": [t.to_dict() for t in self._entries],
+        }
+        data = json.dumps(doc, indent=1, sort_keys=True).encode()
+        directory = self._path.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self._path.name}.", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)

@@ -1,0 +1,326 @@
+"""Value types shared by every part of fracplugin.
+
+Everything here is a frozen dataclass or an enum: no I/O, no behaviour beyond
+small derived properties. Units are in the field names (``*_mib`` = MiB,
+``*_bytes`` = bytes, ``*_s`` = seconds).
+
+The flow (DESIGN.md section 2)::
+
+    annotations.parse(...)  -> FractionRequest
+    planner.plan(request, inventory, ledger, ...) -> ContainerPlan   (or raises FractionError)
+    ledger.Ledger.admit(plan) records one Tenancy per assigned GPU
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+class ComputeMode(str, enum.Enum):
+    """How co-tenants of one GPU share its SMs (DESIGN.md section 4).
+
+    ``time-slicing``: each client gets the whole GPU in turns (own fault domain).
+    ``sm-sharing``: clients run concurrently under one MPS server, optionally
+    capped by an active thread percentage.
+    """
+
+    TIME_SLICING = "time-slicing"
+    SM_SHARING = "sm-sharing"
+
+    def __str__(self) -> str:  # "sm-sharing", not "ComputeMode.SM_SHARING"
+        return self.value
+
+
+class FractionError(ValueError):
+    """A refusal: bad input or a node-side guard said no.
+
+    Every refusal of fracplugin is this one type, so the NRI door, the device
+    plugin door and ``fracplugin explain`` report it the same way.
+
+    Attributes:
+        key: the annotation key (or pseudo-key such as ``node`` / ``gpu:<uuid>``)
+            the refusal is about.
+        value: the offending value, verbatim (``None`` when the key is absent).
+        reason: the rule that was broken, in words an operator can act on.
+        code: a short stable label for metrics (``fracplugin_refusals_total{reason}``).
+    """
+
+    def __init__(self, key: str, value: str | None, reason: str, code: str = "invalid") -> None:
+        self.key = key
+        self.value = value
+        self.reason = reason
+        self.code = code
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        """``<key>="<value>" <reason>``, e.g.
+        ``nvidia.com/container.app.gpu-memory.limit="20Gi" is below the request ...``."""
+        if self.value is None:
+            return f"{self.key}: {self.reason}"
+        return f'{self.key}="{self.value}" {self.reason}'
+
+    def to_dict(self) -> dict[str, str | None]:
+        """JSON shape used by ``fracplugin explain``: ``{"key","value","reason"}``."""
+        return {"key": self.key, "value": self.value, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One physical GPU as the inventory reports it.
+
+    ``memory_mib`` is the total framebuffer in MiB as NVML reports it
+    (``nvmlDeviceGetMemoryInfo().total // 2**20``).
+    """
+
+    index: int
+    uuid: str
+    name: str
+    memory_mib: int
+    minor: int
+    pci_bus_id: str = ""
+    numa_node: int | None = None
+    compute_capability: str = ""
+    mig_enabled: bool = False
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """The node: its name, driver and GPUs (index order)."""
+
+    name: str
+    driver_version: str
+    cuda_driver_version: int
+    gpus: tuple[GpuInfo, ...]
+
+    def gpu_by_uuid(self, uuid: str) -> GpuInfo | None:
+        for gpu in self.gpus:
+            if gpu.uuid == uuid:
+                return gpu
+        return None
+
+    def gpu_by_index(self, index: int) -> GpuInfo | None:
+        for gpu in self.gpus:
+            if gpu.index == index:
+                return gpu
+        return None
+
+
+@dataclass(frozen=True)
+class PodRef:
+    """Identity of a pod: namespace, name and UID (the UID keys the ledger)."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """A memory amount as written: absolute MiB, or a fraction of the GPU.
+
+    Exactly one of ``mib`` / ``fraction`` is set. ``key`` and ``raw`` name the
+    annotation it came from, for error messages.
+    """
+
+    key: str
+    raw: str
+    mib: int | None = None
+    fraction: float | None = None
+
+    def resolve_mib(self, gpu_memory_mib: int, reserve_mib: int = 0) -> int:
+        """MiB on a GPU of ``gpu_memory_mib``: the absolute value, or
+        ``floor((gpu_memory_mib - reserve_mib) * fraction)`` (KAI's nvfractions
+        binder formula, gpu-fractioning-reference.md section 2b)."""
+        if self.mib is not None:
+            return self.mib
+        assert self.fraction is not None
+        usable = max(gpu_memory_mib - reserve_mib, 0)
+        # Decimal-free floor: fractions are short decimals; guard against
+        # 0.5 * 81559 style products landing a hair under an integer.
+        return int(usable * self.fraction + 1e-9)
+
+
+@dataclass(frozen=True)
+class FractionRequest:
+    """What one container asks for, parsed from the pod's annotations.
+
+    Attributes:
+        container: the container name the keys were looked up for.
+        request: guaranteed memory per GPU (absolute or fraction).
+        limit: maximum memory per GPU (absolute or fraction); defaults to request.
+        compute_mode: time-slicing (default) or sm-sharing.
+        portion: compute portion in (0, 1] or None.
+        devices: device entries as written (UUIDs, indices, CDI names), in order;
+            empty when the scheduler assigned none (the node places the container).
+        num_devices: how many GPUs the container needs (len(devices) when given).
+        keys: annotation keys that fed each field (``request``, ``limit``,
+            ``mode``, ``portion``, ``devices``, ``num_devices``) for error messages.
+    """
+
+    container: str
+    request: MemorySpec
+    limit: MemorySpec
+    compute_mode: ComputeMode = ComputeMode.TIME_SLICING
+    portion: float | None = None
+    devices: tuple[str, ...] = ()
+    num_devices: int = 1
+    keys: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def active_thread_percentage(self) -> int | None:
+        """floor(portion * 100), at least 1, only in sm-sharing with a portion
+        (gpu-fractioning-reference.md section 2a)."""
+        if self.compute_mode is not ComputeMode.SM_SHARING or self.portion is None:
+            return None
+        return max(1, int(self.portion * 100 + 1e-9))
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A bind mount into the container."""
+
+    source: str
+    destination: str
+    read_only: bool = False
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """OCI mount options for a bind mount."""
+        return ("rbind", "ro" if self.read_only else "rw", "nosuid", "nodev")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"source": self.source, "destination": self.destination, "read_only": self.read_only}
+
+
+@dataclass(frozen=True)
+class MpsTarget:
+    """Which MPS control daemon (one per compute mode) a container connects to.
+
+    Attributes:
+        mode: the daemon's compute mode.
+        host_pipe_dir: the pipe directory on the host that is mounted in.
+        container_pipe_dir: where it appears in the container (CUDA_MPS_PIPE_DIRECTORY).
+        namespace: the MPS v3 namespace of an sm-sharing container (None otherwise).
+        active_thread_percentage: the cap to put on that namespace (None = 100).
+        pinned_mem_limit_mib: per-GPU pinned device memory limit (the limit).
+    """
+
+    mode: ComputeMode
+    host_pipe_dir: str
+    container_pipe_dir: str
+    namespace: str | None = None
+    active_thread_percentage: int | None = None
+    pinned_mem_limit_mib: int = 0
+
+
+@dataclass(frozen=True)
+class ContainerPlan:
+    """Exactly what one fractional container gets (DESIGN.md section 4).
+
+    ``devices`` are the assigned GPUs in container-ordinal order (ordinal i in
+    ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` is ``devices[i]``). ``request_mib`` and
+    ``limit_mib`` are per GPU. ``env`` holds every injected variable (values are
+    strings); ``mounts`` the bind mounts; ``mps`` the daemon to connect to.
+    """
+
+    pod: PodRef
+    container: str
+    devices: tuple[GpuInfo, ...]
+    request_mib: int
+    limit_mib: int
+    compute_mode: ComputeMode
+    active_thread_percentage: int | None
+    env: Mapping[str, str]
+    mounts: tuple[Mount, ...]
+    mps: MpsTarget
+    placed_by_node: bool = False
+
+    @property
+    def device_uuids(self) -> tuple[str, ...]:
+        return tuple(g.uuid for g in self.devices)
+
+    def to_dict(self) -> dict[str, object]:
+        """The ``fracplugin explain`` JSON shape for one planned container."""
+        return {
+            "name": self.container,
+            "fractional": True,
+            "devices": list(self.device_uuids),
+            "compute_mode": self.compute_mode.value,
+            "request_mib": self.request_mib,
+            "limit_mib": self.limit_mib,
+            "env": dict(self.env),
+            "mounts": [m.to_dict() for m in self.mounts],
+            "error": None,
+        }
+
+
+@dataclass(frozen=True)
+class Tenancy:
+    """One container's hold on one GPU, as the ledger records it.
+
+    ``request_mib``/``limit_mib`` are for this GPU. ``container_id`` is the
+    runtime's id when known (NRI door), empty otherwise (Allocate door).
+    """
+
+    pod_uid: str
+    namespace: str
+    pod_name: str
+    container: str
+    gpu_uuid: str
+    request_mib: int
+    limit_mib: int
+    mode: ComputeMode
+    container_id: str = ""
+    mps_namespace: str | None = None
+    active_thread_percentage: int | None = None
+
+    @property
+    def owner(self) -> tuple[str, str]:
+        """(pod_uid, container): the identity a tenancy is released by."""
+        return (self.pod_uid, self.container)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "pod_uid": self.pod_uid,
+            "namespace": self.namespace,
+            "pod_name": self.pod_name,
+            "container": self.container,
+            "gpu_uuid": self.gpu_uuid,
+            "request_mib": self.request_mib,
+            "limit_mib": self.limit_mib,
+            "mode": self.mode.value,
+            "container_id": self.container_id,
+            "mps_namespace": self.mps_namespace,
+            "active_thread_percentage": self.active_thread_percentage,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> "Tenancy":
+        """Inverse of ``to_dict``; raises KeyError/ValueError/TypeError on a bad record."""
+        atp = d.get("active_thread_percentage")
+        ns = d.get("mps_namespace")
+        return cls(
+            pod_uid=str(d["pod_uid"]),
+            namespace=str(d["namespace"]),
+            pod_name=str(d["pod_name"]),
+            container=str(d["container"]),
+            gpu_uuid=str(d["gpu_uuid"]),
+            request_mib=_as_int(d["request_mib"]),
+            limit_mib=_as_int(d["limit_mib"]),
+            mode=ComputeMode(d["mode"]),
+            container_id=str(d.get("container_id") or ""),
+            mps_namespace=None if ns is None else str(ns),
+            active_thread_percentage=None if atp is None else _as_int(atp),
+        )
+
+
+def _as_int(v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"expected an integer, got {v!r}")
+    return v

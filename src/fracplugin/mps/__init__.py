@@ -1,0 +1,1 @@
+"""MPS: paths (layout), the control CLI (control) and the supervisor thread."""

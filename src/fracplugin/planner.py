@@ -1,0 +1,245 @@
+"""FractionRequest + node + ledger -> ContainerPlan (pure: no I/O, no clock, no globals).
+
+Same inputs, same plan. The ledger is only read (``tenants``); recording the
+plan is the caller's job (``Ledger.admit``), which re-checks the guards
+atomically.
+
+Rules (DESIGN.md section 4; gpu-fractioning-reference.md section 3):
+
+- devices named by the scheduler (``.gpus.devices``) must exist on the node;
+  entries are UUIDs, indices or CDI names (``vendor/class=<uuid|index>``);
+- otherwise the node places the container: GPUs with enough free memory for
+  the request and no tenant of the other compute mode, fewest tenants first,
+  then lowest index;
+- per GPU: request <= GPU memory, limit <= GPU memory, limit >= request,
+  one compute mode, held MiB <= memory, tenants <= MPS client limit;
+- env: ``NVIDIA_VISIBLE_DEVICES`` (UUIDs in container-ordinal order),
+  ``NVIDIA_GPU_MEMORY_REQUEST``/``_LIMIT`` (MiB), ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
+  (``0=<limit>M,...``), ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (sm-sharing with a
+  portion), ``CUDA_MPS_PIPE_DIRECTORY``; one bind mount of the pipe directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence
+
+from . import annotations as ann
+from .ledger import DEFAULT_MAX_CLIENTS_PER_GPU, admission_problem
+from .model import (
+    ComputeMode,
+    ContainerPlan,
+    FractionError,
+    FractionRequest,
+    GpuInfo,
+    Mount,
+    MpsTarget,
+    NodeInfo,
+    PodRef,
+    Tenancy,
+)
+from .mps.layout import CONTAINER_PIPE_DIR, MpsLayout, namespace_name
+
+ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+ENV_MEMORY_REQUEST = "NVIDIA_GPU_MEMORY_REQUEST"
+ENV_MEMORY_LIMIT = "NVIDIA_GPU_MEMORY_LIMIT"
+ENV_PINNED_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+ENV_ACTIVE_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+ENV_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
+#: Every env key fracplugin owns; pod-authored values of these are overridden.
+ENFORCED_ENV_KEYS = (
+    ENV_VISIBLE_DEVICES, ENV_MEMORY_REQUEST, ENV_MEMORY_LIMIT,
+    ENV_PINNED_LIMIT, ENV_ACTIVE_THREAD_PERCENTAGE, ENV_PIPE_DIRECTORY,
+)
+
+
+class LedgerView(Protocol):
+    """The read-only part of the ledger the planner needs."""
+
+    def tenants(self, gpu_uuid: str) -> Sequence[Tenancy]: ...
+
+
+class EmptyLedger:
+    """A ledger view with no tenants (``fracplugin explain`` on an idle node)."""
+
+    def tenants(self, gpu_uuid: str) -> Sequence[Tenancy]:
+        return ()
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Node-side settings of the planner.
+
+    Attributes:
+        reserve_mib: MiB per GPU kept out of fraction resolution (room for the
+            MPS server's own context): ``floor((memory - reserve) * fraction)``.
+        max_clients_per_gpu: tenants per GPU (MPS client limit).
+        layout: where MPS pipe directories live on the host.
+        annotation_prefix: prefix of the per-container keys.
+    """
+
+    reserve_mib: int = 0
+    max_clients_per_gpu: int = DEFAULT_MAX_CLIENTS_PER_GPU
+    layout: MpsLayout = field(default_factory=MpsLayout)
+    annotation_prefix: str = ann.DEFAULT_PREFIX
+
+
+def resolve_device(node: NodeInfo, entry: str) -> GpuInfo | None:
+    """One ``.gpus.devices`` entry -> a GPU of ``node``, or None.
+
+    Accepts a UUID (``GPU-...``), an index (``2``) or a CDI name whose device
+    part is either (``k8s.device-plugin.nvidia.com/gpu=GPU-...``, KAI's
+    ``gpuDevicePluginUsesCdi`` form).
+    """
+    if "=" in entry and "/" in entry.split("=", 1)[0]:
+        entry = entry.split("=", 1)[1]
+    if entry.isdigit():
+        return node.gpu_by_index(int(entry))
+    return node.gpu_by_uuid(entry)
+
+
+def _resolve_devices(request: FractionRequest, node: NodeInfo) -> tuple[GpuInfo, ...]:
+    key = request.keys.get("devices", "devices")
+    raw = ",".join(request.devices)
+    if request.devices == ("all",):
+        return node.gpus
+    if len(request.devices) > len(node.gpus):
+        raise FractionError(key, raw, f"names {len(request.devices)} devices, node {node.name} has {len(node.gpus)} GPUs", "device")
+    gpus = []
+    for entry in request.devices:
+        gpu = resolve_device(node, entry)
+        if gpu is None:
+            known = ", ".join(f"{g.index}={g.uuid}" for g in node.gpus)
+            raise FractionError(key, raw, f"names {entry!r}, which is not a GPU of node {node.name} (it has {known})", "device")
+        if gpu in gpus:
+            raise FractionError(key, raw, f"names GPU {gpu.index} ({gpu.uuid}) twice", "device")
+        gpus.append(gpu)
+    return tuple(gpus)
+
+
+def _memory(request: FractionRequest, gpus: Sequence[GpuInfo], reserve_mib: int) -> tuple[int, int]:
+    """Per-GPU request and limit MiB: the smallest over the GPUs (fractions of
+    different-sized GPUs resolve differently; the env carries one number)."""
+    req = min(request.request.resolve_mib(g.memory_mib, reserve_mib) for g in gpus)
+    lim = min(request.limit.resolve_mib(g.memory_mib, reserve_mib) for g in gpus)
+    if req < 1:
+        raise FractionError(request.request.key, request.request.raw, "resolves to less than 1 MiB on this node's GPUs", "quantity")
+    if lim < req:
+        raise FractionError(
+            request.limit.key, request.limit.raw,
+            f"resolves to {lim} MiB, below the request {request.request.raw} ({req} MiB): the limit must be >= the request",
+            "limit_below_request",
+        )
+    for g in gpus:
+        if req > g.memory_mib:
+            raise FractionError(
+                request.request.key, request.request.raw,
+                f"is {req} MiB, more than GPU {g.index} ({g.uuid}) has ({g.memory_mib} MiB)", "too_large",
+            )
+        if lim > g.memory_mib:
+            raise FractionError(
+                request.limit.key, request.limit.raw,
+                f"is {lim} MiB, more than GPU {g.index} ({g.uuid}) has ({g.memory_mib} MiB)", "too_large",
+            )
+    return req, lim
+
+
+def _place(request: FractionRequest, pod: PodRef, node: NodeInfo, ledger: LedgerView, config: PlannerConfig) -> tuple[GpuInfo, ...]:
+    owner = (pod.uid, request.container)
+    key = request.keys.get("request", "request")
+    if request.num_devices > len(node.gpus):
+        nkey = request.keys.get("num_devices", key)
+        raise FractionError(nkey, str(request.num_devices), f"asks for more GPUs than node {node.name} has ({len(node.gpus)})", "device")
+    fits: list[tuple[int, int, GpuInfo]] = []
+    reasons: list[str] = []
+    for g in node.gpus:
+        req = request.request.resolve_mib(g.memory_mib, config.reserve_mib)
+        tenants = ledger.tenants(g.uuid)
+        problem = admission_problem(g, tenants, owner, request.compute_mode, req, config.max_clients_per_gpu)
+        if problem:
+            reasons.append(problem)
+        else:
+            fits.append((len([t for t in tenants if t.owner != owner]), g.index, g))
+    if len(fits) < request.num_devices:
+        raise FractionError(
+            key, request.request.raw,
+            f"cannot be placed on {request.num_devices} GPU(s) of node {node.name} "
+            f"(only {len(fits)} fit): " + "; ".join(reasons),
+            "no_fit",
+        )
+    chosen = sorted(fits, key=lambda f: (f[0], f[1]))[: request.num_devices]
+    return tuple(sorted((f[2] for f in chosen), key=lambda g: g.index))
+
+
+def plan(
+    request: FractionRequest,
+    pod: PodRef,
+    node: NodeInfo,
+    ledger: LedgerView,
+    config: PlannerConfig = PlannerConfig(),
+) -> ContainerPlan:
+    """Decide what ``request`` gets on ``node`` given who holds what.
+
+    Returns:
+        The ContainerPlan (env values are strings; MiB integers).
+
+    Raises:
+        FractionError: a device does not exist, the memory does not fit a GPU,
+            the limit is below the request, or a guard (compute mode, free
+            memory, client count) refuses; the message names key, value, rule.
+    """
+    placed = not request.devices
+    gpus = _place(request, pod, node, ledger, config) if placed else _resolve_devices(request, node)
+    request_mib, limit_mib = _memory(request, gpus, config.reserve_mib)
+    if not placed:
+        owner = (pod.uid, request.container)
+        for g in gpus:
+            problem = admission_problem(g, ledger.tenants(g.uuid), owner, request.compute_mode,
+                                        request_mib, config.max_clients_per_gpu)
+            if problem:
+                raise FractionError(request.keys.get("devices", "devices"), ",".join(request.devices), problem, "guard")
+
+    atp = request.active_thread_percentage
+    layout = config.layout
+    if request.compute_mode is ComputeMode.SM_SHARING:
+        ns = namespace_name(pod.uid, request.container)
+        host_pipe = layout.namespace_pipe_dir(ns)
+    else:
+        ns = None
+        host_pipe = layout.pipe_dir(ComputeMode.TIME_SLICING)
+    mps = MpsTarget(
+        mode=request.compute_mode, host_pipe_dir=host_pipe, container_pipe_dir=CONTAINER_PIPE_DIR,
+        namespace=ns, active_thread_percentage=atp, pinned_mem_limit_mib=limit_mib,
+    )
+    env: dict[str, str] = {
+        ENV_VISIBLE_DEVICES: ",".join(g.uuid for g in gpus),
+        ENV_MEMORY_REQUEST: str(request_mib),
+        ENV_MEMORY_LIMIT: str(limit_mib),
+        ENV_PINNED_LIMIT: ",".join(f"{i}={limit_mib}M" for i in range(len(gpus))),
+    }
+    if atp is not None:
+        env[ENV_ACTIVE_THREAD_PERCENTAGE] = str(atp)
+    env[ENV_PIPE_DIRECTORY] = CONTAINER_PIPE_DIR
+    return ContainerPlan(
+        pod=pod, container=request.container, devices=gpus, request_mib=request_mib, limit_mib=limit_mib,
+        compute_mode=request.compute_mode, active_thread_percentage=atp, env=env,
+        mounts=(Mount(source=host_pipe, destination=CONTAINER_PIPE_DIR, read_only=False),),
+        mps=mps, placed_by_node=placed,
+    )
+
+
+def plan_container(
+    annotations: Mapping[str, str],
+    container: str,
+    pod: PodRef,
+    node: NodeInfo,
+    ledger: LedgerView,
+    config: PlannerConfig = PlannerConfig(),
+    containers: Sequence[str] | None = None,
+) -> ContainerPlan | None:
+    """``annotations.parse`` then ``plan``: None when the container is not
+    fractional. Raises FractionError like both."""
+    request = ann.parse(annotations, container, prefix=config.annotation_prefix, containers=containers)
+    if request is None:
+        return None
+    return plan(request, pod, node, ledger, config)
