@@ -1,0 +1,539 @@
+"""Offline checks of the deployment manifests in ``daemonset/`` and the Dockerfile.
+
+What is checked (each check is a function returning a list of problems, so
+that the negative tests below can show each one failing on a mutated copy):
+
+- every document of every manifest validates against the Kubernetes JSON
+  schemas shipped by ``kubernetes_validate``, strict (unknown fields are
+  errors), for each version in ``K8S_VERSIONS``;
+- ``kustomization.yaml`` lists exactly the manifest files of the directory;
+- every host path the daemon uses by default (``DAEMON_DEFAULT_HOST_PATHS``) is
+  under a hostPath volume mounted at the same path inside the container (plans
+  hand host paths to the runtime, so the daemon must see host paths as-is),
+  and so is every path configured in the ConfigMap;
+- the pod: hostPID, system-node-critical, GPU node selector and toleration,
+  privileged, NODE_NAME / NVIDIA_* env, memory request and limit, startup +
+  liveness probes on /healthz and readiness on /readyz at the health port, the
+  ports agreeing with the ConfigMap's addresses, the config file mounted where
+  ``--config`` points, labels matching the selector;
+- RBAC: exactly pods get/list/watch and events create/patch, bound to the
+  daemon's ServiceAccount; no other role;
+- the Dockerfile: ENTRYPOINT ``fracplugin run``, a HEALTHCHECK on the same
+  health port and path, a CUDA runtime base for the final stage.
+
+Concurrency: none (pure functions over parsed YAML).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Callable
+
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+MANIFEST_DIR = REPO / "daemonset"
+DOCKERFILE = REPO / "Dockerfile"
+DOCKERIGNORE = REPO / ".dockerignore"
+NAMESPACE = "fracplugin-system"
+
+# Kubernetes versions whose schemas the manifests must satisfy: the oldest we
+# support and the newest that the pinned kubernetes-validate ships.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+
+# The host paths `fracplugin run` uses by default (files or directories).
+# Single source for these tests; to be replaced by an import from
+# fracplugin.config (DEFAULTS) once it exists. /proc is reached via hostPID.
+DAEMON_DEFAULT_HOST_PATHS: dict[str, str] = {
+    "device_plugin_dir": "/var/lib/kubelet/device-plugins",  # our socket + kubelet.sock
+    "pod_resources_socket": "/var/lib/kubelet/pod-resources/kubelet.sock",
+    "nri_socket": "/var/run/nri/nri.sock",
+    "mps_root": "/run/fracplugin/mps",  # pipe + log dirs of MPS
+    "state_dir": "/var/lib/fracplugin",  # ledger.json
+}
+HEALTH_PORT = 8080
+METRICS_PORT = 2112
+CONFIG_MOUNT = "/etc/fracplugin"
+CONFIG_FILE = CONFIG_MOUNT + "/config.yaml"
+
+# The API access the daemon needs: (apiGroup, resource) -> verbs.
+RBAC_NEEDED: dict[tuple[str, str], set[str]] = {
+    ("", "pods"): {"get", "list", "watch"},
+    ("", "events"): {"create", "patch"},
+}
+
+Manifests = dict[str, list[dict[str, Any]]]
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_manifests(directory: Path = MANIFEST_DIR) -> Manifests:
+    """Every ``*.yaml`` of ``directory`` -> its non-empty YAML documents."""
+    out: Manifests = {}
+    for path in sorted(directory.glob("*.yaml")):
+        with path.open() as f:
+            out[path.name] = [d for d in yaml.safe_load_all(f) if d is not None]
+    return out
+
+
+def objects(m: Manifests) -> list[dict[str, Any]]:
+    """All Kubernetes objects (the kustomization excluded)."""
+    return [d for name, docs in m.items() if name != "kustomization.yaml" for d in docs]
+
+
+def one(m: Manifests, kind: str) -> dict[str, Any]:
+    found = [d for d in objects(m) if d.get("kind") == kind]
+    assert len(found) == 1, f"expected exactly one {kind}, found {len(found)}"
+    return found[0]
+
+
+def _pod(m: Manifests) -> dict[str, Any]:
+    return one(m, "DaemonSet")["spec"]["template"]["spec"]
+
+
+def _container(m: Manifests) -> dict[str, Any]:
+    containers = _pod(m)["containers"]
+    assert len(containers) == 1, "the daemon pod has one container"
+    return containers[0]
+
+
+def _config(m: Manifests) -> dict[str, Any]:
+    return yaml.safe_load(one(m, "ConfigMap")["data"]["config.yaml"])
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def _under(path: str, directory: str) -> bool:
+    p, d = path.rstrip("/"), directory.rstrip("/")
+    return p == d or p.startswith(d + "/")
+
+
+# ---------------------------------------------------------------- checks
+
+
+def schema_problems(m: Manifests, version: str) -> list[str]:
+    """Strict schema validation of every object; a kind without a schema is a
+    problem too (it would be silently unchecked)."""
+    problems = []
+    for name, docs in m.items():
+        if name == "kustomization.yaml":
+            continue
+        for doc in docs:
+            label = f"{name}: {doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                path = ".".join(str(p) for p in e.path)
+                problems.append(f"{label} invalid for {version} at {path}: {e.message}")
+            except (kubernetes_validate.SchemaNotFoundError, kubernetes_validate.InvalidSchemaError) as e:
+                problems.append(f"{label}: no schema for {version}: {e}")
+    return problems
+
+
+def kustomization_problems(m: Manifests) -> list[str]:
+    """The kustomization lists exactly the manifest files and sets the namespace."""
+    if "kustomization.yaml" not in m:
+        return ["daemonset/kustomization.yaml is missing"]
+    (k,) = m["kustomization.yaml"]
+    problems = []
+    if k.get("kind") != "Kustomization" or not str(k.get("apiVersion", "")).startswith("kustomize.config.k8s.io/"):
+        problems.append("kustomization.yaml is not a kustomize Kustomization")
+    listed = k.get("resources") or []
+    files = set(m) - {"kustomization.yaml"}
+    if len(listed) != len(set(listed)):
+        problems.append(f"kustomization lists a file twice: {listed}")
+    for missing in sorted(files - set(listed)):
+        problems.append(f"kustomization does not list {missing}")
+    for extra in sorted(set(listed) - files):
+        problems.append(f"kustomization lists {extra}, which is not in daemonset/")
+    if k.get("namespace") != NAMESPACE:
+        problems.append(f"kustomization namespace is {k.get('namespace')!r}, want {NAMESPACE!r}")
+    return problems
+
+
+def host_path_problems(m: Manifests, paths: dict[str, str]) -> list[str]:
+    """Each of ``paths`` must lie under a hostPath volume that the container
+    mounts at the identical path."""
+    pod, c = _pod(m), _container(m)
+    host_volumes = {v["name"]: v["hostPath"]["path"] for v in pod.get("volumes", []) if "hostPath" in v}
+    identity_mounts = [
+        mnt["mountPath"]
+        for mnt in c.get("volumeMounts", [])
+        if mnt["name"] in host_volumes and host_volumes[mnt["name"]].rstrip("/") == mnt["mountPath"].rstrip("/")
+    ]
+    problems = []
+    for key, path in paths.items():
+        if not any(_under(path, d) for d in identity_mounts):
+            problems.append(f"{key}={path} is not under any hostPath mounted at the same path ({identity_mounts})")
+    for mnt in c.get("volumeMounts", []):
+        if mnt["name"] in host_volumes and mnt["mountPath"] not in identity_mounts:
+            problems.append(f"hostPath {host_volumes[mnt['name']]} is mounted at a different path {mnt['mountPath']}")
+    return problems
+
+
+def _tolerates(tolerations: list[dict[str, Any]], key: str, effect: str) -> bool:
+    """Kubernetes toleration matching (core/v1 Toleration.ToleratesTaint) for a
+    taint with ``key`` and any value."""
+    for t in tolerations:
+        if t.get("effect") not in (None, "", effect):
+            continue
+        if t.get("operator", "Equal") == "Exists" and t.get("key") in (None, "", key):
+            return True
+    return False
+
+
+def _probe_problems(c: dict[str, Any], probe: str, path: str) -> list[str]:
+    p = c.get(probe)
+    if not p:
+        return [f"no {probe}"]
+    get = p.get("httpGet") or {}
+    port = get.get("port")
+    if isinstance(port, str):
+        named = {cp.get("name"): cp["containerPort"] for cp in c.get("ports", [])}
+        port = named.get(port)
+    problems = []
+    if get.get("path") != path:
+        problems.append(f"{probe} path is {get.get('path')!r}, want {path!r}")
+    if port != HEALTH_PORT:
+        problems.append(f"{probe} port resolves to {port!r}, want the health port {HEALTH_PORT}")
+    return problems
+
+
+def pod_problems(m: Manifests) -> list[str]:
+    """Pod-level requirements of the daemon (see docs/adr/0002-deployment.md)."""
+    ds = one(m, "DaemonSet")
+    pod, c = _pod(m), _container(m)
+    problems = []
+    if pod.get("hostPID") is not True:
+        problems.append("hostPID must be true (MPS and NVML report host PIDs)")
+    if pod.get("priorityClassName") != "system-node-critical":
+        problems.append("priorityClassName must be system-node-critical")
+    if pod.get("nodeSelector", {}).get("nvidia.com/gpu.present") != "true":
+        problems.append('nodeSelector must select nvidia.com/gpu.present: "true"')
+    if not _tolerates(pod.get("tolerations", []), "nvidia.com/gpu", "NoSchedule"):
+        problems.append("no toleration for the nvidia.com/gpu:NoSchedule taint")
+    if not (c.get("securityContext") or {}).get("privileged"):
+        problems.append("the container must be privileged (NVML compute mode, MPS)")
+    env = {e["name"]: e for e in c.get("env", [])}
+    if env.get("NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != "spec.nodeName":
+        problems.append("NODE_NAME must come from fieldRef spec.nodeName")
+    if env.get("NVIDIA_VISIBLE_DEVICES", {}).get("value") != "all":
+        problems.append("NVIDIA_VISIBLE_DEVICES must be all")
+    caps = set((env.get("NVIDIA_DRIVER_CAPABILITIES", {}).get("value") or "").split(","))
+    if not {"compute", "utility"} <= caps:
+        problems.append("NVIDIA_DRIVER_CAPABILITIES must include compute (MPS binaries) and utility (NVML)")
+    res = c.get("resources") or {}
+    for section in ("requests", "limits"):
+        if "memory" not in (res.get(section) or {}):
+            problems.append(f"resources.{section}.memory must be set")
+    problems += _probe_problems(c, "startupProbe", "/healthz")
+    problems += _probe_problems(c, "livenessProbe", "/healthz")
+    problems += _probe_problems(c, "readinessProbe", "/readyz")
+    ports = {cp["containerPort"] for cp in c.get("ports", [])}
+    for want in (HEALTH_PORT, METRICS_PORT):
+        if want not in ports:
+            problems.append(f"container port {want} is not declared")
+    cfg = _config(m)
+    if _port(str(cfg.get("health_address", ""))) != HEALTH_PORT:
+        problems.append(f"ConfigMap health_address {cfg.get('health_address')!r} is not on port {HEALTH_PORT}")
+    if _port(str(cfg.get("metrics_address", ""))) != METRICS_PORT:
+        problems.append(f"ConfigMap metrics_address {cfg.get('metrics_address')!r} is not on port {METRICS_PORT}")
+    args = c.get("args", [])
+    if "--config" not in args or args[args.index("--config") + 1 :][:1] != [CONFIG_FILE]:
+        problems.append(f"args must pass --config {CONFIG_FILE}")
+    cm_name = one(m, "ConfigMap")["metadata"]["name"]
+    cm_volumes = {v["name"] for v in pod.get("volumes", []) if v.get("configMap", {}).get("name") == cm_name}
+    if not any(mnt["name"] in cm_volumes and mnt["mountPath"] == CONFIG_MOUNT for mnt in c.get("volumeMounts", [])):
+        problems.append(f"ConfigMap {cm_name} is not mounted at {CONFIG_MOUNT}")
+    selector = ds["spec"]["selector"].get("matchLabels", {})
+    labels = ds["spec"]["template"]["metadata"].get("labels", {})
+    if not selector or any(labels.get(k) != v for k, v in selector.items()):
+        problems.append(f"selector {selector} does not match template labels {labels}")
+    strategy = ds["spec"].get("updateStrategy", {})
+    if strategy.get("type") != "RollingUpdate" or strategy.get("rollingUpdate", {}).get("maxUnavailable") != 1:
+        problems.append("updateStrategy must be RollingUpdate with maxUnavailable 1")
+    volume_names = [v["name"] for v in pod.get("volumes", [])]
+    if len(volume_names) != len(set(volume_names)):
+        problems.append(f"duplicate volume names {volume_names}")
+    for mnt in c.get("volumeMounts", []):
+        if mnt["name"] not in volume_names:
+            problems.append(f"volumeMount {mnt['name']} has no volume")
+    sa = one(m, "ServiceAccount")["metadata"]["name"]
+    if pod.get("serviceAccountName") != sa:
+        problems.append(f"serviceAccountName {pod.get('serviceAccountName')!r} is not the ServiceAccount {sa!r}")
+    return problems
+
+
+def rbac_problems(m: Manifests) -> list[str]:
+    """Exactly ``RBAC_NEEDED``, in one ClusterRole bound to the daemon's
+    ServiceAccount; no other Role or ClusterRole."""
+    problems = []
+    roles = [d for d in objects(m) if d["kind"] in ("Role", "ClusterRole")]
+    if [r["kind"] for r in roles] != ["ClusterRole"]:
+        return [f"want exactly one ClusterRole and no Role, found {[r['kind'] for r in roles]}"]
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in roles[0].get("rules", []):
+        if rule.get("nonResourceURLs") or rule.get("resourceNames"):
+            problems.append(f"unexpected rule shape {rule}")
+        for group in rule.get("apiGroups", []):
+            for resource in rule.get("resources", []):
+                granted.setdefault((group, resource), set()).update(rule.get("verbs", []))
+    if granted != RBAC_NEEDED:
+        problems.append(f"ClusterRole grants {granted}, want exactly {RBAC_NEEDED}")
+    binding = one(m, "ClusterRoleBinding")
+    sa = one(m, "ServiceAccount")["metadata"]
+    if binding["roleRef"] != {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": roles[0]["metadata"]["name"]}:
+        problems.append(f"ClusterRoleBinding roleRef {binding['roleRef']} is not the ClusterRole")
+    want_subject = {"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}
+    if binding.get("subjects") != [want_subject]:
+        problems.append(f"ClusterRoleBinding subjects {binding.get('subjects')}, want [{want_subject}]")
+    return problems
+
+
+def namespace_problems(m: Manifests) -> list[str]:
+    """The Namespace exists; namespaced objects live in it; cluster-scoped
+    objects carry no namespace."""
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    problems = []
+    if one(m, "Namespace")["metadata"]["name"] != NAMESPACE:
+        problems.append(f"Namespace is not {NAMESPACE}")
+    for d in objects(m):
+        ns = d["metadata"].get("namespace")
+        if d["kind"] in cluster_scoped and ns is not None:
+            problems.append(f"{d['kind']} is cluster-scoped but has namespace {ns}")
+        if d["kind"] not in cluster_scoped and ns != NAMESPACE:
+            problems.append(f"{d['kind']}/{d['metadata']['name']} is in namespace {ns!r}, want {NAMESPACE}")
+    return problems
+
+
+def config_problems(m: Manifests) -> list[str]:
+    """The ConfigMap's config.yaml documents the main settings at their
+    defaults, and every path it configures is mounted from the host."""
+    cfg = _config(m)
+    want = {
+        "resource_name": "fracplugin.io/gpu-memory",
+        "device_unit": "GiB",
+        "annotation_prefix": "nvidia.com/container.",
+        "reserve_mib": 0,
+        "fail_open": False,
+        "log_format": "json",
+        **DAEMON_DEFAULT_HOST_PATHS,
+    }
+    problems = [f"config.yaml {k}={cfg.get(k)!r}, want {v!r}" for k, v in want.items() if cfg.get(k) != v]
+    paths = {k: v for k, v in cfg.items() if isinstance(v, str) and v.startswith("/")}
+    problems += host_path_problems(m, paths)
+    return problems
+
+
+def dockerfile_problems(text: str, dockerignore: str) -> list[str]:
+    """Multi-stage build, final stage on an nvidia/cuda base (ARG defaults
+    resolved), ENTRYPOINT, HEALTHCHECK on the health port, and every file the
+    build COPYs from the context re-included by the allow-list .dockerignore."""
+    lines = [ln.strip() for ln in text.replace("\\\n", " ").splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)$", "\n".join(lines), re.M))
+    problems = []
+    froms = [ln for ln in lines if ln.upper().startswith("FROM ")]
+    if len(froms) < 2:
+        problems.append("the Dockerfile must be multi-stage (a builder and a final stage)")
+    final_image = re.sub(r"\$\{(\w+)\}", lambda g: args.get(g.group(1), ""), froms[-1].split()[1]) if froms else ""
+    if not final_image.startswith("nvidia/cuda:"):
+        problems.append(f"final stage must be an nvidia/cuda base, is {final_image!r}")
+    final = lines[lines.index(froms[-1]) :] if froms else []
+    entry = [ln for ln in final if ln.upper().startswith("ENTRYPOINT ")]
+    if not entry or json.loads(entry[-1].split(None, 1)[1]) != ["fracplugin", "run"]:
+        problems.append('ENTRYPOINT must be ["fracplugin", "run"]')
+    health = [ln for ln in final if ln.upper().startswith("HEALTHCHECK ")]
+    if not health or f":{HEALTH_PORT}/healthz" not in health[-1]:
+        problems.append(f"HEALTHCHECK must probe :{HEALTH_PORT}/healthz")
+    allowed = {ln.strip()[1:].rstrip("/") for ln in dockerignore.splitlines() if ln.strip().startswith("!")}
+    for ln in lines:
+        if ln.upper().startswith("COPY ") and "--from=" not in ln:
+            for src in ln.split()[1:-1]:
+                if src.rstrip("/") not in allowed:
+                    problems.append(f"COPY {src}: not re-included by .dockerignore")
+    return problems
+
+
+# ---------------------------------------------------------------- tests on the real files
+
+
+@pytest.fixture(scope="module")
+def manifests() -> Manifests:
+    return load_manifests()
+
+
+def test_manifest_files_present(manifests: Manifests) -> None:
+    kinds = sorted(d["kind"] for d in objects(manifests))
+    assert kinds == sorted(
+        ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet"]
+    )
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_schemas_strict(manifests: Manifests, version: str) -> None:
+    assert schema_problems(manifests, version) == []
+
+
+def test_kustomization_lists_every_file(manifests: Manifests) -> None:
+    assert kustomization_problems(manifests) == []
+
+
+def test_every_default_host_path_is_mounted(manifests: Manifests) -> None:
+    assert host_path_problems(manifests, DAEMON_DEFAULT_HOST_PATHS) == []
+
+
+def test_pod_spec(manifests: Manifests) -> None:
+    assert pod_problems(manifests) == []
+
+
+def test_rbac_exact(manifests: Manifests) -> None:
+    assert rbac_problems(manifests) == []
+
+
+def test_namespaces(manifests: Manifests) -> None:
+    assert namespace_problems(manifests) == []
+
+
+def test_configmap(manifests: Manifests) -> None:
+    assert config_problems(manifests) == []
+
+
+def test_dockerfile() -> None:
+    assert dockerfile_problems(DOCKERFILE.read_text(), DOCKERIGNORE.read_text()) == []
+
+
+def test_image_tag_is_package_version(manifests: Manifests) -> None:
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    (k,) = manifests["kustomization.yaml"]
+    assert _container(manifests)["image"] == f"fracplugin:{version}"
+    assert {"name": "fracplugin", "newTag": version} in k.get("images", [])
+
+
+# ---------------------------------------------------------------- negative tests: a broken copy fails
+
+
+def _ds(m: Manifests) -> dict[str, Any]:
+    return one(m, "DaemonSet")
+
+
+def _drop_volume(name: str) -> Callable[[Manifests], None]:
+    def mutate(m: Manifests) -> None:
+        pod = _pod(m)
+        pod["volumes"] = [v for v in pod["volumes"] if v["name"] != name]
+        c = _container(m)
+        c["volumeMounts"] = [x for x in c["volumeMounts"] if x["name"] != name]
+
+    return mutate
+
+
+def _set_mount_path(name: str, path: str) -> Callable[[Manifests], None]:
+    def mutate(m: Manifests) -> None:
+        for x in _container(m)["volumeMounts"]:
+            if x["name"] == name:
+                x["mountPath"] = path
+
+    return mutate
+
+
+def _set(getter: Callable[[Manifests], dict[str, Any]], key: str, value: Any) -> Callable[[Manifests], None]:
+    def mutate(m: Manifests) -> None:
+        getter(m)[key] = value
+
+    return mutate
+
+
+def _add_rule(rule: dict[str, Any]) -> Callable[[Manifests], None]:
+    def mutate(m: Manifests) -> None:
+        one(m, "ClusterRole")["rules"].append(rule)
+
+    return mutate
+
+
+def _set_config(key: str, value: Any) -> Callable[[Manifests], None]:
+    def mutate(m: Manifests) -> None:
+        cm = one(m, "ConfigMap")
+        cfg = yaml.safe_load(cm["data"]["config.yaml"])
+        cfg[key] = value
+        cm["data"]["config.yaml"] = yaml.safe_dump(cfg)
+
+    return mutate
+
+
+def _unlist(filename: str) -> Callable[[Manifests], None]:
+    def mutate(m: Manifests) -> None:
+        m["kustomization.yaml"][0]["resources"].remove(filename)
+
+    return mutate
+
+
+def _readiness_port(m: Manifests) -> None:
+    _container(m)["readinessProbe"]["httpGet"]["port"] = 9090
+
+
+def _no_gpu_toleration(m: Manifests) -> None:
+    _pod(m)["tolerations"] = [t for t in _pod(m)["tolerations"] if t.get("key") != "nvidia.com/gpu"]
+
+
+def _selector_mismatch(m: Manifests) -> None:
+    _ds(m)["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] = "other"
+
+
+MUTATIONS: list[tuple[str, Callable[[Manifests], None], Callable[[Manifests], list[str]], str]] = [
+    ("no NRI volume", _drop_volume("nri"), lambda m: host_path_problems(m, DAEMON_DEFAULT_HOST_PATHS), "/var/run/nri/nri.sock"),
+    ("no state volume", _drop_volume("state"), lambda m: host_path_problems(m, DAEMON_DEFAULT_HOST_PATHS), "state_dir"),
+    ("MPS root mounted elsewhere", _set_mount_path("run", "/mps"), lambda m: host_path_problems(m, DAEMON_DEFAULT_HOST_PATHS), "mps_root"),
+    ("hostPID off", _set(_pod, "hostPID", False), pod_problems, "hostPID"),
+    ("not node-critical", _set(_pod, "priorityClassName", "default"), pod_problems, "system-node-critical"),
+    ("readiness on wrong port", _readiness_port, pod_problems, "readinessProbe port"),
+    ("no liveness probe", lambda m: _container(m).pop("livenessProbe"), pod_problems, "no livenessProbe"),
+    ("no GPU toleration", _no_gpu_toleration, pod_problems, "nvidia.com/gpu:NoSchedule"),
+    ("selector mismatch", _selector_mismatch, pod_problems, "does not match template labels"),
+    ("mount without volume", lambda m: _pod(m)["volumes"].pop(), pod_problems, "has no volume"),
+    ("config not passed", _set(_container, "args", []), pod_problems, "--config"),
+    ("unknown field", _set(_container, "imagePullPolicyy", "Always"), lambda m: schema_problems(m, K8S_VERSIONS[0]), "imagePullPolicyy"),
+    ("wrong type", _set(_pod, "hostPID", "yes"), lambda m: schema_problems(m, K8S_VERSIONS[-1]), "hostPID"),
+    ("bad probe shape", _set(_container, "startupProbe", {"httpGet": {"path": "/healthz"}}), lambda m: schema_problems(m, K8S_VERSIONS[0]), "startupProbe"),
+    ("extra verb", _add_rule({"apiGroups": [""], "resources": ["pods"], "verbs": ["delete"]}), rbac_problems, "delete"),
+    ("extra resource", _add_rule({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}), rbac_problems, "secrets"),
+    ("kustomization misses a file", _unlist("daemonset.yaml"), kustomization_problems, "does not list daemonset.yaml"),
+    ("configured path not mounted", _set_config("state_dir", "/var/lib/elsewhere"), config_problems, "/var/lib/elsewhere"),
+    ("fail-open default flipped", _set_config("fail_open", True), config_problems, "fail_open"),
+    ("health port drift", _set_config("health_address", "0.0.0.0:9999"), pod_problems, "health_address"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "check", "needle"), [m[1:] for m in MUTATIONS], ids=[m[0] for m in MUTATIONS])
+def test_broken_copy_is_caught(
+    manifests: Manifests, mutate: Callable[[Manifests], None], check: Callable[[Manifests], list[str]], needle: str
+) -> None:
+    assert check(manifests) == []  # the real files pass this check ...
+    broken = copy.deepcopy(manifests)
+    mutate(broken)
+    problems = check(broken)
+    assert any(needle in p for p in problems), problems  # ... the broken copy does not
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda t: t.replace('ENTRYPOINT ["fracplugin", "run"]', 'ENTRYPOINT ["fracplugin"]'), "ENTRYPOINT"),
+        (lambda t: t.replace(f":{HEALTH_PORT}/healthz", ":9999/healthz"), "HEALTHCHECK"),
+        (lambda t: t.replace("ARG CUDA_BASE=nvidia/cuda:", "ARG CUDA_BASE=python:3.11-slim#"), "nvidia/cuda"),
+        (lambda t: t.replace("COPY src ./src", "COPY src ./src\nCOPY tests ./tests"), "COPY tests"),
+    ],
+    ids=["entrypoint", "healthcheck-port", "final-base", "unlisted-copy"],
+)
+def test_broken_dockerfile_is_caught(edit: Callable[[str], str], needle: str) -> None:
+    text, ignore = DOCKERFILE.read_text(), DOCKERIGNORE.read_text()
+    broken = edit(text)
+    assert broken != text
+    assert any(needle in p for p in dockerfile_problems(broken, ignore))
