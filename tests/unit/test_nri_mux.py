@@ -1,0 +1,138 @@
+"""Sans-I/O NRI mux framing: splits, garbage, frame size limits."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fracplugin.nri.mux import (
+    HEADER_SIZE,
+    MAX_PAYLOAD,
+    MAX_WRITE_FRAME,
+    MuxDecoder,
+    MuxError,
+    MuxFrame,
+    encode_frames,
+)
+
+conn_ids = st.sampled_from([1, 2])
+messages = st.lists(st.tuples(conn_ids, st.binary(min_size=1, max_size=9000)), max_size=6)
+
+
+def _raw_frame(conn_id: int, payload: bytes) -> bytes:
+    return struct.pack(">II", conn_id, len(payload)) + payload
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    out, prev = [], 0
+    for p in points:
+        out.append(data[prev:p])
+        prev = p
+    out.append(data[prev:])
+    return out
+
+
+def _reassemble(frames: list[MuxFrame]) -> dict[int, bytes]:
+    per_conn: dict[int, bytearray] = {}
+    for f in frames:
+        per_conn.setdefault(f.conn_id, bytearray()).extend(f.payload)
+    return {k: bytes(v) for k, v in per_conn.items()}
+
+
+def test_header_layout_is_conn_then_length_big_endian():
+    assert encode_frames(2, b"abc") == b"\x00\x00\x00\x02\x00\x00\x00\x03abc"
+    assert MuxDecoder().receive_data(b"\x00\x00\x00\x01\x00\x00\x00\x02hi") == [MuxFrame(1, b"hi")]
+
+
+@given(messages)
+def test_written_frames_are_at_most_4096_bytes_and_reassemble_per_conn(msgs):
+    stream = b"".join(encode_frames(c, p) for c, p in msgs)
+    # Walk the raw stream: every frame fits the Go peer's 4096-byte read buffer.
+    pos = 0
+    while pos < len(stream):
+        _, length = struct.unpack_from(">II", stream, pos)
+        assert 0 < HEADER_SIZE + length <= MAX_WRITE_FRAME
+        pos += HEADER_SIZE + length
+    assert pos == len(stream)
+    expected: dict[int, bytes] = {}
+    for c, p in msgs:
+        expected[c] = expected.get(c, b"") + p
+    assert _reassemble(MuxDecoder().receive_data(stream)) == expected
+
+
+@given(messages, st.lists(st.integers(min_value=0, max_value=10**6), max_size=12))
+def test_any_split_decodes_to_the_same_frames(msgs, cuts):
+    stream = b"".join(encode_frames(c, p, max_frame=3000) for c, p in msgs)
+    whole = MuxDecoder().receive_data(stream)
+    dec = MuxDecoder()
+    pieces: list[MuxFrame] = []
+    for chunk in _split(stream, cuts):
+        pieces.extend(dec.receive_data(chunk))
+    dec.receive_eof()
+    assert pieces == whole
+
+
+def test_reads_accept_frames_larger_than_4096():
+    # The Go runtime sends frames of 16 KB and more (nri-protocol.md 1.2).
+    payload = bytes(range(256)) * 80  # 20 480 bytes
+    frames = MuxDecoder().receive_data(_raw_frame(1, payload))
+    assert frames == [MuxFrame(1, payload)]
+
+
+def test_unknown_conn_ids_are_dropped_silently():
+    dec = MuxDecoder()
+    data = _raw_frame(0, b"reserved") + _raw_frame(7, b"other") + _raw_frame(2, b"ok")
+    assert dec.receive_data(data) == [MuxFrame(2, b"ok")]
+    assert dec.dropped_frames == 2
+
+
+def test_oversized_length_is_a_protocol_error_and_closes():
+    dec = MuxDecoder()
+    with pytest.raises(MuxError):
+        dec.receive_data(struct.pack(">II", 1, MAX_PAYLOAD + 1))
+    with pytest.raises(MuxError):
+        dec.receive_data(_raw_frame(1, b"x"))
+
+
+def test_max_payload_is_accepted():
+    header = struct.pack(">II", 1, MAX_PAYLOAD)
+    dec = MuxDecoder()
+    assert dec.receive_data(header + b"\0" * 1000) == []
+    frames = dec.receive_data(b"\0" * (MAX_PAYLOAD - 1000))
+    assert len(frames) == 1 and len(frames[0].payload) == MAX_PAYLOAD
+
+
+def test_truncated_frame_at_eof_is_a_protocol_error():
+    dec = MuxDecoder()
+    assert dec.receive_data(_raw_frame(1, b"hello")[:-2]) == []
+    with pytest.raises(MuxError):
+        dec.receive_eof()
+
+
+def test_clean_eof_is_fine():
+    dec = MuxDecoder()
+    dec.receive_data(_raw_frame(1, b"hello"))
+    dec.receive_eof()
+
+
+def test_encode_rejects_bad_conn_id_and_empty_data_gives_no_frames():
+    with pytest.raises(ValueError):
+        encode_frames(0, b"x")
+    assert encode_frames(1, b"") == b""
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=200), st.lists(st.integers(min_value=0, max_value=400), max_size=5))
+def test_garbage_raises_only_mux_error(data, cuts):
+    dec = MuxDecoder()
+    try:
+        for chunk in _split(data, cuts):
+            for frame in dec.receive_data(chunk):
+                assert frame.conn_id in (1, 2)
+        dec.receive_eof()
+    except MuxError:
+        pass
