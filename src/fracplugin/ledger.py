@@ -77,10 +77,12 @@ class Ledger:
         node: the node's GPUs (memory sizes bound the guards).
         path: the JSON file to persist to; None keeps the ledger in memory.
         max_clients_per_gpu: tenants allowed per GPU.
+        read_only: read ``path`` but never write or move it (``fracplugin explain --ledger``).
     """
 
     def __init__(self, node: NodeInfo, path: str | os.PathLike[str] | None = None,
-                 max_clients_per_gpu: int = DEFAULT_MAX_CLIENTS_PER_GPU) -> None:
+                 max_clients_per_gpu: int = DEFAULT_MAX_CLIENTS_PER_GPU, *, read_only: bool = False) -> None:
+        self._read_only = read_only
         self._node = node
         self._gpus = {g.uuid: g for g in node.gpus}
         self._path = Path(path) if path is not None else None
@@ -270,6 +272,8 @@ class Ledger:
                 raise ValueError("tenancies is not a list")
             entries = [Tenancy.from_dict(r) for r in records]
         except (OSError, ValueError, KeyError, TypeError) as exc:
+            if self._read_only:
+                return [f"ledger file {self._path} is unreadable ({exc}); ignored"]
             aside = self._path.with_name(f"{self._path.name}.corrupt-{int(time.time())}")
             os.replace(self._path, aside)
             msg = f"ledger file {self._path} is corrupt ({exc}); moved aside to {aside}, starting empty"
@@ -299,7 +303,7 @@ class Ledger:
             raise
 
     def _persist(self) -> None:
-        if self._path is None:
+        if self._path is None or self._read_only:
             return
         doc = {
             "version": FORMAT_VERSION,

@@ -1,0 +1,56 @@
+"""``fracplugin`` command line: run | explain | status | demo | version.
+
+Each subcommand lives in its own module with ``add_arguments(parser)`` and
+``main(args) -> int``; this file only dispatches, so ``fracplugin explain``
+does not import grpc and ``fracplugin run`` does not import the demo.
+Exit status: 0 success, 1 refusal/failure, 2 usage error (argparse's own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import __version__
+
+# subcommand -> (module, help)
+SUBCOMMANDS = {
+    "run": ("fracplugin.daemon", "run the node daemon (NRI plugin, device plugin, MPS supervisor, metrics)"),
+    "explain": ("fracplugin.explain", "show what each container of a pod would get on a node, or why it is refused"),
+    "status": ("fracplugin.status", "show the running daemon's GPUs, tenants, MPS daemons and readiness"),
+    "demo": ("fracplugin.demo", "run the daemon on a simulated node and drive it through both doors"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fracplugin", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"fracplugin {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ImportError as exc:  # a door not built into this install
+            p.set_defaults(_missing=str(exc))
+    v = sub.add_parser("version", help="print the version")
+    v.set_defaults(_module=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "version":
+        print(f"fracplugin {__version__}")
+        return 0
+    if getattr(args, "_missing", None):
+        print(f"fracplugin {args.command}: not available: {args._missing}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).main(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

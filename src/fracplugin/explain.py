@@ -1,0 +1,136 @@
+"""``fracplugin explain POD.yaml --node NODE.yaml``: the planner as an operator tool.
+
+Pure apart from reading the two files: plans every container of the pod on an
+empty node (or on the tenancy of a ledger file given with ``--ledger``) and
+prints what each would get, or why it is refused.
+
+Exit status: 0 every container planned or not fractional; 1 any refused;
+2 usage errors (missing file, bad YAML, unknown container) with one line on
+stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .annotations import DEFAULT_PREFIX
+from .gpu.inventory import InventoryError
+from .gpu.simulated import load_node
+from .ledger import Ledger
+from .model import FractionError, PodRef
+from .planner import EmptyLedger, PlannerConfig, plan_container
+
+
+class UsageError(Exception):
+    """Bad invocation or unreadable input (exit status 2)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("pod", help="pod manifest (YAML or JSON; the first Pod document is used)")
+    p.add_argument("--node", required=True, help="node file (as ../shared/examples/nodes/gpu-node-1.yaml)")
+    p.add_argument("--container", help="explain only this container")
+    p.add_argument("--output", "-o", choices=("table", "json"), default="table")
+    p.add_argument("--ledger", help="a ledger.json whose tenants already hold the node's GPUs")
+    p.add_argument("--annotation-prefix", default=DEFAULT_PREFIX)
+    p.add_argument("--reserve-mib", type=int, default=0, help="MiB per GPU kept out of fraction resolution")
+
+
+def load_pod(path: str) -> dict[str, Any]:
+    """The first ``kind: Pod`` document of a YAML/JSON file. Raises UsageError."""
+    try:
+        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d is not None]
+    except OSError as exc:
+        raise UsageError(f"cannot read pod file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"pod file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    for d in docs:
+        if isinstance(d, dict) and d.get("kind", "Pod") == "Pod" and isinstance(d.get("metadata"), dict):
+            return d
+    raise UsageError(f"pod file {path} holds no Pod")
+
+
+def explain(pod: dict[str, Any], node_path: str, *, container: str | None = None, ledger_path: str | None = None,
+            config: PlannerConfig = PlannerConfig()) -> dict[str, Any]:
+    """The explain report as a dict (the ``--output json`` shape). Raises UsageError."""
+    try:
+        node = load_node(node_path)
+    except InventoryError as exc:
+        raise UsageError(str(exc)) from None
+    ledger: Any = EmptyLedger()
+    if ledger_path:
+        if not Path(ledger_path).exists():
+            raise UsageError(f"ledger file {ledger_path} does not exist")
+        ledger = Ledger(node, ledger_path, read_only=True)
+        for w in ledger.load():
+            print(f"warning: {w}", file=sys.stderr)
+    md = pod["metadata"]
+    annotations = {str(k): str(v) for k, v in (md.get("annotations") or {}).items()}
+    spec = pod.get("spec") or {}
+    names = [c.get("name", "") for c in spec.get("containers") or [] if isinstance(c, dict)]
+    if container is not None and container not in names:
+        raise UsageError(f"pod has no container {container!r} (it has: {', '.join(names) or 'none'})")
+    ref = PodRef(str(md.get("namespace", "default")), str(md.get("name", "")), str(md.get("uid", "")))
+    out = []
+    for name in names:
+        if container is not None and name != container:
+            continue
+        try:
+            plan = plan_container(annotations, name, ref, node, ledger, config, containers=names)
+        except FractionError as err:
+            out.append({"name": name, "fractional": True, "devices": [], "compute_mode": None, "env": {},
+                        "mounts": [], "error": err.to_dict()})
+            continue
+        if plan is None:
+            out.append({"name": name, "fractional": False, "devices": [], "compute_mode": None, "env": {},
+                        "mounts": [], "error": None})
+        else:
+            out.append(plan.to_dict())
+    return {"pod": str(ref), "node": node.name, "containers": out}
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """Human rendering of an explain report."""
+    lines = [f"pod {report['pod']} on node {report['node']}"]
+    for c in report["containers"]:
+        lines.append("")
+        if c["error"]:
+            e = c["error"]
+            lines.append(f"container {c['name']}: REFUSED")
+            lines.append(f"  key:    {e['key']}")
+            lines.append(f"  value:  {e['value']!r}" if e["value"] is not None else "  value:  (absent)")
+            lines.append(f"  reason: {e['reason']}")
+            continue
+        if not c["fractional"]:
+            lines.append(f"container {c['name']}: not fractional (no GPU memory annotation): left untouched")
+            continue
+        lines.append(f"container {c['name']}: {c['compute_mode']}, {c['request_mib']} MiB request / "
+                     f"{c['limit_mib']} MiB limit per GPU")
+        lines.append("  devices: " + ", ".join(c["devices"]))
+        lines.append("  env:")
+        for k, v in c["env"].items():
+            lines.append(f"    {k}={v}")
+        lines.append("  mounts:")
+        for m in c["mounts"]:
+            lines.append(f"    {m['source']} -> {m['destination']} ({'ro' if m['read_only'] else 'rw'})")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        pod = load_pod(args.pod)
+        config = PlannerConfig(reserve_mib=args.reserve_mib, annotation_prefix=args.annotation_prefix)
+        report = explain(pod, args.node, container=args.container, ledger_path=args.ledger, config=config)
+    except UsageError as exc:
+        print(f"fracplugin explain: {exc}", file=sys.stderr)
+        return 2
+    if args.output == "json":
+        print(json.dumps(report, indent=2))
+    else:
+        print(render_table(report))
+    return 1 if any(c["error"] for c in report["containers"]) else 0
