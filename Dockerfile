@@ -35,7 +35,7 @@ COPY pyproject.toml README.md ./
 COPY src ./src
 RUN uv build --wheel --out-dir /dist . \
  && uv pip install --python /opt/venv/bin/python /dist/*.whl \
- && /opt/venv/bin/fracplugin --help >/dev/null
+ && /opt/venv/bin/fracplugin version
 
 FROM ${CUDA_BASE}
 LABEL org.opencontainers.image.title="fracplugin" \
