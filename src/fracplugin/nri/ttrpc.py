@@ -1,0 +1,456 @@
+"""Sans-I/O ttrpc (containerd/ttrpc) for unary calls, one object per connection.
+
+Concurrency model: none. ``TtrpcConnection`` is a plain state machine in the
+style of h2: bytes go in through ``receive_data`` and come out as events;
+``send_*`` calls queue bytes that ``data_to_send`` drains. No sockets,
+threads or clocks. The caller serialises access (``transport.py`` holds a
+lock around it).
+
+Wire format (nri-protocol.md section 1.3, from containerd/ttrpc
+``PROTOCOL.md`` / ``channel.go`` / ``server.go``): a 10-byte big-endian header
+-- data length ``u32``, stream id ``u32``, message type ``u8`` (1 request,
+2 response, 3 data), flags ``u8`` -- then the data: a ``ttrpc.Request`` or
+``ttrpc.Response`` protobuf. Rules implemented here:
+
+- data longer than 4 MiB (``MAX_MESSAGE``) is discarded without being
+  buffered; a request of that size is answered with ``RESOURCE_EXHAUSTED``
+  (as the Go receiver does). A length of 16 MiB or more (first header byte,
+  "reserved", not 0) cannot come from any ttrpc peer and is a protocol error:
+  discarding gigabytes of garbage would hang the connection instead.
+- a client uses odd, strictly increasing stream ids (1, 3, 5, ...); a server
+  answers an even or non-increasing id with ``INVALID_ARGUMENT`` and the Go
+  messages "StreamID must be odd for client initiated streams" / "StreamID
+  cannot be re-used and must increment".
+- a response without ``status`` (or with code 0) is OK.
+- a request that does not decode is answered ``INVALID_ARGUMENT``.
+- unknown service / method answers (``UNIMPLEMENTED`` "service <name>" /
+  "method <name>") are produced by the dispatcher through ``send_error``;
+  ``unimplemented_service``/``unimplemented_method`` build the messages.
+- an outgoing response larger than 4 MiB is replaced by a
+  ``RESOURCE_EXHAUSTED`` error; an outgoing request that large raises
+  ``MessageTooLarge``.
+
+Any malformed input surfaces only as ``TtrpcError`` (drop the connection) or
+as an event; nothing else is raised by ``receive_data``.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Union
+
+from .._proto import ttrpc_pb2
+
+__all__ = [
+    "HEADER_SIZE",
+    "MAX_MESSAGE",
+    "MessageType",
+    "Code",
+    "Role",
+    "TtrpcError",
+    "MessageTooLarge",
+    "RpcError",
+    "RequestReceived",
+    "ResponseReceived",
+    "RequestRejected",
+    "MessageIgnored",
+    "Event",
+    "TtrpcConnection",
+    "encode_message",
+    "unimplemented_service",
+    "unimplemented_method",
+]
+
+HEADER_SIZE = 10
+MAX_MESSAGE = 4 << 20
+"""Largest ttrpc data length, bytes (ttrpc ``messageLengthMax``)."""
+
+_DISCARD_LIMIT = (1 << 24) - 1
+"""Largest length we are willing to skip; beyond it the stream is garbage."""
+
+_HEADER = struct.Struct(">IIBB")
+
+
+class MessageType(enum.IntEnum):
+    REQUEST = 1
+    RESPONSE = 2
+    DATA = 3
+
+
+class Code(enum.IntEnum):
+    """gRPC status codes used on the wire (google.rpc.Code)."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+
+class Role(enum.Enum):
+    """Our role on one ttrpc connection: CLIENT sends requests, SERVER answers."""
+
+    CLIENT = "client"
+    SERVER = "server"
+
+
+class TtrpcError(Exception):
+    """The ttrpc byte stream is broken (garbage header, truncated message at
+    EOF, stream id space exhausted). The connection must be dropped."""
+
+
+class MessageTooLarge(ValueError):
+    """An outgoing request would exceed ``MAX_MESSAGE`` bytes."""
+
+
+class RpcError(Exception):
+    """An error status of one call: raised by handlers to answer with
+    ``code``/``message``, and used by callers to report an error response."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"{_code_name(code)}: {message}")
+        self.code = int(code)
+        self.message = message
+
+
+def _code_name(code: int) -> str:
+    try:
+        return Code(code).name
+    except ValueError:
+        return f"code {code}"
+
+
+def unimplemented_service(service: str) -> RpcError:
+    """The Go server's answer to an unknown service."""
+    return RpcError(Code.UNIMPLEMENTED, f"service {service}")
+
+
+def unimplemented_method(method: str) -> RpcError:
+    """The Go server's answer to an unknown method."""
+    return RpcError(Code.UNIMPLEMENTED, f"method {method}")
+
+
+@dataclass(frozen=True)
+class RequestReceived:
+    """A complete, valid request (server role). Answer it exactly once with
+    ``send_response`` or ``send_error``. ``timeout_nano`` is the caller's time
+    left in nanoseconds (0 = none); ``metadata`` is (key, value) pairs."""
+
+    stream_id: int
+    service: str
+    method: str
+    payload: bytes
+    timeout_nano: int = 0
+    metadata: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class ResponseReceived:
+    """The answer to one of our requests (client role). ``code`` 0 = OK."""
+
+    stream_id: int
+    code: int
+    message: str
+    payload: bytes
+
+    @property
+    def ok(self) -> bool:
+        return self.code == Code.OK
+
+    def raise_for_status(self) -> bytes:
+        """Return the payload, or raise ``RpcError`` for an error status."""
+        if self.code != Code.OK:
+            raise RpcError(self.code, self.message)
+        return self.payload
+
+
+@dataclass(frozen=True)
+class RequestRejected:
+    """A request we answered ourselves with an error (bad stream id,
+    undecodable, oversized). Informational: the reply is already queued."""
+
+    stream_id: int
+    code: int
+    message: str
+
+
+@dataclass(frozen=True)
+class MessageIgnored:
+    """A frame that has no meaning for our role (a response to an unknown
+    stream, a data frame, an unknown type, an oversized response)."""
+
+    stream_id: int
+    msg_type: int
+    reason: str
+
+
+Event = Union[RequestReceived, ResponseReceived, RequestRejected, MessageIgnored]
+
+
+@dataclass
+class _Discard:
+    stream_id: int
+    msg_type: int
+    length: int
+    remaining: int
+
+
+class TtrpcConnection:
+    """One ttrpc connection (for NRI: one mux conn) seen from one side.
+
+    ``role`` SERVER: ``receive_data`` yields ``RequestReceived`` (plus
+    ``RequestRejected`` / ``MessageIgnored``); answer with ``send_response`` /
+    ``send_error``. ``role`` CLIENT: ``send_request`` returns the new stream id;
+    ``receive_data`` yields ``ResponseReceived`` for streams in flight.
+
+    ``max_message`` (bytes) is the data-length limit, default 4 MiB.
+    """
+
+    def __init__(self, role: Role, *, max_message: int = MAX_MESSAGE) -> None:
+        self.role = role
+        self.max_message = max_message
+        self._in = bytearray()
+        self._out = bytearray()
+        self._discard: _Discard | None = None
+        self._closed = False
+        # client state
+        self._next_stream_id = 1
+        self._in_flight: set[int] = set()
+        # server state
+        self._last_stream_id = 0
+        self._awaiting: set[int] = set()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def in_flight(self) -> frozenset[int]:
+        """Client: stream ids sent and not answered yet."""
+        return frozenset(self._in_flight)
+
+    @property
+    def awaiting_response(self) -> frozenset[int]:
+        """Server: stream ids received and not answered yet."""
+        return frozenset(self._awaiting)
+
+    def data_to_send(self) -> bytes:
+        """Drain and return the bytes queued by ``send_*`` and by automatic
+        error replies."""
+        out = bytes(self._out)
+        self._out.clear()
+        return out
+
+    # ---------------------------------------------------------------- receive
+
+    def receive_data(self, data: bytes) -> list[Event]:
+        """Consume ``data`` (any split of the stream) and return the events it
+        completes. Raises ``TtrpcError`` on a garbage header; the connection is
+        closed afterwards and every later call raises ``TtrpcError``."""
+        if self._closed:
+            raise TtrpcError("ttrpc connection is closed")
+        events: list[Event] = []
+        view = memoryview(data)
+        if self._discard is not None:
+            view = self._skip(view, events)
+        if len(view):
+            self._in += view
+        buf = self._in
+        pos = 0
+        while self._discard is None and len(buf) - pos >= HEADER_SIZE:
+            length, stream_id, mtype, flags = _HEADER.unpack_from(buf, pos)
+            if length > _DISCARD_LIMIT:
+                self._closed = True
+                self._in = bytearray()
+                raise TtrpcError(
+                    f"ttrpc header announces {length} bytes on stream {stream_id}: not a ttrpc stream"
+                )
+            if length > self.max_message:
+                pos += HEADER_SIZE
+                self._discard = _Discard(stream_id, mtype, length, length)
+                tail = memoryview(bytes(buf[pos:]))
+                del buf[:]
+                pos = 0
+                rest = self._skip(tail, events)
+                buf += rest
+                continue
+            end = pos + HEADER_SIZE + length
+            if end > len(buf):
+                break
+            body = bytes(buf[pos + HEADER_SIZE : end])
+            pos = end
+            self._dispatch(stream_id, mtype, flags, body, events)
+        if pos:
+            del buf[:pos]
+        return events
+
+    def receive_eof(self) -> None:
+        """Mark the end of the stream; raises ``TtrpcError`` when a message was
+        cut short."""
+        self._closed = True
+        pending = len(self._in) + (self._discard.remaining if self._discard else 0)
+        self._in = bytearray()
+        if pending:
+            raise TtrpcError(f"connection closed inside a ttrpc message ({pending} bytes missing or pending)")
+
+    def _skip(self, view: memoryview, events: list[Event]) -> memoryview:
+        d = self._discard
+        assert d is not None
+        n = min(d.remaining, len(view))
+        d.remaining -= n
+        if d.remaining == 0:
+            self._discard = None
+            self._oversized(d, events)
+        return view[n:]
+
+    def _oversized(self, d: _Discard, events: list[Event]) -> None:
+        reason = f"message length {d.length} exceeds maximum message size of {self.max_message}"
+        if self.role is Role.SERVER and d.msg_type == MessageType.REQUEST:
+            if self._accept_stream_id(d.stream_id, events):
+                self._queue_error(d.stream_id, Code.RESOURCE_EXHAUSTED, reason)
+                events.append(RequestRejected(d.stream_id, Code.RESOURCE_EXHAUSTED, reason))
+        elif self.role is Role.CLIENT and d.msg_type == MessageType.RESPONSE and d.stream_id in self._in_flight:
+            self._in_flight.discard(d.stream_id)
+            events.append(ResponseReceived(d.stream_id, Code.RESOURCE_EXHAUSTED, reason, b""))
+        else:
+            events.append(MessageIgnored(d.stream_id, d.msg_type, reason))
+
+    def _dispatch(self, stream_id: int, mtype: int, flags: int, body: bytes, events: list[Event]) -> None:
+        if self.role is Role.SERVER:
+            if mtype != MessageType.REQUEST:
+                events.append(MessageIgnored(stream_id, mtype, "only requests are served on this connection"))
+                return
+            if not self._accept_stream_id(stream_id, events):
+                return
+            try:
+                req = ttrpc_pb2.Request.FromString(body)
+                metadata = tuple((kv.key, kv.value) for kv in req.metadata)
+                event = RequestReceived(
+                    stream_id, req.service, req.method, bytes(req.payload), int(req.timeout_nano), metadata
+                )
+            except Exception as exc:  # protobuf DecodeError and friends: garbage payload
+                msg = f"unmarshal request error: {exc}"
+                self._queue_error(stream_id, Code.INVALID_ARGUMENT, msg)
+                events.append(RequestRejected(stream_id, Code.INVALID_ARGUMENT, msg))
+                return
+            self._awaiting.add(stream_id)
+            events.append(event)
+            return
+        # client role
+        if mtype != MessageType.RESPONSE:
+            events.append(MessageIgnored(stream_id, mtype, "only responses are expected on this connection"))
+            return
+        if stream_id not in self._in_flight:
+            events.append(MessageIgnored(stream_id, mtype, "response for a stream not in flight"))
+            return
+        self._in_flight.discard(stream_id)
+        try:
+            resp = ttrpc_pb2.Response.FromString(body)
+            if resp.HasField("status"):
+                code, message = int(resp.status.code), resp.status.message
+            else:
+                code, message = Code.OK, ""
+            events.append(ResponseReceived(stream_id, code, message, bytes(resp.payload)))
+        except Exception as exc:
+            events.append(ResponseReceived(stream_id, Code.INTERNAL, f"unmarshal response error: {exc}", b""))
+
+    def _accept_stream_id(self, stream_id: int, events: list[Event]) -> bool:
+        if stream_id % 2 != 1:
+            msg = "StreamID must be odd for client initiated streams"
+        elif stream_id <= self._last_stream_id:
+            msg = "StreamID cannot be re-used and must increment"
+        else:
+            self._last_stream_id = stream_id
+            return True
+        self._queue_error(stream_id, Code.INVALID_ARGUMENT, msg)
+        events.append(RequestRejected(stream_id, Code.INVALID_ARGUMENT, msg))
+        return False
+
+    # ------------------------------------------------------------------- send
+
+    def send_request(
+        self,
+        service: str,
+        method: str,
+        payload: bytes,
+        *,
+        timeout_nano: int = 0,
+        metadata: Iterable[tuple[str, str]] = (),
+    ) -> int:
+        """Client: queue a unary request and return its stream id (odd,
+        increasing). Raises ``MessageTooLarge`` above ``max_message`` bytes and
+        ``TtrpcError`` when the stream id space is exhausted."""
+        if self.role is not Role.CLIENT:
+            raise ValueError("send_request needs the CLIENT role")
+        stream_id = self._next_stream_id
+        if stream_id >= 2**32:
+            raise TtrpcError("ttrpc stream ids exhausted on this connection")
+        req = ttrpc_pb2.Request(service=service, method=method, payload=payload, timeout_nano=timeout_nano)
+        for k, v in metadata:
+            req.metadata.add(key=k, value=v)
+        body = req.SerializeToString()
+        if len(body) > self.max_message:
+            raise MessageTooLarge(f"request of {len(body)} bytes exceeds the ttrpc limit {self.max_message}")
+        self._next_stream_id += 2
+        self._in_flight.add(stream_id)
+        self._frame(stream_id, MessageType.REQUEST, body)
+        return stream_id
+
+    def send_response(self, stream_id: int, payload: bytes = b"") -> bool:
+        """Server: queue the OK answer of ``stream_id`` (status left unset, as
+        the Go server does). Returns False when the response exceeded
+        ``max_message`` and a ``RESOURCE_EXHAUSTED`` error was sent instead.
+        Raises ValueError for a stream id that is not awaiting an answer."""
+        self._take(stream_id)
+        body = ttrpc_pb2.Response(payload=payload).SerializeToString() if payload else b""
+        if len(body) > self.max_message:
+            self._queue_error(
+                stream_id,
+                Code.RESOURCE_EXHAUSTED,
+                f"response of {len(body)} bytes exceeds maximum message size of {self.max_message}",
+            )
+            return False
+        self._frame(stream_id, MessageType.RESPONSE, body)
+        return True
+
+    def send_error(self, stream_id: int, code: int, message: str) -> None:
+        """Server: queue an error answer (status set, no payload) for
+        ``stream_id``. Raises ValueError for a stream id not awaiting one."""
+        self._take(stream_id)
+        self._queue_error(stream_id, code, message)
+
+    def _take(self, stream_id: int) -> None:
+        if self.role is not Role.SERVER:
+            raise ValueError("responses need the SERVER role")
+        if stream_id not in self._awaiting:
+            raise ValueError(f"stream {stream_id} is not awaiting a response")
+        self._awaiting.discard(stream_id)
+
+    def _queue_error(self, stream_id: int, code: int, message: str) -> None:
+        # Keep the error reply itself under the limit whatever the message.
+        message = message[:65536]
+        body = ttrpc_pb2.Response(status=ttrpc_pb2.Status(code=int(code), message=message)).SerializeToString()
+        self._frame(stream_id, MessageType.RESPONSE, body)
+
+    def _frame(self, stream_id: int, mtype: int, body: bytes) -> None:
+        self._out += _HEADER.pack(len(body), stream_id, mtype, 0)
+        self._out += body
+
+
+def encode_message(stream_id: int, msg_type: int, body: bytes, flags: int = 0) -> bytes:
+    """Encode one raw ttrpc frame (header + ``body``), without any checks.
+    For tests and tools that need to craft frames by hand."""
+    return _HEADER.pack(len(body), stream_id, msg_type, flags) + body
+
