@@ -28,6 +28,10 @@ ENV UV_PYTHON_INSTALL_DIR=/opt/python \
     UV_COMPILE_BYTECODE=1 \
     UV_LINK_MODE=copy \
     UV_NO_CACHE=1
+# CA roots for the downloads (interpreter, wheels); builder stage only.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
 RUN uv python install "${PYTHON_VERSION}" \
  && uv venv --python "${PYTHON_VERSION}" /opt/venv
 WORKDIR /src
