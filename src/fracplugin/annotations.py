@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from typing import Mapping, Sequence
 
 from kubernetes.utils import parse_quantity
@@ -51,6 +51,9 @@ SUFFIX_DEVICES = ".gpus.devices"
 
 _DECIMAL_RE = re.compile(r"^[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?$")
 _INT_RE = re.compile(r"^[0-9]+$")
+# The Kubernetes quantity grammar (apimachinery resource.ParseQuantity): the
+# Python client's parser is laxer (it accepts "4 Gi"), so the shape is checked first.
+_QUANTITY_RE = re.compile(r"^[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
 
 
 def container_key(prefix: str, container: str, suffix: str) -> str:
@@ -79,6 +82,8 @@ def parse_quantity_mib(key: str, raw: str) -> int:
     """
     _no_padding(key, raw)
     try:
+        if not _QUANTITY_RE.match(raw):
+            raise ValueError(raw)
         value = Decimal(parse_quantity(raw))
     except (ValueError, InvalidOperation, TypeError, ArithmeticError):
         raise FractionError(
@@ -92,7 +97,7 @@ def parse_quantity_mib(key: str, raw: str) -> int:
         raise FractionError(key, raw, "is absurdly large: GPU memory above 1Pi is refused", "quantity")
     if value < MIB:
         raise FractionError(key, raw, "is below 1Mi: GPU memory must be at least 1Mi (1048576 bytes)", "quantity")
-    return int(-(-value // MIB))  # ceil
+    return int((value / MIB).to_integral_value(rounding=ROUND_CEILING))
 
 
 def _parse_fraction(key: str, raw: str, *, allow_one: bool) -> float:

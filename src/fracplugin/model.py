@@ -14,6 +14,7 @@ The flow (DESIGN.md section 2)::
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -141,9 +142,8 @@ class MemorySpec:
             return self.mib
         assert self.fraction is not None
         usable = max(gpu_memory_mib - reserve_mib, 0)
-        # Decimal-free floor: fractions are short decimals; guard against
-        # 0.5 * 81559 style products landing a hair under an integer.
-        return int(usable * self.fraction + 1e-9)
+        # float64 floor, exactly as KAI's Go binder computes it
+        return math.floor(usable * self.fraction)
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,8 @@ class FractionRequest:
         (gpu-fractioning-reference.md section 2a)."""
         if self.compute_mode is not ComputeMode.SM_SHARING or self.portion is None:
             return None
-        return max(1, int(self.portion * 100 + 1e-9))
+        # float64 floor like the reference (0.29 -> 28, not 29)
+        return max(1, math.floor(self.portion * 100))
 
 
 @dataclass(frozen=True)
