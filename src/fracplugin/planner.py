@@ -150,6 +150,9 @@ def _place(request: FractionRequest, pod: PodRef, node: NodeInfo, ledger: Ledger
     if request.num_devices > len(node.gpus):
         nkey = request.keys.get("num_devices", key)
         raise FractionError(nkey, str(request.num_devices), f"asks for more GPUs than node {node.name} has ({len(node.gpus)})", "device")
+    largest = max(node.gpus, key=lambda g: g.memory_mib)
+    if request.request.resolve_mib(largest.memory_mib, config.reserve_mib) > largest.memory_mib:
+        _memory(request, (largest,), config.reserve_mib)  # raises the precise too_large error
     fits: list[tuple[int, int, GpuInfo]] = []
     reasons: list[str] = []
     for g in node.gpus:

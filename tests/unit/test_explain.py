@@ -1,0 +1,93 @@
+"""fracplugin explain as a user runs it: a real subprocess, exit codes, JSON shape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "fracplugin.cli", "explain", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_bound_inference_json(shared, node_file):
+    r = run(str(shared / "examples/pods/inference-sm-sharing-4gpu.bound.yaml"), "--node", str(node_file), "-o", "json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["pod"] == "default/inference" and report["node"] == "gpu-node-1"
+    (c,) = report["containers"]
+    assert set(c) >= {"name", "fractional", "devices", "compute_mode", "env", "mounts", "error"}
+    assert c["fractional"] is True and c["error"] is None and c["compute_mode"] == "sm-sharing"
+    assert c["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=61440M,1=61440M,2=61440M,3=61440M"
+    assert c["mounts"][0]["destination"] == "/tmp/nvidia-mps" and c["mounts"][0]["read_only"] is False
+
+
+def test_table_output_and_refusal_exit_code(tmp_path, node_file):
+    pod = tmp_path / "pod.yaml"
+    pod.write_text("""
+apiVersion: v1
+kind: Pod
+metadata:
+  name: bad
+  namespace: ns
+  uid: u-1
+  annotations:
+    nvidia.com/container.app.gpu-memory.request: "40Gi"
+    nvidia.com/container.app.gpu-memory.limit: "20Gi"
+spec:
+  containers: [{name: app, image: x}, {name: side, image: y}]
+""")
+    r = run(str(pod), "--node", str(node_file))
+    assert r.returncode == 1
+    assert "container app: REFUSED" in r.stdout
+    assert "the limit must be >= the request" in r.stdout
+    assert "container side: not fractional" in r.stdout
+    j = json.loads(run(str(pod), "--node", str(node_file), "-o", "json").stdout)
+    assert j["containers"][0]["error"] == {
+        "key": "nvidia.com/container.app.gpu-memory.limit", "value": "20Gi",
+        "reason": "is below the request 40Gi (40960 MiB): the limit must be >= the request"}
+    only = json.loads(run(str(pod), "--node", str(node_file), "-o", "json", "--container", "side").stdout)
+    assert [c["name"] for c in only["containers"]] == ["side"]
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (None, "cannot read pod file"),
+    ("a: [unclosed", "not valid YAML"),
+    ("kind: Service\nmetadata: {name: x}\n", "holds no Pod"),
+])
+def test_usage_errors_exit_2_with_one_line(tmp_path, node_file, content, fragment):
+    pod = tmp_path / "pod.yaml"
+    if content is not None:
+        pod.write_text(content)
+    r = run(str(pod), "--node", str(node_file))
+    assert r.returncode == 2
+    assert fragment in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bad_node_file_and_unknown_container(tmp_path, shared):
+    node = tmp_path / "node.yaml"
+    node.write_text("gpus: [{index: 0}]\n")
+    pod = str(shared / "examples/pods/notebook-time-slicing-2gpu.yaml")
+    r = run(pod, "--node", str(node))
+    assert r.returncode == 2 and "lacks 'uuid'" in r.stderr
+    r = run(pod, "--node", str(shared / "examples/nodes/gpu-node-1.yaml"), "--container", "ghost")
+    assert r.returncode == 2 and "no container 'ghost'" in r.stderr
+
+
+def test_explain_against_a_ledger_shows_the_mode_guard(tmp_path, shared, node_file):
+    from fracplugin.gpu.simulated import load_node
+    from fracplugin.ledger import Ledger
+    from fracplugin.model import PodRef
+    from fracplugin.planner import plan_container
+    import yaml
+    node = load_node(node_file)
+    led = Ledger(node, tmp_path / "ledger.json")
+    inf = yaml.safe_load((shared / "examples/pods/inference-sm-sharing-4gpu.bound.yaml").read_text())
+    led.admit(plan_container(inf["metadata"]["annotations"], "app", PodRef("default", "inference", inf["metadata"]["uid"]), node, led))
+    r = run(str(shared / "examples/pods/notebook-time-slicing-2gpu.yaml"), "--node", str(node_file),
+            "--ledger", str(tmp_path / "ledger.json"))
+    assert r.returncode == 1 and "is in sm-sharing mode for default/inference/app" in r.stdout
