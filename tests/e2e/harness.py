@@ -274,7 +274,6 @@ def pod_config(base: Path, name: str, uid: str, annotations: dict[str, str],
     d.mkdir(parents=True, exist_ok=True)
     cfg = {
         "metadata": {"name": name, "namespace": namespace, "uid": uid, "attempt": 0},
-        "hostname": name,
         "log_directory": str(d / "logs"),
         "annotations": annotations,
         "labels": {"app.kubernetes.io/part-of": "fracplugin-e2e"},
