@@ -1,0 +1,455 @@
+"""Configuration of ``fracplugin run``: one dataclass, four layers.
+
+Precedence (lowest to highest): the defaults below (``DEFAULTS``), an optional
+YAML file (``--config FILE`` or ``FRACPLUGIN_CONFIG``), environment variables
+``FRACPLUGIN_<NAME>`` (the upper snake case of the flag: ``--mps-root`` ->
+``FRACPLUGIN_MPS_ROOT``; ``--node-name`` also reads ``NODE_NAME``, the
+downward-API convention), then command-line flags. Flags win.
+
+The YAML file is a mapping whose keys are the setting names in snake case or
+in flag form (``mps_root`` or ``mps-root``). An unknown key is an error, not
+ignored: a typo in a ConfigMap must not silently fall back to a default.
+
+Every bad value raises ``ConfigError`` naming the setting, where it came from
+(flag, env variable or file) and the rule; ``fracplugin run`` prints it and
+exits 2.
+
+Concurrency: pure functions over immutable inputs; ``Config`` is frozen (a
+SIGHUP reload builds a new one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+ENV_PREFIX = "FRACPLUGIN_"
+LOG_FORMATS = ("json", "text")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+MPS_PROTOCOLS = ("auto", "2", "3")
+MPS_MODES = ("time-slicing", "sm-sharing")
+_NRI_NAME = re.compile(r"^[a-zA-Z0-9_.+-]+$")  # nri-protocol.md 1.5 (v0.12+ rule)
+_NRI_IDX = re.compile(r"^[0-9]{2}$")  # nri-protocol.md 1.5: exactly two digits
+
+#: Settings a SIGHUP can change without a restart (see ``reloadable_changes``).
+RELOADABLE = ("log_level", "log_format", "fail_open")
+
+
+class ConfigError(ValueError):
+    """A setting has a bad value.
+
+    Attributes:
+        setting: the setting name in flag form (``--mps-protocol``).
+        value: the offending value as given.
+        reason: the rule broken.
+        source: where the value came from (``flag``, ``env FRACPLUGIN_X``,
+            ``file <path>``, ``default``).
+    """
+
+    def __init__(self, setting: str, value: Any, reason: str, source: str = "") -> None:
+        self.setting = setting
+        self.value = value
+        self.reason = reason
+        self.source = source
+        where = f" (from {source})" if source else ""
+        super().__init__(f"invalid {setting}{where}: {value!r} {reason}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting of the daemon. Units are in the names (``_mib``, ``_s``).
+
+    Host paths (defaults) are the ones the DaemonSet mounts:
+    ``/var/lib/kubelet/device-plugins``, ``/var/lib/kubelet/pod-resources``,
+    ``/var/run/nri/nri.sock``, ``/run/fracplugin/mps`` and ``/var/lib/fracplugin``.
+    """
+
+    # inventory
+    simulate_node: str | None = None
+    # MPS (mps-nvml.md section 1)
+    no_mps: bool = False
+    mps_control_binary: str = "nvidia-cuda-mps-control"
+    mps_root: str = "/run/fracplugin/mps"
+    mps_protocol: str = "auto"
+    mps_modes: tuple[str, ...] = MPS_MODES
+    # state
+    state_dir: str = "/var/lib/fracplugin"
+    # NRI door (nri-protocol.md 1.5)
+    no_nri: bool = False
+    nri_socket: str = "/var/run/nri/nri.sock"
+    nri_plugin_name: str = "fracplugin"
+    nri_plugin_idx: str = "50"
+    # device plugin door (kubelet-device-plugin.md A.1)
+    no_device_plugin: bool = False
+    device_plugin_dir: str = "/var/lib/kubelet/device-plugins"
+    resource_name: str = "fracplugin.io/gpu-memory"
+    device_unit_mib: int = 1024
+    kubelet_socket: str = ""  # "" = <device_plugin_dir>/kubelet.sock
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    allocate_deadline_s: float = 5.0
+    # Kubernetes API
+    kubeconfig: str | None = None
+    node_name: str = ""
+    pods_file: str | None = None
+    # endpoints
+    metrics_address: str = ":2112"
+    health_address: str = ":8080"
+    # planner
+    annotation_prefix: str = "nvidia.com/container."
+    reserve_mib: int = 0
+    max_clients_per_gpu: int = 48
+    fail_open: bool = False
+    # process
+    log_format: str = "json"
+    log_level: str = "info"
+    shutdown_timeout_s: float = 10.0
+
+    # ---- derived ------------------------------------------------------------
+    @property
+    def effective_kubelet_socket(self) -> str:
+        """``kubelet_socket`` or ``<device_plugin_dir>/kubelet.sock``."""
+        return self.kubelet_socket or str(Path(self.device_plugin_dir) / "kubelet.sock")
+
+    @property
+    def ledger_path(self) -> str:
+        return str(Path(self.state_dir) / "ledger.json")
+
+    @property
+    def endpoints_path(self) -> str:
+        return str(Path(self.state_dir) / "endpoints.json")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of every setting (logged at start, served in /status)."""
+        d = dataclasses.asdict(self)
+        d["mps_modes"] = list(self.mps_modes)
+        d["kubelet_socket"] = self.effective_kubelet_socket
+        return d
+
+
+DEFAULTS = Config()
+"""The default configuration (also read by the manifest tests: every default
+host path must be mounted by the DaemonSet)."""
+
+#: setting -> flag name. ``shutdown_timeout_s`` is ``--shutdown-timeout`` (seconds).
+_FLAG_OVERRIDES = {"shutdown_timeout_s": "shutdown-timeout", "allocate_deadline_s": "allocate-deadline"}
+
+
+def flag_name(setting: str) -> str:
+    """``mps_root`` -> ``mps-root`` (without the dashes in front)."""
+    return _FLAG_OVERRIDES.get(setting, setting.replace("_", "-"))
+
+
+def env_name(setting: str) -> str:
+    """``mps_root`` -> ``FRACPLUGIN_MPS_ROOT`` (upper snake of the flag)."""
+    return ENV_PREFIX + flag_name(setting).replace("-", "_").upper()
+
+
+_FIELDS = {f.name: f for f in fields(Config)}
+_BY_FLAG = {flag_name(n): n for n in _FIELDS}
+
+_HELP = {
+    "simulate_node": "use a simulated node described by this YAML file instead of NVML",
+    "no_mps": "do not supervise nvidia-cuda-mps-control (plans still carry MPS env and mounts)",
+    "mps_control_binary": "the nvidia-cuda-mps-control executable",
+    "mps_root": "host directory holding the MPS pipe and log directories",
+    "mps_protocol": "MPS control protocol: auto (from the driver version), 2 or 3",
+    "mps_modes": "comma list of compute modes whose MPS daemon is supervised",
+    "state_dir": "directory of ledger.json and endpoints.json",
+    "no_nri": "disable the NRI plugin door",
+    "nri_socket": "NRI socket of the container runtime",
+    "nri_plugin_name": "NRI plugin name ([a-zA-Z0-9_.+-]+)",
+    "nri_plugin_idx": "NRI plugin index (two digits; plugins run in index order)",
+    "no_device_plugin": "disable the kubelet device plugin door",
+    "device_plugin_dir": "kubelet device plugin directory (our socket goes here)",
+    "resource_name": "extended resource advertised by the device plugin",
+    "device_unit_mib": "MiB of GPU memory per advertised device",
+    "kubelet_socket": "kubelet registration socket (default <device-plugin-dir>/kubelet.sock)",
+    "pod_resources_socket": "kubelet PodResources socket",
+    "allocate_deadline_s": "seconds an Allocate may spend finding its pod",
+    "kubeconfig": "kubeconfig for API access (in-cluster config is used when running in a pod)",
+    "node_name": "this node's name (env NODE_NAME)",
+    "pods_file": "simulated API access: a YAML file of Pod documents (re-read when it changes)",
+    "metrics_address": "HOST:PORT of the Prometheus /metrics endpoint (port 0 = any free port)",
+    "health_address": "HOST:PORT of /healthz, /readyz and /status (port 0 = any free port)",
+    "annotation_prefix": "prefix of the per-container annotation keys",
+    "reserve_mib": "MiB per GPU kept out of fraction resolution",
+    "max_clients_per_gpu": "tenants allowed per GPU (MPS client limit)",
+    "fail_open": "on an internal error let containers start unfenced instead of failing them",
+    "log_format": "log format: json or text",
+    "log_level": "log level: debug, info, warning or error",
+    "shutdown_timeout_s": "seconds allowed for an orderly shutdown",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``--config`` and one flag per setting to ``p``.
+
+    Every flag defaults to None (``argparse.SUPPRESS`` would lose the
+    information too), so ``load`` can tell a given flag from an absent one.
+    Booleans are ``store_true`` switches (``--no-nri``, ``--fail-open``).
+    """
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="YAML file of settings (env FRACPLUGIN_CONFIG); flags and env override it")
+    for name, f in _FIELDS.items():
+        flag = "--" + flag_name(name)
+        help_text = _HELP.get(name, "") + f" [env {env_name(name)}]"
+        default = DEFAULTS.__getattribute__(name)
+        if f.type in ("bool",):
+            p.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=help_text)
+        else:
+            shown = ",".join(default) if isinstance(default, tuple) else default
+            p.add_argument(flag, dest=name, default=None, metavar=_metavar(name),
+                           help=f"{help_text} (default: {shown!s})" if shown not in (None, "") else help_text)
+
+
+def _metavar(name: str) -> str:
+    if name.endswith(("_dir", "_root")):
+        return "DIR"
+    if name.endswith("_address"):
+        return "HOST:PORT"
+    if name.endswith(("_socket", "_binary")) or name in ("kubeconfig", "simulate_node", "pods_file"):
+        return "PATH"
+    if name.endswith("_mib"):
+        return "MIB"
+    if name.endswith("_s"):
+        return "SECONDS"
+    return name.upper()
+
+
+# ---- value conversion -------------------------------------------------------
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def _convert(name: str, raw: Any, source: str) -> Any:
+    """Convert ``raw`` (a string from env/flags, or a YAML scalar) to the type
+    of setting ``name``. Raises ConfigError."""
+    setting = "--" + flag_name(name)
+    typ = _FIELDS[name].type
+    if typ == "bool":
+        if isinstance(raw, bool):
+            return raw
+        s = str(raw).strip().lower()
+        if s in _TRUE:
+            return True
+        if s in _FALSE:
+            return False
+        raise ConfigError(setting, raw, "is not a boolean (true/false, 1/0, yes/no)", source)
+    if typ == "int":
+        if isinstance(raw, bool):
+            raise ConfigError(setting, raw, "is not an integer", source)
+        try:
+            return int(str(raw).strip())
+        except ValueError:
+            raise ConfigError(setting, raw, "is not an integer", source) from None
+    if typ == "float":
+        if isinstance(raw, bool):
+            raise ConfigError(setting, raw, "is not a number of seconds", source)
+        try:
+            return float(str(raw).strip())
+        except ValueError:
+            raise ConfigError(setting, raw, "is not a number of seconds", source) from None
+    if typ == "tuple[str, ...]":
+        items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+        return tuple(str(i).strip() for i in items if str(i).strip())
+    if typ == "str | None":
+        return None if raw is None or str(raw) == "" else str(raw)
+    if raw is None:
+        raise ConfigError(setting, raw, "must not be empty", source)
+    return str(raw)
+
+
+def parse_address(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` / ``:PORT`` / ``[v6]:PORT`` -> (host, port). An empty host
+    means every interface (``""``). Raises ValueError naming the rule."""
+    if value.startswith("["):
+        host, sep, port = value[1:].partition("]:")
+        if not sep:
+            raise ValueError("is not HOST:PORT ([v6addr]:PORT for IPv6)")
+    else:
+        host, sep, port = value.rpartition(":")
+        if not sep:
+            raise ValueError("is not HOST:PORT (e.g. :8080 or 127.0.0.1:0)")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"has port {port!r}, which is not 0..65535")
+    return host, int(port)
+
+
+def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
+    """Check every value; return ``cfg`` or raise ConfigError for the first bad one.
+
+    Rules: enumerations (log format/level, MPS protocol and modes), HOST:PORT
+    addresses, positive sizes and timeouts, NRI name/index syntax
+    (nri-protocol.md 1.5), the resource name (kubelet ``IsExtendedResourceName``,
+    kubelet-device-plugin.md A.3), absolute paths, the MPS root length
+    (socket paths must fit 108 bytes, mps-nvml.md 1.4).
+    """
+    src = sources or {}
+
+    def bad(name: str, reason: str) -> ConfigError:
+        return ConfigError("--" + flag_name(name), getattr(cfg, name), reason, src.get(name, "default"))
+
+    if cfg.log_format not in LOG_FORMATS:
+        raise bad("log_format", f"must be one of {', '.join(LOG_FORMATS)}")
+    if cfg.log_level.lower() not in LOG_LEVELS:
+        raise bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+    if cfg.mps_protocol not in MPS_PROTOCOLS:
+        raise bad("mps_protocol", f"must be one of {', '.join(MPS_PROTOCOLS)}")
+    for m in cfg.mps_modes:
+        if m not in MPS_MODES:
+            raise bad("mps_modes", f"names {m!r}; modes are {', '.join(MPS_MODES)}")
+    for name in ("metrics_address", "health_address"):
+        try:
+            parse_address(getattr(cfg, name))
+        except ValueError as exc:
+            raise bad(name, str(exc)) from None
+    if cfg.device_unit_mib <= 0:
+        raise bad("device_unit_mib", "must be a positive number of MiB")
+    if cfg.reserve_mib < 0:
+        raise bad("reserve_mib", "must be 0 or more MiB")
+    if not 1 <= cfg.max_clients_per_gpu <= 48:
+        raise bad("max_clients_per_gpu", "must be 1..48 (the MPS client limit, kubelet-device-plugin.md B.4)")
+    if not cfg.shutdown_timeout_s > 0:
+        raise bad("shutdown_timeout_s", "must be a positive number of seconds")
+    if not cfg.allocate_deadline_s > 0:
+        raise bad("allocate_deadline_s", "must be a positive number of seconds")
+    if not _NRI_NAME.match(cfg.nri_plugin_name):
+        raise bad("nri_plugin_name", "must match [a-zA-Z0-9_.+-]+ (NRI plugin name rule)")
+    if not _NRI_IDX.match(cfg.nri_plugin_idx):
+        raise bad("nri_plugin_idx", "must be exactly two digits (NRI plugin index rule)")
+    if not cfg.annotation_prefix:
+        raise bad("annotation_prefix", "must not be empty")
+    for name in ("state_dir", "mps_root", "device_plugin_dir", "nri_socket", "pod_resources_socket"):
+        if not str(getattr(cfg, name)).startswith("/"):
+            raise bad(name, "must be an absolute path")
+    if cfg.kubelet_socket and not cfg.kubelet_socket.startswith("/"):
+        raise bad("kubelet_socket", "must be an absolute path")
+    try:
+        from .mps.layout import MpsLayout
+
+        MpsLayout(cfg.mps_root)
+    except ValueError as exc:
+        raise bad("mps_root", str(exc).split(": ", 1)[-1]) from None
+    try:
+        from .kubelet.devices import validate_resource_name
+
+        validate_resource_name(cfg.resource_name)
+    except ImportError:  # pragma: no cover - the device plugin package is part of the tree
+        pass
+    except ValueError as exc:
+        raise bad("resource_name", str(exc)) from None
+    return cfg
+
+
+# ---- loading ----------------------------------------------------------------
+def read_file(path: str) -> dict[str, Any]:
+    """The YAML config file as {setting: raw value}. Raises ConfigError."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError("--config", path, f"cannot be read: {exc.strerror or exc}", "flag") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("--config", path, f"is not valid YAML: {str(exc).splitlines()[0]}", "flag") from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError("--config", path, "must hold a mapping of setting: value", "flag")
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        k = str(key)
+        if k.replace("-", "_") == "device_unit":  # the ConfigMap's form: "GiB", "512Mi", ...
+            out["device_unit_mib"] = _unit_mib(value, path)
+            continue
+        name = _BY_FLAG.get(k) or _BY_FLAG.get(k.replace("_", "-")) or (k if k in _FIELDS else None)
+        if name is None:
+            raise ConfigError(k, value, f"is not a setting (known: {', '.join(sorted(_BY_FLAG))})", f"file {path}")
+        out[name] = value
+    return out
+
+
+_UNIT_RE = re.compile(r"^\s*([0-9]*)\s*(Mi|Gi|MiB|GiB)\s*$")
+
+
+def _unit_mib(value: Any, path: str) -> int:
+    """``device_unit`` in a config file: ``MiB``, ``GiB``, ``<n>Mi``, ``<n>Gi``
+    (``<n>MiB``/``<n>GiB`` too) -> MiB. Raises ConfigError."""
+    m = _UNIT_RE.match(str(value))
+    if not m:
+        raise ConfigError("device_unit", value, "must be MiB, GiB, <n>Mi or <n>Gi", f"file {path}")
+    n = int(m.group(1) or 1)
+    return n * (1024 if m.group(2).startswith("G") else 1)
+
+
+def load(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> tuple[Config, dict[str, str]]:
+    """Build the effective Config: defaults < file < env < flags.
+
+    Args:
+        args: parsed flags (from a parser built with ``add_arguments``); None = no flags.
+        env: the environment (default ``os.environ``).
+
+    Returns:
+        (config, sources): ``sources`` maps each setting that is not at its
+        default to where it came from (``file <path>``, ``env NAME``, ``flag``).
+
+    Raises:
+        ConfigError: a bad value, an unknown file key, an unreadable file.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    config_path = getattr(args, "config", None) if args is not None else None
+    config_src = "flag"
+    if not config_path and env.get(ENV_PREFIX + "CONFIG"):
+        config_path, config_src = env[ENV_PREFIX + "CONFIG"], f"env {ENV_PREFIX}CONFIG"
+    if config_path:
+        try:
+            file_values = read_file(config_path)
+        except ConfigError as exc:
+            exc.source = config_src
+            raise
+        for name, raw in file_values.items():
+            values[name] = _convert(name, raw, f"file {config_path}")
+            sources[name] = f"file {config_path}"
+    for name in _FIELDS:
+        keys = [env_name(name)] + (["NODE_NAME"] if name == "node_name" else [])
+        for key in keys:
+            if key in env and (env[key] != "" or _FIELDS[name].type == "bool"):
+                values[name] = _convert(name, env[key], f"env {key}")
+                sources[name] = f"env {key}"
+                break
+    if args is not None:
+        for name in _FIELDS:
+            raw = getattr(args, name, None)
+            if raw is not None:
+                values[name] = _convert(name, raw, "flag")
+                sources[name] = "flag"
+    cfg = Config(**values)
+    if cfg.log_level != cfg.log_level.lower():
+        cfg = dataclasses.replace(cfg, log_level=cfg.log_level.lower())
+    return validate(cfg, sources), sources
+
+
+def reloadable_changes(old: Config, new: Config) -> tuple[dict[str, tuple[Any, Any]], list[str]]:
+    """Compare two configs for a SIGHUP reload.
+
+    Returns (applied, ignored): ``applied`` maps each changed reloadable
+    setting (``RELOADABLE``) to (old, new); ``ignored`` lists the changed
+    settings that need a restart.
+    """
+    applied: dict[str, tuple[Any, Any]] = {}
+    ignored: list[str] = []
+    for name in _FIELDS:
+        a, b = getattr(old, name), getattr(new, name)
+        if a != b:
+            if name in RELOADABLE:
+                applied[name] = (a, b)
+            else:
+                ignored.append(name)
+    return applied, ignored

@@ -1,0 +1,680 @@
+"""``fracplugin run``: build every part, start them, serve, stop them in order.
+
+Start order (each part switchable, DESIGN.md section 3):
+
+1. inventory: NVML, or ``SimulatedInventory`` with ``--simulate-node``;
+2. ledger: ``<state-dir>/ledger.json``, loaded (warnings logged, a corrupt
+   file moved aside by the ledger);
+3. metrics (``--metrics-address``);
+4. MPS supervisor for the configured compute modes (``NullMps`` with ``--no-mps``);
+5. pod source for the device plugin: ``--pods-file`` (simulated API),
+   else the API watch when in-cluster or ``--kubeconfig`` is given;
+6. PodResources client (lazy dial);
+7. NRI plugin + stub (``--no-nri`` to disable);
+8. device plugin server + registration (``--no-device-plugin`` to disable);
+9. health server (``/healthz``, ``/readyz``, ``/status``); the bound
+   addresses are logged and written to ``<state-dir>/endpoints.json``.
+
+Stop order (SIGTERM/SIGINT), within ``--shutdown-timeout`` seconds in all:
+health turns not-alive, the device plugin stops advertising (its socket goes,
+kubelet sees the stream end), NRI disconnects, the pod watch and metrics stop,
+MPS quits last. Every ledger change is persisted atomically when it happens
+(ledger.py), so the file is consistent whatever point a stop reaches; nothing
+is released from the ledger at shutdown: containers keep running, and the next
+start reads the same tenancy back.
+
+SIGHUP re-reads the configuration (file, env, the original flags) and applies
+what can change at run time (``config.RELOADABLE``: log level, log format,
+fail-open); it logs which settings it applied and which need a restart.
+
+Concurrency model: the main thread owns the lifecycle: it starts the parts,
+then sleeps on an event that the signal handlers set (handlers only set
+flags; the work happens on the main thread). Each part runs its own threads
+(stated in its module). Stops run on short-lived helper threads so that one
+stuck part cannot eat the whole shutdown budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from . import __version__, logs
+from . import config as configmod
+from .config import Config, ConfigError
+from .health import HealthServer
+from .ledger import Ledger
+from .model import ComputeMode, NodeInfo
+from .mps.layout import MpsLayout
+from .planner import PlannerConfig
+
+log = logging.getLogger("fracplugin.daemon")
+
+IN_CLUSTER_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+class StartupError(RuntimeError):
+    """A part could not start (bad inventory, address in use, ...): exit 1."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``fracplugin run`` (see ``config.add_arguments``)."""
+    configmod.add_arguments(p)
+
+
+# ---- the simulated API: a pods file ----------------------------------------
+def read_pods_file(path: str) -> list[dict[str, Any]]:
+    """Pod documents of a YAML file (``kind: Pod`` docs, or ``kind: List`` /
+    ``PodList`` items). A missing or empty file is no pods. Raises ValueError
+    for invalid YAML."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise ValueError(f"pods file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    pods: list[dict[str, Any]] = []
+    for d in docs:
+        if not isinstance(d, dict):
+            continue
+        if d.get("kind") in ("List", "PodList"):
+            pods.extend(i for i in d.get("items") or [] if isinstance(i, dict))
+        elif d.get("kind", "Pod") == "Pod" and isinstance(d.get("metadata"), dict):
+            pods.append(d)
+    return pods
+
+
+class PodsFileWatcher:
+    """Feeds an ``InMemoryPodSource`` from a YAML file, re-read when its
+    (mtime, size) changes; pods that disappear from the file are deleted
+    (like watch DELETED events).
+
+    Concurrency: one daemon thread polling every ``poll_s`` seconds.
+    """
+
+    def __init__(self, path: str, source: Any, poll_s: float = 0.1) -> None:
+        self.path = path
+        self.source = source
+        self.poll_s = poll_s
+        self._seen: dict[str, dict[str, Any]] = {}
+        self._stamp: tuple[float, int] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _key(pod: Mapping[str, Any]) -> str:
+        md = pod.get("metadata") or {}
+        return str(md.get("uid") or f"{md.get('namespace', 'default')}/{md.get('name', '')}")
+
+    def sync(self) -> bool:
+        """Re-read the file if it changed; returns True when it was read."""
+        try:
+            st = os.stat(self.path)
+            stamp: tuple[float, int] | None = (st.st_mtime, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            pods = read_pods_file(self.path)
+        except ValueError as exc:
+            log.error("%s", exc)
+            return False
+        now = {self._key(p): p for p in pods}
+        for key, pod in self._seen.items():
+            if key not in now:
+                self.source.delete(pod)
+        for key, pod in now.items():
+            if self._seen.get(key) != pod:
+                self.source.add(pod)
+        self._seen = now
+        log.debug("pods file read", extra={"path": self.path, "pods": len(now)})
+        return True
+
+    def start(self) -> None:
+        self.sync()
+        self._thread = threading.Thread(target=self._run, name="fracplugin-podsfile", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.sync()
+            except Exception:  # never let the watcher die
+                log.exception("pods file watcher failed")
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+
+# ---- helpers -----------------------------------------------------------------
+def _write_json_atomic(path: str, doc: Any) -> None:
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".endpoints.", dir=d)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _fmt_addr(host: str, port: int) -> str:
+    host = host or "0.0.0.0"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _call_bounded(name: str, fn: Callable[[], Any], timeout_s: float) -> bool:
+    """Run ``fn`` on a helper thread; wait at most ``timeout_s``. True when it
+    finished in time without raising (a late one is logged and abandoned:
+    helper threads are daemons)."""
+    done = threading.Event()
+    err: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            err.append(exc)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=target, name=f"stop-{name}", daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    if not done.wait(max(timeout_s, 0.05)):
+        log.error("stopping %s did not finish within %.1f s; continuing", name, timeout_s,
+                  extra={"part": name})
+        return False
+    if err:
+        log.error("stopping %s failed: %s", name, err[0], extra={"part": name})
+        return False
+    log.info("stopped %s", name, extra={"part": name, "elapsed_ms": round((time.monotonic() - t0) * 1000, 1)})
+    return True
+
+
+def _in_cluster() -> bool:
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.path.exists(IN_CLUSTER_TOKEN)
+
+
+# ---- the daemon ----------------------------------------------------------------
+class Daemon:
+    """All parts of the node daemon, with their lifecycle.
+
+    Args:
+        cfg: the effective configuration.
+        sources: where each non-default setting came from (for the start log).
+        reload: returns a freshly loaded (Config, sources) for SIGHUP; None
+            disables reloading.
+
+    ``start()`` raises StartupError (after stopping what had started);
+    ``stop()`` is idempotent and bounded by ``cfg.shutdown_timeout_s``.
+    """
+
+    def __init__(self, cfg: Config, sources: Mapping[str, str] | None = None,
+                 reload: Callable[[], tuple[Config, dict[str, str]]] | None = None) -> None:
+        self.cfg = cfg
+        self.sources = dict(sources or {})
+        self._reload = reload
+        self.started_at = time.time()
+        self.inventory: Any = None
+        self.node: NodeInfo | None = None
+        self.node_name = ""
+        self.ledger: Ledger | None = None
+        self.metrics: Any = None
+        self.mps: Any = None
+        self.pod_source: Any = None
+        self.pods_watcher: PodsFileWatcher | None = None
+        self.podresources: Any = None
+        self.nri_plugin: Any = None
+        self.nri_stub: Any = None
+        self.device_plugin: Any = None
+        self.health: HealthServer | None = None
+        self.endpoints: dict[str, str] = {}
+        self.ledger_warnings: list[str] = []
+        self._stopping = threading.Event()
+        self._stopped = False
+        self._stop_lock = threading.Lock()
+        self.wake = threading.Event()
+        self.pending_signals: list[int] = []
+
+    # ---- construction ----------------------------------------------------
+    @property
+    def planner_config(self) -> PlannerConfig:
+        return PlannerConfig(reserve_mib=self.cfg.reserve_mib, max_clients_per_gpu=self.cfg.max_clients_per_gpu,
+                             layout=MpsLayout(self.cfg.mps_root), annotation_prefix=self.cfg.annotation_prefix)
+
+    def _build_inventory(self) -> None:
+        from .gpu.inventory import InventoryError
+
+        try:
+            if self.cfg.simulate_node:
+                from .gpu.simulated import SimulatedInventory
+
+                self.inventory = SimulatedInventory(self.cfg.simulate_node)
+            else:
+                from .gpu.nvml import NvmlInventory
+
+                self.inventory = NvmlInventory()
+            self.node = self.inventory.node()
+        except InventoryError as exc:
+            raise StartupError(f"GPU inventory: {exc}") from None
+        self.node_name = self.cfg.node_name or self.node.name
+        log.info("inventory ready", extra={
+            "node": self.node.name, "simulated": bool(self.cfg.simulate_node), "driver": self.node.driver_version,
+            "gpus": [f"{g.index}:{g.uuid}:{g.memory_mib}MiB" for g in self.node.gpus]})
+
+    def _build_ledger(self) -> None:
+        assert self.node is not None
+        try:
+            os.makedirs(self.cfg.state_dir, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"state directory {self.cfg.state_dir}: {exc.strerror or exc}") from None
+        self.ledger = Ledger(self.node, self.cfg.ledger_path, max_clients_per_gpu=self.cfg.max_clients_per_gpu)
+        self.ledger_warnings = self.ledger.load()
+        for w in self.ledger_warnings:
+            log.warning("ledger: %s", w)
+        log.info("ledger loaded", extra={"path": self.cfg.ledger_path, "tenancies": len(self.ledger.tenancies())})
+
+    def _build_metrics(self) -> None:
+        try:
+            from .metrics import Metrics
+        except ImportError as exc:
+            log.warning("metrics unavailable: %s", exc)
+            return
+        self.metrics = _construct(Metrics, node=self.node, ledger=self.ledger, inventory=self.inventory)
+        host, port = configmod.parse_address(self.cfg.metrics_address)
+        try:
+            bound = self.metrics.serve(self.cfg.metrics_address)
+        except OSError as exc:
+            raise StartupError(f"--metrics-address {self.cfg.metrics_address}: {exc.strerror or exc}") from None
+        if isinstance(bound, tuple) and len(bound) >= 2:
+            host, port = str(bound[0]), int(bound[1])
+        elif isinstance(bound, int):
+            port = bound
+        self.endpoints["metrics"] = _fmt_addr(host, port)
+
+    def _build_mps(self) -> None:
+        from .mps.api import NullMps
+
+        layout = MpsLayout(self.cfg.mps_root)
+        if self.cfg.no_mps:
+            self.mps = NullMps(layout)
+            return
+        from .mps.supervisor import MpsSupervisor
+
+        assert self.node is not None
+        modes = tuple(ComputeMode(m) for m in self.cfg.mps_modes)
+        protocol: Any = self.cfg.mps_protocol if self.cfg.mps_protocol == "auto" else int(self.cfg.mps_protocol)
+        self.mps = _construct(MpsSupervisor, layout=layout, control_binary=self.cfg.mps_control_binary,
+                              protocol=protocol, driver_version=self.node.driver_version, modes=modes,
+                              metrics=self.metrics)
+        try:
+            self.mps.start()
+        except Exception as exc:
+            raise StartupError(f"MPS supervisor: {exc}") from None
+
+    def _build_pod_source(self) -> None:
+        if self.cfg.no_device_plugin:
+            return
+        from .kubelet.podlookup import InMemoryPodSource, KubernetesPodSource
+
+        if self.cfg.pods_file:
+            self.pod_source = InMemoryPodSource(self.node_name)
+            self.pods_watcher = PodsFileWatcher(self.cfg.pods_file, self.pod_source)
+            self.pods_watcher.start()
+            log.info("simulated API: pods file", extra={"path": self.cfg.pods_file, "pods": len(self.pod_source)})
+        elif self.cfg.kubeconfig or _in_cluster():
+            api_client = None
+            if self.cfg.kubeconfig:
+                from kubernetes import config as kconfig
+
+                try:
+                    api_client = kconfig.new_client_from_config(config_file=self.cfg.kubeconfig)
+                except Exception as exc:
+                    raise StartupError(f"--kubeconfig {self.cfg.kubeconfig}: {exc}") from None
+            self.pod_source = KubernetesPodSource(self.node_name, self.cfg.resource_name, api_client)
+            self.pod_source.start()
+            log.info("API watch started", extra={"node": self.node_name,
+                                                  "via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster"})
+        else:
+            log.warning("no API access (no --kubeconfig, not in a cluster, no --pods-file): the device plugin "
+                        "door cannot find pods and answers Allocate with what is right for any pod")
+
+    def _build_podresources(self) -> None:
+        try:
+            from .kubelet.podresources import PodResourcesClient
+        except ImportError as exc:  # pragma: no cover
+            log.warning("PodResources client unavailable: %s", exc)
+            return
+        self.podresources = PodResourcesClient(self.cfg.pod_resources_socket)
+
+    def _build_nri(self) -> None:
+        if self.cfg.no_nri:
+            return
+        from .nri.plugin import FracNriPlugin
+        from .nri.stub import NriStub
+
+        self.nri_plugin = _construct(FracNriPlugin, self.node, self.ledger, self.planner_config, mps=self.mps,
+                                     metrics=self.metrics, fail_open=self.cfg.fail_open,
+                                     podresources=self.podresources, resource_name=self.cfg.resource_name)
+        self.nri_stub = _construct(NriStub, self.nri_plugin, socket_path=self.cfg.nri_socket,
+                                   plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx,
+                                   metrics=self.metrics)
+        self.nri_stub.start()
+        self.endpoints["nri_socket"] = self.cfg.nri_socket
+
+    def _build_device_plugin(self) -> None:
+        if self.cfg.no_device_plugin:
+            return
+        from .kubelet.deviceplugin import DevicePluginServer
+
+        self.device_plugin = _construct(
+            DevicePluginServer, self.node, self.ledger, self.planner_config, self.inventory,
+            pod_source=self.pod_source, resource_name=self.cfg.resource_name, unit_mib=self.cfg.device_unit_mib,
+            plugin_dir=self.cfg.device_plugin_dir, kubelet_socket=self.cfg.effective_kubelet_socket,
+            allocate_deadline_s=self.cfg.allocate_deadline_s, mps_health=self.mps, metrics=self.metrics,
+            podresources=self.podresources, fail_open=self.cfg.fail_open)
+        try:
+            self.device_plugin.start()
+        except OSError as exc:
+            raise StartupError(f"device plugin: {exc}") from None
+        sock = getattr(self.device_plugin, "socket_path", None)
+        if sock:
+            self.endpoints["device_plugin_socket"] = str(sock)
+        self.endpoints["kubelet_socket"] = self.cfg.effective_kubelet_socket
+
+    def _build_health(self) -> None:
+        self.health = HealthServer(self.cfg.health_address, self.checks, self.status,
+                                   alive=lambda: "shutting down" if self._stopping.is_set() else None)
+        try:
+            host, port = self.health.start()
+        except OSError as exc:
+            raise StartupError(f"--health-address {self.cfg.health_address}: {exc.strerror or exc}") from None
+        self.endpoints["health"] = _fmt_addr(host, port)
+
+    def start(self) -> None:
+        """Build and start every enabled part, in order. Raises StartupError
+        (having stopped whatever already started)."""
+        t0 = time.monotonic()
+        log.info("fracplugin %s starting", __version__, extra={
+            "config": self.cfg.to_dict(), "sources": self.sources, "pid": os.getpid()})
+        steps = [("inventory", self._build_inventory), ("ledger", self._build_ledger),
+                 ("metrics", self._build_metrics), ("mps", self._build_mps),
+                 ("pod source", self._build_pod_source), ("podresources", self._build_podresources),
+                 ("nri", self._build_nri), ("device plugin", self._build_device_plugin),
+                 ("health", self._build_health)]
+        for name, step in steps:
+            try:
+                step()
+            except StartupError:
+                self.stop()
+                raise
+            except Exception as exc:
+                log.exception("starting %s failed", name)
+                self.stop()
+                raise StartupError(f"{name}: {exc}") from exc
+        self.startup_ms = round((time.monotonic() - t0) * 1000, 1)
+        doc = {**self.endpoints, "pid": os.getpid(), "node": self.node_name, "started_at": self.started_at,
+               "startup_ms": self.startup_ms}
+        _write_json_atomic(self.cfg.endpoints_path, doc)
+        log.info("fracplugin started", extra={"endpoints": self.endpoints, "startup_ms": self.startup_ms,
+                                               "endpoints_file": self.cfg.endpoints_path})
+
+    # ---- state -------------------------------------------------------------
+    def checks(self) -> dict[str, dict[str, Any]]:
+        """Readiness of each enabled part: {part: {"ready": bool, "detail": str}}."""
+        out: dict[str, dict[str, Any]] = {}
+        if self.nri_stub is not None:
+            ready, connected = bool(_call(self.nri_stub, "ready")), bool(_call(self.nri_stub, "connected"))
+            detail = ("synchronized with the runtime" if ready else
+                      "connected, not synchronized yet" if connected else f"not connected to {self.cfg.nri_socket}")
+            out["nri"] = {"ready": ready, "detail": detail}
+        elif not self.cfg.no_nri:
+            out["nri"] = {"ready": False, "detail": "not started"}
+        if self.device_plugin is not None:
+            reg = bool(_call(self.device_plugin, "registered"))
+            out["device_plugin"] = {"ready": reg, "detail": (f"registered with kubelet as {self.cfg.resource_name}"
+                                                             if reg else f"not registered at {self.cfg.effective_kubelet_socket}")}
+        elif not self.cfg.no_device_plugin:
+            out["device_plugin"] = {"ready": False, "detail": "not started"}
+        if not self.cfg.no_mps:
+            ok = self.mps is not None and bool(_call(self.mps, "ready"))
+            if self.mps is None:
+                detail = "not started"
+            else:
+                bad = [d.get("mode", "?") for d in (self.mps.status().get("daemons") or []) if not d.get("healthy")]
+                detail = "every daemon healthy" if ok else ("unhealthy: " + ", ".join(map(str, bad)) if bad else "starting")
+            out["mps"] = {"ready": ok, "detail": detail}
+        if self._stopping.is_set():
+            out["daemon"] = {"ready": False, "detail": "shutting down"}
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """The ``/status`` document (see status.py for the rendering)."""
+        checks = self.checks()
+        gpus = []
+        mps_health = {}
+        if self.mps is not None:
+            for mode in ComputeMode:
+                try:
+                    mps_health[mode] = bool(self.mps.healthy(mode)) if not self.cfg.no_mps else True
+                except Exception:
+                    mps_health[mode] = False
+        if self.node is not None and self.ledger is not None:
+            for g in self.node.gpus:
+                tenants = self.ledger.tenants(g.uuid)
+                held = sum(t.request_mib for t in tenants)
+                mode = tenants[0].mode if tenants else None
+                gpus.append({
+                    "index": g.index, "uuid": g.uuid, "name": g.name, "memory_mib": g.memory_mib,
+                    "held_mib": held, "free_mib": g.memory_mib - held, "mode": mode.value if mode else None,
+                    "healthy": mps_health.get(mode, True) if mode else True,
+                    "tenants": [t.to_dict() for t in tenants],
+                })
+        dp_status = _call(self.device_plugin, "status") if self.device_plugin is not None else None
+        return {
+            "node": self.node_name,
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "ready": all(c["ready"] for c in checks.values()),
+            "checks": checks,
+            "doors": {"nri": not self.cfg.no_nri, "device_plugin": not self.cfg.no_device_plugin,
+                      "mps": not self.cfg.no_mps},
+            "fail_open": self.cfg.fail_open,
+            "gpus": gpus,
+            "mps": self.mps.status() if self.mps is not None else {"enabled": False, "daemons": []},
+            "device_plugin": dp_status if isinstance(dp_status, dict) else None,
+            "pod_source": (None if self.pod_source is None else
+                           {"kind": type(self.pod_source).__name__, "ready": bool(_call(self.pod_source, "ready")),
+                            "pods": len(self.pod_source)}),
+            "endpoints": dict(self.endpoints),
+            "ledger": {"path": self.cfg.ledger_path, "warnings": self.ledger_warnings},
+            "config": self.cfg.to_dict(),
+        }
+
+    # ---- signals, reload ----------------------------------------------------
+    def reload(self) -> dict[str, Any]:
+        """Apply a SIGHUP: reload the configuration and apply what is
+        reloadable. Returns {"applied": {...}, "needs_restart": [...]} (or
+        {"error": ...} when the new configuration is invalid: nothing changes)."""
+        if self._reload is None:
+            return {"error": "reload not configured"}
+        try:
+            new, sources = self._reload()
+        except ConfigError as exc:
+            log.error("SIGHUP: configuration not reloaded: %s", exc)
+            return {"error": str(exc)}
+        applied, ignored = configmod.reloadable_changes(self.cfg, new)
+        if "log_format" in applied or "log_level" in applied:
+            logs.setup(new.log_format, new.log_level)
+        if "fail_open" in applied:
+            for part in (self.nri_plugin, self.device_plugin):
+                if part is not None:
+                    setter = getattr(part, "set_fail_open", None)
+                    if callable(setter):
+                        setter(new.fail_open)
+                    elif hasattr(part, "fail_open"):
+                        part.fail_open = new.fail_open
+        kept = {k: getattr(self.cfg, k) for k in ignored}
+        self.cfg = dataclasses.replace(new, **kept)
+        self.sources.update({k: v for k, v in sources.items() if k in applied})
+        log.info("SIGHUP: configuration reloaded", extra={
+            "applied": {k: {"old": a, "new": b} for k, (a, b) in applied.items()},
+            "needs_restart": ignored, "reloadable": list(configmod.RELOADABLE)})
+        return {"applied": applied, "needs_restart": ignored}
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT -> stop; SIGHUP -> reload (main thread only)."""
+        def handler(signum: int, _frame: Any) -> None:
+            self.pending_signals.append(signum)
+            self.wake.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, handler)
+
+    def serve_forever(self) -> int:
+        """Sleep until SIGTERM/SIGINT (handling SIGHUPs); returns the signal number."""
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            while self.pending_signals:
+                sig = self.pending_signals.pop(0)
+                if sig == signal.SIGHUP:
+                    self.reload()
+                else:
+                    log.info("received %s: shutting down", signal.Signals(sig).name)
+                    return sig
+
+    # ---- stopping ------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop every part in order within ``shutdown_timeout_s`` (idempotent)."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._stopping.set()
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.shutdown_timeout_s
+        # MPS gets the biggest share at the end: it must quit its daemons.
+        reserve_for_mps = min(self.cfg.shutdown_timeout_s * 0.4, 5.0) if self.mps is not None else 0.0
+
+        def left(reserve: float = 0.0) -> float:
+            return max(deadline - time.monotonic() - reserve, 0.05)
+
+        def per_part(n_left: int) -> float:
+            return left(reserve_for_mps) / max(n_left, 1)
+
+        order: list[tuple[str, Callable[[], Any]]] = []
+        if self.device_plugin is not None:
+            order.append(("device plugin", lambda: self.device_plugin.stop(per_part(4))))
+        if self.nri_stub is not None:
+            order.append(("nri", lambda: self.nri_stub.stop(per_part(3))))
+        if self.pods_watcher is not None:
+            order.append(("pods file", lambda: self.pods_watcher.stop(per_part(3))))
+        if self.pod_source is not None and hasattr(self.pod_source, "stop"):
+            order.append(("pod watch", lambda: self.pod_source.stop(per_part(2))))
+        if self.podresources is not None:
+            order.append(("podresources", lambda: self.podresources.close()))
+        if self.metrics is not None and hasattr(self.metrics, "stop"):
+            order.append(("metrics", lambda: _call_stop(self.metrics, per_part(1))))
+        for i, (name, fn) in enumerate(order):
+            _call_bounded(name, fn, left(reserve_for_mps) / max(len(order) - i, 1) + 0.5)
+        if self.mps is not None and hasattr(self.mps, "stop"):
+            _call_bounded("mps", lambda: _call_stop(self.mps, left()), left() + 0.5)
+        if self.inventory is not None:
+            _call_bounded("inventory", self.inventory.close, 1.0)
+        if self.health is not None:
+            self.health.stop()
+        try:
+            os.unlink(self.cfg.endpoints_path)
+        except OSError:
+            pass
+        problems = self.ledger.check_invariants() if self.ledger is not None else []
+        log.info("fracplugin stopped", extra={
+            "elapsed_ms": round((time.monotonic() - t0) * 1000, 1),
+            "tenancies": len(self.ledger.tenancies()) if self.ledger is not None else 0,
+            "ledger_consistent": not problems})
+
+
+def _construct(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    """``cls(*args, **kwargs)`` passing only the keyword arguments its
+    constructor accepts (the parts grow options at their own pace; a keyword
+    a part does not take is simply not passed)."""
+    import inspect
+
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return cls(*args, **kwargs)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return cls(*args, **kwargs)
+    return cls(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+
+def _call(obj: Any, method: str) -> Any:
+    """``obj.method()`` when it exists, else None; exceptions -> None (logged)."""
+    fn = getattr(obj, method, None)
+    if not callable(fn):
+        return None
+    try:
+        return fn()
+    except Exception:
+        log.exception("%s.%s() failed", type(obj).__name__, method)
+        return None
+
+
+def _call_stop(obj: Any, timeout_s: float) -> None:
+    import inspect
+
+    stop = obj.stop
+    try:
+        params = inspect.signature(stop).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        params = {}
+    if "timeout_s" in params:
+        stop(timeout_s=timeout_s)
+    elif "timeout" in params:
+        stop(timeout=timeout_s)
+    else:
+        stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    """``fracplugin run``: exit 0 after an orderly stop, 1 when a part cannot
+    start, 2 for a bad setting."""
+    try:
+        cfg, sources = configmod.load(args)
+    except ConfigError as exc:
+        print(f"fracplugin run: {exc}", file=sys.stderr)
+        return 2
+    logs.setup(cfg.log_format, cfg.log_level)
+    daemon = Daemon(cfg, sources, reload=lambda: configmod.load(args))
+    daemon.install_signal_handlers()
+    try:
+        daemon.start()
+    except StartupError as exc:
+        log.error("fracplugin could not start: %s", exc)
+        print(f"fracplugin run: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"event": "started", **daemon.endpoints, "pid": os.getpid()}), flush=True)
+    daemon.serve_forever()
+    daemon.stop()
+    return 0

@@ -1,0 +1,151 @@
+"""``fracplugin status``: the running daemon's GPUs, tenants, MPS daemons and readiness.
+
+Reads ``GET /status`` from the daemon's health endpoint (``--health-address``,
+default from ``FRACPLUGIN_HEALTH_ADDRESS`` or ``127.0.0.1:8080``; or the
+``health`` entry of ``<state-dir>/endpoints.json`` with ``--state-dir``) and
+prints a table, or the JSON document with ``--output json``.
+
+Exit status: 0 the daemon answered and is ready; 1 it answered but is not
+ready; 2 it could not be reached (one line on stderr, no traceback).
+
+Concurrency: a one-shot client, single-threaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Mapping
+
+DEFAULT_ADDRESS = "127.0.0.1:8080"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--health-address", metavar="HOST:PORT", default=None,
+                   help=f"the daemon's health endpoint (env FRACPLUGIN_HEALTH_ADDRESS; default {DEFAULT_ADDRESS})")
+    p.add_argument("--state-dir", metavar="DIR", default=None,
+                   help="read the health endpoint from DIR/endpoints.json (what `run` wrote)")
+    p.add_argument("--output", "-o", choices=("table", "json"), default="table")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="HTTP timeout")
+
+
+def url_for(address: str, path: str = "/status") -> str:
+    """``HOST:PORT`` -> ``http://HOST:PORT/status``; an empty or wildcard host
+    means this machine (``127.0.0.1``)."""
+    host, _, port = address.rpartition(":")
+    if host in ("", "0.0.0.0", "[::]", "::"):
+        host = "127.0.0.1"
+    return f"http://{host}:{port}{path}"
+
+
+def fetch(address: str, path: str = "/status", timeout_s: float = 5.0) -> tuple[int, Any]:
+    """GET ``path`` from the daemon; returns (http status, parsed JSON or text).
+
+    Raises OSError (connection refused, timeout) with a readable message.
+    """
+    try:
+        with urllib.request.urlopen(url_for(address, path), timeout=timeout_s) as resp:
+            code, body = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        code, body = exc.code, exc.read()
+    except urllib.error.URLError as exc:
+        raise OSError(f"cannot reach the daemon at {url_for(address, path)}: {exc.reason}") from None
+    text = body.decode(errors="replace")
+    try:
+        return code, json.loads(text)
+    except ValueError:
+        return code, text
+
+
+def _yn(b: Any) -> str:
+    return "yes" if b else "no"
+
+
+def render_gpus(doc: Mapping[str, Any]) -> str:
+    """The GPU tenancy table of a status document (also used by the demo)."""
+    rows = [("GPU", "UUID", "MODE", "HELD/TOTAL MiB", "TENANTS", "HEALTH")]
+    tenant_lines: dict[int, list[str]] = {}
+    for g in doc.get("gpus", []):
+        tenants = g.get("tenants", [])
+        rows.append((str(g["index"]), g["uuid"], g.get("mode") or "-", f"{g['held_mib']}/{g['memory_mib']}",
+                     str(len(tenants)), "healthy" if g.get("healthy", True) else "UNHEALTHY"))
+        lines = []
+        for t in tenants:
+            atp = f"  ATP {t['active_thread_percentage']}%" if t.get("active_thread_percentage") else ""
+            cid = f"  id {t['container_id'][:12]}" if t.get("container_id") else ""
+            lines.append(f"{t['namespace']}/{t['pod_name']}/{t['container']}: request {t['request_mib']} MiB, "
+                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}")
+        tenant_lines[len(rows) - 1] = lines
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for n, r in enumerate(rows):
+        out.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        for line in tenant_lines.get(n, []):
+            out.append("    - " + line)
+    return "\n".join(out)
+
+
+def render_table(doc: Mapping[str, Any]) -> str:
+    """The human rendering of a ``/status`` document."""
+    out = []
+    ready = doc.get("ready")
+    out.append(f"node {doc.get('node', '?')}  fracplugin {doc.get('version', '?')}  pid {doc.get('pid', '?')}  "
+               f"ready: {_yn(ready)}")
+    doors = doc.get("doors", {})
+    out.append("doors: " + "  ".join(f"{k}={'on' if v else 'off'}" for k, v in doors.items())
+               + f"  fail-open={'on' if doc.get('fail_open') else 'off'}")
+    for part, c in (doc.get("checks") or {}).items():
+        out.append(f"  {part:<14} {'ready' if c.get('ready') else 'NOT READY':<10} {c.get('detail', '')}".rstrip())
+    out.append("")
+    out.append(render_gpus(doc))
+    mps = doc.get("mps") or {}
+    out.append("")
+    if not mps.get("enabled"):
+        out.append("MPS: not supervised (--no-mps)")
+    else:
+        out.append(f"MPS daemons (protocol {mps.get('protocol', '?')}), ready: {_yn(mps.get('ready'))}")
+        for d in mps.get("daemons", []):
+            extra = "  ".join(f"{k} {v}" for k, v in d.items()
+                              if k not in ("mode", "healthy") and v not in (None, "", [], {}) and not isinstance(v, (dict, list)))
+            out.append(f"  {d.get('mode', '?'):<13} {'healthy' if d.get('healthy') else 'UNHEALTHY':<9} {extra}".rstrip())
+    eps = doc.get("endpoints") or {}
+    if eps:
+        out.append("")
+        out.append("endpoints: " + "  ".join(f"{k}={v}" for k, v in eps.items() if v))
+    return "\n".join(out)
+
+
+def resolve_address(args: argparse.Namespace) -> str:
+    """--health-address, else --state-dir/endpoints.json, else env, else the default.
+    Raises OSError when the endpoints file is named but unreadable."""
+    if args.health_address:
+        return str(args.health_address)
+    if args.state_dir:
+        path = Path(args.state_dir) / "endpoints.json"
+        try:
+            return str(json.loads(path.read_text())["health"])
+        except (OSError, ValueError, KeyError) as exc:
+            raise OSError(f"cannot read the health address from {path}: {exc}") from None
+    return os.environ.get("FRACPLUGIN_HEALTH_ADDRESS") or DEFAULT_ADDRESS
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        address = resolve_address(args)
+        code, doc = fetch(address, "/status", args.timeout)
+    except OSError as exc:
+        print(f"fracplugin status: {exc}", file=sys.stderr)
+        return 2
+    if code != 200 or not isinstance(doc, dict):
+        print(f"fracplugin status: {url_for(address)} answered HTTP {code}: {str(doc)[:200]}", file=sys.stderr)
+        return 2
+    if args.output == "json":
+        print(json.dumps(doc, indent=2))
+    else:
+        print(render_table(doc))
+    return 0 if doc.get("ready") else 1
