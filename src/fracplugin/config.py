@@ -294,7 +294,10 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
     src = sources or {}
 
     def bad(name: str, reason: str) -> ConfigError:
-        return ConfigError("--" + flag_name(name), getattr(cfg, name), reason, src.get(name, "default"))
+        value = getattr(cfg, name)
+        if isinstance(value, tuple):
+            value = ",".join(value)
+        return ConfigError("--" + flag_name(name), value, reason, src.get(name, "default"))
 
     if cfg.log_format not in LOG_FORMATS:
         raise bad("log_format", f"must be one of {', '.join(LOG_FORMATS)}")
@@ -336,7 +339,7 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
 
         MpsLayout(cfg.mps_root)
     except ValueError as exc:
-        raise bad("mps_root", str(exc).split(": ", 1)[-1]) from None
+        raise bad("mps_root", str(exc).split(f"{cfg.mps_root!r} ", 1)[-1]) from None
     try:
         from .kubelet.devices import validate_resource_name
 

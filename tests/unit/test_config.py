@@ -1,0 +1,167 @@
+"""Configuration layers of ``fracplugin run``: defaults < file < env < flags."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fracplugin import config as c
+from fracplugin.config import DEFAULTS, Config, ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    c.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def load(argv: list[str] = (), env: dict[str, str] | None = None) -> tuple[Config, dict[str, str]]:
+    return c.load(parse(list(argv)), env or {})
+
+
+def test_defaults_are_the_daemonset_host_paths() -> None:
+    cfg, sources = load()
+    assert cfg == DEFAULTS and sources == {}
+    assert cfg.device_plugin_dir == "/var/lib/kubelet/device-plugins"
+    assert cfg.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    assert cfg.nri_socket == "/var/run/nri/nri.sock"
+    assert cfg.mps_root == "/run/fracplugin/mps"
+    assert cfg.state_dir == "/var/lib/fracplugin"
+    assert cfg.effective_kubelet_socket == "/var/lib/kubelet/device-plugins/kubelet.sock"
+    assert (cfg.metrics_address, cfg.health_address) == (":2112", ":8080")
+    assert cfg.ledger_path == "/var/lib/fracplugin/ledger.json"
+
+
+def test_precedence_file_env_flag(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"reserve_mib": 100, "log-level": "debug", "state_dir": "/srv/a", "fail_open": True}))
+    cfg, sources = load(["--config", str(f)])
+    assert (cfg.reserve_mib, cfg.log_level, cfg.state_dir, cfg.fail_open) == (100, "debug", "/srv/a", True)
+    assert sources["reserve_mib"] == f"file {f}"
+
+    env = {"FRACPLUGIN_RESERVE_MIB": "200", "FRACPLUGIN_STATE_DIR": "/srv/b", "FRACPLUGIN_FAIL_OPEN": "false"}
+    cfg, sources = load(["--config", str(f)], env)
+    assert (cfg.reserve_mib, cfg.state_dir, cfg.fail_open, cfg.log_level) == (200, "/srv/b", False, "debug")
+    assert sources["reserve_mib"] == "env FRACPLUGIN_RESERVE_MIB"
+
+    cfg, sources = load(["--config", str(f), "--reserve-mib", "300", "--fail-open"], env)
+    assert (cfg.reserve_mib, cfg.state_dir, cfg.fail_open) == (300, "/srv/b", True)
+    assert sources["reserve_mib"] == "flag" and sources["fail_open"] == "flag"
+
+
+def test_config_file_from_env(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("no_nri: true\nnri_plugin_idx: '10'\n")
+    cfg, _ = load([], {"FRACPLUGIN_CONFIG": str(f)})
+    assert cfg.no_nri is True and cfg.nri_plugin_idx == "10"
+
+
+def test_env_names_are_upper_snake_of_the_flag() -> None:
+    assert c.env_name("mps_root") == "FRACPLUGIN_MPS_ROOT"
+    assert c.env_name("shutdown_timeout_s") == "FRACPLUGIN_SHUTDOWN_TIMEOUT"
+    cfg, _ = load([], {"FRACPLUGIN_SHUTDOWN_TIMEOUT": "3.5", "FRACPLUGIN_NO_DEVICE_PLUGIN": "1",
+                       "FRACPLUGIN_MPS_MODES": "sm-sharing"})
+    assert cfg.shutdown_timeout_s == 3.5 and cfg.no_device_plugin is True and cfg.mps_modes == ("sm-sharing",)
+
+
+def test_node_name_from_downward_api_env() -> None:
+    assert load([], {"NODE_NAME": "n1"})[0].node_name == "n1"
+    assert load([], {"NODE_NAME": "n1", "FRACPLUGIN_NODE_NAME": "n2"})[0].node_name == "n2"
+    assert load(["--node-name", "n3"], {"NODE_NAME": "n1"})[0].node_name == "n3"
+
+
+@pytest.mark.parametrize("argv,env,setting,needle", [
+    (["--mps-protocol", "4"], {}, "--mps-protocol", "auto, 2, 3"),
+    (["--log-format", "xml"], {}, "--log-format", "json, text"),
+    (["--log-level", "loud"], {}, "--log-level", "debug"),
+    (["--health-address", "8080"], {}, "--health-address", "HOST:PORT"),
+    (["--metrics-address", ":99999"], {}, "--metrics-address", "0..65535"),
+    (["--device-unit-mib", "0"], {}, "--device-unit-mib", "positive"),
+    (["--device-unit-mib", "1G"], {}, "--device-unit-mib", "not an integer"),
+    (["--reserve-mib", "-1"], {}, "--reserve-mib", "0 or more"),
+    (["--nri-plugin-idx", "5"], {}, "--nri-plugin-idx", "two digits"),
+    (["--nri-plugin-name", "frac plugin"], {}, "--nri-plugin-name", "[a-zA-Z0-9_.+-]+"),
+    (["--resource-name", "kubernetes.io/gpu"], {}, "--resource-name", "reserved"),
+    (["--state-dir", "relative/dir"], {}, "--state-dir", "absolute"),
+    (["--mps-root", "/" + "x" * 80], {}, "--mps-root", "too long"),
+    (["--shutdown-timeout", "0"], {}, "--shutdown-timeout", "positive"),
+    (["--mps-modes", "time-slicing,mig"], {}, "--mps-modes", "'mig'"),
+    ([], {"FRACPLUGIN_FAIL_OPEN": "maybe"}, "--fail-open", "FRACPLUGIN_FAIL_OPEN"),
+    ([], {"FRACPLUGIN_MAX_CLIENTS_PER_GPU": "49"}, "--max-clients-per-gpu", "1..48"),
+])
+def test_bad_values_name_setting_and_value(argv: list[str], env: dict[str, str], setting: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        load(argv, env)
+    msg = str(ei.value)
+    assert ei.value.setting == setting and setting in msg and needle in msg
+    given = argv[1] if argv else next(iter(env.values()))
+    assert repr(given) in msg or given in msg
+
+
+def test_bad_file(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("reserv_mib: 3\n")
+    with pytest.raises(ConfigError, match="reserv_mib.*is not a setting"):
+        load(["--config", str(f)])
+    f.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load(["--config", str(f)])
+    f.write_text("a: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load(["--config", str(f)])
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load(["--config", str(tmp_path / "missing.yaml")])
+    f.write_text("reserve_mib: lots\n")
+    with pytest.raises(ConfigError, match=r"--reserve-mib \(from file .*'lots' is not an integer"):
+        load(["--config", str(f)])
+
+
+def test_shipped_configmap_loads_to_the_defaults() -> None:
+    """daemonset/configmap.yaml's config.yaml is valid for `run --config` and
+    documents the defaults (apart from the bind-all addresses)."""
+    cm = yaml.safe_load((REPO / "daemonset" / "configmap.yaml").read_text())
+    path = Path("/tmp") / f"fp-cm-{id(cm)}.yaml"
+    path.write_text(cm["data"]["config.yaml"])
+    try:
+        cfg, sources = load(["--config", str(path)])
+    finally:
+        path.unlink()
+    assert cfg.device_unit_mib == 1024
+    differs = {k for k in Config.__dataclass_fields__ if getattr(cfg, k) != getattr(DEFAULTS, k)}
+    assert differs <= {"metrics_address", "health_address"}
+
+
+@pytest.mark.parametrize("value,mib", [("GiB", 1024), ("MiB", 1), ("512Mi", 512), ("2Gi", 2048)])
+def test_device_unit_in_file(tmp_path: Path, value: str, mib: int) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(f"device_unit: {value}\n")
+    assert load(["--config", str(f)])[0].device_unit_mib == mib
+
+
+def test_parse_address() -> None:
+    assert c.parse_address(":2112") == ("", 2112)
+    assert c.parse_address("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert c.parse_address("[::1]:80") == ("::1", 80)
+    for bad in ("8080", "host:", "a:b", "[::1]80"):
+        with pytest.raises(ValueError):
+            c.parse_address(bad)
+
+
+def test_reloadable_changes() -> None:
+    old = DEFAULTS
+    new = Config(log_level="debug", fail_open=True, state_dir="/elsewhere")
+    applied, ignored = c.reloadable_changes(old, new)
+    assert applied == {"log_level": ("info", "debug"), "fail_open": (False, True)}
+    assert ignored == ["state_dir"]
+
+
+def test_every_setting_has_a_flag() -> None:
+    p = argparse.ArgumentParser()
+    c.add_arguments(p)
+    flags = {a.dest for a in p._actions}
+    assert set(Config.__dataclass_fields__) <= flags
