@@ -1,0 +1,454 @@
+"""Finding the pod behind an Allocate call (which carries only device IDs).
+
+kubelet-device-plugin.md A.5/A.6: kubelet calls Allocate once per container,
+init containers first (spec order), then app containers, during pod admission;
+the request names device IDs only. We keep a watch cache of the pods bound to
+this node (field selector ``spec.nodeName=<node>``) and pick, among pods that
+are still being admitted, the container whose request of our resource equals
+the device count, oldest pod first, init containers before app containers,
+skipping containers already served.
+
+Pods are plain dicts in the Kubernetes JSON shape (camelCase keys, as the API
+server, ``ApiClient.sanitize_for_serialization`` and the YAML examples give
+them): ``metadata.{name,namespace,uid,annotations,creationTimestamp,deletionTimestamp}``,
+``spec.{nodeName,containers,initContainers}`` with ``resources.{requests,limits}``,
+``status.{phase,containerStatuses,initContainerStatuses}``.
+
+Concurrency model: both sources are thread-safe. ``InMemoryPodSource`` is
+mutated by the caller; ``KubernetesPodSource`` runs one daemon thread
+(list, then watch; relist on 410 Gone or any error, with backoff) that writes
+the store under a lock and notifies waiters through a condition variable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
+
+log = logging.getLogger(__name__)
+
+Pod = Mapping[str, Any]
+_TERMINAL = ("Succeeded", "Failed")
+
+
+@runtime_checkable
+class PodSource(Protocol):
+    """Where Allocate finds pods: a watch cache of the pods on this node."""
+
+    def candidates(self, resource_name: str, count: int) -> list[Pod]:
+        """Pods bound to this node, not terminal and not being deleted, with at
+        least one container (init or app) requesting exactly ``count`` of
+        ``resource_name``. Any order."""
+        ...
+
+    def get(self, namespace: str, name: str) -> Pod | None:
+        """One pod of the cache by namespace/name, or None."""
+        ...
+
+    def ready(self) -> bool:
+        """True when the cache is synced and its API connection is up."""
+        ...
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until the cache changes or ``timeout_s`` passes; True on a change."""
+        ...
+
+
+def resource_count(container: Mapping[str, Any], resource_name: str) -> int:
+    """How many of ``resource_name`` one container requests: ``resources.limits``
+    (extended resources must have requests == limits; limits win when both are
+    given, as kubelet's device manager reads limits), else ``resources.requests``.
+    0 when absent or not an integer."""
+    res = container.get("resources") or {}
+    for part in ("limits", "requests"):
+        val = (res.get(part) or {}).get(resource_name)
+        if val is not None:
+            try:
+                return int(str(val))
+            except ValueError:
+                return 0
+    return 0
+
+
+def pod_uid(pod: Pod) -> str:
+    return str((pod.get("metadata") or {}).get("uid") or "")
+
+
+def pod_key(pod: Pod) -> str:
+    md = pod.get("metadata") or {}
+    return f"{md.get('namespace') or 'default'}/{md.get('name') or ''}"
+
+
+def _created_container_names(pod: Pod) -> set[str]:
+    """Containers the runtime already created (status has a containerID):
+    kubelet allocated them long ago."""
+    status = pod.get("status") or {}
+    out: set[str] = set()
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for st in status.get(key) or ():
+            if st.get("containerID"):
+                out.add(str(st.get("name")))
+    return out
+
+
+def _live_on_node(pod: Pod, node_name: str | None) -> bool:
+    md = pod.get("metadata") or {}
+    if md.get("deletionTimestamp"):
+        return False
+    if ((pod.get("status") or {}).get("phase") or "") in _TERMINAL:
+        return False
+    if node_name is not None and (pod.get("spec") or {}).get("nodeName") != node_name:
+        return False
+    return True
+
+
+def requests_resource(pod: Pod, resource_name: str | None) -> bool:
+    """True when any container of the pod requests ``resource_name`` (any when None)."""
+    spec = pod.get("spec") or {}
+    for key in ("initContainers", "containers"):
+        for c in spec.get(key) or ():
+            if resource_name is None:
+                return True
+            if resource_count(c, resource_name) > 0:
+                return True
+    return False
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (pod, container) that an Allocate of ``count`` devices may be for.
+
+    ``order`` sorts candidates: (creationTimestamp, init first, spec position,
+    namespace/name)."""
+
+    pod: Pod
+    container: str
+    init: bool
+    order: tuple[str, int, int, str]
+
+    @property
+    def uid(self) -> str:
+        return pod_uid(self.pod)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(pod uid, container): the identity served-tracking and the ledger use."""
+        return (self.uid, self.container)
+
+
+def select_candidates(
+    pods: Iterable[Pod],
+    resource_name: str,
+    count: int,
+    served: Callable[[str, str], bool] = lambda _u, _c: False,
+) -> list[Candidate]:
+    """Every container of ``pods`` that requests exactly ``count`` of
+    ``resource_name``, was not created yet, and is not ``served(uid, container)``,
+    oldest pod first, init containers before app containers (reference A.5).
+
+    Inside one pod only the *first* such container is a candidate: kubelet
+    allocates a pod's containers in order, so a later container of the same pod
+    cannot be the one being admitted while an earlier one is pending.
+    """
+    out: list[Candidate] = []
+    for pod in pods:
+        md = pod.get("metadata") or {}
+        spec = pod.get("spec") or {}
+        created = _created_container_names(pod)
+        uid = pod_uid(pod)
+        ts = str(md.get("creationTimestamp") or "")
+        done = False
+        for init, key in ((0, "initContainers"), (1, "containers")):
+            for pos, c in enumerate(spec.get(key) or ()):
+                n = resource_count(c, resource_name)
+                if n <= 0:
+                    continue
+                name = str(c.get("name") or "")
+                if name in created or served(uid, name):
+                    continue
+                # The first unserved container of this pod that uses the resource.
+                if n == count:
+                    out.append(Candidate(pod, name, init == 0, (ts, init, pos, pod_key(pod))))
+                done = True
+                break
+            if done:
+                break
+    out.sort(key=lambda c: c.order)
+    return out
+
+
+class _Store:
+    """Thread-safe pod store with a (resource, count) index."""
+
+    def __init__(self, node_name: str | None, resource_name: str | None) -> None:
+        self.node_name = node_name
+        self.resource_name = resource_name
+        self._pods: dict[str, Pod] = {}
+        self._cond = threading.Condition()
+        self._version = 0
+        self.on_delete: list[Callable[[Pod], None]] = []
+
+    def _key(self, pod: Pod) -> str:
+        return pod_uid(pod) or pod_key(pod)
+
+    def put(self, pod: Pod) -> None:
+        if self.resource_name is not None and not requests_resource(pod, self.resource_name):
+            self.remove(pod)
+            return
+        with self._cond:
+            self._pods[self._key(pod)] = pod
+            self._version += 1
+            self._cond.notify_all()
+
+    def remove(self, pod: Pod) -> None:
+        with self._cond:
+            old = self._pods.pop(self._key(pod), None)
+            self._version += 1
+            self._cond.notify_all()
+        if old is not None:
+            for cb in list(self.on_delete):
+                try:
+                    cb(old)
+                except Exception:
+                    log.exception("pod delete callback failed")
+
+    def replace(self, pods: Iterable[Pod]) -> None:
+        new = {}
+        for p in pods:
+            if self.resource_name is None or requests_resource(p, self.resource_name):
+                new[self._key(p)] = p
+        with self._cond:
+            gone = [p for k, p in self._pods.items() if k not in new]
+            self._pods = new
+            self._version += 1
+            self._cond.notify_all()
+        for old in gone:
+            for cb in list(self.on_delete):
+                try:
+                    cb(old)
+                except Exception:
+                    log.exception("pod delete callback failed")
+
+    def candidates(self, resource_name: str, count: int) -> list[Pod]:
+        with self._cond:
+            pods = list(self._pods.values())
+        out = []
+        for p in pods:
+            if not _live_on_node(p, self.node_name):
+                continue
+            spec = p.get("spec") or {}
+            if any(
+                resource_count(c, resource_name) == count
+                for key in ("initContainers", "containers")
+                for c in spec.get(key) or ()
+            ):
+                out.append(p)
+        return out
+
+    def get(self, namespace: str, name: str) -> Pod | None:
+        with self._cond:
+            for p in self._pods.values():
+                md = p.get("metadata") or {}
+                if md.get("name") == name and (md.get("namespace") or "default") == namespace:
+                    return p
+        return None
+
+    def pods(self) -> list[Pod]:
+        with self._cond:
+            return list(self._pods.values())
+
+    def wait(self, timeout_s: float) -> bool:
+        with self._cond:
+            v = self._version
+            return self._cond.wait_for(lambda: self._version != v, timeout=max(timeout_s, 0.0))
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._pods)
+
+
+class InMemoryPodSource:
+    """A PodSource fed by the caller (tests, the demo, the benchmark).
+
+    Args:
+        node_name: only pods with ``spec.nodeName`` equal to it are candidates
+            (None: every pod).
+        pods: initial pods.
+    """
+
+    def __init__(self, node_name: str | None = None, pods: Iterable[Pod] = ()) -> None:
+        self._store = _Store(node_name, None)
+        self._ready = True
+        for p in pods:
+            self._store.put(p)
+
+    # PodSource
+    def candidates(self, resource_name: str, count: int) -> list[Pod]:
+        return self._store.candidates(resource_name, count)
+
+    def get(self, namespace: str, name: str) -> Pod | None:
+        return self._store.get(namespace, name)
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._store.wait(timeout_s)
+
+    # feeding
+    def add(self, pod: Pod) -> None:
+        """Add or replace a pod (keyed by uid, else namespace/name)."""
+        self._store.put(pod)
+
+    def delete(self, pod: Pod) -> None:
+        """Remove a pod (as a watch DELETED event would)."""
+        self._store.remove(pod)
+
+    def set_ready(self, ready: bool) -> None:
+        """Simulate the API connection going down (False) or up (True)."""
+        self._ready = ready
+
+    def pods(self) -> list[Pod]:
+        return self._store.pods()
+
+    def subscribe_deleted(self, callback: Callable[[Pod], None]) -> None:
+        """Call ``callback(pod)`` when a pod leaves the cache."""
+        self._store.on_delete.append(callback)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+class KubernetesPodSource:
+    """A PodSource backed by the API server (kubernetes Python client).
+
+    List, then watch pods with field selector ``spec.nodeName=<node_name>``;
+    relist on ``410 Gone``, on a closed watch, or on any error (exponential
+    backoff 0.5 s .. 30 s). Only pods that request ``resource_name`` are kept
+    (all pods when None). ``ready()`` is False until the first list succeeds
+    and while the connection is failing.
+
+    Args:
+        node_name: this node's name.
+        resource_name: the extended resource to keep pods for.
+        api_client: a ``kubernetes.client.ApiClient``; None loads in-cluster
+            config, then the kubeconfig.
+        watch_timeout_s: server-side watch timeout before a re-watch.
+        request_timeout_s: client read timeout of list/watch requests.
+    """
+
+    def __init__(
+        self,
+        node_name: str,
+        resource_name: str | None = None,
+        api_client: Any = None,
+        *,
+        watch_timeout_s: int = 300,
+        request_timeout_s: float = 30.0,
+    ) -> None:
+        self.node_name = node_name
+        self._store = _Store(node_name, resource_name)
+        self._api_client = api_client
+        self._watch_timeout_s = watch_timeout_s
+        self._request_timeout_s = request_timeout_s
+        self._ready = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._watch: Any = None
+        self.last_error: str | None = None
+
+    def candidates(self, resource_name: str, count: int) -> list[Pod]:
+        return self._store.candidates(resource_name, count)
+
+    def get(self, namespace: str, name: str) -> Pod | None:
+        return self._store.get(namespace, name)
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._store.wait(timeout_s)
+
+    def subscribe_deleted(self, callback: Callable[[Pod], None]) -> None:
+        self._store.on_delete.append(callback)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def start(self) -> None:
+        """Start the list/watch thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="fracplugin-podwatch", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread; waits up to ``timeout_s`` (a watch blocked in a read
+        ends at its read timeout; the thread is a daemon)."""
+        self._stop.set()
+        w = self._watch
+        if w is not None:
+            w.stop()
+        t, self._thread = self._thread, None
+        if t is not None:
+            t.join(timeout_s)
+
+    def _client(self) -> Any:
+        from kubernetes import client, config  # heavy import, only when used
+
+        if self._api_client is None:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            self._api_client = client.ApiClient()
+        return client.CoreV1Api(self._api_client)
+
+    def _run(self) -> None:
+        from kubernetes import watch
+
+        backoff = 0.5
+        selector = f"spec.nodeName={self.node_name}"
+        while not self._stop.is_set():
+            try:
+                v1 = self._client()
+                lst = v1.list_pod_for_all_namespaces(
+                    field_selector=selector, _request_timeout=self._request_timeout_s
+                )
+                ser = self._api_client.sanitize_for_serialization
+                self._store.replace(ser(p) for p in lst.items)
+                self._ready = True
+                self.last_error = None
+                backoff = 0.5
+                rv = lst.metadata.resource_version
+                self._watch = watch.Watch()
+                for ev in self._watch.stream(
+                    v1.list_pod_for_all_namespaces,
+                    field_selector=selector,
+                    resource_version=rv,
+                    timeout_seconds=self._watch_timeout_s,
+                    _request_timeout=self._watch_timeout_s + self._request_timeout_s,
+                ):
+                    if self._stop.is_set():
+                        break
+                    kind = ev.get("type")
+                    obj = ev.get("object")
+                    if kind == "ERROR":
+                        log.info("pod watch error event (%s); relisting", getattr(obj, "get", lambda *_: obj)("code"))
+                        break
+                    pod = obj if isinstance(obj, dict) else ser(obj)
+                    if kind == "DELETED":
+                        self._store.remove(pod)
+                    elif kind in ("ADDED", "MODIFIED"):
+                        self._store.put(pod)
+            except Exception as e:  # ApiException, urllib3 errors, config errors
+                self._ready = False
+                self.last_error = str(e)
+                log.warning("pod watch on node %s failed: %s (retry in %.1f s)", self.node_name, e, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+        self._ready = False
+

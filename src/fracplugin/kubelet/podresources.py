@@ -1,0 +1,171 @@
+"""PodResources v1 client: which devices kubelet gave which container.
+
+kubelet-device-plugin.md A.7: service ``v1.PodResourcesLister`` on
+``/var/lib/kubelet/pod-resources/kubelet.sock`` with ``List`` (GA 1.28) and
+``Get`` (1.27+, feature gate ``KubeletPodResourcesGet``; older kubelets answer
+UNIMPLEMENTED, then we fall back to ``List``). PodResources carries pod name
+and namespace but no pod UID.
+
+Uses: the NRI door confirms at CreateContainer which device IDs kubelet gave a
+container (``devices_for``); the device plugin rebuilds its ledger at startup
+for containers allocated before a restart (kubelet never re-Allocates, A.5).
+
+Concurrency model: a ``PodResourcesClient`` holds one grpc channel; grpc
+channels are thread-safe, so one client may be shared by threads. Every call
+has a deadline (``timeout_s``). The socket is dialled lazily, so a kubelet
+restart (new socket file) is picked up on the next call after a failure.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import grpc
+
+from .._proto import podresources_pb2 as pb
+from .._proto import podresources_pb2_grpc as pb_grpc
+
+DEFAULT_PODRESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+
+
+class PodResourcesError(RuntimeError):
+    """The PodResources API could not be reached or answered with an error."""
+
+
+@dataclass(frozen=True)
+class ContainerDevices:
+    """One container's devices: resource name -> device IDs."""
+
+    name: str
+    devices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PodDevices:
+    """One pod of the PodResources answer (no UID: the API has none)."""
+
+    namespace: str
+    name: str
+    containers: tuple[ContainerDevices, ...]
+
+    def container(self, name: str) -> ContainerDevices | None:
+        for c in self.containers:
+            if c.name == name:
+                return c
+        return None
+
+
+def _convert(p: pb.PodResources) -> PodDevices:
+    conts = []
+    for c in p.containers:
+        devs: dict[str, list[str]] = {}
+        for d in c.devices:
+            devs.setdefault(d.resource_name, []).extend(d.device_ids)
+        conts.append(ContainerDevices(c.name, {k: tuple(v) for k, v in devs.items()}))
+    return PodDevices(p.namespace, p.name, tuple(conts))
+
+
+class PodResourcesClient:
+    """Client of kubelet's PodResources v1 API.
+
+    Args:
+        socket_path: the unix socket (default ``/var/lib/kubelet/pod-resources/kubelet.sock``).
+        timeout_s: deadline of each call in seconds.
+    """
+
+    def __init__(self, socket_path: str = DEFAULT_PODRESOURCES_SOCKET, timeout_s: float = 2.0) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.PodResourcesListerStub | None = None
+        self._get_unimplemented = False
+
+    def _get_stub(self) -> pb_grpc.PodResourcesListerStub:
+        with self._lock:
+            if self._stub is None:
+                # grpcio >= 1.57 sends the %-encoded path as :authority on UDS
+                # targets; kubelet (grpc-go) accepts it, but be explicit (D.9).
+                self._channel = grpc.insecure_channel(
+                    "unix:" + self.socket_path, options=[("grpc.default_authority", "localhost")]
+                )
+                self._stub = pb_grpc.PodResourcesListerStub(self._channel)
+            return self._stub
+
+    def _reset(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = None
+            self._stub = None
+
+    def list(self) -> list[PodDevices]:
+        """Every pod kubelet knows with its containers' devices. Raises PodResourcesError."""
+        try:
+            resp = self._get_stub().List(pb.ListPodResourcesRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            self._reset()
+            raise PodResourcesError(
+                f"PodResources List on {self.socket_path} failed: {e.code().name}: {e.details()}"
+            ) from None
+        return [_convert(p) for p in resp.pod_resources]
+
+    def get(self, namespace: str, name: str) -> PodDevices | None:
+        """One pod (``Get``; falls back to ``List`` on kubelets without ``Get``).
+        None when kubelet does not know the pod. Raises PodResourcesError."""
+        if not self._get_unimplemented:
+            try:
+                resp = self._get_stub().Get(
+                    pb.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace), timeout=self.timeout_s
+                )
+                return _convert(resp.pod_resources)
+            except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.UNIMPLEMENTED:
+                    self._get_unimplemented = True
+                elif code == grpc.StatusCode.NOT_FOUND or "not found" in (e.details() or "").lower():
+                    return None
+                else:
+                    self._reset()
+                    raise PodResourcesError(
+                        f"PodResources Get {namespace}/{name} on {self.socket_path} failed: "
+                        f"{code.name}: {e.details()}"
+                    ) from None
+        for p in self.list():
+            if p.namespace == namespace and p.name == name:
+                return p
+        return None
+
+    def devices_for(self, pod_namespace: str, pod_name: str, container: str, resource_name: str) -> list[str]:
+        """Device IDs of ``resource_name`` kubelet gave one container ([] when
+        none or unknown). Raises PodResourcesError when kubelet cannot be asked."""
+        pod = self.get(pod_namespace, pod_name)
+        if pod is None:
+            return []
+        c = pod.container(container)
+        if c is None:
+            return []
+        return list(c.devices.get(resource_name, ()))
+
+    def close(self) -> None:
+        self._reset()
+
+
+def devices_for(
+    pod_namespace: str,
+    pod_name: str,
+    container: str,
+    resource_name: str,
+    *,
+    socket_path: str = DEFAULT_PODRESOURCES_SOCKET,
+    timeout_s: float = 2.0,
+) -> list[str]:
+    """One-shot form of ``PodResourcesClient.devices_for`` (opens and closes a
+    channel). Raises PodResourcesError."""
+    client = PodResourcesClient(socket_path, timeout_s)
+    try:
+        return client.devices_for(pod_namespace, pod_name, container, resource_name)
+    finally:
+        client.close()

@@ -1,0 +1,309 @@
+"""Registering the device plugin with kubelet, and staying registered.
+
+Rules (kubelet-device-plugin.md A.5, A.8, D.7-D.9):
+
+* serve first, check our own socket answers (``GetDevicePluginOptions`` on it),
+  then call ``Registration.Register`` on ``kubelet.sock``: kubelet dials back
+  and calls GetDevicePluginOptions + ListAndWatch before Register returns, so
+  Register fails when we are not serving;
+* dial kubelet.sock with ``:authority`` ``localhost`` (grpc option
+  ``grpc.default_authority``; grpcio >= 1.57 would send the %-encoded path);
+* retry with exponential backoff (tenacity; 50 ms doubling to 1 s) for as long
+  as the plugin runs;
+* re-register without restarting the process when kubelet restarts. Triggers,
+  polled every ``poll_s`` (default 0.1 s, so a restart is seen within 100 ms):
+  ``kubelet.sock`` re-created (its (inode, ctime) changed), our own socket
+  deleted (kubelet wipes every socket of the directory on start: we serve on a
+  new socket first), or no ListAndWatch stream open for ``stream_grace_s``
+  after one ended (``register_grace_s`` after a Register).
+
+Concurrency model: one daemon thread (``Registrar``) owns the whole cycle; the
+device plugin server is driven through the narrow ``RegistrationTarget``
+callbacks, which must be thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import grpc
+import tenacity
+
+from .._proto import deviceplugin_pb2 as pb
+from .._proto import deviceplugin_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+KUBELET_SOCKET_NAME = "kubelet.sock"
+CHANNEL_OPTIONS = [("grpc.default_authority", "localhost")]
+
+
+class RegistrationError(RuntimeError):
+    """Register could not complete (kubelet absent, refused, or our socket silent)."""
+
+
+def socket_identity(path: str) -> tuple[int, int] | None:
+    """(inode, ctime ns) of a path, or None when it does not exist. A re-created
+    file changes at least the ctime even when the inode number is reused."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_ctime_ns)
+
+
+def probe(socket_path: str, timeout_s: float = 1.0) -> pb.DevicePluginOptions:
+    """Call GetDevicePluginOptions on a device plugin socket, the way kubelet
+    does (authority ``localhost``, blocking until ready or ``timeout_s``).
+    Raises RegistrationError."""
+    with grpc.insecure_channel("unix:" + socket_path, options=CHANNEL_OPTIONS) as ch:
+        try:
+            return pb_grpc.DevicePluginStub(ch).GetDevicePluginOptions(
+                pb.Empty(), timeout=timeout_s, wait_for_ready=True
+            )
+        except grpc.RpcError as e:
+            raise RegistrationError(
+                f"own socket {socket_path} does not answer: {e.code().name}: {e.details()}"
+            ) from None
+
+
+def register(
+    kubelet_socket: str,
+    endpoint: str,
+    resource_name: str,
+    options: pb.DevicePluginOptions,
+    timeout_s: float = 10.0,
+) -> None:
+    """One ``Registration.Register`` call. ``endpoint`` is our socket's *file
+    name* (kubelet joins it with its plugin dir, reference A.3). Raises
+    RegistrationError (kubelet.sock missing, kubelet refused, timeout)."""
+    if not os.path.exists(kubelet_socket):
+        raise RegistrationError(f"{kubelet_socket} does not exist (kubelet not running yet?)")
+    with grpc.insecure_channel("unix:" + kubelet_socket, options=CHANNEL_OPTIONS) as ch:
+        try:
+            pb_grpc.RegistrationStub(ch).Register(
+                pb.RegisterRequest(
+                    version=API_VERSION, endpoint=endpoint, resource_name=resource_name, options=options
+                ),
+                timeout=timeout_s,
+            )
+        except grpc.RpcError as e:
+            raise RegistrationError(
+                f"Register {resource_name} at {kubelet_socket} failed: {e.code().name}: {e.details()}"
+            ) from None
+
+
+class RegistrationTarget(Protocol):
+    """What the registrar needs from the device plugin server."""
+
+    socket_path: str
+
+    def socket_identity(self) -> tuple[int, int] | None:
+        """(inode, ctime) of the socket we listen on, as of when we bound it."""
+        ...
+
+    def rebind(self) -> None:
+        """Serve again on a fresh socket (ours was deleted)."""
+        ...
+
+    def active_streams(self) -> int:
+        """Open ListAndWatch streams of the current server."""
+        ...
+
+    def last_stream_end(self) -> float:
+        """time.monotonic() when the last ListAndWatch stream ended (0.0 never)."""
+        ...
+
+    def options(self) -> pb.DevicePluginOptions:
+        ...
+
+
+@dataclass
+class RegistrationStats:
+    """Counters for status/metrics: registrations done, last duration (s),
+    last trigger, last error."""
+
+    count: int = 0
+    last_s: float = 0.0
+    last_trigger: str = ""
+    last_error: str = ""
+    registered_at: float = 0.0
+
+
+class Registrar:
+    """The registration thread.
+
+    Args:
+        target: the device plugin server.
+        kubelet_socket: path of kubelet.sock.
+        resource_name: the extended resource.
+        poll_s: watch period in seconds.
+        register_timeout_s: deadline of one Register call.
+        stream_grace_s: seconds with no open ListAndWatch (after one ended)
+            before re-registering.
+        register_grace_s: seconds after a Register for kubelet to open
+            ListAndWatch before re-registering.
+        on_registered: called with the seconds from trigger to completed
+            registration (bench/metrics).
+    """
+
+    def __init__(
+        self,
+        target: RegistrationTarget,
+        kubelet_socket: str,
+        resource_name: str,
+        *,
+        poll_s: float = 0.1,
+        register_timeout_s: float = 10.0,
+        stream_grace_s: float = 0.5,
+        register_grace_s: float = 5.0,
+        on_registered: Callable[[float], None] | None = None,
+    ) -> None:
+        self.target = target
+        self.kubelet_socket = kubelet_socket
+        self.resource_name = resource_name
+        self.poll_s = poll_s
+        self.register_timeout_s = register_timeout_s
+        self.stream_grace_s = stream_grace_s
+        self.register_grace_s = register_grace_s
+        self.on_registered = on_registered
+        self.stats = RegistrationStats()
+        self._registered = False
+        self._stop = threading.Event()
+        self._kick = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def registered(self) -> bool:
+        """True after a successful Register until a trigger says kubelet lost us."""
+        return self._registered
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="fracplugin-registrar", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        self._stop.set()
+        self._kick.set()
+        t, self._thread = self._thread, None
+        if t is not None:
+            t.join(timeout_s)
+        self._registered = False
+
+    def kick(self) -> None:
+        """Ask for a re-registration now (e.g. from a health change or tests)."""
+        self._kick.set()
+
+    # -- the loop ------------------------------------------------------------
+    def _wait(self, seconds: float) -> None:
+        """Sleep for tenacity: wakes early on stop or kick."""
+        self._kick.wait(seconds)
+
+    def _register_once(self) -> None:
+        if socket_identity(self.target.socket_path) != self.target.socket_identity():
+            log.info("own socket %s is gone; serving on a new one", self.target.socket_path)
+            self.target.rebind()
+        probe(self.target.socket_path, timeout_s=1.0)
+        register(
+            self.kubelet_socket,
+            os.path.basename(self.target.socket_path),
+            self.resource_name,
+            self.target.options(),
+            timeout_s=self.register_timeout_s,
+        )
+
+    def _register_until_done(self, trigger: str, t0: float) -> bool:
+        """Register with backoff until it works, the stop flag is set, or the
+        kubelet socket changes (then the caller starts over without delay)."""
+        ks0 = socket_identity(self.kubelet_socket)
+
+        def give_up(_state: tenacity.RetryCallState) -> bool:
+            return self._stop.is_set() or socket_identity(self.kubelet_socket) != ks0
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            err = state.outcome.exception() if state.outcome else None
+            self.stats.last_error = str(err)
+            log.warning("registration attempt %d failed: %s", state.attempt_number, err)
+
+        retry = tenacity.Retrying(
+            wait=tenacity.wait_exponential(multiplier=0.05, min=0.05, max=1.0),
+            stop=give_up,
+            retry=tenacity.retry_if_exception_type(Exception),
+            sleep=self._wait,
+            before_sleep=before_sleep,
+            reraise=False,
+        )
+        try:
+            retry(self._register_once)
+        except tenacity.RetryError:
+            return False
+        took = time.monotonic() - t0
+        self._registered = True
+        self.stats.count += 1
+        self.stats.last_s = took
+        self.stats.last_trigger = trigger
+        self.stats.last_error = ""
+        self.stats.registered_at = time.monotonic()
+        log.info("registered %s with kubelet (%s) in %.0f ms", self.resource_name, trigger, took * 1000)
+        if self.on_registered is not None:
+            try:
+                self.on_registered(took)
+            except Exception:
+                log.exception("on_registered callback failed")
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._loop()
+            except Exception:  # never let the registrar die: log, pause, go on
+                log.exception("registrar loop failed; restarting it")
+                self._stop.wait(1.0)
+
+    def _loop(self) -> None:
+        need: str | None = "start"
+        t0 = time.monotonic()
+        kubelet_id = socket_identity(self.kubelet_socket)
+        while not self._stop.is_set():
+            now = time.monotonic()
+            ks = socket_identity(self.kubelet_socket)
+            if ks != kubelet_id:
+                kubelet_id = ks
+                if ks is None:
+                    if self._registered:
+                        log.warning("%s disappeared: kubelet stopped", self.kubelet_socket)
+                    self._registered = False
+                need, t0 = "kubelet.sock re-created", now
+            elif socket_identity(self.target.socket_path) != self.target.socket_identity():
+                self._registered = False
+                need, t0 = need or "own socket deleted", now if need is None else t0
+            elif self._registered and self.target.active_streams() == 0:
+                since = now - max(self.target.last_stream_end(), self.stats.registered_at)
+                grace = (
+                    self.register_grace_s
+                    if self.target.last_stream_end() < self.stats.registered_at
+                    else self.stream_grace_s
+                )
+                if since >= grace:
+                    log.warning("no ListAndWatch stream open for %.1f s; re-registering", since)
+                    self._registered = False
+                    need, t0 = "ListAndWatch closed", now
+            if self._kick.is_set():
+                self._kick.clear()
+                if not self._stop.is_set() and need is None:
+                    need, t0 = "kick", now
+            if need is not None and ks is not None:
+                if self._register_until_done(need, t0):
+                    need = None
+                kubelet_id = socket_identity(self.kubelet_socket) if need is None else kubelet_id
+                continue
+            self._kick.wait(self.poll_s)
