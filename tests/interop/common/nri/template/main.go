@@ -1,0 +1,130 @@
+// Command template-plugin is the harness's stand-in for containerd/nri's
+// stock `plugins/template` sample: a plain NRI plugin built on the stock
+// github.com/containerd/nri/pkg/stub of the module's NRI line (v0.12 or
+// v0.8). The sample itself lives in a separate Go module
+// (github.com/containerd/nri/plugins/template) with a `replace ../..`
+// directive, which the Go module proxy does not serve, so it cannot be built
+// from the module cache; this program behaves like it (subscribes to the
+// events it implements, answers every CreateContainer with an empty
+// adjustment) and adds test knobs:
+//
+//	-env K=V     add K=V to every created container's env (repeatable), so a
+//	             test can see this plugin's adjustment merged next to another
+//	-reconnect   on connection loss, reconnect (with 100 ms retries) instead
+//	             of exiting, like a well-behaved external plugin
+//	-socket P    NRI socket (default: the stub's default, or fd 3 when the
+//	             runtime launched us: NRI_PLUGIN_SOCKET)
+//
+// Concurrency: the stub's ttrpc goroutines call the handlers; the handlers
+// share no mutable state except an atomic counter.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/containerd/nri/pkg/api"
+	"github.com/containerd/nri/pkg/stub"
+)
+
+type envFlag []string
+
+func (e *envFlag) String() string     { return strings.Join(*e, ",") }
+func (e *envFlag) Set(v string) error { *e = append(*e, v); return nil }
+
+type plugin struct {
+	env     []*api.KeyValue
+	creates atomic.Int64
+}
+
+func logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "template-plugin %s "+format+"\n", append([]any{time.Now().Format("15:04:05.000")}, args...)...)
+}
+
+func (p *plugin) Configure(_ context.Context, config, runtime, version string) (stub.EventMask, error) {
+	logf("configured by %s/%s (config %d bytes)", runtime, version, len(config))
+	return 0, nil // 0: the stub subscribes to the events we implement
+}
+
+func (p *plugin) Synchronize(_ context.Context, pods []*api.PodSandbox, ctrs []*api.Container) ([]*api.ContainerUpdate, error) {
+	logf("synchronized: %d pods, %d containers", len(pods), len(ctrs))
+	return nil, nil
+}
+
+func (p *plugin) Shutdown(_ context.Context) {
+	logf("shutdown")
+}
+
+func (p *plugin) CreateContainer(_ context.Context, pod *api.PodSandbox, ctr *api.Container) (*api.ContainerAdjustment, []*api.ContainerUpdate, error) {
+	p.creates.Add(1)
+	adj := &api.ContainerAdjustment{}
+	for _, kv := range p.env {
+		adj.AddEnv(kv.Key, kv.Value)
+	}
+	return adj, nil, nil
+}
+
+func (p *plugin) StopContainer(_ context.Context, pod *api.PodSandbox, ctr *api.Container) ([]*api.ContainerUpdate, error) {
+	return nil, nil
+}
+
+func (p *plugin) RemoveContainer(_ context.Context, pod *api.PodSandbox, ctr *api.Container) error {
+	return nil
+}
+
+func main() {
+	var (
+		name      = flag.String("name", "", "plugin name (default: NRI_PLUGIN_NAME or the stub's default)")
+		idx       = flag.String("idx", "", "plugin index, two digits (default: NRI_PLUGIN_IDX)")
+		socket    = flag.String("socket", "", "NRI socket path")
+		reconnect = flag.Bool("reconnect", false, "reconnect after the runtime goes away instead of exiting")
+		env       envFlag
+	)
+	flag.Var(&env, "env", "K=V to add to every created container (repeatable)")
+	flag.Parse()
+
+	p := &plugin{}
+	for _, e := range env {
+		k, v, _ := strings.Cut(e, "=")
+		p.env = append(p.env, &api.KeyValue{Key: k, Value: v})
+	}
+	ctx := context.Background()
+	for attempt := 0; ; attempt++ {
+		closed := make(chan struct{})
+		opts := []stub.Option{stub.WithOnClose(func() { close(closed) })}
+		if *name != "" {
+			opts = append(opts, stub.WithPluginName(*name))
+		}
+		if *idx != "" {
+			opts = append(opts, stub.WithPluginIdx(*idx))
+		}
+		if *socket != "" {
+			opts = append(opts, stub.WithSocketPath(*socket))
+		}
+		s, err := stub.New(p, opts...)
+		if err != nil {
+			logf("stub.New: %v", err)
+			os.Exit(1)
+		}
+		if err := s.Start(ctx); err != nil {
+			if *reconnect && *socket != "" {
+				time.Sleep(100 * time.Millisecond)
+				continue
+			}
+			logf("start: %v", err)
+			os.Exit(1)
+		}
+		logf("registered (attempt %d)", attempt)
+		<-closed
+		s.Stop()
+		logf("connection to the runtime lost after %d creates", p.creates.Load())
+		if !*reconnect || *socket == "" {
+			os.Exit(0)
+		}
+	}
+}

@@ -1,0 +1,1 @@
+../../../common/nri/template/main.go

@@ -1,0 +1,1 @@
+../../../common/nri/runtime/main.go
