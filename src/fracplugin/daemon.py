@@ -389,8 +389,8 @@ class Daemon:
             DevicePluginServer, self.node, self.ledger, self.planner_config, self.inventory,
             pod_source=self.pod_source, resource_name=self.cfg.resource_name, unit_mib=self.cfg.device_unit_mib,
             plugin_dir=self.cfg.device_plugin_dir, kubelet_socket=self.cfg.effective_kubelet_socket,
-            allocate_deadline_s=self.cfg.allocate_deadline_s, mps_health=self.mps, metrics=self.metrics,
-            podresources=self.podresources, fail_open=self.cfg.fail_open)
+            allocate_deadline_s=self.cfg.allocate_deadline_s, mps_health=None if self.cfg.no_mps else self.mps,
+            metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket)
         try:
             self.device_plugin.start()
         except OSError as exc:

@@ -1,0 +1,282 @@
+"""``fracplugin run`` as a subprocess: start-up, readiness, status, SIGHUP,
+orderly SIGTERM shutdown, with and without each door.
+
+Peers are in-process fakes over real sockets: ``fake_kubelet.FakeKubelet``
+(device plugin registration), ``nri_runtime.FakeNriRuntime`` (NRI), and the
+fake ``nvidia-cuda-mps-control`` executable (MPS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = Path(os.environ.get("FRACPLUGIN_SHARED") or REPO.parent / "shared")
+NODE = SHARED / "examples" / "nodes" / "gpu-node-1.yaml"
+FAKE_MPS = REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"
+GPU0 = "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01"
+
+
+def wait_until(pred: Callable[[], Any], timeout_s: float = 15.0, step_s: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            return v
+        time.sleep(step_s)
+
+
+class DaemonProc:
+    """One ``fracplugin run`` subprocess with its state dir and logs."""
+
+    def __init__(self, root: Path, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.root = root
+        self.state = root / "state"
+        self.log_path = root / "daemon.log"
+        self.args = args
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.endpoints: dict[str, Any] = {}
+
+    def start(self, wait: bool = True) -> "DaemonProc":
+        cmd = [sys.executable, "-m", "fracplugin.cli", "run", "--simulate-node", str(NODE),
+               "--state-dir", str(self.state), "--health-address", "127.0.0.1:0",
+               "--metrics-address", "127.0.0.1:0", "--log-format", "json", "--shutdown-timeout", "8",
+               "--mps-root", str(self.root / "mps"), *self.args]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=str(self.root))
+        if wait:
+            ep = self.state / "endpoints.json"
+            ok = wait_until(lambda: ep.exists() or self.proc.poll() is not None, 30)
+            assert ok and self.proc.poll() is None, f"daemon did not start:\n{self.logs()}"
+            self.endpoints = json.loads(ep.read_text())
+        return self
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_records(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.logs().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+    def get(self, path: str) -> tuple[int, Any]:
+        url = f"http://{self.endpoints['health']}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                code, body = r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            code, body = e.code, e.read().decode()
+        try:
+            return code, json.loads(body)
+        except ValueError:
+            return code, body
+
+    def ready(self) -> bool:
+        return self.get("/readyz")[0] == 200
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def terminate(self, timeout_s: float = 20.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if hasattr(self, "_log"):
+            self._log.close()
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="fpd", dir="/tmp"))  # short: unix socket paths
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(root: Path) -> Iterator[Callable[..., DaemonProc]]:
+    procs: list[DaemonProc] = []
+
+    def make(*args: str, env: dict[str, str] | None = None, wait: bool = True) -> DaemonProc:
+        d = DaemonProc(root, list(args), env)
+        procs.append(d)
+        return d.start(wait)
+
+    yield make
+    for d in procs:
+        d.kill()
+
+
+def mps_processes(root: Path) -> list[int]:
+    """PIDs of live processes whose command line mentions ``root`` (the fake
+    MPS daemons get their pipe dir under it)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            envb = (p / "environ").read_bytes()
+        except OSError:
+            continue
+        if "nvidia-cuda-mps-control" in cmd and str(root).encode() in envb:
+            pids.append(int(p.name))
+    return pids
+
+
+# ---- no doors ------------------------------------------------------------------
+def test_no_doors_start_ready_status_and_sigterm(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    d = daemon("--no-nri", "--no-device-plugin", "--no-mps")
+    assert d.get("/healthz") == (200, "ok\n")
+    code, body = d.get("/readyz")
+    assert code == 200 and body == {"ready": True, "checks": {}}
+    code, st = d.get("/status")
+    assert code == 200
+    assert st["node"] == "gpu-node-1" and st["ready"] is True
+    assert st["doors"] == {"nri": False, "device_plugin": False, "mps": False}
+    assert [g["uuid"] for g in st["gpus"]][0] == GPU0 and all(g["tenants"] == [] for g in st["gpus"])
+    assert st["mps"]["enabled"] is False
+    assert d.get("/nope")[0] == 404
+    # the effective configuration is logged at start, with where each setting came from
+    start = next(r for r in d.log_records() if r.get("msg", "").endswith("starting"))
+    assert start["config"]["no_nri"] is True and start["sources"]["no_nri"] == "flag"
+    assert start["config"]["state_dir"] == str(d.state)
+    assert d.terminate() == 0
+    assert not (d.state / "endpoints.json").exists()
+    stopped = next(r for r in d.log_records() if r.get("msg") == "fracplugin stopped")
+    assert stopped["ledger_consistent"] is True
+
+
+def test_status_cli_table_and_json(daemon: Callable[..., DaemonProc]) -> None:
+    d = daemon("--no-nri", "--no-device-plugin", "--no-mps")
+    run = [sys.executable, "-m", "fracplugin.cli", "status", "--health-address", d.endpoints["health"]]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "node gpu-node-1" in out.stdout and "ready: yes" in out.stdout and GPU0 in out.stdout
+    out = subprocess.run(run[:-2] + ["--state-dir", str(d.state), "-o", "json"], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0 and json.loads(out.stdout)["node"] == "gpu-node-1"
+    d.terminate()
+    out = subprocess.run(run, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "cannot reach the daemon" in out.stderr
+
+
+def test_bad_setting_exits_2_naming_it(root: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "run", "--mps-protocol", "7"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "--mps-protocol" in out.stderr and "'7'" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "run", "--no-mps", "--no-nri",
+                          "--no-device-plugin", "--state-dir", str(root), "--simulate-node", str(root / "none.yaml")],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "inventory" in out.stderr
+
+
+def test_ledger_survives_restart_and_corrupt_file_is_moved_aside(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    state = root / "state"
+    state.mkdir()
+    t = {"pod_uid": "u1", "namespace": "default", "pod_name": "p", "container": "c", "gpu_uuid": GPU0,
+         "request_mib": 1000, "limit_mib": 2000, "mode": "time-slicing", "container_id": "abc",
+         "mps_namespace": None, "active_thread_percentage": None}
+    doc = {"version": 1, "node": "gpu-node-1", "tenancies": [t]}
+    (state / "ledger.json").write_text(json.dumps(doc))
+    d = daemon("--no-nri", "--no-device-plugin", "--no-mps")
+    st = d.get("/status")[1]
+    assert st["gpus"][0]["tenants"][0]["pod_uid"] == "u1" and st["gpus"][0]["held_mib"] == 1000
+    assert d.terminate() == 0
+    assert json.loads((state / "ledger.json").read_text())["tenancies"] == [t]
+
+    (state / "ledger.json").write_text("{not json")
+    d2 = daemon("--no-nri", "--no-device-plugin", "--no-mps")
+    st = d2.get("/status")[1]
+    assert any("corrupt" in w for w in st["ledger"]["warnings"])
+    assert all(g["tenants"] == [] for g in st["gpus"])
+    assert list(state.glob("ledger.json.corrupt-*"))
+    assert d2.terminate() == 0
+
+
+def test_sighup_reloads_log_level_and_fail_open(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    cfg = root / "config.yaml"
+    cfg.write_text("log_level: info\nfail_open: false\nreserve_mib: 0\n")
+    d = daemon("--no-nri", "--no-device-plugin", "--no-mps", "--config", str(cfg))
+    assert d.get("/status")[1]["fail_open"] is False
+    cfg.write_text("log_level: debug\nfail_open: true\nreserve_mib: 512\n")
+    d.signal(signal.SIGHUP)
+    rec = wait_until(lambda: next((r for r in d.log_records() if r.get("msg") == "SIGHUP: configuration reloaded"),
+                                  None))
+    assert rec, d.logs()
+    assert set(rec["applied"]) == {"log_level", "fail_open"} and rec["needs_restart"] == ["reserve_mib"]
+    st = d.get("/status")[1]
+    assert st["fail_open"] is True and st["config"]["log_level"] == "debug" and st["config"]["reserve_mib"] == 0
+    cfg.write_text("log_level: loud\n")
+    d.signal(signal.SIGHUP)
+    assert wait_until(lambda: "configuration not reloaded" in d.logs())
+    assert d.get("/status")[1]["fail_open"] is True
+    assert d.terminate() == 0
+
+
+# ---- device plugin door ----------------------------------------------------------
+def test_device_plugin_door_registers_and_stops_advertising(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    from fake_kubelet import FakeKubelet
+
+    dp_dir = root / "dp"
+    dp_dir.mkdir()
+    kubelet = FakeKubelet(str(dp_dir)).start()
+    try:
+        d = daemon("--no-nri", "--no-mps", "--device-plugin-dir", str(dp_dir),
+                   "--pod-resources-socket", str(root / "pr.sock"))
+        assert wait_until(d.ready), d.get("/readyz")
+        checks = d.get("/readyz")[1]["checks"]
+        assert set(checks) == {"device_plugin"} and checks["device_plugin"]["ready"]
+        rn = "fracplugin.io/gpu-memory"
+        assert wait_until(lambda: len(kubelet.devices(rn)) == 4 * (81559 // 1024))
+        assert d.endpoints["device_plugin_socket"] == str(dp_dir / "fracplugin.sock")
+        st = d.get("/status")[1]
+        assert st["doors"]["device_plugin"] and st["device_plugin"]["registered"]
+        assert d.terminate() == 0
+        assert wait_until(lambda: not kubelet.stream_open(rn), 5)
+        assert not (dp_dir / "fracplugin.sock").exists()
+        names = [r.get("part") for r in d.log_records() if str(r.get("msg", "")).startswith("stopped ")]
+        assert names.index("device plugin") < names.index("inventory")
+    finally:
+        kubelet.stop()
+
+
+def test_device_plugin_door_not_ready_without_kubelet(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    dp_dir = root / "dp"
+    dp_dir.mkdir()
+    d = daemon("--no-nri", "--no-mps", "--device-plugin-dir", str(dp_dir),
+               "--pod-resources-socket", str(root / "pr.sock"))
+    code, body = d.get("/readyz")
+    assert code == 503 and body["checks"]["device_plugin"]["ready"] is False
+    assert "not registered" in body["checks"]["device_plugin"]["detail"]
+    assert d.get("/healthz")[0] == 200
+    assert d.terminate() == 0
