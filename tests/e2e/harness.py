@@ -112,7 +112,11 @@ def run(cmd: list[str], *, timeout: float = 60, check: bool = True, **kw) -> sub
 
 
 def wait_for(pred, timeout: float, what: str, interval: float = 0.1):
-    """Poll ``pred()`` until it returns a truthy value; return it.  Raises HarnessError."""
+    """Poll ``pred()`` until it returns a truthy value; return it.
+
+    A HarnessError raised by ``pred`` ends the wait at once (re-raised); other
+    exceptions are retried.  Raises HarnessError on timeout.
+    """
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
     while time.monotonic() < deadline:
@@ -120,7 +124,9 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.1):
             v = pred()
             if v:
                 return v
-        except Exception as e:  # noqa: BLE001 - the predicate's failure is retried
+        except HarnessError:
+            raise  # a definite failure (a process exited, a command failed): stop waiting
+        except Exception as e:  # noqa: BLE001 - other predicate failures are retried
             last_exc = e
         time.sleep(interval)
     raise HarnessError(f"timed out after {timeout}s waiting for {what}"

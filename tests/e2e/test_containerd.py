@@ -198,25 +198,9 @@ class Daemon(Process):
             return json.loads(r.read())
 
     def tenancies(self) -> list[dict]:
-        """The ledger's tenancies as the status document reports them."""
-        return _find_key(self.status(), "tenancies")
-
-
-def _find_key(doc, key: str):
-    """The first value stored under ``key`` anywhere in a JSON document (depth first)."""
-    if isinstance(doc, dict):
-        if key in doc:
-            return doc[key]
-        for v in doc.values():
-            found = _find_key(v, key)
-            if found is not None:
-                return found
-    elif isinstance(doc, list):
-        for v in doc:
-            found = _find_key(v, key)
-            if found is not None:
-                return found
-    return None
+        """The ledger's tenancies: every ``gpus[].tenants[]`` entry of ``/status``
+        (daemon.py's status document; one entry per (container, GPU))."""
+        return [t for g in self.status()["gpus"] for t in g.get("tenants", [])]
 
 
 @pytest.fixture(scope="module")
@@ -231,9 +215,13 @@ def daemon(ctrd, request) -> Daemon:
     d = Daemon(ctrd)
     request.addfinalizer(d.stop)
     try:
-        name = h.wait_for(lambda: d.alive() and _connected_since(
-            ctrd, offset, lambda n: "nriprobe" not in n), 30, "fracplugin to register over NRI")
-        h.wait_for(lambda: d.status() is not None, 15, "fracplugin's /status")
+        def registered():
+            if not d.alive():
+                raise h.HarnessError(f"fracplugin exited with {d.proc.returncode}")
+            return _connected_since(ctrd, offset, lambda n: "nriprobe" not in n)
+        name = h.wait_for(registered, 30, "fracplugin to register over NRI")
+        h.wait_for(lambda: d.status()["checks"]["nri"]["ready"], 15,
+                   "fracplugin's /status to report NRI ready")
     except h.HarnessError as e:
         pytest.fail(f"{e}\n--- fracplugin log:\n{d.tail()}\n--- containerd log:\n"
                     f"{ctrd.log_tail(30)}", pytrace=False)
