@@ -133,6 +133,15 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.1):
                        + (f" (last error: {last_exc})" if last_exc else ""))
 
 
+def _version_tuple(v: str) -> tuple[int, ...]:
+    """``"v2.3.7"`` -> ``(2, 3, 7)``; unparsable parts count as 0."""
+    out = []
+    for part in v.lstrip("v").split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
 def free_port() -> int:
     """A currently free TCP port on 127.0.0.1."""
     with socket.socket() as s:
@@ -182,10 +191,28 @@ class Containerd:
         text = tmpl.substitute(
             root=self.base / "root", state=self.state, tmp=self.base / "tmp", base=self.base,
             sock=self.sock, nri_sock=self.nri_sock, log_level=self.log_level,
-            sandbox_image=SANDBOX_IMAGE, runc=self.bins.runc)
+            sandbox_image=SANDBOX_IMAGE, runc=self.bins.runc,
+            shim_manager_section=self._shim_manager_section())
         path = self.base / "config.toml"
         path.write_text(text)
         return path
+
+    def _shim_manager_section(self) -> str:
+        """``socket_dir`` for the shim manager where this version has it (2.3: yes, 2.1: no).
+
+        Without it the shims put their sockets in /run/containerd/s (removed
+        when each shim exits; the directory itself stays).  Limit: 42 chars
+        (containerd core/runtime/v2/socket_linux.go).
+        """
+        if _version_tuple(self.version) < (2, 3):
+            return "  # (no shim socket_dir in this containerd: sockets go to /run/containerd/s)"
+        return (f"  [plugins.'io.containerd.shim.v1.manager']\n"
+                f"    socket_dir = \"{self.base / 's'}\"")
+
+    @property
+    def version(self) -> str:
+        """The containerd version, from the cache directory name (``containerd-vX.Y.Z``)."""
+        return self.bins.containerd.parent.parent.name.removeprefix("containerd-")
 
     def start(self, timeout: float = 60) -> None:
         """Start containerd and wait until it answers ``ctr version`` and CRI is ready.
@@ -396,6 +423,14 @@ def cleanup_base(base: Path, ctrd: Containerd | None = None, log=print) -> None:
     if left:
         log(f"cleanup: still mounted: {left}")
     shutil.rmtree(base, ignore_errors=True)
+    # containerd < 2.3 has no shim socket_dir setting: its shims use
+    # /run/containerd/s (each removes its socket on exit). Remove the
+    # directories only when empty, i.e. when no other containerd uses them.
+    for d in ("/run/containerd/s", "/run/containerd"):
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
     if base.exists():
         log(f"cleanup: could not fully remove {base}")
 
