@@ -1,0 +1,733 @@
+"""Generic NRI plugin runtime: register, configure, synchronize, serve events,
+reconnect. Knows nothing about GPUs; the behaviour lives in a handler object.
+
+Concurrency model: threads.
+
+- one *run* thread (``NriStub.start``) connects, registers and waits for the
+  connection to end, then reconnects with backoff (tenacity);
+- one *reader* thread per connection (``transport.NriTransport``) parses
+  frames and only enqueues work;
+- a ``ThreadPoolExecutor`` (``max_workers``, default 16) runs the handler
+  methods, so requests are served concurrently and RegisterPlugin never
+  blocks the reader (Configure can arrive before the register reply,
+  nri-protocol.md section 1.6);
+- one *watchdog* thread bounds every handler: when a handler has not answered
+  within its budget (``budget_fraction`` x the request timeout, 0.75 x 2 s =
+  1.5 s by default, and the same fraction of the request's own
+  ``timeout_nano``), the stub answers ``UNAVAILABLE`` itself and discards the
+  late result, calling the handler's optional ``abandoned(method, request,
+  response)`` so it can undo side effects. A late reply would otherwise make
+  the runtime drop the whole plugin (section 1.8, "Errors and timeouts").
+
+Protocol rules followed (nri-protocol.md):
+
+- external mode: connect to ``socket_path`` (default ``/var/run/nri/nri.sock``);
+  runtime-launched mode: use the socket on fd ``NRI_PLUGIN_SOCKET`` with
+  ``NRI_PLUGIN_NAME`` / ``NRI_PLUGIN_IDX`` (section 1.5). In fd mode EOF ends
+  the stub (the runtime would relaunch us); in external mode EOF means the
+  runtime went away and we reconnect until the socket is back (section 1.9).
+- ``ConfigureResponse.events`` is an explicit mask within 0x7FF, valid on every
+  runtime since NRI v0.3 (section 1.4).
+- Synchronize parts with ``more = true`` are answered ``{more: true}``; the
+  handler sees all pods and containers at once on the last part (section 1.6).
+- both the v0.12 dedicated event RPCs and ``StateChange`` reach the same
+  handler method (section 1.7). Unknown services/methods are answered
+  ``UNIMPLEMENTED`` "service X" / "method X" (section 1.3).
+- ``Shutdown`` is answered with Empty (section 1.9).
+
+Handler protocol (every method optional; an absent one answers an empty
+response). ``ctx`` is a ``CallContext``::
+
+    events: int                                     # subscription mask, optional
+    configure(request: ConfigureRequest, ctx) -> None
+    synchronize(pods, containers, ctx) -> list[ContainerUpdate] | SynchronizeResponse | None
+    create_container(pod, container, ctx) -> CreateContainerResponse | ContainerAdjustment | None
+    update_container(pod, container, linux_resources, ctx) -> UpdateContainerResponse | None
+    stop_container(pod, container, ctx) -> StopContainerResponse | list[ContainerUpdate] | None
+    post_create_container / start_container / post_start_container /
+    post_update_container / remove_container(pod, container, ctx) -> None
+    run_pod_sandbox / stop_pod_sandbox / remove_pod_sandbox /
+    post_update_pod_sandbox(pod, ctx) -> None
+    update_pod_sandbox(request, ctx) -> UpdatePodSandboxResponse | None
+    validate_container_adjustment(request, ctx) -> ValidateContainerAdjustmentResponse | None
+    shutdown(ctx) -> None
+    abandoned(method: str, request, response) -> None   # a late result was dropped
+
+A handler raises ``ttrpc.RpcError(code, message)`` to answer with an error
+status; any other exception is logged and answered ``INTERNAL``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from tenacity import Retrying, retry_if_exception_type, stop_when_event_set, wait_exponential_jitter
+
+from .._proto import nri_pb2
+from .mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from .transport import ConnectionClosed, NriTransport
+from .ttrpc import Code, RequestReceived, RpcError, unimplemented_method, unimplemented_service
+
+__all__ = [
+    "DEFAULT_SOCKET_PATH",
+    "PLUGIN_SERVICE",
+    "RUNTIME_SERVICE",
+    "VALID_EVENTS_MASK",
+    "CallContext",
+    "NriStub",
+    "event_mask",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOCKET_PATH = "/var/run/nri/nri.sock"
+PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
+RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
+VALID_EVENTS_MASK = 0x7FF
+"""Events every runtime since NRI v0.3 accepts (``ValidEvents`` up to v0.9)."""
+DEFAULT_REQUEST_TIMEOUT_S = 2.0
+DEFAULT_REGISTRATION_TIMEOUT_S = 5.0
+
+_NAME_RE = re.compile(r"^[a-zA-Z0-9_.+-]+$")
+_IDX_RE = re.compile(r"^[0-9]{2}$")
+
+E = nri_pb2
+
+# method -> (request class, response class, kind, handler attribute, event value)
+_CONTAINER_EVENTS = {
+    "PostCreateContainer": (E.PostCreateContainerRequest, E.PostCreateContainerResponse, E.POST_CREATE_CONTAINER),
+    "StartContainer": (E.StartContainerRequest, E.StartContainerResponse, E.START_CONTAINER),
+    "PostStartContainer": (E.PostStartContainerRequest, E.PostStartContainerResponse, E.POST_START_CONTAINER),
+    "PostUpdateContainer": (E.PostUpdateContainerRequest, E.PostUpdateContainerResponse, E.POST_UPDATE_CONTAINER),
+    "RemoveContainer": (E.RemoveContainerRequest, E.RemoveContainerResponse, E.REMOVE_CONTAINER),
+}
+_POD_EVENTS = {
+    "RunPodSandbox": (E.RunPodSandboxRequest, E.RunPodSandboxResponse, E.RUN_POD_SANDBOX),
+    "StopPodSandbox": (E.StopPodSandboxRequest, E.StopPodSandboxResponse, E.STOP_POD_SANDBOX),
+    "RemovePodSandbox": (E.RemovePodSandboxRequest, E.RemovePodSandboxResponse, E.REMOVE_POD_SANDBOX),
+    "PostUpdatePodSandbox": (
+        E.PostUpdatePodSandboxRequest,
+        E.PostUpdatePodSandboxResponse,
+        E.POST_UPDATE_POD_SANDBOX,
+    ),
+}
+_OTHER = {
+    "Configure": (E.ConfigureRequest, E.ConfigureResponse, None),
+    "Synchronize": (E.SynchronizeRequest, E.SynchronizeResponse, None),
+    "Shutdown": (E.Empty, E.Empty, None),
+    "StateChange": (E.StateChangeEvent, E.Empty, None),
+    "CreateContainer": (E.CreateContainerRequest, E.CreateContainerResponse, E.CREATE_CONTAINER),
+    "UpdateContainer": (E.UpdateContainerRequest, E.UpdateContainerResponse, E.UPDATE_CONTAINER),
+    "StopContainer": (E.StopContainerRequest, E.StopContainerResponse, E.STOP_CONTAINER),
+    "UpdatePodSandbox": (E.UpdatePodSandboxRequest, E.UpdatePodSandboxResponse, E.UPDATE_POD_SANDBOX),
+    "ValidateContainerAdjustment": (
+        E.ValidateContainerAdjustmentRequest,
+        E.ValidateContainerAdjustmentResponse,
+        E.VALIDATE_CONTAINER_ADJUSTMENT,
+    ),
+}
+_METHODS: dict[str, tuple[Any, Any, int | None]] = {**_CONTAINER_EVENTS, **_POD_EVENTS, **_OTHER}
+_EVENT_TO_METHOD = {ev: m for m, (_, _, ev) in _METHODS.items() if ev is not None}
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def event_mask(*events: int) -> int:
+    """Subscription mask of NRI ``Event`` values: bit ``1 << (event - 1)``
+    (containerd/nri ``pkg/api/event.go``)."""
+    mask = 0
+    for ev in events:
+        if ev <= 0:
+            raise ValueError(f"not a subscribable event: {ev}")
+        mask |= 1 << (ev - 1)
+    return mask
+
+
+def _handler_mask(handler: object) -> int:
+    events = [ev for m, (_, _, ev) in _METHODS.items() if ev is not None and callable(getattr(handler, _snake(m), None))]
+    return event_mask(*events) if events else 0
+
+
+@dataclass
+class CallContext:
+    """What a handler knows about the call it serves.
+
+    ``request_timeout_s`` is the runtime's request timeout (ConfigureRequest,
+    2 s by default); ``budget_s`` the time the stub allows this handler;
+    ``deadline`` the ``time.monotonic()`` instant the budget ends.
+    ``runtime_name`` / ``runtime_version`` come from ConfigureRequest.
+    """
+
+    method: str
+    stream_id: int
+    request_timeout_s: float
+    budget_s: float
+    deadline: float
+    runtime_name: str = ""
+    runtime_version: str = ""
+
+    def remaining(self) -> float:
+        """Seconds left of the budget (may be negative)."""
+        return self.deadline - time.monotonic()
+
+
+_PENDING, _DONE, _EXPIRED = 0, 1, 2
+
+
+class _Call:
+    __slots__ = ("session", "ev", "ctx", "request", "_lock", "state")
+
+    def __init__(self, session: "_Session", ev: RequestReceived, ctx: CallContext) -> None:
+        self.session = session
+        self.ev = ev
+        self.ctx = ctx
+        self.request: Any = None
+        self._lock = threading.Lock()
+        self.state = _PENDING
+
+    def claim(self, state: int) -> bool:
+        with self._lock:
+            if self.state != _PENDING:
+                return False
+            self.state = state
+            return True
+
+
+class _Watchdog:
+    """One thread that answers calls whose handler overran its budget."""
+
+    def __init__(self, on_expired: Callable[[_Call], None]) -> None:
+        self._on_expired = on_expired
+        self._heap: list[tuple[float, int, _Call]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="nri-watchdog", daemon=True)
+        self._thread.start()
+
+    def add(self, call: _Call) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (call.ctx.deadline, next(self._seq), call))
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            expired: list[_Call] = []
+            with self._cond:
+                if self._stopped:
+                    return
+                now = time.monotonic()
+                while self._heap and self._heap[0][0] <= now:
+                    call = heapq.heappop(self._heap)[2]
+                    if call.state == _PENDING:
+                        expired.append(call)
+                if not expired:
+                    timeout = (self._heap[0][0] - now) if self._heap else None
+                    self._cond.wait(timeout)
+                    continue
+            for call in expired:
+                try:
+                    self._on_expired(call)
+                except Exception:
+                    log.exception("nri watchdog failed to answer an expired call")
+
+
+class _Session:
+    """State of one connection to the runtime."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.transport: NriTransport | None = None
+        self.request_timeout_s = DEFAULT_REQUEST_TIMEOUT_S
+        self.registration_timeout_s = DEFAULT_REGISTRATION_TIMEOUT_S
+        self.runtime_name = ""
+        self.runtime_version = ""
+        self.registered = threading.Event()
+        self.configured = False
+        self.synchronized = False
+        self.sync_pods: list[Any] = []
+        self.sync_containers: list[Any] = []
+        self.lock = threading.Lock()
+
+
+class NriStub:
+    """Runs one NRI plugin (``handler``) against a runtime, for its whole life.
+
+    Args:
+        handler: the plugin's behaviour (see the module docstring).
+        socket_path: the runtime's NRI socket (external mode).
+        plugin_name: NRI plugin name, ``[a-zA-Z0-9_.+-]+`` (NRI v0.12 rule).
+        plugin_idx: two digits; plugins are invoked in ascending index order.
+        env: environment to read ``NRI_PLUGIN_SOCKET`` / ``NRI_PLUGIN_NAME`` /
+            ``NRI_PLUGIN_IDX`` from (default ``os.environ``); when the socket
+            variable is set the stub runs in fd mode and those values win.
+        events: subscription mask; default: the handler's ``events`` attribute,
+            else the events of the methods it implements. Must be non-zero and
+            within 0x7FF (ValueError otherwise).
+        max_workers: handler threads.
+        budget_fraction: share of the request timeout a handler may use.
+        registration_timeout_s: how long to wait for the RegisterPlugin reply.
+        reconnect_initial_s / reconnect_max_s: reconnection backoff (seconds,
+            exponential with jitter).
+        connect_timeout_s: timeout of one ``connect()``.
+
+    Raises ValueError for a bad name, index, mask or fd.
+    """
+
+    def __init__(
+        self,
+        handler: object,
+        socket_path: str = DEFAULT_SOCKET_PATH,
+        plugin_name: str = "fracplugin",
+        plugin_idx: str = "50",
+        *,
+        env: Mapping[str, str] | None = None,
+        events: int | None = None,
+        max_workers: int = 16,
+        budget_fraction: float = 0.75,
+        registration_timeout_s: float = DEFAULT_REGISTRATION_TIMEOUT_S,
+        reconnect_initial_s: float = 0.1,
+        reconnect_max_s: float = 5.0,
+        connect_timeout_s: float = 2.0,
+    ) -> None:
+        env = os.environ if env is None else env
+        self.handler = handler
+        self.socket_path = socket_path
+        self.fd: int | None = None
+        if env.get("NRI_PLUGIN_SOCKET"):
+            try:
+                self.fd = int(env["NRI_PLUGIN_SOCKET"])
+            except ValueError:
+                raise ValueError(f"NRI_PLUGIN_SOCKET={env['NRI_PLUGIN_SOCKET']!r} is not a file descriptor") from None
+            plugin_name = env.get("NRI_PLUGIN_NAME") or plugin_name
+            plugin_idx = env.get("NRI_PLUGIN_IDX") or plugin_idx
+        if not _NAME_RE.match(plugin_name):
+            raise ValueError(f"plugin name {plugin_name!r} must match [a-zA-Z0-9_.+-]+")
+        if not _IDX_RE.match(plugin_idx):
+            raise ValueError(f"plugin index {plugin_idx!r} must be exactly two digits")
+        self.plugin_name = plugin_name
+        self.plugin_idx = plugin_idx
+        if events is None:
+            events = getattr(handler, "events", None)
+        if events is None:
+            events = _handler_mask(handler)
+        if events == 0 or events & ~VALID_EVENTS_MASK:
+            raise ValueError(f"event mask 0x{events:x} must be non-zero and within 0x{VALID_EVENTS_MASK:x}")
+        self.events = events
+        if not 0 < budget_fraction < 1:
+            raise ValueError("budget_fraction must be in (0, 1)")
+        self.budget_fraction = budget_fraction
+        self.registration_timeout_s = registration_timeout_s
+        self.reconnect_initial_s = reconnect_initial_s
+        self.reconnect_max_s = reconnect_max_s
+        self.connect_timeout_s = connect_timeout_s
+        self._max_workers = max_workers
+        self._stop_ev = threading.Event()
+        self._exited = threading.Event()
+        self._synced = threading.Event()
+        self._session: _Session | None = None
+        self._session_lock = threading.Lock()
+        self._sessions = itertools.count(1)
+        self._pool: ThreadPoolExecutor | None = None
+        self._watchdog: _Watchdog | None = None
+        self._thread: threading.Thread | None = None
+        self.sessions_started = 0
+        """Connections that reached RegisterPlugin, since start."""
+        self.synchronize_count = 0
+        """Completed Synchronize exchanges, since start."""
+
+    # --------------------------------------------------------------- public
+
+    @property
+    def fd_mode(self) -> bool:
+        """True when the runtime launched us and handed over fd ``NRI_PLUGIN_SOCKET``."""
+        return self.fd is not None
+
+    def start(self) -> "NriStub":
+        """Start the run thread (returns at once). Raises RuntimeError when
+        already started."""
+        if self._thread is not None:
+            raise RuntimeError("NriStub already started")
+        self._pool = ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="nri-handler")
+        self._watchdog = _Watchdog(self._expired)
+        self._thread = threading.Thread(target=self._run, name="nri-stub", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop: close the connection, end the threads. Returns True when the
+        run thread ended within ``timeout_s`` seconds. Idempotent."""
+        self._stop_ev.set()
+        with self._session_lock:
+            session = self._session
+        if session is not None and session.transport is not None:
+            session.transport.close("plugin stopping")
+            session.transport.join(timeout_s)
+        ended = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            ended = not self._thread.is_alive()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._exited.set()
+        return ended
+
+    def ready(self) -> bool:
+        """True once a Synchronize completed (at least once since start)."""
+        return self._synced.is_set()
+
+    def connected(self) -> bool:
+        """True while a connection is open and RegisterPlugin succeeded."""
+        with self._session_lock:
+            s = self._session
+        return bool(s and s.transport and not s.transport.closed.is_set() and s.registered.is_set())
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until ``ready()`` or ``timeout_s``; returns ``ready()``."""
+        return self._synced.wait(timeout_s)
+
+    def wait_exit(self, timeout_s: float | None = None) -> bool:
+        """Block until the stub has ended (``stop()``, or EOF in fd mode)."""
+        return self._exited.wait(timeout_s)
+
+    @property
+    def exited(self) -> bool:
+        """True once the stub has ended."""
+        return self._exited.is_set()
+
+    # ------------------------------------------------------------- run loop
+
+    def _run(self) -> None:
+        penalty = self.reconnect_initial_s
+        try:
+            while not self._stop_ev.is_set():
+                session = self._open_session()
+                if session is None:
+                    break
+                assert session.transport is not None
+                # Wait until the runtime goes away (EOF, protocol error) or stop().
+                while not session.transport.closed.wait(0.5):
+                    if self._stop_ev.is_set():
+                        break
+                session.transport.close("session ended")
+                session.transport.join(2.0)
+                log.info(
+                    "nri connection closed",
+                    extra={
+                        "session": session.number,
+                        "reason": session.transport.close_reason,
+                        "synchronized": session.synchronized,
+                    },
+                )
+                with self._session_lock:
+                    if self._session is session:
+                        self._session = None
+                if self.fd_mode:
+                    log.info("nri runtime closed the launched plugin's socket; stopping", extra={"fd": self.fd})
+                    break
+                if self._stop_ev.is_set():
+                    break
+                # A session that never synchronized (rejected registration,
+                # immediate close) must not turn into a busy loop.
+                if session.synchronized:
+                    penalty = self.reconnect_initial_s
+                else:
+                    self._stop_ev.wait(penalty)
+                    penalty = min(penalty * 2, self.reconnect_max_s)
+        except Exception:
+            log.exception("nri stub run loop failed")
+        finally:
+            self._stop_ev.set()
+            if self._watchdog is not None:
+                self._watchdog.stop()
+            self._exited.set()
+
+    def _open_session(self) -> _Session | None:
+        """Connect and register, retrying with backoff; None when stopping."""
+        if self.fd_mode:
+            try:
+                sock = socket.socket(fileno=self.fd)
+            except OSError as exc:
+                log.error("nri: cannot use the runtime's socket fd", extra={"fd": self.fd, "reason": str(exc)})
+                return None
+            try:
+                return self._register(sock)
+            except (ConnectionError, TimeoutError, RpcError) as exc:
+                log.error("nri registration failed on the launched socket", extra={"reason": str(exc)})
+                return None
+        retrying = Retrying(
+            retry=retry_if_exception_type((OSError, TimeoutError, RpcError)),
+            wait=wait_exponential_jitter(
+                initial=self.reconnect_initial_s, max=self.reconnect_max_s, jitter=self.reconnect_initial_s
+            ),
+            stop=stop_when_event_set(self._stop_ev),
+            sleep=self._stop_ev.wait,
+            before_sleep=self._log_retry,
+            reraise=True,
+        )
+        try:
+            return retrying(self._connect_and_register)
+        except (OSError, TimeoutError, RpcError):
+            return None  # stopped while retrying
+
+    def _log_retry(self, state: Any) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        log.info(
+            "nri runtime not reachable, retrying",
+            extra={"socket": self.socket_path, "attempt": state.attempt_number, "reason": str(exc)},
+        )
+
+    def _connect_and_register(self) -> _Session:
+        if self._stop_ev.is_set():
+            raise ConnectionAbortedError("stopping")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.connect_timeout_s)
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        return self._register(sock)
+
+    def _register(self, sock: socket.socket) -> _Session:
+        session = _Session(next(self._sessions))
+        transport = NriTransport(
+            sock,
+            serve_conn=PLUGIN_SERVICE_CONN,
+            call_conn=RUNTIME_SERVICE_CONN,
+            on_request=lambda ev: self._dispatch(session, ev),
+            label=f"nri-{session.number}",
+        )
+        session.transport = transport
+        with self._session_lock:
+            self._session = session
+        transport.start()
+        req = nri_pb2.RegisterPluginRequest(plugin_name=self.plugin_name, plugin_idx=self.plugin_idx)
+        try:
+            transport.call(RUNTIME_SERVICE, "RegisterPlugin", req.SerializeToString(), self.registration_timeout_s)
+        except BaseException:
+            transport.close("registration failed")
+            with self._session_lock:
+                if self._session is session:
+                    self._session = None
+            raise
+        session.registered.set()
+        self.sessions_started += 1
+        log.info(
+            "nri plugin registered",
+            extra={
+                "plugin_name": self.plugin_name,
+                "plugin_idx": self.plugin_idx,
+                "session": session.number,
+                "socket": self.socket_path if self.fd is None else f"fd {self.fd}",
+            },
+        )
+        return session
+
+    # ------------------------------------------------------------- dispatch
+
+    def _dispatch(self, session: _Session, ev: RequestReceived) -> None:
+        """Reader thread: route one request to the pool (never blocks)."""
+        transport = session.transport
+        assert transport is not None
+        if ev.service != PLUGIN_SERVICE:
+            err = unimplemented_service(ev.service)
+            log.warning("nri call for an unknown service", extra={"service": ev.service, "method": ev.method})
+            transport.respond_error(ev.stream_id, err.code, err.message)
+            return
+        if ev.method not in _METHODS:
+            err = unimplemented_method(ev.method)
+            log.warning("nri call for an unknown method", extra={"method": ev.method})
+            transport.respond_error(ev.stream_id, err.code, err.message)
+            return
+        limit = session.request_timeout_s
+        if ev.timeout_nano > 0:
+            limit = min(limit, ev.timeout_nano / 1e9)
+        budget = limit * self.budget_fraction
+        ctx = CallContext(
+            method=ev.method,
+            stream_id=ev.stream_id,
+            request_timeout_s=session.request_timeout_s,
+            budget_s=budget,
+            deadline=time.monotonic() + budget,
+            runtime_name=session.runtime_name,
+            runtime_version=session.runtime_version,
+        )
+        call = _Call(session, ev, ctx)
+        assert self._watchdog is not None and self._pool is not None
+        self._watchdog.add(call)
+        try:
+            self._pool.submit(self._serve, call)
+        except RuntimeError:  # pool shut down: stopping
+            if call.claim(_DONE):
+                transport.respond_error(ev.stream_id, Code.UNAVAILABLE, "plugin is stopping")
+
+    def _expired(self, call: _Call) -> None:
+        if not call.claim(_EXPIRED):
+            return
+        msg = f"{self.plugin_name}: {call.ev.method} did not finish within its budget of {call.ctx.budget_s:.2f} s"
+        log.warning(
+            "nri handler overran its budget; answered UNAVAILABLE",
+            extra={"method": call.ev.method, "stream_id": call.ev.stream_id, "seconds": call.ctx.budget_s},
+        )
+        self._send(call, None, RpcError(Code.UNAVAILABLE, msg))
+
+    def _send(self, call: _Call, payload: bytes | None, error: RpcError | None) -> None:
+        transport = call.session.transport
+        assert transport is not None
+        try:
+            if error is not None:
+                transport.respond_error(call.ev.stream_id, error.code, error.message)
+            else:
+                transport.respond(call.ev.stream_id, payload or b"")
+        except (ConnectionClosed, ValueError) as exc:
+            log.info(
+                "nri answer not sent: connection gone",
+                extra={"method": call.ev.method, "stream_id": call.ev.stream_id, "reason": str(exc)},
+            )
+
+    def _serve(self, call: _Call) -> None:
+        """Pool thread: run the handler and answer, unless the watchdog did."""
+        if call.state != _PENDING:
+            return  # expired while queued: never run it
+        method = call.ev.method
+        response: Any = None
+        error: RpcError | None = None
+        try:
+            req_cls, _, _ = _METHODS[method]
+            try:
+                call.request = req_cls.FromString(call.ev.payload)
+            except Exception as exc:
+                raise RpcError(Code.INVALID_ARGUMENT, f"cannot decode {method} request: {exc}") from None
+            response = self._invoke(call)
+        except RpcError as exc:
+            error = exc
+        except Exception as exc:
+            log.exception("nri handler failed", extra={"method": method, "stream_id": call.ev.stream_id})
+            error = RpcError(Code.INTERNAL, f"{self.plugin_name}: {method} failed: {type(exc).__name__}: {exc}")
+        payload = None
+        if error is None:
+            try:
+                payload = response.SerializeToString()
+            except Exception as exc:
+                log.exception("nri response does not encode", extra={"method": method})
+                error = RpcError(Code.INTERNAL, f"{self.plugin_name}: {method} response does not encode: {exc}")
+        if call.claim(_DONE):
+            self._send(call, payload, error)
+            if method == "Synchronize" and error is None and not response.more:
+                call.session.synchronized = True
+                self.synchronize_count += 1
+                self._synced.set()
+            return
+        log.warning("nri handler result arrived after its budget and was dropped", extra={"method": method})
+        abandoned = getattr(self.handler, "abandoned", None)
+        if callable(abandoned):
+            try:
+                abandoned(method, call.request, response if error is None else error)
+            except Exception:
+                log.exception("nri abandoned() hook failed", extra={"method": method})
+
+    def _invoke(self, call: _Call) -> Any:
+        """Run the handler method for one request; returns the response message."""
+        method, req, ctx, session = call.ev.method, call.request, call.ctx, call.session
+        _, resp_cls, _ = _METHODS[method]
+        h = self.handler
+        if method == "Configure":
+            with session.lock:
+                if req.request_timeout > 0:
+                    session.request_timeout_s = req.request_timeout / 1000.0
+                if req.registration_timeout > 0:
+                    session.registration_timeout_s = req.registration_timeout / 1000.0
+                session.runtime_name, session.runtime_version = req.runtime_name, req.runtime_version
+                session.configured = True
+            log.info(
+                "nri configured",
+                extra={
+                    "runtime": f"{req.runtime_name} {req.runtime_version}",
+                    "nri_version": req.NRI_version,
+                    "request_timeout_ms": req.request_timeout,
+                    "registration_timeout_ms": req.registration_timeout,
+                    "events": f"0x{self.events:x}",
+                },
+            )
+            fn = getattr(h, "configure", None)
+            if callable(fn):
+                fn(req, ctx)
+            return nri_pb2.ConfigureResponse(events=self.events)
+        if method == "Synchronize":
+            with session.lock:
+                session.sync_pods.extend(req.pods)
+                session.sync_containers.extend(req.containers)
+                if req.more:
+                    return nri_pb2.SynchronizeResponse(more=True)
+                pods, containers = session.sync_pods, session.sync_containers
+                session.sync_pods, session.sync_containers = [], []
+            fn = getattr(h, "synchronize", None)
+            result = fn(pods, containers, ctx) if callable(fn) else None
+            if isinstance(result, nri_pb2.SynchronizeResponse):
+                result.more = False
+                return result
+            return nri_pb2.SynchronizeResponse(update=list(result or ()))
+        if method == "Shutdown":
+            fn = getattr(h, "shutdown", None)
+            log.info("nri runtime announced shutdown")
+            if callable(fn):
+                fn(ctx)
+            return nri_pb2.Empty()
+        if method == "StateChange":
+            target = _EVENT_TO_METHOD.get(req.event)
+            if target is None or (target not in _CONTAINER_EVENTS and target not in _POD_EVENTS):
+                log.info("nri StateChange for an event without a state-change handler", extra={"event": req.event})
+                return nri_pb2.Empty()
+            fn = getattr(h, _snake(target), None)
+            if callable(fn):
+                if target in _CONTAINER_EVENTS:
+                    fn(req.pod, req.container, ctx)
+                else:
+                    fn(req.pod, ctx)
+            return nri_pb2.Empty()
+        fn = getattr(h, _snake(method), None)
+        if not callable(fn):
+            return resp_cls()
+        if method in _CONTAINER_EVENTS:
+            fn(req.pod, req.container, ctx)
+            return resp_cls()
+        if method in _POD_EVENTS:
+            fn(req.pod, ctx)
+            return resp_cls()
+        if method == "CreateContainer":
+            result = fn(req.pod, req.container, ctx)
+            if isinstance(result, nri_pb2.ContainerAdjustment):
+                return nri_pb2.CreateContainerResponse(adjust=result)
+        elif method == "UpdateContainer":
+            result = fn(req.pod, req.container, req.linux_resources, ctx)
+        elif method == "StopContainer":
+            result = fn(req.pod, req.container, ctx)
+            if isinstance(result, (list, tuple)):
+                return nri_pb2.StopContainerResponse(update=list(result))
+        else:  # UpdatePodSandbox, ValidateContainerAdjustment
+            result = fn(req, ctx)
+        if result is None:
+            return resp_cls()
+        if not isinstance(result, resp_cls):
+            raise TypeError(f"{_snake(method)} returned {type(result).__name__}, expected {resp_cls.__name__}")
+        return result

@@ -1,0 +1,344 @@
+"""One NRI mux socket driven by a reader thread, usable from either side.
+
+Concurrency model: threads. Each ``NriTransport`` owns one reader thread that
+reads the socket, feeds the sans-I/O ``MuxDecoder`` and the two
+``TtrpcConnection`` objects, resolves client futures and hands incoming
+requests to ``on_request`` (called *in the reader thread*: it must only
+enqueue work, never block). Any thread may call ``call``/``call_async``,
+``respond`` and ``respond_error``. Two locks:
+
+- ``_write_lock`` serialises socket writes, so a ttrpc message split into
+  several mux frames is never interleaved with another message on the wire and
+  client stream ids reach the peer in increasing order;
+- ``_state_lock`` guards the ttrpc state machines (held briefly, never while
+  writing the socket), so the reader keeps reading while a writer blocks.
+
+Lock order is always write -> state. The plugin side serves conn 1 and calls
+on conn 2; a runtime-side peer (the test fake) does the opposite
+(nri-protocol.md section 1.1).
+
+Failures (mux/ttrpc protocol errors, truncated streams, EOF, socket errors)
+close the transport: pending calls fail with ``ConnectionClosed``, the socket
+is shut down, ``on_closed(reason)`` runs once in the closing thread, and
+``closed`` is set. Nothing is raised out of the reader thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from concurrent.futures import Future
+from typing import Callable
+
+from .mux import HEADER_SIZE, MAX_WRITE_FRAME, MuxDecoder, MuxError, encode_frames
+from .ttrpc import (
+    Code,
+    MessageIgnored,
+    RequestReceived,
+    RequestRejected,
+    ResponseReceived,
+    Role,
+    RpcError,
+    TtrpcConnection,
+    TtrpcError,
+)
+
+__all__ = ["ConnectionClosed", "NriTransport"]
+
+log = logging.getLogger(__name__)
+
+_READ_SIZE = 65536
+
+
+class ConnectionClosed(ConnectionError):
+    """The transport is closed (EOF, protocol error, socket error or close())."""
+
+
+class NriTransport:
+    """A mux socket with a ttrpc server on ``serve_conn`` and a ttrpc client on
+    ``call_conn``.
+
+    Args:
+        sock: a connected stream socket (unix socket or fd 3 socketpair end);
+            the transport owns it from now on and closes it.
+        serve_conn: mux conn id we serve (plugin: 1, runtime: 2).
+        call_conn: mux conn id we call on (plugin: 2, runtime: 1).
+        on_request: ``f(RequestReceived)`` run in the reader thread for each
+            valid request; must answer later with ``respond``/``respond_error``.
+        on_closed: ``f(reason: str)`` run once when the transport closes.
+        max_write_frame: largest mux frame written, bytes (4096, header incl.).
+        max_read_frame: when set, a received mux frame larger than this
+            (bytes, header incl.) is a protocol error, the way a Go peer
+            reading into a 4096-byte buffer fails (used by the test runtime).
+        label: free text for log lines.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        serve_conn: int,
+        call_conn: int,
+        on_request: Callable[[RequestReceived], None],
+        on_closed: Callable[[str], None] | None = None,
+        max_write_frame: int = MAX_WRITE_FRAME,
+        max_read_frame: int | None = None,
+        label: str = "nri",
+    ) -> None:
+        self._sock = sock
+        self._sock.settimeout(None)
+        self.serve_conn = serve_conn
+        self.call_conn = call_conn
+        self._on_request = on_request
+        self._on_closed = on_closed
+        self._max_write_frame = max_write_frame
+        self._max_read_frame = max_read_frame
+        self.label = label
+        self._mux = MuxDecoder((serve_conn, call_conn))
+        self._server = TtrpcConnection(Role.SERVER)
+        self._client = TtrpcConnection(Role.CLIENT)
+        self._write_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._pending: dict[int, Future[ResponseReceived]] = {}
+        self._closed = threading.Event()
+        self._close_lock = threading.Lock()
+        self.close_reason: str | None = None
+        self._reader = threading.Thread(target=self._read_loop, name=f"{label}-reader", daemon=True)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> "NriTransport":
+        """Start the reader thread; returns self."""
+        self._reader.start()
+        return self
+
+    @property
+    def closed(self) -> threading.Event:
+        """Set once the transport is closed."""
+        return self._closed
+
+    def close(self, reason: str = "closed locally") -> None:
+        """Close the transport (idempotent): fail pending calls, shut the
+        socket down (which also unblocks a writer stuck in ``sendall``) and
+        run ``on_closed``. Does not wait for the reader thread; see ``join``."""
+        with self._close_lock:
+            if self._closed.is_set():
+                return
+            self.close_reason = reason
+            self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        with self._state_lock:
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(ConnectionClosed(reason))
+        if not self._reader.is_alive() or threading.current_thread() is self._reader:
+            self._release_socket()
+        if self._on_closed is not None:
+            try:
+                self._on_closed(reason)
+            except Exception:
+                log.exception("on_closed callback failed", extra={"transport": self.label})
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Wait for the reader thread to end (after ``close`` or EOF)."""
+        if self._reader.is_alive() and threading.current_thread() is not self._reader:
+            self._reader.join(timeout_s)
+
+    def _release_socket(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    # -------------------------------------------------------------- writing
+
+    def _write(self, conn_id: int, data: bytes) -> None:
+        # Caller holds _write_lock.
+        if not data:
+            return
+        try:
+            self._sock.sendall(encode_frames(conn_id, data, self._max_write_frame))
+        except OSError as exc:
+            raise ConnectionClosed(f"write failed: {exc}") from exc
+
+    def call_async(
+        self,
+        service: str,
+        method: str,
+        payload: bytes,
+        *,
+        timeout_nano: int = 0,
+    ) -> "Future[ResponseReceived]":
+        """Send a request on ``call_conn``; the future resolves with the
+        ``ResponseReceived`` (any status) or fails with ``ConnectionClosed``."""
+        fut: Future[ResponseReceived] = Future()
+        with self._write_lock:
+            if self._closed.is_set():
+                raise ConnectionClosed(self.close_reason or "closed")
+            with self._state_lock:
+                sid = self._client.send_request(service, method, payload, timeout_nano=timeout_nano)
+                self._pending[sid] = fut
+                data = self._client.data_to_send()
+            try:
+                self._write(self.call_conn, data)
+            except ConnectionClosed as exc:
+                self.close(str(exc))
+                raise
+        return fut
+
+    def call(self, service: str, method: str, payload: bytes, timeout_s: float) -> bytes:
+        """Blocking unary call: returns the response payload. Raises
+        ``RpcError`` for an error status, ``TimeoutError`` after ``timeout_s``
+        seconds, ``ConnectionClosed`` when the transport closes."""
+        fut = self.call_async(service, method, payload, timeout_nano=int(timeout_s * 1e9))
+        try:
+            resp = fut.result(timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"{method}: no answer within {timeout_s} s") from None
+        return resp.raise_for_status()
+
+    def respond(self, stream_id: int, payload: bytes) -> None:
+        """Answer request ``stream_id`` with OK and ``payload`` (a response
+        over 4 MiB becomes RESOURCE_EXHAUSTED). Raises ``ConnectionClosed``."""
+        self._answer(stream_id, lambda: self._server.send_response(stream_id, payload))
+
+    def respond_error(self, stream_id: int, code: int, message: str) -> None:
+        """Answer request ``stream_id`` with an error status. Raises
+        ``ConnectionClosed``."""
+        self._answer(stream_id, lambda: self._server.send_error(stream_id, code, message))
+
+    def _answer(self, stream_id: int, queue: Callable[[], object]) -> None:
+        with self._write_lock:
+            if self._closed.is_set():
+                raise ConnectionClosed(self.close_reason or "closed")
+            with self._state_lock:
+                queue()
+                data = self._server.data_to_send()
+            try:
+                self._write(self.serve_conn, data)
+            except ConnectionClosed as exc:
+                self.close(str(exc))
+                raise
+
+    def send_raw(self, data: bytes) -> None:
+        """Write raw bytes to the socket, bypassing all framing (for tests that
+        inject garbage). Raises ``ConnectionClosed``."""
+        with self._write_lock:
+            try:
+                self._sock.sendall(data)
+            except OSError as exc:
+                raise ConnectionClosed(f"write failed: {exc}") from exc
+
+    def send_raw_on(self, conn_id: int, data: bytes, max_frame: int | None = None) -> None:
+        """Write ``data`` (raw ttrpc bytes) in mux frames on ``conn_id``,
+        bypassing the ttrpc state machine (for tests)."""
+        with self._write_lock:
+            try:
+                self._sock.sendall(encode_frames(conn_id, data, max_frame or self._max_write_frame))
+            except OSError as exc:
+                raise ConnectionClosed(f"write failed: {exc}") from exc
+
+    # -------------------------------------------------------------- reading
+
+    def _read_loop(self) -> None:
+        reason = "EOF"
+        try:
+            while not self._closed.is_set():
+                try:
+                    data = self._sock.recv(_READ_SIZE)
+                except OSError as exc:
+                    reason = f"read failed: {exc}"
+                    break
+                if not data:
+                    reason = "EOF from peer"
+                    self._check_eof()
+                    break
+                self._feed(data)
+        except (MuxError, TtrpcError) as exc:
+            reason = f"protocol error: {exc}"
+            log.warning(
+                "nri transport protocol error, dropping the connection",
+                extra={"transport": self.label, "reason": str(exc)},
+            )
+        except ConnectionClosed as exc:
+            reason = str(exc)
+        except Exception as exc:  # a bug: never let the reader die silently
+            reason = f"internal error: {exc!r}"
+            log.exception("nri transport reader failed", extra={"transport": self.label})
+        finally:
+            self.close(reason)
+            self._release_socket()
+
+    def _check_eof(self) -> None:
+        problems = []
+        for part in (self._mux, self._server, self._client):
+            try:
+                part.receive_eof()
+            except (MuxError, TtrpcError) as exc:
+                problems.append(str(exc))
+        if problems:
+            log.warning(
+                "nri connection closed mid-message",
+                extra={"transport": self.label, "reason": "; ".join(problems)},
+            )
+
+    def _feed(self, data: bytes) -> None:
+        for frame in self._mux.receive_data(data):
+            if self._max_read_frame is not None and len(frame.payload) + HEADER_SIZE > self._max_read_frame:
+                raise MuxError(
+                    f"mux frame of {len(frame.payload) + HEADER_SIZE} bytes on conn {frame.conn_id} "
+                    f"exceeds the reader's buffer of {self._max_read_frame} bytes"
+                )
+            if frame.conn_id == self.serve_conn:
+                with self._state_lock:
+                    events = self._server.receive_data(frame.payload)
+                    auto = bool(events) and any(isinstance(e, RequestRejected) for e in events)
+                if auto:
+                    with self._write_lock:
+                        with self._state_lock:
+                            out = self._server.data_to_send()
+                        self._write(self.serve_conn, out)
+            else:
+                with self._state_lock:
+                    events = self._client.receive_data(frame.payload)
+            for ev in events:
+                self._event(ev)
+
+    def _event(self, ev: object) -> None:
+        if isinstance(ev, RequestReceived):
+            try:
+                self._on_request(ev)
+            except Exception as exc:
+                log.exception(
+                    "nri request dispatch failed",
+                    extra={"transport": self.label, "method": ev.method, "stream_id": ev.stream_id},
+                )
+                try:
+                    self.respond_error(ev.stream_id, Code.INTERNAL, f"dispatch failed: {exc!r}")
+                except (ConnectionClosed, ValueError):
+                    pass
+        elif isinstance(ev, ResponseReceived):
+            with self._state_lock:
+                fut = self._pending.pop(ev.stream_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(ev)
+        elif isinstance(ev, RequestRejected):
+            log.warning(
+                "nri request rejected by the ttrpc layer",
+                extra={"transport": self.label, "stream_id": ev.stream_id, "code": ev.code, "reason": ev.message},
+            )
+        elif isinstance(ev, MessageIgnored):
+            log.info(
+                "nri frame ignored",
+                extra={"transport": self.label, "stream_id": ev.stream_id, "reason": ev.reason},
+            )
+
+
+def rpc_error_from(resp: ResponseReceived) -> RpcError:
+    """The ``RpcError`` of an error response (helper for callers)."""
+    return RpcError(resp.code, resp.message)
