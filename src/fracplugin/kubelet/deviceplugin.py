@@ -44,6 +44,7 @@ Allocate rules (issue 4 item 5, DESIGN.md section 2):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -93,7 +94,12 @@ ANNOTATION_ALLOCATE = "fracplugin.io/allocate"
 _STREAM_WAIT_S = 0.5
 
 
-class _Refusal(Exception):
+class Refusal(Exception):
+    """An Allocate / GetPreferredAllocation answered with a gRPC error.
+
+    ``code`` is the grpc.StatusCode kubelet gets, ``message`` the text kubelet
+    shows as the pod's admission error, ``label`` the metrics reason."""
+
     def __init__(self, code: grpc.StatusCode, message: str, label: str) -> None:
         super().__init__(message)
         self.code = code
@@ -129,7 +135,7 @@ class _Servicer(pb_grpc.DevicePluginServicer):
     ) -> pb.PreferredAllocationResponse:
         try:
             return self._o.preferred(request)
-        except _Refusal as r:
+        except Refusal as r:
             context.abort(r.code, r.message)
         except Exception as e:  # never crash the plugin on bad input
             log.exception("GetPreferredAllocation failed")
@@ -140,12 +146,12 @@ class _Servicer(pb_grpc.DevicePluginServicer):
         t0 = time.monotonic()
         try:
             return self._o.allocate(request)
-        except _Refusal as r:
+        except Refusal as r:
             self._o._refused(r)
             context.abort(r.code, r.message)
         except Exception as e:
             log.exception("Allocate failed")
-            self._o._refused(_Refusal(grpc.StatusCode.INTERNAL, str(e), "internal"))
+            self._o._refused(Refusal(grpc.StatusCode.INTERNAL, str(e), "internal"))
             context.abort(grpc.StatusCode.INTERNAL, f"Allocate failed: {e}")
         finally:
             self._o._observe("allocate", time.monotonic() - t0)
@@ -477,7 +483,7 @@ class DevicePluginServer:
         for creq in request.container_requests:
             size = int(creq.allocation_size)
             if size < 0:
-                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"allocation_size {size} is negative", "invalid")
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"allocation_size {size} is negative", "invalid")
             mode = self._pod_mode_for(size)
             ids = preferred_allocation(
                 self.table,
@@ -499,18 +505,19 @@ class DevicePluginServer:
         modes: set[ComputeMode] = set()
         for c in self._candidates(count):
             try:
-                req = self._parse(c)
+                req = self._parse(c, with_request_mib=self.unit_mib)
             except FractionError:
                 continue
-            modes.add(req.compute_mode if req is not None else ComputeMode.TIME_SLICING)
+            if req is not None:
+                modes.add(req.compute_mode)
         return modes.pop() if len(modes) == 1 else None
 
     # ---- Allocate ------------------------------------------------------------
     def allocate(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
-        """Answer Allocate (rules in the module docstring). Raises _Refusal."""
+        """Answer Allocate (rules in the module docstring). Raises Refusal."""
         n = len(request.container_requests)
         if n != 1:
-            raise _Refusal(
+            raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"AllocateRequest has {n} container requests; kubelet sends exactly one per call "
                 "(deviceplugin v1beta1, devicemanager) and fracplugin allocates one container at a time",
@@ -518,7 +525,7 @@ class DevicePluginServer:
             )
         ids = list(request.container_requests[0].devices_ids)
         if not ids:
-            raise _Refusal(
+            raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"Allocate of {self.resource_name} names no device IDs; at least one is needed",
                 "invalid",
@@ -526,7 +533,7 @@ class DevicePluginServer:
         try:
             by_gpu = self.table.group(ids)
         except DeviceIdError as e:
-            raise _Refusal(
+            raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"Allocate of {self.resource_name}: {e} (devices are <GPU-UUID>::<n> of node {self.node.name})",
                 "invalid",
@@ -534,7 +541,7 @@ class DevicePluginServer:
         counts = {u: len(v) for u, v in by_gpu.items()}
         if len(set(counts.values())) != 1:
             detail = ", ".join(f"{u}: {c}" for u, c in counts.items())
-            raise _Refusal(
+            raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"Allocate of {self.resource_name} spans GPUs with different device counts ({detail}); "
                 "a container gets the same memory on every GPU, so each GPU must hold the same number of devices",
@@ -543,7 +550,7 @@ class DevicePluginServer:
         sick = {u: r for u, r in self.health.unhealthy().items() if u in by_gpu}
         if sick:
             detail = "; ".join(f"{u} ({', '.join(r)})" for u, r in sick.items())
-            raise _Refusal(
+            raise Refusal(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"Allocate of {self.resource_name}: devices on Unhealthy GPU(s) {detail}",
                 "unhealthy",
@@ -585,20 +592,32 @@ class DevicePluginServer:
         pods = self.pod_source.candidates(self.resource_name, count)
         return podlookup.select_candidates(pods, self.resource_name, count, lambda u, c: (u, c) in owners)
 
-    def _parse(self, cand: podlookup.Candidate) -> FractionRequest | None:
-        """The pod's annotations for this container (raises FractionError)."""
+    def _parse(self, cand: podlookup.Candidate, with_request_mib: int | None = None) -> FractionRequest | None:
+        """The pod's annotations for this container (raises FractionError).
+
+        ``with_request_mib``: when the container has no memory annotation
+        (parse would answer None), parse again with a synthetic request of that
+        many MiB, so the compute mode and portion annotations still count."""
         md = cand.pod.get("metadata") or {}
         annotations = dict(md.get("annotations") or {})
         apps = [str(c.get("name")) for c in (cand.pod.get("spec") or {}).get("containers") or ()]
-        return ann.parse(
-            annotations, cand.container, prefix=self.planner_config.annotation_prefix, containers=apps
-        )
+        prefix = self.planner_config.annotation_prefix
+        parsed = ann.parse(annotations, cand.container, prefix=prefix, containers=apps)
+        if parsed is None and with_request_mib is not None:
+            annotations[ann.container_key(prefix, cand.container, ann.SUFFIX_REQUEST)] = f"{with_request_mib}Mi"
+            parsed = ann.parse(annotations, cand.container, prefix=prefix, containers=apps)
+            if parsed is not None:
+                parsed = dataclasses.replace(parsed, keys={k: v for k, v in parsed.keys.items() if k in ("mode", "portion")})
+        return parsed
 
     def _request_for(self, cand: podlookup.Candidate, uuids: Sequence[str], request_mib: int, count: int) -> FractionRequest:
         """The FractionRequest of the device plugin door: request = devices x
         unit per GPU, GPUs = the devices' GPUs; limit, mode and portion from
         the annotations (an annotation limit only when written explicitly)."""
         parsed = self._parse(cand)
+        explicit = parsed is not None
+        if parsed is None:
+            parsed = self._parse(cand, with_request_mib=request_mib)
         rkey = f"resources.limits[{self.resource_name}]"
         request = MemorySpec(rkey, f"{count} x {self.unit_mib}Mi over {len(uuids)} GPU(s)", mib=request_mib)
         limit = request
@@ -608,7 +627,7 @@ class DevicePluginServer:
         if parsed is not None:
             mode, portion = parsed.compute_mode, parsed.portion
             keys.update({k: v for k, v in parsed.keys.items() if k in ("mode", "portion")})
-            if _explicit_limit(parsed):
+            if explicit and _explicit_limit(parsed):
                 limit = parsed.limit
                 keys["limit"] = parsed.limit.key
             if parsed.devices and set(parsed.devices) != set(uuids):
@@ -616,18 +635,6 @@ class DevicePluginServer:
                     "pod %s container %s names devices %s; kubelet gave %s (the device plugin door uses kubelet's)",
                     podlookup.pod_key(cand.pod), cand.container, ",".join(parsed.devices), ",".join(uuids),
                 )
-        else:
-            # No memory annotation: mode/portion still count (validated by parse
-            # when present), so read them through parse with a synthetic request.
-            aug = dict((cand.pod.get("metadata") or {}).get("annotations") or {})
-            aug[ann.container_key(self.planner_config.annotation_prefix, cand.container, ann.SUFFIX_REQUEST)] = (
-                f"{request_mib}Mi"
-            )
-            apps = [str(c.get("name")) for c in (cand.pod.get("spec") or {}).get("containers") or ()]
-            p2 = ann.parse(aug, cand.container, prefix=self.planner_config.annotation_prefix, containers=apps)
-            if p2 is not None:
-                mode, portion = p2.compute_mode, p2.portion
-                keys.update({k: v for k, v in p2.keys.items() if k in ("mode", "portion")})
         return FractionRequest(
             container=cand.container,
             request=request,
@@ -678,13 +685,20 @@ class DevicePluginServer:
         who = f"pod {podlookup.pod_key(cand.pod)} container {cand.container}"
         self._served.add(cand.key)
         if isinstance(outcome, FractionError):
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{who}: {outcome.message}", outcome.code)
+            # Guards of the node (mode, free memory, clients) are preconditions;
+            # everything else is the pod's input.
+            code = (
+                grpc.StatusCode.FAILED_PRECONDITION
+                if outcome.code in ("guard", "no_fit")
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
+            raise Refusal(code, f"{who}: {outcome.message}", outcome.code)
         try:
             self.ledger.admit(outcome)
         except FractionError as e:
-            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"{who}: {e.message}", e.code) from None
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"{who}: {e.message}", e.code) from None
         except OSError as e:
-            raise _Refusal(
+            raise Refusal(
                 grpc.StatusCode.UNAVAILABLE, f"{who}: cannot persist the ledger: {e}", "ledger_io"
             ) from None
         self.counters.planned += 1
@@ -752,7 +766,7 @@ class DevicePluginServer:
             if t.pod_uid == uid and not t.container_id:
                 self.ledger.release(t.pod_uid, t.container)
 
-    def _refused(self, r: _Refusal) -> None:
+    def _refused(self, r: Refusal) -> None:
         self.counters.refusals += 1
         self.counters.last_refusal = r.message
         log.warning("Allocate refused (%s): %s", r.code.name, r.message)

@@ -1,0 +1,163 @@
+"""Which pod an Allocate is for: fracplugin.kubelet.podlookup."""
+
+from __future__ import annotations
+
+import threading
+
+from fracplugin.kubelet.podlookup import (
+    InMemoryPodSource,
+    KubernetesPodSource,
+    PodSource,
+    resource_count,
+    select_candidates,
+)
+
+R = "fracplugin.io/gpu-memory"
+
+
+def pod(name, created, containers, init=(), node="n1", phase="Pending", uid=None, **extra):
+    def c(spec):
+        cname, n = spec
+        return {"name": cname, "resources": {"limits": {R: str(n)}} if n else {}}
+
+    p = {
+        "metadata": {"name": name, "namespace": "ns", "uid": uid or f"uid-{name}", "creationTimestamp": created},
+        "spec": {"nodeName": node, "containers": [c(x) for x in containers], "initContainers": [c(x) for x in init]},
+        "status": {"phase": phase},
+    }
+    p["metadata"].update(extra.get("metadata", {}))
+    p["status"].update(extra.get("status", {}))
+    return p
+
+
+def test_resource_count_reads_limits_then_requests():
+    assert resource_count({"resources": {"limits": {R: "4"}, "requests": {R: "4"}}}, R) == 4
+    assert resource_count({"resources": {"requests": {R: "3"}}}, R) == 3
+    assert resource_count({"resources": {"limits": {R: "x"}}}, R) == 0
+    assert resource_count({}, R) == 0
+
+
+def test_oldest_pod_first():
+    pods = [
+        pod("young", "2026-01-02T00:00:00Z", [("app", 4)]),
+        pod("old", "2026-01-01T00:00:00Z", [("app", 4)]),
+        pod("other-size", "2025-01-01T00:00:00Z", [("app", 5)]),
+    ]
+    got = select_candidates(pods, R, 4)
+    assert [(c.pod["metadata"]["name"], c.container) for c in got] == [("old", "app"), ("young", "app")]
+
+
+def test_init_containers_before_app_containers_and_served_skipped():
+    p = pod("p", "2026-01-01T00:00:00Z", [("app", 4), ("side", 4)], init=[("setup", 4)])
+    got = select_candidates([p], R, 4)
+    assert [(c.container, c.init) for c in got] == [("setup", True)]
+    served = {("uid-p", "setup")}
+    got = select_candidates([p], R, 4, lambda u, c: (u, c) in served)
+    assert [c.container for c in got] == ["app"]
+    served.add(("uid-p", "app"))
+    got = select_candidates([p], R, 4, lambda u, c: (u, c) in served)
+    assert [c.container for c in got] == ["side"]
+
+
+def test_first_unserved_container_must_match_the_count():
+    # The pod's next container to admit wants 2, so a 4-device Allocate is not for it.
+    p = pod("p", "2026-01-01T00:00:00Z", [("a", 2), ("b", 4)])
+    assert select_candidates([p], R, 4) == []
+    got = select_candidates([p], R, 4, lambda u, c: c == "a")
+    assert [c.container for c in got] == ["b"]
+
+
+def test_created_containers_are_not_candidates():
+    p = pod(
+        "p",
+        "2026-01-01T00:00:00Z",
+        [("app", 4)],
+        status={"containerStatuses": [{"name": "app", "containerID": "containerd://abc"}]},
+    )
+    assert select_candidates([p], R, 4) == []
+
+
+def test_in_memory_source_filters_node_phase_and_deletion():
+    src = InMemoryPodSource("n1")
+    assert isinstance(src, PodSource)
+    src.add(pod("here", "2026-01-01T00:00:00Z", [("app", 4)]))
+    src.add(pod("elsewhere", "2026-01-01T00:00:00Z", [("app", 4)], node="n2"))
+    src.add(pod("done", "2026-01-01T00:00:00Z", [("app", 4)], phase="Succeeded"))
+    src.add(pod("going", "2026-01-01T00:00:00Z", [("app", 4)], metadata={"deletionTimestamp": "2026-01-01T00:01:00Z"}))
+    src.add(pod("nogpu", "2026-01-01T00:00:00Z", [("app", 0)]))
+    assert [p["metadata"]["name"] for p in src.candidates(R, 4)] == ["here"]
+    assert src.candidates(R, 3) == []
+    assert src.get("ns", "here")["metadata"]["uid"] == "uid-here"
+    assert src.get("ns", "missing") is None
+
+
+def test_in_memory_source_wait_wakes_on_change_and_reports_deletes():
+    src = InMemoryPodSource("n1")
+    deleted = []
+    src.subscribe_deleted(lambda p: deleted.append(p["metadata"]["name"]))
+    p = pod("p", "2026-01-01T00:00:00Z", [("app", 4)])
+    threading.Timer(0.05, src.add, args=(p,)).start()
+    assert src.wait(5.0) is True
+    assert len(src) == 1
+    assert src.wait(0.01) is False
+    src.delete(p)
+    assert deleted == ["p"] and len(src) == 0
+
+
+class _FakeList:
+    def __init__(self, items):
+        self.items = items
+        self.metadata = type("M", (), {"resource_version": "7"})()
+
+
+def test_kubernetes_source_lists_then_reports_not_ready_on_api_error():
+    """KubernetesPodSource with a stub CoreV1Api: the first list fills the cache
+    (only pods requesting our resource), a failing API makes it not ready."""
+    from kubernetes import client
+
+    api = client.ApiClient()
+    calls = {"n": 0}
+    gate = threading.Event()
+
+    class StubV1:
+        def list_pod_for_all_namespaces(self, **kw):
+            calls["n"] += 1
+            assert kw["field_selector"] == "spec.nodeName=n1"
+            if calls["n"] == 1:
+                pods = [
+                    client.V1Pod(
+                        metadata=client.V1ObjectMeta(name="a", namespace="ns", uid="ua"),
+                        spec=client.V1PodSpec(
+                            node_name="n1",
+                            containers=[
+                                client.V1Container(
+                                    name="app", resources=client.V1ResourceRequirements(limits={R: "4"})
+                                )
+                            ],
+                        ),
+                    ),
+                    client.V1Pod(
+                        metadata=client.V1ObjectMeta(name="b", namespace="ns", uid="ub"),
+                        spec=client.V1PodSpec(node_name="n1", containers=[client.V1Container(name="app")]),
+                    ),
+                ]
+                return _FakeList(pods)
+            gate.wait(5)
+            raise client.ApiException(status=503, reason="apiserver down")
+
+    src = KubernetesPodSource("n1", R, api_client=api, watch_timeout_s=1)
+    src._client = lambda: StubV1()  # the only seam: the API object itself
+    src.start()
+    try:
+        assert src.wait(5.0)
+        assert [p["metadata"]["name"] for p in src.candidates(R, 4)] == ["a"]
+        assert len(src) == 1
+        gate.set()
+        for _ in range(100):
+            if not src.ready():
+                break
+            src.wait(0.05)
+        assert not src.ready()
+        assert "apiserver down" in (src.last_error or "")
+    finally:
+        src.stop(0.5)
