@@ -321,7 +321,7 @@ class Daemon:
 
         assert self.node is not None
         modes = tuple(ComputeMode(m) for m in self.cfg.mps_modes)
-        protocol: Any = self.cfg.mps_protocol if self.cfg.mps_protocol == "auto" else int(self.cfg.mps_protocol)
+        protocol = None if self.cfg.mps_protocol == "auto" else int(self.cfg.mps_protocol)
         self.mps = _construct(MpsSupervisor, layout=layout, control_binary=self.cfg.mps_control_binary,
                               protocol=protocol, driver_version=self.node.driver_version, modes=modes,
                               metrics=self.metrics)

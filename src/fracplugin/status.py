@@ -110,8 +110,8 @@ def render_table(doc: Mapping[str, Any]) -> str:
     else:
         out.append(f"MPS daemons (protocol {mps.get('protocol', '?')}), ready: {_yn(mps.get('ready'))}")
         for d in mps.get("daemons", []):
-            extra = "  ".join(f"{k} {v}" for k, v in d.items()
-                              if k not in ("mode", "healthy") and v not in (None, "", [], {}) and not isinstance(v, (dict, list)))
+            extra = "  ".join(f"{k} {d[k]}" for k in ("state", "pid", "restarts", "pipe_dir", "last_error")
+                              if d.get(k) not in (None, ""))
             out.append(f"  {d.get('mode', '?'):<13} {'healthy' if d.get('healthy') else 'UNHEALTHY':<9} {extra}".rstrip())
     eps = doc.get("endpoints") or {}
     if eps:
