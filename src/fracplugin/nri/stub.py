@@ -84,6 +84,7 @@ __all__ = [
     "RUNTIME_SERVICE",
     "VALID_EVENTS_MASK",
     "CallContext",
+    "Dispatcher",
     "NriStub",
     "event_mask",
 ]
@@ -249,22 +250,165 @@ class _Watchdog:
                     log.exception("nri watchdog failed to answer an expired call")
 
 
-class _Session:
-    """State of one connection to the runtime."""
+class Dispatcher:
+    """Per-connection request handling without I/O: check, decode, call the
+    handler, build the response message. ``NriStub`` runs one per connection;
+    tests can drive it directly with ``RequestReceived`` events.
 
-    def __init__(self, number: int) -> None:
-        self.number = number
-        self.transport: NriTransport | None = None
+    State kept per connection (nri-protocol.md 1.5, 1.6): the request and
+    registration timeouts from ConfigureRequest (seconds; 2 s / 5 s until
+    Configure says otherwise), the runtime's name and version, and the parts
+    of a split Synchronize. Thread-safe.
+    """
+
+    def __init__(self, handler: object, events: int, plugin_name: str = "plugin") -> None:
+        self.handler = handler
+        self.events = events
+        self.plugin_name = plugin_name
         self.request_timeout_s = DEFAULT_REQUEST_TIMEOUT_S
         self.registration_timeout_s = DEFAULT_REGISTRATION_TIMEOUT_S
         self.runtime_name = ""
         self.runtime_version = ""
-        self.registered = threading.Event()
         self.configured = False
+        self._sync_pods: list[Any] = []
+        self._sync_containers: list[Any] = []
+        self._lock = threading.Lock()
+
+    def check(self, ev: RequestReceived) -> RpcError | None:
+        """The UNIMPLEMENTED error for an unknown service or method, else None."""
+        if ev.service != PLUGIN_SERVICE:
+            return unimplemented_service(ev.service)
+        if ev.method not in _METHODS:
+            return unimplemented_method(ev.method)
+        return None
+
+    def context(self, ev: RequestReceived, budget_fraction: float, now: float | None = None) -> CallContext:
+        """The ``CallContext`` of a request: budget = ``budget_fraction`` x the
+        smaller of the request timeout and the request's ``timeout_nano``."""
+        limit = self.request_timeout_s
+        if ev.timeout_nano > 0:
+            limit = min(limit, ev.timeout_nano / 1e9)
+        budget = limit * budget_fraction
+        now = time.monotonic() if now is None else now
+        return CallContext(
+            method=ev.method,
+            stream_id=ev.stream_id,
+            request_timeout_s=self.request_timeout_s,
+            budget_s=budget,
+            deadline=now + budget,
+            runtime_name=self.runtime_name,
+            runtime_version=self.runtime_version,
+        )
+
+    def decode(self, ev: RequestReceived) -> Any:
+        """The request message of ``ev``; raises RpcError INVALID_ARGUMENT
+        (or UNIMPLEMENTED for an unknown method)."""
+        err = self.check(ev)
+        if err is not None:
+            raise err
+        req_cls, _, _ = _METHODS[ev.method]
+        try:
+            return req_cls.FromString(ev.payload)
+        except Exception as exc:
+            raise RpcError(Code.INVALID_ARGUMENT, f"cannot decode {ev.method} request: {exc}") from None
+
+    def handle(self, method: str, req: Any, ctx: CallContext) -> Any:
+        """Run the handler for one decoded request; return the response
+        message. Raises RpcError (the handler's, or TypeError for a wrong
+        return type turned into INTERNAL by the caller)."""
+        _, resp_cls, _ = _METHODS[method]
+        h = self.handler
+        if method == "Configure":
+            with self._lock:
+                if req.request_timeout > 0:
+                    self.request_timeout_s = req.request_timeout / 1000.0
+                if req.registration_timeout > 0:
+                    self.registration_timeout_s = req.registration_timeout / 1000.0
+                self.runtime_name, self.runtime_version = req.runtime_name, req.runtime_version
+                self.configured = True
+            log.info(
+                "nri configured",
+                extra={
+                    "runtime": f"{req.runtime_name} {req.runtime_version}",
+                    "nri_version": req.NRI_version,
+                    "request_timeout_ms": req.request_timeout,
+                    "registration_timeout_ms": req.registration_timeout,
+                    "events": f"0x{self.events:x}",
+                },
+            )
+            fn = getattr(h, "configure", None)
+            if callable(fn):
+                fn(req, ctx)
+            return nri_pb2.ConfigureResponse(events=self.events)
+        if method == "Synchronize":
+            with self._lock:
+                self._sync_pods.extend(req.pods)
+                self._sync_containers.extend(req.containers)
+                if req.more:
+                    return nri_pb2.SynchronizeResponse(more=True)
+                pods, containers = self._sync_pods, self._sync_containers
+                self._sync_pods, self._sync_containers = [], []
+            fn = getattr(h, "synchronize", None)
+            result = fn(pods, containers, ctx) if callable(fn) else None
+            if isinstance(result, nri_pb2.SynchronizeResponse):
+                result.more = False
+                return result
+            return nri_pb2.SynchronizeResponse(update=list(result or ()))
+        if method == "Shutdown":
+            fn = getattr(h, "shutdown", None)
+            log.info("nri runtime announced shutdown")
+            if callable(fn):
+                fn(ctx)
+            return nri_pb2.Empty()
+        if method == "StateChange":
+            target = _EVENT_TO_METHOD.get(req.event)
+            if target is None or (target not in _CONTAINER_EVENTS and target not in _POD_EVENTS):
+                log.info("nri StateChange for an event without a state-change handler", extra={"event": req.event})
+                return nri_pb2.Empty()
+            fn = getattr(h, _snake(target), None)
+            if callable(fn):
+                if target in _CONTAINER_EVENTS:
+                    fn(req.pod, req.container, ctx)
+                else:
+                    fn(req.pod, ctx)
+            return nri_pb2.Empty()
+        fn = getattr(h, _snake(method), None)
+        if not callable(fn):
+            return resp_cls()
+        if method in _CONTAINER_EVENTS:
+            fn(req.pod, req.container, ctx)
+            return resp_cls()
+        if method in _POD_EVENTS:
+            fn(req.pod, ctx)
+            return resp_cls()
+        if method == "CreateContainer":
+            result = fn(req.pod, req.container, ctx)
+            if isinstance(result, nri_pb2.ContainerAdjustment):
+                return nri_pb2.CreateContainerResponse(adjust=result)
+        elif method == "UpdateContainer":
+            result = fn(req.pod, req.container, req.linux_resources, ctx)
+        elif method == "StopContainer":
+            result = fn(req.pod, req.container, ctx)
+            if isinstance(result, (list, tuple)):
+                return nri_pb2.StopContainerResponse(update=list(result))
+        else:  # UpdatePodSandbox, ValidateContainerAdjustment
+            result = fn(req, ctx)
+        if result is None:
+            return resp_cls()
+        if not isinstance(result, resp_cls):
+            raise TypeError(f"{_snake(method)} returned {type(result).__name__}, expected {resp_cls.__name__}")
+        return result
+
+
+class _Session:
+    """One connection to the runtime."""
+
+    def __init__(self, number: int, dispatcher: Dispatcher) -> None:
+        self.number = number
+        self.dispatcher = dispatcher
+        self.transport: NriTransport | None = None
+        self.registered = threading.Event()
         self.synchronized = False
-        self.sync_pods: list[Any] = []
-        self.sync_containers: list[Any] = []
-        self.lock = threading.Lock()
 
 
 class NriStub:
@@ -509,7 +653,7 @@ class NriStub:
         return self._register(sock)
 
     def _register(self, sock: socket.socket) -> _Session:
-        session = _Session(next(self._sessions))
+        session = _Session(next(self._sessions), Dispatcher(self.handler, self.events, self.plugin_name))
         transport = NriTransport(
             sock,
             serve_conn=PLUGIN_SERVICE_CONN,
@@ -549,29 +693,12 @@ class NriStub:
         """Reader thread: route one request to the pool (never blocks)."""
         transport = session.transport
         assert transport is not None
-        if ev.service != PLUGIN_SERVICE:
-            err = unimplemented_service(ev.service)
-            log.warning("nri call for an unknown service", extra={"service": ev.service, "method": ev.method})
+        err = session.dispatcher.check(ev)
+        if err is not None:
+            log.warning("nri call for an unknown service or method", extra={"service": ev.service, "method": ev.method})
             transport.respond_error(ev.stream_id, err.code, err.message)
             return
-        if ev.method not in _METHODS:
-            err = unimplemented_method(ev.method)
-            log.warning("nri call for an unknown method", extra={"method": ev.method})
-            transport.respond_error(ev.stream_id, err.code, err.message)
-            return
-        limit = session.request_timeout_s
-        if ev.timeout_nano > 0:
-            limit = min(limit, ev.timeout_nano / 1e9)
-        budget = limit * self.budget_fraction
-        ctx = CallContext(
-            method=ev.method,
-            stream_id=ev.stream_id,
-            request_timeout_s=session.request_timeout_s,
-            budget_s=budget,
-            deadline=time.monotonic() + budget,
-            runtime_name=session.runtime_name,
-            runtime_version=session.runtime_version,
-        )
+        ctx = session.dispatcher.context(ev, self.budget_fraction)
         call = _Call(session, ev, ctx)
         assert self._watchdog is not None and self._pool is not None
         self._watchdog.add(call)
@@ -613,12 +740,8 @@ class NriStub:
         response: Any = None
         error: RpcError | None = None
         try:
-            req_cls, _, _ = _METHODS[method]
-            try:
-                call.request = req_cls.FromString(call.ev.payload)
-            except Exception as exc:
-                raise RpcError(Code.INVALID_ARGUMENT, f"cannot decode {method} request: {exc}") from None
-            response = self._invoke(call)
+            call.request = call.session.dispatcher.decode(call.ev)
+            response = call.session.dispatcher.handle(method, call.request, call.ctx)
         except RpcError as exc:
             error = exc
         except Exception as exc:
@@ -645,89 +768,3 @@ class NriStub:
                 abandoned(method, call.request, response if error is None else error)
             except Exception:
                 log.exception("nri abandoned() hook failed", extra={"method": method})
-
-    def _invoke(self, call: _Call) -> Any:
-        """Run the handler method for one request; returns the response message."""
-        method, req, ctx, session = call.ev.method, call.request, call.ctx, call.session
-        _, resp_cls, _ = _METHODS[method]
-        h = self.handler
-        if method == "Configure":
-            with session.lock:
-                if req.request_timeout > 0:
-                    session.request_timeout_s = req.request_timeout / 1000.0
-                if req.registration_timeout > 0:
-                    session.registration_timeout_s = req.registration_timeout / 1000.0
-                session.runtime_name, session.runtime_version = req.runtime_name, req.runtime_version
-                session.configured = True
-            log.info(
-                "nri configured",
-                extra={
-                    "runtime": f"{req.runtime_name} {req.runtime_version}",
-                    "nri_version": req.NRI_version,
-                    "request_timeout_ms": req.request_timeout,
-                    "registration_timeout_ms": req.registration_timeout,
-                    "events": f"0x{self.events:x}",
-                },
-            )
-            fn = getattr(h, "configure", None)
-            if callable(fn):
-                fn(req, ctx)
-            return nri_pb2.ConfigureResponse(events=self.events)
-        if method == "Synchronize":
-            with session.lock:
-                session.sync_pods.extend(req.pods)
-                session.sync_containers.extend(req.containers)
-                if req.more:
-                    return nri_pb2.SynchronizeResponse(more=True)
-                pods, containers = session.sync_pods, session.sync_containers
-                session.sync_pods, session.sync_containers = [], []
-            fn = getattr(h, "synchronize", None)
-            result = fn(pods, containers, ctx) if callable(fn) else None
-            if isinstance(result, nri_pb2.SynchronizeResponse):
-                result.more = False
-                return result
-            return nri_pb2.SynchronizeResponse(update=list(result or ()))
-        if method == "Shutdown":
-            fn = getattr(h, "shutdown", None)
-            log.info("nri runtime announced shutdown")
-            if callable(fn):
-                fn(ctx)
-            return nri_pb2.Empty()
-        if method == "StateChange":
-            target = _EVENT_TO_METHOD.get(req.event)
-            if target is None or (target not in _CONTAINER_EVENTS and target not in _POD_EVENTS):
-                log.info("nri StateChange for an event without a state-change handler", extra={"event": req.event})
-                return nri_pb2.Empty()
-            fn = getattr(h, _snake(target), None)
-            if callable(fn):
-                if target in _CONTAINER_EVENTS:
-                    fn(req.pod, req.container, ctx)
-                else:
-                    fn(req.pod, ctx)
-            return nri_pb2.Empty()
-        fn = getattr(h, _snake(method), None)
-        if not callable(fn):
-            return resp_cls()
-        if method in _CONTAINER_EVENTS:
-            fn(req.pod, req.container, ctx)
-            return resp_cls()
-        if method in _POD_EVENTS:
-            fn(req.pod, ctx)
-            return resp_cls()
-        if method == "CreateContainer":
-            result = fn(req.pod, req.container, ctx)
-            if isinstance(result, nri_pb2.ContainerAdjustment):
-                return nri_pb2.CreateContainerResponse(adjust=result)
-        elif method == "UpdateContainer":
-            result = fn(req.pod, req.container, req.linux_resources, ctx)
-        elif method == "StopContainer":
-            result = fn(req.pod, req.container, ctx)
-            if isinstance(result, (list, tuple)):
-                return nri_pb2.StopContainerResponse(update=list(result))
-        else:  # UpdatePodSandbox, ValidateContainerAdjustment
-            result = fn(req, ctx)
-        if result is None:
-            return resp_cls()
-        if not isinstance(result, resp_cls):
-            raise TypeError(f"{_snake(method)} returned {type(result).__name__}, expected {resp_cls.__name__}")
-        return result
