@@ -1,0 +1,165 @@
+"""What the NRI plugin, the device plugin and the daemon need from MPS.
+
+``MpsApi`` is the narrow interface; ``MpsSupervisor`` (supervisor.py) is the
+real implementation and ``NullMps`` the no-op default used where MPS is
+disabled (and in tests of other components).
+
+Concurrency: implementations must be callable from any thread; no call blocks
+longer than the ``timeout_s`` it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from ..model import ComputeMode
+from .layout import MpsLayout, namespace_name
+
+__all__ = [
+    "MpsError",
+    "MpsTimeout",
+    "DrainResult",
+    "HealthCallback",
+    "MpsApi",
+    "NullMps",
+]
+
+
+class MpsError(RuntimeError):
+    """An MPS control operation failed (daemon down, command refused, bad reply).
+
+    ``command`` is the command line (argv joined, or the v2 stdin command),
+    ``output`` what the control binary printed (stdout+stderr, stripped).
+    """
+
+    def __init__(self, message: str, command: str = "", output: str = "") -> None:
+        self.command = command
+        self.output = output
+        super().__init__(message)
+
+
+class MpsTimeout(MpsError):
+    """An MPS control operation did not finish within its time budget."""
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    """Outcome of ``drain(container_id, timeout_s)``.
+
+    Attributes:
+        container_id: the container drained.
+        clients: host PIDs of the container's MPS clients found (all daemons).
+        terminated: PIDs whose ``client terminate`` / ``terminate_client`` answered in time.
+        wedged: True when a terminate (or the client listing) ran out of time or
+            failed: the daemon it belongs to is considered wedged and is being
+            hard-restarted (gpu-fractioning ``drain.go``: a client killed
+            mid-kernel wedges the server; mps-nvml.md section 2.7).
+        restarted: compute modes whose daemon was scheduled for a hard restart.
+        skipped: True when nothing was attempted (no daemon running, or a drain
+            of the same container was already in flight).
+        errors: human-readable notes (one per failed step).
+        elapsed_s: wall time spent, seconds.
+    """
+
+    container_id: str
+    clients: tuple[int, ...] = ()
+    terminated: tuple[int, ...] = ()
+    wedged: bool = False
+    restarted: tuple[ComputeMode, ...] = ()
+    skipped: bool = False
+    errors: tuple[str, ...] = ()
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Every client found was terminated in time and nothing wedged."""
+        return not self.wedged and set(self.terminated) >= set(self.clients)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "container_id": self.container_id,
+            "clients": list(self.clients),
+            "terminated": list(self.terminated),
+            "wedged": self.wedged,
+            "restarted": [m.value for m in self.restarted],
+            "skipped": self.skipped,
+            "errors": list(self.errors),
+            "elapsed_s": self.elapsed_s,
+        }
+
+
+HealthCallback = Callable[[ComputeMode, bool], None]
+"""``callback(mode, healthy)``: called from the supervisor thread whenever the
+daemon of ``mode`` changes between healthy and not healthy. Must not block."""
+
+
+@runtime_checkable
+class MpsApi(Protocol):
+    """The MPS operations other components call."""
+
+    def ensure_namespace(
+        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float
+    ) -> str:
+        """Create (idempotently) and cap the MPS v3 namespace of an sm-sharing
+        container; return its host pipe directory. Raises MpsError / MpsTimeout."""
+        ...
+
+    def release_namespace(self, pod_uid: str, container: str) -> bool:
+        """Forget (and delete, when possible) the namespace; True if it is gone now."""
+        ...
+
+    def drain(self, container_id: str, timeout_s: float) -> DrainResult:
+        """Terminate the container's MPS clients; never blocks past ``timeout_s``."""
+        ...
+
+    def healthy(self, mode: ComputeMode) -> bool:
+        """Whether the daemon serving ``mode`` answers its probe."""
+        ...
+
+    def ready(self) -> bool:
+        """Every configured daemon is healthy."""
+        ...
+
+    def status(self) -> dict[str, Any]:
+        """JSON-able state (see ``MpsSupervisor.status``)."""
+        ...
+
+    def subscribe(self, callback: HealthCallback) -> None:
+        """Register a health-change callback."""
+        ...
+
+
+@dataclass
+class NullMps:
+    """The no-op MPS: nothing is supervised, every operation succeeds at once.
+
+    ``ensure_namespace`` returns the layout's namespace pipe directory without
+    creating anything; ``drain`` finds no clients; ``healthy``/``ready`` are
+    True (there is nothing to be unhealthy). Use it when MPS is disabled.
+    """
+
+    layout: MpsLayout = field(default_factory=MpsLayout)
+
+    def ensure_namespace(
+        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float
+    ) -> str:
+        return self.layout.namespace_pipe_dir(namespace_name(pod_uid, container))
+
+    def release_namespace(self, pod_uid: str, container: str) -> bool:
+        return True
+
+    def drain(self, container_id: str, timeout_s: float) -> DrainResult:
+        return DrainResult(container_id=container_id, skipped=True)
+
+    def healthy(self, mode: ComputeMode) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return True
+
+    def status(self) -> dict[str, Any]:
+        return {"enabled": False, "protocol": None, "ready": True, "daemons": []}
+
+    def subscribe(self, callback: HealthCallback) -> None:
+        return None

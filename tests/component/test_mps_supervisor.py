@@ -1,0 +1,507 @@
+"""MpsSupervisor against the fake nvidia-cuda-mps-control, run as a real subprocess.
+
+Every test ends by asserting that no process it caused is left: no child of
+the test process and no process anywhere whose environment points into the
+test's MPS root (daemons and fake servers carry CUDA_MPS_PIPE_DIRECTORY).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fracplugin.model import ComputeMode
+from fracplugin.mps.api import MpsApi, MpsError, MpsTimeout, NullMps
+from fracplugin.mps.layout import SM_SERVER, MpsLayout, namespace_name
+from fracplugin.mps.supervisor import MpsSupervisor
+
+FAKE = str(Path(__file__).resolve().parents[1] / "fakes" / "nvidia-cuda-mps-control")
+TS, SM = ComputeMode.TIME_SLICING, ComputeMode.SM_SHARING
+CID_A = "a" * 12 + "0123456789abcdef" * 3 + "0123"
+CID_B = "b" * 64
+POD_A = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+POD_B = "11111111-2222-3333-4444-555555555555"
+
+
+def wait_for(pred, timeout_s: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class Harness:
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.layout = MpsLayout(os.path.join(root, "mps"))
+        self.proc_root = os.path.join(root, "proc")
+        os.makedirs(self.proc_root)
+        self.sups: list[MpsSupervisor] = []
+        self.procs: list[subprocess.Popen] = []
+        self.events: list[tuple[ComputeMode, bool]] = []
+
+    def supervisor(self, modes=(TS, SM), driver="615.71.09", protocol=None, **kw) -> MpsSupervisor:
+        kw.setdefault("probe_interval_s", 0.5)
+        kw.setdefault("probe_timeout_s", 2.0)
+        kw.setdefault("backoff_base_s", 0.05)
+        sup = MpsSupervisor(self.layout, FAKE, protocol, driver, set(modes), **kw)
+        sup.subscribe(lambda m, h: self.events.append((m, h)))
+        self.sups.append(sup)
+        sup.start()
+        return sup
+
+    def env(self, mode):
+        e = dict(os.environ)
+        e.pop("CUDA_MPS_PROTOCOL_VERSION", None)
+        e["CUDA_MPS_PIPE_DIRECTORY"] = self.layout.pipe_dir(mode)
+        return e
+
+    def ctl(self, mode, *args, stdin=None, check=True) -> str:
+        p = subprocess.run([FAKE, *args], input=stdin or "", capture_output=True, text=True,
+                           env=self.env(mode), timeout=20)
+        if check:
+            assert p.returncode == 0, p.stderr
+        return p.stdout
+
+    def state(self, mode) -> dict:
+        return json.loads(self.ctl(mode, "fake-state"))
+
+    def faults(self, mode, **f) -> None:
+        path = os.path.join(self.layout.pipe_dir(mode), "fake-control.json")
+        with open(path + ".tmp", "w") as fh:
+            json.dump(f, fh)
+        os.replace(path + ".tmp", path)
+
+    def client(self, container_id: str, pod_uid: str, mode=SM, namespace="default") -> int:
+        """A real sleeping process registered as an MPS client, whose cgroup (in the
+        injected proc root) puts it in ``container_id`` of pod ``pod_uid``."""
+        p = subprocess.Popen(["sleep", "60"])
+        self.procs.append(p)
+        d = os.path.join(self.proc_root, str(p.pid))
+        os.makedirs(d)
+        slice_ = f"kubepods-burstable-pod{pod_uid.replace('-', '_')}.slice"
+        with open(os.path.join(d, "cgroup"), "w") as f:
+            f.write(f"0::/kubepods.slice/kubepods-burstable.slice/{slice_}/cri-containerd-{container_id}.scope\n")
+        args = ["fake-client", "add", str(p.pid), f"--namespace={namespace}"]
+        if mode is SM:
+            args.append(f"--server={SM_SERVER}")
+        self.ctl(mode, *args)
+        return p.pid
+
+    def alive(self, pid: int) -> bool:
+        for p in self.procs:
+            if p.pid == pid:
+                return p.poll() is None
+        return psutil.pid_exists(pid)
+
+    def close(self) -> None:
+        for sup in self.sups:
+            sup.stop(timeout_s=3.0)
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def leftovers(root: str) -> list[str]:
+    found = []
+    for _ in range(100):
+        found = [f"child {c.pid} {c.cmdline()}" for c in psutil.Process().children(recursive=True)
+                 if _safe(lambda: c.status() != psutil.STATUS_ZOMBIE or True)]
+        for p in psutil.process_iter():
+            env = _safe(p.environ) or {}
+            if env.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(root):
+                found.append(f"orphan {p.pid} {_safe(p.cmdline)}")
+        if not found:
+            return []
+        time.sleep(0.05)
+    return found
+
+
+def _safe(fn):
+    try:
+        return fn()
+    except (psutil.Error, OSError):
+        return None
+
+
+@pytest.fixture
+def mps():
+    root = tempfile.mkdtemp(prefix="fp", dir="/tmp")
+    h = Harness(root)
+    try:
+        yield h
+    finally:
+        h.close()
+        left = leftovers(root)
+        shutil.rmtree(root, ignore_errors=True)
+        assert left == [], f"processes left behind: {left}"
+
+
+def daemon(sup: MpsSupervisor, mode: ComputeMode) -> dict:
+    return next(d for d in sup.status()["daemons"] if d["mode"] == mode.value)
+
+
+# ---------------------------------------------------------------------------- start / stop
+
+
+def test_v3_daemons_start_ready_with_expected_flags_and_stop_cleanly(mps):
+    sup = mps.supervisor()
+    assert sup.protocol == 3
+    assert sup.wait_ready(15)
+    assert isinstance(sup, MpsApi)
+    for mode in (TS, SM):
+        assert os.path.exists(os.path.join(mps.layout.pipe_dir(mode), "control"))
+        st = mps.state(mode)
+        assert st["protocol"] == 3
+        assert st["pid"] == daemon(sup, mode)["pid"]
+    assert mps.state(SM)["multiuser"] is True and mps.state(SM)["servers"] == ["shared"]
+    assert mps.state(TS)["multiuser"] is False and mps.state(TS)["servers"] == []
+    cfg = open(os.path.join(mps.layout.log_dir(SM), "mps-control.toml")).read()
+    assert "[servers.shared]" in cfg and "[features.memacct]" in cfg
+    # every ancestor from the root to the pipe dirs is traversable by other users
+    for mode in (TS, SM):
+        path = mps.layout.pipe_dir(mode)
+        while len(path) >= len(mps.layout.root):
+            assert os.stat(path).st_mode & 0o005 == 0o005, path
+            path = os.path.dirname(path)
+    pids = [daemon(sup, m)["pid"] for m in (TS, SM)]
+    status = sup.status()
+    assert status["ready"] and status["protocol"] == 3
+    assert {d["state"] for d in status["daemons"]} == {"ready"}
+    assert (SM, True) in mps.events and (TS, True) in mps.events
+    sup.stop(timeout_s=5)
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    for mode in (TS, SM):
+        assert not os.path.exists(os.path.join(mps.layout.pipe_dir(mode), "control"))
+    assert not sup.ready()
+
+
+def test_stale_control_socket_is_removed_before_start(mps):
+    pipe = mps.layout.pipe_dir(TS)
+    os.makedirs(pipe)
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(os.path.join(pipe, "control"))
+    s.close()  # a socket file nobody listens on: what a killed daemon leaves
+    sup = mps.supervisor(modes=(TS,))
+    assert sup.wait_ready(15)
+    assert daemon(sup, TS)["restarts"] == 0
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+def test_crash_is_restarted_and_healthy_again(mps):
+    sup = mps.supervisor(modes=(SM,))
+    assert sup.wait_ready(15)
+    old = daemon(sup, SM)["pid"]
+    mps.faults(SM, crash=True, pid=old)
+    wait_for(lambda: daemon(sup, SM)["pid"] not in (None, old) and sup.healthy(SM), what="restart")
+    d = daemon(sup, SM)
+    assert d["restarts"] == 1 and d["restart_budget_used"] == 1 and d["wedges"] == 0
+    # normally "daemon exited with status 3"; a probe racing the crash may see it first
+    assert "exited" in d["last_error"] or "Cannot find MPS control daemon" in d["last_error"]
+    assert mps.events.count((SM, False)) >= 1 and mps.events[-1] == (SM, True)
+
+
+def test_hung_daemon_is_caught_by_the_probe_and_restarted(mps):
+    sup = mps.supervisor(modes=(TS,), probe_timeout_s=0.5)
+    assert sup.wait_ready(15)
+    old = daemon(sup, TS)["pid"]
+    mps.faults(TS, hang=True, pid=old)
+    # the process stays alive while hung: only the active probe can notice
+    wait_for(lambda: daemon(sup, TS)["pid"] not in (None, old) and sup.healthy(TS), what="restart")
+    assert not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
+    d = daemon(sup, TS)
+    assert d["restarts"] == 1 and "probe failed" in d["last_error"]
+    assert (TS, False) in mps.events
+
+
+def test_slow_answers_within_the_timeout_keep_the_daemon_healthy(mps):
+    sup = mps.supervisor(modes=(SM,), probe_timeout_s=3.0)
+    assert sup.wait_ready(15)
+    pid = daemon(sup, SM)["pid"]
+    mps.faults(SM, slow_s=0.3)
+    t_probe = daemon(sup, SM)["last_probe_age_s"]
+    wait_for(lambda: (daemon(sup, SM)["last_probe_age_s"] or 99) < (t_probe or 0) or
+             daemon(sup, SM)["last_probe_s"] >= 0.3, what="a slow probe")
+    path = sup.ensure_namespace(POD_A, "app", 50, timeout_s=10)
+    assert os.path.isdir(path)
+    assert sup.healthy(SM) and daemon(sup, SM)["pid"] == pid and daemon(sup, SM)["restarts"] == 0
+
+
+def test_slow_answer_beyond_the_budget_raises_timeout_and_forgets_the_request(mps):
+    sup = mps.supervisor(modes=(SM,))
+    assert sup.wait_ready(15)
+    mps.faults(SM, slow={"namespace list": 5.0})
+    with pytest.raises(MpsTimeout):
+        sup.ensure_namespace(POD_A, "app", 50, timeout_s=0.5)
+    assert daemon(sup, SM)["namespaces"] == []
+    mps.faults(SM)
+    assert sup.healthy(SM)
+
+
+def test_refused_command_raises_and_daemon_stays_healthy(mps):
+    sup = mps.supervisor(modes=(SM,))
+    assert sup.wait_ready(15)
+    mps.faults(SM, refuse=["namespace create"])
+    with pytest.raises(MpsError, match="refused"):
+        sup.ensure_namespace(POD_A, "app", 25, timeout_s=5)
+    assert daemon(sup, SM)["namespaces"] == []
+    assert sup.healthy(SM) and daemon(sup, SM)["restarts"] == 0
+
+
+def test_refused_cap_leaves_no_uncapped_namespace(mps):
+    sup = mps.supervisor(modes=(SM,))
+    assert sup.wait_ready(15)
+    mps.faults(SM, refuse=["namespace set"])
+    with pytest.raises(MpsError):
+        sup.ensure_namespace(POD_A, "app", 25, timeout_s=5)
+    assert mps.state(SM)["namespaces"] == {}
+
+
+def test_retry_budget_is_exhausted_then_daemon_is_failed(mps):
+    sup = mps.supervisor(modes=(TS,), max_restarts=2, env={"FAKE_MPS_FAULTS": json.dumps({"fail_start": True})})
+    wait_for(lambda: daemon(sup, TS)["state"] == "failed", what="failed state")
+    d = daemon(sup, TS)
+    assert d["restart_budget_used"] == 3 and d["restarts"] == 2 and d["pid"] is None
+    assert not sup.healthy(TS) and not sup.ready()
+
+
+def test_budget_resets_after_stable_uptime(mps):
+    now = [1000.0]
+    lock = threading.Lock()
+
+    def clock():
+        with lock:
+            return now[0]
+
+    sup = mps.supervisor(modes=(TS,), clock=clock, stable_uptime_s=60, probe_interval_s=1e9)
+    assert sup.wait_ready(15)
+    old = daemon(sup, TS)["pid"]
+    mps.faults(TS, crash=True, pid=old)
+    wait_for(lambda: daemon(sup, TS)["pid"] not in (None, old) and sup.healthy(TS), what="restart")
+    assert daemon(sup, TS)["restart_budget_used"] == 1
+    with lock:
+        now[0] += 61
+    wait_for(lambda: daemon(sup, TS)["restart_budget_used"] == 0, what="budget reset")
+    assert daemon(sup, TS)["restarts"] == 1
+
+
+# ---------------------------------------------------------------------------- namespaces
+
+
+def test_namespace_created_capped_idempotent_and_restored_after_restart(mps):
+    sup = mps.supervisor(modes=(SM,))
+    assert sup.wait_ready(15)
+    name = namespace_name(POD_A, "app")
+    path = sup.ensure_namespace(POD_A, "app", 30, timeout_s=5)
+    assert path == mps.layout.namespace_pipe_dir(name)
+    assert os.path.exists(os.path.join(path, "control"))
+    key = f"{SM_SERVER}/{name}"
+    assert mps.state(SM)["namespaces"][key]["active_thread_percentage"] == 30
+    assert sup.ensure_namespace(POD_A, "app", 30, timeout_s=5) == path  # idempotent
+    sup.ensure_namespace(POD_A, "app", 40, timeout_s=5)  # re-cap while no client is attached
+    assert mps.state(SM)["namespaces"][key]["active_thread_percentage"] == 40
+    sup.ensure_namespace(POD_B, "other", None, timeout_s=5)
+    old = daemon(sup, SM)["pid"]
+    mps.faults(SM, crash=True, pid=old)
+    wait_for(lambda: daemon(sup, SM)["pid"] not in (None, old) and sup.healthy(SM), what="restart")
+    st = mps.state(SM)
+    assert st["pid"] != old
+    assert st["namespaces"][key]["active_thread_percentage"] == 40
+    assert f"{SM_SERVER}/{namespace_name(POD_B, 'other')}" in st["namespaces"]
+    assert os.path.exists(os.path.join(path, "control"))
+    assert {n["name"] for n in daemon(sup, SM)["namespaces"]} == {name, namespace_name(POD_B, "other")}
+
+
+def test_recap_refused_while_a_client_is_attached(mps):
+    sup = mps.supervisor(modes=(SM,))
+    assert sup.wait_ready(15)
+    sup.ensure_namespace(POD_A, "app", 30, timeout_s=5)
+    mps.client(CID_A, POD_A, namespace=namespace_name(POD_A, "app"))
+    with pytest.raises(MpsError, match="clients attached"):
+        sup.ensure_namespace(POD_A, "app", 60, timeout_s=5)
+    assert sup.ensure_namespace(POD_A, "app", 30, timeout_s=5)  # same cap: fine
+
+
+def test_release_deletes_namespace_or_retries_until_clients_leave(mps):
+    sup = mps.supervisor(modes=(SM,))
+    assert sup.wait_ready(15)
+    sup.ensure_namespace(POD_A, "app", 30, timeout_s=5)
+    sup.ensure_namespace(POD_B, "b", 30, timeout_s=5)
+    assert sup.release_namespace(POD_B, "b") is True
+    key_a = f"{SM_SERVER}/{namespace_name(POD_A, 'app')}"
+    assert list(mps.state(SM)["namespaces"]) == [key_a]
+    pid = mps.client(CID_A, POD_A, namespace=namespace_name(POD_A, "app"))
+    assert sup.release_namespace(POD_A, "app") is False  # MPS refuses while attached
+    assert key_a in mps.state(SM)["namespaces"]
+    assert daemon(sup, SM)["namespaces"] == []
+    mps.ctl(SM, "fake-client", "remove", str(pid))
+    wait_for(lambda: mps.state(SM)["namespaces"] == {}, what="deferred delete")
+
+
+def test_namespaces_need_v3_and_an_sm_daemon(mps):
+    sup = mps.supervisor(modes=(TS,))
+    assert sup.wait_ready(15)
+    with pytest.raises(MpsError, match="sm-sharing"):
+        sup.ensure_namespace(POD_A, "app", 30, timeout_s=2)
+    with pytest.raises(ValueError):
+        sup.ensure_namespace(POD_A, "app", 0, timeout_s=2)
+
+
+# ---------------------------------------------------------------------------- drain
+
+
+def test_drain_terminates_only_the_containers_clients(mps):
+    sup = mps.supervisor(modes=(TS, SM), proc_root=mps.proc_root)
+    assert sup.wait_ready(15)
+    ns = namespace_name(POD_A, "app")
+    sup.ensure_namespace(POD_A, "app", 30, timeout_s=5)
+    a1 = mps.client(CID_A, POD_A, namespace=ns)
+    a2 = mps.client(CID_A, POD_A, mode=TS)
+    b1 = mps.client(CID_B, POD_B, mode=TS)
+    res = sup.drain(CID_A[:12], timeout_s=10)
+    assert sorted(res.clients) == sorted([a1, a2]) and sorted(res.terminated) == sorted([a1, a2])
+    assert res.ok and not res.wedged and not res.skipped and res.errors == ()
+    assert not mps.alive(a1) and not mps.alive(a2) and mps.alive(b1)
+    assert sup.healthy(SM) and sup.healthy(TS)
+    assert all(daemon(sup, m)["wedges"] == 0 for m in (TS, SM))
+    again = sup.drain(CID_A, timeout_s=5)
+    assert again.clients == () and again.ok
+
+
+def test_drain_timeout_means_wedged_hard_restart(mps):
+    sup = mps.supervisor(modes=(SM,), proc_root=mps.proc_root)
+    assert sup.wait_ready(15)
+    sup.ensure_namespace(POD_A, "app", 30, timeout_s=5)
+    mps.client(CID_A, POD_A, namespace=namespace_name(POD_A, "app"))
+    old = daemon(sup, SM)["pid"]
+    mps.faults(SM, slow={"client terminate": 30.0})
+    res = sup.drain(CID_A, timeout_s=1.0)
+    assert res.wedged and res.restarted == (SM,) and res.terminated == ()
+    assert res.elapsed_s < 1.0 + 3.0  # bounded by the budget (plus process start slack)
+    wait_for(lambda: daemon(sup, SM)["pid"] not in (None, old) and sup.healthy(SM), what="restart")
+    d = daemon(sup, SM)
+    assert d["wedges"] == 1 and d["restarts"] == 1 and d["restart_budget_used"] == 0
+    assert f"{SM_SERVER}/{namespace_name(POD_A, 'app')}" in mps.state(SM)["namespaces"]
+
+
+def test_drain_of_a_hung_daemon_is_wedged_too(mps):
+    sup = mps.supervisor(modes=(TS,), proc_root=mps.proc_root, probe_interval_s=1e9)
+    assert sup.wait_ready(15)
+    mps.client(CID_A, POD_A, mode=TS)
+    mps.faults(TS, hang=True)
+    res = sup.drain(CID_A, timeout_s=0.5)
+    assert res.wedged and res.restarted == (TS,)
+    assert daemon(sup, TS)["wedges"] == 1
+
+
+def test_drain_without_running_daemons_is_skipped(mps):
+    sup = mps.supervisor(modes=(TS,), env={"FAKE_MPS_FAULTS": json.dumps({"fail_start": True})}, max_restarts=1)
+    wait_for(lambda: daemon(sup, TS)["state"] == "failed", what="failed")
+    res = sup.drain(CID_A, timeout_s=1)
+    assert res.skipped and res.clients == ()
+
+
+# ---------------------------------------------------------------------------- v2
+
+
+def test_v2_daemon_defaults_probe_and_drain(mps):
+    sup = mps.supervisor(modes=(TS, SM), driver="550.54.15", proc_root=mps.proc_root,
+                         default_active_thread_percentage=50,
+                         default_pinned_mem_limits_mib={"0": 1024})
+    assert sup.protocol == 2
+    assert sup.wait_ready(15)
+    st = mps.state(SM)
+    assert st["protocol"] == 2 and st["default_active_thread_percentage"] == 50.0 and st["pinned"] == {"0": "1024M"}
+    assert mps.state(TS)["default_active_thread_percentage"] == 100.0
+    with pytest.raises(MpsError, match="v3"):
+        sup.ensure_namespace(POD_A, "app", 30, timeout_s=2)
+    a = mps.client(CID_A, POD_A, mode=TS)
+    b = mps.client(CID_B, POD_B, mode=TS)
+    res = sup.drain(CID_A, timeout_s=10)
+    assert res.clients == (a,) and res.terminated == (a,) and res.ok
+    assert not mps.alive(a) and mps.alive(b)
+    old = daemon(sup, TS)["pid"]
+    mps.faults(TS, hang=True, pid=old)
+    wait_for(lambda: daemon(sup, TS)["pid"] not in (None, old) and sup.healthy(TS), what="restart")
+
+
+def test_protocol_override_beats_driver_version(mps):
+    sup = mps.supervisor(modes=(TS,), driver="615.71.09", protocol=2)
+    assert sup.wait_ready(15)
+    assert mps.state(TS)["protocol"] == 2
+
+
+# ---------------------------------------------------------------------------- stop
+
+
+def _server_copy(root: str) -> str:
+    path = os.path.join(root, "bin", "nvidia-cuda-mps-server")
+    os.makedirs(os.path.dirname(path))
+    shutil.copy(shutil.which("sleep"), path)
+    return path
+
+
+def _servers(path: str) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.readlink(f"/proc/{name}/exe") == path:
+                    out.append(int(name))
+            except OSError:
+                pass
+    return out
+
+
+def test_stop_kills_daemons_that_ignore_quit_and_leftover_servers(mps):
+    srv = _server_copy(mps.root)
+    sup = mps.supervisor(modes=(TS, SM), env={"FAKE_MPS_SERVER_BIN": srv}, probe_interval_s=1e9)
+    assert sup.wait_ready(15)
+    wait_for(lambda: len(_servers(srv)) == 2, what="two fake servers")
+    old = daemon(sup, SM)["pid"]
+    mps.faults(SM, crash=True, pid=old)  # its server outlives it
+    wait_for(lambda: daemon(sup, SM)["pid"] not in (None, old) and sup.healthy(SM), what="restart")
+    assert len(_servers(srv)) >= 2
+    mps.faults(TS, hang=True)  # ignores quit on stdin: SIGKILL path
+    sup.stop(timeout_s=1.0)
+    assert _servers(srv) == []
+    assert daemon(sup, TS)["pid"] is None and daemon(sup, SM)["pid"] is None
+
+
+def test_stop_before_ready_and_double_stop(mps):
+    sup = mps.supervisor(modes=(TS,))
+    sup.stop(timeout_s=2)
+    sup.stop(timeout_s=2)
+    assert not sup.ready()
+
+
+# ---------------------------------------------------------------------------- null
+
+
+def test_null_mps_is_a_noop_mps_api():
+    null = NullMps(MpsLayout("/run/x"))
+    assert isinstance(null, MpsApi)
+    assert null.ensure_namespace(POD_A, "app", 10, 1.0) == MpsLayout("/run/x").namespace_pipe_dir(namespace_name(POD_A, "app"))
+    r = null.drain(CID_A, 1.0)
+    assert r.skipped and r.ok and r.clients == ()
+    assert null.ready() and null.healthy(SM) and null.status()["enabled"] is False
