@@ -5,7 +5,7 @@
 #
 # Env:
 #   FRACPLUGIN_E2E_CACHE                 build cache (default /var/cache/fracplugin-e2e)
-#   FRACPLUGIN_E2E_CONTAINERD_VERSIONS   space-separated (default "v2.3.7"; add v2.1.9 for NRI v0.8)
+#   FRACPLUGIN_E2E_CONTAINERD_VERSIONS   space-separated (default "v2.3.7 v2.1.9": NRI v0.12 and v0.8)
 #   CRICTL_VERSION                       default v1.37.0
 #   FRACPLUGIN_SHARED                    shared inputs (default <repo>/../shared)
 #   PYTEST_ARGS                          extra pytest arguments
@@ -16,7 +16,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 py="${PY:-$repo/.venv/bin/python}"
-export FRACPLUGIN_E2E_CONTAINERD_VERSIONS="${FRACPLUGIN_E2E_CONTAINERD_VERSIONS:-v2.3.7}"
+export FRACPLUGIN_E2E_CONTAINERD_VERSIONS="${FRACPLUGIN_E2E_CONTAINERD_VERSIONS:-v2.3.7 v2.1.9}"
 export FRACPLUGIN_SHARED="${FRACPLUGIN_SHARED:-$(cd "$repo/.." && pwd)/shared}"
 export FRACPLUGIN_E2E_REQUIRED=1
 

@@ -300,7 +300,10 @@ def test_contract_env_and_mount(ctrd, daemon, pods):
     _assert_contract(h.container_env(ctrd, cid), h.container_mountpoints(ctrd, cid))
     held = daemon.tenancies()
     assert sorted(t["gpu_uuid"] for t in held) == EXPECTED_UUIDS
-    assert {t["pod_uid"] for t in held} == {"6f1c2a0e-4b7d-4e59-9a51-0c7f3d2b9e11"}
+    assert {(t["pod_uid"], t["namespace"], t["pod_name"], t["container"], t["container_id"],
+             t["request_mib"], t["limit_mib"], t["mode"]) for t in held} == {
+        ("6f1c2a0e-4b7d-4e59-9a51-0c7f3d2b9e11", "default", "inference", "app", cid,
+         40960, 61440, "sm-sharing")}
     pods.remove_all()
     _wait_ledger_empty(daemon)
 
@@ -323,6 +326,8 @@ def test_limit_below_request_is_refused(ctrd, daemon, pods):
     res = pods.create(pid, cfg, check=False)
     assert res.returncode != 0, res.stdout
     assert "nvidia.com/container.app.gpu-memory.limit" in res.stderr, res.stderr
+    assert "20Gi" in res.stderr, res.stderr
+    assert "InvalidArgument" in res.stderr, res.stderr  # DESIGN.md 2: INVALID_ARGUMENT
     assert daemon.alive(), daemon.tail()
     assert daemon.tenancies() == []
     pods.remove_all()
