@@ -280,3 +280,80 @@ def test_device_plugin_door_not_ready_without_kubelet(daemon: Callable[..., Daem
     assert "not registered" in body["checks"]["device_plugin"]["detail"]
     assert d.get("/healthz")[0] == 200
     assert d.terminate() == 0
+
+
+# ---- NRI door ------------------------------------------------------------------------
+INFERENCE = SHARED / "examples" / "pods" / "inference-sm-sharing-4gpu.bound.yaml"
+
+
+def test_nri_door_serves_and_disconnects_on_sigterm(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    from nri_runtime import FakeNriRuntime, effective_env, pod_from_manifest
+
+    rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    try:
+        d = daemon("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "nri.sock"),
+                   "--nri-plugin-idx", "42", "--nri-plugin-name", "fp-test")
+        info = rt.wait_registered(15)
+        assert (info.name, info.idx) == ("fp-test", "42")
+        assert wait_until(d.ready), d.get("/readyz")
+        assert set(d.get("/readyz")[1]["checks"]) == {"nri"}
+        pod, ctrs = pod_from_manifest(INFERENCE)
+        adj = rt.create_container(pod, ctrs[0])
+        env = effective_env(ctrs[0], adj)
+        assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "40960" and env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+        st = d.get("/status")[1]
+        assert all(g["mode"] == "sm-sharing" and g["held_mib"] == 40960 for g in st["gpus"])
+        assert d.terminate() == 0
+        assert rt.wait_disconnected(5) is not None
+        # the ledger keeps what runs: consistent, and read back by the next start
+        ledger = json.loads((d.state / "ledger.json").read_text())
+        assert {t["gpu_uuid"] for t in ledger["tenancies"]} == {f"GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a0{i}" for i in range(1, 5)}
+    finally:
+        rt.close()
+
+
+def test_nri_door_not_ready_without_runtime(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    d = daemon("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "absent.sock"))
+    code, body = d.get("/readyz")
+    assert code == 503 and "not connected" in body["checks"]["nri"]["detail"]
+    assert d.terminate() == 0
+
+
+# ---- MPS ---------------------------------------------------------------------------------
+def test_mps_supervised_ready_and_quits_last(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    d = daemon("--no-nri", "--no-device-plugin", "--mps-control-binary", str(FAKE_MPS))
+    assert wait_until(d.ready, 20), d.get("/readyz")
+    st = d.get("/status")[1]
+    assert st["mps"]["enabled"] and st["mps"]["protocol"] == 3  # driver 615 -> v3
+    pids = [x["pid"] for x in st["mps"]["daemons"]]
+    assert {x["mode"] for x in st["mps"]["daemons"]} == {"time-slicing", "sm-sharing"} and all(pids)
+    assert (root / "mps" / "ts" / "control").exists()
+    assert d.terminate() == 0
+    assert all(not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text().split(")")[1][:3]
+               for p in pids)
+    assert not (root / "mps" / "ts" / "control").exists() and not (root / "mps" / "sm" / "control").exists()
+    assert mps_processes(root) == []
+
+
+def test_all_doors_ready_and_stop_in_order(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    from fake_kubelet import FakeKubelet
+    from nri_runtime import FakeNriRuntime
+
+    (root / "dp").mkdir()
+    kubelet = FakeKubelet(str(root / "dp")).start()
+    rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    try:
+        d = daemon("--mps-control-binary", str(FAKE_MPS), "--nri-socket", str(root / "nri.sock"),
+                   "--device-plugin-dir", str(root / "dp"), "--pod-resources-socket", str(root / "pr.sock"))
+        assert wait_until(d.ready, 20), d.get("/readyz")
+        checks = d.get("/readyz")[1]["checks"]
+        assert set(checks) == {"nri", "device_plugin", "mps"} and all(c["ready"] for c in checks.values())
+        assert d.get("/status")[1]["doors"] == {"nri": True, "device_plugin": True, "mps": True}
+        assert d.terminate() == 0
+        names = [r.get("part") for r in d.log_records() if str(r.get("msg", "")).startswith("stopped ")]
+        assert names.index("device plugin") < names.index("nri") < names.index("mps")
+        assert mps_processes(root) == []
+        assert not (root / "dp" / "fracplugin.sock").exists()
+    finally:
+        rt.close()
+        kubelet.stop()
