@@ -100,6 +100,11 @@ class FakeNriRuntime:
             Configure (what a real runtime does with its running containers);
             None leaves synchronizing to ``synchronize()``.
         max_read_frame: the mux frame size the runtime can read (bytes).
+        configure_before_register_reply: call Configure and wait for its
+            answer *before* answering RegisterPlugin (a plugin whose reader
+            blocks on its own register reply deadlocks here).
+        listen: False to skip the listener (use ``adopt`` with a socketpair,
+            like a runtime that launched the plugin with fd 3).
     """
 
     def __init__(
@@ -114,6 +119,8 @@ class FakeNriRuntime:
         config: str = "",
         initial_sync: tuple[Sequence[Any], Sequence[Any]] | None = None,
         max_read_frame: int = 4096,
+        configure_before_register_reply: bool = False,
+        listen: bool = True,
     ) -> None:
         self.socket_path = str(socket_path)
         self.nri_version = nri_version
@@ -124,6 +131,7 @@ class FakeNriRuntime:
         self.config = config
         self.initial_sync = initial_sync
         self.max_read_frame = max_read_frame
+        self.configure_before_register_reply = configure_before_register_reply
         self.valid_events = 0x7FF if nri_version.startswith(("v0.8", "v0.7", "v0.6", "v0.4", "v0.3")) else 0x3FFF
         self.connections = 0
         """Plugin connections accepted so far."""
@@ -135,15 +143,18 @@ class FakeNriRuntime:
         self._changed = threading.Condition(self._lock)
         self._conn: _PluginConn | None = None
         self._closed = False
-        path = Path(self.socket_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists() or path.is_symlink():
-            path.unlink()
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.socket_path)
-        self._listener.listen(8)
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="fake-nri-accept", daemon=True)
-        self._accept_thread.start()
+        self._listener: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        if listen:
+            path = Path(self.socket_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists() or path.is_symlink():
+                path.unlink()
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._listener.bind(self.socket_path)
+            self._listener.listen(8)
+            self._accept_thread = threading.Thread(target=self._accept_loop, name="fake-nri-accept", daemon=True)
+            self._accept_thread.start()
 
     # ---------------------------------------------------------------- public
 
@@ -246,19 +257,21 @@ class FakeNriRuntime:
                 return
             self._closed = True
             conn = self._conn
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
         if conn is not None:
             conn.transport.close("runtime shutting down")
             conn.transport.join(2.0)
-        self._accept_thread.join(2.0)
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
+        if self._accept_thread is not None:
+            self._accept_thread.join(2.0)
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
 
     def __enter__(self) -> "FakeNriRuntime":
         return self
@@ -276,35 +289,44 @@ class FakeNriRuntime:
         return conn
 
     def _accept_loop(self) -> None:
+        assert self._listener is not None
         while True:
             try:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    return
-                old = self._conn
-                self.connections += 1
-            if old is not None:
-                old.transport.close("replaced by a new plugin connection")
-            conn_box: list[_PluginConn] = []
-            transport = NriTransport(
-                sock,
-                serve_conn=RUNTIME_SERVICE_CONN,
-                call_conn=PLUGIN_SERVICE_CONN,
-                on_request=lambda ev, box=conn_box: self._on_request(box[0], ev),
-                on_closed=lambda reason: self._notify(),
-                max_read_frame=self.max_read_frame,
-                label=f"fake-runtime-{self.connections}",
-            )
-            conn = _PluginConn(transport)
-            conn_box.append(conn)
-            with self._changed:
-                self._conn = conn
-                self._changed.notify_all()
-            transport.start()
+            if not self.adopt(sock):
+                return
+
+    def adopt(self, sock: socket.socket) -> bool:
+        """Serve a plugin on an already connected socket (e.g. one end of a
+        socketpair whose other end the plugin got as fd 3). Returns False when
+        the runtime is closed (the socket is closed then)."""
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return False
+            old = self._conn
+            self.connections += 1
+        if old is not None:
+            old.transport.close("replaced by a new plugin connection")
+        conn_box: list[_PluginConn] = []
+        transport = NriTransport(
+            sock,
+            serve_conn=RUNTIME_SERVICE_CONN,
+            call_conn=PLUGIN_SERVICE_CONN,
+            on_request=lambda ev, box=conn_box: self._on_request(box[0], ev),
+            on_closed=lambda reason: self._notify(),
+            max_read_frame=self.max_read_frame,
+            label=f"fake-runtime-{self.connections}",
+        )
+        conn = _PluginConn(transport)
+        conn_box.append(conn)
+        with self._changed:
+            self._conn = conn
+            self._changed.notify_all()
+        transport.start()
+        return True
 
     def _notify(self) -> None:
         with self._changed:
@@ -318,14 +340,19 @@ class FakeNriRuntime:
         if ev.method == "RegisterPlugin":
             req = nri_pb2.RegisterPluginRequest.FromString(ev.payload)
             conn.name, conn.idx = req.plugin_name, req.plugin_idx
-            t.respond(ev.stream_id, b"")
-            threading.Thread(target=self._configure, args=(conn,), name="fake-nri-configure", daemon=True).start()
+            if self.configure_before_register_reply:
+                threading.Thread(
+                    target=self._configure, args=(conn, ev.stream_id), name="fake-nri-configure", daemon=True
+                ).start()
+            else:
+                t.respond(ev.stream_id, b"")
+                threading.Thread(target=self._configure, args=(conn,), name="fake-nri-configure", daemon=True).start()
         elif ev.method == "UpdateContainers":
             t.respond(ev.stream_id, nri_pb2.UpdateContainersResponse().SerializeToString())
         else:
             t.respond_error(ev.stream_id, Code.UNIMPLEMENTED, f"method {ev.method}")
 
-    def _configure(self, conn: _PluginConn) -> None:
+    def _configure(self, conn: _PluginConn, register_stream: int | None = None) -> None:
         req = nri_pb2.ConfigureRequest(
             config=self.config,
             runtime_name=self.runtime_name,
@@ -338,6 +365,8 @@ class FakeNriRuntime:
             resp = self._call_on(conn, "Configure", req, nri_pb2.ConfigureResponse)
             if isinstance(resp, RpcError):
                 raise resp
+            if register_stream is not None:
+                conn.transport.respond(register_stream, b"")
             events = resp.events or self.valid_events
             if events & ~self.valid_events:
                 raise RpcError(Code.INVALID_ARGUMENT, f"invalid plugin events: 0x{events & ~self.valid_events:x}")

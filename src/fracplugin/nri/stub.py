@@ -71,7 +71,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from tenacity import Retrying, retry_if_exception_type, stop_when_event_set, wait_exponential_jitter
+from tenacity import Retrying, retry_if_exception_type, stop_when_event_set, wait_exponential, wait_random
 
 from .._proto import nri_pb2
 from .mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
@@ -620,9 +620,8 @@ class NriStub:
                 return None
         retrying = Retrying(
             retry=retry_if_exception_type((OSError, TimeoutError, RpcError)),
-            wait=wait_exponential_jitter(
-                initial=self.reconnect_initial_s, max=self.reconnect_max_s, jitter=self.reconnect_initial_s
-            ),
+            wait=wait_exponential(multiplier=self.reconnect_initial_s, max=self.reconnect_max_s)
+            + wait_random(0, self.reconnect_initial_s),
             stop=stop_when_event_set(self._stop_ev),
             sleep=self._stop_ev.wait,
             before_sleep=self._log_retry,
@@ -755,11 +754,12 @@ class NriStub:
                 log.exception("nri response does not encode", extra={"method": method})
                 error = RpcError(Code.INTERNAL, f"{self.plugin_name}: {method} response does not encode: {exc}")
         if call.claim(_DONE):
-            self._send(call, payload, error)
             if method == "Synchronize" and error is None and not response.more:
+                # Counted before the answer leaves: the runtime proceeds on it.
                 call.session.synchronized = True
                 self.synchronize_count += 1
                 self._synced.set()
+            self._send(call, payload, error)
             return
         log.warning("nri handler result arrived after its budget and was dropped", extra={"method": method})
         abandoned = getattr(self.handler, "abandoned", None)

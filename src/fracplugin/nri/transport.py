@@ -176,12 +176,20 @@ class NriTransport:
     ) -> "Future[ResponseReceived]":
         """Send a request on ``call_conn``; the future resolves with the
         ``ResponseReceived`` (any status) or fails with ``ConnectionClosed``."""
+        return self._call_async(lambda: self._client.send_request(service, method, payload, timeout_nano=timeout_nano))
+
+    def call_async_body(self, body: bytes, *, check_size: bool = True) -> "Future[ResponseReceived]":
+        """Like ``call_async`` with an already encoded ``ttrpc.Request`` body;
+        ``check_size=False`` sends even above 4 MiB (for tests)."""
+        return self._call_async(lambda: self._client.send_request_body(body, check_size=check_size))
+
+    def _call_async(self, queue: Callable[[], int]) -> "Future[ResponseReceived]":
         fut: Future[ResponseReceived] = Future()
         with self._write_lock:
             if self._closed.is_set():
                 raise ConnectionClosed(self.close_reason or "closed")
             with self._state_lock:
-                sid = self._client.send_request(service, method, payload, timeout_nano=timeout_nano)
+                sid = queue()
                 self._pending[sid] = fut
                 data = self._client.data_to_send()
             try:

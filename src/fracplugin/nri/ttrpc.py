@@ -392,16 +392,22 @@ class TtrpcConnection:
         """Client: queue a unary request and return its stream id (odd,
         increasing). Raises ``MessageTooLarge`` above ``max_message`` bytes and
         ``TtrpcError`` when the stream id space is exhausted."""
+        req = ttrpc_pb2.Request(service=service, method=method, payload=payload, timeout_nano=timeout_nano)
+        for k, v in metadata:
+            req.metadata.add(key=k, value=v)
+        return self.send_request_body(req.SerializeToString())
+
+    def send_request_body(self, body: bytes, *, check_size: bool = True) -> int:
+        """Client: queue an already encoded request ``body`` on the next stream
+        id and return the id. ``check_size=False`` lets tests send a message
+        above the limit to a peer. Raises ``MessageTooLarge`` / ``TtrpcError``
+        like ``send_request``."""
         if self.role is not Role.CLIENT:
             raise ValueError("send_request needs the CLIENT role")
         stream_id = self._next_stream_id
         if stream_id >= 2**32:
             raise TtrpcError("ttrpc stream ids exhausted on this connection")
-        req = ttrpc_pb2.Request(service=service, method=method, payload=payload, timeout_nano=timeout_nano)
-        for k, v in metadata:
-            req.metadata.add(key=k, value=v)
-        body = req.SerializeToString()
-        if len(body) > self.max_message:
+        if check_size and len(body) > self.max_message:
             raise MessageTooLarge(f"request of {len(body)} bytes exceeds the ttrpc limit {self.max_message}")
         self._next_stream_id += 2
         self._in_flight.add(stream_id)

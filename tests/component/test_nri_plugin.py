@@ -1,0 +1,486 @@
+"""fracplugin's NRI plugin (FracNriPlugin + NriStub) against the in-process
+fake runtime over a real unix socket: what containers get, refusals, untouched
+pods, Synchronize, and recovery from a runtime that misbehaves or goes away
+(no ledger entry lost or duplicated)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fracplugin._proto import nri_pb2, ttrpc_pb2
+from fracplugin.gpu.simulated import load_node
+from fracplugin.ledger import Ledger
+from fracplugin.mps.layout import MpsLayout, namespace_name
+from fracplugin.nri.mux import MAX_PAYLOAD
+from fracplugin.nri.plugin import FracNriPlugin, build_adjustment
+from fracplugin.nri.stub import PLUGIN_SERVICE, NriStub
+from fracplugin.nri.ttrpc import MAX_MESSAGE, Code, MessageType, RpcError, encode_message
+from fracplugin.planner import PlannerConfig, plan_container
+from fracplugin.model import PodRef
+
+from nri_runtime import FakeNriRuntime, effective_env, make_container, make_pod, pod_from_manifest
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = Path(os.environ.get("FRACPLUGIN_SHARED", REPO.parent / "shared"))
+PODS = SHARED / "examples" / "pods"
+NODE = load_node(SHARED / "examples" / "nodes" / "gpu-node-1.yaml")
+UUIDS = [g.uuid for g in NODE.gpus]
+PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class FakeMps:
+    """Records MPS calls; ``block`` makes ensure_namespace wait for an event."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.block: threading.Event | None = None
+        self.done = threading.Event()
+        self.fail: Exception | None = None
+        self.lock = threading.Lock()
+
+    def ensure_namespace(self, pod_uid, container, atp, timeout_s):
+        with self.lock:
+            self.calls.append(("ensure_namespace", pod_uid, container, atp, timeout_s))
+        gate = self.block
+        if gate is not None:
+            gate.wait(10)
+        self.done.set()
+        if self.fail is not None:
+            raise self.fail
+        return MpsLayout().namespace_pipe_dir(namespace_name(pod_uid, container))
+
+    def release_namespace(self, pod_uid, container):
+        with self.lock:
+            self.calls.append(("release_namespace", pod_uid, container))
+        return True
+
+    def drain(self, container_id, timeout_s):
+        with self.lock:
+            self.calls.append(("drain", container_id, timeout_s))
+        return None
+
+    def named(self, name):
+        with self.lock:
+            return [c for c in self.calls if c[0] == name]
+
+
+class FakeMetrics:
+    def __init__(self) -> None:
+        self.hooks: list[tuple[str, float]] = []
+        self.refusals: list[str] = []
+
+    def observe_hook(self, door, seconds):
+        self.hooks.append((door, seconds))
+
+    def refusal(self, reason_code):
+        self.refusals.append(reason_code)
+
+
+def wait_for(cond, timeout_s=10.0, what="condition"):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Harness:
+    def __init__(self, tmp: str, *, fail_open=False, runtime_kwargs=None, stub_kwargs=None):
+        self.path = os.path.join(tmp, "nri.sock")
+        self.ledger = Ledger(NODE)
+        self.mps = FakeMps()
+        self.metrics = FakeMetrics()
+        self.plugin = FracNriPlugin(NODE, self.ledger, PlannerConfig(), mps=self.mps, metrics=self.metrics,
+                                    fail_open=fail_open)
+        self.runtime_kwargs = runtime_kwargs or {}
+        self.rt = FakeNriRuntime(self.path, **self.runtime_kwargs)
+        self.stub = NriStub(self.plugin, socket_path=self.path, env={}, reconnect_initial_s=0.02,
+                            reconnect_max_s=0.2, **(stub_kwargs or {}))
+
+    def start(self, pods=(), containers=()):
+        self.stub.start()
+        self.rt.wait_registered()
+        self.rt.synchronize(list(pods), list(containers))
+        assert self.stub.wait_ready(5)
+        return self
+
+    def restart_runtime(self, **kwargs):
+        self.rt.close()
+        self.rt = FakeNriRuntime(self.path, **{**self.runtime_kwargs, **kwargs})
+        return self.rt
+
+    def close(self):
+        self.stub.stop(5)
+        self.rt.close()
+
+
+@pytest.fixture
+def sockdir():
+    d = tempfile.mkdtemp(prefix="fp", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def make_harness(sockdir):
+    made = []
+
+    def make(**kwargs):
+        h = Harness(sockdir, **kwargs)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+@pytest.fixture
+def h(make_harness):
+    return make_harness().start()
+
+
+def _manifest(name):
+    return pod_from_manifest(PODS / name)
+
+
+def _ledger_view(ledger):
+    return sorted((t.pod_uid, t.container, t.gpu_uuid, t.container_id, t.request_mib, t.limit_mib) for t in ledger.tenancies())
+
+
+# ------------------------------------------------------------------- contract
+
+
+def test_bound_inference_pod_gets_the_exact_env_and_mount(h):
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    adj = h.rt.create_container(pod, ctr)
+    assert not isinstance(adj, RpcError), adj
+    assert effective_env(ctr, adj) == {
+        "PATH": PATH_ENV.split("=", 1)[1],
+        "NVIDIA_VISIBLE_DEVICES": ",".join(UUIDS[:4]),
+        "NVIDIA_GPU_MEMORY_REQUEST": "40960",
+        "NVIDIA_GPU_MEMORY_LIMIT": "61440",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=61440M,1=61440M,2=61440M,3=61440M",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
+        "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps",
+    }
+    ns = namespace_name(pod.uid, "app")
+    assert [(m.destination, m.type, m.source, list(m.options)) for m in adj.mounts] == [
+        ("/tmp/nvidia-mps", "bind", MpsLayout().namespace_pipe_dir(ns), ["rbind", "rw", "nosuid", "nodev"])
+    ]
+    # Every set is preceded by its removal marker (clears an earlier plugin's claim).
+    keys = [kv.key for kv in adj.env]
+    assert keys[0::2] == ["-" + k for k in keys[1::2]]
+    tenancies = h.ledger.tenancies()
+    assert sorted(t.gpu_uuid for t in tenancies) == sorted(UUIDS[:4])
+    assert {(t.container_id, t.mps_namespace, t.active_thread_percentage) for t in tenancies} == {(ctr.id, ns, 50)}
+    ((_, uid, name, atp, timeout),) = h.mps.named("ensure_namespace")
+    assert (uid, name, atp) == (pod.uid, "app", 50) and 0 < timeout <= 1.0
+    assert [d for d, _ in h.metrics.hooks] == ["nri"]
+
+
+def test_pod_authored_values_of_our_keys_are_overridden(h):
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    ctr = make_container(pod, "app", env=[PATH_ENV, "NVIDIA_VISIBLE_DEVICES=all", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100",
+                                          "NVIDIA_GPU_MEMORY_LIMIT=999999"])
+    env = effective_env(ctr, h.rt.create_container(pod, ctr))
+    assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(UUIDS[:4])
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "61440"
+
+
+def test_unbound_pod_is_placed_by_the_node(h):
+    pod, (ctr,) = _manifest("notebook-time-slicing-2gpu.yaml")
+    env = effective_env(ctr, h.rt.create_container(pod, ctr))
+    assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "40779"
+    assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "65247"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=65247M,1=65247M"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
+    assert h.mps.named("ensure_namespace") == []  # time-slicing: no namespace
+    assert len(h.ledger.tenancies()) == 2
+
+
+def test_pod_without_fraction_annotations_is_untouched(h):
+    pod = make_pod("plain", annotations={"example.com/whatever": "1"})
+    ctr = make_container(pod, "main")
+    adj = h.rt.create_container(pod, ctr)
+    assert adj == nri_pb2.ContainerAdjustment()
+    assert h.ledger.tenancies() == []
+
+
+def _refused_pod():
+    return make_pod("bad", uid="uid-bad", annotations={
+        "nvidia.com/container.app.gpu-memory.request": "40Gi",
+        "nvidia.com/container.app.gpu-memory.limit": "20Gi",
+    })
+
+
+def test_refusal_is_invalid_argument_naming_key_value_and_rule(h):
+    pod = _refused_pod()
+    err = h.rt.create_container(pod, make_container(pod, "app"))
+    assert isinstance(err, RpcError) and err.code == Code.INVALID_ARGUMENT
+    assert err.message.startswith('nvidia.com/container.app.gpu-memory.limit="20Gi" ')
+    assert "40Gi" in err.message and "the limit must be >= the request" in err.message
+    assert h.ledger.tenancies() == []
+    assert h.metrics.refusals == ["limit_below_request"]
+    # The plugin stays connected and serves the next container.
+    pod2, (ctr2,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    assert not isinstance(h.rt.create_container(pod2, ctr2), RpcError)
+
+
+def test_fail_open_leaves_a_refused_container_unadjusted(make_harness):
+    h = make_harness(fail_open=True).start()
+    pod = _refused_pod()
+    assert h.rt.create_container(pod, make_container(pod, "app")) == nri_pb2.ContainerAdjustment()
+    assert h.metrics.refusals == ["limit_below_request"]
+    assert h.ledger.tenancies() == []
+
+
+def test_mps_failure_is_unavailable_and_records_nothing(h):
+    h.mps.fail = RuntimeError("control daemon down")
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    err = h.rt.create_container(pod, ctr)
+    assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "control daemon down" in err.message
+    assert h.ledger.tenancies() == []
+
+
+def test_stop_drains_within_half_the_request_timeout_and_remove_releases(h):
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    h.rt.create_container(pod, ctr)
+    assert h.rt.stop_container(pod, ctr) == []
+    ((_, cid, timeout),) = h.mps.named("drain")
+    assert cid == ctr.id and 0 < timeout <= 1.0
+    assert len(h.ledger.tenancies()) == 4  # stopped, not removed: still held
+    assert h.rt.remove_container(pod, ctr) is None
+    assert h.ledger.tenancies() == []
+    assert h.mps.named("release_namespace") == [("release_namespace", pod.uid, "app")]
+
+
+def test_v08_runtime_removes_through_state_change(make_harness):
+    h = make_harness(runtime_kwargs={"nri_version": "v0.8.0"}).start()
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    h.rt.create_container(pod, ctr)
+    assert h.rt.remove_container(pod, ctr) is None
+    assert h.rt.calls[-1] == "StateChange:REMOVE_CONTAINER"
+    assert h.ledger.tenancies() == []
+    assert h.rt.registrations[-1].events == 0x608
+
+
+def test_container_restart_replaces_its_hold(h):
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    h.rt.create_container(pod, ctr)
+    again = make_container(pod, "app", container_id="ctr-restarted")
+    h.rt.create_container(pod, again)
+    assert {t.container_id for t in h.ledger.tenancies()} == {"ctr-restarted"}
+    h.rt.remove_container(pod, ctr)  # the old container's removal frees nothing
+    assert len(h.ledger.tenancies()) == 4
+    assert h.mps.named("release_namespace") == []
+
+
+# ---------------------------------------------------------------- synchronize
+
+
+def _running(pod, name, *, adjusted, container_id):
+    """A running container as the runtime reports it: with our env when it
+    was adjusted at creation, with the spec env only when it was not."""
+    env = [PATH_ENV]
+    if adjusted:
+        p = plan_container(dict(pod.annotations), name, PodRef(pod.namespace, pod.name, pod.uid), NODE, Ledger(NODE),
+                           PlannerConfig())
+        env += [f"{kv.key}={kv.value}" for kv in build_adjustment(p).env if not kv.key.startswith("-")]
+    return make_container(pod, name, container_id=container_id, env=env, state=nri_pb2.CONTAINER_RUNNING)
+
+
+def test_synchronize_rebuilds_the_ledger_and_reports_unadjusted_containers(make_harness):
+    h = make_harness()
+    bound, _ = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    notebook, _ = _manifest("notebook-time-slicing-2gpu.yaml")
+    plain = make_pod("plain")
+    bound_ctr = _running(bound, "app", adjusted=True, container_id="c-bound")
+    nb_ctr = _running(notebook, "notebook", adjusted=True, container_id="c-nb")
+    plain_ctr = make_container(plain, "main", container_id="c-plain", state=nri_pb2.CONTAINER_RUNNING)
+    # A stale entry from before the restart, for a container that is gone.
+    stale = make_pod("gone", uid="uid-gone", annotations={"nvidia.com/container.x.gpu-memory.request": "1Gi",
+                                                          "nvidia.com/container.x.gpus.devices": "0"})
+    stale_plan = plan_container(dict(stale.annotations), "x", PodRef("default", "gone", "uid-gone"), NODE, h.ledger,
+                                PlannerConfig())
+    h.ledger.admit(stale_plan, "c-gone")
+    assert not h.stub.ready()
+    h.start([bound, notebook, plain], [bound_ctr, nb_ctr, plain_ctr])
+    assert h.stub.ready() and h.plugin.ready()
+    view = _ledger_view(h.ledger)
+    assert {(uid, cid) for uid, _, _, cid, _, _ in view} == {(bound.uid, "c-bound"), (notebook.uid, "c-nb")}
+    assert len(view) == 6 and len(set(view)) == 6
+    nb_gpus = {gpu for uid, _, gpu, _, _, _ in view if uid == notebook.uid}
+    assert nb_gpus == set(dict(kv.split("=", 1) for kv in nb_ctr.env)["NVIDIA_VISIBLE_DEVICES"].split(","))
+    assert h.plugin.unadjusted == []
+
+
+def test_synchronize_records_unadjusted_bound_container_and_reports_it(make_harness):
+    h = make_harness()
+    bound, _ = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    notebook, _ = _manifest("notebook-time-slicing-2gpu.yaml")
+    h.start([bound, notebook], [_running(bound, "app", adjusted=False, container_id="c-bound"),
+                                _running(notebook, "notebook", adjusted=False, container_id="c-nb")])
+    # The bound container's devices are known from its annotations: recorded.
+    # The node-placed one never got devices from us: reported, not invented.
+    assert {t.container_id for t in h.ledger.tenancies()} == {"c-bound"}
+    assert len(h.ledger.tenancies()) == 4
+    report = {u["container_id"]: u for u in h.plugin.unadjusted}
+    assert set(report) == {"c-bound", "c-nb"}
+    assert "NVIDIA_GPU_MEMORY_LIMIT" in report["c-bound"]["missing"]
+
+
+def test_split_synchronize_is_honoured(make_harness):
+    h = make_harness()
+    h.stub.start()
+    h.rt.wait_registered()
+    pods, ctrs = [], []
+    for i in range(6):
+        pod = make_pod(f"p{i}", uid=f"uid-{i}", annotations={
+            "nvidia.com/container.c.gpu-memory.request": "1Gi", "nvidia.com/container.c.gpus.devices": str(i % 4)})
+        pods.append(pod)
+        ctrs.append(_running(pod, "c", adjusted=True, container_id=f"c{i}"))
+    assert h.rt.synchronize(pods, ctrs, parts=3) == []
+    assert h.stub.wait_ready(5)
+    assert sorted(t.container_id for t in h.ledger.tenancies()) == [f"c{i}" for i in range(6)]
+
+
+# ----------------------------------------------------------------- robustness
+
+
+def _pods_running(n=3):
+    pods, ctrs = [], []
+    for i in range(n):
+        pod = make_pod(f"r{i}", uid=f"uid-r{i}", annotations={
+            "nvidia.com/container.c.gpu-memory.request": "2Gi", "nvidia.com/container.c.gpus.devices": str(i % 4)})
+        pods.append(pod)
+        ctrs.append(_running(pod, "c", adjusted=True, container_id=f"cr{i}"))
+    return pods, ctrs
+
+
+def _assert_recovers(h, before, pods, ctrs):
+    """The plugin dropped the connection, reconnected and was synchronized
+    again; the ledger holds exactly what it held."""
+    h.rt.wait_disconnected(10)
+    wait_for(lambda: h.rt.connections >= 2 and h.rt.transport is not None and not h.rt.transport.closed.is_set(),
+             what="reconnection")
+    h.rt.wait_registered()
+    h.rt.synchronize(pods, ctrs)
+    assert _ledger_view(h.ledger) == before
+    assert h.stub.synchronize_count >= 2
+    pod = make_pod("after", uid="uid-after", annotations={"nvidia.com/container.c.gpu-memory.request": "1Gi",
+                                                          "nvidia.com/container.c.gpus.devices": "1"})
+    assert not isinstance(h.rt.create_container(pod, make_container(pod, "c")), RpcError)
+
+
+@pytest.fixture
+def running(make_harness):
+    h = make_harness()
+    pods, ctrs = _pods_running()
+    h.start(pods, ctrs)
+    before = _ledger_view(h.ledger)
+    assert len(before) == 3
+    return h, before, pods, ctrs
+
+
+def test_runtime_going_away_and_coming_back(running):
+    h, before, pods, ctrs = running
+    h.rt.close()
+    wait_for(lambda: not h.stub.connected(), what="disconnect")
+    assert _ledger_view(h.ledger) == before  # nothing lost while the runtime is away
+    rt = h.restart_runtime(initial_sync=(pods, ctrs))
+    rt.wait_registered()
+    assert _ledger_view(h.ledger) == before
+    assert h.stub.sessions_started == 2 and h.stub.connected()
+
+
+def test_garbage_drops_the_connection_and_the_plugin_reconnects(running):
+    h, before, pods, ctrs = running
+    h.rt.transport.send_raw(b"\xde\xad\xbe\xef" * 64)
+    _assert_recovers(h, before, pods, ctrs)
+
+
+def test_truncated_frame_then_close(running):
+    h, before, pods, ctrs = running
+    body = ttrpc_pb2.Request(service=PLUGIN_SERVICE, method="CreateContainer", payload=b"\x0a\x00").SerializeToString()
+    msg = encode_message(99, MessageType.REQUEST, body)
+    h.rt.transport.send_raw(struct.pack(">II", 1, len(msg)) + msg[:7])  # mux frame cut short
+    h.rt.disconnect()
+    _assert_recovers(h, before, pods, ctrs)
+
+
+def test_oversized_mux_frame_drops_the_connection(running):
+    h, before, pods, ctrs = running
+    h.rt.transport.send_raw(struct.pack(">II", 1, MAX_PAYLOAD + 1))
+    _assert_recovers(h, before, pods, ctrs)
+
+
+def test_oversized_ttrpc_message_is_answered_resource_exhausted(running):
+    h, before, pods, ctrs = running
+    # A ttrpc request above 4 MiB, spread over legal mux frames: discarded and
+    # answered RESOURCE_EXHAUSTED; the connection stays up.
+    body = ttrpc_pb2.Request(service=PLUGIN_SERVICE, method="CreateContainer",
+                             payload=b"\0" * (MAX_MESSAGE + 1)).SerializeToString()
+    resp = h.rt.transport.call_async_body(body, check_size=False).result(10)
+    assert resp.code == Code.RESOURCE_EXHAUSTED
+    resp = h.rt.call_raw(PLUGIN_SERVICE, "Frobnicate", b"")
+    assert resp.code == Code.UNIMPLEMENTED
+    assert h.rt.transport is not None and not h.rt.transport.closed.is_set()
+    assert _ledger_view(h.ledger) == before
+
+
+def test_unknown_methods_and_services_are_unimplemented(running):
+    h, before, _, _ = running
+    resp = h.rt.call_raw(PLUGIN_SERVICE, "Frobnicate", b"")
+    assert (resp.code, resp.message) == (Code.UNIMPLEMENTED, "method Frobnicate")
+    resp = h.rt.call_raw("example.Other", "CreateContainer", b"")
+    assert (resp.code, resp.message) == (Code.UNIMPLEMENTED, "service example.Other")
+    resp = h.rt.call_raw(PLUGIN_SERVICE, "CreateContainer", b"\xff\xff\xff")
+    assert resp.code == Code.INVALID_ARGUMENT
+    resp = h.rt.call_raw(PLUGIN_SERVICE, "Shutdown", b"")
+    assert resp.ok
+    assert h.stub.connected() and _ledger_view(h.ledger) == before
+
+
+def test_slow_mps_is_cut_at_the_budget_and_its_admission_undone(make_harness):
+    h = make_harness(runtime_kwargs={"request_timeout_ms": 400}).start()
+    h.mps.block = threading.Event()
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    err = h.rt.create_container(pod, ctr)  # answered by the stub before the runtime's 0.4 s
+    assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "budget" in err.message
+    assert h.rt.transport is not None and not h.rt.transport.closed.is_set()
+    h.mps.block.set()
+    wait_for(lambda: h.mps.done.is_set(), what="the slow MPS call")
+    wait_for(lambda: h.ledger.tenancies() == [], what="admission undone")
+
+
+def test_requests_are_served_concurrently(h):
+    gate = threading.Event()
+    h.mps.block = gate
+    slow_pod, (slow_ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("slow", h.rt.create_container(slow_pod, slow_ctr)))
+    t.start()
+    try:
+        wait_for(lambda: h.mps.named("ensure_namespace"), what="the slow create to reach MPS")
+        h.mps.block = None
+        fast = make_pod("fast", uid="uid-fast", annotations={"nvidia.com/container.c.gpu-memory.request": "1Gi",
+                                                             "nvidia.com/container.c.gpu-compute.mode": "sm-sharing",
+                                                             "nvidia.com/container.c.gpus.devices": "0"})
+        assert not isinstance(h.rt.create_container(fast, make_container(fast, "c")), RpcError)
+        assert "slow" not in result  # served while the first one is still blocked
+    finally:
+        gate.set()
+        t.join(10)
+    assert not isinstance(result["slow"], RpcError)
+    assert len(h.ledger.tenancies()) == 5
