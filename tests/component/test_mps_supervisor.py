@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fracplugin.metrics import Metrics
 from fracplugin.model import ComputeMode
 from fracplugin.mps.api import MpsApi, MpsError, MpsTimeout, NullMps
 from fracplugin.mps.layout import SM_SERVER, MpsLayout, namespace_name
@@ -219,6 +220,10 @@ def test_crash_is_restarted_and_healthy_again(mps):
     # normally "daemon exited with status 3"; a probe racing the crash may see it first
     assert "exited" in d["last_error"] or "Cannot find MPS control daemon" in d["last_error"]
     assert mps.events.count((SM, False)) >= 1 and mps.events[-1] == (SM, True)
+    text = Metrics(mps=sup).render().decode()
+    assert 'fracplugin_mps_daemon_up{mode="sm-sharing"} 1.0' in text
+    assert 'fracplugin_mps_daemon_restarts_total{mode="sm-sharing"} 1.0' in text
+    assert 'fracplugin_mps_daemon_wedges_total{mode="sm-sharing"} 0.0' in text
 
 
 def test_hung_daemon_is_caught_by_the_probe_and_restarted(mps):

@@ -1,0 +1,415 @@
+"""Prometheus metrics: per container and GPU, per GPU, per MPS daemon, per door.
+
+Concurrency: ``observe_hook`` and ``refusal`` are called from any thread
+(prometheus-client metrics are thread-safe). Everything else is computed at
+scrape time, on the HTTP server's request thread (prometheus-client's
+``ThreadingWSGIServer``: one thread per scrape), by a custom collector that
+reads the ledger (thread-safe), the inventory (thread-safe reads) and the MPS
+supervisor's ``status()``; a scrape holds no lock of its own. Own
+``CollectorRegistry`` (no global default registry, no process/GC metrics).
+
+Metrics (names and labels are the contract; README lists them):
+
+per container and GPU, labels ``namespace, pod, pod_uid, container, gpu_uuid, gpu_index``:
+  fracplugin_container_gpu_memory_used_bytes       sum of NVML usedGpuMemory of the container's processes
+  fracplugin_container_gpu_memory_request_bytes    the ledger's request (MiB x 2^20)
+  fracplugin_container_gpu_memory_limit_bytes      the ledger's limit (MiB x 2^20)
+  fracplugin_container_sm_utilization_percent      sum of per-process SM % since the last sample, clamped to 100
+  fracplugin_container_sm_utilization_share_percent  SM % / the container's share, clamped to 100; share =
+                                                   active thread percentage / 100 when set (sm-sharing),
+                                                   else limit / GPU memory (gpu-fractioning metricsd's
+                                                   normalisation, gpu-fractioning-reference.md section 5)
+per GPU, labels ``gpu_uuid, gpu_index``:
+  fracplugin_gpu_tenants                           ledger tenancies on the GPU
+  fracplugin_gpu_memory_held_bytes                 ledger held MiB x 2^20
+  fracplugin_gpu_compute_mode_info                 1, label ``mode`` = time-slicing | sm-sharing | none
+per MPS daemon, label ``mode``:
+  fracplugin_mps_daemon_up                         1 when healthy (probe answered), else 0
+  fracplugin_mps_daemon_restarts_total             restarts since fracplugin started (counter)
+  fracplugin_mps_daemon_wedges_total               drains that found the daemon wedged (counter)
+  fracplugin_mps_probe_duration_seconds            duration of the last active probe
+doors and node:
+  fracplugin_hook_duration_seconds                 histogram, label ``door`` (``nri``, ``allocate``, ...)
+  fracplugin_refusals_total                        counter, label ``reason`` (FractionError.code)
+  fracplugin_ledger_entries                        number of tenancies in the ledger
+  fracplugin_nvml_failures_total                   scrapes whose NVML process query failed (counter)
+
+Attribution (mps-nvml.md sections 4.3, 4.6): each ``ProcessSample`` PID is
+joined to a container through ``/proc/<pid>/cgroup`` (procfs.py, cached per
+scrape), then to a ledger tenancy on the same GPU by container id, or, for
+tenancies recorded without one (device-plugin door), by pod UID when exactly
+one container of that pod holds the GPU. The MPS server's own PID
+(``/proc/<pid>/exe`` basename ``nvidia-cuda-mps-server``) is never a tenant.
+When the NVML query fails the usage series are missing for that scrape (request
+/limit/GPU series stay) and the failure counter grows; a scrape never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Iterable, Iterator, NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .model import NodeInfo, Tenancy
+from .procfs import ContainerRef, ProcFs, container_id_matches
+
+__all__ = ["Metrics", "MetricsServer", "CONTAINER_LABELS", "GPU_LABELS", "HOOK_BUCKETS", "MIB"]
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+CONTAINER_LABELS = ("namespace", "pod", "pod_uid", "container", "gpu_uuid", "gpu_index")
+GPU_LABELS = ("gpu_uuid", "gpu_index")
+HOOK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+SERVER_EXE = "nvidia-cuda-mps-server"
+
+
+class MetricsServer(NamedTuple):
+    """A running ``/metrics`` HTTP server: ``(host, port, httpd, thread)``.
+
+    It is a tuple so ``host, port = server[:2]`` works; ``close()`` stops it."""
+
+    host: str
+    port: int
+    httpd: Any
+    thread: threading.Thread
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop serving and close the listening socket."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout_s)
+
+
+class Metrics:
+    """fracplugin's metrics registry.
+
+    Args:
+        ledger: the ``Ledger`` (or anything with ``tenancies()``, ``held_mib(uuid)``,
+            ``mode(uuid)``); None = no tenancy series.
+        inventory: the ``Inventory`` (``node()``, ``processes()``); None = no usage.
+        node: the node (default: ``inventory.node()`` on first scrape).
+        mps: the MPS supervisor (anything with ``status()``); may be attached later.
+        proc_root: proc filesystem for PID -> container (tests pass a temp dir).
+        registry: a ``CollectorRegistry`` to use (default: a new one).
+    """
+
+    def __init__(
+        self,
+        ledger: Any = None,
+        inventory: Any = None,
+        node: NodeInfo | None = None,
+        mps: Any = None,
+        *,
+        proc_root: str = "/proc",
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.inventory = inventory
+        self._node = node
+        self.mps = mps
+        self.procfs = ProcFs(proc_root)
+        self._lock = threading.Lock()
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._hook = Histogram(
+            "fracplugin_hook_duration_seconds", "Time spent answering a door's request (NRI CreateContainer, Allocate).",
+            ["door"], buckets=HOOK_BUCKETS, registry=self.registry,
+        )
+        for door in ("nri", "allocate"):
+            self._hook.labels(door=door)
+        self._refusals = Counter(
+            "fracplugin_refusals_total", "Fraction requests refused, by reason (FractionError.code).",
+            ["reason"], registry=self.registry,
+        )
+        self._nvml_failures = 0  # exposed by the collector, counted during the same scrape
+        self._collector = _Collector(self)
+        self.registry.register(self._collector)
+        self._servers: list[MetricsServer] = []
+
+    # -- events from the doors --------------------------------------------------
+    def observe_hook(self, door: str, seconds: float) -> None:
+        """Record one request of ``door`` (``nri``, ``allocate``) that took ``seconds``."""
+        self._hook.labels(door=door).observe(max(0.0, float(seconds)))
+
+    def refusal(self, reason: str) -> None:
+        """Count one refusal with label ``reason`` (a FractionError.code)."""
+        self._refusals.labels(reason=str(reason) or "unknown").inc()
+
+    def attach_mps(self, mps: Any) -> None:
+        """Set the MPS supervisor whose ``status()`` feeds the daemon series."""
+        self.mps = mps
+
+    # -- exposition ------------------------------------------------------------------
+    def render(self) -> bytes:
+        """The text exposition format (what ``/metrics`` answers)."""
+        return generate_latest(self.registry)
+
+    def serve(self, address: str = ":2112") -> MetricsServer:
+        """Serve ``/metrics`` on ``HOST:PORT`` (``:PORT`` = all interfaces; port 0 =
+        any free port) in a daemon thread. Returns the running ``MetricsServer``
+        (``host, port`` are the bound ones). Raises OSError (address in use) and
+        ValueError (bad address)."""
+        host, port = _parse_address(address)
+        httpd, thread = start_http_server(port, addr=host or "0.0.0.0", registry=self.registry)
+        bound = httpd.server_address
+        server = MetricsServer(str(bound[0]), int(bound[1]), httpd, thread)
+        with self._lock:
+            self._servers.append(server)
+        return server
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Close every server started by ``serve``."""
+        with self._lock:
+            servers, self._servers = self._servers, []
+        for s in servers:
+            try:
+                s.close(timeout_s)
+            except Exception:
+                log.exception("metrics server close failed")
+
+    # -- for the collector -----------------------------------------------------------
+    def node(self) -> NodeInfo | None:
+        if self._node is None and self.inventory is not None:
+            try:
+                self._node = self.inventory.node()
+            except Exception as e:
+                log.warning("metrics: inventory node() failed: %s", e)
+        return self._node
+
+    def nvml_failed(self) -> None:
+        with self._lock:
+            self._nvml_failures += 1
+
+    @property
+    def nvml_failures(self) -> int:
+        """Scrapes whose NVML process query failed so far."""
+        with self._lock:
+            return self._nvml_failures
+
+
+def _parse_address(value: str) -> tuple[str, int]:
+    if value.startswith("["):
+        host, sep, port = value[1:].partition("]:")
+    else:
+        host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"metrics address {value!r} is not HOST:PORT (e.g. :2112 or 127.0.0.1:0)")
+    return host, int(port)
+
+
+class _Usage:
+    __slots__ = ("used", "sm")
+
+    def __init__(self) -> None:
+        self.used = 0
+        self.sm = 0.0
+
+
+class _Collector(Collector):
+    """Reads ledger + inventory + supervisor at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # unchecked collector: series come and go with tenancies
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            yield from self._collect()
+        except Exception:  # a scrape never fails because of one bad source
+            log.exception("metrics collection failed")
+
+    def _collect(self) -> Iterator[Metric]:
+        m = self.m
+        node = m.node()
+        gpus = {g.uuid: g for g in node.gpus} if node is not None else {}
+        tenancies: list[Tenancy] = []
+        if m.ledger is not None:
+            try:
+                tenancies = list(m.ledger.tenancies())
+            except Exception as e:
+                log.warning("metrics: ledger read failed: %s", e)
+
+        usage = self._usage(tenancies)
+
+        used = GaugeMetricFamily("fracplugin_container_gpu_memory_used_bytes",
+                                 "GPU memory used by the container's processes on this GPU (NVML).", labels=CONTAINER_LABELS)
+        req = GaugeMetricFamily("fracplugin_container_gpu_memory_request_bytes",
+                                "GPU memory requested by the container on this GPU.", labels=CONTAINER_LABELS)
+        lim = GaugeMetricFamily("fracplugin_container_gpu_memory_limit_bytes",
+                                "GPU memory limit of the container on this GPU.", labels=CONTAINER_LABELS)
+        sm = GaugeMetricFamily("fracplugin_container_sm_utilization_percent",
+                               "SM utilisation of the container's processes on this GPU since the last sample (0-100).",
+                               labels=CONTAINER_LABELS)
+        share = GaugeMetricFamily("fracplugin_container_sm_utilization_share_percent",
+                                  "SM utilisation relative to the container's share of the GPU (0-100).",
+                                  labels=CONTAINER_LABELS)
+        for t in tenancies:
+            gpu = gpus.get(t.gpu_uuid)
+            labels = [t.namespace, t.pod_name, t.pod_uid, t.container, t.gpu_uuid,
+                      str(gpu.index) if gpu is not None else ""]
+            req.add_metric(labels, float(t.request_mib * MIB))
+            lim.add_metric(labels, float(t.limit_mib * MIB))
+            if usage is None:
+                continue
+            u = usage.get((t.pod_uid, t.container, t.gpu_uuid))
+            used_b = float(u.used) if u else 0.0
+            sm_pct = min(100.0, u.sm) if u else 0.0
+            used.add_metric(labels, used_b)
+            sm.add_metric(labels, sm_pct)
+            share.add_metric(labels, _share_percent(sm_pct, t, gpu.memory_mib if gpu is not None else 0))
+        yield used
+        yield req
+        yield lim
+        yield sm
+        yield share
+
+        tenants = GaugeMetricFamily("fracplugin_gpu_tenants", "Containers holding a fraction of the GPU.", labels=GPU_LABELS)
+        held = GaugeMetricFamily("fracplugin_gpu_memory_held_bytes", "GPU memory held by tenancies (requests).",
+                                 labels=GPU_LABELS)
+        mode = GaugeMetricFamily("fracplugin_gpu_compute_mode_info", "Compute mode of the GPU's tenants (1 = current).",
+                                 labels=(*GPU_LABELS, "mode"))
+        per_gpu: dict[str, list[Tenancy]] = {}
+        for t in tenancies:
+            per_gpu.setdefault(t.gpu_uuid, []).append(t)
+        if node is not None:
+            for g in node.gpus:
+                ts = per_gpu.get(g.uuid, [])
+                labels = [g.uuid, str(g.index)]
+                tenants.add_metric(labels, float(len(ts)))
+                held.add_metric(labels, float(sum(t.request_mib for t in ts) * MIB))
+                mode.add_metric([*labels, ts[0].mode.value if ts else "none"], 1.0)
+        yield tenants
+        yield held
+        yield mode
+
+        entries = GaugeMetricFamily("fracplugin_ledger_entries", "Tenancies recorded in the ledger.")
+        entries.add_metric([], float(len(tenancies)))
+        yield entries
+
+        fails = CounterMetricFamily("fracplugin_nvml_failures",
+                                    "Scrapes whose NVML per-process query failed (usage series missing).")
+        fails.add_metric([], float(m.nvml_failures))
+        yield fails
+
+        yield from self._daemons()
+
+    def _daemons(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("fracplugin_mps_daemon_up", "1 when the MPS control daemon answers its probe.",
+                               labels=("mode",))
+        restarts = CounterMetricFamily("fracplugin_mps_daemon_restarts", "MPS control daemon restarts.", labels=("mode",))
+        wedges = CounterMetricFamily("fracplugin_mps_daemon_wedges", "Drains that found the MPS daemon wedged.",
+                                     labels=("mode",))
+        probe = GaugeMetricFamily("fracplugin_mps_probe_duration_seconds", "Duration of the last active MPS probe.",
+                                  labels=("mode",))
+        status: dict[str, Any] = {}
+        if self.m.mps is not None:
+            try:
+                status = self.m.mps.status() or {}
+            except Exception as e:
+                log.warning("metrics: mps status failed: %s", e)
+        for d in status.get("daemons") or ():
+            lbl = [str(d.get("mode", ""))]
+            up.add_metric(lbl, 1.0 if d.get("healthy") else 0.0)
+            restarts.add_metric(lbl, float(d.get("restarts") or 0))
+            wedges.add_metric(lbl, float(d.get("wedges") or 0))
+            if d.get("last_probe_s") is not None:
+                probe.add_metric(lbl, float(d["last_probe_s"]))
+        yield up
+        yield restarts
+        yield wedges
+        yield probe
+
+    def _usage(self, tenancies: list[Tenancy]) -> dict[tuple[str, str, str], _Usage] | None:
+        """(pod_uid, container, gpu_uuid) -> summed usage; None when NVML failed."""
+        m = self.m
+        if m.inventory is None:
+            return None
+        try:
+            samples = list(m.inventory.processes())
+        except Exception as e:
+            m.nvml_failed()
+            log.warning("metrics: NVML process query failed: %s", e)
+            return None
+        by_cid: dict[str, list[Tenancy]] = {}
+        by_pod: dict[str, list[Tenancy]] = {}
+        for t in tenancies:
+            if t.container_id:
+                by_cid.setdefault(t.container_id, []).append(t)
+            else:
+                by_pod.setdefault(t.pod_uid, []).append(t)
+        server_pids = self._server_pids()
+        refs: dict[int, ContainerRef | None] = {}
+        out: dict[tuple[str, str, str], _Usage] = {}
+        for s in samples:
+            if s.pid in server_pids:
+                continue
+            if s.pid not in refs:
+                ref = m.procfs.container_of(s.pid)
+                if ref is None and m.procfs.exe_basename(s.pid) == SERVER_EXE:
+                    server_pids.add(s.pid)
+                refs[s.pid] = ref
+            ref = refs[s.pid]
+            if ref is None:
+                continue
+            t = _match(ref, s.gpu_uuid, by_cid, by_pod)
+            if t is None:
+                continue
+            u = out.setdefault((t.pod_uid, t.container, t.gpu_uuid), _Usage())
+            if s.used_memory_bytes is not None:
+                u.used += int(s.used_memory_bytes)
+            if s.sm_util_percent is not None and 0 <= s.sm_util_percent <= 100:
+                u.sm += float(s.sm_util_percent)
+        return out
+
+    def _server_pids(self) -> set[int]:
+        pids: set[int] = set()
+        mps = self.m.mps
+        if mps is None:
+            return pids
+        try:
+            for d in (mps.status() or {}).get("daemons") or ():
+                pids.update(int(p) for p in d.get("server_pids") or ())
+        except Exception:
+            pass
+        return pids
+
+
+def _match(ref: ContainerRef, gpu_uuid: str, by_cid: dict[str, list[Tenancy]],
+           by_pod: dict[str, list[Tenancy]]) -> Tenancy | None:
+    cands = by_cid.get(ref.container_id)
+    if cands is None:
+        # short ids recorded in the ledger: prefix match, remembered for this scrape
+        cands = []
+        for cid, ts in list(by_cid.items()):
+            if container_id_matches(cid, ref.container_id):
+                cands = ts
+                break
+        by_cid[ref.container_id] = cands
+    if cands:
+        for t in cands:
+            if t.gpu_uuid == gpu_uuid:
+                return t
+        return None
+    if ref.pod_uid:
+        on_gpu = [t for t in by_pod.get(ref.pod_uid, ()) if t.gpu_uuid == gpu_uuid]
+        if len({t.container for t in on_gpu}) == 1:
+            return on_gpu[0]
+    return None
+
+
+def _share_percent(sm_pct: float, t: Tenancy, gpu_memory_mib: int) -> float:
+    if t.active_thread_percentage:
+        frac = t.active_thread_percentage / 100.0
+    elif gpu_memory_mib > 0:
+        frac = min(1.0, t.limit_mib / gpu_memory_mib)
+    else:
+        frac = 1.0
+    if frac <= 0:
+        return 0.0
+    return min(100.0, sm_pct / frac)
