@@ -9,10 +9,11 @@ Start order (each part switchable, DESIGN.md section 3):
 4. MPS supervisor for the configured compute modes (``NullMps`` with ``--no-mps``);
 5. pod source for the device plugin: ``--pods-file`` (simulated API),
    else the API watch when in-cluster or ``--kubeconfig`` is given;
-6. PodResources client (lazy dial);
-7. NRI plugin + stub (``--no-nri`` to disable);
-8. device plugin server + registration (``--no-device-plugin`` to disable);
-9. health server (``/healthz``, ``/readyz``, ``/status``); the bound
+6. NRI plugin + stub (``--no-nri`` to disable);
+7. device plugin server + registration (``--no-device-plugin`` to disable);
+   it reads kubelet's PodResources API (``--pod-resources-socket``) at start
+   to rebuild the ledger for containers allocated before a restart;
+8. health server (``/healthz``, ``/readyz``, ``/status``); the bound
    addresses are logged and written to ``<state-dir>/endpoints.json``.
 
 Stop order (SIGTERM/SIGINT), within ``--shutdown-timeout`` seconds in all:
@@ -241,7 +242,6 @@ class Daemon:
         self.mps: Any = None
         self.pod_source: Any = None
         self.pods_watcher: PodsFileWatcher | None = None
-        self.podresources: Any = None
         self.nri_plugin: Any = None
         self.nri_stub: Any = None
         self.device_plugin: Any = None
@@ -322,9 +322,7 @@ class Daemon:
         assert self.node is not None
         modes = tuple(ComputeMode(m) for m in self.cfg.mps_modes)
         protocol = None if self.cfg.mps_protocol == "auto" else int(self.cfg.mps_protocol)
-        self.mps = _construct(MpsSupervisor, layout=layout, control_binary=self.cfg.mps_control_binary,
-                              protocol=protocol, driver_version=self.node.driver_version, modes=modes,
-                              metrics=self.metrics)
+        self.mps = MpsSupervisor(layout, self.cfg.mps_control_binary, protocol, self.node.driver_version, modes)
         try:
             self.mps.start()
         except Exception as exc:
@@ -357,26 +355,17 @@ class Daemon:
             log.warning("no API access (no --kubeconfig, not in a cluster, no --pods-file): the device plugin "
                         "door cannot find pods and answers Allocate with what is right for any pod")
 
-    def _build_podresources(self) -> None:
-        try:
-            from .kubelet.podresources import PodResourcesClient
-        except ImportError as exc:  # pragma: no cover
-            log.warning("PodResources client unavailable: %s", exc)
-            return
-        self.podresources = PodResourcesClient(self.cfg.pod_resources_socket)
-
     def _build_nri(self) -> None:
         if self.cfg.no_nri:
             return
         from .nri.plugin import FracNriPlugin
         from .nri.stub import NriStub
 
-        self.nri_plugin = _construct(FracNriPlugin, self.node, self.ledger, self.planner_config, mps=self.mps,
-                                     metrics=self.metrics, fail_open=self.cfg.fail_open,
-                                     podresources=self.podresources, resource_name=self.cfg.resource_name)
-        self.nri_stub = _construct(NriStub, self.nri_plugin, socket_path=self.cfg.nri_socket,
-                                   plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx,
-                                   metrics=self.metrics)
+        assert self.node is not None and self.ledger is not None
+        self.nri_plugin = FracNriPlugin(self.node, self.ledger, self.planner_config, mps=self.mps,
+                                        metrics=self.metrics, fail_open=self.cfg.fail_open)
+        self.nri_stub = NriStub(self.nri_plugin, socket_path=self.cfg.nri_socket,
+                                plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx)
         self.nri_stub.start()
         self.endpoints["nri_socket"] = self.cfg.nri_socket
 
@@ -385,8 +374,9 @@ class Daemon:
             return
         from .kubelet.deviceplugin import DevicePluginServer
 
-        self.device_plugin = _construct(
-            DevicePluginServer, self.node, self.ledger, self.planner_config, self.inventory,
+        assert self.node is not None
+        self.device_plugin = DevicePluginServer(
+            self.node, self.ledger, self.planner_config, self.inventory,
             pod_source=self.pod_source, resource_name=self.cfg.resource_name, unit_mib=self.cfg.device_unit_mib,
             plugin_dir=self.cfg.device_plugin_dir, kubelet_socket=self.cfg.effective_kubelet_socket,
             allocate_deadline_s=self.cfg.allocate_deadline_s, mps_health=None if self.cfg.no_mps else self.mps,
@@ -417,7 +407,7 @@ class Daemon:
             "config": self.cfg.to_dict(), "sources": self.sources, "pid": os.getpid()})
         steps = [("inventory", self._build_inventory), ("ledger", self._build_ledger),
                  ("metrics", self._build_metrics), ("mps", self._build_mps),
-                 ("pod source", self._build_pod_source), ("podresources", self._build_podresources),
+                 ("pod source", self._build_pod_source),
                  ("nri", self._build_nri), ("device plugin", self._build_device_plugin),
                  ("health", self._build_health)]
         for name, step in steps:
@@ -591,8 +581,6 @@ class Daemon:
             order.append(("pods file", lambda: self.pods_watcher.stop(per_part(3))))
         if self.pod_source is not None and hasattr(self.pod_source, "stop"):
             order.append(("pod watch", lambda: self.pod_source.stop(per_part(2))))
-        if self.podresources is not None:
-            order.append(("podresources", lambda: self.podresources.close()))
         if self.metrics is not None and hasattr(self.metrics, "stop"):
             order.append(("metrics", lambda: _call_stop(self.metrics, per_part(1))))
         for i, (name, fn) in enumerate(order):
