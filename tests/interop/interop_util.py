@@ -193,7 +193,12 @@ class Proc:
 def fracplugin_argv(workdir: Path, *, nri_socket: Path | None, extra: list[str] | None = None,
                     mps: bool = True) -> list[str]:
     """The daemon command line the interop tests use (external NRI plugin mode
-    when nri_socket is given; see the brief for the fixed flags)."""
+    when nri_socket is given), with the fake nvidia-cuda-mps-control.
+
+    FRACPLUGIN_INTEROP_NO_MPS=1 (a debugging knob, off by default and in CI)
+    runs the daemon with --no-mps instead."""
+    if os.environ.get("FRACPLUGIN_INTEROP_NO_MPS") == "1":
+        mps = False
     state = workdir / "state"
     mps_root = workdir / "mps"
     state.mkdir(exist_ok=True)

@@ -112,7 +112,7 @@ def test_preinstalled_plugin_launched_from_plugin_dir(line, sdir, procs):
 @pytest.mark.parametrize("line", LINES)
 def test_runtime_restart_reconnect_and_resync(line, sdir, procs):
     sock = sdir / "nri.sock"
-    scenario = {"pods": [_pod("before")], "keep": True, "after_reconnect": [_pod("after")]}
+    scenario = {"pods": [_pod("before")], "after_reconnect": [_pod("after")]}
     rt = start_runtime(procs, line, sdir, scenario, socket=sock, extra=["-reconnect", "-restart-gap", "300ms"])
     procs.append(Proc([str(template_bin(line)), "-socket", str(sock), "-idx", "10", "-env", "T=1", "-reconnect"],
                       stderr_path=sdir / "t.log"))

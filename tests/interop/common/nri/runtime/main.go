@@ -19,8 +19,10 @@
 //
 //	{"sync": [Pod...],            // pre-existing pods+containers reported in Synchronize
 //	 "pods": [Pod...],            // lifecycle: RunPodSandbox, Create/Start each container
-//	 "keep": false,               // true: leave them running (no Stop/Remove)
-//	 "after_reconnect": [Pod...]} // -reconnect: run after the runtime came back
+//	 "keep": false,               // true: leave them running (no Stop/Remove at the end)
+//	 "after_reconnect": [Pod...]} // -reconnect: run after the runtime came back; the
+//	                              // "pods" keep running across the restart and are
+//	                              // stopped/removed at the end with these
 //	Pod = {"name","namespace","uid","id","labels":{},"annotations":{},
 //	       "containers":[{"name","id","env":["K=V"],"annotations":{},
 //	                      "mounts":[{"destination","source","type","options":[]}]}]}
