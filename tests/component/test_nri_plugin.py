@@ -368,10 +368,10 @@ def _pods_running(n=3):
     return pods, ctrs
 
 
-def _assert_recovers(h, before, pods, ctrs):
-    """The plugin dropped the connection, reconnected and was synchronized
+def _assert_recovers(h, old, before, pods, ctrs):
+    """The plugin dropped connection ``old``, reconnected and was synchronized
     again; the ledger holds exactly what it held."""
-    h.rt.wait_disconnected(10)
+    assert old.closed.wait(10), "the bad connection was not dropped"
     wait_for(lambda: h.rt.connections >= 2 and h.rt.transport is not None and not h.rt.transport.closed.is_set(),
              what="reconnection")
     h.rt.wait_registered()
@@ -406,23 +406,26 @@ def test_runtime_going_away_and_coming_back(running):
 
 def test_garbage_drops_the_connection_and_the_plugin_reconnects(running):
     h, before, pods, ctrs = running
+    old = h.rt.transport
     h.rt.transport.send_raw(b"\xde\xad\xbe\xef" * 64)
-    _assert_recovers(h, before, pods, ctrs)
+    _assert_recovers(h, old, before, pods, ctrs)
 
 
 def test_truncated_frame_then_close(running):
     h, before, pods, ctrs = running
+    old = h.rt.transport
     body = ttrpc_pb2.Request(service=PLUGIN_SERVICE, method="CreateContainer", payload=b"\x0a\x00").SerializeToString()
     msg = encode_message(99, MessageType.REQUEST, body)
     h.rt.transport.send_raw(struct.pack(">II", 1, len(msg)) + msg[:7])  # mux frame cut short
     h.rt.disconnect()
-    _assert_recovers(h, before, pods, ctrs)
+    _assert_recovers(h, old, before, pods, ctrs)
 
 
 def test_oversized_mux_frame_drops_the_connection(running):
     h, before, pods, ctrs = running
+    old = h.rt.transport
     h.rt.transport.send_raw(struct.pack(">II", 1, MAX_PAYLOAD + 1))
-    _assert_recovers(h, before, pods, ctrs)
+    _assert_recovers(h, old, before, pods, ctrs)
 
 
 def test_oversized_ttrpc_message_is_answered_resource_exhausted(running):

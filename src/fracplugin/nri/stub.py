@@ -326,6 +326,8 @@ class Dispatcher:
                     self.registration_timeout_s = req.registration_timeout / 1000.0
                 self.runtime_name, self.runtime_version = req.runtime_name, req.runtime_version
                 self.configured = True
+            ctx.request_timeout_s = self.request_timeout_s
+            ctx.runtime_name, ctx.runtime_version = self.runtime_name, self.runtime_version
             log.info(
                 "nri configured",
                 extra={

@@ -1,0 +1,253 @@
+"""The generic NRI stub (no GPUs) against the fake runtime over real sockets:
+registration flow, fd mode, event routing (v0.12 dedicated RPCs and v0.8
+StateChange), errors, large answers in small frames, reconnection, stop."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+
+import pytest
+
+from fracplugin._proto import nri_pb2
+from fracplugin.nri.stub import NriStub, event_mask
+from fracplugin.nri.ttrpc import Code, RpcError
+
+from nri_runtime import FakeNriRuntime, make_container, make_pod
+
+
+def wait_for(cond, timeout_s=10.0, what="condition"):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Recorder:
+    """A toy plugin: records every event it sees."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+        self.configured: list = []
+        self.shutdowns = 0
+        self.lock = threading.Lock()
+        self.create_result = None
+        self.raise_on_create: Exception | None = None
+
+    def _rec(self, *item):
+        with self.lock:
+            self.seen.append(item)
+
+    def configure(self, req, ctx):
+        self.configured.append((req.runtime_name, req.request_timeout, ctx.request_timeout_s))
+
+    def synchronize(self, pods, containers, ctx):
+        self._rec("synchronize", sorted(p.name for p in pods), sorted(c.name for c in containers))
+        return []
+
+    def create_container(self, pod, container, ctx):
+        self._rec("create", pod.name, container.name)
+        if self.raise_on_create is not None:
+            raise self.raise_on_create
+        return self.create_result
+
+    def stop_container(self, pod, container, ctx):
+        self._rec("stop", pod.name, container.name)
+
+    def remove_container(self, pod, container, ctx):
+        self._rec("remove", pod.name, container.name)
+
+    def start_container(self, pod, container, ctx):
+        self._rec("start", pod.name, container.name)
+
+    def run_pod_sandbox(self, pod, ctx):
+        self._rec("run_pod", pod.name)
+
+    def remove_pod_sandbox(self, pod, ctx):
+        self._rec("remove_pod", pod.name)
+
+    def shutdown(self, ctx):
+        self.shutdowns += 1
+
+
+@pytest.fixture
+def sockpath():
+    d = tempfile.mkdtemp(prefix="fp", dir="/tmp")
+    yield os.path.join(d, "nri.sock")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def cleanup():
+    items = []
+    yield items.append
+    for item in reversed(items):
+        if isinstance(item, NriStub):
+            item.stop(5)
+        else:
+            item.close()
+
+
+def _stub(handler, path, cleanup, **kw):
+    stub = NriStub(handler, socket_path=path, env={}, reconnect_initial_s=0.02, reconnect_max_s=0.2, **kw)
+    cleanup(stub)
+    return stub
+
+
+def test_mask_defaults_to_the_handlers_methods_and_is_validated():
+    rec = Recorder()
+    stub = NriStub(rec, env={})
+    expected = event_mask(nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_CONTAINER, nri_pb2.REMOVE_CONTAINER,
+                          nri_pb2.START_CONTAINER, nri_pb2.RUN_POD_SANDBOX, nri_pb2.REMOVE_POD_SANDBOX)
+    assert stub.events == expected
+    with pytest.raises(ValueError):
+        NriStub(rec, env={}, events=0x3FFF)  # beyond what v0.8 runtimes accept
+    with pytest.raises(ValueError):
+        NriStub(rec, env={}, events=0)
+    with pytest.raises(ValueError):
+        NriStub(rec, env={}, plugin_idx="5")
+    with pytest.raises(ValueError):
+        NriStub(rec, env={}, plugin_name="bad name")
+    with pytest.raises(ValueError):
+        NriStub(rec, env={"NRI_PLUGIN_SOCKET": "three"})
+
+
+@pytest.mark.parametrize("version", ["v0.12.2", "v0.8.0"])
+def test_events_reach_the_handler_by_rpc_or_state_change(version, sockpath, cleanup):
+    rt = FakeNriRuntime(sockpath, nri_version=version, runtime_name="containerd", request_timeout_ms=1500)
+    cleanup(rt)
+    rec = Recorder()
+    stub = _stub(rec, sockpath, cleanup, plugin_name="toy", plugin_idx="07").start()
+    info = rt.wait_registered()
+    assert (info.name, info.idx, info.events) == ("toy", "07", stub.events)
+    assert rec.configured == [("containerd", 1500, 1.5)]
+    pod = make_pod("p")
+    ctr = make_container(pod, "c")
+    rt.synchronize([pod], [ctr])
+    assert rt.run_pod_sandbox(pod) is None
+    assert rt.create_container(pod, ctr) == nri_pb2.ContainerAdjustment()
+    assert rt.start_container(pod, ctr) is None
+    assert rt.stop_container(pod, ctr) == []
+    assert rt.remove_container(pod, ctr) is None
+    assert rt.remove_pod_sandbox(pod) is None
+    assert rec.seen == [
+        ("synchronize", ["p"], ["c"]),
+        ("run_pod", "p"),
+        ("create", "p", "c"),
+        ("start", "p", "c"),
+        ("stop", "p", "c"),
+        ("remove", "p", "c"),
+        ("remove_pod", "p"),
+    ]
+    state_changes = [c for c in rt.calls if c.startswith("StateChange")]
+    if version == "v0.8.0":
+        assert state_changes == ["StateChange:RUN_POD_SANDBOX", "StateChange:START_CONTAINER",
+                                 "StateChange:REMOVE_CONTAINER", "StateChange:REMOVE_POD_SANDBOX"]
+    else:
+        assert state_changes == []  # every dedicated RPC is implemented: no fallback
+
+
+def test_configure_before_the_register_reply_does_not_deadlock(sockpath, cleanup):
+    rt = FakeNriRuntime(sockpath, configure_before_register_reply=True)
+    cleanup(rt)
+    stub = _stub(Recorder(), sockpath, cleanup).start()
+    rt.wait_registered()
+    wait_for(stub.connected, what="registration")
+    rt.synchronize([], [])
+    assert stub.wait_ready(5)
+
+
+def test_handler_errors_become_statuses(sockpath, cleanup):
+    rt = FakeNriRuntime(sockpath)
+    cleanup(rt)
+    rec = Recorder()
+    _stub(rec, sockpath, cleanup).start()
+    rt.wait_registered()
+    pod = make_pod("p")
+    ctr = make_container(pod, "c")
+    rec.raise_on_create = RpcError(Code.FAILED_PRECONDITION, "not today")
+    err = rt.create_container(pod, ctr)
+    assert (err.code, err.message) == (Code.FAILED_PRECONDITION, "not today")
+    rec.raise_on_create = KeyError("bug")
+    err = rt.create_container(pod, ctr)
+    assert err.code == Code.INTERNAL and "KeyError" in err.message
+    rec.raise_on_create = None
+    rec.create_result = nri_pb2.StopContainerResponse()  # wrong type: a bug, reported
+    assert rt.create_container(pod, ctr).code == Code.INTERNAL
+    assert rt.transport is not None and not rt.transport.closed.is_set()
+
+
+def test_large_answers_travel_in_frames_the_go_reader_accepts(sockpath, cleanup):
+    # The fake runtime reads mux frames into 4096 bytes like a Go peer and
+    # drops the plugin otherwise; a 20 KB adjustment must still arrive.
+    rt = FakeNriRuntime(sockpath, max_read_frame=4096)
+    cleanup(rt)
+    rec = Recorder()
+    adj = nri_pb2.ContainerAdjustment()
+    for i in range(200):
+        adj.env.add(key=f"K{i:03d}", value="v" * 90)
+    rec.create_result = nri_pb2.CreateContainerResponse(adjust=adj)
+    _stub(rec, sockpath, cleanup).start()
+    rt.wait_registered()
+    pod = make_pod("p", annotations={f"a{i}": "x" * 100 for i in range(300)})  # ~30 KB request
+    got = rt.create_container(pod, make_container(pod, "c"))
+    assert got == adj and adj.ByteSize() > 16000
+
+
+def test_shutdown_is_answered(sockpath, cleanup):
+    rt = FakeNriRuntime(sockpath)
+    cleanup(rt)
+    rec = Recorder()
+    stub = _stub(rec, sockpath, cleanup).start()
+    rt.wait_registered()
+    resp = rt.call_raw("nri.pkg.api.v1alpha1.Plugin", "Shutdown", b"")
+    assert resp.ok and resp.payload == b"" and rec.shutdowns == 1
+    assert stub.connected()
+
+
+def test_waits_for_the_runtime_then_registers(sockpath, cleanup):
+    stub = _stub(Recorder(), sockpath, cleanup).start()
+    time.sleep(0.1)  # a few failed connection attempts
+    assert not stub.connected() and not stub.ready()
+    rt = FakeNriRuntime(sockpath)
+    cleanup(rt)
+    rt.wait_registered()
+    wait_for(stub.connected, what="registration")
+
+
+def test_stop_is_clean_and_final(sockpath, cleanup):
+    rt = FakeNriRuntime(sockpath)
+    cleanup(rt)
+    stub = _stub(Recorder(), sockpath, cleanup).start()
+    rt.wait_registered()
+    assert stub.stop(5) is True
+    assert rt.wait_disconnected(5) is not None
+    assert not stub.connected() and stub.exited
+    time.sleep(0.1)
+    assert rt.connections == 1  # no reconnection after stop()
+    assert not [t for t in threading.enumerate() if t.name in ("nri-stub", "nri-watchdog") and t.is_alive()]
+
+
+def test_fd_mode_uses_the_inherited_socket_and_ends_with_it(cleanup):
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    rt = FakeNriRuntime("/nonexistent/nri.sock", listen=False)
+    cleanup(rt)
+    env = {"NRI_PLUGIN_SOCKET": str(theirs.detach()), "NRI_PLUGIN_NAME": "frac", "NRI_PLUGIN_IDX": "10"}
+    stub = NriStub(Recorder(), socket_path="/nonexistent/nri.sock", env=env)
+    cleanup(stub)
+    assert stub.fd_mode and (stub.plugin_name, stub.plugin_idx) == ("frac", "10")
+    stub.start()
+    rt.adopt(ours)
+    info = rt.wait_registered()
+    assert (info.name, info.idx) == ("frac", "10")
+    rt.synchronize([], [])
+    assert stub.wait_ready(5)
+    rt.disconnect()  # the runtime closes its end: the launched plugin ends
+    assert stub.wait_exit(10)
+    assert not stub.connected()
