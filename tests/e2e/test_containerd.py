@@ -26,6 +26,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,7 @@ CONTRACT_KEYS = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_GPU_MEMORY_REQUEST", "NVIDIA_
                  "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
                  "CUDA_MPS_PIPE_DIRECTORY")
 PIPE_DIR = "/tmp/nvidia-mps"
+UNAVAILABLE_RETRIES = 3
 CONNECTED_RE = re.compile(r'plugin \\?"(\d\d-[^"\\]+)\\?" connected and synchronized')
 
 
@@ -96,10 +98,28 @@ class Pods:
 
     def create(self, pod_id: str, pod_cfg: Path, name: str = "app",
                env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
-        """``crictl create`` a busybox ``sleep 3600`` container; return the crictl result."""
+        """``crictl create`` a busybox ``sleep 3600`` container; return the crictl result.
+
+        Like kubelet, retries (up to UNAVAILABLE_RETRIES times, 1 s apart)
+        when the runtime answers ``code = Unavailable``: fracplugin's answer
+        for "try again" (e.g. an MPS namespace not ready within the NRI
+        request budget on a loaded machine).  Each retry is reported as a
+        warning, so it shows in the test summary instead of passing silently.
+        """
         ccfg = h.container_config(self.ctrd.base, pod_cfg.parent.name, name, env)
-        return self.ctrd.crictl("create", pod_id, str(ccfg), str(pod_cfg), check=check,
-                                timeout=120)
+        for attempt in range(UNAVAILABLE_RETRIES + 1):
+            res = self.ctrd.crictl("create", pod_id, str(ccfg), str(pod_cfg), check=False,
+                                   timeout=120)
+            if res.returncode == 0 or "code = Unavailable" not in res.stderr:
+                break
+            if attempt < UNAVAILABLE_RETRIES:
+                last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""
+                warnings.warn(f"CreateContainer {pod_cfg.parent.name}/{name} got UNAVAILABLE "
+                              f"(attempt {attempt + 1}), retrying like kubelet: {last[-300:]}")
+                time.sleep(1.0)
+        if check and res.returncode != 0:
+            raise h.HarnessError(f"crictl create {pod_cfg.parent.name}/{name} failed:\n{res.stderr}")
+        return res
 
     def create_and_start(self, pod_id: str, pod_cfg: Path, name: str = "app",
                          env: dict[str, str] | None = None) -> str:
