@@ -20,6 +20,7 @@ stream; shared state under one condition variable (``wait_for``).
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from concurrent import futures
@@ -53,6 +54,7 @@ class _Endpoint:
     stub: pb_grpc.DevicePluginStub
     stream: object = None
     devices: dict[str, str] = field(default_factory=dict)
+    history: list[dict[str, str]] = field(default_factory=list)  # every list received, in order
     updates: int = 0
     open: bool = True
 
@@ -124,8 +126,6 @@ class FakeKubelet(pb_grpc.RegistrationServicer):
                 continue
             path = os.path.join(self.plugin_dir, name)
             try:
-                import stat
-
                 if stat.S_ISSOCK(os.lstat(path).st_mode):
                     os.unlink(path)
             except FileNotFoundError:
@@ -157,6 +157,9 @@ class FakeKubelet(pb_grpc.RegistrationServicer):
         with self._cond:
             old = self._endpoints.get(request.resource_name)
             self._endpoints[request.resource_name] = ep
+        with self._cond:
+            self.registrations.append(Registration(request.resource_name, request.endpoint, opts, time.monotonic()))
+            self._cond.notify_all()
         stream = stub.ListAndWatch(pb.Empty())
         ep.stream = stream
         threading.Thread(target=self._consume, args=(ep, stream), daemon=True).start()
@@ -165,9 +168,6 @@ class FakeKubelet(pb_grpc.RegistrationServicer):
             if old.stream is not None:
                 old.stream.cancel()  # type: ignore[attr-defined]
             old.channel.close()
-        with self._cond:
-            self.registrations.append(Registration(request.resource_name, request.endpoint, opts, time.monotonic()))
-            self._cond.notify_all()
         return pb.Empty()
 
     def _consume(self, ep: _Endpoint, stream: object) -> None:
@@ -175,6 +175,7 @@ class FakeKubelet(pb_grpc.RegistrationServicer):
             for resp in stream:  # type: ignore[attr-defined]
                 with self._cond:
                     ep.devices = {d.ID: d.health for d in resp.devices}
+                    ep.history.append(ep.devices)
                     ep.updates += 1
                     self._cond.notify_all()
         except grpc.RpcError:
@@ -183,6 +184,13 @@ class FakeKubelet(pb_grpc.RegistrationServicer):
             with self._cond:
                 ep.open = False
                 self._cond.notify_all()
+
+    def drop_stream(self, resource_name: str) -> None:
+        """Cancel the ListAndWatch stream of a resource (as kubelet does when it
+        drops a plugin) without restarting."""
+        ep = self.endpoint(resource_name)
+        if ep is not None and ep.stream is not None:
+            ep.stream.cancel()  # type: ignore[attr-defined]
 
     # ---- observing ---------------------------------------------------------
     def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
@@ -198,6 +206,12 @@ class FakeKubelet(pb_grpc.RegistrationServicer):
         """The last ListAndWatch list: device ID -> health."""
         ep = self.endpoint(resource_name)
         return dict(ep.devices) if ep else {}
+
+    def history(self, resource_name: str) -> list[dict[str, str]]:
+        """Every ListAndWatch list of the current endpoint, oldest first."""
+        ep = self.endpoint(resource_name)
+        with self._cond:
+            return list(ep.history) if ep else []
 
     def updates(self, resource_name: str) -> int:
         ep = self.endpoint(resource_name)
