@@ -23,7 +23,7 @@ gobuild() {  # gobuild <bindir> <pkg@ver>...
     mkdir -p "$bindir"
     # cgo off: no btrfs/devmapper graph drivers (they need C headers) and a
     # static shim, as containerd's own release build does for the shim.
-    GOBIN="$bindir" GOFLAGS=-mod=mod GOTOOLCHAIN=local CGO_ENABLED=0 \
+    GOBIN="$bindir" GOFLAGS="-mod=mod -buildvcs=false" GOTOOLCHAIN=local CGO_ENABLED=0 \
         nice -n 10 go install -trimpath -tags "no_btrfs no_devmapper no_zfs" "$@"
 }
 
@@ -47,7 +47,7 @@ else
             cp -r "$dir" "$src.tmp" && chmod -R u+w "$src.tmp" && mv "$src.tmp" "$src"
         fi
         mkdir -p "$ctrd_bin"
-        (cd "$src" && GOFLAGS=-mod=mod GOTOOLCHAIN=local CGO_ENABLED=0 \
+        (cd "$src" && GOFLAGS="-mod=mod -buildvcs=false" GOTOOLCHAIN=local CGO_ENABLED=0 \
             nice -n 10 go build -trimpath -tags "no_btrfs no_devmapper no_zfs" \
             -o "$ctrd_bin/" "${cmds[@]/#/./}")
     else
@@ -80,7 +80,7 @@ else
     t0=$(date +%s)
     mkdir -p "$probe_bin"
     rm -f "$probe_bin"/.src-*
-    (cd "$probe_src" && GOFLAGS=-mod=mod GOTOOLCHAIN=local CGO_ENABLED=0 \
+    (cd "$probe_src" && GOFLAGS="-mod=mod -buildvcs=false" GOTOOLCHAIN=local CGO_ENABLED=0 \
         nice -n 10 go build -trimpath -o "$probe_bin/nriprobe" .)
     touch "$probe_bin/.src-$probe_sum"
     log "nriprobe built in $(( $(date +%s) - t0 ))s"

@@ -287,7 +287,7 @@ class Containerd:
         tar = self.base / "image.tar"
         run([sys.executable, HERE / "mkimage.py", tar, IMAGE, SANDBOX_IMAGE,
              "--busybox", self.bins.busybox])
-        self.ctr("images", "import", "--no-unpack" if False else "--all-platforms", str(tar),
+        self.ctr("images", "import", "--all-platforms", str(tar),
                  timeout=120)
         names = self.ctr("images", "ls", "-q").stdout.split()
         missing = {IMAGE, SANDBOX_IMAGE} - set(names)
