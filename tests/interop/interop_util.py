@@ -128,14 +128,15 @@ class Proc:
         with self._cv:
             self._cv.notify_all()
 
-    def wait_event(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 30.0) -> dict[str, Any]:
-        """Return the first event matching pred; fail after timeout or when the process ended without it."""
+    def wait_event(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 30.0,
+                   nth: int = 1) -> dict[str, Any]:
+        """Return the nth event matching pred; fail after timeout or when the process ended without it."""
         deadline = time.monotonic() + timeout
         with self._cv:
             while True:
-                for ev in self.events:
-                    if pred(ev):
-                        return ev
+                hits = [ev for ev in self.events if pred(ev)]
+                if len(hits) >= nth:
+                    return hits[nth - 1]
                 if self.p.poll() is not None and not self._t.is_alive():
                     break
                 left = deadline - time.monotonic()

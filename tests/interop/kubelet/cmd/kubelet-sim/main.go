@@ -32,6 +32,10 @@
 //	{"op":"wait_health","gpu":UUID,"health":"Unhealthy","timeout_s":T}
 //	                                      wait for a ListAndWatch update where every
 //	                                      device of that GPU has that health
+//	{"op":"wait_all_healthy","timeout_s":T}
+//	                                      wait for a ListAndWatch list with every device
+//	                                      Healthy (a plugin may start with devices
+//	                                      Unhealthy until its GPU services are up)
 //	{"op":"sleep","ms":M}
 //
 // Concurrency: the main goroutine runs the script; gRPC goroutines serve
@@ -525,6 +529,19 @@ func (k *kubelet) run(s step) {
 			ev["list"] = sum
 		}
 		emit(ev)
+	case "wait_all_healthy":
+		ok := k.waitFor(secs(s.TimeoutS, 10), func() bool {
+			if len(k.devs) == 0 {
+				return false
+			}
+			for _, d := range k.devs {
+				if d.Health != pluginapi.Healthy {
+					return false
+				}
+			}
+			return true
+		})
+		emit(map[string]any{"event": "all_healthy", "label": s.Label, "ok": ok, "ms": msSince(t0)})
 	case "sleep":
 		time.Sleep(time.Duration(s.MS) * time.Millisecond)
 	default:
