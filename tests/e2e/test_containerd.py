@@ -42,7 +42,7 @@ CONTRACT_KEYS = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_GPU_MEMORY_REQUEST", "NVIDIA_
                  "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
                  "CUDA_MPS_PIPE_DIRECTORY")
 PIPE_DIR = "/tmp/nvidia-mps"
-UNAVAILABLE_RETRIES = 3
+UNAVAILABLE_RETRIES = 6
 CONNECTED_RE = re.compile(r'plugin \\?"(\d\d-[^"\\]+)\\?" connected and synchronized')
 
 
