@@ -30,6 +30,9 @@ from fracplugin.mps.supervisor import MpsSupervisor
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fakes" / "nvidia-cuda-mps-control")
 TS, SM = ComputeMode.TIME_SLICING, ComputeMode.SM_SHARING
+# The fake's "#!/usr/bin/env python3" resolves to this interpreter, not to a
+# (slow) version-manager shim that may come first on PATH.
+FAST_PATH = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 CID_A = "a" * 12 + "0123456789abcdef" * 3 + "0123"
 CID_B = "b" * 64
 POD_A = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
@@ -61,6 +64,7 @@ class Harness:
         kw.setdefault("probe_interval_s", 0.5)
         kw.setdefault("probe_timeout_s", 2.0)
         kw.setdefault("backoff_base_s", 0.05)
+        kw["env"] = {"PATH": FAST_PATH, **(kw.get("env") or {})}
         sup = MpsSupervisor(self.layout, FAKE, protocol, driver, set(modes), **kw)
         sup.subscribe(lambda m, h: self.events.append((m, h)))
         self.sups.append(sup)
@@ -70,6 +74,7 @@ class Harness:
     def env(self, mode):
         e = dict(os.environ)
         e.pop("CUDA_MPS_PROTOCOL_VERSION", None)
+        e["PATH"] = FAST_PATH
         e["CUDA_MPS_PIPE_DIRECTORY"] = self.layout.pipe_dir(mode)
         return e
 
@@ -113,7 +118,7 @@ class Harness:
 
     def close(self) -> None:
         for sup in self.sups:
-            sup.stop(timeout_s=3.0)
+            sup.stop(timeout_s=1.5)
         for p in self.procs:
             if p.poll() is None:
                 p.kill()

@@ -233,3 +233,24 @@ def test_own_registry_and_http_serving(setup):
         metrics.stop()
     with pytest.raises(ValueError):
         metrics.serve("nonsense")
+
+
+def test_render_matches_prometheus_client_exposition(setup):
+    from prometheus_client import generate_latest
+
+    metrics, _, _ = setup
+    metrics.observe_hook("nri", 0.01)
+    metrics.refusal('we"ird\\reason\nx')
+
+    def parsed(text: str) -> dict:
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if not s.name.endswith("_created"):
+                    out[(fam.name, fam.type, s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    ours = parsed(metrics.render().decode())
+    theirs = parsed(generate_latest(metrics.registry).decode())
+    assert ours == theirs
+    assert any(k[2] == "fracplugin_refusals_total" and ("reason", 'we"ird\\reason\nx') in k[3] for k in ours)

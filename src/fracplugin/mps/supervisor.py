@@ -415,15 +415,18 @@ class MpsSupervisor:
             self._pending_delete.discard(name)
         return True
 
-    def _apply_namespace(self, d: DaemonState, name: str, atp: int | None, deadline: float) -> None:
+    def _apply_namespace(self, d: DaemonState, name: str, atp: int | None, deadline: float,
+                         fresh: bool = False) -> None:
         def left() -> float:
             return deadline - time.monotonic()
 
         if not d.ns_lock.acquire(timeout=max(0.0, left())):
             raise MpsTimeout(f"namespace {name}: another namespace operation is still running")
         try:
-            rows = d.control.namespace_list(SM_SERVER, left())
-            row = next((r for r in rows if r.name == name), None)
+            row = None
+            if not fresh:
+                rows = d.control.namespace_list(SM_SERVER, left())
+                row = next((r for r in rows if r.name == name), None)
             if row is None:
                 d.control.namespace_create(name, SM_SERVER, left())
                 if atp is not None:
@@ -633,9 +636,9 @@ class MpsSupervisor:
                 d.restore_pending = set(self._namespaces)
                 self._pending_delete.clear()  # a fresh daemon has no namespaces
         self._apply_defaults(d)
-        self._restore(d)
-        self._update_servers(d)
+        self._restore(d, fresh=True)
         self._set_health(d, not d.restore_pending)
+        self._update_servers(d)
         log.info("MPS %s daemon ready (pid %s)", d.mode.value, d.proc.pid if d.proc else None)
 
     def _apply_defaults(self, d: DaemonState) -> None:
@@ -651,8 +654,10 @@ class MpsSupervisor:
                 d.last_error = f"defaults: {e}"
             log.warning("MPS %s defaults not applied: %s", d.mode.value, e)
 
-    def _restore(self, d: DaemonState) -> None:
-        """Re-create recorded namespaces (after a (re)start, and retried after probes)."""
+    def _restore(self, d: DaemonState, fresh: bool = False) -> None:
+        """Re-create recorded namespaces (after a (re)start, and retried after probes).
+        ``fresh``: the daemon has just started, so it has no namespaces yet (CLI
+        changes are not persisted, mps-nvml.md 1.7): skip the listing."""
         if d.mode is not ComputeMode.SM_SHARING or self.protocol < 3:
             return
         for name in sorted(d.restore_pending):
@@ -664,7 +669,7 @@ class MpsSupervisor:
                 continue
             try:
                 self._apply_namespace(d, name, rec.active_thread_percentage,
-                                      time.monotonic() + max(self.probe_timeout_s, 1.0) * 2)
+                                      time.monotonic() + max(self.probe_timeout_s, 1.0) * 2, fresh=fresh)
             except (MpsError, ValueError) as e:
                 with self._lock:
                     d.last_error = f"restore {name}: {e}"
