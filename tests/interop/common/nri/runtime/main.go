@@ -38,6 +38,7 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -57,7 +58,10 @@ import (
 
 // ---------- output ----------
 
-var outMu sync.Mutex
+var (
+	outMu       sync.Mutex
+	stdinReader = bufio.NewReader(os.Stdin)
+)
 
 func emit(ev map[string]any) {
 	b, err := json.Marshal(ev)
@@ -666,7 +670,7 @@ func (r *runtime) churn(ctx context.Context, pods []podSpec, n, every int, pause
 		sbx[i] = makePod(ps)
 		_ = evRunPod(ctx, r.a, sbx[i])
 	}
-	in := bufio.NewReader(os.Stdin)
+	in := stdinReader
 	errs := 0
 	firstErr := ""
 	start := time.Now()
@@ -735,6 +739,7 @@ func main() {
 		every        = flag.Int("checkpoint-every", 1000, "churn: checkpoint period")
 		pause        = flag.Bool("pause", false, "churn: wait for a stdin line at each checkpoint")
 		holdAfter    = flag.Bool("hold", false, "after everything, wait for stdin EOF before stopping the runtime")
+		gate         = flag.Bool("gate", false, "after the plugins registered, print a gate event and wait for a stdin line")
 	)
 	flag.BoolVar(&verbose, "v", false, "log adaptation debug lines")
 	flag.Parse()
@@ -747,7 +752,7 @@ func main() {
 		var data []byte
 		var err error
 		if *scenarioPath == "-" {
-			data, err = readAll(os.Stdin)
+			data, err = io.ReadAll(stdinReader)
 		} else {
 			data, err = os.ReadFile(*scenarioPath)
 		}
@@ -792,6 +797,10 @@ func main() {
 		fatal("timeout: %d of %d plugins registered within %s", r.syncCount, *waitN, *waitTimeout)
 	}
 	emit(map[string]any{"event": "plugin_order", "round": r.round, "plugins": logger.Order()})
+	if *gate {
+		emit(map[string]any{"event": "gate"})
+		_, _ = stdinReader.ReadString('\n')
+	}
 
 	switch {
 	case *benchMode:
@@ -825,7 +834,7 @@ func main() {
 		}
 	}
 	if *holdAfter {
-		_, _ = readAll(os.Stdin)
+		_, _ = io.ReadAll(stdinReader)
 	}
 	r.a.Stop()
 	emit(map[string]any{"event": "done", "round": r.round})
@@ -859,19 +868,4 @@ func shutdownConns(path string) int {
 		}
 	}
 	return n
-}
-
-func readAll(f *os.File) ([]byte, error) {
-	var out []byte
-	buf := make([]byte, 65536)
-	for {
-		n, err := f.Read(buf)
-		out = append(out, buf[:n]...)
-		if err != nil {
-			if err.Error() == "EOF" {
-				return out, nil
-			}
-			return out, err
-		}
-	}
 }

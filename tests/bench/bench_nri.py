@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""NRI benchmark (issue 3 item 5): CreateContainer round-trip latency measured
+from the Go runtime side, and the daemon's resident memory after 10,000
+creations + removals. Merges its keys into build/bench.json (flat JSON object,
+read-modify-write).
+
+How it measures:
+  * tests/interop/nri-v012/cmd/nri-runtime (containerd/nri pkg/adaptation
+    v0.12.5, the code containerd 2.3 embeds) in -bench mode: for each
+    concurrency c in 1, 16, 64, c goroutines issue CreateContainer calls
+    (1000 per level after 50 unmeasured warm-up calls); the latency of a
+    call is the wall time of Adaptation.CreateContainer. The adaptation holds
+    one mutex per call, as in containerd, so concurrent calls queue: at c=64
+    the p99 is roughly 64 x the per-call service time. The same harness, in
+    the same run, measures the Go template plugin (stub-based stand-in for
+    containerd/nri's plugins/template, which the Go proxy does not serve).
+  * Pods: 64 pods, pod i pinned to GPU i % 4 of ../shared/examples/nodes/
+    gpu-node-1.yaml, container "app", time-slicing, request 1Gi, limit 2Gi
+    (16 tenants per GPU at most; within the 48-client MPS limit).
+  * RSS: -churn 10000 sequential create+remove pairs; the daemon's RSS is
+    read with psutil at every 1000 (after 1000 and after 10000 are kept).
+
+Keys: nri.create.c1.p50_ms, nri.create.c1.p99_ms, nri.create.c16.p99_ms,
+nri.create.c64.p50_ms, nri.create.c64.p99_ms, nri.create.c64.p99_go_template_ms,
+nri.create.c64.p99_ratio_vs_go_template, nri.rss_after_10k_creates_mib, plus
+nri.rss_after_1k_creates_mib and nri.create.errors (calls that failed).
+The raw harness output is saved to build/bench-nri-raw.json.
+
+Usage: python tests/bench/bench_nri.py [--calls N] [--churn N]
+No assertions on the figures: targets are read by people (issue 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "interop"))
+
+import interop_util as iu  # noqa: E402  (helpers shared with the interop tests)
+
+REPORT = REPO / "build" / "bench.json"
+RAW = REPO / "build" / "bench-nri-raw.json"
+PREFIX = "nvidia.com/container.app."
+
+
+def bench_pods(n: int = 64) -> list[dict]:
+    gpus = [g["uuid"] for g in iu.load_yaml(iu.NODE_YAML)["gpus"]]
+    return [{
+        "name": f"bench-{i}", "namespace": "bench", "uid": f"bench-uid-{i:03d}",
+        "annotations": {
+            PREFIX + "gpu-memory.request": "1Gi", PREFIX + "gpu-memory.limit": "2Gi",
+            PREFIX + "gpu-compute.mode": "time-slicing", PREFIX + "gpus.devices": gpus[i % len(gpus)],
+        },
+        "containers": [{"name": "app"}],
+    } for i in range(n)]
+
+
+def merge_report(values: dict[str, float]) -> None:
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        doc = json.loads(REPORT.read_text())
+        if not isinstance(doc, dict):
+            doc = {}
+    except (OSError, ValueError):
+        doc = {}
+    doc.update(values)
+    fd, tmp = tempfile.mkstemp(prefix=".bench.", dir=REPORT.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, REPORT)
+
+
+def wait_ready(state_dir: Path, timeout: float = 60.0) -> None:
+    """Wait until the daemon's /readyz answers 200 (address from endpoints.json)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            addr = json.loads((state_dir / "endpoints.json").read_text()).get("health")
+            if addr:
+                with urllib.request.urlopen(f"http://{addr}/readyz", timeout=2) as rsp:
+                    if rsp.status == 200:
+                        return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise SystemExit("bench_nri: the daemon never became ready")
+
+
+class Run:
+    """One harness run with one plugin; processes are stopped by close()."""
+
+    def __init__(self, workdir: Path, args: list[str], scenario: dict) -> None:
+        self.workdir = workdir
+        self.procs: list[iu.Proc] = []
+        self.sock = workdir / "nri.sock"
+        self.rt = iu.start_runtime(self.procs, "v012", workdir, scenario, socket=self.sock,
+                                   extra=["-gate", *args], stdin=True)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def fail(msg: str, *procs: iu.Proc) -> None:
+    raise SystemExit("bench_nri: " + msg + "".join(p.stderr_tail() for p in procs))
+
+
+def run_bench(workdir: Path, plugin: str, calls: int) -> dict[int, dict]:
+    args = ["-bench", "-bench-levels", "1,16,64", "-bench-calls", str(calls), "-bench-warmup", "50"]
+    run = Run(workdir, args, {"pods": bench_pods()})
+    try:
+        if plugin == "fracplugin":
+            daemon = iu.start_fracplugin(run.procs, workdir, nri_socket=run.sock)
+            run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
+            wait_ready(workdir / "state")
+        else:
+            run.procs.append(iu.Proc([str(iu.template_bin("v012")), "-socket", str(run.sock), "-idx", "10"],
+                                     stderr_path=workdir / "template.log"))
+            daemon = None
+            run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
+        run.rt.send_line()
+        events = run.rt.finish(900)
+        if any(e.get("event") == "fatal" for e in events):
+            fail(f"{plugin}: {[e for e in events if e.get('event') == 'fatal']}", run.rt, *(d for d in [daemon] if d))
+        return {e["concurrency"]: e for e in events if e.get("event") == "bench"}
+    finally:
+        run.close()
+
+
+def run_churn(workdir: Path, n: int) -> tuple[dict[int, float], int]:
+    """RSS (MiB) of the daemon after each 1000 create+remove pairs, and the failed creations."""
+    run = Run(workdir, ["-churn", str(n), "-checkpoint-every", "1000", "-pause"], {"pods": bench_pods()})
+    try:
+        daemon = iu.start_fracplugin(run.procs, workdir, nri_socket=run.sock)
+        run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
+        wait_ready(workdir / "state")
+        proc = psutil.Process(daemon.p.pid)
+        run.rt.send_line()
+        rss: dict[int, float] = {0: proc.memory_info().rss / 2**20}
+        for k in range(1, n // 1000 + 1):
+            ev = run.rt.wait_event(lambda e: e["event"] in ("checkpoint", "fatal"), timeout=600, nth=k)
+            if ev["event"] == "fatal":
+                fail(ev["error"], run.rt, daemon)
+            rss[ev["done"]] = proc.memory_info().rss / 2**20
+            run.rt.send_line()
+        events = run.rt.finish(300)
+        churn = next(e for e in events if e.get("event") == "churn")
+        if churn["errors"]:
+            print(f"bench_nri: churn: {churn['errors']} failed creations, first: {churn['first_error']}")
+        return rss, int(churn["errors"])
+    finally:
+        run.close()
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=1000, help="CreateContainer calls per concurrency level")
+    ap.add_argument("--churn", type=int, default=10000, help="create+remove pairs for the RSS figure")
+    a = ap.parse_args(argv)
+    t0 = time.monotonic()
+    iu.build_module("nri-v012")
+    raw: dict = {}
+    with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d1:
+        ours = run_bench(Path(d1), "fracplugin", a.calls)
+    with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d2:
+        tmpl = run_bench(Path(d2), "template", a.calls)
+    with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d3:
+        rss, churn_errors = run_churn(Path(d3), a.churn)
+    raw = {"fracplugin": ours, "go_template": tmpl, "rss_mib": rss}
+    RAW.parent.mkdir(parents=True, exist_ok=True)
+    RAW.write_text(json.dumps(raw, indent=1, sort_keys=True) + "\n")
+    errors = sum(b["errors"] for b in ours.values())
+    values = {
+        "nri.create.c1.p50_ms": ours[1]["p50_ms"],
+        "nri.create.c1.p99_ms": ours[1]["p99_ms"],
+        "nri.create.c16.p99_ms": ours[16]["p99_ms"],
+        "nri.create.c64.p50_ms": ours[64]["p50_ms"],
+        "nri.create.c64.p99_ms": ours[64]["p99_ms"],
+        "nri.create.c64.p99_go_template_ms": tmpl[64]["p99_ms"],
+        "nri.create.c64.p99_ratio_vs_go_template": round(ours[64]["p99_ms"] / tmpl[64]["p99_ms"], 2),
+        "nri.rss_after_10k_creates_mib": round(rss[max(rss)], 1),
+        "nri.rss_after_1k_creates_mib": round(rss.get(1000, rss[0]), 1),
+        "nri.create.errors": errors + churn_errors,
+    }
+    merge_report(values)
+    print(json.dumps(values, indent=1, sort_keys=True))
+    print(f"bench_nri: done in {time.monotonic() - t0:.0f}s; raw figures in {RAW.relative_to(REPO)}")
+    if errors:
+        print(f"bench_nri: {errors} CreateContainer calls failed, e.g. "
+              f"{next(b['first_error'] for b in ours.values() if b['errors'])}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
