@@ -23,7 +23,9 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (all when None), so a
+    broken or heavy subcommand never affects another."""
     parser = argparse.ArgumentParser(prog="fracplugin", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"fracplugin {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -31,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
+        if command is not None and name != command:
+            continue
         try:
             importlib.import_module(module).add_arguments(p)
         except ImportError as exc:  # a door not built into this install
@@ -41,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if a in SUBCOMMANDS), None)
+    parser = build_parser(command or "")
     args = parser.parse_args(argv)
     if args.command == "version":
         print(f"fracplugin {__version__}")
