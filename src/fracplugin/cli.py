@@ -26,7 +26,7 @@ SUBCOMMANDS = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (all when None), so a
     broken or heavy subcommand never affects another."""
-    parser = argparse.ArgumentParser(prog="fracplugin", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="fracplugin", description="fracplugin: the node half of memory-enforced GPU sharing on Kubernetes.")
     parser.add_argument("--version", action="version", version=f"fracplugin {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
