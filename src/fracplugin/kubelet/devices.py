@@ -17,7 +17,7 @@ The extended resource (kubelet-device-plugin.md A.3, A.5):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..model import ComputeMode, GpuInfo, NodeInfo
@@ -87,6 +87,7 @@ class DeviceTable:
     node: NodeInfo
     unit_mib: int
     per_gpu: Mapping[str, int]
+    lookup: Mapping[str, tuple[GpuInfo, int]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, node: NodeInfo, unit_mib: int = DEFAULT_UNIT_MIB) -> "DeviceTable":
@@ -108,7 +109,8 @@ class DeviceTable:
                         f"{MAX_DEVICE_ID_LEN} (deviceplugin v1beta1 Device.ID)"
                     )
             per[gpu.uuid] = count
-        return cls(node=node, unit_mib=unit_mib, per_gpu=per)
+        lookup = {device_id(g.uuid, n): (g, n) for g in node.gpus for n in range(per[g.uuid])}
+        return cls(node=node, unit_mib=unit_mib, per_gpu=per, lookup=lookup)
 
     def ids(self, gpu_uuid: str) -> list[str]:
         """All device IDs of one GPU, n ascending."""
@@ -127,6 +129,9 @@ class DeviceTable:
     def gpu_of(self, dev_id: str) -> GpuInfo:
         """The GPU a device ID belongs to. Raises DeviceIdError for an ID that
         is malformed, names an unknown GPU, or has n out of range."""
+        hit = self.lookup.get(dev_id)
+        if hit is not None:
+            return hit[0]
         uuid, n = parse_device_id(dev_id)
         count = self.per_gpu.get(uuid)
         gpu = self.node.gpu_by_uuid(uuid)
@@ -204,21 +209,21 @@ def preferred_allocation(
         return []
     avail_by_gpu: dict[str, list[tuple[int, str]]] = {}
     seen: set[str] = set()
+    lookup = table.lookup
     for d in list(must_include) + list(available):
         if d in seen:
             continue
-        try:
-            gpu = table.gpu_of(d)
-        except DeviceIdError:
+        hit = lookup.get(d)
+        if hit is None:  # not a device of this node: never returned
             continue
         seen.add(d)
-        avail_by_gpu.setdefault(gpu.uuid, []).append((parse_device_id(d)[1], d))
+        avail_by_gpu.setdefault(hit[0].uuid, []).append((hit[1], d))
     must: list[str] = []
     must_gpus: dict[str, int] = {}
     for d in must_include:
         if d in seen and d not in must:
             must.append(d)
-            uuid = parse_device_id(d)[0]
+            uuid = lookup[d][0].uuid
             must_gpus[uuid] = must_gpus.get(uuid, 0) + 1
     if len(must) >= size:
         return must[:size]

@@ -179,13 +179,34 @@ def select_candidates(
     return out
 
 
+def _extended_counts(pod: Pod) -> set[tuple[str, int]]:
+    """Every (resource name, count) a container of the pod requests, for
+    resources with a domain (``<domain>/<name>``: extended resources)."""
+    out: set[tuple[str, int]] = set()
+    spec = pod.get("spec") or {}
+    for key in ("initContainers", "containers"):
+        for c in spec.get(key) or ():
+            res = c.get("resources") or {}
+            names = set((res.get("limits") or {})) | set((res.get("requests") or {}))
+            for name in names:
+                if "/" in str(name):
+                    n = resource_count(c, str(name))
+                    if n > 0:
+                        out.add((str(name), n))
+    return out
+
+
 class _Store:
-    """Thread-safe pod store with a (resource, count) index."""
+    """Thread-safe pod store with a (resource, count) index of the live pods
+    (on this node, not terminal, not being deleted), so a lookup does not scan
+    every pod."""
 
     def __init__(self, node_name: str | None, resource_name: str | None) -> None:
         self.node_name = node_name
         self.resource_name = resource_name
         self._pods: dict[str, Pod] = {}
+        self._index: dict[tuple[str, int], dict[str, Pod]] = {}
+        self._indexed: dict[str, set[tuple[str, int]]] = {}
         self._cond = threading.Condition()
         self._version = 0
         self.on_delete: list[Callable[[Pod], None]] = []
@@ -193,18 +214,37 @@ class _Store:
     def _key(self, pod: Pod) -> str:
         return pod_uid(pod) or pod_key(pod)
 
+    def _unindex(self, key: str) -> None:
+        for ent in self._indexed.pop(key, ()):
+            bucket = self._index.get(ent)
+            if bucket is not None:
+                bucket.pop(key, None)
+                if not bucket:
+                    del self._index[ent]
+
+    def _insert(self, key: str, pod: Pod) -> None:
+        self._unindex(key)
+        self._pods[key] = pod
+        if _live_on_node(pod, self.node_name):
+            ents = _extended_counts(pod)
+            self._indexed[key] = ents
+            for ent in ents:
+                self._index.setdefault(ent, {})[key] = pod
+
     def put(self, pod: Pod) -> None:
         if self.resource_name is not None and not requests_resource(pod, self.resource_name):
             self.remove(pod)
             return
         with self._cond:
-            self._pods[self._key(pod)] = pod
+            self._insert(self._key(pod), pod)
             self._version += 1
             self._cond.notify_all()
 
     def remove(self, pod: Pod) -> None:
         with self._cond:
-            old = self._pods.pop(self._key(pod), None)
+            key = self._key(pod)
+            old = self._pods.pop(key, None)
+            self._unindex(key)
             self._version += 1
             self._cond.notify_all()
         if old is not None:
@@ -221,7 +261,11 @@ class _Store:
                 new[self._key(p)] = p
         with self._cond:
             gone = [p for k, p in self._pods.items() if k not in new]
-            self._pods = new
+            self._pods = {}
+            self._index = {}
+            self._indexed = {}
+            for k, p in new.items():
+                self._insert(k, p)
             self._version += 1
             self._cond.notify_all()
         for old in gone:
@@ -233,19 +277,7 @@ class _Store:
 
     def candidates(self, resource_name: str, count: int) -> list[Pod]:
         with self._cond:
-            pods = list(self._pods.values())
-        out = []
-        for p in pods:
-            if not _live_on_node(p, self.node_name):
-                continue
-            spec = p.get("spec") or {}
-            if any(
-                resource_count(c, resource_name) == count
-                for key in ("initContainers", "containers")
-                for c in spec.get(key) or ()
-            ):
-                out.append(p)
-        return out
+            return list(self._index.get((resource_name, count), {}).values())
 
     def get(self, namespace: str, name: str) -> Pod | None:
         with self._cond:

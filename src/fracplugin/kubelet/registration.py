@@ -11,7 +11,9 @@ Rules (kubelet-device-plugin.md A.5, A.8, D.7-D.9):
 * retry with exponential backoff (tenacity; 50 ms doubling to 1 s) for as long
   as the plugin runs;
 * re-register without restarting the process when kubelet restarts. Triggers,
-  polled every ``poll_s`` (default 0.1 s, so a restart is seen within 100 ms):
+  checked on every inotify event in kubelet's directory (``DirWatch``; a
+  restart is seen at once) and at least every ``poll_s`` (default 0.1 s, the
+  fallback where inotify is unavailable):
   ``kubelet.sock`` re-created (its (inode, ctime) changed), our own socket
   deleted (kubelet wipes every socket of the directory on start: we serve on a
   new socket first), or no ListAndWatch stream open for ``stream_grace_s``
@@ -100,6 +102,79 @@ def register(
             ) from None
 
 
+class DirWatch:
+    """Wake-ups for changes in one directory: Linux inotify through ctypes
+    (``IN_CREATE | IN_DELETE | IN_MOVED_TO | IN_MOVED_FROM | IN_ATTRIB``), so a
+    re-created kubelet.sock is noticed at once; falls back to plain sleeping
+    (the caller still polls) where inotify is unavailable. ``kick()`` wakes a
+    waiter from another thread (a self-pipe). Events only wake: the caller
+    re-checks what it cares about with ``stat``.
+    """
+
+    _MASK = 0x100 | 0x200 | 0x80 | 0x40 | 0x4  # CREATE, DELETE, MOVED_TO, MOVED_FROM, ATTRIB
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._fd = -1
+        self._wd = -1
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        try:
+            import ctypes
+
+            self._libc = ctypes.CDLL(None, use_errno=True)
+            fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+            self._fd = fd if fd >= 0 else -1
+        except (OSError, AttributeError):
+            self._fd = -1
+        self._add()
+
+    @property
+    def active(self) -> bool:
+        """True when inotify watches the directory."""
+        return self._fd >= 0 and self._wd >= 0
+
+    def _add(self) -> None:
+        if self._fd < 0:
+            return
+        wd = self._libc.inotify_add_watch(self._fd, os.fsencode(self.directory), self._MASK)
+        self._wd = wd if wd >= 0 else -1
+
+    def wait(self, timeout_s: float) -> None:
+        """Return after a change in the directory, a kick, or ``timeout_s``."""
+        import select
+
+        if self._fd >= 0 and self._wd < 0:
+            self._add()  # the directory may exist now
+        fds = [self._r] + ([self._fd] if self.active else [])
+        try:
+            ready, _, _ = select.select(fds, [], [], max(timeout_s, 0.0))
+        except (OSError, ValueError):
+            return
+        for fd in ready:
+            try:
+                while os.read(fd, 4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+
+    def kick(self) -> None:
+        try:
+            os.write(self._w, b"k")
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self._fd, self._r, self._w):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._fd = self._r = self._w = -1
+
+
 class RegistrationTarget(Protocol):
     """What the registrar needs from the device plugin server."""
 
@@ -178,6 +253,7 @@ class Registrar:
         self._registered = False
         self._stop = threading.Event()
         self._kick = threading.Event()
+        self._watch: DirWatch | None = None
         self._thread: threading.Thread | None = None
 
     def registered(self) -> bool:
@@ -188,25 +264,38 @@ class Registrar:
         if self._thread is not None:
             return
         self._stop.clear()
+        self._watch = DirWatch(os.path.dirname(self.kubelet_socket) or ".")
         self._thread = threading.Thread(target=self._run, name="fracplugin-registrar", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
         self._kick.set()
+        if self._watch is not None:
+            self._watch.kick()
         t, self._thread = self._thread, None
         if t is not None:
             t.join(timeout_s)
+        if self._watch is not None and (t is None or not t.is_alive()):
+            self._watch.close()
+            self._watch = None
         self._registered = False
 
     def kick(self) -> None:
         """Ask for a re-registration now (e.g. from a health change or tests)."""
         self._kick.set()
+        if self._watch is not None:
+            self._watch.kick()
 
     # -- the loop ------------------------------------------------------------
     def _wait(self, seconds: float) -> None:
-        """Sleep for tenacity: wakes early on stop or kick."""
-        self._kick.wait(seconds)
+        """Sleep: wakes early on stop, kick, or a change in kubelet's directory."""
+        if self._stop.is_set():
+            return
+        if self._watch is not None:
+            self._watch.wait(seconds)
+        else:
+            self._kick.wait(seconds)
 
     def _register_once(self) -> None:
         if socket_identity(self.target.socket_path) != self.target.socket_identity():
@@ -306,4 +395,4 @@ class Registrar:
                     need = None
                 kubelet_id = socket_identity(self.kubelet_socket) if need is None else kubelet_id
                 continue
-            self._kick.wait(self.poll_s)
+            self._wait(self.poll_s)
