@@ -298,7 +298,7 @@ class Daemon:
         except ImportError as exc:
             log.warning("metrics unavailable: %s", exc)
             return
-        self.metrics = _construct(Metrics, node=self.node, ledger=self.ledger, inventory=self.inventory)
+        self.metrics = Metrics(ledger=self.ledger, inventory=self.inventory, node=self.node)
         host, port = configmod.parse_address(self.cfg.metrics_address)
         try:
             bound = self.metrics.serve(self.cfg.metrics_address)
@@ -327,6 +327,8 @@ class Daemon:
             self.mps.start()
         except Exception as exc:
             raise StartupError(f"MPS supervisor: {exc}") from None
+        if self.metrics is not None:
+            self.metrics.attach_mps(self.mps)
 
     def _build_pod_source(self) -> None:
         if self.cfg.no_device_plugin:

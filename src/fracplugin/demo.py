@@ -54,6 +54,8 @@ RESOURCE = "fracplugin.io/gpu-memory"
 NODE_FILE = Path("examples") / "nodes" / "gpu-node-1.yaml"
 INFERENCE = "inference-sm-sharing-4gpu.bound.yaml"
 NOTEBOOK = "notebook-time-slicing-2gpu.yaml"
+NRI_REQUEST_TIMEOUT_S = 5.0
+CREATE_ATTEMPTS = 3  # kubelet retries a container whose creation failed (with backoff)
 
 
 class DemoError(Exception):
@@ -225,7 +227,10 @@ class Demo:
         w = Path(self.work)
         pods_file = w / "pods.yaml"
         pods_file.write_text(yaml.safe_dump(self._dp_pod()))
-        self.runtime = NriRuntimeServer(str(w / "nri.sock")).start()
+        # containerd's plugin_request_timeout (default 2 s): the fake MPS control
+        # binary is a Python script, far slower to start than the real one, and
+        # a sm-sharing CreateContainer runs two of its commands.
+        self.runtime = NriRuntimeServer(str(w / "nri.sock"), request_timeout_s=NRI_REQUEST_TIMEOUT_S).start()
         self.kubelet = KubeletSim(str(w / "device-plugins")).start()
         cmd = [sys.executable, "-m", "fracplugin.cli", "run",
                "--simulate-node", str(self.node_file), "--state-dir", str(w / "state"),
@@ -269,8 +274,8 @@ class Demo:
             raise StepFailed(f"the daemon was not ready within {self.ready_timeout_s} s: {readiness}")
         o(f"  ready after {time.monotonic() - t0:.1f} s: " + "; ".join(
             f"{k} {v['detail']}" for k, v in readiness["checks"].items()))
-        o(f"  the demo plays containerd over NRI on {self.runtime.socket_path} "
-          f"and kubelet over gRPC on {self.kubelet.socket_path}")
+        o(f"  the demo plays containerd over NRI on {self.runtime.socket_path} (request timeout "
+          f"{NRI_REQUEST_TIMEOUT_S:g} s) and kubelet over gRPC on {self.kubelet.socket_path}")
         self.runtime.wait_registered(5)
         self.kubelet.wait_registered(5)
 
@@ -314,7 +319,7 @@ class Demo:
             ctr = container_msg(pod, spec)
             name = f"{md.get('namespace', 'default')}/{md['name']}/{spec['name']}"
             try:
-                resp = self.runtime.create_container(pod, ctr)
+                resp = self._create_with_retries(pod, ctr, name)
             except RpcError as exc:
                 code = Code(exc.code).name if exc.code in Code._value2member_map_ else str(exc.code)
                 self.out(f"  container {name}: REFUSED ({code})")
@@ -339,6 +344,22 @@ class Demo:
                 raise StepFailed(f"{name}: expected {expect}, got {rec['outcome']}: {rec.get('reason', '')}")
         self.tenancy()
         return rec
+
+    def _create_with_retries(self, pod: Any, ctr: Any, name: str) -> Any:
+        """CreateContainer; an UNAVAILABLE answer (transient: e.g. the MPS
+        namespace not ready in time) is retried as kubelet retries a failed
+        container creation. Raises the last RpcError."""
+        from .nri.ttrpc import Code, RpcError
+
+        for attempt in range(1, CREATE_ATTEMPTS + 1):
+            try:
+                return self.runtime.create_container(pod, ctr)
+            except RpcError as exc:
+                if exc.code != Code.UNAVAILABLE or attempt == CREATE_ATTEMPTS:
+                    raise
+                self.out(f"  container {name}: UNAVAILABLE (transient), retrying as kubelet would: {exc.message}")
+                time.sleep(0.5 * attempt)
+        raise AssertionError("unreachable")
 
     def nri_remove(self, manifest: dict[str, Any]) -> None:
         md = manifest["metadata"]
@@ -392,13 +413,13 @@ class Demo:
             return
         code, text = _http(self.endpoints["metrics"], "/metrics")
         wanted = ("fracplugin_refusals_total", "fracplugin_hook_duration_seconds_count",
-                  "fracplugin_gpu_memory_held_mib", "fracplugin_gpu_tenants", "fracplugin_mps_daemon_up",
-                  "fracplugin_allocations_total", "fracplugin_container_", "fracplugin_")
+                  "fracplugin_gpu_tenants", "fracplugin_gpu_memory_held_bytes", "fracplugin_mps_daemon_up",
+                  "fracplugin_ledger_entries", "fracplugin_container_gpu_memory_request_bytes")
         lines = [ln for ln in text.splitlines() if ln.startswith("fracplugin_") and "_bucket{" not in ln]
         shown: list[str] = []
         for prefix in wanted:
             for ln in lines:
-                if ln.startswith(prefix) and ln not in shown and len(shown) < 16:
+                if ln.startswith(prefix) and ln not in shown and len(shown) < 24:
                     shown.append(ln)
         self.out.block("\n".join(shown) if shown else f"(HTTP {code}; no fracplugin_ samples)", "  ")
 

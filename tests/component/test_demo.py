@@ -101,3 +101,11 @@ def test_demo_device_plugin_door(demo_run: subprocess.CompletedProcess[str]) -> 
     assert dev in UUIDS
     assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M" in sec
     assert "default/embeddings/worker: request 8192 MiB" in sec
+
+
+def test_demo_metrics(demo_run: subprocess.CompletedProcess[str]) -> None:
+    sec = next(v for k, v in _sections(demo_run.stdout).items() if k.startswith("a few metrics"))
+    assert 'fracplugin_refusals_total{reason="no_fit"} 1.0' in sec
+    assert 'fracplugin_refusals_total{reason="limit_below_request"} 1.0' in sec
+    assert 'fracplugin_mps_daemon_up{mode="sm-sharing"} 1.0' in sec
+    assert "fracplugin_ledger_entries 3.0" in sec  # notebook on two GPUs + embeddings on one
