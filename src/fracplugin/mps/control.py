@@ -266,7 +266,8 @@ class MpsControl:
         self.run(args, timeout_s)
 
     def client_list(self, timeout_s: float) -> list[ClientRow]:
-        out = self.run(["client", "list", "--all", "--format=csv,noheader"], timeout_s)
+        # Same form as gpu-fractioning's mpsctl, measured on r615 (no --all).
+        out = self.run(["client", "list", "--format=csv,noheader"], timeout_s)
         rows = []
         for r in _csv_rows(out, 4):
             pid = _int_or_none(r[0])

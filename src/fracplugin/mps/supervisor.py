@@ -139,6 +139,8 @@ class MpsSupervisor:
             ``set_default_device_pinned_mem_limit`` after each start of every daemon.
         exclusive_process_gpus: GPU UUIDs put in EXCLUSIVE_PROCESS compute mode via
             NVML at ``start()`` (errors are logged, never fatal).
+        metrics: a ``fracplugin.metrics.Metrics``; when given, the supervisor
+            attaches itself (``metrics.attach_mps(self)``) so scrapes read ``status()``.
 
     Raises ValueError for an empty ``modes`` or a bad protocol.
     """
@@ -166,6 +168,7 @@ class MpsSupervisor:
         default_active_thread_percentage: int | None = None,
         default_pinned_mem_limits_mib: Mapping[str, int] | None = None,
         exclusive_process_gpus: Sequence[str] = (),
+        metrics: Any = None,
     ) -> None:
         modes = frozenset(ComputeMode(m) for m in modes)
         if not modes:
@@ -210,6 +213,8 @@ class MpsSupervisor:
                 mode=mode, pipe_dir=pipe, log_dir=logd,
                 control=MpsControl(control_binary, pipe, self.protocol, logd, env=env),
             )
+        if metrics is not None and hasattr(metrics, "attach_mps"):
+            metrics.attach_mps(self)
 
     # ------------------------------------------------------------------ lifecycle
 
