@@ -94,13 +94,13 @@ def wait_for(cond, timeout_s=10.0, what="condition"):
 
 
 class Harness:
-    def __init__(self, tmp: str, *, fail_open=False, runtime_kwargs=None, stub_kwargs=None):
+    def __init__(self, tmp: str, *, fail_open=False, runtime_kwargs=None, stub_kwargs=None, plugin_kwargs=None):
         self.path = os.path.join(tmp, "nri.sock")
         self.ledger = Ledger(NODE)
         self.mps = FakeMps()
         self.metrics = FakeMetrics()
         self.plugin = FracNriPlugin(NODE, self.ledger, PlannerConfig(), mps=self.mps, metrics=self.metrics,
-                                    fail_open=fail_open)
+                                    fail_open=fail_open, **(plugin_kwargs or {}))
         self.runtime_kwargs = runtime_kwargs or {}
         self.rt = FakeNriRuntime(self.path, **self.runtime_kwargs)
         self.stub = NriStub(self.plugin, socket_path=self.path, env={}, reconnect_initial_s=0.02,
@@ -183,9 +183,12 @@ def test_bound_inference_pod_gets_the_exact_env_and_mount(h):
     tenancies = h.ledger.tenancies()
     assert sorted(t.gpu_uuid for t in tenancies) == sorted(UUIDS[:4])
     assert {(t.container_id, t.mps_namespace, t.active_thread_percentage) for t in tenancies} == {(ctr.id, ns, 50)}
+    # The namespace is made in the background and awaited at StartContainer.
+    assert h.rt.start_container(pod, ctr) is None
     ((_, uid, name, atp, timeout),) = h.mps.named("ensure_namespace")
-    assert (uid, name, atp) == (pod.uid, "app", 50) and 0 < timeout <= 1.0
+    assert (uid, name, atp) == (pod.uid, "app", 50) and 0 < timeout <= 5.0
     assert [d for d, _ in h.metrics.hooks] == ["nri"]
+    assert h.rt.registrations[-1].events == 0x628
 
 
 def test_pod_authored_values_of_our_keys_are_overridden(h):
@@ -245,12 +248,41 @@ def test_fail_open_leaves_a_refused_container_unadjusted(make_harness):
     assert h.ledger.tenancies() == []
 
 
-def test_mps_failure_is_unavailable_and_records_nothing(h):
+def test_mps_failure_fails_the_start_with_unavailable(h):
+    h.mps.fail = RuntimeError("control daemon down")
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    assert not isinstance(h.rt.create_container(pod, ctr), RpcError)
+    err = h.rt.start_container(pod, ctr)
+    assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "control daemon down" in err.message
+    assert h.metrics.refusals == ["mps_unavailable"]
+    h.rt.remove_container(pod, ctr)  # kubelet removes the failed container
+    assert h.ledger.tenancies() == []
+
+
+def test_start_waits_for_a_slow_namespace_then_succeeds_on_retry(make_harness):
+    h = make_harness(runtime_kwargs={"request_timeout_ms": 400}).start()
+    gate = threading.Event()
+    h.mps.block = gate
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    assert not isinstance(h.rt.create_container(pod, ctr), RpcError)  # not held up by MPS
+    try:
+        err = h.rt.start_container(pod, ctr)  # answered within the runtime's 0.4 s
+        assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "still being created" in err.message
+    finally:
+        gate.set()
+    wait_for(h.mps.done.is_set, what="the namespace")
+    assert h.rt.start_container(pod, ctr) is None  # kubelet's retry
+    assert len(h.ledger.tenancies()) == 4
+
+
+def test_synchronous_namespace_mode_refuses_creation_on_mps_failure(make_harness):
+    h = make_harness(plugin_kwargs={"defer_namespace": False}).start()
     h.mps.fail = RuntimeError("control daemon down")
     pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
     err = h.rt.create_container(pod, ctr)
     assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "control daemon down" in err.message
     assert h.ledger.tenancies() == []
+    assert h.rt.registrations[-1].events == 0x608
 
 
 def test_stop_drains_within_half_the_request_timeout_and_remove_releases(h):
@@ -272,7 +304,7 @@ def test_v08_runtime_removes_through_state_change(make_harness):
     assert h.rt.remove_container(pod, ctr) is None
     assert h.rt.calls[-1] == "StateChange:REMOVE_CONTAINER"
     assert h.ledger.tenancies() == []
-    assert h.rt.registrations[-1].events == 0x608
+    assert h.rt.registrations[-1].events == 0x628
 
 
 def test_container_restart_replaces_its_hold(h):
@@ -456,7 +488,7 @@ def test_unknown_methods_and_services_are_unimplemented(running):
 
 
 def test_slow_mps_is_cut_at_the_budget_and_its_admission_undone(make_harness):
-    h = make_harness(runtime_kwargs={"request_timeout_ms": 400}).start()
+    h = make_harness(runtime_kwargs={"request_timeout_ms": 400}, plugin_kwargs={"defer_namespace": False}).start()
     h.mps.block = threading.Event()
     pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
     err = h.rt.create_container(pod, ctr)  # answered by the stub before the runtime's 0.4 s
@@ -467,7 +499,8 @@ def test_slow_mps_is_cut_at_the_budget_and_its_admission_undone(make_harness):
     wait_for(lambda: h.ledger.tenancies() == [], what="admission undone")
 
 
-def test_requests_are_served_concurrently(h):
+def test_requests_are_served_concurrently(make_harness):
+    h = make_harness(plugin_kwargs={"defer_namespace": False}).start()
     gate = threading.Event()
     h.mps.block = gate
     slow_pod, (slow_ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")

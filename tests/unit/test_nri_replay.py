@@ -22,7 +22,7 @@ from fracplugin._proto import nri_pb2, ttrpc_pb2
 from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.nri.mux import MAX_WRITE_FRAME, MuxDecoder, encode_frames
-from fracplugin.nri.plugin import NRI_EVENTS, FracNriPlugin
+from fracplugin.nri.plugin import FracNriPlugin
 from fracplugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Dispatcher
 from fracplugin.nri.ttrpc import MessageType, RequestReceived, ResponseReceived, Role, TtrpcConnection, encode_message
 from fracplugin.planner import PlannerConfig
@@ -80,7 +80,7 @@ def test_transcript_replays_and_our_answers_fit_4096_byte_frames(version, plugin
 
     server = TtrpcConnection(Role.SERVER)
     decoder = MuxDecoder()
-    dispatcher = Dispatcher(plugin, NRI_EVENTS, "fracplugin")
+    dispatcher = Dispatcher(plugin, plugin.events, "fracplugin")
     recorded_answers = {r["stream"]: r for r in records if r["dir"] == "plugin->runtime" and r["mux_conn"] == 1}
     methods = []
     stream = _runtime_stream(records)
@@ -106,9 +106,11 @@ def test_transcript_replays_and_our_answers_fit_4096_byte_frames(version, plugin
                 assert not ours.HasField("status") and not theirs.HasField("status")
                 if ev.method == "Configure":
                     assert req.registration_timeout == 5000 and req.request_timeout == 2000
-                    # Same explicit mask as the recording plugin: Create|Stop|Remove.
-                    assert ours == theirs
-                    assert nri_pb2.ConfigureResponse.FromString(ours.payload).events == 0x608
+                    # An explicit mask valid for every runtime: Create|Start|Stop|Remove
+                    # (the recording plugin sent Create|Stop|Remove).
+                    events = nri_pb2.ConfigureResponse.FromString(ours.payload).events
+                    assert events == plugin.events == 0x628
+                    assert nri_pb2.ConfigureResponse.FromString(theirs.payload).events == 0x608
                 elif ev.method == "Synchronize":
                     assert [p.name for p in req.pods] == ["existing"]
                     assert nri_pb2.SynchronizeResponse.FromString(ours.payload) == nri_pb2.SynchronizeResponse()
@@ -149,7 +151,7 @@ def test_recorded_create_with_our_annotations_gets_the_adjustment_in_small_frame
     # Hundreds of extra annotations: the request crosses several 16 KB Go frames.
     for i in range(400):
         req.pod.annotations[f"example.com/padding-{i:03d}"] = "x" * 40
-    dispatcher = Dispatcher(plugin, NRI_EVENTS)
+    dispatcher = Dispatcher(plugin, plugin.events)
     body = ttrpc_pb2.Request(
         service=PLUGIN_SERVICE, method="CreateContainer", payload=req.SerializeToString(), timeout_nano=2_000_000_000
     ).SerializeToString()

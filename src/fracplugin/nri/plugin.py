@@ -11,8 +11,10 @@ Behaviour (DESIGN.md sections 2 and 4; issue 3 item 3):
 
 - CreateContainer: ``planner.plan_container(pod annotations, container name,
   PodRef, node, ledger, config)``. ``None`` -> empty response (untouched). A
-  plan -> for sm-sharing, ``mps.ensure_namespace`` first; then
-  ``ledger.admit(plan, container_id)``; the answer is a ContainerAdjustment
+  plan -> ``ledger.admit(plan, container_id)``; for sm-sharing,
+  ``mps.ensure_namespace`` runs in the background and StartContainer waits
+  for it (``defer_namespace=True``, the default) or runs before the admission
+  (``defer_namespace=False``); the answer is a ContainerAdjustment
   with every env var of the plan set *by value* (a removal marker ``-KEY``
   precedes each, which clears an earlier plugin's claim on the key so our
   value wins the runtime's merge; ``-KEY`` alone would not remove a value the
@@ -37,6 +39,8 @@ import dataclasses
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Mapping, Protocol, Sequence
 
 from .._proto import nri_pb2
@@ -47,12 +51,24 @@ from ..planner import ENFORCED_ENV_KEYS, ENV_VISIBLE_DEVICES, EmptyLedger, Plann
 from .stub import CallContext, event_mask
 from .ttrpc import Code, RpcError
 
-__all__ = ["MpsHooks", "HookMetrics", "NoMps", "NoMetrics", "FracNriPlugin", "NRI_EVENTS", "build_adjustment"]
+__all__ = [
+    "MpsHooks",
+    "HookMetrics",
+    "NoMps",
+    "NoMetrics",
+    "FracNriPlugin",
+    "NRI_EVENTS",
+    "NRI_EVENTS_DEFERRED",
+    "build_adjustment",
+]
 
 log = logging.getLogger(__name__)
 
 NRI_EVENTS = event_mask(nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_CONTAINER, nri_pb2.REMOVE_CONTAINER)
 """0x608: CreateContainer | StopContainer | RemoveContainer (nri-protocol.md 1.4)."""
+
+NRI_EVENTS_DEFERRED = NRI_EVENTS | event_mask(nri_pb2.START_CONTAINER)
+"""0x628: the above plus StartContainer, where a deferred MPS namespace is awaited."""
 
 _DEFAULT_REQUEST_TIMEOUT_S = 2.0
 _MARGIN_S = 0.15
@@ -162,9 +178,15 @@ class FracNriPlugin:
             ``refusal(code)`` per refusal; None = ``NoMetrics``.
         fail_open: refusals and MPS failures leave the container unadjusted
             (warning logged, refusal still counted) instead of failing it.
+        defer_namespace: True (default): CreateContainer admits and answers at
+            once and creates the sm-sharing MPS namespace in the background;
+            StartContainer (subscribed then: mask 0x628) waits for it within
+            its budget and fails the start with UNAVAILABLE when it is not
+            there. The container process cannot reach MPS before it starts, so
+            this keeps MPS control commands off CreateContainer's critical
+            path. False: the namespace is created inside CreateContainer.
+        namespace_timeout_s: bound of one background namespace creation.
     """
-
-    events = NRI_EVENTS
 
     def __init__(
         self,
@@ -174,6 +196,9 @@ class FracNriPlugin:
         mps: MpsHooks | None = None,
         metrics: HookMetrics | None = None,
         fail_open: bool = False,
+        *,
+        defer_namespace: bool = True,
+        namespace_timeout_s: float = 5.0,
     ) -> None:
         self.node = node
         self.ledger = ledger
@@ -181,6 +206,13 @@ class FracNriPlugin:
         self.mps: MpsHooks = mps if mps is not None else NoMps()
         self.metrics: HookMetrics = metrics if metrics is not None else NoMetrics()
         self.fail_open = fail_open
+        self.defer_namespace = defer_namespace
+        self.namespace_timeout_s = namespace_timeout_s
+        self.events = NRI_EVENTS_DEFERRED if defer_namespace else NRI_EVENTS
+        """Subscription mask sent in ConfigureResponse (0x628 deferred, 0x608 not)."""
+        self._ns_lock = threading.Lock()
+        self._ns_pending: dict[str, Future[str]] = {}
+        self._ns_pool: ThreadPoolExecutor | None = None
         self._synced = threading.Event()
         self.unadjusted: list[dict[str, Any]] = []
         """Containers found by the last Synchronize that lack our env (dicts
@@ -213,9 +245,12 @@ class FracNriPlugin:
                 if p is None:
                     log.debug("nri container not fractional; untouched", extra=fields)
                     return None
-                if p.compute_mode is ComputeMode.SM_SHARING:
+                sm = p.compute_mode is ComputeMode.SM_SHARING
+                if sm and not self.defer_namespace:
                     self._ensure_namespace(p, ctx, fields)
                 self.ledger.admit(p, container.id)
+                if sm and self.defer_namespace:
+                    self._start_namespace(p, container.id, fields)
             except FractionError as err:
                 return self._refuse(err, fields)
             except _FailOpen:
@@ -236,9 +271,15 @@ class FracNriPlugin:
             self.metrics.observe_hook("nri", time.monotonic() - start)
 
     def _ensure_namespace(self, p: ContainerPlan, ctx: CallContext | None, fields: Mapping[str, Any]) -> None:
-        timeout = self._mps_timeout(ctx, share=0.5)
+        # The namespace must exist before the container starts: give MPS all
+        # the budget that is left (minus a margin to answer in time).
+        timeout = self._mps_timeout(ctx, share=1.0)
+        deadline = time.monotonic() + timeout
         try:
-            self.mps.ensure_namespace(p.pod.uid, p.container, p.active_thread_percentage, timeout)
+            self._wait_mps_healthy(deadline)
+            self.mps.ensure_namespace(
+                p.pod.uid, p.container, p.active_thread_percentage, max(0.01, deadline - time.monotonic())
+            )
         except Exception as exc:
             log.warning("nri MPS namespace not ready", extra={**fields, "reason": str(exc), "timeout_s": timeout})
             self.metrics.refusal("mps_unavailable")
@@ -249,6 +290,108 @@ class FracNriPlugin:
                 Code.UNAVAILABLE,
                 f"fracplugin: MPS namespace for {p.pod}/{p.container} is not ready: {exc}",
             ) from None
+
+    def _start_namespace(self, p: ContainerPlan, container_id: str, fields: Mapping[str, Any]) -> None:
+        """Create the namespace of ``p`` in the background (deferred mode)."""
+        with self._ns_lock:
+            if self._ns_pool is None:
+                self._ns_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="nri-mps-ns")
+            old = self._ns_pending.pop(container_id, None)
+            fut = self._ns_pool.submit(self._namespace_job, p, dict(fields))
+            self._ns_pending[container_id] = fut
+        if old is not None:
+            old.cancel()
+
+    def _namespace_job(self, p: ContainerPlan, fields: Mapping[str, Any]) -> str:
+        deadline = time.monotonic() + self.namespace_timeout_s
+        try:
+            self._wait_mps_healthy(deadline)
+            return self.mps.ensure_namespace(
+                p.pod.uid, p.container, p.active_thread_percentage, max(0.01, deadline - time.monotonic())
+            )
+        except Exception as exc:
+            log.warning("nri MPS namespace creation failed", extra={**fields, "reason": str(exc)})
+            raise
+
+    def start_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> None:
+        """StartContainer (deferred mode): wait, within the handler budget, for
+        the container's MPS namespace. Raises ``RpcError`` UNAVAILABLE when it
+        failed or is not there yet (the runtime fails the start; kubelet
+        retries), unless ``fail_open``."""
+        if not self.defer_namespace:
+            return None
+        fields = {"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": container.name,
+                  "container_id": container.id}
+        with self._ns_lock:
+            fut = self._ns_pending.get(container.id)
+        timeout = self._mps_timeout(ctx, share=1.0)
+        if fut is None:
+            # Nothing pending: not ours, already awaited, or the daemon restarted
+            # between create and start; then make sure synchronously.
+            held = [t for t in self.ledger.find_container_id(container.id) if t.mps_namespace]
+            if not held:
+                return None
+            t = held[0]
+            try:
+                deadline = time.monotonic() + timeout
+                self._wait_mps_healthy(deadline)
+                self.mps.ensure_namespace(t.pod_uid, t.container, t.active_thread_percentage,
+                                          max(0.01, deadline - time.monotonic()))
+            except Exception as exc:
+                return self._mps_failed(exc, fields, f"{pod.namespace}/{pod.name}/{container.name}")
+            return None
+        try:
+            fut.result(timeout)
+        except FutureTimeout:
+            self.metrics.refusal("mps_unavailable")
+            if self.fail_open:
+                log.warning("nri fail-open: container starts before its MPS namespace exists", extra=fields)
+                return None
+            raise RpcError(
+                Code.UNAVAILABLE,
+                f"fracplugin: MPS namespace for {pod.namespace}/{pod.name}/{container.name} is still being created",
+            ) from None
+        except Exception as exc:
+            self._forget_namespace_job(container.id, fut)
+            return self._mps_failed(exc, fields, f"{pod.namespace}/{pod.name}/{container.name}")
+        self._forget_namespace_job(container.id, fut)
+        return None
+
+    def _forget_namespace_job(self, container_id: str, fut: Future[str] | None = None) -> None:
+        with self._ns_lock:
+            cur = self._ns_pending.get(container_id)
+            if cur is not None and (fut is None or cur is fut):
+                del self._ns_pending[container_id]
+                cur.cancel()
+
+    def _mps_failed(self, exc: Exception, fields: Mapping[str, Any], who: str) -> None:
+        self.metrics.refusal("mps_unavailable")
+        if self.fail_open:
+            log.warning("nri fail-open: container runs without its MPS namespace", extra={**fields, "reason": str(exc)})
+            return None
+        raise RpcError(Code.UNAVAILABLE, f"fracplugin: MPS namespace for {who} is not ready: {exc}")
+
+    def close(self) -> None:
+        """Stop the background namespace workers (pending jobs are cancelled;
+        running ones end within ``namespace_timeout_s``)."""
+        with self._ns_lock:
+            pool, self._ns_pool = self._ns_pool, None
+            self._ns_pending.clear()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _wait_mps_healthy(self, deadline: float) -> None:
+        """Absorb a short window where the sm-sharing daemon is (re)starting:
+        when the MPS layer offers ``healthy(mode)``, poll it until ``deadline``
+        (the MPS time share of this call). The namespace call then reports
+        whatever is still wrong."""
+        healthy = getattr(self.mps, "healthy", None)
+        if not callable(healthy):
+            return
+        pause = 0.01
+        while not healthy(ComputeMode.SM_SHARING) and time.monotonic() + pause < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
     def _refuse(self, err: FractionError, fields: Mapping[str, Any]) -> None:
         self.metrics.refusal(err.code)
@@ -290,6 +433,7 @@ class FracNriPlugin:
     def remove_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> None:
         """RemoveContainer: release the ledger entries of this container id and
         its MPS namespace when nothing else holds it."""
+        self._forget_namespace_job(container.id)
         gone = self.ledger.release_container_id(container.id)
         if gone:
             log.info(
@@ -316,6 +460,7 @@ class FracNriPlugin:
             return
         if not isinstance(response, nri_pb2.CreateContainerResponse) or not response.adjust.env:
             return
+        self._forget_namespace_job(request.container.id)
         gone = self.ledger.release_container_id(request.container.id)
         log.warning(
             "nri late CreateContainer result dropped; admission undone",
