@@ -180,7 +180,10 @@ class DevicePluginServer:
         kubelet_socket: kubelet's registration socket (default ``<plugin_dir>/kubelet.sock``).
         allocate_deadline_s: the longest an Allocate may wait for the watch cache.
         mps_health: see ``gpu.health.MpsHealth`` (None: not supervised).
-        metrics: optional object with ``observe_hook(door, seconds)`` and ``refusal(code)``.
+        metrics: optional object with ``observe_hook(door, seconds)`` (doors
+            ``allocate`` and ``preferred``) and ``refusal(code)`` (every gRPC
+            error Allocate answers, labelled with the FractionError code or
+            ``invalid`` / ``unhealthy`` / ``internal``).
         ignored_xids: XIDs that do not make a GPU Unhealthy.
         xid_recovery_s: quiet seconds before an XID-marked GPU is Healthy again
             (None: only ``clear_xid``).
@@ -406,7 +409,7 @@ class DevicePluginServer:
 
     def _on_registered(self, seconds: float) -> None:
         self.reregister_ms.append(seconds * 1000.0)
-        self._observe("register", seconds)
+        del self.reregister_ms[:-100]
 
     # ---- ListAndWatch ------------------------------------------------------
     def _mode_of(self, uuid: str) -> ComputeMode | None:
@@ -715,11 +718,6 @@ class DevicePluginServer:
         self.counters.fallbacks += 1
         self.counters.last_fallback = reason
         log.warning("Allocate fallback for %s on %s: %s", self.resource_name, ",".join(uuids), reason)
-        if self.metrics is not None:
-            try:
-                self.metrics.refusal("allocate_fallback")
-            except Exception:
-                log.exception("metrics.refusal failed")
         env = {
             planner_mod.ENV_VISIBLE_DEVICES: ",".join(uuids),
             planner_mod.ENV_MEMORY_REQUEST: str(request_mib),
@@ -779,7 +777,7 @@ class DevicePluginServer:
     def _observe(self, door: str, seconds: float) -> None:
         if self.metrics is not None:
             try:
-                self.metrics.observe_hook(f"deviceplugin.{door}", seconds)
+                self.metrics.observe_hook(door, seconds)
             except Exception:
                 log.exception("metrics.observe_hook failed")
 

@@ -390,6 +390,8 @@ class Registrar:
                 self._kick.clear()
                 if not self._stop.is_set() and need is None:
                     need, t0 = "kick", now
+            if need is not None and ks is None:
+                self.stats.last_error = f"{self.kubelet_socket} does not exist (kubelet not running yet?)"
             if need is not None and ks is not None:
                 if self._register_until_done(need, t0):
                     need = None

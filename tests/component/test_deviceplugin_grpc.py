@@ -1,0 +1,189 @@
+"""DevicePlugin service details over the real socket (kubelet-device-plugin.md
+D.1): concurrent ListAndWatch streams, streams that end, metrics hooks,
+PreStartContainer, preferred allocation with must_include, any :authority."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import grpc
+import pytest
+
+from fracplugin._proto import deviceplugin_pb2 as pb
+from fracplugin._proto import deviceplugin_pb2_grpc as pb_grpc
+from fracplugin.gpu.simulated import SimulatedInventory
+from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource
+from fracplugin.kubelet.devices import parse_device_id
+from fracplugin.ledger import Ledger
+from fracplugin.planner import PlannerConfig
+
+R = "fracplugin.io/gpu-memory"
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.hooks: list[tuple[str, float]] = []
+        self.refusals: list[str] = []
+
+    def observe_hook(self, door: str, seconds: float) -> None:
+        self.hooks.append((door, seconds))
+
+    def refusal(self, code: str) -> None:
+        self.refusals.append(code)
+
+
+@pytest.fixture
+def plugin(node_file):
+    d = tempfile.mkdtemp(prefix="fp", dir="/tmp")
+    inv = SimulatedInventory(node_file)
+    node = inv.node()
+    metrics = Recorder()
+    src = InMemoryPodSource(node.name)
+    s = DevicePluginServer(
+        node, Ledger(node), PlannerConfig(), inv, pod_source=src, plugin_dir=d, podresources_socket=None,
+        metrics=metrics, allocate_deadline_s=0.2,
+    )
+    s.start()  # no kubelet: serves, keeps trying to register in the background
+    yield s, inv, metrics, src
+    s.stop(2.0)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def channel(path: str, authority: str | None = "localhost") -> grpc.Channel:
+    opts = [("grpc.default_authority", authority)] if authority else []
+    return grpc.insecure_channel("unix:" + path, options=opts)
+
+
+class Stream:
+    """A ListAndWatch consumer on its own channel and thread."""
+
+    def __init__(self, path: str, authority: str | None = "localhost") -> None:
+        self.ch = channel(path, authority)
+        self.call = pb_grpc.DevicePluginStub(self.ch).ListAndWatch(pb.Empty())
+        self.lists: list[dict[str, str]] = []
+        self.ended = threading.Event()
+        self.cond = threading.Condition()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            for resp in self.call:
+                with self.cond:
+                    self.lists.append({d.ID: d.health for d in resp.devices})
+                    self.cond.notify_all()
+        except grpc.RpcError:
+            pass
+        finally:
+            self.ended.set()
+
+    def wait(self, pred, timeout_s: float = 10.0) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: pred(self.lists), timeout=timeout_s)
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.ch.close()
+
+
+def eventually(pred, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return bool(pred())
+
+
+def test_two_concurrent_streams_both_get_every_change_and_end_on_stop(plugin):
+    s, inv, _, _ = plugin
+    a, b = Stream(s.socket_path), Stream(s.socket_path, authority=None)  # grpcio's own :authority
+    try:
+        assert a.wait(lambda ls: len(ls) >= 1) and b.wait(lambda ls: len(ls) >= 1)
+        assert eventually(lambda: s.active_streams() == 2)
+        inv.inject_xid(s.node.gpus[3].uuid, 48)
+        for st in (a, b):
+            assert st.wait(lambda ls: len(ls) >= 2)
+            assert sum(h == "Unhealthy" for h in st.lists[-1].values()) == 79
+        s.stop(3.0)
+        assert a.ended.wait(5) and b.ended.wait(5)
+        assert s.active_streams() == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_cancelled_stream_frees_its_worker(plugin):
+    s, _, _, _ = plugin
+    streams = [Stream(s.socket_path) for _ in range(3)]
+    try:
+        assert all(st.wait(lambda ls: len(ls) >= 1) for st in streams)
+        assert eventually(lambda: s.active_streams() == 3)
+        for st in streams:
+            st.close()
+        assert eventually(lambda: s.active_streams() == 0)
+    finally:
+        for st in streams:
+            st.close()
+    # More streams than the pool would hold if cancelled ones stayed pinned.
+    more = [Stream(s.socket_path) for _ in range(s.max_workers - 2)]
+    try:
+        assert all(st.wait(lambda ls: len(ls) >= 1) for st in more)
+        with channel(s.socket_path) as ch:
+            assert pb_grpc.DevicePluginStub(ch).GetDevicePluginOptions(pb.Empty(), timeout=5).get_preferred_allocation_available
+    finally:
+        for st in more:
+            st.close()
+
+
+def test_metrics_hooks_and_refusal_codes(plugin):
+    s, _, metrics, src = plugin
+    with channel(s.socket_path) as ch:
+        stub = pb_grpc.DevicePluginStub(ch)
+        with pytest.raises(grpc.RpcError):
+            stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["x::1"])]), timeout=5)
+        ids = [f"{s.node.gpus[0].uuid}::{i}" for i in range(2)]
+        stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=5)
+        stub.GetPreferredAllocation(
+            pb.PreferredAllocationRequest(
+                container_requests=[pb.ContainerPreferredAllocationRequest(available_deviceIDs=ids, allocation_size=1)]
+            ),
+            timeout=5,
+        )
+    assert metrics.refusals == ["invalid"]
+    assert [d for d, _ in metrics.hooks] == ["allocate", "allocate", "preferred"]
+    assert all(sec >= 0 for _, sec in metrics.hooks)
+
+
+def test_prestart_and_preferred_with_must_include_over_grpc(plugin):
+    s, _, _, _ = plugin
+    g2 = s.node.gpus[2].uuid
+    with channel(s.socket_path) as ch:
+        stub = pb_grpc.DevicePluginStub(ch)
+        assert stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=[f"{g2}::0"]), timeout=5) == pb.PreStartContainerResponse()
+        resp = stub.GetPreferredAllocation(
+            pb.PreferredAllocationRequest(
+                container_requests=[
+                    pb.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=s.table.all_ids(), must_include_deviceIDs=[f"{g2}::7"], allocation_size=4
+                    )
+                ]
+            ),
+            timeout=5,
+        )
+    got = list(resp.container_responses[0].deviceIDs)
+    assert got[0] == f"{g2}::7" and len(set(got)) == 4
+    assert {parse_device_id(d)[0] for d in got} == {g2}
+
+
+def test_unregistered_plugin_reports_why(plugin):
+    s, _, _, _ = plugin
+    assert not s.registered()
+    st = s.status()
+    assert st["registered"] is False
+    assert eventually(lambda: "does not exist" in s.status()["last_registration_error"])
+    assert st["devices"] == 316 and st["healthy_devices"] == 316
+    assert os.path.exists(s.socket_path)
