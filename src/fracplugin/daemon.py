@@ -469,15 +469,22 @@ class Daemon:
                     mps_health[mode] = bool(self.mps.healthy(mode)) if not self.cfg.no_mps else True
                 except Exception:
                     mps_health[mode] = False
+        monitor = getattr(self.device_plugin, "health", None)  # XID + MPS health of the device plugin door
         if self.node is not None and self.ledger is not None:
             for g in self.node.gpus:
                 tenants = self.ledger.tenants(g.uuid)
                 held = sum(t.request_mib for t in tenants)
                 mode = tenants[0].mode if tenants else None
+                if monitor is not None and callable(getattr(monitor, "health", None)):
+                    h = monitor.health(g.uuid)
+                    healthy, reasons = bool(h.healthy), list(h.reasons)
+                else:
+                    healthy = mps_health.get(mode, True) if mode else True
+                    reasons = [] if healthy else ["mps down"]
                 gpus.append({
                     "index": g.index, "uuid": g.uuid, "name": g.name, "memory_mib": g.memory_mib,
                     "held_mib": held, "free_mib": g.memory_mib - held, "mode": mode.value if mode else None,
-                    "healthy": mps_health.get(mode, True) if mode else True,
+                    "healthy": healthy, "unhealthy_reasons": reasons,
                     "tenants": [t.to_dict() for t in tenants],
                 })
         dp_status = _call(self.device_plugin, "status") if self.device_plugin is not None else None
@@ -588,7 +595,8 @@ class Daemon:
         for i, (name, fn) in enumerate(order):
             _call_bounded(name, fn, left(reserve_for_mps) / max(len(order) - i, 1) + 0.5)
         if self.mps is not None and hasattr(self.mps, "stop"):
-            _call_bounded("mps", lambda: _call_stop(self.mps, left()), left() + 0.5)
+            if not _call_bounded("mps", lambda: _call_stop(self.mps, left()), left() + 0.5):
+                self._kill_mps_leftovers()
         if self.inventory is not None:
             _call_bounded("inventory", self.inventory.close, 1.0)
         if self.health is not None:
@@ -602,6 +610,27 @@ class Daemon:
             "elapsed_ms": round((time.monotonic() - t0) * 1000, 1),
             "tenancies": len(self.ledger.tenancies()) if self.ledger is not None else 0,
             "ledger_consistent": not problems})
+
+
+    def _kill_mps_leftovers(self) -> None:
+        """Last resort when the MPS supervisor did not stop in time: SIGKILL the
+        process group of every MPS control daemon it reported (each runs in its
+        own session) and their servers, so that no MPS process outlives us."""
+        try:
+            daemons = self.mps.status().get("daemons") or []
+        except Exception:
+            log.exception("MPS status unavailable; cannot kill leftover MPS processes")
+            return
+        for d in daemons:
+            for pid in [d.get("pid"), *(d.get("server_pids") or [])]:
+                if not pid:
+                    continue
+                for kill in (os.killpg, os.kill):
+                    try:
+                        kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                log.error("MPS did not stop in time: killed pid %s", pid, extra={"mode": d.get("mode"), "pid": pid})
 
 
 def _construct(cls: Any, *args: Any, **kwargs: Any) -> Any:

@@ -73,7 +73,8 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
     for g in doc.get("gpus", []):
         tenants = g.get("tenants", [])
         rows.append((str(g["index"]), g["uuid"], g.get("mode") or "-", f"{g['held_mib']}/{g['memory_mib']}",
-                     str(len(tenants)), "healthy" if g.get("healthy", True) else "UNHEALTHY"))
+                     str(len(tenants)), "healthy" if g.get("healthy", True) else
+                     "UNHEALTHY: " + ", ".join(g.get("unhealthy_reasons") or ["?"])))
         lines = []
         for t in tenants:
             atp = f"  ATP {t['active_thread_percentage']}%" if t.get("active_thread_percentage") else ""

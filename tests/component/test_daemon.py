@@ -359,3 +359,26 @@ def test_all_doors_ready_and_stop_in_order(daemon: Callable[..., DaemonProc], ro
     finally:
         rt.close()
         kubelet.stop()
+
+
+def test_shutdown_is_bounded_when_mps_hangs(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    """A wedged MPS control daemon (ignores `quit`) is killed within the
+    shutdown budget; the daemon still exits 0 and leaves no MPS process."""
+    d = daemon("--no-nri", "--no-device-plugin", "--mps-control-binary", str(FAKE_MPS), "--shutdown-timeout", "2",
+               "--mps-modes", "time-slicing", env={"FAKE_MPS_FAULTS": json.dumps({"hang": True})})
+    assert wait_until(lambda: mps_processes(root), 10)
+    code, body = d.get("/readyz")
+    assert code == 503 and body["checks"]["mps"]["ready"] is False
+    assert d.terminate(timeout_s=30) == 0
+    assert wait_until(lambda: mps_processes(root) == [], 5)
+
+
+def test_bad_kubeconfig_fails_start_naming_it(root: Path) -> None:
+    bad = root / "kubeconfig"
+    bad.write_text("not: [a kubeconfig\n")
+    out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "run", "--simulate-node", str(NODE),
+                          "--no-nri", "--no-mps", "--state-dir", str(root / "s"), "--kubeconfig", str(bad),
+                          "--device-plugin-dir", str(root / "dp"), "--health-address", "127.0.0.1:0",
+                          "--metrics-address", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and f"--kubeconfig {bad}" in out.stderr
+    assert not list((root / "dp").glob("*.sock"))
