@@ -204,3 +204,13 @@ def test_preferred_allocation_properties(data, size, policy):
     assert len(got) == min(size, len(avail))
     if size >= len(must):
         assert set(must) <= set(got)
+
+
+def test_gpu_without_free_memory_by_the_ledger_is_avoided(table, node):
+    # GPU 0 looks empty to kubelet, but NRI-door tenants hold 78 GiB of it.
+    room = {node.gpus[0].uuid: 81559 - 78 * 1024}
+    got = preferred_allocation(table, table.all_ids(), [], 4, free_mib_of=room.get)
+    assert {parse_device_id(d)[0] for d in got} == {node.gpus[1].uuid}
+    # When every GPU is short, the answer still has the requested size.
+    short = {g.uuid: 0 for g in node.gpus}
+    assert len(preferred_allocation(table, table.all_ids(), [], 4, free_mib_of=short.get)) == 4

@@ -418,6 +418,13 @@ class DevicePluginServer:
         except Exception:
             return None
 
+    def _free_mib_of(self, uuid: str) -> int | None:
+        gpu = self.node.gpu_by_uuid(uuid)
+        try:
+            return None if gpu is None else gpu.memory_mib - int(self.ledger.held_mib(uuid))
+        except Exception:
+            return None
+
     def _build_response(self) -> pb.ListAndWatchResponse:
         devices = []
         for gpu in self.node.gpus:
@@ -496,6 +503,7 @@ class DevicePluginServer:
                 mode_of=self._mode_of,
                 pod_mode=mode,
                 policy=self.policy,
+                free_mib_of=self._free_mib_of,
             )
             out.container_responses.add(deviceIDs=ids)
         self.counters.preferred += 1

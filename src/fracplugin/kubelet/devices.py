@@ -178,6 +178,7 @@ def preferred_allocation(
     mode_of: Callable[[str], ComputeMode | None] = lambda _u: None,
     pod_mode: ComputeMode | None = None,
     policy: str = "pack",
+    free_mib_of: Callable[[str], int | None] = lambda _u: None,
 ) -> list[str]:
     """Choose ``size`` device IDs for one container (GetPreferredAllocation).
 
@@ -195,7 +196,11 @@ def preferred_allocation(
        mode is unknown), then empty GPUs, then GPUs of another mode; inside a
        tier ``pack`` prefers the GPU with fewer available devices (fill before
        opening), ``spread`` the one with more; ties by GPU index;
-    4. inside a GPU the lowest ``n`` first.
+    4. inside a GPU the lowest ``n`` first;
+    5. a GPU whose free memory by the ledger (``free_mib_of``: GPU memory
+       minus what tenants of both doors hold; None = unknown) is below the
+       devices' MiB is only used when no split avoids it (NRI-door tenants
+       hold memory kubelet's device count does not see).
 
     When no even split exists, a greedy fill in rank order is returned (kubelet
     tops up or ignores a preferred answer it cannot use). Never more than
@@ -248,28 +253,35 @@ def preferred_allocation(
         return (tier, fill, index.get(uuid, 1 << 30))
 
     ranked = sorted(free, key=rank)
-    # Even split over the fewest GPUs; must_include devices count toward their GPU.
-    for k in range(1, len(ranked) + 1):
-        if size % k:
-            continue
-        per = size // k
-        if any(c > per for c in must_gpus.values()) or len(must_gpus) > k:
-            continue
-        chosen: list[str] = list(must_gpus)
-        for uuid in ranked:
-            if len(chosen) == k:
-                break
-            if uuid in must_gpus:
+
+    def memory_fits(uuid: str, devices: int) -> bool:
+        room = free_mib_of(uuid)
+        return room is None or room >= devices * table.unit_mib
+
+    # Even split over the fewest GPUs; must_include devices count toward their
+    # GPU. First only GPUs with the memory free by the ledger, then any.
+    for check_memory in (True, False):
+        for k in range(1, len(ranked) + 1):
+            if size % k:
                 continue
-            if len(free[uuid]) >= per:
-                chosen.append(uuid)
-        if len(chosen) < k or any(len(free[u]) + must_gpus.get(u, 0) < per for u in chosen):
-            continue
-        out = list(must)
-        for uuid in sorted(chosen, key=rank):
-            need = per - must_gpus.get(uuid, 0)
-            out.extend(free[uuid][:need])
-        return out
+            per = size // k
+            if any(c > per for c in must_gpus.values()) or len(must_gpus) > k:
+                continue
+            chosen: list[str] = list(must_gpus)
+            for uuid in ranked:
+                if len(chosen) == k:
+                    break
+                if uuid in must_gpus:
+                    continue
+                if len(free[uuid]) >= per and (not check_memory or memory_fits(uuid, per)):
+                    chosen.append(uuid)
+            if len(chosen) < k or any(len(free[u]) + must_gpus.get(u, 0) < per for u in chosen):
+                continue
+            out = list(must)
+            for uuid in sorted(chosen, key=rank):
+                need = per - must_gpus.get(uuid, 0)
+                out.extend(free[uuid][:need])
+            return out
     out = list(must)
     for uuid in ranked:
         for d in free[uuid]:
