@@ -181,7 +181,8 @@ _HELP = {
     "annotation_prefix": "prefix of the per-container annotation keys",
     "reserve_mib": "MiB per GPU kept out of fraction resolution",
     "max_clients_per_gpu": "tenants allowed per GPU (MPS client limit)",
-    "fail_open": "on an internal error let containers start unfenced instead of failing them",
+    "fail_open": "leave a container unadjusted (unfenced, with a warning and a counted refusal) instead of "
+                 "failing it when its fraction is refused or MPS fails; --no-fail-open overrides file/env",
     "log_format": "log format: json or text",
     "log_level": "log level: debug, info, warning or error",
     "shutdown_timeout_s": "seconds allowed for an orderly shutdown",
@@ -201,7 +202,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         flag = "--" + flag_name(name)
         help_text = _HELP.get(name, "") + f" [env {env_name(name)}]"
         default = DEFAULTS.__getattribute__(name)
-        if f.type in ("bool",):
+        if f.type == "bool" and name == "fail_open":
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif f.type == "bool":
             p.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=help_text)
         else:
             shown = ",".join(default) if isinstance(default, tuple) else default
@@ -209,7 +212,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            help=f"{help_text} (default: {shown!s})" if shown not in (None, "") else help_text)
 
 
+_METAVARS = {"mps_protocol": "auto|2|3", "log_format": "json|text", "log_level": "LEVEL", "mps_modes": "MODES",
+             "nri_plugin_name": "NAME", "nri_plugin_idx": "NN", "resource_name": "NAME", "node_name": "NAME",
+             "annotation_prefix": "PREFIX", "max_clients_per_gpu": "N"}
+
+
 def _metavar(name: str) -> str:
+    if name in _METAVARS:
+        return _METAVARS[name]
     if name.endswith(("_dir", "_root")):
         return "DIR"
     if name.endswith("_address"):

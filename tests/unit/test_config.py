@@ -165,3 +165,8 @@ def test_every_setting_has_a_flag() -> None:
     c.add_arguments(p)
     flags = {a.dest for a in p._actions}
     assert set(Config.__dataclass_fields__) <= flags
+
+
+def test_no_fail_open_flag_overrides_env() -> None:
+    cfg, sources = load(["--no-fail-open"], {"FRACPLUGIN_FAIL_OPEN": "true"})
+    assert cfg.fail_open is False and sources["fail_open"] == "flag"
