@@ -161,3 +161,87 @@ def test_kubernetes_source_lists_then_reports_not_ready_on_api_error():
         assert "apiserver down" in (src.last_error or "")
     finally:
         src.stop(0.5)
+
+
+class _FakeWatchResponse:
+    """What the kubernetes client's Watch reads: a streaming HTTP response."""
+
+    status = 200
+
+    def __init__(self, events):
+        self._events = events
+
+    def stream(self, amt=None, decode_content=False):
+        import json
+
+        for ev in self._events:
+            yield (json.dumps(ev) + "\n").encode()
+
+    def close(self):
+        pass
+
+    def release_conn(self):
+        pass
+
+
+def test_kubernetes_source_applies_watch_events():
+    from kubernetes import client
+
+    def raw(name, uid, count, **md):
+        return {
+            "metadata": {"name": name, "namespace": "ns", "uid": uid, **md},
+            "spec": {"nodeName": "n1", "containers": [{"name": "app", "resources": {"limits": {R: str(count)}}}]},
+            "status": {"phase": "Pending"},
+        }
+
+    events = [
+        {"type": "ADDED", "object": raw("b", "ub", 2)},
+        {"type": "MODIFIED", "object": raw("a", "ua", 4, deletionTimestamp="2026-01-01T00:00:00Z")},
+        {"type": "ADDED", "object": raw("c", "uc", 2)},
+        {"type": "DELETED", "object": raw("c", "uc", 2)},
+    ]
+    calls = {"list": 0}
+    done = threading.Event()
+    gate = threading.Event()
+
+    def list_pods(**kw):
+        if kw.get("watch"):
+            done.set()  # the events below are all this watch has
+            return _FakeWatchResponse(events)
+        calls["list"] += 1
+        if calls["list"] > 1:
+            gate.wait(5)
+            raise client.ApiException(status=503, reason="stopping")
+        return _FakeList(
+            [
+                client.V1Pod(
+                    metadata=client.V1ObjectMeta(name="a", namespace="ns", uid="ua"),
+                    spec=client.V1PodSpec(
+                        node_name="n1",
+                        containers=[
+                            client.V1Container(name="app", resources=client.V1ResourceRequirements(limits={R: "4"}))
+                        ],
+                    ),
+                )
+            ]
+        )
+
+    stub = type("StubV1", (), {"list_pod_for_all_namespaces": staticmethod(list_pods)})()
+    src = KubernetesPodSource("n1", R, api_client=client.ApiClient(), watch_timeout_s=1)
+    src._client = lambda: stub
+    deleted = []
+    src.subscribe_deleted(lambda p: deleted.append(p["metadata"]["name"]))
+    src.start()
+    try:
+        assert done.wait(5)
+        for _ in range(200):
+            if calls["list"] > 1:
+                break
+            src.wait(0.02)
+        assert calls["list"] > 1, "the watch ended and the source relisted"
+        assert src.candidates(R, 4) == []  # a is being deleted
+        assert [p["metadata"]["name"] for p in src.candidates(R, 2)] == ["b"]
+        assert deleted == ["c"]
+    finally:
+        gate.set()
+        src.stop(0.5)

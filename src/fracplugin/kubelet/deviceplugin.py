@@ -304,6 +304,7 @@ class DevicePluginServer:
         (in-flight calls get ``timeout_s / 2``), remove our socket and stop the
         health monitor."""
         deadline = time.monotonic() + timeout_s
+        self.registrar.signal_stop()  # no re-registration while we wind down
         with self._cond:
             self._stopping = True
             self._cond.notify_all()

@@ -468,8 +468,9 @@ class KubernetesPodSource:
                         break
                     kind = ev.get("type")
                     obj = ev.get("object")
-                    if kind == "ERROR":
-                        log.info("pod watch error event (%s); relisting", getattr(obj, "get", lambda *_: obj)("code"))
+                    if kind == "ERROR":  # e.g. 410 Gone: our resourceVersion is too old
+                        code = obj.get("code") if isinstance(obj, dict) else getattr(obj, "code", None)
+                        log.info("pod watch error event (code %s); relisting", code)
                         break
                     pod = obj if isinstance(obj, dict) else ser(obj)
                     if kind == "DELETED":

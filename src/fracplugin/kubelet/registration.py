@@ -268,11 +268,17 @@ class Registrar:
         self._thread = threading.Thread(target=self._run, name="fracplugin-registrar", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout_s: float = 2.0) -> None:
+    def signal_stop(self) -> None:
+        """Ask the thread to stop (no wait): no new registration starts."""
         self._stop.set()
         self._kick.set()
         if self._watch is not None:
             self._watch.kick()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread and wait up to ``timeout_s`` (a Register call in
+        flight ends at its own deadline; the thread is a daemon)."""
+        self.signal_stop()
         t, self._thread = self._thread, None
         if t is not None:
             t.join(timeout_s)
