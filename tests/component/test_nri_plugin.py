@@ -355,6 +355,9 @@ def test_synchronize_rebuilds_the_ledger_and_reports_unadjusted_containers(make_
     nb_gpus = {gpu for uid, _, gpu, _, _, _ in view if uid == notebook.uid}
     assert nb_gpus == set(dict(kv.split("=", 1) for kv in nb_ctr.env)["NVIDIA_VISIBLE_DEVICES"].split(","))
     assert h.plugin.unadjusted == []
+    # A restarted daemon's MPS layer is told again about the running sm-sharing namespace.
+    wait_for(lambda: h.mps.named("ensure_namespace"), what="namespace renewal")
+    assert [c[1:4] for c in h.mps.named("ensure_namespace")] == [(bound.uid, "app", 50)]
 
 
 def test_synchronize_records_unadjusted_bound_container_and_reports_it(make_harness):

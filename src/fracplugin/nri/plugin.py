@@ -303,15 +303,7 @@ class FracNriPlugin:
             old.cancel()
 
     def _namespace_job(self, p: ContainerPlan, fields: Mapping[str, Any]) -> str:
-        deadline = time.monotonic() + self.namespace_timeout_s
-        try:
-            self._wait_mps_healthy(deadline)
-            return self.mps.ensure_namespace(
-                p.pod.uid, p.container, p.active_thread_percentage, max(0.01, deadline - time.monotonic())
-            )
-        except Exception as exc:
-            log.warning("nri MPS namespace creation failed", extra={**fields, "reason": str(exc)})
-            raise
+        return self._renew_job(p.pod.uid, p.container, p.active_thread_percentage, fields)
 
     def start_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> None:
         """StartContainer (deferred mode): wait, within the handler budget, for
@@ -511,6 +503,7 @@ class FracNriPlugin:
             if not t.container_id and t.pod_uid in live_uids and t.owner not in recorded:
                 tenancies.append(t)
         self.ledger.replace_all(tenancies)
+        self._renew_namespaces(tenancies)
         self.unadjusted = unadjusted
         self._synced.set()
         log.info(
@@ -518,6 +511,37 @@ class FracNriPlugin:
             extra={"pods": len(pods), "containers": len(containers), "tenancies": len(tenancies), "unadjusted": len(unadjusted)},
         )
         return []
+
+    def _renew_namespaces(self, tenancies: Sequence[Tenancy]) -> None:
+        """After a (re)synchronization, make sure (in the background) that every
+        sm-sharing container's MPS namespace exists again: a restarted daemon's
+        MPS layer only re-creates the namespaces it was told about. A container
+        created but not yet started awaits its job at StartContainer."""
+        if not self.defer_namespace:
+            return
+        seen: set[str] = set()
+        for t in tenancies:
+            if not t.mps_namespace or not t.container_id or t.container_id in seen:
+                continue
+            seen.add(t.container_id)
+            with self._ns_lock:
+                if self._ns_pool is None:
+                    self._ns_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="nri-mps-ns")
+                if t.container_id in self._ns_pending:
+                    continue
+                fields = {"pod_uid": t.pod_uid, "container": t.container, "container_id": t.container_id}
+                self._ns_pending[t.container_id] = self._ns_pool.submit(
+                    self._renew_job, t.pod_uid, t.container, t.active_thread_percentage, fields
+                )
+
+    def _renew_job(self, pod_uid: str, container: str, atp: int | None, fields: Mapping[str, Any]) -> str:
+        deadline = time.monotonic() + self.namespace_timeout_s
+        try:
+            self._wait_mps_healthy(deadline)
+            return self.mps.ensure_namespace(pod_uid, container, atp, max(0.01, deadline - time.monotonic()))
+        except Exception as exc:
+            log.warning("nri MPS namespace creation failed", extra={**fields, "reason": str(exc)})
+            raise
 
     def _replan(self, pod: Any, c: Any) -> tuple[ContainerPlan | None, bool]:
         """Plan a running container against an empty ledger (no guard refusals),

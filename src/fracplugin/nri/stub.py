@@ -52,6 +52,7 @@ response). ``ctx`` is a ``CallContext``::
     validate_container_adjustment(request, ctx) -> ValidateContainerAdjustmentResponse | None
     shutdown(ctx) -> None
     abandoned(method: str, request, response) -> None   # a late result was dropped
+    close() -> None                                      # called once by NriStub.stop()
 
 A handler raises ``ttrpc.RpcError(code, message)`` to answer with an error
 status; any other exception is logged and answered ``INTERNAL``.
@@ -534,6 +535,12 @@ class NriStub:
             self._watchdog.stop()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        closer = getattr(self.handler, "close", None)
+        if callable(closer):
+            try:
+                closer()
+            except Exception:
+                log.exception("nri handler close() failed")
         self._exited.set()
         return ended
 
