@@ -200,7 +200,7 @@ class MpsSupervisor:
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._stop_timeout_s = 10.0
+        self._shutdown_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._subscribers: list[HealthCallback] = []
         self._namespaces: dict[str, _NsRecord] = {}
@@ -238,14 +238,17 @@ class MpsSupervisor:
         ``nvidia-cuda-mps-server`` (matched by ``/proc/<pid>/exe`` basename) and
         remove stale ``control`` sockets. Blocks at most about ``timeout_s`` + 5 s.
         """
-        self._stop_timeout_s = max(0.0, float(timeout_s))
+        timeout_s = max(0.0, float(timeout_s))
+        deadline = time.monotonic() + timeout_s
         thread = self._thread
         self._stopping.set()
         self._wake.set()
+        # Shut down from the caller's thread: the supervisor thread may be in
+        # the middle of a probe (bounded by probe_timeout_s) and must not
+        # delay the stop; it starts nothing once _stopping is set.
+        self._shutdown_all(timeout_s)
         if thread is not None and thread.is_alive():
-            thread.join(self._stop_timeout_s + 5.0)
-        elif thread is None:
-            self._shutdown_all(self._stop_timeout_s)
+            thread.join(max(0.5, deadline - time.monotonic()))
         with self._lock:
             self._thread = None
 
@@ -560,7 +563,7 @@ class MpsSupervisor:
                 self._wake.wait(self._next_wait())
                 self._wake.clear()
         finally:
-            self._shutdown_all(self._stop_timeout_s)
+            self._shutdown_all(0.0)  # anything started while stop() was running
 
     def _next_wait(self) -> float:
         now = self._clock()
@@ -630,6 +633,8 @@ class MpsSupervisor:
     def _after_ready(self, d: DaemonState, probe_s: float) -> None:
         now = self._clock()
         with self._lock:
+            if self._stopping.is_set() or d.proc is None:
+                return
             d.state = "ready"
             d.ready_at = now
             d.last_probe_s = probe_s
@@ -811,10 +816,18 @@ class MpsSupervisor:
             self._schedule_restart(d, f"start failed: {e}", consume_budget=True)
             return
         with self._lock:
-            if d.starts:
-                d.restarts += 1
-            d.starts += 1
-            d.proc = proc
+            abort = self._stopping.is_set()
+            if not abort:
+                if d.starts:
+                    d.restarts += 1
+                d.starts += 1
+                d.proc = proc
+        if abort:  # stop() began while we were spawning: undo
+            proc.kill()
+            proc.wait()
+            out.close()
+            return
+        with self._lock:
             d.stdout = out
             d.state = "starting"
             d.started_at = now
@@ -922,10 +935,16 @@ class MpsSupervisor:
         return float(self._wait(rs))
 
     def _shutdown_all(self, timeout_s: float) -> None:
+        with self._shutdown_lock:
+            self._shutdown_locked(timeout_s)
+
+    def _shutdown_locked(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         daemons = list(self._daemons.values())
+        with self._lock:
+            procs = {d.mode: d.proc for d in daemons}
         for d in daemons:
-            proc = d.proc
+            proc = procs[d.mode]
             if proc is None or proc.poll() is not None:
                 continue
             with self._lock:
@@ -937,7 +956,7 @@ class MpsSupervisor:
             except (OSError, ValueError):
                 pass
         for d in daemons:
-            proc = d.proc
+            proc = procs[d.mode]
             if proc is None:
                 continue
             try:
@@ -965,6 +984,8 @@ class MpsSupervisor:
 
     def _set_health(self, d: DaemonState, healthy: bool) -> None:
         with self._lock:
+            if healthy and (self._stopping.is_set() or d.proc is None):
+                healthy = False  # a step that raced stop() must not report a dead daemon healthy
             if d.healthy == healthy:
                 return
             d.healthy = healthy
