@@ -370,6 +370,19 @@ class Daemon:
                                 plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx)
         self.nri_stub.start()
         self.endpoints["nri_socket"] = self.cfg.nri_socket
+        if getattr(self.nri_stub, "fd_mode", False):
+            # Launched by the runtime with the NRI socket on fd 3 (nri-protocol.md 1.5): when that
+            # connection ends the runtime will launch a new plugin, so this process must go.
+            self.endpoints["nri_socket"] = f"fd {self.nri_stub.fd}"
+
+            def watch_exit() -> None:
+                self.nri_stub.wait_exit()
+                if not self._stopping.is_set():
+                    log.info("NRI connection on fd %s ended (runtime-launched plugin): shutting down", self.nri_stub.fd)
+                    self.pending_signals.append(signal.SIGTERM)
+                    self.wake.set()
+
+            threading.Thread(target=watch_exit, name="nri-fd-exit", daemon=True).start()
 
     def _build_device_plugin(self) -> None:
         if self.cfg.no_device_plugin:
@@ -434,9 +447,11 @@ class Daemon:
         """Readiness of each enabled part: {part: {"ready": bool, "detail": str}}."""
         out: dict[str, dict[str, Any]] = {}
         if self.nri_stub is not None:
-            ready, connected = bool(_call(self.nri_stub, "ready")), bool(_call(self.nri_stub, "connected"))
+            synced, connected = bool(_call(self.nri_stub, "ready")), bool(_call(self.nri_stub, "connected"))
+            ready = synced and connected
             detail = ("synchronized with the runtime" if ready else
-                      "connected, not synchronized yet" if connected else f"not connected to {self.cfg.nri_socket}")
+                      "connected, not synchronized yet" if connected else
+                      f"not connected to {self.cfg.nri_socket}" + (" (was synchronized before)" if synced else ""))
             out["nri"] = {"ready": ready, "detail": detail}
         elif not self.cfg.no_nri:
             out["nri"] = {"ready": False, "detail": "not started"}

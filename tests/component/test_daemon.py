@@ -53,14 +53,14 @@ class DaemonProc:
         self.proc: subprocess.Popen[bytes] | None = None
         self.endpoints: dict[str, Any] = {}
 
-    def start(self, wait: bool = True) -> "DaemonProc":
+    def start(self, wait: bool = True, **popen: Any) -> "DaemonProc":
         cmd = [sys.executable, "-m", "fracplugin.cli", "run", "--simulate-node", str(NODE),
                "--state-dir", str(self.state), "--health-address", "127.0.0.1:0",
                "--metrics-address", "127.0.0.1:0", "--log-format", "json", "--shutdown-timeout", "8",
                "--mps-root", str(self.root / "mps"), *self.args]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=str(self.root))
+                                     cwd=str(self.root), **popen)
         if wait:
             ep = self.state / "endpoints.json"
             ok = wait_until(lambda: ep.exists() or self.proc.poll() is not None, 30)
@@ -382,3 +382,34 @@ def test_bad_kubeconfig_fails_start_naming_it(root: Path) -> None:
                           "--metrics-address", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and f"--kubeconfig {bad}" in out.stderr
     assert not list((root / "dp").glob("*.sock"))
+
+
+def test_runtime_launched_plugin_exits_when_its_fd_closes(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    """NRI_PLUGIN_SOCKET=3 (the runtime launched us over a socketpair): the
+    daemon serves on fd 3 and stops cleanly when the runtime closes its end."""
+    import socket as socketmod
+
+    from nri_runtime import FakeNriRuntime
+
+    ours, theirs = socketmod.socketpair(socketmod.AF_UNIX, socketmod.SOCK_STREAM)
+    rt = FakeNriRuntime(root / "unused.sock", listen=False, initial_sync=([], []))
+    try:
+        rt.adopt(ours)
+        d = DaemonProc(root, ["--no-device-plugin", "--no-mps"],
+                       env={"NRI_PLUGIN_SOCKET": "3", "NRI_PLUGIN_NAME": "fracplugin", "NRI_PLUGIN_IDX": "10"})
+        fd = theirs.fileno()
+        try:  # the child gets the socket as fd 3, as a runtime-launched plugin does
+            d.start(pass_fds=(3,), preexec_fn=lambda: os.dup2(fd, 3))
+        finally:
+            theirs.close()
+        try:
+            assert rt.wait_registered(15).idx == "10"
+            assert wait_until(d.ready), d.get("/readyz")
+            assert d.endpoints["nri_socket"] == "fd 3"
+            rt.close()
+            assert d.proc.wait(20) == 0
+            assert any("fd 3 ended" in str(r.get("msg")) for r in d.log_records())
+        finally:
+            d.kill()
+    finally:
+        rt.close()
