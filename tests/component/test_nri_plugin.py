@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fracplugin._proto import nri_pb2, ttrpc_pb2
 from fracplugin.gpu.simulated import load_node
@@ -523,3 +525,32 @@ def test_requests_are_served_concurrently(make_harness):
         t.join(10)
     assert not isinstance(result["slow"], RpcError)
     assert len(h.ledger.tenancies()) == 5
+
+
+_garbage = st.one_of(
+    st.binary(min_size=1, max_size=400),
+    # well-formed mux frames on the Plugin conn carrying junk ttrpc
+    st.binary(min_size=1, max_size=300).map(lambda b: struct.pack(">II", 1, len(b)) + b),
+    # well-formed mux + ttrpc framing around a junk or truncated request body
+    st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 255), st.binary(max_size=200)).map(
+        lambda t: (lambda m: struct.pack(">II", 1, len(m)) + m)(encode_message(t[0], t[1], t[2]))
+    ),
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=_garbage)
+def test_any_garbage_then_a_runtime_restart_loses_and_duplicates_nothing(running, data):
+    h, before, pods, ctrs = running
+    old = h.rt.transport
+    try:
+        old.send_raw(data)
+    except ConnectionError:
+        pass  # the plugin already dropped the connection
+    h.rt.disconnect()  # the runtime side dies mid-stream
+    assert old.closed.wait(10)
+    wait_for(lambda: h.rt.transport is not old and h.rt.transport is not None, what="reconnection")
+    h.rt.wait_registered()
+    h.rt.synchronize(pods, ctrs)
+    assert _ledger_view(h.ledger) == before
+    assert not h.stub.exited
