@@ -274,6 +274,7 @@ class DevicePluginServer:
         self._alloc_lock = threading.Lock()
         self._served: set[tuple[str, str]] = set()
         self.counters = _Counters()
+        self._count_lock = threading.Lock()
         self.reregister_ms: list[float] = []
         self.startup_warnings: list[str] = []
         sub = getattr(pod_source, "subscribe_deleted", None)
@@ -507,7 +508,7 @@ class DevicePluginServer:
                 free_mib_of=self._free_mib_of,
             )
             out.container_responses.add(deviceIDs=ids)
-        self.counters.preferred += 1
+        self._bump("preferred")
         self._observe("preferred", time.monotonic() - t0)
         return out
 
@@ -570,7 +571,7 @@ class DevicePluginServer:
         per_gpu = next(iter(counts.values()))
         uuids = tuple(by_gpu)
         request_mib = per_gpu * self.unit_mib
-        self.counters.allocations += 1
+        self._bump("allocations")
         if self.pod_source is None:
             return self._fallback(uuids, request_mib, True, "no API access configured (no pod source)")
         deadline = time.monotonic() + self.allocate_deadline_s
@@ -713,7 +714,7 @@ class DevicePluginServer:
             raise Refusal(
                 grpc.StatusCode.UNAVAILABLE, f"{who}: cannot persist the ledger: {e}", "ledger_io"
             ) from None
-        self.counters.planned += 1
+        self._bump("planned")
         log.info(
             "Allocate %s: %s on %s, request %d MiB, limit %d MiB, %s",
             self.resource_name, who, ",".join(uuids), outcome.request_mib, outcome.limit_mib, outcome.compute_mode,
@@ -724,8 +725,7 @@ class DevicePluginServer:
         """The answer that is right for every candidate (module docstring).
         ``pipe_dir``: every candidate is time-slicing, or none is known (the
         default mode), so the time-slicing pipe directory is right for all."""
-        self.counters.fallbacks += 1
-        self.counters.last_fallback = reason
+        self._bump("fallbacks", last_fallback=reason)
         log.warning("Allocate fallback for %s on %s: %s", self.resource_name, ",".join(uuids), reason)
         env = {
             planner_mod.ENV_VISIBLE_DEVICES: ",".join(uuids),
@@ -774,14 +774,19 @@ class DevicePluginServer:
                 self.ledger.release(t.pod_uid, t.container)
 
     def _refused(self, r: Refusal) -> None:
-        self.counters.refusals += 1
-        self.counters.last_refusal = r.message
+        self._bump("refusals", last_refusal=r.message)
         log.warning("Allocate refused (%s): %s", r.code.name, r.message)
         if self.metrics is not None:
             try:
                 self.metrics.refusal(r.label)
             except Exception:
                 log.exception("metrics.refusal failed")
+
+    def _bump(self, counter: str, **last: str) -> None:
+        with self._count_lock:
+            setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+            for k, v in last.items():
+                setattr(self.counters, k, v)
 
     def _observe(self, door: str, seconds: float) -> None:
         if self.metrics is not None:
