@@ -413,3 +413,26 @@ def test_runtime_launched_plugin_exits_when_its_fd_closes(daemon: Callable[..., 
             d.kill()
     finally:
         rt.close()
+
+
+def test_failed_start_stops_what_started(root: Path) -> None:
+    """The health port is taken: exit 1 naming the setting, and the MPS
+    daemons started before it are stopped (no process left)."""
+    import socket as socketmod
+
+    busy = socketmod.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    try:
+        out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "run", "--simulate-node", str(NODE),
+                              "--no-nri", "--no-device-plugin", "--mps-control-binary", str(FAKE_MPS),
+                              "--mps-root", str(root / "mps"), "--state-dir", str(root / "s"),
+                              "--metrics-address", "127.0.0.1:0", "--health-address", f"127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        busy.close()
+    assert out.returncode == 1 and f"--health-address 127.0.0.1:{port}" in out.stderr
+    assert '"part":"mps"' in out.stderr  # the supervisor was started, then stopped
+    assert wait_until(lambda: mps_processes(root) == [], 5)
+    assert not (root / "s" / "endpoints.json").exists()
