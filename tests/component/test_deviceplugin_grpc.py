@@ -100,9 +100,13 @@ def eventually(pred, timeout_s: float = 10.0) -> bool:
 
 def test_two_concurrent_streams_both_get_every_change_and_end_on_stop(plugin):
     s, inv, _, _ = plugin
-    a, b = Stream(s.socket_path), Stream(s.socket_path, authority=None)  # grpcio's own :authority
+    # Any :authority is accepted: "localhost" (kubelet >= 1.26), the socket
+    # path (older kubelets, kubelet-device-plugin.md D.9), grpcio's default.
+    a, b = Stream(s.socket_path), Stream(s.socket_path, authority=s.socket_path)
+    c = Stream(s.socket_path, authority=None)
     try:
-        assert a.wait(lambda ls: len(ls) >= 1) and b.wait(lambda ls: len(ls) >= 1)
+        assert all(st.wait(lambda ls: len(ls) >= 1) for st in (a, b, c))
+        c.close()
         assert eventually(lambda: s.active_streams() == 2)
         inv.inject_xid(s.node.gpus[3].uuid, 48)
         for st in (a, b):
@@ -112,8 +116,8 @@ def test_two_concurrent_streams_both_get_every_change_and_end_on_stop(plugin):
         assert a.ended.wait(5) and b.ended.wait(5)
         assert s.active_streams() == 0
     finally:
-        a.close()
-        b.close()
+        for st in (a, b, c):
+            st.close()
 
 
 def test_a_cancelled_stream_frees_its_worker(plugin):
