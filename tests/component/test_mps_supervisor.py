@@ -128,8 +128,7 @@ class Harness:
 def leftovers(root: str) -> list[str]:
     found = []
     for _ in range(100):
-        found = [f"child {c.pid} {c.cmdline()}" for c in psutil.Process().children(recursive=True)
-                 if _safe(lambda: c.status() != psutil.STATUS_ZOMBIE or True)]
+        found = [f"child {c.pid} {_safe(c.cmdline)}" for c in psutil.Process().children(recursive=True)]
         for p in psutil.process_iter():
             env = _safe(p.environ) or {}
             if env.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(root):

@@ -115,3 +115,25 @@ def test_procfs_real_proc_for_this_process():
     assert fs.cgroup_text(os.getpid()) is not None
     assert fs.ppid(os.getpid()) == os.getppid()
     assert fs.exe_basename(os.getpid()) is not None
+
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+_hex = st.text(alphabet="0123456789abcdef", min_size=64, max_size=64)
+_uid = st.uuids().map(str)
+
+
+@given(cid=_hex, uid=_uid, qos=st.sampled_from(["", "burstable", "besteffort"]),
+       rt=st.sampled_from(["cri-containerd", "crio", "docker"]), driver=st.sampled_from(["systemd", "cgroupfs"]),
+       v1=st.booleans(), prefix=st.sampled_from(["", "/../..", "/.."]))
+def test_generated_paths_round_trip(cid, uid, qos, rt, driver, v1, prefix):
+    if driver == "systemd":
+        u = uid.replace("-", "_")
+        pod = f"kubepods-{qos}-pod{u}.slice" if qos else f"kubepods-pod{u}.slice"
+        mid = f"/kubepods.slice/kubepods-{qos}.slice" if qos else "/kubepods.slice"
+        path = f"{prefix}{mid}/{pod}/{rt}-{cid}.scope"
+    else:
+        path = f"{prefix}/kubepods{'/' + qos if qos else ''}/pod{uid}/{cid}"
+    text = (f"12:memory:{path}\n1:name=systemd:{path}\n" if v1 else f"0::{path}\n")
+    ref = parse_cgroup(text)
+    assert ref is not None and ref.container_id == cid and ref.pod_uid == uid

@@ -130,7 +130,9 @@ class MpsSupervisor:
         proc_root: proc filesystem for PID -> cgroup and exe lookups (tests).
         env: extra environment for the daemons and control commands.
         start_timeout_s: a daemon not ready this long after start is killed and restarted.
-        probe_failure_threshold: consecutive failed probes that trigger a restart.
+        probe_failure_threshold: consecutive failed probes that trigger a restart
+            (default 2: a restart kills every client's GPU work, so one slow answer
+            on a loaded node is not enough; the first failure already reports unhealthy).
         backoff_base_s, backoff_max_s: exponential backoff after the immediate first retry.
         server_exe: basename of MPS server binaries (leftover-server cleanup).
         default_active_thread_percentage: v2 only: ``set_default_active_thread_percentage``
@@ -161,7 +163,7 @@ class MpsSupervisor:
         proc_root: str = "/proc",
         env: Mapping[str, str] | None = None,
         start_timeout_s: float = 30.0,
-        probe_failure_threshold: int = 1,
+        probe_failure_threshold: int = 2,
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
         server_exe: str = SERVER_EXE,
@@ -736,13 +738,16 @@ class MpsSupervisor:
             self._try_delete(d, name, time.monotonic() + self.probe_timeout_s)
 
     def _update_servers(self, d: DaemonState) -> None:
-        """Remember server PIDs (v3 ``server list``; children named like servers)."""
+        """Remember server PIDs (v3 ``server list``, v2 ``get_server_list``) so a
+        hard restart can kill them (only PIDs whose exe is a server are killed)."""
         pids: set[int] = set()
-        if self.protocol >= 3:
-            try:
+        try:
+            if self.protocol >= 3:
                 pids |= {r.pid for r in d.control.server_list(self.probe_timeout_s) if r.pid}
-            except MpsError:
-                pass
+            else:
+                pids |= set(d.control.get_server_list(self.probe_timeout_s))
+        except MpsError:
+            pass
         with self._lock:
             d.server_pids |= pids
 
