@@ -414,8 +414,9 @@ class Demo:
         code, text = _http(self.endpoints["metrics"], "/metrics")
         wanted = ("fracplugin_refusals_total", "fracplugin_hook_duration_seconds_count",
                   "fracplugin_gpu_tenants", "fracplugin_gpu_memory_held_bytes", "fracplugin_mps_daemon_up",
-                  "fracplugin_ledger_entries", "fracplugin_container_gpu_memory_request_bytes")
-        lines = [ln for ln in text.splitlines() if ln.startswith("fracplugin_") and "_bucket{" not in ln]
+                  "fracplugin_ledger_entries")
+        lines = [ln for ln in text.splitlines() if ln.startswith("fracplugin_") and "_bucket{" not in ln
+                 and not (ln.startswith("fracplugin_hook_duration_seconds_count") and ln.endswith(" 0.0"))]
         shown: list[str] = []
         for prefix in wanted:
             for ln in lines:
