@@ -29,9 +29,12 @@ Allocate rules (issue 4 item 5, DESIGN.md section 2):
 * the request per GPU is count x ``unit_mib`` MiB; the pod is found in the
   watch cache (``podlookup``); its annotations give the limit, compute mode
   and portion; the planner makes the plan; the ledger admits it;
-* refusals of the planner (bad annotations) -> INVALID_ARGUMENT, of the ledger
-  (mode/memory/client guards) -> FAILED_PRECONDITION; messages name pod,
-  container, key, value and rule;
+* several candidates whose plans are identical (same env and mounts): the
+  oldest is recorded; the answer is right for any of them;
+* refusals for bad annotations -> INVALID_ARGUMENT; node guards (one compute
+  mode per GPU, free memory, MPS client count; planner or ledger) ->
+  FAILED_PRECONDITION; messages name pod, container, key, value and rule. A
+  refused container counts as served (kubelet fails the pod);
 * fallback (logged, counted): no pod source configured, no matching pod
   within ``allocate_deadline_s`` (pod deleted, API slow), the source is down,
   or two candidate pods would get different settings. The answer is then what
@@ -40,6 +43,12 @@ Allocate rules (issue 4 item 5, DESIGN.md section 2):
   when every candidate is time-slicing (or none is known), the time-slicing
   MPS pipe directory; the NRI door then sets the rest at CreateContainer.
   Nothing is recorded in the ledger for a fallback answer.
+
+Ledger entries written here carry no container id; they are released when the
+pod leaves the watch cache (the NRI door records, and releases, its own entries
+with container ids). Known limit: kubelet's rare re-Allocate of a container it
+already allocated (A.5, ``GetDeviceRunContainerOptions``) finds no unserved
+candidate and gets the fallback answer after the deadline.
 """
 
 from __future__ import annotations
