@@ -514,3 +514,24 @@ def test_null_mps_is_a_noop_mps_api():
     r = null.drain(CID_A, 1.0)
     assert r.skipped and r.ok and r.clients == ()
     assert null.ready() and null.healthy(SM) and null.status()["enabled"] is False
+
+
+def test_daemon_that_never_answers_is_killed_after_the_start_timeout(mps):
+    sup = mps.supervisor(modes=(TS,), probe_timeout_s=0.3, start_timeout_s=0.5, max_restarts=1,
+                         env={"FAKE_MPS_FAULTS": json.dumps({"hang": True})})
+    wait_for(lambda: daemon(sup, TS)["state"] == "failed", what="failed state")
+    d = daemon(sup, TS)
+    assert "not ready within" in d["last_error"] and d["restarts"] == 1 and d["pid"] is None
+    assert (TS, True) not in mps.events
+
+
+def test_a_failing_health_callback_does_not_stop_supervision(mps):
+    def boom(mode, healthy):
+        raise RuntimeError("subscriber bug")
+
+    sup = mps.supervisor(modes=(TS,))
+    sup.subscribe(boom)
+    assert sup.wait_ready(15)
+    old = daemon(sup, TS)["pid"]
+    mps.faults(TS, crash=True, pid=old)
+    wait_for(lambda: daemon(sup, TS)["pid"] not in (None, old) and sup.healthy(TS), what="restart")
