@@ -27,6 +27,11 @@ Behaviour (DESIGN.md sections 2 and 4; issue 3 item 3):
   request timeout.
 - RemoveContainer: ``ledger.release_container_id`` and, when the container no
   longer holds anything, ``mps.release_namespace``.
+- Start-up: the plugin registers with the runtime at once, even while the MPS
+  daemons are still starting. An sm-sharing container that starts in that
+  window fails its StartContainer with UNAVAILABLE and kubelet retries it;
+  registering only once MPS is up would instead let every container created
+  meanwhile run unfenced (an unregistered plugin is simply not asked).
 - Synchronize: rebuild the ledger from the containers the runtime reports
   (re-planned against their pod annotations and the devices they actually got,
   never refused on guards: what runs is recorded) and log containers that
