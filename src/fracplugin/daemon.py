@@ -287,9 +287,7 @@ class Daemon:
         except OSError as exc:
             raise StartupError(f"state directory {self.cfg.state_dir}: {exc.strerror or exc}") from None
         self.ledger = Ledger(self.node, self.cfg.ledger_path, max_clients_per_gpu=self.cfg.max_clients_per_gpu)
-        self.ledger_warnings = self.ledger.load()
-        for w in self.ledger_warnings:
-            log.warning("ledger: %s", w)
+        self.ledger_warnings = self.ledger.load()  # the ledger logs each warning itself
         log.info("ledger loaded", extra={"path": self.cfg.ledger_path, "tenancies": len(self.ledger.tenancies())})
 
     def _build_metrics(self) -> None:
@@ -646,21 +644,6 @@ class Daemon:
                     except (ProcessLookupError, PermissionError):
                         pass
                 log.error("MPS did not stop in time: killed pid %s", pid, extra={"mode": d.get("mode"), "pid": pid})
-
-
-def _construct(cls: Any, *args: Any, **kwargs: Any) -> Any:
-    """``cls(*args, **kwargs)`` passing only the keyword arguments its
-    constructor accepts (the parts grow options at their own pace; a keyword
-    a part does not take is simply not passed)."""
-    import inspect
-
-    try:
-        params = inspect.signature(cls).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return cls(*args, **kwargs)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return cls(*args, **kwargs)
-    return cls(*args, **{k: v for k, v in kwargs.items() if k in params})
 
 
 def _call(obj: Any, method: str) -> Any:

@@ -522,7 +522,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"fracplugin demo: {exc}", file=sys.stderr)
         return 2
     demo = Demo(shared, mps, keep=args.keep, ready_timeout_s=args.ready_timeout)
-    old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    def on_sigterm(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt  # clean up (stop the daemon, remove the work dir) as for Ctrl-C
+
+    old = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return demo.run()
     except KeyboardInterrupt:
