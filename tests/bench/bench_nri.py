@@ -23,7 +23,10 @@ How it measures:
 Keys: nri.create.c1.p50_ms, nri.create.c1.p99_ms, nri.create.c16.p99_ms,
 nri.create.c64.p50_ms, nri.create.c64.p99_ms, nri.create.c64.p99_go_template_ms,
 nri.create.c64.p99_ratio_vs_go_template, nri.rss_after_10k_creates_mib, plus
-nri.rss_after_1k_creates_mib and nri.create.errors (calls that failed).
+nri.rss_after_1k_creates_mib, nri.create.errors (calls that failed) and
+nri.create.c64.service_ms / nri.create.c64.service_go_template_ms (wall time of
+the c=64 level divided by its calls: the per-call service time, since the
+adaptation serialises calls).
 The raw harness output is saved to build/bench-nri-raw.json.
 
 Usage: python tests/bench/bench_nri.py [--calls N] [--churn N]
@@ -192,6 +195,9 @@ def main(argv: list[str]) -> int:
         "nri.rss_after_10k_creates_mib": round(rss[max(rss)], 1),
         "nri.rss_after_1k_creates_mib": round(rss.get(1000, rss[0]), 1),
         "nri.create.errors": errors + churn_errors,
+        # wall time / calls at c=64: the per-call service time behind the adaptation's mutex
+        "nri.create.c64.service_ms": round(ours[64]["per_call_ms"], 3),
+        "nri.create.c64.service_go_template_ms": round(tmpl[64]["per_call_ms"], 3),
     }
     merge_report(values)
     print(json.dumps(values, indent=1, sort_keys=True))
