@@ -331,7 +331,9 @@ class Demo:
                 mounts = [f"{m.source} -> {m.destination} ({','.join(m.options)})" for m in adj.mounts]
                 devices = [d for d in env.get("NVIDIA_VISIBLE_DEVICES", "").split(",") if d]
                 if not adj.env and not adj.mounts:
-                    self.out(f"  container {name}: not fractional: left untouched")
+                    kept = ", ".join(f"{k}={v}" for k, v in sorted(env.items()) if k.startswith(("NVIDIA_", "CUDA_")))
+                    self.out(f"  container {name}: no fraction annotations: left untouched"
+                             + (f" (keeps {kept})" if kept else ""))
                     rec = {"door": "nri", "container": name, "outcome": "untouched"}
                 else:
                     self.out(f"  container {name}: PLACED (container id {ctr.id[:12]})")
@@ -376,7 +378,7 @@ class Demo:
             raise StepFailed(f"{md['name']} still holds GPUs after RemoveContainer")
 
     # ---- the device plugin door ------------------------------------------------------------
-    def allocate(self, manifest: dict[str, Any]) -> None:
+    def allocate(self, manifest: dict[str, Any]) -> dict[str, str]:
         import grpc
 
         md = manifest["metadata"]
@@ -405,6 +407,7 @@ class Demo:
         self.results.append({"door": "device-plugin", "container": name, "outcome": "placed", "devices": devices,
                              "env": env, "mounts": mounts})
         self.tenancy()
+        return env
 
     def metrics(self) -> None:
         self.step("a few metrics (GET /metrics)")
@@ -483,7 +486,12 @@ class Demo:
             self.nri_remove(inference)
             self.nri_create(notebook, "placed", f"{NOTEBOOK} again, now that the GPUs are free")
             self.nri_create(self._tight_pod(), "refused", "a pod whose limit (10Gi) is below its request (20Gi)")
-            self.allocate(self._dp_pod())
+            envs = self.allocate(self._dp_pod())
+            admitted = self._dp_pod()  # what the runtime gets: kubelet put the Allocate env in the spec
+            admitted["spec"]["containers"][0]["env"] = [{"name": k, "value": v} for k, v in sorted(envs.items())]
+            self.nri_create(admitted, "untouched",
+                            "the container kubelet just admitted; no fraction annotations, so the NRI door "
+                            "leaves the device plugin's settings alone")
             self.metrics()
         except StepFailed as exc:
             self.out()

@@ -109,3 +109,10 @@ def test_demo_metrics(demo_run: subprocess.CompletedProcess[str]) -> None:
     assert 'fracplugin_refusals_total{reason="limit_below_request"} 1.0' in sec
     assert 'fracplugin_mps_daemon_up{mode="sm-sharing"} 1.0' in sec
     assert "fracplugin_ledger_entries 3.0" in sec  # notebook on two GPUs + embeddings on one
+
+
+def test_demo_nri_leaves_device_plugin_container_alone(demo_run: subprocess.CompletedProcess[str]) -> None:
+    sec = next(v for k, v in _sections(demo_run.stdout).items()
+               if k.startswith("NRI CreateContainer default/embeddings"))
+    assert "container default/embeddings/worker: no fraction annotations: left untouched" in sec
+    assert "NVIDIA_GPU_MEMORY_LIMIT=8192" in sec
