@@ -304,7 +304,20 @@ class _Collector(Collector):
             except Exception as e:
                 log.warning("metrics: ledger read failed: %s", e)
 
-        usage = self._usage(tenancies)
+        status: dict[str, Any] = {}
+        if m.mps is not None:
+            try:
+                status = m.mps.status() or {}
+            except Exception as e:
+                log.warning("metrics: mps status failed: %s", e)
+        server_pids: set[int] = set()
+        for d in status.get("daemons") or ():
+            try:
+                server_pids.update(int(p) for p in d.get("server_pids") or ())
+            except (TypeError, ValueError):
+                pass
+
+        usage = self._usage(tenancies, server_pids)
 
         used = GaugeMetricFamily("fracplugin_container_gpu_memory_used_bytes",
                                  "GPU memory used by the container's processes on this GPU (NVML).", labels=CONTAINER_LABELS)
@@ -366,9 +379,9 @@ class _Collector(Collector):
         fails.add_metric([], float(m.nvml_failures))
         yield fails
 
-        yield from self._daemons()
+        yield from self._daemons(status)
 
-    def _daemons(self) -> Iterator[Metric]:
+    def _daemons(self, status: dict[str, Any]) -> Iterator[Metric]:
         up = GaugeMetricFamily("fracplugin_mps_daemon_up", "1 when the MPS control daemon answers its probe.",
                                labels=("mode",))
         restarts = CounterMetricFamily("fracplugin_mps_daemon_restarts", "MPS control daemon restarts.", labels=("mode",))
@@ -376,12 +389,6 @@ class _Collector(Collector):
                                      labels=("mode",))
         probe = GaugeMetricFamily("fracplugin_mps_probe_duration_seconds", "Duration of the last active MPS probe.",
                                   labels=("mode",))
-        status: dict[str, Any] = {}
-        if self.m.mps is not None:
-            try:
-                status = self.m.mps.status() or {}
-            except Exception as e:
-                log.warning("metrics: mps status failed: %s", e)
         for d in status.get("daemons") or ():
             lbl = [str(d.get("mode", ""))]
             up.add_metric(lbl, 1.0 if d.get("healthy") else 0.0)
@@ -394,7 +401,7 @@ class _Collector(Collector):
         yield wedges
         yield probe
 
-    def _usage(self, tenancies: list[Tenancy]) -> dict[tuple[str, str, str], _Usage] | None:
+    def _usage(self, tenancies: list[Tenancy], server_pids: set[int]) -> dict[tuple[str, str, str], _Usage] | None:
         """(pod_uid, container, gpu_uuid) -> summed usage; None when NVML failed."""
         m = self.m
         if m.inventory is None:
@@ -412,7 +419,6 @@ class _Collector(Collector):
                 by_cid.setdefault(t.container_id, []).append(t)
             else:
                 by_pod.setdefault(t.pod_uid, []).append(t)
-        server_pids = self._server_pids()
         refs: dict[int, ContainerRef | None] = {}
         out: dict[tuple[str, str, str], _Usage] = {}
         for s in samples:
@@ -435,18 +441,6 @@ class _Collector(Collector):
             if s.sm_util_percent is not None and 0 <= s.sm_util_percent <= 100:
                 u.sm += float(s.sm_util_percent)
         return out
-
-    def _server_pids(self) -> set[int]:
-        pids: set[int] = set()
-        mps = self.m.mps
-        if mps is None:
-            return pids
-        try:
-            for d in (mps.status() or {}).get("daemons") or ():
-                pids.update(int(p) for p in d.get("server_pids") or ())
-        except Exception:
-            pass
-        return pids
 
 
 def _match(ref: ContainerRef, gpu_uuid: str, by_cid: dict[str, list[Tenancy]],

@@ -347,5 +347,3 @@ def set_exclusive_process(gpu_uuids: Iterable[str]) -> dict[str, str]:
             pass
     return result
 
-
-_ = (DrainResult, NullMps)

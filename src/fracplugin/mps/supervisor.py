@@ -63,12 +63,13 @@ from .api import DrainResult, HealthCallback, MpsError, MpsTimeout
 from .control import MpsControl, choose_protocol, render_config_toml, set_exclusive_process
 from .layout import SM_SERVER, MpsLayout, namespace_name
 
-__all__ = ["MpsSupervisor", "SERVER_EXE", "DaemonState"]
+__all__ = ["MpsSupervisor", "SERVER_EXE", "STATES", "DaemonState"]
 
 log = logging.getLogger(__name__)
 
 SERVER_EXE = "nvidia-cuda-mps-server"
-_STATES = ("stopped", "starting", "ready", "unhealthy", "backoff", "failed")
+STATES = ("stopped", "starting", "ready", "unhealthy", "backoff", "failed")
+"""Values of ``status()["daemons"][i]["state"]``."""
 
 
 @dataclass
