@@ -231,12 +231,6 @@ class FracNriPlugin:
 
     # ------------------------------------------------------------ handlers
 
-    def configure(self, request: Any, ctx: CallContext) -> None:
-        log.info(
-            "nri plugin configured",
-            extra={"runtime": f"{request.runtime_name} {request.runtime_version}", "events": f"0x{self.events:x}"},
-        )
-
     def create_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> Any:
         """CreateContainer: a ``CreateContainerResponse`` (empty when the
         container is not fractional or ``fail_open`` swallowed a refusal).
