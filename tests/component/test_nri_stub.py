@@ -127,6 +127,9 @@ def test_events_reach_the_handler_by_rpc_or_state_change(version, sockpath, clea
     info = rt.wait_registered()
     assert (info.name, info.idx, info.events) == ("toy", "07", stub.events)
     assert rec.configured == [("containerd", 1500, 1.5)]
+    st = stub.status()
+    assert (st["connected"], st["ready"], st["request_timeout_s"]) == (True, False, 1.5)
+    assert st["runtime"].startswith("containerd ") and st["events"] == f"0x{stub.events:x}"
     pod = make_pod("p")
     ctr = make_container(pod, "c")
     rt.synchronize([pod], [ctr])
@@ -251,3 +254,31 @@ def test_fd_mode_uses_the_inherited_socket_and_ends_with_it(cleanup):
     rt.disconnect()  # the runtime closes its end: the launched plugin ends
     assert stub.wait_exit(10)
     assert not stub.connected()
+
+
+def test_dispatcher_without_sockets():
+    from fracplugin.nri.stub import Dispatcher, PLUGIN_SERVICE
+    from fracplugin.nri.ttrpc import RequestReceived
+
+    rec = Recorder()
+    d = Dispatcher(rec, 0x608)
+
+    def ev(method, msg, service=PLUGIN_SERVICE):
+        return RequestReceived(1, service, method, msg.SerializeToString(), 0)
+
+    pod = make_pod("p")
+    ctr = make_container(pod, "c")
+    # StateChange for an event with no state-change meaning (CreateContainer) is ignored.
+    e = ev("StateChange", nri_pb2.StateChangeEvent(event=nri_pb2.CREATE_CONTAINER, pod=pod, container=ctr))
+    assert d.handle(e.method, d.decode(e), d.context(e, 0.5)) == nri_pb2.Empty()
+    # Methods the handler lacks answer an empty response of the right type.
+    e = ev("ValidateContainerAdjustment", nri_pb2.ValidateContainerAdjustmentRequest(pod=pod))
+    assert d.handle(e.method, d.decode(e), d.context(e, 0.5)) == nri_pb2.ValidateContainerAdjustmentResponse()
+    e = ev("UpdateContainer", nri_pb2.UpdateContainerRequest(pod=pod, container=ctr))
+    assert d.handle(e.method, d.decode(e), d.context(e, 0.5)) == nri_pb2.UpdateContainerResponse()
+    assert rec.seen == []
+    # Budget: the smaller of the request timeout and the request's own deadline.
+    e = RequestReceived(3, PLUGIN_SERVICE, "CreateContainer", b"", 800_000_000)
+    assert d.context(e, 0.5, now=100.0).deadline == pytest.approx(100.4)
+    assert d.check(ev("Nope", nri_pb2.Empty())).code == Code.UNIMPLEMENTED
+    assert d.check(ev("Configure", nri_pb2.Empty(), service="x.Y")).message == "service x.Y"

@@ -229,6 +229,22 @@ class FracNriPlugin:
         """True after the first Synchronize rebuilt the ledger."""
         return self._synced.is_set()
 
+    def status(self) -> dict[str, Any]:
+        """JSON-able state: ``{"ready", "fail_open", "events",
+        "defer_namespace", "pending_namespaces", "unadjusted"}`` where
+        ``pending_namespaces`` counts background MPS namespace jobs not yet
+        awaited and ``unadjusted`` lists what the last Synchronize reported."""
+        with self._ns_lock:
+            pending = sum(1 for f in self._ns_pending.values() if not f.done())
+        return {
+            "ready": self.ready(),
+            "fail_open": self.fail_open,
+            "events": f"0x{self.events:x}",
+            "defer_namespace": self.defer_namespace,
+            "pending_namespaces": pending,
+            "unadjusted": list(self.unadjusted),
+        }
+
     # ------------------------------------------------------------ handlers
 
     def create_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> Any:

@@ -567,6 +567,30 @@ class NriStub:
         """True once the stub has ended."""
         return self._exited.is_set()
 
+    def status(self) -> dict[str, Any]:
+        """JSON-able state for ``fracplugin status`` / ``/status``:
+        ``{"connected", "ready", "exited", "mode", "socket", "plugin_name",
+        "plugin_idx", "events", "sessions", "synchronize_count",
+        "request_timeout_s", "runtime"}`` (``runtime`` is "<name> <version>"
+        of the current connection, "" when none)."""
+        with self._session_lock:
+            s = self._session
+        d = s.dispatcher if s is not None else None
+        return {
+            "connected": self.connected(),
+            "ready": self.ready(),
+            "exited": self.exited,
+            "mode": "fd" if self.fd_mode else "socket",
+            "socket": self.socket_path if self.fd is None else f"fd {self.fd}",
+            "plugin_name": self.plugin_name,
+            "plugin_idx": self.plugin_idx,
+            "events": f"0x{self.events:x}",
+            "sessions": self.sessions_started,
+            "synchronize_count": self.synchronize_count,
+            "request_timeout_s": d.request_timeout_s if d is not None else None,
+            "runtime": f"{d.runtime_name} {d.runtime_version}".strip() if d is not None else "",
+        }
+
     # ------------------------------------------------------------- run loop
 
     def _run(self) -> None:
