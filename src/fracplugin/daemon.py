@@ -598,7 +598,11 @@ class Daemon:
         if self.device_plugin is not None:
             order.append(("device plugin", lambda: self.device_plugin.stop(per_part(4))))
         if self.nri_stub is not None:
-            order.append(("nri", lambda: self.nri_stub.stop(per_part(3))))
+            def stop_nri() -> None:
+                self.nri_stub.stop(per_part(3))
+                if self.nri_plugin is not None and callable(getattr(self.nri_plugin, "close", None)):
+                    self.nri_plugin.close()  # background MPS namespace jobs
+            order.append(("nri", stop_nri))
         if self.pods_watcher is not None:
             order.append(("pods file", lambda: self.pods_watcher.stop(per_part(3))))
         if self.pod_source is not None and hasattr(self.pod_source, "stop"):

@@ -287,6 +287,12 @@ class Demo:
         doc = json.loads(body)
         self.out("  GPU tenancy (from the daemon's /status):")
         self.out.block(render_gpus(doc), "    ")
+        for d in (doc.get("mps") or {}).get("daemons") or []:
+            ns = d.get("namespaces") or []
+            if d.get("mode") == "sm-sharing":
+                self.out(f"  MPS sm-sharing daemon ({'healthy' if d.get('healthy') else 'UNHEALTHY'}): "
+                         + (", ".join(f"namespace {n['name']} for {n['container']} (ATP {n['active_thread_percentage']})"
+                                      for n in ns) or "no namespaces"))
         return doc
 
     def _print_plan(self, devices: list[str], env: dict[str, str], mounts: list[str]) -> None:
@@ -338,6 +344,7 @@ class Demo:
                 else:
                     self.out(f"  container {name}: PLACED (container id {ctr.id[:12]})")
                     self._print_plan(devices, env, mounts)
+                    self._start_with_retries(pod, ctr, name)
                     rec = {"door": "nri", "container": name, "outcome": "placed", "devices": devices, "env": env,
                            "mounts": mounts}
                 self._sandboxes[md["name"]] = (pod, ctr)
@@ -362,6 +369,29 @@ class Demo:
                 self.out(f"  container {name}: UNAVAILABLE (transient), retrying as kubelet would: {exc.message}")
                 time.sleep(0.5 * attempt)
         raise AssertionError("unreachable")
+
+    def _start_with_retries(self, pod: Any, ctr: Any, name: str) -> None:
+        """StartContainer (the plugin waits there for an sm-sharing container's
+        MPS namespace); UNAVAILABLE is retried as kubelet retries a failed start.
+        Raises StepFailed when it never starts."""
+        from .nri.ttrpc import Code, RpcError
+
+        for attempt in range(1, CREATE_ATTEMPTS + 1):
+            try:
+                self.runtime.start_container(pod, ctr)
+                self.out("    StartContainer: started" + (" (its MPS namespace is in place)"
+                                                           if self._is_sm(pod, ctr) else ""))
+                return
+            except RpcError as exc:
+                if exc.code != Code.UNAVAILABLE or attempt == CREATE_ATTEMPTS:
+                    raise StepFailed(f"{name}: StartContainer failed: {exc.message}") from None
+                self.out(f"    StartContainer: UNAVAILABLE (transient), retrying as kubelet would: {exc.message}")
+                time.sleep(0.5 * attempt)
+
+    @staticmethod
+    def _is_sm(pod: Any, ctr: Any) -> bool:
+        key = f"nvidia.com/container.{ctr.name}.gpu-compute.mode"
+        return pod.annotations.get(key) == "sm-sharing"
 
     def nri_remove(self, manifest: dict[str, Any]) -> None:
         md = manifest["metadata"]

@@ -116,3 +116,12 @@ def test_demo_nri_leaves_device_plugin_container_alone(demo_run: subprocess.Comp
                if k.startswith("NRI CreateContainer default/embeddings"))
     assert "container default/embeddings/worker: no fraction annotations: left untouched" in sec
     assert "NVIDIA_GPU_MEMORY_LIMIT=8192" in sec
+
+
+def test_demo_mps_namespace_follows_the_inference_pod(demo_run: subprocess.CompletedProcess[str]) -> None:
+    secs = _sections(demo_run.stdout)
+    inf = next(v for k, v in secs.items() if k.startswith("NRI CreateContainer default/inference"))
+    assert "StartContainer: started (its MPS namespace is in place)" in inf
+    assert re.search(r"MPS sm-sharing daemon \(healthy\): namespace fp_[0-9a-f]{24} for app \(ATP 50\)", inf)
+    rm = next(v for k, v in secs.items() if k.startswith("NRI StopContainer"))
+    assert "MPS sm-sharing daemon (healthy): no namespaces" in rm

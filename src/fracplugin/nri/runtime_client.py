@@ -162,6 +162,11 @@ class NriRuntimeServer:
         req = nri_pb2.CreateContainerRequest(pod=pod, container=container)
         return self._call("CreateContainer", req, nri_pb2.CreateContainerResponse)
 
+    def start_container(self, pod: Any, container: Any) -> None:
+        """StartContainer (v0.12 RPC, StateChange fallback). Raises RpcError
+        (e.g. UNAVAILABLE: the runtime fails the start, kubelet retries)."""
+        self._event("StartContainer", pod, container)
+
     def stop_container(self, pod: Any, container: Any) -> Any:
         """StopContainer: returns the ``StopContainerResponse``. Raises RpcError."""
         req = nri_pb2.StopContainerRequest(pod=pod, container=container)
