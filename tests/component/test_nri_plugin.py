@@ -262,13 +262,13 @@ def test_mps_failure_fails_the_start_with_unavailable(h):
 
 
 def test_start_waits_for_a_slow_namespace_then_succeeds_on_retry(make_harness):
-    h = make_harness(runtime_kwargs={"request_timeout_ms": 400}).start()
+    h = make_harness(runtime_kwargs={"request_timeout_ms": 1000}).start()
     gate = threading.Event()
     h.mps.block = gate
     pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
     assert not isinstance(h.rt.create_container(pod, ctr), RpcError)  # not held up by MPS
     try:
-        err = h.rt.start_container(pod, ctr)  # answered within the runtime's 0.4 s
+        err = h.rt.start_container(pod, ctr)  # answered within the stub budget, before the runtime gives up
         assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "still being created" in err.message
     finally:
         gate.set()
@@ -493,10 +493,10 @@ def test_unknown_methods_and_services_are_unimplemented(running):
 
 
 def test_slow_mps_is_cut_at_the_budget_and_its_admission_undone(make_harness):
-    h = make_harness(runtime_kwargs={"request_timeout_ms": 400}, plugin_kwargs={"defer_namespace": False}).start()
+    h = make_harness(runtime_kwargs={"request_timeout_ms": 1000}, plugin_kwargs={"defer_namespace": False}).start()
     h.mps.block = threading.Event()
     pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
-    err = h.rt.create_container(pod, ctr)  # answered by the stub before the runtime's 0.4 s
+    err = h.rt.create_container(pod, ctr)  # answered by the stub (0.75 s budget) before the runtime gives up (1 s)
     assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "budget" in err.message
     assert h.rt.transport is not None and not h.rt.transport.closed.is_set()
     h.mps.block.set()
