@@ -1,0 +1,126 @@
+"""In-process pieces of the daemon: the health HTTP server, structured logs,
+the pods-file watcher and the status table."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fracplugin import logs
+from fracplugin.daemon import PodsFileWatcher, read_pods_file
+from fracplugin.health import HealthServer
+from fracplugin.kubelet.podlookup import InMemoryPodSource
+from fracplugin.status import render_table, url_for
+
+
+def get(addr: tuple[str, int], path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_health_server_endpoints() -> None:
+    state: dict[str, Any] = {"ready": False, "alive": None, "boom": False}
+
+    def checks() -> dict[str, dict[str, Any]]:
+        return {"nri": {"ready": state["ready"], "detail": "x"}}
+
+    def status() -> dict[str, Any]:
+        if state["boom"]:
+            raise RuntimeError("status exploded")
+        return {"node": "n"}
+
+    h = HealthServer("127.0.0.1:0", checks, status, alive=lambda: state["alive"])
+    addr = h.start()
+    try:
+        assert get(addr, "/healthz") == (200, "ok\n")
+        code, body = get(addr, "/readyz")
+        assert code == 503 and json.loads(body) == {"ready": False, "checks": {"nri": {"ready": False, "detail": "x"}}}
+        state["ready"] = True
+        assert get(addr, "/readyz")[0] == 200
+        assert json.loads(get(addr, "/status")[1]) == {"node": "n"}
+        state["boom"] = True
+        code, body = get(addr, "/status")
+        assert code == 500 and "status exploded" in body
+        assert get(addr, "/healthz")[0] == 200  # the server survived the broken callback
+        state["alive"] = "shutting down"
+        assert get(addr, "/healthz") == (503, "not alive: shutting down\n")
+        assert get(addr, "/metrics")[0] == 404
+    finally:
+        h.stop()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/healthz", timeout=2)
+
+
+def test_json_and_text_logs_carry_extras() -> None:
+    buf = io.StringIO()
+    logs.setup("json", "debug", stream=buf)
+    try:
+        logging.getLogger("fracplugin.t").info("hello %s", "you", extra={"pod": "ns/p", "n": 3})
+        rec = json.loads(buf.getvalue().splitlines()[-1])
+        assert rec["msg"] == "hello you" and rec["pod"] == "ns/p" and rec["n"] == 3
+        assert rec["level"] == "info" and rec["logger"] == "fracplugin.t" and rec["ts"].endswith("Z")
+        buf2 = io.StringIO()
+        logs.setup("text", "warning", stream=buf2)
+        logging.getLogger("fracplugin.t").info("hidden")
+        logging.getLogger("fracplugin.t").warning("shown", extra={"key": "a b"})
+        out = buf2.getvalue()
+        assert "hidden" not in out and 'shown key="a b"' in out
+        assert len([h for h in logging.getLogger().handlers if h.get_name() == "fracplugin"]) == 1
+        with pytest.raises(ValueError):
+            logs.set_level("loud")
+    finally:
+        logs.setup("text", "warning", stream=io.StringIO())
+
+
+def _pod(name: str, uid: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "d", "uid": uid},
+            "spec": {"nodeName": "n1", "containers": [{"name": "c", "resources": {"limits": {"x.io/m": "2"}}}]},
+            "status": {"phase": "Pending"}}
+
+
+def test_pods_file_watcher_adds_and_deletes(tmp_path: Path) -> None:
+    f = tmp_path / "pods.yaml"
+    src = InMemoryPodSource("n1")
+    w = PodsFileWatcher(str(f), src)
+    assert w.sync() is False and len(src) == 0  # no file: no pods
+    f.write_text(yaml.safe_dump_all([_pod("a", "1"), _pod("b", "2")]))
+    assert w.sync() is True and {p["metadata"]["name"] for p in src.pods()} == {"a", "b"}
+    f.write_text(yaml.safe_dump({"kind": "List", "items": [_pod("b", "2")]}) + "\n")
+    assert w.sync() is True and [p["metadata"]["name"] for p in src.pods()] == ["b"]
+    assert w.sync() is False  # unchanged
+    f.write_text("a: [\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        read_pods_file(str(f))
+
+
+def test_status_table_rendering() -> None:
+    doc = {
+        "node": "n1", "version": "0", "pid": 1, "ready": False,
+        "checks": {"mps": {"ready": False, "detail": "unhealthy: sm-sharing"}},
+        "doors": {"nri": True, "device_plugin": False, "mps": True}, "fail_open": True,
+        "gpus": [{"index": 0, "uuid": "GPU-a", "memory_mib": 100, "held_mib": 40, "mode": "sm-sharing",
+                  "healthy": False, "unhealthy_reasons": ["mps down"],
+                  "tenants": [{"namespace": "d", "pod_name": "p", "container": "c", "request_mib": 40,
+                               "limit_mib": 60, "mode": "sm-sharing", "active_thread_percentage": 50,
+                               "container_id": "0123456789abcdef"}]}],
+        "mps": {"enabled": True, "protocol": 3, "ready": False,
+                "daemons": [{"mode": "sm-sharing", "healthy": False, "state": "restarting", "pid": None,
+                             "restarts": 2, "last_error": "probe timed out"}]},
+    }
+    out = render_table(doc)
+    assert "ready: no" in out and "fail-open=on" in out and "device_plugin=off" in out
+    assert "UNHEALTHY: mps down" in out and "40/100" in out
+    assert "d/p/c: request 40 MiB, limit 60 MiB, sm-sharing  ATP 50%  id 0123456789ab" in out
+    assert "sm-sharing    UNHEALTHY state restarting  restarts 2  last_error probe timed out" in out
+    assert url_for("0.0.0.0:8080") == "http://127.0.0.1:8080/status" and url_for(":9") == "http://127.0.0.1:9/status"
