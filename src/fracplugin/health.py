@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Mapping
@@ -106,7 +107,10 @@ class HealthServer:
 
             do_HEAD = do_GET
 
-        server = ThreadingHTTPServer(self._address, Handler)
+        server_cls = ThreadingHTTPServer
+        if ":" in self._address[0]:  # an IPv6 literal ([::]:8080)
+            server_cls = type("ThreadingHTTPServer6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
+        server = server_cls(self._address, Handler)
         server.daemon_threads = True
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
