@@ -436,3 +436,69 @@ def test_failed_start_stops_what_started(root: Path) -> None:
     assert '"part":"mps"' in out.stderr  # the supervisor was started, then stopped
     assert wait_until(lambda: mps_processes(root) == [], 5)
     assert not (root / "s" / "endpoints.json").exists()
+
+
+# ---- API access through a kubeconfig -------------------------------------------------
+def test_kubeconfig_starts_the_pod_watch(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    """--kubeconfig: the device plugin door's pod source lists and watches pods
+    bound to this node through the API server named in the kubeconfig (a
+    minimal fake API server here)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import parse_qs, urlparse
+
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "w", "namespace": "default", "uid": "u-1", "resourceVersion": "5"},
+           "spec": {"nodeName": "gpu-node-1", "containers": [
+               {"name": "c", "image": "x", "resources": {"limits": {"fracplugin.io/gpu-memory": "2"}}}]},
+           "status": {"phase": "Pending"}}
+    seen: list[dict[str, list[str]]] = []
+
+    class Api(BaseHTTPRequestHandler):
+        def log_message(self, *a: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802
+            u = urlparse(self.path)
+            q = parse_qs(u.query)
+            seen.append(q)
+            if u.path != "/api/v1/pods":
+                self.send_response(404)
+                self.end_headers()
+                return
+            if q.get("watch") in (["true"], ["True"], ["1"]):
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                time.sleep(0.3)  # an empty watch window; the client re-lists
+                return
+            body = json.dumps({"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "7"},
+                               "items": [pod]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    api = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    api.daemon_threads = True
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    kubeconfig = root / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "t",
+        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{api.server_address[1]}"}}],
+        "users": [{"name": "t", "user": {"token": "x"}}],
+        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
+    try:
+        (root / "dp").mkdir()
+        d = daemon("--no-nri", "--no-mps", "--kubeconfig", str(kubeconfig), "--device-plugin-dir", str(root / "dp"),
+                   "--pod-resources-socket", str(root / "pr.sock"))
+        src = wait_until(lambda: (d.get("/status")[1].get("pod_source") or {}).get("pods") == 1, 15)
+        assert src, d.get("/status")[1].get("pod_source")
+        st = d.get("/status")[1]["pod_source"]
+        assert st["kind"] == "KubernetesPodSource" and st["ready"] is True
+        assert any(q.get("fieldSelector") == ["spec.nodeName=gpu-node-1"] for q in seen)
+        assert d.terminate() == 0
+    finally:
+        api.shutdown()
+        api.server_close()
