@@ -1,11 +1,13 @@
 """fracplugin's NRI handlers: plan, record and fence each fractional container.
 
 Concurrency model: threads. ``NriStub`` calls these handlers from its worker
-pool, several at once. The plugin keeps no mutable state of its own beyond a
-few flags; the ledger is thread-safe and ``Ledger.admit`` re-checks every
-guard atomically, so two concurrent creations cannot both take the last MiB of
-a GPU. Handlers must finish within the stub's budget (``ctx.remaining()``);
-MPS calls get a timeout derived from it.
+pool, several at once. Its own mutable state is the table of background MPS
+namespace jobs (a dict under ``_ns_lock``, jobs run on a 4-thread pool) and
+the last Synchronize report; the ledger is thread-safe and ``Ledger.admit``
+re-checks every guard atomically, so two concurrent creations cannot both take
+the last MiB of a GPU. Handlers finish within the stub's budget
+(``ctx.remaining()``); MPS calls made inside a handler get a timeout derived
+from it, background jobs ``namespace_timeout_s``.
 
 Behaviour (DESIGN.md sections 2 and 4; issue 3 item 3):
 
@@ -35,7 +37,9 @@ Behaviour (DESIGN.md sections 2 and 4; issue 3 item 3):
 - Synchronize: rebuild the ledger from the containers the runtime reports
   (re-planned against their pod annotations and the devices they actually got,
   never refused on guards: what runs is recorded) and log containers that
-  should carry our env but do not. ``ready()`` turns true afterwards.
+  should carry our env but do not; sm-sharing namespaces of the recorded
+  containers are re-ensured in the background (a restarted daemon's MPS layer
+  knows none). ``ready()`` turns true afterwards.
 """
 
 from __future__ import annotations
