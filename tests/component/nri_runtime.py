@@ -137,6 +137,8 @@ class FakeNriRuntime:
         """Plugin connections accepted so far."""
         self.registrations: list[PluginInfo] = []
         """Every successful registration, in order."""
+        self.unsolicited: list[Any] = []
+        """UpdateContainersRequests the plugin sent, in order."""
         self.calls: list[str] = []
         """Plugin-service methods called, in order (StateChange as 'StateChange:<event>')."""
         self._lock = threading.Lock()
@@ -348,6 +350,9 @@ class FakeNriRuntime:
                 t.respond(ev.stream_id, b"")
                 threading.Thread(target=self._configure, args=(conn,), name="fake-nri-configure", daemon=True).start()
         elif ev.method == "UpdateContainers":
+            req = nri_pb2.UpdateContainersRequest.FromString(ev.payload)
+            with self._lock:
+                self.unsolicited.append(req)
             t.respond(ev.stream_id, nri_pb2.UpdateContainersResponse().SerializeToString())
         else:
             t.respond_error(ev.stream_id, Code.UNIMPLEMENTED, f"method {ev.method}")

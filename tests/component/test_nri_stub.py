@@ -203,6 +203,20 @@ def test_large_answers_travel_in_frames_the_go_reader_accepts(sockpath, cleanup)
     assert got == adj and adj.ByteSize() > 16000
 
 
+def test_unsolicited_update_containers(sockpath, cleanup):
+    rt = FakeNriRuntime(sockpath)
+    cleanup(rt)
+    stub = _stub(Recorder(), sockpath, cleanup)
+    with pytest.raises(ConnectionError):
+        stub.update_containers(evictions=[nri_pb2.ContainerEviction(container_id="x", reason="r")])
+    stub.start()
+    rt.wait_registered()
+    wait_for(stub.connected, what="registration")
+    assert stub.update_containers(evictions=[nri_pb2.ContainerEviction(container_id="c1", reason="mps wedged")]) == []
+    ((req,),) = [rt.unsolicited]
+    assert [(e.container_id, e.reason) for e in req.evict] == [("c1", "mps wedged")]
+
+
 def test_shutdown_is_answered(sockpath, cleanup):
     rt = FakeNriRuntime(sockpath)
     cleanup(rt)

@@ -70,7 +70,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from tenacity import Retrying, retry_if_exception_type, stop_when_event_set, wait_exponential, wait_random
 
@@ -566,6 +566,21 @@ class NriStub:
     def exited(self) -> bool:
         """True once the stub has ended."""
         return self._exited.is_set()
+
+    def update_containers(
+        self, updates: Sequence[Any] = (), evictions: Sequence[Any] = (), timeout_s: float = 2.0
+    ) -> list[Any]:
+        """Unsolicited ``Runtime/UpdateContainers`` (nri-protocol.md 1.6 step 7):
+        ``updates`` are ``ContainerUpdate``s, ``evictions`` ``ContainerEviction``s.
+        Returns the updates the runtime reports as failed. Raises
+        ``ConnectionClosed`` when not connected, ``RpcError``, ``TimeoutError``."""
+        with self._session_lock:
+            s = self._session
+        if s is None or s.transport is None or not s.registered.is_set():
+            raise ConnectionClosed("not registered with a runtime")
+        req = nri_pb2.UpdateContainersRequest(update=list(updates), evict=list(evictions))
+        payload = s.transport.call(RUNTIME_SERVICE, "UpdateContainers", req.SerializeToString(), timeout_s)
+        return list(nri_pb2.UpdateContainersResponse.FromString(payload).failed)
 
     def status(self) -> dict[str, Any]:
         """JSON-able state for ``fracplugin status`` / ``/status``:
