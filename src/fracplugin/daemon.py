@@ -248,6 +248,7 @@ class Daemon:
         self.health: HealthServer | None = None
         self.endpoints: dict[str, str] = {}
         self.ledger_warnings: list[str] = []
+        self.startup_ms: float | None = None
         self._stopping = threading.Event()
         self._stopped = False
         self._stop_lock = threading.Lock()

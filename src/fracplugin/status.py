@@ -114,6 +114,15 @@ def render_table(doc: Mapping[str, Any]) -> str:
             extra = "  ".join(f"{k} {d[k]}" for k in ("state", "pid", "restarts", "pipe_dir", "last_error")
                               if d.get(k) not in (None, ""))
             out.append(f"  {d.get('mode', '?'):<13} {'healthy' if d.get('healthy') else 'UNHEALTHY':<9} {extra}".rstrip())
+    dp = doc.get("device_plugin")
+    if isinstance(dp, dict):
+        out.append("")
+        out.append(f"device plugin: {dp.get('resource_name')} ({dp.get('unit_mib')} MiB per device), "
+                   f"{dp.get('healthy_devices')}/{dp.get('devices')} devices healthy, "
+                   f"registered: {_yn(dp.get('registered'))}, ListAndWatch streams: {dp.get('list_and_watch_streams')}")
+        out.append(f"  allocations {dp.get('allocations')}  planned {dp.get('planned')}  "
+                   f"fallbacks {dp.get('fallbacks')}  refusals {dp.get('refusals')}"
+                   + (f"  last refusal: {dp['last_refusal']}" if dp.get("last_refusal") else ""))
     eps = doc.get("endpoints") or {}
     if eps:
         out.append("")
