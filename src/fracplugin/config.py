@@ -94,6 +94,10 @@ class Config:
     kubelet_socket: str = ""  # "" = <device_plugin_dir>/kubelet.sock
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     allocate_deadline_s: float = 5.0
+    allocation_policy: str = "pack"
+    ignored_xids: str = "13,31,43,45,68,109"
+    device_specs: bool = False
+    cdi_kind: str | None = None
     # Kubernetes API
     kubeconfig: str | None = None
     node_name: str = ""
@@ -173,6 +177,10 @@ _HELP = {
     "kubelet_socket": "kubelet registration socket (default <device-plugin-dir>/kubelet.sock)",
     "pod_resources_socket": "kubelet PodResources socket",
     "allocate_deadline_s": "seconds an Allocate may spend finding its pod",
+    "allocation_policy": "GetPreferredAllocation policy: pack (fill used GPUs first) or spread",
+    "ignored_xids": "comma list of XIDs that do not make a GPU Unhealthy (application errors)",
+    "device_specs": "also answer Allocate with DeviceSpecs for /dev/nvidia<minor>, /dev/nvidiactl, /dev/nvidia-uvm",
+    "cdi_kind": "answer Allocate with CDI devices <kind>=<GPU-UUID> (e.g. nvidia.com/gpu)",
     "kubeconfig": "kubeconfig for API access (in-cluster config is used when running in a pod)",
     "node_name": "this node's name (env NODE_NAME)",
     "pods_file": "simulated API access: a YAML file of Pod documents (re-read when it changes)",
@@ -212,7 +220,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            help=f"{help_text} (default: {shown!s})" if shown not in (None, "") else help_text)
 
 
-_METAVARS = {"mps_protocol": "auto|2|3", "log_format": "json|text", "log_level": "LEVEL", "mps_modes": "MODES",
+_METAVARS = {"allocation_policy": "pack|spread", "ignored_xids": "XIDS", "cdi_kind": "KIND",
+             "mps_protocol": "auto|2|3", "log_format": "json|text", "log_level": "LEVEL", "mps_modes": "MODES",
              "nri_plugin_name": "NAME", "nri_plugin_idx": "NN", "resource_name": "NAME", "node_name": "NAME",
              "annotation_prefix": "PREFIX", "max_clients_per_gpu": "N"}
 
@@ -337,6 +346,14 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
         raise bad("nri_plugin_name", "must match [a-zA-Z0-9_.+-]+ (NRI plugin name rule)")
     if not _NRI_IDX.match(cfg.nri_plugin_idx):
         raise bad("nri_plugin_idx", "must be exactly two digits (NRI plugin index rule)")
+    if cfg.allocation_policy not in ("pack", "spread"):
+        raise bad("allocation_policy", "must be pack or spread")
+    try:
+        [int(x) for x in cfg.ignored_xids.split(",") if x.strip()]
+    except ValueError:
+        raise bad("ignored_xids", "must be a comma list of integers") from None
+    if cfg.cdi_kind is not None and (cfg.cdi_kind.count("/") != 1 or "=" in cfg.cdi_kind):
+        raise bad("cdi_kind", "must be a CDI kind <vendor>/<class> (e.g. nvidia.com/gpu)")
     if not cfg.annotation_prefix:
         raise bad("annotation_prefix", "must not be empty")
     for name in ("state_dir", "mps_root", "device_plugin_dir", "nri_socket", "pod_resources_socket"):

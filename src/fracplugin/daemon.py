@@ -394,7 +394,9 @@ class Daemon:
             pod_source=self.pod_source, resource_name=self.cfg.resource_name, unit_mib=self.cfg.device_unit_mib,
             plugin_dir=self.cfg.device_plugin_dir, kubelet_socket=self.cfg.effective_kubelet_socket,
             allocate_deadline_s=self.cfg.allocate_deadline_s, mps_health=None if self.cfg.no_mps else self.mps,
-            metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket)
+            metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket,
+            ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
+            policy=self.cfg.allocation_policy, device_specs=self.cfg.device_specs, cdi_kind=self.cfg.cdi_kind)
         try:
             self.device_plugin.start()
         except OSError as exc:

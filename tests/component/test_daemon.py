@@ -254,12 +254,17 @@ def test_device_plugin_door_registers_and_stops_advertising(daemon: Callable[...
     kubelet = FakeKubelet(str(dp_dir)).start()
     try:
         d = daemon("--no-nri", "--no-mps", "--device-plugin-dir", str(dp_dir),
-                   "--pod-resources-socket", str(root / "pr.sock"))
+                   "--pod-resources-socket", str(root / "pr.sock"), "--cdi-kind", "nvidia.com/gpu",
+                   "--device-unit-mib", "2048")
         assert wait_until(d.ready), d.get("/readyz")
         checks = d.get("/readyz")[1]["checks"]
         assert set(checks) == {"device_plugin"} and checks["device_plugin"]["ready"]
         rn = "fracplugin.io/gpu-memory"
-        assert wait_until(lambda: len(kubelet.devices(rn)) == 4 * (81559 // 1024))
+        assert wait_until(lambda: len(kubelet.devices(rn)) == 4 * (81559 // 2048))
+        # no API access: the fallback answer (devices and request-sized memory env), CDI names as configured
+        r = kubelet.allocate(rn, [f"{GPU0}::0", f"{GPU0}::1"]).container_responses[0]
+        assert r.envs["NVIDIA_VISIBLE_DEVICES"] == GPU0 and r.envs["NVIDIA_GPU_MEMORY_REQUEST"] == "4096"
+        assert [c.name for c in r.cdi_devices] == [f"nvidia.com/gpu={GPU0}"]
         assert d.endpoints["device_plugin_socket"] == str(dp_dir / "fracplugin.sock")
         st = d.get("/status")[1]
         assert st["doors"]["device_plugin"] and st["device_plugin"]["registered"]

@@ -93,6 +93,9 @@ def test_node_name_from_downward_api_env() -> None:
     (["--mps-modes", "time-slicing,mig"], {}, "--mps-modes", "'mig'"),
     ([], {"FRACPLUGIN_FAIL_OPEN": "maybe"}, "--fail-open", "FRACPLUGIN_FAIL_OPEN"),
     ([], {"FRACPLUGIN_MAX_CLIENTS_PER_GPU": "49"}, "--max-clients-per-gpu", "1..48"),
+    (["--allocation-policy", "random"], {}, "--allocation-policy", "pack or spread"),
+    (["--ignored-xids", "13,x"], {}, "--ignored-xids", "integers"),
+    (["--cdi-kind", "nvidia.com/gpu=0"], {}, "--cdi-kind", "<vendor>/<class>"),
 ])
 def test_bad_values_name_setting_and_value(argv: list[str], env: dict[str, str], setting: str, needle: str) -> None:
     with pytest.raises(ConfigError) as ei:
@@ -158,6 +161,12 @@ def test_reloadable_changes() -> None:
     applied, ignored = c.reloadable_changes(old, new)
     assert applied == {"log_level": ("info", "debug"), "fail_open": (False, True)}
     assert ignored == ["state_dir"]
+
+
+def test_ignored_xids_default_matches_the_health_monitor() -> None:
+    from fracplugin.gpu.health import DEFAULT_IGNORED_XIDS
+
+    assert {int(x) for x in DEFAULTS.ignored_xids.split(",")} == set(DEFAULT_IGNORED_XIDS)
 
 
 def test_every_setting_has_a_flag() -> None:
