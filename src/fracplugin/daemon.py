@@ -407,8 +407,7 @@ class Daemon:
         self.endpoints["kubelet_socket"] = self.cfg.effective_kubelet_socket
 
     def _build_health(self) -> None:
-        self.health = HealthServer(self.cfg.health_address, self.checks, self.status,
-                                   alive=lambda: "shutting down" if self._stopping.is_set() else None)
+        self.health = HealthServer(self.cfg.health_address, self.checks, self.status, alive=self.alive)
         try:
             host, port = self.health.start()
         except OSError as exc:
@@ -444,6 +443,16 @@ class Daemon:
                                                "endpoints_file": self.cfg.endpoints_path})
 
     # ---- state -------------------------------------------------------------
+    def alive(self) -> str | None:
+        """None while the daemon is live (``/healthz`` 200), else why not: it is
+        shutting down, or the NRI stub's run thread ended on its own (it
+        reconnects forever in external mode, so that is a bug worth a restart)."""
+        if self._stopping.is_set():
+            return "shutting down"
+        if self.nri_stub is not None and getattr(self.nri_stub, "exited", False):
+            return "the NRI plugin stub stopped"
+        return None
+
     def checks(self) -> dict[str, dict[str, Any]]:
         """Readiness of each enabled part: {part: {"ready": bool, "detail": str}}."""
         out: dict[str, dict[str, Any]] = {}
