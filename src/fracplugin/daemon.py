@@ -526,6 +526,7 @@ class Daemon:
             "gpus": gpus,
             "mps": self.mps.status() if self.mps is not None else {"enabled": False, "daemons": []},
             "device_plugin": dp_status if isinstance(dp_status, dict) else None,
+            "nri": self._nri_status(),
             "pod_source": (None if self.pod_source is None else
                            {"kind": type(self.pod_source).__name__, "ready": bool(_call(self.pod_source, "ready")),
                             "pods": len(self.pod_source)}),
@@ -533,6 +534,18 @@ class Daemon:
             "ledger": {"path": self.cfg.ledger_path, "warnings": self.ledger_warnings},
             "config": self.cfg.to_dict(),
         }
+
+    def _nri_status(self) -> dict[str, Any] | None:
+        """The NRI stub's and plugin's status merged (None when the door is off)."""
+        if self.nri_stub is None:
+            return None
+        doc: dict[str, Any] = {}
+        for part in (self.nri_stub, self.nri_plugin):
+            st = _call(part, "status") if part is not None else None
+            if isinstance(st, dict):
+                doc.update(st)
+        doc["ready"] = bool(_call(self.nri_stub, "ready")) and bool(_call(self.nri_stub, "connected"))
+        return doc
 
     # ---- signals, reload ----------------------------------------------------
     def reload(self) -> dict[str, Any]:

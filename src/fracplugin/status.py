@@ -114,6 +114,16 @@ def render_table(doc: Mapping[str, Any]) -> str:
             extra = "  ".join(f"{k} {d[k]}" for k in ("state", "pid", "restarts", "pipe_dir", "last_error")
                               if d.get(k) not in (None, ""))
             out.append(f"  {d.get('mode', '?'):<13} {'healthy' if d.get('healthy') else 'UNHEALTHY':<9} {extra}".rstrip())
+    nri = doc.get("nri")
+    if isinstance(nri, dict):
+        out.append("")
+        out.append(f"NRI plugin: {nri.get('plugin_idx')}-{nri.get('plugin_name')} on {nri.get('socket')}, "
+                   f"connected: {_yn(nri.get('connected'))}, runtime: {nri.get('runtime') or '-'}, "
+                   f"events {nri.get('events')}, sessions {nri.get('sessions')}, "
+                   f"synchronized {nri.get('synchronize_count')} time(s)")
+        unadjusted = nri.get("unadjusted") or []
+        if unadjusted:
+            out.append(f"  {len(unadjusted)} running container(s) lack fracplugin's settings (see /status)")
     dp = doc.get("device_plugin")
     if isinstance(dp, dict):
         out.append("")

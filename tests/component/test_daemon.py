@@ -310,6 +310,10 @@ def test_nri_door_serves_and_disconnects_on_sigterm(daemon: Callable[..., Daemon
         assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "40960" and env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
         st = d.get("/status")[1]
         assert all(g["mode"] == "sm-sharing" and g["held_mib"] == 40960 for g in st["gpus"])
+        assert st["nri"]["connected"] is True and st["nri"]["plugin_idx"] == "42"
+        out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "status", "--state-dir", str(d.state)],
+                             capture_output=True, text=True, timeout=30)
+        assert "NRI plugin: 42-fp-test on" in out.stdout and "connected: yes" in out.stdout
         assert d.terminate() == 0
         assert rt.wait_disconnected(5) is not None
         # the ledger keeps what runs: consistent, and read back by the next start
