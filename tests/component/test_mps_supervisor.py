@@ -534,3 +534,14 @@ def test_a_failing_health_callback_does_not_stop_supervision(mps):
     old = daemon(sup, TS)["pid"]
     mps.faults(TS, crash=True, pid=old)
     wait_for(lambda: daemon(sup, TS)["pid"] not in (None, old) and sup.healthy(TS), what="restart")
+
+
+def test_refused_terminate_of_a_live_client_is_a_wedge(mps):
+    sup = mps.supervisor(modes=(TS,), proc_root=mps.proc_root, probe_interval_s=1e9)
+    assert sup.wait_ready(15)
+    a = mps.client(CID_A, POD_A, mode=TS)
+    mps.faults(TS, refuse=["client terminate"])
+    res = sup.drain(CID_A, timeout_s=5)
+    assert res.clients == (a,) and res.terminated == () and res.wedged and res.restarted == (TS,)
+    assert any("refused" in e for e in res.errors)
+    wait_for(lambda: daemon(sup, TS)["restarts"] == 1 and sup.healthy(TS), what="restart")

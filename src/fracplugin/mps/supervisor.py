@@ -537,13 +537,25 @@ class MpsSupervisor:
                     d.control.terminate_client(spid, pid, left())
                 terminated.append(pid)
             except MpsError as e:
-                if not isinstance(e, MpsTimeout) and self._procfs.cgroup_text(pid) is None:
-                    terminated.append(pid)  # it exited on its own meanwhile
+                if not isinstance(e, MpsTimeout) and not self._still_client(d, spid, pid, left):
+                    terminated.append(pid)  # it exited or detached on its own meanwhile
                     continue
                 errors.append(f"{d.mode.value}: terminate {pid}: {e}")
                 self._request_restart(d, f"wedged: terminate {pid}: {e}")
                 return True
         return False
+
+    def _still_client(self, d: DaemonState, spid: int | None, pid: int, left: Callable[[], float]) -> bool:
+        """After a refused terminate: is ``pid`` still an MPS client of ``d``?
+        (A refusal for a client that has just gone is no wedge.) Unknown -> True."""
+        if self._procfs.cgroup_text(pid) is None:
+            return False
+        try:
+            if spid is None:
+                return pid in {r.pid for r in d.control.client_list(left())}
+            return pid in d.control.get_client_list(spid, left())
+        except MpsError:
+            return True
 
     def _request_restart(self, d: DaemonState, reason: str) -> None:
         with self._lock:
