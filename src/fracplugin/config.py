@@ -68,7 +68,8 @@ class Config:
 
     Host paths (defaults) are the ones the DaemonSet mounts:
     ``/var/lib/kubelet/device-plugins``, ``/var/lib/kubelet/pod-resources``,
-    ``/var/run/nri/nri.sock``, ``/run/fracplugin/mps`` and ``/var/lib/fracplugin``.
+    ``/var/run/nri/nri.sock``, ``/run/fracplugin/mps`` and ``/run/fracplugin/state``
+    (tmpfs: the ledger must outlive a daemon restart, not a reboot; ADR 0003).
     """
 
     # inventory
@@ -80,7 +81,7 @@ class Config:
     mps_protocol: str = "auto"
     mps_modes: tuple[str, ...] = MPS_MODES
     # state
-    state_dir: str = "/var/lib/fracplugin"
+    state_dir: str = "/run/fracplugin/state"
     # NRI door (nri-protocol.md 1.5)
     no_nri: bool = False
     nri_socket: str = "/var/run/nri/nri.sock"

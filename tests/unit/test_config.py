@@ -31,10 +31,10 @@ def test_defaults_are_the_daemonset_host_paths() -> None:
     assert cfg.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
     assert cfg.nri_socket == "/var/run/nri/nri.sock"
     assert cfg.mps_root == "/run/fracplugin/mps"
-    assert cfg.state_dir == "/var/lib/fracplugin"
+    assert cfg.state_dir == "/run/fracplugin/state"
     assert cfg.effective_kubelet_socket == "/var/lib/kubelet/device-plugins/kubelet.sock"
     assert (cfg.metrics_address, cfg.health_address) == (":2112", ":8080")
-    assert cfg.ledger_path == "/var/lib/fracplugin/ledger.json"
+    assert cfg.ledger_path == "/run/fracplugin/state/ledger.json"
 
 
 def test_precedence_file_env_flag(tmp_path: Path) -> None:

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import kubernetes_validate
+
+from fracplugin.config import DEFAULTS
 import pytest
 import yaml
 
@@ -47,15 +49,11 @@ NAMESPACE = "fracplugin-system"
 # support and the newest that the pinned kubernetes-validate ships.
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 
-# The host paths `fracplugin run` uses by default (files or directories).
-# Single source for these tests; to be replaced by an import from
-# fracplugin.config (DEFAULTS) once it exists. /proc is reached via hostPID.
+# The host paths `fracplugin run` uses by default (files or directories),
+# read from the daemon's own defaults. /proc is reached via hostPID.
 DAEMON_DEFAULT_HOST_PATHS: dict[str, str] = {
-    "device_plugin_dir": "/var/lib/kubelet/device-plugins",  # our socket + kubelet.sock
-    "pod_resources_socket": "/var/lib/kubelet/pod-resources/kubelet.sock",
-    "nri_socket": "/var/run/nri/nri.sock",
-    "mps_root": "/run/fracplugin/mps",  # pipe + log dirs of MPS
-    "state_dir": "/var/lib/fracplugin",  # ledger.json
+    name: getattr(DEFAULTS, name)
+    for name in ("device_plugin_dir", "pod_resources_socket", "nri_socket", "mps_root", "state_dir")
 }
 HEALTH_PORT = 8080
 METRICS_PORT = 2112
@@ -490,7 +488,7 @@ def _selector_mismatch(m: Manifests) -> None:
 
 MUTATIONS: list[tuple[str, Callable[[Manifests], None], Callable[[Manifests], list[str]], str]] = [
     ("no NRI volume", _drop_volume("nri"), lambda m: host_path_problems(m, DAEMON_DEFAULT_HOST_PATHS), "/var/run/nri/nri.sock"),
-    ("no state volume", _drop_volume("state"), lambda m: host_path_problems(m, DAEMON_DEFAULT_HOST_PATHS), "state_dir"),
+    ("no run volume", _drop_volume("run"), lambda m: host_path_problems(m, DAEMON_DEFAULT_HOST_PATHS), "state_dir"),
     ("MPS root mounted elsewhere", _set_mount_path("run", "/mps"), lambda m: host_path_problems(m, DAEMON_DEFAULT_HOST_PATHS), "mps_root"),
     ("hostPID off", _set(_pod, "hostPID", False), pod_problems, "hostPID"),
     ("not node-critical", _set(_pod, "priorityClassName", "default"), pod_problems, "system-node-critical"),
