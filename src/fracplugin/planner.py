@@ -76,12 +76,18 @@ class PlannerConfig:
         max_clients_per_gpu: tenants per GPU (MPS client limit).
         layout: where MPS pipe directories live on the host.
         annotation_prefix: prefix of the per-container keys.
+        mps_namespaces: True with MPS v3 (driver r615+): each sm-sharing
+            container gets its own namespace (own pipe directory, own cap).
+            False with classic v2, which has no namespaces: sm-sharing
+            containers share the sm-sharing daemon's pipe directory and the
+            active thread percentage is carried by the env only.
     """
 
     reserve_mib: int = 0
     max_clients_per_gpu: int = DEFAULT_MAX_CLIENTS_PER_GPU
     layout: MpsLayout = field(default_factory=MpsLayout)
     annotation_prefix: str = ann.DEFAULT_PREFIX
+    mps_namespaces: bool = True
 
 
 def resolve_device(node: NodeInfo, entry: str) -> GpuInfo | None:
@@ -204,12 +210,12 @@ def plan(
 
     atp = request.active_thread_percentage
     layout = config.layout
-    if request.compute_mode is ComputeMode.SM_SHARING:
+    if request.compute_mode is ComputeMode.SM_SHARING and config.mps_namespaces:
         ns = namespace_name(pod.uid, request.container)
         host_pipe = layout.namespace_pipe_dir(ns)
     else:
         ns = None
-        host_pipe = layout.pipe_dir(ComputeMode.TIME_SLICING)
+        host_pipe = layout.pipe_dir(request.compute_mode)
     mps = MpsTarget(
         mode=request.compute_mode, host_pipe_dir=host_pipe, container_pipe_dir=CONTAINER_PIPE_DIR,
         namespace=ns, active_thread_percentage=atp, pinned_mem_limit_mib=limit_mib,

@@ -104,19 +104,24 @@ def test_readmit_replaces_and_subscribers_hear_changes(node):
     assert seen == [1, 1, 0]
 
 
-def test_failed_persist_rolls_back(node, tmp_path):
-    d = tmp_path / "ro"
-    d.mkdir()
-    led = Ledger(node, d / "ledger.json")
-    os.chmod(d, 0o500)
-    try:
-        if os.access(d, os.W_OK):
-            pytest.skip("running as a user that ignores directory permissions (root)")
-        with pytest.raises(OSError):
-            led.admit(mkplan(node, led, "a"))
-        assert led.tenancies() == []
-    finally:
-        os.chmod(d, 0o700)
+def test_failed_persist_rolls_back(node, tmp_path, monkeypatch):
+    path = tmp_path / "ledger.json"
+    led = Ledger(node, path)
+    led.admit(mkplan(node, led, "a", devices="0"))
+    saved = path.read_text()
+
+    def disk_full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(OSError):
+        led.admit(mkplan(node, led, "b", devices="1"))
+    with pytest.raises(OSError):
+        led.release("a", "app")
+    # memory and disk still agree on the last good state, and no temp file is left
+    assert [t.pod_uid for t in led.tenancies()] == ["a"]
+    assert path.read_text() == saved
+    assert [p.name for p in tmp_path.iterdir()] == ["ledger.json"]
 
 
 OPS = st.lists(

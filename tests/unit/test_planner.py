@@ -64,6 +64,13 @@ def test_notebook_is_placed_on_two_gpus_time_slicing(seed_pods, node):
     assert p.mounts[0].source == MpsLayout().pipe_dir(ComputeMode.TIME_SLICING)
 
 
+def test_classic_mps_has_no_namespaces(seed_pods, node):
+    p = plan_seed(seed_pods["inference-sm-sharing-4gpu.bound"], node, config=PlannerConfig(mps_namespaces=False))
+    assert p.mps.namespace is None
+    assert p.mounts[0].source == MpsLayout().pipe_dir(ComputeMode.SM_SHARING)
+    assert p.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+
+
 def test_reserve_is_taken_off_before_the_fraction(seed_pods, node):
     p = plan_seed(seed_pods["notebook-time-slicing-2gpu"], node, config=PlannerConfig(reserve_mib=559))
     assert p.env["NVIDIA_GPU_MEMORY_REQUEST"] == "40500"  # floor((81559-559)*0.5)
