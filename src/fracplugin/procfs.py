@@ -193,6 +193,19 @@ class ProcFs:
             return []
         return sorted(int(n) for n in names if n.isdigit())
 
+    def environ_value(self, pid: int, name: str) -> str | None:
+        """One variable of ``/proc/<pid>/environ`` (None when absent or unreadable)."""
+        try:
+            with open(self._path(pid, "environ"), "rb") as f:
+                data = f.read()
+        except OSError:
+            return None
+        prefix = name.encode() + b"="
+        for entry in data.split(b"\0"):
+            if entry.startswith(prefix):
+                return entry[len(prefix):].decode(errors="replace")
+        return None
+
     def pids_by_exe(self, basename: str) -> list[int]:
         """PIDs whose ``exe`` basename equals ``basename``."""
         return [p for p in self.pids() if self.exe_basename(p) == basename]

@@ -496,6 +496,21 @@ def test_stop_kills_daemons_that_ignore_quit_and_leftover_servers(mps):
     assert daemon(sup, TS)["pid"] is None and daemon(sup, SM)["pid"] is None
 
 
+def test_stop_spares_mps_servers_of_other_stacks(mps):
+    srv = _server_copy(mps.root)
+    foreign = subprocess.Popen([srv, "60"], env={"CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia/mps/other/pipe"})
+    try:
+        sup = mps.supervisor(modes=(TS,), env={"FAKE_MPS_SERVER_BIN": srv}, probe_interval_s=1e9)
+        assert sup.wait_ready(15)
+        wait_for(lambda: len(_servers(srv)) == 2, what="our fake server next to the foreign one")
+        sup.stop(timeout_s=2.0)
+        assert _servers(srv) == [foreign.pid]  # ours killed, the other stack's kept
+        assert foreign.poll() is None
+    finally:
+        foreign.kill()
+        foreign.wait()
+
+
 def test_stop_before_ready_and_double_stop(mps):
     sup = mps.supervisor(modes=(TS,))
     sup.stop(timeout_s=2)

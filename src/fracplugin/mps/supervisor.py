@@ -897,13 +897,20 @@ class MpsSupervisor:
 
     def _kill_servers(self, d: DaemonState | None, scan: bool) -> list[int]:
         """SIGKILL servers known for ``d`` (verified by exe basename), or with
-        ``scan`` every process whose ``/proc/<pid>/exe`` basename is the server's."""
+        ``scan`` every process whose ``/proc/<pid>/exe`` basename is the server's
+        and whose ``CUDA_MPS_PIPE_DIRECTORY`` (inherited from our control
+        daemon) lies under our MPS root: another MPS stack on the node (NVIDIA's
+        device plugin, a user's daemon) is never touched."""
         with self._lock:
             pids = set(d.server_pids) if d is not None else set()
             if d is not None:
                 d.server_pids.clear()
         if scan:
-            pids |= set(self._procfs.pids_by_exe(self.server_exe))
+            root = self.layout.root.rstrip("/") + "/"
+            pids |= {
+                p for p in self._procfs.pids_by_exe(self.server_exe)
+                if (self._procfs.environ_value(p, "CUDA_MPS_PIPE_DIRECTORY") or "").startswith(root)
+            }
         killed = []
         for pid in sorted(pids):
             if self._procfs.exe_basename(pid) != self.server_exe:
