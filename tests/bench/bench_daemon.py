@@ -21,7 +21,6 @@ No assertions on the numbers (speed is reported, not tested).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -44,6 +43,7 @@ REPEAT = int(os.environ.get("BENCH_DAEMON_REPEAT", "3"))
 
 from fracplugin.kubelet.kubelet_client import KubeletSim  # noqa: E402
 from fracplugin.nri.runtime_client import NriRuntimeServer  # noqa: E402
+from benchjson import merge  # noqa: E402
 
 
 def ready(health: str) -> bool:
@@ -108,19 +108,6 @@ def demo_wall_s() -> float:
     return time.monotonic() - t0
 
 
-def merge(results: dict[str, float]) -> None:
-    """Read-modify-write build/bench.json under an exclusive lock."""
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    with open(REPORT.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            doc = json.loads(REPORT.read_text()) if REPORT.exists() else {}
-        except ValueError:
-            doc = {}
-        doc.update({k: round(v, 3) for k, v in results.items()})
-        tmp = REPORT.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, REPORT)
 
 
 def main() -> int:

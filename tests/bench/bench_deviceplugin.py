@@ -36,7 +36,6 @@ No assertions on timing: the numbers are reported, not judged here.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -57,6 +56,7 @@ from fracplugin.gpu.simulated import SimulatedInventory  # noqa: E402
 from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource  # noqa: E402
 from fracplugin.ledger import Ledger  # noqa: E402
 from fracplugin.planner import PlannerConfig  # noqa: E402
+from benchjson import merge  # noqa: E402
 
 REPORT = REPO / "build" / "bench.json"
 R = "fracplugin.io/gpu-memory"
@@ -74,19 +74,6 @@ def shared_dir() -> Path:
     return d
 
 
-def merge(results: dict[str, float]) -> None:
-    """Read-modify-write build/bench.json under an exclusive lock."""
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    with open(REPORT.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            doc = json.loads(REPORT.read_text()) if REPORT.exists() else {}
-        except ValueError:
-            doc = {}
-        doc.update({k: round(v, 3) for k, v in results.items()})
-        tmp = REPORT.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, REPORT)
 
 
 def pct(values: list[float], p: float) -> float:

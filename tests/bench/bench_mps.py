@@ -23,7 +23,6 @@ No assertions on the numbers (speed is reported, not tested).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -46,23 +45,11 @@ from fracplugin.metrics import MIB, Metrics  # noqa: E402
 from fracplugin.model import ComputeMode, GpuInfo, NodeInfo, Tenancy  # noqa: E402
 from fracplugin.mps.layout import MpsLayout  # noqa: E402
 from fracplugin.mps.supervisor import MpsSupervisor  # noqa: E402
+from benchjson import merge  # noqa: E402
 
 SM = ComputeMode.SM_SHARING
 
 
-def merge(results: dict[str, float]) -> None:
-    """Read-modify-write build/bench.json under an exclusive lock."""
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    with open(REPORT.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            doc = json.loads(REPORT.read_text()) if REPORT.exists() else {}
-        except ValueError:
-            doc = {}
-        doc.update({k: round(v, 3) for k, v in results.items()})
-        tmp = REPORT.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, REPORT)
 
 
 def _pid(sup: MpsSupervisor) -> int | None:
