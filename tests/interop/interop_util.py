@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -258,19 +259,43 @@ def runtime_bin(line: str) -> Path:
     return build_module(NRI_LINES[line]) / "nri-runtime"
 
 
+RETRIES = 5
+"""Extra tries the runtime harness gives a CreateContainer/StartContainer
+that a plugin answered UNAVAILABLE (6 tries in all), RETRY_INTERVAL apart:
+kubelet retries a failed container start too (with back-off)."""
+RETRY_INTERVAL = "1s"
+
+
+def endpoints_file(workdir: Path) -> Path:
+    """Where the daemon started by ``start_fracplugin(procs, workdir)`` writes
+    its endpoints (``<state-dir>/endpoints.json``; ``health`` = HOST:PORT)."""
+    return workdir / "state" / "endpoints.json"
+
+
 def start_runtime(procs: list[Proc], line: str, workdir: Path, scenario: dict[str, Any], *,
                   socket: Path | None = None, plugin_dir: Path | None = None, config_dir: Path | None = None,
-                  wait_plugins: int = 1, extra: list[str] | None = None, stdin: bool = False) -> Proc:
+                  wait_plugins: int = 1, extra: list[str] | None = None, stdin: bool = False,
+                  ready_endpoints: Path | None = None, retries: int = RETRIES,
+                  retry_interval: str = RETRY_INTERVAL) -> Proc:
     """Start the Go runtime harness of one NRI line and wait for its "ready" event.
 
     The harness waits for `wait_plugins` external plugins before it runs the
-    scenario; start them after this returns.
+    scenario; start them after this returns. With ``ready_endpoints`` (a
+    daemon's endpoints.json) it then also waits until the daemon's
+    ``GET /readyz`` answers 200 (event ``daemon_ready``; ``fatal`` after 60 s),
+    the way a rollout waits for the readiness probe, again after a
+    ``-reconnect``. ``retries``/``retry_interval``: kubelet-style retries of
+    CreateContainer/StartContainer answered UNAVAILABLE (``retry`` events;
+    ``report_retries`` turns them into warnings).
     """
     binary = runtime_bin(line)
     scen = workdir / f"scenario-{line}.json"
     scen.write_text(json.dumps(scenario))
     argv = [str(binary), "-scenario", str(scen), "-wait-plugins", str(wait_plugins),
-            "-wait-timeout", "60s", "-registration-timeout", "20s"]
+            "-wait-timeout", "60s", "-registration-timeout", "20s",
+            "-retries", str(retries), "-retry-interval", retry_interval]
+    if ready_endpoints is not None:
+        argv += ["-ready-endpoints", str(ready_endpoints), "-ready-timeout", "60s"]
     if socket is not None:
         argv += ["-socket", str(socket)]
     if plugin_dir is not None:
@@ -284,7 +309,26 @@ def start_runtime(procs: list[Proc], line: str, workdir: Path, scenario: dict[st
     return p
 
 
+class InteropRetryWarning(UserWarning):
+    """A harness had to retry a call (the plugin answered UNAVAILABLE): the
+    case passed, but only after a retry, which pytest's summary shows."""
+
+
+def report_retries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Turn every ``retry`` event of a runtime harness into an
+    InteropRetryWarning (shown in pytest's warnings summary); returns them."""
+    retries = [e for e in events if e.get("event") == "retry"]
+    for e in retries:
+        warnings.warn(InteropRetryWarning(
+            f"{e.get('op')} of {e.get('pod')}/{e.get('container')} retried after attempt {e.get('attempt')} "
+            f"({e.get('ms')} ms): {e.get('error')}"), stacklevel=2)
+    return retries
+
+
 def check_no_fatal(events: list[dict[str, Any]], *procs_: Proc) -> None:
+    """Fail on a harness ``fatal`` event; also report its retries as warnings
+    (``report_retries``)."""
+    report_retries(events)
     fatal = [e for e in events if e.get("event") == "fatal"]
     if fatal:
         pytest.fail(f"harness fatal: {fatal[0]['error']}" + "".join(p.stderr_tail() for p in procs_))

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from interop_util import (
     NRI_LINES,
+    InteropRetryWarning,
     Proc,
     adjustment_is_empty,
     build_module,
@@ -125,6 +128,111 @@ def test_runtime_restart_reconnect_and_resync(line, sdir, procs):
     sync2 = [e for e in events if e["event"] == "synchronized" and e["round"] == 2 and not e["preinstalled"]]
     assert len(sync2) == 1 and sync2[0]["container_ids"] == ["ctr-default-before-app-r1"]
     assert [env_of(c) for c in creates(events, 2)] == [{"T": "1"}]
+
+
+@pytest.mark.parametrize("line", LINES)
+def test_unavailable_create_and_start_are_retried_and_reported(line, sdir, procs):
+    """A plugin answering UNAVAILABLE is retried like kubelet would; each
+    retry is an event, listed on the create/start event and a pytest warning."""
+    sock = sdir / "nri.sock"
+    rt = start_runtime(procs, line, sdir, {"pods": [_pod("p")]}, socket=sock, retries=3, retry_interval="50ms")
+    procs.append(Proc([str(template_bin(line)), "-socket", str(sock), "-idx", "10", "-env", "T=1",
+                       "-unavailable-creates", "1", "-unavailable-starts", "2"], stderr_path=sdir / "t.log"))
+    events = rt.finish(60)
+    with pytest.warns(InteropRetryWarning, match="answered unavailable") as caught:
+        check_no_fatal(events, rt)
+    assert len([w for w in caught if issubclass(w.category, InteropRetryWarning)]) == 3
+    (c,) = creates(events)
+    assert c["ok"] and c["attempts"] == 2 and env_of(c) == {"T": "1"}, c
+    (start,) = [e for e in events if e["event"] == "start"]
+    assert start["ok"] and start["attempts"] == 3, start
+    retries = [e for e in events if e["event"] == "retry"]
+    assert [(e["op"], e["attempt"]) for e in retries] == [("create", 1), ("start", 1), ("start", 2)]
+    assert all("Unavailable" in e["error"] for e in retries), retries
+
+
+@pytest.mark.parametrize("line", LINES)
+def test_retries_are_bounded(line, sdir, procs):
+    sock = sdir / "nri.sock"
+    rt = start_runtime(procs, line, sdir, {"pods": [_pod("p")]}, socket=sock, retries=1, retry_interval="10ms")
+    procs.append(Proc([str(template_bin(line)), "-socket", str(sock), "-idx", "10", "-unavailable-starts", "5"],
+                      stderr_path=sdir / "t.log"))
+    events = rt.finish(60)
+    with pytest.warns(InteropRetryWarning):
+        check_no_fatal(events, rt)
+    (start,) = [e for e in events if e["event"] == "start"]
+    assert not start["ok"] and start["attempts"] == 2 and "Unavailable" in start["error"], start
+
+
+class _Readyz:
+    """A stand-in daemon health server: /readyz answers 503 `not_ready` times, then 200."""
+
+    def __init__(self, not_ready: int) -> None:
+        outer = self
+        self.calls = 0
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                outer.calls += 1
+                ok = self.path == "/readyz" and outer.calls > not_ready
+                body = json.dumps({"ready": ok}).encode()
+                self.send_response(200 if ok else 503)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def write_endpoints(self, path):
+        path.write_text(json.dumps({"health": f"127.0.0.1:{self.server.server_address[1]}"}))
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def readyz():
+    made = []
+
+    def make(not_ready):
+        made.append(_Readyz(not_ready))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_scenario_waits_for_daemon_readyz(sdir, procs, readyz):
+    sock, ep = sdir / "nri.sock", sdir / "endpoints.json"
+    server = readyz(3)
+    rt = start_runtime(procs, "v012", sdir, {"pods": [_pod("p")]}, socket=sock, ready_endpoints=ep)
+    procs.append(Proc([str(template_bin("v012")), "-socket", str(sock), "-idx", "10"], stderr_path=sdir / "t.log"))
+    server.write_endpoints(ep)  # written late, like a daemon that is still starting
+    events = rt.finish(60)
+    check_no_fatal(events, rt)
+    names = [e["event"] for e in events]
+    assert names.index("daemon_ready") < names.index("run_pod"), names
+    assert next(e for e in events if e["event"] == "daemon_ready")["polls"] == 4
+    assert server.calls == 4
+
+
+def test_daemon_never_ready_is_fatal(sdir, procs, readyz):
+    sock, ep = sdir / "nri.sock", sdir / "endpoints.json"
+    readyz(10**6).write_endpoints(ep)
+    rt = start_runtime(procs, "v012", sdir, {"pods": [_pod("p")]}, socket=sock, ready_endpoints=ep,
+                       extra=["-ready-timeout", "1s"])
+    procs.append(Proc([str(template_bin("v012")), "-socket", str(sock), "-idx", "10"], stderr_path=sdir / "t.log"))
+    events = rt.finish(60)
+    fatal = [e for e in events if e["event"] == "fatal"]
+    assert fatal and "not ready" in fatal[0]["error"] and "503" in fatal[0]["error"], events[-3:]
+    assert not creates(events)
 
 
 def test_bench_mode_reports_percentiles(sdir, procs):

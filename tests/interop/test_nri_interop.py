@@ -20,6 +20,7 @@ from interop_util import (
     adjustment_is_empty,
     check_no_fatal,
     creates,
+    endpoints_file,
     env_of,
     fracplugin_argv,
     mounts_of,
@@ -76,10 +77,12 @@ def small_pod(name, uid, gpu_uuid):
 
 def run_with_daemon(procs, sdir, line, scenario, *, extra=None, templates=(), wait=None):
     """Start the runtime harness, then our daemon (and template plugins), and
-    return the harness events once it finished."""
+    return the harness events once it finished. The harness runs the scenario
+    only once the daemon's /readyz says ready, and retries a create/start
+    answered UNAVAILABLE like kubelet (reported as warnings)."""
     sock = sdir / "nri.sock"
     rt = start_runtime(procs, line, sdir, scenario, socket=sock, wait_plugins=wait or 1 + len(templates),
-                       extra=extra)
+                       extra=extra, ready_endpoints=endpoints_file(sdir))
     for idx, env in templates:
         procs.append(Proc([str(template_bin(line)), "-socket", str(sock), "-idx", idx, "-name", f"template{idx}",
                            "-env", env], stderr_path=sdir / f"template{idx}.log"))
@@ -155,7 +158,8 @@ def test_launched_from_plugin_dir_on_fd3(line, sdir, procs):
     # --no-mps: the runtime SIGKILLs launched plugins, so no MPS children are left behind
     argv = [a for a in fracplugin_argv(sdir, nri_socket=None, mps=False)] + ["--no-device-plugin"]
     wrapper_script(pdir / "50-fracplugin", argv, sdir / "fracplugin.log")
-    rt = start_runtime(procs, line, sdir, {"pods": [bound_pod()]}, plugin_dir=pdir, config_dir=cdir, wait_plugins=0)
+    rt = start_runtime(procs, line, sdir, {"pods": [bound_pod()]}, plugin_dir=pdir, config_dir=cdir, wait_plugins=0,
+                       ready_endpoints=endpoints_file(sdir))
     events = rt.finish(120)
     check_no_fatal(events, rt)
     order = next(e for e in events if e["event"] == "plugin_order")["plugins"]

@@ -4,6 +4,7 @@ go 1.24.0
 
 require (
 	github.com/containerd/nri v0.12.5
+	google.golang.org/grpc v1.65.1
 	google.golang.org/protobuf v1.34.1
 )
 
@@ -17,5 +18,4 @@ require (
 	go.yaml.in/yaml/v3 v3.0.5 // indirect
 	golang.org/x/sys v0.39.0 // indirect
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20240528184218-531527333157 // indirect
-	google.golang.org/grpc v1.65.1 // indirect
 )

@@ -4,6 +4,7 @@ go 1.24
 
 require (
 	github.com/containerd/nri v0.8.0
+	google.golang.org/grpc v1.57.1
 	google.golang.org/protobuf v1.34.1
 )
 
@@ -18,6 +19,5 @@ require (
 	golang.org/x/sys v0.21.0 // indirect
 	golang.org/x/text v0.15.0 // indirect
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20230731190214-cbb8c96f2d6d // indirect
-	google.golang.org/grpc v1.57.1 // indirect
 	k8s.io/cri-api v0.25.3 // indirect
 )

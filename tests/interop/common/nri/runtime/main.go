@@ -27,18 +27,26 @@
 //	       "containers":[{"name","id","env":["K=V"],"annotations":{},
 //	                      "mounts":[{"destination","source","type","options":[]}]}]}
 //
-// Output events (field "event"): ready, synchronized, plugin_order, run_pod,
-// create, start, stop, remove, stop_pod, remove_pod, restart, bench, churn,
-// checkpoint, done, fatal.
+// Output events (field "event"): ready, synchronized, plugin_order,
+// daemon_ready (-ready-endpoints), run_pod, create, retry, start, stop,
+// remove, stop_pod, remove_pod, restart, bench, churn, checkpoint, done, fatal.
+//
+// Like kubelet, the scenario retries a CreateContainer or StartContainer that
+// a plugin answered with UNAVAILABLE (-retries, -retry-interval); each retry
+// is a "retry" event and is listed in the create/start event's "retries"
+// (with "attempts"), so the caller can report it. Bench and churn modes do
+// not retry (they measure single calls).
 package main
 
 import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -52,6 +60,8 @@ import (
 
 	"github.com/containerd/nri/pkg/adaptation"
 	nrilog "github.com/containerd/nri/pkg/log"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 )
@@ -336,6 +346,10 @@ type runtime struct {
 	pluginDir  string
 	configDir  string
 	external   bool
+	// kubelet-style retries of a CreateContainer/StartContainer that a plugin
+	// answered with UNAVAILABLE (-retries extra tries, -retry-interval apart)
+	retries       int
+	retryInterval time.Duration
 }
 
 func (r *runtime) syncFn(ctx context.Context, cb adaptation.SyncCB) error {
@@ -457,14 +471,63 @@ func envMap(adj *adaptation.ContainerAdjustment) map[string]string {
 	return m
 }
 
-// createOne issues one CreateContainer and emits its result.
+// isUnavailable reports whether a plugin answered with ttrpc/gRPC code
+// UNAVAILABLE (the adaptation may wrap the status error with %w).
+func isUnavailable(err error) bool {
+	if err == nil {
+		return false
+	}
+	if st, ok := status.FromError(err); ok && st.Code() == codes.Unavailable {
+		return true
+	}
+	var se interface{ GRPCStatus() *status.Status }
+	if errors.As(err, &se) && se.GRPCStatus().Code() == codes.Unavailable {
+		return true
+	}
+	return false
+}
+
+// withRetries calls f until it succeeds, fails with anything but
+// UNAVAILABLE, or r.retries extra tries are used up, sleeping
+// r.retryInterval between tries, as kubelet retries a container whose
+// create/start failed (with a back-off; a fixed interval here). Each retry is
+// emitted as a "retry" event and listed in the returned slice, so a test can
+// report it instead of absorbing it silently.
+func (r *runtime) withRetries(op string, pod *adaptation.PodSandbox, ctr *adaptation.Container, f func() error) ([]any, error) {
+	var retries []any
+	for attempt := 1; ; attempt++ {
+		start := time.Now()
+		err := f()
+		if err == nil || !isUnavailable(err) || attempt > r.retries {
+			return retries, err
+		}
+		rec := map[string]any{"attempt": attempt, "error": err.Error(), "ms": msSince(start),
+			"wait_ms": float64(r.retryInterval.Microseconds()) / 1000.0}
+		retries = append(retries, rec)
+		ev := map[string]any{"event": "retry", "op": op, "round": r.round, "pod": pod.Namespace + "/" + pod.Name,
+			"container": ctr.Name, "id": ctr.Id}
+		for k, v := range rec {
+			ev[k] = v
+		}
+		emit(ev)
+		time.Sleep(r.retryInterval)
+	}
+}
+
+// createOne issues CreateContainer (retried on UNAVAILABLE) and emits its result.
 func (r *runtime) createOne(ctx context.Context, pod *adaptation.PodSandbox, ctr *adaptation.Container) bool {
 	req := &adaptation.CreateContainerRequest{Pod: pod, Container: ctr}
+	var rsp *adaptation.CreateContainerResponse
 	start := time.Now()
-	rsp, err := r.a.CreateContainer(ctx, req)
+	retries, err := r.withRetries("create", pod, ctr, func() error {
+		var err error
+		rsp, err = r.a.CreateContainer(ctx, req)
+		return err
+	})
 	ev := map[string]any{
 		"event": "create", "round": r.round, "pod": pod.Namespace + "/" + pod.Name, "pod_uid": pod.Uid,
 		"container": ctr.Name, "id": ctr.Id, "ms": msSince(start), "ok": err == nil, "error": errStr(err),
+		"attempts": len(retries) + 1, "retries": retries,
 	}
 	if err == nil {
 		var adj *adaptation.ContainerAdjustment
@@ -481,6 +544,54 @@ func (r *runtime) createOne(ctx context.Context, pod *adaptation.PodSandbox, ctr
 	}
 	emit(ev)
 	return err == nil
+}
+
+// startOne issues StartContainer (retried on UNAVAILABLE) and emits its result.
+func (r *runtime) startOne(ctx context.Context, pod *adaptation.PodSandbox, ctr *adaptation.Container) bool {
+	start := time.Now()
+	retries, err := r.withRetries("start", pod, ctr, func() error { return evStart(ctx, r.a, pod, ctr) })
+	emit(map[string]any{"event": "start", "round": r.round, "pod": pod.Namespace + "/" + pod.Name,
+		"container": ctr.Name, "id": ctr.Id, "ms": msSince(start), "ok": err == nil, "error": errStr(err),
+		"attempts": len(retries) + 1, "retries": retries})
+	return err == nil
+}
+
+// waitDaemonReady waits until the plugin daemon reports overall readiness:
+// its health address is read from endpointsPath (the "health" key of the
+// JSON the daemon writes once started), then GET /readyz is polled until it
+// answers 200, the way a DaemonSet rollout waits for the readiness probe.
+// Emits "daemon_ready"; fatal after timeout with the last answer.
+func (r *runtime) waitDaemonReady(endpointsPath string, timeout time.Duration) {
+	if endpointsPath == "" {
+		return
+	}
+	start := time.Now()
+	deadline := start.Add(timeout)
+	client := &http.Client{Timeout: 2 * time.Second}
+	last := "endpoints file not written yet"
+	polls := 0
+	for time.Now().Before(deadline) {
+		var ep struct {
+			Health string `json:"health"`
+		}
+		if b, err := os.ReadFile(endpointsPath); err == nil && json.Unmarshal(b, &ep) == nil && ep.Health != "" {
+			polls++
+			rsp, err := client.Get("http://" + ep.Health + "/readyz")
+			if err != nil {
+				last = err.Error()
+			} else {
+				body, _ := io.ReadAll(io.LimitReader(rsp.Body, 64<<10))
+				rsp.Body.Close()
+				last = fmt.Sprintf("%d %s", rsp.StatusCode, strings.TrimSpace(string(body)))
+				if rsp.StatusCode == http.StatusOK {
+					emit(map[string]any{"event": "daemon_ready", "round": r.round, "ms": msSince(start), "polls": polls})
+					return
+				}
+			}
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	fatal("daemon not ready within %s (%s): %s", timeout, endpointsPath, last)
 }
 
 func (r *runtime) simple(op string, pod *adaptation.PodSandbox, ctr *adaptation.Container, f func() error) {
@@ -515,7 +626,7 @@ func (r *runtime) runPods(ctx context.Context, pods []podSpec) []created {
 			ctr.State = adaptation.ContainerState_CONTAINER_CREATED
 			r.st.putCtr(ctr)
 			_ = evPostCreate(ctx, r.a, pod, ctr)
-			r.simple("start", pod, ctr, func() error { return evStart(ctx, r.a, pod, ctr) })
+			r.startOne(ctx, pod, ctr)
 			ctr.State = adaptation.ContainerState_CONTAINER_RUNNING
 			_ = evPostStart(ctx, r.a, pod, ctr)
 			cr.ctrs = append(cr.ctrs, ctr)
@@ -740,6 +851,10 @@ func main() {
 		pause        = flag.Bool("pause", false, "churn: wait for a stdin line at each checkpoint")
 		holdAfter    = flag.Bool("hold", false, "after everything, wait for stdin EOF before stopping the runtime")
 		gate         = flag.Bool("gate", false, "after the plugins registered, print a gate event and wait for a stdin line")
+		readyFile    = flag.String("ready-endpoints", "", "the plugin daemon's endpoints.json: before the scenario (and after a reconnect) wait until GET http://<health>/readyz answers 200")
+		readyTimeout = flag.Duration("ready-timeout", 60*time.Second, "how long to wait for -ready-endpoints readiness")
+		retries      = flag.Int("retries", 5, "kubelet-style extra tries of a CreateContainer/StartContainer answered UNAVAILABLE (0 = none)")
+		retryIvl     = flag.Duration("retry-interval", time.Second, "pause between those tries")
 	)
 	flag.BoolVar(&verbose, "v", false, "log adaptation debug lines")
 	flag.Parse()
@@ -779,7 +894,7 @@ func main() {
 	}
 
 	r := &runtime{st: newState(), socketPath: *socketPath, pluginDir: *pluginDir, configDir: *configDir,
-		external: *socketPath != "", round: 1}
+		external: *socketPath != "", round: 1, retries: *retries, retryInterval: *retryIvl}
 	r.syncCond = sync.NewCond(&r.syncMu)
 	for _, ps := range sc.Sync {
 		pod := makePod(ps)
@@ -797,6 +912,7 @@ func main() {
 		fatal("timeout: %d of %d plugins registered within %s", r.syncCount, *waitN, *waitTimeout)
 	}
 	emit(map[string]any{"event": "plugin_order", "round": r.round, "plugins": logger.Order()})
+	r.waitDaemonReady(*readyFile, *readyTimeout)
 	if *gate {
 		emit(map[string]any{"event": "gate"})
 		_, _ = stdinReader.ReadString('\n')
@@ -827,6 +943,7 @@ func main() {
 				fatal("timeout: plugin did not come back after the runtime restarted")
 			}
 			emit(map[string]any{"event": "plugin_order", "round": r.round, "plugins": logger.Order()})
+			r.waitDaemonReady(*readyFile, *readyTimeout)
 			cs = append(cs, r.runPods(ctx, sc.AfterReconnect)...)
 		}
 		if !sc.Keep {

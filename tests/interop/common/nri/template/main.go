@@ -14,9 +14,13 @@
 //	             of exiting, like a well-behaved external plugin
 //	-socket P    NRI socket (default: the stub's default, or fd 3 when the
 //	             runtime launched us: NRI_PLUGIN_SOCKET)
+//	-unavailable-creates N, -unavailable-starts N
+//	             answer the first N CreateContainer / StartContainer calls
+//	             with code UNAVAILABLE (to self-test the runtime harness's
+//	             kubelet-style retries)
 //
 // Concurrency: the stub's ttrpc goroutines call the handlers; the handlers
-// share no mutable state except an atomic counter.
+// share no mutable state except atomic counters.
 package main
 
 import (
@@ -30,6 +34,8 @@ import (
 
 	"github.com/containerd/nri/pkg/api"
 	"github.com/containerd/nri/pkg/stub"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 type envFlag []string
@@ -40,6 +46,10 @@ func (e *envFlag) Set(v string) error { *e = append(*e, v); return nil }
 type plugin struct {
 	env     []*api.KeyValue
 	creates atomic.Int64
+	starts  atomic.Int64
+	// the first unavailCreates/unavailStarts calls answer UNAVAILABLE
+	unavailCreates int64
+	unavailStarts  int64
 }
 
 func logf(format string, args ...any) {
@@ -61,12 +71,21 @@ func (p *plugin) Shutdown(_ context.Context) {
 }
 
 func (p *plugin) CreateContainer(_ context.Context, pod *api.PodSandbox, ctr *api.Container) (*api.ContainerAdjustment, []*api.ContainerUpdate, error) {
-	p.creates.Add(1)
+	if n := p.creates.Add(1); n <= p.unavailCreates {
+		return nil, nil, status.Errorf(codes.Unavailable, "template-plugin: create %d of %s answered unavailable", n, ctr.Name)
+	}
 	adj := &api.ContainerAdjustment{}
 	for _, kv := range p.env {
 		adj.AddEnv(kv.Key, kv.Value)
 	}
 	return adj, nil, nil
+}
+
+func (p *plugin) StartContainer(_ context.Context, pod *api.PodSandbox, ctr *api.Container) error {
+	if n := p.starts.Add(1); n <= p.unavailStarts {
+		return status.Errorf(codes.Unavailable, "template-plugin: start %d of %s answered unavailable", n, ctr.Name)
+	}
+	return nil
 }
 
 func (p *plugin) StopContainer(_ context.Context, pod *api.PodSandbox, ctr *api.Container) ([]*api.ContainerUpdate, error) {
@@ -83,12 +102,14 @@ func main() {
 		idx       = flag.String("idx", "", "plugin index, two digits (default: NRI_PLUGIN_IDX)")
 		socket    = flag.String("socket", "", "NRI socket path")
 		reconnect = flag.Bool("reconnect", false, "reconnect after the runtime goes away instead of exiting")
+		unCreates = flag.Int64("unavailable-creates", 0, "answer the first N CreateContainer calls with UNAVAILABLE")
+		unStarts  = flag.Int64("unavailable-starts", 0, "answer the first N StartContainer calls with UNAVAILABLE")
 		env       envFlag
 	)
 	flag.Var(&env, "env", "K=V to add to every created container (repeatable)")
 	flag.Parse()
 
-	p := &plugin{}
+	p := &plugin{unavailCreates: *unCreates, unavailStarts: *unStarts}
 	for _, e := range env {
 		k, v, _ := strings.Cut(e, "=")
 		p.env = append(p.env, &api.KeyValue{Key: k, Value: v})
