@@ -19,6 +19,11 @@ How it measures:
     (16 tenants per GPU at most; within the 48-client MPS limit).
   * RSS: -churn 10000 sequential create+remove pairs; the daemon's RSS is
     read with psutil at every 1000 (after 1000 and after 10000 are kept).
+  * State dir (``--state-dir``, the ledger file): on tmpfs (/dev/shm) for the
+    headline keys, as production keeps it on tmpfs (/run/fracplugin/state);
+    the latency levels are run a second time with the state dir on the disk
+    (/tmp) for the ``nri.create.disk_state.*`` keys, which add the ledger's
+    two fsyncs per change (``--state {tmpfs,disk,both}``, default both).
 
 Keys: nri.create.c1.p50_ms, nri.create.c1.p99_ms, nri.create.c16.p99_ms,
 nri.create.c64.p50_ms, nri.create.c64.p99_ms, nri.create.c64.p99_go_template_ms,
@@ -29,7 +34,7 @@ the c=64 level divided by its calls: the per-call service time, since the
 adaptation serialises calls).
 The raw harness output is saved to build/bench-nri-raw.json.
 
-Usage: python tests/bench/bench_nri.py [--calls N] [--churn N]
+Usage: python tests/bench/bench_nri.py [--calls N] [--churn N] [--state tmpfs|disk|both]
 No assertions on the figures: targets are read by people (issue 3).
 """
 
@@ -54,6 +59,8 @@ import interop_util as iu  # noqa: E402  (helpers shared with the interop tests)
 REPORT = REPO / "build" / "bench.json"
 RAW = REPO / "build" / "bench-nri-raw.json"
 PREFIX = "nvidia.com/container.app."
+TMPFS = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+"""Parent of the work dirs (and so of the daemon's --state-dir) for the headline figures."""
 
 
 def bench_pods(n: int = 64) -> list[dict]:
@@ -170,20 +177,31 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=1000, help="CreateContainer calls per concurrency level")
     ap.add_argument("--churn", type=int, default=10000, help="create+remove pairs for the RSS figure")
+    ap.add_argument("--state", choices=("tmpfs", "disk", "both"), default="both",
+                    help="where the daemon's state dir (ledger) lives for the latency runs")
     a = ap.parse_args(argv)
     t0 = time.monotonic()
     iu.build_module("nri-v012")
     raw: dict = {}
-    with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d1:
-        ours = run_bench(Path(d1), "fracplugin", a.calls)
+    ours: dict[int, dict] = {}
+    disk: dict[int, dict] = {}
+    if a.state in ("tmpfs", "both"):
+        with tempfile.TemporaryDirectory(prefix="fpb", dir=TMPFS) as d1:
+            ours = run_bench(Path(d1), "fracplugin", a.calls)
+    if a.state in ("disk", "both"):
+        with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d1:
+            disk = run_bench(Path(d1), "fracplugin", a.calls)
+    if not ours:  # --state disk: the disk figures are the only ones
+        ours = disk
     with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d2:
         tmpl = run_bench(Path(d2), "template", a.calls)
-    with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d3:
+    with tempfile.TemporaryDirectory(prefix="fpb", dir=TMPFS if a.state != "disk" else "/tmp") as d3:
         rss, churn_errors = run_churn(Path(d3), a.churn)
-    raw = {"fracplugin": ours, "go_template": tmpl, "rss_mib": rss}
+    raw = {"fracplugin": ours, "fracplugin_disk_state": disk, "go_template": tmpl, "rss_mib": rss,
+           "state": a.state}
     RAW.parent.mkdir(parents=True, exist_ok=True)
     RAW.write_text(json.dumps(raw, indent=1, sort_keys=True) + "\n")
-    errors = sum(b["errors"] for b in ours.values())
+    errors = sum(b["errors"] for b in ours.values()) + (sum(b["errors"] for b in disk.values()) if disk is not ours else 0)
     values = {
         "nri.create.c1.p50_ms": ours[1]["p50_ms"],
         "nri.create.c1.p99_ms": ours[1]["p99_ms"],
@@ -199,12 +217,18 @@ def main(argv: list[str]) -> int:
         "nri.create.c64.service_ms": round(ours[64]["per_call_ms"], 3),
         "nri.create.c64.service_go_template_ms": round(tmpl[64]["per_call_ms"], 3),
     }
+    if disk:
+        values.update({
+            "nri.create.disk_state.c1.p50_ms": disk[1]["p50_ms"],
+            "nri.create.disk_state.c64.p99_ms": disk[64]["p99_ms"],
+            "nri.create.disk_state.c64.service_ms": round(disk[64]["per_call_ms"], 3),
+        })
     merge_report(values)
     print(json.dumps(values, indent=1, sort_keys=True))
     print(f"bench_nri: done in {time.monotonic() - t0:.0f}s; raw figures in {RAW.relative_to(REPO)}")
     if errors:
-        print(f"bench_nri: {errors} CreateContainer calls failed, e.g. "
-              f"{next(b['first_error'] for b in ours.values() if b['errors'])}", file=sys.stderr)
+        first = next((b["first_error"] for b in [*ours.values(), *disk.values()] if b["errors"]), "")
+        print(f"bench_nri: {errors} CreateContainer calls failed, e.g. {first}", file=sys.stderr)
     return 0
 
 
