@@ -13,8 +13,10 @@ Start order (each part switchable, DESIGN.md section 3):
 7. device plugin server + registration (``--no-device-plugin`` to disable);
    it reads kubelet's PodResources API (``--pod-resources-socket``) at start
    to rebuild the ledger for containers allocated before a restart;
-8. health server (``/healthz``, ``/readyz``, ``/status``); the bound
-   addresses are logged and written to ``<state-dir>/endpoints.json``.
+8. health server (``/healthz``, ``/readyz``, ``/status``, and with
+   ``--simulate-node`` only ``POST /simulate/xid``, which injects an XID into
+   the simulated inventory: health.py); the bound addresses are logged and
+   written to ``<state-dir>/endpoints.json``.
 
 Stop order (SIGTERM/SIGINT), within ``--shutdown-timeout`` seconds in all:
 health turns not-alive, the device plugin stops advertising (its socket goes,
@@ -406,8 +408,31 @@ class Daemon:
             self.endpoints["device_plugin_socket"] = str(sock)
         self.endpoints["kubelet_socket"] = self.cfg.effective_kubelet_socket
 
+    def simulate_xid(self, gpu_uuid: str, xid: int) -> None:
+        """``POST /simulate/xid``: queue XID ``xid`` on ``gpu_uuid`` in the
+        simulated inventory (``SimulatedInventory.inject_xid``); the device
+        plugin's health monitor then sees it as NVML would deliver it.
+        Raises LookupError for a GPU this node does not have; RuntimeError
+        when the inventory is not simulated (the route is never offered then)."""
+        from .gpu.inventory import InventoryError
+
+        inject = getattr(self.inventory, "inject_xid", None)
+        if not self.cfg.simulate_node or not callable(inject):
+            raise RuntimeError("XIDs can only be injected into a simulated node (--simulate-node)")
+        assert self.node is not None
+        if self.node.gpu_by_uuid(gpu_uuid) is None:
+            raise LookupError(f"no GPU {gpu_uuid} on node {self.node.name} "
+                              f"(GPUs: {', '.join(g.uuid for g in self.node.gpus)})")
+        try:
+            inject(gpu_uuid, xid)
+        except InventoryError as exc:
+            raise LookupError(str(exc)) from None
+
     def _build_health(self) -> None:
-        self.health = HealthServer(self.cfg.health_address, self.checks, self.status, alive=self.alive)
+        simulate = self.simulate_xid if self.cfg.simulate_node and callable(
+            getattr(self.inventory, "inject_xid", None)) else None
+        self.health = HealthServer(self.cfg.health_address, self.checks, self.status, alive=self.alive,
+                                   simulate_xid=simulate)
         try:
             host, port = self.health.start()
         except OSError as exc:

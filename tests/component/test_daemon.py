@@ -277,6 +277,54 @@ def test_device_plugin_door_registers_and_stops_advertising(daemon: Callable[...
         kubelet.stop()
 
 
+def test_simulated_xid_flips_one_gpu_through_the_health_endpoint(daemon: Callable[..., DaemonProc],
+                                                                  root: Path) -> None:
+    """POST /simulate/xid on a --simulate-node daemon reaches the inventory:
+    every device of that GPU turns Unhealthy at kubelet (issue 4 item 3),
+    /status says why; an application XID (13) queued before it changes
+    nothing (events are consumed in order)."""
+    from fake_kubelet import FakeKubelet
+
+    dp_dir = root / "dp"
+    dp_dir.mkdir()
+    kubelet = FakeKubelet(str(dp_dir)).start()
+    try:
+        d = daemon("--no-nri", "--no-mps", "--device-plugin-dir", str(dp_dir),
+                   "--pod-resources-socket", str(root / "pr.sock"))
+        rn = "fracplugin.io/gpu-memory"
+        assert wait_until(lambda: len(kubelet.devices(rn)) == 4 * (81559 // 1024))
+
+        def post(body: Any) -> tuple[int, str]:
+            req = urllib.request.Request(f"http://{d.endpoints['health']}/simulate/xid", method="POST",
+                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        def unhealthy() -> set[str]:
+            return {i.rpartition("::")[0] for i, h in kubelet.devices(rn).items() if h != "Healthy"}
+
+        gpu1 = GPU0[:-1] + "2"
+        # an application XID on another GPU, queued before the critical one: ignored
+        assert post({"gpu_uuid": gpu1, "xid": 13}) == (202, json.dumps({"injected": {"gpu_uuid": gpu1, "xid": 13}},
+                                                                        indent=1) + "\n")
+        code, body = post({"gpu_uuid": "GPU-nope", "xid": 79})
+        assert code == 404 and "no GPU GPU-nope on node" in body
+        code, body = post({"gpu_uuid": GPU0, "xid": "79"})
+        assert code == 400 and "xid must be an integer" in body
+        assert post({"gpu_uuid": GPU0, "xid": 79})[0] == 202
+        assert wait_until(lambda: unhealthy() == {GPU0}), kubelet.devices(rn)
+        per_gpu = {g["uuid"]: g for g in d.get("/status")[1]["gpus"]}
+        assert per_gpu[GPU0]["healthy"] is False and per_gpu[GPU0]["unhealthy_reasons"] == ["xid 79"]
+        assert all(g["healthy"] for u, g in per_gpu.items() if u != GPU0)
+        assert any(r.get("xid") == 79 and r.get("gpu_uuid") == GPU0 for r in d.log_records())
+        assert d.terminate() == 0
+    finally:
+        kubelet.stop()
+
+
 def test_device_plugin_door_not_ready_without_kubelet(daemon: Callable[..., DaemonProc], root: Path) -> None:
     dp_dir = root / "dp"
     dp_dir.mkdir()

@@ -124,3 +124,72 @@ def test_status_table_rendering() -> None:
     assert "d/p/c: request 40 MiB, limit 60 MiB, sm-sharing  ATP 50%  id 0123456789ab" in out
     assert "sm-sharing    UNHEALTHY state restarting  restarts 2  last_error probe timed out" in out
     assert url_for("0.0.0.0:8080") == "http://127.0.0.1:8080/status" and url_for(":9") == "http://127.0.0.1:9/status"
+
+
+def post(addr: tuple[str, int], path: str, body: bytes | None, headers: dict[str, str] | None = None,
+         method: str = "POST") -> tuple[int, str, dict[str, str]]:
+    req = urllib.request.Request(f"http://{addr[0]}:{addr[1]}{path}", data=body, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, r.read().decode(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(), dict(e.headers)
+
+
+def test_simulate_xid_validates_the_body_and_calls_back() -> None:
+    from fracplugin.health import MAX_BODY
+
+    injected: list[tuple[str, int]] = []
+
+    def inject(uuid: str, xid: int) -> None:
+        if uuid != "GPU-a":
+            raise LookupError(f"no GPU {uuid} on node n")
+        injected.append((uuid, xid))
+
+    h = HealthServer("127.0.0.1:0", dict, dict, simulate_xid=inject)
+    addr = h.start()
+    try:
+        code, body, _ = post(addr, "/simulate/xid", json.dumps({"gpu_uuid": "GPU-a", "xid": 79}).encode())
+        assert code == 202 and json.loads(body) == {"injected": {"gpu_uuid": "GPU-a", "xid": 79}}
+        assert injected == [("GPU-a", 79)]
+        code, body, _ = post(addr, "/simulate/xid", json.dumps({"gpu_uuid": "GPU-zz", "xid": 79}).encode())
+        assert code == 404 and "no GPU GPU-zz" in body
+        bad = {
+            b"{not json": "not valid JSON",
+            b"[1, 2]": "JSON list",
+            json.dumps({"gpu_uuid": "GPU-a"}).encode(): "xid must be an integer",
+            json.dumps({"gpu_uuid": "GPU-a", "xid": "79"}).encode(): "xid must be an integer",
+            json.dumps({"gpu_uuid": "GPU-a", "xid": True}).encode(): "xid must be an integer",
+            json.dumps({"gpu_uuid": "GPU-a", "xid": 79.0}).encode(): "xid must be an integer",
+            json.dumps({"gpu_uuid": "GPU-a", "xid": 0}).encode(): "xid must be an integer",
+            json.dumps({"gpu_uuid": "GPU-a", "xid": 2**32}).encode(): "xid must be an integer",
+            json.dumps({"gpu_uuid": "", "xid": 79}).encode(): "gpu_uuid must be a non-empty string",
+            json.dumps({"gpu_uuid": 3, "xid": 79}).encode(): "gpu_uuid must be a non-empty string",
+            json.dumps({"uuid": "GPU-a", "xid": 79}).encode(): "unknown field(s) 'uuid'",
+        }
+        for payload, why in bad.items():
+            code, body, _ = post(addr, "/simulate/xid", payload)
+            assert code == 400 and why in body and '"gpu_uuid"' in body, (payload, code, body)
+        code, body, _ = post(addr, "/simulate/xid", b"x" * (MAX_BODY + 1))
+        assert code == 413, (code, body)
+        code, _, hdrs = post(addr, "/simulate/xid", None, method="GET")
+        assert code == 405 and hdrs["Allow"] == "POST"
+        code, _, hdrs = post(addr, "/healthz", b"{}")
+        assert code == 405 and hdrs["Allow"] == "GET, HEAD"
+        assert post(addr, "/nowhere", b"{}")[0] == 404
+        assert injected == [("GPU-a", 79)]  # nothing bad reached the callback
+        assert get(addr, "/healthz") == (200, "ok\n")
+    finally:
+        h.stop()
+
+
+def test_simulate_xid_absent_without_a_simulated_node() -> None:
+    h = HealthServer("127.0.0.1:0", dict, dict)  # what the daemon builds with NVML
+    addr = h.start()
+    try:
+        code, body, _ = post(addr, "/simulate/xid", json.dumps({"gpu_uuid": "GPU-a", "xid": 79}).encode())
+        assert code == 404 and "--simulate-node" in body
+        assert post(addr, "/simulate/xid", None, method="GET")[0] == 404
+    finally:
+        h.stop()

@@ -188,6 +188,13 @@ class Proc:
                 except ProcessLookupError:
                     pass
                 self.p.wait(5)
+        self._t.join(5)  # the reader sees EOF once the process group is gone
+        for pipe in (self.p.stdin, self.p.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
         if self._err is not subprocess.DEVNULL:
             self._err.close()
 

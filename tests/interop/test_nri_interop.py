@@ -89,6 +89,7 @@ def run_with_daemon(procs, sdir, line, scenario, *, extra=None, templates=(), wa
     daemon = start_fracplugin(procs, sdir, nri_socket=sock)
     events = rt.finish(120)
     check_no_fatal(events, rt, daemon)
+    assert any(e["event"] == "daemon_ready" for e in events), "the scenario ran before the daemon was ready"
     return events
 
 
