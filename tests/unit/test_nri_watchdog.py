@@ -1,0 +1,61 @@
+"""The stub's watchdog (``nri.stub._Watchdog``): expired calls are reported,
+finished ones are not, and a call whose deadline is earlier than the ones
+already waited for is not held back behind them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fracplugin.nri.stub import _DONE, CallContext, _Call, _Watchdog
+from fracplugin.nri.ttrpc import RequestReceived
+
+
+def _call(stream_id: int, in_s: float) -> _Call:
+    ev = RequestReceived(stream_id, "svc", "CreateContainer", b"")
+    ctx = CallContext("CreateContainer", stream_id, 2.0, in_s, time.monotonic() + in_s)
+    return _Call(None, ev, ctx)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def watchdog():
+    seen: list[int] = []
+    done = threading.Condition()
+
+    def on_expired(call: _Call) -> None:
+        with done:
+            seen.append(call.stream_id)
+            done.notify_all()
+
+    wd = _Watchdog(on_expired)
+    yield wd, seen, done
+    wd.stop()
+
+
+def _wait_for(done: threading.Condition, seen: list[int], n: int) -> None:
+    with done:
+        assert done.wait_for(lambda: len(seen) >= n, timeout=10), seen
+
+
+def test_an_earlier_deadline_is_not_held_behind_a_later_one(watchdog) -> None:
+    wd, seen, done = watchdog
+    late = _call(1, 30.0)  # never expires within the test
+    wd.add(late)
+    time.sleep(0.05)  # the thread now sleeps towards the 30 s deadline
+    wd.add(_call(3, 0.01))
+    _wait_for(done, seen, 1)
+    assert seen == [3]
+
+
+def test_finished_calls_are_skipped_and_pending_ones_reported_in_deadline_order(watchdog) -> None:
+    wd, seen, done = watchdog
+    calls = [_call(1 + 2 * i, 0.02 + 0.01 * i) for i in range(6)]
+    for c in calls:
+        wd.add(c)
+    for c in calls[::2]:
+        assert c.claim(_DONE)
+    _wait_for(done, seen, 3)
+    time.sleep(0.1)  # nothing else may come
+    assert seen == [c.stream_id for c in calls[1::2]]
