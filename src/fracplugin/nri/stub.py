@@ -193,11 +193,17 @@ _PENDING, _DONE, _EXPIRED = 0, 1, 2
 
 
 class _Call:
-    __slots__ = ("session", "ev", "ctx", "request", "_lock", "state")
+    """One request in flight. The watchdog keeps a reference until the call's
+    deadline even when it finished long before, so ``_serve`` drops the
+    request bytes and message as soon as it is done with them."""
+
+    __slots__ = ("session", "ev", "method", "stream_id", "ctx", "request", "_lock", "state")
 
     def __init__(self, session: "_Session", ev: RequestReceived, ctx: CallContext) -> None:
         self.session = session
-        self.ev = ev
+        self.ev: RequestReceived | None = ev
+        self.method = ev.method
+        self.stream_id = ev.stream_id
         self.ctx = ctx
         self.request: Any = None
         self._lock = threading.Lock()
@@ -779,10 +785,10 @@ class NriStub:
     def _expired(self, call: _Call) -> None:
         if not call.claim(_EXPIRED):
             return
-        msg = f"{self.plugin_name}: {call.ev.method} did not finish within its budget of {call.ctx.budget_s:.2f} s"
+        msg = f"{self.plugin_name}: {call.method} did not finish within its budget of {call.ctx.budget_s:.2f} s"
         log.warning(
             "nri handler overran its budget; answered UNAVAILABLE",
-            extra={"method": call.ev.method, "stream_id": call.ev.stream_id, "seconds": call.ctx.budget_s},
+            extra={"method": call.method, "stream_id": call.stream_id, "seconds": call.ctx.budget_s},
         )
         self._send(call, None, RpcError(Code.UNAVAILABLE, msg))
 
@@ -791,29 +797,32 @@ class NriStub:
         assert transport is not None
         try:
             if error is not None:
-                transport.respond_error(call.ev.stream_id, error.code, error.message)
+                transport.respond_error(call.stream_id, error.code, error.message)
             else:
-                transport.respond(call.ev.stream_id, payload or b"")
+                transport.respond(call.stream_id, payload or b"")
         except (ConnectionClosed, ValueError) as exc:
             log.info(
                 "nri answer not sent: connection gone",
-                extra={"method": call.ev.method, "stream_id": call.ev.stream_id, "reason": str(exc)},
+                extra={"method": call.method, "stream_id": call.stream_id, "reason": str(exc)},
             )
 
     def _serve(self, call: _Call) -> None:
         """Pool thread: run the handler and answer, unless the watchdog did."""
         if call.state != _PENDING:
             return  # expired while queued: never run it
-        method = call.ev.method
+        method = call.method
         response: Any = None
         error: RpcError | None = None
         try:
-            call.request = call.session.dispatcher.decode(call.ev)
+            ev, call.ev = call.ev, None
+            assert ev is not None
+            call.request = call.session.dispatcher.decode(ev)
+            del ev
             response = call.session.dispatcher.handle(method, call.request, call.ctx)
         except RpcError as exc:
             error = exc
         except Exception as exc:
-            log.exception("nri handler failed", extra={"method": method, "stream_id": call.ev.stream_id})
+            log.exception("nri handler failed", extra={"method": method, "stream_id": call.stream_id})
             error = RpcError(Code.INTERNAL, f"{self.plugin_name}: {method} failed: {type(exc).__name__}: {exc}")
         payload = None
         if error is None:
@@ -823,6 +832,7 @@ class NriStub:
                 log.exception("nri response does not encode", extra={"method": method})
                 error = RpcError(Code.INTERNAL, f"{self.plugin_name}: {method} response does not encode: {exc}")
         if call.claim(_DONE):
+            call.request = None
             if method == "Synchronize" and error is None and not response.more:
                 # Counted before the answer leaves: the runtime proceeds on it.
                 call.session.synchronized = True
