@@ -7,7 +7,7 @@ Concurrency model: threads.
   connection to end, then reconnects with backoff (tenacity);
 - one *reader* thread per connection (``transport.NriTransport``) parses
   frames and only enqueues work;
-- a ``ThreadPoolExecutor`` (``max_workers``, default 16) runs the handler
+- a fixed pool of handler threads (``_Workers``, ``max_workers``, default 16) runs the handler
   methods, so requests are served concurrently and RegisterPlugin never
   blocks the reader (Configure can arrive before the register reply,
   nri-protocol.md section 1.6);
@@ -60,15 +60,16 @@ status; any other exception is logged and answered ``INTERNAL``.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
 import os
+import queue
 import re
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -276,6 +277,53 @@ class _Watchdog:
                     self._on_expired(call)
                 except Exception:
                     log.exception("nri watchdog failed to answer an expired call")
+
+
+class _Workers:
+    """A fixed set of handler threads fed by one ``queue.SimpleQueue``.
+
+    Leaner than ``ThreadPoolExecutor`` on the per-request path: ``submit`` is
+    one C-level ``put`` (no Future, no idle semaphore), which matters because
+    the reader thread hands every request over here. Threads are started up
+    front (``n`` of them, blocked in ``get`` until work arrives).
+    ``shutdown`` drops queued work and ends the threads once their current
+    item is done; ``submit`` raises RuntimeError afterwards.
+    """
+
+    def __init__(self, n: int, name: str) -> None:
+        if n < 1:
+            raise ValueError("need at least one handler thread")
+        self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"{name}_{i}", daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        if self._closed:
+            raise RuntimeError("handler pool is shut down")
+        self._q.put(fn)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        while True:  # drop what is queued
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+        for _ in self._threads:
+            self._q.put(None)
+
+    def _run(self) -> None:
+        get = self._q.get
+        while True:
+            fn = get()
+            if fn is None or self._closed:
+                return
+            try:
+                fn()
+            except Exception:  # _serve handles its own errors; never lose a thread
+                log.exception("nri handler thread: unexpected error")
 
 
 class Dispatcher:
@@ -519,7 +567,7 @@ class NriStub:
         self._session: _Session | None = None
         self._session_lock = threading.Lock()
         self._sessions = itertools.count(1)
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: _Workers | None = None
         self._watchdog: _Watchdog | None = None
         self._thread: threading.Thread | None = None
         self.sessions_started = 0
@@ -539,7 +587,7 @@ class NriStub:
         already started."""
         if self._thread is not None:
             raise RuntimeError("NriStub already started")
-        self._pool = ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="nri-handler")
+        self._pool = _Workers(self._max_workers, "nri-handler")
         self._watchdog = _Watchdog(self._expired)
         self._thread = threading.Thread(target=self._run, name="nri-stub", daemon=True)
         self._thread.start()
@@ -561,7 +609,7 @@ class NriStub:
         if self._watchdog is not None:
             self._watchdog.stop()
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown()
         closer = getattr(self.handler, "close", None)
         if callable(closer):
             try:
@@ -777,7 +825,7 @@ class NriStub:
         assert self._watchdog is not None and self._pool is not None
         self._watchdog.add(call)
         try:
-            self._pool.submit(self._serve, call)
+            self._pool.submit(functools.partial(self._serve, call))
         except RuntimeError:  # pool shut down: stopping
             if call.claim(_DONE):
                 transport.respond_error(ev.stream_id, Code.UNAVAILABLE, "plugin is stopping")

@@ -1,6 +1,7 @@
-"""The stub's watchdog (``nri.stub._Watchdog``): expired calls are reported,
-finished ones are not, and a call whose deadline is earlier than the ones
-already waited for is not held back behind them."""
+"""The stub's dispatch machinery without sockets: the watchdog
+(``nri.stub._Watchdog``: expired calls are reported, finished ones are not,
+and a call whose deadline is earlier than the ones already waited for is not
+held back behind them) and the handler threads (``nri.stub._Workers``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from fracplugin.nri.stub import _DONE, CallContext, _Call, _Watchdog
+from fracplugin.nri.stub import _DONE, CallContext, _Call, _Watchdog, _Workers
 from fracplugin.nri.ttrpc import RequestReceived
 
 
@@ -59,3 +60,37 @@ def test_finished_calls_are_skipped_and_pending_ones_reported_in_deadline_order(
     _wait_for(done, seen, 3)
     time.sleep(0.1)  # nothing else may come
     assert seen == [c.stream_id for c in calls[1::2]]
+
+
+def test_workers_run_handlers_concurrently_and_refuse_work_after_shutdown() -> None:
+    workers = _Workers(3, "t-handler")
+    barrier = threading.Barrier(3, timeout=10)
+    ran: list[int] = []
+    done = threading.Event()
+
+    def job(i: int) -> None:
+        barrier.wait()  # only returns when all three run at the same time
+        ran.append(i)
+        if len(ran) == 3:
+            done.set()
+
+    try:
+        for i in range(3):
+            workers.submit(lambda i=i: job(i))
+        assert done.wait(10)
+        assert sorted(ran) == [0, 1, 2]
+        def boom() -> None:
+            raise ValueError("boom")
+
+        for _ in range(3):  # a failing job does not cost its thread
+            workers.submit(boom)
+        ran.clear()
+        done.clear()
+        barrier.reset()
+        for i in range(3):
+            workers.submit(lambda i=i: job(i))
+        assert done.wait(10)
+    finally:
+        workers.shutdown()
+    with pytest.raises(RuntimeError):
+        workers.submit(lambda: None)
