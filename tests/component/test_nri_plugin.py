@@ -554,3 +554,37 @@ def test_any_garbage_then_a_runtime_restart_loses_and_duplicates_nothing(running
     h.rt.synchronize(pods, ctrs)
     assert _ledger_view(h.ledger) == before
     assert not h.stub.exited
+
+
+def _recording_refusals():
+    seen = []
+    return seen, lambda pod, container, err: seen.append((pod, container, err.key, err.code))
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_every_refusal_reaches_on_refusal(make_harness, fail_open):
+    seen, hook = _recording_refusals()
+    h = make_harness(fail_open=fail_open, plugin_kwargs={"on_refusal": hook}).start()
+    pod = _refused_pod()
+    res = h.rt.create_container(pod, make_container(pod, "app"))
+    assert isinstance(res, RpcError) != fail_open
+    assert seen == [(PodRef("default", "bad", "uid-bad"), "app", "nvidia.com/container.app.gpu-memory.limit",
+                     "limit_below_request")]
+    # Admissions and untouched containers do not call it.
+    pod2, (ctr2,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    assert not isinstance(h.rt.create_container(pod2, ctr2), RpcError)
+    plain = make_pod("plain", uid="uid-plain")
+    assert h.rt.create_container(plain, make_container(plain, "app")) == nri_pb2.ContainerAdjustment()
+    assert len(seen) == 1
+
+
+def test_a_failing_on_refusal_does_not_change_the_answer(make_harness):
+    def hook(pod, container, err):
+        raise RuntimeError("event queue broken")
+
+    h = make_harness(plugin_kwargs={"on_refusal": hook}).start()
+    pod = _refused_pod()
+    err = h.rt.create_container(pod, make_container(pod, "app"))
+    assert isinstance(err, RpcError) and err.code == Code.INVALID_ARGUMENT
+    assert err.message.startswith('nvidia.com/container.app.gpu-memory.limit="20Gi" ')
+    assert h.metrics.refusals == ["limit_below_request"]

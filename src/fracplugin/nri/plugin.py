@@ -23,8 +23,10 @@ Behaviour (DESIGN.md sections 2 and 4; issue 3 item 3):
   pod spec set, nri-protocol.md section 1.8) and the plan's bind mounts.
   A ``FractionError`` becomes INVALID_ARGUMENT with ``err.message`` (key,
   value, rule), shown by ``kubectl describe pod``; with ``fail_open`` the
-  container is left unadjusted and a warning is logged. An MPS failure is
-  UNAVAILABLE (or unadjusted with ``fail_open``).
+  container is left unadjusted and a warning is logged. Either way every
+  refusal is also handed to ``on_refusal(pod, container, err)`` (for a
+  Kubernetes Event, ``fracplugin.events.EventRecorder``), which only
+  enqueues. An MPS failure is UNAVAILABLE (or unadjusted with ``fail_open``).
 - StopContainer: ``mps.drain(container_id, timeout)`` with at most half the
   request timeout.
 - RemoveContainer: ``ledger.release_container_id`` and, when the container no
@@ -50,7 +52,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from .._proto import nri_pb2
 from ..annotations import parse as parse_annotations
@@ -195,6 +197,13 @@ class FracNriPlugin:
             this keeps MPS control commands off CreateContainer's critical
             path. False: the namespace is created inside CreateContainer.
         namespace_timeout_s: bound of one background namespace creation.
+        on_refusal: ``f(pod: PodRef, container: str, err: FractionError)``
+            called for every refusal of CreateContainer (also with
+            ``fail_open``), in the handler thread, before the answer is sent.
+            It must not block: it is meant to enqueue (e.g.
+            ``functools.partial(EventRecorder.refused, door="nri")``, which
+            writes a Kubernetes Event in the background). An exception it
+            raises is logged and ignored.
     """
 
     def __init__(
@@ -208,8 +217,10 @@ class FracNriPlugin:
         *,
         defer_namespace: bool = True,
         namespace_timeout_s: float = 5.0,
+        on_refusal: Callable[[PodRef, str, FractionError], None] | None = None,
     ) -> None:
         self.node = node
+        self.on_refusal = on_refusal
         self.ledger = ledger
         self.config = config
         self.mps: MpsHooks = mps if mps is not None else NoMps()
@@ -271,7 +282,7 @@ class FracNriPlugin:
                 if sm and self.defer_namespace:
                     self._start_namespace(p, container.id, fields)
             except FractionError as err:
-                return self._refuse(err, fields)
+                return self._refuse(err, fields, ref, container.name)
             except _FailOpen:
                 return None
             self._warn_unenforced(p, container, fields)
@@ -409,8 +420,13 @@ class FracNriPlugin:
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
 
-    def _refuse(self, err: FractionError, fields: Mapping[str, Any]) -> None:
+    def _refuse(self, err: FractionError, fields: Mapping[str, Any], pod: PodRef, container: str) -> None:
         self.metrics.refusal(err.code)
+        if self.on_refusal is not None:
+            try:
+                self.on_refusal(pod, container, err)
+            except Exception:
+                log.exception("nri on_refusal callback failed", extra=dict(fields))
         extra = {**fields, "key": err.key, "value": err.value, "rule": err.reason, "code": err.code}
         if self.fail_open:
             log.warning("nri refusal ignored (fail-open): container runs unfenced", extra=extra)

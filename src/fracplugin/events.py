@@ -1,0 +1,288 @@
+"""Kubernetes Events for refusals (DESIGN.md section 4: "bad input gets an
+error naming key, value and rule, a Kubernetes Event when API access is
+configured, a log line, and a counter").
+
+Concurrency model: threads. ``EventRecorder.refused`` may be called from any
+thread (the NRI handler threads, the device plugin's gRPC workers); it only
+builds a small tuple and ``put_nowait``s it on a bounded ``queue.Queue``, so
+it never blocks the hook that refuses: when the queue is full the event is
+dropped and counted (``dropped``). One background thread (``start``) takes
+events off the queue and creates them with the kubernetes client's
+``CoreV1Api.create_namespaced_event`` (POST
+``/api/v1/namespaces/<ns>/events``), one request at a time, each bounded by
+``request_timeout_s``. API errors (an ``ApiException``, a refused connection,
+a timeout) are logged at WARNING and counted (``failed``), never raised.
+Counters are guarded by one lock.
+
+The Event (core/v1, the shape kubelet's own recorder writes, so
+``kubectl describe pod`` lists it under Events):
+
+- ``type: Warning``, ``reason: FractionRefused``, ``message``: the refusal's
+  ``FractionError.message`` (``<key>="<value>" <rule>``), cut to 1024
+  characters;
+- ``involvedObject``: the Pod (``apiVersion: v1``, ``kind: Pod``, namespace,
+  name, uid) with ``fieldPath: spec.containers{<container>}``;
+- ``source``: ``{component, host: node_name}``, and the same as
+  ``reportingComponent`` / ``reportingInstance``;
+- ``action``: the refused operation (``CreateContainer`` for door ``nri``,
+  ``Allocate`` for door ``deviceplugin``, else the door name);
+- ``firstTimestamp`` = ``lastTimestamp`` = the refusal time, ``count: 1``;
+- ``metadata.name``: ``<pod name>.<refusal time in ns, hex>`` in the pod's
+  namespace (kubelet's naming rule, so names do not collide).
+
+Repeats: kubelet retries a failed CreateContainer with back-off, and every
+retry is refused again. The same (pod uid, container, message) is sent at
+most once per ``repeat_window_s`` (60 s by default); repeats inside the window
+are counted (``suppressed``) instead of sent. Events are not aggregated
+(``count`` stays 1) -- the API server's own event TTL (1 h by default) ages
+them out.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from .model import FractionError, PodRef
+
+__all__ = ["EventRecorder", "NullEventRecorder", "REASON_REFUSED"]
+
+log = logging.getLogger(__name__)
+
+REASON_REFUSED = "FractionRefused"
+"""``reason`` of the Event written for a refusal."""
+
+MAX_MESSAGE = 1024
+"""Characters of the refusal message kept in the Event (longer ones are cut)."""
+
+_ACTIONS = {"nri": "CreateContainer", "deviceplugin": "Allocate"}
+
+# (pod, container, message, door, wall-clock seconds) -- what refused() enqueues.
+_Item = tuple[PodRef, str, str, str, float]
+
+
+class NullEventRecorder:
+    """An event recorder for a daemon without API access: ``refused`` does
+    nothing (the refusal is still logged and counted by the door)."""
+
+    def refused(self, pod: PodRef, container: str, err: FractionError, door: str) -> None:
+        """Ignore the refusal."""
+        return None
+
+    def start(self) -> "NullEventRecorder":
+        return self
+
+    def stop(self, timeout_s: float = 1.0) -> bool:
+        return True
+
+    def stats(self) -> dict[str, int]:
+        return {"queued": 0, "sent": 0, "failed": 0, "dropped": 0, "suppressed": 0}
+
+
+class EventRecorder:
+    """Writes a core/v1 ``Warning`` Event for each refusal, in the background.
+
+    Args:
+        api: a ``kubernetes.client.CoreV1Api``, or a ``kubernetes.client.ApiClient``
+            (wrapped in a ``CoreV1Api``), or None to load the in-cluster
+            configuration (service account) when the thread starts.
+        node_name: this node's name (``source.host``, ``reportingInstance``).
+        component: ``source.component`` / ``reportingComponent``.
+        queue_size: events waiting to be sent before new ones are dropped.
+        request_timeout_s: bound of one API request, seconds.
+        repeat_window_s: the same (pod uid, container, message) is sent at
+            most once per this many seconds (0 = every time).
+
+    Raises ValueError for a ``queue_size`` below 1.
+    """
+
+    def __init__(
+        self,
+        api: Any,
+        node_name: str,
+        component: str = "fracplugin",
+        queue_size: int = 1000,
+        *,
+        request_timeout_s: float = 5.0,
+        repeat_window_s: float = 60.0,
+    ) -> None:
+        if queue_size < 1:
+            raise ValueError("queue_size must be at least 1")
+        self._api = api
+        self.node_name = node_name
+        self.component = component
+        self.request_timeout_s = request_timeout_s
+        self.repeat_window_s = repeat_window_s
+        self._q: queue.Queue[_Item | None] = queue.Queue(maxsize=queue_size)
+        self._lock = threading.Lock()
+        self._sent = self._failed = self._dropped = self._suppressed = 0
+        self._recent: dict[tuple[str, str, str], float] = {}  # worker thread only
+        self._stop = threading.Event()
+        self._deadline = 0.0
+        self._thread: threading.Thread | None = None
+        self._core: Any = None
+
+    # ------------------------------------------------------------- hook side
+
+    def refused(self, pod: PodRef, container: str, err: FractionError, door: str) -> None:
+        """Queue a ``FractionRefused`` Event for ``container`` of ``pod``.
+        Never blocks and never raises: a full queue (or a stopped recorder)
+        drops the event and counts it in ``dropped``."""
+        if self._stop.is_set():
+            with self._lock:
+                self._dropped += 1
+            return
+        try:
+            self._q.put_nowait((pod, container, err.message, door, time.time()))
+        except queue.Full:
+            with self._lock:
+                self._dropped += 1
+
+    def stats(self) -> dict[str, int]:
+        """``{"queued", "sent", "failed", "dropped", "suppressed"}`` counts since
+        construction (``queued``: waiting now)."""
+        with self._lock:
+            return {"queued": self._q.qsize(), "sent": self._sent, "failed": self._failed,
+                    "dropped": self._dropped, "suppressed": self._suppressed}
+
+    # ------------------------------------------------------------- lifecycle
+
+    def start(self) -> "EventRecorder":
+        """Start the sending thread; returns self. RuntimeError when started twice."""
+        if self._thread is not None:
+            raise RuntimeError("EventRecorder already started")
+        self._thread = threading.Thread(target=self._run, name="fracplugin-events", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 2.0) -> bool:
+        """Stop accepting events, send what is queued for at most ``timeout_s``
+        seconds (the rest is dropped and counted), end the thread. Returns True
+        when the thread ended in time. Idempotent."""
+        self._deadline = time.monotonic() + timeout_s
+        self._stop.set()
+        try:
+            self._q.put_nowait(None)  # wake the thread; a full queue wakes it anyway
+        except queue.Full:
+            pass
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s + 0.5)
+        return not self._thread.is_alive()
+
+    # ----------------------------------------------------------- worker side
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._q.get(timeout=0.5)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+                continue
+            if item is None:
+                if self._stop.is_set() and self._q.empty():
+                    return
+                continue
+            if self._stop.is_set() and time.monotonic() > self._deadline:
+                self._drop_rest(1)
+                return
+            try:
+                self._send(item)
+            except Exception:  # never let the thread die
+                log.exception("kubernetes event: unexpected error")
+                with self._lock:
+                    self._failed += 1
+
+    def _drop_rest(self, already: int) -> None:
+        n = already
+        while True:
+            try:
+                if self._q.get_nowait() is not None:
+                    n += 1
+            except queue.Empty:
+                break
+        with self._lock:
+            self._dropped += n
+        if n:
+            log.warning("kubernetes events dropped at shutdown", extra={"events": n})
+
+    def _core_v1(self) -> Any:
+        if self._core is None:
+            from kubernetes import client, config
+
+            api = self._api
+            if api is None:
+                config.load_incluster_config()
+                api = client.ApiClient()
+            self._core = api if hasattr(api, "create_namespaced_event") else client.CoreV1Api(api)
+        return self._core
+
+    def _repeat(self, pod: PodRef, container: str, message: str, now: float) -> bool:
+        if self.repeat_window_s <= 0:
+            return False
+        key = (pod.uid, container, message)
+        last = self._recent.get(key)
+        if last is not None and now - last < self.repeat_window_s:
+            return True
+        self._recent[key] = now
+        if len(self._recent) > 4096:  # forget entries older than the window
+            cutoff = now - self.repeat_window_s
+            self._recent = {k: t for k, t in self._recent.items() if t >= cutoff}
+        return False
+
+    def _send(self, item: _Item) -> None:
+        pod, container, message, door, at = item
+        if self._repeat(pod, container, message, at):
+            with self._lock:
+                self._suppressed += 1
+            return
+        body = self.build_event(pod, container, message, door, at)
+        try:
+            self._core_v1().create_namespaced_event(pod.namespace, body, _request_timeout=self.request_timeout_s)
+        except Exception as exc:  # ApiException, urllib3 errors, config errors
+            with self._lock:
+                self._failed += 1
+            log.warning(
+                "kubernetes event not created",
+                extra={"pod": str(pod), "container": container, "reason": _short(exc)},
+            )
+            return
+        with self._lock:
+            self._sent += 1
+
+    def build_event(self, pod: PodRef, container: str, message: str, door: str, at: float) -> Any:
+        """The ``kubernetes.client.CoreV1Event`` of one refusal (see the module
+        docstring for the fields); ``at`` is the refusal time, Unix seconds."""
+        from kubernetes import client
+
+        ts = _dt.datetime.fromtimestamp(at, tz=_dt.timezone.utc)
+        return client.CoreV1Event(
+            metadata=client.V1ObjectMeta(name=f"{pod.name}.{int(at * 1e9):x}", namespace=pod.namespace),
+            involved_object=client.V1ObjectReference(
+                api_version="v1", kind="Pod", namespace=pod.namespace, name=pod.name, uid=pod.uid,
+                field_path=f"spec.containers{{{container}}}",
+            ),
+            reason=REASON_REFUSED,
+            message=message[:MAX_MESSAGE],
+            type="Warning",
+            action=_ACTIONS.get(door, door),
+            source=client.V1EventSource(component=self.component, host=self.node_name),
+            reporting_component=self.component,
+            reporting_instance=self.node_name,
+            first_timestamp=ts,
+            last_timestamp=ts,
+            count=1,
+        )
+
+
+def _short(exc: Exception) -> str:
+    status = getattr(exc, "status", None)
+    reason = getattr(exc, "reason", None)
+    if status is not None:
+        return f"HTTP {status} {reason or ''}".strip()
+    return f"{type(exc).__name__}: {exc}"[:300]
