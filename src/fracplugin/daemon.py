@@ -9,19 +9,25 @@ Start order (each part switchable, DESIGN.md section 3):
 4. MPS supervisor for the configured compute modes (``NullMps`` with ``--no-mps``);
 5. pod source for the device plugin: ``--pods-file`` (simulated API),
    else the API watch when in-cluster or ``--kubeconfig`` is given;
-6. NRI plugin + stub (``--no-nri`` to disable);
-7. device plugin server + registration (``--no-device-plugin`` to disable);
+6. Kubernetes Events for refusals (events.py): an ``EventRecorder`` (one
+   background thread) when API access is configured (in-cluster or
+   ``--kubeconfig``; a ``--pods-file`` is not API access) and the NRI door is
+   on, else a ``NullEventRecorder``; the NRI plugin hands it every refusal
+   (door ``nri``). The device plugin door reports refusals only as a metrics
+   code (no pod in hand), so it writes no Events;
+7. NRI plugin + stub (``--no-nri`` to disable);
+8. device plugin server + registration (``--no-device-plugin`` to disable);
    it reads kubelet's PodResources API (``--pod-resources-socket``) at start
    to rebuild the ledger for containers allocated before a restart;
-8. health server (``/healthz``, ``/readyz``, ``/status``, and with
+9. health server (``/healthz``, ``/readyz``, ``/status``, and with
    ``--simulate-node`` only ``POST /simulate/xid``, which injects an XID into
    the simulated inventory: health.py); the bound addresses are logged and
    written to ``<state-dir>/endpoints.json``.
 
 Stop order (SIGTERM/SIGINT), within ``--shutdown-timeout`` seconds in all:
 health turns not-alive, the device plugin stops advertising (its socket goes,
-kubelet sees the stream end), NRI disconnects, the pod watch and metrics stop,
-MPS quits last. Every ledger change is persisted atomically when it happens
+kubelet sees the stream end), NRI disconnects, the event recorder sends what
+is queued (bounded) and stops, the pod watch and metrics stop, MPS quits last. Every ledger change is persisted atomically when it happens
 (ledger.py), so the file is consistent whatever point a stop reaches; nothing
 is released from the ledger at shutdown: containers keep running, and the next
 start reads the same tenancy back.
@@ -244,6 +250,7 @@ class Daemon:
         self.mps: Any = None
         self.pod_source: Any = None
         self.pods_watcher: PodsFileWatcher | None = None
+        self.events: Any = None
         self.nri_plugin: Any = None
         self.nri_stub: Any = None
         self.device_plugin: Any = None
@@ -358,6 +365,29 @@ class Daemon:
             log.warning("no API access (no --kubeconfig, not in a cluster, no --pods-file): the device plugin "
                         "door cannot find pods and answers Allocate with what is right for any pod")
 
+    def _build_events(self) -> None:
+        from .events import EventRecorder, NullEventRecorder
+
+        if self.cfg.no_nri or not (self.cfg.kubeconfig or _in_cluster()):
+            self.events = NullEventRecorder()
+            return
+        api_client = None  # in-cluster: the recorder loads the service account config on its thread
+        if self.cfg.kubeconfig:
+            from kubernetes import config as kconfig
+
+            try:
+                api_client = kconfig.new_client_from_config(config_file=self.cfg.kubeconfig)
+            except Exception as exc:
+                raise StartupError(f"--kubeconfig {self.cfg.kubeconfig}: {exc}") from None
+        self.events = EventRecorder(api_client, self.node_name).start()
+        log.info("refusals become Kubernetes Events", extra={
+            "via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster", "doors": "nri"})
+
+    def _refused_nri(self, pod: Any, container: str, err: Any) -> None:
+        """``FracNriPlugin.on_refusal``: queue the refusal's Event (never blocks)."""
+        if self.events is not None:
+            self.events.refused(pod, container, err, "nri")
+
     def _build_nri(self) -> None:
         if self.cfg.no_nri:
             return
@@ -366,7 +396,8 @@ class Daemon:
 
         assert self.node is not None and self.ledger is not None
         self.nri_plugin = FracNriPlugin(self.node, self.ledger, self.planner_config, mps=self.mps,
-                                        metrics=self.metrics, fail_open=self.cfg.fail_open)
+                                        metrics=self.metrics, fail_open=self.cfg.fail_open,
+                                        on_refusal=self._refused_nri)
         self.nri_stub = NriStub(self.nri_plugin, socket_path=self.cfg.nri_socket,
                                 plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx)
         self.nri_stub.start()
@@ -447,7 +478,7 @@ class Daemon:
             "config": self.cfg.to_dict(), "sources": self.sources, "pid": os.getpid()})
         steps = [("inventory", self._build_inventory), ("ledger", self._build_ledger),
                  ("metrics", self._build_metrics), ("mps", self._build_mps),
-                 ("pod source", self._build_pod_source),
+                 ("pod source", self._build_pod_source), ("events", self._build_events),
                  ("nri", self._build_nri), ("device plugin", self._build_device_plugin),
                  ("health", self._build_health)]
         for name, step in steps:
@@ -555,10 +586,21 @@ class Daemon:
             "pod_source": (None if self.pod_source is None else
                            {"kind": type(self.pod_source).__name__, "ready": bool(_call(self.pod_source, "ready")),
                             "pods": len(self.pod_source)}),
+            "events": self._events_status(),
             "endpoints": dict(self.endpoints),
             "ledger": {"path": self.cfg.ledger_path, "warnings": self.ledger_warnings},
             "config": self.cfg.to_dict(),
         }
+
+    def _events_status(self) -> dict[str, Any] | None:
+        """``{"enabled": bool, "queued", "sent", "failed", "dropped",
+        "suppressed"}`` of the refusal event recorder (None before it exists)."""
+        if self.events is None:
+            return None
+        from .events import NullEventRecorder
+
+        stats = _call(self.events, "stats")
+        return {"enabled": not isinstance(self.events, NullEventRecorder), **(stats if isinstance(stats, dict) else {})}
 
     def _nri_status(self) -> dict[str, Any] | None:
         """The NRI stub's and plugin's status merged (None when the door is off)."""
@@ -653,6 +695,10 @@ class Daemon:
                 if self.nri_plugin is not None and callable(getattr(self.nri_plugin, "close", None)):
                     self.nri_plugin.close()  # background MPS namespace jobs
             order.append(("nri", stop_nri))
+        from .events import NullEventRecorder
+
+        if self.events is not None and not isinstance(self.events, NullEventRecorder):
+            order.append(("events", lambda: self.events.stop(per_part(3))))
         if self.pods_watcher is not None:
             order.append(("pods file", lambda: self.pods_watcher.stop(per_part(3))))
         if self.pod_source is not None and hasattr(self.pod_source, "stop"):

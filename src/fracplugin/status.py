@@ -133,6 +133,14 @@ def render_table(doc: Mapping[str, Any]) -> str:
         out.append(f"  allocations {dp.get('allocations')}  planned {dp.get('planned')}  "
                    f"fallbacks {dp.get('fallbacks')}  refusals {dp.get('refusals')}"
                    + (f"  last refusal: {dp['last_refusal']}" if dp.get("last_refusal") else ""))
+    ev = doc.get("events")
+    if isinstance(ev, dict):
+        out.append("")
+        if ev.get("enabled"):
+            out.append("Kubernetes Events for refusals: " + "  ".join(
+                f"{k} {ev.get(k, 0)}" for k in ("sent", "failed", "dropped", "suppressed", "queued")))
+        else:
+            out.append("Kubernetes Events for refusals: off (no API access, or the NRI door is off)")
     eps = doc.get("endpoints") or {}
     if eps:
         out.append("")

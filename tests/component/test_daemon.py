@@ -559,3 +559,78 @@ def test_kubeconfig_starts_the_pod_watch(daemon: Callable[..., DaemonProc], root
     finally:
         api.shutdown()
         api.server_close()
+
+
+def test_nri_refusal_becomes_a_kubernetes_event(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    """With --kubeconfig, a refused CreateContainer (limit below request) is
+    written as a Warning FractionRefused Event on the pod, through the API
+    server the kubeconfig names (a minimal fake here); the recorder stops
+    after NRI at shutdown."""
+    import copy
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from nri_runtime import FakeNriRuntime, pod_from_manifest
+
+    posted: list[tuple[str, dict[str, Any]]] = []
+
+    class Api(BaseHTTPRequestHandler):
+        def log_message(self, *a: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            posted.append((self.path, body))
+            out = json.dumps(body).encode()
+            self.send_response(201)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    api = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    api.daemon_threads = True
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    kubeconfig = root / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "t",
+        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{api.server_address[1]}"}}],
+        "users": [{"name": "t", "user": {"token": "x"}}],
+        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
+    rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    try:
+        d = daemon("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "nri.sock"),
+                   "--kubeconfig", str(kubeconfig))
+        rt.wait_registered(15)
+        assert wait_until(d.ready), d.get("/readyz")
+        pod, ctrs = pod_from_manifest(INFERENCE)
+        pod = copy.deepcopy(pod)
+        pod.annotations["nvidia.com/container.app.gpu-memory.limit"] = "30Gi"  # request is 40Gi
+        err = rt.create_container(pod, ctrs[0])
+        assert getattr(err, "code", None) is not None and "gpu-memory.limit" in err.message, err
+        assert wait_until(lambda: posted, 10), "no Event posted"
+        path, ev = posted[0]
+        assert path == f"/api/v1/namespaces/{pod.namespace}/events"
+        assert ev["type"] == "Warning" and ev["reason"] == "FractionRefused" and ev["action"] == "CreateContainer"
+        assert "nvidia.com/container.app.gpu-memory.limit" in ev["message"]
+        assert ev["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "namespace": pod.namespace,
+                                        "name": pod.name, "uid": pod.uid, "fieldPath": "spec.containers{app}"}
+        assert ev["source"] == {"component": "fracplugin", "host": "gpu-node-1"}
+        assert wait_until(lambda: (d.get("/status")[1].get("events") or {}).get("sent") == 1, 5)
+        assert d.get("/status")[1]["events"]["enabled"] is True
+        assert d.terminate() == 0
+        names = [r.get("part") for r in d.log_records() if str(r.get("msg", "")).startswith("stopped ")]
+        assert names.index("nri") < names.index("events"), names
+    finally:
+        rt.close()
+        api.shutdown()
+
+
+def test_no_api_access_no_events(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    d = daemon("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "absent.sock"))
+    assert d.get("/status")[1]["events"] == {"enabled": False, "queued": 0, "sent": 0, "failed": 0,
+                                             "dropped": 0, "suppressed": 0}
+    out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "status", "--state-dir", str(d.state)],
+                         capture_output=True, text=True, timeout=30)
+    assert "Kubernetes Events for refusals: off" in out.stdout, out.stdout
+    assert d.terminate() == 0

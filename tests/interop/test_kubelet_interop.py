@@ -65,16 +65,17 @@ def health_address(state_dir: Path, timeout: float = 20.0) -> str:
 def inject_xid(state_dir: Path, gpu_uuid: str, xid: int) -> None:
     """Inject an XID into the daemon's simulated inventory.
 
-    Contract this test relies on (to be provided by the daemon in simulate
-    mode): POST http://<health address>/simulate/xid with JSON
-    {"gpu_uuid": ..., "xid": ...} -> 2xx.
+    The daemon's contract in --simulate-node mode (src/fracplugin/health.py):
+    POST http://<health address>/simulate/xid with JSON
+    {"gpu_uuid": ..., "xid": ...} -> 202 (400 bad body, 404 unknown GPU;
+    the route does not exist without a simulated node).
     """
     addr = health_address(state_dir)
     req = urllib.request.Request(f"http://{addr}/simulate/xid", method="POST",
                                  data=json.dumps({"gpu_uuid": gpu_uuid, "xid": xid}).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as rsp:
-        assert 200 <= rsp.status < 300
+        assert rsp.status == 202, rsp.status
 
 
 def run_kubelet(procs: list[Proc], sdir: Path, steps: list[dict[str, Any]], pods: list[dict[str, Any]] = (),
