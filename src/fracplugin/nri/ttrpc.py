@@ -336,7 +336,7 @@ class TtrpcConnection:
                 return
             try:
                 req = ttrpc_pb2.Request.FromString(body)
-                metadata = tuple((kv.key, kv.value) for kv in req.metadata)
+                metadata = tuple((kv.key, kv.value) for kv in req.metadata) if req.metadata else ()
                 event = RequestReceived(
                     stream_id, req.service, req.method, bytes(req.payload), int(req.timeout_nano), metadata
                 )
