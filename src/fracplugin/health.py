@@ -128,6 +128,7 @@ class HealthServer:
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "fracplugin"
+            timeout = 10.0  # seconds a client may take to send its request (no thread is held for good)
 
             def log_message(self, fmt: str, *args: Any) -> None:  # keep access logs at debug
                 log.debug("health http: " + fmt, *args)
@@ -218,14 +219,16 @@ class HealthServer:
                     log.exception("health endpoint POST %s failed", path)
                     self._text(500, f"internal error: {exc}")
 
-            def _not_post(self) -> None:
+            def _other_method(self) -> None:
                 path = self.path.split("?", 1)[0].rstrip("/") or "/"
                 if path == "/simulate/xid" and outer._simulate_xid is not None:
                     self._text(405, "/simulate/xid answers POST only", {"Allow": "POST"})
+                elif path in _GET_PATHS:
+                    self._text(405, f"{path} answers GET and HEAD only", {"Allow": "GET, HEAD"})
                 else:
                     self._text(404, "not found")
 
-            do_PUT = do_DELETE = do_PATCH = _not_post
+            do_PUT = do_DELETE = do_PATCH = _other_method
 
         server_cls = ThreadingHTTPServer
         if ":" in self._address[0]:  # an IPv6 literal ([::]:8080)

@@ -173,10 +173,19 @@ def test_simulate_xid_validates_the_body_and_calls_back() -> None:
             assert code == 400 and why in body and '"gpu_uuid"' in body, (payload, code, body)
         code, body, _ = post(addr, "/simulate/xid", b"x" * (MAX_BODY + 1))
         assert code == 413, (code, body)
+        import http.client
+
+        conn = http.client.HTTPConnection(addr[0], addr[1], timeout=5)
+        conn.putrequest("POST", "/simulate/xid")
+        conn.endheaders()  # no Content-Length
+        assert conn.getresponse().status == 411
+        conn.close()
         code, _, hdrs = post(addr, "/simulate/xid", None, method="GET")
         assert code == 405 and hdrs["Allow"] == "POST"
         code, _, hdrs = post(addr, "/healthz", b"{}")
         assert code == 405 and hdrs["Allow"] == "GET, HEAD"
+        code, _, hdrs = post(addr, "/simulate/xid", b"{}", method="DELETE")
+        assert code == 405 and hdrs["Allow"] == "POST"
         assert post(addr, "/nowhere", b"{}")[0] == 404
         assert injected == [("GPU-a", 79)]  # nothing bad reached the callback
         assert get(addr, "/healthz") == (200, "ok\n")
