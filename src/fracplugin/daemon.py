@@ -267,8 +267,16 @@ class Daemon:
     # ---- construction ----------------------------------------------------
     @property
     def planner_config(self) -> PlannerConfig:
+        """Planner settings; per-container MPS namespaces only with MPS v3
+        (classic v2 has none: sm-sharing containers share the daemon's pipe
+        directory, ADR 0001)."""
+        from .mps.control import choose_protocol
+
+        override = None if self.cfg.mps_protocol == "auto" else int(self.cfg.mps_protocol)
+        driver = self.node.driver_version if self.node is not None else ""
         return PlannerConfig(reserve_mib=self.cfg.reserve_mib, max_clients_per_gpu=self.cfg.max_clients_per_gpu,
-                             layout=MpsLayout(self.cfg.mps_root), annotation_prefix=self.cfg.annotation_prefix)
+                             layout=MpsLayout(self.cfg.mps_root), annotation_prefix=self.cfg.annotation_prefix,
+                             mps_namespaces=choose_protocol(driver, override) >= 3)
 
     def _build_inventory(self) -> None:
         from .gpu.inventory import InventoryError
