@@ -134,6 +134,11 @@ def run_bench(workdir: Path, plugin: str, calls: int) -> dict[int, dict]:
             daemon = iu.start_fracplugin(run.procs, workdir, nri_socket=run.sock)
             run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
             wait_ready(workdir / "state")
+        elif plugin == "noop":
+            daemon = iu.Proc([sys.executable, __file__, "--serve-noop-plugin", str(run.sock)],
+                             stderr_path=workdir / "noop.log")
+            run.procs.append(daemon)
+            run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
         else:
             run.procs.append(iu.Proc([str(iu.template_bin("v012")), "-socket", str(run.sock), "-idx", "10"],
                                      stderr_path=workdir / "template.log"))
@@ -146,6 +151,29 @@ def run_bench(workdir: Path, plugin: str, calls: int) -> dict[int, dict]:
         return {e["concurrency"]: e for e in events if e.get("event") == "bench"}
     finally:
         run.close()
+
+
+def serve_noop_plugin(socket_path: str) -> int:
+    """The stub floor: fracplugin's NriStub/transport with a handler that
+    answers every CreateContainer with an empty adjustment (no planner, no
+    ledger). Runs until SIGTERM."""
+    import signal
+    import threading
+
+    from fracplugin.nri.stub import NriStub
+
+    class Noop:
+        events = 0x608  # CreateContainer | StopContainer | RemoveContainer, as fracplugin
+
+        def create_container(self, pod, container, ctx):
+            return None
+
+    stub = NriStub(Noop(), socket_path=socket_path, plugin_name="noop", plugin_idx="50").start()
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    done.wait()
+    stub.stop()
+    return 0
 
 
 def run_churn(workdir: Path, n: int) -> tuple[dict[int, float], int]:
@@ -179,7 +207,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--churn", type=int, default=10000, help="create+remove pairs for the RSS figure")
     ap.add_argument("--state", choices=("tmpfs", "disk", "both"), default="both",
                     help="where the daemon's state dir (ledger) lives for the latency runs")
+    ap.add_argument("--serve-noop-plugin", metavar="SOCKET", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.serve_noop_plugin:
+        return serve_noop_plugin(a.serve_noop_plugin)
     t0 = time.monotonic()
     iu.build_module("nri-v012")
     raw: dict = {}
@@ -195,9 +226,12 @@ def main(argv: list[str]) -> int:
         ours = disk
     with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d2:
         tmpl = run_bench(Path(d2), "template", a.calls)
+    with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d4:
+        noop = run_bench(Path(d4), "noop", a.calls)
     with tempfile.TemporaryDirectory(prefix="fpb", dir=TMPFS if a.state != "disk" else "/tmp") as d3:
         rss, churn_errors = run_churn(Path(d3), a.churn)
-    raw = {"fracplugin": ours, "fracplugin_disk_state": disk, "go_template": tmpl, "rss_mib": rss,
+    raw = {"fracplugin": ours, "fracplugin_disk_state": disk, "go_template": tmpl, "python_noop_stub": noop,
+           "rss_mib": rss,
            "state": a.state}
     RAW.parent.mkdir(parents=True, exist_ok=True)
     RAW.write_text(json.dumps(raw, indent=1, sort_keys=True) + "\n")
@@ -217,6 +251,11 @@ def main(argv: list[str]) -> int:
         "nri.create.c64.service_ms": round(ours[64]["per_call_ms"], 3),
         "nri.create.c64.service_go_template_ms": round(tmpl[64]["per_call_ms"], 3),
     }
+    values.update({
+        "nri.create.noop_stub.c1.p50_ms": noop[1]["p50_ms"],
+        "nri.create.noop_stub.c64.p99_ms": noop[64]["p99_ms"],
+        "nri.create.noop_stub.c64.service_ms": round(noop[64]["per_call_ms"], 3),
+    })
     if disk:
         values.update({
             "nri.create.disk_state.c1.p50_ms": disk[1]["p50_ms"],
