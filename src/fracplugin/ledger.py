@@ -90,6 +90,10 @@ class Ledger:
         self._lock = threading.RLock()
         self._entries: list[Tenancy] = []
         self._subscribers: list[Callable[[], None]] = []
+        # Serialised form of each tenancy (frozen, hashable): a change encodes
+        # only what is new, not every tenancy again (the NRI hot path).
+        self._fragments: dict[Tenancy, str] = {}
+        self._dir_ready = False
 
     # ---- reading -----------------------------------------------------------
     @property
@@ -305,14 +309,23 @@ class Ledger:
     def _persist(self) -> None:
         if self._path is None or self._read_only:
             return
-        doc = {
-            "version": FORMAT_VERSION,
-            "node": self._node.name,
-            "tenancies": [t.to_dict() for t in self._entries],
-        }
-        data = json.dumps(doc, indent=1, sort_keys=True).encode()
+        fragments = []
+        for t in self._entries:
+            frag = self._fragments.get(t)
+            if frag is None:
+                frag = self._fragments[t] = json.dumps(t.to_dict(), sort_keys=True, separators=(",", ":"))
+            fragments.append(frag)
+        if len(self._fragments) > 2 * len(self._entries) + 64:
+            live = set(self._entries)
+            self._fragments = {t: f for t, f in self._fragments.items() if t in live}
+        # The document {"node", "tenancies", "version"} in compact JSON, one
+        # tenancy per line so the file stays readable with `less`.
+        data = ('{"node":%s,"version":%d,"tenancies":[\n%s\n]}\n' % (
+            json.dumps(self._node.name), FORMAT_VERSION, ",\n".join(fragments))).encode()
         directory = self._path.parent
-        directory.mkdir(parents=True, exist_ok=True)
+        if not self._dir_ready:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._dir_ready = True
         fd, tmp = tempfile.mkstemp(prefix=f".{self._path.name}.", dir=directory)
         try:
             with os.fdopen(fd, "wb") as f:

@@ -26,7 +26,7 @@ from fracplugin.nri.plugin import FracNriPlugin, build_adjustment
 from fracplugin.nri.stub import PLUGIN_SERVICE, NriStub
 from fracplugin.nri.ttrpc import MAX_MESSAGE, Code, MessageType, RpcError, encode_message
 from fracplugin.planner import PlannerConfig, plan_container
-from fracplugin.model import PodRef
+from fracplugin.model import ComputeMode, PodRef
 
 from nri_runtime import FakeNriRuntime, effective_env, make_container, make_pod, pod_from_manifest
 
@@ -96,13 +96,14 @@ def wait_for(cond, timeout_s=10.0, what="condition"):
 
 
 class Harness:
-    def __init__(self, tmp: str, *, fail_open=False, runtime_kwargs=None, stub_kwargs=None, plugin_kwargs=None):
+    def __init__(self, tmp: str, *, fail_open=False, runtime_kwargs=None, stub_kwargs=None, plugin_kwargs=None,
+                 planner_config=None):
         self.path = os.path.join(tmp, "nri.sock")
         self.ledger = Ledger(NODE)
         self.mps = FakeMps()
         self.metrics = FakeMetrics()
-        self.plugin = FracNriPlugin(NODE, self.ledger, PlannerConfig(), mps=self.mps, metrics=self.metrics,
-                                    fail_open=fail_open, **(plugin_kwargs or {}))
+        self.plugin = FracNriPlugin(NODE, self.ledger, planner_config or PlannerConfig(), mps=self.mps,
+                                    metrics=self.metrics, fail_open=fail_open, **(plugin_kwargs or {}))
         self.runtime_kwargs = runtime_kwargs or {}
         self.rt = FakeNriRuntime(self.path, **self.runtime_kwargs)
         self.stub = NriStub(self.plugin, socket_path=self.path, env={}, reconnect_initial_s=0.02,
@@ -191,6 +192,19 @@ def test_bound_inference_pod_gets_the_exact_env_and_mount(h):
     assert (uid, name, atp) == (pod.uid, "app", 50) and 0 < timeout <= 5.0
     assert [d for d, _ in h.metrics.hooks] == ["nri"]
     assert h.rt.registrations[-1].events == 0x628
+
+
+def test_classic_mps_sm_sharing_needs_no_namespace(make_harness):
+    h = make_harness(planner_config=PlannerConfig(mps_namespaces=False)).start()
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    adj = h.rt.create_container(pod, ctr)
+    assert not isinstance(adj, RpcError), adj
+    assert [(m.destination, m.source) for m in adj.mounts] == [
+        ("/tmp/nvidia-mps", MpsLayout().pipe_dir(ComputeMode.SM_SHARING))]
+    assert effective_env(ctr, adj)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert h.rt.start_container(pod, ctr) is None  # nothing to wait for
+    assert h.mps.named("ensure_namespace") == []
+    assert {t.mps_namespace for t in h.ledger.tenancies()} == {None}
 
 
 def test_pod_authored_values_of_our_keys_are_overridden(h):

@@ -275,7 +275,7 @@ class FracNriPlugin:
                 if p is None:
                     log.debug("nri container not fractional; untouched", extra=fields)
                     return None
-                sm = p.compute_mode is ComputeMode.SM_SHARING
+                sm = p.mps.namespace is not None  # MPS v3 namespace to create (none with classic v2)
                 if sm and not self.defer_namespace:
                     self._ensure_namespace(p, ctx, fields)
                 self.ledger.admit(p, container.id)
