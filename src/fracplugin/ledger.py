@@ -26,6 +26,7 @@ import os
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -37,6 +38,19 @@ FORMAT_VERSION = 1
 DEFAULT_MAX_CLIENTS_PER_GPU = 48
 
 
+@dataclass(frozen=True)
+class Problem:
+    """Why one GPU cannot take a container: ``fact`` about the GPU and the
+    ``rule`` it breaks (kept apart so a refusal listing several GPUs states
+    each rule once)."""
+
+    fact: str
+    rule: str
+
+    def __str__(self) -> str:
+        return f"{self.fact}; {self.rule}"
+
+
 def admission_problem(
     gpu: GpuInfo,
     tenants: Sequence[Tenancy],
@@ -44,7 +58,7 @@ def admission_problem(
     mode: ComputeMode,
     request_mib: int,
     max_clients: int,
-) -> str | None:
+) -> Problem | None:
     """Why ``owner`` cannot take ``request_mib`` MiB of ``gpu`` in ``mode``, or None.
 
     ``tenants`` are the GPU's current tenancies; the owner's own earlier
@@ -55,18 +69,19 @@ def admission_problem(
     other_modes = [t for t in others if t.mode is not mode]
     if other_modes:
         t = other_modes[0]
-        return (
-            f"GPU {gpu.index} ({gpu.uuid}) is in {t.mode.value} mode for "
-            f"{t.namespace}/{t.pod_name}/{t.container}; one compute mode per GPU, this container wants {mode.value}"
+        return Problem(
+            f"GPU {gpu.index} ({gpu.uuid}) is in {t.mode.value} mode for {t.namespace}/{t.pod_name}/{t.container}",
+            f"one compute mode per GPU, this container wants {mode.value}",
         )
     held = sum(t.request_mib for t in others)
     if held + request_mib > gpu.memory_mib:
-        return (
-            f"GPU {gpu.index} ({gpu.uuid}) has {gpu.memory_mib - held} MiB of {gpu.memory_mib} MiB free, "
-            f"this container requests {request_mib} MiB"
+        return Problem(
+            f"GPU {gpu.index} ({gpu.uuid}) has {gpu.memory_mib - held} MiB of {gpu.memory_mib} MiB free",
+            f"this container requests {request_mib} MiB",
         )
     if len(others) >= max_clients:
-        return f"GPU {gpu.index} ({gpu.uuid}) already has {len(others)} tenants, the MPS limit is {max_clients}"
+        return Problem(f"GPU {gpu.index} ({gpu.uuid}) already has {len(others)} tenants",
+                       f"the MPS client limit is {max_clients} per GPU")
     return None
 
 
@@ -169,7 +184,7 @@ class Ledger:
                     t.mode, t.request_mib, self._max_clients,
                 )
                 if problem:
-                    raise FractionError("node", str(plan.pod) + "/" + plan.container, problem, "guard")
+                    raise FractionError("node", str(plan.pod) + "/" + plan.container, str(problem), "guard")
             before = self._entries
             self._entries = [e for e in self._entries if e.owner != owner] + new
             self._persist_or_rollback(before)

@@ -160,20 +160,23 @@ def _place(request: FractionRequest, pod: PodRef, node: NodeInfo, ledger: Ledger
     if request.request.resolve_mib(largest.memory_mib, config.reserve_mib) > largest.memory_mib:
         _memory(request, (largest,), config.reserve_mib)  # raises the precise too_large error
     fits: list[tuple[int, int, GpuInfo]] = []
-    reasons: list[str] = []
+    facts: list[str] = []
+    rules: list[str] = []
     for g in node.gpus:
         req = request.request.resolve_mib(g.memory_mib, config.reserve_mib)
         tenants = ledger.tenants(g.uuid)
         problem = admission_problem(g, tenants, owner, request.compute_mode, req, config.max_clients_per_gpu)
         if problem:
-            reasons.append(problem)
+            facts.append(problem.fact)
+            if problem.rule not in rules:
+                rules.append(problem.rule)
         else:
             fits.append((len([t for t in tenants if t.owner != owner]), g.index, g))
     if len(fits) < request.num_devices:
         raise FractionError(
             key, request.request.raw,
             f"cannot be placed on {request.num_devices} GPU(s) of node {node.name} "
-            f"(only {len(fits)} fit): " + "; ".join(reasons),
+            f"(only {len(fits)} fit): " + "; ".join(facts) + " (" + "; ".join(rules) + ")",
             "no_fit",
         )
     chosen = sorted(fits, key=lambda f: (f[0], f[1]))[: request.num_devices]
@@ -206,7 +209,7 @@ def plan(
             problem = admission_problem(g, ledger.tenants(g.uuid), owner, request.compute_mode,
                                         request_mib, config.max_clients_per_gpu)
             if problem:
-                raise FractionError(request.keys.get("devices", "devices"), ",".join(request.devices), problem, "guard")
+                raise FractionError(request.keys.get("devices", "devices"), ",".join(request.devices), str(problem), "guard")
 
     atp = request.active_thread_percentage
     layout = config.layout

@@ -90,7 +90,7 @@ def test_client_limit(node):
     led.admit(mkplan(node, led, "b", request="1Gi"))
     with pytest.raises(FractionError) as ei:
         led.admit(mkplan(node, Ledger(node), "c", request="1Gi"))
-    assert "MPS limit is 2" in ei.value.reason
+    assert "MPS client limit is 2 per GPU" in ei.value.reason
 
 
 def test_readmit_replaces_and_subscribers_hear_changes(node):
