@@ -42,6 +42,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from .subproc import die_with_parent
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -250,7 +252,7 @@ class Demo:
         self._log_file = open(w / "daemon.log", "wb")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         ep = w / "state" / "endpoints.json"
         if not _wait(lambda: ep.exists() or self.proc.poll() is not None, self.ready_timeout_s):
             raise StepFailed(f"the daemon did not start within {self.ready_timeout_s} s")

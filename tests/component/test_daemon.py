@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from fracplugin.subproc import die_with_parent
+
 REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("FRACPLUGIN_SHARED") or REPO.parent / "shared")
 NODE = SHARED / "examples" / "nodes" / "gpu-node-1.yaml"
@@ -59,6 +61,7 @@ class DaemonProc:
                "--metrics-address", "127.0.0.1:0", "--log-format", "json", "--shutdown-timeout", "8",
                "--mps-root", str(self.root / "mps"), *self.args]
         self._log = open(self.log_path, "ab")
+        popen.setdefault("preexec_fn", die_with_parent)  # a killed pytest leaves no daemon behind
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      cwd=str(self.root), **popen)
         if wait:

@@ -24,6 +24,8 @@ import os
 import re
 import subprocess
 import time
+
+from fracplugin.subproc import die_with_parent
 import urllib.request
 import uuid
 import warnings
@@ -172,7 +174,7 @@ class Process:
         self.log = log
         self._logf = open(log, "ab")
         self.proc = subprocess.Popen(argv, stdout=self._logf, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+                                     env=env, start_new_session=True, preexec_fn=die_with_parent)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

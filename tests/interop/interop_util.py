@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import pytest
 
+from fracplugin.subproc import die_with_parent
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 BIN = HERE / "bin"
@@ -106,7 +108,7 @@ class Proc:
         self._err = open(stderr_path, "ab") if stderr_path else subprocess.DEVNULL
         self.p = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=self._err, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            env=env, cwd=cwd, start_new_session=True,
+            env=env, cwd=cwd, start_new_session=True, preexec_fn=die_with_parent,
         )
         self.events: list[dict[str, Any]] = []
         self._cv = threading.Condition()
