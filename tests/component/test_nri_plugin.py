@@ -102,7 +102,9 @@ class Harness:
         self.ledger = Ledger(NODE)
         self.mps = FakeMps()
         self.metrics = FakeMetrics()
-        self.plugin = FracNriPlugin(NODE, self.ledger, planner_config or PlannerConfig(), mps=self.mps,
+        # MPS pipe directories (mount sources the plugin creates) under the test's own directory
+        self.layout = MpsLayout(os.path.join(tmp, "mps"))
+        self.plugin = FracNriPlugin(NODE, self.ledger, planner_config or PlannerConfig(layout=self.layout), mps=self.mps,
                                     metrics=self.metrics, fail_open=fail_open, **(plugin_kwargs or {}))
         self.runtime_kwargs = runtime_kwargs or {}
         self.rt = FakeNriRuntime(self.path, **self.runtime_kwargs)
@@ -178,8 +180,10 @@ def test_bound_inference_pod_gets_the_exact_env_and_mount(h):
     }
     ns = namespace_name(pod.uid, "app")
     assert [(m.destination, m.type, m.source, list(m.options)) for m in adj.mounts] == [
-        ("/tmp/nvidia-mps", "bind", MpsLayout().namespace_pipe_dir(ns), ["rbind", "rw", "nosuid", "nodev"])
+        ("/tmp/nvidia-mps", "bind", h.layout.namespace_pipe_dir(ns), ["rbind", "rw", "nosuid", "nodev"])
     ]
+    # runc bind-mounts at task creation, before StartContainer: the source must exist already
+    assert os.path.isdir(h.layout.namespace_pipe_dir(ns))
     # Every set is preceded by its removal marker (clears an earlier plugin's claim).
     keys = [kv.key for kv in adj.env]
     assert keys[0::2] == ["-" + k for k in keys[1::2]]
@@ -195,16 +199,29 @@ def test_bound_inference_pod_gets_the_exact_env_and_mount(h):
 
 
 def test_classic_mps_sm_sharing_needs_no_namespace(make_harness):
-    h = make_harness(planner_config=PlannerConfig(mps_namespaces=False)).start()
+    h = make_harness(planner_config=PlannerConfig(mps_namespaces=False, layout=MpsLayout("/tmp/fp-v2-mps"))).start()
     pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
     adj = h.rt.create_container(pod, ctr)
     assert not isinstance(adj, RpcError), adj
     assert [(m.destination, m.source) for m in adj.mounts] == [
-        ("/tmp/nvidia-mps", MpsLayout().pipe_dir(ComputeMode.SM_SHARING))]
+        ("/tmp/nvidia-mps", "/tmp/fp-v2-mps/sm")]
+    assert os.path.isdir("/tmp/fp-v2-mps/sm")  # the mount source exists before the runtime mounts it
+    shutil.rmtree("/tmp/fp-v2-mps")
     assert effective_env(ctr, adj)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     assert h.rt.start_container(pod, ctr) is None  # nothing to wait for
     assert h.mps.named("ensure_namespace") == []
     assert {t.mps_namespace for t in h.ledger.tenancies()} == {None}
+
+
+def test_unmakeable_mount_source_is_unavailable_not_a_broken_container(make_harness, sockdir):
+    blocker = os.path.join(sockdir, "file")
+    open(blocker, "w").close()  # a file where the MPS root should be
+    h = make_harness(planner_config=PlannerConfig(layout=MpsLayout(blocker))).start()
+    pod, (ctr,) = _manifest("notebook-time-slicing-2gpu.yaml")
+    err = h.rt.create_container(pod, ctr)
+    assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE
+    assert "cannot create the MPS pipe directory" in err.message
+    assert h.ledger.tenancies() == []
 
 
 def test_pod_authored_values_of_our_keys_are_overridden(h):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -276,6 +277,7 @@ class FracNriPlugin:
                     log.debug("nri container not fractional; untouched", extra=fields)
                     return None
                 sm = p.mps.namespace is not None  # MPS v3 namespace to create (none with classic v2)
+                self._ensure_mount_sources(p, fields)
                 if sm and not self.defer_namespace:
                     self._ensure_namespace(p, ctx, fields)
                 self.ledger.admit(p, container.id)
@@ -304,6 +306,30 @@ class FracNriPlugin:
             return nri_pb2.CreateContainerResponse(adjust=build_adjustment(p))
         finally:
             self.metrics.observe_hook("nri", time.monotonic() - start)
+
+    def _ensure_mount_sources(self, p: ContainerPlan, fields: Mapping[str, Any]) -> None:
+        """Create every bind-mount source of ``p`` (mode 0755) before answering.
+
+        The runtime bind-mounts them when it creates the task (runc create),
+        which comes before the NRI StartContainer event: a deferred MPS
+        namespace directory must already exist then, or the container fails
+        with "stat <dir>: no such file or directory" (seen with containerd 2.3
+        in tests/e2e). MPS later creates its sockets inside the directory,
+        which the bind mount shows. Raises RpcError UNAVAILABLE (or
+        _FailOpen) when the directory cannot be made.
+        """
+        for m in p.mounts:
+            try:
+                os.makedirs(m.source, mode=0o755, exist_ok=True)
+            except OSError as exc:
+                self.metrics.refusal("mps_unavailable")
+                log.warning("nri cannot create a mount source", extra={**fields, "path": m.source, "reason": str(exc)})
+                if self.fail_open:
+                    raise _FailOpen() from None
+                raise RpcError(
+                    Code.UNAVAILABLE,
+                    f"fracplugin: cannot create the MPS pipe directory {m.source} for {p.pod}/{p.container}: {exc}",
+                ) from None
 
     def _ensure_namespace(self, p: ContainerPlan, ctx: CallContext | None, fields: Mapping[str, Any]) -> None:
         # The namespace must exist before the container starts: give MPS all
