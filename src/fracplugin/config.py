@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import os
 import re
+import shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -59,7 +60,10 @@ class ConfigError(ValueError):
         self.reason = reason
         self.source = source
         where = f" (from {source})" if source else ""
-        super().__init__(f"invalid {setting}{where}: {value!r} {reason}")
+        if setting.startswith("-") or setting == "--config":
+            super().__init__(f"invalid {setting}{where}: {value!r} {reason}")
+        else:  # a key of the config file that names no setting
+            super().__init__(f"unknown setting {setting!r}{where}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -327,7 +331,10 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
         raise bad("mps_protocol", f"must be one of {', '.join(MPS_PROTOCOLS)}")
     for m in cfg.mps_modes:
         if m not in MPS_MODES:
-            raise bad("mps_modes", f"names {m!r}; modes are {', '.join(MPS_MODES)}")
+            raise bad("mps_modes", f"has the unknown mode {m!r}; modes are {', '.join(MPS_MODES)}")
+    if not cfg.no_mps and not cfg.mps_modes:
+        raise bad("mps_modes", f"is empty: name at least one of {', '.join(MPS_MODES)}, or give --no-mps")
+
     for name in ("metrics_address", "health_address"):
         try:
             parse_address(getattr(cfg, name))
@@ -338,7 +345,7 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
     if cfg.reserve_mib < 0:
         raise bad("reserve_mib", "must be 0 or more MiB")
     if not 1 <= cfg.max_clients_per_gpu <= 48:
-        raise bad("max_clients_per_gpu", "must be 1..48 (the MPS client limit, kubelet-device-plugin.md B.4)")
+        raise bad("max_clients_per_gpu", "must be 1..48 (MPS accepts at most 48 clients per GPU on Volta and later)")
     if not cfg.shutdown_timeout_s > 0:
         raise bad("shutdown_timeout_s", "must be a positive number of seconds")
     if not cfg.allocate_deadline_s > 0:
@@ -355,8 +362,6 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
         raise bad("ignored_xids", "must be a comma list of integers") from None
     if cfg.cdi_kind is not None and (cfg.cdi_kind.count("/") != 1 or "=" in cfg.cdi_kind):
         raise bad("cdi_kind", "must be a CDI kind <vendor>/<class> (e.g. nvidia.com/gpu)")
-    if not cfg.annotation_prefix:
-        raise bad("annotation_prefix", "must not be empty")
     for name in ("state_dir", "mps_root", "device_plugin_dir", "nri_socket", "pod_resources_socket"):
         if not str(getattr(cfg, name)).startswith("/"):
             raise bad(name, "must be an absolute path")
@@ -377,6 +382,25 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
     except ValueError as exc:
         raise bad("resource_name", str(exc)) from None
     return cfg
+
+
+def check_paths(cfg: Config, sources: Mapping[str, str] | None = None) -> None:
+    """The settings that name files which must exist on this host when the
+    daemon starts (``validate`` checks values only and touches no file).
+
+    Raises ConfigError: ``--mps-control-binary`` not executable (unless
+    ``--no-mps``), ``--simulate-node`` not a readable file.
+    """
+    src = sources or {}
+
+    def bad(name: str, reason: str) -> ConfigError:
+        return ConfigError("--" + flag_name(name), getattr(cfg, name), reason, src.get(name, "default"))
+
+    if cfg.simulate_node is not None and not os.access(cfg.simulate_node, os.R_OK):
+        raise bad("simulate_node", "is not a readable file")
+    if not cfg.no_mps and shutil.which(cfg.mps_control_binary) is None:
+        raise bad("mps_control_binary", "is not an executable file (nor found on PATH); install the NVIDIA driver's "
+                  "nvidia-cuda-mps-control, point this setting at it, or give --no-mps")
 
 
 # ---- loading ----------------------------------------------------------------
@@ -400,7 +424,8 @@ def read_file(path: str) -> dict[str, Any]:
             continue
         name = _BY_FLAG.get(k) or _BY_FLAG.get(k.replace("_", "-")) or (k if k in _FIELDS else None)
         if name is None:
-            raise ConfigError(k, value, f"is not a setting (known: {', '.join(sorted(_BY_FLAG))})", f"file {path}")
+            known = ", ".join(sorted(_FIELDS))
+            raise ConfigError(k, value, f"is not a setting (known keys: {known})", f"file {path}")
         out[name] = value
     return out
 

@@ -787,6 +787,7 @@ def main(args: argparse.Namespace) -> int:
     start, 2 for a bad setting."""
     try:
         cfg, sources = configmod.load(args)
+        configmod.check_paths(cfg, sources)
     except ConfigError as exc:
         print(f"fracplugin run: {exc}", file=sys.stderr)
         return 2

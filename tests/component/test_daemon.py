@@ -202,7 +202,15 @@ def test_bad_setting_exits_2_naming_it(root: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "run", "--no-mps", "--no-nri",
                           "--no-device-plugin", "--state-dir", str(root), "--simulate-node", str(root / "none.yaml")],
                          capture_output=True, text=True, timeout=30)
-    assert out.returncode == 1 and "inventory" in out.stderr
+    assert out.returncode == 2 and "--simulate-node" in out.stderr and "not a readable file" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    # a file that is there but is no node: the inventory refuses it at start (exit 1)
+    bad = root / "bad-node.yaml"
+    bad.write_text("gpus: nope\n")
+    out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "run", "--no-mps", "--no-nri",
+                          "--no-device-plugin", "--state-dir", str(root), "--simulate-node", str(bad)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "inventory" in out.stderr and "'gpus' list" in out.stderr
 
 
 def test_ledger_survives_restart_and_corrupt_file_is_moved_aside(daemon: Callable[..., DaemonProc], root: Path) -> None:

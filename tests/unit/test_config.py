@@ -90,7 +90,8 @@ def test_node_name_from_downward_api_env() -> None:
     (["--state-dir", "relative/dir"], {}, "--state-dir", "absolute"),
     (["--mps-root", "/" + "x" * 80], {}, "--mps-root", "too long"),
     (["--shutdown-timeout", "0"], {}, "--shutdown-timeout", "positive"),
-    (["--mps-modes", "time-slicing,mig"], {}, "--mps-modes", "'mig'"),
+    (["--mps-modes", "time-slicing,mig"], {}, "--mps-modes", "unknown mode 'mig'"),
+    (["--mps-modes", ""], {}, "--mps-modes", "is empty"),
     ([], {"FRACPLUGIN_FAIL_OPEN": "maybe"}, "--fail-open", "FRACPLUGIN_FAIL_OPEN"),
     ([], {"FRACPLUGIN_MAX_CLIENTS_PER_GPU": "49"}, "--max-clients-per-gpu", "1..48"),
     (["--allocation-policy", "random"], {}, "--allocation-policy", "pack or spread"),
@@ -106,10 +107,23 @@ def test_bad_values_name_setting_and_value(argv: list[str], env: dict[str, str],
     assert repr(given) in msg or given in msg
 
 
+@pytest.mark.parametrize("argv,setting,needle", [
+    (["--mps-control-binary", "/nonexistent/nvidia-cuda-mps-control"], "--mps-control-binary", "not an executable"),
+    (["--no-mps", "--simulate-node", "/nonexistent/node.yaml"], "--simulate-node", "not a readable file"),
+])
+def test_paths_that_must_exist(argv: list[str], setting: str, needle: str) -> None:
+    cfg, sources = load(argv)  # values are fine ...
+    with pytest.raises(ConfigError) as ei:  # ... but the files are not there
+        c.check_paths(cfg, sources)
+    assert ei.value.setting == setting and needle in str(ei.value)
+    ok, _ = load(["--no-mps", "--simulate-node", __file__])
+    c.check_paths(ok)
+
+
 def test_bad_file(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
     f.write_text("reserv_mib: 3\n")
-    with pytest.raises(ConfigError, match="reserv_mib.*is not a setting"):
+    with pytest.raises(ConfigError, match=r"unknown setting 'reserv_mib' \(from file .*\): is not a setting \(known keys: .*reserve_mib"):
         load(["--config", str(f)])
     f.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"):
