@@ -123,6 +123,8 @@ def _parse_mode(key: str, raw: str) -> ComputeMode:
 
 def _parse_positive_int(key: str, raw: str, *, maximum: int) -> int:
     _no_padding(key, raw)
+    if raw.startswith("-") and _INT_RE.match(raw[1:]):
+        raise FractionError(key, raw, "must be at least 1", "integer")
     if not _INT_RE.match(raw):
         raise FractionError(key, raw, "is not a whole number", "integer")
     value = int(raw)

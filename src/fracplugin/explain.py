@@ -19,7 +19,14 @@ from typing import Any
 
 import yaml
 
-from .annotations import DEFAULT_PREFIX
+from .annotations import (
+    DEFAULT_PREFIX,
+    SUFFIX_DEVICES,
+    SUFFIX_LIMIT,
+    SUFFIX_MODE,
+    SUFFIX_PORTION,
+    SUFFIX_REQUEST,
+)
 from .gpu.inventory import InventoryError
 from .gpu.simulated import load_node
 from .ledger import Ledger
@@ -38,7 +45,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "-o", choices=("table", "json"), default="table")
     p.add_argument("--ledger", help="a ledger.json whose tenants already hold the node's GPUs")
     p.add_argument("--annotation-prefix", default=DEFAULT_PREFIX)
-    p.add_argument("--reserve-mib", type=int, default=0, help="MiB per GPU kept out of fraction resolution")
+    p.add_argument("--reserve-mib", type=_non_negative, default=0, help="MiB per GPU kept out of fraction resolution")
+
+
+def _non_negative(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number of MiB") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{raw!r} must be 0 or more MiB")
+    return value
+
+
+def stray_container_keys(annotations: dict[str, str], prefix: str, names: list[str]) -> list[str]:
+    """Per-container annotation keys that name no container of the pod (a typo
+    such as ``nvidia.com/container.ap.gpu-memory.request`` for ``app`` leaves
+    the container unfenced, so say so)."""
+    if not prefix:
+        return []
+    suffixes = (SUFFIX_REQUEST, SUFFIX_LIMIT, SUFFIX_MODE, SUFFIX_PORTION, SUFFIX_DEVICES)
+    stray = []
+    for key in annotations:
+        if not key.startswith(prefix):
+            continue
+        rest = key[len(prefix):]
+        for suffix in suffixes:
+            if rest.endswith(suffix) and rest[: -len(suffix)] not in names:
+                stray.append(key)
+    return sorted(stray)
 
 
 def load_pod(path: str) -> dict[str, Any]:
@@ -83,20 +118,23 @@ def explain(pod: dict[str, Any], node_path: str, *, container: str | None = None
         try:
             plan = plan_container(annotations, name, ref, node, ledger, config, containers=names)
         except FractionError as err:
-            out.append({"name": name, "fractional": True, "devices": [], "compute_mode": None, "env": {},
-                        "mounts": [], "error": err.to_dict()})
+            out.append({"name": name, "fractional": True, "devices": [], "compute_mode": None,
+                        "request_mib": None, "limit_mib": None, "env": {}, "mounts": [], "error": err.to_dict()})
             continue
         if plan is None:
-            out.append({"name": name, "fractional": False, "devices": [], "compute_mode": None, "env": {},
-                        "mounts": [], "error": None})
+            out.append({"name": name, "fractional": False, "devices": [], "compute_mode": None,
+                        "request_mib": None, "limit_mib": None, "env": {}, "mounts": [], "error": None})
         else:
             out.append(plan.to_dict())
-    return {"pod": str(ref), "node": node.name, "containers": out}
+    warnings = [f"annotation {k} names no container of this pod (containers: {', '.join(names)}); it has no effect"
+                for k in stray_container_keys(annotations, config.annotation_prefix, names)]
+    return {"pod": str(ref), "node": node.name, "containers": out, "warnings": warnings}
 
 
 def render_table(report: dict[str, Any]) -> str:
     """Human rendering of an explain report."""
     lines = [f"pod {report['pod']} on node {report['node']}"]
+    lines += [f"warning: {w}" for w in report.get("warnings", [])]
     for c in report["containers"]:
         lines.append("")
         if c["error"]:

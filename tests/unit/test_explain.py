@@ -68,6 +68,26 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, node_file, content, fragmen
     assert fragment in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_typo_in_a_container_name_is_a_warning(tmp_path, node_file):
+    pod = tmp_path / "pod.yaml"
+    pod.write_text("""
+kind: Pod
+metadata:
+  name: typo
+  uid: u-2
+  annotations:
+    nvidia.com/container.ap.gpu-memory.request: "20Gi"
+spec:
+  containers: [{name: app, image: x}]
+""")
+    r = run(str(pod), "--node", str(node_file))
+    assert r.returncode == 0
+    assert "warning: annotation nvidia.com/container.ap.gpu-memory.request names no container" in r.stdout
+    j = json.loads(run(str(pod), "--node", str(node_file), "-o", "json").stdout)
+    assert len(j["warnings"]) == 1 and j["containers"][0]["fractional"] is False
+    assert run(str(pod), "--node", str(node_file), "--reserve-mib", "-5").returncode == 2
+
+
 def test_bad_node_file_and_unknown_container(tmp_path, shared):
     node = tmp_path / "node.yaml"
     node.write_text("gpus: [{index: 0}]\n")
