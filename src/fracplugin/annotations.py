@@ -49,11 +49,11 @@ SUFFIX_MODE = ".gpu-compute.mode"
 SUFFIX_PORTION = ".gpu-compute.portion"
 SUFFIX_DEVICES = ".gpus.devices"
 
-_DECIMAL_RE = re.compile(r"^[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?$")
-_INT_RE = re.compile(r"^[0-9]+$")
+_DECIMAL_RE = re.compile(r"^[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?\Z")
+_INT_RE = re.compile(r"^[0-9]+\Z")  # ASCII digits only (str.isdigit() accepts "²", "١")
 # The Kubernetes quantity grammar (apimachinery resource.ParseQuantity): the
 # Python client's parser is laxer (it accepts "4 Gi"), so the shape is checked first.
-_QUANTITY_RE = re.compile(r"^[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
+_QUANTITY_RE = re.compile(r"^[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?\Z")
 
 
 def container_key(prefix: str, container: str, suffix: str) -> str:
@@ -127,6 +127,8 @@ def _parse_positive_int(key: str, raw: str, *, maximum: int) -> int:
         raise FractionError(key, raw, "must be at least 1", "integer")
     if not _INT_RE.match(raw):
         raise FractionError(key, raw, "is not a whole number", "integer")
+    if len(raw) > len(str(maximum)):
+        raise FractionError(key, raw, f"must be at most {maximum}", "integer")
     value = int(raw)
     if value < 1:
         raise FractionError(key, raw, "must be at least 1", "integer")

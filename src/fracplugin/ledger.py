@@ -290,7 +290,11 @@ class Ledger:
             if not isinstance(records, list):
                 raise ValueError("tenancies is not a list")
             entries = [Tenancy.from_dict(r) for r in records]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            for t in entries:
+                if not 1 <= t.request_mib <= t.limit_mib:
+                    raise ValueError(f"record {t.namespace}/{t.pod_name}/{t.container} has request {t.request_mib} MiB "
+                                     f"and limit {t.limit_mib} MiB (need 1 <= request <= limit)")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             if self._read_only:
                 return [f"ledger file {self._path} is unreadable ({exc}); ignored"]
             aside = self._path.with_name(f"{self._path.name}.corrupt-{int(time.time())}")

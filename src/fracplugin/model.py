@@ -43,13 +43,20 @@ class FractionError(ValueError):
     Attributes:
         key: the annotation key (or pseudo-key such as ``node`` / ``gpu:<uuid>``)
             the refusal is about.
-        value: the offending value, verbatim (``None`` when the key is absent).
+        value: the offending value, verbatim up to ``MAX_QUOTED`` characters and
+            cut after that (``None`` when the key is absent).
         reason: the rule that was broken, in words an operator can act on.
         code: a short stable label for metrics (``fracplugin_refusals_total{reason}``).
     """
 
+    #: Longest value quoted verbatim; longer ones are cut (a 1 MiB annotation
+    #: must not become a 1 MiB log line, Event and error message per retry).
+    MAX_QUOTED = 256
+
     def __init__(self, key: str, value: str | None, reason: str, code: str = "invalid") -> None:
         self.key = key
+        if value is not None and len(value) > self.MAX_QUOTED:
+            value = f"{value[:self.MAX_QUOTED]}... ({len(value)} characters)"
         self.value = value
         self.reason = reason
         self.code = code
@@ -304,6 +311,8 @@ class Tenancy:
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> "Tenancy":
         """Inverse of ``to_dict``; raises KeyError/ValueError/TypeError on a bad record."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"a tenancy record must be an object, got {type(d).__name__}")
         atp = d.get("active_thread_percentage")
         ns = d.get("mps_namespace")
         return cls(

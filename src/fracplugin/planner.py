@@ -21,6 +21,7 @@ Rules (DESIGN.md section 4; gpu-fractioning-reference.md section 3):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
@@ -51,6 +52,9 @@ ENFORCED_ENV_KEYS = (
     ENV_VISIBLE_DEVICES, ENV_MEMORY_REQUEST, ENV_MEMORY_LIMIT,
     ENV_PINNED_LIMIT, ENV_ACTIVE_THREAD_PERCENTAGE, ENV_PIPE_DIRECTORY,
 )
+
+
+_INDEX_RE = re.compile(r"(0|[1-9][0-9]{0,3})\Z")
 
 
 class LedgerView(Protocol):
@@ -99,7 +103,7 @@ def resolve_device(node: NodeInfo, entry: str) -> GpuInfo | None:
     """
     if "=" in entry and "/" in entry.split("=", 1)[0]:
         entry = entry.split("=", 1)[1]
-    if entry.isdigit():
+    if _INDEX_RE.match(entry):  # ASCII digits, no sign, no leading zero, bounded
         return node.gpu_by_index(int(entry))
     return node.gpu_by_uuid(entry)
 

@@ -180,3 +180,22 @@ def test_num_devices_must_match_device_list():
 
 def test_empty_prefix_is_allowed():
     assert parse({"app.gpu-memory.request": "1Gi"}, "app", prefix="").request.mib == 1024
+
+
+@pytest.mark.parametrize("ann,key", [
+    ({"gpu-memory": "9" * 4400}, "gpu-memory"),
+    ({"gpu-memory": "1024", "gpu-fraction-num-devices": "9" * 5000}, "gpu-fraction-num-devices"),
+    ({"gpu-memory": "²"}, "gpu-memory"),
+    ({"gpu-memory": "١٠٢٤"}, "gpu-memory"),
+])
+def test_huge_and_non_ascii_numbers_are_refused_not_crashes(ann, key):
+    with pytest.raises(FractionError) as ei:
+        parse(ann, "app")
+    assert ei.value.key == key
+    assert len(ei.value.message) < 600  # long values are cut in messages
+
+
+def test_long_values_are_cut_in_messages():
+    with pytest.raises(FractionError) as ei:
+        parse(req(request="x" * 1_000_000), "app")
+    assert ei.value.value.endswith("... (1000000 characters)") and len(ei.value.message) < 600

@@ -147,7 +147,7 @@ def test_an_api_client_is_accepted_and_doors_name_the_action(api, recorders):
     r = _recorder(recorders, client.ApiClient(cfg), component="fp-test")
     r.refused(POD, "app", ERR, door="deviceplugin")
     other = PodRef("team-b", "nb", "uid-9")
-    r.refused(other, "side", FractionError("k", "v" * 5000, "is long", "invalid"), door="nri")
+    r.refused(other, "side", FractionError("k", "v", "is long" * 1000, "invalid"), door="nri")
     posts = api.wait_posts(2)
     assert [(ns, e["action"], e["source"]["component"]) for ns, e in posts] == [
         ("team-a", "Allocate", "fp-test"), ("team-b", "CreateContainer", "fp-test")]

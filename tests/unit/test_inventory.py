@@ -37,7 +37,7 @@ def test_simulated_injection(node_file):
 @pytest.mark.parametrize("text,fragment", [
     ("gpus: nope", "must be a mapping with a 'gpus' list"),
     ("gpus: [{index: 0, uuid: a, name: n, memory_mib: '1', minor: 0}]", "expected an integer"),
-    ("gpus: [{index: 0, uuid: a, name: n, memory_mib: 0, minor: 0}]", "must be positive"),
+    ("gpus: [{index: 0, uuid: a, name: n, memory_mib: 0, minor: 0}]", "memory_mib must be 1.."),
     ("gpus: [{index: 0, uuid: a, name: n, memory_mib: 1, minor: 0}, {index: 1, uuid: a, name: n, memory_mib: 1, minor: 1}]", "unique"),
     (": : :", "not valid YAML"),
 ])
@@ -139,3 +139,16 @@ def test_nvml_lost_gpu_at_startup(monkeypatch):
     with pytest.raises(InventoryError) as ei:
         NvmlInventory()
     assert "GPU is lost" in str(ei.value) and fake.shutdowns == 1
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("gpus: [{index: 0, uuid: a, name: n, memory_mib: 100000000000000000000, minor: 0}]", "memory_mib must be 1.."),
+    ("gpus: [{index: 5000, uuid: a, name: n, memory_mib: 1, minor: 0}]", "index and minor"),
+    ("[" * 50000 + "]" * 50000, "not valid YAML"),
+])
+def test_absurd_node_files(tmp_path, text, fragment):
+    p = tmp_path / "n.yaml"
+    p.write_text(text)
+    with pytest.raises(InventoryError) as ei:
+        load_node(p)
+    assert fragment in str(ei.value)

@@ -158,3 +158,18 @@ def test_no_sequence_of_operations_breaks_the_invariants(tmp_path_factory, ops):
             led = Ledger(node, path, max_clients_per_gpu=3)
             assert led.load() == [] and led.tenancies() == before
         assert led.check_invariants() == []
+
+
+@pytest.mark.parametrize("content", [
+    '{"version": 1, "node": "n", "tenancies": [1]}',
+    '{"version": 1, "node": "n", "tenancies": ["x"]}',
+    "[" * 100000 + "]" * 100000,
+    '{"version": 1, "node": "n", "tenancies": [{"pod_uid": "u", "namespace": "n", "pod_name": "p", "container": "c",'
+    ' "gpu_uuid": "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01", "request_mib": -80000, "limit_mib": 1, "mode": "time-slicing"}]}',
+])
+def test_any_unreadable_ledger_is_set_aside(node, tmp_path, content):
+    path = tmp_path / "ledger.json"
+    path.write_text(content)
+    led = Ledger(node, path)
+    (warning,) = led.load()
+    assert "corrupt" in warning and led.tenancies() == [] and not path.exists()

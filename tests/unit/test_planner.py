@@ -163,3 +163,11 @@ def test_memory_guard_counts_other_tenants(node):
 def test_plan_is_pure(seed_pods, node):
     pod = seed_pods["notebook-time-slicing-2gpu"]
     assert plan_seed(pod, node) == plan_seed(pod, node)
+
+
+@pytest.mark.parametrize("devices", ["²", "١", "０", "9" * 5000, "01", "+0"])
+def test_device_indices_are_plain_ascii_numbers(node, devices):
+    ann = {"nvidia.com/container.app.gpu-memory.request": "1Gi", "nvidia.com/container.app.gpus.devices": devices}
+    with pytest.raises(FractionError) as ei:
+        plan_container(ann, "app", PodRef("n", "p", "u"), node, EmptyLedger())
+    assert ei.value.code == "device"

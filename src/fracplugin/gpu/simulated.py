@@ -28,6 +28,7 @@ from ..model import GpuInfo, NodeInfo
 from .inventory import InventoryError, ProcessSample, XidEvent
 
 _REQUIRED = ("index", "uuid", "name", "memory_mib", "minor")
+MAX_MEMORY_MIB = 1 << 22  # 4 TiB per GPU: far above any GPU, low enough to catch typos
 
 
 def load_node(path: str | os.PathLike[str]) -> NodeInfo:
@@ -42,8 +43,8 @@ def load_node(path: str | os.PathLike[str]) -> NodeInfo:
         doc = yaml.safe_load(p.read_text())
     except OSError as exc:
         raise InventoryError(f"cannot read node file {p}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise InventoryError(f"node file {p} is not valid YAML: {exc}") from None
+    except (yaml.YAMLError, RecursionError) as exc:
+        raise InventoryError(f"node file {p} is not valid YAML: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("gpus"), list):
         raise InventoryError(f"node file {p} must be a mapping with a 'gpus' list")
     gpus = []
@@ -64,8 +65,10 @@ def load_node(path: str | os.PathLike[str]) -> NodeInfo:
             ))
         except (TypeError, ValueError) as exc:
             raise InventoryError(f"node file {p}: gpus[{i}]: {exc}") from None
-        if gpus[-1].memory_mib <= 0:
-            raise InventoryError(f"node file {p}: gpus[{i}].memory_mib must be positive")
+        if not 0 < gpus[-1].memory_mib <= MAX_MEMORY_MIB:
+            raise InventoryError(f"node file {p}: gpus[{i}].memory_mib must be 1..{MAX_MEMORY_MIB} MiB")
+        if not 0 <= gpus[-1].index < 1024 or not 0 <= gpus[-1].minor < 1024:
+            raise InventoryError(f"node file {p}: gpus[{i}] index and minor must be 0..1023")
     uuids = [g.uuid for g in gpus]
     if len(set(uuids)) != len(uuids) or len({g.index for g in gpus}) != len(gpus):
         raise InventoryError(f"node file {p}: GPU uuids and indices must be unique")
