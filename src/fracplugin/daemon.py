@@ -86,24 +86,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---- the simulated API: a pods file ----------------------------------------
 def read_pods_file(path: str) -> list[dict[str, Any]]:
     """Pod documents of a YAML file (``kind: Pod`` docs, or ``kind: List`` /
-    ``PodList`` items). A missing or empty file is no pods. Raises ValueError
-    for invalid YAML."""
+    ``PodList`` items). A missing or empty file is no pods. A pod whose shape
+    the lookup cannot read (``podlookup.pod_problem``, e.g. ``containers: 'abc'``)
+    is skipped with a warning naming the pod and the file. Raises ValueError
+    for a file that cannot be read as YAML at all (invalid YAML, nesting too
+    deep for the parser, not UTF-8, unreadable): never another exception."""
+    from .kubelet.podlookup import describe_pod, pod_problem
+
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
         return []
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"pods file {path} cannot be read: {exc}") from None
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
         raise ValueError(f"pods file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise ValueError(f"pods file {path} is nested too deeply to parse; rejected") from None
+    except Exception as exc:  # the parser is not ours: any failure rejects the file, never the daemon
+        raise ValueError(f"pods file {path} cannot be parsed: {type(exc).__name__}: {exc}") from None
     pods: list[dict[str, Any]] = []
+    candidates: list[Any] = []
     for d in docs:
         if not isinstance(d, dict):
+            log.warning("pods file %s: a document that is not an object (%s) skipped", path, type(d).__name__)
             continue
         if d.get("kind") in ("List", "PodList"):
-            pods.extend(i for i in d.get("items") or [] if isinstance(i, dict))
+            items = d.get("items") or []
+            if not isinstance(items, list):
+                log.warning("pods file %s: a %s whose items are not a list skipped", path, d.get("kind"))
+                continue
+            candidates.extend(items)
         elif d.get("kind", "Pod") == "Pod" and isinstance(d.get("metadata"), dict):
-            pods.append(d)
+            candidates.append(d)
+    for pod in candidates:
+        problem = pod_problem(pod)
+        if problem is not None:
+            log.warning("pods file %s: pod %s skipped: %s", path, describe_pod(pod), problem,
+                        extra={"path": path, "pod": describe_pod(pod)})
+            continue
+        pods.append(pod)
     return pods
 
 
@@ -142,7 +166,8 @@ class PodsFileWatcher:
         try:
             pods = read_pods_file(self.path)
         except ValueError as exc:
-            log.error("%s", exc)
+            log.warning("%s; keeping the %d pods read before", exc, len(self._seen),
+                        extra={"path": self.path})
             return False
         now = {self._key(p): p for p in pods}
         for key, pod in self._seen.items():
@@ -156,7 +181,12 @@ class PodsFileWatcher:
         return True
 
     def start(self) -> None:
-        self.sync()
+        """Read the file once (a bad file is logged, never raised: the daemon
+        starts with no pods) and start polling."""
+        try:
+            self.sync()
+        except Exception as exc:  # pragma: no cover - sync handles what it knows
+            log.warning("pods file %s not read: %s: %s", self.path, type(exc).__name__, exc)
         self._thread = threading.Thread(target=self._run, name="fracplugin-podsfile", daemon=True)
         self._thread.start()
 
@@ -164,8 +194,8 @@ class PodsFileWatcher:
         while not self._stop.wait(self.poll_s):
             try:
                 self.sync()
-            except Exception:  # never let the watcher die
-                log.exception("pods file watcher failed")
+            except Exception as exc:  # never let the watcher die
+                log.warning("pods file watcher: %s: %s", type(exc).__name__, exc, extra={"path": self.path})
 
     def stop(self, timeout_s: float = 1.0) -> None:
         self._stop.set()
@@ -428,16 +458,21 @@ class Daemon:
         if self.cfg.no_device_plugin:
             return
         from .kubelet.deviceplugin import DevicePluginServer
+        from .kubelet.devices import DeviceTableTooLarge
 
         assert self.node is not None
-        self.device_plugin = DevicePluginServer(
-            self.node, self.ledger, self.planner_config, self.inventory,
-            pod_source=self.pod_source, resource_name=self.cfg.resource_name, unit_mib=self.cfg.device_unit_mib,
-            plugin_dir=self.cfg.device_plugin_dir, kubelet_socket=self.cfg.effective_kubelet_socket,
-            allocate_deadline_s=self.cfg.allocate_deadline_s, mps_health=None if self.cfg.no_mps else self.mps,
-            metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket,
-            ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
-            policy=self.cfg.allocation_policy, device_specs=self.cfg.device_specs, cdi_kind=self.cfg.cdi_kind)
+        try:
+            self.device_plugin = DevicePluginServer(
+                self.node, self.ledger, self.planner_config, self.inventory,
+                pod_source=self.pod_source, resource_name=self.cfg.resource_name, unit_mib=self.cfg.device_unit_mib,
+                plugin_dir=self.cfg.device_plugin_dir, kubelet_socket=self.cfg.effective_kubelet_socket,
+                allocate_deadline_s=self.cfg.allocate_deadline_s, mps_health=None if self.cfg.no_mps else self.mps,
+                metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket,
+                ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
+                policy=self.cfg.allocation_policy, device_specs=self.cfg.device_specs, cdi_kind=self.cfg.cdi_kind)
+        except DeviceTableTooLarge as exc:
+            # Kubelet could never receive the device list (devices.py): refuse to start.
+            raise StartupError(f"--device-unit-mib {self.cfg.device_unit_mib}: {exc}") from None
         try:
             self.device_plugin.start()
         except OSError as exc:

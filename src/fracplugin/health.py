@@ -18,16 +18,24 @@
   drive the XID health path (issue 4 item 3) from outside the process.
 
 Concurrency: ``http.server.ThreadingHTTPServer`` serving on its own thread,
-one short-lived thread per request (daemon threads). The callbacks it is
-given are called from those threads and must be thread-safe and quick.
+one short-lived thread per connection (daemon threads), at most
+``max_handlers`` (32) at once. Each request (line, headers, body) must arrive
+within ``request_deadline_s`` (10 s) in all, however slowly it drips; when
+every slot is busy a new connection evicts the handler that has waited
+longest for its request (slowloris), so ``/healthz`` keeps answering. A
+client gone before the reply is logged at DEBUG. The callbacks it is given
+are called from the handler threads and must be thread-safe and quick.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import socket
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Mapping
 
@@ -50,6 +58,126 @@ _GET_PATHS = ("/healthz", "/readyz", "/status")
 _XID_USAGE = 'expected a JSON object {"gpu_uuid": "<GPU UUID>", "xid": <positive integer>}'
 
 
+REQUEST_DEADLINE_S = 10.0
+"""Seconds a client has to send one whole request (line, headers, body)."""
+
+MAX_HANDLERS = 32
+"""Most concurrent handler threads of the health server."""
+
+_SLOT_WAIT_S = 0.5
+"""How long a new connection waits for a handler slot after evicting a slow one."""
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The handler's socket as a raw stream whose every read gets only the time
+    left before the handler's ``deadline`` (whole-request deadline, not a
+    per-recv timeout). Raises TimeoutError past the deadline, which
+    ``BaseHTTPRequestHandler.handle_one_request`` turns into a dropped
+    connection."""
+
+    def __init__(self, handler: Any) -> None:
+        super().__init__()
+        self._h = handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:  # type: ignore[override]
+        left = self._h.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"request not received within {self._h.server.request_deadline_s:g} s")
+        sock = self._h.connection
+        sock.settimeout(left)
+        try:
+            return sock.recv_into(b)
+        finally:
+            sock.settimeout(self._h.timeout)  # writes get the per-send timeout
+
+
+class _HealthHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with at most ``max_handlers`` handler threads.
+
+    A connection arriving with every slot busy first evicts the handler that
+    has been waiting longest for its request (slowloris clients, idle
+    keep-alive connections: shut down, so its read ends), then waits up to
+    ``_SLOT_WAIT_S`` for a slot; with none it is closed unanswered. A probe's
+    quick request therefore always finds a slot. ``handle_error`` logs through
+    the module logger (never a bare traceback on stderr); a client that went
+    away is DEBUG.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, address: Any, handler: Any, *, max_handlers: int, request_deadline_s: float) -> None:
+        self.request_deadline_s = request_deadline_s
+        self.max_handlers = max_handlers
+        self._slots = threading.BoundedSemaphore(max_handlers)
+        self.lock = threading.Lock()
+        self._reading: dict[int, tuple[float, Any]] = {}
+        self.active = self.peak = self.evicted = self.refused = 0
+        super().__init__(address, handler)
+
+    def reading(self, handler: Any, on: bool) -> None:
+        """Mark ``handler`` as waiting for its request (evictable) or not."""
+        with self.lock:
+            if on:
+                self._reading[id(handler)] = (time.monotonic(), handler)
+            else:
+                self._reading.pop(id(handler), None)
+
+    def _evict_oldest_reader(self) -> None:
+        with self.lock:
+            if not self._reading:
+                return
+            key = min(self._reading, key=lambda k: self._reading[k][0])
+            _t, handler = self._reading.pop(key)
+            handler.evicted = True
+            self.evicted += 1
+            try:
+                handler.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        log.debug("health http: all %d handler slots busy; dropped the slowest request from %s",
+                  self.max_handlers, handler.client_address[0])
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._evict_oldest_reader()
+            if not self._slots.acquire(timeout=_SLOT_WAIT_S):
+                with self.lock:
+                    self.refused += 1
+                log.debug("health http: all %d handler slots busy; closed the connection from %s",
+                          self.max_handlers, client_address[0])
+                self.shutdown_request(request)
+                return
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        with self.lock:
+            self.active -= 1
+        self._slots.release()
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("health http: connection from %s ended: %r", client_address[0], exc)
+        else:
+            log.error("health http: request from %s failed", client_address[0], exc_info=True)
+
+
 class BadRequest(ValueError):
     """A request the health server answers with ``code`` (4xx) and the message."""
 
@@ -62,7 +190,7 @@ def parse_xid_body(body: bytes) -> tuple[str, int]:
     """Validate a ``POST /simulate/xid`` body: returns (gpu_uuid, xid).
 
     Raises:
-        BadRequest(400): not UTF-8 JSON, not an object, unknown keys, a
+        BadRequest(400): not UTF-8 JSON (nesting too deep included), not an object, unknown keys, a
             missing/empty/non-string ``gpu_uuid``, or an ``xid`` that is not an
             integer in 1..2**32-1 (booleans and floats are refused).
     """
@@ -70,6 +198,10 @@ def parse_xid_body(body: bytes) -> tuple[str, int]:
         doc = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise BadRequest(400, f"body is not valid JSON ({exc}); {_XID_USAGE}") from None
+    except RecursionError:  # deep nesting fits in 4096 bytes ("[" * 2000)
+        raise BadRequest(400, f"body is nested too deeply; {_XID_USAGE}") from None
+    except Exception as exc:  # the decoder's other failures are still the body's fault
+        raise BadRequest(400, f"body is not valid JSON ({type(exc).__name__}); {_XID_USAGE}") from None
     if not isinstance(doc, dict):
         raise BadRequest(400, f"body is a JSON {type(doc).__name__}; {_XID_USAGE}")
     unknown = sorted(set(doc) - {"gpu_uuid", "xid"})
@@ -94,14 +226,25 @@ class HealthServer:
         alive: returns None when live, or the reason the daemon is not (e.g. "shutting down").
         simulate_xid: enables ``POST /simulate/xid`` (simulated node only),
             see ``SimulateXidFn``; None = the path answers 404.
+        request_deadline_s: seconds a client has for the request line, headers
+            and body of one request, in all (default 10; a client dripping
+            bytes is cut off at the deadline, not per read).
+        max_handlers: most handler threads at once (default 32).
     Raises:
-        OSError from ``start`` when the address cannot be bound.
+        ValueError for max_handlers < 1 or a deadline <= 0; OSError from
+        ``start`` when the address cannot be bound.
     """
 
     def __init__(self, address: str, checks: ReadyFn, status: Callable[[], Mapping[str, Any]],
                  alive: Callable[[], str | None] = lambda: None,
-                 simulate_xid: SimulateXidFn | None = None) -> None:
+                 simulate_xid: SimulateXidFn | None = None, *,
+                 request_deadline_s: float = REQUEST_DEADLINE_S, max_handlers: int = MAX_HANDLERS) -> None:
+        if max_handlers < 1 or request_deadline_s <= 0:
+            raise ValueError(f"max_handlers {max_handlers} must be >= 1 and request_deadline_s "
+                             f"{request_deadline_s} > 0")
         self._address = parse_address(address)
+        self._request_deadline_s = request_deadline_s
+        self._max_handlers = max_handlers
         self._simulate_xid = simulate_xid
         self._checks = checks
         self._status = status
@@ -128,7 +271,31 @@ class HealthServer:
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "fracplugin"
-            timeout = 10.0  # seconds a client may take to send its request (no thread is held for good)
+            timeout = 10.0  # seconds one send may block (the read side has the whole-request deadline)
+            server: _HealthHTTPServer
+
+            def setup(self) -> None:
+                super().setup()
+                self.deadline = time.monotonic() + self.server.request_deadline_s
+                self.evicted = False
+                self.rfile = io.BufferedReader(_DeadlineReader(self))  # type: ignore[assignment]
+
+            def handle_one_request(self) -> None:
+                # One deadline for the request line, headers and body of each request.
+                self.deadline = time.monotonic() + self.server.request_deadline_s
+                self.server.reading(self, True)
+                try:
+                    super().handle_one_request()
+                finally:
+                    self.server.reading(self, False)
+
+            def parse_request(self) -> bool:
+                ok = super().parse_request()
+                self.server.reading(self, False)  # headers are in: no longer evictable
+                if self.evicted:  # shut down for a newer client: what we read is cut short
+                    self.close_connection = True
+                    return False
+                return ok
 
             def log_message(self, fmt: str, *args: Any) -> None:  # keep access logs at debug
                 log.debug("health http: " + fmt, *args)
@@ -143,6 +310,12 @@ class HealthServer:
 
             def _json(self, code: int, doc: Any) -> None:
                 self._send(code, (json.dumps(doc, indent=1, default=str) + "\n").encode(), "application/json")
+
+            def _gone(self, exc: BaseException) -> None:
+                """The client went away before the reply: nothing to answer."""
+                log.debug("health http: client %s gone before the reply to %s %s: %s",
+                          self.client_address[0], self.command, self.path, exc)
+                self.close_connection = True
 
             def do_GET(self) -> None:  # noqa: N802 (http.server naming)
                 path = self.path.split("?", 1)[0].rstrip("/") or "/"
@@ -162,9 +335,11 @@ class HealthServer:
                         self._text(405, "/simulate/xid answers POST only", {"Allow": "POST"})
                     else:
                         self._send(404, b"not found: try /healthz, /readyz, /status\n", "text/plain")
+                except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+                    self._gone(exc)
                 except Exception as exc:  # a broken callback answers 500, never kills the server
                     log.exception("health endpoint %s failed", path)
-                    self._send(500, f"internal error: {exc}\n".encode(), "text/plain")
+                    self._try_text(500, f"internal error: {exc}")
 
             do_HEAD = do_GET
 
@@ -178,6 +353,13 @@ class HealthServer:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(body)
+
+            def _try_text(self, code: int, msg: str) -> None:
+                """Answer an error; a client that is gone by now is logged at DEBUG."""
+                try:
+                    self._text(code, msg)
+                except OSError as exc:
+                    self._gone(exc)
 
             def _read_body(self) -> bytes:
                 raw = self.headers.get("Content-Length")
@@ -214,10 +396,14 @@ class HealthServer:
                     else:
                         self._text(404, "not found")
                 except BadRequest as exc:
-                    self._text(exc.code, f"bad request: {exc}" if exc.code == 400 else str(exc))
+                    self._try_text(exc.code, f"bad request: {exc}" if exc.code == 400 else str(exc))
+                except TimeoutError:
+                    raise  # the body did not arrive in time: handle_one_request drops the connection
+                except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+                    self._gone(exc)
                 except Exception as exc:  # a broken callback answers 500, never kills the server
                     log.exception("health endpoint POST %s failed", path)
-                    self._text(500, f"internal error: {exc}")
+                    self._try_text(500, f"internal error: {exc}")
 
             def _other_method(self) -> None:
                 path = self.path.split("?", 1)[0].rstrip("/") or "/"
@@ -230,16 +416,26 @@ class HealthServer:
 
             do_PUT = do_DELETE = do_PATCH = _other_method
 
-        server_cls = ThreadingHTTPServer
+        server_cls: type[_HealthHTTPServer] = _HealthHTTPServer
         if ":" in self._address[0]:  # an IPv6 literal ([::]:8080)
-            server_cls = type("ThreadingHTTPServer6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
-        server = server_cls(self._address, Handler)
-        server.daemon_threads = True
+            server_cls = type("HealthHTTPServer6", (_HealthHTTPServer,), {"address_family": socket.AF_INET6})
+        server = server_cls(self._address, Handler, max_handlers=self._max_handlers,
+                            request_deadline_s=self._request_deadline_s)
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="health-http", daemon=True)
         self._thread.start()
         return self.bound
+
+    def stats(self) -> dict[str, int]:
+        """Connection counters: ``active`` handler threads now, ``peak`` (most
+        at once), ``evicted`` (slow requests shut down for a newer client),
+        ``refused`` (connections closed with every slot busy)."""
+        srv = self._server
+        if srv is None:
+            return {"active": 0, "peak": 0, "evicted": 0, "refused": 0}
+        with srv.lock:
+            return {"active": srv.active, "peak": srv.peak, "evicted": srv.evicted, "refused": srv.refused}
 
     def stop(self, timeout_s: float = 2.0) -> None:
         """Stop serving and close the socket (idempotent)."""

@@ -10,9 +10,12 @@ from fracplugin.gpu.simulated import load_node
 from fracplugin.kubelet.devices import (
     DEFAULT_RESOURCE_NAME,
     MAX_DEVICE_ID_LEN,
+    MAX_LIST_AND_WATCH_BYTES,
     DeviceIdError,
     DeviceTable,
+    DeviceTableTooLarge,
     device_id,
+    list_and_watch_bytes,
     parse_device_id,
     preferred_allocation,
     validate_resource_name,
@@ -75,6 +78,60 @@ def test_parse_round_trip_and_errors(node, table):
     with pytest.raises(DeviceIdError, match="0..78"):
         table.gpu_of(f"{u}::79")
     assert table.gpu_of(f"{u}::78").index == 2
+
+
+@pytest.mark.parametrize("suffix", ["\u00b2", "\u0661", "\uff10", "01", "+1", "-1", " 1", "1 ", "1_0", "9" * 5000])
+def test_only_canonical_ascii_ids_are_devices(node, table, suffix):
+    # Unicode digits used to reach int() (INTERNAL); "01"/"\u0661" aliased device 1
+    # and slipped past the duplicate check.
+    u = node.gpus[0].uuid
+    with pytest.raises(DeviceIdError) as exc:
+        table.gpu_of(f"{u}::{suffix}")
+    assert len(str(exc.value)) < 400  # named, but cut: gRPC details travel in 8 KiB metadata
+    with pytest.raises(DeviceIdError):
+        table.group([f"{u}::1", f"{u}::{suffix}"])
+
+
+def test_aliases_of_one_device_are_not_two_devices(node, table):
+    u = node.gpus[0].uuid
+    with pytest.raises(DeviceIdError, match="leading zero"):
+        table.group([f"{u}::1", f"{u}::01", f"{u}::\u0661"])
+
+
+def test_list_and_watch_size_matches_the_encoded_message(node):
+    from fracplugin._proto import deviceplugin_pb2 as pb
+
+    nodes = [node, NodeInfo("n", "1", 1, (GpuInfo(0, "GPU-a", "x", 5000, 0, numa_node=300),
+                                          GpuInfo(1, "GPU-b", "x", 3000, 1),
+                                          GpuInfo(2, "GPU-c", "x", 3000, 2, mig_enabled=True)))]
+    for n in nodes:
+        for unit in ((7, 1024) if n is node else (1, 7, 1024)):
+            devs = []
+            for g in n.gpus:
+                for dev in DeviceTable.build(n, unit, max_message_bytes=None).ids(g.uuid):
+                    d = pb.Device(ID=dev, health="Unhealthy")
+                    if g.numa_node is not None:
+                        d.topology.CopyFrom(pb.TopologyInfo(nodes=[pb.NUMANode(ID=g.numa_node)]))
+                    devs.append(d)
+            assert list_and_watch_bytes(n, unit) == pb.ListAndWatchResponse(devices=devs).ByteSize()
+
+
+def test_table_whose_list_would_exceed_kubelets_receive_limit_is_refused(node):
+    # 4 x 81559 MiB in 1 MiB devices: 326,236 devices, ~20 MB of ListAndWatch;
+    # kubelet (4 MiB gRPC receive limit) would never get a list.
+    with pytest.raises(DeviceTableTooLarge) as exc:
+        DeviceTable.build(node, 1)
+    e = exc.value
+    assert isinstance(e, ValueError)
+    assert (e.unit_mib, e.devices) == (1, 326236)
+    assert e.size_bytes > 4 * 1024 * 1024
+    assert "1 MiB" in str(e) and "326236 devices" in str(e) and f"at least {e.smallest_unit_mib} MiB" in str(e)
+    smallest = e.smallest_unit_mib
+    assert smallest is not None and smallest > 1
+    assert list_and_watch_bytes(node, smallest) <= MAX_LIST_AND_WATCH_BYTES < list_and_watch_bytes(node, smallest - 1)
+    assert len(DeviceTable.build(node, smallest)) > 0
+    with pytest.raises(DeviceTableTooLarge):
+        DeviceTable.build(node, smallest - 1)
 
 
 def test_group_refuses_duplicates_and_orders_by_gpu_index(node, table):

@@ -11,7 +11,17 @@ The extended resource (kubelet-device-plugin.md A.3, A.5):
 * one device = ``unit_mib`` MiB (default 1024 = 1 GiB) of one GPU;
 * device IDs are ``<GPU-UUID>::<n>`` with ``n`` in ``0 .. floor(memory_mib / unit_mib) - 1``;
   the proto comment on ``Device.ID`` caps an ID at 63 characters, which a
-  standard NVML UUID (``GPU-`` + 36 chars) plus ``::`` and up to 5 digits fits.
+  standard NVML UUID (``GPU-`` + 36 chars) plus ``::`` and up to 5 digits fits;
+* an ID is accepted only in the canonical form advertised: ``n`` in ASCII
+  digits, no sign, no leading zero (``::01``, ``::+1``, ``::\u00b2`` or
+  ``::\u0661`` are not IDs of this node), so two IDs name the same device
+  exactly when they are equal strings;
+* the whole ListAndWatch response must fit kubelet's gRPC receive limit
+  (grpc-go's default ``MaxCallRecvMsgSize`` of 4 MiB, which kubelet's device
+  manager client does not raise): a table whose encoded response would exceed
+  ``MAX_LIST_AND_WATCH_BYTES`` (3.5 MiB, headroom for framing) is refused at
+  build time (``DeviceTableTooLarge``), since kubelet would never receive a
+  device list and the plugin would re-register forever.
 """
 
 from __future__ import annotations
@@ -27,6 +37,13 @@ DEFAULT_UNIT_MIB = 1024
 MAX_DEVICE_ID_LEN = 63
 ID_SEP = "::"
 POLICIES = ("pack", "spread")
+KUBELET_MAX_RECV_BYTES = 4 * 1024 * 1024
+"""grpc-go's default receive limit (bytes), which kubelet's device plugin client keeps."""
+MAX_LIST_AND_WATCH_BYTES = 3584 * 1024
+"""Largest encoded ListAndWatchResponse (bytes) a table may produce: 3.5 MiB,
+leaving headroom under ``KUBELET_MAX_RECV_BYTES`` for gRPC framing."""
+_CANONICAL_N = re.compile(r"(0|[1-9][0-9]{0,17})", re.ASCII)
+_HEALTH_WORST = len("Unhealthy")
 
 # kubelet-device-plugin.md A.3: resource_name must be an extended resource
 # name; the kubernetes.io domain is rejected. Qualified-name shape
@@ -37,6 +54,97 @@ _NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 
 class DeviceIdError(ValueError):
     """A device ID that is not ``<GPU-UUID>::<n>`` of this node."""
+
+
+class DeviceTableTooLarge(ValueError):
+    """The ListAndWatch response of a table would exceed ``MAX_LIST_AND_WATCH_BYTES``.
+
+    Attributes: ``unit_mib`` (the unit asked for), ``devices`` (device count it
+    makes), ``size_bytes`` (encoded response size), ``limit_bytes``,
+    ``smallest_unit_mib`` (the smallest unit whose response fits; None when no
+    unit does, e.g. a node with too many GPUs)."""
+
+    def __init__(self, unit_mib: int, devices: int, size_bytes: int, limit_bytes: int,
+                 smallest_unit_mib: int | None) -> None:
+        self.unit_mib = unit_mib
+        self.devices = devices
+        self.size_bytes = size_bytes
+        self.limit_bytes = limit_bytes
+        self.smallest_unit_mib = smallest_unit_mib
+        hint = (f"use a device unit of at least {smallest_unit_mib} MiB" if smallest_unit_mib is not None
+                else "no device unit makes it fit")
+        super().__init__(
+            f"device unit {unit_mib} MiB makes {devices} devices; their ListAndWatch response would be "
+            f"{size_bytes} bytes, over the {limit_bytes}-byte bound under kubelet's 4 MiB gRPC receive limit "
+            f"(kubelet would never receive the device list); {hint}"
+        )
+
+
+def _show_id(dev_id: str, limit: int = 80) -> str:
+    """repr of a device ID for messages, cut to ``limit`` characters (gRPC
+    status details travel in 8 KiB of metadata)."""
+    return repr(dev_id) if len(dev_id) <= limit else repr(dev_id[:limit]) + f"... ({len(dev_id)} chars)"
+
+
+def _varint_len(v: int) -> int:
+    n = 1
+    while v >= 0x80:
+        v >>= 7
+        n += 1
+    return n
+
+
+def _field_len(payload: int) -> int:
+    """Bytes of one length-delimited protobuf field (tag < 16) with ``payload`` bytes."""
+    return 1 + _varint_len(payload) + payload
+
+
+def _topology_len(numa_node: int | None) -> int:
+    """Bytes of ``Device.topology`` (field 3) as ``DevicePluginServer`` sets it:
+    one NUMANode with the GPU's NUMA node, absent when unknown or negative."""
+    if numa_node is None or numa_node < 0:
+        return 0
+    numa = 0 if numa_node == 0 else 1 + _varint_len(numa_node)  # NUMANode{ID int64 = 1}
+    return _field_len(_field_len(numa))  # TopologyInfo{repeated NUMANode nodes = 1}
+
+
+def list_and_watch_bytes(node: NodeInfo, unit_mib: int) -> int:
+    """Encoded size (bytes) of the ListAndWatchResponse for ``node`` cut in
+    ``unit_mib`` MiB devices, every device Unhealthy (the longest health
+    string) with its GPU's topology: ``repeated Device devices = 1`` with
+    ``Device{string ID = 1; string health = 2; TopologyInfo topology = 3}``
+    (deviceplugin v1beta1 api.proto, protobuf wire format). Pure arithmetic,
+    O(GPUs x digits). Raises ValueError when ``unit_mib`` < 1."""
+    if unit_mib < 1:
+        raise ValueError(f"device unit {unit_mib} MiB must be >= 1")
+    total = 0
+    for gpu in node.gpus:
+        count = 0 if gpu.mig_enabled else gpu.memory_mib // unit_mib
+        fixed = _field_len(_HEALTH_WORST) + _topology_len(gpu.numa_node)
+        lo, digits = 0, 1
+        while lo < count:
+            hi = min(count, 10**digits)  # n in [lo, hi) has `digits` digits
+            id_len = len(gpu.uuid.encode()) + len(ID_SEP) + digits
+            total += (hi - lo) * _field_len(_field_len(id_len) + fixed)
+            lo, digits = hi, digits + 1
+    return total
+
+
+def smallest_fitting_unit(node: NodeInfo, limit_bytes: int = MAX_LIST_AND_WATCH_BYTES) -> int | None:
+    """The smallest unit (MiB) whose ListAndWatch response is at most
+    ``limit_bytes`` (the size only shrinks as the unit grows); None when even
+    one device per GPU does not fit."""
+    top = max([g.memory_mib for g in node.gpus] + [1])
+    if list_and_watch_bytes(node, top) > limit_bytes:
+        return None
+    lo, hi = 1, top
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if list_and_watch_bytes(node, mid) <= limit_bytes:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def validate_resource_name(name: str) -> str:
@@ -67,10 +175,16 @@ def device_id(gpu_uuid: str, n: int) -> str:
 
 
 def parse_device_id(dev_id: str) -> tuple[str, int]:
-    """Split ``<GPU-UUID>::<n>`` into (uuid, n). Raises DeviceIdError."""
+    """Split ``<GPU-UUID>::<n>`` into (uuid, n), accepting only the canonical
+    form ``device_id`` writes: ``n`` in ASCII digits without sign or leading
+    zero, at most 18 digits. Raises DeviceIdError naming the ID (never another
+    exception, whatever the string)."""
     uuid, sep, num = dev_id.rpartition(ID_SEP)
-    if not sep or not uuid or not num.isdigit():
-        raise DeviceIdError(f"device ID {dev_id!r} is not <GPU-UUID>{ID_SEP}<n>")
+    if not sep or not uuid or not _CANONICAL_N.fullmatch(num):
+        raise DeviceIdError(
+            f"device ID {_show_id(dev_id)} is not <GPU-UUID>{ID_SEP}<n> "
+            "(n in ASCII digits, no sign or leading zero)"
+        )
     return uuid, int(num)
 
 
@@ -90,12 +204,21 @@ class DeviceTable:
     lookup: Mapping[str, tuple[GpuInfo, int]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def build(cls, node: NodeInfo, unit_mib: int = DEFAULT_UNIT_MIB) -> "DeviceTable":
+    def build(cls, node: NodeInfo, unit_mib: int = DEFAULT_UNIT_MIB,
+              max_message_bytes: int | None = MAX_LIST_AND_WATCH_BYTES) -> "DeviceTable":
         """Build the table. Raises ValueError when ``unit_mib`` < 1, when a GPU's
         IDs would exceed 63 characters (reference A.3, ``Device.ID``), or when
-        two GPUs share a UUID."""
+        two GPUs share a UUID; DeviceTableTooLarge (a ValueError) when the
+        ListAndWatch response would exceed ``max_message_bytes`` (None: no
+        bound), checked before any per-device work."""
         if unit_mib < 1:
             raise ValueError(f"device unit {unit_mib} MiB must be >= 1")
+        if max_message_bytes is not None:
+            size = list_and_watch_bytes(node, unit_mib)
+            if size > max_message_bytes:
+                devices = sum(0 if g.mig_enabled else g.memory_mib // unit_mib for g in node.gpus)
+                raise DeviceTableTooLarge(unit_mib, devices, size, max_message_bytes,
+                                          smallest_fitting_unit(node, max_message_bytes))
         per: dict[str, int] = {}
         for gpu in node.gpus:
             if gpu.uuid in per:
@@ -127,8 +250,12 @@ class DeviceTable:
         return sum(self.per_gpu.values())
 
     def gpu_of(self, dev_id: str) -> GpuInfo:
-        """The GPU a device ID belongs to. Raises DeviceIdError for an ID that
-        is malformed, names an unknown GPU, or has n out of range."""
+        """The GPU a device ID belongs to. Only IDs exactly as advertised are
+        accepted (canonical form, module docstring). Raises DeviceIdError
+        naming the ID for one that is malformed or not canonical, names an
+        unknown GPU, or has n out of range."""
+        if not isinstance(dev_id, str):
+            raise DeviceIdError(f"device ID {dev_id!r} is not a string")
         hit = self.lookup.get(dev_id)
         if hit is not None:
             return hit[0]
@@ -136,21 +263,27 @@ class DeviceTable:
         count = self.per_gpu.get(uuid)
         gpu = self.node.gpu_by_uuid(uuid)
         if count is None or gpu is None:
-            raise DeviceIdError(f"device ID {dev_id!r} names GPU {uuid}, which is not on node {self.node.name}")
+            raise DeviceIdError(
+                f"device ID {_show_id(dev_id)} names GPU {_show_id(uuid)}, which is not on node {self.node.name}"
+            )
         if n >= count:
-            raise DeviceIdError(f"device ID {dev_id!r}: GPU {uuid} has devices 0..{count - 1}")
+            raise DeviceIdError(
+                f"device ID {_show_id(dev_id)}: GPU {uuid} has devices 0..{count - 1}"
+                if count else f"device ID {_show_id(dev_id)}: GPU {uuid} has no devices"
+            )
         return gpu
 
     def group(self, dev_ids: Iterable[str]) -> dict[str, list[str]]:
         """Group device IDs by GPU UUID (GPU index order, IDs in given order).
-        Raises DeviceIdError for an unknown ID or a duplicate."""
+        Raises DeviceIdError for an unknown or non-canonical ID or a duplicate."""
         seen: set[str] = set()
         by_gpu: dict[str, list[str]] = {}
         for d in dev_ids:
+            gpu = self.gpu_of(d)  # canonical IDs only: equal strings <=> same device
             if d in seen:
-                raise DeviceIdError(f"device ID {d!r} appears twice in one request")
+                raise DeviceIdError(f"device ID {_show_id(d)} appears twice in one request")
             seen.add(d)
-            by_gpu.setdefault(self.gpu_of(d).uuid, []).append(d)
+            by_gpu.setdefault(gpu.uuid, []).append(d)
         order = {g.uuid: g.index for g in self.node.gpus}
         return dict(sorted(by_gpu.items(), key=lambda kv: order[kv[0]]))
 

@@ -14,6 +14,10 @@ them): ``metadata.{name,namespace,uid,annotations,creationTimestamp,deletionTime
 ``spec.{nodeName,containers,initContainers}`` with ``resources.{requests,limits}``,
 ``status.{phase,containerStatuses,initContainerStatuses}``.
 
+Malformed pods (wrong JSON types where the lookup reads, ``pod_problem``)
+are skipped with a warning naming the pod, whether they come from a list, a
+watch event or the caller: one bad object never breaks the cache or the watch.
+
 Concurrency model: both sources are thread-safe. ``InMemoryPodSource`` is
 mutated by the caller; ``KubernetesPodSource`` runs one daemon thread
 (list, then watch; relist on 410 Gone or any error, with backoff) that writes
@@ -23,6 +27,7 @@ the store under a lock and notifies waiters through a condition variable.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
@@ -31,6 +36,7 @@ log = logging.getLogger(__name__)
 
 Pod = Mapping[str, Any]
 _TERMINAL = ("Succeeded", "Failed")
+_COUNT = re.compile(r"[0-9]{1,18}", re.ASCII)
 
 
 @runtime_checkable
@@ -65,11 +71,80 @@ def resource_count(container: Mapping[str, Any], resource_name: str) -> int:
     for part in ("limits", "requests"):
         val = (res.get(part) or {}).get(resource_name)
         if val is not None:
-            try:
-                return int(str(val))
-            except ValueError:
+            if isinstance(val, bool):
                 return 0
+            text = str(val) if isinstance(val, (int, str)) else ""
+            # A device count is a plain decimal quantity (ASCII digits; int()
+            # alone would take Unicode digits and fail past 4300 digits).
+            return int(text) if _COUNT.fullmatch(text) else 0
     return 0
+
+
+def pod_problem(pod: Any) -> str | None:
+    """Why ``pod`` cannot be used as a pod (None when it can).
+
+    Only the shape the lookup reads is checked, as the Kubernetes API types it
+    (core/v1 Pod): the pod, ``metadata``, ``spec``, ``status`` and each
+    ``resources`` / ``limits`` / ``requests`` are objects; ``metadata.annotations``
+    is a map of string to string; ``spec.containers`` / ``spec.initContainers``
+    and ``status.containerStatuses`` / ``status.initContainerStatuses`` are
+    lists of objects; a container's ``name`` is a string. Missing (or null)
+    fields are fine: they read as empty. Never raises.
+    """
+    if not isinstance(pod, Mapping):
+        return f"a pod must be an object, got {type(pod).__name__}"
+    for part in ("metadata", "spec", "status"):
+        v = pod.get(part)
+        if v is not None and not isinstance(v, Mapping):
+            return f"{part} must be an object, got {type(v).__name__}"
+    md = pod.get("metadata") or {}
+    ann = md.get("annotations")
+    if ann is not None:
+        if not isinstance(ann, Mapping):
+            return f"metadata.annotations must be a map of strings, got {type(ann).__name__}"
+        for k, v in ann.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                return f"metadata.annotations[{str(k)[:80]!r}] must be a string, got {type(v).__name__}"
+    spec = pod.get("spec") or {}
+    for key in ("initContainers", "containers"):
+        lst = spec.get(key)
+        if lst is None:
+            continue
+        if not isinstance(lst, (list, tuple)):
+            return f"spec.{key} must be a list of containers, got {type(lst).__name__}"
+        for i, c in enumerate(lst):
+            if not isinstance(c, Mapping):
+                return f"spec.{key}[{i}] must be an object, got {type(c).__name__}"
+            if c.get("name") is not None and not isinstance(c.get("name"), str):
+                return f"spec.{key}[{i}].name must be a string"
+            res = c.get("resources")
+            if res is None:
+                continue
+            if not isinstance(res, Mapping):
+                return f"spec.{key}[{i}].resources must be an object, got {type(res).__name__}"
+            for part in ("limits", "requests"):
+                v = res.get(part)
+                if v is not None and not isinstance(v, Mapping):
+                    return f"spec.{key}[{i}].resources.{part} must be an object, got {type(v).__name__}"
+    status = pod.get("status") or {}
+    for key in ("initContainerStatuses", "containerStatuses"):
+        lst = status.get(key)
+        if lst is None:
+            continue
+        if not isinstance(lst, (list, tuple)) or not all(isinstance(x, Mapping) for x in lst):
+            return f"status.{key} must be a list of objects"
+    return None
+
+
+def describe_pod(pod: Any) -> str:
+    """``namespace/name`` (or ``uid``) of a possibly malformed pod, for messages; never raises."""
+    md = pod.get("metadata") if isinstance(pod, Mapping) else None
+    if not isinstance(md, Mapping):
+        return "<pod without metadata>"
+    name, ns = md.get("name"), md.get("namespace") or "default"
+    if name:
+        return f"{str(ns)[:80]}/{str(name)[:120]}"
+    return f"uid {str(md.get('uid') or '?')[:80]}"
 
 
 def pod_uid(pod: Pod) -> str:
@@ -232,6 +307,10 @@ class _Store:
                 self._index.setdefault(ent, {})[key] = pod
 
     def put(self, pod: Pod) -> None:
+        problem = pod_problem(pod)
+        if problem is not None:  # never let one bad object break the cache
+            log.warning("pod %s skipped: %s", describe_pod(pod), problem)
+            return
         if self.resource_name is not None and not requests_resource(pod, self.resource_name):
             self.remove(pod)
             return
@@ -241,6 +320,9 @@ class _Store:
             self._cond.notify_all()
 
     def remove(self, pod: Pod) -> None:
+        if not isinstance(pod, Mapping) or not isinstance(pod.get("metadata") or {}, Mapping):
+            log.warning("pod deletion of %s skipped: not a pod object", describe_pod(pod))
+            return
         with self._cond:
             key = self._key(pod)
             old = self._pods.pop(key, None)
@@ -257,6 +339,10 @@ class _Store:
     def replace(self, pods: Iterable[Pod]) -> None:
         new = {}
         for p in pods:
+            problem = pod_problem(p)
+            if problem is not None:
+                log.warning("pod %s skipped: %s", describe_pod(p), problem)
+                continue
             if self.resource_name is None or requests_resource(p, self.resource_name):
                 new[self._key(p)] = p
         with self._cond:
@@ -466,17 +552,20 @@ class KubernetesPodSource:
                 ):
                     if self._stop.is_set():
                         break
-                    kind = ev.get("type")
-                    obj = ev.get("object")
+                    kind = ev.get("type") if isinstance(ev, Mapping) else None
+                    obj = ev.get("object") if isinstance(ev, Mapping) else None
                     if kind == "ERROR":  # e.g. 410 Gone: our resourceVersion is too old
                         code = obj.get("code") if isinstance(obj, dict) else getattr(obj, "code", None)
                         log.info("pod watch error event (code %s); relisting", code)
                         break
-                    pod = obj if isinstance(obj, dict) else ser(obj)
-                    if kind == "DELETED":
-                        self._store.remove(pod)
-                    elif kind in ("ADDED", "MODIFIED"):
-                        self._store.put(pod)
+                    try:
+                        pod = obj if isinstance(obj, Mapping) else ser(obj)
+                        if kind == "DELETED":
+                            self._store.remove(pod)
+                        elif kind in ("ADDED", "MODIFIED"):
+                            self._store.put(pod)
+                    except Exception as e:  # one odd object must not end the watch
+                        log.warning("pod watch event %s skipped: %s: %s", kind, type(e).__name__, e)
             except Exception as e:  # ApiException, urllib3 errors, config errors
                 self._ready = False
                 self.last_error = str(e)
