@@ -107,38 +107,43 @@ class _HealthHTTPServer(ThreadingHTTPServer):
     """
 
     daemon_threads = True
+    request_queue_size = 128  # listen backlog: a burst of connections is queued, not SYN-dropped (1 s retry)
 
     def __init__(self, address: Any, handler: Any, *, max_handlers: int, request_deadline_s: float) -> None:
         self.request_deadline_s = request_deadline_s
         self.max_handlers = max_handlers
         self._slots = threading.BoundedSemaphore(max_handlers)
         self.lock = threading.Lock()
-        self._reading: dict[int, tuple[float, Any]] = {}
+        self._reading: dict[Any, float] = {}  # socket -> when it began waiting for a request
+        self._evicted: set[Any] = set()
         self.active = self.peak = self.evicted = self.refused = 0
         super().__init__(address, handler)
 
-    def reading(self, handler: Any, on: bool) -> None:
-        """Mark ``handler`` as waiting for its request (evictable) or not."""
+    def reading(self, conn: Any, on: bool) -> None:
+        """Mark connection ``conn`` as waiting for its request (evictable) or not."""
         with self.lock:
             if on:
-                self._reading[id(handler)] = (time.monotonic(), handler)
+                self._reading[conn] = time.monotonic()
             else:
-                self._reading.pop(id(handler), None)
+                self._reading.pop(conn, None)
+
+    def was_evicted(self, conn: Any) -> bool:
+        with self.lock:
+            return conn in self._evicted
 
     def _evict_oldest_reader(self) -> None:
         with self.lock:
             if not self._reading:
                 return
-            key = min(self._reading, key=lambda k: self._reading[k][0])
-            _t, handler = self._reading.pop(key)
-            handler.evicted = True
+            conn = min(self._reading, key=self._reading.__getitem__)
+            del self._reading[conn]
+            self._evicted.add(conn)
             self.evicted += 1
             try:
-                handler.connection.shutdown(socket.SHUT_RDWR)
+                conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        log.debug("health http: all %d handler slots busy; dropped the slowest request from %s",
-                  self.max_handlers, handler.client_address[0])
+        log.debug("health http: all %d handler slots busy; dropped the request waiting longest", self.max_handlers)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -153,22 +158,25 @@ class _HealthHTTPServer(ThreadingHTTPServer):
         with self.lock:
             self.active += 1
             self.peak = max(self.peak, self.active)
+            self._reading[request] = time.monotonic()  # evictable until its headers are in
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._release()
+            self._release(request)
             raise
 
-    def _release(self) -> None:
+    def _release(self, request: Any) -> None:
         with self.lock:
             self.active -= 1
+            self._reading.pop(request, None)
+            self._evicted.discard(request)
         self._slots.release()
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._release()
+            self._release(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         exc = sys.exc_info()[1]
@@ -277,22 +285,21 @@ class HealthServer:
             def setup(self) -> None:
                 super().setup()
                 self.deadline = time.monotonic() + self.server.request_deadline_s
-                self.evicted = False
                 self.rfile = io.BufferedReader(_DeadlineReader(self))  # type: ignore[assignment]
 
             def handle_one_request(self) -> None:
                 # One deadline for the request line, headers and body of each request.
                 self.deadline = time.monotonic() + self.server.request_deadline_s
-                self.server.reading(self, True)
+                self.server.reading(self.connection, True)
                 try:
                     super().handle_one_request()
                 finally:
-                    self.server.reading(self, False)
+                    self.server.reading(self.connection, False)
 
             def parse_request(self) -> bool:
                 ok = super().parse_request()
-                self.server.reading(self, False)  # headers are in: no longer evictable
-                if self.evicted:  # shut down for a newer client: what we read is cut short
+                self.server.reading(self.connection, False)  # headers are in: no longer evictable
+                if self.server.was_evicted(self.connection):  # shut down for a newer client: what we read is cut short
                     self.close_connection = True
                     return False
                 return ok

@@ -202,3 +202,173 @@ def test_simulate_xid_absent_without_a_simulated_node() -> None:
         assert post(addr, "/simulate/xid", None, method="GET")[0] == 404
     finally:
         h.stop()
+
+
+# ---- hardening (attack reproductions in /tmp/fpatk, 2026-11-29) ---------------------------------
+def test_deeply_nested_xid_body_is_400_not_500() -> None:
+    from fracplugin.health import BadRequest, parse_xid_body
+
+    deep = b"[" * 2000 + b"]" * 2000  # 4000 bytes: under MAX_BODY, over the decoder's recursion limit
+    with pytest.raises(BadRequest, match="nested too deeply") as exc:
+        parse_xid_body(deep)
+    assert exc.value.code == 400
+    h = HealthServer("127.0.0.1:0", dict, dict, simulate_xid=lambda u, x: None)
+    addr = h.start()
+    try:
+        code, body, _ = post(addr, "/simulate/xid", deep)
+        assert code == 400 and "nested too deeply" in body
+    finally:
+        h.stop()
+
+
+def _closed_by_peer(s: "socket.socket", wait_s: float) -> bool:
+    import select
+
+    r, _, _ = select.select([s], [], [], wait_s)
+    if not r:
+        return False
+    try:
+        return s.recv(4096) == b""
+    except OSError:  # reset
+        return True
+
+
+def test_request_deadline_covers_the_whole_request_not_each_read() -> None:
+    """A client sending a header line every 0.15 s never trips a per-read
+    timeout; the whole-request deadline (0.6 s here, 10 s by default) cuts it off."""
+    import socket
+
+    h = HealthServer("127.0.0.1:0", dict, dict, request_deadline_s=0.6)
+    addr = h.start()
+    s = socket.create_connection(addr, timeout=5)
+    try:
+        s.sendall(b"GET /healthz HTTP/1.1\r\n")
+        closed = False
+        for _ in range(60):  # up to ~9 s, far beyond the deadline
+            if _closed_by_peer(s, 0.15):
+                closed = True
+                break
+            try:
+                s.sendall(b"X-Drip: 1\r\n")
+            except OSError:
+                closed = True
+                break
+        assert closed, "the server kept a dripping request open past its whole-request deadline"
+        assert get(addr, "/healthz") == (200, "ok\n")
+    finally:
+        s.close()
+        h.stop()
+
+
+def test_handler_threads_are_bounded_and_healthz_still_answers() -> None:
+    import socket
+
+    h = HealthServer("127.0.0.1:0", dict, dict, request_deadline_s=30, max_handlers=4)
+    addr = h.start()
+    socks = []
+    try:
+        for _ in range(12):  # slowloris: request line, then nothing
+            s = socket.create_connection(addr, timeout=5)
+            s.sendall(b"GET /healthz HTTP/1.1\r\n")
+            socks.append(s)
+        assert get(addr, "/healthz") == (200, "ok\n")
+        st = h.stats()
+        assert st["peak"] <= 4, st
+        assert st["evicted"] >= 8, st  # the slow clients made way
+    finally:
+        for s in socks:
+            s.close()
+        h.stop()
+    with pytest.raises(ValueError):
+        HealthServer("127.0.0.1:0", dict, dict, max_handlers=0)
+
+
+def test_client_gone_before_the_reply_is_debug_without_traceback(caplog: pytest.LogCaptureFixture,
+                                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    import socket
+    import struct
+    import threading
+    import time
+
+    entered, release = threading.Event(), threading.Event()
+
+    def status() -> dict[str, Any]:
+        entered.set()
+        release.wait(5)
+        return {"blob": "x" * (4 << 20)}  # more than any socket buffer: the write must hit the reset
+
+    caplog.set_level(logging.DEBUG, logger="fracplugin.health")
+    h = HealthServer("127.0.0.1:0", dict, status)
+    addr = h.start()
+    try:
+        s = socket.create_connection(addr, timeout=5)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        s.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert entered.wait(5)
+        s.close()
+        release.set()
+        deadline = time.monotonic() + 5
+        while h.stats()["active"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert h.stats()["active"] == 0
+        assert get(addr, "/healthz") == (200, "ok\n")
+    finally:
+        release.set()
+        h.stop()
+    recs = [r for r in caplog.records if r.name == "fracplugin.health"]
+    assert not [r for r in recs if r.levelno >= logging.WARNING], [r.getMessage() for r in recs]
+    assert any("gone before the reply" in r.getMessage() and r.levelno == logging.DEBUG for r in recs)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_pods_file_with_malformed_pods_and_deep_nesting(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    f = tmp_path / "pods.yaml"
+    bad = ("kind: Pod\nmetadata: {name: b, namespace: d, uid: ub}\n"
+           "spec: {nodeName: n1, containers: 'abc'}\nstatus: {phase: Pending}\n")
+    f.write_text(bad + "---\n" + yaml.safe_dump(_pod("a", "1")))
+    caplog.set_level(logging.WARNING)
+    assert [p["metadata"]["name"] for p in read_pods_file(str(f))] == ["a"]
+    assert any("d/b" in r.getMessage() and str(f) in r.getMessage() and "containers" in r.getMessage()
+               for r in caplog.records)
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 800 + "]" * 800)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        read_pods_file(str(deep))
+
+    # At start: a file that cannot be parsed is no pods, never an exception (the daemon starts).
+    src = InMemoryPodSource("n1")
+    w = PodsFileWatcher(str(deep), src, poll_s=60)
+    try:
+        w.start()
+        assert len(src) == 0
+    finally:
+        w.stop()
+    # Running: a good file, then a bad one: the pods read before stay.
+    w = PodsFileWatcher(str(f), src)
+    assert w.sync() is True and [p["metadata"]["name"] for p in src.pods()] == ["a"]
+    f.write_text("[" * 800 + "]" * 800)
+    assert w.sync() is False
+    assert [p["metadata"]["name"] for p in src.pods()] == ["a"]
+    assert any("nested too deeply" in r.getMessage() and "keeping the 1 pods" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_device_unit_too_small_for_kubelet_fails_start_naming_the_flag(node_file: Path) -> None:
+    import subprocess
+    import sys
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="fpu", dir="/tmp"))
+    try:
+        out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "run", "--simulate-node", str(node_file),
+                              "--no-nri", "--no-mps", "--state-dir", str(d / "s"), "--device-unit-mib", "1",
+                              "--device-plugin-dir", str(d / "dp"), "--health-address", "127.0.0.1:0",
+                              "--metrics-address", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1, out.stderr
+        assert "--device-unit-mib 1" in out.stderr and "326236 devices" in out.stderr
+        assert "at least" in out.stderr and "Traceback" not in out.stderr + out.stdout
+        assert not list((d / "dp").glob("*.sock"))
+    finally:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)

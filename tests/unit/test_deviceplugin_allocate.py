@@ -107,6 +107,27 @@ def test_bad_requests_get_invalid_argument_naming_the_rule(make, node):
     assert "0..78" in r.message
 
 
+@pytest.mark.parametrize("ids_of", [
+    lambda u: [f"{u}::\u00b2"],  # used to reach int(): INTERNAL
+    lambda u: [f"{u}::1", f"{u}::01", f"{u}::\u0661"],  # one device three times: passed as three
+    lambda u: [f"{u}::" + "9" * 5000],
+])
+def test_non_canonical_device_ids_are_invalid_argument_naming_the_id(make, node, ids_of):
+    s = make()
+    u = node.gpus[0].uuid
+    r = refusal(s.allocate, areq(ids_of(u)))
+    assert r.code == grpc.StatusCode.INVALID_ARGUMENT, r.message
+    assert u in r.message and len(r.message) < 1000
+    assert s.ledger.tenancies() == []
+
+
+def test_table_too_large_for_kubelet_is_refused_at_construction(make):
+    from fracplugin.kubelet.devices import DeviceTableTooLarge
+
+    with pytest.raises(DeviceTableTooLarge, match="device unit 1 MiB makes 326236 devices"):
+        make(unit_mib=1)
+
+
 def test_devices_of_an_unhealthy_gpu_are_refused(make, node):
     s = make()
     s.health.record_xid(XidEvent(node.gpus[0].uuid, 79))

@@ -8,6 +8,7 @@ from fracplugin.kubelet.podlookup import (
     InMemoryPodSource,
     KubernetesPodSource,
     PodSource,
+    pod_problem,
     resource_count,
     select_candidates,
 )
@@ -242,6 +243,88 @@ def test_kubernetes_source_applies_watch_events():
         assert src.candidates(R, 4) == []  # a is being deleted
         assert [p["metadata"]["name"] for p in src.candidates(R, 2)] == ["b"]
         assert deleted == ["c"]
+    finally:
+        gate.set()
+        src.stop(0.5)
+
+
+def test_malformed_pods_are_skipped_not_raised():
+    good = pod("g", "2026-01-01T00:00:00Z", [("app", 2)], node="n1")
+    bad = [
+        "a string",
+        {"metadata": "x"},
+        {"metadata": {"name": "b1", "uid": "u1"}, "spec": {"nodeName": "n1", "containers": "abc"}},
+        {"metadata": {"name": "b2", "uid": "u2"}, "spec": {"nodeName": "n1", "containers": [["x"]]}},
+        {"metadata": {"name": "b3", "uid": "u3"},
+         "spec": {"nodeName": "n1", "containers": [{"name": "c", "resources": {"limits": [R]}}]}},
+        {"metadata": {"name": "b4", "uid": "u4", "annotations": {"k": 5}}, "spec": {"nodeName": "n1"}},
+        {"metadata": {"name": "b5", "uid": "u5"}, "spec": {"nodeName": "n1"}, "status": {"containerStatuses": "x"}},
+    ]
+    for b in bad:
+        assert pod_problem(b), b
+    assert pod_problem(good) is None
+    assert pod_problem({"metadata": {"name": "m"}}) is None  # missing fields read as empty
+    src = InMemoryPodSource("n1")
+    for b in bad:
+        src.add(b)  # used to raise AttributeError out of the source
+        src.delete(b)
+    src.add(good)
+    assert [p["metadata"]["name"] for p in src.candidates(R, 2)] == ["g"]
+
+
+def test_resource_count_takes_ascii_decimal_counts_only():
+    def c(v):
+        return {"resources": {"limits": {R: v}}}
+
+    assert resource_count(c("3"), R) == 3 and resource_count(c(3), R) == 3
+    for v in ("\u0661", "\u00b2", "9" * 5000, "+1", True, 1.5, {"a": 1}):
+        assert resource_count(c(v), R) == 0, v
+
+
+def test_malformed_watch_object_does_not_end_the_watch():
+    """A pod object the lookup cannot read (containers: 'abc') used to raise out
+    of the store, ending the watch (relist with backoff) and dropping the
+    events after it."""
+    from kubernetes import client
+
+    def raw(name, uid, count):
+        return {
+            "metadata": {"name": name, "namespace": "ns", "uid": uid},
+            "spec": {"nodeName": "n1", "containers": [{"name": "app", "resources": {"limits": {R: str(count)}}}]},
+            "status": {"phase": "Pending"},
+        }
+
+    events = [
+        {"type": "ADDED", "object": {"metadata": {"name": "bad", "uid": "ubad"},
+                                     "spec": {"nodeName": "n1", "containers": "abc"}}},
+        {"type": "MODIFIED", "object": {"metadata": {"name": "bad2", "uid": "ubad2"}, "spec": ["x"]}},
+        {"type": "DELETED", "object": {"metadata": "nope"}},
+        {"type": "ADDED", "object": raw("after", "uafter", 2)},
+    ]
+    calls = {"list": 0}
+    gate = threading.Event()
+
+    def list_pods(**kw):
+        if kw.get("watch"):
+            return _FakeWatchResponse(events)
+        calls["list"] += 1
+        if calls["list"] > 1:
+            gate.wait(5)
+            raise client.ApiException(status=503, reason="stopping")
+        return _FakeList([])
+
+    stub = type("StubV1", (), {"list_pod_for_all_namespaces": staticmethod(list_pods)})()
+    src = KubernetesPodSource("n1", R, api_client=client.ApiClient(), watch_timeout_s=1)
+    src._client = lambda: stub
+    src.start()
+    try:
+        for _ in range(250):
+            if calls["list"] > 1:
+                break
+            src.wait(0.02)
+        assert calls["list"] > 1, "the watch stream ended"
+        assert [p["metadata"]["name"] for p in src.candidates(R, 2)] == ["after"]
+        assert len(src) == 1
     finally:
         gate.set()
         src.stop(0.5)
