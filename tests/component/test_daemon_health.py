@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -221,7 +222,7 @@ def test_deeply_nested_xid_body_is_400_not_500() -> None:
         h.stop()
 
 
-def _closed_by_peer(s: "socket.socket", wait_s: float) -> bool:
+def _closed_by_peer(s: socket.socket, wait_s: float) -> bool:
     import select
 
     r, _, _ = select.select([s], [], [], wait_s)
@@ -236,8 +237,6 @@ def _closed_by_peer(s: "socket.socket", wait_s: float) -> bool:
 def test_request_deadline_covers_the_whole_request_not_each_read() -> None:
     """A client sending a header line every 0.15 s never trips a per-read
     timeout; the whole-request deadline (0.6 s here, 10 s by default) cuts it off."""
-    import socket
-
     h = HealthServer("127.0.0.1:0", dict, dict, request_deadline_s=0.6)
     addr = h.start()
     s = socket.create_connection(addr, timeout=5)
@@ -261,8 +260,6 @@ def test_request_deadline_covers_the_whole_request_not_each_read() -> None:
 
 
 def test_handler_threads_are_bounded_and_healthz_still_answers() -> None:
-    import socket
-
     h = HealthServer("127.0.0.1:0", dict, dict, request_deadline_s=30, max_handlers=4)
     addr = h.start()
     socks = []
@@ -285,7 +282,6 @@ def test_handler_threads_are_bounded_and_healthz_still_answers() -> None:
 
 def test_client_gone_before_the_reply_is_debug_without_traceback(caplog: pytest.LogCaptureFixture,
                                                                   capfd: pytest.CaptureFixture[str]) -> None:
-    import socket
     import struct
     import threading
     import time

@@ -21,8 +21,9 @@ threads: the registrar (``registration.Registrar``), the health monitor
 Allocate rules (issue 4 item 5, DESIGN.md section 2):
 
 * exactly one container request (kubelet sends one, A.5), at least one
-  device ID, no duplicates, every ID ours -> else INVALID_ARGUMENT naming the
-  devices and the rule;
+  device ID, no duplicates, every ID ours exactly as advertised (canonical
+  ``<uuid>::<n>``, ASCII digits, no leading zero: ``devices.py``) -> else
+  INVALID_ARGUMENT naming the devices and the rule;
 * the devices of one request spread over k GPUs with the same count on each
   (the env carries one limit for every ordinal) -> else INVALID_ARGUMENT; a
   GPU that is Unhealthy now -> FAILED_PRECONDITION;
@@ -207,7 +208,10 @@ class DevicePluginServer:
         poll_s: registrar and health polling period in seconds.
 
     Raises:
-        ValueError: bad resource name, unit, policy, or a device ID over 63 chars.
+        ValueError: bad resource name, unit, policy, or a device ID over 63 chars;
+        devices.DeviceTableTooLarge (a ValueError): the ListAndWatch response
+            would exceed 3.5 MiB (kubelet's gRPC receive limit is 4 MiB), naming
+            the unit, the device count and the smallest unit that fits.
     """
 
     def __init__(
