@@ -84,6 +84,7 @@ class Config:
     mps_root: str = "/run/fracplugin/mps"
     mps_protocol: str = "auto"
     mps_modes: tuple[str, ...] = MPS_MODES
+    exclusive_process: bool = False
     # state
     state_dir: str = "/run/fracplugin/state"
     # NRI door (nri-protocol.md 1.5)
@@ -170,6 +171,8 @@ _HELP = {
     "mps_root": "host directory holding the MPS pipe and log directories",
     "mps_protocol": "MPS control protocol: auto (from the driver version), 2 or 3",
     "mps_modes": "comma list of compute modes whose MPS daemon is supervised",
+    "exclusive_process": "put every GPU of the node in EXCLUSIVE_PROCESS compute mode through NVML (only the MPS "
+                         "server then opens contexts; off by default because it also constrains whole-GPU pods)",
     "state_dir": "directory of ledger.json and endpoints.json",
     "no_nri": "disable the NRI plugin door",
     "nri_socket": "NRI socket of the container runtime",

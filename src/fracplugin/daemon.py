@@ -368,7 +368,10 @@ class Daemon:
         assert self.node is not None
         modes = tuple(ComputeMode(m) for m in self.cfg.mps_modes)
         protocol = None if self.cfg.mps_protocol == "auto" else int(self.cfg.mps_protocol)
-        self.mps = MpsSupervisor(layout, self.cfg.mps_control_binary, protocol, self.node.driver_version, modes)
+        exclusive = (tuple(g.uuid for g in self.node.gpus)
+                     if self.cfg.exclusive_process and not self.cfg.simulate_node else ())
+        self.mps = MpsSupervisor(layout, self.cfg.mps_control_binary, protocol, self.node.driver_version, modes,
+                                 exclusive_process_gpus=exclusive)
         try:
             self.mps.start()
         except Exception as exc:

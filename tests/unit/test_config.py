@@ -120,6 +120,12 @@ def test_paths_that_must_exist(argv: list[str], setting: str, needle: str) -> No
     c.check_paths(ok)
 
 
+def test_exclusive_process_is_opt_in() -> None:
+    assert load()[0].exclusive_process is False
+    assert load(["--exclusive-process"])[0].exclusive_process is True
+    assert load([], {"FRACPLUGIN_EXCLUSIVE_PROCESS": "true"})[0].exclusive_process is True
+
+
 def test_bad_file(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
     f.write_text("reserv_mib: 3\n")
