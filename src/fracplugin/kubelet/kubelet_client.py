@@ -1,20 +1,22 @@
 """The kubelet side of the device plugin API, small and reusable: what
-``fracplugin demo`` uses to act as kubelet towards the daemon.
+``fracplugin demo`` uses to act as kubelet towards the daemon, and what the
+tests' ``FakeKubelet`` builds on (adding restarts, dropped streams, refusals).
 
-``KubeletSim`` serves ``v1beta1.Registration`` on ``<dir>/kubelet.sock`` and,
-on ``Register``, does what kubelet does before answering
-(kubelet-device-plugin.md A.5): checks the version, dials
-``<dir>/<endpoint>`` with ``:authority`` ``localhost`` (A.8), calls
-``GetDevicePluginOptions`` and starts consuming ``ListAndWatch``. Then the
-caller can ``allocate(n)``: pick ``n`` healthy device IDs (asking
-``GetPreferredAllocation`` when the plugin offers it) and call ``Allocate``
-with one container request, as kubelet does per container.
+``Kubelet`` serves ``v1beta1.Registration`` on ``<dir>/kubelet.sock`` and, on
+``Register``, does what kubelet does before answering
+(kubelet-device-plugin.md A.5): checks the version and the resource name,
+dials ``<dir>/<endpoint>`` with ``:authority`` ``localhost`` (A.8), calls
+``GetDevicePluginOptions`` and starts consuming ``ListAndWatch``; a
+re-registration of a resource replaces its endpoint. ``KubeletSim`` adds the
+one-resource client the demo drives: ``pick(n)`` healthy device IDs (asking
+``GetPreferredAllocation`` when the plugin offers it) and ``allocate`` with
+one container request, as kubelet does per container.
 
 A driver for demos and tests, not kubelet: no checkpoint, no pod admission.
 
 Concurrency model: grpc's thread pool serves Registration; one thread
-consumes the ListAndWatch stream; shared state sits under one condition
-variable. ``allocate`` runs on the caller's thread.
+consumes each ListAndWatch stream; shared state sits under one condition
+variable. Client calls run on the caller's thread.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent import futures
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import grpc
 
@@ -36,8 +40,70 @@ VERSION = "v1beta1"
 HEALTHY = "Healthy"
 
 
-class KubeletSim(pb_grpc.RegistrationServicer):
-    """Registration server + device plugin client for one resource.
+def serve_unix(socket_path: str, add: Callable[[Any, grpc.Server], None], servicer: Any,
+               max_workers: int = 4) -> grpc.Server:
+    """Start a grpc server for ``servicer`` (registered with ``add``, a
+    generated ``add_*Servicer_to_server``) on unix socket ``socket_path``;
+    the parent directory is created and a stale file removed. Raises OSError
+    when the socket cannot be bound."""
+    os.makedirs(os.path.dirname(socket_path) or ".", exist_ok=True)
+    try:
+        os.unlink(socket_path)
+    except FileNotFoundError:
+        pass
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    add(servicer, server)
+    if server.add_insecure_port("unix:" + socket_path) == 0:
+        raise OSError(f"cannot listen on {socket_path}")
+    server.start()
+    return server
+
+
+def stop_unix(server: grpc.Server | None, socket_path: str) -> None:
+    """Stop ``server`` at once (waiting up to 2 s) and remove ``socket_path``."""
+    if server is not None:
+        server.stop(grace=0).wait(2)
+    try:
+        os.unlink(socket_path)
+    except FileNotFoundError:
+        pass
+
+
+@dataclass
+class Registration:
+    """One Register call kubelet accepted (``at``: time.monotonic())."""
+
+    resource_name: str
+    endpoint: str
+    options: pb.DevicePluginOptions
+    at: float
+
+
+@dataclass
+class Endpoint:
+    """A registered plugin of one resource: its channel and stub, its
+    ListAndWatch stream, the last device list (ID -> health), every list
+    received in order, how many, and whether the stream is still open."""
+
+    resource_name: str
+    channel: grpc.Channel
+    stub: pb_grpc.DevicePluginStub
+    stream: Any = None
+    devices: dict[str, str] = field(default_factory=dict)
+    history: list[dict[str, str]] = field(default_factory=list)
+    updates: int = 0
+    open: bool = True
+
+    def drop(self) -> None:
+        """End the stream and close the channel (kubelet dropping the plugin)."""
+        self.open = False
+        if self.stream is not None:
+            self.stream.cancel()
+        self.channel.close()
+
+
+class Kubelet(pb_grpc.RegistrationServicer):
+    """Registration server + device plugin client, per resource.
 
     Args:
         plugin_dir: the device plugin directory; ``kubelet.sock`` is created there.
@@ -48,53 +114,40 @@ class KubeletSim(pb_grpc.RegistrationServicer):
         self.plugin_dir = plugin_dir
         self.socket_path = os.path.join(plugin_dir, "kubelet.sock")
         self.dial_timeout_s = dial_timeout_s
+        self.registrations: list[Registration] = []
+        """Every accepted Register, in order."""
         self._cond = threading.Condition()
+        self._endpoints: dict[str, Endpoint] = {}
         self._server: grpc.Server | None = None
-        self._channel: grpc.Channel | None = None
-        self._stub: pb_grpc.DevicePluginStub | None = None
-        self._stream: Any = None
-        self.resource_name: str | None = None
-        self.options: pb.DevicePluginOptions | None = None
-        self.devices: dict[str, str] = {}  # device ID -> health
-        self.updates = 0
-        self.stream_open = False
-        self.allocated: set[str] = set()
 
     # ---- lifecycle -----------------------------------------------------------
-    def start(self) -> "KubeletSim":
-        """Serve Registration on ``kubelet.sock`` (a stale file is removed)."""
-        os.makedirs(self.plugin_dir, exist_ok=True)
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        pb_grpc.add_RegistrationServicer_to_server(self, server)
-        server.add_insecure_port(f"unix://{self.socket_path}")
-        server.start()
-        self._server = server
+    def start(self) -> "Kubelet":
+        """Serve Registration on ``kubelet.sock`` (a stale file is removed). Raises OSError."""
+        self._server = serve_unix(self.socket_path, pb_grpc.add_RegistrationServicer_to_server, self)
         return self
 
     def stop(self) -> None:
-        """Stop serving, end the stream, close the channel, remove kubelet.sock."""
-        if self._stream is not None:
-            self._stream.cancel()
-        if self._channel is not None:
-            self._channel.close()
-        if self._server is not None:
-            self._server.stop(0).wait(2)
-            self._server = None
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
+        """Stop serving, drop every plugin connection, remove kubelet.sock."""
+        with self._cond:
+            eps = list(self._endpoints.values())
+            self._endpoints.clear()
+            self._cond.notify_all()
+        for ep in eps:
+            ep.drop()
+        server, self._server = self._server, None
+        stop_unix(server, self.socket_path)
 
     # ---- Registration service ------------------------------------------------------
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:  # noqa: N802
+        """Check, dial, get options, start ListAndWatch, then answer (A.5).
+        Aborts INVALID_ARGUMENT (bad version or resource name) or UNAVAILABLE
+        (plugin unreachable within ``dial_timeout_s``)."""
         if request.version != VERSION:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported API version {request.version!r}")
+        if "/" not in request.resource_name or request.resource_name.startswith("kubernetes.io/"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid resource name {request.resource_name!r}")
         target = os.path.join(self.plugin_dir, request.endpoint)
-        channel = grpc.insecure_channel(f"unix://{target}", options=[("grpc.default_authority", "localhost")])
+        channel = grpc.insecure_channel("unix:" + target, options=[("grpc.default_authority", "localhost")])
         try:
             grpc.channel_ready_future(channel).result(timeout=self.dial_timeout_s)
             stub = pb_grpc.DevicePluginStub(channel)
@@ -102,56 +155,116 @@ class KubeletSim(pb_grpc.RegistrationServicer):
         except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
             channel.close()
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the plugin at {target}: {exc}")
-        old = self._channel
-        stream = stub.ListAndWatch(pb.Empty())
+        ep = Endpoint(request.resource_name, channel, stub)
         with self._cond:
-            self._channel, self._stub, self._stream = channel, stub, stream
-            self.resource_name, self.options = request.resource_name, options
-            self.stream_open = True
+            old = self._endpoints.get(request.resource_name)
+            self._endpoints[request.resource_name] = ep
+            self.registrations.append(Registration(request.resource_name, request.endpoint, options,
+                                                   time.monotonic()))
             self._cond.notify_all()
-        if old is not None:
-            old.close()
-        threading.Thread(target=self._consume, args=(stream,), name="kubelet-sim-lw", daemon=True).start()
+        ep.stream = stub.ListAndWatch(pb.Empty())
+        threading.Thread(target=self._consume, args=(ep,), name="kubelet-lw", daemon=True).start()
+        if old is not None:  # re-registration replaces the endpoint (A.5)
+            old.drop()
         return pb.Empty()
 
-    def _consume(self, stream: Any) -> None:
+    def _consume(self, ep: Endpoint) -> None:
         try:
-            for resp in stream:
+            for resp in ep.stream:
                 with self._cond:
-                    self.devices = {d.ID: d.health for d in resp.devices}
-                    self.updates += 1
+                    ep.devices = {d.ID: d.health for d in resp.devices}
+                    ep.history.append(ep.devices)
+                    ep.updates += 1
                     self._cond.notify_all()
         except grpc.RpcError:
             pass
-        with self._cond:
-            if self._stream is stream:
-                self.stream_open = False
-                self.devices = {}
-            self._cond.notify_all()
+        finally:
+            with self._cond:
+                ep.open = False
+                self._cond.notify_all()
 
-    # ---- client ----------------------------------------------------------------------
+    # ---- observing -----------------------------------------------------------------
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+        """Wait until ``predicate()`` (evaluated under the lock) is true."""
+        with self._cond:
+            return self._cond.wait_for(predicate, timeout=timeout_s)
+
+    def endpoint(self, resource_name: str) -> Endpoint | None:
+        """The current endpoint of ``resource_name`` (None when not registered)."""
+        with self._cond:
+            return self._endpoints.get(resource_name)
+
+    def _stub(self, resource_name: str) -> pb_grpc.DevicePluginStub:
+        ep = self.endpoint(resource_name)
+        if ep is None:
+            raise LookupError(f"{resource_name} is not registered")
+        return ep.stub
+
+
+class KubeletSim(Kubelet):
+    """``Kubelet`` driving one resource (the last registered), as the demo needs."""
+
+    def __init__(self, plugin_dir: str, dial_timeout_s: float = 10.0) -> None:
+        super().__init__(plugin_dir, dial_timeout_s)
+        self.allocated: set[str] = set()
+
+    def start(self) -> "KubeletSim":
+        super().start()
+        return self
+
+    def _current(self) -> Endpoint | None:
+        with self._cond:
+            return self._endpoints.get(self.registrations[-1].resource_name) if self.registrations else None
+
+    @property
+    def resource_name(self) -> str | None:
+        """The last registered resource name."""
+        with self._cond:
+            return self.registrations[-1].resource_name if self.registrations else None
+
+    @property
+    def options(self) -> pb.DevicePluginOptions | None:
+        """The options of the last registration."""
+        with self._cond:
+            return self.registrations[-1].options if self.registrations else None
+
+    @property
+    def devices(self) -> dict[str, str]:
+        """Device ID -> health of the open stream ({} when none)."""
+        ep = self._current()
+        return dict(ep.devices) if ep is not None and ep.open else {}
+
+    @property
+    def stream_open(self) -> bool:
+        ep = self._current()
+        return bool(ep and ep.open)
+
     def wait_registered(self, timeout_s: float = 10.0) -> str:
         """Block until a plugin registered and sent its device list; returns the
         resource name. Raises TimeoutError."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.stream_open and self.updates > 0, timeout_s):
-                raise TimeoutError(f"no device plugin registered on {self.socket_path} within {timeout_s} s")
-            assert self.resource_name is not None
-            return self.resource_name
+        def done() -> bool:
+            ep = self._endpoints.get(self.registrations[-1].resource_name) if self.registrations else None
+            return ep is not None and ep.open and ep.updates > 0
+
+        if not self.wait_for(done, timeout_s):
+            raise TimeoutError(f"no device plugin registered on {self.socket_path} within {timeout_s} s")
+        name = self.resource_name
+        assert name is not None
+        return name
 
     def pick(self, n: int) -> list[str]:
         """``n`` healthy, unallocated device IDs, as kubelet chooses them: the
         plugin's preference when it offers GetPreferredAllocation, else the first
         ``n`` in order. Raises ValueError when fewer than ``n`` are free."""
+        ep, options = self._current(), self.options
         with self._cond:
             free = sorted(d for d, h in self.devices.items() if h == HEALTHY and d not in self.allocated)
-            stub, options = self._stub, self.options
         if len(free) < n:
             raise ValueError(f"{n} devices requested, {len(free)} healthy and free")
-        if stub is not None and options is not None and options.get_preferred_allocation_available:
+        if ep is not None and options is not None and options.get_preferred_allocation_available:
             req = pb.PreferredAllocationRequest(container_requests=[
                 pb.ContainerPreferredAllocationRequest(available_deviceIDs=free, allocation_size=n)])
-            resp = stub.GetPreferredAllocation(req, timeout=5)
+            resp = ep.stub.GetPreferredAllocation(req, timeout=5)
             ids = list(resp.container_responses[0].deviceIDs) if resp.container_responses else []
             if len(ids) == n and set(ids) <= set(free):
                 return ids
@@ -159,10 +272,12 @@ class KubeletSim(pb_grpc.RegistrationServicer):
 
     def allocate(self, device_ids: list[str], timeout_s: float = 10.0) -> pb.ContainerAllocateResponse:
         """``Allocate`` with one container request (as kubelet sends it).
-        Returns the container response; raises ``grpc.RpcError`` on refusal."""
-        if self._stub is None:
+        Returns the container response; raises ``grpc.RpcError`` on refusal,
+        ConnectionError when no plugin registered."""
+        ep = self._current()
+        if ep is None:
             raise ConnectionError("no device plugin registered")
-        resp = self._stub.Allocate(
+        resp = ep.stub.Allocate(
             pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=device_ids)]),
             timeout=timeout_s)
         if not resp.container_responses:
