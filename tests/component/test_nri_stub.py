@@ -127,6 +127,9 @@ def test_events_reach_the_handler_by_rpc_or_state_change(version, sockpath, clea
     info = rt.wait_registered()
     assert (info.name, info.idx, info.events) == ("toy", "07", stub.events)
     assert rec.configured == [("containerd", 1500, 1.5)]
+    # The runtime may finish its side of the handshake before the plugin's
+    # reader has seen the RegisterPlugin reply: wait for the plugin's view.
+    wait_for(stub.connected, what="the plugin to see its registration answered")
     st = stub.status()
     assert (st["connected"], st["ready"], st["request_timeout_s"]) == (True, False, 1.5)
     assert st["runtime"].startswith("containerd ") and st["events"] == f"0x{stub.events:x}"
