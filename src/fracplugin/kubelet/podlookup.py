@@ -387,7 +387,31 @@ class _Store:
             return len(self._pods)
 
 
-class InMemoryPodSource:
+class _StoreBackedSource:
+    """The PodSource methods both sources answer from their ``_Store``;
+    subclasses set ``self._store`` and ``self._ready``."""
+
+    _store: _Store
+    _ready: bool
+
+    def candidates(self, resource_name: str, count: int) -> list[Pod]:
+        return self._store.candidates(resource_name, count)
+
+    def get(self, namespace: str, name: str) -> Pod | None:
+        return self._store.get(namespace, name)
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._store.wait(timeout_s)
+
+    def subscribe_deleted(self, callback: Callable[[Pod], None]) -> None:
+        """Call ``callback(pod)`` when a pod leaves the cache."""
+        self._store.on_delete.append(callback)
+
+
+class InMemoryPodSource(_StoreBackedSource):
     """A PodSource fed by the caller (tests, the demo, the benchmark).
 
     Args:
@@ -402,18 +426,6 @@ class InMemoryPodSource:
         for p in pods:
             self._store.put(p)
 
-    # PodSource
-    def candidates(self, resource_name: str, count: int) -> list[Pod]:
-        return self._store.candidates(resource_name, count)
-
-    def get(self, namespace: str, name: str) -> Pod | None:
-        return self._store.get(namespace, name)
-
-    def ready(self) -> bool:
-        return self._ready
-
-    def wait(self, timeout_s: float) -> bool:
-        return self._store.wait(timeout_s)
 
     # feeding
     def add(self, pod: Pod) -> None:
@@ -431,15 +443,12 @@ class InMemoryPodSource:
     def pods(self) -> list[Pod]:
         return self._store.pods()
 
-    def subscribe_deleted(self, callback: Callable[[Pod], None]) -> None:
-        """Call ``callback(pod)`` when a pod leaves the cache."""
-        self._store.on_delete.append(callback)
 
     def __len__(self) -> int:
         return len(self._store)
 
 
-class KubernetesPodSource:
+class KubernetesPodSource(_StoreBackedSource):
     """A PodSource backed by the API server (kubernetes Python client).
 
     List, then watch pods with field selector ``spec.nodeName=<node_name>``;
@@ -477,20 +486,7 @@ class KubernetesPodSource:
         self._watch: Any = None
         self.last_error: str | None = None
 
-    def candidates(self, resource_name: str, count: int) -> list[Pod]:
-        return self._store.candidates(resource_name, count)
 
-    def get(self, namespace: str, name: str) -> Pod | None:
-        return self._store.get(namespace, name)
-
-    def ready(self) -> bool:
-        return self._ready
-
-    def wait(self, timeout_s: float) -> bool:
-        return self._store.wait(timeout_s)
-
-    def subscribe_deleted(self, callback: Callable[[Pod], None]) -> None:
-        self._store.on_delete.append(callback)
 
     def __len__(self) -> int:
         return len(self._store)
