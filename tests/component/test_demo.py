@@ -99,7 +99,7 @@ def test_demo_device_plugin_door(demo_run: subprocess.CompletedProcess[str]) -> 
     assert "NVIDIA_GPU_MEMORY_REQUEST=8192" in sec
     dev = re.search(r"NVIDIA_VISIBLE_DEVICES=(\S+)", sec).group(1)
     assert dev in UUIDS
-    assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M" in sec
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M" in sec
     assert "default/embeddings/worker: request 8192 MiB" in sec
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.helpers import wait_for
 
 from fracplugin.metrics import Metrics
 from fracplugin.model import ComputeMode
@@ -37,17 +38,6 @@ CID_A = "a" * 12 + "0123456789abcdef" * 3 + "0123"
 CID_B = "b" * 64
 POD_A = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
 POD_B = "11111111-2222-3333-4444-555555555555"
-
-
-def wait_for(pred, timeout_s: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 class Harness:

@@ -10,10 +10,11 @@ import shutil
 import struct
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +27,7 @@ from fracplugin.nri.plugin import FracNriPlugin, build_adjustment
 from fracplugin.nri.stub import PLUGIN_SERVICE, NriStub
 from fracplugin.nri.ttrpc import MAX_MESSAGE, Code, MessageType, RpcError, encode_message
 from fracplugin.planner import PlannerConfig, plan_container
-from fracplugin.model import ComputeMode, PodRef
+from fracplugin.model import PodRef
 
 from nri_runtime import FakeNriRuntime, effective_env, make_container, make_pod, pod_from_manifest
 
@@ -84,15 +85,6 @@ class FakeMetrics:
 
     def refusal(self, reason_code):
         self.refusals.append(reason_code)
-
-
-def wait_for(cond, timeout_s=10.0, what="condition"):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Harness:

@@ -13,20 +13,13 @@ import time
 
 import pytest
 
+from tests.helpers import wait_for
+
 from fracplugin._proto import nri_pb2
 from fracplugin.nri.stub import NriStub, event_mask
 from fracplugin.nri.ttrpc import Code, RpcError
 
 from nri_runtime import FakeNriRuntime, make_container, make_pod
-
-
-def wait_for(cond, timeout_s=10.0, what="condition"):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Recorder:

@@ -67,9 +67,9 @@ def test_parser_total(annotations):
 @given(st.lists(annotation_maps, min_size=1, max_size=6))
 def test_planner_total_and_ledger_keeps_invariants(pods):
     ledger = Ledger(NODE)
-    for i, annotations in enumerate(pods):
+    for i, pod_annotations in enumerate(pods):
         try:
-            plan = plan_container(annotations, "app", PodRef("ns", f"p{i}", f"u{i}"), NODE, ledger)
+            plan = plan_container(pod_annotations, "app", PodRef("ns", f"p{i}", f"u{i}"), NODE, ledger)
         except FractionError as err:
             assert err.reason and err.key
             continue
