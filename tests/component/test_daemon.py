@@ -507,12 +507,30 @@ def test_failed_start_stops_what_started(root: Path) -> None:
 
 
 # ---- API access through a kubeconfig -------------------------------------------------
+def serve_fake_api(handler: type, root: Path) -> tuple[Any, Path]:
+    """Serve ``handler`` (a BaseHTTPRequestHandler standing in for the API
+    server) on 127.0.0.1:0 in a thread; write a kubeconfig pointing at it.
+    Returns (server, kubeconfig path); the caller shuts the server down."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    api = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    api.daemon_threads = True
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    kubeconfig = root / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "t",
+        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{api.server_address[1]}"}}],
+        "users": [{"name": "t", "user": {"token": "x"}}],
+        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
+    return api, kubeconfig
+
+
 def test_kubeconfig_starts_the_pod_watch(daemon: Callable[..., DaemonProc], root: Path) -> None:
     """--kubeconfig: the device plugin door's pod source lists and watches pods
     bound to this node through the API server named in the kubeconfig (a
     minimal fake API server here)."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import BaseHTTPRequestHandler
     from urllib.parse import parse_qs, urlparse
 
     pod = {"apiVersion": "v1", "kind": "Pod",
@@ -548,15 +566,7 @@ def test_kubeconfig_starts_the_pod_watch(daemon: Callable[..., DaemonProc], root
             self.end_headers()
             self.wfile.write(body)
 
-    api = ThreadingHTTPServer(("127.0.0.1", 0), Api)
-    api.daemon_threads = True
-    threading.Thread(target=api.serve_forever, daemon=True).start()
-    kubeconfig = root / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "t",
-        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{api.server_address[1]}"}}],
-        "users": [{"name": "t", "user": {"token": "x"}}],
-        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
+    api, kubeconfig = serve_fake_api(Api, root)
     try:
         (root / "dp").mkdir()
         d = daemon("--no-nri", "--no-mps", "--kubeconfig", str(kubeconfig), "--device-plugin-dir", str(root / "dp"),
@@ -578,8 +588,7 @@ def test_nri_refusal_becomes_a_kubernetes_event(daemon: Callable[..., DaemonProc
     server the kubeconfig names (a minimal fake here); the recorder stops
     after NRI at shutdown."""
     import copy
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import BaseHTTPRequestHandler
 
     from nri_runtime import FakeNriRuntime, pod_from_manifest
 
@@ -599,15 +608,7 @@ def test_nri_refusal_becomes_a_kubernetes_event(daemon: Callable[..., DaemonProc
             self.end_headers()
             self.wfile.write(out)
 
-    api = ThreadingHTTPServer(("127.0.0.1", 0), Api)
-    api.daemon_threads = True
-    threading.Thread(target=api.serve_forever, daemon=True).start()
-    kubeconfig = root / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "t",
-        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{api.server_address[1]}"}}],
-        "users": [{"name": "t", "user": {"token": "x"}}],
-        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
+    api, kubeconfig = serve_fake_api(Api, root)
     rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
     try:
         d = daemon("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "nri.sock"),
