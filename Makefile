@@ -2,8 +2,6 @@
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-SHARED ?= $(abspath ../shared)
-export FRACPLUGIN_SHARED := $(SHARED)
 
 .PHONY: setup test unit component proto demo interop e2e bench ci clean
 

@@ -3,7 +3,7 @@
 What it does, in one command (issue 6 item 2):
 
 1. starts ``fracplugin run`` as a subprocess (``sys.executable -m
-   fracplugin.cli run``) on ``<shared>/examples/nodes/gpu-node-1.yaml`` with
+   fracplugin.cli run``) on ``examples/nodes/gpu-node-1.yaml`` with
    the fake ``nvidia-cuda-mps-control`` (``tests/fakes/``), every socket,
    pipe directory and state file in one temporary directory;
 2. acts as the container runtime (``nri.runtime_client.NriRuntimeServer``:
@@ -11,7 +11,7 @@ What it does, in one command (issue 6 item 2):
    (``kubelet.kubelet_client.KubeletSim``: Registration server + device
    plugin client over gRPC), and gives the daemon a simulated API server
    (``--pods-file``) for the device plugin door;
-3. plays the seed pods of ``<shared>/examples/pods/``: the inference pod
+3. plays the seed pods of ``examples/pods/``: the inference pod
    (sm-sharing on all four GPUs) is placed; the time-slicing notebook is then
    refused by the node-side guard (one compute mode per GPU; the reason names
    the GPU and the mode in use); the inference pod is removed; the notebook is
@@ -24,7 +24,7 @@ What it does, in one command (issue 6 item 2):
    SIGTERM and checks that no process or socket is left behind.
 
 Exit status: 0 when every step behaved as described; 1 when one did not (the
-daemon's log tail is printed); 2 for a usage problem (shared directory or
+daemon's log tail is printed); 2 for a usage problem (examples directory or
 node file not found).
 
 Concurrency: the demo itself is sequential (main thread); the NRI runtime and
@@ -53,7 +53,7 @@ import yaml
 
 PKG_DIR = Path(__file__).resolve().parent
 RESOURCE = "fracplugin.io/gpu-memory"
-NODE_FILE = Path("examples") / "nodes" / "gpu-node-1.yaml"
+NODE_FILE = Path("nodes") / "gpu-node-1.yaml"
 INFERENCE = "inference-sm-sharing-4gpu.bound.yaml"
 NOTEBOOK = "notebook-time-slicing-2gpu.yaml"
 NRI_REQUEST_TIMEOUT_S = 5.0
@@ -69,8 +69,8 @@ class StepFailed(Exception):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shared", metavar="DIR", default=None,
-                   help="the shared inputs directory (default: env FRACPLUGIN_SHARED, else <repo>/../shared)")
+    p.add_argument("--examples", metavar="DIR", default=None,
+                   help="directory with nodes/ and pods/ (default: the repo's examples/)")
     p.add_argument("--mps-control-binary", metavar="PATH", default=None,
                    help="MPS control executable (default: the repo's tests/fakes/nvidia-cuda-mps-control)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, ledger) afterwards")
@@ -79,25 +79,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ---- locating inputs ------------------------------------------------------------------
-def find_shared(explicit: str | None = None) -> Path:
-    """The shared directory: ``--shared``, env ``FRACPLUGIN_SHARED``, then
-    ``<repo>/../shared`` relative to the package source, then relative to the
-    current directory. Raises DemoError naming what was tried."""
-    tried: list[Path] = []
+def find_examples(explicit: str | None = None) -> Path:
+    """The examples directory (holding ``nodes/`` and ``pods/``): ``--examples``,
+    else the repo's ``examples/`` relative to the package source, else
+    ``./examples``. Raises DemoError naming what was tried."""
     cands: list[Path] = []
     if explicit:
         cands.append(Path(explicit))
-    elif os.environ.get("FRACPLUGIN_SHARED"):
-        cands.append(Path(os.environ["FRACPLUGIN_SHARED"]))
     else:
         repo = PKG_DIR.parents[1]  # src/fracplugin -> repo
-        cands += [repo.parent / "shared", Path.cwd().parent / "shared", Path.cwd() / "shared"]
+        cands += [repo / "examples", Path.cwd() / "examples"]
     for c in cands:
-        tried.append(c)
         if (c / NODE_FILE).is_file():
             return c.resolve()
-    raise DemoError("cannot find the shared inputs (examples/nodes/gpu-node-1.yaml) in: "
-                    + ", ".join(str(t) for t in tried) + "; pass --shared DIR or set FRACPLUGIN_SHARED")
+    raise DemoError(f"cannot find {NODE_FILE} in: " + ", ".join(str(t) for t in cands)
+                    + "; pass --examples DIR (the repo's examples/ directory)")
 
 
 def find_fake_mps(explicit: str | None = None) -> Path | None:
@@ -180,10 +176,10 @@ def _own_leftovers(workdir: str, daemon_pid: int | None) -> list[str]:
 class Demo:
     """One demo run (see the module docstring). ``run()`` returns the exit status."""
 
-    def __init__(self, shared: Path, mps_binary: Path | None, keep: bool = False, ready_timeout_s: float = 30.0) -> None:
-        self.shared = shared
-        self.node_file = shared / NODE_FILE
-        self.pods_dir = shared / "examples" / "pods"
+    def __init__(self, examples: Path, mps_binary: Path | None, keep: bool = False, ready_timeout_s: float = 30.0) -> None:
+        self.examples = examples
+        self.node_file = examples / NODE_FILE
+        self.pods_dir = examples / "pods"
         self.mps_binary = mps_binary
         self.keep = keep
         self.ready_timeout_s = ready_timeout_s
@@ -247,7 +243,7 @@ class Demo:
         env = dict(os.environ)
         src = str(PKG_DIR.parent)
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        for k in [k for k in env if k.startswith("FRACPLUGIN_") and k != "FRACPLUGIN_SHARED"]:
+        for k in [k for k in env if k.startswith("FRACPLUGIN_")]:
             del env[k]  # the demo's flags, not the caller's environment, configure this daemon
         self._log_file = open(w / "daemon.log", "wb")
         t0 = time.monotonic()
@@ -556,12 +552,12 @@ class Demo:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        shared = find_shared(args.shared)
+        examples = find_examples(args.examples)
         mps = find_fake_mps(args.mps_control_binary)
     except DemoError as exc:
         print(f"fracplugin demo: {exc}", file=sys.stderr)
         return 2
-    demo = Demo(shared, mps, keep=args.keep, ready_timeout_s=args.ready_timeout)
+    demo = Demo(examples, mps, keep=args.keep, ready_timeout_s=args.ready_timeout)
     def on_sigterm(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt  # clean up (stop the daemon, remove the work dir) as for Ctrl-C
 

@@ -40,7 +40,7 @@ class UsageError(Exception):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("pod", help="pod manifest (YAML or JSON; the first Pod document is used)")
-    p.add_argument("--node", required=True, help="node file (as ../shared/examples/nodes/gpu-node-1.yaml)")
+    p.add_argument("--node", required=True, help="node file (as examples/nodes/gpu-node-1.yaml)")
     p.add_argument("--container", help="explain only this container")
     p.add_argument("--output", "-o", choices=("table", "json"), default="table")
     p.add_argument("--ledger", help="a ledger.json whose tenants already hold the node's GPUs")

@@ -35,8 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
-SHARED = Path(os.environ.get("FRACPLUGIN_SHARED") or REPO.parent / "shared")
-NODE = SHARED / "examples" / "nodes" / "gpu-node-1.yaml"
+NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
 FAKE_MPS = REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"
 REPORT = REPO / "build" / "bench.json"
 REPEAT = int(os.environ.get("BENCH_DAEMON_REPEAT", "3"))
@@ -101,7 +100,7 @@ def one_run() -> dict[str, float]:
 def demo_wall_s() -> float:
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "demo"], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO / "src"), "FRACPLUGIN_SHARED": str(SHARED)},
+                         env={**os.environ, "PYTHONPATH": str(REPO / "src"), },
                          timeout=120, cwd=str(REPO))
     if out.returncode != 0:
         raise RuntimeError("demo failed:\n" + out.stdout[-2000:])

@@ -67,12 +67,6 @@ ROUNDS = 64
 RESTARTS = 10
 
 
-def shared_dir() -> Path:
-    d = Path(os.environ.get("FRACPLUGIN_SHARED") or REPO.parent / "shared")
-    if not (d / "examples").is_dir():
-        raise SystemExit(f"shared inputs not found at {d}: set FRACPLUGIN_SHARED")
-    return d
-
 
 
 
@@ -184,7 +178,7 @@ def run(ledger_dir: str | None, *, reregister: bool) -> dict[str, float]:
     ldir = tempfile.mkdtemp(prefix="fpb", dir=ledger_dir) if ledger_dir else None
     plugin_dir = os.path.join(root, "dp")
     kubelet = FakeKubelet(plugin_dir).start()
-    inv = SimulatedInventory(shared_dir() / "examples" / "nodes" / "gpu-node-1.yaml")
+    inv = SimulatedInventory(REPO / "examples" / "nodes" / "gpu-node-1.yaml")
     node = inv.node()
     src = InMemoryPodSource(node.name)
     ledger = Ledger(node, os.path.join(ldir, "ledger.json") if ldir else None)

@@ -14,7 +14,7 @@ How it measures:
     the p99 is roughly 64 x the per-call service time. The same harness, in
     the same run, measures the Go template plugin (stub-based stand-in for
     containerd/nri's plugins/template, which the Go proxy does not serve).
-  * Pods: 64 pods, pod i pinned to GPU i % 4 of ../shared/examples/nodes/
+  * Pods: 64 pods, pod i pinned to GPU i % 4 of examples/nodes/
     gpu-node-1.yaml, container "app", time-slicing, request 1Gi, limit 2Gi
     (16 tenants per GPU at most; within the 48-client MPS limit).
   * RSS: -churn 10000 sequential create+remove pairs; the daemon's RSS is

@@ -26,8 +26,7 @@ import pytest
 from fracplugin.subproc import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("FRACPLUGIN_SHARED") or REPO.parent / "shared")
-NODE = SHARED / "examples" / "nodes" / "gpu-node-1.yaml"
+NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
 FAKE_MPS = REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"
 GPU0 = "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01"
 
@@ -349,7 +348,7 @@ def test_device_plugin_door_not_ready_without_kubelet(daemon: Callable[..., Daem
 
 
 # ---- NRI door ------------------------------------------------------------------------
-INFERENCE = SHARED / "examples" / "pods" / "inference-sm-sharing-4gpu.bound.yaml"
+INFERENCE = REPO / "examples" / "pods" / "inference-sm-sharing-4gpu.bound.yaml"
 
 
 def test_nri_door_serves_and_disconnects_on_sigterm(daemon: Callable[..., DaemonProc], root: Path) -> None:

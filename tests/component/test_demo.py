@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("FRACPLUGIN_SHARED") or REPO.parent / "shared")
 UUIDS = [f"GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a0{i}" for i in range(1, 5)]
 
 
@@ -37,7 +36,7 @@ def _procs_mentioning(needle: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def demo_run() -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "FRACPLUGIN_SHARED": str(SHARED)}
+    env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", "fracplugin.cli", "demo"], capture_output=True, text=True,
                           timeout=110, env=env, cwd=str(REPO))
 

@@ -32,9 +32,8 @@ from fracplugin.model import PodRef
 from nri_runtime import FakeNriRuntime, effective_env, make_container, make_pod, pod_from_manifest
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("FRACPLUGIN_SHARED", REPO.parent / "shared"))
-PODS = SHARED / "examples" / "pods"
-NODE = load_node(SHARED / "examples" / "nodes" / "gpu-node-1.yaml")
+PODS = REPO / "examples" / "pods"
+NODE = load_node(REPO / "examples" / "nodes" / "gpu-node-1.yaml")
 UUIDS = [g.uuid for g in NODE.gpus]
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 

@@ -7,7 +7,6 @@
 #   FRACPLUGIN_E2E_CACHE                 build cache (default /var/cache/fracplugin-e2e)
 #   FRACPLUGIN_E2E_CONTAINERD_VERSIONS   space-separated (default "v2.3.7 v2.1.9": NRI v0.12 and v0.8)
 #   CRICTL_VERSION                       default v1.37.0
-#   FRACPLUGIN_SHARED                    shared inputs (default <repo>/../shared)
 #   PYTEST_ARGS                          extra pytest arguments
 # Cleans up (pods, containerd, shims, runc containers, mounts, temp dirs) on
 # any exit through harness.py's cleanup, even when pytest is killed.
@@ -17,7 +16,6 @@ here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 py="${PY:-$repo/.venv/bin/python}"
 export FRACPLUGIN_E2E_CONTAINERD_VERSIONS="${FRACPLUGIN_E2E_CONTAINERD_VERSIONS:-v2.3.7 v2.1.9}"
-export FRACPLUGIN_SHARED="${FRACPLUGIN_SHARED:-$(cd "$repo/.." && pwd)/shared}"
 export FRACPLUGIN_E2E_REQUIRED=1
 
 if [[ $(id -u) -ne 0 ]]; then

@@ -204,7 +204,7 @@ class Daemon(Process):
         self.state_dir = base / "fp-state"
         self.mps_root = base / "mps"
         argv = [str(h.REPO / ".venv" / "bin" / "fracplugin"), "run",
-                "--simulate-node", str(h.shared_dir() / "examples" / "nodes" / "gpu-node-1.yaml"),
+                "--simulate-node", str(h.REPO / "examples" / "nodes" / "gpu-node-1.yaml"),
                 "--no-device-plugin",
                 "--nri-socket", str(ctrd.nri_sock),
                 "--state-dir", str(self.state_dir),
@@ -258,7 +258,7 @@ def daemon(ctrd, request) -> Daemon:
 
 def _bound_annotations() -> dict[str, str]:
     import yaml  # PyYAML is in the project venv
-    doc = yaml.safe_load((h.shared_dir() / "examples" / "pods"
+    doc = yaml.safe_load((h.REPO / "examples" / "pods"
                           / "inference-sm-sharing-4gpu.bound.yaml").read_text())
     return {str(k): str(v) for k, v in doc["metadata"]["annotations"].items()}
 

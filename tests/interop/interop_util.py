@@ -39,9 +39,8 @@ from fracplugin.subproc import die_with_parent
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 BIN = HERE / "bin"
-SHARED = Path(os.environ.get("FRACPLUGIN_SHARED") or (REPO.parent / "shared")).resolve()
-NODE_YAML = SHARED / "examples" / "nodes" / "gpu-node-1.yaml"
-PODS_DIR = SHARED / "examples" / "pods"
+NODE_YAML = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
+PODS_DIR = REPO / "examples" / "pods"
 FRACPLUGIN = REPO / ".venv" / "bin" / "fracplugin"
 FAKE_MPS = REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"
 
@@ -256,7 +255,7 @@ def scenario_pod(doc: dict[str, Any], *, containers: list[dict[str, Any]] | None
 
 
 def seed_pod(filename: str, **kw: Any) -> dict[str, Any]:
-    """scenario_pod of ../shared/examples/pods/<filename>."""
+    """scenario_pod of examples/pods/<filename>."""
     return scenario_pod(load_yaml(PODS_DIR / filename), **kw)
 
 

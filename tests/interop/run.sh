@@ -28,6 +28,5 @@ for m in nri-v012 nri-v08 kubelet; do
 done
 PY="$REPO/.venv/bin/python"
 [[ -x "$PY" ]] || PY=python3
-export FRACPLUGIN_SHARED="${FRACPLUGIN_SHARED:-$(cd "$REPO/.." && pwd)/shared}"
 cd "$REPO"
 exec "$PY" -m pytest tests/interop -m interop -q "$@"

@@ -8,7 +8,7 @@ kubelet.sock, dial back to the plugin's endpoint with :authority "localhost"
 and a 10 s blocking dial, GetDevicePluginOptions then ListAndWatch,
 GetPreferredAllocation + Allocate like admission, and a kubelet restart that
 deletes every socket and re-creates kubelet.sock. The daemon finds pods
-through the simulated API (--pods-file). Node: ../shared/examples/nodes/gpu-node-1.yaml.
+through the simulated API (--pods-file). Node: examples/nodes/gpu-node-1.yaml.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ def run(*args):
                           capture_output=True, text=True, timeout=60)
 
 
-def test_bound_inference_json(shared, node_file):
-    r = run(str(shared / "examples/pods/inference-sm-sharing-4gpu.bound.yaml"), "--node", str(node_file), "-o", "json")
+def test_bound_inference_json(examples, node_file):
+    r = run(str(examples / "pods/inference-sm-sharing-4gpu.bound.yaml"), "--node", str(node_file), "-o", "json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["pod"] == "default/inference" and report["node"] == "gpu-node-1"
@@ -88,17 +88,17 @@ spec:
     assert run(str(pod), "--node", str(node_file), "--reserve-mib", "-5").returncode == 2
 
 
-def test_bad_node_file_and_unknown_container(tmp_path, shared):
+def test_bad_node_file_and_unknown_container(tmp_path, examples):
     node = tmp_path / "node.yaml"
     node.write_text("gpus: [{index: 0}]\n")
-    pod = str(shared / "examples/pods/notebook-time-slicing-2gpu.yaml")
+    pod = str(examples / "pods/notebook-time-slicing-2gpu.yaml")
     r = run(pod, "--node", str(node))
     assert r.returncode == 2 and "lacks 'uuid'" in r.stderr
-    r = run(pod, "--node", str(shared / "examples/nodes/gpu-node-1.yaml"), "--container", "ghost")
+    r = run(pod, "--node", str(examples / "nodes/gpu-node-1.yaml"), "--container", "ghost")
     assert r.returncode == 2 and "no container 'ghost'" in r.stderr
 
 
-def test_explain_against_a_ledger_shows_the_mode_guard(tmp_path, shared, node_file):
+def test_explain_against_a_ledger_shows_the_mode_guard(tmp_path, examples, node_file):
     from fracplugin.gpu.simulated import load_node
     from fracplugin.ledger import Ledger
     from fracplugin.model import PodRef
@@ -106,8 +106,8 @@ def test_explain_against_a_ledger_shows_the_mode_guard(tmp_path, shared, node_fi
     import yaml
     node = load_node(node_file)
     led = Ledger(node, tmp_path / "ledger.json")
-    inf = yaml.safe_load((shared / "examples/pods/inference-sm-sharing-4gpu.bound.yaml").read_text())
+    inf = yaml.safe_load((examples / "pods/inference-sm-sharing-4gpu.bound.yaml").read_text())
     led.admit(plan_container(inf["metadata"]["annotations"], "app", PodRef("default", "inference", inf["metadata"]["uid"]), node, led))
-    r = run(str(shared / "examples/pods/notebook-time-slicing-2gpu.yaml"), "--node", str(node_file),
+    r = run(str(examples / "pods/notebook-time-slicing-2gpu.yaml"), "--node", str(node_file),
             "--ledger", str(tmp_path / "ledger.json"))
     assert r.returncode == 1 and "is in sm-sharing mode for default/inference/app" in r.stdout

@@ -140,7 +140,7 @@ OPS = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(OPS)
 def test_no_sequence_of_operations_breaks_the_invariants(tmp_path_factory, ops):
-    node = load_node(os.path.join(os.environ.get("FRACPLUGIN_SHARED", os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared")), "examples", "nodes", "gpu-node-1.yaml"))
+    node = load_node(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "nodes", "gpu-node-1.yaml"))
     path = tmp_path_factory.mktemp("l") / "ledger.json"
     led = Ledger(node, path, max_clients_per_gpu=3)
     for op, uid, c, req, mode, devices in ops:

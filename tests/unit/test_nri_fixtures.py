@@ -1,9 +1,8 @@
 """Decode the recorded NRI wire transcripts with our own protos.
 
-Fixtures: ``<shared>/fixtures/nri/wire-nri-v0.12.2.jsonl`` and
+Fixtures: ``tests/fixtures/nri/wire-nri-v0.12.2.jsonl`` and
 ``wire-nri-v0.8.0.jsonl`` (see that directory's README.md): every ttrpc
 payload that crossed one plugin connection with the real runtime side of NRI.
-``<shared>`` is ``$FRACPLUGIN_SHARED`` if set, else ``<repo>/../shared``.
 
 Every payload is decoded strictly: the ttrpc envelope with
 ``ttrpc_pb2.Request``/``Response``, the inner message with the request or
@@ -36,16 +35,11 @@ VERSIONS = ["v0.12.2", "v0.8.0"]
 NRI_PACKAGE = "nri.pkg.api.v1alpha1"
 
 
-def shared_dir() -> Path:
-    """The shared project inputs: $FRACPLUGIN_SHARED, else <repo>/../shared."""
-    env = os.environ.get("FRACPLUGIN_SHARED")
-    return Path(env) if env else REPO.parent / "shared"
-
 
 def transcript_path(version: str) -> Path:
-    path = shared_dir() / "fixtures" / "nri" / f"wire-nri-{version}.jsonl"
+    path = REPO / "tests" / "fixtures" / "nri" / f"wire-nri-{version}.jsonl"
     if not path.is_file():
-        pytest.fail(f"NRI fixture missing: {path} (set FRACPLUGIN_SHARED to the shared/ directory)")
+        pytest.fail(f"NRI fixture missing: {path} ")
     return path
 
 

@@ -1,6 +1,6 @@
 """Replay the recorded NRI wire transcripts through the sans-I/O layer.
 
-Fixtures: ``<shared>/fixtures/nri/wire-nri-{v0.12.2,v0.8.0}.jsonl`` (every ttrpc
+Fixtures: ``tests/fixtures/nri/wire-nri-{v0.12.2,v0.8.0}.jsonl`` (every ttrpc
 message of one plugin connection with the real runtime side). The runtime's
 messages are re-framed the way the Go runtime sends them (mux frames of up to
 16 KB, nri-protocol.md 1.2), decoded by ``MuxDecoder`` + ``TtrpcConnection``,
@@ -28,14 +28,13 @@ from fracplugin.nri.ttrpc import MessageType, RequestReceived, ResponseReceived,
 from fracplugin.planner import PlannerConfig
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("FRACPLUGIN_SHARED", REPO.parent / "shared"))
 GO_FRAME = 16406  # a frame size the Go runtime was seen sending
 
 
 def _transcript(version: str) -> list[dict]:
-    path = SHARED / "fixtures" / "nri" / f"wire-nri-{version}.jsonl"
+    path = REPO / "tests" / "fixtures" / "nri" / f"wire-nri-{version}.jsonl"
     if not path.is_file():
-        pytest.fail(f"NRI fixture missing: {path} (set FRACPLUGIN_SHARED)")
+        pytest.fail(f"NRI fixture missing: {path} ")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -50,7 +49,7 @@ def _frame_sizes(stream: bytes) -> list[int]:
 
 @pytest.fixture
 def plugin() -> FracNriPlugin:
-    node = load_node(SHARED / "examples" / "nodes" / "gpu-node-1.yaml")
+    node = load_node(REPO / "examples" / "nodes" / "gpu-node-1.yaml")
     return FracNriPlugin(node, Ledger(node), PlannerConfig())
 
 

@@ -10,9 +10,9 @@ from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.model import ContainerPlan, FractionError, FractionRequest, PodRef
 from fracplugin.planner import plan_container
-from tests.conftest import shared_dir
+from tests.conftest import NODE_FILE
 
-NODE = load_node(shared_dir() / "examples/nodes/gpu-node-1.yaml")
+NODE = load_node(NODE_FILE)
 P = "nvidia.com/container.app."
 
 quantities = st.one_of(

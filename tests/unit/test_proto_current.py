@@ -5,7 +5,7 @@ protos carry the wire facts of the references.
   byte with the committed package (fails when someone edited proto/** without
   running ``make proto``, or edited generated files by hand).
 - Checks service paths and field numbers/types of the kubelet APIs against
-  /work/shared/reference/kubelet-device-plugin.md A.2, A.3, A.7 and of the
+  shared reference kubelet-device-plugin.md A.2, A.3, A.7 and of the
   ttrpc envelope against nri-protocol.md 1.3 (NRI itself is checked against
   real wire transcripts in test_nri_fixtures.py).
 """

@@ -1,4 +1,4 @@
-"""A simulated node read from YAML (``../shared/examples/nodes/gpu-node-1.yaml``).
+"""A simulated node read from YAML (``examples/nodes/gpu-node-1.yaml``).
 
 Concurrency: a lock guards the injected processes and the XID queue; any
 thread may inject, one health thread consumes ``events``.
