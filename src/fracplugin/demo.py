@@ -247,8 +247,8 @@ class Demo:
             del env[k]  # the demo's flags, not the caller's environment, configure this daemon
         self._log_file = open(w / "daemon.log", "wb")
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(die_with_parent(cmd), stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
         ep = w / "state" / "endpoints.json"
         if not _wait(lambda: ep.exists() or self.proc.poll() is not None, self.ready_timeout_s):
             raise StepFailed(f"the daemon did not start within {self.ready_timeout_s} s")

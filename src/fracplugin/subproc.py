@@ -1,27 +1,64 @@
 """Child processes that never outlive the process that started them.
 
-``die_with_parent`` is a ``preexec_fn`` for ``subprocess.Popen``: it asks the
-Linux kernel (``prctl(PR_SET_PDEATHSIG, SIGTERM)``) to send the child SIGTERM
-when its parent dies, so a demo or a test killed with SIGKILL does not leave a
-daemon (and its MPS children) running. Linux only; elsewhere a no-op.
+``die_with_parent(argv)`` wraps a command line so that the Linux kernel sends
+the child SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG, SIGTERM)``,
+prctl(2)): a demo or a test killed with SIGKILL does not leave a daemon (and
+its MPS children) running.
 
-Caveat (prctl(2)): the signal fires when the parent *thread* that forked the
-child exits, so spawn from a thread that lives as long as the child (the main
-thread in the demo and in tests).
+The death signal is set in the child by ``setpriv --pdeathsig TERM``
+(util-linux), which then ``execve``s the command, or, where ``setpriv`` is
+missing, by a two-line Python wrapper that does the same. No Python
+``preexec_fn`` is used: a ``preexec_fn`` makes ``subprocess`` fork the whole
+interpreter and run Python code in the child, which deadlocks or aborts
+when other threads (gRPC's pollers) are running at the time of the fork
+(gRPC: "Other threads are currently calling into gRPC, skipping fork()
+handlers", then "epoll_wait error: Bad file descriptor").
+
+Caveats (prctl(2)): the signal fires when the parent *thread* that started
+the child exits, so start children from a thread that lives as long as they
+do (the main thread in the demo and in tests); a parent that dies between the
+fork and the prctl leaves the child orphaned (a window of microseconds).
+Linux only; elsewhere the command is returned unchanged.
 """
 
 from __future__ import annotations
 
-import ctypes
-import signal
+import shutil
 import sys
+from collections.abc import Sequence
 
-PR_SET_PDEATHSIG = 1
+# Python fallback: set the death signal, then become the command.
+_WRAPPER = ("import ctypes,os,signal,sys;"
+            "ctypes.CDLL(None,use_errno=True).prctl(1,int(signal.SIGTERM),0,0,0);"
+            "os.execvp(sys.argv[1],sys.argv[1:])")
+_FD3_WRAPPER = "import os,sys;os.dup2(int(sys.argv[1]),3);os.execvp(sys.argv[2],sys.argv[2:])"
 
 
-def die_with_parent() -> None:
-    """``preexec_fn``: deliver SIGTERM to this child when its parent dies."""
+def die_with_parent(argv: Sequence[str]) -> list[str]:
+    """The command line ``argv`` wrapped so the child gets SIGTERM when its parent dies.
+
+    Args:
+        argv: the program and its arguments, as for ``subprocess.Popen``.
+    Returns:
+        a new argv: ``setpriv --pdeathsig TERM -- *argv`` (or the Python
+        wrapper); ``argv`` itself off Linux. The child keeps its pid, open
+        file descriptors and environment (both wrappers ``execve``).
+    """
+    argv = [str(a) for a in argv]
     if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        return argv
+    setpriv = shutil.which("setpriv")
+    if setpriv:
+        return [setpriv, "--pdeathsig", "TERM", "--", *argv]
+    return [sys.executable, "-c", _WRAPPER, *argv]
+
+
+def with_fd_as_3(argv: Sequence[str], fd: int) -> list[str]:
+    """``argv`` wrapped so the child sees the parent's ``fd`` as its fd 3.
+
+    Pass ``pass_fds=(fd,)`` to ``Popen`` as well. Used to start a plugin the
+    way a runtime launches it over a socketpair (NRI: ``NRI_PLUGIN_SOCKET=3``)
+    without a ``preexec_fn``: a small Python wrapper ``dup2``s the descriptor
+    to 3 (inheritable), then ``execvp``s the command (same pid).
+    """
+    return [sys.executable, "-c", _FD3_WRAPPER, str(int(fd)), *[str(a) for a in argv]]

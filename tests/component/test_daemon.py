@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from fracplugin.subproc import die_with_parent
+from fracplugin.subproc import die_with_parent, with_fd_as_3
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
@@ -54,13 +54,16 @@ class DaemonProc:
         self.proc: subprocess.Popen[bytes] | None = None
         self.endpoints: dict[str, Any] = {}
 
-    def start(self, wait: bool = True, **popen: Any) -> "DaemonProc":
+    def start(self, wait: bool = True, fd3: int | None = None, **popen: Any) -> "DaemonProc":
         cmd = [sys.executable, "-m", "fracplugin.cli", "run", "--simulate-node", str(NODE),
                "--state-dir", str(self.state), "--health-address", "127.0.0.1:0",
                "--metrics-address", "127.0.0.1:0", "--log-format", "json", "--shutdown-timeout", "8",
                "--mps-root", str(self.root / "mps"), *self.args]
         self._log = open(self.log_path, "ab")
-        popen.setdefault("preexec_fn", die_with_parent)  # a killed pytest leaves no daemon behind
+        cmd = die_with_parent(cmd)  # a killed pytest leaves no daemon behind
+        if fd3 is not None:  # the child gets fd3 as its fd 3, as a runtime-launched plugin does
+            cmd = with_fd_as_3(cmd, fd3)
+            popen["pass_fds"] = (fd3,)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      cwd=str(self.root), **popen)
         if wait:
@@ -464,9 +467,8 @@ def test_runtime_launched_plugin_exits_when_its_fd_closes(daemon: Callable[..., 
         rt.adopt(ours)
         d = DaemonProc(root, ["--no-device-plugin", "--no-mps"],
                        env={"NRI_PLUGIN_SOCKET": "3", "NRI_PLUGIN_NAME": "fracplugin", "NRI_PLUGIN_IDX": "10"})
-        fd = theirs.fileno()
         try:  # the child gets the socket as fd 3, as a runtime-launched plugin does
-            d.start(pass_fds=(3,), preexec_fn=lambda: os.dup2(fd, 3))
+            d.start(fd3=theirs.fileno())
         finally:
             theirs.close()
         try:

@@ -173,8 +173,8 @@ class Process:
         self.argv = argv
         self.log = log
         self._logf = open(log, "ab")
-        self.proc = subprocess.Popen(argv, stdout=self._logf, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(die_with_parent(argv), stdout=self._logf, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

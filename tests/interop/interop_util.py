@@ -106,8 +106,8 @@ class Proc:
         self.stderr_path = stderr_path
         self._err = open(stderr_path, "ab") if stderr_path else subprocess.DEVNULL
         self.p = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=self._err, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            env=env, cwd=cwd, start_new_session=True, preexec_fn=die_with_parent,
+            die_with_parent(argv), stdout=subprocess.PIPE, stderr=self._err,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, env=env, cwd=cwd, start_new_session=True,
         )
         self.events: list[dict[str, Any]] = []
         self._cv = threading.Condition()

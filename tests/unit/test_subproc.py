@@ -1,26 +1,30 @@
-"""die_with_parent: a child started with it ends when its parent is SIGKILLed."""
+"""die_with_parent / with_fd_as_3: children started without a Python preexec_fn."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import psutil
 
+from fracplugin.subproc import die_with_parent, with_fd_as_3
+
 PARENT = """
 import subprocess, sys, time
 from fracplugin.subproc import die_with_parent
-child = subprocess.Popen(["sleep", "60"], preexec_fn={preexec})
+argv = ["sleep", "60"]
+child = subprocess.Popen({wrap}(argv))
 print(child.pid, flush=True)
 time.sleep(60)
 """
 
 
-def _orphan_after_parent_killed(preexec: str, wait_s: float) -> psutil.Process | None:
-    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(preexec=preexec)], stdout=subprocess.PIPE, text=True)
+def _orphan_after_parent_killed(wrap: str, wait_s: float) -> psutil.Process | None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(wrap=wrap)], stdout=subprocess.PIPE, text=True)
     child_pid = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
@@ -41,9 +45,32 @@ def test_child_dies_with_its_parent():
 
 
 def test_without_it_the_child_would_be_orphaned():
-    child = _orphan_after_parent_killed("None", 0.5)
+    child = _orphan_after_parent_killed("list", 0.5)
     try:
         assert child is not None and child.is_running()
     finally:
         if child is not None:
             child.kill()
+
+
+def test_python_fallback_without_setpriv(monkeypatch):
+    """Where setpriv is missing the Python wrapper is used: it execs the
+    command with its own arguments intact."""
+    import fracplugin.subproc as sp
+    monkeypatch.setattr(sp.shutil, "which", lambda name: None)
+    argv = sp.die_with_parent(["sh", "-c", "echo $$ \"$0\"", "arg0"])
+    assert argv[0] == sys.executable
+    p = subprocess.run(argv, capture_output=True, text=True, check=True)
+    assert p.stdout.split()[1] == "arg0"
+
+
+def test_fd_becomes_fd_3_in_the_child():
+    a, b = socket.socketpair()
+    try:
+        out = subprocess.run(with_fd_as_3(["sh", "-c", "echo hello >&3"], b.fileno()),
+                             pass_fds=(b.fileno(),), check=True, timeout=10)
+        assert out.returncode == 0
+        assert a.recv(16) == b"hello\n"
+    finally:
+        a.close()
+        b.close()
