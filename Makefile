@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup test unit component proto demo interop e2e bench ci clean
+.PHONY: setup test unit component proto demo interop e2e bench ci clean gpu-check gpu-check-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,25 @@ e2e: setup
 bench: setup
 	mkdir -p build
 	$(PY) tests/bench/run_all.py
+
+## gpu-check: on a machine with an NVIDIA GPU, as root: real NVML, real MPS, CUDA clients -> gpu-check.json
+## (any python3 >= 3.11, not the venv; exits 2 in one line where there is no GPU; docs/gpu-check.md)
+GPU_PYTHON ?= python3
+gpu-check:
+	@$(GPU_PYTHON) tests/gpu/gpu_check.py --out gpu-check.json
+
+## gpu-check-wheels: download (here, where pip can) the wheels gpu-check carries to the GPU machine (tests/gpu/wheels, git-ignored)
+GPU_WHEELS_PYTHON ?= 3.12
+gpu-check-wheels: setup
+	rm -rf tests/gpu/wheels build/gpu-check-requirements.txt
+	mkdir -p tests/gpu/wheels build
+	$(PY) -c "import tomllib; print('\\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+		> build/gpu-check-requirements.txt
+	$(PY) -m pip download -q -d tests/gpu/wheels -r build/gpu-check-requirements.txt --only-binary=:all: \
+		--python-version $(GPU_WHEELS_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64
+	@ls tests/gpu/wheels | wc -l | xargs echo "wheels in tests/gpu/wheels:"; du -sh tests/gpu/wheels
 
 ci: test interop e2e
 

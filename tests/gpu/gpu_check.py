@@ -1,0 +1,1108 @@
+"""``make gpu-check``: what fracplugin says about the GPU, checked on a machine with a real NVIDIA GPU.
+
+Run as root on the GPU machine, from the repo root, under any Python >= 3.11
+(not the project's venv; e.g. the system ``python3``), with nothing
+downloaded there: missing packages come from ``tests/gpu/wheels/`` (filled
+here by ``make gpu-check-wheels``), unpacked into a temporary directory.
+What it proves and how long it takes: ``docs/gpu-check.md``.
+
+The steps (issue 17), each a step of the JSON report ``gpu-check.json``:
+
+1. inventory through the real NVML path (``NvmlInventory``), printed: driver
+   version, GPUs, the MPS protocol the daemon will choose;
+2. the daemon with real NVML and the real ``nvidia-cuda-mps-control``
+   (``--mps-root`` and ``--state-dir`` in a temporary directory; no compute
+   mode change, no reset), ``/readyz`` awaited; the MPS control daemon is
+   SIGKILLed once and must come back (restart, re-probe);
+3. two containers planned through the NRI door on one GPU (time-slicing 2 GiB;
+   sm-sharing 4 GiB, portion 0.25; one after the other, since a GPU takes one
+   compute mode at a time); for each a CUDA client (``cuda_client.py``) runs
+   with exactly the plan's env, container paths replaced by the host
+   directories the mounts would bind; it allocates in 256 MiB steps until an
+   allocation fails and reports what it got, the devices it sees, its SM
+   count and whether it went through MPS;
+4. one container with two client processes: what a container with several
+   processes gets (the pinned limit is per client process, mps-nvml.md 2.8);
+5. ``/metrics`` scraped while the clients hold memory: per-container used
+   bytes against what they allocated (clients are put in a cgroup named like
+   a containerd container so the daemon joins their PIDs to the container);
+6. the sm-sharing client SIGKILLed; the next client of that container must
+   still work (drain and wedge handling); the daemon stopped (SIGTERM); no MPS
+   process or socket of ours may be left;
+7. ``gpu-check.json`` written; exit 0 only when nothing failed, all within
+   5 minutes (``DEADLINE_S``).
+
+A figure that cannot be measured on this driver (MPS v3 namespaces before
+r615, say) is ``skipped`` with the reason, never ``pass``. Exit status: 0 all
+passed or skipped, 1 a failure (or a setup problem: the line says which),
+2 no NVIDIA GPU here (one line, nothing else done).
+
+Concurrency: sequential on the main thread; the NRI runtime driver runs its
+own I/O threads (``fracplugin.nri.runtime_client``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+WHEELS_DIR = HERE / "wheels"
+CLIENT = HERE / "cuda_client.py"
+MIB = 1 << 20
+DEADLINE_S = 280.0  # the issue's 5 minutes, less a margin for the report and cleanup
+STEP_MIB = 256
+TS_LIMIT_MIB = 2048
+SM_LIMIT_MIB = 4096
+SM_PORTION = "0.25"
+SM_CHUNK = 8  # SMs per MPS chunk on Hopper and later (mps-nvml.md 1.5): ATP granularity slack
+PIN_SLACK_MIB = 1024  # the pinned limit also counts the context's own allocations (mps-nvml.md 2.2)
+METRIC_SLACK_MIB = 1024  # NVML's per-process figure includes the context
+MPS_EXES = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
+MPS_SEARCH = ("/usr/bin", "/usr/local/nvidia/bin", "/usr/local/bin", "/usr/sbin")
+PREFIX = "nvidia.com/container."
+EXIT_OK, EXIT_FAIL, EXIT_NO_GPU = 0, 1, 2
+
+STEPS: tuple[tuple[int, str], ...] = (
+    (1, "inventory through real NVML"),
+    (2, "daemon with real NVML and real MPS: ready, probed, restarted"),
+    (3, "two planned containers: pinned limit, devices, MPS, active thread percentage"),
+    (4, "one container, two processes"),
+    (5, "per-container memory metrics"),
+    (6, "SIGKILLed client, next client, clean stop"),
+    (7, "report within 5 minutes"),
+)
+STATUSES = ("pass", "fail", "skipped")
+
+
+# ---- the report ---------------------------------------------------------------------------
+@dataclass
+class Figure:
+    """One measured figure: ``expected`` and ``observed`` are human-readable
+    (observed also carries the raw value), ``status`` one of ``STATUSES``,
+    ``reason`` why it failed or was skipped."""
+
+    step: int
+    name: str
+    expected: str
+    observed: Any
+    status: str
+    reason: str = ""
+
+
+@dataclass
+class Report:
+    """The figures of one run, ordered by step (``STEPS``) whatever order they
+    were measured in. ``step_status``: ``fail`` when any figure failed,
+    ``pass`` when at least one passed and none failed, else ``skipped``."""
+
+    started_at: float = field(default_factory=time.time)
+    figures: list[Figure] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, step: int, name: str, expected: str, observed: Any, status: str, reason: str = "") -> Figure:
+        """Record a figure. Raises ValueError for an unknown step or status."""
+        if step not in dict(STEPS):
+            raise ValueError(f"step {step!r} is not one of {[s for s, _ in STEPS]}")
+        if status not in STATUSES:
+            raise ValueError(f"status {status!r} is not one of {STATUSES}")
+        f = Figure(step, name, expected, observed, status, reason)
+        self.figures.append(f)
+        mark = {"pass": "ok  ", "fail": "FAIL", "skipped": "skip"}[status]
+        print(f"  [{mark}] step {step} {name}: observed {_short(observed)}; expected {expected}"
+              + (f" ({reason})" if reason else ""), flush=True)
+        return f
+
+    def check(self, step: int, name: str, expected: str, observed: Any, ok: bool, reason_if_not: str = "") -> Figure:
+        """``add`` with pass/fail decided by ``ok``."""
+        return self.add(step, name, expected, observed, "pass" if ok else "fail", "" if ok else reason_if_not)
+
+    def skip(self, step: int, name: str, expected: str, reason: str, observed: Any = None) -> Figure:
+        return self.add(step, name, expected, observed, "skipped", reason)
+
+    def step_status(self, step: int) -> str:
+        st = [f.status for f in self.figures if f.step == step]
+        if "fail" in st:
+            return "fail"
+        return "pass" if "pass" in st else "skipped"
+
+    def failed(self) -> bool:
+        return any(f.status == "fail" for f in self.figures)
+
+    def exit_code(self) -> int:
+        return EXIT_FAIL if self.failed() else EXIT_OK
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``gpu-check.json`` document: ``{"result", "started_at", "facts", "steps": [{"step", "title",
+        "status", "figures": [Figure...]}]}``."""
+        steps = []
+        for n, title in STEPS:
+            figs = [asdict(f) for f in self.figures if f.step == n]
+            for f in figs:
+                del f["step"]
+            steps.append({"step": n, "title": title, "status": self.step_status(n), "figures": figs})
+        return {"result": "fail" if self.failed() else "pass", "started_at": time.strftime(
+            "%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started_at)), "facts": self.facts, "steps": steps}
+
+    def write(self, path: Path) -> None:
+        """Write the JSON document atomically (temp file, fsync, rename)."""
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=2, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v, default=str) if not isinstance(v, str) else v
+    return s if len(s) <= 160 else s[:157] + "..."
+
+
+# ---- bootstrap: carried wheels, GPU detection ----------------------------------------------
+def wheel_fits(filename: str, version: tuple[int, int] = sys.version_info[:2], machine: str = "x86_64") -> bool:
+    """Whether a wheel file can be unpacked and imported by this interpreter:
+    pure (``py3-none-any``), or CPython ``cpXY`` / ``abi3`` (XY <= this
+    version) for Linux on ``machine`` (PEP 425 tags from the file name)."""
+    parts = filename[:-4].split("-") if filename.endswith(".whl") else []
+    if len(parts) < 5:
+        return False
+    py, abi, plat = parts[-3], parts[-2], parts[-1]
+    if plat == "any":
+        return any(t in ("py3", f"py{version[0]}{version[1]}") or t.startswith("py3") for t in py.split("."))
+    if not any(p.endswith(machine) and p.startswith(("manylinux", "linux")) for p in plat.split(".")):
+        return False
+    this = f"cp{version[0]}{version[1]}"
+    if abi == "abi3":
+        return any(t.startswith("cp3") and int(t[3:] or 0) <= version[1] for t in py.split("."))
+    return this in py.split(".") and abi in (this, "none")
+
+
+def unpack_wheels(wheels: Path, dest: Path) -> list[str]:
+    """Unpack every fitting wheel of ``wheels`` into ``dest`` (a site directory
+    put first on the path): a wheel is a zip of its import tree (PEP 427), so
+    no pip is needed on the GPU machine. Of several versions of one project the
+    highest file name wins. Returns the wheels used (file names)."""
+    if not wheels.is_dir():
+        return []
+    best: dict[str, Path] = {}
+    for w in sorted(wheels.glob("*.whl")):
+        if not wheel_fits(w.name):
+            continue
+        best[w.name.split("-")[0].lower()] = w  # sorted: the last (highest) version of a project wins
+    dest.mkdir(parents=True, exist_ok=True)
+    for w in best.values():
+        with zipfile.ZipFile(w) as z:
+            z.extractall(dest)
+    return sorted(w.name for w in best.values())
+
+
+def detect_gpu(lib: str = "libnvidia-ml.so.1") -> tuple[bool, str]:
+    """Whether this machine has an NVIDIA GPU NVML can see, through ctypes
+    (no package needed): ``(True, "<n> GPU(s)")`` or ``(False, reason)``."""
+    try:
+        nvml = ctypes.CDLL(lib)
+    except OSError as exc:
+        return False, f"{lib} cannot be loaded ({exc}): no NVIDIA driver"
+    try:
+        rc = nvml.nvmlInit_v2()
+        if rc != 0:
+            return False, f"nvmlInit_v2 returned {rc}: the NVIDIA driver is not usable"
+        n = ctypes.c_uint()
+        rc = nvml.nvmlDeviceGetCount_v2(ctypes.byref(n))
+        nvml.nvmlShutdown()
+    except AttributeError as exc:
+        return False, f"{lib} lacks NVML entry points ({exc})"
+    if rc != 0 or n.value == 0:
+        return False, f"NVML sees no GPU (nvmlDeviceGetCount_v2 returned {rc}, count {n.value})"
+    return True, f"{n.value} GPU(s)"
+
+
+def find_mps_binary(explicit: str | None = None) -> str | None:
+    """``nvidia-cuda-mps-control``: ``explicit``, else on PATH, else in the
+    usual driver directories (``MPS_SEARCH``); None when not found."""
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    found = shutil.which(MPS_EXES[0])
+    if found:
+        return found
+    for d in MPS_SEARCH:
+        p = os.path.join(d, MPS_EXES[0])
+        if os.access(p, os.X_OK):
+            return p
+    return None
+
+
+# ---- what the client gets: env from the plan ---------------------------------------------------
+def host_path(path: str, mounts: Sequence[tuple[str, str]]) -> str | None:
+    """The host path a container path resolves to through ``mounts``
+    (``(source, destination)`` pairs; the deepest destination wins); None
+    when no mount covers it."""
+    best: tuple[int, str] | None = None
+    for src, dst in mounts:
+        d = dst.rstrip("/") or "/"
+        if path == d or path.startswith(d + "/"):
+            if best is None or len(d) > best[0]:
+                best = (len(d), src.rstrip("/") + path[len(d):])
+    return best[1] if best else None
+
+
+def client_env(plan_env: Mapping[str, str], mounts: Sequence[tuple[str, str]], base: Mapping[str, str],
+               gpu_count: int) -> tuple[dict[str, str], list[str]]:
+    """The env of a CUDA client standing in for the planned container.
+
+    ``base`` (the check's own env, less every ``CUDA_*``, ``NVIDIA_*`` and
+    ``PYTHON*`` key) plus exactly ``plan_env``, where
+    ``CUDA_MPS_PIPE_DIRECTORY`` (a container path) becomes the host directory
+    its mount binds. When the plan has no ``CUDA_VISIBLE_DEVICES``, the
+    client's is set from ``NVIDIA_VISIBLE_DEVICES``, standing in for the
+    container toolkit, which shows a container only its GPUs (only when the
+    node has more GPUs than the plan names). Returns ``(env, notes)``.
+    Raises ValueError when the pipe directory has no mount (the plan would
+    connect the container to no MPS daemon)."""
+    env = {k: v for k, v in base.items() if not k.startswith(("CUDA_", "NVIDIA_", "PYTHON"))}
+    env.update(plan_env)
+    notes: list[str] = []
+    pipe = plan_env.get("CUDA_MPS_PIPE_DIRECTORY")
+    if pipe:
+        hp = host_path(pipe, mounts)
+        if hp is None:
+            raise ValueError(f"CUDA_MPS_PIPE_DIRECTORY={pipe} is not under any mount of the plan {list(mounts)}")
+        env["CUDA_MPS_PIPE_DIRECTORY"] = hp
+        notes.append(f"CUDA_MPS_PIPE_DIRECTORY {pipe} -> host {hp} (the plan's bind mount)")
+    visible = [d for d in plan_env.get("NVIDIA_VISIBLE_DEVICES", "").split(",") if d]
+    if "CUDA_VISIBLE_DEVICES" not in plan_env and visible and len(visible) < gpu_count:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
+        notes.append("CUDA_VISIBLE_DEVICES set from NVIDIA_VISIBLE_DEVICES (the container toolkit's job)")
+    return env, notes
+
+
+def pinned_limit_mib(plan_env: Mapping[str, str], ordinal: int = 0) -> int | None:
+    """The MiB of ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for ``ordinal``
+    (``0=2048M,1=...``; units M/MB/G/GB); None when absent."""
+    raw = plan_env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
+    for item in raw.split(","):
+        key, _, val = item.partition("=")
+        if key.strip() != str(ordinal):
+            continue
+        m = re.fullmatch(r"\s*(\d+)\s*([MG])B?\s*", val, re.I)
+        if m:
+            return int(m.group(1)) * (1024 if m.group(2).upper() == "G" else 1)
+    return None
+
+
+# ---- judgements (pure) -----------------------------------------------------------------------
+def judge_pinned(allocated_mib: int, limit_mib: int, stopped_by: str, step_mib: int = STEP_MIB) -> tuple[bool, str, str]:
+    """A client under a pinned limit: it must stop on an allocation error
+    with ``limit - PIN_SLACK_MIB < allocated <= limit`` (the context counts
+    against the limit; 256 MiB steps). Returns ``(ok, expected, reason)``."""
+    expected = f"allocation fails; {limit_mib - PIN_SLACK_MIB} < allocated MiB <= {limit_mib}"
+    if stopped_by != "error":
+        return False, expected, f"no allocation failed up to {allocated_mib} MiB: the limit is not enforced"
+    if allocated_mib > limit_mib:
+        return False, expected, f"allocated {allocated_mib} MiB, above the {limit_mib} MiB limit"
+    if allocated_mib <= limit_mib - PIN_SLACK_MIB:
+        return False, expected, f"only {allocated_mib} MiB before the first failure: far below the limit"
+    return True, expected, ""
+
+
+def judge_atp(sm_ctx: int | None, sm_total: int | None, atp: int | None) -> tuple[str, str, str]:
+    """The SMs a context may use (``cuCtxGetExecAffinity``) against the
+    active thread percentage: with ``atp``, ``0 < sm_ctx < sm_total`` and
+    ``sm_ctx <= ceil(sm_total * atp / 100) + SM_CHUNK``; without, all SMs.
+    Returns ``(status, expected, reason)``; skipped when unmeasured."""
+    if sm_ctx is None or not sm_total:
+        return "skipped", "SM count of the context", "cuCtxGetExecAffinity(SM_COUNT) not available on this driver"
+    if atp is None:
+        exp = f"all {sm_total} SMs (no active thread percentage)"
+        return ("pass", exp, "") if sm_ctx == sm_total else ("fail", exp, f"context limited to {sm_ctx} SMs")
+    hi = math.ceil(sm_total * atp / 100) + SM_CHUNK
+    exp = f"0 < SMs < {sm_total} and SMs <= {hi} (ATP {atp}% of {sm_total}, one {SM_CHUNK}-SM chunk of slack)"
+    if 0 < sm_ctx < sm_total and sm_ctx <= hi:
+        return "pass", exp, ""
+    return "fail", exp, f"context may use {sm_ctx} of {sm_total} SMs: the active thread percentage is not applied"
+
+
+def judge_devices(seen: int, assigned: int, node_gpus: int, has_cvd: bool) -> tuple[str, str, str]:
+    """The number of devices a client sees: exactly ``assigned``. Skipped when
+    the node has more GPUs than assigned and nothing but a container could hide
+    them (no ``CUDA_VISIBLE_DEVICES``)."""
+    exp = f"{assigned} device(s)"
+    if seen == assigned:
+        return "pass", exp, ""
+    if node_gpus > assigned and not has_cvd:
+        return "skipped", exp, "outside a container only the toolkit hides GPUs; the plan has no CUDA_VISIBLE_DEVICES"
+    return "fail", exp, f"the client sees {seen} device(s)"
+
+
+def mps_namespace_skip(protocol: int) -> str:
+    """Why per-container MPS namespaces cannot be checked (``""`` when they can):
+    they exist only in MPS v3 (driver r615+, mps-nvml.md 1.6, 3)."""
+    return "" if protocol >= 3 else (f"MPS protocol {protocol}: per-container namespaces need MPS v3 (driver r615+); "
+                                     "sm-sharing containers share the daemon's pipe directory here")
+
+
+def used_bytes(metrics_text: str, pod_uid: str, container: str) -> int | None:
+    """Sum of ``fracplugin_container_gpu_memory_used_bytes`` for one
+    container (all its GPUs) in a Prometheus text exposition; None when the
+    container has no such series."""
+    total, seen = 0.0, False
+    pat = re.compile(r'^fracplugin_container_gpu_memory_used_bytes\{(?P<labels>[^}]*)\}\s+(?P<v>\S+)')
+    for line in metrics_text.splitlines():
+        m = pat.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group("labels")))
+        if labels.get("pod_uid") == pod_uid and labels.get("container") == container:
+            total += float(m.group("v"))
+            seen = True
+    return int(total) if seen else None
+
+
+def judge_metric(used: int | None, allocated_mib: int) -> tuple[str, str, str]:
+    """Per-container used bytes against what its processes allocated:
+    ``allocated <= used <= allocated + METRIC_SLACK_MIB`` (contexts count)."""
+    exp = f"{allocated_mib} MiB <= used <= {allocated_mib + METRIC_SLACK_MIB} MiB"
+    if used is None:
+        return "fail", exp, "no fracplugin_container_gpu_memory_used_bytes series for the container"
+    mib = used / MIB
+    if allocated_mib <= mib <= allocated_mib + METRIC_SLACK_MIB:
+        return "pass", exp, ""
+    return "fail", exp, f"used {mib:.0f} MiB"
+
+
+def pod_manifest(name: str, mode: str, limit_mib: int, gpu_uuid: str, portion: str | None = None) -> dict[str, Any]:
+    """A one-container pod (container ``app``) asking for ``limit_mib`` on
+    ``gpu_uuid`` in ``mode`` (the annotation contract, README)."""
+    ann = {f"{PREFIX}app.gpu-memory.limit": f"{limit_mib}Mi", f"{PREFIX}app.gpu-compute.mode": mode,
+           f"{PREFIX}app.gpus.devices": gpu_uuid}
+    if portion is not None:
+        ann[f"{PREFIX}app.gpu-compute.portion"] = portion
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "fracplugin-gpu-check", "uid": str(uuid.uuid4()),
+                         "annotations": ann},
+            "spec": {"containers": [{"name": "app", "image": "gpu-check"}]}}
+
+
+# ---- processes on this machine ----------------------------------------------------------------
+def mps_pids(proc: str = "/proc") -> set[int]:
+    """PIDs whose ``exe`` basename is an MPS binary (not ``comm``: truncated, mps-nvml.md 1.2)."""
+    out = set()
+    for p in Path(proc).iterdir():
+        if p.name.isdigit():
+            try:
+                if os.path.basename(os.readlink(p / "exe")).split(" ")[0] in MPS_EXES:
+                    out.add(int(p.name))
+            except OSError:
+                continue
+    return out
+
+
+def _http(address: str, path: str, timeout_s: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=timeout_s) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError as exc:
+        return 0, str(exc)
+
+
+def wait_until(pred: Callable[[], Any], timeout_s: float, step_s: float = 0.1) -> Any:
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while True:
+        v = pred()
+        if v or time.monotonic() >= deadline:
+            return v
+        time.sleep(step_s)
+
+
+class Daemon:
+    """``fracplugin run`` as a child process (its own session), every path in ``work``.
+
+    Real NVML unless ``simulate_node``; ``mps_binary`` the control binary.
+    ``python`` and ``pythonpath`` say how to run it (the GPU machine's python,
+    ``src`` + the unpacked wheels)."""
+
+    def __init__(self, work: Path, python: str, pythonpath: Sequence[str], mps_binary: str,
+                 simulate_node: str | None = None) -> None:
+        self.work = work
+        self.python = python
+        self.pythonpath = list(pythonpath)
+        self.mps_binary = mps_binary
+        self.simulate_node = simulate_node
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.endpoints: dict[str, str] = {}
+        self.log_path = work / "daemon.log"
+        self.nri_socket = work / "nri.sock"
+
+    def command(self) -> list[str]:
+        w = self.work
+        cmd = [self.python, "-m", "fracplugin.cli", "run", "--state-dir", str(w / "state"),
+               "--mps-root", str(w / "mps"), "--mps-control-binary", self.mps_binary,
+               "--nri-socket", str(self.nri_socket), "--no-device-plugin",
+               "--health-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
+               "--log-format", "json", "--shutdown-timeout", "20"]
+        if self.simulate_node:
+            cmd += ["--simulate-node", self.simulate_node]
+        return cmd
+
+    def start(self, timeout_s: float) -> None:
+        """Start it and wait for ``endpoints.json``. Raises RuntimeError when it exits or never writes it."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("FRACPLUGIN_", "CUDA_MPS_"))}
+        env["PYTHONPATH"] = os.pathsep.join(self.pythonpath)
+        from fracplugin.subproc import die_with_parent
+
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, preexec_fn=die_with_parent)
+        ep = self.work / "state" / "endpoints.json"
+        if not wait_until(lambda: ep.exists() or self.proc.poll() is not None, timeout_s):  # type: ignore[union-attr]
+            raise RuntimeError(f"the daemon wrote no {ep} within {timeout_s:.0f} s")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited at start with status {self.proc.returncode}: {self.log_tail(8)}")
+        self.endpoints = wait_until(lambda: _read_json(ep), 5.0) or {}
+
+    def get(self, path: str) -> tuple[int, Any]:
+        code, body = _http(self.endpoints.get("health", "127.0.0.1:1"), path)
+        try:
+            return code, json.loads(body)
+        except ValueError:
+            return code, body
+
+    def metrics(self) -> str:
+        return _http(self.endpoints.get("metrics", "127.0.0.1:1"), "/metrics")[1]
+
+    def mps_daemons(self) -> dict[str, dict[str, Any]]:
+        """``/status`` MPS daemons by mode (``{}`` when unreadable)."""
+        code, doc = self.get("/status")
+        if code != 200 or not isinstance(doc, dict):
+            return {}
+        return {d.get("mode"): d for d in (doc.get("mps") or {}).get("daemons") or []}
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM, wait; SIGKILL the process group after ``timeout_s``. Returns the exit status (None: killed)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(5)
+            return None
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def _read_json(p: Path) -> Any:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class Planned:
+    """One container planned through the NRI door: the NRI messages, the
+    plan's env (effective, as the container would have it) and mounts
+    (``(host source, container destination)``)."""
+
+    manifest: dict[str, Any]
+    pod: Any
+    ctr: Any
+    env: dict[str, str]
+    mounts: list[tuple[str, str]]
+
+    @property
+    def pod_uid(self) -> str:
+        return self.manifest["metadata"]["uid"]
+
+    @property
+    def container_id(self) -> str:
+        return self.ctr.id
+
+
+class Nri:
+    """Acts as containerd towards the daemon's NRI plugin (``NriRuntimeServer``)."""
+
+    def __init__(self, socket_path: Path, request_timeout_s: float = 10.0) -> None:
+        from fracplugin.nri.runtime_client import NriRuntimeServer
+
+        self.server = NriRuntimeServer(str(socket_path), request_timeout_s=request_timeout_s,
+                                       runtime_name="fracplugin-gpu-check").start()
+
+    def create(self, manifest: dict[str, Any]) -> Planned:
+        """RunPodSandbox, CreateContainer, StartContainer (the plugin holds
+        StartContainer until an sm-sharing namespace is in place). Raises
+        RpcError when the plugin refuses."""
+        from fracplugin.nri.runtime_client import container_msg, effective_env, pod_sandbox
+
+        pod = pod_sandbox(manifest)
+        ctr = container_msg(pod, manifest["spec"]["containers"][0], container_id=secrets.token_hex(32))
+        self.server.run_pod_sandbox(pod)
+        resp = self.server.create_container(pod, ctr)
+        self.server.start_container(pod, ctr)
+        env = effective_env(ctr, resp.adjust)
+        mounts = [(m.source, m.destination) for m in resp.adjust.mounts]
+        return Planned(manifest, pod, ctr, env, mounts)
+
+    def remove(self, p: Planned) -> None:
+        """StopContainer (the daemon drains the container's MPS clients), RemoveContainer, RemovePodSandbox."""
+        self.server.stop_container(p.pod, p.ctr)
+        self.server.remove_container(p.pod, p.ctr)
+        self.server.remove_pod_sandbox(p.pod)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class Cgroups:
+    """Client cgroups named as containerd names a container's
+    (``<base>/cri-containerd-<64 hex>.scope``), so the daemon's
+    ``/proc/<pid>/cgroup`` join sees the client as that container.
+    cgroup v2 at ``/sys/fs/cgroup``, else v1's ``name=systemd`` hierarchy;
+    ``reason`` says why neither can be used."""
+
+    def __init__(self, root: str = "/sys/fs/cgroup") -> None:
+        self.base: Path | None = None
+        self.reason = ""
+        self.made: list[Path] = []
+        cands = [Path(root)] if os.path.exists(os.path.join(root, "cgroup.controllers")) else []
+        cands.append(Path(root) / "systemd")
+        for c in cands:
+            b = c / f"fracplugin-gpu-check-{os.getpid()}"
+            try:
+                b.mkdir()
+            except OSError as exc:
+                self.reason += f"{b}: {exc}; "
+                continue
+            self.base = b
+            return
+        self.reason = self.reason or "no writable cgroup hierarchy"
+
+    def for_container(self, container_id: str) -> str:
+        """A leaf for ``container_id`` (``""`` when cgroups are unusable)."""
+        if self.base is None:
+            return ""
+        leaf = self.base / f"cri-containerd-{container_id}.scope"
+        try:
+            leaf.mkdir(exist_ok=True)
+        except OSError as exc:
+            self.reason = f"{leaf}: {exc}"
+            return ""
+        self.made.append(leaf)
+        return str(leaf)
+
+    def cleanup(self) -> None:
+        for p in reversed(self.made + ([self.base] if self.base else [])):
+            for _ in range(20):
+                try:
+                    p.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)  # processes still leaving
+
+
+class Client:
+    """One ``cuda_client.py`` process with a given env; ``report`` its JSON line."""
+
+    def __init__(self, python: str, env: Mapping[str, str], cap_mib: int, cgroup: str = "",
+                 step_mib: int = STEP_MIB) -> None:
+        cmd = [python, str(CLIENT), "--step-mib", str(step_mib), "--cap-mib", str(cap_mib)]
+        if cgroup:
+            cmd += ["--cgroup", cgroup]
+        self.proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        self.report: dict[str, Any] | None = None
+
+    def wait_report(self, timeout_s: float) -> dict[str, Any]:
+        """The client's JSON line; on a timeout or a client that died the dict
+        carries ``ok: False`` and the reason (the client is killed then)."""
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        assert self.proc.stdout is not None
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        ready = sel.select(max(0.1, timeout_s))
+        sel.close()
+        line = self.proc.stdout.readline() if ready else b""
+        try:
+            self.report = json.loads(line) if line else None
+        except ValueError:
+            self.report = None
+        if self.report is None:
+            self.kill()
+            err = self.proc.stderr.read().decode(errors="replace")[-400:] if self.proc.stderr else ""
+            why = "no report within %.0f s (hung in CUDA init?)" % timeout_s if not ready else "no JSON line"
+            self.report = {"ok": False, "error": f"{why}; exit {self.proc.returncode}; {err.strip()}",
+                           "pid": self.proc.pid}
+        return self.report
+
+    def release(self, timeout_s: float = 30.0) -> int | None:
+        """Tell it to free and exit; kill it after ``timeout_s``. Returns the exit status."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(b"release\n")
+                self.proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                return self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def mps_client_pids(binary: str, pipe_dir: str, protocol: int, timeout_s: float = 5.0) -> list[int] | None:
+    """The client PIDs the control daemon at ``pipe_dir`` knows (v3 ``client
+    list``; v2 ``get_server_list`` + ``get_client_list``); None when it cannot be asked."""
+    from fracplugin.mps.control import MpsControl, MpsError
+
+    c = MpsControl(binary, pipe_dir, protocol)
+    try:
+        if protocol >= 3:
+            return [r.pid for r in c.client_list(timeout_s)]
+        return [p for s in c.get_server_list(timeout_s) for p in c.get_client_list(s, timeout_s)]
+    except MpsError:
+        return None
+
+
+# ---- the check ----------------------------------------------------------------------------------
+class GpuCheck:
+    """One run of steps 1-7 (module docstring). ``run()`` returns the exit status."""
+
+    def __init__(self, out_path: Path, python: str, pythonpath: Sequence[str], mps_binary: str | None,
+                 gpu_index: int = 0, keep: bool = False) -> None:
+        self.out_path = out_path
+        self.python = python
+        self.pythonpath = list(pythonpath)
+        self.mps_binary = mps_binary
+        self.gpu_index = gpu_index
+        self.keep = keep
+        self.report = Report()
+        self.t0 = time.monotonic()
+        self.work = Path(tempfile.mkdtemp(prefix="fpgc", dir="/tmp"))
+        os.chmod(self.work, 0o755)
+        self.daemon: Daemon | None = None
+        self.nri: Nri | None = None
+        self.cgroups: Cgroups | None = None
+        self.clients: list[Client] = []
+        self.node: Any = None
+        self.gpu: Any = None
+        self.protocol = 2
+        self.mps_before: set[int] = set()
+
+    def left(self) -> float:
+        return DEADLINE_S - (time.monotonic() - self.t0)
+
+    def run(self) -> int:
+        r = self.report
+        try:
+            if self.step1_inventory() and self.step2_daemon():
+                self.step3_to_6()
+        except Exception as exc:  # a driver error: report it as a failure, clean up, write the report
+            import traceback
+
+            traceback.print_exc()
+            r.add(7, "check ran to the end", "no internal error", f"{type(exc).__name__}: {exc}", "fail")
+        finally:
+            self.shutdown()
+        elapsed = time.monotonic() - self.t0
+        r.check(7, "wall time", "<= 300 s", round(elapsed, 1), elapsed <= 300, "the check took too long")
+        for n, _ in STEPS:
+            if not any(f.step == n for f in r.figures):
+                r.skip(n, "step", "measured", "an earlier step failed, so this one did not run")
+        r.write(self.out_path)
+        print(f"gpu-check: {'FAILED' if r.failed() else 'passed'} in {elapsed:.0f} s; report {self.out_path}")
+        if self.daemon is not None and r.failed():
+            print("daemon log (last lines):\n" + self.daemon.log_tail(30))
+        if not self.keep:
+            shutil.rmtree(self.work, ignore_errors=True)
+        else:
+            print(f"kept {self.work}")
+        return r.exit_code()
+
+    # -- 1 ---------------------------------------------------------------------------------
+    def step1_inventory(self) -> bool:
+        from fracplugin.gpu.inventory import InventoryError
+        from fracplugin.gpu.nvml import NvmlInventory
+        from fracplugin.mps.control import choose_protocol
+
+        r = self.report
+        print("== 1. inventory through NVML", flush=True)
+        try:
+            inv = NvmlInventory()
+        except InventoryError as exc:
+            r.add(1, "NVML inventory", "readable", str(exc), "fail")
+            return False
+        self.node = inv.node()
+        inv.close()
+        n = self.node
+        for g in n.gpus:
+            print(f"  GPU {g.index} {g.uuid} {g.name} {g.memory_mib} MiB cc {g.compute_capability} "
+                  f"MIG {'on' if g.mig_enabled else 'off'}")
+        self.protocol = choose_protocol(n.driver_version)
+        r.facts.update(driver_version=n.driver_version, cuda_driver_version=n.cuda_driver_version,
+                       gpus=[{"index": g.index, "uuid": g.uuid, "name": g.name, "memory_mib": g.memory_mib,
+                              "compute_capability": g.compute_capability} for g in n.gpus],
+                       mps_protocol=self.protocol, python=sys.version.split()[0], host=os.uname().nodename)
+        r.check(1, "GPUs", ">= 1", len(n.gpus), len(n.gpus) >= 1, "NVML lists no GPU")
+        r.check(1, "driver version", "non-empty", n.driver_version, bool(n.driver_version))
+        r.add(1, "MPS protocol chosen", "3 on r615+, else 2", self.protocol, "pass")
+        gpus = [g for g in n.gpus if g.index == self.gpu_index]
+        if not gpus:
+            r.add(1, "GPU under test", f"index {self.gpu_index}", [g.index for g in n.gpus], "fail")
+            return False
+        self.gpu = gpus[0]
+        if self.gpu.mig_enabled:
+            r.add(1, "GPU under test", "MIG off", "MIG on", "fail", "MPS sharing is not checked on MIG GPUs")
+            return False
+        r.check(1, "GPU memory", f">= {SM_LIMIT_MIB + 2048} MiB", self.gpu.memory_mib,
+                self.gpu.memory_mib >= SM_LIMIT_MIB + 2048, "too small for the 4 GiB container")
+        r.check(1, "nvidia-cuda-mps-control", "found", self.mps_binary or "not found", bool(self.mps_binary),
+                f"not on PATH nor in {', '.join(MPS_SEARCH)}")
+        return bool(self.mps_binary) and not r.failed()
+
+    # -- 2 ---------------------------------------------------------------------------------
+    def step2_daemon(self) -> bool:
+        r = self.report
+        print("== 2. the daemon with real NVML and MPS", flush=True)
+        self.mps_before = mps_pids()
+        r.facts["mps_processes_before"] = sorted(self.mps_before)
+        assert self.mps_binary is not None
+        self.nri = Nri(self.work / "nri.sock")
+        self.daemon = Daemon(self.work, self.python, self.pythonpath, self.mps_binary)
+        t = time.monotonic()
+        try:
+            self.daemon.start(timeout_s=min(60.0, self.left()))
+        except RuntimeError as exc:
+            r.add(2, "daemon started", "endpoints.json written", str(exc), "fail")
+            return False
+        ready = wait_until(lambda: self.daemon.get("/readyz")[0] == 200, min(90.0, self.left()), 0.2)
+        code, body = self.daemon.get("/readyz")
+        r.check(2, "/readyz", "200 within 90 s", {"code": code, "after_s": round(time.monotonic() - t, 1),
+                                                  "checks": body.get("checks") if isinstance(body, dict) else body},
+                bool(ready), "not ready")
+        if not ready:
+            return False
+        try:
+            self.nri.server.wait_registered(10)
+        except TimeoutError as exc:
+            r.add(2, "NRI plugin registered", "registered", str(exc), "fail")
+            return False
+        code, st = self.daemon.get("/status")
+        mps = (st.get("mps") or {}) if isinstance(st, dict) else {}
+        r.check(2, "MPS protocol in use", f"{self.protocol} (chosen from driver {self.node.driver_version})",
+                mps.get("protocol"), mps.get("protocol") == self.protocol, "the daemon chose another protocol")
+        ds = self.daemon.mps_daemons()
+        for mode in ("time-slicing", "sm-sharing"):
+            d = ds.get(mode) or {}
+            r.check(2, f"MPS {mode} daemon probed healthy", "healthy, last probe ok",
+                    {k: d.get(k) for k in ("state", "healthy", "last_probe_ok", "last_probe_s", "pid")},
+                    bool(d.get("healthy")) and d.get("last_probe_ok") is not False, d.get("last_error") or "unhealthy")
+        return True
+
+    def restart_check(self) -> None:
+        """SIGKILL the time-slicing control daemon; the supervisor must restart it healthy (step 2)."""
+        r = self.report
+        assert self.daemon is not None
+        d = self.daemon.mps_daemons().get("time-slicing") or {}
+        pid, restarts = d.get("pid"), int(d.get("restarts") or 0)
+        if not pid:
+            r.skip(2, "MPS daemon restarted after SIGKILL", "restarted, healthy", "no pid in /status")
+            return
+        os.kill(int(pid), signal.SIGKILL)
+        t = time.monotonic()
+
+        def back() -> Any:
+            n = self.daemon.mps_daemons().get("time-slicing") or {}  # type: ignore[union-attr]
+            return n if n.get("healthy") and n.get("pid") not in (None, pid) and int(n.get("restarts") or 0) > restarts \
+                else None
+        n = wait_until(back, min(45.0, self.left()), 0.2)
+        r.check(2, "MPS daemon restarted after SIGKILL", "new pid, healthy, restarts +1 within 45 s",
+                {"old_pid": pid, "new": {k: (n or {}).get(k) for k in ("pid", "restarts", "healthy")},
+                 "after_s": round(time.monotonic() - t, 1)}, bool(n), "not back in time")
+
+    # -- 3..6 -------------------------------------------------------------------------------
+    def _plan(self, step: int, manifest: dict[str, Any], limit_mib: int, atp: int | None) -> Planned | None:
+        from fracplugin.nri.ttrpc import RpcError
+
+        r = self.report
+        name = manifest["metadata"]["name"]
+        assert self.nri is not None
+        try:
+            p = self.nri.create(manifest)
+        except (RpcError, TimeoutError, ConnectionError) as exc:
+            r.add(step, f"{name}: planned through NRI", "placed", f"{type(exc).__name__}: {exc}", "fail")
+            return None
+        want = {"NVIDIA_VISIBLE_DEVICES": self.gpu.uuid, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={limit_mib}M"}
+        if atp is not None:
+            want["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(atp)
+        got = {k: p.env.get(k) for k in want}
+        r.check(step, f"{name}: planned through NRI", json.dumps(want, sort_keys=True),
+                {"env": {k: v for k, v in p.env.items() if k.startswith(("CUDA_", "NVIDIA_"))},
+                 "mounts": p.mounts}, got == want and bool(p.env.get("CUDA_MPS_PIPE_DIRECTORY")),
+                "the plan's env differs")
+        return p
+
+    def _client(self, p: Planned, cap_mib: int) -> Client:
+        env, notes = client_env(p.env, p.mounts, os.environ, len(self.node.gpus))
+        cg = self.cgroups.for_container(p.container_id) if self.cgroups else ""
+        c = Client(self.python, env, cap_mib, cg)
+        self.clients.append(c)
+        return c
+
+    def _judge_client(self, step: int, label: str, p: Planned, rep: dict[str, Any], limit_mib: int,
+                      atp: int | None, pipe_dir: str) -> None:
+        r = self.report
+        if not rep.get("ok"):
+            r.add(step, f"{label}: CUDA client ran", "cuInit, context, allocations", rep, "fail", rep.get("error", ""))
+            return
+        ok, exp, why = judge_pinned(int(rep["allocated_mib"]), limit_mib, rep.get("stopped_by", ""))
+        r.check(step, f"{label}: pinned device memory limit", exp,
+                {k: rep.get(k) for k in ("allocated_mib", "steps", "stopped_by", "alloc_error")}, ok, why)
+        has_cvd = "CUDA_VISIBLE_DEVICES" in p.env
+        st, exp, why = judge_devices(int(rep.get("devices") or 0), 1, len(self.node.gpus), has_cvd)
+        r.add(step, f"{label}: devices seen", exp, {"devices": rep.get("devices"), "uuids": rep.get("uuids")}, st, why)
+        if st == "pass":
+            r.check(step, f"{label}: the GPU seen is the planned one", self.gpu.uuid, rep.get("uuids"),
+                    rep.get("uuids") == [self.gpu.uuid], "another GPU")
+        clients = mps_client_pids(self.mps_binary or "", pipe_dir, self.protocol)
+        attr = rep.get("mps_enabled")
+        through = (attr in (1, None)) and (clients is None or rep.get("pid") in clients) and \
+            not (attr is None and clients is None)
+        r.check(step, f"{label}: went through MPS", "CU_DEVICE_ATTRIBUTE_MPS_ENABLED = 1 and the PID in the "
+                "control daemon's client list", {"mps_enabled": attr, "pid": rep.get("pid"), "mps_clients": clients},
+                through, "the client ran without MPS (pipe directory not reached?)")
+        st, exp, why = judge_atp(rep.get("sm_ctx"), rep.get("sm_total"), atp)
+        r.add(step, f"{label}: active thread percentage", exp, {"sm_ctx": rep.get("sm_ctx"),
+                                                                "sm_total": rep.get("sm_total")}, st, why)
+
+    def _metric(self, label: str, p: Planned, allocated_mib: int) -> None:
+        r = self.report
+        assert self.daemon is not None
+        if self.cgroups is None or self.cgroups.base is None:
+            r.skip(5, f"{label}: used bytes", "per-container used bytes", "clients cannot be put in a container "
+                   f"cgroup here: {self.cgroups.reason if self.cgroups else 'no cgroups'}")
+            return
+        want_lo = allocated_mib * MIB
+
+        def scraped() -> Any:
+            u = used_bytes(self.daemon.metrics(), p.pod_uid, "app")  # type: ignore[union-attr]
+            return u if u is not None and u >= want_lo else None
+        used = wait_until(scraped, min(15.0, self.left()), 0.5)
+        if used is None:
+            used = used_bytes(self.daemon.metrics(), p.pod_uid, "app")
+        st, exp, why = judge_metric(used, allocated_mib)
+        r.add(5, f"{label}: used bytes", exp, {"used_mib": None if used is None else round(used / MIB, 1),
+                                              "allocated_mib": allocated_mib}, st, why)
+
+    def step3_to_6(self) -> None:
+        r = self.report
+        assert self.daemon is not None and self.nri is not None
+        self.cgroups = Cgroups()
+        ds = self.daemon.mps_daemons()
+        ts_pipe = (ds.get("time-slicing") or {}).get("pipe_dir", "")
+        sm_pipe = (ds.get("sm-sharing") or {}).get("pipe_dir", "")
+        timeout = lambda: max(1.0, min(90.0, self.left()))  # noqa: E731
+
+        print("== 3. time-slicing container, 2 GiB", flush=True)
+        ts = self._plan(3, pod_manifest("gpucheck-ts", "time-slicing", TS_LIMIT_MIB, self.gpu.uuid), TS_LIMIT_MIB, None)
+        if ts is not None:
+            c = self._client(ts, TS_LIMIT_MIB + 2048)
+            rep = c.wait_report(timeout())
+            self._judge_client(3, "time-slicing", ts, rep, TS_LIMIT_MIB, None, ts_pipe)
+            if rep.get("ok"):
+                print("== 5. metrics while the time-slicing client holds its memory", flush=True)
+                self._metric("time-slicing", ts, int(rep["allocated_mib"]))
+            c.release()
+
+            print("== 4. one container, two processes", flush=True)
+            cs = [self._client(ts, TS_LIMIT_MIB + 2048) for _ in range(2)]
+            reps = [c.wait_report(timeout()) for c in cs]
+            if all(x.get("ok") for x in reps):
+                got = [int(x["allocated_mib"]) for x in reps]
+                each_ok = all(judge_pinned(g, TS_LIMIT_MIB, x.get("stopped_by", ""))[0] for g, x in zip(got, reps))
+                r.check(4, "each process capped", f"each <= {TS_LIMIT_MIB} MiB, allocation fails", got, each_ok,
+                        "a process passed the limit")
+                total = sum(got)
+                r.check(4, "what the container got in all", f"<= {2 * TS_LIMIT_MIB} MiB (the pinned limit binds each "
+                        "client process, not the container: mps-nvml.md 2.8)", {"total_mib": total,
+                        "container_limit_mib": TS_LIMIT_MIB, "per_process": got}, total <= 2 * TS_LIMIT_MIB)
+                r.facts["container_with_two_processes_mib"] = total
+                self._metric("two processes", ts, total)
+            else:
+                r.add(4, "two CUDA clients ran", "both report", reps, "fail")
+            for c in cs:
+                c.release()
+            try:
+                self.nri.remove(ts)
+            except Exception as exc:
+                r.add(3, "time-slicing: removed through NRI", "Stop/RemoveContainer answered", str(exc), "fail")
+            self.restart_check()
+
+        print(f"== 3. sm-sharing container, 4 GiB, portion {SM_PORTION}", flush=True)
+        atp = int(float(SM_PORTION) * 100)
+        sm = self._plan(3, pod_manifest("gpucheck-sm", "sm-sharing", SM_LIMIT_MIB, self.gpu.uuid, SM_PORTION),
+                        SM_LIMIT_MIB, atp)
+        if sm is None:
+            r.skip(6, "next client after SIGKILL", "works", "the sm-sharing container was not planned")
+            return
+        skip = mps_namespace_skip(self.protocol)
+        pipe_src = host_path(sm.env.get("CUDA_MPS_PIPE_DIRECTORY", ""), sm.mounts) or ""
+        if skip:
+            r.skip(3, "sm-sharing: own MPS namespace", "a namespace leaf pipe directory of its own", skip, pipe_src)
+        else:
+            names = [n.get("name") for n in ((self.daemon.mps_daemons().get("sm-sharing") or {}).get("namespaces") or [])]
+            r.check(3, "sm-sharing: own MPS namespace", "mount source is a namespace leaf under <sm>/shared/ and the "
+                    "namespace is listed", {"pipe_dir": pipe_src, "namespaces": names},
+                    bool(pipe_src) and os.path.basename(pipe_src) in names and pipe_src != sm_pipe,
+                    "no namespace of its own")
+        c = self._client(sm, SM_LIMIT_MIB + 2048)
+        rep = c.wait_report(timeout())
+        self._judge_client(3, "sm-sharing", sm, rep, SM_LIMIT_MIB, atp, sm_pipe if skip else pipe_src or sm_pipe)
+        if rep.get("ok"):
+            print("== 5. metrics while the sm-sharing client holds its memory", flush=True)
+            self._metric("sm-sharing", sm, int(rep["allocated_mib"]))
+
+        print("== 6. SIGKILL the sm-sharing client, then the next one", flush=True)
+        before = self.daemon.mps_daemons().get("sm-sharing") or {}
+        c.kill()
+        r.add(6, "sm-sharing client SIGKILLed", "killed while holding memory", {"pid": c.proc.pid,
+              "returncode": c.proc.returncode}, "pass" if c.proc.returncode == -signal.SIGKILL else "fail")
+        nxt = self._client(sm, SM_LIMIT_MIB + 2048)
+        rep2 = nxt.wait_report(timeout())
+        ok2, exp2, why2 = judge_pinned(int(rep2.get("allocated_mib") or 0), SM_LIMIT_MIB, rep2.get("stopped_by", ""))
+        r.check(6, "next client of that container", "runs through MPS and is capped as before: " + exp2,
+                {k: rep2.get(k) for k in ("ok", "error", "allocated_mib", "stopped_by", "mps_enabled")},
+                bool(rep2.get("ok")) and ok2 and rep2.get("mps_enabled") in (1, None), rep2.get("error") or why2)
+        nxt.release()
+        after = self.daemon.mps_daemons().get("sm-sharing") or {}
+        r.facts["sm_daemon_after_kill"] = {k: after.get(k) for k in ("restarts", "wedges", "healthy", "state")}
+        r.check(6, "sm-sharing MPS daemon after the kill", "healthy (restarts/wedges reported)",
+                {"before": {k: before.get(k) for k in ("restarts", "wedges")},
+                 "after": {k: after.get(k) for k in ("restarts", "wedges", "healthy")}}, bool(after.get("healthy")),
+                after.get("last_error") or "unhealthy")
+        try:
+            self.nri.remove(sm)
+        except Exception as exc:
+            r.add(6, "sm-sharing: removed through NRI", "Stop/RemoveContainer answered", str(exc), "fail")
+
+    # -- shutdown (6) ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        r = self.report
+        for c in self.clients:
+            c.kill()
+        if self.daemon is not None and self.daemon.proc is not None:
+            t = time.monotonic()
+            rc = self.daemon.stop(30.0)
+            r.check(6, "daemon stopped by SIGTERM", "exit status 0 within 30 s",
+                    {"status": rc, "after_s": round(time.monotonic() - t, 1)}, rc == 0, "did not stop cleanly")
+            new = wait_until(lambda: not (mps_pids() - self.mps_before), 10.0, 0.2)
+            left = sorted(mps_pids() - self.mps_before)
+            r.check(6, "no MPS process left", "no nvidia-cuda-mps-* process that was not there before", left,
+                    bool(new) and not left, "MPS processes left running")
+            if left:
+                for pid in left:  # ours: started after the check began
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            socks = [str(p) for p in (self.work / "mps").rglob("*") if p.is_socket()] if (self.work / "mps").exists() else []
+            r.check(6, "no MPS socket left", "none under the MPS root", socks, not socks, "sockets left")
+        if self.nri is not None:
+            self.nri.close()
+        if self.cgroups is not None:
+            self.cgroups.cleanup()
+
+
+# ---- entry point ------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu-check", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="gpu-check.json", help="report path (default ./gpu-check.json)")
+    p.add_argument("--gpu", type=int, default=0, help="index of the GPU to plan on (default 0)")
+    p.add_argument("--mps-control-binary", default=None, help="default: PATH, then " + ", ".join(MPS_SEARCH))
+    p.add_argument("--wheels", default=str(WHEELS_DIR), help="carried wheels (default tests/gpu/wheels)")
+    p.add_argument("--nvml-lib", default=os.environ.get("GPU_CHECK_NVML_LIB", "libnvidia-ml.so.1"))
+    p.add_argument("--keep", action="store_true", help="keep the work directory (daemon log, ledger)")
+    a = p.parse_args(argv)
+
+    has_gpu, why = detect_gpu(a.nvml_lib)
+    if not has_gpu:
+        print(f"gpu-check: no NVIDIA GPU on this machine ({why}); nothing checked")
+        return EXIT_NO_GPU
+    if os.geteuid() != 0:
+        print("gpu-check: must run as root (MPS control daemon, cgroups, /proc of the clients)")
+        return EXIT_FAIL
+    site = Path(tempfile.mkdtemp(prefix="fpgc-site"))
+    used = unpack_wheels(Path(a.wheels), site)
+    paths = [str(REPO / "src"), str(site)]
+    sys.path[:0] = paths
+    missing = [m for m in ("grpc", "google.protobuf", "kubernetes", "pynvml", "psutil", "tenacity",
+                           "prometheus_client", "yaml", "fracplugin._proto.nri_pb2", "fracplugin.daemon")
+               if not _importable(m)]
+    if missing:
+        print(f"gpu-check: missing Python modules {', '.join(missing)} for {sys.executable} "
+              f"{sys.version.split()[0]}; run `make gpu-check-wheels` where pip can download and carry "
+              f"{WHEELS_DIR.relative_to(REPO)} (docs/gpu-check.md)")
+        return EXIT_FAIL
+    print(f"gpu-check: {why}; python {sys.version.split()[0]} ({sys.executable}); "
+          f"{len(used)} carried wheel(s) unpacked", flush=True)
+    check = GpuCheck(Path(a.out).resolve(), sys.executable, paths, find_mps_binary(a.mps_control_binary),
+                     gpu_index=a.gpu, keep=a.keep)
+    check.report.facts["wheels"] = used
+    try:
+        return check.run()
+    finally:
+        shutil.rmtree(site, ignore_errors=True)
+
+
+def _importable(mod: str) -> bool:
+    import importlib
+
+    try:
+        importlib.import_module(mod)
+        return True
+    except Exception as exc:  # a version mismatch (protobuf gencode vs runtime) shows here
+        print(f"gpu-check: cannot import {mod}: {type(exc).__name__}: {exc}")
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
