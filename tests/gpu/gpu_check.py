@@ -418,6 +418,27 @@ def mps_pids(proc: str = "/proc") -> set[int]:
     return out
 
 
+def own_leftovers(work: Path, proc: str = "/proc") -> list[str]:
+    """Live processes whose command line or environment names ``work`` (the
+    daemon and every MPS process it started get their paths there), as
+    ``"<pid>: <command line>"``; zombies and this process are left out."""
+    needle, me, left = str(work).encode(), os.getpid(), []
+    for p in Path(proc).iterdir():
+        if not p.name.isdigit() or int(p.name) == me:
+            continue
+        try:
+            if (p / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            cmd = (p / "cmdline").read_bytes()
+            env = (p / "environ").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if needle in cmd or needle in env:
+            shown = cmd.replace(b"\0", b" ").decode(errors="replace")[:120]
+            left.append(f"{p.name}: {shown}")
+    return left
+
+
 def _http(address: str, path: str, timeout_s: float = 5.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(f"http://{address}{path}", timeout=timeout_s) as r:
@@ -622,7 +643,7 @@ class Cgroups:
         return str(leaf)
 
     def cleanup(self) -> None:
-        for p in reversed(self.made + ([self.base] if self.base else [])):
+        for p in list(reversed(self.made)) + ([self.base] if self.base else []):
             for _ in range(20):
                 try:
                     p.rmdir()
@@ -1034,16 +1055,17 @@ class GpuCheck:
             rc = self.daemon.stop(30.0)
             r.check(6, "daemon stopped by SIGTERM", "exit status 0 within 30 s",
                     {"status": rc, "after_s": round(time.monotonic() - t, 1)}, rc == 0, "did not stop cleanly")
-            new = wait_until(lambda: not (mps_pids() - self.mps_before), 10.0, 0.2)
+            wait_until(lambda: not (mps_pids() - self.mps_before) and not own_leftovers(self.work), 10.0, 0.2)
             left = sorted(mps_pids() - self.mps_before)
-            r.check(6, "no MPS process left", "no nvidia-cuda-mps-* process that was not there before", left,
-                    bool(new) and not left, "MPS processes left running")
-            if left:
-                for pid in left:  # ours: started after the check began
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            ours = own_leftovers(self.work)
+            r.check(6, "no MPS process left", "no nvidia-cuda-mps-* process that was not there before, no process "
+                    "naming the work directory", {"mps": left, "work_dir": ours}, not left and not ours,
+                    "processes left running")
+            for pid in left + [int(x.split(":")[0]) for x in ours]:  # ours: started after the check began
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             socks = [str(p) for p in (self.work / "mps").rglob("*") if p.is_socket()] if (self.work / "mps").exists() else []
             r.check(6, "no MPS socket left", "none under the MPS root", socks, not socks, "sockets left")
         if self.nri is not None:
