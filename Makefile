@@ -48,8 +48,9 @@ bench: setup
 ## gpu-check: on a machine with an NVIDIA GPU, as root: real NVML, real MPS, CUDA clients -> gpu-check.json
 ## (any python3 >= 3.11, not the venv; exits 2 in one line where there is no GPU; docs/gpu-check.md)
 GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
 gpu-check:
-	@$(GPU_PYTHON) tests/gpu/gpu_check.py --out gpu-check.json
+	@$(GPU_PYTHON) tests/gpu/gpu_check.py --out gpu-check.json $(GPU_CHECK_ARGS)
 
 ## gpu-check-wheels: download (here, where pip can) the wheels gpu-check carries to the GPU machine (tests/gpu/wheels, git-ignored)
 GPU_WHEELS_PYTHON ?= 3.12

@@ -5,7 +5,8 @@ plans both containers through the real NRI door (``Nri``: RunPodSandbox,
 CreateContainer, StartContainer), builds each client's env from the plan
 (``client_env``), asks the control daemon for its clients
 (``mps_client_pids``), kills and awaits the MPS restart (``restart_check``)
-and stops the daemon with nothing left behind (``shutdown``).
+and stops the daemon with nothing left behind (``shutdown``); then the whole
+check rehearsed end to end with a stand-in libcuda (tests/gpu/fake_libcuda.c).
 
 Run on a driver r615 node (MPS v3: sm-sharing containers get their own
 namespace leaf) and a driver r580 node (classic MPS v2: shared pipe
@@ -13,7 +14,10 @@ directory; the namespace figure is skipped there)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,8 +64,6 @@ def running(request, tmp_path):
         c.kill()
     check.daemon.stop(20)
     check.nri.close()
-    import shutil
-
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -122,10 +124,64 @@ def test_plans_through_the_nri_door_become_client_envs(running):
     assert check.report.figures[-1].status == "fail" and "RpcError" in str(check.report.figures[-1].observed)
 
 
-def test_shutdown_stops_the_daemon_and_finds_no_mps_left(running):
-    check = running
-    check.shutdown()
-    figs = {f.name: f for f in check.report.figures}
-    assert figs["daemon stopped by SIGTERM"].status == "pass", check.daemon.log_tail()
-    assert figs["no MPS process left"].status == "pass"
-    assert figs["no MPS socket left"].status == "pass"
+@pytest.fixture(scope="module")
+def fake_libcuda(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build tests/gpu/fake_libcuda.c (the rehearsal only; the parts run above)")
+    out = tmp_path_factory.mktemp("fakecuda") / "libcuda.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(gc.HERE / "fake_libcuda.c")], check=True,
+                   timeout=120)
+    return str(out)
+
+
+@pytest.mark.parametrize("driver", ["615.71.09", "580.159.03"])
+def test_rehearsal_runs_every_step_and_writes_the_report(tmp_path, fake_libcuda, driver):
+    """The whole check (steps 1-7) on the simulated node, the fake MPS binary
+    and a stand-in libcuda: every step runs and reports, in order; what only a
+    GPU can show fails or is skipped for the right reason, never passes."""
+    node_file, _ = _node(tmp_path, driver)
+    cg_root = tmp_path / "cgroup"
+    cg_root.mkdir()
+    (cg_root / "cgroup.controllers").write_text("")
+    out = tmp_path / "gpu-check.json"
+    check = gc.GpuCheck(out, sys.executable, [str(REPO / "src")], FAKE_MPS, simulate_node=node_file,
+                        cuda_lib=fake_libcuda, cgroup_root=str(cg_root), artifacts=str(tmp_path / "art"),
+                        metric_wait_s=1.0)
+    rc = check.run()
+    doc = json.loads(out.read_text())
+    assert [s["step"] for s in doc["steps"]] == [1, 2, 3, 4, 5, 6, 7]
+    figs = {(s["step"], f["name"]): f for s in doc["steps"] for f in s["figures"]}
+    status = {k: f["status"] for k, f in figs.items()}
+    must_pass = [
+        (1, "GPUs"), (1, "MPS protocol chosen"), (2, "/readyz"), (2, "MPS protocol in use"),
+        (2, "MPS time-slicing daemon probed healthy"), (2, "MPS sm-sharing daemon probed healthy"),
+        (2, "MPS daemon restarted after SIGKILL"),
+        (3, "gpucheck-ts: planned through NRI"), (3, "gpucheck-sm: planned through NRI"),
+        (3, "time-slicing: pinned device memory limit"), (3, "sm-sharing: pinned device memory limit"),
+        (3, "time-slicing: devices seen"), (3, "time-slicing: the GPU seen is the planned one"),
+        (3, "time-slicing: active thread percentage"), (3, "sm-sharing: active thread percentage"),
+        (4, "each process capped"), (4, "what the container got in all"),
+        (6, "sm-sharing client SIGKILLed"), (6, "next client of that container"),
+        (6, "sm-sharing MPS daemon after the kill"), (6, "daemon stopped by SIGTERM"), (6, "no MPS process left"),
+        (6, "no MPS socket left"), (7, "wall time"),
+    ]
+    assert {k: status.get(k) for k in must_pass} == {k: "pass" for k in must_pass}, doc
+    # only a GPU shows these: the fake MPS has no real clients, the simulated node no NVML processes
+    for label in ("time-slicing", "sm-sharing"):
+        f = figs[(3, f"{label}: went through MPS")]
+        assert f["status"] == "fail" and f["observed"]["mps_enabled"] == 1  # the pipe dir was reached ...
+        assert "is not among the control daemon's clients []" in f["reason"]  # ... but no real MPS client
+    assert status[(5, "time-slicing: used bytes")] == "fail"
+    if driver.startswith("580"):
+        f = figs[(3, "sm-sharing: own MPS namespace")]
+        assert f["status"] == "skipped" and "MPS v3 (driver r615+)" in f["reason"]
+    else:
+        assert status[(3, "sm-sharing: own MPS namespace")] == "pass"
+    assert figs[(4, "what the container got in all")]["observed"]["total_mib"] == 2 * 1536  # per process
+    assert doc["result"] == "fail" and rc == 1
+    assert (tmp_path / "art" / "daemon.log").stat().st_size > 0
+    # every client joined its container's cgroup leaf (a real cgroupfs takes the PID; here a file keeps it)
+    leaves = sorted(cg_root.glob("fracplugin-gpu-check-*/cri-containerd-*.scope"))
+    assert len(leaves) == 2 and all((leaf / "cgroup.procs").read_text().isdigit() for leaf in leaves)
+    assert not check.work.exists()

@@ -355,6 +355,21 @@ def judge_devices(seen: int, assigned: int, node_gpus: int, has_cvd: bool) -> tu
     return "fail", exp, f"the client sees {seen} device(s)"
 
 
+def judge_through_mps(attr: int | None, pid: int | None, clients: list[int] | None) -> tuple[bool, str]:
+    """Whether a client went through MPS: the driver says its contexts are
+    shared via MPS (``CU_DEVICE_ATTRIBUTE_MPS_ENABLED``, ``None`` = attribute
+    unknown before CUDA 12.4: not counted) and the control daemon lists its PID
+    (an unreadable list fails too: the drain path reads the same list).
+    Returns ``(ok, reason)``."""
+    if attr == 0:
+        return False, "CUDA says this context is not shared via MPS: the pipe directory was not reached"
+    if clients is None:
+        return False, "the control daemon's client list could not be read"
+    if pid not in clients:
+        return False, f"PID {pid} is not among the control daemon's clients {clients}"
+    return True, ""
+
+
 def mps_namespace_skip(protocol: int) -> str:
     """Why per-container MPS namespaces cannot be checked (``""`` when they can):
     they exist only in MPS v3 (driver r615+, mps-nvml.md 1.6, 3)."""
@@ -658,8 +673,8 @@ class Client:
     """One ``cuda_client.py`` process with a given env; ``report`` its JSON line."""
 
     def __init__(self, python: str, env: Mapping[str, str], cap_mib: int, cgroup: str = "",
-                 step_mib: int = STEP_MIB) -> None:
-        cmd = [python, str(CLIENT), "--step-mib", str(step_mib), "--cap-mib", str(cap_mib)]
+                 step_mib: int = STEP_MIB, lib: str = "libcuda.so.1") -> None:
+        cmd = [python, str(CLIENT), "--step-mib", str(step_mib), "--cap-mib", str(cap_mib), "--lib", lib]
         if cgroup:
             cmd += ["--cgroup", cgroup]
         self.proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -729,8 +744,14 @@ class GpuCheck:
     """One run of steps 1-7 (module docstring). ``run()`` returns the exit status."""
 
     def __init__(self, out_path: Path, python: str, pythonpath: Sequence[str], mps_binary: str | None,
-                 gpu_index: int = 0, keep: bool = False) -> None:
+                 gpu_index: int = 0, keep: bool = False, artifacts: str = "", *, simulate_node: str | None = None,
+                 cuda_lib: str = "libcuda.so.1", cgroup_root: str = "/sys/fs/cgroup", metric_wait_s: float = 15.0) -> None:
+        self.metric_wait_s = metric_wait_s
+        self.simulate_node = simulate_node  # rehearsal without a GPU (tests): the simulated inventory
+        self.cuda_lib = cuda_lib
+        self.cgroup_root = cgroup_root
         self.out_path = out_path
+        self.artifacts = artifacts
         self.python = python
         self.pythonpath = list(pythonpath)
         self.mps_binary = mps_binary
@@ -773,11 +794,27 @@ class GpuCheck:
         print(f"gpu-check: {'FAILED' if r.failed() else 'passed'} in {elapsed:.0f} s; report {self.out_path}")
         if self.daemon is not None and r.failed():
             print("daemon log (last lines):\n" + self.daemon.log_tail(30))
+        if self.artifacts:
+            self.save_artifacts(Path(self.artifacts))
         if not self.keep:
             shutil.rmtree(self.work, ignore_errors=True)
         else:
             print(f"kept {self.work}")
         return r.exit_code()
+
+    def save_artifacts(self, dest: Path) -> None:
+        """Copy the daemon's log and the MPS control daemons' logs into ``dest``
+        (flat names: ``daemon.log``, ``mps-ts-control.log``, ...) for a post-mortem."""
+        dest.mkdir(parents=True, exist_ok=True)
+        files = [(self.work / "daemon.log", "daemon.log")]
+        logs = self.work / "mps" / "log"
+        if logs.is_dir():
+            files += [(f, "mps-" + "-".join(f.relative_to(logs).parts)) for f in sorted(logs.rglob("*.log"))]
+        for src, name in files:
+            try:
+                shutil.copyfile(src, dest / name)
+            except OSError:
+                pass
 
     # -- 1 ---------------------------------------------------------------------------------
     def step1_inventory(self) -> bool:
@@ -788,7 +825,12 @@ class GpuCheck:
         r = self.report
         print("== 1. inventory through NVML", flush=True)
         try:
-            inv = NvmlInventory()
+            if self.simulate_node:
+                from fracplugin.gpu.simulated import SimulatedInventory
+
+                inv: Any = SimulatedInventory(self.simulate_node)
+            else:
+                inv = NvmlInventory()
         except InventoryError as exc:
             r.add(1, "NVML inventory", "readable", str(exc), "fail")
             return False
@@ -828,7 +870,7 @@ class GpuCheck:
         r.facts["mps_processes_before"] = sorted(self.mps_before)
         assert self.mps_binary is not None
         self.nri = Nri(self.work / "nri.sock")
-        self.daemon = Daemon(self.work, self.python, self.pythonpath, self.mps_binary)
+        self.daemon = Daemon(self.work, self.python, self.pythonpath, self.mps_binary, self.simulate_node)
         t = time.monotonic()
         try:
             self.daemon.start(timeout_s=min(60.0, self.left()))
@@ -905,7 +947,7 @@ class GpuCheck:
     def _client(self, p: Planned, cap_mib: int) -> Client:
         env, notes = client_env(p.env, p.mounts, os.environ, len(self.node.gpus))
         cg = self.cgroups.for_container(p.container_id) if self.cgroups else ""
-        c = Client(self.python, env, cap_mib, cg)
+        c = Client(self.python, env, cap_mib, cg, lib=self.cuda_lib)
         self.clients.append(c)
         return c
 
@@ -926,11 +968,10 @@ class GpuCheck:
                     rep.get("uuids") == [self.gpu.uuid], "another GPU")
         clients = mps_client_pids(self.mps_binary or "", pipe_dir, self.protocol)
         attr = rep.get("mps_enabled")
-        through = (attr in (1, None)) and (clients is None or rep.get("pid") in clients) and \
-            not (attr is None and clients is None)
-        r.check(step, f"{label}: went through MPS", "CU_DEVICE_ATTRIBUTE_MPS_ENABLED = 1 and the PID in the "
-                "control daemon's client list", {"mps_enabled": attr, "pid": rep.get("pid"), "mps_clients": clients},
-                through, "the client ran without MPS (pipe directory not reached?)")
+        ok, why = judge_through_mps(attr, rep.get("pid"), clients)
+        r.check(step, f"{label}: went through MPS", "CU_DEVICE_ATTRIBUTE_MPS_ENABLED = 1 (where the driver knows it) "
+                "and the PID in the control daemon's client list", {"mps_enabled": attr, "pid": rep.get("pid"),
+                                                                   "mps_clients": clients}, ok, why)
         st, exp, why = judge_atp(rep.get("sm_ctx"), rep.get("sm_total"), atp)
         r.add(step, f"{label}: active thread percentage", exp, {"sm_ctx": rep.get("sm_ctx"),
                                                                 "sm_total": rep.get("sm_total")}, st, why)
@@ -947,7 +988,7 @@ class GpuCheck:
         def scraped() -> Any:
             u = used_bytes(self.daemon.metrics(), p.pod_uid, "app")  # type: ignore[union-attr]
             return u if u is not None and u >= want_lo else None
-        used = wait_until(scraped, min(15.0, self.left()), 0.5)
+        used = wait_until(scraped, min(self.metric_wait_s, self.left()), 0.5)
         if used is None:
             used = used_bytes(self.daemon.metrics(), p.pod_uid, "app")
         st, exp, why = judge_metric(used, allocated_mib)
@@ -957,7 +998,7 @@ class GpuCheck:
     def step3_to_6(self) -> None:
         r = self.report
         assert self.daemon is not None and self.nri is not None
-        self.cgroups = Cgroups()
+        self.cgroups = Cgroups(self.cgroup_root)
         ds = self.daemon.mps_daemons()
         ts_pipe = (ds.get("time-slicing") or {}).get("pipe_dir", "")
         sm_pipe = (ds.get("sm-sharing") or {}).get("pipe_dir", "")
@@ -1017,7 +1058,7 @@ class GpuCheck:
                     "no namespace of its own")
         c = self._client(sm, SM_LIMIT_MIB + 2048)
         rep = c.wait_report(timeout())
-        self._judge_client(3, "sm-sharing", sm, rep, SM_LIMIT_MIB, atp, sm_pipe if skip else pipe_src or sm_pipe)
+        self._judge_client(3, "sm-sharing", sm, rep, SM_LIMIT_MIB, atp, sm_pipe)
         if rep.get("ok"):
             print("== 5. metrics while the sm-sharing client holds its memory", flush=True)
             self._metric("sm-sharing", sm, int(rep["allocated_mib"]))
@@ -1083,6 +1124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--wheels", default=str(WHEELS_DIR), help="carried wheels (default tests/gpu/wheels)")
     p.add_argument("--nvml-lib", default=os.environ.get("GPU_CHECK_NVML_LIB", "libnvidia-ml.so.1"))
     p.add_argument("--keep", action="store_true", help="keep the work directory (daemon log, ledger)")
+    p.add_argument("--artifacts", default="", metavar="DIR",
+                   help="copy the daemon log and the MPS control logs there at the end")
     a = p.parse_args(argv)
 
     has_gpu, why = detect_gpu(a.nvml_lib)
@@ -1107,7 +1150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"gpu-check: {why}; python {sys.version.split()[0]} ({sys.executable}); "
           f"{len(used)} carried wheel(s) unpacked", flush=True)
     check = GpuCheck(Path(a.out).resolve(), sys.executable, paths, find_mps_binary(a.mps_control_binary),
-                     gpu_index=a.gpu, keep=a.keep)
+                     gpu_index=a.gpu, keep=a.keep, artifacts=a.artifacts)
     check.report.facts["wheels"] = used
     try:
         return check.run()

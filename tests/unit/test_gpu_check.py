@@ -315,3 +315,15 @@ def test_own_leftovers_finds_a_process_naming_the_work_directory(tmp_path):
         p.kill()
         p.wait()
     assert not any(x.startswith(f"{p.pid}:") for x in gc.own_leftovers(work))
+
+
+@pytest.mark.parametrize("attr,pid,clients,ok,why", [
+    (1, 42, [7, 42], True, ""),
+    (None, 42, [42], True, ""),                 # driver without the attribute: the client list decides
+    (0, 42, [42], False, "not shared via MPS"),
+    (1, 42, [7], False, "PID 42 is not among"),
+    (1, 42, None, False, "could not be read"),
+])
+def test_judge_through_mps(attr, pid, clients, ok, why):
+    got, reason = gc.judge_through_mps(attr, pid, clients)
+    assert got is ok and why in reason
