@@ -803,13 +803,14 @@ class GpuCheck:
         return r.exit_code()
 
     def save_artifacts(self, dest: Path) -> None:
-        """Copy the daemon's log and the MPS control daemons' logs into ``dest``
-        (flat names: ``daemon.log``, ``mps-ts-control.log``, ...) for a post-mortem."""
+        """Copy the daemon's log and up to five MPS logs into ``dest`` (flat
+        names: ``daemon.log``, ``mps-ts-control.log``, ...) for a post-mortem;
+        six files at most, so a device-tool run brings them all back."""
         dest.mkdir(parents=True, exist_ok=True)
         files = [(self.work / "daemon.log", "daemon.log")]
         logs = self.work / "mps" / "log"
         if logs.is_dir():
-            files += [(f, "mps-" + "-".join(f.relative_to(logs).parts)) for f in sorted(logs.rglob("*.log"))]
+            files += [(f, "mps-" + "-".join(f.relative_to(logs).parts)) for f in sorted(logs.rglob("*.log"))][:5]
         for src, name in files:
             try:
                 shutil.copyfile(src, dest / name)
