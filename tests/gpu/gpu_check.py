@@ -509,9 +509,9 @@ class Daemon:
         env["PYTHONPATH"] = os.pathsep.join(self.pythonpath)
         from fracplugin.subproc import die_with_parent
 
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=die_with_parent)
+        with open(self.log_path, "wb") as log:  # no preexec_fn: see fracplugin.subproc
+            self.proc = subprocess.Popen(die_with_parent(self.command()), stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
         ep = self.work / "state" / "endpoints.json"
         if not wait_until(lambda: ep.exists() or self.proc.poll() is not None, timeout_s):  # type: ignore[union-attr]
             raise RuntimeError(f"the daemon wrote no {ep} within {timeout_s:.0f} s")
@@ -677,8 +677,10 @@ class Client:
         cmd = [python, str(CLIENT), "--step-mib", str(step_mib), "--cap-mib", str(cap_mib), "--lib", lib]
         if cgroup:
             cmd += ["--cgroup", cgroup]
-        self.proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+        from fracplugin.subproc import die_with_parent  # exec wrapper: the PID stays the client's
+
+        self.proc = subprocess.Popen(die_with_parent(cmd), env=dict(env), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self.report: dict[str, Any] | None = None
 
     def wait_report(self, timeout_s: float) -> dict[str, Any]:
