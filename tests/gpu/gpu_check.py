@@ -780,6 +780,8 @@ class GpuCheck:
         try:
             if self.step1_inventory() and self.step2_daemon():
                 self.step3_to_6()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (main): clean up and still write the report
+            r.add(7, "check ran to the end", "not interrupted", "interrupted (SIGINT/SIGTERM)", "fail")
         except Exception as exc:  # a driver error: report it as a failure, clean up, write the report
             import traceback
 
@@ -979,9 +981,14 @@ class GpuCheck:
         r.add(step, f"{label}: active thread percentage", exp, {"sm_ctx": rep.get("sm_ctx"),
                                                                 "sm_total": rep.get("sm_total")}, st, why)
 
-    def _metric(self, label: str, p: Planned, allocated_mib: int) -> None:
+    def _metric(self, label: str, p: Planned, allocated_mib: int, reps: Sequence[Mapping[str, Any]] = ()) -> None:
         r = self.report
         assert self.daemon is not None
+        cg_errors = [x["cgroup_error"] for x in reps if x.get("cgroup_error")]
+        if cg_errors:
+            r.skip(5, f"{label}: used bytes", "per-container used bytes", "a client could not join its container "
+                   f"cgroup: {cg_errors[0]}")
+            return
         if self.cgroups is None or self.cgroups.base is None:
             r.skip(5, f"{label}: used bytes", "per-container used bytes", "clients cannot be put in a container "
                    f"cgroup here: {self.cgroups.reason if self.cgroups else 'no cgroups'}")
@@ -1015,7 +1022,7 @@ class GpuCheck:
             self._judge_client(3, "time-slicing", ts, rep, TS_LIMIT_MIB, None, ts_pipe)
             if rep.get("ok"):
                 print("== 5. metrics while the time-slicing client holds its memory", flush=True)
-                self._metric("time-slicing", ts, int(rep["allocated_mib"]))
+                self._metric("time-slicing", ts, int(rep["allocated_mib"]), [rep])
             c.release()
 
             print("== 4. one container, two processes", flush=True)
@@ -1031,7 +1038,7 @@ class GpuCheck:
                         "client process, not the container: mps-nvml.md 2.8)", {"total_mib": total,
                         "container_limit_mib": TS_LIMIT_MIB, "per_process": got}, total <= 2 * TS_LIMIT_MIB)
                 r.facts["container_with_two_processes_mib"] = total
-                self._metric("two processes", ts, total)
+                self._metric("two processes", ts, total, reps)
             else:
                 r.add(4, "two CUDA clients ran", "both report", reps, "fail")
             for c in cs:
@@ -1064,7 +1071,7 @@ class GpuCheck:
         self._judge_client(3, "sm-sharing", sm, rep, SM_LIMIT_MIB, atp, sm_pipe)
         if rep.get("ok"):
             print("== 5. metrics while the sm-sharing client holds its memory", flush=True)
-            self._metric("sm-sharing", sm, int(rep["allocated_mib"]))
+            self._metric("sm-sharing", sm, int(rep["allocated_mib"]), [rep])
 
         print("== 6. SIGKILL the sm-sharing client, then the next one", flush=True)
         before = self.daemon.mps_daemons().get("sm-sharing") or {}
@@ -1155,6 +1162,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     check = GpuCheck(Path(a.out).resolve(), sys.executable, paths, find_mps_binary(a.mps_control_binary),
                      gpu_index=a.gpu, keep=a.keep, artifacts=a.artifacts)
     check.report.facts["wheels"] = used
+
+    def on_sigterm(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt  # stop the daemon and the clients, write the report, as for Ctrl-C
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return check.run()
     finally:

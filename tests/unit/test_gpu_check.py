@@ -71,6 +71,13 @@ def test_client_without_libcuda_reports_one_json_line_and_exits_1(tmp_path):
     assert rep["ok"] is False and "cannot load" in rep["error"] and rep["pid"] > 0
 
 
+def test_client_that_cannot_join_its_cgroup_says_so(tmp_path):
+    p = subprocess.run([sys.executable, str(gc.CLIENT), "--cap-mib", "512", "--lib", str(tmp_path / "nope.so"),
+                        "--cgroup", str(tmp_path / "no-such-cgroup")], capture_output=True, text=True, timeout=60)
+    rep = json.loads(p.stdout)
+    assert rep["cgroup"] == "" and rep["cgroup_error"].startswith(f"{tmp_path / 'no-such-cgroup'}: ")
+
+
 # ---- env from the plan ------------------------------------------------------------------------
 PLAN_TS = {
     "NVIDIA_VISIBLE_DEVICES": "GPU-aaaa",
