@@ -1142,6 +1142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not has_gpu:
         print(f"gpu-check: no NVIDIA GPU on this machine ({why}); nothing checked")
         return EXIT_NO_GPU
+    if sys.version_info < (3, 11):
+        print(f"gpu-check: fracplugin needs Python >= 3.11, {sys.executable} is {sys.version.split()[0]} "
+              "(make gpu-check GPU_PYTHON=python3.12)")
+        return EXIT_FAIL
     if os.geteuid() != 0:
         print("gpu-check: must run as root (MPS control daemon, cgroups, /proc of the clients)")
         return EXIT_FAIL
