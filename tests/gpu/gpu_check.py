@@ -454,6 +454,27 @@ def own_leftovers(work: Path, proc: str = "/proc") -> list[str]:
     return left
 
 
+def compute_modes() -> dict[str, int] | None:
+    """Every GPU's compute mode through NVML (``{uuid: mode}``; 0 DEFAULT,
+    2 PROHIBITED, 3 EXCLUSIVE_PROCESS, mps-nvml.md 2.4); None when NVML fails.
+    The check must leave them as it found them (no ``--exclusive-process``)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            out = {}
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                u = pynvml.nvmlDeviceGetUUID(h)
+                out[u.decode() if isinstance(u, bytes) else str(u)] = int(pynvml.nvmlDeviceGetComputeMode(h))
+            return out
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
 def _http(address: str, path: str, timeout_s: float = 5.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(f"http://{address}{path}", timeout=timeout_s) as r:
@@ -771,6 +792,7 @@ class GpuCheck:
         self.gpu: Any = None
         self.protocol = 2
         self.mps_before: set[int] = set()
+        self.modes_before: dict[str, int] | None = None
 
     def left(self) -> float:
         return DEADLINE_S - (time.monotonic() - self.t0)
@@ -846,6 +868,10 @@ class GpuCheck:
             print(f"  GPU {g.index} {g.uuid} {g.name} {g.memory_mib} MiB cc {g.compute_capability} "
                   f"MIG {'on' if g.mig_enabled else 'off'}")
         self.protocol = choose_protocol(n.driver_version)
+        print(f"  driver {n.driver_version}, CUDA driver API {n.cuda_driver_version}, MPS protocol chosen "
+              f"{self.protocol} ({'v3 namespaces' if self.protocol >= 3 else 'classic v2: no namespaces before r615'})")
+        self.modes_before = None if self.simulate_node else compute_modes()
+        r.facts["compute_modes_before"] = self.modes_before
         r.facts.update(driver_version=n.driver_version, cuda_driver_version=n.cuda_driver_version,
                        gpus=[{"index": g.index, "uuid": g.uuid, "name": g.name, "memory_mib": g.memory_mib,
                               "compute_capability": g.compute_capability} for g in n.gpus],
@@ -1119,6 +1145,12 @@ class GpuCheck:
                     pass
             socks = [str(p) for p in (self.work / "mps").rglob("*") if p.is_socket()] if (self.work / "mps").exists() else []
             r.check(6, "no MPS socket left", "none under the MPS root", socks, not socks, "sockets left")
+            if self.modes_before is None:
+                r.skip(6, "compute mode unchanged", "as before the check", "not read (simulated node or NVML error)")
+            else:
+                after = compute_modes()
+                r.check(6, "compute mode unchanged", json.dumps(self.modes_before, sort_keys=True), after,
+                        after == self.modes_before, "the GPU's compute mode changed")
         if self.nri is not None:
             self.nri.close()
         if self.cgroups is not None:

@@ -334,3 +334,23 @@ def test_own_leftovers_finds_a_process_naming_the_work_directory(tmp_path):
 def test_judge_through_mps(attr, pid, clients, ok, why):
     got, reason = gc.judge_through_mps(attr, pid, clients)
     assert got is ok and why in reason
+
+
+def test_compute_modes_through_pynvml(monkeypatch):
+    import pynvml
+
+    calls = []
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: calls.append("init"))
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 2)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda h: f"GPU-{h}".encode() if h else "GPU-0")
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeMode", lambda h: 3 if h else 0)
+    assert gc.compute_modes() == {"GPU-0": 0, "GPU-1": 3}
+    assert calls == ["init", "shutdown"]
+
+    def lost(h):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeMode", lost)
+    assert gc.compute_modes() is None and calls[-1] == "shutdown"
