@@ -125,6 +125,7 @@ class CudaDriver:
         raise CudaError(names[0], -1, "symbol not found")
 
     def error_name(self, code: int) -> str:
+        """``cuGetErrorName`` of ``code`` (e.g. ``CUDA_ERROR_OUT_OF_MEMORY``), or ``CUresult <n>``."""
         s = ctypes.c_char_p()
         try:
             _, f = self._fn("cuGetErrorName")
@@ -141,45 +142,54 @@ class CudaDriver:
             raise CudaError(name, rc, self.error_name(rc))
 
     def init(self) -> None:
+        """``cuInit(0)``: where the driver connects to MPS when the pipe directory is reachable."""
         self._call(("cuInit",), ctypes.c_uint(0))
 
     def device_count(self) -> int:
+        """``cuDeviceGetCount``: the devices this process sees."""
         n = ctypes.c_int()
         self._call(("cuDeviceGetCount",), ctypes.byref(n))
         return n.value
 
     def device(self, ordinal: int) -> int:
+        """``cuDeviceGet``: the device handle of an ordinal."""
         d = ctypes.c_int()
         self._call(("cuDeviceGet",), ctypes.byref(d), ctypes.c_int(ordinal))
         return d.value
 
     def uuid(self, dev: int) -> str:
+        """``cuDeviceGetUuid``, formatted as NVML prints it (``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``)."""
         raw = (ctypes.c_ubyte * 16)()
         self._call(("cuDeviceGetUuid_v2", "cuDeviceGetUuid"), raw, ctypes.c_int(dev))
         h = bytes(raw).hex()
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
     def attribute(self, attr: int, dev: int) -> int:
+        """``cuDeviceGetAttribute`` (``CU_DEVICE_ATTRIBUTE_*``)."""
         v = ctypes.c_int()
         self._call(("cuDeviceGetAttribute",), ctypes.byref(v), ctypes.c_int(attr), ctypes.c_int(dev))
         return v.value
 
     def retain_primary(self, dev: int) -> ctypes.c_void_p:
+        """``cuDevicePrimaryCtxRetain`` + ``cuCtxSetCurrent``: the context the allocations go to."""
         ctx = ctypes.c_void_p()
         self._call(("cuDevicePrimaryCtxRetain",), ctypes.byref(ctx), ctypes.c_int(dev))
         self._call(("cuCtxSetCurrent",), ctx)
         return ctx
 
     def release_primary(self, dev: int) -> None:
+        """``cuDevicePrimaryCtxRelease``."""
         self._call(("cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"), ctypes.c_int(dev))
 
     def ctx_sm_count(self) -> int:
+        """SMs the current context may use (``cuCtxGetExecAffinity``, CUDA 11.4+)."""
         # CUexecAffinityParam: {int type; union {CUexecAffinitySmCount smCount;} param;} = two 32-bit words.
         param = (ctypes.c_uint * 2)()
         self._call(("cuCtxGetExecAffinity",), param, ctypes.c_int(CU_EXEC_AFFINITY_TYPE_SM_COUNT))
         return int(param[1])
 
     def mem_info(self) -> tuple[int, int]:
+        """``cuMemGetInfo``: ``(free, total)`` bytes as this context sees them."""
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         self._call(("cuMemGetInfo_v2", "cuMemGetInfo"), ctypes.byref(free), ctypes.byref(total))
         return free.value, total.value
@@ -194,6 +204,7 @@ class CudaDriver:
         return ptr.value, ""
 
     def free(self, ptr: object) -> None:
+        """``cuMemFree`` (errors ignored: the process is about to exit)."""
         name, f = self._fn("cuMemFree_v2", "cuMemFree")
         f(ctypes.c_uint64(int(ptr)))  # type: ignore[operator, call-overload]
 

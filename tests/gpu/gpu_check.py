@@ -137,18 +137,22 @@ class Report:
         return self.add(step, name, expected, observed, "pass" if ok else "fail", "" if ok else reason_if_not)
 
     def skip(self, step: int, name: str, expected: str, reason: str, observed: Any = None) -> Figure:
+        """``add`` a ``skipped`` figure with the reason it could not be measured."""
         return self.add(step, name, expected, observed, "skipped", reason)
 
     def step_status(self, step: int) -> str:
+        """``fail``, ``pass`` or ``skipped`` for one step (see the class docstring)."""
         st = [f.status for f in self.figures if f.step == step]
         if "fail" in st:
             return "fail"
         return "pass" if "pass" in st else "skipped"
 
     def failed(self) -> bool:
+        """Whether any figure failed."""
         return any(f.status == "fail" for f in self.figures)
 
     def exit_code(self) -> int:
+        """1 when any figure failed, else 0."""
         return EXIT_FAIL if self.failed() else EXIT_OK
 
     def to_dict(self) -> dict[str, Any]:
@@ -486,6 +490,7 @@ def _http(address: str, path: str, timeout_s: float = 5.0) -> tuple[int, str]:
 
 
 def wait_until(pred: Callable[[], Any], timeout_s: float, step_s: float = 0.1) -> Any:
+    """Poll ``pred()`` every ``step_s`` seconds until it is truthy or ``timeout_s`` passed; its last value."""
     deadline = time.monotonic() + max(0.0, timeout_s)
     while True:
         v = pred()
@@ -514,6 +519,7 @@ class Daemon:
         self.nri_socket = work / "nri.sock"
 
     def command(self) -> list[str]:
+        """The ``fracplugin run`` command line: NRI door on, device plugin off (no kubelet), ephemeral ports."""
         w = self.work
         cmd = [self.python, "-m", "fracplugin.cli", "run", "--state-dir", str(w / "state"),
                "--mps-root", str(w / "mps"), "--mps-control-binary", self.mps_binary,
@@ -541,6 +547,7 @@ class Daemon:
         self.endpoints = wait_until(lambda: _read_json(ep), 5.0) or {}
 
     def get(self, path: str) -> tuple[int, Any]:
+        """GET ``path`` on the health port: ``(status, JSON or text)``; status 0 when unreachable."""
         code, body = _http(self.endpoints.get("health", "127.0.0.1:1"), path)
         try:
             return code, json.loads(body)
@@ -548,6 +555,7 @@ class Daemon:
             return code, body
 
     def metrics(self) -> str:
+        """The ``/metrics`` exposition text (an error text when unreachable)."""
         return _http(self.endpoints.get("metrics", "127.0.0.1:1"), "/metrics")[1]
 
     def mps_daemons(self) -> dict[str, dict[str, Any]]:
@@ -573,6 +581,7 @@ class Daemon:
             return None
 
     def log_tail(self, n: int = 20) -> str:
+        """The last ``n`` lines of the daemon's log."""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
@@ -638,6 +647,7 @@ class Nri:
         self.server.remove_pod_sandbox(p.pod)
 
     def close(self) -> None:
+        """Close the runtime side (the plugin connection and the socket)."""
         self.server.close()
 
 
@@ -679,6 +689,7 @@ class Cgroups:
         return str(leaf)
 
     def cleanup(self) -> None:
+        """Remove the leaves, then the base (retrying while exiting processes leave them)."""
         for p in list(reversed(self.made)) + ([self.base] if self.base else []):
             for _ in range(20):
                 try:
@@ -743,6 +754,7 @@ class Client:
         return self.proc.returncode
 
     def kill(self) -> None:
+        """SIGKILL the client (if alive) and reap it."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
@@ -795,6 +807,7 @@ class GpuCheck:
         self.modes_before: dict[str, int] | None = None
 
     def left(self) -> float:
+        """Seconds left of ``DEADLINE_S`` (negative when past)."""
         return DEADLINE_S - (time.monotonic() - self.t0)
 
     def run(self) -> int:
