@@ -17,6 +17,9 @@ Keys read, for container ``c`` and prefix ``p`` (default ``nvidia.com/container.
   ``gpu-memory`` (MiB integer), ``gpu-fraction-num-devices`` (integer >= 1),
   ``gpu-fraction-container-name`` (which container they apply to), and
   ``kai.scheduler/container.<c>.gpu-memory.portion.limit`` (0 < l <= 1).
+- pod-level ``kai.scheduler/gpu-compute-sharing-mode`` (the form KAI's docs
+  name): the compute mode of the pod's fractional container when its
+  per-container ``.gpu-compute.mode`` key is absent (the per-container key wins).
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ KEY_GPU_MEMORY = "gpu-memory"
 KEY_NUM_DEVICES = "gpu-fraction-num-devices"
 KEY_CONTAINER_NAME = "gpu-fraction-container-name"
 KAI_PORTION_LIMIT = "kai.scheduler/container.{c}.gpu-memory.portion.limit"
+#: Pod-level compute mode named by KAI's documentation (docs/gpu-sharing/README.md,
+#: "Compute sharing mode within a fractional GPU group"); KAI's binder and the
+#: reference node stack read the per-container ``.gpu-compute.mode`` key, which
+#: wins when both are set.
+KEY_POD_COMPUTE_MODE = "kai.scheduler/gpu-compute-sharing-mode"
 
 SUFFIX_REQUEST = ".gpu-memory.request"
 SUFFIX_LIMIT = ".gpu-memory.limit"
@@ -227,6 +235,9 @@ def parse(
     if k in annotations:
         mode = _parse_mode(k, annotations[k])
         keys["mode"] = k
+    elif KEY_POD_COMPUTE_MODE in annotations:
+        mode = _parse_mode(KEY_POD_COMPUTE_MODE, annotations[KEY_POD_COMPUTE_MODE])
+        keys["mode"] = KEY_POD_COMPUTE_MODE
     portion: float | None = None
     k = ckey(SUFFIX_PORTION)
     if k in annotations:

@@ -38,6 +38,9 @@ MPS_PROTOCOLS = ("auto", "2", "3")
 MPS_MODES = ("time-slicing", "sm-sharing")
 _NRI_NAME = re.compile(r"^[a-zA-Z0-9_.+-]+$")  # nri-protocol.md 1.5 (v0.12+ rule)
 _NRI_IDX = re.compile(r"^[0-9]{2}$")  # nri-protocol.md 1.5: exactly two digits
+# A qualified name as Kubernetes writes condition types: optional DNS subdomain
+# prefix, then a name of [A-Za-z0-9] with -_. inside, at most 63 characters.
+_CONDITION_TYPE = re.compile(r"^(?:[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 #: Settings a SIGHUP can change without a restart (see ``reloadable_changes``).
 RELOADABLE = ("log_level", "log_format", "fail_open")
@@ -113,7 +116,10 @@ class Config:
     health_address: str = ":8080"
     # planner
     annotation_prefix: str = "nvidia.com/container."
-    reserve_mib: int = 0
+    reserve_mib: int = 1024  # KAI's binder reserve per GPU (planner.DEFAULT_RESERVE_MIB)
+    no_cdi_devices: bool = False
+    # KAI readiness gate (ADR 0004): node condition types published from readiness
+    node_condition_types: tuple[str, ...] = ("gpu-sharing.nvidia.com/Ready",)
     max_clients_per_gpu: int = 48
     fail_open: bool = False
     # process
@@ -195,7 +201,11 @@ _HELP = {
     "metrics_address": "HOST:PORT of the Prometheus /metrics endpoint (port 0 = any free port)",
     "health_address": "HOST:PORT of /healthz, /readyz and /status (port 0 = any free port)",
     "annotation_prefix": "prefix of the per-container annotation keys",
-    "reserve_mib": "MiB per GPU kept out of fraction resolution",
+    "reserve_mib": "MiB per GPU kept out of fraction resolution (1024 = what KAI's NvFractions binder holds back)",
+    "no_cdi_devices": "do not pass CDI device names from .gpus.devices on as NRI CDI devices (runtimes older than "
+                      "containerd 2.1 / CRI-O 1.34); the env still names the GPUs",
+    "node_condition_types": "comma list of node condition types published from readiness for KAI's NvFractions gate "
+                            "(add gpu-fractioning.nvidia.com/Ready for older KAI; empty = publish none; needs API access)",
     "max_clients_per_gpu": "tenants allowed per GPU (MPS client limit)",
     "fail_open": "leave a container unadjusted (unfenced, with a warning and a counted refusal) instead of "
                  "failing it when its fraction is refused or MPS fails; --no-fail-open overrides file/env",
@@ -231,7 +241,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _METAVARS = {"allocation_policy": "pack|spread", "ignored_xids": "XIDS", "cdi_kind": "KIND",
              "mps_protocol": "auto|2|3", "log_format": "json|text", "log_level": "LEVEL", "mps_modes": "MODES",
              "nri_plugin_name": "NAME", "nri_plugin_idx": "NN", "resource_name": "NAME", "node_name": "NAME",
-             "annotation_prefix": "PREFIX", "max_clients_per_gpu": "N"}
+             "annotation_prefix": "PREFIX", "max_clients_per_gpu": "N", "node_condition_types": "TYPES"}
 
 
 def _metavar(name: str) -> str:
@@ -347,6 +357,10 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
         raise bad("device_unit_mib", "must be a positive number of MiB")
     if cfg.reserve_mib < 0:
         raise bad("reserve_mib", "must be 0 or more MiB")
+    for t in cfg.node_condition_types:
+        if not _CONDITION_TYPE.match(t):
+            raise bad("node_condition_types", f"has {t!r}, which is not a condition type "
+                      "([<dns-subdomain>/]<name>, e.g. gpu-sharing.nvidia.com/Ready)")
     if not 1 <= cfg.max_clients_per_gpu <= 48:
         raise bad("max_clients_per_gpu", "must be 1..48 (MPS accepts at most 48 clients per GPU on Volta and later)")
     if not cfg.shutdown_timeout_s > 0:

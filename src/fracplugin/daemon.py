@@ -306,7 +306,8 @@ class Daemon:
         driver = self.node.driver_version if self.node is not None else ""
         return PlannerConfig(reserve_mib=self.cfg.reserve_mib, max_clients_per_gpu=self.cfg.max_clients_per_gpu,
                              layout=MpsLayout(self.cfg.mps_root), annotation_prefix=self.cfg.annotation_prefix,
-                             mps_namespaces=choose_protocol(driver, override) >= 3)
+                             mps_namespaces=choose_protocol(driver, override) >= 3,
+                             cdi_devices=not self.cfg.no_cdi_devices)
 
     def _build_inventory(self) -> None:
         from .gpu.inventory import InventoryError

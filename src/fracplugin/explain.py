@@ -31,7 +31,7 @@ from .gpu.inventory import InventoryError
 from .gpu.simulated import load_node
 from .ledger import Ledger
 from .model import FractionError, PodRef
-from .planner import EmptyLedger, PlannerConfig, plan_container
+from .planner import DEFAULT_RESERVE_MIB, EmptyLedger, PlannerConfig, plan_container
 
 
 class UsageError(Exception):
@@ -45,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "-o", choices=("table", "json"), default="table")
     p.add_argument("--ledger", help="a ledger.json whose tenants already hold the node's GPUs")
     p.add_argument("--annotation-prefix", default=DEFAULT_PREFIX)
-    p.add_argument("--reserve-mib", type=_non_negative, default=0, help="MiB per GPU kept out of fraction resolution")
+    p.add_argument("--reserve-mib", type=_non_negative, default=DEFAULT_RESERVE_MIB,
+                   help=f"MiB per GPU kept out of fraction resolution (default {DEFAULT_RESERVE_MIB}: "
+                        "KAI's NvFractions binder reserve; 0 = the whole GPU)")
 
 
 def _non_negative(raw: str) -> int:
@@ -150,6 +152,10 @@ def render_table(report: dict[str, Any]) -> str:
         lines.append(f"container {c['name']}: {c['compute_mode']}, {c['request_mib']} MiB request / "
                      f"{c['limit_mib']} MiB limit per GPU")
         lines.append("  devices: " + ", ".join(c["devices"]))
+        if c.get("portion") is not None:
+            lines.append(f"  compute portion: {c['portion']:g}")
+        if c.get("cdi_devices"):
+            lines.append("  CDI devices: " + ", ".join(c["cdi_devices"]))
         lines.append("  env:")
         for k, v in c["env"].items():
             lines.append(f"    {k}={v}")

@@ -235,6 +235,12 @@ class ContainerPlan:
     ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` is ``devices[i]``). ``request_mib`` and
     ``limit_mib`` are per GPU. ``env`` holds every injected variable (values are
     strings); ``mounts`` the bind mounts; ``mps`` the daemon to connect to.
+    ``cdi_devices`` are the fully qualified CDI device names the scheduler
+    wrote in ``.gpus.devices`` (e.g. ``k8s.device-plugin.nvidia.com/gpu=GPU-...``),
+    verbatim, for the NRI adjustment's ``CDI_devices`` (empty for UUIDs or
+    indices; ADR 0004). ``portion`` is the compute portion in (0, 1] the plan
+    used: the annotation's, or the one derived the way KAI derives it
+    (``planner.kai_compute_portion``); None when none applies.
     """
 
     pod: PodRef
@@ -248,6 +254,8 @@ class ContainerPlan:
     mounts: tuple[Mount, ...]
     mps: MpsTarget
     placed_by_node: bool = False
+    cdi_devices: tuple[str, ...] = ()
+    portion: float | None = None
 
     @property
     def device_uuids(self) -> tuple[str, ...]:
@@ -264,6 +272,8 @@ class ContainerPlan:
             "limit_mib": self.limit_mib,
             "env": dict(self.env),
             "mounts": [m.to_dict() for m in self.mounts],
+            "cdi_devices": list(self.cdi_devices),
+            "portion": self.portion,
             "error": None,
         }
 

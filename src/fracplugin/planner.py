@@ -16,11 +16,16 @@ Rules (DESIGN.md section 4; gpu-fractioning-reference.md section 3):
 - env: ``NVIDIA_VISIBLE_DEVICES`` (UUIDs in container-ordinal order),
   ``NVIDIA_GPU_MEMORY_REQUEST``/``_LIMIT`` (MiB), ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
   (``0=<limit>M,...``), ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (sm-sharing with a
-  portion), ``CUDA_MPS_PIPE_DIRECTORY``; one bind mount of the pipe directory.
+  portion), ``CUDA_MPS_PIPE_DIRECTORY``; one bind mount of the pipe directory;
+- fractions resolve against GPU memory minus ``reserve_mib`` (1024 by default,
+  KAI's binder reserve); a container without ``.gpu-compute.portion`` gets the
+  portion KAI would write (``kai_compute_portion``), which caps sm-sharing;
+- devices written as CDI names are also passed on as CDI devices (ADR 0004).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
@@ -56,6 +61,13 @@ ENFORCED_ENV_KEYS = (
 
 _INDEX_RE = re.compile(r"(0|[1-9][0-9]{0,3})\Z")
 
+#: MiB per GPU kept out of fraction resolution by default: KAI's NvFractions
+#: binder holds back 1Gi per GPU ("leaving the MPS server room for its own
+#: device context", KAI-Scheduler pkg/binder/plugins/nvfractions/nv_fractions.go,
+#: ``reservedGpuMemoryMiB``, shipped default 1Gi), so a fraction resolved on
+#: the node gets the MiB KAI's binder would have written.
+DEFAULT_RESERVE_MIB = 1024
+
 
 class LedgerView(Protocol):
     """The read-only part of the ledger the planner needs."""
@@ -85,13 +97,65 @@ class PlannerConfig:
             False with classic v2, which has no namespaces: sm-sharing
             containers share the sm-sharing daemon's pipe directory and the
             active thread percentage is carried by the env only.
+        cdi_devices: True: devices written as CDI names are also requested
+            as CDI devices in the NRI adjustment (needs containerd 2.1+ or
+            CRI-O 1.34+, nri-protocol.md 1.10); False: env only (ADR 0004).
     """
 
-    reserve_mib: int = 0
+    reserve_mib: int = DEFAULT_RESERVE_MIB
     max_clients_per_gpu: int = DEFAULT_MAX_CLIENTS_PER_GPU
     layout: MpsLayout = field(default_factory=MpsLayout)
     annotation_prefix: str = ann.DEFAULT_PREFIX
     mps_namespaces: bool = True
+    cdi_devices: bool = True
+
+
+def is_cdi_name(entry: str) -> bool:
+    """True for a fully qualified CDI device name ``<vendor>/<class>=<device>``
+    (e.g. ``k8s.device-plugin.nvidia.com/gpu=GPU-...``, KAI's
+    ``gpuDevicePluginUsesCdi`` form)."""
+    if "=" not in entry:
+        return False
+    kind, _, dev = entry.partition("=")
+    vendor, slash, cls = kind.partition("/")
+    return bool(slash and vendor and cls and dev)
+
+
+def kai_compute_portion(request: FractionRequest, gpus: Sequence[GpuInfo], request_mib: int,
+                        reserve_mib: int) -> float | None:
+    """The compute portion KAI's NvFractions binder writes for ``request``, in (0, 1].
+
+    KAI's scheduler puts the pod's GPU portion in its BindRequest as
+    ``fmt.Sprintf("%.2f", portion)`` (pkg/scheduler/cache/cache.go): the
+    fraction itself for ``gpu-fraction`` pods, and for memory requests
+    ``ceil(memory / gpu_memory * 100) / 100`` (node_info.go,
+    ``getGpuMemoryFractionalOnNode``, against the node's per-GPU memory, not
+    reserve-adjusted). The binder writes that value, capped at 1, as
+    ``.gpu-compute.portion``; when it parses to 0 it falls back to request MiB
+    / (GPU memory - reserve) (nv_fractions.go, ``resolveComputePortion``).
+    Python's ``%.2f`` rounds the exact binary value as Go's does.
+
+    Args:
+        request: the parsed request (fraction or absolute MiB).
+        gpus: the assigned GPUs; the smallest one's memory (MiB) is used.
+        request_mib: the resolved request, MiB per GPU.
+        reserve_mib: the per-GPU reserve, MiB (fallback only).
+
+    Returns:
+        The portion, or None when the GPUs report no memory.
+    """
+    memory = min(g.memory_mib for g in gpus)
+    if memory <= 0:
+        return None
+    if request.request.fraction is not None:
+        exact = request.request.fraction
+    else:
+        exact = math.ceil(request_mib / memory * 100) / 100
+    portion = min(float(f"{exact:.2f}"), 1.0)
+    if portion > 0:
+        return portion
+    usable = memory - reserve_mib
+    return min(request_mib / usable, 1.0) if usable > 0 else None
 
 
 def resolve_device(node: NodeInfo, entry: str) -> GpuInfo | None:
@@ -101,7 +165,7 @@ def resolve_device(node: NodeInfo, entry: str) -> GpuInfo | None:
     part is either (``k8s.device-plugin.nvidia.com/gpu=GPU-...``, KAI's
     ``gpuDevicePluginUsesCdi`` form).
     """
-    if "=" in entry and "/" in entry.split("=", 1)[0]:
+    if is_cdi_name(entry):
         entry = entry.split("=", 1)[1]
     if _INDEX_RE.match(entry):  # ASCII digits, no sign, no leading zero, bounded
         return node.gpu_by_index(int(entry))
@@ -215,7 +279,14 @@ def plan(
             if problem:
                 raise FractionError(request.keys.get("devices", "devices"), ",".join(request.devices), str(problem), "guard")
 
-    atp = request.active_thread_percentage
+    portion = request.portion
+    if portion is None:
+        portion = kai_compute_portion(request, gpus, request_mib, config.reserve_mib)
+    atp = None
+    if request.compute_mode is ComputeMode.SM_SHARING and portion is not None:
+        # floor(portion x 100), at least 1 (gpu-fractioning-reference.md 2a)
+        atp = max(1, math.floor(portion * 100))
+    cdi = tuple(e for e in request.devices if is_cdi_name(e)) if (config.cdi_devices and not placed) else ()
     layout = config.layout
     if request.compute_mode is ComputeMode.SM_SHARING and config.mps_namespaces:
         ns = namespace_name(pod.uid, request.container)
@@ -240,7 +311,7 @@ def plan(
         pod=pod, container=request.container, devices=gpus, request_mib=request_mib, limit_mib=limit_mib,
         compute_mode=request.compute_mode, active_thread_percentage=atp, env=env,
         mounts=(Mount(source=host_pipe, destination=CONTAINER_PIPE_DIR, read_only=False),),
-        mps=mps, placed_by_node=placed,
+        mps=mps, placed_by_node=placed, cdi_devices=cdi, portion=portion,
     )
 
 

@@ -321,7 +321,7 @@ def config_problems(m: Manifests) -> list[str]:
         "resource_name": "fracplugin.io/gpu-memory",
         "device_unit": "GiB",
         "annotation_prefix": "nvidia.com/container.",
-        "reserve_mib": 0,
+        "reserve_mib": 1024,
         "fail_open": False,
         "log_format": "json",
         **DAEMON_DEFAULT_HOST_PATHS,

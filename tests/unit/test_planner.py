@@ -50,17 +50,23 @@ def test_unbound_inference_pod_is_placed_on_all_four(seed_pods, node):
     assert p.device_uuids == tuple(UUIDS)
     assert p.env["NVIDIA_GPU_MEMORY_REQUEST"] == "40960" and p.env["NVIDIA_GPU_MEMORY_LIMIT"] == "61440"
     assert p.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=61440M,1=61440M,2=61440M,3=61440M"
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in p.env
+    # no portion written: the one KAI's scheduler would hand its binder,
+    # ceil(40960 / 81559 x 100) / 100 = 0.51, caps the sm-sharing namespace
+    assert p.portion == 0.51 and p.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "51"
+    assert p.mps.active_thread_percentage == 51
     assert p.placed_by_node
 
 
 def test_notebook_is_placed_on_two_gpus_time_slicing(seed_pods, node):
     p = plan_seed(seed_pods["notebook-time-slicing-2gpu"], node)
     assert len(p.devices) == 2 and p.compute_mode is ComputeMode.TIME_SLICING
-    assert p.env["NVIDIA_GPU_MEMORY_REQUEST"] == "40779"
-    assert p.env["NVIDIA_GPU_MEMORY_LIMIT"] == "65247"
-    assert p.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=65247M,1=65247M"
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in p.env
+    # KAI's binder reserve (1024 MiB) by default: floor((81559 - 1024) x 0.5),
+    # floor(80535 x 0.8), exactly what KAI's NvFractions binder writes
+    assert p.env["NVIDIA_GPU_MEMORY_REQUEST"] == "40267"
+    assert p.env["NVIDIA_GPU_MEMORY_LIMIT"] == "64428"
+    assert p.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=64428M,1=64428M"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in p.env  # time-slicing: no cap
+    assert p.portion == 0.5
     assert p.mounts[0].source == MpsLayout().pipe_dir(ComputeMode.TIME_SLICING)
 
 

@@ -135,13 +135,17 @@ class NoMetrics:
 def build_adjustment(plan_: ContainerPlan) -> Any:
     """The ``ContainerAdjustment`` of a plan: for each env key ``-KEY`` then
     ``KEY=value`` (plan order), and each mount as ``type: bind`` with
-    ``Mount.options`` (``rbind``, ``rw``/``ro``, ``nosuid``, ``nodev``)."""
+    ``Mount.options`` (``rbind``, ``rw``/``ro``, ``nosuid``, ``nodev``), and
+    each of the plan's CDI device names as ``CDI_devices`` (field 8, NRI
+    v0.7+; the runtime resolves it from its CDI spec dirs, ADR 0004)."""
     adj = nri_pb2.ContainerAdjustment()
     for key, value in plan_.env.items():
         adj.env.add(key="-" + key)
         adj.env.add(key=key, value=str(value))
     for m in plan_.mounts:
         adj.mounts.add(destination=m.destination, type="bind", source=m.source, options=list(m.options))
+    for name in plan_.cdi_devices:
+        adj.CDI_devices.add(name=name)
     return adj
 
 
