@@ -78,10 +78,11 @@ def test_demo_notebook_refused_then_placed(demo_run: subprocess.CompletedProcess
     assert f"GPU 0 ({UUIDS[0]}) is in sm-sharing mode for default/inference/app" in reason
     assert "this container wants time-slicing" in reason
     assert "container research/notebook/app: PLACED" in second
-    assert "NVIDIA_GPU_MEMORY_REQUEST=40779" in second  # floor(81559 * 0.5)
-    assert "NVIDIA_GPU_MEMORY_LIMIT=65247" in second  # floor(81559 * 0.8)
+    # KAI's binder reserve (1024 MiB per GPU) by default, as KAI writes them
+    assert "NVIDIA_GPU_MEMORY_REQUEST=40267" in second  # floor((81559 - 1024) * 0.5)
+    assert "NVIDIA_GPU_MEMORY_LIMIT=64428" in second  # floor((81559 - 1024) * 0.8)
     assert f"NVIDIA_VISIBLE_DEVICES={UUIDS[0]},{UUIDS[1]}" in second
-    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=65247M,1=65247M" in second
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=64428M,1=64428M" in second
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in second.split("GPU tenancy")[0]
     assert re.search(r"/mps/ts -> /tmp/nvidia-mps", second)
 

@@ -228,9 +228,9 @@ def test_pod_authored_values_of_our_keys_are_overridden(h):
 def test_unbound_pod_is_placed_by_the_node(h):
     pod, (ctr,) = _manifest("notebook-time-slicing-2gpu.yaml")
     env = effective_env(ctr, h.rt.create_container(pod, ctr))
-    assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "40779"
-    assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "65247"
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=65247M,1=65247M"
+    assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "40267"  # floor((81559 - 1024) * 0.5): KAI's reserve
+    assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "64428"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=64428M,1=64428M"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
     assert h.mps.named("ensure_namespace") == []  # time-slicing: no namespace
     assert len(h.ledger.tenancies()) == 2
