@@ -281,6 +281,7 @@ class Daemon:
         self.pod_source: Any = None
         self.pods_watcher: PodsFileWatcher | None = None
         self.events: Any = None
+        self.node_condition: Any = None
         self.nri_plugin: Any = None
         self.nri_stub: Any = None
         self.device_plugin: Any = None
@@ -425,6 +426,29 @@ class Daemon:
         log.info("refusals become Kubernetes Events", extra={
             "via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster", "doors": "nri"})
 
+    def _build_node_condition(self) -> None:
+        """KAI's readiness gate: publish ``--node-condition-types`` from
+        readiness when there is API access (ADR 0004)."""
+        from .nodecondition import NodeConditionPublisher, condition_from_checks
+
+        types = self.cfg.node_condition_types
+        if not types:
+            return
+        if not (self.cfg.kubeconfig or _in_cluster()) or not self.node_name:
+            log.info("node condition not published (no API access or no node name)", extra={"types": list(types)})
+            return
+        api_client = None  # in-cluster: loaded on the publisher's thread
+        if self.cfg.kubeconfig:
+            from kubernetes import config as kconfig
+
+            try:
+                api_client = kconfig.new_client_from_config(config_file=self.cfg.kubeconfig)
+            except Exception as exc:
+                raise StartupError(f"--kubeconfig {self.cfg.kubeconfig}: {exc}") from None
+        self.node_condition = NodeConditionPublisher(
+            api_client, self.node_name, lambda: condition_from_checks(self.checks()), types).start()
+        log.info("publishing the node condition KAI gates on", extra={"types": list(types), "node": self.node_name})
+
     def _refused_nri(self, pod: Any, container: str, err: Any) -> None:
         """``FracNriPlugin.on_refusal``: queue the refusal's Event (never blocks)."""
         if self.events is not None:
@@ -527,7 +551,7 @@ class Daemon:
                  ("metrics", self._build_metrics), ("mps", self._build_mps),
                  ("pod source", self._build_pod_source), ("events", self._build_events),
                  ("nri", self._build_nri), ("device plugin", self._build_device_plugin),
-                 ("health", self._build_health)]
+                 ("health", self._build_health), ("node condition", self._build_node_condition)]
         for name, step in steps:
             try:
                 step()
@@ -634,6 +658,7 @@ class Daemon:
                            {"kind": type(self.pod_source).__name__, "ready": bool(_call(self.pod_source, "ready")),
                             "pods": len(self.pod_source)}),
             "events": self._events_status(),
+            "node_condition": _call(self.node_condition, "status") if self.node_condition is not None else None,
             "endpoints": dict(self.endpoints),
             "ledger": {"path": self.cfg.ledger_path, "warnings": self.ledger_warnings},
             "config": self.cfg.to_dict(),
@@ -734,6 +759,8 @@ class Daemon:
             return left(reserve_for_mps) / max(n_left, 1)
 
         order: list[tuple[str, Callable[[], Any]]] = []
+        if self.node_condition is not None:  # first: KAI stops placing pods here before the doors close
+            order.append(("node condition", lambda: self.node_condition.stop(min(per_part(5), 2.0))))
         if self.device_plugin is not None:
             order.append(("device plugin", lambda: self.device_plugin.stop(per_part(4))))
         if self.nri_stub is not None:

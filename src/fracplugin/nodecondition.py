@@ -1,0 +1,364 @@
+"""The node condition KAI Scheduler gates fractional pods on (ADR 0004).
+
+In NvFractions mode KAI's scheduler places a fractional pod only on a node
+whose condition ``gpu-sharing.nvidia.com/Ready`` is True (an older KAI,
+kai-scheduler/api ``constants.NvFractionNodeReadyConditionType``, names it
+``gpu-fractioning.nvidia.com/Ready``); otherwise its fit error reads "node is
+not ready for fractional GPU scheduling. Condition <type> is <status>. Reason:
+<reason>" (KAI-Scheduler scheduler predicate tests). The node component KAI
+expects sets it; fracplugin is that component, so it publishes the condition
+from its own readiness:
+
+- ``True``, reason ``FracpluginReady``, when every enabled part is ready
+  (NRI synchronized, device plugin registered, MPS daemons healthy);
+- ``False`` with the reason of the first part that is not
+  (``NRINotReady``, ``DevicePluginNotReady``, ``MPSNotHealthy``,
+  ``ShuttingDown``) and a message made of every failing part's detail.
+
+How it is written: a strategic merge patch of the node's ``status`` subresource
+(``PATCH /api/v1/nodes/<node>/status``, ``application/strategic-merge-patch+json``);
+``NodeStatus.conditions`` merges on ``type``, so kubelet's own conditions and
+other components' are untouched. ``lastTransitionTime`` changes only when the
+status does (API conventions); at the first publish the node is read once
+(``GET /api/v1/nodes/<node>``) to keep an unchanged condition's transition
+time across daemon restarts (a 403 there is tolerated). ``lastHeartbeatTime``
+is refreshed every ``heartbeat_s`` even without a change. RBAC: nodes/status
+patch, nodes get (daemonset/rbac.yaml).
+
+Concurrency model: one background thread. The daemon's readiness function is
+polled every ``poll_s``; a new state is published once it has held for
+``debounce_s`` (a flapping probe does not turn into a patch storm); each patch
+is retried with tenacity (exponential backoff, ``retry_attempts`` tries) on
+connection errors, 5xx, 409 and 429, not on other 4xx (a missing RBAC rule is
+logged once per change and retried at the next heartbeat). Nothing here is on
+the container start path: the doors never wait for the API server.
+``stop`` publishes a last ``False`` (reason ``ShuttingDown``) within its time
+bound, so KAI stops placing fractional pods on a node whose doors are going
+away, then ends the thread. Counters are guarded by one lock.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import tenacity
+
+__all__ = [
+    "DEFAULT_CONDITION_TYPE",
+    "LEGACY_CONDITION_TYPE",
+    "ConditionState",
+    "NodeConditionPublisher",
+    "condition_from_checks",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONDITION_TYPE = "gpu-sharing.nvidia.com/Ready"
+"""The node condition KAI's NvFractions predicate reads (newest KAI)."""
+LEGACY_CONDITION_TYPE = "gpu-fractioning.nvidia.com/Ready"
+"""The type older KAI releases read (kai-scheduler/api constants.go)."""
+
+REASON_READY = "FracpluginReady"
+REASON_STOPPING = "ShuttingDown"
+#: readiness part (Daemon.checks keys) -> condition reason when it is not ready
+PART_REASONS = {
+    "daemon": REASON_STOPPING,
+    "nri": "NRINotReady",
+    "device_plugin": "DevicePluginNotReady",
+    "mps": "MPSNotHealthy",
+}
+MAX_MESSAGE = 1024
+
+
+@dataclass(frozen=True)
+class ConditionState:
+    """What the condition should say: ``ready`` (status True/False), a
+    CamelCase ``reason`` and a human ``message``."""
+
+    ready: bool
+    reason: str
+    message: str
+
+    @property
+    def status(self) -> str:
+        return "True" if self.ready else "False"
+
+
+def condition_from_checks(checks: Mapping[str, Mapping[str, Any]]) -> ConditionState:
+    """Daemon readiness (``{part: {"ready": bool, "detail": str}}``, the
+    ``/readyz`` checks) -> the condition.
+
+    Ready only when every part is ready (an empty mapping is not ready: no
+    door is serving). The reason is the first failing part's, in the order
+    ``daemon`` (shutting down), ``nri``, ``device_plugin``, ``mps``, then any
+    other part (``<Part>NotReady``); the message lists every failing part's
+    detail (``nri: not connected to /var/run/nri/nri.sock; mps: unhealthy:
+    sm-sharing``), at most 1024 characters.
+    """
+    if not checks:
+        return ConditionState(False, "NoDoorsEnabled", "fracplugin has no part enabled to serve fractional pods")
+    failing = [(p, c) for p, c in checks.items() if not c.get("ready")]
+    if not failing:
+        msg = "fracplugin ready: " + "; ".join(f"{p}: {c.get('detail', 'ready')}" for p, c in checks.items())
+        return ConditionState(True, REASON_READY, msg[:MAX_MESSAGE])
+    order = list(PART_REASONS)
+    failing.sort(key=lambda pc: order.index(pc[0]) if pc[0] in order else len(order))
+    first = failing[0][0]
+    reason = PART_REASONS.get(first) or ("".join(w.capitalize() for w in first.split("_")) + "NotReady")
+    msg = "; ".join(f"{p}: {c.get('detail', 'not ready')}" for p, c in failing)
+    return ConditionState(False, reason, msg[:MAX_MESSAGE])
+
+
+def _now_rfc3339() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _retryable(exc: BaseException) -> bool:
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and 400 <= status < 500:
+        return status in (409, 429)
+    return True
+
+
+class NodeConditionPublisher:
+    """Keeps the KAI readiness node condition(s) current from readiness.
+
+    Args:
+        api: a ``kubernetes.client.CoreV1Api``, a ``kubernetes.client.ApiClient``
+            (wrapped in a ``CoreV1Api``), or None to load the in-cluster
+            configuration (service account) when the thread starts.
+        node_name: the node whose status is patched.
+        readiness: returns the current ``ConditionState`` (cheap, never blocks;
+            the daemon passes ``condition_from_checks(self.checks())``).
+        types: condition types to publish, all with the same status
+            (default ``gpu-sharing.nvidia.com/Ready``).
+        poll_s: seconds between readiness polls.
+        debounce_s: seconds a new state must hold before it is published.
+        heartbeat_s: seconds between re-publishing an unchanged state
+            (``lastHeartbeatTime``); after a failed publish the next try
+            comes after min(heartbeat_s, 5) seconds.
+        request_timeout_s: bound of one API request, seconds.
+        retry_attempts: tries per publish (tenacity, exponential backoff
+            from ``retry_base_s``).
+
+    Raises ValueError for an empty ``types``, an empty ``node_name`` or
+    non-positive intervals.
+    """
+
+    def __init__(
+        self,
+        api: Any,
+        node_name: str,
+        readiness: Callable[[], ConditionState],
+        types: Sequence[str] = (DEFAULT_CONDITION_TYPE,),
+        *,
+        poll_s: float = 0.5,
+        debounce_s: float = 2.0,
+        heartbeat_s: float = 60.0,
+        request_timeout_s: float = 5.0,
+        retry_attempts: int = 4,
+        retry_base_s: float = 0.2,
+    ) -> None:
+        if not types:
+            raise ValueError("types must name at least one condition type")
+        if not node_name:
+            raise ValueError("node_name is empty: the node condition needs this node's name (--node-name)")
+        if min(poll_s, heartbeat_s, request_timeout_s) <= 0 or debounce_s < 0 or retry_attempts < 1:
+            raise ValueError("poll_s, heartbeat_s, request_timeout_s must be > 0, debounce_s >= 0, retry_attempts >= 1")
+        self._api = api
+        self.node_name = node_name
+        self.readiness = readiness
+        self.types = tuple(dict.fromkeys(types))
+        self.poll_s = poll_s
+        self.debounce_s = debounce_s
+        self.heartbeat_s = heartbeat_s
+        self.request_timeout_s = request_timeout_s
+        self.retry_attempts = retry_attempts
+        self.retry_base_s = retry_base_s
+        self.retry_s = min(heartbeat_s, 5.0)
+        self._core: Any = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._abort = threading.Event()  # ends retries at once (stop deadline passed)
+        self._thread: threading.Thread | None = None
+        self._published: ConditionState | None = None
+        self._published_at = 0.0
+        self._transitions: dict[str, tuple[str, str]] = {}  # type -> (status, lastTransitionTime)
+        self._read_node = True
+        self._patches = 0
+        self._failures = 0
+        self._last_error: str | None = None
+        self._logged_error: str | None = None
+
+    # ------------------------------------------------------------- lifecycle
+
+    def start(self) -> "NodeConditionPublisher":
+        """Start the publishing thread; returns self. RuntimeError when started twice."""
+        if self._thread is not None:
+            raise RuntimeError("NodeConditionPublisher already started")
+        self._thread = threading.Thread(target=self._run, name="fracplugin-nodecondition", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 2.0, message: str = "fracplugin is shutting down") -> bool:
+        """Publish ``False`` (reason ``ShuttingDown``) within ``timeout_s``
+        seconds, then end the thread. Returns True when the last publish
+        succeeded. Idempotent (later calls publish nothing)."""
+        if self._stop.is_set():
+            return False
+        self._stop.set()
+        deadline = time.monotonic() + timeout_s
+        if self._thread is not None:
+            self._thread.join(max(timeout_s / 2, 0.05))
+            if self._thread.is_alive():  # stuck in a retry: cut it short
+                self._abort.set()
+                self._thread.join(max(deadline - time.monotonic(), 0.05))
+        self._abort.clear()
+        ok = False
+        final = ConditionState(False, REASON_STOPPING, message)
+        timer = threading.Timer(max(deadline - time.monotonic(), 0.05), self._abort.set)
+        timer.daemon = True
+        timer.start()
+        try:
+            ok = self._publish(final, attempts=2, timeout_s=max(min(deadline - time.monotonic(), 2.0), 0.1))
+        finally:
+            timer.cancel()
+        return ok
+
+    def status(self) -> dict[str, Any]:
+        """``{"types", "node", "published": {status, reason, message} | None,
+        "patches", "failures", "last_error"}`` for ``/status``."""
+        with self._lock:
+            pub = self._published
+            return {
+                "types": list(self.types),
+                "node": self.node_name,
+                "published": None if pub is None else {"status": pub.status, "reason": pub.reason,
+                                                       "message": pub.message},
+                "patches": self._patches,
+                "failures": self._failures,
+                "last_error": self._last_error,
+            }
+
+    # ----------------------------------------------------------- worker side
+
+    def _run(self) -> None:
+        observed: ConditionState | None = None
+        changed_at = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                cur = self.readiness()
+            except Exception:  # a readiness bug must not end the thread
+                log.exception("node condition: readiness failed")
+                cur = ConditionState(False, "ReadinessUnknown", "fracplugin could not compute its readiness")
+            if cur != observed:
+                observed, changed_at = cur, now
+            with self._lock:
+                published, published_at = self._published, self._published_at
+            settled = now - changed_at >= self.debounce_s
+            try:
+                if published is None:
+                    # the first publish goes out at once (it replaces whatever a
+                    # previous daemon left); after a failure, retry every retry_s
+                    if published_at == 0.0 or now - published_at >= self.retry_s:
+                        self._publish(observed)
+                elif observed != published and settled:
+                    self._publish(observed)
+                elif now - published_at >= self.heartbeat_s:
+                    self._publish(published)
+            except Exception:  # never let the thread die
+                log.exception("node condition: unexpected error")
+            self._stop.wait(self.poll_s)
+
+    def _client(self) -> Any:
+        if self._core is None:
+            from kubernetes import client as kclient
+
+            if self._api is None:
+                from kubernetes import config as kconfig
+
+                kconfig.load_incluster_config()
+                self._core = kclient.CoreV1Api()
+            elif isinstance(self._api, kclient.ApiClient):
+                self._core = kclient.CoreV1Api(self._api)
+            else:
+                self._core = self._api
+        return self._core
+
+    def _body(self, state: ConditionState) -> dict[str, Any]:
+        now = _now_rfc3339()
+        conditions = []
+        for t in self.types:
+            prev = self._transitions.get(t)
+            transition = prev[1] if prev is not None and prev[0] == state.status else now
+            self._transitions[t] = (state.status, transition)
+            conditions.append({"type": t, "status": state.status, "reason": state.reason,
+                               "message": state.message, "lastHeartbeatTime": now,
+                               "lastTransitionTime": transition})
+        return {"status": {"conditions": conditions}}
+
+    def _learn_transitions(self, core: Any) -> None:
+        """Once: keep the transition time of conditions already on the node."""
+        self._read_node = False
+        try:
+            node = core.read_node(self.node_name, _request_timeout=self.request_timeout_s)
+        except Exception as exc:
+            log.info("node condition: cannot read node %s (%s); transition times start now",
+                     self.node_name, getattr(exc, "reason", None) or exc)
+            return
+        for c in (getattr(getattr(node, "status", None), "conditions", None) or []):
+            if c.type in self.types and c.status and c.last_transition_time:
+                ts = c.last_transition_time
+                text = ts.astimezone(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if hasattr(ts, "astimezone") else str(ts)
+                self._transitions[c.type] = (c.status, text)
+
+    def _publish(self, state: ConditionState, attempts: int | None = None, timeout_s: float | None = None) -> bool:
+        """Patch the node's status; returns True on success. Never raises."""
+        timeout = timeout_s or self.request_timeout_s
+
+        def once() -> None:
+            core = self._client()
+            if self._read_node:
+                self._learn_transitions(core)
+            core.patch_node_status(self.node_name, self._body(state), _request_timeout=timeout,
+                                   _content_type="application/strategic-merge-patch+json")
+
+        retry = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(attempts or self.retry_attempts) | tenacity.stop_when_event_set(self._abort),
+            wait=tenacity.wait_exponential(multiplier=self.retry_base_s, max=5.0),
+            retry=tenacity.retry_if_exception(_retryable),
+            sleep=lambda s: self._abort.wait(s) and None,
+            reraise=True,
+        )
+        try:
+            retry(once)
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {getattr(exc, 'status', '')} {getattr(exc, 'reason', '') or exc}".strip()
+            with self._lock:
+                self._failures += 1
+                self._last_error = text
+                self._published = None
+                self._published_at = time.monotonic()
+            if text != self._logged_error:
+                self._logged_error = text
+                hint = " (RBAC: the service account needs nodes/status patch)" if getattr(exc, "status", None) == 403 else ""
+                log.warning("node condition: patching node %s failed: %s%s", self.node_name, text, hint,
+                            extra={"types": list(self.types), "status": state.status, "reason": state.reason})
+            return False
+        with self._lock:
+            changed = self._published != state
+            self._published = state
+            self._published_at = time.monotonic()
+            self._patches += 1
+            self._last_error = None
+        self._logged_error = None
+        if changed:
+            log.info("node condition %s", state.status, extra={
+                "node": self.node_name, "types": list(self.types), "reason": state.reason, "detail": state.message})
+        return True
