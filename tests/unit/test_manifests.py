@@ -64,6 +64,10 @@ CONFIG_FILE = CONFIG_MOUNT + "/config.yaml"
 RBAC_NEEDED: dict[tuple[str, str], set[str]] = {
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"},
+    # KAI's readiness gate (ADR 0004): the node condition, and one read of the
+    # node to keep its transition time across restarts
+    ("", "nodes"): {"get"},
+    ("", "nodes/status"): {"patch"},
 }
 
 Manifests = dict[str, list[dict[str, Any]]]

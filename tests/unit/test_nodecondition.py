@@ -1,0 +1,169 @@
+"""nodecondition: readiness -> the KAI node condition; publisher debounce,
+retries and shutdown, against an in-memory stand-in for CoreV1Api (the
+publisher's peer; the subject itself is real)."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import pytest
+
+from fracplugin import config as c
+from fracplugin.config import ConfigError
+from fracplugin.nodecondition import (
+    DEFAULT_CONDITION_TYPE,
+    ConditionState,
+    NodeConditionPublisher,
+    condition_from_checks,
+)
+
+
+def test_all_ready_is_true() -> None:
+    s = condition_from_checks({"nri": {"ready": True, "detail": "synchronized with the runtime"},
+                               "mps": {"ready": True, "detail": "every daemon healthy"}})
+    assert (s.ready, s.status, s.reason) == (True, "True", "FracpluginReady")
+    assert "nri: synchronized with the runtime" in s.message
+
+
+@pytest.mark.parametrize("checks,reason", [
+    ({"nri": {"ready": False, "detail": "not connected to /x"}, "mps": {"ready": True}}, "NRINotReady"),
+    ({"device_plugin": {"ready": False, "detail": "not registered"}}, "DevicePluginNotReady"),
+    ({"nri": {"ready": True}, "mps": {"ready": False, "detail": "unhealthy: sm-sharing"}}, "MPSNotHealthy"),
+    ({"mps": {"ready": False}, "nri": {"ready": False}, "daemon": {"ready": False, "detail": "shutting down"}},
+     "ShuttingDown"),
+    ({"mps": {"ready": False}, "nri": {"ready": False}}, "NRINotReady"),  # fixed order, not dict order
+    ({"pod_watch": {"ready": False, "detail": "x"}}, "PodWatchNotReady"),
+    ({}, "NoDoorsEnabled"),
+])
+def test_not_ready_reason_and_message(checks, reason) -> None:
+    s = condition_from_checks(checks)
+    assert s.status == "False" and s.reason == reason
+    for part, c in checks.items():
+        if not c.get("ready") and c.get("detail"):
+            assert f"{part}: {c['detail']}" in s.message
+
+
+class Core:
+    """In-memory node status: records patches, fails on demand."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        self.fail: list[Exception] = []
+        self.lock = threading.Lock()
+
+    def read_node(self, name: str, **kw):  # no prior condition
+        raise ApiError(404)
+
+    def patch_node_status(self, name: str, body: dict, **kw) -> None:
+        assert kw.get("_content_type") == "application/strategic-merge-patch+json"
+        with self.lock:
+            if self.fail:
+                raise self.fail.pop(0)
+            self.bodies.append(body)
+
+    def statuses(self) -> list[str]:
+        with self.lock:
+            return [b["status"]["conditions"][0]["status"] for b in self.bodies]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.reason = "Injected"
+
+
+def wait(pred, timeout_s=5.0):
+    end = time.monotonic() + timeout_s
+    while not pred() and time.monotonic() < end:
+        time.sleep(0.01)
+    return pred()
+
+
+def test_a_flap_shorter_than_the_debounce_is_not_published() -> None:
+    core, cur = Core(), {"s": ConditionState(True, "FracpluginReady", "ok")}
+    p = NodeConditionPublisher(core, "n", lambda: cur["s"], poll_s=0.01, debounce_s=2.0, heartbeat_s=60).start()
+    try:
+        assert wait(lambda: core.statuses() == ["True"])
+        cur["s"] = ConditionState(False, "MPSNotHealthy", "mps: down")
+        time.sleep(0.1)
+        cur["s"] = ConditionState(True, "FracpluginReady", "ok")
+        time.sleep(0.3)
+        assert core.statuses() == ["True"]  # the 0.1 s dip never reached the API
+        cur["s"] = ConditionState(False, "MPSNotHealthy", "mps: down")
+        assert wait(lambda: core.statuses() == ["True", "False"], 15)
+    finally:
+        p.stop(1.0)
+    assert core.bodies[-1]["status"]["conditions"][0]["reason"] == "ShuttingDown"
+
+
+def test_transition_time_moves_only_with_the_status() -> None:
+    core, cur = Core(), {"s": ConditionState(False, "NRINotReady", "a")}
+    p = NodeConditionPublisher(core, "n", lambda: cur["s"], poll_s=0.01, debounce_s=0, heartbeat_s=60).start()
+    try:
+        assert wait(lambda: len(core.bodies) == 1)
+        cur["s"] = ConditionState(False, "MPSNotHealthy", "b")  # same status, new reason
+        assert wait(lambda: len(core.bodies) == 2)
+    finally:
+        p.stop(1.0)
+    c0, c1 = (b["status"]["conditions"][0] for b in core.bodies[:2])
+    assert c1["reason"] == "MPSNotHealthy" and c1["lastTransitionTime"] == c0["lastTransitionTime"]
+
+
+def test_server_errors_are_retried_forbidden_is_not() -> None:
+    core = Core()
+    core.fail = [ApiError(500), ConnectionError("refused")]
+    p = NodeConditionPublisher(core, "n", lambda: ConditionState(True, "R", "m"), poll_s=0.01,
+                               retry_base_s=0.01).start()
+    try:
+        assert wait(lambda: core.statuses() == ["True"])
+        assert p.status()["failures"] == 0 and p.status()["patches"] == 1
+    finally:
+        p.stop(0.5)
+    core2 = Core()
+    core2.fail = [ApiError(403)] * 50
+    p2 = NodeConditionPublisher(core2, "n", lambda: ConditionState(True, "R", "m"), poll_s=0.01,
+                                retry_base_s=0.01).start()
+    try:
+        assert wait(lambda: p2.status()["failures"] == 1)
+        time.sleep(0.2)
+        assert len(core2.fail) == 49  # one request, no tenacity retry on 403
+        assert "403" in p2.status()["last_error"]
+    finally:
+        p2.stop(0.3)
+
+
+def test_every_type_gets_the_same_condition() -> None:
+    core = Core()
+    p = NodeConditionPublisher(core, "n", lambda: ConditionState(True, "R", "m"),
+                               types=(DEFAULT_CONDITION_TYPE, "gpu-fractioning.nvidia.com/Ready"), poll_s=0.01).start()
+    try:
+        assert wait(lambda: core.bodies)
+    finally:
+        p.stop(0.5)
+    types = [c["type"] for c in core.bodies[0]["status"]["conditions"]]
+    assert types == ["gpu-sharing.nvidia.com/Ready", "gpu-fractioning.nvidia.com/Ready"]
+
+
+@pytest.mark.parametrize("kwargs", [{"types": ()}, {"node_name": ""}, {"poll_s": 0}, {"debounce_s": -1}])
+def test_bad_arguments(kwargs) -> None:
+    args = {"api": Core(), "node_name": "n", "readiness": lambda: ConditionState(True, "R", "m"), **kwargs}
+    with pytest.raises(ValueError):
+        NodeConditionPublisher(**args)
+
+
+def load(argv: list[str], env: dict[str, str]):
+    p = argparse.ArgumentParser()
+    c.add_arguments(p)
+    return c.load(p.parse_args(argv), env)
+
+
+def test_condition_types_setting() -> None:
+    cfg, _ = load(["--node-condition-types", "gpu-sharing.nvidia.com/Ready,gpu-fractioning.nvidia.com/Ready"], {})
+    assert cfg.node_condition_types == ("gpu-sharing.nvidia.com/Ready", "gpu-fractioning.nvidia.com/Ready")
+    assert load([], {})[0].node_condition_types == ("gpu-sharing.nvidia.com/Ready",)
+    assert load(["--node-condition-types", ""], {})[0].node_condition_types == ()
+    with pytest.raises(ConfigError, match=r"--node-condition-types .*'bad type!'.*not a condition type"):
+        load(["--node-condition-types", "bad type!"], {})
