@@ -182,8 +182,10 @@ class Containerd:
         """Write config.toml from containerd-config.toml.tmpl; return its path."""
         tmpl = string.Template((HERE / "containerd-config.toml.tmpl").read_text())
         for d in ("root", "state", "tmp", "opt", "nri/plugins", "nri/conf.d", "cni/bin",
-                  "cni/net.d", "certs.d", "logs"):
+                  "cni/net.d", "certs.d", "logs", "cdi"):
             (self.base / d).mkdir(parents=True, exist_ok=True)
+        for spec in (HERE / "cdi").glob("*.yaml"):  # CDI specs for the CDI-name test (ADR 0004)
+            shutil.copyfile(spec, self.base / "cdi" / spec.name)
         text = tmpl.substitute(
             root=self.base / "root", state=self.state, tmp=self.base / "tmp", base=self.base,
             sock=self.sock, nri_sock=self.nri_sock, log_level=self.log_level,

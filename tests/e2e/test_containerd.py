@@ -355,6 +355,22 @@ def test_limit_below_request_is_refused(ctrd, daemon, pods):
     pods.remove_all()
 
 
+def test_kai_cdi_device_names_are_injected_by_the_runtime(ctrd, daemon, pods):
+    """KAI's binder with cdiEnabled writes ``k8s.device-plugin.nvidia.com/gpu=<UUID>``
+    devices: fracplugin puts them in the adjustment's CDI devices and containerd
+    applies that CDI spec (tests/e2e/cdi/: one env variable per GPU), next to the
+    contract env (ADR 0004; tests/fixtures/kai/, case inference/newest-binder-reserve-1Gi-cdi)."""
+    ann = _bound_annotations()
+    ann[ANN + "gpus.devices"] = ",".join(f"k8s.device-plugin.nvidia.com/gpu={u}" for u in EXPECTED_UUIDS)
+    pid, cfg = pods.run("kai-cdi", ann)
+    cid = pods.create_and_start(pid, cfg)
+    env = h.container_env(ctrd, cid)
+    _assert_contract(env, h.container_mountpoints(ctrd, cid))
+    assert [env.get(f"FP_CDI_GPU{i}") for i in range(4)] == EXPECTED_UUIDS, env
+    pods.remove_all()
+    _wait_ledger_empty(daemon)
+
+
 def test_unannotated_pod_is_untouched(ctrd, daemon, pods):
     """Without annotations the container's env has none of the contract keys and no pipe mount."""
     pid, cfg = pods.run("plain", {})
