@@ -141,6 +141,14 @@ def render_table(doc: Mapping[str, Any]) -> str:
                 f"{k} {ev.get(k, 0)}" for k in ("sent", "failed", "dropped", "suppressed", "queued")))
         else:
             out.append("Kubernetes Events for refusals: off (no API access, or the NRI door is off)")
+    nc = doc.get("node_condition")
+    if isinstance(nc, dict):  # KAI's readiness gate (ADR 0004)
+        pub = nc.get("published") or {}
+        out.append("")
+        out.append(f"node condition {', '.join(nc.get('types') or [])}: "
+                   + (f"{pub.get('status')} ({pub.get('reason')})" if pub else "not published")
+                   + f"  patches {nc.get('patches', 0)}  failures {nc.get('failures', 0)}"
+                   + (f"  last error: {nc['last_error']}" if nc.get("last_error") else ""))
     eps = doc.get("endpoints") or {}
     if eps:
         out.append("")

@@ -167,3 +167,18 @@ def test_condition_types_setting() -> None:
     assert load(["--node-condition-types", ""], {})[0].node_condition_types == ()
     with pytest.raises(ConfigError, match=r"--node-condition-types .*'bad type!'.*not a condition type"):
         load(["--node-condition-types", "bad type!"], {})
+
+
+def test_status_table_shows_the_node_condition() -> None:
+    from fracplugin.status import render_table
+
+    doc = {"node": "n1", "version": "0", "pid": 1, "ready": False, "checks": {}, "doors": {}, "gpus": [],
+           "mps": {"enabled": False, "daemons": []},
+           "node_condition": {"types": ["gpu-sharing.nvidia.com/Ready"], "patches": 3, "failures": 1,
+                              "published": {"status": "False", "reason": "MPSNotHealthy", "message": "mps: x"},
+                              "last_error": None}}
+    out = render_table(doc)
+    assert "node condition gpu-sharing.nvidia.com/Ready: False (MPSNotHealthy)  patches 3  failures 1" in out
+    doc["node_condition"].update(published=None, last_error="ApiException: 403 Forbidden")
+    out = render_table(doc)
+    assert "not published" in out and "last error: ApiException: 403 Forbidden" in out
