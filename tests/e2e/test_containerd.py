@@ -359,13 +359,17 @@ def test_kai_cdi_device_names_are_injected_by_the_runtime(ctrd, daemon, pods):
     """KAI's binder with cdiEnabled writes ``k8s.device-plugin.nvidia.com/gpu=<UUID>``
     devices: fracplugin puts them in the adjustment's CDI devices and containerd
     applies that CDI spec (tests/e2e/cdi/: one env variable per GPU), next to the
-    contract env (ADR 0004; tests/fixtures/kai/, case inference/newest-binder-reserve-1Gi-cdi)."""
-    ann = _bound_annotations()
-    ann[ANN + "gpus.devices"] = ",".join(f"k8s.device-plugin.nvidia.com/gpu={u}" for u in EXPECTED_UUIDS)
+    contract env (ADR 0004; tests/fixtures/kai/, the ``-cdi`` cases). Time-slicing,
+    so that no MPS namespace is involved: this is about the runtime's CDI path."""
+    ann = {ANN + "gpu-memory.request": "10Gi", ANN + "gpu-compute.mode": "time-slicing",
+           ANN + "gpus.devices": ",".join(f"k8s.device-plugin.nvidia.com/gpu={u}" for u in EXPECTED_UUIDS)}
     pid, cfg = pods.run("kai-cdi", ann)
     cid = pods.create_and_start(pid, cfg)
     env = h.container_env(ctrd, cid)
-    _assert_contract(env, h.container_mountpoints(ctrd, cid))
+    assert env.get("NVIDIA_VISIBLE_DEVICES", "").split(",") == EXPECTED_UUIDS
+    assert (env.get("NVIDIA_GPU_MEMORY_REQUEST"), env.get("NVIDIA_GPU_MEMORY_LIMIT")) == ("10240", "10240")
+    assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == "0=10240M,1=10240M,2=10240M,3=10240M"
+    assert PIPE_DIR in h.container_mountpoints(ctrd, cid)
     assert [env.get(f"FP_CDI_GPU{i}") for i in range(4)] == EXPECTED_UUIDS, env
     pods.remove_all()
     _wait_ledger_empty(daemon)
