@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup test unit component proto demo interop e2e bench ci clean gpu-check gpu-check-wheels
+.PHONY: setup test unit component proto demo interop e2e kai-e2e bench ci clean gpu-check gpu-check-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ interop: setup
 ## e2e: real containerd + runc + crictl with our plugin attached (needs root)
 e2e: setup
 	bash tests/e2e/run.sh
+
+## kai-e2e: KAI's node condition against a real etcd + kube-apiserver (binaries from the kubelet-e2e build cache)
+kai-e2e: setup
+	$(PY) tests/kai_e2e/run.py
 
 ## bench: benchmarks; writes build/bench.json
 bench: setup

@@ -11,11 +11,13 @@ What it needs: an admin kubeconfig of a running kube-apiserver (etcd behind
 it; no kubelet, scheduler or controller-manager needed) in
 ``FRACPLUGIN_KAI_E2E_KUBECONFIG``. The test creates its own Node object
 (``fp-kai-e2e-<pid>``; its status is written through ``nodes/status``) and
-deletes it at the end. Issue #11's harness (tests/kubelet_e2e/cluster.py)
-provides exactly this: point the variable at ``Cluster.kubeconfig``, or call
-``run_scenario(kubeconfig_path, workdir)`` from a test there. Not part of
-``make test``: without the variable the test is skipped (fails under
-``FRACPLUGIN_E2E_REQUIRED=1``), never silently passed.
+deletes it at the end. ``make kai-e2e`` (tests/kai_e2e/run.py) starts a
+real etcd + kube-apiserver from the kubelet-e2e build cache and runs this
+module against it; issue #11's harness (tests/kubelet_e2e/cluster.py) can
+instead point the variable at ``Cluster.kubeconfig`` or call
+``run_scenario(kubeconfig_path, workdir)``. Not part of ``make test``:
+without the variable the test is skipped (fails under
+``FRACPLUGIN_E2E_REQUIRED=1``, which run.py sets), never silently passed.
 """
 
 from __future__ import annotations
