@@ -118,7 +118,7 @@ class Config:
     annotation_prefix: str = "nvidia.com/container."
     reserve_mib: int = 1024  # KAI's binder reserve per GPU (planner.DEFAULT_RESERVE_MIB)
     no_cdi_devices: bool = False
-    # KAI readiness gate (ADR 0004): node condition types published from readiness
+    # KAI readiness gate (ADR 0005): node condition types published from readiness
     node_condition_types: tuple[str, ...] = ("gpu-sharing.nvidia.com/Ready",)
     max_clients_per_gpu: int = 48
     fail_open: bool = False

@@ -428,7 +428,7 @@ class Daemon:
 
     def _build_node_condition(self) -> None:
         """KAI's readiness gate: publish ``--node-condition-types`` from
-        readiness when there is API access (ADR 0004)."""
+        readiness when there is API access (ADR 0005)."""
         from .nodecondition import NodeConditionPublisher, condition_from_checks
 
         types = self.cfg.node_condition_types

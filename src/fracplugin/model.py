@@ -238,7 +238,7 @@ class ContainerPlan:
     ``cdi_devices`` are the fully qualified CDI device names the scheduler
     wrote in ``.gpus.devices`` (e.g. ``k8s.device-plugin.nvidia.com/gpu=GPU-...``),
     verbatim, for the NRI adjustment's ``CDI_devices`` (empty for UUIDs or
-    indices; ADR 0004). ``portion`` is the compute portion in (0, 1] the plan
+    indices; ADR 0005). ``portion`` is the compute portion in (0, 1] the plan
     used: the annotation's, or the one derived the way KAI derives it
     (``planner.kai_compute_portion``); None when none applies.
     """

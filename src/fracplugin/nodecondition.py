@@ -1,4 +1,4 @@
-"""The node condition KAI Scheduler gates fractional pods on (ADR 0004).
+"""The node condition KAI Scheduler gates fractional pods on (ADR 0005).
 
 In NvFractions mode KAI's scheduler places a fractional pod only on a node
 whose condition ``gpu-sharing.nvidia.com/Ready`` is True (an older KAI,

@@ -20,7 +20,7 @@ Rules (DESIGN.md section 4; gpu-fractioning-reference.md section 3):
 - fractions resolve against GPU memory minus ``reserve_mib`` (1024 by default,
   KAI's binder reserve); a container without ``.gpu-compute.portion`` gets the
   portion KAI would write (``kai_compute_portion``), which caps sm-sharing;
-- devices written as CDI names are also passed on as CDI devices (ADR 0004).
+- devices written as CDI names are also passed on as CDI devices (ADR 0005).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class PlannerConfig:
             active thread percentage is carried by the env only.
         cdi_devices: True: devices written as CDI names are also requested
             as CDI devices in the NRI adjustment (needs containerd 2.1+ or
-            CRI-O 1.34+, nri-protocol.md 1.10); False: env only (ADR 0004).
+            CRI-O 1.34+, nri-protocol.md 1.10); False: env only (ADR 0005).
     """
 
     reserve_mib: int = DEFAULT_RESERVE_MIB

@@ -142,7 +142,7 @@ def render_table(doc: Mapping[str, Any]) -> str:
         else:
             out.append("Kubernetes Events for refusals: off (no API access, or the NRI door is off)")
     nc = doc.get("node_condition")
-    if isinstance(nc, dict):  # KAI's readiness gate (ADR 0004)
+    if isinstance(nc, dict):  # KAI's readiness gate (ADR 0005)
         pub = nc.get("published") or {}
         out.append("")
         out.append(f"node condition {', '.join(nc.get('types') or [])}: "

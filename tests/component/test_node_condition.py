@@ -1,7 +1,7 @@
 """The node condition KAI gates fractional pods on, published by the real
 daemon (``fracplugin run`` subprocess) through a kubeconfig to an HTTP stand-in
 for the API server that keeps a Node and applies strategic merge patches of
-``status.conditions`` by ``type`` (issue #18, ADR 0004).
+``status.conditions`` by ``type`` (issue #18, ADR 0005).
 
 The real-apiserver version of this test is ``tests/kai_e2e/`` (needs the
 kube-apiserver + etcd harness of issue #11).

@@ -184,7 +184,7 @@ class Containerd:
         for d in ("root", "state", "tmp", "opt", "nri/plugins", "nri/conf.d", "cni/bin",
                   "cni/net.d", "certs.d", "logs", "cdi"):
             (self.base / d).mkdir(parents=True, exist_ok=True)
-        for spec in (HERE / "cdi").glob("*.yaml"):  # CDI specs for the CDI-name test (ADR 0004)
+        for spec in (HERE / "cdi").glob("*.yaml"):  # CDI specs for the CDI-name test (ADR 0005)
             shutil.copyfile(spec, self.base / "cdi" / spec.name)
         text = tmpl.substitute(
             root=self.base / "root", state=self.state, tmp=self.base / "tmp", base=self.base,

@@ -359,7 +359,7 @@ def test_kai_cdi_device_names_are_injected_by_the_runtime(ctrd, daemon, pods):
     """KAI's binder with cdiEnabled writes ``k8s.device-plugin.nvidia.com/gpu=<UUID>``
     devices: fracplugin puts them in the adjustment's CDI devices and containerd
     applies that CDI spec (tests/e2e/cdi/: one env variable per GPU), next to the
-    contract env (ADR 0004; tests/fixtures/kai/, the ``-cdi`` cases). Time-slicing,
+    contract env (ADR 0005; tests/fixtures/kai/, the ``-cdi`` cases). Time-slicing,
     so that no MPS namespace is involved: this is about the runtime's CDI path."""
     ann = {ANN + "gpu-memory.request": "10Gi", ANN + "gpu-compute.mode": "time-slicing",
            ANN + "gpus.devices": ",".join(f"k8s.device-plugin.nvidia.com/gpu={u}" for u in EXPECTED_UUIDS)}

@@ -1,4 +1,4 @@
-"""KAI Scheduler NvFractions defaults on the node (issue #18, ADR 0004).
+"""KAI Scheduler NvFractions defaults on the node (issue #18, ADR 0005).
 
 - the per-GPU reserve is KAI's binder reserve (1024 MiB) by default;
 - a container without ``.gpu-compute.portion`` gets the portion KAI would

@@ -1,5 +1,5 @@
 """daemonset/kai/: the GpuSharingConfig KAI's operator waits for in NvFractions
-mode (ADR 0004). The group/version/kind/name are the ones KAI's operator reads
+mode (ADR 0005). The group/version/kind/name are the ones KAI's operator reads
 (KAI-Scheduler pkg/operator/operands/gpu_sharing/gpu_sharing.go:
 gpu-sharing.kai.scheduler/v1alpha1 GpuSharingConfig "default", older
 gpu-fractioning.kai.scheduler/v1alpha1 GpuFractioningConfig), and Ready=True

@@ -64,7 +64,7 @@ CONFIG_FILE = CONFIG_MOUNT + "/config.yaml"
 RBAC_NEEDED: dict[tuple[str, str], set[str]] = {
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"},
-    # KAI's readiness gate (ADR 0004): the node condition, and one read of the
+    # KAI's readiness gate (ADR 0005): the node condition, and one read of the
     # node to keep its transition time across restarts
     ("", "nodes"): {"get"},
     ("", "nodes/status"): {"patch"},

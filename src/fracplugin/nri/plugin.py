@@ -137,7 +137,7 @@ def build_adjustment(plan_: ContainerPlan) -> Any:
     ``KEY=value`` (plan order), and each mount as ``type: bind`` with
     ``Mount.options`` (``rbind``, ``rw``/``ro``, ``nosuid``, ``nodev``), and
     each of the plan's CDI device names as ``CDI_devices`` (field 8, NRI
-    v0.7+; the runtime resolves it from its CDI spec dirs, ADR 0004)."""
+    v0.7+; the runtime resolves it from its CDI spec dirs, ADR 0005)."""
     adj = nri_pb2.ContainerAdjustment()
     for key, value in plan_.env.items():
         adj.env.add(key="-" + key)
