@@ -347,6 +347,7 @@ class Daemon:
             log.warning("metrics unavailable: %s", exc)
             return
         self.metrics = Metrics(ledger=self.ledger, inventory=self.inventory, node=self.node)
+        self.metrics.attach_state(self.metric_state)
         host, port = configmod.parse_address(self.cfg.metrics_address)
         try:
             bound = self.metrics.serve(self.cfg.metrics_address)
@@ -609,6 +610,35 @@ class Daemon:
         if self._stopping.is_set():
             out["daemon"] = {"ready": False, "detail": "shutting down"}
         return out
+
+    def metric_state(self) -> dict[str, Any]:
+        """What ``Metrics.attach_state`` exports at scrape time: NRI connected /
+        synchronized / unadjusted containers (None when the door is off or not
+        started), device plugin registered (likewise), and per GPU whether the
+        device plugin reports it Healthy (critical XID or its mode's MPS daemon
+        down; without the device plugin door: its mode's MPS daemon)."""
+        nri = None
+        if self.nri_stub is not None:
+            st = _call(self.nri_plugin, "status") if self.nri_plugin is not None else None
+            nri = {"connected": bool(_call(self.nri_stub, "connected")),
+                   "synchronized": bool(_call(self.nri_stub, "ready")),
+                   "unadjusted": len(st.get("unadjusted") or ()) if isinstance(st, dict) else 0}
+        dp = None if self.device_plugin is None else {"registered": bool(_call(self.device_plugin, "registered"))}
+        healthy: dict[str, bool] = {}
+        monitor = getattr(self.device_plugin, "health", None)
+        if self.node is not None and self.ledger is not None:
+            for g in self.node.gpus:
+                if monitor is not None and callable(getattr(monitor, "health", None)):
+                    healthy[g.uuid] = bool(monitor.health(g.uuid).healthy)
+                else:
+                    tenants = self.ledger.tenants(g.uuid)
+                    mode = tenants[0].mode if tenants else None
+                    try:
+                        healthy[g.uuid] = (mode is None or self.cfg.no_mps or self.mps is None
+                                           or bool(self.mps.healthy(mode)))
+                    except Exception:
+                        healthy[g.uuid] = False
+        return {"nri": nri, "device_plugin": dp, "gpu_healthy": healthy}
 
     def status(self) -> dict[str, Any]:
         """The ``/status`` document (see status.py for the rendering)."""

@@ -22,7 +22,18 @@ per container and GPU, labels ``namespace, pod, pod_uid, container, gpu_uuid, gp
 per GPU, labels ``gpu_uuid, gpu_index``:
   fracplugin_gpu_tenants                           ledger tenancies on the GPU
   fracplugin_gpu_memory_held_bytes                 ledger held MiB x 2^20
+  fracplugin_gpu_memory_total_bytes                the GPU's memory (inventory MiB x 2^20)
   fracplugin_gpu_compute_mode_info                 1, label ``mode`` = time-slicing | sm-sharing | none
+  fracplugin_gpu_healthy                           1 Healthy, 0 Unhealthy (what the device plugin tells
+                                                   kubelet: critical XID or the MPS daemon of its mode
+                                                   down); only with ``attach_state``
+doors (only with ``attach_state``; a series is absent while its door is off):
+  fracplugin_nri_connected                         1 while the NRI plugin is connected to the runtime
+  fracplugin_nri_synchronized                      1 once the runtime's Synchronize rebuilt the ledger
+  fracplugin_nri_unadjusted_containers             running containers that the last Synchronize found
+                                                   without the env the ledger's plan gives them (the
+                                                   ledger and the runtime disagree)
+  fracplugin_device_plugin_registered              1 while registered with kubelet
 per MPS daemon, label ``mode``:
   fracplugin_mps_daemon_up                         1 when healthy (probe answered), else 0
   fracplugin_mps_daemon_restarts_total             restarts since fracplugin started (counter)
@@ -51,7 +62,7 @@ import math
 import socket
 import threading
 from wsgiref.simple_server import WSGIRequestHandler, make_server
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import ThreadingWSGIServer
@@ -116,6 +127,7 @@ class Metrics:
         self.inventory = inventory
         self._node = node
         self.mps = mps
+        self.state: Callable[[], Mapping[str, Any]] | None = None
         self.procfs = ProcFs(proc_root)
         self._lock = threading.Lock()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
@@ -146,6 +158,15 @@ class Metrics:
     def attach_mps(self, mps: Any) -> None:
         """Set the MPS supervisor whose ``status()`` feeds the daemon series."""
         self.mps = mps
+
+    def attach_state(self, state: Callable[[], Mapping[str, Any]]) -> None:
+        """Set the source of the door and GPU health series, called at scrape time.
+
+        ``state()`` returns ``{"nri": {"connected": bool, "synchronized": bool,
+        "unadjusted": int} | None, "device_plugin": {"registered": bool} | None,
+        "gpu_healthy": {gpu_uuid: bool}}``; a None door emits no series (door
+        off). An exception skips these series for that scrape only."""
+        self.state = state
 
     # -- exposition ------------------------------------------------------------------
     def render(self) -> bytes:
@@ -366,9 +387,16 @@ class _Collector(Collector):
                 tenants.add_metric(labels, float(len(ts)))
                 held.add_metric(labels, float(sum(t.request_mib for t in ts) * MIB))
                 mode.add_metric([*labels, ts[0].mode.value if ts else "none"], 1.0)
+        total = GaugeMetricFamily("fracplugin_gpu_memory_total_bytes", "GPU memory of the GPU (inventory).",
+                                  labels=GPU_LABELS)
+        if node is not None:
+            for g in node.gpus:
+                total.add_metric([g.uuid, str(g.index)], float(g.memory_mib * MIB))
         yield tenants
         yield held
+        yield total
         yield mode
+        yield from self._state(node)
 
         entries = GaugeMetricFamily("fracplugin_ledger_entries", "Tenancies recorded in the ledger.")
         entries.add_metric([], float(len(tenancies)))
@@ -380,6 +408,40 @@ class _Collector(Collector):
         yield fails
 
         yield from self._daemons(status)
+
+    def _state(self, node: NodeInfo | None) -> Iterator[Metric]:
+        """Door and GPU health series from ``Metrics.state`` (see ``attach_state``)."""
+        if self.m.state is None:
+            return
+        try:
+            st = self.m.state() or {}
+        except Exception as e:
+            log.warning("metrics: daemon state failed: %s", e)
+            return
+        healthy = st.get("gpu_healthy") or {}
+        if node is not None and healthy:
+            fam = GaugeMetricFamily("fracplugin_gpu_healthy",
+                                    "1 when the GPU is Healthy at the device plugin, 0 when Unhealthy.", labels=GPU_LABELS)
+            for g in node.gpus:
+                if g.uuid in healthy:
+                    fam.add_metric([g.uuid, str(g.index)], 1.0 if healthy[g.uuid] else 0.0)
+            yield fam
+        nri = st.get("nri")
+        if nri is not None:
+            for name, key, doc in (
+                ("fracplugin_nri_connected", "connected", "1 while the NRI plugin is connected to the runtime."),
+                ("fracplugin_nri_synchronized", "synchronized", "1 once the runtime's Synchronize rebuilt the ledger."),
+                ("fracplugin_nri_unadjusted_containers", "unadjusted",
+                 "Running containers the last Synchronize found without the env the ledger's plan gives them."),
+            ):
+                fam = GaugeMetricFamily(name, doc)
+                fam.add_metric([], float(nri.get(key) or 0))
+                yield fam
+        dp = st.get("device_plugin")
+        if dp is not None:
+            fam = GaugeMetricFamily("fracplugin_device_plugin_registered", "1 while the device plugin is registered with kubelet.")
+            fam.add_metric([], 1.0 if dp.get("registered") else 0.0)
+            yield fam
 
     def _daemons(self, status: dict[str, Any]) -> Iterator[Metric]:
         up = GaugeMetricFamily("fracplugin_mps_daemon_up", "1 when the MPS control daemon answers its probe.",

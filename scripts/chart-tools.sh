@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Build (or reuse) the Go tools `make chart` needs and print their paths.
+#
+#   bash scripts/chart-tools.sh            -> prints "HELM=<path>" and "PROMTOOL=<path>"
+#
+# Both are built from their released Go modules through the Go module proxy
+# (no binary downloads), with `go install <pkg>@<version>`:
+#   helm      helm.sh/helm/v3/cmd/helm                       HELM_VERSION (v3.22.0)
+#   promtool  github.com/prometheus/prometheus/cmd/promtool  PROMTOOL_MODULE_VERSION
+#             (v0.316.0 = Prometheus 3.16.0; Prometheus tags its Go module v0.3xx.y for release 3.xx.y)
+# Cache: $FRACPLUGIN_TOOLS_CACHE (default /var/cache/fracplugin-e2e/chart-tools),
+# one directory per tool and version, like the containerd/kubernetes builds of
+# the e2e suites. A present binary is reused; a missing Go toolchain is a failure.
+# Cold build times are recorded in docs/helm.md.
+set -euo pipefail
+HELM_VERSION="${HELM_VERSION:-v3.22.0}"
+PROMTOOL_MODULE_VERSION="${PROMTOOL_MODULE_VERSION:-v0.316.0}"
+CACHE="${FRACPLUGIN_TOOLS_CACHE:-/var/cache/fracplugin-e2e/chart-tools}"
+GO="$(command -v go || true)"
+if [[ -z "$GO" && -x /usr/local/go/bin/go ]]; then GO=/usr/local/go/bin/go; fi
+if [[ -z "$GO" ]]; then
+  echo "chart-tools: Go toolchain not found; install Go >= 1.26.7 (prometheus $PROMTOOL_MODULE_VERSION needs it)" >&2
+  exit 1
+fi
+export GOTOOLCHAIN=local
+export GOFLAGS="-buildvcs=false"
+export CGO_ENABLED=0
+
+build() {  # build <name> <package> <version>
+  local name=$1 pkg=$2 version=$3
+  local dir="$CACHE/$name-$version/bin"
+  if [[ ! -x "$dir/$name" ]]; then
+    mkdir -p "$dir"
+    local t0; t0=$(date +%s)
+    echo "chart-tools: building $name from $pkg@$version (cold: minutes)" >&2
+    # Build into a temp dir and rename: a killed build never leaves a half binary.
+    local tmp; tmp="$(mktemp -d "$dir/.build.XXXXXX")"
+    GOBIN="$tmp" nice "$GO" install -trimpath "$pkg@$version"
+    mv -f "$tmp/$name" "$dir/$name"
+    rmdir "$tmp"
+    echo "chart-tools: built $name $version in $(( $(date +%s) - t0 ))s" >&2
+  fi
+  echo "$dir/$name"
+}
+
+case "${1:-all}" in
+  helm)     echo "HELM=$(build helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION")" ;;
+  promtool) echo "PROMTOOL=$(build promtool github.com/prometheus/prometheus/cmd/promtool "$PROMTOOL_MODULE_VERSION")" ;;
+  all)
+    echo "HELM=$(build helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION")"
+    echo "PROMTOOL=$(build promtool github.com/prometheus/prometheus/cmd/promtool "$PROMTOOL_MODULE_VERSION")" ;;
+  *) echo "usage: $0 [helm|promtool|all]" >&2; exit 2 ;;
+esac
