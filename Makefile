@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup test unit component proto demo interop e2e kai-e2e bench ci clean gpu-check gpu-check-wheels
+.PHONY: setup test unit component proto demo interop e2e kai-e2e bench chart manifests chart-tools ci clean gpu-check gpu-check-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,7 +69,23 @@ gpu-check-wheels: setup
 		--platform manylinux2014_x86_64
 	@ls tests/gpu/wheels | wc -l | xargs echo "wheels in tests/gpu/wheels:"; du -sh tests/gpu/wheels
 
-ci: test interop e2e
+## chart-tools: build (or reuse) helm and promtool from their Go modules (cached; see docs/helm.md)
+chart-tools:
+	bash scripts/chart-tools.sh
+
+## chart: helm lint/template for each values set, Kubernetes + CRD schemas, chart vs daemon defaults,
+## daemonset/ current, promtool rule tests, dashboard check (builds helm and promtool if needed)
+chart: setup
+	@set -e; tools=$$(bash scripts/chart-tools.sh); eval "$$tools"; export HELM PROMTOOL; \
+	echo "chart: $$("$$HELM" version --short) at $$HELM"; echo "chart: $$("$$PROMTOOL" --version 2>&1 | head -1) at $$PROMTOOL"; \
+	$(PY) -m pytest tests/chart tests/unit/test_dashboard.py tests/unit/test_manifests.py -q -p no:cacheprovider -o testpaths=tests/chart
+
+## manifests: regenerate daemonset/ (kustomize) from the Helm chart
+manifests: setup
+	@set -e; tools=$$(bash scripts/chart-tools.sh helm); eval "$$tools"; export HELM; \
+	$(PY) scripts/render_manifests.py
+
+ci: test chart interop e2e
 
 clean:
 	rm -rf build .pytest_cache .hypothesis tests/interop/bin

@@ -1,0 +1,490 @@
+"""The Helm chart deploy/helm/fracplugin, checked with the real helm.
+
+- ``helm lint --strict`` and ``helm template`` for each documented values set
+  (default and ci/*-values.yaml);
+- every rendered object validates strictly against the Kubernetes schemas
+  (oldest and newest supported versions, as tests/unit/test_manifests.py) and
+  the ServiceMonitor / PrometheusRule against the Prometheus operator's CRDs;
+- the manifest checks of test_manifests.py (host paths, pod, RBAC, ConfigMap)
+  hold for every rendering, and the split layout has its two roles as agreed;
+- the rendered args and config.yaml are accepted by the daemon's own parser
+  and config loader; the chart's defaults are the daemon's defaults;
+- values.schema.json and the template rules reject bad values naming the key;
+- daemonset/ is the current rendering (scripts/render_manifests.py);
+- each check fails on a mutated copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+from chartutil import (CHART, REPO, crd_schemas, manifest_checks, objects, render_manifests, rendered,
+                       schema_problems, template, value_sets)
+from fracplugin import cli
+from fracplugin import config as fpconfig
+from fracplugin.config import DEFAULTS
+
+SETS = value_sets()
+K8S_VERSIONS = manifest_checks.K8S_VERSIONS
+AGREED_ROLES = ("all", "doors", "mps")  # `fracplugin run --role`, the two-role interface (issue 12)
+
+
+@pytest.fixture(scope="module")
+def renders(helm: str) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    return {name: rendered(helm, values) for name, values in SETS.items()}
+
+
+def _daemonsets(m: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return [d for d in objects(m) if d["kind"] == "DaemonSet"]
+
+
+def _only(m: dict[str, list[dict[str, Any]]], ds: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """A copy of ``m`` with ``ds`` the only DaemonSet (test_manifests' checks expect one)."""
+    out = copy.deepcopy(m)
+    out["daemonset.yaml"] = [copy.deepcopy(ds)]
+    return out
+
+
+def _config(m: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    (cm,) = [d for d in objects(m) if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {})]
+    return yaml.safe_load(cm["data"]["config.yaml"])
+
+
+def _values() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+# ---------------------------------------------------------------- lint, template, schemas
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_lint_strict(helm: str, name: str) -> None:
+    cmd = [helm, "lint", "--strict", str(CHART), "--namespace", "fracplugin-system"]
+    for v in SETS[name]:
+        cmd += ["--values", str(v)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("name", SETS)
+def test_rendering_is_schema_valid(renders, name: str, version: str) -> None:
+    assert objects(renders[name]), "the rendering is empty"
+    assert schema_problems(renders[name], version) == []
+
+
+def test_monitoring_set_renders_every_optional_object(renders) -> None:
+    kinds = sorted(d["kind"] for d in objects(renders["monitoring"]))
+    assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "ConfigMap",
+                            "DaemonSet", "Service", "ServiceMonitor", "PrometheusRule"])
+    assert {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")} <= set(crd_schemas())
+
+
+def test_default_has_no_optional_object(renders) -> None:
+    kinds = sorted(d["kind"] for d in objects(renders["default"]))
+    assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet"])
+
+
+# ---------------------------------------------------------------- what test_manifests.py checks, on every rendering
+
+
+def _config_paths(m: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    cfg = _config(m)
+    paths = {k: cfg[k] for k in ("mps_root", "state_dir")}
+    if not cfg.get("no_nri"):
+        paths["nri_socket"] = cfg["nri_socket"]
+    if not cfg.get("no_device_plugin"):
+        paths.update(device_plugin_dir=cfg["device_plugin_dir"], pod_resources_socket=cfg["pod_resources_socket"])
+    return paths
+
+
+def deployment_problems(m: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """test_manifests.py's pod, RBAC and host path checks on every DaemonSet
+    that serves the doors, with the paths its config.yaml names."""
+    problems = manifest_checks.rbac_problems(m)
+    doors = [ds for ds in _daemonsets(m) if "mps" not in ds["spec"]["selector"]["matchLabels"].values()]
+    if len(doors) != 1:
+        return problems + [f"want one DaemonSet serving the doors, found {len(doors)}"]
+    one = _only(m, doors[0])
+    problems += manifest_checks.pod_problems(one)
+    problems += manifest_checks.host_path_problems(one, _config_paths(m))
+    return problems
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_rendering_passes_the_manifest_checks(renders, name: str) -> None:
+    assert deployment_problems(renders[name]) == []
+
+
+def test_default_rendering_is_the_daemon_defaults(renders) -> None:
+    m = renders["default"]
+    assert manifest_checks.config_problems(m) == []
+    assert manifest_checks.host_path_problems(m, manifest_checks.DAEMON_DEFAULT_HOST_PATHS) == []
+
+
+def split_problems(m: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The agreed two-role layout: fracplugin-mps runs --role mps with OnDelete,
+    fracplugin runs --role doors with RollingUpdate, both with the same
+    --mps-api-socket under the hostPath they both mount."""
+    by_name = {d["metadata"]["name"]: d for d in _daemonsets(m)}
+    if sorted(by_name) != ["fracplugin", "fracplugin-mps"]:
+        return [f"want DaemonSets fracplugin and fracplugin-mps, found {sorted(by_name)}"]
+    problems = []
+    sockets = set()
+    for name, role, strategy in (("fracplugin-mps", "mps", "OnDelete"), ("fracplugin", "doors", "RollingUpdate")):
+        ds = by_name[name]
+        pod = ds["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        args = c.get("args", [])
+        got_role = args[args.index("--role") + 1] if "--role" in args[:-1] else None
+        if got_role != role:
+            problems.append(f"{name}: args {args} do not run --role {role}")
+        if "--mps-api-socket" in args:
+            sockets.add(args[args.index("--mps-api-socket") + 1])
+        else:
+            problems.append(f"{name}: no --mps-api-socket")
+        if ds["spec"].get("updateStrategy", {}).get("type") != strategy:
+            problems.append(f"{name}: updateStrategy {ds['spec'].get('updateStrategy')}, want {strategy}")
+        if pod.get("hostPID") is not True:
+            problems.append(f"{name}: hostPID must be true")
+        mounts = {x["mountPath"] for x in c.get("volumeMounts", [])}
+        if role == "mps" and {"/var/run/nri", "/var/lib/kubelet/device-plugins"} & mounts:
+            problems.append(f"{name}: the MPS role mounts a door's socket directory: {sorted(mounts)}")
+    if len(sockets) != 1:
+        problems.append(f"the roles name different API sockets: {sorted(sockets)}")
+    else:
+        one = _only(m, by_name["fracplugin-mps"])
+        problems += manifest_checks.host_path_problems(one, {"mps_api_socket": sockets.pop(), **{
+            k: v for k, v in _config_paths(m).items() if k in ("mps_root", "state_dir")}})
+    sel = [tuple(sorted(by_name[n]["spec"]["selector"]["matchLabels"].items())) for n in by_name]
+    if len(set(sel)) != 2:
+        problems.append("the two DaemonSets have the same selector")
+    return problems
+
+
+def test_split_layout_has_the_two_agreed_roles(renders) -> None:
+    assert split_problems(renders["split"]) == []
+
+
+# ---------------------------------------------------------------- what the daemon accepts
+
+
+def _parse_run_args(args: list[str]) -> Any:
+    """Parse the container's args with the daemon's own parser. The agreed
+    two-role flags (--role, --mps-api-socket; issue 12) are checked here and
+    removed while this daemon does not know them yet."""
+    parser = cli.build_parser()
+    known = {a for action in parser._subparsers._group_actions[0].choices["run"]._actions for a in action.option_strings}  # type: ignore[union-attr]
+    rest = list(args)
+    for flag in ("--role", "--mps-api-socket"):
+        if flag in rest and flag not in known:
+            i = rest.index(flag)
+            value = rest[i + 1]
+            if flag == "--role":
+                assert value in AGREED_ROLES, f"--role {value} is not one of {AGREED_ROLES}"
+            else:
+                assert value.startswith("/"), f"--mps-api-socket {value} is not an absolute path"
+            del rest[i : i + 2]
+    return parser.parse_args(["run", *rest])
+
+
+def daemon_config_problems(m: dict[str, list[dict[str, Any]]], tmp: Path) -> list[str]:
+    """Every DaemonSet's args and the rendered config.yaml, through the
+    daemon's own argument parser and config loader (``config.load``: the
+    file's keys, types and every rule of ``config.validate``)."""
+    problems = []
+    cfg_file = tmp / "config.yaml"
+    cfg_file.write_text(yaml.safe_dump(_config(m)))
+    for ds in _daemonsets(m):
+        (c,) = ds["spec"]["template"]["spec"]["containers"]
+        try:
+            ns = _parse_run_args(c.get("args", []))
+        except SystemExit:
+            problems.append(f"{ds['metadata']['name']}: `fracplugin run` rejects args {c.get('args')}")
+            continue
+        if ns.config != "/etc/fracplugin/config.yaml":
+            problems.append(f"{ds['metadata']['name']}: --config is {ns.config!r}")
+        ns.config = str(cfg_file)
+        try:
+            fpconfig.load(ns, env={})
+        except fpconfig.ConfigError as exc:
+            problems.append(f"{ds['metadata']['name']}: the daemon rejects the rendered configuration: {exc}")
+    return problems
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_daemon_accepts_rendered_args_and_config(renders, name: str, tmp_path: Path) -> None:
+    assert daemon_config_problems(renders[name], tmp_path) == []
+
+
+def defaults_problems(values: dict[str, Any]) -> list[str]:
+    """The chart's defaults (values.yaml) against the daemon's (config.DEFAULTS)."""
+    d = DEFAULTS
+    want = {
+        ("metrics", "port"): fpconfig.parse_address(d.metrics_address)[1],
+        ("health", "port"): fpconfig.parse_address(d.health_address)[1],
+        ("hostPaths", "nriSocket"): d.nri_socket,
+        ("hostPaths", "stateDir"): d.state_dir,
+        ("hostPaths", "mpsRoot"): d.mps_root,
+        ("hostPaths", "kubeletRoot"): str(Path(d.device_plugin_dir).parent),
+        ("devicePlugin", "resourceName"): d.resource_name,
+        ("devicePlugin", "unit"): {1024: "GiB"}.get(d.device_unit_mib, f"{d.device_unit_mib}Mi"),
+        ("nri", "pluginName"): d.nri_plugin_name,
+        ("nri", "pluginIndex"): d.nri_plugin_idx,
+        ("nri", "enabled"): not d.no_nri,
+        ("devicePlugin", "enabled"): not d.no_device_plugin,
+        ("mps", "enabled"): not d.no_mps,
+        ("mps", "modes"): list(d.mps_modes),
+        ("mps", "protocol"): d.mps_protocol,
+        ("mps", "exclusiveProcess"): d.exclusive_process,
+        ("annotationPrefix",): d.annotation_prefix,
+        ("reserveMiB",): d.reserve_mib,
+        ("maxClientsPerGpu",): d.max_clients_per_gpu,
+        ("failOpen",): d.fail_open,
+        ("log", "format"): d.log_format,
+        ("log", "level"): d.log_level,
+    }
+    problems = []
+    for path, expected in want.items():
+        got: Any = values
+        for k in path:
+            got = got.get(k) if isinstance(got, dict) else None
+        if got != expected:
+            problems.append(f"values.yaml {'.'.join(path)}={got!r}, the daemon's default is {expected!r}")
+    pod_resources = str(Path(d.pod_resources_socket).parent.parent)
+    if pod_resources != values.get("hostPaths", {}).get("kubeletRoot"):
+        problems.append(f"the daemon's PodResources socket {d.pod_resources_socket} is not under hostPaths.kubeletRoot")
+    if not d.mps_root.startswith(values["hostPaths"]["run"] + "/") or not d.state_dir.startswith(values["hostPaths"]["run"] + "/"):
+        problems.append(f"hostPaths.run={values['hostPaths']['run']!r} does not hold the daemon's default state and MPS roots")
+    return problems
+
+
+def test_chart_defaults_are_the_daemon_defaults() -> None:
+    assert defaults_problems(_values()) == []
+
+
+def test_chart_version_is_the_package_version() -> None:
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["version"] == chart["appVersion"] == version
+
+
+# ---------------------------------------------------------------- bad values
+
+
+BAD_VALUES = [
+    ("log.format=xml", ["/log/format", "json", "text"]),
+    ("layout=both", ["/layout", "single", "split"]),
+    ("scheduler=volcano", ["/scheduler"]),
+    ("nri.pluginIndex=5", ["/nri/pluginIndex"]),
+    ("maxClientsPerGpu=49", ["/maxClientsPerGpu", "48"]),
+    ("metrics.port=70000", ["/metrics/port", "65535"]),
+    ("mps.modes={exclusive}", ["/mps/modes/0"]),
+    ("mps.protocol=4", ["/mps/protocol"]),
+    ("devicePlugin.unit=1TB", ["/devicePlugin/unit"]),
+    ("hostPaths.nriSocket=nri.sock", ["/hostPaths/nriSocket"]),
+    ("replicas=3", ["additional properties", "replicas"]),
+    ("hostPaths.stateDir=/var/lib/fracplugin", ["hostPaths.stateDir", "/var/lib/fracplugin", "must lie under hostPaths.run"]),
+    ("nri.enabled=false,scheduler=kai", ["nri.enabled=false", "kai", "leaves no door"]),
+    ("serviceMonitor.enabled=true", ["serviceMonitor.enabled=true needs metrics.service.enabled=true"]),
+    ("extraConfig.mps_root=/x", ["extraConfig.mps_root", "set it there"]),
+    ("layout=split,mps.apiSocket=/tmp/api.sock", ["mps.apiSocket", "/tmp/api.sock", "hostPaths.run"]),
+]
+
+
+@pytest.mark.parametrize(("setting", "needles"), BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_bad_values_are_rejected_naming_the_key(helm: str, setting: str, needles: list[str]) -> None:
+    out = template(helm, [], (setting,))
+    assert out.returncode != 0, f"helm template accepted {setting}"
+    for needle in needles:
+        assert needle in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------- daemonset/ is generated from the chart
+
+
+def test_checked_in_manifests_are_current(helm: str, tmp_path: Path) -> None:
+    render_manifests.render(helm, tmp_path)
+    problems = render_manifests.compare(tmp_path, render_manifests.MANIFESTS)
+    assert not problems, "daemonset/ is stale; run `make manifests`:\n" + "\n".join(problems)
+
+
+def test_stale_manifests_are_detected(helm: str, tmp_path: Path) -> None:
+    fresh, stale = tmp_path / "fresh", tmp_path / "stale"
+    render_manifests.render(helm, fresh)
+    shutil.copytree(fresh, stale)
+    assert render_manifests.compare(fresh, stale) == []
+    ds = stale / "daemonset.yaml"
+    ds.write_text(ds.read_text().replace("memory: 1Gi", "memory: 2Gi"))
+    (stale / "extra.yaml").write_text("{}\n")
+    (stale / "rbac.yaml").unlink()
+    assert render_manifests.compare(fresh, stale) == [
+        "missing: rbac.yaml", "unexpected (stale): extra.yaml", "differs: daemonset.yaml"]
+
+
+# ---------------------------------------------------------------- each check fails on a mutated copy
+
+
+def test_lint_fails_on_a_broken_chart(helm: str, tmp_path: Path) -> None:
+    broken = tmp_path / "fracplugin"
+    shutil.copytree(CHART, broken)
+    t = broken / "templates" / "service.yaml"
+    t.write_text(t.read_text().replace("{{- end }}", "", 1))  # an unclosed {{ if }}
+    out = subprocess.run([helm, "lint", "--strict", str(broken)], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "service.yaml" in out.stdout + out.stderr
+
+
+def test_lint_strict_fails_on_a_warning(helm: str, tmp_path: Path) -> None:
+    broken = tmp_path / "fracplugin"
+    shutil.copytree(CHART, broken)
+    chart = yaml.safe_load((broken / "Chart.yaml").read_text())
+    chart["version"] = "not-semver"
+    (broken / "Chart.yaml").write_text(yaml.safe_dump(chart))
+    out = subprocess.run([helm, "lint", "--strict", str(broken)], capture_output=True, text=True)
+    assert out.returncode != 0 and "version" in out.stdout + out.stderr
+
+
+def _set(kind: str, path: tuple[str, ...], value: Any) -> Callable[[dict[str, list[dict[str, Any]]]], None]:
+    def mutate(m: dict[str, list[dict[str, Any]]]) -> None:
+        (d,) = [o for o in objects(m) if o["kind"] == kind][:1]
+        for k in path[:-1]:
+            d = d[k][0] if isinstance(d[k], list) else d[k]
+        d[path[-1]] = value
+
+    return mutate
+
+
+SCHEMA_MUTATIONS = [
+    ("daemonset unknown field", _set("DaemonSet", ("spec", "template", "spec", "hostPIDD"), True), "hostPIDD"),
+    ("daemonset wrong type", _set("DaemonSet", ("spec", "template", "spec", "hostPID"), "yes"), "hostPID"),
+    ("servicemonitor unknown field", _set("ServiceMonitor", ("spec", "endpoints", "honourLabels"), True), "honourLabels"),
+    ("prometheusrule wrong type", _set("PrometheusRule", ("spec", "groups", "rules"), "none"), "rules"),
+    ("service bad port", _set("Service", ("spec", "ports", "port"), "metrics"), "port"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "needle"), [m[1:] for m in SCHEMA_MUTATIONS], ids=[m[0] for m in SCHEMA_MUTATIONS])
+def test_schema_check_fails_on_a_mutated_rendering(renders, mutate, needle: str) -> None:
+    m = copy.deepcopy(renders["monitoring"])
+    assert schema_problems(m, K8S_VERSIONS[-1]) == []
+    mutate(m)
+    problems = schema_problems(m, K8S_VERSIONS[0]) + schema_problems(m, K8S_VERSIONS[-1])
+    assert any(needle in p for p in problems), problems
+
+
+def _ds_args(name: str, args: list[str]) -> Callable[[dict[str, list[dict[str, Any]]]], None]:
+    def mutate(m: dict[str, list[dict[str, Any]]]) -> None:
+        (ds,) = [d for d in _daemonsets(m) if d["metadata"]["name"] == name]
+        ds["spec"]["template"]["spec"]["containers"][0]["args"] = args
+
+    return mutate
+
+
+def _cfg(key: str, value: Any) -> Callable[[dict[str, list[dict[str, Any]]]], None]:
+    def mutate(m: dict[str, list[dict[str, Any]]]) -> None:
+        (cm,) = [d for d in objects(m) if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {})]
+        cfg = yaml.safe_load(cm["data"]["config.yaml"])
+        cfg[key] = value
+        cm["data"]["config.yaml"] = yaml.safe_dump(cfg)
+
+    return mutate
+
+
+def _ds_field(name: str, path: tuple[str, ...], value: Any) -> Callable[[dict[str, list[dict[str, Any]]]], None]:
+    def mutate(m: dict[str, list[dict[str, Any]]]) -> None:
+        (d,) = [x for x in _daemonsets(m) if x["metadata"]["name"] == name]
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value
+
+    return mutate
+
+
+RENDER_MUTATIONS = [
+    ("daemon rejects a config key", "default", _cfg("log_colour", "red"), daemon_config_problems, "log_colour"),
+    ("daemon rejects a config value", "default", _cfg("mps_protocol", "4"), daemon_config_problems, "--mps-protocol"),
+    ("daemon rejects a flag", "default", _ds_args("fracplugin", ["--config", "/etc/fracplugin/config.yaml", "--colour"]),
+     daemon_config_problems, "rejects args"),
+    ("unknown role", "split", _ds_args("fracplugin-mps", ["--config", "/etc/fracplugin/config.yaml", "--role", "gpu",
+                                                          "--mps-api-socket", "/run/fracplugin/mps/api.sock"]),
+     daemon_config_problems, "gpu"),
+    ("mps role rolls", "split", _ds_field("fracplugin-mps", ("spec", "updateStrategy"), {"type": "RollingUpdate"}),
+     split_problems, "want OnDelete"),
+    ("roles disagree on the socket", "split",
+     _ds_args("fracplugin", ["--config", "/etc/fracplugin/config.yaml", "--role", "doors", "--mps-api-socket", "/run/fracplugin/other.sock"]),
+     split_problems, "different API sockets"),
+    ("doors not privileged", "kai", lambda m: _daemonsets(m)[0]["spec"]["template"]["spec"]["containers"][0].update(securityContext={}),
+     deployment_problems, "privileged"),
+    ("configured NRI socket not mounted", "custom", _cfg("nri_socket", "/run/containerd/nri.sock"), deployment_problems,
+     "/run/containerd/nri.sock"),
+]
+
+
+@pytest.mark.parametrize(("values", "mutate", "check", "needle"), [m[1:] for m in RENDER_MUTATIONS],
+                         ids=[m[0] for m in RENDER_MUTATIONS])
+def test_render_checks_fail_on_a_mutated_copy(renders, tmp_path: Path, values: str, mutate, check, needle: str) -> None:
+    def run(m: Any) -> list[str]:
+        return check(m, tmp_path) if check is daemon_config_problems else check(m)
+
+    assert run(renders[values]) == []
+    broken = copy.deepcopy(renders[values])
+    mutate(broken)
+    problems = run(broken)
+    assert any(needle in p for p in problems), problems
+
+
+@pytest.mark.parametrize(("path", "value", "needle"), [
+    (("metrics", "port"), 9999, "metrics.port"),
+    (("hostPaths", "mpsRoot"), "/run/fracplugin/mps2", "hostPaths.mpsRoot"),
+    (("mps", "modes"), ["sm-sharing"], "mps.modes"),
+    (("failOpen",), True, "failOpen"),
+])
+def test_defaults_check_fails_on_a_mutated_values_copy(path: tuple[str, ...], value: Any, needle: str) -> None:
+    values = copy.deepcopy(_values())
+    d = values
+    for k in path[:-1]:
+        d = d[k]
+    d[path[-1]] = value
+    assert any(needle in p for p in defaults_problems(values))
+
+
+# ---------------------------------------------------------------- monitoring objects are the checked files
+
+
+def test_monitoring_objects_carry_the_checked_files(renders) -> None:
+    m = renders["monitoring"]
+    (rule,) = [d for d in objects(m) if d["kind"] == "PrometheusRule"]
+    assert rule["spec"] == yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (dash,) = [d for d in objects(m) if d["kind"] == "ConfigMap" and "fracplugin.json" in d.get("data", {})]
+    assert json.loads(dash["data"]["fracplugin.json"]) == json.loads((CHART / "files" / "dashboard.json").read_text())
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (svc,) = [d for d in objects(m) if d["kind"] == "Service"]
+    (mon,) = [d for d in objects(m) if d["kind"] == "ServiceMonitor"]
+    assert all(svc["metadata"]["labels"].get(k) == v for k, v in mon["spec"]["selector"]["matchLabels"].items())
+    assert [e["port"] for e in mon["spec"]["endpoints"]] == [p["name"] for p in svc["spec"]["ports"]]
+    (ds,) = _daemonsets(m)
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert all(pod_labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+    assert svc["spec"]["ports"][0]["port"] == fpconfig.parse_address(DEFAULTS.metrics_address)[1]
+
+
+def test_notes_tell_how_to_check_the_install(helm: str) -> None:
+    out = subprocess.run([helm, "install", "fracplugin", str(CHART), "--namespace", "fracplugin-system",
+                          "--dry-run=client"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("NOTES:", 1)[1]
+    assert "kubectl -n fracplugin-system exec ds/fracplugin -- fracplugin status" in notes
+    assert "2112" in notes and "/metrics" in notes
+    assert "pod-security.kubernetes.io/enforce=privileged" in notes
