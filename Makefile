@@ -78,7 +78,7 @@ chart-tools:
 chart: setup
 	@set -e; tools=$$(bash scripts/chart-tools.sh); eval "$$tools"; export HELM PROMTOOL; \
 	echo "chart: $$("$$HELM" version --short) at $$HELM"; echo "chart: $$("$$PROMTOOL" --version 2>&1 | head -1) at $$PROMTOOL"; \
-	$(PY) -m pytest tests/chart tests/unit/test_dashboard.py tests/unit/test_manifests.py -q -p no:cacheprovider -o testpaths=tests/chart
+	$(PY) -m pytest tests/chart tests/unit/test_dashboard.py tests/unit/test_manifests.py -q -p no:cacheprovider
 
 ## manifests: regenerate daemonset/ (kustomize) from the Helm chart
 manifests: setup
