@@ -5,7 +5,7 @@
 #
 # Both are built from their released Go modules through the Go module proxy
 # (no binary downloads), with `go install <pkg>@<version>`:
-#   helm      helm.sh/helm/v3/cmd/helm                       HELM_VERSION (v3.22.0)
+#   helm      helm.sh/helm/<major>/cmd/helm                  HELM_VERSION (v3.22.0; for v4.3.x set HELM_VERSION, not tried here)
 #   promtool  github.com/prometheus/prometheus/cmd/promtool  PROMTOOL_MODULE_VERSION
 #             (v0.316.0 = Prometheus 3.16.0; Prometheus tags its Go module v0.3xx.y for release 3.xx.y)
 # Cache: $FRACPLUGIN_TOOLS_CACHE (default /var/cache/fracplugin-e2e/chart-tools),
@@ -16,6 +16,8 @@ set -euo pipefail
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 PROMTOOL_MODULE_VERSION="${PROMTOOL_MODULE_VERSION:-v0.316.0}"
 CACHE="${FRACPLUGIN_TOOLS_CACHE:-/var/cache/fracplugin-e2e/chart-tools}"
+HELM_MAJOR="${HELM_VERSION%%.*}"           # v3 or v4: the module path carries the major version
+HELM_PKG="helm.sh/helm/$HELM_MAJOR/cmd/helm"
 GO="$(command -v go || true)"
 if [[ -z "$GO" && -x /usr/local/go/bin/go ]]; then GO=/usr/local/go/bin/go; fi
 if [[ -z "$GO" ]]; then
@@ -44,10 +46,10 @@ build() {  # build <name> <package> <version>
 }
 
 case "${1:-all}" in
-  helm)     echo "HELM=$(build helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION")" ;;
+  helm)     echo "HELM=$(build helm "$HELM_PKG" "$HELM_VERSION")" ;;
   promtool) echo "PROMTOOL=$(build promtool github.com/prometheus/prometheus/cmd/promtool "$PROMTOOL_MODULE_VERSION")" ;;
   all)
-    echo "HELM=$(build helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION")"
+    echo "HELM=$(build helm "$HELM_PKG" "$HELM_VERSION")"
     echo "PROMTOOL=$(build promtool github.com/prometheus/prometheus/cmd/promtool "$PROMTOOL_MODULE_VERSION")" ;;
   *) echo "usage: $0 [helm|promtool|all]" >&2; exit 2 ;;
 esac
