@@ -28,8 +28,8 @@ export GOTOOLCHAIN=local
 export GOFLAGS="-buildvcs=false"
 export CGO_ENABLED=0
 
-build() {  # build <name> <package> <version>
-  local name=$1 pkg=$2 version=$3
+build() {  # build <name> <package> <version> [ldflags]
+  local name=$1 pkg=$2 version=$3 ldflags=${4:-}
   local dir="$CACHE/$name-$version/bin"
   if [[ ! -x "$dir/$name" ]]; then
     mkdir -p "$dir"
@@ -37,7 +37,7 @@ build() {  # build <name> <package> <version>
     echo "chart-tools: building $name from $pkg@$version (cold: minutes)" >&2
     # Build into a temp dir and rename: a killed build never leaves a half binary.
     local tmp; tmp="$(mktemp -d "$dir/.build.XXXXXX")"
-    GOBIN="$tmp" nice "$GO" install -trimpath "$pkg@$version"
+    GOBIN="$tmp" nice "$GO" install -trimpath -ldflags "$ldflags" "$pkg@$version"
     mv -f "$tmp/$name" "$dir/$name"
     rmdir "$tmp"
     echo "chart-tools: built $name $version in $(( $(date +%s) - t0 ))s" >&2
@@ -45,11 +45,26 @@ build() {  # build <name> <package> <version>
   echo "$dir/$name"
 }
 
+# helm's release builds (its Makefile) stamp the version and the Kubernetes
+# version it renders for without a cluster (client-go v0.X -> Kubernetes 1.X);
+# without them `helm template` assumes Kubernetes 1.20 and refuses the chart's
+# kubeVersion ">=1.30.0-0".
+helm_ldflags() {
+  local dir gomod k8s minor
+  dir="$("$GO" mod download -json "helm.sh/helm/$HELM_MAJOR@$HELM_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+  gomod="$dir/go.mod"
+  k8s="$(awk '$1 == "k8s.io/client-go" {print $2}' "$gomod")"
+  minor="$(echo "$k8s" | cut -d. -f2)"
+  [[ -n "$minor" ]] || { echo "chart-tools: no k8s.io/client-go version in $gomod" >&2; exit 1; }
+  local v="helm.sh/helm/$HELM_MAJOR"
+  echo "-X $v/internal/version.version=$HELM_VERSION -X $v/pkg/chartutil.k8sVersionMajor=1 -X $v/pkg/chartutil.k8sVersionMinor=$minor -X $v/pkg/lint/rules.k8sVersionMajor=1 -X $v/pkg/lint/rules.k8sVersionMinor=$minor"
+}
+
 case "${1:-all}" in
-  helm)     echo "HELM=$(build helm "$HELM_PKG" "$HELM_VERSION")" ;;
+  helm)     echo "HELM=$(build helm "$HELM_PKG" "$HELM_VERSION" "$(helm_ldflags)")" ;;
   promtool) echo "PROMTOOL=$(build promtool github.com/prometheus/prometheus/cmd/promtool "$PROMTOOL_MODULE_VERSION")" ;;
   all)
-    echo "HELM=$(build helm "$HELM_PKG" "$HELM_VERSION")"
+    echo "HELM=$(build helm "$HELM_PKG" "$HELM_VERSION" "$(helm_ldflags)")"
     echo "PROMTOOL=$(build promtool github.com/prometheus/prometheus/cmd/promtool "$PROMTOOL_MODULE_VERSION")" ;;
   *) echo "usage: $0 [helm|promtool|all]" >&2; exit 2 ;;
 esac

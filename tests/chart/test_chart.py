@@ -51,6 +51,7 @@ def _only(m: dict[str, list[dict[str, Any]]], ds: dict[str, Any]) -> dict[str, l
     """A copy of ``m`` with ``ds`` the only DaemonSet (test_manifests' checks expect one)."""
     out = copy.deepcopy(m)
     out["daemonset.yaml"] = [copy.deepcopy(ds)]
+    out.pop("dashboard.yaml", None)  # the dashboard's ConfigMap: the checks expect the daemon's only
     return out
 
 
@@ -108,22 +109,59 @@ def _config_paths(m: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
     return paths
 
 
-def deployment_problems(m: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """test_manifests.py's pod, RBAC and host path checks on every DaemonSet
-    that serves the doors, with the paths its config.yaml names."""
+def deployment_problems(m: dict[str, list[dict[str, Any]]], priority_class: str = "system-node-critical") -> list[str]:
+    """test_manifests.py's pod, RBAC and host path checks on the DaemonSet
+    that serves the doors, with the paths and ports its config.yaml names
+    (a values set may move them) and ``priority_class`` (the set's value)."""
     problems = manifest_checks.rbac_problems(m)
     doors = [ds for ds in _daemonsets(m) if "mps" not in ds["spec"]["selector"]["matchLabels"].values()]
     if len(doors) != 1:
         return problems + [f"want one DaemonSet serving the doors, found {len(doors)}"]
     one = _only(m, doors[0])
-    problems += manifest_checks.pod_problems(one)
+    cfg = _config(m)
+    ports = {"HEALTH_PORT": fpconfig.parse_address(cfg["health_address"])[1],
+             "METRICS_PORT": fpconfig.parse_address(cfg["metrics_address"])[1]}
+    saved = {k: getattr(manifest_checks, k) for k in ports}
+    try:
+        for k, v in ports.items():
+            setattr(manifest_checks, k, v)
+        pod = manifest_checks.pod_problems(one)
+    finally:
+        for k, v in saved.items():
+            setattr(manifest_checks, k, v)
+    got_pc = doors[0]["spec"]["template"]["spec"].get("priorityClassName")
+    if priority_class != "system-node-critical":  # test_manifests insists on the default; the set chose another
+        pod = [p for p in pod if not p.startswith("priorityClassName must be")]
+        if got_pc != priority_class:
+            pod.append(f"priorityClassName is {got_pc!r}, the values set {priority_class!r}")
+    problems += pod
     problems += manifest_checks.host_path_problems(one, _config_paths(m))
     return problems
 
 
+def _set_value(name: str, key: str, default: Any) -> Any:
+    for path in SETS[name]:
+        doc = yaml.safe_load(path.read_text()) or {}
+        if key in doc:
+            return doc[key]
+    return default
+
+
 @pytest.mark.parametrize("name", SETS)
 def test_rendering_passes_the_manifest_checks(renders, name: str) -> None:
-    assert deployment_problems(renders[name]) == []
+    assert deployment_problems(renders[name], _set_value(name, "priorityClassName", "system-node-critical")) == []
+
+
+def test_values_set_ports_reach_probes_and_config(renders) -> None:
+    (ds,) = _daemonsets(renders["custom"])
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"metrics": 9102, "health": 9103}
+    assert ds["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9102"
+    cfg = _config(renders["custom"])
+    assert (cfg["metrics_address"], cfg["health_address"]) == ("0.0.0.0:9102", "0.0.0.0:9103")
+    assert c["args"][-1] == "--allocation-policy=spread" and cfg["allocate_deadline_s"] == 3
+    assert c["image"] == "registry.example.com/gpu/fracplugin:0.1.0"
+    assert ds["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
 
 
 def test_default_rendering_is_the_daemon_defaults(renders) -> None:
@@ -209,6 +247,9 @@ def daemon_config_problems(m: dict[str, list[dict[str, Any]]], tmp: Path) -> lis
         (c,) = ds["spec"]["template"]["spec"]["containers"]
         try:
             ns = _parse_run_args(c.get("args", []))
+        except AssertionError as exc:
+            problems.append(f"{ds['metadata']['name']}: {exc}")
+            continue
         except SystemExit:
             problems.append(f"{ds['metadata']['name']}: `fracplugin run` rejects args {c.get('args')}")
             continue
@@ -288,7 +329,7 @@ BAD_VALUES = [
     ("scheduler=volcano", ["/scheduler"]),
     ("nri.pluginIndex=5", ["/nri/pluginIndex"]),
     ("maxClientsPerGpu=49", ["/maxClientsPerGpu", "48"]),
-    ("metrics.port=70000", ["/metrics/port", "65535"]),
+    ("metrics.port=70000", ["/metrics/port", "maximum"]),
     ("mps.modes={exclusive}", ["/mps/modes/0"]),
     ("mps.protocol=4", ["/mps/protocol"]),
     ("devicePlugin.unit=1TB", ["/devicePlugin/unit"]),
@@ -426,7 +467,7 @@ RENDER_MUTATIONS = [
      split_problems, "different API sockets"),
     ("doors not privileged", "kai", lambda m: _daemonsets(m)[0]["spec"]["template"]["spec"]["containers"][0].update(securityContext={}),
      deployment_problems, "privileged"),
-    ("configured NRI socket not mounted", "custom", _cfg("nri_socket", "/run/containerd/nri.sock"), deployment_problems,
+    ("configured NRI socket not mounted", "default", _cfg("nri_socket", "/run/containerd/nri.sock"), deployment_problems,
      "/run/containerd/nri.sock"),
 ]
 
@@ -480,11 +521,32 @@ def test_monitoring_objects_carry_the_checked_files(renders) -> None:
     assert svc["spec"]["ports"][0]["port"] == fpconfig.parse_address(DEFAULTS.metrics_address)[1]
 
 
-def test_notes_tell_how_to_check_the_install(helm: str) -> None:
-    out = subprocess.run([helm, "install", "fracplugin", str(CHART), "--namespace", "fracplugin-system",
-                          "--dry-run=client"], capture_output=True, text=True)
+def _notes(helm: str, tmp_path: Path, *sets: str) -> str:
+    """NOTES.txt as `helm install` prints it (rendered by helm itself: a copy
+    of the chart gets one template that includes NOTES.txt; `helm install
+    --dry-run` would need a cluster)."""
+    chart = tmp_path / "fracplugin"
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "notes-render.yaml").write_text(
+        'notes: |\n{{ include (print $.Template.BasePath "/NOTES.txt") . | indent 2 }}\n')
+    out = template(helm, [], sets, chart=chart)
     assert out.returncode == 0, out.stderr
-    notes = out.stdout.split("NOTES:", 1)[1]
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d and "notes" in d]
+    assert len(docs) == 1
+    return docs[0]["notes"]
+
+
+def test_notes_tell_how_to_check_the_install(helm: str, tmp_path: Path) -> None:
+    notes = _notes(helm, tmp_path)
     assert "kubectl -n fracplugin-system exec ds/fracplugin -- fracplugin status" in notes
-    assert "2112" in notes and "/metrics" in notes
+    assert "port-forward ds/fracplugin 2112:2112" in notes and "/metrics" in notes
     assert "pod-security.kubernetes.io/enforce=privileged" in notes
+    assert "fracplugin.io/gpu-memory".replace(".", "\\.") in notes
+
+
+def test_notes_follow_the_values(helm: str, tmp_path: Path) -> None:
+    notes = _notes(helm, tmp_path, "layout=split", "scheduler=kai", "metrics.port=9102", "namespace.create=true")
+    assert "ds/fracplugin-mps" in notes and "OnDelete" in notes
+    assert "port-forward ds/fracplugin 9102:9102" in notes
+    assert "gpu-memory" not in notes  # no device plugin door with KAI
+    assert "pod-security" not in notes  # the chart created the labelled namespace
