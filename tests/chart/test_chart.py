@@ -327,7 +327,7 @@ BAD_VALUES = [
     ("log.format=xml", ["/log/format", "json", "text"]),
     ("layout=both", ["/layout", "single", "split"]),
     ("scheduler=volcano", ["/scheduler"]),
-    ("nri.pluginIndex=5", ["/nri/pluginIndex"]),
+    ("nri.pluginIndex=100", ["/nri/pluginIndex", "99"]),
     ("maxClientsPerGpu=49", ["/maxClientsPerGpu", "48"]),
     ("metrics.port=70000", ["/metrics/port", "maximum"]),
     ("mps.modes={exclusive}", ["/mps/modes/0"]),
@@ -349,6 +349,14 @@ def test_bad_values_are_rejected_naming_the_key(helm: str, setting: str, needles
     assert out.returncode != 0, f"helm template accepted {setting}"
     for needle in needles:
         assert needle in out.stderr, out.stderr
+
+
+def test_numbers_given_with_set_become_the_daemons_strings(helm: str, tmp_path: Path) -> None:
+    # `--set nri.pluginIndex=5 --set mps.protocol=3` arrive as numbers; the daemon wants "05" and "3".
+    m = rendered(helm, [], ("nri.pluginIndex=5", "mps.protocol=3"))
+    cfg = _config(m)
+    assert (cfg["nri_plugin_idx"], cfg["mps_protocol"]) == ("05", "3")
+    assert daemon_config_problems(m, tmp_path) == []
 
 
 # ---------------------------------------------------------------- daemonset/ is generated from the chart
