@@ -290,6 +290,7 @@ def defaults_problems(values: dict[str, Any]) -> list[str]:
         ("mps", "exclusiveProcess"): d.exclusive_process,
         ("annotationPrefix",): d.annotation_prefix,
         ("reserveMiB",): d.reserve_mib,
+        ("nodeConditionTypes",): list(d.node_condition_types),
         ("maxClientsPerGpu",): d.max_clients_per_gpu,
         ("failOpen",): d.fail_open,
         ("log", "format"): d.log_format,
