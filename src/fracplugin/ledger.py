@@ -20,6 +20,7 @@ aside to ``<path>.corrupt-<unix seconds>`` and reported; it is never trusted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from .allocation import DOOR_ALLOCATE, DOOR_NRI, DOOR_OTHER_PLUGIN, to_tenancies
 from .model import ComputeMode, ContainerPlan, FractionError, GpuInfo, NodeInfo, Tenancy
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,15 @@ class Problem:
         return f"{self.fact}; {self.rule}"
 
 
+def same_hold(t: Tenancy, owner: tuple[str, str], reservation: str = "") -> bool:
+    """True when ``t`` is the hold being (re)admitted: the same kubelet
+    reservation (an init container and the app container reusing its device
+    IDs are one hold, ADR 0004), or the same bound (pod uid, container)."""
+    if reservation and t.reservation == reservation:
+        return True
+    return bool(owner[0]) and t.owner == owner
+
+
 def admission_problem(
     gpu: GpuInfo,
     tenants: Sequence[Tenancy],
@@ -58,14 +69,26 @@ def admission_problem(
     mode: ComputeMode,
     request_mib: int,
     max_clients: int,
+    reservation: str = "",
 ) -> Problem | None:
     """Why ``owner`` cannot take ``request_mib`` MiB of ``gpu`` in ``mode``, or None.
 
-    ``tenants`` are the GPU's current tenancies; the owner's own earlier
-    entries are ignored (a restarted container replaces its hold). Shared by
-    the planner (to choose) and the ledger (to enforce atomically).
+    ``tenants`` are the GPU's current tenancies; the hold's own earlier
+    entries (``same_hold``: same owner, or same ``reservation``) are ignored
+    (a restarted container replaces its hold). A GPU given whole to a
+    container by another device plugin (door ``other-plugin``) takes no
+    fraction. Shared by the planner (to choose) and the ledger (to enforce
+    atomically).
     """
-    others = [t for t in tenants if t.owner != owner]
+    others = [t for t in tenants if not same_hold(t, owner, reservation)]
+    whole = [t for t in others if t.door == DOOR_OTHER_PLUGIN]
+    if whole:
+        t = whole[0]
+        return Problem(
+            f"GPU {gpu.index} ({gpu.uuid}) is given whole to {t.namespace}/{t.pod_name}/{t.container} "
+            f"by another device plugin ({t.reservation})",
+            "a GPU allocated whole is not shared",
+        )
     other_modes = [t for t in others if t.mode is not mode]
     if other_modes:
         t = other_modes[0]
@@ -155,25 +178,38 @@ class Ledger:
         with self._lock:
             self._subscribers.append(callback)
 
+    def reservation(self, key: str) -> list[Tenancy]:
+        """The tenancies of one kubelet reservation (one per GPU; empty when none)."""
+        if not key:
+            return []
+        with self._lock:
+            return [t for t in self._entries if t.reservation == key]
+
+    def reservations(self) -> dict[str, list[Tenancy]]:
+        """Every reservation of the ``allocate`` door: key -> its tenancies."""
+        out: dict[str, list[Tenancy]] = {}
+        with self._lock:
+            for t in self._entries:
+                if t.reservation and t.door == DOOR_ALLOCATE:
+                    out.setdefault(t.reservation, []).append(t)
+        return out
+
     # ---- changing ----------------------------------------------------------
-    def admit(self, plan: ContainerPlan, container_id: str = "") -> list[Tenancy]:
-        """Record ``plan``: one Tenancy per assigned GPU, replacing the owner's
-        earlier entries. Atomic: either every GPU is admitted or none.
+    def admit(self, plan: ContainerPlan, container_id: str = "", *, door: str = DOOR_NRI,
+              reservation: str = "", bound: bool = True) -> list[Tenancy]:
+        """Record ``plan`` (``allocation.to_tenancies``): one Tenancy per
+        assigned GPU, replacing the hold's earlier entries (same owner, or the
+        same ``reservation`` key). ``bound=False`` records a kubelet
+        reservation whose holder is not known yet. Atomic: either every GPU is
+        admitted or none.
 
         Raises:
             FractionError: a guard fails (code ``guard``) or a GPU is unknown;
                 the ledger is unchanged then.
+            OSError: the file could not be written (the ledger is unchanged).
         """
-        owner = (plan.pod.uid, plan.container)
-        new = [
-            Tenancy(
-                pod_uid=plan.pod.uid, namespace=plan.pod.namespace, pod_name=plan.pod.name,
-                container=plan.container, gpu_uuid=g.uuid, request_mib=plan.request_mib,
-                limit_mib=plan.limit_mib, mode=plan.compute_mode, container_id=container_id,
-                mps_namespace=plan.mps.namespace, active_thread_percentage=plan.active_thread_percentage,
-            )
-            for g in plan.devices
-        ]
+        owner = (plan.pod.uid, plan.container) if bound else ("", "")
+        new = to_tenancies(plan, container_id, door=door, reservation=reservation, bound=bound)
         with self._lock:
             for t in new:
                 gpu = self._gpus.get(t.gpu_uuid)
@@ -181,12 +217,12 @@ class Ledger:
                     raise FractionError("node", t.gpu_uuid, f"is not a GPU of node {self._node.name}", "device")
                 problem = admission_problem(
                     gpu, [e for e in self._entries if e.gpu_uuid == gpu.uuid], owner,
-                    t.mode, t.request_mib, self._max_clients,
+                    t.mode, t.request_mib, self._max_clients, reservation,
                 )
                 if problem:
                     raise FractionError("node", str(plan.pod) + "/" + plan.container, str(problem), "guard")
             before = self._entries
-            self._entries = [e for e in self._entries if e.owner != owner] + new
+            self._entries = [e for e in self._entries if not same_hold(e, owner, reservation)] + new
             self._persist_or_rollback(before)
         self._notify()
         return new
@@ -200,6 +236,34 @@ class Ledger:
         if not container_id:
             return []
         return self._remove(lambda t: t.container_id == container_id)
+
+    def release_reservation(self, key: str) -> list[Tenancy]:
+        """Drop one kubelet reservation (kubelet freed its devices)."""
+        if not key:
+            return []
+        return self._remove(lambda t: t.reservation == key)
+
+    def release_stopped(self, container_id: str) -> list[Tenancy]:
+        """A container stopped: drop what it holds through the NRI door, and
+        unbind it from a kubelet reservation (the reservation stays held for
+        its pod until kubelet frees the devices: the pod ends, or the devices
+        are allocated again). Returns the dropped tenancies."""
+        if not container_id:
+            return []
+        with self._lock:
+            mine = [t for t in self._entries if t.container_id == container_id]
+            if not mine:
+                return []
+            gone = [t for t in mine if t.door != DOOR_ALLOCATE]
+            before = self._entries
+            self._entries = [
+                dataclasses.replace(t, container_id="") if t.container_id == container_id and t.door == DOOR_ALLOCATE
+                else t
+                for t in self._entries if not (t.container_id == container_id and t.door != DOOR_ALLOCATE)
+            ]
+            self._persist_or_rollback(before)
+        self._notify()
+        return gone
 
     def release_pod(self, pod_uid: str) -> list[Tenancy]:
         """Drop every tenancy of a pod."""
@@ -218,7 +282,7 @@ class Ledger:
             if t.gpu_uuid not in self._gpus:
                 log.warning("ledger: dropping tenancy on unknown GPU", extra={"gpu_uuid": t.gpu_uuid, "pod_uid": t.pod_uid})
                 continue
-            key = (t.pod_uid, t.container, t.gpu_uuid)
+            key = (*t.hold, t.gpu_uuid)
             if key in seen:
                 continue
             seen.add(key)
@@ -266,7 +330,7 @@ class Ledger:
                 problems.append(f"GPU {gpu.uuid} holds {held} MiB of {gpu.memory_mib} MiB")
             if len(on) > self._max_clients:
                 problems.append(f"GPU {gpu.uuid} has {len(on)} tenants, limit {self._max_clients}")
-            owners = [t.owner for t in on]
+            owners = [t.hold for t in on]
             if len(owners) != len(set(owners)):
                 problems.append(f"GPU {gpu.uuid} lists one container twice")
         return problems

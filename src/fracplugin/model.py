@@ -283,7 +283,16 @@ class Tenancy:
     """One container's hold on one GPU, as the ledger records it.
 
     ``request_mib``/``limit_mib`` are for this GPU. ``container_id`` is the
-    runtime's id when known (NRI door), empty otherwise (Allocate door).
+    runtime's id when known (NRI CreateContainer), empty otherwise.
+
+    ``door`` says where the hold comes from (ADR 0004): ``nri`` (planned from
+    the pod's annotations at CreateContainer), ``allocate`` (kubelet's device
+    plugin allocation; ``reservation`` is then its key, see
+    ``fracplugin.allocation.reservation_key``), ``other-plugin`` (a whole GPU
+    another device plugin gave a container, seen in PodResources) or ``sync``
+    (a running container found at an NRI Synchronize). A reservation of the
+    ``allocate`` door whose holder is not known yet has an empty ``pod_uid``
+    and ``container``: it is held for kubelet, not attributed to a guess.
     """
 
     pod_uid: str
@@ -297,11 +306,25 @@ class Tenancy:
     container_id: str = ""
     mps_namespace: str | None = None
     active_thread_percentage: int | None = None
+    door: str = "nri"
+    reservation: str = ""
 
     @property
     def owner(self) -> tuple[str, str]:
         """(pod_uid, container): the identity a tenancy is released by."""
         return (self.pod_uid, self.container)
+
+    @property
+    def hold(self) -> tuple[str, str]:
+        """The identity of the hold: ``("reservation", key)`` for a kubelet
+        reservation (one hold whoever holds it: an init container and the app
+        container that reuses its device IDs share it), else ``owner``."""
+        return ("reservation", self.reservation) if self.reservation else (self.pod_uid, self.container)
+
+    @property
+    def bound(self) -> bool:
+        """True when the holder (pod and container) is known."""
+        return bool(self.pod_uid)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -316,6 +339,8 @@ class Tenancy:
             "container_id": self.container_id,
             "mps_namespace": self.mps_namespace,
             "active_thread_percentage": self.active_thread_percentage,
+            "door": self.door,
+            "reservation": self.reservation,
         }
 
     @classmethod
@@ -337,6 +362,8 @@ class Tenancy:
             container_id=str(d.get("container_id") or ""),
             mps_namespace=None if ns is None else str(ns),
             active_thread_percentage=None if atp is None else _as_int(atp),
+            door=str(d.get("door") or "nri"),
+            reservation=str(d.get("reservation") or ""),
         )
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 from . import annotations as ann
-from .ledger import DEFAULT_MAX_CLIENTS_PER_GPU, admission_problem
+from .ledger import DEFAULT_MAX_CLIENTS_PER_GPU, admission_problem, same_hold
 from .model import (
     ComputeMode,
     ContainerPlan,
@@ -218,7 +218,8 @@ def _memory(request: FractionRequest, gpus: Sequence[GpuInfo], reserve_mib: int)
     return req, lim
 
 
-def _place(request: FractionRequest, pod: PodRef, node: NodeInfo, ledger: LedgerView, config: PlannerConfig) -> tuple[GpuInfo, ...]:
+def _place(request: FractionRequest, pod: PodRef, node: NodeInfo, ledger: LedgerView, config: PlannerConfig,
+           reservation: str = "") -> tuple[GpuInfo, ...]:
     owner = (pod.uid, request.container)
     key = request.keys.get("request", "request")
     if request.num_devices > len(node.gpus):
@@ -233,13 +234,14 @@ def _place(request: FractionRequest, pod: PodRef, node: NodeInfo, ledger: Ledger
     for g in node.gpus:
         req = request.request.resolve_mib(g.memory_mib, config.reserve_mib)
         tenants = ledger.tenants(g.uuid)
-        problem = admission_problem(g, tenants, owner, request.compute_mode, req, config.max_clients_per_gpu)
+        problem = admission_problem(g, tenants, owner, request.compute_mode, req, config.max_clients_per_gpu,
+                                    reservation)
         if problem:
             facts.append(problem.fact)
             if problem.rule not in rules:
                 rules.append(problem.rule)
         else:
-            fits.append((len([t for t in tenants if t.owner != owner]), g.index, g))
+            fits.append((len([t for t in tenants if not same_hold(t, owner, reservation)]), g.index, g))
     if len(fits) < request.num_devices:
         raise FractionError(
             key, request.request.raw,
@@ -257,8 +259,13 @@ def plan(
     node: NodeInfo,
     ledger: LedgerView,
     config: PlannerConfig = PlannerConfig(),
+    *,
+    reservation: str = "",
 ) -> ContainerPlan:
     """Decide what ``request`` gets on ``node`` given who holds what.
+
+    ``reservation``: the kubelet reservation key this plan is for (its own
+    ledger entries do not count against it: ``ledger.same_hold``).
 
     Returns:
         The ContainerPlan (env values are strings; MiB integers).
@@ -269,13 +276,13 @@ def plan(
             memory, client count) refuses; the message names key, value, rule.
     """
     placed = not request.devices
-    gpus = _place(request, pod, node, ledger, config) if placed else _resolve_devices(request, node)
+    gpus = _place(request, pod, node, ledger, config, reservation) if placed else _resolve_devices(request, node)
     request_mib, limit_mib = _memory(request, gpus, config.reserve_mib)
     if not placed:
         owner = (pod.uid, request.container)
         for g in gpus:
             problem = admission_problem(g, ledger.tenants(g.uuid), owner, request.compute_mode,
-                                        request_mib, config.max_clients_per_gpu)
+                                        request_mib, config.max_clients_per_gpu, reservation)
             if problem:
                 raise FractionError(request.keys.get("devices", "devices"), ",".join(request.devices), str(problem), "guard")
 
@@ -287,15 +294,43 @@ def plan(
         # floor(portion x 100), at least 1 (gpu-fractioning-reference.md 2a)
         atp = max(1, math.floor(portion * 100))
     cdi = tuple(e for e in request.devices if is_cdi_name(e)) if (config.cdi_devices and not placed) else ()
+    ns = namespace_name(pod.uid, request.container) if (
+        request.compute_mode is ComputeMode.SM_SHARING and config.mps_namespaces) else None
+    return _finish(pod, request.container, gpus, request_mib, limit_mib, request.compute_mode, atp, ns, config,
+                   placed, cdi=cdi, portion=portion)
+
+
+def plan_from_tenancies(tenancies: Sequence[Tenancy], node: NodeInfo, config: PlannerConfig = PlannerConfig(),
+                        pod: PodRef | None = None, container: str | None = None) -> ContainerPlan:
+    """The plan a recorded hold stands for (one Tenancy per GPU, as
+    ``allocation.to_tenancies`` wrote them): same GPUs in ordinal order,
+    request, limit, mode, active thread percentage and MPS namespace, so a
+    re-Allocate of the same device IDs gets the first answer again at once
+    (kubelet-device-plugin.md A.5). Raises ValueError when ``tenancies`` is
+    empty or names a GPU the node does not have."""
+    if not tenancies:
+        raise ValueError("no tenancies")
+    gpus = []
+    for t in tenancies:
+        g = node.gpu_by_uuid(t.gpu_uuid)
+        if g is None:
+            raise ValueError(f"tenancy names GPU {t.gpu_uuid}, which node {node.name} does not have")
+        gpus.append(g)
+    t0 = tenancies[0]
+    ref = pod or PodRef(t0.namespace, t0.pod_name, t0.pod_uid)
+    return _finish(ref, container if container is not None else t0.container, tuple(gpus), t0.request_mib,
+                   t0.limit_mib, t0.mode, t0.active_thread_percentage, t0.mps_namespace, config, False,
+                   portion=None if t0.active_thread_percentage is None else t0.active_thread_percentage / 100)
+
+
+def _finish(pod: PodRef, container: str, gpus: tuple[GpuInfo, ...], request_mib: int, limit_mib: int,
+            mode: ComputeMode, atp: int | None, ns: str | None, config: PlannerConfig,
+            placed: bool, *, cdi: tuple[str, ...] = (), portion: float | None = None) -> ContainerPlan:
+    """Env, mounts and MPS target of a decided placement."""
     layout = config.layout
-    if request.compute_mode is ComputeMode.SM_SHARING and config.mps_namespaces:
-        ns = namespace_name(pod.uid, request.container)
-        host_pipe = layout.namespace_pipe_dir(ns)
-    else:
-        ns = None
-        host_pipe = layout.pipe_dir(request.compute_mode)
+    host_pipe = layout.namespace_pipe_dir(ns) if ns else layout.pipe_dir(mode)
     mps = MpsTarget(
-        mode=request.compute_mode, host_pipe_dir=host_pipe, container_pipe_dir=CONTAINER_PIPE_DIR,
+        mode=mode, host_pipe_dir=host_pipe, container_pipe_dir=CONTAINER_PIPE_DIR,
         namespace=ns, active_thread_percentage=atp, pinned_mem_limit_mib=limit_mib,
     )
     env: dict[str, str] = {
@@ -308,8 +343,8 @@ def plan(
         env[ENV_ACTIVE_THREAD_PERCENTAGE] = str(atp)
     env[ENV_PIPE_DIRECTORY] = CONTAINER_PIPE_DIR
     return ContainerPlan(
-        pod=pod, container=request.container, devices=gpus, request_mib=request_mib, limit_mib=limit_mib,
-        compute_mode=request.compute_mode, active_thread_percentage=atp, env=env,
+        pod=pod, container=container, devices=gpus, request_mib=request_mib, limit_mib=limit_mib,
+        compute_mode=mode, active_thread_percentage=atp, env=env,
         mounts=(Mount(source=host_pipe, destination=CONTAINER_PIPE_DIR, read_only=False),),
         mps=mps, placed_by_node=placed, cdi_devices=cdi, portion=portion,
     )
