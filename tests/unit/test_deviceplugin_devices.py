@@ -258,9 +258,15 @@ def test_preferred_allocation_properties(data, size, policy):
     got = preferred_allocation(table, avail, must, size, policy=policy)
     assert len(got) == len(set(got)), "no duplicate IDs"
     assert set(got) <= set(avail)
-    assert len(got) == min(size, len(avail))
     if size >= len(must):
         assert set(must) <= set(got)
+    if len(got) == size and size:
+        per: dict[str, int] = {}
+        for d in got:
+            per[parse_device_id(d)[0]] = per.get(parse_device_id(d)[0], 0) + 1
+        assert len(set(per.values())) == 1, f"an uneven split Allocate would refuse: {per}"
+    else:  # no even split exists: only what kubelet must include, never an uneven proposal
+        assert got == must[:size]
 
 
 def test_gpu_without_free_memory_by_the_ledger_is_avoided(table, node):

@@ -18,80 +18,43 @@ threads: the registrar (``registration.Registrar``), the health monitor
 (``gpu.health.HealthMonitor``) and, when the daemon passes one, the pod watch
 (owned by the pod source).
 
-Allocate rules (issue 4 item 5, DESIGN.md section 2):
-
-* exactly one container request (kubelet sends one, A.5), at least one
-  device ID, no duplicates, every ID ours exactly as advertised (canonical
-  ``<uuid>::<n>``, ASCII digits, no leading zero: ``devices.py``) -> else
-  INVALID_ARGUMENT naming the devices and the rule;
-* the devices of one request spread over k GPUs with the same count on each
-  (the env carries one limit for every ordinal) -> else INVALID_ARGUMENT; a
-  GPU that is Unhealthy now -> FAILED_PRECONDITION;
-* the request per GPU is count x ``unit_mib`` MiB; the pod is found in the
-  watch cache (``podlookup``); its annotations give the limit, compute mode
-  and portion; the planner makes the plan; the ledger admits it;
-* several candidates whose plans are identical (same env and mounts): the
-  oldest is recorded; the answer is right for any of them;
-* refusals for bad annotations -> INVALID_ARGUMENT; node guards (one compute
-  mode per GPU, free memory, MPS client count; planner or ledger) ->
-  FAILED_PRECONDITION; messages name pod, container, key, value and rule. A
-  refused container counts as served (kubelet fails the pod);
-* fallback (logged, counted): no pod source configured, no matching pod
-  within ``allocate_deadline_s`` (pod deleted, API slow), the source is down,
-  or two candidate pods would get different settings. The answer is then what
-  is right for every candidate: the devices (``NVIDIA_VISIBLE_DEVICES``),
-  request-sized memory env (request = limit = count x unit per GPU) and, only
-  when every candidate is time-slicing (or none is known), the time-slicing
-  MPS pipe directory; the NRI door then sets the rest at CreateContainer.
-  Nothing is recorded in the ledger for a fallback answer.
-
-Ledger entries written here carry no container id; they are released when the
-pod leaves the watch cache (the NRI door records, and releases, its own entries
-with container ids). Known limit: kubelet's rare re-Allocate of a container it
-already allocated (A.5, ``GetDeviceRunContainerOptions``) finds no unserved
-candidate and gets the fallback answer after the deadline.
+What this module decides: nothing about GPUs. The grpc server, the
+registrar and ListAndWatch (device health from ``gpu.health.HealthMonitor``)
+live here; Allocate, GetPreferredAllocation and the PodResources
+reconciliation are decided by ``allocator.Allocator`` (ADR 0004: one
+allocation for both doors), whose answer this module turns into an
+``AllocateResponse``: env (including ``FRACPLUGIN_RESERVATION``, the
+reservation key the NRI door binds at CreateContainer), mounts, optional
+DeviceSpecs / CDI devices, and annotations ``fracplugin.io/allocate``
+(``planned`` | ``reserved`` | ``fallback``) and ``fracplugin.io/reservation``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import grpc
 
-from .. import annotations as ann
+from .. import allocation as al
 from .. import planner as planner_mod
 from .._proto import deviceplugin_pb2 as pb
 from .._proto import deviceplugin_pb2_grpc as pb_grpc
 from ..gpu.health import DEFAULT_IGNORED_XIDS, DEFAULT_XID_RECOVERY_S, HealthMonitor
-from ..model import (
-    ComputeMode,
-    ContainerPlan,
-    FractionError,
-    FractionRequest,
-    MemorySpec,
-    Mount,
-    NodeInfo,
-    PodRef,
-    Tenancy,
-)
-from ..mps.layout import CONTAINER_PIPE_DIR
+from ..model import ComputeMode, NodeInfo
 from . import podlookup
 from .devices import (
     DEFAULT_RESOURCE_NAME,
     DEFAULT_UNIT_MIB,
     POLICIES,
-    DeviceIdError,
     DeviceTable,
-    preferred_allocation,
     validate_resource_name,
 )
+from .allocator import Allocator, Refusal  # noqa: F401 (Refusal: re-exported)
 from .podresources import DEFAULT_PODRESOURCES_SOCKET, PodResourcesClient, PodResourcesError
 from .registration import DEFAULT_PLUGIN_DIR, KUBELET_SOCKET_NAME, Registrar, socket_identity
 
@@ -102,30 +65,6 @@ HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 ANNOTATION_ALLOCATE = "fracplugin.io/allocate"
 _STREAM_WAIT_S = 0.5
-
-
-class Refusal(Exception):
-    """An Allocate / GetPreferredAllocation answered with a gRPC error.
-
-    ``code`` is the grpc.StatusCode kubelet gets, ``message`` the text kubelet
-    shows as the pod's admission error, ``label`` the metrics reason."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, label: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.label = label
-
-
-@dataclass
-class _Counters:
-    allocations: int = 0
-    planned: int = 0
-    fallbacks: int = 0
-    refusals: int = 0
-    preferred: int = 0
-    last_fallback: str = ""
-    last_refusal: str = ""
 
 
 class _Servicer(pb_grpc.DevicePluginServicer):
@@ -284,15 +223,13 @@ class DevicePluginServer:
         self._server: grpc.Server | None = None
         self._socket_id: tuple[int, int] | None = None
         self._server_lock = threading.Lock()
-        self._alloc_lock = threading.Lock()
-        self._served: set[tuple[str, str]] = set()
-        self.counters = _Counters()
-        self._count_lock = threading.Lock()
+        self.allocator = Allocator(
+            node, ledger, self.planner_config, self.table, self.resource_name, pod_source, allocate_deadline_s,
+            self.health.unhealthy, policy=policy,
+        )
+        self.counters = self.allocator.counters
         self.reregister_ms: list[float] = []
         self.startup_warnings: list[str] = []
-        sub = getattr(pod_source, "subscribe_deleted", None)
-        if callable(sub):
-            sub(self._pod_deleted)
 
     # ---- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -363,6 +300,7 @@ class DevicePluginServer:
             "pod_source": None if self.pod_source is None else ("ready" if self.pod_source.ready() else "not ready"),
             "allocations": c.allocations,
             "planned": c.planned,
+            "reserved": c.reserved,
             "fallbacks": c.fallbacks,
             "refusals": c.refusals,
             "last_fallback": c.last_fallback,
@@ -433,13 +371,6 @@ class DevicePluginServer:
         except Exception:
             return None
 
-    def _free_mib_of(self, uuid: str) -> int | None:
-        gpu = self.node.gpu_by_uuid(uuid)
-        try:
-            return None if gpu is None else gpu.memory_mib - int(self.ledger.held_mib(uuid))
-        except Exception:
-            return None
-
     def _build_response(self) -> pb.ListAndWatchResponse:
         devices = []
         for gpu in self.node.gpus:
@@ -498,271 +429,30 @@ class DevicePluginServer:
                     self._last_stream_end = time.monotonic()
                 cond.notify_all()
 
-    # ---- GetPreferredAllocation ----------------------------------------------
+    # ---- GetPreferredAllocation / Allocate (decisions: allocator.py) -----------
     def preferred(self, request: pb.PreferredAllocationRequest) -> pb.PreferredAllocationResponse:
-        """Answer GetPreferredAllocation (rules in ``devices.preferred_allocation``).
-        The pod's compute mode is the one every unserved candidate pod of this
-        size agrees on (None when none or they differ)."""
+        """Answer GetPreferredAllocation (``Allocator.preferred``). Raises Refusal."""
         t0 = time.monotonic()
         out = pb.PreferredAllocationResponse()
         for creq in request.container_requests:
-            size = int(creq.allocation_size)
-            if size < 0:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"allocation_size {size} is negative", "invalid")
-            mode = self._pod_mode_for(size)
-            ids = preferred_allocation(
-                self.table,
-                list(creq.available_deviceIDs),
-                list(creq.must_include_deviceIDs),
-                size,
-                mode_of=self._mode_of,
-                pod_mode=mode,
-                policy=self.policy,
-                free_mib_of=self._free_mib_of,
-            )
+            ids = self.allocator.preferred(list(creq.available_deviceIDs), list(creq.must_include_deviceIDs),
+                                           int(creq.allocation_size))
             out.container_responses.add(deviceIDs=ids)
-        self._bump("preferred")
         self._observe("preferred", time.monotonic() - t0)
         return out
 
-    def _pod_mode_for(self, count: int) -> ComputeMode | None:
-        if self.pod_source is None:
-            return None
-        modes: set[ComputeMode] = set()
-        for c in self._candidates(count):
-            try:
-                req = self._parse(c, with_request_mib=self.unit_mib)
-            except FractionError:
-                continue
-            if req is not None:
-                modes.add(req.compute_mode)
-        return modes.pop() if len(modes) == 1 else None
-
-    # ---- Allocate ------------------------------------------------------------
     def allocate(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
-        """Answer Allocate (rules in the module docstring). Raises Refusal."""
-        n = len(request.container_requests)
-        if n != 1:
-            raise Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"AllocateRequest has {n} container requests; kubelet sends exactly one per call "
-                "(deviceplugin v1beta1, devicemanager) and fracplugin allocates one container at a time",
-                "invalid",
-            )
-        ids = list(request.container_requests[0].devices_ids)
-        if not ids:
-            raise Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"Allocate of {self.resource_name} names no device IDs; at least one is needed",
-                "invalid",
-            )
-        try:
-            by_gpu = self.table.group(ids)
-        except DeviceIdError as e:
-            raise Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"Allocate of {self.resource_name}: {e} (devices are <GPU-UUID>::<n> of node {self.node.name})",
-                "invalid",
-            ) from None
-        counts = {u: len(v) for u, v in by_gpu.items()}
-        if len(set(counts.values())) != 1:
-            detail = ", ".join(f"{u}: {c}" for u, c in counts.items())
-            raise Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"Allocate of {self.resource_name} spans GPUs with different device counts ({detail}); "
-                "a container gets the same memory on every GPU, so each GPU must hold the same number of devices",
-                "invalid",
-            )
-        sick = {u: r for u, r in self.health.unhealthy().items() if u in by_gpu}
-        if sick:
-            detail = "; ".join(f"{u} ({', '.join(r)})" for u, r in sick.items())
-            raise Refusal(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"Allocate of {self.resource_name}: devices on Unhealthy GPU(s) {detail}",
-                "unhealthy",
-            )
-        per_gpu = next(iter(counts.values()))
-        uuids = tuple(by_gpu)
-        request_mib = per_gpu * self.unit_mib
-        self._bump("allocations")
-        if self.pod_source is None:
-            return self._fallback(uuids, request_mib, True, "no API access configured (no pod source)")
-        deadline = time.monotonic() + self.allocate_deadline_s
-        while True:
-            with self._alloc_lock:
-                cands = self._candidates(len(ids))
-                if cands:
-                    return self._allocate_for(cands, uuids, request_mib, len(ids))
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return self._fallback(
-                    uuids,
-                    request_mib,
-                    True,
-                    f"no pending pod on node {self.node.name} requests {len(ids)} {self.resource_name} "
-                    f"within {self.allocate_deadline_s:.1f} s (pod deleted or API slow)",
-                )
-            if not self.pod_source.ready():
-                return self._fallback(
-                    uuids, request_mib, True, "pod source not ready (API server unreachable or not synced)"
-                )
-            self.pod_source.wait(min(remaining, 0.1))
-
-    def _served_owners(self) -> set[tuple[str, str]]:
-        owners = {t.owner for t in self.ledger.tenancies()}
-        return owners | self._served
-
-    def _candidates(self, count: int) -> list[podlookup.Candidate]:
-        assert self.pod_source is not None
-        owners = self._served_owners()
-        pods = self.pod_source.candidates(self.resource_name, count)
-        return podlookup.select_candidates(pods, self.resource_name, count, lambda u, c: (u, c) in owners)
-
-    def _parse(self, cand: podlookup.Candidate, with_request_mib: int | None = None) -> FractionRequest | None:
-        """The pod's annotations for this container (raises FractionError).
-
-        ``with_request_mib``: when the container has no memory annotation
-        (parse would answer None), parse again with a synthetic request of that
-        many MiB, so the compute mode and portion annotations still count."""
-        md = cand.pod.get("metadata") or {}
-        annotations = dict(md.get("annotations") or {})
-        apps = [str(c.get("name")) for c in (cand.pod.get("spec") or {}).get("containers") or ()]
-        prefix = self.planner_config.annotation_prefix
-        parsed = ann.parse(annotations, cand.container, prefix=prefix, containers=apps)
-        if parsed is None and with_request_mib is not None:
-            annotations[ann.container_key(prefix, cand.container, ann.SUFFIX_REQUEST)] = f"{with_request_mib}Mi"
-            parsed = ann.parse(annotations, cand.container, prefix=prefix, containers=apps)
-            if parsed is not None:
-                parsed = dataclasses.replace(parsed, keys={k: v for k, v in parsed.keys.items() if k in ("mode", "portion")})
-        return parsed
-
-    def _request_for(self, cand: podlookup.Candidate, uuids: Sequence[str], request_mib: int, count: int) -> FractionRequest:
-        """The FractionRequest of the device plugin door: request = devices x
-        unit per GPU, GPUs = the devices' GPUs; limit, mode and portion from
-        the annotations (an annotation limit only when written explicitly)."""
-        parsed = self._parse(cand)
-        explicit = parsed is not None
-        if parsed is None:
-            parsed = self._parse(cand, with_request_mib=request_mib)
-        rkey = f"resources.limits[{self.resource_name}]"
-        request = MemorySpec(rkey, f"{count} x {self.unit_mib}Mi over {len(uuids)} GPU(s)", mib=request_mib)
-        limit = request
-        mode = ComputeMode.TIME_SLICING
-        portion = None
-        keys: dict[str, str] = {"request": rkey, "devices": rkey}
-        if parsed is not None:
-            mode, portion = parsed.compute_mode, parsed.portion
-            keys.update({k: v for k, v in parsed.keys.items() if k in ("mode", "portion")})
-            if explicit and _explicit_limit(parsed):
-                limit = parsed.limit
-                keys["limit"] = parsed.limit.key
-            if parsed.devices and set(parsed.devices) != set(uuids):
-                log.info(
-                    "pod %s container %s names devices %s; kubelet gave %s (the device plugin door uses kubelet's)",
-                    podlookup.pod_key(cand.pod), cand.container, ",".join(parsed.devices), ",".join(uuids),
-                )
-        return FractionRequest(
-            container=cand.container,
-            request=request,
-            limit=limit,
-            compute_mode=mode,
-            portion=portion,
-            devices=tuple(uuids),
-            num_devices=len(uuids),
-            keys=keys,
-        )
-
-    def _plan(self, cand: podlookup.Candidate, uuids: Sequence[str], request_mib: int, count: int) -> ContainerPlan:
-        md = cand.pod.get("metadata") or {}
-        pod = PodRef(str(md.get("namespace") or "default"), str(md.get("name") or ""), cand.uid)
-        req = self._request_for(cand, uuids, request_mib, count)
-        return planner_mod.plan(req, pod, self.node, self.ledger, self.planner_config)
-
-    def _allocate_for(
-        self, cands: list[podlookup.Candidate], uuids: tuple[str, ...], request_mib: int, count: int
-    ) -> pb.AllocateResponse:
-        """Called under _alloc_lock with at least one candidate."""
-        outcomes: list[ContainerPlan | FractionError] = []
-        for c in cands:
-            try:
-                outcomes.append(self._plan(c, uuids, request_mib, count))
-            except FractionError as e:
-                outcomes.append(e)
-
-        def settings(o: ContainerPlan | FractionError) -> Any:
-            if isinstance(o, FractionError):
-                return ("error", o.key, o.reason)
-            return (tuple(sorted(o.env.items())), tuple(o.mounts))
-
-        first = settings(outcomes[0])
-        if len(cands) > 1 and any(settings(o) != first for o in outcomes[1:]):
-            names = ", ".join(f"{podlookup.pod_key(c.pod)}/{c.container}" for c in cands[:5])
-            all_ts = all(
-                isinstance(o, ContainerPlan) and o.compute_mode is ComputeMode.TIME_SLICING for o in outcomes
-            )
-            return self._fallback(
-                uuids,
-                request_mib,
-                all_ts,
-                f"{len(cands)} pending pods request {count} {self.resource_name} and would get different "
-                f"settings ({names}); answering what is right for all, NRI sets the rest",
-            )
-        cand, outcome = cands[0], outcomes[0]
-        who = f"pod {podlookup.pod_key(cand.pod)} container {cand.container}"
-        self._served.add(cand.key)
-        if isinstance(outcome, FractionError):
-            # Guards of the node (mode, free memory, clients) are preconditions;
-            # everything else is the pod's input.
-            code = (
-                grpc.StatusCode.FAILED_PRECONDITION
-                if outcome.code in ("guard", "no_fit")
-                else grpc.StatusCode.INVALID_ARGUMENT
-            )
-            raise Refusal(code, f"{who}: {outcome.message}", outcome.code)
-        try:
-            self.ledger.admit(outcome)
-        except FractionError as e:
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"{who}: {e.message}", e.code) from None
-        except OSError as e:
-            raise Refusal(
-                grpc.StatusCode.UNAVAILABLE, f"{who}: cannot persist the ledger: {e}", "ledger_io"
-            ) from None
-        self._bump("planned")
-        log.info(
-            "Allocate %s: %s on %s, request %d MiB, limit %d MiB, %s",
-            self.resource_name, who, ",".join(uuids), outcome.request_mib, outcome.limit_mib, outcome.compute_mode,
-        )
-        return self._response_for(outcome.env, outcome.mounts, uuids, "planned")
-
-    def _fallback(self, uuids: Sequence[str], request_mib: int, pipe_dir: bool, reason: str) -> pb.AllocateResponse:
-        """The answer that is right for every candidate (module docstring).
-        ``pipe_dir``: every candidate is time-slicing, or none is known (the
-        default mode), so the time-slicing pipe directory is right for all."""
-        self._bump("fallbacks", last_fallback=reason)
-        log.warning("Allocate fallback for %s on %s: %s", self.resource_name, ",".join(uuids), reason)
-        env = {
-            planner_mod.ENV_VISIBLE_DEVICES: ",".join(uuids),
-            planner_mod.ENV_MEMORY_REQUEST: str(request_mib),
-            planner_mod.ENV_MEMORY_LIMIT: str(request_mib),
-            planner_mod.ENV_PINNED_LIMIT: ",".join(f"{i}={request_mib}M" for i in range(len(uuids))),
-        }
-        mounts: tuple[Mount, ...] = ()
-        if pipe_dir:
-            env[planner_mod.ENV_PIPE_DIRECTORY] = CONTAINER_PIPE_DIR
-            mounts = (
-                Mount(
-                    source=self.planner_config.layout.pipe_dir(ComputeMode.TIME_SLICING),
-                    destination=CONTAINER_PIPE_DIR,
-                ),
-            )
-        return self._response_for(env, mounts, uuids, "fallback")
+        """Answer Allocate (``Allocator.allocate``). Raises Refusal."""
+        a = self.allocator.allocate([list(c.devices_ids) for c in request.container_requests])
+        return self._response_for(a.env, a.mounts, a.uuids, a.kind, a.key)
 
     def _response_for(
-        self, env: Mapping[str, str], mounts: Sequence[Any], uuids: Sequence[str], kind: str
+        self, env: Mapping[str, str], mounts: Sequence[Any], uuids: Sequence[str], kind: str, key: str
     ) -> pb.AllocateResponse:
         resp = pb.AllocateResponse()
         c = resp.container_responses.add()
         c.envs.update(env)
+        c.envs[al.ENV_RESERVATION] = key
         for m in mounts:
             c.mounts.add(container_path=m.destination, host_path=m.source, read_only=m.read_only)
         if self.device_specs:
@@ -773,33 +463,18 @@ class DevicePluginServer:
             for u in uuids:
                 c.cdi_devices.add(name=f"{self.cdi_kind}={u}")
         c.annotations[ANNOTATION_ALLOCATE] = kind
+        c.annotations[al.ANNOTATION_RESERVATION] = key
         return resp
 
     # ---- bookkeeping ---------------------------------------------------------
-    def _pod_deleted(self, pod: Mapping[str, Any]) -> None:
-        uid = podlookup.pod_uid(pod)
-        with self._alloc_lock:
-            self._served = {k for k in self._served if k[0] != uid}
-        # Tenancies of the Allocate door carry no container id; the NRI door
-        # records (and releases) its own. A deleted pod holds nothing.
-        for t in self.ledger.tenancies():
-            if t.pod_uid == uid and not t.container_id:
-                self.ledger.release(t.pod_uid, t.container)
-
     def _refused(self, r: Refusal) -> None:
-        self._bump("refusals", last_refusal=r.message)
+        self.allocator.refused(r.message)
         log.warning("Allocate refused (%s): %s", r.code.name, r.message)
         if self.metrics is not None:
             try:
                 self.metrics.refusal(r.label)
             except Exception:
                 log.exception("metrics.refusal failed")
-
-    def _bump(self, counter: str, **last: str) -> None:
-        with self._count_lock:
-            setattr(self.counters, counter, getattr(self.counters, counter) + 1)
-            for k, v in last.items():
-                setattr(self.counters, k, v)
 
     def _observe(self, door: str, seconds: float) -> None:
         if self.metrics is not None:
@@ -810,90 +485,8 @@ class DevicePluginServer:
 
     # ---- restart recovery ----------------------------------------------------
     def rebuild_from_podresources(self, client: PodResourcesClient) -> list[str]:
-        """Rebuild ledger entries for containers kubelet allocated our devices
-        to before a restart (kubelet never calls Allocate again, A.5).
-
-        For each container PodResources lists with devices of our resource and
-        no ledger entry (matched by namespace, pod name and container): plan it
-        from the pod (pod source) and admit; when the pod is unknown, record a
-        request-sized tenancy (uid ``podresources:<ns>/<name>``, the GPU's
-        current mode or time-slicing) with ``replace_all`` (never refused: the
-        container already runs). Allocate-door entries (no container id) that
-        PodResources no longer lists are released. Returns warnings.
-        Raises PodResourcesError when kubelet cannot be asked.
-        """
-        pods = client.list()
-        warnings: list[str] = []
-        have = {(t.namespace, t.pod_name, t.container) for t in self.ledger.tenancies()}
-        listed: set[tuple[str, str, str]] = set()
-        extra: list[Tenancy] = []
-        for p in pods:
-            for c in p.containers:
-                ids = list(c.devices.get(self.resource_name, ()))
-                if not ids:
-                    continue
-                listed.add((p.namespace, p.name, c.name))
-                if (p.namespace, p.name, c.name) in have:
-                    continue
-                try:
-                    by_gpu = self.table.group(ids)
-                except DeviceIdError as e:
-                    warnings.append(f"PodResources lists {p.namespace}/{p.name}/{c.name} with {e}; skipped")
-                    continue
-                per = max(len(v) for v in by_gpu.values())
-                uuids = tuple(by_gpu)
-                pod = self.pod_source.get(p.namespace, p.name) if self.pod_source is not None else None
-                if pod is not None:
-                    cand = podlookup.Candidate(pod, c.name, False, ("", 0, 0, ""))
-                    try:
-                        plan = self._plan(cand, uuids, per * self.unit_mib, len(ids))
-                        self.ledger.replace_all(self.ledger.tenancies() + _tenancies(plan))
-                        self._served.add(cand.key)
-                        continue
-                    except FractionError as e:
-                        warnings.append(f"{p.namespace}/{p.name}/{c.name}: {e.message}; recorded request-sized")
-                uid = podlookup.pod_uid(pod) if pod is not None else f"podresources:{p.namespace}/{p.name}"
-                for u in uuids:
-                    extra.append(
-                        Tenancy(
-                            pod_uid=uid, namespace=p.namespace, pod_name=p.name, container=c.name, gpu_uuid=u,
-                            request_mib=per * self.unit_mib, limit_mib=per * self.unit_mib,
-                            mode=self._mode_of(u) or ComputeMode.TIME_SLICING,
-                        )
-                    )
-                self._served.add((uid, c.name))
-        current = self.ledger.tenancies()
-        stale = [
-            t for t in current
-            if not t.container_id and (t.namespace, t.pod_name, t.container) not in listed
-        ]
-        if extra or stale:
-            drop = {id(t) for t in stale}
-            self.ledger.replace_all([t for t in current if id(t) not in drop] + extra)
-        for t in stale:
-            warnings.append(
-                f"ledger entry {t.namespace}/{t.pod_name}/{t.container} on {t.gpu_uuid} is not in PodResources; released"
-            )
-        if extra:
-            log.info("rebuilt %d ledger entries from PodResources", len(extra))
-        return warnings
-
-
-def _tenancies(plan: ContainerPlan) -> list[Tenancy]:
-    return [
-        Tenancy(
-            pod_uid=plan.pod.uid, namespace=plan.pod.namespace, pod_name=plan.pod.name, container=plan.container,
-            gpu_uuid=g.uuid, request_mib=plan.request_mib, limit_mib=plan.limit_mib, mode=plan.compute_mode,
-            mps_namespace=plan.mps.namespace, active_thread_percentage=plan.active_thread_percentage,
-        )
-        for g in plan.devices
-    ]
-
-
-def _explicit_limit(parsed: FractionRequest) -> bool:
-    """True when the pod wrote a memory limit (not the parser's default of
-    limit = request)."""
-    if parsed.limit.key != parsed.request.key:
-        return True
-    key = parsed.limit.key
-    return not (key.endswith(ann.SUFFIX_REQUEST) or key in (ann.KEY_GPU_FRACTION, ann.KEY_GPU_MEMORY))
+        """Make the ledger agree with kubelet's PodResources List at start
+        (``Allocator.reconcile(initial=True)``: kubelet never calls Allocate
+        again for running containers, A.5). Returns warnings. Raises
+        PodResourcesError when kubelet cannot be asked."""
+        return self.allocator.reconcile(client.list(), initial=True)

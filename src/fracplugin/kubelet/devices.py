@@ -312,6 +312,7 @@ def preferred_allocation(
     pod_mode: ComputeMode | None = None,
     policy: str = "pack",
     free_mib_of: Callable[[str], int | None] = lambda _u: None,
+    full_of: Callable[[str], bool] = lambda _u: False,
 ) -> list[str]:
     """Choose ``size`` device IDs for one container (GetPreferredAllocation).
 
@@ -335,8 +336,13 @@ def preferred_allocation(
        devices' MiB is only used when no split avoids it (NRI-door tenants
        hold memory kubelet's device count does not see).
 
-    When no even split exists, a greedy fill in rank order is returned (kubelet
-    tops up or ignores a preferred answer it cannot use). Never more than
+    6. a GPU that cannot take another tenant (``full_of``: at the MPS client
+       limit, or given whole to another device plugin's container) is only
+       used when no split avoids it, like 5.
+
+    When no even split exists, only the must_include IDs are returned: an
+    uneven split would be refused by Allocate (issue 10 item 7), so none is
+    proposed; kubelet tops up a short preferred answer itself. Never more than
     ``size`` IDs, never a duplicate, never an ID outside ``available`` (except
     must_include IDs, which kubelet guarantees are allocatable).
     Raises ValueError for an unknown policy.
@@ -388,6 +394,8 @@ def preferred_allocation(
     ranked = sorted(free, key=rank)
 
     def memory_fits(uuid: str, devices: int) -> bool:
+        if full_of(uuid):
+            return False
         room = free_mib_of(uuid)
         return room is None or room >= devices * table.unit_mib
 
@@ -415,10 +423,4 @@ def preferred_allocation(
                 need = per - must_gpus.get(uuid, 0)
                 out.extend(free[uuid][:need])
             return out
-    out = list(must)
-    for uuid in ranked:
-        for d in free[uuid]:
-            if len(out) == size:
-                return out
-            out.append(d)
-    return out
+    return list(must)

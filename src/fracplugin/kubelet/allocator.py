@@ -1,0 +1,540 @@
+"""The decisions of the device plugin door (ADR 0004): Allocate,
+GetPreferredAllocation and the reconciliation with kubelet's PodResources.
+
+The grpc server (``deviceplugin.py``) only moves bytes; everything here is
+plain Python on the node, the ledger, the device table and the pod source.
+
+Allocate (kubelet-device-plugin.md A.5, A.6; issue 10):
+
+* the request is checked (one container request, canonical IDs of this
+  node, the same count on every GPU, no Unhealthy GPU);
+* the reservation key is the device IDs (``allocation.reservation_key``);
+  reservations that share a device with it are released first: kubelet
+  hands a device to one container at a time, so giving it again means kubelet
+  freed the old holder (a finished Job, an init container's devices reused);
+* an existing reservation with the same key whose holder is known (a
+  re-Allocate after a kubelet restart) gets its recorded answer at once;
+* otherwise the pending pods that may be the one being admitted are the
+  candidates (by unit count: ``podlookup.select_candidates``), plus pods
+  deleted in the last ``recent_deleted_s`` seconds that were never bound (a
+  deleted pod's Allocate must not be answered with another pod's settings).
+  When every candidate gets the same settings, that plan is the answer;
+  otherwise the fallback (request-sized memory, time-slicing pipe directory
+  only when all candidates are time-slicing). Either way the reservation is
+  recorded under the key, *unbound* (no pod named: that would be a guess),
+  after every node guard (free memory, tenant limit, one mode per GPU);
+* the answer carries the key (env ``FRACPLUGIN_RESERVATION``, annotation
+  ``fracplugin.io/reservation``); the NRI door binds the reservation to the
+  real pod UID, container name and container ID at CreateContainer.
+
+Lifetimes: a reservation is released when kubelet frees its devices: the
+pods it may belong to are deleted or reach Succeeded/Failed (pod source), its
+devices are allocated again (above), or PodResources no longer lists them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import grpc
+
+from .. import allocation as al
+from .. import planner as planner_mod
+from ..model import ComputeMode, ContainerPlan, FractionError, FractionRequest, MemorySpec, Mount, NodeInfo, PodRef, Tenancy
+from ..mps.layout import CONTAINER_PIPE_DIR
+from . import podlookup
+from .devices import DeviceIdError, DeviceTable, parse_device_id, preferred_allocation
+
+log = logging.getLogger(__name__)
+
+
+class Refusal(Exception):
+    """An Allocate / GetPreferredAllocation answered with a gRPC error.
+
+    ``code`` is the grpc.StatusCode kubelet gets, ``message`` the text kubelet
+    shows as the pod's admission error, ``label`` the metrics reason."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, label: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.label = label
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What Allocate answers: env, mounts, the GPUs (ordinal order), the
+    reservation key and ``kind`` (``planned``, ``reserved`` = a recorded
+    reservation answered again, or ``fallback``)."""
+
+    env: Mapping[str, str]
+    mounts: tuple[Mount, ...]
+    uuids: tuple[str, ...]
+    key: str
+    kind: str
+
+
+@dataclass
+class Counters:
+    allocations: int = 0
+    planned: int = 0
+    reserved: int = 0
+    fallbacks: int = 0
+    refusals: int = 0
+    preferred: int = 0
+    last_fallback: str = ""
+    last_refusal: str = ""
+
+
+class Allocator:
+    """Allocate / GetPreferredAllocation / PodResources decisions.
+
+    Args:
+        node, ledger, planner_config: the node, the shared ledger, planner settings.
+        table: the advertised devices (``devices.DeviceTable``).
+        resource_name: the extended resource.
+        pod_source: the watch cache (None: every Allocate is a fallback).
+        allocate_deadline_s: longest an Allocate waits for its pod (seconds).
+        unhealthy: ``() -> {gpu uuid: [reasons]}`` of GPUs Unhealthy now.
+        policy: GetPreferredAllocation policy (``pack`` | ``spread``).
+        recent_deleted_s: how long a deleted, never-bound pod stays a
+            candidate (seconds).
+        podresources_grace_s: a reservation younger than this is never
+            released for missing from PodResources (kubelet records an
+            allocation only after Allocate returns, A.6).
+    """
+
+    def __init__(
+        self,
+        node: NodeInfo,
+        ledger: Any,
+        planner_config: planner_mod.PlannerConfig,
+        table: DeviceTable,
+        resource_name: str,
+        pod_source: podlookup.PodSource | None,
+        allocate_deadline_s: float,
+        unhealthy: Callable[[], Mapping[str, Sequence[str]]] = dict,
+        *,
+        policy: str = "pack",
+        recent_deleted_s: float = 60.0,
+        podresources_grace_s: float = 30.0,
+    ) -> None:
+        self.node = node
+        self.ledger = ledger
+        self.planner_config = planner_config
+        self.table = table
+        self.unit_mib = table.unit_mib
+        self.resource_name = resource_name
+        self.pod_source = pod_source
+        self.allocate_deadline_s = allocate_deadline_s
+        self.unhealthy = unhealthy
+        self.policy = policy
+        self.recent_deleted_s = recent_deleted_s
+        self.podresources_grace_s = podresources_grace_s
+        self.counters = Counters()
+        self._count_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._served: set[tuple[str, str]] = set()  # hints only: never recorded as a holder
+        self._hints: dict[str, set[str]] = {}  # reservation key -> live candidate pod uids
+        self._made: dict[str, float] = {}  # reservation key -> monotonic time of its Allocate
+        self._deleted: list[tuple[float, Mapping[str, Any]]] = []
+        sub = getattr(pod_source, "subscribe_deleted", None)
+        if callable(sub):
+            sub(self.pod_gone)
+
+    # ---- Allocate ------------------------------------------------------------
+    def validate(self, device_lists: Sequence[Sequence[str]]) -> tuple[dict[str, list[str]], int]:
+        """Check one Allocate request; returns ({gpu uuid: ids}, devices per GPU).
+        Raises Refusal (INVALID_ARGUMENT / FAILED_PRECONDITION) naming the rule."""
+        n = len(device_lists)
+        if n != 1:
+            raise Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"AllocateRequest has {n} container requests; kubelet sends exactly one per call "
+                "(deviceplugin v1beta1, devicemanager) and fracplugin allocates one container at a time",
+                "invalid",
+            )
+        ids = list(device_lists[0])
+        if not ids:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"Allocate of {self.resource_name} names no device IDs; at least one is needed", "invalid")
+        try:
+            by_gpu = self.table.group(ids)
+        except DeviceIdError as e:
+            raise Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"Allocate of {self.resource_name}: {e} (devices are <GPU-UUID>::<n> of node {self.node.name})",
+                "invalid",
+            ) from None
+        counts = {u: len(v) for u, v in by_gpu.items()}
+        if len(set(counts.values())) != 1:
+            detail = ", ".join(f"{u}: {c}" for u, c in counts.items())
+            raise Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"Allocate of {self.resource_name} spans GPUs with different device counts ({detail}); "
+                "a container gets the same memory on every GPU, so each GPU must hold the same number of devices",
+                "invalid",
+            )
+        sick = {u: r for u, r in self.unhealthy().items() if u in by_gpu}
+        if sick:
+            detail = "; ".join(f"{u} ({', '.join(r)})" for u, r in sick.items())
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"Allocate of {self.resource_name}: devices on Unhealthy GPU(s) {detail}", "unhealthy")
+        return by_gpu, next(iter(counts.values()))
+
+    def allocate(self, device_lists: Sequence[Sequence[str]]) -> Answer:
+        """Answer one Allocate (module docstring). Raises Refusal."""
+        by_gpu, per_gpu = self.validate(device_lists)
+        count = sum(len(v) for v in by_gpu.values())
+        uuids = tuple(by_gpu)
+        key = al.reservation_key({u: [parse_device_id(d)[1] for d in v] for u, v in by_gpu.items()})
+        request_mib = per_gpu * self.unit_mib
+        self._bump("allocations")
+        with self._lock:
+            self._release_overlapping(key)
+            existing = self.ledger.reservation(key)
+            if existing and existing[0].bound:
+                return self._stored(existing, key, "a re-Allocate of a reservation whose holder is known")
+        if self.pod_source is None:
+            with self._lock:
+                return self._fallback(uuids, key, request_mib, True, "no API access configured (no pod source)")
+        deadline = time.monotonic() + self.allocate_deadline_s
+        while True:
+            with self._lock:
+                cands = self._candidates(count)
+                if cands:
+                    return self._allocate_for(cands, uuids, key, request_mib, count)
+                existing = self.ledger.reservation(key)
+                if existing:  # an init container's IDs again, or a re-Allocate: same reservation
+                    return self._stored(existing, key, "the same device IDs as a recorded reservation")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                with self._lock:
+                    return self._fallback(
+                        uuids, key, request_mib, True,
+                        f"no pending pod on node {self.node.name} requests {count} {self.resource_name} "
+                        f"within {self.allocate_deadline_s:.1f} s (pod deleted or API slow)")
+            if not self.pod_source.ready():
+                with self._lock:
+                    return self._fallback(uuids, key, request_mib, True,
+                                          "pod source not ready (API server unreachable or not synced)")
+            self.pod_source.wait(min(remaining, 0.1))
+
+    def _stored(self, existing: Sequence[Tenancy], key: str, why: str) -> Answer:
+        plan = planner_mod.plan_from_tenancies(existing, self.node, self.planner_config)
+        self._bump("reserved")
+        log.info("Allocate %s: %s, answered as recorded (%s)", self.resource_name, key, why)
+        return Answer(dict(plan.env), plan.mounts, plan.device_uuids, key, "reserved")
+
+    def _release_overlapping(self, key: str) -> None:
+        for other in list(self.ledger.reservations()):
+            if other != key and al.overlaps(other, key):
+                gone = self.ledger.release_reservation(other)
+                self._forget(other)
+                who = _holder(gone[0]) if gone else "?"
+                log.info("reservation %s (%s) released: kubelet allocated its devices again (%s)", other, who, key)
+
+    def _forget(self, key: str) -> None:
+        self._hints.pop(key, None)
+        self._made.pop(key, None)
+
+    def _owners(self) -> set[tuple[str, str]]:
+        return {t.owner for t in self.ledger.tenancies() if t.bound} | self._served
+
+    def _candidates(self, count: int) -> list[podlookup.Candidate]:
+        assert self.pod_source is not None
+        owners = self._owners()
+        pods = self.pod_source.candidates(self.resource_name, count)
+        return podlookup.select_candidates(pods, self.resource_name, count, lambda u, c: (u, c) in owners)
+
+    def _recent_deleted(self, count: int) -> list[podlookup.Candidate]:
+        now = time.monotonic()
+        self._deleted = [(t, p) for t, p in self._deleted if now - t < self.recent_deleted_s]
+        owners = self._owners()
+        pods = [p for _t, p in self._deleted]
+        return podlookup.select_candidates(pods, self.resource_name, count, lambda u, c: (u, c) in owners)
+
+    def request_for(self, cand: podlookup.Candidate, uuids: Sequence[str], request_mib: int,
+                    count: int) -> tuple[FractionRequest, list[al.Ignored]]:
+        """The candidate's FractionRequest under kubelet's allocation
+        (``allocation.kubelet_request``). Raises FractionError for an
+        annotation that breaks the contract."""
+        md = cand.pod.get("metadata") or {}
+        annotations = dict(md.get("annotations") or {})
+        apps = [str(c.get("name")) for c in (cand.pod.get("spec") or {}).get("containers") or ()]
+        prefix = self.planner_config.annotation_prefix
+        parsed = al.parse_for_kubelet(annotations, cand.container, request_mib, prefix=prefix, containers=apps)
+        smallest = min(g.memory_mib for g in self.node.gpus if g.uuid in uuids)
+        return al.kubelet_request(cand.container, uuids, request_mib, count, parsed,
+                                  f"resources.limits[{self.resource_name}]", gpu_memory_mib=smallest,
+                                  reserve_mib=self.planner_config.reserve_mib)
+
+    def _plan(self, cand: podlookup.Candidate, uuids: Sequence[str], key: str, request_mib: int,
+              count: int) -> ContainerPlan:
+        md = cand.pod.get("metadata") or {}
+        pod = PodRef(str(md.get("namespace") or "default"), str(md.get("name") or ""), cand.uid)
+        req, ignored = self.request_for(cand, uuids, request_mib, count)
+        for i in ignored:
+            log.info("Allocate: pod %s container %s: %s", podlookup.pod_key(cand.pod), cand.container, i.message)
+        return planner_mod.plan(req, pod, self.node, self.ledger, self.planner_config, reservation=key)
+
+    def _allocate_for(self, cands: list[podlookup.Candidate], uuids: tuple[str, ...], key: str,
+                      request_mib: int, count: int) -> Answer:
+        """Called under the lock with at least one candidate."""
+        everyone = cands + self._recent_deleted(count)
+        outcomes: list[ContainerPlan | FractionError] = []
+        for c in everyone:
+            try:
+                outcomes.append(self._plan(c, uuids, key, request_mib, count))
+            except FractionError as e:
+                outcomes.append(e)
+
+        def settings(o: ContainerPlan | FractionError) -> Any:
+            if isinstance(o, FractionError):
+                return ("error", o.key, o.reason)
+            return (tuple(sorted(o.env.items())), tuple(o.mounts))
+
+        first = settings(outcomes[0])
+        if len(everyone) > 1 and any(settings(o) != first for o in outcomes[1:]):
+            names = ", ".join(f"{podlookup.pod_key(c.pod)}/{c.container}" for c in everyone[:5])
+            all_ts = all(isinstance(o, ContainerPlan) and o.compute_mode is ComputeMode.TIME_SLICING for o in outcomes)
+            return self._fallback(
+                uuids, key, request_mib, all_ts,
+                f"{len(everyone)} pods may be the one admitted ({names}) and would get different settings; "
+                "answering what is right for all, NRI sets the rest", hints={c.uid for c in cands})
+        cand, outcome = everyone[0], outcomes[0]
+        who = f"pod {podlookup.pod_key(cand.pod)} container {cand.container}"
+        if len(everyone) == 1:
+            self._served.add(cand.key)  # a hint for the next Allocate; the ledger records no holder
+        if isinstance(outcome, FractionError):
+            code = (grpc.StatusCode.FAILED_PRECONDITION if outcome.code in ("guard", "no_fit")
+                    else grpc.StatusCode.INVALID_ARGUMENT)
+            raise Refusal(code, f"{who}: {outcome.message}", outcome.code)
+        self._record(outcome, key, who, {c.uid for c in cands})
+        self._bump("planned")
+        log.info("Allocate %s: %s on %s, request %d MiB, limit %d MiB, %s (reservation %s, holder confirmed by NRI)",
+                 self.resource_name, who, ",".join(uuids), outcome.request_mib, outcome.limit_mib,
+                 outcome.compute_mode, key)
+        return Answer(dict(outcome.env), outcome.mounts, uuids, key, "planned")
+
+    def _record(self, plan: ContainerPlan, key: str, who: str, hints: set[str]) -> None:
+        try:
+            self.ledger.admit(plan, door=al.DOOR_ALLOCATE, reservation=key, bound=False)
+        except FractionError as e:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"{who}: {e.message}", e.code) from None
+        except OSError as e:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, f"{who}: cannot persist the ledger: {e}", "ledger_io") from None
+        self._hints[key] = set(hints)
+        self._made[key] = time.monotonic()
+
+    def _fallback(self, uuids: Sequence[str], key: str, request_mib: int, pipe_dir: bool, reason: str,
+                  hints: set[str] | None = None) -> Answer:
+        """The answer that is right for every candidate, recorded after every
+        node guard like a planned one. ``pipe_dir``: every candidate is
+        time-slicing, or none is known, so the time-slicing pipe directory
+        is right for all. Raises Refusal when a guard says no."""
+        modes = {self.ledger.mode(u) for u in uuids} - {None}
+        mode = ComputeMode.TIME_SLICING if pipe_dir or len(modes) != 1 else modes.pop()
+        spec = MemorySpec(f"resources.limits[{self.resource_name}]", f"{request_mib} MiB per GPU", mib=request_mib)
+        req = FractionRequest(container="", request=spec, limit=spec, compute_mode=mode, devices=tuple(uuids),
+                              num_devices=len(uuids), keys={"request": spec.key, "devices": spec.key})
+        who = f"reservation {key} (pod not known)"
+        try:
+            plan = planner_mod.plan(req, PodRef("", "", ""), self.node, self.ledger, self.planner_config,
+                                    reservation=key)
+        except FractionError as e:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"{who}: {e.message}", e.code) from None
+        self._record(plan, key, who, set(hints or ()))
+        self._bump("fallbacks", last_fallback=reason)
+        log.warning("Allocate fallback for %s on %s: %s", self.resource_name, ",".join(uuids), reason)
+        env = {k: v for k, v in plan.env.items()
+               if k not in (planner_mod.ENV_PIPE_DIRECTORY, planner_mod.ENV_ACTIVE_THREAD_PERCENTAGE)}
+        mounts: tuple[Mount, ...] = ()
+        if pipe_dir:
+            env[planner_mod.ENV_PIPE_DIRECTORY] = CONTAINER_PIPE_DIR
+            mounts = (Mount(source=self.planner_config.layout.pipe_dir(ComputeMode.TIME_SLICING),
+                            destination=CONTAINER_PIPE_DIR),)
+        return Answer(env, mounts, tuple(uuids), key, "fallback")
+
+    # ---- GetPreferredAllocation ------------------------------------------------
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """Device IDs for one container (``devices.preferred_allocation``),
+        never a GPU at its tenant limit, never an uneven split (issue 10 item 7)."""
+        if size < 0:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"allocation_size {size} is negative", "invalid")
+        out = preferred_allocation(
+            self.table, list(available), list(must_include), size, mode_of=self._mode_of,
+            pod_mode=self._pod_mode_for(size), policy=self.policy, free_mib_of=self._free_mib_of,
+            full_of=self._full,
+        )
+        self._bump("preferred")
+        return out
+
+    def _mode_of(self, uuid: str) -> ComputeMode | None:
+        try:
+            return self.ledger.mode(uuid)
+        except Exception:
+            return None
+
+    def _full(self, uuid: str) -> bool:
+        try:
+            return len(self.ledger.tenants(uuid)) >= self.planner_config.max_clients_per_gpu or any(
+                t.door == al.DOOR_OTHER_PLUGIN for t in self.ledger.tenants(uuid))
+        except Exception:
+            return False
+
+    def _free_mib_of(self, uuid: str) -> int | None:
+        gpu = self.node.gpu_by_uuid(uuid)
+        try:
+            return None if gpu is None else gpu.memory_mib - int(self.ledger.held_mib(uuid))
+        except Exception:
+            return None
+
+    def _pod_mode_for(self, count: int) -> ComputeMode | None:
+        if self.pod_source is None:
+            return None
+        modes: set[ComputeMode] = set()
+        with self._lock:
+            cands = self._candidates(count)
+        for c in cands:
+            try:
+                req, _ = self.request_for(c, [g.uuid for g in self.node.gpus[:1]], self.unit_mib * count, count)
+            except FractionError:
+                continue
+            modes.add(req.compute_mode)
+        return modes.pop() if len(modes) == 1 else None
+
+    # ---- lifetimes --------------------------------------------------------------
+    def pod_gone(self, pod: Mapping[str, Any]) -> None:
+        """A pod was deleted or finished (Succeeded/Failed): kubelet frees its
+        devices. Its bound reservations are released, and unbound ones whose
+        every candidate is gone."""
+        uid = podlookup.pod_uid(pod)
+        with self._lock:
+            was_served = any(k[0] == uid for k in self._served) or any(t.pod_uid == uid for t in self.ledger.tenancies())
+            self._served = {k for k in self._served if k[0] != uid}
+            finished = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+            if not finished and not was_served:
+                self._deleted.append((time.monotonic(), pod))
+            for key, tenancies in self.ledger.reservations().items():
+                hints = self._hints.get(key)
+                if hints is not None:
+                    hints.discard(uid)
+                bound_here = any(t.pod_uid == uid for t in tenancies)
+                orphan = not tenancies[0].bound and hints is not None and not hints
+                if bound_here or orphan:
+                    self.ledger.release_reservation(key)
+                    self._forget(key)
+                    log.info("reservation %s released: pod %s %s", key, podlookup.pod_key(pod),
+                             "finished" if not bound_here or pod.get("status") else "gone")
+
+    # ---- PodResources ------------------------------------------------------------
+    def reconcile(self, pods: Sequence[Any], *, initial: bool = False) -> list[str]:
+        """Make the ledger agree with kubelet's PodResources List (``pods``:
+        ``podresources.PodDevices``). Returns warnings.
+
+        * a container listed with devices of our resource holds the
+          reservation of those IDs: recorded (planned from the pod when the pod
+          source knows it, request-sized otherwise) or bound when unbound;
+        * a container listed with devices of another resource that are GPU
+          UUIDs of this node holds that GPU whole (door ``other-plugin``);
+        * reservations (and whole-GPU holds) not listed are released, except
+          reservations younger than ``podresources_grace_s`` (kubelet records
+          an allocation only after Allocate returned) unless ``initial``.
+        """
+        warnings: list[str] = []
+        listed: set[str] = set()
+        whole: list[Tenancy] = []
+        now = time.monotonic()
+        with self._lock:
+            for p in pods:
+                for c in p.containers:
+                    for res, ids in c.devices.items():
+                        if res != self.resource_name:
+                            for d in ids:
+                                g = self.node.gpu_by_uuid(d)
+                                if g is not None:
+                                    whole.append(Tenancy(
+                                        pod_uid=self._uid_of(p), namespace=p.namespace, pod_name=p.name,
+                                        container=c.name, gpu_uuid=g.uuid, request_mib=g.memory_mib,
+                                        limit_mib=g.memory_mib, mode=ComputeMode.TIME_SLICING,
+                                        door=al.DOOR_OTHER_PLUGIN, reservation=f"{res}={g.uuid}"))
+                            continue
+                        if not ids:
+                            continue
+                        try:
+                            by_gpu = self.table.group(ids)
+                        except DeviceIdError as e:
+                            warnings.append(f"PodResources lists {p.namespace}/{p.name}/{c.name} with {e}; skipped")
+                            continue
+                        key = al.reservation_key({u: [parse_device_id(d)[1] for d in v] for u, v in by_gpu.items()})
+                        listed.add(key)
+                        warnings.extend(self._bind_listed(p, c.name, by_gpu, key))
+            current = self.ledger.tenancies()
+            stale = [t for t in current if t.door == al.DOOR_ALLOCATE and t.reservation not in listed
+                     and (initial or now - self._made.get(t.reservation, 0.0) > self.podresources_grace_s)]
+            old_whole = [t for t in current if t.door == al.DOOR_OTHER_PLUGIN]
+            if stale or old_whole != whole:
+                drop = {id(t) for t in stale} | {id(t) for t in old_whole}
+                self.ledger.replace_all([t for t in current if id(t) not in drop] + whole)
+            for key in {t.reservation for t in stale}:
+                self._forget(key)
+                warnings.append(f"reservation {key} is not in PodResources; released")
+        return warnings
+
+    def _uid_of(self, p: Any) -> str:
+        pod = self.pod_source.get(p.namespace, p.name) if self.pod_source is not None else None
+        return podlookup.pod_uid(pod) if pod is not None else f"podresources:{p.namespace}/{p.name}"
+
+    def _bind_listed(self, p: Any, container: str, by_gpu: Mapping[str, list[str]], key: str) -> list[str]:
+        existing = self.ledger.reservation(key)
+        if existing and existing[0].bound:
+            return []
+        per = max(len(v) for v in by_gpu.values())
+        uuids = tuple(by_gpu)
+        count = sum(len(v) for v in by_gpu.values())
+        pod = self.pod_source.get(p.namespace, p.name) if self.pod_source is not None else None
+        ref = PodRef(p.namespace, p.name, podlookup.pod_uid(pod) if pod is not None else f"podresources:{p.namespace}/{p.name}")
+        plan: ContainerPlan | None = None
+        warnings: list[str] = []
+        if existing:
+            plan = planner_mod.plan_from_tenancies(existing, self.node, self.planner_config, pod=ref, container=container)
+        elif pod is not None:
+            cand = podlookup.Candidate(pod, container, False, ("", 0, 0, ""))
+            try:
+                req, _ = self.request_for(cand, uuids, per * self.unit_mib, count)
+                plan = planner_mod.plan(req, ref, self.node, planner_mod.EmptyLedger(), self.planner_config,
+                                        reservation=key)
+            except FractionError as e:
+                warnings.append(f"{p.namespace}/{p.name}/{container}: {e.message}; recorded request-sized")
+        if plan is None:
+            spec = MemorySpec(f"resources.limits[{self.resource_name}]", f"{per * self.unit_mib} MiB", mib=per * self.unit_mib)
+            modes = {self.ledger.mode(u) for u in uuids} - {None}
+            req = FractionRequest(container=container, request=spec, limit=spec,
+                                  compute_mode=modes.pop() if len(modes) == 1 else ComputeMode.TIME_SLICING,
+                                  devices=uuids, num_devices=len(uuids), keys={"request": spec.key})
+            plan = planner_mod.plan(req, ref, self.node, planner_mod.EmptyLedger(), self.planner_config)
+        # What runs is recorded, never refused (replace_all logs guard breaks).
+        keep = [t for t in self.ledger.tenancies() if t.reservation != key]
+        cid = existing[0].container_id if existing else ""
+        self.ledger.replace_all(keep + al.to_tenancies(plan, cid, door=al.DOOR_ALLOCATE, reservation=key))
+        self._hints.pop(key, None)
+        return warnings
+
+    # ---- bookkeeping --------------------------------------------------------------
+    def _bump(self, counter: str, **last: str) -> None:
+        with self._count_lock:
+            setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+            for k, v in last.items():
+                setattr(self.counters, k, v)
+
+    def refused(self, message: str) -> None:
+        self._bump("refusals", last_refusal=message)
+
+
+def _holder(t: Tenancy) -> str:
+    return f"{t.namespace}/{t.pod_name}/{t.container}" if t.bound else "holder not known"
