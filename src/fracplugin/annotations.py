@@ -325,3 +325,22 @@ def is_fractional(annotations: Mapping[str, str], container: str, *, prefix: str
     if named is not None and named != container:
         return False
     return any(k in annotations for k in (KEY_GPU_FRACTION, KEY_GPU_MEMORY, KEY_GPU_FRACTION_LIMIT))
+
+
+def stray_container_keys(annotations: Mapping[str, str], prefix: str, names: Sequence[str]) -> list[str]:
+    """Per-container annotation keys that name no container of the pod (a typo
+    such as ``nvidia.com/container.ap.gpu-memory.request`` for ``app`` leaves
+    the container unfenced, so say so). ``names``: every container of the pod
+    (init and app). Used by ``fracplugin explain`` and the NRI door alike."""
+    if not prefix:
+        return []
+    suffixes = (SUFFIX_REQUEST, SUFFIX_LIMIT, SUFFIX_MODE, SUFFIX_PORTION, SUFFIX_DEVICES)
+    stray = []
+    for key in annotations:
+        if not key.startswith(prefix):
+            continue
+        rest = key[len(prefix):]
+        for suffix in suffixes:
+            if rest.endswith(suffix) and rest[: -len(suffix)] not in names:
+                stray.append(key)
+    return sorted(stray)

@@ -103,6 +103,7 @@ class Config:
     kubelet_socket: str = ""  # "" = <device_plugin_dir>/kubelet.sock
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     allocate_deadline_s: float = 5.0
+    pod_resources_interval_s: float = 10.0
     allocation_policy: str = "pack"
     ignored_xids: str = "13,31,43,45,68,109"
     device_specs: bool = False
@@ -154,7 +155,8 @@ DEFAULTS = Config()
 host path must be mounted by the DaemonSet)."""
 
 #: setting -> flag name. ``shutdown_timeout_s`` is ``--shutdown-timeout`` (seconds).
-_FLAG_OVERRIDES = {"shutdown_timeout_s": "shutdown-timeout", "allocate_deadline_s": "allocate-deadline"}
+_FLAG_OVERRIDES = {"shutdown_timeout_s": "shutdown-timeout", "allocate_deadline_s": "allocate-deadline",
+                   "pod_resources_interval_s": "pod-resources-interval"}
 
 
 def flag_name(setting: str) -> str:
@@ -191,6 +193,7 @@ _HELP = {
     "kubelet_socket": "kubelet registration socket (default <device-plugin-dir>/kubelet.sock)",
     "pod_resources_socket": "kubelet PodResources socket",
     "allocate_deadline_s": "seconds an Allocate may spend finding its pod",
+    "pod_resources_interval_s": "seconds between reconciliations of the ledger with kubelet's PodResources List",
     "allocation_policy": "GetPreferredAllocation policy: pack (fill used GPUs first) or spread",
     "ignored_xids": "comma list of XIDs that do not make a GPU Unhealthy (application errors)",
     "device_specs": "also answer Allocate with DeviceSpecs for /dev/nvidia<minor>, /dev/nvidiactl, /dev/nvidia-uvm",
@@ -367,6 +370,8 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
         raise bad("shutdown_timeout_s", "must be a positive number of seconds")
     if not cfg.allocate_deadline_s > 0:
         raise bad("allocate_deadline_s", "must be a positive number of seconds")
+    if not cfg.pod_resources_interval_s > 0:
+        raise bad("pod_resources_interval_s", "must be a positive number of seconds")
     if not _NRI_NAME.match(cfg.nri_plugin_name):
         raise bad("nri_plugin_name", "must match [a-zA-Z0-9_.+-]+ (NRI plugin name rule)")
     if not _NRI_IDX.match(cfg.nri_plugin_idx):

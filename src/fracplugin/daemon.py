@@ -455,6 +455,11 @@ class Daemon:
         if self.events is not None:
             self.events.refused(pod, container, err, "nri")
 
+    def _warned_nri(self, pod: Any, container: str, message: str) -> None:
+        """``FracNriPlugin.on_warning``: queue an AnnotationNotApplied Event (never blocks)."""
+        if self.events is not None:
+            self.events.warned(pod, container, message, "nri")
+
     def _build_nri(self) -> None:
         if self.cfg.no_nri:
             return
@@ -464,7 +469,9 @@ class Daemon:
         assert self.node is not None and self.ledger is not None
         self.nri_plugin = FracNriPlugin(self.node, self.ledger, self.planner_config, mps=self.mps,
                                         metrics=self.metrics, fail_open=self.cfg.fail_open,
-                                        on_refusal=self._refused_nri)
+                                        on_refusal=self._refused_nri, on_warning=self._warned_nri,
+                                        pod_lookup=getattr(self.pod_source, "get", None),
+                                        unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name)
         self.nri_stub = NriStub(self.nri_plugin, socket_path=self.cfg.nri_socket,
                                 plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx)
         self.nri_stub.start()
@@ -496,6 +503,7 @@ class Daemon:
                 pod_source=self.pod_source, resource_name=self.cfg.resource_name, unit_mib=self.cfg.device_unit_mib,
                 plugin_dir=self.cfg.device_plugin_dir, kubelet_socket=self.cfg.effective_kubelet_socket,
                 allocate_deadline_s=self.cfg.allocate_deadline_s, mps_health=None if self.cfg.no_mps else self.mps,
+                podresources_interval_s=self.cfg.pod_resources_interval_s,
                 metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket,
                 ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
                 policy=self.cfg.allocation_policy, device_specs=self.cfg.device_specs, cdi_kind=self.cfg.cdi_kind)

@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 
 REASON_REFUSED = "FractionRefused"
 """``reason`` of the Event written for a refusal."""
+REASON_NOT_APPLIED = "AnnotationNotApplied"
+"""``reason`` of the Event written for an annotation a door did not apply (ADR 0004)."""
 
 MAX_MESSAGE = 1024
 """Characters of the refusal message kept in the Event (longer ones are cut)."""
@@ -62,7 +64,7 @@ MAX_MESSAGE = 1024
 _ACTIONS = {"nri": "CreateContainer", "deviceplugin": "Allocate"}
 
 # (pod, container, message, door, wall-clock seconds) -- what refused() enqueues.
-_Item = tuple[PodRef, str, str, str, float]
+_Item = tuple  # (pod, container, message, door, unix seconds[, reason])
 
 
 class NullEventRecorder:
@@ -71,6 +73,10 @@ class NullEventRecorder:
 
     def refused(self, pod: PodRef, container: str, err: FractionError, door: str) -> None:
         """Ignore the refusal."""
+        return None
+
+    def warned(self, pod: PodRef, container: str, message: str, door: str) -> None:
+        """Ignore the warning."""
         return None
 
     def start(self) -> "NullEventRecorder":
@@ -138,6 +144,19 @@ class EventRecorder:
             return
         try:
             self._q.put_nowait((pod, container, err.message, door, time.time()))
+        except queue.Full:
+            with self._lock:
+                self._dropped += 1
+
+    def warned(self, pod: PodRef, container: str, message: str, door: str) -> None:
+        """Queue an ``AnnotationNotApplied`` Warning Event (an annotation the
+        door did not apply, and why: ADR 0004). Never blocks, never raises."""
+        if self._stop.is_set():
+            with self._lock:
+                self._dropped += 1
+            return
+        try:
+            self._q.put_nowait((pod, container, message, door, time.time(), REASON_NOT_APPLIED))
         except queue.Full:
             with self._lock:
                 self._dropped += 1
@@ -236,12 +255,13 @@ class EventRecorder:
         return False
 
     def _send(self, item: _Item) -> None:
-        pod, container, message, door, at = item
+        pod, container, message, door, at = item[:5]
+        reason = item[5] if len(item) > 5 else REASON_REFUSED  # type: ignore[misc]
         if self._repeat(pod, container, message, at):
             with self._lock:
                 self._suppressed += 1
             return
-        body = self.build_event(pod, container, message, door, at)
+        body = self.build_event(pod, container, message, door, at, reason)
         try:
             self._core_v1().create_namespaced_event(pod.namespace, body, _request_timeout=self.request_timeout_s)
         except Exception as exc:  # ApiException, urllib3 errors, config errors
@@ -255,7 +275,8 @@ class EventRecorder:
         with self._lock:
             self._sent += 1
 
-    def build_event(self, pod: PodRef, container: str, message: str, door: str, at: float) -> Any:
+    def build_event(self, pod: PodRef, container: str, message: str, door: str, at: float,
+                    reason: str = "") -> Any:
         """The ``kubernetes.client.CoreV1Event`` of one refusal (see the module
         docstring for the fields); ``at`` is the refusal time, Unix seconds."""
         from kubernetes import client
@@ -267,7 +288,7 @@ class EventRecorder:
                 api_version="v1", kind="Pod", namespace=pod.namespace, name=pod.name, uid=pod.uid,
                 field_path=f"spec.containers{{{container}}}",
             ),
-            reason=REASON_REFUSED,
+            reason=reason or REASON_REFUSED,
             message=message[:MAX_MESSAGE],
             type="Warning",
             action=_ACTIONS.get(door, door),

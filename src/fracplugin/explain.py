@@ -19,19 +19,12 @@ from typing import Any
 
 import yaml
 
-from .annotations import (
-    DEFAULT_PREFIX,
-    SUFFIX_DEVICES,
-    SUFFIX_LIMIT,
-    SUFFIX_MODE,
-    SUFFIX_PORTION,
-    SUFFIX_REQUEST,
-)
+from .annotations import DEFAULT_PREFIX, stray_container_keys  # noqa: F401 (stray_container_keys: re-exported)
 from .gpu.inventory import InventoryError
 from .gpu.simulated import load_node
 from .ledger import Ledger
 from .model import FractionError, PodRef
-from .planner import DEFAULT_RESERVE_MIB, EmptyLedger, PlannerConfig, plan_container
+from .planner import DEFAULT_RESERVE_MIB, PlannerConfig, plan_container
 
 
 class UsageError(Exception):
@@ -60,24 +53,6 @@ def _non_negative(raw: str) -> int:
     return value
 
 
-def stray_container_keys(annotations: dict[str, str], prefix: str, names: list[str]) -> list[str]:
-    """Per-container annotation keys that name no container of the pod (a typo
-    such as ``nvidia.com/container.ap.gpu-memory.request`` for ``app`` leaves
-    the container unfenced, so say so)."""
-    if not prefix:
-        return []
-    suffixes = (SUFFIX_REQUEST, SUFFIX_LIMIT, SUFFIX_MODE, SUFFIX_PORTION, SUFFIX_DEVICES)
-    stray = []
-    for key in annotations:
-        if not key.startswith(prefix):
-            continue
-        rest = key[len(prefix):]
-        for suffix in suffixes:
-            if rest.endswith(suffix) and rest[: -len(suffix)] not in names:
-                stray.append(key)
-    return sorted(stray)
-
-
 def load_pod(path: str) -> dict[str, Any]:
     """The first ``kind: Pod`` document of a YAML/JSON file. Raises UsageError."""
     try:
@@ -99,17 +74,22 @@ def explain(pod: dict[str, Any], node_path: str, *, container: str | None = None
         node = load_node(node_path)
     except InventoryError as exc:
         raise UsageError(str(exc)) from None
-    ledger: Any = EmptyLedger()
+    # The pod's containers are placed against each other (issue 10 item 6):
+    # a scratch in-memory ledger starts as the node's tenants (or empty) and
+    # each planned container is admitted into it before the next is planned.
+    ledger = Ledger(node, max_clients_per_gpu=config.max_clients_per_gpu)
     if ledger_path:
         if not Path(ledger_path).exists():
             raise UsageError(f"ledger file {ledger_path} does not exist")
-        ledger = Ledger(node, ledger_path, read_only=True)
-        for w in ledger.load():
+        current = Ledger(node, ledger_path, read_only=True)
+        for w in current.load():
             print(f"warning: {w}", file=sys.stderr)
+        ledger.replace_all(current.tenancies())
     md = pod["metadata"]
     annotations = {str(k): str(v) for k, v in (md.get("annotations") or {}).items()}
     spec = pod.get("spec") or {}
     names = [c.get("name", "") for c in spec.get("containers") or [] if isinstance(c, dict)]
+    init_names = [c.get("name", "") for c in spec.get("initContainers") or [] if isinstance(c, dict)]
     if container is not None and container not in names:
         raise UsageError(f"pod has no container {container!r} (it has: {', '.join(names) or 'none'})")
     ref = PodRef(str(md.get("namespace", "default")), str(md.get("name", "")), str(md.get("uid", "")))
@@ -128,8 +108,13 @@ def explain(pod: dict[str, Any], node_path: str, *, container: str | None = None
                         "request_mib": None, "limit_mib": None, "env": {}, "mounts": [], "error": None})
         else:
             out.append(plan.to_dict())
-    warnings = [f"annotation {k} names no container of this pod (containers: {', '.join(names)}); it has no effect"
-                for k in stray_container_keys(annotations, config.annotation_prefix, names)]
+            try:
+                ledger.admit(plan)
+            except FractionError as err:  # the pod's own earlier containers took the room
+                out[-1] = {**out[-1], "devices": [], "env": {}, "mounts": [], "error": err.to_dict()}
+    everyone = init_names + names
+    warnings = [f"annotation {k} names no container of this pod (containers: {', '.join(everyone)}); it has no effect"
+                for k in stray_container_keys(annotations, config.annotation_prefix, everyone)]
     return {"pod": str(ref), "node": node.name, "containers": out, "warnings": warnings}
 
 

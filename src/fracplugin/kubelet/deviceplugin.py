@@ -142,7 +142,8 @@ class DevicePluginServer:
         cdi_kind: when set (e.g. ``nvidia.com/gpu``), answer CDI devices
             ``<cdi_kind>=<GPU-UUID>``.
         podresources_socket: kubelet's PodResources socket, read at ``start``
-            to rebuild the ledger (None: skip).
+            to rebuild the ledger and then every ``podresources_interval_s``
+            seconds to reconcile it (``Allocator.reconcile``; None: skip).
         max_workers: grpc thread pool size.
         poll_s: registrar and health polling period in seconds.
 
@@ -175,6 +176,7 @@ class DevicePluginServer:
         device_specs: bool = False,
         cdi_kind: str | None = None,
         podresources_socket: str | None = DEFAULT_PODRESOURCES_SOCKET,
+        podresources_interval_s: float = 10.0,
         max_workers: int = 16,
         poll_s: float = 0.1,
     ) -> None:
@@ -199,6 +201,9 @@ class DevicePluginServer:
         self.device_specs = device_specs
         self.cdi_kind = cdi_kind
         self.podresources_socket = podresources_socket
+        self.podresources_interval_s = podresources_interval_s
+        self._reconciler: threading.Thread | None = None
+        self._reconcile_stop = threading.Event()
         self.max_workers = max_workers
         self.health = HealthMonitor(
             inventory,
@@ -247,6 +252,11 @@ class DevicePluginServer:
             except PodResourcesError as e:
                 self.startup_warnings.append(str(e))
                 log.warning("ledger rebuild from PodResources skipped: %s", e)
+        if self.podresources_socket:
+            self._reconcile_stop.clear()
+            self._reconciler = threading.Thread(target=self._reconcile_loop, name="fracplugin-podresources",
+                                                daemon=True)
+            self._reconciler.start()
         self.registrar.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -255,6 +265,7 @@ class DevicePluginServer:
         (in-flight calls get ``timeout_s / 2``), remove our socket and stop the
         health monitor."""
         deadline = time.monotonic() + timeout_s
+        self._reconcile_stop.set()
         self.registrar.signal_stop()  # no re-registration while we wind down
         with self._cond:
             self._stopping = True
@@ -482,6 +493,24 @@ class DevicePluginServer:
                 self.metrics.observe_hook(door, seconds)
             except Exception:
                 log.exception("metrics.observe_hook failed")
+
+    def _reconcile_loop(self) -> None:
+        """Every ``podresources_interval_s``: ``Allocator.reconcile`` with
+        kubelet's PodResources List (whole GPUs of other plugins, reservations
+        kubelet freed or that were never bound). Errors are logged, never fatal."""
+        client: PodResourcesClient | None = None
+        while not self._reconcile_stop.wait(self.podresources_interval_s):
+            if not self.podresources_socket or not os.path.exists(self.podresources_socket):
+                continue
+            try:
+                client = client or PodResourcesClient(self.podresources_socket)
+                for w in self.allocator.reconcile(client.list()):
+                    log.info("PodResources reconcile: %s", w)
+            except PodResourcesError as e:
+                log.warning("PodResources reconcile skipped: %s", e)
+                client = None
+            except Exception:
+                log.exception("PodResources reconcile failed")
 
     # ---- restart recovery ----------------------------------------------------
     def rebuild_from_podresources(self, client: PodResourcesClient) -> list[str]:

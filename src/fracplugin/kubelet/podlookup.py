@@ -315,9 +315,20 @@ class _Store:
             self.remove(pod)
             return
         with self._cond:
-            self._insert(self._key(pod), pod)
+            key = self._key(pod)
+            before = self._pods.get(key)
+            self._insert(key, pod)
             self._version += 1
             self._cond.notify_all()
+        phase = (pod.get("status") or {}).get("phase") or ""
+        if phase in _TERMINAL and (before is None or ((before.get("status") or {}).get("phase") or "") not in _TERMINAL):
+            # kubelet frees a finished pod's devices (Succeeded / Failed): the
+            # same callbacks as a deletion (ADR 0004, lifetimes).
+            for cb in list(self.on_delete):
+                try:
+                    cb(pod)
+                except Exception:
+                    log.exception("pod finished callback failed")
 
     def remove(self, pod: Pod) -> None:
         if not isinstance(pod, Mapping) or not isinstance(pod.get("metadata") or {}, Mapping):
@@ -407,7 +418,8 @@ class _StoreBackedSource:
         return self._store.wait(timeout_s)
 
     def subscribe_deleted(self, callback: Callable[[Pod], None]) -> None:
-        """Call ``callback(pod)`` when a pod leaves the cache."""
+        """Call ``callback(pod)`` when a pod leaves the cache or reaches
+        Succeeded / Failed (kubelet frees its devices either way)."""
         self._store.on_delete.append(callback)
 
 

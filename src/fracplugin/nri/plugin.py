@@ -56,9 +56,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from .._proto import nri_pb2
+from .. import allocation as al
 from ..annotations import parse as parse_annotations
+from ..annotations import stray_container_keys
 from ..ledger import Ledger
 from ..model import ComputeMode, ContainerPlan, FractionError, NodeInfo, PodRef, Tenancy
+from ..mps.layout import CONTAINER_PIPE_DIR
 from ..planner import ENFORCED_ENV_KEYS, ENV_VISIBLE_DEVICES, EmptyLedger, PlannerConfig, plan, plan_container
 from .stub import CallContext, event_mask
 from .ttrpc import Code, RpcError
@@ -161,26 +164,6 @@ def _pod_ref(pod: Any) -> PodRef:
     return PodRef(pod.namespace, pod.name, pod.uid)
 
 
-def _tenancies(p: ContainerPlan, container_id: str) -> list[Tenancy]:
-    """The tenancies ``Ledger.admit`` would record for ``p``."""
-    return [
-        Tenancy(
-            pod_uid=p.pod.uid,
-            namespace=p.pod.namespace,
-            pod_name=p.pod.name,
-            container=p.container,
-            gpu_uuid=g.uuid,
-            request_mib=p.request_mib,
-            limit_mib=p.limit_mib,
-            mode=p.compute_mode,
-            container_id=container_id,
-            mps_namespace=p.mps.namespace,
-            active_thread_percentage=p.active_thread_percentage,
-        )
-        for g in p.devices
-    ]
-
-
 class FracNriPlugin:
     """The handler object ``NriStub`` drives (see the module docstring).
 
@@ -209,6 +192,19 @@ class FracNriPlugin:
             ``functools.partial(EventRecorder.refused, door="nri")``, which
             writes a Kubernetes Event in the background). An exception it
             raises is logged and ignored.
+        on_warning: ``f(pod, container, message)`` for an annotation that was
+            not applied (kubelet's allocation wins, an annotation names no
+            container of the pod); same rules as ``on_refusal`` (a Warning
+            Event, ``EventRecorder.warned``).
+        pod_lookup: ``f(namespace, name) -> pod dict | None`` (the watch cache
+            of the device plugin door): with the pod's spec the NRI door knows
+            its init and app containers, so pod-level KAI forms apply to the
+            named or first app container only and annotations naming no
+            container are reported, exactly as ``fracplugin explain`` does.
+            None: one container at a time (ADR 0001 item 6).
+        unit_mib: MiB per device of the device plugin door (``--device-unit-mib``),
+            to read a reservation key (ADR 0004).
+        resource_name: the extended resource (named in messages).
     """
 
     def __init__(
@@ -223,9 +219,18 @@ class FracNriPlugin:
         defer_namespace: bool = True,
         namespace_timeout_s: float = 5.0,
         on_refusal: Callable[[PodRef, str, FractionError], None] | None = None,
+        on_warning: Callable[[PodRef, str, str], None] | None = None,
+        pod_lookup: Callable[[str, str], Mapping[str, Any] | None] | None = None,
+        unit_mib: int = 1024,
+        resource_name: str = "fracplugin.io/gpu-memory",
     ) -> None:
         self.node = node
         self.on_refusal = on_refusal
+        self.on_warning = on_warning
+        self.pod_lookup = pod_lookup
+        self.unit_mib = unit_mib
+        self.resource_name = resource_name
+        self._warned_pods: dict[str, None] = {}
         self.ledger = ledger
         self.config = config
         self.mps: MpsHooks = mps if mps is not None else NoMps()
@@ -270,27 +275,49 @@ class FracNriPlugin:
     def create_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> Any:
         """CreateContainer: a ``CreateContainerResponse`` (empty when the
         container is not fractional or ``fail_open`` swallowed a refusal).
-        Raises ``RpcError`` INVALID_ARGUMENT (refusal) or UNAVAILABLE (MPS)."""
+        Raises ``RpcError`` INVALID_ARGUMENT (refusal) or UNAVAILABLE (MPS).
+
+        A container whose env (or annotations) carries a reservation key from
+        Allocate (``allocation.ENV_RESERVATION``) gets kubelet's allocation:
+        its GPUs and request, plus the limit, mode and portion its annotations
+        may add; the reservation is bound to this pod, container and container
+        id. Annotations that were not applied are logged and reported
+        (``on_warning``). Other containers are planned from the annotations."""
         start = time.monotonic()
         ref = _pod_ref(pod)
         fields = {"pod": str(ref), "pod_uid": ref.uid, "container": container.name, "container_id": container.id}
         try:
             try:
-                p = plan_container(dict(pod.annotations), container.name, ref, self.node, self.ledger, self.config)
+                key = self._reservation_key(container, fields)
+                apps, everyone = self._containers_of(pod)
+                if everyone is not None:
+                    self._warn_stray(pod, ref, container.name, everyone, fields)
+                ignored: list[Any] = []
+                if key:
+                    p, ignored = self._plan_reserved(pod, container.name, ref, key, apps)
+                else:
+                    p = plan_container(dict(pod.annotations), container.name, ref, self.node, self.ledger,
+                                       self.config, containers=apps)
                 if p is None:
                     log.debug("nri container not fractional; untouched", extra=fields)
                     return None
+                _check_mounts(p, container)
                 sm = p.mps.namespace is not None  # MPS v3 namespace to create (none with classic v2)
                 self._ensure_mount_sources(p, fields)
                 if sm and not self.defer_namespace:
                     self._ensure_namespace(p, ctx, fields)
-                self.ledger.admit(p, container.id)
+                if key:
+                    self.ledger.admit(p, container.id, door=al.DOOR_ALLOCATE, reservation=key)
+                else:
+                    self.ledger.admit(p, container.id)
                 if sm and self.defer_namespace:
                     self._start_namespace(p, container.id, fields)
             except FractionError as err:
                 return self._refuse(err, fields, ref, container.name)
             except _FailOpen:
                 return None
+            for i in ignored:
+                self._warn(ref, container.name, i.message, fields, key=i.key, value=i.value)
             self._warn_unenforced(p, container, fields)
             # DEBUG, not INFO: this runs on every creation, inside the runtime's
             # serialised CreateContainer path; formatting and writing a log
@@ -305,11 +332,111 @@ class FracNriPlugin:
                         "compute_mode": p.compute_mode.value,
                         "request_mib": p.request_mib,
                         "limit_mib": p.limit_mib,
+                        "reservation": key,
                     },
                 )
             return nri_pb2.CreateContainerResponse(adjust=build_adjustment(p))
         finally:
             self.metrics.observe_hook("nri", time.monotonic() - start)
+
+    # ------------------------------------------------- one allocation (ADR 0004)
+
+    def _reservation_key(self, container: Any, fields: Mapping[str, Any]) -> str:
+        """The reservation key Allocate answered for this container, or "".
+        The container annotation is preferred (kubelet copies Allocate's
+        annotations into the CRI config; runtimes may not pass them on), then
+        the env (the pod spec cannot remove it, but could set its own value: a
+        key that is not canonical or names devices this node does not
+        advertise is ignored with a warning)."""
+        key = container.annotations.get(al.ANNOTATION_RESERVATION, "") if container.annotations else ""
+        if not key:
+            prefix = al.ENV_RESERVATION + "="
+            for kv in reversed(container.env):  # the last value is the one the container sees
+                if kv.startswith(prefix):
+                    key = kv[len(prefix):]
+                    break
+        if not key:
+            return ""
+        try:
+            by_gpu = al.parse_reservation_key(key)
+        except al.ReservationKeyError as exc:
+            log.warning("nri reservation key ignored", extra={**fields, "reason": str(exc)})
+            return ""
+        for uuid in by_gpu:
+            gpu = self.node.gpu_by_uuid(uuid)
+            if gpu is None or max(by_gpu[uuid]) >= gpu.memory_mib // self.unit_mib:
+                log.warning("nri reservation key ignored", extra={
+                    **fields, "reason": f"{key[:120]} names devices node {self.node.name} does not advertise"})
+                return ""
+        return key
+
+    def _containers_of(self, pod: Any) -> tuple[list[str] | None, list[str] | None]:
+        """(app container names, init + app names) from the pod's spec when
+        ``pod_lookup`` knows the pod, else (None, None)."""
+        if self.pod_lookup is None:
+            return None, None
+        try:
+            spec_pod = self.pod_lookup(pod.namespace, pod.name)
+        except Exception:
+            log.exception("nri pod lookup failed")
+            return None, None
+        if not spec_pod:
+            return None, None
+        md = spec_pod.get("metadata") or {}
+        if md.get("uid") and md.get("uid") != pod.uid:
+            return None, None  # another pod of the same name
+        spec = spec_pod.get("spec") or {}
+        apps = [str(c.get("name")) for c in spec.get("containers") or () if isinstance(c, Mapping)]
+        inits = [str(c.get("name")) for c in spec.get("initContainers") or () if isinstance(c, Mapping)]
+        return apps, inits + apps
+
+    def _warn_stray(self, pod: Any, ref: PodRef, container: str, everyone: Sequence[str],
+                    fields: Mapping[str, Any]) -> None:
+        """Annotations naming no container of the pod: a Warning once per pod
+        (the same words as ``fracplugin explain``)."""
+        if pod.uid in self._warned_pods:
+            return
+        stray = stray_container_keys(dict(pod.annotations), self.config.annotation_prefix, everyone)
+        if not stray:
+            return
+        self._warned_pods[pod.uid] = None
+        while len(self._warned_pods) > 4096:
+            self._warned_pods.pop(next(iter(self._warned_pods)))
+        for k in stray:
+            self._warn(ref, container, f'{k}="{pod.annotations[k]}" names no container of this pod '
+                       f"(containers: {', '.join(everyone)}); it has no effect", fields, key=k,
+                       value=pod.annotations[k])
+
+    def _plan_reserved(self, pod: Any, container: str, ref: PodRef, key: str,
+                       apps: Sequence[str] | None, ledger: Any = None) -> tuple[ContainerPlan, list[Any]]:
+        """Plan a container under kubelet's reservation ``key``. Raises
+        FractionError for annotations that break the contract or a guard
+        (the reservation's own hold does not count against it)."""
+        by_gpu = al.parse_reservation_key(key)
+        gpus = sorted((self.node.gpu_by_uuid(u) for u in by_gpu), key=lambda g: g.index)  # type: ignore[union-attr]
+        uuids = [g.uuid for g in gpus]  # type: ignore[union-attr]
+        per = len(next(iter(by_gpu.values()))) * self.unit_mib
+        count = sum(len(v) for v in by_gpu.values())
+        parsed = al.parse_for_kubelet(dict(pod.annotations), container, per, prefix=self.config.annotation_prefix,
+                                      containers=apps)
+        req, ignored = al.kubelet_request(
+            container, uuids, per, count, parsed, f"resources.limits[{self.resource_name}]",
+            gpu_memory_mib=min(g.memory_mib for g in gpus), reserve_mib=self.config.reserve_mib)  # type: ignore[union-attr]
+        return plan(req, ref, self.node, self.ledger if ledger is None else ledger, self.config,
+                    reservation=key), ignored
+
+    def _plan_reserved_unguarded(self, pod: Any, container: str, key: str) -> tuple[ContainerPlan, list[Any]]:
+        """``_plan_reserved`` against an empty ledger (what runs is recorded)."""
+        apps, _ = self._containers_of(pod)
+        return self._plan_reserved(pod, container, _pod_ref(pod), key, apps, ledger=EmptyLedger())
+
+    def _warn(self, ref: PodRef, container: str, message: str, fields: Mapping[str, Any], **extra: Any) -> None:
+        log.warning("nri annotation not applied", extra={**fields, **extra, "reason": message})
+        if self.on_warning is not None:
+            try:
+                self.on_warning(ref, container, message)
+            except Exception:
+                log.exception("nri on_warning callback failed", extra=dict(fields))
 
     def _ensure_mount_sources(self, p: ContainerPlan, fields: Mapping[str, Any]) -> None:
         """Create every bind-mount source of ``p`` (mode 0755) before answering.
@@ -484,7 +611,14 @@ class FracNriPlugin:
                 "nri MPS drain failed",
                 extra={"pod": f"{pod.namespace}/{pod.name}", "container_id": container.id, "reason": str(exc)},
             )
-            return None
+            result = None
+        # A stopped container holds no memory (issue 10 item 4): its NRI-door
+        # hold goes now; a kubelet reservation stays with its pod (kubelet
+        # frees those devices when the pod ends), unbound from this container.
+        self._forget_namespace_job(container.id)
+        gone = self.ledger.release_stopped(container.id)
+        if gone:
+            self._release_namespace(gone)
         if result is not None:
             log.info(
                 "nri container drained",
@@ -496,7 +630,7 @@ class FracNriPlugin:
         """RemoveContainer: release the ledger entries of this container id and
         its MPS namespace when nothing else holds it."""
         self._forget_namespace_job(container.id)
-        gone = self.ledger.release_container_id(container.id)
+        gone = self.ledger.release_stopped(container.id)
         if gone:
             log.info(
                 "nri container released",
@@ -535,6 +669,7 @@ class FracNriPlugin:
         pods_by_id = {p.id: p for p in pods}
         tenancies: list[Tenancy] = []
         recorded: set[tuple[str, str]] = set()
+        reserved: set[str] = set()
         unadjusted: list[dict[str, Any]] = []
         for c in containers:
             pod = pods_by_id.get(c.pod_sandbox_id)
@@ -542,6 +677,20 @@ class FracNriPlugin:
                 log.warning("nri sync: container without its pod", extra={"container_id": c.id, "container": c.name})
                 continue
             fields = {"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": c.name, "container_id": c.id}
+            key = self._reservation_key(c, fields)
+            if key:
+                # kubelet's allocation: recorded as it runs, never refused.
+                try:
+                    p, _ignored = self._plan_reserved_unguarded(pod, c.name, key)
+                except FractionError as err:
+                    log.warning("nri sync: running container's annotations are refused; recorded request-sized",
+                                extra={**fields, "key": err.key, "value": err.value, "rule": err.reason})
+                    p = None
+                if p is not None:
+                    tenancies.extend(al.to_tenancies(p, c.id, door=al.DOOR_ALLOCATE, reservation=key))
+                    recorded.add((pod.uid, c.name))
+                    reserved.add(key)
+                    continue
             try:
                 p, adjusted = self._replan(pod, c)
             except FractionError as err:
@@ -564,13 +713,13 @@ class FracNriPlugin:
             if not adjusted and p.placed_by_node:
                 # Unknown placement: it never got our devices; do not invent one.
                 continue
-            tenancies.extend(_tenancies(p, c.id))
+            tenancies.extend(al.to_tenancies(p, c.id))
             recorded.add((pod.uid, c.name))
-        # Keep holds recorded by the other door (no container id) for pods that
-        # still exist and that NRI did not re-derive.
-        live_uids = {p.uid for p in pods}
+        # Keep kubelet's reservations NRI did not re-derive (bound or not:
+        # kubelet frees them, not the runtime; PodResources reconciles them)
+        # and whole GPUs of other device plugins.
         for t in self.ledger.tenancies():
-            if not t.container_id and t.pod_uid in live_uids and t.owner not in recorded:
+            if t.door in (al.DOOR_ALLOCATE, al.DOOR_OTHER_PLUGIN) and t.reservation not in reserved:
                 tenancies.append(t)
         self.ledger.replace_all(tenancies)
         self._renew_namespaces(tenancies)
@@ -641,3 +790,20 @@ class FracNriPlugin:
 
 class _FailOpen(Exception):
     pass
+
+
+def _check_mounts(p: ContainerPlan, container: Any) -> None:
+    """Refuse a container that already mounts something at a destination our
+    plan mounts the pipe directory on (the pod's own volume at
+    ``/tmp/nvidia-mps``): the adjustment would silently replace it (issue 10
+    item 8). Raises FractionError naming the mount and the rule."""
+    ours = {m.destination.rstrip("/") for m in p.mounts}
+    for m in container.mounts:
+        dest = m.destination.rstrip("/") or "/"
+        if dest in ours:
+            raise FractionError(
+                f"mounts[{m.destination}]", m.source or m.type,
+                f"is the container's own mount at {CONTAINER_PIPE_DIR}, where fracplugin mounts the MPS pipe "
+                "directory; it would be replaced. Mount the volume elsewhere",
+                "mount_conflict",
+            )
