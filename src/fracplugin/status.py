@@ -79,8 +79,12 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
         for t in tenants:
             atp = f"  ATP {t['active_thread_percentage']}%" if t.get("active_thread_percentage") else ""
             cid = f"  id {t['container_id'][:12]}" if t.get("container_id") else ""
-            lines.append(f"{t['namespace']}/{t['pod_name']}/{t['container']}: request {t['request_mib']} MiB, "
-                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}")
+            holder = (f"{t['namespace']}/{t['pod_name']}/{t['container']}" if t.get("pod_name") or t.get("pod_uid")
+                      else "(holder not known yet)")
+            door = t.get("door") or "nri"
+            res = f"  reservation {t['reservation']}" if t.get("reservation") else ""
+            lines.append(f"{holder}: request {t['request_mib']} MiB, "
+                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}  door {door}{res}")
         tenant_lines[len(rows) - 1] = lines
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
