@@ -24,6 +24,7 @@ ledger (both doors), the PodResources rebuild and the NRI Synchronize use it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -101,10 +102,16 @@ def parse_reservation_key(key: str) -> dict[str, list[int]]:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _device_sets(key: str) -> dict[str, frozenset[int]]:
+    return {u: frozenset(v) for u, v in parse_reservation_key(key).items()}
+
+
 def overlaps(key_a: str, key_b: str) -> bool:
-    """True when two reservation keys share a device (canonical keys)."""
-    a, b = parse_reservation_key(key_a), parse_reservation_key(key_b)
-    return any(set(a[u]) & set(b.get(u, ())) for u in a)
+    """True when two reservation keys share a device (canonical keys; raises
+    ReservationKeyError otherwise). Parsed keys are cached."""
+    a, b = _device_sets(key_a), _device_sets(key_b)
+    return any(a[u] & b[u] for u in a if u in b)
 
 
 def to_tenancies(

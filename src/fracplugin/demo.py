@@ -517,9 +517,9 @@ class Demo:
             envs = self.allocate(self._dp_pod())
             admitted = self._dp_pod()  # what the runtime gets: kubelet put the Allocate env in the spec
             admitted["spec"]["containers"][0]["env"] = [{"name": k, "value": v} for k, v in sorted(envs.items())]
-            self.nri_create(admitted, "untouched",
-                            "the container kubelet just admitted; no fraction annotations, so the NRI door "
-                            "leaves the device plugin's settings alone")
+            self.nri_create(admitted, "placed",
+                            "the container kubelet just admitted: the NRI door binds kubelet's reservation to "
+                            "it, same GPU and request (ADR 0004)")
             self.metrics()
         except StepFailed as exc:
             self.out()

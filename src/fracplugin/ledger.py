@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from .allocation import DOOR_ALLOCATE, DOOR_NRI, DOOR_OTHER_PLUGIN, to_tenancies
+from .allocation import DOOR_ALLOCATE, DOOR_NRI, DOOR_OTHER_PLUGIN, DOOR_SYNC, to_tenancies
 from .model import ComputeMode, ContainerPlan, FractionError, GpuInfo, NodeInfo, Tenancy
 
 log = logging.getLogger(__name__)
@@ -81,13 +81,14 @@ def admission_problem(
     atomically).
     """
     others = [t for t in tenants if not same_hold(t, owner, reservation)]
-    whole = [t for t in others if t.door == DOOR_OTHER_PLUGIN]
+    whole = [t for t in others if t.door in (DOOR_OTHER_PLUGIN, DOOR_SYNC)]
     if whole:
         t = whole[0]
+        how = (f"by another device plugin ({t.reservation})" if t.door == DOOR_OTHER_PLUGIN
+               else "(a running container fracplugin did not adjust)")
         return Problem(
-            f"GPU {gpu.index} ({gpu.uuid}) is given whole to {t.namespace}/{t.pod_name}/{t.container} "
-            f"by another device plugin ({t.reservation})",
-            "a GPU allocated whole is not shared",
+            f"GPU {gpu.index} ({gpu.uuid}) is used whole by {t.namespace}/{t.pod_name}/{t.container} {how}",
+            "a GPU used whole is not shared",
         )
     other_modes = [t for t in others if t.mode is not mode]
     if other_modes:

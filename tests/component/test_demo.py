@@ -100,7 +100,8 @@ def test_demo_device_plugin_door(demo_run: subprocess.CompletedProcess[str]) -> 
     dev = re.search(r"NVIDIA_VISIBLE_DEVICES=(\S+)", sec).group(1)
     assert dev in UUIDS
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M" in sec
-    assert "default/embeddings/worker: request 8192 MiB" in sec
+    # Allocate records the reservation under the device IDs; NRI names the holder.
+    assert "(holder not known yet): request 8192 MiB" in sec and "door allocate" in sec
 
 
 def test_demo_metrics(demo_run: subprocess.CompletedProcess[str]) -> None:
@@ -111,11 +112,13 @@ def test_demo_metrics(demo_run: subprocess.CompletedProcess[str]) -> None:
     assert "fracplugin_ledger_entries 3.0" in sec  # notebook on two GPUs + embeddings on one
 
 
-def test_demo_nri_leaves_device_plugin_container_alone(demo_run: subprocess.CompletedProcess[str]) -> None:
+def test_demo_nri_binds_the_device_plugin_reservation(demo_run: subprocess.CompletedProcess[str]) -> None:
     sec = next(v for k, v in _sections(demo_run.stdout).items()
                if k.startswith("NRI CreateContainer default/embeddings"))
-    assert "container default/embeddings/worker: no fraction annotations: left untouched" in sec
-    assert "NVIDIA_GPU_MEMORY_LIMIT=8192" in sec
+    assert "container default/embeddings/worker: PLACED" in sec
+    assert "NVIDIA_GPU_MEMORY_REQUEST=8192" in sec and "NVIDIA_GPU_MEMORY_LIMIT=8192" in sec
+    assert re.search(r"default/embeddings/worker: request 8192 MiB, limit 8192 MiB, time-slicing  id \w+  "
+                     r"door allocate  reservation GPU-\S+::0-7", sec), sec
 
 
 def test_demo_mps_namespace_follows_the_inference_pod(demo_run: subprocess.CompletedProcess[str]) -> None:

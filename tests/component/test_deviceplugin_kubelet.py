@@ -174,7 +174,9 @@ def test_allocate_env_for_limit_and_sm_sharing(running, seed_pods):
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
     (m,) = c.mounts
     assert m.container_path == "/tmp/nvidia-mps" and "/sm/shared/fp_" in m.host_path
-    assert len(s.ledger.find(pod["metadata"]["uid"], "app")) == 4
+    # Recorded under kubelet's device IDs; the holder is bound later, from evidence (ADR 0004).
+    assert len(s.ledger.reservation(c.envs["FRACPLUGIN_RESERVATION"])) == 4
+    assert c.annotations["fracplugin.io/reservation"] == c.envs["FRACPLUGIN_RESERVATION"]
 
 
 def test_bad_allocate_is_a_grpc_error_and_the_plugin_keeps_serving(running):
@@ -334,7 +336,7 @@ def _allocate_two_pods(rig, seed_pods) -> list[tuple[dict, list[str]]]:
 
 
 def _tenancy_set(ledger):
-    return {(t.pod_uid, t.container, t.gpu_uuid, t.request_mib, t.limit_mib, t.mode) for t in ledger.tenancies()}
+    return {(t.reservation, t.gpu_uuid, t.request_mib, t.limit_mib, t.mode) for t in ledger.tenancies()}
 
 
 @pytest.mark.parametrize("ledger_file_survives", [True, False])
@@ -366,6 +368,9 @@ def test_plugin_restart_with_running_pods_loses_nothing(running, seed_pods, ledg
     assert rig.kubelet.wait_for(lambda: rig.kubelet.stream_open(R) and len(rig.kubelet.registrations) >= 2, WAIT)
     assert rig.kubelet.wait_for(lambda: rig.kubelet.devices(R) == devices_before, WAIT)
     assert _tenancy_set(s2.ledger) == before
+    # PodResources names the holders the Allocates could not know.
+    assert {(t.pod_uid, t.container) for t in s2.ledger.tenancies()} == {
+        (p["metadata"]["uid"], p["spec"]["containers"][0]["name"]) for p, _ in allocated}
     assert s2.status()["startup_warnings"] == []
 
 

@@ -464,13 +464,39 @@ def test_16_an_existing_mount_at_the_pipe_directory_is_refused_naming_it(node: C
 # ---- lifetimes, status ------------------------------------------------------------------------------
 
 
-def test_stopped_nri_container_holds_no_memory(node: Callable[..., Node]) -> None:
+def metrics(n: Node) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{n.d.endpoints['metrics']}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def test_stopped_nri_container_holds_no_memory_and_its_series_go(node: Callable[..., Node]) -> None:
     n = node()
     p = pod("short", containers=[ctr("app")], annotations={P + "app.gpu-memory.request": "4Gi"})
     n.create(p, "app")
     assert n.held(0) == 4096
+    assert 'fracplugin_container_gpu_memory_request_bytes{' in metrics(n) and 'pod="short"' in metrics(n)
     n.stop(p, "app")
     assert n.held(0) == 0
+    assert 'pod="short"' not in metrics(n)
+
+
+def test_unadjusted_running_container_counts_as_holding_its_gpu(node: Callable[..., Node]) -> None:
+    """After a (re)synchronization, a running container fracplugin did not
+    adjust whose env names GPU0 holds GPU0: a fraction goes elsewhere."""
+    from fracplugin._proto import nri_pb2
+    from nri_runtime import make_container, make_pod
+
+    n = node()
+    sandbox = make_pod("raw", "default", "uid-raw")
+    c = make_container(sandbox, "cuda", env={"NVIDIA_VISIBLE_DEVICES": UUIDS[0]}, state=nri_pb2.CONTAINER_RUNNING)
+    n.rt.synchronize([sandbox], [c])
+    (t,) = n.status()["gpus"][0]["tenants"]
+    assert (t["pod_name"], t["door"], t["request_mib"]) == ("raw", "sync", 81559)
+    p = pod("frac2", containers=[ctr("app")], annotations={P + "app.gpu-memory.request": "40Gi"})
+    _adj, got = n.create(p, "app")
+    assert got["NVIDIA_VISIBLE_DEVICES"] == UUIDS[1]
 
 
 def test_status_cli_shows_reservation_holder_and_door(node: Callable[..., Node]) -> None:

@@ -383,7 +383,7 @@ class Allocator:
     def _full(self, uuid: str) -> bool:
         try:
             return len(self.ledger.tenants(uuid)) >= self.planner_config.max_clients_per_gpu or any(
-                t.door == al.DOOR_OTHER_PLUGIN for t in self.ledger.tenants(uuid))
+                t.door in (al.DOOR_OTHER_PLUGIN, al.DOOR_SYNC) for t in self.ledger.tenants(uuid))
         except Exception:
             return False
 

@@ -700,6 +700,7 @@ class FracNriPlugin:
                 )
                 continue
             if p is None:
+                tenancies.extend(self._unadjusted_gpu_user(pod, c, fields))
                 continue
             env = _env_map(c)
             missing = sorted(k for k in p.env if k not in env)
@@ -761,6 +762,27 @@ class FracNriPlugin:
         except Exception as exc:
             log.warning("nri MPS namespace creation failed", extra={**fields, "reason": str(exc)})
             raise
+
+    def _unadjusted_gpu_user(self, pod: Any, c: Any, fields: Mapping[str, Any]) -> list[Tenancy]:
+        """A created or running container that fracplugin did not adjust
+        (no annotations, no reservation key) but whose env names GPUs of this
+        node in ``NVIDIA_VISIBLE_DEVICES`` uses those GPUs unfenced: it holds
+        each of them whole (door ``sync``), so placement, the free-memory guard
+        and the metrics see it (issue 10 item 5). Released at its
+        StopContainer / RemoveContainer."""
+        if c.state not in (nri_pb2.CONTAINER_CREATED, nri_pb2.CONTAINER_RUNNING):
+            return []
+        seen = [d.strip() for d in _env_map(c).get(ENV_VISIBLE_DEVICES, "").split(",") if d.strip()]
+        gpus = [self.node.gpu_by_uuid(u) for u in seen]
+        if not seen or any(g is None for g in gpus):
+            return []
+        log.warning("nri sync: container uses GPUs fracplugin did not give it; counted as holding them whole",
+                    extra={**fields, "devices": ",".join(seen)})
+        return [Tenancy(pod_uid=pod.uid, namespace=pod.namespace, pod_name=pod.name, container=c.name,
+                        gpu_uuid=g.uuid, request_mib=g.memory_mib, limit_mib=g.memory_mib,  # type: ignore[union-attr]
+                        mode=ComputeMode.TIME_SLICING, container_id=c.id, door=al.DOOR_SYNC,
+                        reservation=f"{al.DOOR_SYNC}:{c.id}={g.uuid}")  # type: ignore[union-attr]
+                for g in gpus]
 
     def _replan(self, pod: Any, c: Any) -> tuple[ContainerPlan | None, bool]:
         """Plan a running container against an empty ledger (no guard refusals),
