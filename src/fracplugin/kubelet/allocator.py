@@ -231,8 +231,9 @@ class Allocator:
         return Answer(dict(plan.env), plan.mounts, plan.device_uuids, key, "reserved")
 
     def _release_overlapping(self, key: str) -> None:
-        for other in list(self.ledger.reservations()):
-            if other != key and al.overlaps(other, key):
+        keys = {t.reservation for t in self.ledger.tenancies() if t.door == al.DOOR_ALLOCATE and t.reservation != key}
+        for other in keys:
+            if al.overlaps(other, key):
                 gone = self.ledger.release_reservation(other)
                 self._forget(other)
                 who = _holder(gone[0]) if gone else "?"
@@ -400,12 +401,14 @@ class Allocator:
         modes: set[ComputeMode] = set()
         with self._lock:
             cands = self._candidates(count)
+        prefix = self.planner_config.annotation_prefix
         for c in cands:
+            annotations = (c.pod.get("metadata") or {}).get("annotations") or {}
             try:
-                req, _ = self.request_for(c, [g.uuid for g in self.node.gpus[:1]], self.unit_mib * count, count)
+                parsed = al.parse_for_kubelet(annotations, c.container, self.unit_mib * count, prefix=prefix)
             except FractionError:
                 continue
-            modes.add(req.compute_mode)
+            modes.add(parsed.compute_mode if parsed is not None else ComputeMode.TIME_SLICING)
         return modes.pop() if len(modes) == 1 else None
 
     # ---- lifetimes --------------------------------------------------------------
