@@ -242,6 +242,7 @@ class FracNriPlugin:
         """Subscription mask sent in ConfigureResponse (0x628 deferred, 0x608 not)."""
         self._ns_lock = threading.Lock()
         self._ns_pending: dict[str, Future[str]] = {}
+        self._stopped_holds: dict[str, list[Tenancy]] = {}  # container id -> holds released at StopContainer
         self._ns_pool: ThreadPoolExecutor | None = None
         self._synced = threading.Event()
         self.unadjusted: list[dict[str, Any]] = []
@@ -615,10 +616,14 @@ class FracNriPlugin:
         # A stopped container holds no memory (issue 10 item 4): its NRI-door
         # hold goes now; a kubelet reservation stays with its pod (kubelet
         # frees those devices when the pod ends), unbound from this container.
-        self._forget_namespace_job(container.id)
+        # Its MPS namespace goes at RemoveContainer (an MPS call here could
+        # outlast StopContainer's budget, which the drain already used).
         gone = self.ledger.release_stopped(container.id)
         if gone:
-            self._release_namespace(gone)
+            with self._ns_lock:
+                self._stopped_holds[container.id] = gone
+                while len(self._stopped_holds) > 4096:
+                    self._stopped_holds.pop(next(iter(self._stopped_holds)))
         if result is not None:
             log.info(
                 "nri container drained",
@@ -630,7 +635,9 @@ class FracNriPlugin:
         """RemoveContainer: release the ledger entries of this container id and
         its MPS namespace when nothing else holds it."""
         self._forget_namespace_job(container.id)
-        gone = self.ledger.release_stopped(container.id)
+        with self._ns_lock:
+            stopped = self._stopped_holds.pop(container.id, [])
+        gone = stopped + self.ledger.release_stopped(container.id)
         if gone:
             log.info(
                 "nri container released",
