@@ -270,6 +270,12 @@ class Ledger:
         """Drop every tenancy of a pod."""
         return self._remove(lambda t: t.pod_uid == pod_uid)
 
+    def transform(self, fn: Callable[[list[Tenancy]], Iterable[Tenancy]]) -> None:
+        """Replace the state with ``fn(current entries)`` atomically (under the
+        lock, so a concurrent admission is never lost), with ``replace_all``'s
+        rules (unknown GPUs dropped, guard breaks logged, never refused)."""
+        self._replace(fn)
+
     def replace_all(self, tenancies: Iterable[Tenancy]) -> None:
         """Replace the whole state (rebuild after a runtime Synchronize).
 
@@ -277,18 +283,23 @@ class Ledger:
         dropped with a warning; guard violations are logged, since the
         containers already run.
         """
-        kept: list[Tenancy] = []
-        seen: set[tuple[str, str, str]] = set()
-        for t in tenancies:
-            if t.gpu_uuid not in self._gpus:
-                log.warning("ledger: dropping tenancy on unknown GPU", extra={"gpu_uuid": t.gpu_uuid, "pod_uid": t.pod_uid})
-                continue
-            key = (*t.hold, t.gpu_uuid)
-            if key in seen:
-                continue
-            seen.add(key)
-            kept.append(t)
+        items = list(tenancies)
+        self._replace(lambda _cur: items)
+
+    def _replace(self, fn: Callable[[list[Tenancy]], Iterable[Tenancy]]) -> None:
         with self._lock:
+            kept: list[Tenancy] = []
+            seen: set[tuple[str, str, str]] = set()
+            for t in fn(list(self._entries)):
+                if t.gpu_uuid not in self._gpus:
+                    log.warning("ledger: dropping tenancy on unknown GPU",
+                                extra={"gpu_uuid": t.gpu_uuid, "pod_uid": t.pod_uid})
+                    continue
+                key = (*t.hold, t.gpu_uuid)
+                if key in seen:
+                    continue
+                seen.add(key)
+                kept.append(t)
             before = self._entries
             self._entries = kept
             self._persist_or_rollback(before)

@@ -482,8 +482,10 @@ class Allocator:
                      and (initial or now - self._made.get(t.reservation, 0.0) > self.podresources_grace_s)]
             old_whole = [t for t in current if t.door == al.DOOR_OTHER_PLUGIN]
             if stale or old_whole != whole:
-                drop = {id(t) for t in stale} | {id(t) for t in old_whole}
-                self.ledger.replace_all([t for t in current if id(t) not in drop] + whole)
+                gone = {t.reservation for t in stale}
+                self.ledger.transform(lambda cur: [
+                    t for t in cur if t.door != al.DOOR_OTHER_PLUGIN and not (
+                        t.door == al.DOOR_ALLOCATE and t.reservation in gone)] + whole)
             for key in {t.reservation for t in stale}:
                 self._forget(key)
                 warnings.append(f"reservation {key} is not in PodResources; released")
@@ -522,9 +524,9 @@ class Allocator:
                                   devices=uuids, num_devices=len(uuids), keys={"request": spec.key})
             plan = planner_mod.plan(req, ref, self.node, planner_mod.EmptyLedger(), self.planner_config)
         # What runs is recorded, never refused (replace_all logs guard breaks).
-        keep = [t for t in self.ledger.tenancies() if t.reservation != key]
         cid = existing[0].container_id if existing else ""
-        self.ledger.replace_all(keep + al.to_tenancies(plan, cid, door=al.DOOR_ALLOCATE, reservation=key))
+        new = al.to_tenancies(plan, cid, door=al.DOOR_ALLOCATE, reservation=key)
+        self.ledger.transform(lambda cur: [t for t in cur if t.reservation != key] + new)
         self._hints.pop(key, None)
         return warnings
 

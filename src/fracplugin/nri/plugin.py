@@ -726,10 +726,9 @@ class FracNriPlugin:
         # Keep kubelet's reservations NRI did not re-derive (bound or not:
         # kubelet frees them, not the runtime; PodResources reconciles them)
         # and whole GPUs of other device plugins.
-        for t in self.ledger.tenancies():
-            if t.door in (al.DOOR_ALLOCATE, al.DOOR_OTHER_PLUGIN) and t.reservation not in reserved:
-                tenancies.append(t)
-        self.ledger.replace_all(tenancies)
+        rebuilt = list(tenancies)
+        self.ledger.transform(lambda cur: rebuilt + [
+            t for t in cur if t.door in (al.DOOR_ALLOCATE, al.DOOR_OTHER_PLUGIN) and t.reservation not in reserved])
         self._renew_namespaces(tenancies)
         self.unadjusted = unadjusted
         self._synced.set()
