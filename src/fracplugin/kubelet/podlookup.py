@@ -280,6 +280,7 @@ class _Store:
         self.node_name = node_name
         self.resource_name = resource_name
         self._pods: dict[str, Pod] = {}
+        self._names: dict[tuple[str, str], str] = {}  # (namespace, name) -> key
         self._index: dict[tuple[str, int], dict[str, Pod]] = {}
         self._indexed: dict[str, set[tuple[str, int]]] = {}
         self._cond = threading.Condition()
@@ -297,9 +298,15 @@ class _Store:
                 if not bucket:
                     del self._index[ent]
 
+    @staticmethod
+    def _name_of(pod: Pod) -> tuple[str, str]:
+        md = pod.get("metadata") or {}
+        return (str(md.get("namespace") or "default"), str(md.get("name") or ""))
+
     def _insert(self, key: str, pod: Pod) -> None:
         self._unindex(key)
         self._pods[key] = pod
+        self._names[self._name_of(pod)] = key
         if _live_on_node(pod, self.node_name):
             ents = _extended_counts(pod)
             self._indexed[key] = ents
@@ -337,6 +344,8 @@ class _Store:
         with self._cond:
             key = self._key(pod)
             old = self._pods.pop(key, None)
+            if old is not None and self._names.get(self._name_of(old)) == key:
+                del self._names[self._name_of(old)]
             self._unindex(key)
             self._version += 1
             self._cond.notify_all()
@@ -359,6 +368,7 @@ class _Store:
         with self._cond:
             gone = [p for k, p in self._pods.items() if k not in new]
             self._pods = {}
+            self._names = {}
             self._index = {}
             self._indexed = {}
             for k, p in new.items():
@@ -378,11 +388,8 @@ class _Store:
 
     def get(self, namespace: str, name: str) -> Pod | None:
         with self._cond:
-            for p in self._pods.values():
-                md = p.get("metadata") or {}
-                if md.get("name") == name and (md.get("namespace") or "default") == namespace:
-                    return p
-        return None
+            key = self._names.get((namespace, name))
+            return self._pods.get(key) if key is not None else None
 
     def pods(self) -> list[Pod]:
         with self._cond:

@@ -58,6 +58,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 from .._proto import nri_pb2
 from .. import allocation as al
 from ..annotations import parse as parse_annotations
+from ..annotations import KEY_CONTAINER_NAME, KEY_GPU_FRACTION, KEY_GPU_FRACTION_LIMIT, KEY_GPU_MEMORY, KEY_NUM_DEVICES
 from ..annotations import stray_container_keys
 from ..ledger import Ledger
 from ..model import ComputeMode, ContainerPlan, FractionError, NodeInfo, PodRef, Tenancy
@@ -86,6 +87,7 @@ NRI_EVENTS_DEFERRED = NRI_EVENTS | event_mask(nri_pb2.START_CONTAINER)
 """0x628: the above plus StartContainer, where a deferred MPS namespace is awaited."""
 
 _DEFAULT_REQUEST_TIMEOUT_S = 2.0
+_POD_LEVEL_KEYS = (KEY_GPU_FRACTION, KEY_GPU_MEMORY, KEY_GPU_FRACTION_LIMIT, KEY_NUM_DEVICES)
 _MARGIN_S = 0.15
 
 
@@ -290,7 +292,7 @@ class FracNriPlugin:
         try:
             try:
                 key = self._reservation_key(container, fields)
-                apps, everyone = self._containers_of(pod)
+                apps, everyone = self._spec_names(pod)
                 if everyone is not None:
                     self._warn_stray(pod, ref, container.name, everyone, fields)
                 ignored: list[Any] = []
@@ -371,6 +373,20 @@ class FracNriPlugin:
                 return ""
         return key
 
+    def _spec_names(self, pod: Any) -> tuple[list[str] | None, list[str] | None]:
+        """``_containers_of`` only when it matters (the hot path stays a dict
+        lookup): the pod has pod-level KAI forms without a container name, or
+        per-container keys not yet checked for strays."""
+        if self.pod_lookup is None:
+            return None, None
+        annotations = pod.annotations
+        pod_level = KEY_CONTAINER_NAME not in annotations and any(k in annotations for k in _POD_LEVEL_KEYS)
+        unchecked = pod.uid not in self._warned_pods and any(
+            k.startswith(self.config.annotation_prefix) for k in annotations) if self.config.annotation_prefix else False
+        if not (pod_level or unchecked):
+            return None, None
+        return self._containers_of(pod)
+
     def _containers_of(self, pod: Any) -> tuple[list[str] | None, list[str] | None]:
         """(app container names, init + app names) from the pod's spec when
         ``pod_lookup`` knows the pod, else (None, None)."""
@@ -397,12 +413,12 @@ class FracNriPlugin:
         (the same words as ``fracplugin explain``)."""
         if pod.uid in self._warned_pods:
             return
+        self._warned_pods[pod.uid] = None  # checked (the pod's spec was known)
+        while len(self._warned_pods) > 4096:
+            self._warned_pods.pop(next(iter(self._warned_pods)))
         stray = stray_container_keys(dict(pod.annotations), self.config.annotation_prefix, everyone)
         if not stray:
             return
-        self._warned_pods[pod.uid] = None
-        while len(self._warned_pods) > 4096:
-            self._warned_pods.pop(next(iter(self._warned_pods)))
         for k in stray:
             self._warn(ref, container, f'{k}="{pod.annotations[k]}" names no container of this pod '
                        f"(containers: {', '.join(everyone)}); it has no effect", fields, key=k,
