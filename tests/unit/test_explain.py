@@ -111,3 +111,30 @@ def test_explain_against_a_ledger_shows_the_mode_guard(tmp_path, examples, node_
     r = run(str(examples / "pods/notebook-time-slicing-2gpu.yaml"), "--node", str(node_file),
             "--ledger", str(tmp_path / "ledger.json"))
     assert r.returncode == 1 and "is in sm-sharing mode for default/inference/app" in r.stdout
+
+
+def test_containers_of_one_pod_are_placed_against_each_other(tmp_path, node_file):
+    """Two 50Gi containers cannot both fit on one 81559 MiB GPU (issue 10 item 6):
+    named on GPU 0, the second is refused; placed by the node, they get two GPUs."""
+    pod = tmp_path / "pod.yaml"
+    pod.write_text("""
+kind: Pod
+metadata:
+  name: two
+  uid: u-3
+  annotations:
+    nvidia.com/container.a.gpu-memory.request: "50Gi"
+    nvidia.com/container.a.gpus.devices: "0"
+    nvidia.com/container.b.gpu-memory.request: "50Gi"
+    nvidia.com/container.b.gpus.devices: "0"
+    nvidia.com/container.c.gpu-memory.request: "50Gi"
+    nvidia.com/container.d.gpu-memory.request: "50Gi"
+spec:
+  containers: [{name: a, image: x}, {name: b, image: x}, {name: c, image: x}, {name: d, image: x}]
+""")
+    r = run(str(pod), "--node", str(node_file), "-o", "json")
+    assert r.returncode == 1, r.stdout
+    a, b, c, d = json.loads(r.stdout)["containers"]
+    assert a["error"] is None and a["devices"] == ["GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01"]
+    assert b["error"] is not None and "30359 MiB of 81559 MiB free" in b["error"]["reason"]
+    assert c["devices"] != d["devices"] and a["devices"][0] not in c["devices"] + d["devices"]
