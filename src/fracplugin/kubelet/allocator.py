@@ -80,6 +80,11 @@ class Answer:
 
 @dataclass
 class Counters:
+    """What the door did since start (``/status`` ``device_plugin``): Allocates
+    answered, of which planned / reserved (a recorded reservation answered
+    again) / fallbacks, refusals, GetPreferredAllocation calls, and the last
+    fallback and refusal reasons."""
+
     allocations: int = 0
     planned: int = 0
     reserved: int = 0

@@ -27,10 +27,19 @@ Behaviour (DESIGN.md sections 2 and 4; issue 3 item 3):
   refusal is also handed to ``on_refusal(pod, container, err)`` (for a
   Kubernetes Event, ``fracplugin.events.EventRecorder``), which only
   enqueues. An MPS failure is UNAVAILABLE (or unadjusted with ``fail_open``).
+- A container that kubelet allocated devices of the extended resource to
+  (its env or annotations carry Allocate's reservation key,
+  ``allocation.ENV_RESERVATION``) gets kubelet's allocation (GPUs, request)
+  plus what its annotations may add; the reservation is bound to the pod UID,
+  container name and container id (ADR 0004). Annotations not applied are
+  logged and handed to ``on_warning``. A container mounting something at the
+  pipe directory destination is refused, naming the mount.
 - StopContainer: ``mps.drain(container_id, timeout)`` with at most half the
-  request timeout.
-- RemoveContainer: ``ledger.release_container_id`` and, when the container no
-  longer holds anything, ``mps.release_namespace``.
+  request timeout; then the container's NRI-door hold is released (a stopped
+  container holds no memory) and it is unbound from a kubelet reservation,
+  which stays with its pod.
+- RemoveContainer: the same release and, when the container no longer holds
+  anything, ``mps.release_namespace``.
 - Start-up: the plugin registers with the runtime at once, even while the MPS
   daemons are still starting. An sm-sharing container that starts in that
   window fails its StartContainer with UNAVAILABLE and kubelet retries it;
