@@ -394,3 +394,19 @@ def test_rebuild_releases_allocate_door_entries_kubelet_no_longer_lists(make, no
     warnings = s.rebuild_from_podresources(FakePodResourcesClient([]))
     assert s.ledger.tenancies() == []
     assert "released" in warnings[0]
+
+
+def test_deleted_pods_allocate_is_not_answered_with_another_pods_settings(make, node, src):
+    """kubelet may still admit a pod the API already deleted (issue 10 item 2):
+    while that is possible, the only pending pod's settings are not the answer
+    when they differ from the deleted pod's."""
+    a = pod("a", 4, {P + "app.gpu-memory.limit": "12Gi"}, created="2026-01-01T00:00:00Z")
+    b = pod("b", 4, {P + "app.gpu-memory.limit": "6Gi"}, created="2026-01-02T00:00:00Z")
+    src.add(a)
+    src.add(b)
+    s = make()
+    src.delete(a)
+    resp = s.allocate(areq(ids(node, 0, 4)))
+    assert resp.container_responses[0].annotations[ANNOTATION_ALLOCATE] == "fallback"
+    assert env_of(resp)["NVIDIA_GPU_MEMORY_LIMIT"] == "4096"  # neither 12Gi (a) nor 6Gi (b)
+    assert [(t.pod_uid, t.request_mib) for t in s.ledger.tenancies()] == [("", 4096)]
