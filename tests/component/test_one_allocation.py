@@ -284,6 +284,19 @@ def test_5_deleted_pods_allocate_is_not_recorded_as_another_pod(node: Callable[.
     # kubelet never lists a's devices: the reservation goes once the grace is over (not asserted in time).
 
 
+def test_a_reservation_held_by_a_running_container_cannot_be_claimed_by_another_pod(
+        node: Callable[..., Node]) -> None:
+    n = node()
+    owner = pod("owner", 2)
+    n.put(owner)
+    env, _ = n.allocate(ids(0, 2))
+    n.create(owner, "app", env)
+    thief = pod("thief", containers=[ctr("app", env={"FRACPLUGIN_RESERVATION": env["FRACPLUGIN_RESERVATION"]})])
+    err, _ = n.create(thief, "app")
+    assert getattr(err, "code", None) is not None and "held by running container default/owner/app" in err.message
+    assert [(t["pod_name"], t["container"]) for t in n.tenants()] == [("owner", "app")]
+
+
 # ---- 3. init containers and restarts --------------------------------------------------------
 
 
@@ -348,6 +361,24 @@ def test_8b_devices_allocated_again_free_the_old_reservation(node: Callable[...,
     _env2, ann2 = n.allocate(ids(0, 60, start=10))
     assert ann2["fracplugin.io/allocate"] == "planned"
     assert [t["reservation"] for t in n.tenants()] == [key_of(ids(0, 60, start=10))]
+
+
+def test_8c_the_same_ids_for_a_new_pod_after_the_holder_is_gone(node: Callable[..., Node]) -> None:
+    """The exact device IDs of a deleted pod go to the next pod: it gets its
+    own settings, not the recorded ones."""
+    n = node()
+    old = pod("old", 4, {P + "app.gpu-memory.limit": "16Gi"})
+    n.put(old)
+    env, _ = n.allocate(ids(0, 4))
+    n.create(old, "app", env)
+    n.pods["old"]["metadata"]["deletionTimestamp"] = "2026-11-30T00:00:01Z"  # terminating: no deletion seen yet
+    n.put(n.pods["old"])
+    assert [t["pod_name"] for t in n.tenants()] == ["old"]
+    new = pod("new", 4, {P + "app.gpu-memory.limit": "6Gi"})
+    n.put(new)
+    env2, ann2 = n.allocate(ids(0, 4))
+    assert ann2["fracplugin.io/allocate"] == "planned" and env2["NVIDIA_GPU_MEMORY_LIMIT"] == "6144"
+    assert [(t["pod_name"], t["limit_mib"]) for t in n.tenants()] == [("", 6144)]
 
 
 def test_9_re_allocate_after_kubelet_restart_gets_the_same_answer(node: Callable[..., Node]) -> None:

@@ -203,7 +203,11 @@ class Allocator:
             self._release_overlapping(key)
             existing = self.ledger.reservation(key)
             if existing and existing[0].bound:
-                return self._stored(existing, key, "a re-Allocate of a reservation whose holder is known")
+                if self._holder_live(existing[0]):
+                    return self._stored(existing, key, "a re-Allocate of a reservation whose holder is known")
+                # The holder ended (its end not seen yet): kubelet gives the devices to another pod.
+                self.ledger.release_reservation(key)
+                self._forget(key)
         if self.pod_source is None:
             with self._lock:
                 return self._fallback(uuids, key, request_mib, True, "no API access configured (no pod source)")
@@ -228,6 +232,17 @@ class Allocator:
                     return self._fallback(uuids, key, request_mib, True,
                                           "pod source not ready (API server unreachable or not synced)")
             self.pod_source.wait(min(remaining, 0.1))
+
+    def _holder_live(self, t: Tenancy) -> bool:
+        """True unless the pod source shows the holder deleted or finished
+        (without a pod source, or for a holder it does not know: True)."""
+        if self.pod_source is None or t.pod_uid.startswith("podresources:"):
+            return True
+        pod = self.pod_source.get(t.namespace, t.pod_name)
+        if pod is None or podlookup.pod_uid(pod) != t.pod_uid:
+            return not self.pod_source.ready()
+        phase = (pod.get("status") or {}).get("phase")
+        return phase not in ("Succeeded", "Failed") and not (pod.get("metadata") or {}).get("deletionTimestamp")
 
     def _stored(self, existing: Sequence[Tenancy], key: str, why: str) -> Answer:
         plan = planner_mod.plan_from_tenancies(existing, self.node, self.planner_config)

@@ -439,6 +439,14 @@ class FracNriPlugin:
         FractionError for annotations that break the contract or a guard
         (the reservation's own hold does not count against it)."""
         by_gpu = al.parse_reservation_key(key)
+        if ledger is None:
+            held = self.ledger.reservation(key)
+            if held and held[0].bound and held[0].pod_uid != ref.uid and held[0].container_id:
+                t = held[0]
+                raise FractionError(
+                    al.ENV_RESERVATION, key,
+                    f"is held by running container {t.namespace}/{t.pod_name}/{t.container}; kubelet gives a "
+                    "device to one pod at a time, so this container cannot claim it", "reservation")
         gpus = sorted((self.node.gpu_by_uuid(u) for u in by_gpu), key=lambda g: g.index)  # type: ignore[union-attr]
         uuids = [g.uuid for g in gpus]  # type: ignore[union-attr]
         per = len(next(iter(by_gpu.values()))) * self.unit_mib
