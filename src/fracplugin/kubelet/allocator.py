@@ -1,4 +1,4 @@
-"""The decisions of the device plugin door (ADR 0004): Allocate,
+"""The decisions of the device plugin door (ADR 0006): Allocate,
 GetPreferredAllocation and the reconciliation with kubelet's PodResources.
 
 The grpc server (``deviceplugin.py``) only moves bytes; everything here is

@@ -330,7 +330,7 @@ class _Store:
         phase = (pod.get("status") or {}).get("phase") or ""
         if phase in _TERMINAL and (before is None or ((before.get("status") or {}).get("phase") or "") not in _TERMINAL):
             # kubelet frees a finished pod's devices (Succeeded / Failed): the
-            # same callbacks as a deletion (ADR 0004, lifetimes).
+            # same callbacks as a deletion (ADR 0006, lifetimes).
             for cb in list(self.on_delete):
                 try:
                     cb(pod)
