@@ -473,7 +473,7 @@ def test_15_pod_level_fraction_applies_to_the_first_app_container_only(node: Cal
     for c in ("init", "app", "sidecar"):
         adj, env = n.create(p, c)
         got[c] = env.get("NVIDIA_GPU_MEMORY_REQUEST")
-    assert got == {"init": None, "app": "40779", "sidecar": None}
+    assert got == {"init": None, "app": "40267", "sidecar": None}  # floor((81559 - 1024 reserve) x 0.5)
     assert [t["container"] for t in n.tenants()] == ["app"]
     # explain says the same
     out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "explain", str(n.pods_path),
