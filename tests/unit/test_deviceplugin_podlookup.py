@@ -328,3 +328,19 @@ def test_malformed_watch_object_does_not_end_the_watch():
     finally:
         gate.set()
         src.stop(0.5)
+
+
+def test_cache_keeps_annotated_pods_without_the_resource_for_the_nri_door():
+    """The watch cache of a resource keeps pods with fraction annotations too:
+    the NRI door reads their spec (first app container, stray keys; ADR 0006)."""
+    from fracplugin.kubelet.podlookup import _Store
+
+    store = _Store("n1", "fracplugin.io/gpu-memory")
+    kai = {"metadata": {"name": "kai", "namespace": "d", "uid": "u1", "annotations": {"gpu-fraction": "0.5"}},
+           "spec": {"nodeName": "n1", "containers": [{"name": "app"}]}}
+    plain = {"metadata": {"name": "web", "namespace": "d", "uid": "u2", "annotations": {"team": "a"}},
+             "spec": {"nodeName": "n1", "containers": [{"name": "app"}]}}
+    store.put(kai)
+    store.put(plain)
+    assert store.get("d", "kai") is kai and store.get("d", "web") is None
+    assert store.candidates("fracplugin.io/gpu-memory", 1) == []  # never an Allocate candidate

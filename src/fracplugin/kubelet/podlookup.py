@@ -191,6 +191,28 @@ def requests_resource(pod: Pod, resource_name: str | None) -> bool:
     return False
 
 
+_FRACTION_KEYS = ("gpu-fraction", "gpu-memory", "gpu-fraction.limit", "gpu-fraction-num-devices",
+                  "gpu-fraction-container-name")
+_FRACTION_SUFFIXES = (".gpu-memory.request", ".gpu-memory.limit", ".gpu-compute.mode", ".gpu-compute.portion",
+                      ".gpus.devices", ".gpu-memory.portion.limit")
+
+
+def has_fraction_annotations(pod: Pod) -> bool:
+    """True when the pod carries GPU-fraction annotations (pod-level KAI forms
+    or per-container keys, whatever their prefix)."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    if not isinstance(annotations, Mapping):
+        return False
+    return any(k in _FRACTION_KEYS or str(k).endswith(_FRACTION_SUFFIXES) for k in annotations)
+
+
+def _wanted(pod: Pod, resource_name: str) -> bool:
+    """Pods the cache keeps: those requesting the resource (Allocate's
+    candidates) and those with fraction annotations (the NRI door reads their
+    spec: which containers exist, which is the first app container; ADR 0006)."""
+    return requests_resource(pod, resource_name) or has_fraction_annotations(pod)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One (pod, container) that an Allocate of ``count`` devices may be for.
@@ -318,7 +340,7 @@ class _Store:
         if problem is not None:  # never let one bad object break the cache
             log.warning("pod %s skipped: %s", describe_pod(pod), problem)
             return
-        if self.resource_name is not None and not requests_resource(pod, self.resource_name):
+        if self.resource_name is not None and not _wanted(pod, self.resource_name):
             self.remove(pod)
             return
         with self._cond:
@@ -363,7 +385,7 @@ class _Store:
             if problem is not None:
                 log.warning("pod %s skipped: %s", describe_pod(p), problem)
                 continue
-            if self.resource_name is None or requests_resource(p, self.resource_name):
+            if self.resource_name is None or _wanted(p, self.resource_name):
                 new[self._key(p)] = p
         with self._cond:
             gone = [p for k, p in self._pods.items() if k not in new]
