@@ -1,4 +1,4 @@
-"""One allocation model for both doors (ADR 0006): pure functions, no I/O.
+"""One allocation model for both doors (ADR 0007): pure functions, no I/O.
 
 kubelet's device plugin allocation is authoritative for a container that
 requests the extended resource: the GPUs and the guaranteed memory (devices x
@@ -171,7 +171,7 @@ def kubelet_request(
     (``parsed``, or None) may add. Returns (request, ignored annotations).
 
     ``gpu_memory_mib`` (the smallest of the GPUs) and ``reserve_mib`` resolve
-    fraction forms. Rules (ADR 0006): devices and request are kubelet's; a
+    fraction forms. Rules (ADR 0007): devices and request are kubelet's; a
     limit the pod wrote applies when it is >= the request, else it is ignored
     (the limit is then the request); a request annotation other than the
     units, or devices other than kubelet's, are ignored; compute mode and

@@ -519,7 +519,7 @@ class Demo:
             admitted["spec"]["containers"][0]["env"] = [{"name": k, "value": v} for k, v in sorted(envs.items())]
             self.nri_create(admitted, "placed",
                             "the container kubelet just admitted: the NRI door binds kubelet's reservation to "
-                            "it, same GPU and request (ADR 0006)")
+                            "it, same GPU and request (ADR 0007)")
             self.metrics()
         except StepFailed as exc:
             self.out()

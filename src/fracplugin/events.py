@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 REASON_REFUSED = "FractionRefused"
 """``reason`` of the Event written for a refusal."""
 REASON_NOT_APPLIED = "AnnotationNotApplied"
-"""``reason`` of the Event written for an annotation a door did not apply (ADR 0006)."""
+"""``reason`` of the Event written for an annotation a door did not apply (ADR 0007)."""
 
 MAX_MESSAGE = 1024
 """Characters of the refusal message kept in the Event (longer ones are cut)."""
@@ -150,7 +150,7 @@ class EventRecorder:
 
     def warned(self, pod: PodRef, container: str, message: str, door: str) -> None:
         """Queue an ``AnnotationNotApplied`` Warning Event (an annotation the
-        door did not apply, and why: ADR 0006). Never blocks, never raises."""
+        door did not apply, and why: ADR 0007). Never blocks, never raises."""
         if self._stop.is_set():
             with self._lock:
                 self._dropped += 1

@@ -56,7 +56,7 @@ class Problem:
 def same_hold(t: Tenancy, owner: tuple[str, str], reservation: str = "") -> bool:
     """True when ``t`` is the hold being (re)admitted: the same kubelet
     reservation (an init container and the app container reusing its device
-    IDs are one hold, ADR 0006), or the same bound (pod uid, container)."""
+    IDs are one hold, ADR 0007), or the same bound (pod uid, container)."""
     if reservation and t.reservation == reservation:
         return True
     return bool(owner[0]) and t.owner == owner

@@ -285,7 +285,7 @@ class Tenancy:
     ``request_mib``/``limit_mib`` are for this GPU. ``container_id`` is the
     runtime's id when known (NRI CreateContainer), empty otherwise.
 
-    ``door`` says where the hold comes from (ADR 0006): ``nri`` (planned from
+    ``door`` says where the hold comes from (ADR 0007): ``nri`` (planned from
     the pod's annotations at CreateContainer), ``allocate`` (kubelet's device
     plugin allocation; ``reservation`` is then its key, see
     ``fracplugin.allocation.reservation_key``), ``other-plugin`` (a whole GPU

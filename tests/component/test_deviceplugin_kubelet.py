@@ -174,7 +174,7 @@ def test_allocate_env_for_limit_and_sm_sharing(running, seed_pods):
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
     (m,) = c.mounts
     assert m.container_path == "/tmp/nvidia-mps" and "/sm/shared/fp_" in m.host_path
-    # Recorded under kubelet's device IDs; the holder is bound later, from evidence (ADR 0006).
+    # Recorded under kubelet's device IDs; the holder is bound later, from evidence (ADR 0007).
     assert len(s.ledger.reservation(c.envs["FRACPLUGIN_RESERVATION"])) == 4
     assert c.annotations["fracplugin.io/reservation"] == c.envs["FRACPLUGIN_RESERVATION"]
 

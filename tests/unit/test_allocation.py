@@ -1,4 +1,4 @@
-"""The pure core of the one allocation model (ADR 0006): reservation keys,
+"""The pure core of the one allocation model (ADR 0007): reservation keys,
 kubelet's allocation plus what annotations may add, the one plan -> ledger
 entries conversion and one hold per reservation in the ledger."""
 

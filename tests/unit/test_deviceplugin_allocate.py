@@ -162,7 +162,7 @@ def test_limit_and_sm_sharing_annotations_shape_the_env(make, node, src):
     (m,) = resp.container_responses[0].mounts
     assert m.container_path == "/tmp/nvidia-mps" and "/sm/shared/fp_" in m.host_path
     assert resp.container_responses[0].annotations[ANNOTATION_ALLOCATE] == "planned"
-    # Recorded under the device IDs, holder not named (Allocate does not know the pod: ADR 0006).
+    # Recorded under the device IDs, holder not named (Allocate does not know the pod: ADR 0007).
     (t,) = s.ledger.tenancies()
     assert (t.gpu_uuid, t.request_mib, t.limit_mib, t.mode) == (node.gpus[1].uuid, 20480, 30720, ComputeMode.SM_SHARING)
     assert (t.pod_uid, t.door, t.reservation) == ("", "allocate", f"{node.gpus[1].uuid}::0-19")

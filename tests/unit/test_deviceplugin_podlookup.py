@@ -332,7 +332,7 @@ def test_malformed_watch_object_does_not_end_the_watch():
 
 def test_cache_keeps_annotated_pods_without_the_resource_for_the_nri_door():
     """The watch cache of a resource keeps pods with fraction annotations too:
-    the NRI door reads their spec (first app container, stray keys; ADR 0006)."""
+    the NRI door reads their spec (first app container, stray keys; ADR 0007)."""
     from fracplugin.kubelet.podlookup import _Store
 
     store = _Store("n1", "fracplugin.io/gpu-memory")

@@ -1,4 +1,4 @@
-"""The decisions of the device plugin door (ADR 0006): Allocate,
+"""The decisions of the device plugin door (ADR 0007): Allocate,
 GetPreferredAllocation and the reconciliation with kubelet's PodResources.
 
 The grpc server (``deviceplugin.py``) only moves bytes; everything here is

@@ -21,7 +21,7 @@ threads: the registrar (``registration.Registrar``), the health monitor
 What this module decides: nothing about GPUs. The grpc server, the
 registrar and ListAndWatch (device health from ``gpu.health.HealthMonitor``)
 live here; Allocate, GetPreferredAllocation and the PodResources
-reconciliation are decided by ``allocator.Allocator`` (ADR 0006: one
+reconciliation are decided by ``allocator.Allocator`` (ADR 0007: one
 allocation for both doors), whose answer this module turns into an
 ``AllocateResponse``: env (including ``FRACPLUGIN_RESERVATION``, the
 reservation key the NRI door binds at CreateContainer), mounts, optional

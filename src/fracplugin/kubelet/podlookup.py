@@ -209,7 +209,7 @@ def has_fraction_annotations(pod: Pod) -> bool:
 def _wanted(pod: Pod, resource_name: str) -> bool:
     """Pods the cache keeps: those requesting the resource (Allocate's
     candidates) and those with fraction annotations (the NRI door reads their
-    spec: which containers exist, which is the first app container; ADR 0006)."""
+    spec: which containers exist, which is the first app container; ADR 0007)."""
     return requests_resource(pod, resource_name) or has_fraction_annotations(pod)
 
 
@@ -352,7 +352,7 @@ class _Store:
         phase = (pod.get("status") or {}).get("phase") or ""
         if phase in _TERMINAL and (before is None or ((before.get("status") or {}).get("phase") or "") not in _TERMINAL):
             # kubelet frees a finished pod's devices (Succeeded / Failed): the
-            # same callbacks as a deletion (ADR 0006, lifetimes).
+            # same callbacks as a deletion (ADR 0007, lifetimes).
             for cb in list(self.on_delete):
                 try:
                     cb(pod)

@@ -31,7 +31,7 @@ Behaviour (DESIGN.md sections 2 and 4; issue 3 item 3):
   (its env or annotations carry Allocate's reservation key,
   ``allocation.ENV_RESERVATION``) gets kubelet's allocation (GPUs, request)
   plus what its annotations may add; the reservation is bound to the pod UID,
-  container name and container id (ADR 0006). Annotations not applied are
+  container name and container id (ADR 0007). Annotations not applied are
   logged and handed to ``on_warning``. A container mounting something at the
   pipe directory destination is refused, naming the mount.
 - StopContainer: ``mps.drain(container_id, timeout)`` with at most half the
@@ -214,7 +214,7 @@ class FracNriPlugin:
             container are reported, exactly as ``fracplugin explain`` does.
             None: one container at a time (ADR 0001 item 6).
         unit_mib: MiB per device of the device plugin door (``--device-unit-mib``),
-            to read a reservation key (ADR 0006).
+            to read a reservation key (ADR 0007).
         resource_name: the extended resource (named in messages).
     """
 
@@ -351,7 +351,7 @@ class FracNriPlugin:
         finally:
             self.metrics.observe_hook("nri", time.monotonic() - start)
 
-    # ------------------------------------------------- one allocation (ADR 0006)
+    # ------------------------------------------------- one allocation (ADR 0007)
 
     def _reservation_key(self, container: Any, fields: Mapping[str, Any]) -> str:
         """The reservation key Allocate answered for this container, or "".
