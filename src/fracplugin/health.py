@@ -29,7 +29,9 @@ are called from the handler threads and must be thread-safe and quick.
 
 from __future__ import annotations
 
+import errno
 import io
+import ipaddress
 import json
 import logging
 import socket
@@ -55,6 +57,8 @@ MAX_BODY = 4096
 
 XID_MAX = 2**32 - 1
 _GET_PATHS = ("/healthz", "/readyz", "/status")
+STATUS_NOT_HERE = ("not found: /status names every tenant of the node and is served only to loopback clients "
+                   "(run `fracplugin status` inside the daemon's pod)\n")
 _XID_USAGE = 'expected a JSON object {"gpu_uuid": "<GPU UUID>", "xid": <positive integer>}'
 
 
@@ -63,6 +67,13 @@ REQUEST_DEADLINE_S = 10.0
 
 MAX_HANDLERS = 32
 """Most concurrent handler threads of the health server."""
+
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+"""errnos that mean this process (or the node) ran out of a resource, not that
+the peer misbehaved: never a reason to give up on a part (issue 13 item 1)."""
+
+_ACCEPT_ERROR_PAUSE_S = 0.05
+"""Pause after an accept() that failed for lack of file descriptors."""
 
 _SLOT_WAIT_S = 0.5
 """How long a new connection waits for a handler slot after evicting a slow one."""
@@ -94,7 +105,7 @@ class _DeadlineReader(io.RawIOBase):
             sock.settimeout(self._h.timeout)  # writes get the per-send timeout
 
 
-class _HealthHTTPServer(ThreadingHTTPServer):
+class BoundedHTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer with at most ``max_handlers`` handler threads.
 
     A connection arriving with every slot busy first evicts the handler that
@@ -109,14 +120,16 @@ class _HealthHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # listen backlog: a burst of connections is queued, not SYN-dropped (1 s retry)
 
-    def __init__(self, address: Any, handler: Any, *, max_handlers: int, request_deadline_s: float) -> None:
+    def __init__(self, address: Any, handler: Any, *, max_handlers: int, request_deadline_s: float,
+                 label: str = "health http") -> None:
+        self.label = label
         self.request_deadline_s = request_deadline_s
         self.max_handlers = max_handlers
         self._slots = threading.BoundedSemaphore(max_handlers)
         self.lock = threading.Lock()
         self._reading: dict[Any, float] = {}  # socket -> when it began waiting for a request
         self._evicted: set[Any] = set()
-        self.active = self.peak = self.evicted = self.refused = 0
+        self.active = self.peak = self.evicted = self.refused = self.accept_errors = 0
         super().__init__(address, handler)
 
     def reading(self, conn: Any, on: bool) -> None:
@@ -143,7 +156,26 @@ class _HealthHTTPServer(ThreadingHTTPServer):
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        log.debug("health http: all %d handler slots busy; dropped the request waiting longest", self.max_handlers)
+        log.debug("%s: all %d handler slots busy; dropped the request waiting longest", self.label, self.max_handlers)
+
+    def get_request(self) -> Any:
+        """``accept()``; out of file descriptors (EMFILE/ENFILE) or memory, it
+        evicts the oldest idle connection to free one, counts ``accept_errors``,
+        pauses ``_ACCEPT_ERROR_PAUSE_S`` (the listening socket stays readable:
+        no busy loop) and re-raises (socketserver drops the attempt)."""
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in RESOURCE_ERRNOS:
+                with self.lock:
+                    self.accept_errors += 1
+                    n = self.accept_errors
+                if n == 1 or n % 1000 == 0:
+                    log.warning("%s: accept failed (%s); evicting the oldest idle connection (%d such errors)",
+                                self.label, errno.errorcode.get(exc.errno or 0, exc), n)
+                self._evict_oldest_reader()
+                time.sleep(_ACCEPT_ERROR_PAUSE_S)
+            raise
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -151,8 +183,8 @@ class _HealthHTTPServer(ThreadingHTTPServer):
             if not self._slots.acquire(timeout=_SLOT_WAIT_S):
                 with self.lock:
                     self.refused += 1
-                log.debug("health http: all %d handler slots busy; closed the connection from %s",
-                          self.max_handlers, client_address[0])
+                log.debug("%s: all %d handler slots busy; closed the connection from %s",
+                          self.label, self.max_handlers, client_address[0])
                 self.shutdown_request(request)
                 return
         with self.lock:
@@ -181,9 +213,66 @@ class _HealthHTTPServer(ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         exc = sys.exc_info()[1]
         if isinstance(exc, (ConnectionError, TimeoutError)):
-            log.debug("health http: connection from %s ended: %r", client_address[0], exc)
+            log.debug("%s: connection from %s ended: %r", self.label, client_address[0], exc)
         else:
-            log.error("health http: request from %s failed", client_address[0], exc_info=True)
+            log.error("%s: request from %s failed", self.label, client_address[0], exc_info=True)
+
+
+class BoundedHandler(BaseHTTPRequestHandler):
+    """Request handler for a ``BoundedHTTPServer``: the whole-request deadline
+    on reads (``_DeadlineReader``), evictable while it waits for a request line
+    and headers, access log at DEBUG. Subclasses add ``do_GET`` etc."""
+
+    server_version = "fracplugin"
+    timeout = 10.0  # seconds one send may block (the read side has the whole-request deadline)
+    server: "BoundedHTTPServer"
+
+    def setup(self) -> None:
+        super().setup()
+        self.deadline = time.monotonic() + self.server.request_deadline_s
+        self.rfile = io.BufferedReader(_DeadlineReader(self))  # type: ignore[assignment]
+
+    def handle_one_request(self) -> None:
+        # One deadline for the request line, headers and body of each request.
+        self.deadline = time.monotonic() + self.server.request_deadline_s
+        self.server.reading(self.connection, True)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.reading(self.connection, False)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self.server.reading(self.connection, False)  # headers are in: no longer evictable
+        if self.server.was_evicted(self.connection):  # shut down for a newer client: what we read is cut short
+            self.close_connection = True
+            return False
+        return ok
+
+    def log_message(self, fmt: str, *args: Any) -> None:  # keep access logs at debug
+        log.debug(self.server.label + ": " + fmt, *args)
+
+    def peer_is_loopback(self) -> bool:
+        """True when the client connected from a loopback address (127.0.0.0/8,
+        ::1, an IPv4-mapped loopback): a process in the daemon's own network
+        namespace (``kubectl exec``), never another pod."""
+        host = str(self.client_address[0]) if self.client_address else ""
+        try:
+            ip = ipaddress.ip_address(host.split("%", 1)[0])
+        except ValueError:
+            return False
+        mapped = getattr(ip, "ipv4_mapped", None)
+        return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def make_bounded_server(address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *, max_handlers: int,
+                        request_deadline_s: float, label: str) -> "BoundedHTTPServer":
+    """Bind a ``BoundedHTTPServer`` (IPv6 when the host is an IPv6 literal).
+    Raises OSError when the address cannot be bound."""
+    cls: type[BoundedHTTPServer] = BoundedHTTPServer
+    if ":" in address[0]:  # an IPv6 literal ([::]:8080)
+        cls = type("BoundedHTTPServer6", (BoundedHTTPServer,), {"address_family": socket.AF_INET6})
+    return cls(address, handler, max_handlers=max_handlers, request_deadline_s=request_deadline_s, label=label)
 
 
 class BadRequest(ValueError):
@@ -277,36 +366,7 @@ class HealthServer:
         """Bind and serve on a daemon thread; returns the bound (host, port)."""
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            server_version = "fracplugin"
-            timeout = 10.0  # seconds one send may block (the read side has the whole-request deadline)
-            server: _HealthHTTPServer
-
-            def setup(self) -> None:
-                super().setup()
-                self.deadline = time.monotonic() + self.server.request_deadline_s
-                self.rfile = io.BufferedReader(_DeadlineReader(self))  # type: ignore[assignment]
-
-            def handle_one_request(self) -> None:
-                # One deadline for the request line, headers and body of each request.
-                self.deadline = time.monotonic() + self.server.request_deadline_s
-                self.server.reading(self.connection, True)
-                try:
-                    super().handle_one_request()
-                finally:
-                    self.server.reading(self.connection, False)
-
-            def parse_request(self) -> bool:
-                ok = super().parse_request()
-                self.server.reading(self.connection, False)  # headers are in: no longer evictable
-                if self.server.was_evicted(self.connection):  # shut down for a newer client: what we read is cut short
-                    self.close_connection = True
-                    return False
-                return ok
-
-            def log_message(self, fmt: str, *args: Any) -> None:  # keep access logs at debug
-                log.debug("health http: " + fmt, *args)
-
+        class Handler(BoundedHandler):
             def _send(self, code: int, body: bytes, ctype: str) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
@@ -336,8 +396,10 @@ class HealthServer:
                     elif path == "/readyz":
                         r = outer.readiness()
                         self._json(200 if r["ready"] else 503, r)
-                    elif path == "/status":
+                    elif path == "/status" and self.peer_is_loopback():
                         self._json(200, outer._status())
+                    elif path == "/status":  # names every tenant: this node's own processes only
+                        self._send(404, STATUS_NOT_HERE.encode(), "text/plain")
                     elif path == "/simulate/xid" and outer._simulate_xid is not None:
                         self._text(405, "/simulate/xid answers POST only", {"Allow": "POST"})
                     else:
@@ -423,11 +485,8 @@ class HealthServer:
 
             do_PUT = do_DELETE = do_PATCH = _other_method
 
-        server_cls: type[_HealthHTTPServer] = _HealthHTTPServer
-        if ":" in self._address[0]:  # an IPv6 literal ([::]:8080)
-            server_cls = type("HealthHTTPServer6", (_HealthHTTPServer,), {"address_family": socket.AF_INET6})
-        server = server_cls(self._address, Handler, max_handlers=self._max_handlers,
-                            request_deadline_s=self._request_deadline_s)
+        server = make_bounded_server(self._address, Handler, max_handlers=self._max_handlers,
+                                     request_deadline_s=self._request_deadline_s, label="health http")
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="health-http", daemon=True)

@@ -2,8 +2,9 @@
 
 Concurrency: ``observe_hook`` and ``refusal`` are called from any thread
 (prometheus-client metrics are thread-safe). Everything else is computed at
-scrape time, on the HTTP server's request thread (prometheus-client's
-``ThreadingWSGIServer``: one thread per scrape), by a custom collector that
+scrape time, on the HTTP server's request thread (health.py's
+``BoundedHTTPServer``: at most ``MAX_HANDLERS`` handler threads, a whole-request
+deadline, idle connections evicted), by a custom collector that
 reads the ledger (thread-safe), the inventory (thread-safe reads) and the MPS
 supervisor's ``status()``; a scrape holds no lock of its own. Own
 ``CollectorRegistry`` (no global default registry, no process/GC metrics).
@@ -59,16 +60,14 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import threading
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .health import REQUEST_DEADLINE_S, BoundedHandler, make_bounded_server
 from .model import NodeInfo, Tenancy
 from .procfs import ContainerRef, ProcFs, container_id_matches
 
@@ -81,6 +80,9 @@ CONTAINER_LABELS = ("namespace", "pod", "pod_uid", "container", "gpu_uuid", "gpu
 GPU_LABELS = ("gpu_uuid", "gpu_index")
 HOOK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 SERVER_EXE = "nvidia-cuda-mps-server"
+MAX_HANDLERS = 8
+"""Most concurrent handler threads of the /metrics server (a scrape takes
+milliseconds; Prometheus scrapes one target at a time)."""
 
 
 class MetricsServer(NamedTuple):
@@ -178,33 +180,69 @@ class Metrics:
         (8 GPUs x 48 clients: see ``metrics.scrape_ms`` in build/bench.json)."""
         return render_text(self.registry)
 
-    def serve(self, address: str = ":2112") -> MetricsServer:
-        """Serve the metrics (any path, ``/metrics`` by convention) on ``HOST:PORT``
-        (``:PORT`` = all interfaces; port 0 = any free port) from a threading WSGI
-        server in a daemon thread. Returns the running ``MetricsServer`` (``host,
-        port`` are the bound ones). Raises OSError (address in use) and ValueError
-        (bad address)."""
+    def serve(self, address: str = ":2112", *, max_handlers: int = MAX_HANDLERS,
+              request_deadline_s: float = REQUEST_DEADLINE_S) -> MetricsServer:
+        """Serve the metrics (any path, ``/metrics`` by convention; ``GET`` and
+        ``HEAD``) on ``HOST:PORT`` (``:PORT`` = all interfaces; port 0 = any free
+        port) from a serving thread in the background. Returns the running
+        ``MetricsServer`` (``host, port`` are the bound ones). Raises OSError
+        (address in use) and ValueError (bad address or bounds).
+
+        Bounded like the health server (health.py ``BoundedHTTPServer``,
+        issue 13 item 1): at most ``max_handlers`` (8) handler threads, each
+        request (line and headers) within ``request_deadline_s`` (10 s) in all,
+        and with every slot busy a new connection evicts the one that has
+        waited longest for its request. Idle connections therefore hold at
+        most ``max_handlers`` file descriptors and threads, however many a pod
+        opens (prometheus-client's own server started a thread per connection
+        and never timed a read out)."""
+        if max_handlers < 1 or request_deadline_s <= 0:
+            raise ValueError(f"max_handlers {max_handlers} must be >= 1 and request_deadline_s "
+                             f"{request_deadline_s} > 0")
         host, port = _parse_address(address)
+        outer = self
 
-        def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
-            if environ.get("PATH_INFO") == "/favicon.ico":
-                start_response("404 Not Found", [("Content-Type", "text/plain")])
-                return [b""]
-            body = self.render()
-            start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))])
-            return [body]
+        class Handler(BoundedHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+                if self.path.split("?", 1)[0] == "/favicon.ico":
+                    code, ctype, body = 404, "text/plain", b"not found\n"
+                else:
+                    code, ctype, body = 200, CONTENT_TYPE_LATEST, outer.render()
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", ctype)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(body)
+                except OSError as exc:  # the scraper went away
+                    log.debug("metrics http: client gone before the reply: %s", exc)
+                    self.close_connection = True
 
-        class Server(ThreadingWSGIServer):
-            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            do_HEAD = do_GET
 
-        httpd = make_server(host or "0.0.0.0", port, app, Server, handler_class=_QuietHandler)
-        thread = threading.Thread(target=httpd.serve_forever, name="fracplugin-metrics", daemon=True)
+        httpd = make_bounded_server((host or "0.0.0.0", port), Handler, max_handlers=max_handlers,
+                                    request_deadline_s=request_deadline_s, label="metrics http")
+        thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                  name="fracplugin-metrics", daemon=True)
         thread.start()
         bound = httpd.server_address
         server = MetricsServer(str(bound[0]), int(bound[1]), httpd, thread)
         with self._lock:
             self._servers.append(server)
         return server
+
+    def server_stats(self) -> dict[str, int]:
+        """Connection counters of the metrics servers, summed: ``active``,
+        ``peak``, ``evicted``, ``refused``, ``accept_errors`` (health.py)."""
+        out = {"active": 0, "peak": 0, "evicted": 0, "refused": 0, "accept_errors": 0}
+        with self._lock:
+            servers = list(self._servers)
+        for srv in servers:
+            with srv.httpd.lock:
+                for k in out:
+                    out[k] += int(getattr(srv.httpd, k, 0))
+        return out
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Close every server started by ``serve``."""
@@ -234,11 +272,6 @@ class Metrics:
         """Scrapes whose NVML process query failed so far."""
         with self._lock:
             return self._nvml_failures
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - no access log on stderr
-        return None
 
 
 _TYPES = {"counter": "counter", "gauge": "gauge", "histogram": "histogram", "summary": "summary"}
