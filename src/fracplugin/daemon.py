@@ -896,6 +896,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"fracplugin run: {exc}", file=sys.stderr)
         return 2
     logs.setup(cfg.log_format, cfg.log_level)
+    from .limits import raise_nofile_limit
+
+    raise_nofile_limit()  # soft -> hard: idle clients must not starve the ledger and MPS of descriptors
     daemon = Daemon(cfg, sources, reload=lambda: configmod.load(args))
     daemon.install_signal_handlers()
     try:

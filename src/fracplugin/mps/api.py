@@ -10,6 +10,7 @@ longer than the ``timeout_s`` it is given.
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -37,6 +38,18 @@ class MpsError(RuntimeError):
         self.command = command
         self.output = output
         super().__init__(message)
+
+
+class MpsResourceError(MpsError):
+    """The control binary could not even be run because this process lacks a
+    resource (``EMFILE``/``ENFILE`` open files, ``ENOMEM``, ``EAGAIN``
+    processes): a fault of ours, not of the MPS daemon, so the supervisor
+    retries without counting a probe failure or spending the restart budget
+    (issue 13 item 1)."""
+
+
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.ENOBUFS})
+"""errnos of fork/exec/open that mean "this process is out of a resource"."""
 
 
 class MpsTimeout(MpsError):

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from .api import DrainResult, MpsError, MpsTimeout, NullMps  # re-exported for callers
+from .api import RESOURCE_ERRNOS, DrainResult, MpsError, MpsResourceError, MpsTimeout, NullMps  # re-exported for callers
 
 __all__ = [
     "MpsControl",
@@ -208,6 +208,8 @@ class MpsControl:
             out = _text(e.stdout) + _text(e.stderr)
             raise MpsTimeout(f"{label!r} timed out after {timeout_s:.3g}s", command=label, output=out.strip()) from None
         except OSError as e:
+            if e.errno in RESOURCE_ERRNOS:  # our process is out of descriptors/memory: not the daemon's fault
+                raise MpsResourceError(f"cannot run {self.binary}: {e}", command=label) from None
             raise MpsError(f"cannot run {self.binary}: {e}", command=label) from None
         if proc.returncode != 0:
             out = (proc.stdout + proc.stderr).strip()

@@ -59,7 +59,7 @@ import tenacity
 
 from ..model import ComputeMode
 from ..procfs import ProcFs, container_id_matches
-from .api import DrainResult, HealthCallback, MpsError, MpsTimeout
+from .api import RESOURCE_ERRNOS, DrainResult, HealthCallback, MpsError, MpsResourceError, MpsTimeout
 from .control import MpsControl, choose_protocol, render_config_toml, set_exclusive_process
 from .layout import SM_SERVER, MpsLayout, namespace_name
 
@@ -100,6 +100,7 @@ class DaemonState:
     starts: int = 0
     restarts: int = 0
     budget_used: int = 0
+    resource_errors: int = 0  # starts/probes not run for lack of descriptors/memory (no budget spent)
     wedges: int = 0
     probe_failures: int = 0
     last_probe_s: float | None = None
@@ -197,6 +198,7 @@ class MpsSupervisor:
         self._env.pop("CUDA_MPS_PROTOCOL_VERSION", None)
         if env:
             self._env.update(env)
+        self.resource_retry_s = min(1.0, float(backoff_max_s))  # retry after EMFILE & co (no budget spent)
         self._wait = tenacity.wait_chain(
             tenacity.wait_none(), tenacity.wait_exponential(multiplier=backoff_base_s, max=backoff_max_s)
         )
@@ -323,6 +325,7 @@ class MpsSupervisor:
                     "uptime_s": (now - d.started_at) if running and d.started_at is not None else None,
                     "restarts": d.restarts,
                     "restart_budget_used": d.budget_used,
+                    "resource_errors": d.resource_errors,
                     "wedges": d.wedges,
                     "last_probe_s": d.last_probe_s,
                     "last_probe_ok": d.last_probe_ok,
@@ -709,6 +712,15 @@ class MpsSupervisor:
         t0 = time.monotonic()
         try:
             d.control.probe(self.probe_timeout_s)
+        except MpsResourceError as e:
+            # The probe could not even be run (EMFILE, ...): says nothing about the daemon. Retry
+            # at the next interval; never a probe failure, never a restart (issue 13 item 1).
+            with self._lock:
+                d.resource_errors += 1
+                d.last_error = f"probe not run: {e}"
+                d.next_probe_at = self._clock() + self.probe_interval_s
+            log.warning("MPS %s probe not run (this process is out of a resource): %s", d.mode.value, e)
+            return
         except MpsError as e:
             ok = False
             err = str(e)
@@ -829,9 +841,15 @@ class MpsSupervisor:
                 raise
         except (OSError, ValueError) as e:
             log.error("cannot start MPS %s daemon: %s", d.mode.value, e)
+            resource = isinstance(e, OSError) and e.errno in RESOURCE_ERRNOS
             with self._lock:
                 d.last_error = f"start: {e}"
-            self._schedule_restart(d, f"start failed: {e}", consume_budget=True)
+                if resource:
+                    d.resource_errors += 1
+            # Out of descriptors/memory is this process's fault, not the daemon's: retry after the
+            # longest backoff without spending the restart budget (issue 13 item 1).
+            self._schedule_restart(d, f"start failed: {e}", consume_budget=not resource,
+                                   delay_s=self.resource_retry_s if resource else None)
             return
         with self._lock:
             abort = self._stopping.is_set()
@@ -929,7 +947,10 @@ class MpsSupervisor:
                 time.sleep(0.01)
         return killed
 
-    def _schedule_restart(self, d: DaemonState, reason: str, consume_budget: bool) -> None:
+    def _schedule_restart(self, d: DaemonState, reason: str, consume_budget: bool,
+                          delay_s: float | None = None) -> None:
+        """Plan the next start of ``d``: after the backoff of its budget, or
+        after ``delay_s`` seconds when given with ``consume_budget=False``."""
         now = self._clock()
         with self._lock:
             d.last_error = reason
@@ -945,7 +966,7 @@ class MpsSupervisor:
                 else:
                     delay = self._backoff_s(d.budget_used)
             else:
-                delay = 0.0
+                delay = 0.0 if delay_s is None else max(0.0, float(delay_s))
             if delay is not None:
                 d.state = "backoff"
                 d.next_start_at = now + delay
