@@ -1,0 +1,197 @@
+"""Issue 13: the daemon attacked as a hostile pod and a careless operator would,
+through its real sockets (``fracplugin run`` as a subprocess).
+
+- 2,000 idle connections on the metrics port, the daemon under a 1024
+  open-file limit (``prlimit --nofile=1024:1024``, so it cannot raise it):
+  CreateContainer (NRI), ``/healthz``, ``/metrics`` and MPS keep working,
+  and no MPS restart budget is spent;
+- ``/status`` (every tenant's namespace, pod, UID, container ID) is not
+  served on a pod-network address, only to loopback clients;
+- the soft open-file limit is raised to the hard one at start.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from fracplugin.subproc import die_with_parent
+from test_daemon import FAKE_MPS, INFERENCE, NODE, DaemonProc, root, wait_until  # noqa: F401 (root: fixture)
+
+IDLE_CONNECTIONS = 2000
+FD_LIMIT = 1024
+
+
+class LimitedDaemon(DaemonProc):
+    """``DaemonProc`` started under ``prlimit --nofile=SOFT:HARD``."""
+
+    def __init__(self, root: Path, args: list[str], nofile: tuple[int, int]) -> None:
+        super().__init__(root, args)
+        self.nofile = nofile
+
+    def start(self, wait: bool = True, fd3: int | None = None, **popen: Any) -> "LimitedDaemon":
+        cmd = ["prlimit", f"--nofile={self.nofile[0]}:{self.nofile[1]}", "--",
+               sys.executable, "-m", "fracplugin.cli", "run", "--simulate-node", str(NODE),
+               "--state-dir", str(self.state), "--health-address", "127.0.0.1:0",
+               "--log-format", "json", "--shutdown-timeout", "8",
+               "--mps-root", str(self.root / "mps"), *self.args]
+        if "--metrics-address" not in self.args:
+            cmd += ["--metrics-address", "127.0.0.1:0"]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(die_with_parent(cmd), stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, cwd=str(self.root))
+        ep = self.state / "endpoints.json"
+        ok = wait_until(lambda: ep.exists() or self.proc.poll() is not None, 60)
+        assert ok and self.proc.poll() is None, f"daemon did not start:\n{self.logs()}"
+        self.endpoints = json.loads(ep.read_text())
+        return self
+
+    def nofile_soft(self) -> int:
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/limits").read_text().splitlines():
+            if line.startswith("Max open files"):
+                return int(line.split()[3])
+        raise AssertionError("no 'Max open files' line")
+
+    def open_fds(self) -> int:
+        assert self.proc is not None
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+
+@pytest.fixture
+def limited(root: Path) -> Iterator[Callable[..., LimitedDaemon]]:
+    procs: list[LimitedDaemon] = []
+
+    def make(*args: str, nofile: tuple[int, int] = (FD_LIMIT, FD_LIMIT)) -> LimitedDaemon:
+        d = LimitedDaemon(root, list(args), nofile)
+        procs.append(d)
+        return d.start()
+
+    yield make
+    for d in procs:
+        d.kill()
+
+
+@pytest.fixture
+def many_fds() -> Iterator[None]:
+    """This test process may hold a few thousand sockets (the attacker's side)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, 3 * IDLE_CONNECTIONS) if hard != resource.RLIM_INFINITY else 3 * IDLE_CONNECTIONS
+    if want < IDLE_CONNECTIONS + 200:
+        pytest.fail(f"the test needs an open-file hard limit >= {IDLE_CONNECTIONS + 200}, have {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def open_idle(host: str, port: int, n: int) -> list[socket.socket]:
+    """Open ``n`` TCP connections that never send a byte (each connect waits
+    at most 5 s: with the daemon's listen backlog full the kernel retries)."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.settimeout(5)
+        try:
+            s.connect((host, port))
+        except OSError:
+            s.close()
+            continue
+        socks.append(s)
+    return socks
+
+
+def http_get(url: str, timeout_s: float = 10.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_idle_metrics_connections_leave_create_health_and_mps_working(
+        limited: Callable[..., LimitedDaemon], root: Path, many_fds: None) -> None:
+    from nri_runtime import FakeNriRuntime, effective_env, pod_from_manifest
+
+    rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    socks: list[socket.socket] = []
+    try:
+        d = limited("--no-device-plugin", "--mps-control-binary", str(FAKE_MPS),
+                    "--nri-socket", str(root / "nri.sock"))
+        assert d.nofile_soft() == FD_LIMIT  # hard 1024: nothing to raise
+        assert wait_until(d.ready, 30), d.get("/readyz")
+        host, port = d.endpoints["metrics"].rsplit(":", 1)
+        socks = open_idle(host, int(port), IDLE_CONNECTIONS)
+        assert len(socks) >= IDLE_CONNECTIONS * 0.9, len(socks)
+        # the daemon holds a bounded number of descriptors, far below its limit
+        assert d.open_fds() < 300, d.open_fds()
+        # CreateContainer through NRI: planned, persisted to the ledger (a file write)
+        pod, ctrs = pod_from_manifest(INFERENCE)
+        adj = rt.create_container(pod, ctrs[0])
+        env = effective_env(ctrs[0], adj)
+        assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "40960", adj
+        assert d.get("/healthz") == (200, "ok\n")
+        code, body = http_get(f"http://{host}:{port}/metrics")
+        assert code == 200 and "fracplugin_ledger_entries 4.0" in body
+        st = d.get("/status")[1]
+        assert [m["healthy"] for m in st["mps"]["daemons"]] == [True, True], st["mps"]
+        assert all(m["restart_budget_used"] == 0 and m["resource_errors"] == 0 for m in st["mps"]["daemons"])
+        assert d.ready()
+        records = d.log_records()
+        assert not [r for r in records if r.get("level") in ("error", "critical")], records[-5:]
+        assert d.terminate() == 0
+    finally:
+        for s in socks:
+            s.close()
+        rt.close()
+
+
+def _pod_address() -> str | None:
+    """A non-loopback IPv4 address of this machine (what other pods reach)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: no packet is sent for a UDP connect
+            addr = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if addr.startswith("127.") else addr
+
+
+def test_status_is_not_served_on_the_pod_address(limited: Callable[..., LimitedDaemon], root: Path) -> None:
+    addr = _pod_address()
+    if addr is None:
+        pytest.fail("this machine has no non-loopback IPv4 address to stand for the pod network")
+    d = limited("--no-nri", "--no-device-plugin", "--no-mps", "--health-address", "0.0.0.0:0",
+                "--metrics-address", "0.0.0.0:0")
+    port = int(d.endpoints["health"].rsplit(":", 1)[1])
+    mport = int(d.endpoints["metrics"].rsplit(":", 1)[1])
+    # the pod network: probes and metrics, nothing that names a tenant
+    assert http_get(f"http://{addr}:{port}/healthz") == (200, "ok\n")
+    assert http_get(f"http://{addr}:{port}/readyz")[0] == 200
+    assert http_get(f"http://{addr}:{mport}/metrics")[0] == 200
+    code, body = http_get(f"http://{addr}:{port}/status")
+    assert code == 404 and "loopback" in body and "namespace" not in body
+    # inside the pod (loopback): the status document and `fracplugin status`
+    code, body = http_get(f"http://127.0.0.1:{port}/status")
+    assert code == 200 and json.loads(body)["doors"]["nri"] is False
+    out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "status", "--state-dir", str(d.state)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "ready: yes" in out.stdout, out.stderr
+    assert d.terminate() == 0
+
+
+def test_open_file_limit_is_raised_soft_to_hard(limited: Callable[..., LimitedDaemon]) -> None:
+    d = limited("--no-nri", "--no-device-plugin", "--no-mps", nofile=(256, 4096))
+    assert d.nofile_soft() == 4096
+    assert any("open-file limit raised from 256 to 4096" in str(r.get("msg")) for r in d.log_records())
+    assert d.terminate() == 0
