@@ -195,3 +195,72 @@ def test_open_file_limit_is_raised_soft_to_hard(limited: Callable[..., LimitedDa
     assert d.nofile_soft() == 4096
     assert any("open-file limit raised from 256 to 4096" in str(r.get("msg")) for r in d.log_records())
     assert d.terminate() == 0
+
+
+_MPS_EMFILE_SCRIPT = r'''
+import errno, json, os, resource, signal, sys, time
+from fracplugin.model import ComputeMode
+from fracplugin.mps.layout import MpsLayout
+from fracplugin.mps.supervisor import MpsSupervisor
+
+root, fake, path = sys.argv[1:4]
+TS = ComputeMode.TIME_SLICING
+sup = MpsSupervisor(MpsLayout(root + "/mps"), fake, None, "615.71.09", {TS}, probe_interval_s=0.2,
+                    probe_timeout_s=5.0, backoff_base_s=0.05, max_restarts=1, env={"PATH": path})
+
+
+def daemon():
+    return sup.status()["daemons"][0]
+
+
+def wait(pred, what, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}: {daemon()}")
+        time.sleep(0.05)
+
+
+sup.start()
+wait(lambda: sup.healthy(TS), "the daemon to be healthy")
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError as exc:
+    assert exc.errno == errno.EMFILE, exc
+# 1. probes cannot run: neither a probe failure nor a restart
+wait(lambda: daemon()["resource_errors"] >= 3, "probes hitting EMFILE")
+probing = daemon()
+# 2. the daemon dies while descriptors are exhausted: its starts fail with EMFILE
+os.kill(probing["pid"], signal.SIGKILL)
+n = probing["resource_errors"]
+wait(lambda: daemon()["resource_errors"] >= n + 3, "starts hitting EMFILE")
+starving = daemon()
+for fd in held:
+    os.close(fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+wait(lambda: sup.healthy(TS), "the daemon to recover")
+recovered = daemon()
+sup.stop(10)
+print(json.dumps({"probing": probing, "starving": starving, "recovered": recovered}))
+'''
+
+
+def test_emfile_never_burns_the_mps_restart_budget(root: Path) -> None:
+    """The supervisor's own process out of descriptors: probes and starts that
+    cannot run are retried without spending the budget (max_restarts=1 here:
+    before the fix the second failed start left the daemon failed for good)."""
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    out = subprocess.run(die_with_parent([sys.executable, "-c", _MPS_EMFILE_SCRIPT, str(root), str(FAKE_MPS), path]),
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    probing, starving, recovered = doc["probing"], doc["starving"], doc["recovered"]
+    assert probing["restarts"] == 0 and probing["restart_budget_used"] == 0 and probing["healthy"]
+    assert "probe not run" in probing["last_error"]
+    assert starving["state"] == "backoff" and starving["restart_budget_used"] == 1  # the crash, not the EMFILEs
+    assert "Too many open files" in starving["last_error"]
+    assert recovered["healthy"] and recovered["state"] == "ready" and recovered["restarts"] == 1
