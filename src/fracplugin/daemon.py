@@ -472,8 +472,10 @@ class Daemon:
                                         on_refusal=self._refused_nri, on_warning=self._warned_nri,
                                         pod_lookup=getattr(self.pod_source, "get", None),
                                         unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name)
+        on_bound = getattr(self.metrics, "nri_bound_exceeded", None)
         self.nri_stub = NriStub(self.nri_plugin, socket_path=self.cfg.nri_socket,
-                                plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx)
+                                plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx,
+                                on_bound=on_bound if callable(on_bound) else None)
         self.nri_stub.start()
         self.endpoints["nri_socket"] = self.cfg.nri_socket
         if getattr(self.nri_stub, "fd_mode", False):
@@ -593,11 +595,13 @@ class Daemon:
         """Readiness of each enabled part: {part: {"ready": bool, "detail": str}}."""
         out: dict[str, dict[str, Any]] = {}
         if self.nri_stub is not None:
+            # readiness of the current runtime session (issue 13 item 5), not "ever synchronized"
             synced, connected = bool(_call(self.nri_stub, "ready")), bool(_call(self.nri_stub, "connected"))
+            before = bool(_call(self.nri_stub, "ever_synchronized"))
             ready = synced and connected
             detail = ("synchronized with the runtime" if ready else
                       "connected, not synchronized yet" if connected else
-                      f"not connected to {self.cfg.nri_socket}" + (" (was synchronized before)" if synced else ""))
+                      f"not connected to {self.cfg.nri_socket}" + (" (was synchronized before)" if before else ""))
             out["nri"] = {"ready": ready, "detail": detail}
         elif not self.cfg.no_nri:
             out["nri"] = {"ready": False, "detail": "not started"}

@@ -45,6 +45,8 @@ doors and node:
   fracplugin_refusals_total                        counter, label ``reason`` (FractionError.code)
   fracplugin_ledger_entries                        number of tenancies in the ledger
   fracplugin_nvml_failures_total                   scrapes whose NVML process query failed (counter)
+  fracplugin_nri_bounds_exceeded_total             counter, label ``bound`` (``sync_parts``, ``sync_bytes``,
+                                                   ``unanswered``): a runtime hit a bound of nri/stub.py
 
 Attribution (mps-nvml.md sections 4.3, 4.6): each ``ProcessSample`` PID is
 joined to a container through ``/proc/<pid>/cgroup`` (procfs.py, cached per
@@ -143,6 +145,13 @@ class Metrics:
             "fracplugin_refusals_total", "Fraction requests refused, by reason (FractionError.code).",
             ["reason"], registry=self.registry,
         )
+        self._nri_bounds = Counter(
+            "fracplugin_nri_bounds_exceeded_total",
+            "Times a runtime connection hit a bound of what the NRI plugin holds, by bound "
+            "(sync_parts, sync_bytes, unanswered).", ["bound"], registry=self.registry,
+        )
+        for bound in ("sync_parts", "sync_bytes", "unanswered"):
+            self._nri_bounds.labels(bound=bound)
         self._nvml_failures = 0  # exposed by the collector, counted during the same scrape
         self._collector = _Collector(self)
         self.registry.register(self._collector)
@@ -156,6 +165,11 @@ class Metrics:
     def refusal(self, reason: str) -> None:
         """Count one refusal with label ``reason`` (a FractionError.code)."""
         self._refusals.labels(reason=str(reason) or "unknown").inc()
+
+    def nri_bound_exceeded(self, bound: str) -> None:
+        """Count one hit of NRI bound ``bound`` (``sync_parts``, ``sync_bytes``,
+        ``unanswered``: nri/stub.py) in ``fracplugin_nri_bounds_exceeded_total``."""
+        self._nri_bounds.labels(bound=str(bound) or "unknown").inc()
 
     def attach_mps(self, mps: Any) -> None:
         """Set the MPS supervisor whose ``status()`` feeds the daemon series."""

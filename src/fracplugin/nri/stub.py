@@ -76,12 +76,16 @@ from typing import Any, Callable, Mapping, Sequence
 from tenacity import Retrying, retry_if_exception_type, stop_when_event_set, wait_exponential, wait_random
 
 from .._proto import nri_pb2
+from ..safetext import quote
 from .mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from .transport import ConnectionClosed, NriTransport
 from .ttrpc import Code, RequestReceived, RpcError, unimplemented_method, unimplemented_service
 
 __all__ = [
     "DEFAULT_SOCKET_PATH",
+    "MAX_SYNC_BYTES",
+    "MAX_SYNC_PARTS",
+    "MAX_UNANSWERED",
     "PLUGIN_SERVICE",
     "RUNTIME_SERVICE",
     "VALID_EVENTS_MASK",
@@ -100,6 +104,20 @@ VALID_EVENTS_MASK = 0x7FF
 """Events every runtime since NRI v0.3 accepts (``ValidEvents`` up to v0.9)."""
 DEFAULT_REQUEST_TIMEOUT_S = 2.0
 DEFAULT_REGISTRATION_TIMEOUT_S = 5.0
+
+# Bounds on what a runtime can make the plugin hold (issue 13 item 5). A runtime
+# splits Synchronize only to stay under ttrpc's 4 MiB message limit
+# (nri-protocol.md 1.6), so a real node needs a handful of parts: a node at
+# kubelet's 110-pod default with a few containers each is well under 1 MiB.
+MAX_SYNC_PARTS = 64
+"""Most ``more=true`` Synchronize parts held before the last one."""
+MAX_SYNC_BYTES = 16 << 20
+"""Most encoded bytes (16 MiB) of Synchronize parts held before the last one."""
+MAX_UNANSWERED = 1024
+"""Most requests of one connection read but not yet answered on the wire. A
+runtime that sends requests and never reads the answers makes them pile up
+(a blocked write holds every later answer); past this bound the connection
+is closed (the stub reconnects)."""
 
 _NAME_RE = re.compile(r"^[a-zA-Z0-9_.+-]+$")
 _IDX_RE = re.compile(r"^[0-9]{2}$")
@@ -337,8 +355,15 @@ class Dispatcher:
     of a split Synchronize. Thread-safe.
     """
 
-    def __init__(self, handler: object, events: int, plugin_name: str = "plugin") -> None:
+    def __init__(self, handler: object, events: int, plugin_name: str = "plugin", *,
+                 max_sync_parts: int = MAX_SYNC_PARTS, max_sync_bytes: int = MAX_SYNC_BYTES,
+                 on_bound: Callable[[str], None] | None = None) -> None:
         self.handler = handler
+        self.max_sync_parts = max_sync_parts
+        self.max_sync_bytes = max_sync_bytes
+        self._on_bound = on_bound
+        self._sync_parts = 0
+        self._sync_bytes = 0
         self.events = events
         self.plugin_name = plugin_name
         self.request_timeout_s = DEFAULT_REQUEST_TIMEOUT_S
@@ -420,12 +445,28 @@ class Dispatcher:
             return nri_pb2.ConfigureResponse(events=self.events)
         if method == "Synchronize":
             with self._lock:
-                self._sync_pods.extend(req.pods)
-                self._sync_containers.extend(req.containers)
-                if req.more:
-                    return nri_pb2.SynchronizeResponse(more=True)
-                pods, containers = self._sync_pods, self._sync_containers
-                self._sync_pods, self._sync_containers = [], []
+                parts, size = self._sync_parts + 1, self._sync_bytes + req.ByteSize()
+                if parts > self.max_sync_parts or size > self.max_sync_bytes:
+                    self._sync_pods, self._sync_containers = [], []
+                    self._sync_parts = self._sync_bytes = 0
+                    bound = "sync_parts" if parts > self.max_sync_parts else "sync_bytes"
+                else:
+                    bound = ""
+                    self._sync_parts, self._sync_bytes = parts, size
+                    self._sync_pods.extend(req.pods)
+                    self._sync_containers.extend(req.containers)
+                    if req.more:
+                        return nri_pb2.SynchronizeResponse(more=True)
+                    pods, containers = self._sync_pods, self._sync_containers
+                    self._sync_pods, self._sync_containers = [], []
+                    self._sync_parts = self._sync_bytes = 0
+            if bound:
+                msg = (f"{self.plugin_name}: Synchronize split into {parts} parts / {size} bytes so far, above the "
+                       f"bound of {self.max_sync_parts} parts / {self.max_sync_bytes} bytes; parts dropped")
+                log.error("nri Synchronize too large; refused", extra={"bound": bound, "parts": parts, "bytes": size})
+                if self._on_bound is not None:
+                    self._on_bound(bound)
+                raise RpcError(Code.RESOURCE_EXHAUSTED, msg)
             fn = getattr(h, "synchronize", None)
             result = fn(pods, containers, ctx) if callable(fn) else None
             if isinstance(result, nri_pb2.SynchronizeResponse):
@@ -450,6 +491,11 @@ class Dispatcher:
                 else:
                     fn(req.pod, ctx)
             return nri_pb2.Empty()
+        if method == "CreateContainer" and not req.container.id:
+            # Nothing could ever release what were admitted under an empty id (RemoveContainer names it).
+            raise RpcError(Code.INVALID_ARGUMENT, f"{self.plugin_name}: CreateContainer of container "
+                           f"{quote(req.container.name)} in pod {quote(req.pod.namespace)}/{quote(req.pod.name)} "
+                           "has an empty container id; refused (a container is identified by its id)")
         fn = getattr(h, _SNAKE[method], None)
         if not callable(fn):
             return resp_cls()
@@ -487,6 +533,8 @@ class _Session:
         self.transport: NriTransport | None = None
         self.registered = threading.Event()
         self.synchronized = False
+        self.unanswered = 0  # requests read, answer not written yet
+        self.lock = threading.Lock()
 
 
 class NriStub:
@@ -509,6 +557,17 @@ class NriStub:
         reconnect_initial_s / reconnect_max_s: reconnection backoff (seconds,
             exponential with jitter).
         connect_timeout_s: timeout of one ``connect()``.
+        max_sync_parts / max_sync_bytes: bounds on the parts of one split
+            Synchronize held until its last part (``MAX_SYNC_PARTS``,
+            ``MAX_SYNC_BYTES``); past either, that Synchronize is answered
+            RESOURCE_EXHAUSTED and its parts are dropped.
+        max_unanswered: most requests of one connection read but not answered
+            on the wire yet (``MAX_UNANSWERED``); past it the connection is
+            closed (a runtime that never reads its answers).
+        on_bound: ``f(bound)`` called each time a bound is hit, ``bound`` one
+            of ``sync_parts``, ``sync_bytes``, ``unanswered`` (the daemon counts
+            them in ``fracplugin_nri_bounds_exceeded_total``); ``bounds_exceeded``
+            keeps the same counts.
 
     Raises ValueError for a bad name, index, mask or fd.
     """
@@ -528,6 +587,10 @@ class NriStub:
         reconnect_initial_s: float = 0.1,
         reconnect_max_s: float = 5.0,
         connect_timeout_s: float = 2.0,
+        max_sync_parts: int = MAX_SYNC_PARTS,
+        max_sync_bytes: int = MAX_SYNC_BYTES,
+        max_unanswered: int = MAX_UNANSWERED,
+        on_bound: Callable[[str], None] | None = None,
     ) -> None:
         env = os.environ if env is None else env
         self.handler = handler
@@ -561,6 +624,14 @@ class NriStub:
         self.reconnect_max_s = reconnect_max_s
         self.connect_timeout_s = connect_timeout_s
         self._max_workers = max_workers
+        if min(max_sync_parts, max_sync_bytes, max_unanswered) < 1:
+            raise ValueError("max_sync_parts, max_sync_bytes and max_unanswered must be >= 1")
+        self.max_sync_parts = max_sync_parts
+        self.max_sync_bytes = max_sync_bytes
+        self.max_unanswered = max_unanswered
+        self._on_bound = on_bound
+        self.bounds_exceeded: dict[str, int] = {"sync_parts": 0, "sync_bytes": 0, "unanswered": 0}
+        """How often each bound was hit, since start."""
         self._stop_ev = threading.Event()
         self._exited = threading.Event()
         self._synced = threading.Event()
@@ -620,8 +691,25 @@ class NriStub:
         return ended
 
     def ready(self) -> bool:
-        """True once a Synchronize completed (at least once since start)."""
+        """True when the current connection is registered and has completed a
+        Synchronize (readiness is per runtime session: a reconnection that
+        never synchronized is not ready, whatever an earlier one did)."""
+        with self._session_lock:
+            s = self._session
+        return bool(s is not None and s.synchronized and s.transport is not None
+                    and not s.transport.closed.is_set())
+
+    def ever_synchronized(self) -> bool:
+        """True once any connection completed a Synchronize since start."""
         return self._synced.is_set()
+
+    def _bound_hit(self, bound: str) -> None:
+        self.bounds_exceeded[bound] = self.bounds_exceeded.get(bound, 0) + 1
+        if self._on_bound is not None:
+            try:
+                self._on_bound(bound)
+            except Exception:
+                log.exception("nri on_bound callback failed")
 
     def connected(self) -> bool:
         """True while a connection is open and RegisterPlugin succeeded."""
@@ -630,7 +718,8 @@ class NriStub:
         return bool(s and s.transport and not s.transport.closed.is_set() and s.registered.is_set())
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """Block until ``ready()`` or ``timeout_s``; returns ``ready()``."""
+        """Block until a Synchronize completed (``ever_synchronized()``) or
+        ``timeout_s``; returns ``ever_synchronized()``."""
         return self._synced.wait(timeout_s)
 
     def wait_exit(self, timeout_s: float | None = None) -> bool:
@@ -677,6 +766,7 @@ class NriStub:
             "events": f"0x{self.events:x}",
             "sessions": self.sessions_started,
             "synchronize_count": self.synchronize_count,
+            "bounds_exceeded": dict(self.bounds_exceeded),
             "request_timeout_s": d.request_timeout_s if d is not None else None,
             "runtime": f"{d.runtime_name} {d.runtime_version}".strip() if d is not None else "",
         }
@@ -775,7 +865,9 @@ class NriStub:
         return self._register(sock)
 
     def _register(self, sock: socket.socket) -> _Session:
-        session = _Session(next(self._sessions), Dispatcher(self.handler, self.events, self.plugin_name))
+        session = _Session(next(self._sessions), Dispatcher(
+            self.handler, self.events, self.plugin_name, max_sync_parts=self.max_sync_parts,
+            max_sync_bytes=self.max_sync_bytes, on_bound=self._bound_hit))
         transport = NriTransport(
             sock,
             serve_conn=PLUGIN_SERVICE_CONN,
@@ -820,6 +912,17 @@ class NriStub:
             log.warning("nri call for an unknown service or method", extra={"service": ev.service, "method": ev.method})
             transport.respond_error(ev.stream_id, err.code, err.message)
             return
+        with session.lock:
+            session.unanswered += 1
+            over = session.unanswered > self.max_unanswered
+        if over:
+            log.error("nri runtime does not read the plugin's answers: %d requests unanswered (bound %d); "
+                      "closing the connection", session.unanswered, self.max_unanswered,
+                      extra={"session": session.number, "bound": "unanswered"})
+            self._bound_hit("unanswered")
+            transport.close(f"{session.unanswered} requests unanswered: the runtime does not read the answers "
+                            f"(bound {self.max_unanswered})")
+            return
         ctx = session.dispatcher.context(ev, self.budget_fraction)
         call = _Call(session, ev, ctx)
         assert self._watchdog is not None and self._pool is not None
@@ -828,7 +931,7 @@ class NriStub:
             self._pool.submit(functools.partial(self._serve, call))
         except RuntimeError:  # pool shut down: stopping
             if call.claim(_DONE):
-                transport.respond_error(ev.stream_id, Code.UNAVAILABLE, "plugin is stopping")
+                self._send(call, None, RpcError(Code.UNAVAILABLE, "plugin is stopping"))
 
     def _expired(self, call: _Call) -> None:
         if not call.claim(_EXPIRED):
@@ -853,6 +956,9 @@ class NriStub:
                 "nri answer not sent: connection gone",
                 extra={"method": call.method, "stream_id": call.stream_id, "reason": str(exc)},
             )
+        finally:
+            with call.session.lock:
+                call.session.unanswered -= 1
 
     def _serve(self, call: _Call) -> None:
         """Pool thread: run the handler and answer, unless the watchdog did."""
