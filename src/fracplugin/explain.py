@@ -5,8 +5,10 @@ empty node (or on the tenancy of a ledger file given with ``--ledger``) and
 prints what each would get, or why it is refused.
 
 Exit status: 0 every container planned or not fractional; 1 any refused;
-2 usage errors (missing file, bad YAML, unknown container) with one line on
-stderr, never a traceback.
+2 usage errors (missing file, bad YAML, a file that is not a pod or not a
+node, unknown container) with one line on stderr naming the file and what is
+wrong, never a traceback (issue 13 item 4: "refused" must mean the planner
+said no, never "the file could not be read").
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .gpu.simulated import load_node
 from .ledger import Ledger
 from .model import FractionError, PodRef
 from .planner import DEFAULT_RESERVE_MIB, PlannerConfig, plan_container
+from .safetext import escape_controls, quote
 
 
 class UsageError(Exception):
@@ -53,18 +56,96 @@ def _non_negative(raw: str) -> int:
     return value
 
 
+MAX_POD_FILE_BYTES = 8 << 20
+"""Largest pod file read (8 MiB; etcd stores objects up to 1.5 MiB)."""
+
+
+def _one_line(text: str) -> str:
+    return escape_controls(" ".join(str(text).split()))[:300]
+
+
 def load_pod(path: str) -> dict[str, Any]:
-    """The first ``kind: Pod`` document of a YAML/JSON file. Raises UsageError."""
+    """The first ``kind: Pod`` document of a YAML/JSON file, checked to have the
+    shape of a core/v1 Pod where explain reads it (``pod_shape_problem``).
+    Raises UsageError naming the file and what is wrong: unreadable, larger
+    than ``MAX_POD_FILE_BYTES``, not UTF-8, not YAML, nested too deeply, no
+    Pod, or a Pod of the wrong shape."""
     try:
-        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d is not None]
+        with open(path, "rb") as f:
+            raw = f.read(MAX_POD_FILE_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"cannot read pod file {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_POD_FILE_BYTES:
+        raise UsageError(f"pod file {path} is larger than {MAX_POD_FILE_BYTES} bytes; not a pod manifest")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"pod file {path} is not UTF-8 text (byte {exc.start})") from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
-        raise UsageError(f"pod file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise UsageError(f"pod file {path} is not valid YAML: {_one_line(str(exc).splitlines()[0] if str(exc) else repr(exc))}") from None
+    except RecursionError:
+        raise UsageError(f"pod file {path} is nested too deeply to parse") from None
+    except Exception as exc:  # the parser is not ours: whatever it raises is the file's fault
+        raise UsageError(f"pod file {path} cannot be parsed: {type(exc).__name__}: {_one_line(str(exc))}") from None
     for d in docs:
-        if isinstance(d, dict) and d.get("kind", "Pod") == "Pod" and isinstance(d.get("metadata"), dict):
+        if isinstance(d, dict) and d.get("kind", "Pod") == "Pod" and "metadata" in d:
+            problem = pod_shape_problem(d)
+            if problem is not None:
+                raise UsageError(f"pod file {path}: {problem}")
             return d
     raise UsageError(f"pod file {path} holds no Pod")
+
+
+def _type(v: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(v), type(v).__name__)
+
+
+def pod_shape_problem(pod: dict[str, Any]) -> str | None:
+    """What in ``pod`` does not have the core/v1 Pod shape explain reads, in one
+    line (None when it is fine): ``metadata`` a mapping whose ``name``,
+    ``namespace``, ``uid`` are strings and whose ``annotations`` map strings to
+    strings (numbers are read as their text, as an unquoted YAML value);
+    ``spec`` a mapping whose ``containers`` is a list of mappings, each with a
+    non-empty, unique string ``name`` (Kubernetes API types, core/v1)."""
+    md = pod.get("metadata")
+    if not isinstance(md, dict):
+        return f"metadata must be a mapping, got {_type(md)}"
+    for key in ("name", "namespace", "uid"):
+        if md.get(key) is not None and not isinstance(md.get(key), str):
+            return f"metadata.{key} must be a string, got {_type(md.get(key))}"
+    ann = md.get("annotations")
+    if ann is not None:
+        if not isinstance(ann, dict):
+            return f"metadata.annotations must be a mapping of strings, got {_type(ann)}"
+        for k, v in ann.items():
+            if not isinstance(k, str):
+                return f"metadata.annotations key {_one_line(repr(k))[:80]} must be a string, got {_type(k)}"
+            if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+                return f"metadata.annotations[{_one_line(repr(k))[:80]}] must be a string, got {_type(v)}"
+    spec = pod.get("spec")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        return f"spec must be a mapping, got {_type(spec)}"
+    containers = spec.get("containers")
+    if containers is None:
+        return None
+    if not isinstance(containers, list):
+        return f"spec.containers must be a list of containers, got {_type(containers)}"
+    seen: set[str] = set()
+    for i, c in enumerate(containers):
+        if not isinstance(c, dict):
+            return f"spec.containers[{i}] must be a mapping, got {_type(c)}"
+        name = c.get("name")
+        if not isinstance(name, str) or not name:
+            return f"spec.containers[{i}].name must be a non-empty string, got {_type(name)}"
+        if name in seen:
+            return f"spec.containers[{i}].name {quote(name)} is used twice"
+        seen.add(name)
+    return None
 
 
 def explain(pod: dict[str, Any], node_path: str, *, container: str | None = None, ledger_path: str | None = None,
@@ -83,8 +164,13 @@ def explain(pod: dict[str, Any], node_path: str, *, container: str | None = None
             raise UsageError(f"ledger file {ledger_path} does not exist")
         current = Ledger(node, ledger_path, read_only=True)
         for w in current.load():
-            print(f"warning: {w}", file=sys.stderr)
+            if "is unreadable" in w:  # not a ledger: planning against an empty node would mislead
+                raise UsageError(_one_line(w.replace("; ignored", "")))
+            print(f"warning: {escape_controls(w)}", file=sys.stderr)
         ledger.replace_all(current.tenancies())
+    problem = pod_shape_problem(pod)
+    if problem is not None:
+        raise UsageError(f"pod: {problem}")
     md = pod["metadata"]
     annotations = {str(k): str(v) for k, v in (md.get("annotations") or {}).items()}
     spec = pod.get("spec") or {}
@@ -120,21 +206,21 @@ def explain(pod: dict[str, Any], node_path: str, *, container: str | None = None
 
 def render_table(report: dict[str, Any]) -> str:
     """Human rendering of an explain report."""
-    lines = [f"pod {report['pod']} on node {report['node']}"]
-    lines += [f"warning: {w}" for w in report.get("warnings", [])]
+    lines = [f"pod {escape_controls(report['pod'])} on node {escape_controls(report['node'])}"]
+    lines += [f"warning: {escape_controls(w)}" for w in report.get("warnings", [])]
     for c in report["containers"]:
         lines.append("")
         if c["error"]:
             e = c["error"]
-            lines.append(f"container {c['name']}: REFUSED")
-            lines.append(f"  key:    {e['key']}")
+            lines.append(f"container {escape_controls(c['name'])}: REFUSED")
+            lines.append(f"  key:    {escape_controls(e['key'])}")
             lines.append(f"  value:  {e['value']!r}" if e["value"] is not None else "  value:  (absent)")
-            lines.append(f"  reason: {e['reason']}")
+            lines.append(f"  reason: {escape_controls(e['reason'])}")
             continue
         if not c["fractional"]:
-            lines.append(f"container {c['name']}: not fractional (no GPU memory annotation): left untouched")
+            lines.append(f"container {escape_controls(c['name'])}: not fractional (no GPU memory annotation): left untouched")
             continue
-        lines.append(f"container {c['name']}: {c['compute_mode']}, {c['request_mib']} MiB request / "
+        lines.append(f"container {escape_controls(c['name'])}: {c['compute_mode']}, {c['request_mib']} MiB request / "
                      f"{c['limit_mib']} MiB limit per GPU")
         lines.append("  devices: " + ", ".join(c["devices"]))
         if c.get("portion") is not None:

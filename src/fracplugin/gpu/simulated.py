@@ -43,8 +43,14 @@ def load_node(path: str | os.PathLike[str]) -> NodeInfo:
         doc = yaml.safe_load(p.read_text())
     except OSError as exc:
         raise InventoryError(f"cannot read node file {p}: {exc.strerror or exc}") from None
-    except (yaml.YAMLError, RecursionError) as exc:
+    except UnicodeDecodeError as exc:
+        raise InventoryError(f"node file {p} is not UTF-8 text (byte {exc.start})") from None
+    except RecursionError:
+        raise InventoryError(f"node file {p} is nested too deeply to parse") from None
+    except yaml.YAMLError as exc:
         raise InventoryError(f"node file {p} is not valid YAML: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
+    except Exception as exc:  # the parser is not ours: any failure is the file's (issue 13 item 4)
+        raise InventoryError(f"node file {p} cannot be parsed: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("gpus"), list):
         raise InventoryError(f"node file {p} must be a mapping with a 'gpus' list")
     gpus = []
@@ -63,7 +69,7 @@ def load_node(path: str | os.PathLike[str]) -> NodeInfo:
                 compute_capability=str(g.get("compute_capability", "")),
                 mig_enabled=bool(g.get("mig_enabled", False)),
             ))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise InventoryError(f"node file {p}: gpus[{i}]: {exc}") from None
         if not 0 < gpus[-1].memory_mib <= MAX_MEMORY_MIB:
             raise InventoryError(f"node file {p}: gpus[{i}].memory_mib must be 1..{MAX_MEMORY_MIB} MiB")
