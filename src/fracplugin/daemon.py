@@ -338,6 +338,10 @@ class Daemon:
             raise StartupError(f"state directory {self.cfg.state_dir}: {exc.strerror or exc}") from None
         self.ledger = Ledger(self.node, self.cfg.ledger_path, max_clients_per_gpu=self.cfg.max_clients_per_gpu)
         self.ledger_warnings = self.ledger.load()  # the ledger logs each warning itself
+        from .ledger import remove_crash_leftovers
+
+        for msg in remove_crash_leftovers(self.cfg.ledger_path):  # temps of killed writes, old corrupt copies
+            log.info(msg, extra={"path": self.cfg.ledger_path})
         log.info("ledger loaded", extra={"path": self.cfg.ledger_path, "tenancies": len(self.ledger.tenancies())})
 
     def _build_metrics(self) -> None:

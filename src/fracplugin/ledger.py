@@ -439,3 +439,50 @@ class Ledger:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+def remove_crash_leftovers(path: str | os.PathLike[str]) -> list[str]:
+    """Remove what crashes leave next to the ledger file ``path`` (issue 13
+    item 5), and return one message per action for the log:
+
+    - ``.<name>.*``: temporary files of an atomic write (``_persist``:
+      mkstemp, fsync, rename) that a kill -9 interrupted before the rename;
+      ``.endpoints.*`` temps of the daemon's endpoints file likewise;
+    - ``<name>.corrupt-<unix seconds>``: copies of corrupt ledgers moved aside
+      by ``load``; the newest (largest suffix, then mtime) is kept for a post
+      mortem, the others removed.
+
+    Call it at start, after ``load`` and before anything writes the ledger
+    (one daemon per node owns the directory). Never raises: a file that
+    cannot be removed is reported in the returned messages.
+    """
+    p = Path(path)
+    directory = p.parent
+    msgs: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError as exc:
+        return [f"state directory {directory} not listed for crash leftovers: {exc}"]
+    temps = [n for n in names if n.startswith(f".{p.name}.") or n.startswith(".endpoints.")]
+    corrupt = [n for n in names if n.startswith(f"{p.name}.corrupt-")]
+
+    def rank(name: str) -> tuple[int, float]:
+        suffix = name.rsplit("-", 1)[-1]
+        try:
+            mtime = (directory / name).stat().st_mtime
+        except OSError:
+            mtime = 0.0
+        return (int(suffix) if suffix.isdigit() else -1, mtime)
+
+    corrupt.sort(key=rank)
+    if corrupt:
+        msgs.append(f"kept the newest corrupt ledger copy {directory / corrupt[-1]}")
+    for name in temps + corrupt[:-1]:
+        target = directory / name
+        try:
+            if target.is_file() and not target.is_symlink():
+                target.unlink()
+                msgs.append(f"removed crash leftover {target}")
+        except OSError as exc:
+            msgs.append(f"cannot remove crash leftover {target}: {exc}")
+    return msgs

@@ -18,13 +18,17 @@ import json
 import logging
 import sys
 import time
+import re
 from typing import Any, TextIO
+
+from .safetext import escape_controls
 
 __all__ = ["JsonFormatter", "TextFormatter", "setup", "set_level"]
 
 # Attributes every LogRecord has; anything else came in through ``extra``.
 _STANDARD = frozenset(vars(logging.LogRecord("x", 0, "x", 0, "x", None, None)).keys()) | {"message", "asctime", "taskName"}
 _HANDLER_NAME = "fracplugin"
+_NEEDS_QUOTES = re.compile('[\\s"=\x00-\x1f\x7f-\x9f\u2028\u2029]')
 
 
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
@@ -53,12 +57,19 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """``<ts> <LEVEL> <logger>: <msg> key=value ...``."""
+    """``<ts> <LEVEL> <logger>: <msg> key=value ...``, one line per record
+    (plus the traceback of an exception). Control characters in the message
+    and in string values are escaped (safetext.py): a pod's annotation with a
+    newline must not forge a log line (issue 13 item 6). A string value with
+    a space, a quote, ``=`` or a control character is written JSON-quoted."""
 
     def format(self, record: logging.LogRecord) -> str:
-        parts = [f"{_ts(record)} {record.levelname:<7} {record.name}: {record.getMessage()}"]
+        parts = [f"{_ts(record)} {record.levelname:<7} {record.name}: {escape_controls(record.getMessage())}"]
         for k, v in _extras(record).items():
-            parts.append(f"{k}={json.dumps(v, default=str) if not isinstance(v, str) or ' ' in v else v}")
+            if isinstance(v, str) and v and not _NEEDS_QUOTES.search(v):
+                parts.append(f"{escape_controls(str(k))}={v}")
+            else:
+                parts.append(f"{escape_controls(str(k))}={json.dumps(v, default=str)}")
         line = " ".join(parts)
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)

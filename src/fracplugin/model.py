@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from .safetext import escape_controls
+
 
 class ComputeMode(str, enum.Enum):
     """How co-tenants of one GPU share its SMs (DESIGN.md section 4).
@@ -66,9 +68,11 @@ class FractionError(ValueError):
     def message(self) -> str:
         """``<key>="<value>" <reason>``, e.g.
         ``nvidia.com/container.app.gpu-memory.limit="20Gi" is below the request ...``."""
+        # Control characters escaped (safetext.py): a value with a newline must not forge lines
+        # in `kubectl describe pod`, an Event or a text log (issue 13 item 6).
         if self.value is None:
-            return f"{self.key}: {self.reason}"
-        return f'{self.key}="{self.value}" {self.reason}'
+            return escape_controls(f"{self.key}: {self.reason}")
+        return escape_controls(f'{self.key}="{self.value}" {self.reason}')
 
     def to_dict(self) -> dict[str, str | None]:
         """JSON shape used by ``fracplugin explain``: ``{"key","value","reason"}``."""

@@ -264,3 +264,68 @@ def test_emfile_never_burns_the_mps_restart_budget(root: Path) -> None:
     assert starving["state"] == "backoff" and starving["restart_budget_used"] == 1  # the crash, not the EMFILEs
     assert "Too many open files" in starving["last_error"]
     assert recovered["healthy"] and recovered["state"] == "ready" and recovered["restarts"] == 1
+
+
+def test_crash_leftovers_removed_at_start_newest_corrupt_copy_kept(
+        limited: Callable[..., LimitedDaemon], root: Path) -> None:
+    state = root / "state"
+    state.mkdir()
+    temps = [state / f".ledger.json.tmp{i:02d}" for i in range(12)] + [state / ".endpoints.abc123"]
+    for t in temps:
+        t.write_text('{"version": 1, "tenan')  # a write killed before its rename
+    corrupt = [state / f"ledger.json.corrupt-{s}" for s in (1700000100, 1700000300, 1700000200)]
+    for c in corrupt:
+        c.write_text("garbage")
+    (state / "unrelated.txt").write_text("not ours")
+    d = limited("--no-nri", "--no-device-plugin", "--no-mps")
+    left = sorted(p.name for p in state.iterdir())
+    assert left == ["endpoints.json", "ledger.json.corrupt-1700000300", "unrelated.txt"], left
+    msgs = [str(r.get("msg")) for r in d.log_records()]
+    assert any(m.endswith("kept the newest corrupt ledger copy " + str(corrupt[1])) for m in msgs), msgs
+    assert sum(m.startswith("removed crash leftover") for m in msgs) == len(temps) + 2
+    assert d.terminate() == 0
+
+
+def test_control_characters_never_forge_log_lines_or_refusal_lines(
+        limited: Callable[..., LimitedDaemon], root: Path) -> None:
+    from nri_runtime import FakeNriRuntime, make_container, make_pod
+
+    rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    try:
+        d = limited("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "nri.sock"),
+                    "--log-format", "text")
+        rt.wait_registered(20)
+        forged = "20Gi\n2026-01-01T00:00:00.000Z INFO    fracplugin: FORGED admitted\x1b[2J"
+        pod = make_pod("evil", "ns", annotations={"nvidia.com/container.app.gpu-memory.request": forged})
+        err = rt.create_container(pod, make_container(pod, "app", container_id="c" * 64))
+        assert err.code == 3  # INVALID_ARGUMENT: what kubectl describe shows
+        assert "\n" not in err.message and "\x1b" not in err.message
+        assert '"20Gi\\n2026-01-01T00:00:00.000Z INFO    fracplugin: FORGED admitted\\x1b[2J"' in err.message
+        assert d.terminate() == 0
+        lines = d.logs().splitlines()
+        assert not [ln for ln in lines if ln.startswith("2026-01-01T00:00:00.000Z")], lines
+        refused = [ln for ln in lines if "nri container refused pod=ns/evil" in ln]
+        assert len(refused) == 1 and "FORGED admitted\\u001b[2J" in refused[0], refused  # JSON-quoted value
+        assert not any("\x1b" in ln for ln in lines)
+    finally:
+        rt.close()
+
+
+def test_readyz_is_per_runtime_session(limited: Callable[..., LimitedDaemon], root: Path) -> None:
+    from nri_runtime import FakeNriRuntime
+
+    rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    try:
+        d = limited("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "nri.sock"))
+        rt.wait_registered(20)
+        assert wait_until(d.ready, 20)
+        rt.initial_sync = None  # the runtime comes back and never synchronizes
+        rt.disconnect()
+        assert wait_until(lambda: rt.connections >= 2 and d.get("/status")[1]["nri"]["connected"], 20)
+        code, body = d.get("/readyz")
+        assert code == 503 and body["checks"]["nri"] == {"ready": False, "detail": "connected, not synchronized yet"}
+        rt.synchronize([], [])
+        assert wait_until(d.ready, 20)
+        assert d.terminate() == 0
+    finally:
+        rt.close()

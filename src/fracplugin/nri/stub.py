@@ -76,7 +76,7 @@ from typing import Any, Callable, Mapping, Sequence
 from tenacity import Retrying, retry_if_exception_type, stop_when_event_set, wait_exponential, wait_random
 
 from .._proto import nri_pb2
-from ..safetext import quote
+from ..safetext import escape_controls, quote
 from .mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from .transport import ConnectionClosed, NriTransport
 from .ttrpc import Code, RequestReceived, RpcError, unimplemented_method, unimplemented_service
@@ -947,8 +947,8 @@ class NriStub:
         transport = call.session.transport
         assert transport is not None
         try:
-            if error is not None:
-                transport.respond_error(call.stream_id, error.code, error.message)
+            if error is not None:  # the runtime shows it (kubectl describe): no forged lines
+                transport.respond_error(call.stream_id, error.code, escape_controls(error.message))
             else:
                 transport.respond(call.stream_id, payload or b"")
         except (ConnectionClosed, ValueError) as exc:
