@@ -12,12 +12,18 @@ that the negative tests below can show each one failing on a mutated copy):
   hand host paths to the runtime, so the daemon must see host paths as-is),
   and so is every path configured in the ConfigMap;
 - the pod: hostPID, system-node-critical, GPU node selector and toleration,
-  privileged, NODE_NAME / NVIDIA_* env, memory request and limit, startup +
+  NODE_NAME / NVIDIA_* env, memory request and limit, startup +
   liveness probes on /healthz and readiness on /readyz at the health port, the
   ports agreeing with the ConfigMap's addresses, the config file mounted where
   ``--config`` points, labels matching the selector;
-- RBAC: exactly pods get/list/watch and events create/patch, bound to the
-  daemon's ServiceAccount; no other role;
+- least privilege, for every DaemonSet of the directory and every container
+  (docs/adr/0004-least-privilege-daemonset.md): not privileged, no privilege
+  escalation, read-only root filesystem, RuntimeDefault seccomp, all
+  capabilities dropped and only ``ALLOWED_CAPABILITIES`` added back, no host
+  network or IPC;
+- RBAC: exactly the verbs the code calls (``api_verbs_used``, read from the
+  source: pods list/watch, events create, nodes get, nodes/status patch), bound to the daemon's
+  ServiceAccount; no other role;
 - the Dockerfile: ENTRYPOINT ``fracplugin run``, a HEALTHCHECK on the same
   health port and path, a CUDA runtime base for the final stage.
 
@@ -60,14 +66,25 @@ METRICS_PORT = 2112
 CONFIG_MOUNT = "/etc/fracplugin"
 CONFIG_FILE = CONFIG_MOUNT + "/config.yaml"
 
-# The API access the daemon needs: (apiGroup, resource) -> verbs.
+# The API access the daemon needs: (apiGroup, resource) -> verbs. It must be
+# what the source calls (test_rbac_needed_is_what_the_code_calls).
 RBAC_NEEDED: dict[tuple[str, str], set[str]] = {
-    ("", "pods"): {"get", "list", "watch"},
-    ("", "events"): {"create", "patch"},
+    ("", "pods"): {"list", "watch"},
+    ("", "events"): {"create"},
     # KAI's readiness gate (ADR 0005): the node condition, and one read of the
     # node to keep its transition time across restarts
     ("", "nodes"): {"get"},
     ("", "nodes/status"): {"patch"},
+}
+SRC = REPO / "src" / "fracplugin"
+
+# Capabilities a fracplugin container may add back after dropping ALL, and why
+# (docs/adr/0004-least-privilege-daemonset.md).
+ALLOWED_CAPABILITIES: dict[str, str] = {
+    "SYS_PTRACE": "read /proc/<pid>/exe and /environ of other containers' processes (ptrace access mode)",
+    "KILL": "signal MPS servers and clients that run under other UIDs",
+    "SETUID": "the MPS control daemon starts each MPS server under its client's UID",
+    "SETGID": "the MPS control daemon starts each MPS server under its client's GID",
 }
 
 Manifests = dict[str, list[dict[str, Any]]]
@@ -94,6 +111,12 @@ def one(m: Manifests, kind: str) -> dict[str, Any]:
     found = [d for d in objects(m) if d.get("kind") == kind]
     assert len(found) == 1, f"expected exactly one {kind}, found {len(found)}"
     return found[0]
+
+
+def daemonsets(m: Manifests) -> list[dict[str, Any]]:
+    """Every DaemonSet of the directory (the doors one and, with the two-role
+    layout, ``fracplugin-mps``)."""
+    return [d for d in objects(m) if d.get("kind") == "DaemonSet"]
 
 
 def _pod(m: Manifests) -> dict[str, Any]:
@@ -223,8 +246,6 @@ def pod_problems(m: Manifests) -> list[str]:
         problems.append('nodeSelector must select nvidia.com/gpu.present: "true"')
     if not _tolerates(pod.get("tolerations", []), "nvidia.com/gpu", "NoSchedule"):
         problems.append("no toleration for the nvidia.com/gpu:NoSchedule taint")
-    if not (c.get("securityContext") or {}).get("privileged"):
-        problems.append("the container must be privileged (NVML compute mode, MPS)")
     env = {e["name"]: e for e in c.get("env", [])}
     if env.get("NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != "spec.nodeName":
         problems.append("NODE_NAME must come from fieldRef spec.nodeName")
@@ -273,6 +294,74 @@ def pod_problems(m: Manifests) -> list[str]:
     if pod.get("serviceAccountName") != sa:
         problems.append(f"serviceAccountName {pod.get('serviceAccountName')!r} is not the ServiceAccount {sa!r}")
     return problems
+
+
+def security_problems(m: Manifests) -> list[str]:
+    """Least privilege for every container of every DaemonSet: not privileged,
+    ``allowPrivilegeEscalation: false``, ``readOnlyRootFilesystem: true``,
+    seccomp ``RuntimeDefault`` (pod or container level, never Unconfined),
+    capabilities ``drop: [ALL]`` and ``add`` within ``ALLOWED_CAPABILITIES``;
+    no ``hostNetwork`` / ``hostIPC`` on the pod."""
+    problems = []
+    sets = daemonsets(m)
+    if not sets:
+        return ["no DaemonSet"]
+    for ds in sets:
+        name = ds["metadata"]["name"]
+        pod = ds["spec"]["template"]["spec"]
+        for host in ("hostNetwork", "hostIPC"):
+            if pod.get(host):
+                problems.append(f"DaemonSet {name}: {host} must not be set")
+        pod_seccomp = ((pod.get("securityContext") or {}).get("seccompProfile") or {}).get("type")
+        for c in pod.get("initContainers", []) + pod.get("containers", []):
+            where = f"DaemonSet {name} container {c.get('name')}"
+            sc = c.get("securityContext") or {}
+            if sc.get("privileged"):
+                problems.append(f"{where}: privileged must not be set (capabilities do: ADR 0004)")
+            if sc.get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{where}: allowPrivilegeEscalation must be false")
+            if sc.get("readOnlyRootFilesystem") is not True:
+                problems.append(f"{where}: readOnlyRootFilesystem must be true")
+            seccomp = (sc.get("seccompProfile") or {}).get("type") or pod_seccomp
+            if seccomp != "RuntimeDefault":
+                problems.append(f"{where}: seccompProfile must be RuntimeDefault, is {seccomp!r}")
+            caps = sc.get("capabilities") or {}
+            if [str(x).upper() for x in caps.get("drop") or []] != ["ALL"]:
+                problems.append(f"{where}: capabilities.drop must be [ALL], is {caps.get('drop')}")
+            extra = sorted({str(x).upper().removeprefix("CAP_") for x in caps.get("add") or []} - set(ALLOWED_CAPABILITIES))
+            if extra:
+                problems.append(f"{where}: capabilities.add {extra} beyond {sorted(ALLOWED_CAPABILITIES)}")
+    return problems
+
+
+def api_verbs_used(src: Path = SRC) -> dict[tuple[str, str], set[str]]:
+    """The API access the daemon's source calls: every ``CoreV1Api`` method
+    named in ``src`` (``v1.list_pod_for_all_namespaces(`` or passed to
+    ``watch.Watch().stream``) as (apiGroup, resource) -> RBAC verbs; a list in
+    a file that streams a ``watch.Watch`` also needs ``watch``."""
+    from kubernetes import client
+
+    verbs_of = {"list": "list", "read": "get", "create": "create", "patch": "patch", "replace": "update",
+                "delete": "delete"}
+    used: dict[tuple[str, str], set[str]] = {}
+    for path in sorted(src.rglob("*.py")):
+        if "_proto" in path.parts:
+            continue
+        text = path.read_text()
+        for name in sorted(set(re.findall(r"\b([a-z]+_[a-z_]+)\b", text))):
+            if not callable(getattr(client.CoreV1Api, name, None)) or name.endswith("_with_http_info"):
+                continue
+            verb, _, rest = name.partition("_")
+            if verb not in verbs_of:
+                continue
+            rest = rest.removeprefix("namespaced_").removesuffix("_for_all_namespaces")
+            rest, sub = (rest.removesuffix("_status"), "/status") if rest.endswith("_status") else (rest, "")
+            resource = (rest if rest.endswith("s") else rest + "s") + sub
+            found = used.setdefault(("", resource), set())
+            found.add(verbs_of[verb])
+            if verb == "list" and "watch.Watch(" in text:
+                found.add("watch")
+    return used
 
 
 def rbac_problems(m: Manifests) -> list[str]:
@@ -397,6 +486,14 @@ def test_pod_spec(manifests: Manifests) -> None:
     assert pod_problems(manifests) == []
 
 
+def test_least_privilege(manifests: Manifests) -> None:
+    assert security_problems(manifests) == []
+
+
+def test_rbac_needed_is_what_the_code_calls() -> None:
+    assert api_verbs_used() == RBAC_NEEDED
+
+
 def test_rbac_exact(manifests: Manifests) -> None:
     assert rbac_problems(manifests) == []
 
@@ -490,6 +587,29 @@ def _selector_mismatch(m: Manifests) -> None:
     _ds(m)["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] = "other"
 
 
+def _sc(m: Manifests) -> dict[str, Any]:
+    return _container(m)["securityContext"]
+
+
+def _add_cap(cap: str) -> Callable[[Manifests], None]:
+    def mutate(m: Manifests) -> None:
+        _sc(m)["capabilities"]["add"].append(cap)
+
+    return mutate
+
+
+def _second_daemonset_privileged(m: Manifests) -> None:
+    """A second DaemonSet (as the MPS role's fracplugin-mps) that is privileged."""
+    mps = copy.deepcopy(_ds(m))
+    mps["metadata"]["name"] = "fracplugin-mps"
+    mps["spec"]["template"]["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+    m["daemonset.yaml"].append(mps)
+
+
+def _no_seccomp(m: Manifests) -> None:
+    _pod(m).pop("securityContext")
+
+
 MUTATIONS: list[tuple[str, Callable[[Manifests], None], Callable[[Manifests], list[str]], str]] = [
     ("no NRI volume", _drop_volume("nri"), lambda m: host_path_problems(m, DAEMON_DEFAULT_HOST_PATHS), "/var/run/nri/nri.sock"),
     ("no run volume", _drop_volume("run"), lambda m: host_path_problems(m, DAEMON_DEFAULT_HOST_PATHS), "state_dir"),
@@ -506,6 +626,19 @@ MUTATIONS: list[tuple[str, Callable[[Manifests], None], Callable[[Manifests], li
     ("wrong type", _set(_pod, "hostPID", "yes"), lambda m: schema_problems(m, K8S_VERSIONS[-1]), "hostPID"),
     ("bad probe shape", _set(_container, "startupProbe", {"httpGet": {"path": "/healthz"}}), lambda m: schema_problems(m, K8S_VERSIONS[0]), "startupProbe"),
     ("extra verb", _add_rule({"apiGroups": [""], "resources": ["pods"], "verbs": ["delete"]}), rbac_problems, "delete"),
+    ("unused pods get", _add_rule({"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}), rbac_problems, "get"),
+    ("unused events patch", _add_rule({"apiGroups": [""], "resources": ["events"], "verbs": ["patch"]}), rbac_problems, "patch"),
+    ("privileged", _set(_sc, "privileged", True), security_problems, "privileged must not be set"),
+    ("privilege escalation", _set(_sc, "allowPrivilegeEscalation", True), security_problems, "allowPrivilegeEscalation"),
+    ("writable root", _set(_sc, "readOnlyRootFilesystem", False), security_problems, "readOnlyRootFilesystem"),
+    ("no seccomp", _no_seccomp, security_problems, "seccompProfile must be RuntimeDefault"),
+    ("unconfined seccomp", _set(_sc, "seccompProfile", {"type": "Unconfined"}), security_problems, "'Unconfined'"),
+    ("capabilities kept", _set(_sc, "capabilities", {"add": ["KILL"]}), security_problems, "drop must be [ALL]"),
+    ("SYS_ADMIN added", _add_cap("SYS_ADMIN"), security_problems, "['SYS_ADMIN']"),
+    ("CAP_NET_ADMIN added", _add_cap("CAP_NET_ADMIN"), security_problems, "['NET_ADMIN']"),
+    ("host network", _set(_pod, "hostNetwork", True), security_problems, "hostNetwork"),
+    ("second DaemonSet privileged", _second_daemonset_privileged, security_problems,
+     "DaemonSet fracplugin-mps container fracplugin: privileged"),
     ("extra resource", _add_rule({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}), rbac_problems, "secrets"),
     ("kustomization misses a file", _unlist("daemonset.yaml"), kustomization_problems, "does not list daemonset.yaml"),
     ("configured path not mounted", _set_config("state_dir", "/var/lib/elsewhere"), config_problems, "/var/lib/elsewhere"),
@@ -540,3 +673,11 @@ def test_broken_dockerfile_is_caught(edit: Callable[[str], str], needle: str) ->
     broken = edit(text)
     assert broken != text
     assert any(needle in p for p in dockerfile_problems(broken, ignore))
+
+
+def test_api_verbs_used_sees_a_new_call(tmp_path: Path) -> None:
+    """The derivation is not a constant: a call added to the source shows up (and
+    the real ClusterRole, which lacks it, would then fail test_rbac_exact)."""
+    (tmp_path / "x.py").write_text("v1.read_namespaced_pod(name, ns)\nv1.patch_namespaced_event(n, ns, body)\n"
+                                   "create_container(pod)  # not an API call\n")
+    assert api_verbs_used(tmp_path) == {("", "pods"): {"get"}, ("", "events"): {"patch"}}
