@@ -6,7 +6,10 @@
   device plugin registered, MPS healthy), else 503; the body is JSON
   ``{"ready": bool, "checks": {part: {"ready": bool, "detail": str}}}``.
 - ``GET /status``: 200, the daemon's status document as JSON (what
-  ``fracplugin status`` prints).
+  ``fracplugin status`` prints), to loopback clients only: it names every
+  tenant (namespace, pod, UID, container ID) and the configuration, so any
+  other peer (another pod) gets 404 with the reason (issue 13 item 2,
+  docs/adr/0004-least-privilege-daemonset.md).
 - ``POST /simulate/xid`` (only when the server is given ``simulate_xid``,
   which the daemon does with ``--simulate-node`` and never with NVML; 404
   otherwise): body ``{"gpu_uuid": str, "xid": int}`` (JSON object, at most
@@ -16,6 +19,9 @@
   body; 404 for a GPU the node does not have; 411/413 for a missing or too
   large body; 405 for other methods on the path. Tests and demos use it to
   drive the XID health path (issue 4 item 3) from outside the process.
+
+``BoundedHTTPServer`` and ``BoundedHandler`` are the bounded server that every
+listening HTTP surface of the daemon uses (``/metrics`` too: metrics.py).
 
 Concurrency: ``http.server.ThreadingHTTPServer`` serving on its own thread,
 one short-lived thread per connection (daemon threads), at most

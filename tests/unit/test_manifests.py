@@ -681,3 +681,15 @@ def test_api_verbs_used_sees_a_new_call(tmp_path: Path) -> None:
     (tmp_path / "x.py").write_text("v1.read_namespaced_pod(name, ns)\nv1.patch_namespaced_event(n, ns, body)\n"
                                    "create_container(pod)  # not an API call\n")
     assert api_verbs_used(tmp_path) == {("", "pods"): {"get"}, ("", "events"): {"patch"}}
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_documented_networkpolicy(manifests: Manifests, version: str) -> None:
+    """docs/networkpolicy-metrics.yaml (ADR 0004) validates, selects the daemon's
+    pods and opens the metrics port to one namespace only."""
+    doc = yaml.safe_load((REPO / "docs" / "networkpolicy-metrics.yaml").read_text())
+    assert schema_problems({"networkpolicy.yaml": [doc]}, version) == []
+    labels = _ds(manifests)["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in doc["spec"]["podSelector"]["matchLabels"].items())
+    metrics_rules = [r for r in doc["spec"]["ingress"] if any(p["port"] == METRICS_PORT for p in r["ports"])]
+    assert len(metrics_rules) == 1 and metrics_rules[0]["from"][0]["namespaceSelector"]["matchLabels"]
