@@ -366,12 +366,12 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
                       "([<dns-subdomain>/]<name>, e.g. gpu-sharing.nvidia.com/Ready)")
     if not 1 <= cfg.max_clients_per_gpu <= 48:
         raise bad("max_clients_per_gpu", "must be 1..48 (MPS accepts at most 48 clients per GPU on Volta and later)")
-    if not cfg.shutdown_timeout_s > 0:
-        raise bad("shutdown_timeout_s", "must be a positive number of seconds")
-    if not cfg.allocate_deadline_s > 0:
-        raise bad("allocate_deadline_s", "must be a positive number of seconds")
-    if not cfg.pod_resources_interval_s > 0:
-        raise bad("pod_resources_interval_s", "must be a positive number of seconds")
+    if not 0 < cfg.shutdown_timeout_s <= 3600:  # inf/NaN would break every bounded wait of the stop
+        raise bad("shutdown_timeout_s", "must be a positive number of seconds, at most 3600")
+    if not 0 < cfg.allocate_deadline_s <= 3600:
+        raise bad("allocate_deadline_s", "must be a positive number of seconds, at most 3600")
+    if not 0 < cfg.pod_resources_interval_s <= 86400:
+        raise bad("pod_resources_interval_s", "must be a positive number of seconds, at most 86400")
     if not _NRI_NAME.match(cfg.nri_plugin_name):
         raise bad("nri_plugin_name", "must match [a-zA-Z0-9_.+-]+ (NRI plugin name rule)")
     if not _NRI_IDX.match(cfg.nri_plugin_idx):
@@ -427,13 +427,21 @@ def check_paths(cfg: Config, sources: Mapping[str, str] | None = None) -> None:
 
 # ---- loading ----------------------------------------------------------------
 def read_file(path: str) -> dict[str, Any]:
-    """The YAML config file as {setting: raw value}. Raises ConfigError."""
+    """The YAML config file as {setting: raw value}. Raises ConfigError (also
+    for a file that is not UTF-8, nested too deeply or otherwise unparsable:
+    one line naming the file, never a traceback; issue 13 item 4)."""
     try:
         doc = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
         raise ConfigError("--config", path, f"cannot be read: {exc.strerror or exc}", "flag") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("--config", path, f"is not UTF-8 text (byte {exc.start})", "flag") from None
+    except RecursionError:
+        raise ConfigError("--config", path, "is nested too deeply to parse", "flag") from None
     except yaml.YAMLError as exc:
         raise ConfigError("--config", path, f"is not valid YAML: {str(exc).splitlines()[0]}", "flag") from None
+    except Exception as exc:  # the parser is not ours: any failure is the file's
+        raise ConfigError("--config", path, f"cannot be parsed: {type(exc).__name__}", "flag") from None
     if doc is None:
         return {}
     if not isinstance(doc, dict):

@@ -168,9 +168,12 @@ def resolve_address(args: argparse.Namespace) -> str:
     if args.state_dir:
         path = Path(args.state_dir) / "endpoints.json"
         try:
-            return str(json.loads(path.read_text())["health"])
-        except (OSError, ValueError, KeyError) as exc:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, not UTF-8
             raise OSError(f"cannot read the health address from {path}: {exc}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("health"), str):
+            raise OSError(f"cannot read the health address from {path}: not an object with a \"health\" string")
+        return doc["health"]
     return os.environ.get("FRACPLUGIN_HEALTH_ADDRESS") or DEFAULT_ADDRESS
 
 
