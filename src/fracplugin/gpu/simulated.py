@@ -46,7 +46,7 @@ def load_node(path: str | os.PathLike[str]) -> NodeInfo:
     except UnicodeDecodeError as exc:
         raise InventoryError(f"node file {p} is not UTF-8 text (byte {exc.start})") from None
     except RecursionError:
-        raise InventoryError(f"node file {p} is nested too deeply to parse") from None
+        raise InventoryError(f"node file {p} is not valid YAML: nested too deeply to parse") from None
     except yaml.YAMLError as exc:
         raise InventoryError(f"node file {p} is not valid YAML: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
     except Exception as exc:  # the parser is not ours: any failure is the file's (issue 13 item 4)
