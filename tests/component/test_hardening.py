@@ -233,6 +233,9 @@ except OSError as exc:
     assert exc.errno == errno.EMFILE, exc
 # 1. probes cannot run: neither a probe failure nor a restart
 wait(lambda: daemon()["resource_errors"] >= 3, "probes hitting EMFILE")
+# a drain that cannot run its commands is incomplete, never a wedge (no hard restart)
+dr = sup.drain("c" * 64, 2.0)
+drain = {"wedged": dr.wedged, "restarted": [m.value for m in dr.restarted], "errors": list(dr.errors)}
 probing = daemon()
 # 2. the daemon dies while descriptors are exhausted: its starts fail with EMFILE
 os.kill(probing["pid"], signal.SIGKILL)
@@ -245,7 +248,7 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 wait(lambda: sup.healthy(TS), "the daemon to recover")
 recovered = daemon()
 sup.stop(10)
-print(json.dumps({"probing": probing, "starving": starving, "recovered": recovered}))
+print(json.dumps({"probing": probing, "starving": starving, "recovered": recovered, "drain": drain}))
 '''
 
 
@@ -259,7 +262,10 @@ def test_emfile_never_burns_the_mps_restart_budget(root: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     probing, starving, recovered = doc["probing"], doc["starving"], doc["recovered"]
+    assert doc["drain"]["wedged"] is False and doc["drain"]["restarted"] == [], doc["drain"]
+    assert any("Too many open files" in e for e in doc["drain"]["errors"]), doc["drain"]
     assert probing["restarts"] == 0 and probing["restart_budget_used"] == 0 and probing["healthy"]
+    assert probing["wedges"] == 0
     assert "probe not run" in probing["last_error"]
     assert starving["state"] == "backoff" and starving["restart_budget_used"] == 1  # the crash, not the EMFILEs
     assert "Too many open files" in starving["last_error"]

@@ -539,6 +539,9 @@ class MpsSupervisor:
                 else:
                     d.control.terminate_client(spid, pid, left())
                 terminated.append(pid)
+            except MpsResourceError as e:  # we could not even run the command: no sign of a wedge
+                errors.append(f"{d.mode.value}: terminate {pid}: {e}")
+                return False
             except MpsError as e:
                 if not isinstance(e, MpsTimeout) and not self._still_client(d, spid, pid, left):
                     terminated.append(pid)  # it exited or detached on its own meanwhile
@@ -637,6 +640,14 @@ class MpsSupervisor:
         if os.path.exists(os.path.join(d.pipe_dir, "control")):
             try:
                 dur = d.control.probe(self.probe_timeout_s)
+            except MpsResourceError as e:
+                # Our process cannot run the probe (EMFILE, ...): the start timeout counts from when it
+                # can again, so starvation never kills the daemon nor spends the budget (issue 13 item 1).
+                with self._lock:
+                    d.resource_errors += 1
+                    d.last_error = f"probe not run: {e}"
+                    d.started_at = now
+                return
             except MpsError as e:
                 with self._lock:
                     d.last_error = f"not ready: {e}"
