@@ -335,3 +335,31 @@ def test_readyz_is_per_runtime_session(limited: Callable[..., LimitedDaemon], ro
         assert d.terminate() == 0
     finally:
         rt.close()
+
+
+def test_runtime_bounds_through_the_daemon(limited: Callable[..., LimitedDaemon], root: Path) -> None:
+    """Through the daemon's NRI door: a Synchronize split beyond the part bound
+    is refused and counted in /metrics; an empty container id is refused and
+    never reaches the ledger."""
+    from fracplugin._proto import nri_pb2
+    from fracplugin.nri.stub import MAX_SYNC_PARTS, PLUGIN_SERVICE
+    from nri_runtime import FakeNriRuntime, make_pod, pod_from_manifest
+
+    rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    try:
+        d = limited("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "nri.sock"))
+        rt.wait_registered(20)
+        part = nri_pb2.SynchronizeRequest(pods=[make_pod("p")], more=True).SerializeToString()
+        codes = [rt.call_raw(PLUGIN_SERVICE, "Synchronize", part).code for _ in range(MAX_SYNC_PARTS + 1)]
+        assert codes == [0] * MAX_SYNC_PARTS + [8]  # RESOURCE_EXHAUSTED
+        code, body = http_get(f"http://{d.endpoints['metrics']}/metrics")
+        assert code == 200 and 'fracplugin_nri_bounds_exceeded_total{bound="sync_parts"} 1.0' in body
+        assert d.get("/status")[1]["nri"]["bounds_exceeded"]["sync_parts"] == 1
+        pod, ctrs = pod_from_manifest(INFERENCE)
+        ctrs[0].id = ""
+        err = rt.create_container(pod, ctrs[0])
+        assert err.code == 3 and "empty container id" in err.message
+        assert all(g["tenants"] == [] for g in d.get("/status")[1]["gpus"])  # nothing admitted
+        assert d.terminate() == 0
+    finally:
+        rt.close()
