@@ -110,10 +110,11 @@ def _config_paths(m: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
 
 
 def deployment_problems(m: dict[str, list[dict[str, Any]]], priority_class: str = "system-node-critical") -> list[str]:
-    """test_manifests.py's pod, RBAC and host path checks on the DaemonSet
-    that serves the doors, with the paths and ports its config.yaml names
+    """test_manifests.py's least-privilege checks on every DaemonSet, and its
+    pod, RBAC and host path checks on the DaemonSet that serves the doors, with the paths and ports its config.yaml names
     (a values set may move them) and ``priority_class`` (the set's value)."""
     problems = manifest_checks.rbac_problems(m)
+    problems += manifest_checks.security_problems(m)  # every DaemonSet of the set (ADR 0007)
     doors = [ds for ds in _daemonsets(m) if "mps" not in ds["spec"]["selector"]["matchLabels"].values()]
     if len(doors) != 1:
         return problems + [f"want one DaemonSet serving the doors, found {len(doors)}"]
@@ -474,8 +475,11 @@ RENDER_MUTATIONS = [
     ("roles disagree on the socket", "split",
      _ds_args("fracplugin", ["--config", "/etc/fracplugin/config.yaml", "--role", "doors", "--mps-api-socket", "/run/fracplugin/other.sock"]),
      split_problems, "different API sockets"),
-    ("doors not privileged", "kai", lambda m: _daemonsets(m)[0]["spec"]["template"]["spec"]["containers"][0].update(securityContext={}),
-     deployment_problems, "privileged"),
+    ("doors without least privilege", "kai", lambda m: _daemonsets(m)[0]["spec"]["template"]["spec"]["containers"][0].update(securityContext={}),
+     deployment_problems, "capabilities.drop must be [ALL]"),
+    ("mps role privileged", "split", lambda m: next(d for d in _daemonsets(m) if d["metadata"]["name"] == "fracplugin-mps")[
+        "spec"]["template"]["spec"]["containers"][0]["securityContext"].update(privileged=True),
+     deployment_problems, "DaemonSet fracplugin-mps container"),
     ("configured NRI socket not mounted", "default", _cfg("nri_socket", "/run/containerd/nri.sock"), deployment_problems,
      "/run/containerd/nri.sock"),
 ]
