@@ -9,7 +9,7 @@
   ``fracplugin status`` prints), to loopback clients only: it names every
   tenant (namespace, pod, UID, container ID) and the configuration, so any
   other peer (another pod) gets 404 with the reason (issue 13 item 2,
-  docs/adr/0007-least-privilege-daemonset.md).
+  docs/adr/0008-least-privilege-daemonset.md).
 - ``POST /simulate/xid`` (only when the server is given ``simulate_xid``,
   which the daemon does with ``--simulate-node`` and never with NVML; 404
   otherwise): body ``{"gpu_uuid": str, "xid": int}`` (JSON object, at most

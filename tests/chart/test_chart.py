@@ -114,7 +114,7 @@ def deployment_problems(m: dict[str, list[dict[str, Any]]], priority_class: str 
     pod, RBAC and host path checks on the DaemonSet that serves the doors, with the paths and ports its config.yaml names
     (a values set may move them) and ``priority_class`` (the set's value)."""
     problems = manifest_checks.rbac_problems(m)
-    problems += manifest_checks.security_problems(m)  # every DaemonSet of the set (ADR 0007)
+    problems += manifest_checks.security_problems(m)  # every DaemonSet of the set (ADR 0008)
     doors = [ds for ds in _daemonsets(m) if "mps" not in ds["spec"]["selector"]["matchLabels"].values()]
     if len(doors) != 1:
         return problems + [f"want one DaemonSet serving the doors, found {len(doors)}"]

@@ -17,7 +17,7 @@ that the negative tests below can show each one failing on a mutated copy):
   ports agreeing with the ConfigMap's addresses, the config file mounted where
   ``--config`` points, labels matching the selector;
 - least privilege, for every DaemonSet of the directory and every container
-  (docs/adr/0007-least-privilege-daemonset.md): not privileged, no privilege
+  (docs/adr/0008-least-privilege-daemonset.md): not privileged, no privilege
   escalation, read-only root filesystem, RuntimeDefault seccomp, all
   capabilities dropped and only ``ALLOWED_CAPABILITIES`` added back, no host
   network or IPC;
@@ -79,7 +79,7 @@ RBAC_NEEDED: dict[tuple[str, str], set[str]] = {
 SRC = REPO / "src" / "fracplugin"
 
 # Capabilities a fracplugin container may add back after dropping ALL, and why
-# (docs/adr/0007-least-privilege-daemonset.md).
+# (docs/adr/0008-least-privilege-daemonset.md).
 ALLOWED_CAPABILITIES: dict[str, str] = {
     "SYS_PTRACE": "read /proc/<pid>/exe and /environ of other containers' processes (ptrace access mode)",
     "KILL": "signal MPS servers and clients that run under other UIDs",
@@ -317,7 +317,7 @@ def security_problems(m: Manifests) -> list[str]:
             where = f"DaemonSet {name} container {c.get('name')}"
             sc = c.get("securityContext") or {}
             if sc.get("privileged"):
-                problems.append(f"{where}: privileged must not be set (capabilities do: ADR 0007)")
+                problems.append(f"{where}: privileged must not be set (capabilities do: ADR 0008)")
             if sc.get("allowPrivilegeEscalation") is not False:
                 problems.append(f"{where}: allowPrivilegeEscalation must be false")
             if sc.get("readOnlyRootFilesystem") is not True:
@@ -685,7 +685,7 @@ def test_api_verbs_used_sees_a_new_call(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_documented_networkpolicy(manifests: Manifests, version: str) -> None:
-    """docs/networkpolicy-metrics.yaml (ADR 0007) validates, selects the daemon's
+    """docs/networkpolicy-metrics.yaml (ADR 0008) validates, selects the daemon's
     pods and opens the metrics port to one namespace only."""
     doc = yaml.safe_load((REPO / "docs" / "networkpolicy-metrics.yaml").read_text())
     assert schema_problems({"networkpolicy.yaml": [doc]}, version) == []
