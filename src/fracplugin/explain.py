@@ -160,8 +160,12 @@ def explain(pod: dict[str, Any], node_path: str, *, container: str | None = None
     # each planned container is admitted into it before the next is planned.
     ledger = Ledger(node, max_clients_per_gpu=config.max_clients_per_gpu)
     if ledger_path:
-        if not Path(ledger_path).exists():
-            raise UsageError(f"ledger file {ledger_path} does not exist")
+        lp = Path(ledger_path)
+        if not lp.exists() and not lp.parent.is_dir():
+            raise UsageError(f"ledger file {ledger_path} does not exist (nor its directory)")
+        if not lp.exists():  # a daemon with no tenants yet has written no ledger
+            print(f"warning: no ledger at {escape_controls(ledger_path)}: the node has no tenants yet "
+                  "(or this is not the daemon's --state-dir); planning against an empty node", file=sys.stderr)
         current = Ledger(node, ledger_path, read_only=True)
         for w in current.load():
             if "is unreadable" in w:  # not a ledger: planning against an empty node would mislead

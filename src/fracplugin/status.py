@@ -1,9 +1,8 @@
 """``fracplugin status``: the running daemon's GPUs, tenants, MPS daemons and readiness.
 
-Reads ``GET /status`` from the daemon's health endpoint (``--health-address``,
-default from ``FRACPLUGIN_HEALTH_ADDRESS`` or ``127.0.0.1:8080``; or the
-``health`` entry of ``<state-dir>/endpoints.json`` with ``--state-dir``) and
-prints a table, or the JSON document with ``--output json``.
+Reads ``GET /status`` from the daemon's health endpoint (where: see
+``resolve_address``) and prints a table, or the JSON document with
+``--output json``.
 
 Exit status: 0 the daemon answered and is ready; 1 it answered but is not
 ready; 2 it could not be reached (one line on stderr, no traceback).
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 DEFAULT_ADDRESS = "127.0.0.1:8080"
+DEFAULT_CONFIG = Path("/etc/fracplugin/config.yaml")  # the ConfigMap, as the DaemonSet mounts it
+DEFAULT_STATE_DIR = Path("/run/fracplugin/state")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -160,21 +161,76 @@ def render_table(doc: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
+def check_address(address: str, source: str) -> str:
+    """``address`` if it is ``HOST:PORT`` with a port in 1..65535 (``HOST`` may be
+    empty, a name, an IPv4 address or a bracketed IPv6 address).
+
+    Raises OSError naming ``source`` (the flag, env variable or file it came
+    from), the value and the rule; ``main`` turns it into one line, exit 2.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535 or "/" in host:
+        raise OSError(f"{source} {address!r} must be HOST:PORT with a port from 1 to 65535 "
+                      "(e.g. 127.0.0.1:8080; no scheme, no path)")
+    return address
+
+
+def _endpoints_health(path: Path) -> str:
+    """The ``health`` address recorded in an ``endpoints.json``. Raises OSError."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, not UTF-8
+        raise OSError(f"cannot read the health address from {path}: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("health"), str):
+        raise OSError(f"cannot read the health address from {path}: not an object with a \"health\" string")
+    return check_address(doc["health"], str(path))
+
+
+def _from_config_file(path: Path) -> str | None:
+    """The address a daemon configured by ``path`` (``--config``, the ConfigMap
+    at ``/etc/fracplugin/config.yaml`` in the DaemonSet) serves on: its state
+    directory's ``endpoints.json`` when present (the port it really bound),
+    else its ``health_address``; None when the file names neither."""
+    import yaml  # only on this fallback path
+
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    state_dir = doc.get("state_dir")
+    if isinstance(state_dir, str) and (Path(state_dir) / "endpoints.json").is_file():
+        return _endpoints_health(Path(state_dir) / "endpoints.json")
+    if isinstance(doc.get("health_address"), str):
+        return check_address(doc["health_address"], f"health_address in {path}")
+    return None
+
+
 def resolve_address(args: argparse.Namespace) -> str:
-    """--health-address, else --state-dir/endpoints.json, else env, else the default.
-    Raises OSError when the endpoints file is named but unreadable."""
+    """Where the daemon's ``/status`` is, first found of: ``--health-address``;
+    ``--state-dir``/endpoints.json; env ``FRACPLUGIN_HEALTH_ADDRESS``; the
+    daemon's config file (``/etc/fracplugin/config.yaml``, as mounted in the
+    DaemonSet, so a changed health port is followed); the default state
+    directory's endpoints.json; ``127.0.0.1:8080``.
+
+    Raises OSError when a named source is unreadable or an address is not
+    ``HOST:PORT``.
+    """
     if args.health_address:
-        return str(args.health_address)
+        return check_address(str(args.health_address), "--health-address")
     if args.state_dir:
-        path = Path(args.state_dir) / "endpoints.json"
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, not UTF-8
-            raise OSError(f"cannot read the health address from {path}: {exc}") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("health"), str):
-            raise OSError(f"cannot read the health address from {path}: not an object with a \"health\" string")
-        return doc["health"]
-    return os.environ.get("FRACPLUGIN_HEALTH_ADDRESS") or DEFAULT_ADDRESS
+        return _endpoints_health(Path(args.state_dir) / "endpoints.json")
+    env = os.environ.get("FRACPLUGIN_HEALTH_ADDRESS")
+    if env:
+        return check_address(env, "env FRACPLUGIN_HEALTH_ADDRESS")
+    if DEFAULT_CONFIG.is_file():
+        found = _from_config_file(DEFAULT_CONFIG)
+        if found:
+            return found
+    if (DEFAULT_STATE_DIR / "endpoints.json").is_file():
+        return _endpoints_health(DEFAULT_STATE_DIR / "endpoints.json")
+    return DEFAULT_ADDRESS
 
 
 def main(args: argparse.Namespace) -> int:
