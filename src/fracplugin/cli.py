@@ -1,4 +1,4 @@
-"""``fracplugin`` command line: run | explain | status | demo | version.
+"""``fracplugin`` command line: run | explain | status | demo | mps-quit | version.
 
 Each subcommand lives in its own module with ``add_arguments(parser)`` and
 ``main(args) -> int``; this file only dispatches, so ``fracplugin explain``
@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "explain": ("fracplugin.explain", "show what each container of a pod would get on a node, or why it is refused"),
     "status": ("fracplugin.status", "show the running daemon's GPUs, tenants, MPS daemons and readiness"),
     "demo": ("fracplugin.demo", "run the daemon on a simulated node and drive it through both doors"),
+    "mps-quit": ("fracplugin.mps.quitcmd", "stop the MPS control daemons on purpose, through the MPS role (uninstall)"),
 }
 
 

@@ -35,6 +35,7 @@ ENV_PREFIX = "FRACPLUGIN_"
 LOG_FORMATS = ("json", "text")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MPS_PROTOCOLS = ("auto", "2", "3")
+ROLES = ("all", "doors", "mps")
 MPS_MODES = ("time-slicing", "sm-sharing")
 _NRI_NAME = re.compile(r"^[a-zA-Z0-9_.+-]+$")  # nri-protocol.md 1.5 (v0.12+ rule)
 _NRI_IDX = re.compile(r"^[0-9]{2}$")  # nri-protocol.md 1.5: exactly two digits
@@ -79,6 +80,9 @@ class Config:
     (tmpfs: the ledger must outlive a daemon restart, not a reboot; ADR 0003).
     """
 
+    # process role (ADR 0009): all | doors | mps
+    role: str = "all"
+    mps_api_socket: str = ""  # "" = <mps_root>/api.sock (/run/fracplugin/mps/api.sock)
     # inventory
     simulate_node: str | None = None
     # MPS (mps-nvml.md section 1)
@@ -105,7 +109,7 @@ class Config:
     allocate_deadline_s: float = 5.0
     pod_resources_interval_s: float = 10.0
     allocation_policy: str = "pack"
-    ignored_xids: str = "13,31,43,45,68,109"
+    ignored_xids: str = "13,31,43,45,68,94"
     device_specs: bool = False
     cdi_kind: str | None = None
     # Kubernetes API
@@ -139,8 +143,14 @@ class Config:
         return str(Path(self.state_dir) / "ledger.json")
 
     @property
+    def effective_mps_api_socket(self) -> str:
+        """``--mps-api-socket`` or ``<mps_root>/api.sock``."""
+        return self.mps_api_socket or os.path.join(self.mps_root, "api.sock")
+
+    @property
     def endpoints_path(self) -> str:
-        return str(Path(self.state_dir) / "endpoints.json")
+        # the MPS role may share the state directory with the doors role
+        return str(Path(self.state_dir) / ("endpoints-mps.json" if self.role == "mps" else "endpoints.json"))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict of every setting (logged at start, served in /status)."""
@@ -174,6 +184,10 @@ _BY_FLAG = {flag_name(n): n for n in _FIELDS}
 
 _HELP = {
     "simulate_node": "use a simulated node described by this YAML file instead of NVML",
+    "role": "what this process runs: all (one process), doors (NRI, device plugin, metrics, health; MPS through "
+            "--mps-api-socket) or mps (only the MPS supervisor and its API; daemons outlive the process)",
+    "mps_api_socket": "root-only unix socket of the MPS role's API (role mps serves it, role doors calls it); "
+                      "default <mps-root>/api.sock = /run/fracplugin/mps/api.sock",
     "no_mps": "do not supervise nvidia-cuda-mps-control (plans still carry MPS env and mounts)",
     "mps_control_binary": "the nvidia-cuda-mps-control executable",
     "mps_root": "host directory holding the MPS pipe and log directories",
@@ -343,6 +357,12 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
         raise bad("log_format", f"must be one of {', '.join(LOG_FORMATS)}")
     if cfg.log_level.lower() not in LOG_LEVELS:
         raise bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+    if cfg.role not in ROLES:
+        raise bad("role", f"must be one of {', '.join(ROLES)}")
+    if cfg.role != "all" and cfg.no_mps:
+        raise bad("role", "needs MPS: --no-mps only goes with --role all")
+    if cfg.mps_api_socket and not cfg.mps_api_socket.startswith("/"):
+        raise bad("mps_api_socket", "must be an absolute path")
     if cfg.mps_protocol not in MPS_PROTOCOLS:
         raise bad("mps_protocol", f"must be one of {', '.join(MPS_PROTOCOLS)}")
     for m in cfg.mps_modes:

@@ -268,6 +268,8 @@ class Daemon:
 
     def __init__(self, cfg: Config, sources: Mapping[str, str] | None = None,
                  reload: Callable[[], tuple[Config, dict[str, str]]] | None = None) -> None:
+        if cfg.role == "mps":  # the MPS role runs no door (ADR 0009)
+            cfg = dataclasses.replace(cfg, no_nri=True, no_device_plugin=True)
         self.cfg = cfg
         self.sources = dict(sources or {})
         self._reload = reload
@@ -278,6 +280,7 @@ class Daemon:
         self.ledger: Ledger | None = None
         self.metrics: Any = None
         self.mps: Any = None
+        self.mps_api: Any = None
         self.pod_source: Any = None
         self.pods_watcher: PodsFileWatcher | None = None
         self.events: Any = None
@@ -370,19 +373,40 @@ class Daemon:
         if self.cfg.no_mps:
             self.mps = NullMps(layout)
             return
+        modes = tuple(ComputeMode(m) for m in self.cfg.mps_modes)
+        if self.cfg.role == "doors":
+            # MPS lives in the MPS role (ADR 0009): talk to it, never start it.
+            from .mps.rpc import RemoteMps
+
+            self.mps = RemoteMps(self.cfg.effective_mps_api_socket, layout, modes=modes)
+            self.mps.start()
+            if not self.mps.status().get("reachable"):
+                log.warning("MPS role not reachable yet; MPS modes are down until it answers",
+                            extra={"socket": self.cfg.effective_mps_api_socket, "reason": self.mps.status().get("error")})
+            if self.metrics is not None:
+                self.metrics.attach_mps(self.mps)
+            return
         from .mps.supervisor import MpsSupervisor
 
         assert self.node is not None
-        modes = tuple(ComputeMode(m) for m in self.cfg.mps_modes)
         protocol = None if self.cfg.mps_protocol == "auto" else int(self.cfg.mps_protocol)
         exclusive = (tuple(g.uuid for g in self.node.gpus)
                      if self.cfg.exclusive_process and not self.cfg.simulate_node else ())
         self.mps = MpsSupervisor(layout, self.cfg.mps_control_binary, protocol, self.node.driver_version, modes,
-                                 exclusive_process_gpus=exclusive)
+                                 exclusive_process_gpus=exclusive, detached=self.cfg.role == "mps")
         try:
             self.mps.start()
         except Exception as exc:
             raise StartupError(f"MPS supervisor: {exc}") from None
+        if self.cfg.role == "mps":
+            from .mps.rpc import MpsApiServer
+
+            self.mps_api = MpsApiServer(self.mps, self.cfg.effective_mps_api_socket)
+            try:
+                self.mps_api.start()
+            except OSError as exc:
+                raise StartupError(f"--mps-api-socket {self.cfg.effective_mps_api_socket}: {exc.strerror or exc}") from None
+            self.endpoints["mps_api"] = self.cfg.effective_mps_api_socket
         if self.metrics is not None:
             self.metrics.attach_mps(self.mps)
 
@@ -475,7 +499,8 @@ class Daemon:
                                         metrics=self.metrics, fail_open=self.cfg.fail_open,
                                         on_refusal=self._refused_nri, on_warning=self._warned_nri,
                                         pod_lookup=getattr(self.pod_source, "get", None),
-                                        unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name)
+                                        unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name,
+                                        gpu_health=self._gpu_health)
         on_bound = getattr(self.metrics, "nri_bound_exceeded", None)
         self.nri_stub = NriStub(self.nri_plugin, socket_path=self.cfg.nri_socket,
                                 plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx,
@@ -545,6 +570,16 @@ class Daemon:
         except InventoryError as exc:
             raise LookupError(str(exc)) from None
 
+    def _gpu_health(self, uuid: str) -> Any:
+        """The device plugin door's health of one GPU (XID + MPS); healthy
+        when that door is not running (no monitor)."""
+        monitor = getattr(self.device_plugin, "health", None)
+        if monitor is not None and callable(getattr(monitor, "health", None)):
+            return monitor.health(uuid)
+        from .gpu.health import GpuHealth
+
+        return GpuHealth(uuid, True)
+
     def _build_health(self) -> None:
         simulate = self.simulate_xid if self.cfg.simulate_node and callable(
             getattr(self.inventory, "inject_xid", None)) else None
@@ -567,6 +602,8 @@ class Daemon:
                  ("pod source", self._build_pod_source), ("events", self._build_events),
                  ("nri", self._build_nri), ("device plugin", self._build_device_plugin),
                  ("health", self._build_health), ("node condition", self._build_node_condition)]
+        if self.cfg.role == "mps":  # no ledger (the doors role owns it), no doors
+            steps = [s for s in steps if s[0] in ("inventory", "metrics", "mps", "health")]
         for name, step in steps:
             try:
                 step()
@@ -620,8 +657,16 @@ class Daemon:
             if self.mps is None:
                 detail = "not started"
             else:
-                bad = [d.get("mode", "?") for d in (self.mps.status().get("daemons") or []) if not d.get("healthy")]
-                detail = "every daemon healthy" if ok else ("unhealthy: " + ", ".join(map(str, bad)) if bad else "starting")
+                st = self.mps.status()
+                bad = [f"{d.get('mode', '?')} ({d.get('reason') or d.get('state') or 'unhealthy'})"
+                       for d in (st.get("daemons") or []) if not d.get("healthy")]
+                if st.get("reachable") is False:
+                    detail = f"MPS role unreachable at {st.get('remote')}: {st.get('error')}"
+                else:
+                    detail = ("every daemon healthy" if ok else
+                              ("unhealthy: " + "; ".join(bad) if bad else "starting"))
+                if st.get("exposure"):
+                    detail += f"; exposure: {st['exposure']}"
             out["mps"] = {"ready": ok, "detail": detail}
         if self._stopping.is_set():
             out["daemon"] = {"ready": False, "detail": "shutting down"}
@@ -827,8 +872,12 @@ class Daemon:
             order.append(("metrics", lambda: _call_stop(self.metrics, per_part(1))))
         for i, (name, fn) in enumerate(order):
             _call_bounded(name, fn, left(reserve_for_mps) / max(len(order) - i, 1) + 0.5)
+        if self.mps_api is not None:
+            _call_bounded("mps api", lambda: self.mps_api.stop(1.0), 2.0)
         if self.mps is not None and hasattr(self.mps, "stop"):
-            if not _call_bounded("mps", lambda: _call_stop(self.mps, left()), left() + 0.5):
+            # role all: quit the daemons; role mps: leave them running for the
+            # next MPS role (ADR 0009); role doors: stop polling the MPS role.
+            if not _call_bounded("mps", lambda: _call_stop(self.mps, left()), left() + 0.5) and self.cfg.role == "all":
                 self._kill_mps_leftovers()
         if self.inventory is not None:
             _call_bounded("inventory", self.inventory.close, 1.0)
@@ -907,6 +956,8 @@ def main(args: argparse.Namespace) -> int:
     from .limits import raise_nofile_limit
 
     raise_nofile_limit()  # soft -> hard: idle clients must not starve the ledger and MPS of descriptors
+    if cfg.role == "mps" and os.environ.get(_KEEPER_ENV) != "1":
+        return _keep_mps_role()
     daemon = Daemon(cfg, sources, reload=lambda: configmod.load(args))
     daemon.install_signal_handlers()
     try:
@@ -919,3 +970,46 @@ def main(args: argparse.Namespace) -> int:
     daemon.serve_forever()
     daemon.stop()
     return 0
+
+
+_KEEPER_ENV = "FRACPLUGIN_MPS_ROLE_CHILD"
+
+
+def _keep_mps_role() -> int:
+    """``--role mps`` runs as a small keeper around the real process (ADR 0009).
+
+    The MPS control daemons live in the container's cgroup: if the container
+    ended because the fracplugin process crashed, every client would lose its
+    server. So the container's main process is this keeper: it runs the same
+    command as a child (``FRACPLUGIN_MPS_ROLE_CHILD=1``), restarts it 1 s after
+    it dies of anything but our own stop (the new child adopts the running
+    daemons), and on SIGTERM/SIGINT forwards the signal, waits for the child
+    and exits with its status (pod deletion: MPS stops on purpose with the
+    container). Returns the exit status."""
+    import subprocess
+
+    argv = [sys.executable, "-m", "fracplugin.cli", *sys.argv[1:]]
+    env = {**os.environ, _KEEPER_ENV: "1"}
+    stopping = threading.Event()
+    child: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        stopping.set()
+        if child and child[0].poll() is None:
+            child[0].send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward if sig != signal.SIGHUP else
+                      (lambda n, f: child[0].send_signal(n) if child and child[0].poll() is None else None))
+    while True:
+        proc = subprocess.Popen(argv, env=env)
+        child[:] = [proc]
+        rc = proc.wait()
+        if stopping.is_set():
+            return rc if rc >= 0 else 0
+        if rc in (1, 2):  # a bad setting or a part that cannot start: let the pod report it
+            return rc
+        log.error("the MPS role process exited with status %s; restarting it in place (it adopts the running "
+                  "MPS daemons)", rc)
+        if stopping.wait(1.0):
+            return 0

@@ -221,6 +221,7 @@ class Demo:
         from .nri.runtime_client import NriRuntimeServer
 
         self.work = tempfile.mkdtemp(prefix="fpdemo", dir="/tmp")
+        os.chmod(self.work, 0o755)  # the MPS root must be reachable by other users
         os.chmod(self.work, 0o755)  # MPS pipe dirs below must be reachable by containers' users
         w = Path(self.work)
         pods_file = w / "pods.yaml"
@@ -400,10 +401,22 @@ class Demo:
         self.runtime.remove_pod_sandbox(pod)
         self.out(f"  container {md.get('namespace', 'default')}/{md['name']}/{ctr.name} removed; "
                  "its tenancies are released")
+        self._wait_namespaces_released(md.get("uid"))
         doc = self.tenancy()
         uid = md.get("uid")
         if any(t["pod_uid"] == uid for g in doc["gpus"] for t in g["tenants"]):
             raise StepFailed(f"{md['name']} still holds GPUs after RemoveContainer")
+
+    def _wait_namespaces_released(self, uid: Any, timeout_s: float = 10.0) -> None:
+        """The MPS namespace delete runs off the runtime's critical path (issue
+        12): wait, bounded, until the daemon no longer lists the pod's namespace."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            _code, body = _http(self.endpoints["health"], "/status")
+            daemons = (json.loads(body).get("mps") or {}).get("daemons") or []
+            if not any(n.get("pod_uid") == uid for d in daemons for n in d.get("namespaces") or []):
+                return
+            time.sleep(0.05)
 
     # ---- the device plugin door ------------------------------------------------------------
     def allocate(self, manifest: dict[str, Any]) -> dict[str, str]:

@@ -15,8 +15,11 @@ Rules (DESIGN.md section 4; gpu-fractioning-reference.md section 3):
   one compute mode, held MiB <= memory, tenants <= MPS client limit;
 - env: ``NVIDIA_VISIBLE_DEVICES`` (UUIDs in container-ordinal order),
   ``NVIDIA_GPU_MEMORY_REQUEST``/``_LIMIT`` (MiB), ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
-  (``0=<limit>M,...``), ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (sm-sharing with a
-  portion), ``CUDA_MPS_PIPE_DIRECTORY``; one bind mount of the pipe directory;
+  (``0=<limit>M,...``, ordinal i = the i-th planned GPU), ``CUDA_VISIBLE_DEVICES``
+  (the planned GPU UUIDs in that order), ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
+  (sm-sharing with a portion), ``CUDA_MPS_PIPE_DIRECTORY``; one read-only bind
+  mount of the container's own pipe directory (its MPS v3 namespace leaf in
+  every mode; the mode's daemon pipe directory under classic v2);
 - fractions resolve against GPU memory minus ``reserve_mib`` (1024 by default,
   KAI's binder reserve); a container without ``.gpu-compute.portion`` gets the
   portion KAI would write (``kai_compute_portion``), which caps sm-sharing;
@@ -52,10 +55,11 @@ ENV_MEMORY_LIMIT = "NVIDIA_GPU_MEMORY_LIMIT"
 ENV_PINNED_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 ENV_ACTIVE_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 ENV_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
+ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 #: Every env key fracplugin owns; pod-authored values of these are overridden.
 ENFORCED_ENV_KEYS = (
     ENV_VISIBLE_DEVICES, ENV_MEMORY_REQUEST, ENV_MEMORY_LIMIT,
-    ENV_PINNED_LIMIT, ENV_ACTIVE_THREAD_PERCENTAGE, ENV_PIPE_DIRECTORY,
+    ENV_PINNED_LIMIT, ENV_ACTIVE_THREAD_PERCENTAGE, ENV_PIPE_DIRECTORY, ENV_CUDA_VISIBLE_DEVICES,
 )
 
 
@@ -294,8 +298,7 @@ def plan(
         # floor(portion x 100), at least 1 (gpu-fractioning-reference.md 2a)
         atp = max(1, math.floor(portion * 100))
     cdi = tuple(e for e in request.devices if is_cdi_name(e)) if (config.cdi_devices and not placed) else ()
-    ns = namespace_name(pod.uid, request.container) if (
-        request.compute_mode is ComputeMode.SM_SHARING and config.mps_namespaces) else None
+    ns = namespace_name(pod.uid, request.container) if config.mps_namespaces else None
     return _finish(pod, request.container, gpus, request_mib, limit_mib, request.compute_mode, atp, ns, config,
                    placed, cdi=cdi, portion=portion)
 
@@ -328,13 +331,22 @@ def _finish(pod: PodRef, container: str, gpus: tuple[GpuInfo, ...], request_mib:
             placed: bool, *, cdi: tuple[str, ...] = (), portion: float | None = None) -> ContainerPlan:
     """Env, mounts and MPS target of a decided placement."""
     layout = config.layout
-    host_pipe = layout.namespace_pipe_dir(ns) if ns else layout.pipe_dir(mode)
+    # MPS v3: every container, in every mode, gets its own namespace leaf; no
+    # container ever sees a daemon's control socket (issue 12). Classic v2 has
+    # no namespaces: the mode's daemon pipe directory, read-only (the
+    # supervisor reports this exposure).
+    host_pipe = layout.namespace_pipe_dir(ns, mode) if ns else layout.pipe_dir(mode)
     mps = MpsTarget(
         mode=mode, host_pipe_dir=host_pipe, container_pipe_dir=CONTAINER_PIPE_DIR,
         namespace=ns, active_thread_percentage=atp, pinned_mem_limit_mib=limit_mib,
     )
     env: dict[str, str] = {
         ENV_VISIBLE_DEVICES: ",".join(g.uuid for g in gpus),
+        # The MPS server spans every GPU of its daemon: restrict the client to
+        # its own, in plan order, so that ordinal i of the pinned limit below is
+        # gpus[i] (mps-nvml.md 1.3 and 2.1: same syntax and ordinals as
+        # CUDA_VISIBLE_DEVICES; UUIDs recommended).
+        ENV_CUDA_VISIBLE_DEVICES: ",".join(g.uuid for g in gpus),
         ENV_MEMORY_REQUEST: str(request_mib),
         ENV_MEMORY_LIMIT: str(limit_mib),
         ENV_PINNED_LIMIT: ",".join(f"{i}={limit_mib}M" for i in range(len(gpus))),
@@ -345,7 +357,9 @@ def _finish(pod: PodRef, container: str, gpus: tuple[GpuInfo, ...], request_mib:
     return ContainerPlan(
         pod=pod, container=container, devices=gpus, request_mib=request_mib, limit_mib=limit_mib,
         compute_mode=mode, active_thread_percentage=atp, env=env,
-        mounts=(Mount(source=host_pipe, destination=CONTAINER_PIPE_DIR, read_only=False),),
+        # read-only: connecting to a unix socket works on a read-only mount,
+        # unlinking or replacing it does not (issue 12)
+        mounts=(Mount(source=host_pipe, destination=CONTAINER_PIPE_DIR, read_only=True),),
         mps=mps, placed_by_node=placed, cdi_devices=cdi, portion=portion,
     )
 

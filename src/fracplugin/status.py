@@ -114,10 +114,18 @@ def render_table(doc: Mapping[str, Any]) -> str:
     if not mps.get("enabled"):
         out.append("MPS: not supervised (--no-mps)")
     else:
-        out.append(f"MPS daemons (protocol {mps.get('protocol', '?')}), ready: {_yn(mps.get('ready'))}")
+        where = f" through the MPS role at {mps['remote']}" if mps.get("remote") else ""
+        out.append(f"MPS daemons (protocol {mps.get('protocol', '?')}){where}, ready: {_yn(mps.get('ready'))}")
+        if mps.get("reachable") is False:
+            out.append(f"  MPS role unreachable: {mps.get('error')}")
+        if mps.get("exposure"):
+            out.append(f"  exposure: {mps['exposure']}")
         for d in mps.get("daemons", []):
-            extra = "  ".join(f"{k} {d[k]}" for k in ("state", "pid", "restarts", "pipe_dir", "last_error")
+            why = "reason" if d.get("reason") else "last_error"
+            extra = "  ".join(f"{k} {d[k]}" for k in ("state", "pid", "restarts", "pipe_dir", why)
                               if d.get(k) not in (None, ""))
+            if d.get("adopted"):
+                extra += "  adopted"
             out.append(f"  {d.get('mode', '?'):<13} {'healthy' if d.get('healthy') else 'UNHEALTHY':<9} {extra}".rstrip())
     nri = doc.get("nri")
     if isinstance(nri, dict):

@@ -55,6 +55,7 @@ def ready(health: str) -> bool:
 
 def one_run() -> dict[str, float]:
     work = Path(tempfile.mkdtemp(prefix="fpb", dir="/tmp"))
+    work.chmod(0o755)
     rt = NriRuntimeServer(str(work / "nri.sock")).start()
     kl = KubeletSim(str(work / "dp")).start()
     proc = None

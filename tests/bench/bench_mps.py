@@ -13,6 +13,16 @@ exclusive flock, other keys kept):
   --format=csv,noheader`` through the fake binary: a Python process start + a
   socket round trip; the fake runs on this interpreter, put first on PATH),
   over 20 probes;
+- ``mps.recover_after_fault_ms``: median over 3 runs of: a time-slicing daemon
+  that cannot start (fault ``fail_start``) has been retried until it is
+  reported ``failed``; the fault is cleared -> the supervisor reports it
+  healthy (retry forever at a capped backoff, here ``backoff_max_s`` = 1 s:
+  the figure is bounded by that cap plus one start; issue 12);
+- ``mps.doors_restart_clients_kept``: 1 when, with ``fracplugin run --role mps``
+  and ``--role doors`` running as two processes in their own sessions and an
+  MPS client registered, SIGKILL of the doors role and its restart leave the
+  control daemons' and servers' PIDs unchanged and the client still listed;
+  else 0 (issue 12);
 - ``metrics.scrape_ms`` / ``metrics.scrape_p99_ms``: one ``/metrics`` render on a
   simulated node of 8 GPUs x 48 clients (384 tenancies, 384 client processes
   joined through cgroup files, plus one MPS server PID per GPU), median and
@@ -58,6 +68,7 @@ def _pid(sup: MpsSupervisor) -> int | None:
 
 def bench_mps() -> dict[str, float]:
     root = tempfile.mkdtemp(prefix="fpb", dir="/tmp")
+    os.chmod(root, 0o755)
     sup = MpsSupervisor(MpsLayout(os.path.join(root, "mps")), FAKE_MPS, None, "615.71.09", {SM},
                         probe_interval_s=5.0, probe_timeout_s=2.0, max_restarts=0, stable_uptime_s=0.5,
                         env={"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
@@ -95,8 +106,96 @@ def bench_mps() -> dict[str, float]:
             "mps.probe_ms": statistics.median(probes)}
 
 
+def bench_recover_after_fault(runs: int = 3) -> dict[str, float]:
+    root = tempfile.mkdtemp(prefix="fpb", dir="/tmp")
+    os.chmod(root, 0o755)
+    layout = MpsLayout(os.path.join(root, "mps"))
+    ts = ComputeMode.TIME_SLICING
+    fault = os.path.join(layout.pipe_dir(ts), "fake-control.json")
+    os.makedirs(layout.pipe_dir(ts))
+    out: list[float] = []
+    try:
+        for _ in range(runs):
+            with open(fault, "w") as f:
+                json.dump({"fail_start": True}, f)
+            sup = MpsSupervisor(layout, FAKE_MPS, None, "615.71.09", {ts}, probe_interval_s=0.5, max_restarts=2,
+                                backoff_base_s=0.05, backoff_max_s=1.0,
+                                env={"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
+            try:
+                sup.start()
+                deadline = time.monotonic() + 60
+                while sup.status()["daemons"][0]["state"] != "failed":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"never reported failed: {sup.status()}")
+                    time.sleep(0.01)
+                os.unlink(fault)
+                t0 = time.perf_counter()
+                while not sup.healthy(ts):
+                    if time.perf_counter() - t0 > 60:
+                        raise RuntimeError(f"no recovery: {sup.status()}")
+                    time.sleep(0.001)
+                out.append((time.perf_counter() - t0) * 1000)
+            finally:
+                sup.stop(timeout_s=5)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"mps.recover_after_fault_ms": statistics.median(out)}
+
+
+def bench_doors_restart() -> dict[str, float]:
+    import subprocess
+
+    sys.path.insert(0, str(REPO))
+    from tests.component.test_mps_roles import FAKE, FAST_PATH, Role, mps_pids  # noqa: PLC0415
+
+    root = Path(tempfile.mkdtemp(prefix="fpb", dir="/tmp"))
+    root.chmod(0o755)
+    (root / "bin").mkdir()
+    shutil.copy(shutil.which("sleep"), root / "bin" / "nvidia-cuda-mps-server")
+    roles: list[Role] = []
+    client = subprocess.Popen(["sleep", "600"])
+    kept = 0.0
+    try:
+        mps = Role(root, "mps", env={"FAKE_MPS_SERVER_BIN": str(root / "bin" / "nvidia-cuda-mps-server")}).start()
+        roles.append(mps)
+        doors = Role(root, "doors", "--no-nri", "--no-device-plugin").start()
+        roles.append(doors)
+        deadline = time.monotonic() + 60
+        while not (mps.ready() and doors.ready()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("roles not ready:\n" + mps.logs() + doors.logs())
+            time.sleep(0.05)
+        env = {**os.environ, "PATH": FAST_PATH, "CUDA_MPS_PIPE_DIRECTORY": str(root / "mps" / "ts")}
+        subprocess.run([FAKE, "fake-client", "add", str(client.pid), "--server=shared"], env=env, check=True,
+                       capture_output=True, timeout=20)
+        before = mps_pids(root)
+        doors.stop(signal.SIGKILL)
+        doors = Role(root, "doors", "--no-nri", "--no-device-plugin").start()
+        roles.append(doors)
+        while not doors.ready():
+            if time.monotonic() > deadline:
+                raise RuntimeError("doors not ready again:\n" + doors.logs())
+            time.sleep(0.05)
+        listed = subprocess.run([FAKE, "client", "list", "--format=csv,noheader"], env=env, capture_output=True,
+                                text=True, timeout=20).stdout
+        kept = 1.0 if mps_pids(root) == before and str(client.pid) in listed else 0.0
+        doors.stop()
+        subprocess.run([sys.executable, "-m", "fracplugin.cli", "mps-quit", "--mps-root", str(root / "mps")],
+                       capture_output=True, timeout=60, env={**os.environ, "PATH": FAST_PATH})
+        mps.stop()
+    finally:
+        for r in roles:
+            if r.proc is not None and r.proc.poll() is None:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+        client.kill()
+        client.wait()
+        shutil.rmtree(root, ignore_errors=True)
+    return {"mps.doors_restart_clients_kept": kept}
+
+
 def bench_scrape(n_gpus: int = 8, clients: int = 48, scrapes: int = 50) -> dict[str, float]:
     root = tempfile.mkdtemp(prefix="fpb", dir="/tmp")
+    os.chmod(root, 0o755)
     try:
         gpus = tuple(GpuInfo(index=i, uuid=f"GPU-00000000-0000-0000-0000-{i:012x}", name="NVIDIA H100 80GB HBM3",
                              memory_mib=81559, minor=i) for i in range(n_gpus))
@@ -155,6 +254,8 @@ def main() -> int:
     results = {}
     results.update(bench_scrape())
     results.update(bench_mps())
+    results.update(bench_recover_after_fault())
+    results.update(bench_doors_restart())
     merge(results)
     print(json.dumps({k: round(v, 3) for k, v in results.items()}, indent=2, sort_keys=True))
     return 0

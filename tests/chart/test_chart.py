@@ -87,13 +87,15 @@ def test_rendering_is_schema_valid(renders, name: str, version: str) -> None:
 def test_monitoring_set_renders_every_optional_object(renders) -> None:
     kinds = sorted(d["kind"] for d in objects(renders["monitoring"]))
     assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "ConfigMap",
-                            "DaemonSet", "Service", "ServiceMonitor", "PrometheusRule"])
+                            "DaemonSet", "DaemonSet", "Service", "ServiceMonitor", "PrometheusRule"])
     assert {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")} <= set(crd_schemas())
 
 
 def test_default_has_no_optional_object(renders) -> None:
     kinds = sorted(d["kind"] for d in objects(renders["default"]))
-    assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet"])
+    # layout split by default (issue 12, ADR 0009): fracplugin-mps and fracplugin
+    assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet",
+                            "DaemonSet"])
 
 
 # ---------------------------------------------------------------- what test_manifests.py checks, on every rendering
@@ -154,7 +156,7 @@ def test_rendering_passes_the_manifest_checks(renders, name: str) -> None:
 
 
 def test_values_set_ports_reach_probes_and_config(renders) -> None:
-    (ds,) = _daemonsets(renders["custom"])
+    (ds,) = [d for d in _daemonsets(renders["custom"]) if d["metadata"]["name"] == "fracplugin"]  # the doors
     (c,) = ds["spec"]["template"]["spec"]["containers"]
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"metrics": 9102, "health": 9103}
     assert ds["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9102"
@@ -475,7 +477,7 @@ RENDER_MUTATIONS = [
     ("roles disagree on the socket", "split",
      _ds_args("fracplugin", ["--config", "/etc/fracplugin/config.yaml", "--role", "doors", "--mps-api-socket", "/run/fracplugin/other.sock"]),
      split_problems, "different API sockets"),
-    ("doors without least privilege", "kai", lambda m: _daemonsets(m)[0]["spec"]["template"]["spec"]["containers"][0].update(securityContext={}),
+    ("doors without least privilege", "kai", lambda m: [d for d in _daemonsets(m) if d["metadata"]["name"] == "fracplugin"][0]["spec"]["template"]["spec"]["containers"][0].update(securityContext={}),
      deployment_problems, "capabilities.drop must be [ALL]"),
     ("mps role privileged", "split", lambda m: next(d for d in _daemonsets(m) if d["metadata"]["name"] == "fracplugin-mps")[
         "spec"]["template"]["spec"]["containers"][0]["securityContext"].update(privileged=True),
@@ -528,7 +530,7 @@ def test_monitoring_objects_carry_the_checked_files(renders) -> None:
     (mon,) = [d for d in objects(m) if d["kind"] == "ServiceMonitor"]
     assert all(svc["metadata"]["labels"].get(k) == v for k, v in mon["spec"]["selector"]["matchLabels"].items())
     assert [e["port"] for e in mon["spec"]["endpoints"]] == [p["name"] for p in svc["spec"]["ports"]]
-    (ds,) = _daemonsets(m)
+    (ds,) = [d for d in _daemonsets(m) if d["metadata"]["name"] == "fracplugin"]  # the doors serve /metrics
     pod_labels = ds["spec"]["template"]["metadata"]["labels"]
     assert all(pod_labels.get(k) == v for k, v in svc["spec"]["selector"].items())
     assert svc["spec"]["ports"][0]["port"] == fpconfig.parse_address(DEFAULTS.metrics_address)[1]

@@ -123,6 +123,7 @@ class DaemonProc:
 @pytest.fixture
 def root() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="fpd", dir="/tmp"))  # short: unix socket paths
+    d.chmod(0o755)  # the MPS root must be reachable by other users (issue 12)
     yield d
     shutil.rmtree(d, ignore_errors=True)
 

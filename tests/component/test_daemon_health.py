@@ -355,6 +355,7 @@ def test_device_unit_too_small_for_kubelet_fails_start_naming_the_flag(node_file
     import tempfile
 
     d = Path(tempfile.mkdtemp(prefix="fpu", dir="/tmp"))
+    d.chmod(0o755)  # the MPS root must be reachable by other users (issue 12)
     try:
         out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "run", "--simulate-node", str(node_file),
                               "--no-nri", "--no-mps", "--state-dir", str(d / "s"), "--device-unit-mib", "1",

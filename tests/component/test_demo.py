@@ -84,7 +84,9 @@ def test_demo_notebook_refused_then_placed(demo_run: subprocess.CompletedProcess
     assert f"NVIDIA_VISIBLE_DEVICES={UUIDS[0]},{UUIDS[1]}" in second
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=64428M,1=64428M" in second
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in second.split("GPU tenancy")[0]
-    assert re.search(r"/mps/ts -> /tmp/nvidia-mps", second)
+    # its own namespace leaf on the time-slicing daemon (issue 12), never the daemon's pipe directory
+    assert re.search(r"/mps/ts/shared/fp_[0-9a-f]{24} -> /tmp/nvidia-mps", second)
+    assert not re.search(r"/mps/ts -> /tmp/nvidia-mps", second)
 
 
 def test_demo_limit_below_request_refused(demo_run: subprocess.CompletedProcess[str]) -> None:

@@ -27,7 +27,7 @@ from fracplugin.nri.plugin import FracNriPlugin, build_adjustment
 from fracplugin.nri.stub import PLUGIN_SERVICE, NriStub
 from fracplugin.nri.ttrpc import MAX_MESSAGE, Code, MessageType, RpcError, encode_message
 from fracplugin.planner import PlannerConfig, plan_container
-from fracplugin.model import PodRef
+from fracplugin.model import ComputeMode, PodRef
 
 from nri_runtime import FakeNriRuntime, effective_env, make_container, make_pod, pod_from_manifest
 
@@ -43,30 +43,34 @@ class FakeMps:
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.kw: list[dict] = []
         self.block: threading.Event | None = None
         self.done = threading.Event()
         self.fail: Exception | None = None
         self.lock = threading.Lock()
 
-    def ensure_namespace(self, pod_uid, container, atp, timeout_s):
+    def ensure_namespace(self, pod_uid, container, atp, timeout_s, mode=ComputeMode.SM_SHARING,
+                         pinned_limit_mib=None):
         with self.lock:
             self.calls.append(("ensure_namespace", pod_uid, container, atp, timeout_s))
+            self.kw.append({"mode": mode, "pinned_limit_mib": pinned_limit_mib})
         gate = self.block
         if gate is not None:
             gate.wait(10)
         self.done.set()
         if self.fail is not None:
             raise self.fail
-        return MpsLayout().namespace_pipe_dir(namespace_name(pod_uid, container))
+        return MpsLayout().namespace_pipe_dir(namespace_name(pod_uid, container), mode)
 
-    def release_namespace(self, pod_uid, container):
+    def release_namespace(self, pod_uid, container, timeout_s=None):
         with self.lock:
             self.calls.append(("release_namespace", pod_uid, container))
         return True
 
-    def drain(self, container_id, timeout_s):
+    def drain(self, container_id, timeout_s, modes=None):
         with self.lock:
             self.calls.append(("drain", container_id, timeout_s))
+            self.kw.append({"modes": modes})
         return None
 
     def named(self, name):
@@ -168,10 +172,11 @@ def test_bound_inference_pod_gets_the_exact_env_and_mount(h):
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=61440M,1=61440M,2=61440M,3=61440M",
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
         "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps",
+        "CUDA_VISIBLE_DEVICES": ",".join(UUIDS[:4]),
     }
     ns = namespace_name(pod.uid, "app")
     assert [(m.destination, m.type, m.source, list(m.options)) for m in adj.mounts] == [
-        ("/tmp/nvidia-mps", "bind", h.layout.namespace_pipe_dir(ns), ["rbind", "rw", "nosuid", "nodev"])
+        ("/tmp/nvidia-mps", "bind", h.layout.namespace_pipe_dir(ns), ["rbind", "ro", "nosuid", "nodev"])
     ]
     # runc bind-mounts at task creation, before StartContainer: the source must exist already
     assert os.path.isdir(h.layout.namespace_pipe_dir(ns))
@@ -185,6 +190,8 @@ def test_bound_inference_pod_gets_the_exact_env_and_mount(h):
     assert h.rt.start_container(pod, ctr) is None
     ((_, uid, name, atp, timeout),) = h.mps.named("ensure_namespace")
     assert (uid, name, atp) == (pod.uid, "app", 50) and 0 < timeout <= 5.0
+    # issue 12: the namespace's pinned memory limit is the container's limit per GPU
+    assert h.mps.kw[-1] == {"mode": ComputeMode.SM_SHARING, "pinned_limit_mib": 61440}
     assert [d for d, _ in h.metrics.hooks] == ["nri"]
     assert h.rt.registrations[-1].events == 0x628
 
@@ -232,8 +239,12 @@ def test_unbound_pod_is_placed_by_the_node(h):
     assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "64428"
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=64428M,1=64428M"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
-    assert h.mps.named("ensure_namespace") == []  # time-slicing: no namespace
     assert len(h.ledger.tenancies()) == 2
+    # issue 12: time-slicing gets its own namespace leaf too (never the daemon's control socket)
+    assert h.rt.start_container(pod, ctr) is None
+    ((_, uid, name, atp, _),) = h.mps.named("ensure_namespace")
+    assert (uid, name, atp) == (pod.uid, ctr.name, None)
+    assert h.mps.kw[-1] == {"mode": ComputeMode.TIME_SLICING, "pinned_limit_mib": int(env["NVIDIA_GPU_MEMORY_LIMIT"])}
 
 
 def test_pod_without_fraction_annotations_is_untouched(h):
@@ -314,11 +325,14 @@ def test_stop_drains_within_half_the_request_timeout_and_remove_releases(h):
     h.rt.create_container(pod, ctr)
     assert h.rt.stop_container(pod, ctr) == []
     ((_, cid, timeout),) = h.mps.named("drain")
-    assert cid == ctr.id and 0 < timeout <= 1.0
+    # issue 12: only the daemon of the container's mode, with the drain's own budget (in the background)
+    assert cid == ctr.id and timeout == h.plugin.drain_timeout_s
+    assert {"modes": [ComputeMode.SM_SHARING]} in h.mps.kw
     assert h.ledger.tenancies() == []  # a stopped container holds no memory (issue 10 item 4)
     assert h.mps.named("release_namespace") == []  # its namespace goes at removal (StopContainer's budget)
     assert h.rt.remove_container(pod, ctr) is None
     assert h.ledger.tenancies() == []
+    wait_for(lambda: h.mps.named("release_namespace"), what="background namespace release")
     assert h.mps.named("release_namespace") == [("release_namespace", pod.uid, "app")]
 
 
@@ -381,8 +395,10 @@ def test_synchronize_rebuilds_the_ledger_and_reports_unadjusted_containers(make_
     assert nb_gpus == set(dict(kv.split("=", 1) for kv in nb_ctr.env)["NVIDIA_VISIBLE_DEVICES"].split(","))
     assert h.plugin.unadjusted == []
     # A restarted daemon's MPS layer is told again about the running sm-sharing namespace.
-    wait_for(lambda: h.mps.named("ensure_namespace"), what="namespace renewal")
-    assert [c[1:4] for c in h.mps.named("ensure_namespace")] == [(bound.uid, "app", 50)]
+    wait_for(lambda: len(h.mps.named("ensure_namespace")) == 2, what="namespace renewal")
+    # both modes have namespaces under MPS v3 (issue 12)
+    assert sorted(c[1:4] for c in h.mps.named("ensure_namespace")) == sorted(
+        [(bound.uid, "app", 50), (notebook.uid, "notebook", None)])
 
 
 def test_synchronize_records_unadjusted_bound_container_and_reports_it(make_harness):
@@ -611,3 +627,41 @@ def test_a_failing_on_refusal_does_not_change_the_answer(make_harness):
     assert isinstance(err, RpcError) and err.code == Code.INVALID_ARGUMENT
     assert err.message.startswith('nvidia.com/container.app.gpu-memory.limit="20Gi" ')
     assert h.metrics.refusals == ["limit_below_request"]
+
+
+def test_container_of_a_mode_whose_daemon_is_down_gets_unavailable(h):
+    # issue 12: no admission pointing at a pipe directory with no daemon
+    down = {ComputeMode.TIME_SLICING: "failed after 5 restarts, retrying every 30s: start failed"}
+    h.mps.healthy = lambda mode: mode not in down
+    h.mps.unhealthy_reason = lambda mode: down.get(mode, "")
+    pod, (ctr,) = _manifest("notebook-time-slicing-2gpu.yaml")
+    err = h.rt.create_container(pod, ctr)
+    assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE
+    assert "the time-slicing MPS daemon is down (failed after 5 restarts" in err.message
+    assert h.ledger.tenancies() == [] and h.metrics.refusals == ["mps_unavailable"]
+    # the other mode is admitted
+    pod2, (ctr2,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    assert not isinstance(h.rt.create_container(pod2, ctr2), RpcError)
+    del down[ComputeMode.TIME_SLICING]
+    # back: admitted (the runtime retries); one mode per GPU puts it on no GPU here, so check the refusal kind
+    err = h.rt.create_container(pod, ctr)
+    assert not (isinstance(err, RpcError) and err.code == Code.UNAVAILABLE)
+
+
+def test_no_fraction_is_placed_on_an_unhealthy_gpu(make_harness):
+    from fracplugin.gpu.health import GpuHealth
+
+    sick = {UUIDS[0]: ("xid 79",)}
+    h = make_harness(plugin_kwargs={"gpu_health": lambda u: GpuHealth(u, u not in sick, sick.get(u, ()))}).start()
+    # bound to the unhealthy GPU: UNAVAILABLE naming it and why
+    bound, (bctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    err = h.rt.create_container(bound, bctr)
+    assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE
+    assert f"GPU 0 ({UUIDS[0]}): xid 79" in err.message
+    assert h.metrics.refusals == ["gpu_unhealthy"] and h.ledger.tenancies() == []
+    # node-placed: planned on healthy GPUs only
+    pod, (ctr,) = _manifest("notebook-time-slicing-2gpu.yaml")
+    adj = h.rt.create_container(pod, ctr)
+    assert not isinstance(adj, RpcError), adj
+    assert UUIDS[0] not in effective_env(ctr, adj)["NVIDIA_VISIBLE_DEVICES"]
+    assert len(h.ledger.tenancies()) == 2 and all(t.gpu_uuid != UUIDS[0] for t in h.ledger.tenancies())

@@ -148,6 +148,7 @@ def free_port() -> int:
 def new_base() -> Path:
     """Create and mark a fresh short base directory under /tmp."""
     base = Path(tempfile.mkdtemp(prefix="fpe2e-", dir="/tmp"))
+    base.chmod(0o755)  # the MPS root below must be reachable by other users (issue 12)
     (base / MARKER).write_text(f"{os.getpid()}\n")
     return base
 

@@ -90,7 +90,9 @@ def build_module(module: str) -> Path:
 
 def short_dir(prefix: str = "fp") -> str:
     """A short directory under /tmp (unix socket paths must stay < 108 bytes)."""
-    return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    os.chmod(d, 0o755)  # the MPS root must be reachable by other users (issue 12)
+    return d
 
 
 class Proc:

@@ -97,6 +97,8 @@ def test_node_name_from_downward_api_env() -> None:
     (["--allocation-policy", "random"], {}, "--allocation-policy", "pack or spread"),
     (["--ignored-xids", "13,x"], {}, "--ignored-xids", "integers"),
     (["--cdi-kind", "nvidia.com/gpu=0"], {}, "--cdi-kind", "<vendor>/<class>"),
+    (["--role", "both"], {}, "--role", "all, doors, mps"),
+    (["--mps-api-socket", "api.sock"], {}, "--mps-api-socket", "absolute"),
 ])
 def test_bad_values_name_setting_and_value(argv: list[str], env: dict[str, str], setting: str, needle: str) -> None:
     with pytest.raises(ConfigError) as ei:
@@ -199,3 +201,12 @@ def test_every_setting_has_a_flag() -> None:
 def test_no_fail_open_flag_overrides_env() -> None:
     cfg, sources = load(["--no-fail-open"], {"FRACPLUGIN_FAIL_OPEN": "true"})
     assert cfg.fail_open is False and sources["fail_open"] == "flag"
+
+
+def test_role_defaults_and_api_socket() -> None:
+    cfg, _ = load([], {})
+    assert cfg.role == "all" and cfg.effective_mps_api_socket == "/run/fracplugin/mps/api.sock"
+    cfg, _ = load(["--role", "mps", "--mps-root", "/tmp/x/mps"], {})
+    assert cfg.effective_mps_api_socket == "/tmp/x/mps/api.sock" and cfg.endpoints_path.endswith("endpoints-mps.json")
+    with pytest.raises(ConfigError, match="--no-mps only goes with --role all"):
+        load(["--role", "doors", "--no-mps"], {})

@@ -61,8 +61,9 @@ def make(inv, node, src, tmp_path):
         kw.setdefault("pod_source", src)
         kw.setdefault("allocate_deadline_s", 0.3)
         ledger = kw.pop("ledger", None) or Ledger(node)
+        config = kw.pop("planner_config", None) or PlannerConfig()
         return DevicePluginServer(
-            node, ledger, PlannerConfig(), inv, plugin_dir=str(tmp_path), podresources_socket=None, **kw
+            node, ledger, config, inv, plugin_dir=str(tmp_path), podresources_socket=None, **kw
         )
 
     return _make
@@ -159,8 +160,8 @@ def test_limit_and_sm_sharing_annotations_shape_the_env(make, node, src):
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=30720M"
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
-    (m,) = resp.container_responses[0].mounts
-    assert m.container_path == "/tmp/nvidia-mps" and "/sm/shared/fp_" in m.host_path
+    # MPS v3 (issue 12): no pipe-directory mount from this door; the NRI door mounts the container's own leaf
+    assert list(resp.container_responses[0].mounts) == []
     assert resp.container_responses[0].annotations[ANNOTATION_ALLOCATE] == "planned"
     # Recorded under the device IDs, holder not named (Allocate does not know the pod: ADR 0007).
     (t,) = s.ledger.tenancies()
@@ -201,10 +202,13 @@ def test_init_container_then_app_container(make, node, src):
     assert [(t.reservation, t.request_mib) for t in s.ledger.tenancies()] == [(f"{node.gpus[0].uuid}::0-3", 4096)]
 
 
+V2 = PlannerConfig(mps_namespaces=False)  # classic MPS: time-slicing pods share one pipe directory
+
+
 def test_oldest_pod_served_first_then_the_next(make, node, src):
     src.add(pod("b", 2, created="2026-01-02T00:00:00Z"))
     src.add(pod("a", 2, created="2026-01-01T00:00:00Z"))
-    s = make()
+    s = make(planner_config=V2)
     s.allocate(areq(ids(node, 0, 2)))
     s.allocate(areq(ids(node, 0, 2, start=2)))
     # Two reservations; neither names a pod (NRI binds them).
@@ -248,7 +252,9 @@ def test_no_api_access_answers_the_fallback(make, node):
     assert env["NVIDIA_VISIBLE_DEVICES"] == node.gpus[3].uuid
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == env["NVIDIA_GPU_MEMORY_LIMIT"] == "5120"
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=5120M"
-    assert resp.container_responses[0].mounts[0].host_path.endswith("/ts")
+    assert env["CUDA_VISIBLE_DEVICES"] == node.gpus[3].uuid  # ordinal 0 is that GPU
+    # issue 12: never a daemon's pipe directory (its control socket) under MPS v3; NRI mounts the leaf
+    assert len(resp.container_responses[0].mounts) == 0 and env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
     assert resp.container_responses[0].annotations[ANNOTATION_ALLOCATE] == "fallback"
     # A fallback is recorded too (after the guards), holder unknown.
     assert [(t.pod_uid, t.gpu_uuid, t.request_mib) for t in s.ledger.tenancies()] == [("", node.gpus[3].uuid, 5120)]
@@ -265,12 +271,20 @@ def test_two_pods_with_different_settings_get_only_the_common_answer(make, node,
     assert "different settings" in s.status()["last_fallback"]
 
 
-def test_ambiguous_sm_sharing_pods_get_no_pipe_directory(make, node, src):
+def test_ambiguous_sm_sharing_pods_get_no_pipe_directory_mount(make, node, src):
+    # same settings: one planned answer, right for both, with no namespace leaf of either (issue 12)
     for n in ("x", "y"):
         src.add(pod(n, 4, {P + "app.gpu-compute.mode": "sm-sharing"}))
     resp = make().allocate(areq(ids(node, 0, 4)))
-    assert "CUDA_MPS_PIPE_DIRECTORY" not in env_of(resp)
     assert len(resp.container_responses[0].mounts) == 0
+    assert resp.container_responses[0].annotations["fracplugin.io/allocate"] == "planned"
+
+
+def test_v2_allocate_mounts_the_shared_directory_read_only(make, node, src):
+    src.add(pod("x", 4))
+    resp = make(planner_config=PlannerConfig(mps_namespaces=False)).allocate(areq(ids(node, 0, 4)))
+    (m,) = resp.container_responses[0].mounts
+    assert m.host_path.endswith("/ts") and m.read_only
 
 
 def test_two_pods_with_identical_settings_take_the_oldest(make, node, src):

@@ -36,7 +36,15 @@ def monitor(**kw) -> tuple[HealthMonitor, Clock, list[int]]:
 
 
 def test_default_ignored_xids_are_the_application_ones():
-    assert DEFAULT_IGNORED_XIDS == {13, 31, 43, 45, 68, 109}
+    # NVIDIA's XID catalog (issue 12): 94 contained ECC = restart the application (ignored), 109 is fatal
+    assert DEFAULT_IGNORED_XIDS == {13, 31, 43, 45, 68, 94}
+
+
+def test_xid_94_is_ignored_and_109_is_fatal_by_default():
+    m, _, changes = monitor()
+    assert m.record_xid(XidEvent("GPU-a", 94)) is False and m.healthy("GPU-a")
+    assert m.record_xid(XidEvent("GPU-a", 109)) is True
+    assert m.unhealthy() == {"GPU-a": ["xid 109"]} and changes == [1]
 
 
 @pytest.mark.parametrize("xid", sorted(DEFAULT_IGNORED_XIDS))
@@ -47,15 +55,52 @@ def test_ignored_xid_changes_nothing(xid):
     assert changes == []
 
 
+class Prober:
+    """An inventory whose ``probe_gpu`` answers like a live NVML query of one GPU."""
+
+    def __init__(self) -> None:
+        self.lost: set[str] = set()
+        self.probes: list[str] = []
+
+    def probe_gpu(self, uuid: str) -> bool:
+        self.probes.append(uuid)
+        return uuid not in self.lost
+
+    def events(self, timeout_s: float):
+        return iter(())
+
+
+def test_no_recovery_by_the_timer_alone_only_after_a_successful_reprobe():
+    # issue 12: a GPU that fell off the bus (XID 79) must not come back on a timer
+    inv = Prober()
+    clock = Clock()
+    m = HealthMonitor(inv, GPUS, clock=clock, xid_recovery_s=60)
+    m.record_xid(XidEvent("GPU-a", 79))
+    inv.lost.add("GPU-a")
+    clock.t += 1000
+    assert m.check() is False and not m.healthy("GPU-a")
+    assert inv.probes == ["GPU-a"]  # it was re-probed, and the probe failed
+    inv.lost.clear()
+    assert m.check() is True and m.healthy("GPU-a")
+    # without anything that can re-probe, the timer never recovers it
+    m2, clock2, _ = monitor(xid_recovery_s=60)
+    m2.record_xid(XidEvent("GPU-b", 79))
+    clock2.t += 10_000
+    assert m2.check() is False and not m2.healthy("GPU-b")
+
+
 def test_critical_xid_marks_the_gpu_once_and_recovers_after_the_quiet_period():
-    m, clock, changes = monitor(xid_recovery_s=60)
+    clock = Clock()
+    changes: list[int] = []
+    m = HealthMonitor(Prober(), GPUS, clock=clock, xid_recovery_s=60)
+    m.subscribe(lambda: changes.append(1))
     assert m.record_xid(XidEvent("GPU-a", 79)) is True
     assert m.unhealthy() == {"GPU-a": ["xid 79"]}
     assert m.healthy("GPU-b")
     assert changes == [1]
     # A second XID on an already unhealthy GPU restarts the quiet period, no new update.
     clock.t += 50
-    assert m.record_xid(XidEvent("GPU-a", 94)) is False
+    assert m.record_xid(XidEvent("GPU-a", 48)) is False
     assert changes == [1]
     clock.t += 50  # 50 s after the last XID: still unhealthy
     assert m.check() is False

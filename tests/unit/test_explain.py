@@ -23,7 +23,7 @@ def test_bound_inference_json(examples, node_file):
     assert set(c) >= {"name", "fractional", "devices", "compute_mode", "env", "mounts", "error"}
     assert c["fractional"] is True and c["error"] is None and c["compute_mode"] == "sm-sharing"
     assert c["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=61440M,1=61440M,2=61440M,3=61440M"
-    assert c["mounts"][0]["destination"] == "/tmp/nvidia-mps" and c["mounts"][0]["read_only"] is False
+    assert c["mounts"][0]["destination"] == "/tmp/nvidia-mps" and c["mounts"][0]["read_only"] is True
 
 
 def test_table_output_and_refusal_exit_code(tmp_path, node_file):

@@ -119,12 +119,29 @@ def daemonsets(m: Manifests) -> list[dict[str, Any]]:
     return [d for d in objects(m) if d.get("kind") == "DaemonSet"]
 
 
-def _pod(m: Manifests) -> dict[str, Any]:
-    return one(m, "DaemonSet")["spec"]["template"]["spec"]
+MPS_DS = "fracplugin-mps"
 
 
-def _container(m: Manifests) -> dict[str, Any]:
-    containers = _pod(m)["containers"]
+def _ds(m: Manifests, role: str = "doors") -> dict[str, Any]:
+    """The DaemonSet of ``role``: "doors" = the one named fracplugin (or the only
+    one, layout single); "mps" = fracplugin-mps (layout split, ADR 0009)."""
+    dss = [d for d in objects(m) if d.get("kind") == "DaemonSet"]
+    if len(dss) == 1 and role == "doors":
+        return dss[0]  # layout single (role all), or a copy holding one DaemonSet
+    if role == "mps":
+        found = [d for d in dss if d["metadata"].get("name", "").endswith("-mps")]
+    else:
+        found = [d for d in dss if not d["metadata"].get("name", "").endswith("-mps")]
+    assert len(found) == 1, f"expected exactly one {role} DaemonSet, found {len(found)}"
+    return found[0]
+
+
+def _pod(m: Manifests, role: str = "doors") -> dict[str, Any]:
+    return _ds(m, role)["spec"]["template"]["spec"]
+
+
+def _container(m: Manifests, role: str = "doors") -> dict[str, Any]:
+    containers = _pod(m, role)["containers"]
     assert len(containers) == 1, "the daemon pod has one container"
     return containers[0]
 
@@ -235,7 +252,7 @@ def _probe_problems(c: dict[str, Any], probe: str, path: str) -> list[str]:
 
 def pod_problems(m: Manifests) -> list[str]:
     """Pod-level requirements of the daemon (see docs/adr/0002-deployment.md)."""
-    ds = one(m, "DaemonSet")
+    ds = _ds(m)
     pod, c = _pod(m), _container(m)
     problems = []
     if pod.get("hostPID") is not True:
@@ -465,8 +482,55 @@ def manifests() -> Manifests:
 def test_manifest_files_present(manifests: Manifests) -> None:
     kinds = sorted(d["kind"] for d in objects(manifests))
     assert kinds == sorted(
-        ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet"]
+        ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "DaemonSet"]
     )
+    # both roles (issue 12, ADR 0009): the doors roll, MPS is replaced only on purpose
+    assert {d["metadata"]["name"] for d in objects(manifests) if d["kind"] == "DaemonSet"} == {"fracplugin", MPS_DS}
+
+
+def mps_role_problems(m: Manifests) -> list[str]:
+    """The two roles of daemonset/ (ADR 0009): fracplugin-mps runs ``--role mps``
+    (OnDelete, no liveness probe: a container restart would end every client's
+    MPS server; hostPID; the MPS root at its host path; none of the
+    doors' sockets) and fracplugin runs ``--role doors`` (RollingUpdate); both
+    name the same ``--mps-api-socket`` under the shared host directory."""
+    problems = []
+    mps, doors = _ds(m, "mps"), _ds(m)
+    pod, c = _pod(m, "mps"), _container(m, "mps")
+    args, dargs = c.get("args", []), _container(m).get("args", [])
+
+    def flag(a: list[str], name: str) -> str | None:
+        return a[a.index(name) + 1] if name in a[:-1] else None
+
+    if mps["spec"].get("updateStrategy", {}).get("type") != "OnDelete":
+        problems.append(f"{MPS_DS} updateStrategy must be OnDelete")
+    if doors["spec"].get("updateStrategy", {}).get("type") != "RollingUpdate":
+        problems.append("fracplugin (doors) must roll (RollingUpdate)")
+    if flag(args, "--role") != "mps" or flag(dargs, "--role") != "doors":
+        problems.append(f"roles: {MPS_DS} args {args}, fracplugin args {dargs}: want --role mps / --role doors")
+    sock = flag(args, "--mps-api-socket")
+    if sock is None or sock != flag(dargs, "--mps-api-socket") or not sock.startswith(DEFAULTS.mps_root + "/"):
+        problems.append(f"both roles must name the same --mps-api-socket under {DEFAULTS.mps_root}: {sock}")
+    if "livenessProbe" in c:
+        problems.append(f"{MPS_DS} must have no livenessProbe (a restart ends every MPS client's server)")
+    if pod.get("hostPID") is not True:
+        problems.append(f"{MPS_DS} needs hostPID (MPS clients are host PIDs)")
+    host = {v["hostPath"]["path"] for v in pod.get("volumes", []) if "hostPath" in v}
+    for doors_only in ("/var/run/nri", "/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources"):
+        if doors_only in host:
+            problems.append(f"{MPS_DS} mounts {doors_only}, which only the doors need")
+    mounts = {x["mountPath"] for x in c.get("volumeMounts", [])}
+    if not any(DEFAULTS.mps_root == p or DEFAULTS.mps_root.startswith(p.rstrip("/") + "/") for p in mounts & host):
+        problems.append(f"{MPS_DS} must mount the MPS root {DEFAULTS.mps_root} at its host path")
+    if pod.get("nodeSelector") != _pod(m).get("nodeSelector") or pod.get("tolerations") != _pod(m).get("tolerations"):
+        problems.append(f"{MPS_DS} must run on exactly the nodes of fracplugin")
+    if mps["spec"]["selector"] == doors["spec"]["selector"]:
+        problems.append("the two DaemonSets must not share a selector")
+    return problems
+
+
+def test_both_roles_are_deployed(manifests: Manifests) -> None:
+    assert mps_role_problems(manifests) == []
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -521,8 +585,12 @@ def test_image_tag_is_package_version(manifests: Manifests) -> None:
 # ---------------------------------------------------------------- negative tests: a broken copy fails
 
 
-def _ds(m: Manifests) -> dict[str, Any]:
-    return one(m, "DaemonSet")
+def _mps_args(edit: Callable[[list[str]], list[str]]) -> Callable[[Manifests], None]:
+    def mutate(m: Manifests) -> None:
+        c = _container(m, "mps")
+        c["args"] = edit(list(c["args"]))
+
+    return mutate
 
 
 def _drop_volume(name: str) -> Callable[[Manifests], None]:
@@ -644,6 +712,22 @@ MUTATIONS: list[tuple[str, Callable[[Manifests], None], Callable[[Manifests], li
     ("configured path not mounted", _set_config("state_dir", "/var/lib/elsewhere"), config_problems, "/var/lib/elsewhere"),
     ("fail-open default flipped", _set_config("fail_open", True), config_problems, "fail_open"),
     ("health port drift", _set_config("health_address", "0.0.0.0:9999"), pod_problems, "health_address"),
+    ("MPS role rolls", lambda m: _ds(m, "mps")["spec"].update(updateStrategy={"type": "RollingUpdate"}),
+     mps_role_problems, "OnDelete"),
+    ("MPS role with a liveness probe",
+     lambda m: _container(m, "mps").update(livenessProbe=copy.deepcopy(_container(m)["livenessProbe"])),
+     mps_role_problems, "no livenessProbe"),
+    ("MPS role runs the doors", _mps_args(lambda a: [x.replace("mps", "doors") if x == "mps" else x for x in a]),
+     mps_role_problems, "--role mps"),
+    ("roles name different API sockets",
+     _mps_args(lambda a: [("/run/fracplugin/mps/other.sock" if x.endswith("api.sock") else x) for x in a]),
+     mps_role_problems, "same --mps-api-socket"),
+    ("MPS role mounts the NRI socket",
+     lambda m: _pod(m, "mps")["volumes"].append({"name": "nri", "hostPath": {"path": "/var/run/nri"}}),
+     mps_role_problems, "only the doors need"),
+    ("MPS root not at its host path",
+     lambda m: [x.update(mountPath="/mps") for x in _container(m, "mps")["volumeMounts"] if x["name"] == "run"],
+     mps_role_problems, "MPS root"),
 ]
 
 

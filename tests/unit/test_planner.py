@@ -37,10 +37,13 @@ def test_bound_inference_pod_gets_the_contract(seed_pods, node):
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=61440M,1=61440M,2=61440M,3=61440M",
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
         "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps",
+        # issue 12: the client sees only its GPUs, in plan order, so pinned ordinal i is UUIDS[i]
+        "CUDA_VISIBLE_DEVICES": ",".join(UUIDS),
     }
     ns = namespace_name("6f1c2a0e-4b7d-4e59-9a51-0c7f3d2b9e11", "app")
     assert [(m.source, m.destination, m.read_only) for m in p.mounts] == [
-        (MpsLayout().namespace_pipe_dir(ns), "/tmp/nvidia-mps", False)]
+        (MpsLayout().namespace_pipe_dir(ns), "/tmp/nvidia-mps", True)]
+    assert p.mounts[0].options == ("rbind", "ro", "nosuid", "nodev")
     assert p.mps.namespace == ns and p.mps.active_thread_percentage == 50
     assert not p.placed_by_node
 
@@ -67,13 +70,22 @@ def test_notebook_is_placed_on_two_gpus_time_slicing(seed_pods, node):
     assert p.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=64428M,1=64428M"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in p.env  # time-slicing: no cap
     assert p.portion == 0.5
-    assert p.mounts[0].source == MpsLayout().pipe_dir(ComputeMode.TIME_SLICING)
+    # issue 12: its own namespace leaf on the time-slicing daemon, read-only; never <root>/ts itself
+    ns = namespace_name(ref(seed_pods["notebook-time-slicing-2gpu"]).uid, "app")
+    assert p.mps.namespace == ns
+    assert p.mounts[0].source == MpsLayout().namespace_pipe_dir(ns, ComputeMode.TIME_SLICING) == \
+        f"/run/fracplugin/mps/ts/shared/{ns}"
+    assert p.mounts[0].read_only
+    pinned = [kv.split("=")[0] for kv in p.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].split(",")]
+    visible = p.env["CUDA_VISIBLE_DEVICES"].split(",")
+    assert visible == list(p.device_uuids) and [visible[int(i)] for i in pinned] == list(p.device_uuids)
 
 
 def test_classic_mps_has_no_namespaces(seed_pods, node):
     p = plan_seed(seed_pods["inference-sm-sharing-4gpu.bound"], node, config=PlannerConfig(mps_namespaces=False))
     assert p.mps.namespace is None
     assert p.mounts[0].source == MpsLayout().pipe_dir(ComputeMode.SM_SHARING)
+    assert p.mounts[0].read_only  # the shared v2 directory: tenants cannot unlink or replace the socket
     assert p.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
 
 

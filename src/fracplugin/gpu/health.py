@@ -10,14 +10,20 @@ lock, and must not block.
 
 Rules (kubelet-device-plugin.md D.10, issue 4 item 3):
 
-* An XID in ``ignored_xids`` (default 13, 31, 43, 45, 68, 109: application
-  errors, as NVIDIA's device plugin ignores them) changes nothing. Any other
-  XID marks the whole GPU Unhealthy (every fraction of it, in one update).
+* An XID in ``ignored_xids`` changes nothing. Default 13, 31, 43, 45, 68, 94:
+  the application errors NVIDIA's device plugin ignores (mps-nvml.md 4.5)
+  with NVIDIA's XID catalog applied to the two it gets wrong
+  (kubelet-device-plugin.md D.10, issue 12): 94 (contained ECC error: restart
+  the application, the GPU is fine) is ignored, 109 (context switch timeout,
+  a GPU-level fault) is not. Any other XID marks the whole GPU Unhealthy
+  (every fraction of it, in one update).
 * Recovery rule: a GPU marked by an XID becomes Healthy again when
   ``xid_recovery_s`` seconds (default 300) pass without another critical XID
-  on it *and* the inventory still lists the GPU (re-probe), or at once on an
-  explicit ``clear(uuid)``. ``xid_recovery_s=None`` disables the timed
-  recovery (then only ``clear`` recovers).
+  on it *and* a real re-probe of that GPU succeeds now
+  (``inventory.probe_gpu(uuid)``: an NVML query, not the list cached at start,
+  issue 12), or at once on an explicit ``clear(uuid)``. Without a prober (no
+  inventory, or one without ``probe_gpu``) the timer alone never recovers.
+  ``xid_recovery_s=None`` disables the timed recovery (then only ``clear``).
 * MPS: a GPU is Unhealthy while its MPS source says it is down, and Healthy
   again as soon as the source says it is up (see ``MpsHealth``).
 """
@@ -36,7 +42,7 @@ from .inventory import Inventory, InventoryError, XidEvent
 
 log = logging.getLogger(__name__)
 
-DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 94})
 DEFAULT_XID_RECOVERY_S = 300.0
 
 MpsHealth = Any
@@ -210,13 +216,19 @@ class HealthMonitor:
         """One turn of the slow checks: MPS health poll and XID quiet-period
         recovery. Returns True when any GPU's health changed."""
         now = self._clock()
-        present: set[str] | None = None
-        if self.xid_recovery_s is not None and self._xid and self._inventory is not None:
+        with self._lock:
+            due = [u for u, (_x, t) in self._xid.items()
+                   if self.xid_recovery_s is not None and now - t >= self.xid_recovery_s]
+        probe = getattr(self._inventory, "probe_gpu", None)
+        reprobed: set[str] = set()
+        for u in due:
+            if not callable(probe):
+                continue  # nothing can confirm the GPU works: the timer alone never recovers it
             try:
-                present = {g.uuid for g in self._inventory.node().gpus}
-            except Exception as e:  # InventoryError or a driver failure: do not recover now
-                log.warning("inventory re-probe failed: %s", e)
-                present = set()
+                if probe(u):
+                    reprobed.add(u)
+            except Exception as e:  # a driver failure: do not recover now
+                log.warning("re-probe of GPU %s failed: %s", u, e)
         mps_down = set()
         for u in self._uuids:
             try:
@@ -231,8 +243,8 @@ class HealthMonitor:
             before = set(self._xid) | self._mps_down
             if self.xid_recovery_s is not None:
                 for u, (xid, t) in list(self._xid.items()):
-                    if now - t >= self.xid_recovery_s and (present is None or u in present):
-                        log.info("GPU %s quiet for %.0f s after XID %d: Healthy again", u, now - t, xid)
+                    if now - t >= self.xid_recovery_s and u in reprobed:
+                        log.info("GPU %s quiet for %.0f s after XID %d and re-probed: Healthy again", u, now - t, xid)
                         del self._xid[u]
             self._mps_down = mps_down
             after = set(self._xid) | self._mps_down

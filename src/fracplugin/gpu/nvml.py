@@ -115,6 +115,20 @@ class NvmlInventory:
     def node(self) -> NodeInfo:
         return self._node
 
+    def probe_gpu(self, uuid: str) -> bool:
+        """A real NVML query of one GPU now (not the list cached at start):
+        handle by UUID, memory info and its UUID read back. False on any NVML
+        error (GPU lost, fallen off the bus: XID 79). Used before a GPU marked
+        by a critical XID is declared Healthy again (issue 12)."""
+        with self._lock:
+            try:
+                h = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+                pynvml.nvmlDeviceGetMemoryInfo(h)
+                return _s(pynvml.nvmlDeviceGetUUID(h)) == uuid
+            except pynvml.NVMLError as exc:
+                log.warning("NVML re-probe of %s failed: %s", uuid, exc)
+                return False
+
     def processes(self) -> list[ProcessSample]:
         """Compute and MPS-client processes on every GPU, with per-process SM
         utilisation since the previous call. NVML failures count in

@@ -317,7 +317,12 @@ class Allocator:
         def settings(o: ContainerPlan | FractionError) -> Any:
             if isinstance(o, FractionError):
                 return ("error", o.key, o.reason)
-            return (tuple(sorted(o.env.items())), tuple(o.mounts))
+            # Under MPS v3 every container has its own namespace leaf (issue 12):
+            # the Allocate answer carries no pipe-directory mount (the NRI door
+            # mounts the container's own leaf), so mounts do not tell pods apart.
+            return (tuple(sorted(o.env.items())), () if v3 else tuple(o.mounts))
+
+        v3 = self.planner_config.mps_namespaces
 
         first = settings(outcomes[0])
         if len(everyone) > 1 and any(settings(o) != first for o in outcomes[1:]):
@@ -340,7 +345,9 @@ class Allocator:
         log.info("Allocate %s: %s on %s, request %d MiB, limit %d MiB, %s (reservation %s, holder confirmed by NRI)",
                  self.resource_name, who, ",".join(uuids), outcome.request_mib, outcome.limit_mib,
                  outcome.compute_mode, key)
-        return Answer(dict(outcome.env), outcome.mounts, uuids, key, "planned")
+        # MPS v3: no pipe-directory mount from this door (never a daemon's
+        # directory, and a leaf is per container: the NRI door mounts it).
+        return Answer(dict(outcome.env), () if v3 else outcome.mounts, uuids, key, "planned")
 
     def _record(self, plan: ContainerPlan, key: str, who: str, hints: set[str]) -> None:
         try:
@@ -377,8 +384,13 @@ class Allocator:
         mounts: tuple[Mount, ...] = ()
         if pipe_dir:
             env[planner_mod.ENV_PIPE_DIRECTORY] = CONTAINER_PIPE_DIR
-            mounts = (Mount(source=self.planner_config.layout.pipe_dir(ComputeMode.TIME_SLICING),
-                            destination=CONTAINER_PIPE_DIR),)
+            if not self.planner_config.mps_namespaces:
+                # classic v2 only: the shared time-slicing directory, read-only.
+                # Under v3 no container ever gets a daemon's pipe directory (its
+                # control socket); the NRI door mounts the container's own
+                # namespace leaf (issue 12).
+                mounts = (Mount(source=self.planner_config.layout.pipe_dir(ComputeMode.TIME_SLICING),
+                                destination=CONTAINER_PIPE_DIR, read_only=True),)
         return Answer(env, mounts, tuple(uuids), key, "fallback")
 
     # ---- GetPreferredAllocation ------------------------------------------------

@@ -68,7 +68,9 @@ class DrainResult:
             failed: the daemon it belongs to is considered wedged and is being
             hard-restarted (gpu-fractioning ``drain.go``: a client killed
             mid-kernel wedges the server; mps-nvml.md section 2.7).
-        restarted: compute modes whose daemon was scheduled for a hard restart.
+        restarted: compute modes whose daemon was scheduled for a hard restart
+            (always empty now: a drain step that times out only marks the daemon
+            slow/unhealthy; the probe decides about a restart, issue 12).
         skipped: True when nothing was attempted (no daemon running, or a drain
             of the same container was already in flight).
         errors: human-readable notes (one per failed step).
@@ -112,18 +114,21 @@ class MpsApi(Protocol):
     """The MPS operations other components call."""
 
     def ensure_namespace(
-        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float
+        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float,
+        mode: ComputeMode = ComputeMode.SM_SHARING, pinned_limit_mib: int | None = None,
     ) -> str:
-        """Create (idempotently) and cap the MPS v3 namespace of an sm-sharing
-        container; return its host pipe directory. Raises MpsError / MpsTimeout."""
+        """Create (idempotently) and cap the MPS v3 namespace of a container on
+        the daemon of ``mode`` (active thread percentage, pinned memory limit in
+        MiB per GPU); return its host pipe directory. Raises MpsError / MpsTimeout."""
         ...
 
-    def release_namespace(self, pod_uid: str, container: str) -> bool:
+    def release_namespace(self, pod_uid: str, container: str, timeout_s: float | None = None) -> bool:
         """Forget (and delete, when possible) the namespace; True if it is gone now."""
         ...
 
-    def drain(self, container_id: str, timeout_s: float) -> DrainResult:
-        """Terminate the container's MPS clients; never blocks past ``timeout_s``."""
+    def drain(self, container_id: str, timeout_s: float, modes: Any = None) -> DrainResult:
+        """Terminate the container's MPS clients on the daemons of ``modes``
+        (None: all); never blocks past ``timeout_s``."""
         ...
 
     def healthy(self, mode: ComputeMode) -> bool:
@@ -155,14 +160,15 @@ class NullMps:
     layout: MpsLayout = field(default_factory=MpsLayout)
 
     def ensure_namespace(
-        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float
+        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float,
+        mode: ComputeMode = ComputeMode.SM_SHARING, pinned_limit_mib: int | None = None,
     ) -> str:
-        return self.layout.namespace_pipe_dir(namespace_name(pod_uid, container))
+        return self.layout.namespace_pipe_dir(namespace_name(pod_uid, container), ComputeMode(mode))
 
-    def release_namespace(self, pod_uid: str, container: str) -> bool:
+    def release_namespace(self, pod_uid: str, container: str, timeout_s: float | None = None) -> bool:
         return True
 
-    def drain(self, container_id: str, timeout_s: float) -> DrainResult:
+    def drain(self, container_id: str, timeout_s: float, modes: Any = None) -> DrainResult:
         return DrainResult(container_id=container_id, skipped=True)
 
     def healthy(self, mode: ComputeMode) -> bool:

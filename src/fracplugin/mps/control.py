@@ -127,10 +127,12 @@ def choose_protocol(driver_version: str, override: int | None = None) -> int:
 
 def render_config_toml(sm_sharing: bool, servers: Iterable[str] = ("shared",), audit_log: bool = False) -> str:
     """The ``-a <file>`` TOML for an MPS v3 daemon (mps-nvml.md 1.7,
-    gpu-fractioning-reference.md section 4): memory accounting on; for the
-    sm-sharing daemon context-share on and one parameterless ``[servers.<name>]``
-    per name (``shared``); for the time-slicing daemon context-share off and no
-    named servers (clients go to the per-UID servers through ``<pipe>/control``)."""
+    gpu-fractioning-reference.md section 4): memory accounting on;
+    context-share on for the sm-sharing daemon, off for the time-slicing one;
+    one parameterless ``[servers.<name>]`` per name (``shared``) on both, so that
+    every container gets a namespace of that server (its own leaf pipe
+    directory) and no container ever needs the daemon's ``<pipe>/control``
+    (issue 12). Raises ValueError for a bad server name."""
     lines = [
         'schema_version = "1.0"',
         "",
@@ -141,11 +143,10 @@ def render_config_toml(sm_sharing: bool, servers: Iterable[str] = ("shared",), a
         '[features."context-share"]',
         f"enabled = {'true' if sm_sharing else 'false'}",
     ]
-    if sm_sharing:
-        for name in servers:
-            if not NAME_RE.match(name):
-                raise ValueError(f"MPS server name {name!r} must match [a-z0-9_]{{1,64}}")
-            lines += ["", f"[servers.{name}]"]
+    for name in servers:
+        if not NAME_RE.match(name):
+            raise ValueError(f"MPS server name {name!r} must match [a-z0-9_]{{1,64}}")
+        lines += ["", f"[servers.{name}]"]
     return "\n".join(lines) + "\n"
 
 
@@ -260,6 +261,39 @@ class MpsControl:
         if not 1 <= int(percentage) <= 100:
             raise ValueError(f"active thread percentage must be 1..100, got {percentage!r}")
         self.run(["namespace", "set", name, f"--server={server}", f"--active-thread-percentage={int(percentage)}"], timeout_s)
+
+    def namespace_set_caps(self, name: str, server: str, percentage: int | None, pinned_mib: int | None,
+                           timeout_s: float) -> None:
+        """One ``namespace set <name> --server=<s> [--active-thread-percentage=<1..100>]
+        [--pinned-memory-limit=<MiB>M]`` (mps-nvml.md 1.6: several keys per set).
+        Nothing to set -> no command. Fails while a client is attached."""
+        args = ["namespace", "set", name, f"--server={server}"]
+        if percentage is not None:
+            if not 1 <= int(percentage) <= 100:
+                raise ValueError(f"active thread percentage must be 1..100, got {percentage!r}")
+            args.append(f"--active-thread-percentage={int(percentage)}")
+        if pinned_mib is not None:
+            if int(pinned_mib) < 1:
+                raise ValueError(f"pinned memory limit must be >= 1 MiB, got {pinned_mib!r}")
+            args.append(f"--pinned-memory-limit={int(pinned_mib)}M")
+        if len(args) > 4:
+            self.run(args, timeout_s)
+
+    def namespace_set_pinned(self, name: str, server: str, mib: int, timeout_s: float) -> None:
+        """``namespace set <name> --server=<s> --pinned-memory-limit=<MiB>M``: the
+        per-client pinned device memory limit of the namespace, on each device
+        (mps-nvml.md 1.6; values ``<n>M``). Fails while a client is attached."""
+        if int(mib) < 1:
+            raise ValueError(f"pinned memory limit must be >= 1 MiB, got {mib!r}")
+        self.run(["namespace", "set", name, f"--server={server}", f"--pinned-memory-limit={int(mib)}M"], timeout_s)
+
+    def quit(self, timeout_s: float) -> None:
+        """Stop the daemon on purpose (and its servers): v3 ``-q``, v2 ``quit`` on
+        stdin (mps-nvml.md 1.2)."""
+        if self.protocol >= 3:
+            self.run(["-q"], timeout_s)
+        else:
+            self.v2("quit", timeout_s)
 
     def namespace_delete(self, name: str, server: str, timeout_s: float, force: bool = False) -> None:
         args = ["namespace", "delete", name, f"--server={server}"]

@@ -2,14 +2,20 @@
 
 One ``nvidia-cuda-mps-control`` per compute mode (DESIGN.md section 5):
 
-    <root>/ts            pipe directory of the time-slicing daemon
+    <root>/ts            pipe directory of the time-slicing daemon (its ``control`` socket)
     <root>/sm            pipe directory of the sm-sharing daemon (MPS v3, -m)
+    <root>/ts/shared/<ns>  pipe directory of one time-slicing container's namespace (MPS v3)
     <root>/sm/shared/<ns>  pipe directory of one sm-sharing container's namespace
     <root>/log/ts, <root>/log/sm   log directories
+    <root>/api.sock      the MPS role's API socket (0600, peer checked: root only)
 
-Containers see their pipe directory at ``CONTAINER_PIPE_DIR``. A time-slicing
-container gets ``<root>/ts``; an sm-sharing container gets only its own
-namespace leaf, never another tenant's (DESIGN.md section 4).
+Containers see their pipe directory at ``CONTAINER_PIPE_DIR``. Under MPS v3
+every container, in every mode, gets only its own namespace leaf (mounted
+read-only), never a daemon's pipe directory: the daemon's ``control`` socket
+is reachable only from the host (issue 12; mps-nvml.md 2.3: "mount ONLY the
+leaf namespace dir"). Under classic MPS v2 there are no namespaces and a
+container gets the daemon's pipe directory itself (read-only): the daemon
+reports that as an exposure at start and in readiness detail.
 
 Paths are kept short: a socket path must fit ``sockaddr_un.sun_path`` (108
 bytes incl. NUL, mps-nvml.md section 1.4); with the ``/control`` leaf that
@@ -27,6 +33,10 @@ from ..model import ComputeMode
 
 CONTAINER_PIPE_DIR = "/tmp/nvidia-mps"
 DEFAULT_ROOT = "/run/fracplugin/mps"
+DEFAULT_API_SOCKET = "/run/fracplugin/mps/api.sock"
+DIR_MODE = 0o755
+"""Mode of every pipe, namespace and log directory, set explicitly (chmod)
+whatever the umask: containers run as any UID and must traverse to the socket."""
 SM_SERVER = "shared"
 MAX_PIPE_DIR_LEN = 83
 _MODE_DIR = {ComputeMode.TIME_SLICING: "ts", ComputeMode.SM_SHARING: "sm"}
@@ -69,7 +79,7 @@ class MpsLayout:
         """The log directory of the daemon of ``mode``."""
         return str(PurePosixPath(self.root) / "log" / _MODE_DIR[mode])
 
-    def namespace_pipe_dir(self, namespace: str) -> str:
-        """The pipe directory of an sm-sharing namespace (MPS v3 layout
-        ``<pipe>/<server>/<namespace>``)."""
-        return str(PurePosixPath(self.pipe_dir(ComputeMode.SM_SHARING)) / SM_SERVER / namespace)
+    def namespace_pipe_dir(self, namespace: str, mode: ComputeMode = ComputeMode.SM_SHARING) -> str:
+        """The pipe directory of a container's namespace on the daemon of
+        ``mode`` (MPS v3 layout ``<pipe>/<server>/<namespace>``)."""
+        return str(PurePosixPath(self.pipe_dir(mode)) / SM_SERVER / namespace)

@@ -19,34 +19,48 @@ Concurrency model
 
 What it does (issue 5; mps-nvml.md sections 1.2-1.8, 2.7;
 gpu-fractioning-reference.md section 4):
-* start: pipe/log directories from ``MpsLayout`` (ancestors made traversable),
-  stale ``control`` socket removed, stdin kept open (``-f`` exits on EOF);
-  v3: ``-p 3 [-m] -f -a <log dir>/mps-control.toml`` (memacct on; the
-  sm-sharing daemon with ``-m`` and a ``[servers.shared]`` server); v2: ``-f``
-  plus ``set_default_active_thread_percentage`` /
-  ``set_default_device_pinned_mem_limit`` when configured;
+* start: pipe/log directories from ``MpsLayout``, 0755 whatever the umask
+  (an MPS root under a directory others cannot traverse is a start failure
+  naming it), stale ``control`` socket removed; v3: ``-p 3 -m -f|-d -a
+  <log dir>/mps-control.toml`` (memacct on; both daemons with a
+  ``[servers.shared]`` whose namespaces are the tenants' leaf pipe
+  directories; context-share on for sm-sharing only); v2: ``-f|-d`` plus
+  ``set_default_active_thread_percentage`` / ``set_default_device_pinned_mem_limit``
+  when configured. ``-f`` (role all: a child, stdin kept open, quit on stop)
+  or ``-d`` (``detached``, role mps: its own session, adopted by the next
+  supervisor, left running on stop; ADR 0009);
 * ready when the ``control`` socket exists and a real command answers;
 * an active probe every ``probe_interval_s`` (v3 ``server list``, v2
   ``get_default_active_thread_percentage``) with ``probe_timeout_s``; a hung
   daemon fails it and is killed and restarted;
+* the probe first checks that ``<pipe>/control`` is still the socket the
+  daemon created (owner, inode, directory writable by us only): a replaced
+  socket is never talked to; server crash loops (non-zero server exits in
+  ``control.log``) make the daemon unhealthy;
 * restarts with exponential backoff (tenacity ``wait_chain(wait_none(),
-  wait_exponential)``: the first retry is immediate), a budget of
-  ``max_restarts`` consecutive restarts (0 = unlimited) that resets after
-  ``stable_uptime_s`` of healthy uptime; an exhausted budget leaves the daemon
-  ``failed`` (unhealthy) until ``stop``;
-* recorded sm-sharing namespaces are re-created and re-capped after every restart;
-* drain: a container's clients (v3 ``client list`` / v2 ``get_client_list``)
-  joined with ``/proc/<pid>/cgroup`` are terminated within the caller's budget;
-  a timeout or failure marks the daemon wedged: it is hard-restarted (SIGKILL
-  daemon + its servers) by the supervisor thread and ``wedges`` is counted;
-* stop: ``quit`` on stdin, wait, SIGKILL, then SIGKILL every leftover
-  ``nvidia-cuda-mps-server`` found by ``/proc/<pid>/exe`` basename.
+  wait_exponential)``: the first retry is immediate) capped at
+  ``backoff_max_s`` and retried forever; ``max_restarts`` consecutive
+  restarts (reset after ``stable_uptime_s`` of healthy uptime) only decide
+  when the daemon is reported ``failed`` (issue 12);
+* recorded namespaces (both modes, with active thread percentage and pinned
+  memory limit) are re-created and re-capped after every restart;
+* drain: only the daemons of the container's mode; a container's clients (v3
+  ``client list`` / v2 ``get_client_list``) joined with ``/proc/<pid>/cgroup``
+  are terminated within the caller's budget, per daemon; a timeout marks the
+  daemon slow (unhealthy) and probes it at once: only failed probes (a
+  confirmed hang) hard-restart it (SIGKILL daemon + its servers);
+* stop (role all): ``quit`` on stdin, wait, SIGKILL, then SIGKILL every
+  leftover ``nvidia-cuda-mps-server`` found by ``/proc/<pid>/exe`` basename;
+  ``quit_daemons()`` does the same on purpose in role mps.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
+import select
 import signal
 import stat
 import subprocess
@@ -77,6 +91,82 @@ class _NsRecord:
     pod_uid: str
     container: str
     active_thread_percentage: int | None
+    mode: ComputeMode = ComputeMode.SM_SHARING
+    pinned_limit_mib: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pod_uid": self.pod_uid, "container": self.container, "mode": self.mode.value,
+                "active_thread_percentage": self.active_thread_percentage,
+                "pinned_limit_mib": self.pinned_limit_mib}
+
+
+SERVER_EXIT_RE = re.compile(r"server(?:\s+\S+)?\s+exited with status (-?\d+)", re.IGNORECASE)
+"""A server exit in ``control.log`` (what the control daemon logs when one of its
+``nvidia-cuda-mps-server`` processes dies; mps-nvml.md 1.4: control.log holds
+server status). A non-zero status counts towards a crash loop."""
+
+
+class _DetachedProc:
+    """A control daemon that is not our child: started with ``-d`` (it
+    daemonizes into its own session) or adopted from a previous fracplugin.
+    Offers the ``Popen`` subset the supervisor uses. ``returncode`` is -1 once
+    the process is gone (its real status belongs to its parent, not to us)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = int(pid)
+        self.returncode: int | None = None
+        self.stdin = None
+        self._pidfd: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not _pid_alive(self.pid):
+            self.returncode = -1
+            self._close()
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            fd = self._pidfd
+            if fd is not None:
+                try:
+                    select.select([fd], [], [], 0.2 if left is None else min(0.2, left))
+                    continue
+                except (OSError, ValueError):
+                    pass
+            time.sleep(0.02)
+        return self.returncode if self.returncode is not None else -1
+
+    def _close(self) -> None:
+        fd, self._pidfd = self._pidfd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (``/proc/<pid>/stat`` state)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", encoding="utf-8", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[-1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError, ValueError):
+        return False
 
 
 @dataclass
@@ -113,6 +203,13 @@ class DaemonState:
     server_pids: set[int] = field(default_factory=set)
     restore_pending: set[str] = field(default_factory=set)
     ns_lock: threading.Lock = field(default_factory=threading.Lock)
+    adopted: bool = False
+    adopt_tried: bool = False
+    control_id: tuple[int, int] | None = None
+    log_offset: int | None = None
+    server_exits: list[float] = field(default_factory=list)
+    crash_loop: str = ""
+    slow: str = ""
 
 
 class MpsSupervisor:
@@ -145,6 +242,18 @@ class MpsSupervisor:
             NVML at ``start()`` (errors are logged, never fatal).
         metrics: a ``fracplugin.metrics.Metrics``; when given, the supervisor
             attaches itself (``metrics.attach_mps(self)``) so scrapes read ``status()``.
+        detached: the MPS role (``fracplugin run --role mps``, ADR 0009): daemons
+            are started with ``-d`` (they daemonize into their own session, not
+            our children, no parent-death signal), a daemon found running at
+            start (pid file + live process + answered probe) is adopted instead
+            of replaced, and ``stop()`` leaves them running; only
+            ``quit_daemons()`` stops MPS on purpose.
+        state_file: where the recorded namespaces are kept (JSON, atomic rename
+            + fsync) so that a restarted MPS role knows whose they are; default
+            ``<root>/namespaces.json`` when ``detached``, none otherwise.
+        crash_loop_exits, crash_loop_window_s: this many non-zero server exits in
+            ``control.log`` within the window make the daemon unhealthy
+            ("server crash loop") until the window passes without them.
 
     Raises ValueError for an empty ``modes`` or a bad protocol.
     """
@@ -173,6 +282,10 @@ class MpsSupervisor:
         default_pinned_mem_limits_mib: Mapping[str, int] | None = None,
         exclusive_process_gpus: Sequence[str] = (),
         metrics: Any = None,
+        detached: bool = False,
+        state_file: str | None = None,
+        crash_loop_exits: int = 3,
+        crash_loop_window_s: float = 60.0,
     ) -> None:
         modes = frozenset(ComputeMode(m) for m in modes)
         if not modes:
@@ -192,6 +305,15 @@ class MpsSupervisor:
         self.default_atp = default_active_thread_percentage
         self.default_pinned = dict(default_pinned_mem_limits_mib or {})
         self.exclusive_process_gpus = tuple(exclusive_process_gpus)
+        self.detached = bool(detached)
+        self.state_file = state_file if state_file is not None else (
+            os.path.join(layout.root, "namespaces.json") if self.detached else None)
+        self.crash_loop_exits = max(1, int(crash_loop_exits))
+        self.crash_loop_window_s = float(crash_loop_window_s)
+        self.shared_pipe_exposure = (
+            "MPS protocol 2 has no namespaces: tenants of a mode share that daemon's pipe directory "
+            "(read-only mount) and can reach its control socket (list, and as root set/quit)"
+            if self.protocol < 3 else "")
         self._clock = clock
         self._procfs = ProcFs(proc_root)
         self._env = dict(os.environ)
@@ -209,7 +331,7 @@ class MpsSupervisor:
         self._thread: threading.Thread | None = None
         self._subscribers: list[HealthCallback] = []
         self._namespaces: dict[str, _NsRecord] = {}
-        self._pending_delete: set[str] = set()
+        self._pending_delete: dict[str, ComputeMode] = {}
         self._draining: set[str] = set()
         self._daemons: dict[ComputeMode, DaemonState] = {}
         for mode in sorted(modes, key=lambda m: m.value, reverse=True):  # time-slicing first
@@ -231,6 +353,9 @@ class MpsSupervisor:
                 return
             self._stopping.clear()
             self._thread = threading.Thread(target=self._run, name="fracplugin-mps-supervisor", daemon=True)
+        self._load_state()
+        if self.shared_pipe_exposure:
+            log.warning("MPS exposure: %s", self.shared_pipe_exposure)
         if self.exclusive_process_gpus:
             set_exclusive_process(self.exclusive_process_gpus)
         self._thread.start()
@@ -248,6 +373,15 @@ class MpsSupervisor:
         thread = self._thread
         self._stopping.set()
         self._wake.set()
+        if self.detached:
+            # The MPS role: daemons and servers outlive us (ADR 0009); the next
+            # MPS role adopts them. Only quit_daemons() stops MPS on purpose.
+            if thread is not None and thread.is_alive():
+                thread.join(max(0.5, deadline - time.monotonic()))
+            self._release_all()
+            with self._lock:
+                self._thread = None
+            return
         # Shut down from the caller's thread: the supervisor thread may be in
         # the middle of a probe (bounded by probe_timeout_s) and must not
         # delay the stop; it starts nothing once _stopping is set.
@@ -256,6 +390,77 @@ class MpsSupervisor:
             thread.join(max(0.5, deadline - time.monotonic()))
         with self._lock:
             self._thread = None
+
+    def quit_daemons(self, timeout_s: float = 10.0) -> None:
+        """Stop MPS on purpose (uninstall, ``fracplugin mps-quit``): supervision
+        ends, every daemon gets ``quit`` (through its control socket), what is
+        left after ``timeout_s`` is SIGKILLed with its servers, and the recorded
+        namespaces are forgotten. Running clients lose their server."""
+        self._stopping.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            thread.join(max(0.5, self.probe_timeout_s + 1.0))
+        with self._lock:
+            self._thread = None
+            self._namespaces.clear()
+        self._save_state()
+        self._shutdown_all(timeout_s)
+
+    def _release_all(self) -> None:
+        """Forget the daemons without stopping them (detached stop)."""
+        for d in self._daemons.values():
+            with self._lock:
+                out = d.stdout
+                d.proc = None
+                d.stdout = None
+                d.state = "stopped"
+                d.healthy = False
+            if out is not None:
+                out.close()
+
+    def _load_state(self) -> None:
+        if not self.state_file:
+            return
+        try:
+            with open(self.state_file, encoding="utf-8") as f:
+                doc = json.load(f)
+            recs = {}
+            for name, r in (doc.get("namespaces") or {}).items():
+                recs[name] = _NsRecord(str(r["pod_uid"]), str(r["container"]),
+                                       None if r.get("active_thread_percentage") is None
+                                       else int(r["active_thread_percentage"]),
+                                       ComputeMode(r.get("mode", ComputeMode.SM_SHARING.value)),
+                                       None if r.get("pinned_limit_mib") is None else int(r["pinned_limit_mib"]))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("MPS namespace state %s unreadable, starting without it: %s", self.state_file, e)
+            return
+        with self._lock:
+            for name, rec in recs.items():
+                self._namespaces.setdefault(name, rec)
+
+    def _save_state(self) -> None:
+        """Write the recorded namespaces atomically (tmp + fsync + rename)."""
+        if not self.state_file:
+            return
+        with self._lock:
+            doc = {"version": 1, "namespaces": {n: r.to_dict() for n, r in sorted(self._namespaces.items())}}
+        tmp = f"{self.state_file}.tmp.{os.getpid()}.{threading.get_ident()}"
+        try:
+            os.makedirs(os.path.dirname(self.state_file) or ".", exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(doc, f, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.state_file)
+        except OSError as e:
+            log.error("cannot write MPS namespace state %s: %s", self.state_file, e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Block until ``ready()`` or ``timeout_s`` elapsed (real time); returns ``ready()``."""
@@ -310,13 +515,12 @@ class MpsSupervisor:
             daemons = []
             for d in self._daemons.values():
                 running = d.proc is not None and d.proc.returncode is None
-                ns = []
-                if d.mode is ComputeMode.SM_SHARING:
-                    ns = [
-                        {"name": n, "pod_uid": r.pod_uid, "container": r.container,
-                         "active_thread_percentage": r.active_thread_percentage}
-                        for n, r in sorted(self._namespaces.items())
-                    ]
+                ns = [
+                    {"name": n, "pod_uid": r.pod_uid, "container": r.container,
+                     "active_thread_percentage": r.active_thread_percentage,
+                     "pinned_limit_mib": r.pinned_limit_mib}
+                    for n, r in sorted(self._namespaces.items()) if r.mode is d.mode
+                ]
                 daemons.append({
                     "mode": d.mode.value,
                     "state": d.state,
@@ -335,54 +539,98 @@ class MpsSupervisor:
                     "log_dir": d.log_dir,
                     "server_pids": sorted(d.server_pids),
                     "namespaces": ns,
+                    "adopted": d.adopted,
+                    "crash_loop": d.crash_loop,
+                    "server_exits_recent": len(d.server_exits),
+                    "slow": d.slow,
+                    "reason": self._reason(d),
                 })
             return {
                 "enabled": True,
+                "detached": self.detached,
+                "exposure": self.shared_pipe_exposure,
                 "protocol": self.protocol,
                 "driver_version": self.driver_version,
                 "ready": all(d.healthy for d in self._daemons.values()),
                 "daemons": daemons,
             }
 
+    def _reason(self, d: DaemonState) -> str:
+        """Why ``d`` is not healthy, in words ("" when it is). Caller holds the lock."""
+        if d.healthy:
+            return ""
+        if d.crash_loop:
+            return d.crash_loop
+        if d.state == "failed":
+            return f"failed after {d.budget_used} restarts, retrying every {self._backoff_s(10**6):g}s: {d.last_error}"
+        if d.state in ("backoff", "stopped"):
+            return f"down ({d.state}): {d.last_error}" if d.last_error else f"down ({d.state})"
+        if d.state == "starting":
+            return "starting"
+        if d.restore_pending:
+            return f"restoring {len(d.restore_pending)} namespace(s)"
+        return f"{d.state}: {d.last_error}" if d.last_error else d.state
+
+    def unhealthy_reason(self, mode: ComputeMode) -> str:
+        """Why the daemon of ``mode`` is not healthy ("" when it is, or "not
+        supervised" for a mode without a daemon)."""
+        d = self._daemons.get(ComputeMode(mode))
+        if d is None:
+            return f"no {ComputeMode(mode).value} MPS daemon is supervised"
+        with self._lock:
+            return self._reason(d)
+
     # ------------------------------------------------------------------ namespaces
 
     def ensure_namespace(
-        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float
+        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float,
+        mode: ComputeMode = ComputeMode.SM_SHARING, pinned_limit_mib: int | None = None,
     ) -> str:
-        """Create and cap the MPS v3 namespace of an sm-sharing container, before
-        it starts; return its host pipe directory (``layout.namespace_pipe_dir``).
+        """Create and cap the MPS v3 namespace of a container, before it starts;
+        return its host pipe directory (``layout.namespace_pipe_dir(ns, mode)``).
 
         The namespace is ``namespace_name(pod_uid, container)`` on server
-        ``shared`` of the sm-sharing daemon, capped with ``namespace set
-        --active-thread-percentage`` when a percentage is given (None = the
-        server's 100 %). Idempotent: an existing namespace with the same cap is
-        left alone; a different cap is re-set (which MPS refuses while a client
-        is attached: MpsError). The request is recorded and re-applied after every
-        daemon restart until ``release_namespace``.
+        ``shared`` of the daemon of ``mode`` (time-slicing containers get one too,
+        so that no container needs a daemon's ``control`` socket: issue 12).
+        Caps: ``--active-thread-percentage`` when a percentage is given (None =
+        the server's 100 %), ``--pinned-memory-limit=<MiB>M`` when
+        ``pinned_limit_mib`` is given (the container's limit per GPU: each client
+        process of the namespace is capped to it on each device, mps-nvml.md 1.6).
+        Idempotent: an existing namespace with the same caps is left alone;
+        different caps are re-set (which MPS refuses while a client is attached:
+        MpsError). The request is recorded (and persisted in the MPS role) and
+        re-applied after every daemon restart until ``release_namespace``.
 
-        Never blocks past ``timeout_s``. Raises MpsError (no sm-sharing daemon,
+        Never blocks past ``timeout_s``. Raises MpsError (no daemon for the mode,
         protocol 2, daemon not ready, command refused), MpsTimeout, ValueError
-        (percentage outside 1..100).
+        (percentage outside 1..100, pinned limit below 1 MiB).
         """
         t_deadline = time.monotonic() + float(timeout_s)
+        mode = ComputeMode(mode)
         if active_thread_percentage is not None and not 1 <= int(active_thread_percentage) <= 100:
             raise ValueError(f"active thread percentage must be 1..100, got {active_thread_percentage!r}")
-        d = self._daemons.get(ComputeMode.SM_SHARING)
+        if pinned_limit_mib is not None and int(pinned_limit_mib) < 1:
+            raise ValueError(f"pinned memory limit must be >= 1 MiB, got {pinned_limit_mib!r}")
+        d = self._daemons.get(mode)
         if d is None:
-            raise MpsError("no sm-sharing MPS daemon is supervised on this node")
+            raise MpsError(f"no {mode.value} MPS daemon is supervised on this node")
         if self.protocol < 3:
             raise MpsError("per-container MPS namespaces need MPS v3 (driver r615+); this node runs protocol 2")
         name = namespace_name(pod_uid, container)
-        rec = _NsRecord(pod_uid, container, None if active_thread_percentage is None else int(active_thread_percentage))
+        rec = _NsRecord(pod_uid, container, None if active_thread_percentage is None else int(active_thread_percentage),
+                        mode, None if pinned_limit_mib is None else int(pinned_limit_mib))
         with self._lock:
             prev = self._namespaces.get(name)
             self._namespaces[name] = rec
-            self._pending_delete.discard(name)
-            up = d.state == "ready" and d.proc is not None
+            self._pending_delete.pop(name, None)
+            up = d.healthy and d.proc is not None
+            why = self._reason(d)
         try:
             if not up:
-                raise MpsError(f"the sm-sharing MPS daemon is not ready (state {d.state})")
-            self._apply_namespace(d, name, rec.active_thread_percentage, t_deadline)
+                raise MpsError(f"the {mode.value} MPS daemon is not ready ({why})")
+            # A brand-new container's namespace cannot exist yet: create without
+            # listing first (one control command less on the way to StartContainer).
+            self._apply_namespace(d, name, rec, t_deadline, fresh=prev is None)
         except BaseException:
             with self._lock:
                 if self._namespaces.get(name) is rec:
@@ -391,23 +639,35 @@ class MpsSupervisor:
                     else:
                         self._namespaces[name] = prev
             raise
-        return self.layout.namespace_pipe_dir(name)
+        path = self.layout.namespace_pipe_dir(name, mode)
+        try:
+            make_dir(path, self.layout.root)  # 0755 whatever umask the daemon ran with
+        except OSError as e:
+            log.warning("cannot set the mode of %s: %s", path, e)
+        if prev != rec:
+            self._save_state()
+        return path
 
-    def release_namespace(self, pod_uid: str, container: str) -> bool:
-        """Forget the container's namespace and delete it from the daemon
-        (``namespace delete``, bounded by ``probe_timeout_s``). MPS refuses the
-        delete while a client is attached: then the delete is retried after each
-        probe. Returns True when the namespace is gone now. Never raises for MPS errors."""
+    def release_namespace(self, pod_uid: str, container: str, timeout_s: float | None = None) -> bool:
+        """Forget the container's namespace and delete it from its daemon
+        (``namespace delete``, bounded by ``timeout_s``, default ``probe_timeout_s``).
+        MPS refuses the delete while a client is attached: then the delete is
+        retried after each probe. Returns True when the namespace is gone now.
+        Never raises for MPS errors."""
         name = namespace_name(pod_uid, container)
-        d = self._daemons.get(ComputeMode.SM_SHARING)
         with self._lock:
-            self._namespaces.pop(name, None)
-            self._pending_delete.add(name)
+            rec = self._namespaces.pop(name, None)
+            mode = rec.mode if rec is not None else ComputeMode.SM_SHARING
+            d = self._daemons.get(mode)
+            self._pending_delete[name] = mode
+        if rec is not None:
+            self._save_state()
         if d is None or self.protocol < 3:
             with self._lock:
-                self._pending_delete.discard(name)
+                self._pending_delete.pop(name, None)
             return True
-        return self._try_delete(d, name, time.monotonic() + self.probe_timeout_s)
+        budget = self.probe_timeout_s if timeout_s is None else max(0.0, float(timeout_s))
+        return self._try_delete(d, name, time.monotonic() + budget)
 
     def _try_delete(self, d: DaemonState, name: str, deadline: float) -> bool:
         try:
@@ -415,7 +675,7 @@ class MpsSupervisor:
                 return False
             try:
                 with self._lock:
-                    if name not in self._pending_delete:
+                    if self._pending_delete.get(name) is not d.mode:
                         return name not in self._namespaces
                 rows = d.control.namespace_list(SM_SERVER, deadline - time.monotonic())
                 if any(r.name == name for r in rows):
@@ -426,10 +686,11 @@ class MpsSupervisor:
             log.info("namespace %s not deleted yet: %s", name, e)
             return False
         with self._lock:
-            self._pending_delete.discard(name)
+            if self._pending_delete.get(name) is d.mode:
+                del self._pending_delete[name]
         return True
 
-    def _apply_namespace(self, d: DaemonState, name: str, atp: int | None, deadline: float,
+    def _apply_namespace(self, d: DaemonState, name: str, rec: _NsRecord, deadline: float,
                          fresh: bool = False) -> None:
         def left() -> float:
             return deadline - time.monotonic()
@@ -441,11 +702,24 @@ class MpsSupervisor:
             if not fresh:
                 rows = d.control.namespace_list(SM_SERVER, left())
                 row = next((r for r in rows if r.name == name), None)
+            atp, pinned = rec.active_thread_percentage, rec.pinned_limit_mib
             if row is None:
-                d.control.namespace_create(name, SM_SERVER, left())
-                if atp is not None:
+                try:
+                    d.control.namespace_create(name, SM_SERVER, left())
+                except MpsTimeout:
+                    raise
+                except MpsError:
+                    if not fresh:
+                        raise
+                    # "fresh" was a guess (a namespace left from before): look
+                    rows = d.control.namespace_list(SM_SERVER, left())
+                    row = next((r for r in rows if r.name == name), None)
+                    if row is None:
+                        raise
+            if row is None:
+                if atp is not None or pinned is not None:
                     try:
-                        d.control.namespace_set_atp(name, SM_SERVER, atp, left())
+                        d.control.namespace_set_caps(name, SM_SERVER, atp, pinned, left())
                     except MpsError:
                         # Never leave an uncapped namespace behind.
                         try:
@@ -453,43 +727,73 @@ class MpsSupervisor:
                         except MpsError as e2:
                             log.warning("could not remove uncapped namespace %s: %s", name, e2)
                         raise
-            elif atp is not None and row.active_thread_percentage != atp:
-                d.control.namespace_set_atp(name, SM_SERVER, atp, left())
+            else:
+                d.control.namespace_set_caps(
+                    name, SM_SERVER,
+                    atp if atp is not None and row.active_thread_percentage != atp else None,
+                    pinned if pinned is not None and _mib(row.pinned_memory_limit) != pinned else None,
+                    left())
         finally:
             d.ns_lock.release()
 
     # ------------------------------------------------------------------ drain
 
-    def drain(self, container_id: str, timeout_s: float) -> DrainResult:
+    def drain(self, container_id: str, timeout_s: float,
+              modes: Iterable[ComputeMode] | None = None) -> DrainResult:
         """Terminate the MPS clients of a stopping container (NRI StopContainer).
 
-        Clients come from every running daemon (v3 ``client list --all
-        --format=csv,noheader``; v2 ``get_server_list`` + ``get_client_list``),
-        joined with ``/proc/<pid>/cgroup`` (procfs.container_id_matches). Each
-        is terminated (v3 ``client terminate <pid>``, v2 ``terminate_client``)
-        within what is left of ``timeout_s``. A timeout or failure means the
-        daemon is wedged: ``wedges`` is counted and a hard restart is handed to
-        the supervisor thread (this call does not wait for it).
+        Only the daemons that can hold the container's clients are asked:
+        ``modes`` (the container's compute mode, from the ledger); None = every
+        running daemon (container unknown to the ledger). Each daemon gets its
+        own budget of ``timeout_s`` (they are drained concurrently), so a slow
+        daemon never eats another's time. Clients come from v3 ``client list
+        --format=csv,noheader`` / v2 ``get_server_list`` + ``get_client_list``,
+        joined with ``/proc/<pid>/cgroup`` (procfs.container_id_matches); each is
+        terminated (v3 ``client terminate <pid>``, v2 ``terminate_client``).
+
+        Slowness is not a hang: a command that runs out of time marks that
+        daemon unhealthy ("slow") and asks for a probe at once; only the probe
+        (``probe_failure_threshold`` consecutive failures) confirms a hang and
+        hard-restarts the daemon (issue 12: one slow answer killed every
+        client's work). ``wedged`` in the result then means "a drain step timed
+        out or failed"; ``restarted`` stays empty (the restart, if any, is the
+        probe's decision).
 
         Never blocks past ``timeout_s`` (plus process start jitter); never raises
         for MPS errors (they are in ``DrainResult.errors``). A second drain of the
         same container while one runs returns ``skipped=True`` at once.
         """
         t0 = time.monotonic()
-        deadline = t0 + max(0.0, float(timeout_s))
+        want = None if modes is None else {ComputeMode(m) for m in modes}
         with self._lock:
             if container_id in self._draining:
                 return DrainResult(container_id, skipped=True, errors=("a drain of this container is in progress",))
             self._draining.add(container_id)
-            daemons = [d for d in self._daemons.values() if d.proc is not None and d.state in ("ready", "unhealthy")]
+            daemons = [d for d in self._daemons.values()
+                       if d.proc is not None and d.state in ("ready", "unhealthy")
+                       and (want is None or d.mode in want)]
         clients: list[int] = []
         terminated: list[int] = []
         errors: list[str] = []
-        restarted: list[ComputeMode] = []
+        slow: list[ComputeMode] = []
         try:
-            for d in daemons:
-                if self._drain_one(d, container_id, deadline, clients, terminated, errors):
-                    restarted.append(d.mode)
+            deadline = t0 + max(0.0, float(timeout_s))
+            if len(daemons) == 1:
+                if self._drain_one(daemons[0], container_id, deadline, clients, terminated, errors):
+                    slow.append(daemons[0].mode)
+            elif daemons:
+                out: dict[ComputeMode, bool] = {}
+
+                def one(d: DaemonState) -> None:
+                    out[d.mode] = self._drain_one(d, container_id, deadline, clients, terminated, errors)
+
+                threads = [threading.Thread(target=one, args=(d,), name=f"mps-drain-{d.mode.value}", daemon=True)
+                           for d in daemons]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(max(0.0, deadline - time.monotonic()) + 1.0)
+                slow = [m for m, bad in out.items() if bad]
         finally:
             with self._lock:
                 self._draining.discard(container_id)
@@ -497,8 +801,8 @@ class MpsSupervisor:
             container_id=container_id,
             clients=tuple(clients),
             terminated=tuple(terminated),
-            wedged=bool(restarted),
-            restarted=tuple(restarted),
+            wedged=bool(slow),
+            restarted=(),
             skipped=not daemons,
             errors=tuple(errors),
             elapsed_s=time.monotonic() - t0,
@@ -507,7 +811,8 @@ class MpsSupervisor:
     def _drain_one(
         self, d: DaemonState, cid: str, deadline: float, clients: list[int], terminated: list[int], errors: list[str]
     ) -> bool:
-        """Drain one daemon; returns True when it was declared wedged."""
+        """Drain one daemon; returns True when a step timed out or failed (the
+        daemon is then marked slow/unhealthy and probed at once)."""
 
         def left() -> float:
             return deadline - time.monotonic()
@@ -521,7 +826,7 @@ class MpsSupervisor:
                     pairs += [(spid, c) for c in d.control.get_client_list(spid, left())]
         except MpsTimeout as e:
             errors.append(f"{d.mode.value}: client list: {e}")
-            self._request_restart(d, "wedged: client list timed out")
+            self._mark_slow(d, f"drain: client list timed out: {e}")
             return True
         except MpsError as e:
             errors.append(f"{d.mode.value}: client list: {e}")
@@ -547,9 +852,22 @@ class MpsSupervisor:
                     terminated.append(pid)  # it exited or detached on its own meanwhile
                     continue
                 errors.append(f"{d.mode.value}: terminate {pid}: {e}")
-                self._request_restart(d, f"wedged: terminate {pid}: {e}")
+                self._mark_slow(d, f"drain: terminate {pid}: {e}")
                 return True
         return False
+
+    def _mark_slow(self, d: DaemonState, reason: str) -> None:
+        """A drain step of ``d`` ran out of time or failed: unhealthy now, probe
+        at once; the probe decides whether it is a hang (restart) or slowness
+        (healthy again on the next answered probe)."""
+        with self._lock:
+            d.wedges += 1
+            d.slow = reason
+            d.last_error = reason
+            d.next_probe_at = self._clock()
+        log.warning("MPS %s daemon %s; probing it now", d.mode.value, reason)
+        self._set_health(d, False)
+        self._wake.set()
 
     def _still_client(self, d: DaemonState, spid: int | None, pid: int, left: Callable[[], float]) -> bool:
         """After a refused terminate: is ``pid`` still an MPS client of ``d``?
@@ -584,7 +902,8 @@ class MpsSupervisor:
                 self._wake.wait(self._next_wait())
                 self._wake.clear()
         finally:
-            self._shutdown_all(0.0)  # anything started while stop() was running
+            if not self.detached:
+                self._shutdown_all(0.0)  # anything started while stop() was running
 
     def _next_wait(self) -> float:
         now = self._clock()
@@ -593,7 +912,7 @@ class MpsSupervisor:
             for d in self._daemons.values():
                 if d.state == "starting" or d.restart_request:
                     waits.append(0.02)
-                elif d.state == "backoff":
+                elif d.state in ("backoff", "failed"):
                     waits.append(d.next_start_at - now)
                 elif d.state in ("ready", "unhealthy"):
                     waits.append(d.next_probe_at - now)
@@ -603,8 +922,10 @@ class MpsSupervisor:
 
     def _step(self, d: DaemonState) -> None:
         now = self._clock()
-        if d.state == "failed":
-            return
+        if self.detached and not d.adopt_tried and d.proc is None:
+            d.adopt_tried = True
+            if self._try_adopt(d):
+                return
         proc = d.proc
         if proc is not None and proc.poll() is not None:
             rc = proc.returncode
@@ -621,7 +942,7 @@ class MpsSupervisor:
                 d.restart_request = None
             self._schedule_restart(d, reason, consume_budget=False)
             return
-        if d.proc is None and d.state in ("stopped", "backoff") and now >= d.next_start_at:
+        if d.proc is None and d.state in ("stopped", "backoff", "failed") and now >= d.next_start_at:
             with self._lock:
                 d.restart_request = None
             self._start_daemon(d)
@@ -659,7 +980,59 @@ class MpsSupervisor:
             self._hard_kill(d)
             self._schedule_restart(d, reason, consume_budget=True)
 
-    def _after_ready(self, d: DaemonState, probe_s: float) -> None:
+    def _try_adopt(self, d: DaemonState) -> bool:
+        """MPS role start: adopt a control daemon left running by a previous
+        fracplugin (pid file names a live process whose command line is the
+        control binary, and a real probe answers through ``<pipe>/control``).
+        Its servers, namespaces and clients are kept; recorded namespaces that
+        are missing are re-created. Returns True when adopted."""
+        try:
+            with open(os.path.join(d.pipe_dir, "nvidia-cuda-mps-control.pid"), encoding="utf-8") as f:
+                pid = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return False
+        if not _pid_alive(pid) or not self._is_control_daemon(pid):
+            return False
+        try:
+            dur = d.control.probe(self.probe_timeout_s)
+        except MpsError as e:
+            log.warning("MPS %s daemon pid %d found but not answering (%s): starting a new one", d.mode.value, pid, e)
+            return False
+        proc = _DetachedProc(pid)
+        with self._lock:
+            d.proc = proc
+            d.adopted = True
+            d.starts += 1
+            d.started_at = self._clock()
+            d.state = "starting"
+        threading.Thread(target=self._waiter, args=(proc,), name=f"mps-wait-{pid}", daemon=True).start()
+        log.info("adopted running MPS %s daemon pid %d", d.mode.value, pid)
+        self._after_ready(d, dur, fresh=False)
+        return True
+
+    def _is_control_daemon(self, pid: int) -> bool:
+        want = os.path.basename(self.control_binary)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            return False
+        return any(os.path.basename(a) == want for a in argv[:2])
+
+    def _control_identity(self, d: DaemonState) -> tuple[int, int] | None:
+        """(device, inode) of ``<pipe>/control`` when it is a socket owned by us
+        in a directory only we can write; None otherwise."""
+        try:
+            st_dir = os.stat(d.pipe_dir)
+            st = os.lstat(os.path.join(d.pipe_dir, "control"))
+        except OSError:
+            return None
+        me = os.geteuid()
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != me or st_dir.st_uid != me or st_dir.st_mode & 0o022:
+            return None
+        return (st.st_dev, st.st_ino)
+
+    def _after_ready(self, d: DaemonState, probe_s: float, fresh: bool = True) -> None:
         now = self._clock()
         with self._lock:
             if self._stopping.is_set() or d.proc is None:
@@ -671,12 +1044,34 @@ class MpsSupervisor:
             d.last_probe_at = now
             d.probe_failures = 0
             d.next_probe_at = now + self.probe_interval_s
-            if d.mode is ComputeMode.SM_SHARING:
-                d.restore_pending = set(self._namespaces)
-                self._pending_delete.clear()  # a fresh daemon has no namespaces
+            d.slow = ""
+            d.control_id = None
+            d.restore_pending = {n for n, r in self._namespaces.items() if r.mode is d.mode}
+            dropped = []
+            if fresh:  # a fresh daemon has no namespaces
+                for n in [n for n, m in self._pending_delete.items() if m is d.mode]:
+                    del self._pending_delete[n]
+                    dropped.append(n)
+        for n in dropped:  # released while the daemon (re)started: nothing will bind there again
+            leaf = self.layout.namespace_pipe_dir(n, d.mode)
+            try:
+                if stat.S_ISSOCK(os.lstat(os.path.join(leaf, "control")).st_mode):
+                    os.unlink(os.path.join(leaf, "control"))
+            except OSError:
+                pass
+            try:
+                os.rmdir(leaf)
+            except OSError:
+                pass
+        d.control_id = self._control_identity(d)
+        if d.log_offset is None:
+            d.log_offset = self._log_size(d)
         self._apply_defaults(d)
-        self._restore(d, fresh=True)
-        self._set_health(d, not d.restore_pending)
+        self._restore(d, fresh=fresh)
+        self._set_health(d, not d.restore_pending and d.control_id is not None)
+        if d.control_id is None:
+            with self._lock:
+                d.last_error = f"{d.pipe_dir}/control is not a socket of ours in a directory only we can write"
         self._update_servers(d)
         log.info("MPS %s daemon ready (pid %s)", d.mode.value, d.proc.pid if d.proc else None)
 
@@ -697,17 +1092,19 @@ class MpsSupervisor:
         """Re-create recorded namespaces (after a (re)start, and retried after probes).
         ``fresh``: the daemon has just started, so it has no namespaces yet (CLI
         changes are not persisted, mps-nvml.md 1.7): skip the listing."""
-        if d.mode is not ComputeMode.SM_SHARING or self.protocol < 3:
+        if self.protocol < 3:
+            with self._lock:
+                d.restore_pending.clear()
             return
         for name in sorted(d.restore_pending):
             with self._lock:
                 rec = self._namespaces.get(name)
-            if rec is None:
+            if rec is None or rec.mode is not d.mode:
                 with self._lock:
                     d.restore_pending.discard(name)
                 continue
             try:
-                self._apply_namespace(d, name, rec.active_thread_percentage,
+                self._apply_namespace(d, name, rec,
                                       time.monotonic() + max(self.probe_timeout_s, 1.0) * 2, fresh=fresh)
             except (MpsError, ValueError) as e:
                 with self._lock:
@@ -721,30 +1118,41 @@ class MpsSupervisor:
         ok = True
         err = ""
         t0 = time.monotonic()
-        try:
-            d.control.probe(self.probe_timeout_s)
-        except MpsResourceError as e:
-            # The probe could not even be run (EMFILE, ...): says nothing about the daemon. Retry
-            # at the next interval; never a probe failure, never a restart (issue 13 item 1).
-            with self._lock:
-                d.resource_errors += 1
-                d.last_error = f"probe not run: {e}"
-                d.next_probe_at = self._clock() + self.probe_interval_s
-            log.warning("MPS %s probe not run (this process is out of a resource): %s", d.mode.value, e)
-            return
-        except MpsError as e:
+        ident = self._control_identity(d)
+        if d.control_id is not None and ident != d.control_id:
+            # Someone replaced the daemon's control socket: never talk to it.
             ok = False
-            err = str(e)
+            err = f"{d.pipe_dir}/control was replaced (not the socket the daemon created)"
+        else:
+            try:
+                d.control.probe(self.probe_timeout_s)
+            except MpsResourceError as e:
+                # The probe could not even be run (EMFILE, ...): says nothing about the daemon. Retry
+                # at the next interval; never a probe failure, never a restart (issue 13 item 1).
+                with self._lock:
+                    d.resource_errors += 1
+                    d.last_error = f"probe not run: {e}"
+                    d.next_probe_at = self._clock() + self.probe_interval_s
+                log.warning("MPS %s probe not run (this process is out of a resource): %s", d.mode.value, e)
+                return
+            except MpsError as e:
+                ok = False
+                err = str(e)
+            if ok and d.control_id is not None and self._control_identity(d) != d.control_id:
+                ok = False  # replaced while the probe ran: whoever answered, it is not to be trusted
+                err = f"{d.pipe_dir}/control was replaced during the probe"
         dur = time.monotonic() - t0
         t = self._clock()
         with self._lock:
             d.last_probe_at = t
             d.last_probe_ok = ok
             d.last_probe_s = dur
-            d.next_probe_at = t + self.probe_interval_s
+            # a failed probe is repeated soon: a hang is confirmed (or not) quickly
+            d.next_probe_at = t + (self.probe_interval_s if ok else min(self.probe_interval_s, 1.0))
             if ok:
                 d.probe_failures = 0
                 d.state = "ready"
+                d.slow = ""
             else:
                 d.probe_failures += 1
                 d.state = "unhealthy"
@@ -755,7 +1163,8 @@ class MpsSupervisor:
                 self._restore(d)
             self._sweep_deletes(d)
             self._update_servers(d)
-            self._set_health(d, not d.restore_pending)
+            loop = self._check_crash_loop(d)
+            self._set_health(d, not d.restore_pending and not loop)
             return
         self._set_health(d, False)
         if d.proc is not None and d.proc.poll() is not None:
@@ -765,11 +1174,54 @@ class MpsSupervisor:
             self._hard_kill(d)
             self._schedule_restart(d, f"probe failed: {err}", consume_budget=True)
 
+    def _log_size(self, d: DaemonState) -> int:
+        try:
+            return os.path.getsize(os.path.join(d.log_dir, "control.log"))
+        except OSError:
+            return 0
+
+    def _check_crash_loop(self, d: DaemonState) -> bool:
+        """Read what ``control.log`` gained since the last probe; count non-zero
+        server exits (``SERVER_EXIT_RE``) in the last ``crash_loop_window_s``.
+        Returns True (and sets ``crash_loop``) while there are at least
+        ``crash_loop_exits`` of them: the control daemon answers, but no client
+        can keep a server."""
+        path = os.path.join(d.log_dir, "control.log")
+        now = self._clock()
+        try:
+            size = os.path.getsize(path)
+            off = d.log_offset or 0
+            if size < off:
+                off = 0  # rotated or truncated
+            text = ""
+            if size > off:
+                with open(path, "rb") as f:
+                    f.seek(off)
+                    text = f.read(min(size - off, 4 << 20)).decode("utf-8", "replace")
+                off += len(text.encode("utf-8", "replace"))
+            d.log_offset = off
+        except OSError:
+            text = ""
+        exits = [m for m in SERVER_EXIT_RE.finditer(text) if m.group(1) != "0"]
+        with self._lock:
+            d.server_exits.extend([now] * len(exits))
+            d.server_exits = [t for t in d.server_exits if now - t < self.crash_loop_window_s]
+            n = len(d.server_exits)
+            was = d.crash_loop
+            d.crash_loop = (f"MPS server crash loop: {n} server exits with non-zero status in the last "
+                            f"{self.crash_loop_window_s:g}s (control.log)") if n >= self.crash_loop_exits else ""
+            if d.crash_loop:
+                d.last_error = d.crash_loop
+            loop = bool(d.crash_loop)
+        if loop and not was:
+            log.error("MPS %s daemon: %s", d.mode.value, d.crash_loop)
+        return loop
+
     def _sweep_deletes(self, d: DaemonState) -> None:
-        if d.mode is not ComputeMode.SM_SHARING or self.protocol < 3:
+        if self.protocol < 3:
             return
         with self._lock:
-            names = sorted(self._pending_delete)
+            names = sorted(n for n, m in self._pending_delete.items() if m is d.mode)
         for name in names:
             self._try_delete(d, name, time.monotonic() + self.probe_timeout_s)
 
@@ -790,27 +1242,20 @@ class MpsSupervisor:
     # ------------------------------------------------------------------ processes
 
     def _prepare_dirs(self, d: DaemonState) -> None:
-        root = self.layout.root
+        """Pipe and log directories 0755 whatever the umask (chmod, not
+        makedirs' mode), every directory from the root down traversable.
+        Raises OSError naming the directory when an ancestor of the root is not
+        traversable by other users: containers (any UID) could not reach their
+        pipes, so the daemon must not be reported ready."""
+        problem = root_problem(self.layout.root)
+        if problem:
+            raise OSError(problem)
         for path in (d.pipe_dir, d.log_dir):
-            os.makedirs(path, mode=0o755, exist_ok=True)
-        # Containers run as any UID: every directory from the root down to the
-        # pipe directory must be traversable (o+x) and the pipe dir readable.
-        for path in _chain(root, d.pipe_dir):
-            try:
-                st = os.stat(path)
-                if st.st_mode & 0o005 != 0o005:
-                    os.chmod(path, stat.S_IMODE(st.st_mode) | 0o755)
-            except OSError as e:
-                log.warning("cannot make %s traversable: %s", path, e)
-        parent = os.path.dirname(root.rstrip("/"))
-        while parent and parent != "/":
-            try:
-                if not os.stat(parent).st_mode & 0o001:
-                    log.warning("%s is not traversable by other users; containers cannot reach %s", parent, root)
-                    break
-            except OSError:
-                break
-            parent = os.path.dirname(parent)
+            make_dir(path, self.layout.root)
+
+    def root_problem(self) -> str:
+        """"" when containers can reach the MPS root, else why not (naming the directory)."""
+        return root_problem(self.layout.root)
 
     def _argv(self, d: DaemonState) -> list[str]:
         if self.protocol >= 3:
@@ -821,16 +1266,20 @@ class MpsSupervisor:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(text)
             os.replace(tmp, cfg)
-            argv = [self.control_binary, "-p", "3"]
-            if sm:
-                argv.append("-m")
-            return argv + ["-f", "-a", cfg]
-        return [self.control_binary, "-f"]
+            # -m (multiuser) on both daemons: root-owned named servers that
+            # clients of any UID attach to (mps-nvml.md 1.6, 2.3); context-share
+            # (config above) is what makes one sm-sharing and the other time-sliced.
+            argv = [self.control_binary, "-p", "3", "-m"]
+            return argv + ["-d" if self.detached else "-f", "-a", cfg]
+        return [self.control_binary, "-d" if self.detached else "-f"]
 
     def _start_daemon(self, d: DaemonState) -> None:
         now = self._clock()
         try:
             self._prepare_dirs(d)
+            if self.detached:
+                self._kill_unanswering(d)
+            self._clean_stale_leaves(d)
             for leaf in ("control", "nvidia-cuda-mps-control.pid"):
                 try:
                     os.unlink(os.path.join(d.pipe_dir, leaf))  # stale socket of a dead daemon
@@ -841,14 +1290,23 @@ class MpsSupervisor:
             env = dict(self._env)
             env["CUDA_MPS_PIPE_DIRECTORY"] = d.pipe_dir
             env["CUDA_MPS_LOG_DIRECTORY"] = d.log_dir
-            out = open(os.path.join(d.log_dir, "daemon.out"), "ab")
+            d.log_offset = self._log_size(d)
+            out: IO[bytes] | None = open(os.path.join(d.log_dir, "daemon.out"), "ab")
+            assert out is not None
+            proc: Any
             try:
-                proc = subprocess.Popen(
-                    argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                    env=env, close_fds=True, start_new_session=True,
-                )
+                if self.detached:
+                    proc = self._spawn_detached(d, argv, env, out)
+                    out.close()
+                    out = None
+                else:
+                    proc = subprocess.Popen(
+                        argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                        env=env, close_fds=True, start_new_session=True, umask=0o022,
+                    )
             except BaseException:
-                out.close()
+                if out is not None:
+                    out.close()
                 raise
         except (OSError, ValueError) as e:
             log.error("cannot start MPS %s daemon: %s", d.mode.value, e)
@@ -872,7 +1330,8 @@ class MpsSupervisor:
         if abort:  # stop() began while we were spawning: undo
             proc.kill()
             proc.wait()
-            out.close()
+            if out is not None:
+                out.close()
             return
         with self._lock:
             d.stdout = out
@@ -882,6 +1341,76 @@ class MpsSupervisor:
             d.probe_failures = 0
         threading.Thread(target=self._waiter, args=(proc,), name=f"mps-wait-{proc.pid}", daemon=True).start()
         log.info("started MPS %s daemon pid %d: %s", d.mode.value, proc.pid, " ".join(argv))
+
+    def _clean_stale_leaves(self, d: DaemonState) -> None:
+        """Before a fresh daemon starts (none is running): remove the sockets a
+        dead daemon left in ``<pipe>/shared[/<ns>]/control``, and the directories
+        of namespaces nobody holds any more (released while the daemon was
+        dying). Directories of recorded namespaces stay: they are bind-mount
+        sources of running containers, and the new daemon binds its socket in
+        the same directory (same inode), which those containers then see."""
+        server_dir = os.path.join(d.pipe_dir, SM_SERVER)
+        try:
+            entries = list(os.scandir(server_dir))
+        except OSError:
+            return
+        with self._lock:
+            keep = {n for n, r in self._namespaces.items() if r.mode is d.mode}
+        for leaf in [server_dir] + [e.path for e in entries if e.is_dir(follow_symlinks=False)]:
+            sock = os.path.join(leaf, "control")
+            try:
+                if stat.S_ISSOCK(os.lstat(sock).st_mode):
+                    os.unlink(sock)
+            except OSError:
+                pass
+            if leaf != server_dir and os.path.basename(leaf) not in keep:
+                try:
+                    os.rmdir(leaf)
+                except OSError:
+                    pass
+
+    def _kill_unanswering(self, d: DaemonState) -> None:
+        """Before a detached start: a control daemon of ours still alive (it
+        failed adoption or a probe) is SIGKILLed with its servers, so that two
+        daemons never share a pipe directory."""
+        try:
+            with open(os.path.join(d.pipe_dir, "nvidia-cuda-mps-control.pid"), encoding="utf-8") as f:
+                pid = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return
+        if pid != os.getpid() and _pid_alive(pid) and self._is_control_daemon(pid):
+            with self._lock:
+                d.server_pids |= self._child_servers(pid)
+            old = _DetachedProc(pid)
+            old.kill()
+            try:
+                old.wait(5.0)
+            except subprocess.TimeoutExpired:
+                log.error("MPS %s daemon pid %d did not die after SIGKILL", d.mode.value, pid)
+            self._kill_servers(d, scan=False)
+
+    def _spawn_detached(self, d: DaemonState, argv: list[str], env: dict[str, str], out: IO[bytes]) -> _DetachedProc:
+        """``nvidia-cuda-mps-control -d``: the daemon forks into its own session
+        and the launcher exits once the socket is up; its PID is read from
+        ``<pipe>/nvidia-cuda-mps-control.pid`` (mps-nvml.md 1.4). Raises OSError."""
+        try:
+            r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                               close_fds=True, start_new_session=True, timeout=self.start_timeout_s,
+                               umask=0o022)
+        except subprocess.TimeoutExpired:
+            raise OSError(f"{' '.join(argv)} did not return within {self.start_timeout_s:g}s") from None
+        if r.returncode != 0:
+            raise OSError(f"{' '.join(argv)} exited with status {r.returncode} (see {d.log_dir}/daemon.out)")
+        pidfile = os.path.join(d.pipe_dir, "nvidia-cuda-mps-control.pid")
+        deadline = time.monotonic() + min(5.0, self.start_timeout_s)
+        while True:
+            try:
+                with open(pidfile, encoding="utf-8") as f:
+                    return _DetachedProc(int(f.read().split()[0]))
+            except (OSError, ValueError, IndexError):
+                if time.monotonic() >= deadline:
+                    raise OSError(f"{pidfile} did not appear after the daemon started") from None
+                time.sleep(0.01)
 
     def _waiter(self, proc: subprocess.Popen[bytes]) -> None:
         try:
@@ -968,19 +1497,21 @@ class MpsSupervisor:
             if self._stopping.is_set():
                 d.state = "stopped"
                 return
+            state = "backoff"
             if consume_budget:
                 d.budget_used += 1
+                delay = self._backoff_s(d.budget_used)
                 if self.max_restarts and d.budget_used > self.max_restarts:
-                    d.state = "failed"
-                    log.error("MPS %s daemon: retry budget (%d) exhausted: %s", d.mode.value, self.max_restarts, reason)
-                    delay = None
-                else:
-                    delay = self._backoff_s(d.budget_used)
+                    # The budget only decides when the daemon is reported failed:
+                    # it is retried forever at the capped backoff (issue 12).
+                    if d.state != "failed":
+                        log.error("MPS %s daemon: %d restarts failed, reported failed, retrying every %gs: %s",
+                                  d.mode.value, self.max_restarts, delay, reason)
+                    state = "failed"
             else:
                 delay = 0.0 if delay_s is None else max(0.0, float(delay_s))
-            if delay is not None:
-                d.state = "backoff"
-                d.next_start_at = now + delay
+            d.state = state
+            d.next_start_at = now + delay
         self._set_health(d, False)
         self._wake.set()
 
@@ -1002,12 +1533,26 @@ class MpsSupervisor:
             procs = {d.mode: d.proc for d in daemons}
         for d in daemons:
             proc = procs[d.mode]
+            if proc is None and self.detached:
+                # quit_daemons() after a detached stop: find the daemon again.
+                try:
+                    with open(os.path.join(d.pipe_dir, "nvidia-cuda-mps-control.pid"), encoding="utf-8") as f:
+                        pid = int(f.read().split()[0])
+                    if _pid_alive(pid) and self._is_control_daemon(pid):
+                        procs[d.mode] = proc = _DetachedProc(pid)  # type: ignore[assignment]
+                except (OSError, ValueError, IndexError):
+                    pass
             if proc is None or proc.poll() is not None:
                 continue
             with self._lock:
                 d.server_pids |= self._child_servers(proc.pid)
+            if proc.stdin is None:  # detached: quit through the control socket
+                try:
+                    d.control.quit(max(0.5, min(self.probe_timeout_s, deadline - time.monotonic())))
+                except MpsError as e:
+                    log.warning("MPS %s quit failed: %s", d.mode.value, e)
+                continue
             try:
-                assert proc.stdin is not None
                 proc.stdin.write(b"quit\n")
                 proc.stdin.flush()
             except (OSError, ValueError):
@@ -1066,3 +1611,59 @@ def _chain(root: str, leaf: str) -> list[str]:
         cur = os.path.join(cur, part)
         out.append(cur)
     return out
+
+
+def _mib(value: str) -> int | None:
+    """``"12288M"`` / ``"12G"`` / ``"1024K"`` -> MiB (None for ``-`` / empty / unknown)."""
+    m = re.match(r"^\s*(\d+)\s*([KMG])?i?B?\s*$", value or "", re.IGNORECASE)
+    if not m:
+        return None
+    n, unit = int(m.group(1)), (m.group(2) or "M").upper()
+    return {"K": n // 1024, "M": n, "G": n * 1024}[unit]
+
+
+def make_dir(path: str, root: str | None = None, mode: int = 0o755) -> None:
+    """``mkdir -p path`` and chmod ``mode`` on each directory it created and on
+    ``path`` itself, whatever the process umask (``os.makedirs(mode=)`` is
+    masked by it: under ``umask 077`` it makes 0700 directories that a
+    non-root container cannot enter). Directories above ``root`` are left alone.
+    Raises OSError."""
+    path = os.path.normpath(path)
+    todo = []
+    cur = path
+    while not os.path.isdir(cur):
+        todo.append(cur)
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            break
+        cur = parent
+    os.makedirs(path, mode=mode, exist_ok=True)
+    floor = os.path.normpath(root) if root else None
+    for p in set(todo) | {path} | set(_chain(floor, path) if floor else ()):
+        if floor and not (p == floor or p.startswith(floor + os.sep)):
+            continue
+        st = os.stat(p)
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(p, mode)
+
+
+def root_problem(root: str) -> str:
+    """"" when every existing ancestor of ``root`` is traversable by other users
+    (o+x), else a sentence naming the first one that is not (containers run as
+    any UID and must reach ``<root>/.../control``)."""
+    parent = os.path.dirname(os.path.normpath(root))
+    chain = []
+    while parent and parent != "/":
+        chain.append(parent)
+        parent = os.path.dirname(parent)
+    for p in reversed(chain):
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            break
+        except OSError as e:
+            return f"MPS root {root}: cannot stat {p}: {e.strerror or e}"
+        if not st.st_mode & 0o001:
+            return (f"MPS root {root}: directory {p} is mode {stat.S_IMODE(st.st_mode):04o}, not traversable "
+                    f"by other users (o+x): containers could not reach their MPS pipe directories")
+    return ""

@@ -72,6 +72,7 @@ from ..annotations import stray_container_keys
 from ..ledger import Ledger
 from ..model import ComputeMode, ContainerPlan, FractionError, NodeInfo, PodRef, Tenancy
 from ..mps.layout import CONTAINER_PIPE_DIR
+from ..mps.supervisor import make_dir
 from ..planner import ENFORCED_ENV_KEYS, ENV_VISIBLE_DEVICES, EmptyLedger, PlannerConfig, plan, plan_container
 from .stub import CallContext, event_mask
 from .ttrpc import Code, RpcError
@@ -105,12 +106,13 @@ class MpsHooks(Protocol):
     satisfies it). Every call must return within the ``timeout_s`` given."""
 
     def ensure_namespace(
-        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float
+        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float,
+        mode: ComputeMode = ComputeMode.SM_SHARING, pinned_limit_mib: int | None = None,
     ) -> str: ...
 
-    def release_namespace(self, pod_uid: str, container: str) -> bool: ...
+    def release_namespace(self, pod_uid: str, container: str, timeout_s: float | None = None) -> bool: ...
 
-    def drain(self, container_id: str, timeout_s: float) -> Any: ...
+    def drain(self, container_id: str, timeout_s: float, modes: Any = None) -> Any: ...
 
 
 class HookMetrics(Protocol):
@@ -125,14 +127,15 @@ class NoMps:
     """No-op MPS: namespaces need nothing, drains find no clients."""
 
     def ensure_namespace(
-        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float
+        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float,
+        mode: ComputeMode = ComputeMode.SM_SHARING, pinned_limit_mib: int | None = None,
     ) -> str:
         return ""
 
-    def release_namespace(self, pod_uid: str, container: str) -> bool:
+    def release_namespace(self, pod_uid: str, container: str, timeout_s: float | None = None) -> bool:
         return True
 
-    def drain(self, container_id: str, timeout_s: float) -> None:
+    def drain(self, container_id: str, timeout_s: float, modes: Any = None) -> None:
         return None
 
 
@@ -196,6 +199,9 @@ class FracNriPlugin:
             this keeps MPS control commands off CreateContainer's critical
             path. False: the namespace is created inside CreateContainer.
         namespace_timeout_s: bound of one background namespace creation.
+        drain_timeout_s: budget of one background drain (StopContainer waits
+            for it at most half the request timeout; gpu-fractioning's
+            terminate budget is 30 s, mps-nvml.md 2.7).
         on_refusal: ``f(pod: PodRef, container: str, err: FractionError)``
             called for every refusal of CreateContainer (also with
             ``fail_open``), in the handler thread, before the answer is sent.
@@ -216,6 +222,10 @@ class FracNriPlugin:
         unit_mib: MiB per device of the device plugin door (``--device-unit-mib``),
             to read a reservation key (ADR 0007).
         resource_name: the extended resource (named in messages).
+        gpu_health: ``uuid -> GpuHealth`` (``.healthy``, ``.reasons``; the device
+            plugin door's XID + MPS monitor): no fraction is placed on an
+            Unhealthy GPU (node placement skips it; a container bound to one
+            gets UNAVAILABLE, the runtime retries). None: every GPU healthy.
     """
 
     def __init__(
@@ -229,13 +239,16 @@ class FracNriPlugin:
         *,
         defer_namespace: bool = True,
         namespace_timeout_s: float = 5.0,
+        drain_timeout_s: float = 30.0,
         on_refusal: Callable[[PodRef, str, FractionError], None] | None = None,
         on_warning: Callable[[PodRef, str, str], None] | None = None,
         pod_lookup: Callable[[str, str], Mapping[str, Any] | None] | None = None,
         unit_mib: int = 1024,
         resource_name: str = "fracplugin.io/gpu-memory",
+        gpu_health: Callable[[str], Any] | None = None,
     ) -> None:
         self.node = node
+        self.gpu_health = gpu_health
         self.on_refusal = on_refusal
         self.on_warning = on_warning
         self.pod_lookup = pod_lookup
@@ -249,6 +262,7 @@ class FracNriPlugin:
         self.fail_open = fail_open
         self.defer_namespace = defer_namespace
         self.namespace_timeout_s = namespace_timeout_s
+        self.drain_timeout_s = drain_timeout_s
         self.events = NRI_EVENTS_DEFERRED if defer_namespace else NRI_EVENTS
         """Subscription mask sent in ConfigureResponse (0x628 deferred, 0x608 not)."""
         self._ns_lock = threading.Lock()
@@ -313,8 +327,10 @@ class FracNriPlugin:
                 if p is None:
                     log.debug("nri container not fractional; untouched", extra=fields)
                     return None
+                p = self._avoid_unhealthy(p, pod, container.name, ref, fields)
                 _check_mounts(p, container)
                 sm = p.mps.namespace is not None  # MPS v3 namespace to create (none with classic v2)
+                self._require_mode_up(p, ctx, fields)
                 self._ensure_mount_sources(p, fields)
                 if sm and not self.defer_namespace:
                     self._ensure_namespace(p, ctx, fields)
@@ -471,6 +487,29 @@ class FracNriPlugin:
                 self.on_warning(ref, container, message)
             except Exception:
                 log.exception("nri on_warning callback failed", extra=dict(fields))
+    def _avoid_unhealthy(self, p: ContainerPlan, pod: Any, name: str, ref: PodRef,
+                         fields: Mapping[str, Any]) -> ContainerPlan:
+        """No fraction on an Unhealthy GPU (issue 12): a node-placed container is
+        planned again on the healthy GPUs only; a container bound to an
+        Unhealthy GPU is refused with UNAVAILABLE naming the GPU and why."""
+        if self.gpu_health is None:
+            return p
+        bad = {g.uuid: h for g in p.devices if not (h := self.gpu_health(g.uuid)).healthy}
+        if not bad:
+            return p
+        if p.placed_by_node:
+            healthy = tuple(g for g in self.node.gpus if self.gpu_health(g.uuid).healthy)
+            view = dataclasses.replace(self.node, gpus=healthy)
+            again = plan_container(dict(pod.annotations), name, ref, view, self.ledger, self.config)
+            if again is not None:
+                return again  # FractionError (no healthy GPU fits) propagates as a refusal
+        what = "; ".join(f"GPU {self.node.gpu_by_uuid(u).index} ({u}): {', '.join(h.reasons)}"  # type: ignore[union-attr]
+                         for u, h in bad.items())
+        self.metrics.refusal("gpu_unhealthy")
+        log.warning("nri container bound to an Unhealthy GPU", extra={**fields, "gpus": what})
+        if self.fail_open:
+            raise _FailOpen()
+        raise RpcError(Code.UNAVAILABLE, f"fracplugin: {ref}/{name} is bound to Unhealthy GPU(s) {what}")
 
     def _ensure_mount_sources(self, p: ContainerPlan, fields: Mapping[str, Any]) -> None:
         """Create every bind-mount source of ``p`` (mode 0755) before answering.
@@ -485,7 +524,7 @@ class FracNriPlugin:
         """
         for m in p.mounts:
             try:
-                os.makedirs(m.source, mode=0o755, exist_ok=True)
+                make_dir(m.source, self.config.layout.root)  # 0755 whatever the umask (issue 12)
             except OSError as exc:
                 self.metrics.refusal("mps_unavailable")
                 log.warning("nri cannot create a mount source", extra={**fields, "path": m.source, "reason": str(exc)})
@@ -502,9 +541,10 @@ class FracNriPlugin:
         timeout = self._mps_timeout(ctx, share=1.0)
         deadline = time.monotonic() + timeout
         try:
-            self._wait_mps_healthy(deadline)
+            self._wait_mps_healthy(deadline, p.compute_mode)
             self.mps.ensure_namespace(
-                p.pod.uid, p.container, p.active_thread_percentage, max(0.01, deadline - time.monotonic())
+                p.pod.uid, p.container, p.active_thread_percentage, max(0.01, deadline - time.monotonic()),
+                mode=p.compute_mode, pinned_limit_mib=p.limit_mib,
             )
         except Exception as exc:
             log.warning("nri MPS namespace not ready", extra={**fields, "reason": str(exc), "timeout_s": timeout})
@@ -529,7 +569,8 @@ class FracNriPlugin:
             old.cancel()
 
     def _namespace_job(self, p: ContainerPlan, fields: Mapping[str, Any]) -> str:
-        return self._renew_job(p.pod.uid, p.container, p.active_thread_percentage, fields)
+        return self._renew_job(p.pod.uid, p.container, p.active_thread_percentage, fields,
+                               p.compute_mode, p.limit_mib)
 
     def start_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> None:
         """StartContainer (deferred mode): wait, within the handler budget, for
@@ -552,9 +593,10 @@ class FracNriPlugin:
             t = held[0]
             try:
                 deadline = time.monotonic() + timeout
-                self._wait_mps_healthy(deadline)
+                self._wait_mps_healthy(deadline, t.mode)
                 self.mps.ensure_namespace(t.pod_uid, t.container, t.active_thread_percentage,
-                                          max(0.01, deadline - time.monotonic()))
+                                          max(0.01, deadline - time.monotonic()),
+                                          mode=t.mode, pinned_limit_mib=t.limit_mib)
             except Exception as exc:
                 return self._mps_failed(exc, fields, f"{pod.namespace}/{pod.name}/{container.name}")
             return None
@@ -598,18 +640,38 @@ class FracNriPlugin:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def _wait_mps_healthy(self, deadline: float) -> None:
-        """Absorb a short window where the sm-sharing daemon is (re)starting:
+    def _wait_mps_healthy(self, deadline: float, mode: ComputeMode = ComputeMode.SM_SHARING) -> bool:
+        """Absorb a short window where the daemon of ``mode`` is (re)starting:
         when the MPS layer offers ``healthy(mode)``, poll it until ``deadline``
-        (the MPS time share of this call). The namespace call then reports
-        whatever is still wrong."""
+        (the MPS time share of this call). Returns the last answer (True when
+        the layer cannot tell); the namespace call reports whatever is still wrong."""
         healthy = getattr(self.mps, "healthy", None)
         if not callable(healthy):
-            return
+            return True
         pause = 0.01
-        while not healthy(ComputeMode.SM_SHARING) and time.monotonic() + pause < deadline:
+        while not (ok := bool(healthy(mode))) and time.monotonic() + pause < deadline:
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
+        return ok
+
+    def _require_mode_up(self, p: ContainerPlan, ctx: CallContext | None, fields: Mapping[str, Any]) -> None:
+        """Refuse (UNAVAILABLE: the runtime retries) a container whose mode's MPS
+        daemon is down or crash-looping, after waiting up to half the budget for
+        it to come back: without its daemon CUDA runs without MPS and without a
+        limit (issue 12). Not with ``fail_open`` (the container runs, warned)."""
+        if self._wait_mps_healthy(time.monotonic() + self._mps_timeout(ctx, share=0.5), p.compute_mode):
+            return
+        why_fn = getattr(self.mps, "unhealthy_reason", None)
+        why = why_fn(p.compute_mode) if callable(why_fn) else "not healthy"
+        self.metrics.refusal("mps_unavailable")
+        log.warning("nri MPS daemon of the container's mode is down", extra={**fields, "mode": p.compute_mode.value,
+                                                                           "reason": why})
+        if self.fail_open:
+            log.warning("nri fail-open: container runs without MPS", extra=dict(fields))
+            raise _FailOpen()
+        raise RpcError(Code.UNAVAILABLE,
+                       f"fracplugin: the {p.compute_mode.value} MPS daemon is down ({why}); "
+                       f"{p.pod}/{p.container} is refused until it is back")
 
     def _refuse(self, err: FractionError, fields: Mapping[str, Any], pod: PodRef, container: str) -> None:
         self.metrics.refusal(err.code)
@@ -635,17 +697,21 @@ class FracNriPlugin:
             log.warning("nri pod sets env that fracplugin owns but does not set here", extra={**fields, "keys": left})
 
     def stop_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> None:
-        """StopContainer: drain the container's MPS clients within at most half
-        the request timeout (and the handler budget)."""
+        """StopContainer: drain the container's MPS clients on the daemon of its
+        mode only (from the ledger; every daemon when unknown). The drain runs
+        off the runtime's critical path: in a worker, awaited for at most half
+        the request timeout (and the handler budget); it keeps its own budget
+        (``drain_timeout_s``) if it needs longer (issue 12)."""
         timeout = self._mps_timeout(ctx, share=0.5)
+        modes = sorted({t.mode for t in self.ledger.find_container_id(container.id)}, key=lambda m: m.value) or None
+        fields = {"pod": f"{pod.namespace}/{pod.name}", "container_id": container.id}
+        fut = self._background(self._drain_job, container.id, modes, fields)
         try:
-            result = self.mps.drain(container.id, timeout)
-        except Exception as exc:
-            log.warning(
-                "nri MPS drain failed",
-                extra={"pod": f"{pod.namespace}/{pod.name}", "container_id": container.id, "reason": str(exc)},
-            )
-            result = None
+            fut.result(timeout)
+        except FutureTimeout:
+            log.info("nri drain continues in the background", extra={**fields, "waited_s": timeout})
+        except Exception:
+            pass  # logged by the job
         # A stopped container holds no memory (issue 10 item 4): its NRI-door
         # hold goes now; a kubelet reservation stays with its pod (kubelet
         # frees those devices when the pod ends), unbound from this container.
@@ -657,16 +723,29 @@ class FracNriPlugin:
                 self._stopped_holds[container.id] = gone
                 while len(self._stopped_holds) > 4096:
                     self._stopped_holds.pop(next(iter(self._stopped_holds)))
-        if result is not None:
-            log.info(
-                "nri container drained",
-                extra={"container_id": container.id, "drain": getattr(result, "to_dict", lambda: str(result))()},
-            )
         return None
 
+    def _drain_job(self, container_id: str, modes: Any, fields: Mapping[str, Any]) -> Any:
+        try:
+            result = self.mps.drain(container_id, self.drain_timeout_s, modes=modes)
+        except Exception as exc:
+            log.warning("nri MPS drain failed", extra={**fields, "reason": str(exc)})
+            raise
+        if result is not None:
+            log.info("nri container drained",
+                     extra={**fields, "drain": getattr(result, "to_dict", lambda: str(result))()})
+        return result
+
+    def _background(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        with self._ns_lock:
+            if self._ns_pool is None:
+                self._ns_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="nri-mps-ns")
+            return self._ns_pool.submit(fn, *args)
+
     def remove_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> None:
-        """RemoveContainer: release the ledger entries of this container id and
-        its MPS namespace when nothing else holds it."""
+        """RemoveContainer: release the ledger entries of this container id and,
+        in the background, its MPS namespace when nothing else holds it (the
+        delete waits on MPS: off the runtime's critical path, issue 12)."""
         self._forget_namespace_job(container.id)
         with self._ns_lock:
             stopped = self._stopped_holds.pop(container.id, [])
@@ -676,7 +755,11 @@ class FracNriPlugin:
                 "nri container released",
                 extra={"pod_uid": pod.uid, "container": container.name, "container_id": container.id, "gpus": len(gone)},
             )
-            self._release_namespace(gone)
+            if any(t.mps_namespace for t in gone):
+                try:
+                    self._background(self._release_namespace, gone)
+                except RuntimeError:  # pool shut down (closing): release inline
+                    self._release_namespace(gone)
         return None
 
     def _release_namespace(self, gone: Sequence[Tenancy]) -> None:
@@ -790,14 +873,16 @@ class FracNriPlugin:
                     continue
                 fields = {"pod_uid": t.pod_uid, "container": t.container, "container_id": t.container_id}
                 self._ns_pending[t.container_id] = self._ns_pool.submit(
-                    self._renew_job, t.pod_uid, t.container, t.active_thread_percentage, fields
+                    self._renew_job, t.pod_uid, t.container, t.active_thread_percentage, fields, t.mode, t.limit_mib
                 )
 
-    def _renew_job(self, pod_uid: str, container: str, atp: int | None, fields: Mapping[str, Any]) -> str:
+    def _renew_job(self, pod_uid: str, container: str, atp: int | None, fields: Mapping[str, Any],
+                   mode: ComputeMode = ComputeMode.SM_SHARING, limit_mib: int | None = None) -> str:
         deadline = time.monotonic() + self.namespace_timeout_s
         try:
-            self._wait_mps_healthy(deadline)
-            return self.mps.ensure_namespace(pod_uid, container, atp, max(0.01, deadline - time.monotonic()))
+            self._wait_mps_healthy(deadline, mode)
+            return self.mps.ensure_namespace(pod_uid, container, atp, max(0.01, deadline - time.monotonic()),
+                                             mode=mode, pinned_limit_mib=limit_mib)
         except Exception as exc:
             log.warning("nri MPS namespace creation failed", extra={**fields, "reason": str(exc)})
             raise

@@ -1,0 +1,278 @@
+"""The two-role layout (issue 12, ADR 0009): ``fracplugin run --role mps`` and
+``--role doors`` as two real processes, each in its own session / process
+group (as in two DaemonSets), with the fake MPS control binary and a fake
+NRI runtime on the doors' real socket.
+
+What must hold: either role can be stopped (SIGTERM), killed (SIGKILL) and
+started again while the MPS control daemons and their servers keep running
+with the same PIDs, the tenants' namespaces keep their caps, the next
+CreateContainer works and the ledger counts nobody twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from tests.helpers import wait_for
+
+from fracplugin._proto import nri_pb2
+from fracplugin.mps.layout import namespace_name
+
+REPO = Path(__file__).resolve().parents[2]
+NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
+FAKE = REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"
+FAST_PATH = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+P = "nvidia.com/container."
+
+
+class Role:
+    """One ``fracplugin run --role ROLE`` in its own session."""
+
+    def __init__(self, root: Path, role: str, *args: str, env: dict[str, str] | None = None) -> None:
+        self.root, self.role, self.args = root, role, list(args)
+        self.env = {**os.environ, "PATH": FAST_PATH, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.health = ""
+
+    @property
+    def endpoints_file(self) -> Path:
+        return self.root / f"{self.role}-state" / ("endpoints-mps.json" if self.role == "mps" else "endpoints.json")
+
+    def start(self) -> "Role":
+        try:
+            self.endpoints_file.unlink()
+        except FileNotFoundError:
+            pass
+        cmd = [sys.executable, "-m", "fracplugin.cli", "run", "--role", self.role, "--simulate-node", str(NODE),
+               "--state-dir", str(self.root / f"{self.role}-state"), "--mps-root", str(self.root / "mps"),
+               "--mps-control-binary", str(FAKE), "--health-address", "127.0.0.1:0",
+               "--metrics-address", "127.0.0.1:0", "--log-format", "json", "--shutdown-timeout", "5", *self.args]
+        log = open(self.root / f"{self.role}.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(self.root),
+                                     start_new_session=True)  # its own process group, like its own pod
+        log.close()
+        wait_for(lambda: self.endpoints_file.exists() or self.proc.poll() is not None, timeout_s=30,
+                 what=f"{self.role} role endpoints")
+        assert self.proc.poll() is None, self.logs()
+        self.health = json.loads(self.endpoints_file.read_text())["health"]
+        return self
+
+    def logs(self) -> str:
+        p = self.root / f"{self.role}.log"
+        return p.read_text(errors="replace")[-4000:] if p.exists() else ""
+
+    def get(self, path: str) -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(f"http://{self.health}{path}", timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"null")
+
+    def ready(self) -> bool:
+        return self.get("/readyz")[0] == 200
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, sig)  # the whole process group, as a container stop would
+        return self.proc.wait(30)
+
+
+def control(root: Path, mode_dir: str, *args: str) -> str:
+    env = {**os.environ, "PATH": FAST_PATH, "CUDA_MPS_PIPE_DIRECTORY": str(root / "mps" / mode_dir)}
+    env.pop("CUDA_MPS_PROTOCOL_VERSION", None)
+    p = subprocess.run([str(FAKE), *args], capture_output=True, text=True, env=env, timeout=20)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def fake_state(root: Path, mode_dir: str) -> dict[str, Any]:
+    return json.loads(control(root, mode_dir, "fake-state"))
+
+
+def mps_pids(root: Path) -> dict[str, Any]:
+    """Control daemon PID and server PIDs of each mode, from the daemons themselves."""
+    out = {}
+    for d in ("ts", "sm"):
+        st = fake_state(root, d)
+        rows = control(root, d, "server", "list", "--format=csv,noheader").split()
+        out[d] = (st["pid"], sorted(r.split(",")[2] for r in rows))
+    return out
+
+
+def caps(root: Path) -> dict[str, Any]:
+    return {d: fake_state(root, d)["namespaces"] for d in ("ts", "sm")}
+
+
+def leftover_mps(root: Path) -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if str(root).encode() in (p / "environ").read_bytes():
+                pids.append(int(p.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="fpr", dir="/tmp"))
+    d.chmod(0o755)
+    (d / "bin").mkdir()
+    shutil.copy(shutil.which("sleep"), d / "bin" / "nvidia-cuda-mps-server")  # what the fake spawns as a server
+    roles: list[Role] = []
+    d_roles = roles
+    yield d
+    for r in d_roles:
+        if r.proc is not None and r.proc.poll() is None:
+            os.killpg(r.proc.pid, signal.SIGKILL)
+            r.proc.wait(10)
+    for pid in leftover_mps(d):  # the MPS daemons outlive both roles by design
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def mps_role(root: Path) -> Role:
+    return Role(root, "mps", env={"FAKE_MPS_SERVER_BIN": str(root / "bin" / "nvidia-cuda-mps-server")})
+
+
+def doors_role(root: Path) -> Role:
+    return Role(root, "doors", "--no-device-plugin", "--nri-socket", str(root / "nri.sock"))
+
+
+def start(rt: Any, pod: Any, ctr: Any) -> Any:
+    """StartContainer as kubelet drives it: UNAVAILABLE ("namespace still being
+    created" on a loaded machine) is retried, anything else is the answer."""
+    for _ in range(5):
+        err = rt.start_container(pod, ctr)
+        if err is None or "UNAVAILABLE" not in str(err):
+            return err
+    return err
+
+
+def sm_pod(nri_runtime: Any, name: str) -> Any:
+    return nri_runtime.make_pod(name, uid=f"uid-{name}", annotations={
+        P + "app.gpu-memory.request": "10Gi", P + "app.gpu-memory.limit": "12Gi",
+        P + "app.gpu-compute.mode": "sm-sharing", P + "app.gpu-compute.portion": "0.3",
+        P + "app.gpus.devices": "0"})
+
+
+def ts_pod(nri_runtime: Any, name: str) -> Any:
+    return nri_runtime.make_pod(name, uid=f"uid-{name}", annotations={
+        P + "app.gpu-memory.request": "8Gi", P + "app.gpu-memory.limit": "10Gi", P + "app.gpus.devices": "1"})
+
+
+def test_doors_role_restart_and_kill_keep_mps_and_its_tenants(root: Path) -> None:
+    import nri_runtime as nr
+
+    mps = mps_role(root).start()
+    wait_for(mps.ready, timeout_s=30, what="MPS role ready")
+    rt = nr.FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    try:
+        doors = doors_role(root).start()
+        rt.wait_registered(15)
+        wait_for(doors.ready, timeout_s=30, what="doors role ready")
+        running = []
+        pods = []
+        for pod in (sm_pod(nr, "sm1"), ts_pod(nr, "ts1")):
+            ctr = nr.make_container(pod, "app")
+            adj = rt.create_container(pod, ctr)
+            assert not isinstance(adj, nr.RpcError), adj
+            assert start(rt, pod, ctr) is None
+            env = nr.effective_env(ctr, adj)
+            running.append(nr.make_container(pod, "app", container_id=ctr.id, env=env,
+                                             state=nri_pb2.CONTAINER_RUNNING))
+            pods.append(pod)
+            # its own namespace leaf, read-only, in both modes
+            mode_dir = "sm" if pod.name == "sm1" else "ts"
+            assert [(m.source, list(m.options)) for m in adj.mounts] == [
+                (str(root / "mps" / mode_dir / "shared" / namespace_name(pod.uid, "app")),
+                 ["rbind", "ro", "nosuid", "nodev"])]
+        pids = mps_pids(root)
+        assert all(p[1] and "-" not in p[1] for p in pids.values()), pids  # servers running
+        before = caps(root)
+        sm_ns = f"shared/{namespace_name('uid-sm1', 'app')}"
+        ts_ns = f"shared/{namespace_name('uid-ts1', 'app')}"
+        assert before["sm"][sm_ns]["active_thread_percentage"] == 30
+        assert before["sm"][sm_ns]["pinned_memory_limit"] == "12288M"  # the container's limit per GPU
+        assert before["ts"][ts_ns]["pinned_memory_limit"] == "10240M"
+        held = {g["index"]: g["held_mib"] for g in doors.get("/status")[1]["gpus"]}
+        assert held == {0: 10240, 1: 8192, 2: 0, 3: 0}
+
+        rt.initial_sync = (pods, running)  # what containerd reports to a (re)connecting plugin
+        # 1. SIGTERM (a rollout), 2. SIGKILL (a crash): MPS keeps running, same PIDs, same caps
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            rc = doors.stop(sig)
+            assert rc == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+            assert mps_pids(root) == pids and caps(root) == before
+            assert mps.ready()
+            doors = doors_role(root).start()
+            wait_for(doors.ready, timeout_s=30, what="doors role ready again")
+            assert mps_pids(root) == pids and caps(root) == before
+            st = doors.get("/status")[1]
+            assert {g["index"]: g["held_mib"] for g in st["gpus"]} == held  # nothing double-counted
+            assert sum(len(g["tenants"]) for g in st["gpus"]) == 2
+
+        # the next CreateContainer works (a second time-slicing tenant next to the first)
+        pod = ts_pod(nr, "ts2")
+        ctr = nr.make_container(pod, "app")
+        adj = rt.create_container(pod, ctr)
+        assert not isinstance(adj, nr.RpcError), adj
+        assert start(rt, pod, ctr) is None
+        assert f"shared/{namespace_name('uid-ts2', 'app')}" in caps(root)["ts"]
+        assert {g["index"]: g["held_mib"] for g in doors.get("/status")[1]["gpus"]}[1] == 2 * 8192
+        assert mps_pids(root) == pids
+        doors.stop()
+    finally:
+        rt.close()
+    mps.stop()
+
+
+def test_mps_role_restart_and_kill_adopt_the_running_daemons(root: Path) -> None:
+    mps = mps_role(root).start()
+    wait_for(mps.ready, timeout_s=30, what="MPS role ready")
+    pids = mps_pids(root)
+    st = mps.get("/status")[1]["mps"]
+    assert st["detached"] is True and {d["pid"] for d in st["daemons"]} == {p[0] for p in pids.values()}
+    # a crash of the fracplugin process alone: its keeper (the container's main process) restarts it in place
+    child = json.loads(mps.endpoints_file.read_text())["pid"]
+    assert child != mps.proc.pid
+    os.kill(child, signal.SIGKILL)
+    wait_for(lambda: mps.endpoints_file.exists() and json.loads(mps.endpoints_file.read_text())["pid"] != child,
+             timeout_s=30, what="the MPS role process restarted in place")
+    mps.health = json.loads(mps.endpoints_file.read_text())["health"]
+    wait_for(mps.ready, timeout_s=30, what="MPS role ready after the in-place restart")
+    assert mps.proc.poll() is None and mps_pids(root) == pids
+    assert all(d["adopted"] for d in mps.get("/status")[1]["mps"]["daemons"])
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        mps.stop(sig)
+        assert mps_pids(root) == pids  # the daemons outlive the role (their own session, no parent-death signal)
+        mps = mps_role(root).start()
+        wait_for(mps.ready, timeout_s=30, what="MPS role ready again")
+        assert mps_pids(root) == pids
+        daemons = mps.get("/status")[1]["mps"]["daemons"]
+        assert all(d["adopted"] and d["restarts"] == 0 for d in daemons)
+        assert {d["pid"] for d in daemons} == {p[0] for p in pids.values()}
+    # stopping MPS on purpose is explicit (uninstall)
+    out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "mps-quit", "--mps-root", str(root / "mps")],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "PATH": FAST_PATH})
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: not any(Path(f"/proc/{p[0]}").exists() for p in pids.values()), what="daemons quit")
+    mps.stop()
