@@ -53,15 +53,20 @@ def test_without_it_the_child_would_be_orphaned():
             child.kill()
 
 
-def test_python_fallback_without_setpriv(monkeypatch):
-    """Where setpriv is missing the Python wrapper is used: it execs the
-    command with its own arguments intact."""
-    import fracplugin.subproc as sp
-    monkeypatch.setattr(sp.shutil, "which", lambda name: None)
-    argv = sp.die_with_parent(["sh", "-c", "echo $$ \"$0\"", "arg0"])
-    assert argv[0] == sys.executable
-    p = subprocess.run(argv, capture_output=True, text=True, check=True)
-    assert p.stdout.split()[1] == "arg0"
+def test_wrapper_runs_the_command_with_its_arguments_and_pid():
+    p = subprocess.run(die_with_parent(["sh", "-c", 'echo "$0" "$1"', "arg0", "a b"]),
+                       capture_output=True, text=True, check=True, timeout=30)
+    assert p.stdout == "arg0 a b\n"
+
+
+def test_child_whose_parent_is_already_gone_does_not_run():
+    """The race the wrapper closes: a parent that died before the death signal
+    was armed. Simulated by naming a parent pid that is not ours."""
+    argv = die_with_parent(["sh", "-c", "echo ran"])
+    pid_at = argv.index(str(os.getpid()))
+    argv[pid_at] = "1"
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and p.stdout == ""
 
 
 def test_fd_becomes_fd_3_in_the_child():
