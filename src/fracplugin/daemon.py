@@ -339,6 +339,11 @@ class Daemon:
             os.makedirs(self.cfg.state_dir, exist_ok=True)
         except OSError as exc:
             raise StartupError(f"state directory {self.cfg.state_dir}: {exc.strerror or exc}") from None
+        from .ledger import state_dir_warning
+
+        tmpfs_warning = state_dir_warning(self.cfg.state_dir)
+        if tmpfs_warning:
+            log.warning(tmpfs_warning, extra={"state_dir": self.cfg.state_dir})
         self.ledger = Ledger(self.node, self.cfg.ledger_path, max_clients_per_gpu=self.cfg.max_clients_per_gpu)
         self.ledger_warnings = self.ledger.load()  # the ledger logs each warning itself
         from .ledger import remove_crash_leftovers
@@ -887,6 +892,8 @@ class Daemon:
             os.unlink(self.cfg.endpoints_path)
         except OSError:
             pass
+        if self.ledger is not None:
+            self.ledger.close()  # journal folded into the snapshot: a clean stop leaves one file
         problems = self.ledger.check_invariants() if self.ledger is not None else []
         log.info("fracplugin stopped", extra={
             "elapsed_ms": round((time.monotonic() - t0) * 1000, 1),

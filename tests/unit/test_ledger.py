@@ -35,7 +35,8 @@ def test_admit_persists_and_reloads(node, tmp_path):
     assert b.tenancies() == a.tenancies()
     assert [t.gpu_uuid for t in b.find("u1", "app")] == [node.gpus[0].uuid, node.gpus[1].uuid]
     assert b.release_container_id("c1") and Ledger(node, path).load() == [] and not Ledger(node, path).tenancies()
-    assert [p.name for p in path.parent.iterdir()] == ["ledger.json"]  # no temp files left behind
+    # no temp files left behind: the snapshot and its journal only
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ledger.json", "ledger.json.journal"]
 
 
 def test_corrupt_file_is_set_aside_not_trusted(node, tmp_path):
@@ -104,11 +105,16 @@ def test_readmit_replaces_and_subscribers_hear_changes(node):
     assert seen == [1, 1, 0]
 
 
-def test_failed_persist_rolls_back(node, tmp_path, monkeypatch):
+def test_failed_compaction_rolls_back(node, tmp_path, monkeypatch):
+    """The first change after a load writes a snapshot (compaction): a full
+    disk there leaves memory and disk on the last good state, no temp file."""
     path = tmp_path / "ledger.json"
     led = Ledger(node, path)
     led.admit(mkplan(node, led, "a", devices="0"))
+    led.close()
     saved = path.read_text()
+    led = Ledger(node, path)
+    assert led.load() == []
 
     def disk_full(src, dst):
         raise OSError(28, "No space left on device")
@@ -121,7 +127,130 @@ def test_failed_persist_rolls_back(node, tmp_path, monkeypatch):
     # memory and disk still agree on the last good state, and no temp file is left
     assert [t.pod_uid for t in led.tenancies()] == ["a"]
     assert path.read_text() == saved
-    assert [p.name for p in tmp_path.iterdir()] == ["ledger.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.json", "ledger.json.journal"]
+    monkeypatch.undo()
+    again = Ledger(node, path)
+    assert again.load() == [] and [t.pod_uid for t in again.tenancies()] == ["a"]
+
+
+def test_failed_journal_append_rolls_back(node, tmp_path, monkeypatch):
+    """A journal append whose fsync fails (ENOSPC) is cut from the file and
+    undone in memory: a reload sees exactly what memory holds."""
+    path = tmp_path / "ledger.json"
+    led = Ledger(node, path)
+    led.admit(mkplan(node, led, "a", devices="0"))  # compaction: the journal is open now
+    journal = path.with_name("ledger.json.journal")
+    size = journal.stat().st_size
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fdatasync", disk_full)
+    with pytest.raises(OSError):
+        led.admit(mkplan(node, led, "b", devices="1"))
+    monkeypatch.undo()
+    assert [t.pod_uid for t in led.tenancies()] == ["a"]
+    assert journal.stat().st_size == size
+    again = Ledger(node, path)
+    assert again.load() == [] and again.tenancies() == led.tenancies()
+    # the ledger keeps working: the next change compacts, and is durable
+    led.admit(mkplan(node, led, "c", devices="2"))
+    again = Ledger(node, path)
+    assert again.load() == [] and [t.pod_uid for t in again.tenancies()] == ["a", "c"]
+
+
+def _journal_state(node, path, n):
+    led = Ledger(node, path)
+    for i in range(n):
+        led.admit(mkplan(node, led, f"u{i}", request="1Gi", devices=str(i % 4)), container_id=f"c{i}")
+    return led
+
+
+def test_changes_are_appended_not_rewritten(node, tmp_path):
+    """After the first change (a snapshot), each change is one journal line
+    and the snapshot is not rewritten; a reload replays the journal."""
+    path = tmp_path / "ledger.json"
+    led = _journal_state(node, path, 1)
+    snap = path.read_bytes()
+    for i in range(1, 6):
+        led.admit(mkplan(node, led, f"u{i}", request="1Gi", devices=str(i % 4)), container_id=f"c{i}")
+    led.release_container_id("c2")
+    assert path.read_bytes() == snap
+    lines = path.with_name("ledger.json.journal").read_bytes().splitlines()
+    assert len(lines) == 1 + 5 + 1  # header, five admissions, one release
+    again = Ledger(node, path)
+    assert again.load() == [] and again.tenancies() == led.tenancies()
+    assert [t.pod_uid for t in again.tenancies()] == ["u0", "u1", "u3", "u4", "u5"]
+
+
+@pytest.mark.parametrize("tail", [b'{"del":[],"add":[{"pod_uid":"x"', b'{"del":[],"add":[{"pod_', b"\x00\x00\x00\x00",
+                                  b'{"del":[],"add":[{"pod_uid":"x"}]}\n', b"\x00\x00\n", b"not json\n"])
+def test_torn_journal_tail_is_dropped_with_a_warning(node, tmp_path, tail):
+    """A crash during an append leaves a torn last line (cut, zero-filled, or
+    garbage): the unacknowledged change is dropped, every earlier one kept,
+    and the next change starts a new generation that reloads cleanly."""
+    path = tmp_path / "ledger.json"
+    led = _journal_state(node, path, 4)
+    with open(path.with_name("ledger.json.journal"), "ab") as f:
+        f.write(tail)
+    again = Ledger(node, path)
+    (warning,) = again.load()
+    assert "torn" in warning and "line 5" in warning
+    assert again.tenancies() == led.tenancies()
+    again.admit(mkplan(node, again, "u9", request="1Gi", devices="0"), container_id="c9")
+    third = Ledger(node, path)
+    assert third.load() == [] and [t.pod_uid for t in third.tenancies()] == ["u0", "u1", "u2", "u3", "u9"]
+
+
+def test_bad_journal_line_before_the_end_is_corruption(node, tmp_path):
+    """A bad record followed by good ones is not a torn tail: nothing is
+    trusted, both files are moved aside and the ledger starts empty."""
+    path = tmp_path / "ledger.json"
+    _journal_state(node, path, 3)  # header + two appended admissions
+    journal = path.with_name("ledger.json.journal")
+    lines = journal.read_bytes().splitlines(keepends=True)
+    lines.insert(2, b"garbage\n")
+    journal.write_bytes(b"".join(lines))
+    led = Ledger(node, path)
+    (warning,) = led.load()
+    assert "corrupt" in warning and "journal line 3" in warning and led.tenancies() == []
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert not path.exists() and not journal.exists()
+    assert any(n.startswith("ledger.json.corrupt-") for n in names)
+    assert any(n.startswith("ledger.json.journal.corrupt-") for n in names)
+
+
+def test_journal_of_an_older_generation_is_ignored(node, tmp_path):
+    """A compaction cut between its snapshot rename and its journal rename
+    leaves the previous journal next to the new snapshot: its changes are in
+    the snapshot already and replaying them would double them."""
+    path = tmp_path / "ledger.json"
+    led = _journal_state(node, path, 3)
+    journal = path.with_name("ledger.json.journal")
+    old = journal.read_bytes()
+    led.release_container_id("c0")
+    led.close()  # compaction: new generation
+    journal.write_bytes(old)  # as if the journal rename never happened
+    again = Ledger(node, path)
+    assert again.load() == [] and [t.pod_uid for t in again.tenancies()] == ["u1", "u2"]
+
+
+def test_compaction_bounds_the_journal(node, tmp_path):
+    """Past max(compact_min_records, 2 x tenancies) changes the journal is
+    folded into a new snapshot; the state survives any number of rounds."""
+    path = tmp_path / "ledger.json"
+    led = Ledger(node, path, compact_min_records=4)
+    for i in range(40):
+        led.admit(mkplan(node, led, f"u{i % 6}", request="1Gi", devices=str(i % 4)), container_id=f"c{i}")
+        if i % 3 == 0:
+            led.release_pod(f"u{(i + 2) % 6}")
+        lines = path.with_name("ledger.json.journal").read_bytes().count(b"\n")
+        assert lines <= 1 + max(4, 2 * len(led.tenancies())) + 1
+    again = Ledger(node, path)
+    assert again.load() == [] and again.tenancies() == led.tenancies()
+    led.close()
+    assert path.with_name("ledger.json.journal").read_bytes().count(b"\n") == 1  # header only
+    assert json.loads(path.read_text())["tenancies"] == [t.to_dict() for t in led.tenancies()]
 
 
 OPS = st.lists(
@@ -173,3 +302,28 @@ def test_any_unreadable_ledger_is_set_aside(node, tmp_path, content):
     led = Ledger(node, path)
     (warning,) = led.load()
     assert "corrupt" in warning and led.tenancies() == [] and not path.exists()
+
+
+def test_state_dir_not_on_tmpfs_is_warned(tmp_path):
+    """statfs f_type, checked against coreutils' `stat -f -c %t` (an
+    independent reader): tmpfs (/dev/shm) gets no warning, any other type one
+    naming --state-dir, the path and the f_type."""
+    import shutil
+    import subprocess
+
+    from fracplugin.ledger import TMPFS_MAGIC, filesystem_type, state_dir_warning
+
+    for path in ("/dev/shm", str(tmp_path)):
+        if not os.path.isdir(path):
+            continue
+        ftype = filesystem_type(path)
+        if shutil.which("stat"):
+            assert ftype == int(subprocess.run(["stat", "-f", "-c", "%t", path], capture_output=True, text=True,
+                                               check=True).stdout, 16)
+        warning = state_dir_warning(os.path.join(path, "not", "yet", "made"))  # the nearest existing parent
+        if ftype == TMPFS_MAGIC:
+            assert warning == ""
+        else:
+            assert "--state-dir" in warning and path in warning and f"0x{ftype:x}" in warning
+    if os.path.isdir("/dev/shm"):
+        assert filesystem_type("/dev/shm") == TMPFS_MAGIC
