@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 DEFAULT_MAX_CLIENTS_PER_GPU = 48
+_WHOLE_DOORS = (DOOR_OTHER_PLUGIN, DOOR_SYNC)
 JOURNAL_SUFFIX = ".journal"
 DEFAULT_COMPACT_MIN_RECORDS = 1024
 """Journal changes kept before a compaction, at least (issue 14)."""
@@ -96,24 +97,38 @@ def admission_problem(
     fraction. Shared by the planner (to choose) and the ledger (to enforce
     atomically).
     """
-    others = [t for t in tenants if not same_hold(t, owner, reservation)]
-    whole = [t for t in others if t.door in (DOOR_OTHER_PLUGIN, DOOR_SYNC)]
-    if whole:
-        t = whole[0]
+    # One pass, no per-tenant function calls: this runs twice per admission
+    # (planner, ledger) over up to max_clients tenants (issue 14 profile).
+    uid, name = owner
+    if reservation or uid:
+        others = [t for t in tenants
+                  if not ((reservation and t.reservation == reservation)
+                          or (uid and t.pod_uid == uid and t.container == name))]
+    else:
+        others = list(tenants)
+    held = 0
+    whole: Tenancy | None = None
+    other_mode: Tenancy | None = None
+    for t in others:
+        held += t.request_mib
+        if whole is None and t.door in _WHOLE_DOORS:
+            whole = t
+        if other_mode is None and t.mode is not mode:
+            other_mode = t
+    if whole is not None:
+        t = whole
         how = (f"by another device plugin ({t.reservation})" if t.door == DOOR_OTHER_PLUGIN
                else "(a running container fracplugin did not adjust)")
         return Problem(
             f"GPU {gpu.index} ({gpu.uuid}) is used whole by {t.namespace}/{t.pod_name}/{t.container} {how}",
             "a GPU used whole is not shared",
         )
-    other_modes = [t for t in others if t.mode is not mode]
-    if other_modes:
-        t = other_modes[0]
+    if other_mode is not None:
+        t = other_mode
         return Problem(
             f"GPU {gpu.index} ({gpu.uuid}) is in {t.mode.value} mode for {t.namespace}/{t.pod_name}/{t.container}",
             f"one compute mode per GPU, this container wants {mode.value}",
         )
-    held = sum(t.request_mib for t in others)
     if held + request_mib > gpu.memory_mib:
         return Problem(
             f"GPU {gpu.index} ({gpu.uuid}) has {gpu.memory_mib - held} MiB of {gpu.memory_mib} MiB free",
