@@ -63,15 +63,16 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from .health import REQUEST_DEADLINE_S, BoundedHandler, make_bounded_server
 from .model import NodeInfo, Tenancy
-from .procfs import ContainerRef, ProcFs, container_id_matches
+from .procfs import CachedProcFs, ContainerRef, container_id_matches
 
 __all__ = ["Metrics", "MetricsServer", "render_text", "CONTAINER_LABELS", "GPU_LABELS", "HOOK_BUCKETS", "MIB"]
 
@@ -132,7 +133,7 @@ class Metrics:
         self._node = node
         self.mps = mps
         self.state: Callable[[], Mapping[str, Any]] | None = None
-        self.procfs = ProcFs(proc_root)
+        self.procfs = CachedProcFs(proc_root)  # PID -> container, kept while the PID's start time holds
         self._lock = threading.Lock()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._hook = Histogram(
@@ -305,6 +306,12 @@ def _esc_label(v: str) -> str:
     return v
 
 
+_LABELS_CACHE: dict[tuple[tuple[str, Any], ...], str] = {}
+"""Rendered ``k="v",...`` of each label set seen (issue 14: the same series
+are rendered on every scrape); cleared past ``_LABELS_CACHE_MAX`` entries."""
+_LABELS_CACHE_MAX = 50_000
+
+
 def render_text(registry: CollectorRegistry) -> bytes:
     """Text exposition format 0.0.4 of every family in ``registry``: ``# HELP`` /
     ``# TYPE`` then one line per sample (``name{label="value",...} value``).
@@ -312,6 +319,9 @@ def render_text(registry: CollectorRegistry) -> bytes:
     ``*_created`` samples are left out. Types other than counter, gauge,
     histogram and summary are written as ``untyped``."""
     out: list[str] = []
+    labels_cache = _LABELS_CACHE
+    if len(labels_cache) > _LABELS_CACHE_MAX:
+        labels_cache.clear()
     for fam in registry.collect():
         mtype = _TYPES.get(fam.type, "untyped")
         mname = fam.name + "_total" if fam.type == "counter" else fam.name
@@ -321,7 +331,12 @@ def render_text(registry: CollectorRegistry) -> bytes:
             if smp.name.endswith("_created"):
                 continue
             if smp.labels:
-                lbl = ",".join(f'{k}="{_esc_label(str(v))}"' for k, v in smp.labels.items())
+                lbl = getattr(smp.labels, "text", None)  # _Labels: rendered once per series
+                if lbl is None:
+                    key = tuple(smp.labels.items())
+                    lbl = labels_cache.get(key)
+                    if lbl is None:
+                        lbl = labels_cache[key] = ",".join(f'{k}="{_esc_label(str(v))}"' for k, v in key)
                 out.append(f"{smp.name}{{{lbl}}} {_fmt_value(smp.value)}\n")
             else:
                 out.append(f"{smp.name} {_fmt_value(smp.value)}\n")
@@ -346,11 +361,33 @@ class _Usage:
         self.sm = 0.0
 
 
+class _Labels(dict):  # type: ignore[type-arg]
+    """A series' label dict with its rendered ``k="v",...`` text kept beside
+    it (``render_text`` reads ``text``): cached per tenancy by the collector,
+    so a scrape neither rebuilds nor re-renders labels of series that did not
+    change (issue 14). Never mutated once made."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, names: tuple[str, ...], values: Sequence[str]) -> None:
+        super().__init__(zip(names, values))
+        self.text = ",".join(f'{k}="{_esc_label(str(v))}"' for k, v in self.items())
+
+
 class _Collector(Collector):
     """Reads ledger + inventory + supervisor at scrape time."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
+        self._labels: dict[tuple[Tenancy, str], _Labels] = {}  # (tenancy, gpu index) -> its container labels
+
+    def _tenancy_labels(self, t: Tenancy, gpu_index: str) -> _Labels:
+        key = (t, gpu_index)
+        lab = self._labels.get(key)
+        if lab is None:
+            lab = self._labels[key] = _Labels(CONTAINER_LABELS, (t.namespace, t.pod_name, t.pod_uid, t.container,
+                                                                  t.gpu_uuid, gpu_index))
+        return lab
 
     def describe(self) -> Iterable[Metric]:
         return []  # unchecked collector: series come and go with tenancies
@@ -399,20 +436,24 @@ class _Collector(Collector):
         share = GaugeMetricFamily("fracplugin_container_sm_utilization_share_percent",
                                   "SM utilisation relative to the container's share of the GPU (0-100).",
                                   labels=CONTAINER_LABELS)
+        if len(self._labels) > 2 * len(tenancies) + 64:  # tenancies gone: their labels go too
+            self._labels = {}
+        # Samples appended directly with the cached label dicts (what
+        # add_metric does, without a dict(zip()) per series per scrape).
+        req_s, lim_s, used_s, sm_s, share_s = req.samples, lim.samples, used.samples, sm.samples, share.samples
         for t in tenancies:
             gpu = gpus.get(t.gpu_uuid)
-            labels = [t.namespace, t.pod_name, t.pod_uid, t.container, t.gpu_uuid,
-                      str(gpu.index) if gpu is not None else ""]
-            req.add_metric(labels, float(t.request_mib * MIB))
-            lim.add_metric(labels, float(t.limit_mib * MIB))
+            lab = self._tenancy_labels(t, str(gpu.index) if gpu is not None else "")
+            req_s.append(Sample(req.name, lab, float(t.request_mib * MIB)))
+            lim_s.append(Sample(lim.name, lab, float(t.limit_mib * MIB)))
             if usage is None:
                 continue
             u = usage.get((t.pod_uid, t.container, t.gpu_uuid))
             used_b = float(u.used) if u else 0.0
             sm_pct = min(100.0, u.sm) if u else 0.0
-            used.add_metric(labels, used_b)
-            sm.add_metric(labels, sm_pct)
-            share.add_metric(labels, _share_percent(sm_pct, t, gpu.memory_mib if gpu is not None else 0))
+            used_s.append(Sample(used.name, lab, used_b))
+            sm_s.append(Sample(sm.name, lab, sm_pct))
+            share_s.append(Sample(share.name, lab, _share_percent(sm_pct, t, gpu.memory_mib if gpu is not None else 0)))
         yield used
         yield req
         yield lim
@@ -549,6 +590,7 @@ class _Collector(Collector):
                 u.used += int(s.used_memory_bytes)
             if s.sm_util_percent is not None and 0 <= s.sm_util_percent <= 100:
                 u.sm += float(s.sm_util_percent)
+        m.procfs.prune(refs)  # PIDs NVML no longer reports leave the cache
         return out
 
 

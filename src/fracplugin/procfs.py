@@ -27,6 +27,7 @@ dcgm-exporter ``pidmapper.go``):
 from __future__ import annotations
 
 import os
+from typing import Iterable
 import re
 from dataclasses import dataclass
 
@@ -218,3 +219,77 @@ class ProcFs:
             if ref is not None and container_id_matches(ref.container_id, container_id):
                 out.append(pid)
         return out
+
+
+class CachedProcFs(ProcFs):
+    """``ProcFs`` whose ``container_of`` and ``exe_basename`` answers are
+    cached per PID, for the metrics scrape (issue 14: every scrape used to
+    re-read and re-parse the cgroup file of every GPU process).
+
+    A PID's answers are kept while its start time (``/proc/<pid>/stat``
+    field 22, ``starttime``, clock ticks since boot: proc(5)) is the one read
+    when they were cached: a PID reused by a new process has another start
+    time, so its cgroup is read again. A PID whose ``stat`` cannot be read
+    (gone, or a test proc root without one) is looked up uncached. Call
+    ``prune(pids)`` with the PIDs still of interest to drop the others.
+    Thread-safe enough for one scraper at a time (dict operations only).
+    """
+
+    def __init__(self, root: str = "/proc") -> None:
+        super().__init__(root)
+        self._cache: dict[int, tuple[int, ContainerRef | None, str | None]] = {}
+
+    def start_time(self, pid: int) -> int | None:
+        """Field 22 (``starttime``) of ``/proc/<pid>/stat``; None when unreadable."""
+        try:
+            fd = os.open(self._path(pid, "stat"), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        # comm (field 2) may hold spaces and ')': fields 3.. follow the last ')'.
+        rest = data.rpartition(b")")[2].split()
+        try:
+            return int(rest[19])  # field 22 = index 19 after the 3rd field starts the list
+        except (IndexError, ValueError):
+            return None
+
+    def _entry(self, pid: int) -> tuple[int, ContainerRef | None, str | None] | None:
+        start = self.start_time(pid)
+        if start is None:
+            self._cache.pop(pid, None)
+            return None
+        hit = self._cache.get(pid)
+        if hit is not None and hit[0] == start:
+            return hit
+        ref = ProcFs.container_of(self, pid)
+        exe = ProcFs.exe_basename(self, pid) if ref is None else None  # only host processes (MPS servers) need it
+        entry = self._cache[pid] = (start, ref, exe)
+        return entry
+
+    def container_of(self, pid: int) -> ContainerRef | None:
+        """``ProcFs.container_of``, cached while the PID's start time holds."""
+        entry = self._entry(pid)
+        return ProcFs.container_of(self, pid) if entry is None else entry[1]
+
+    def exe_basename(self, pid: int) -> str | None:
+        """``ProcFs.exe_basename`` for a host process, cached likewise (a
+        process in a container is never an MPS server here: None is not read)."""
+        entry = self._entry(pid)
+        if entry is None:
+            return ProcFs.exe_basename(self, pid)
+        return entry[2] if entry[1] is None else ProcFs.exe_basename(self, pid)
+
+    def prune(self, pids: Iterable[int]) -> None:
+        """Forget every cached PID not in ``pids``."""
+        keep = set(pids)
+        for pid in [p for p in self._cache if p not in keep]:
+            del self._cache[pid]
+
+    def cached_pids(self) -> list[int]:
+        """PIDs with a cached answer (tests, /status)."""
+        return sorted(self._cache)
