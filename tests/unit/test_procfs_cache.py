@@ -84,3 +84,42 @@ def test_host_process_exe_is_cached(tmp_path):
     assert fs.exe_basename(300) == "nvidia-cuda-mps-server"  # same process: cached
     (d / "stat").write_text(_stat(300, 78, "nvidia-cuda-mps"))
     assert fs.exe_basename(300) is None  # a new process under that PID: read again (no exe now)
+
+
+def test_scrape_follows_a_reused_pid_to_its_new_container(tmp_path):
+    """Through Metrics.render: usage of PID 100 goes to container A; the PID
+    is reused by a process of container B (new start time): the next scrape
+    gives B the usage, A none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fracplugin.gpu.inventory import ProcessSample
+    from fracplugin.ledger import Ledger
+    from fracplugin.metrics import MIB, Metrics
+    from fracplugin.model import ComputeMode, GpuInfo, NodeInfo, Tenancy
+
+    gpu = GpuInfo(index=0, uuid="GPU-00000000-0000-0000-0000-000000000000", name="H100", memory_mib=81559, minor=0)
+    node = NodeInfo(name="n", driver_version="615.71.09", cuda_driver_version=13040, gpus=(gpu,))
+    ledger = Ledger(node)
+    ledger.replace_all([Tenancy(pod_uid=UID, namespace="ml", pod_name="p", container=name, gpu_uuid=gpu.uuid,
+                                request_mib=1024, limit_mib=2048, mode=ComputeMode.TIME_SLICING, container_id=cid)
+                        for name, cid in (("a", CID_A), ("b", CID_B))])
+    _write(tmp_path, 100, CID_A, start=1000)
+
+    class Inv:
+        def node(self):
+            return node
+
+        def processes(self):
+            return [ProcessSample(gpu.uuid, 100, 700 * MIB, 10.0)]
+
+    metrics = Metrics(ledger=ledger, inventory=Inv(), node=node, proc_root=str(tmp_path))
+
+    def used():
+        fams = text_string_to_metric_families(metrics.render().decode())
+        fam = next(f for f in fams if f.name == "fracplugin_container_gpu_memory_used_bytes")
+        return {s.labels["container"]: s.value for s in fam.samples}
+
+    assert used() == {"a": 700 * MIB, "b": 0.0}
+    assert used() == {"a": 700 * MIB, "b": 0.0}  # from the cache
+    _write(tmp_path, 100, CID_B, start=5000)
+    assert used() == {"a": 0.0, "b": 700 * MIB}
