@@ -344,3 +344,25 @@ def test_cache_keeps_annotated_pods_without_the_resource_for_the_nri_door():
     store.put(plain)
     assert store.get("d", "kai") is kai and store.get("d", "web") is None
     assert store.candidates("fracplugin.io/gpu-memory", 1) == []  # never an Allocate candidate
+
+
+def test_candidate_index_holds_pending_containers_only():
+    """The (resource, count) index keeps a pod only for its containers the
+    runtime has not created (issue 14): running pods are never looked at by
+    an Allocate, a pod leaves the bucket once its container is created, and
+    a pod whose init container ran is still found by its app container's
+    count. select_candidates over the index gives what it gives over every
+    cached pod."""
+    src = InMemoryPodSource("n1")
+    ran = {"containerStatuses": [{"name": "app", "containerID": "containerd://1"}]}
+    src.add(pod("running", "2026-01-01T00:00:00Z", [("app", 4)], phase="Running", status=ran))
+    src.add(pod("pending", "2026-01-01T00:00:01Z", [("app", 4)]))
+    init_done = {"initContainerStatuses": [{"name": "setup", "containerID": "containerd://2"}]}
+    src.add(pod("initdone", "2026-01-01T00:00:02Z", [("app", 4)], init=[("setup", 2)], status=init_done))
+    assert [p["metadata"]["name"] for p in src.candidates(R, 4)] == ["pending", "initdone"]
+    assert src.candidates(R, 2) == []  # the init container was created: no Allocate for it any more
+    for count in (2, 4):
+        assert select_candidates(src.candidates(R, count), R, count) == select_candidates(src.pods(), R, count)
+    src.add(pod("pending", "2026-01-01T00:00:01Z", [("app", 4)], phase="Running", status=ran))
+    assert [p["metadata"]["name"] for p in src.candidates(R, 4)] == ["initdone"]
+    assert src.get("ns", "running") is not None and len(src) == 3  # still cached for the NRI door

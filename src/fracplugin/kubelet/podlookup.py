@@ -276,13 +276,23 @@ def select_candidates(
     return out
 
 
-def _extended_counts(pod: Pod) -> set[tuple[str, int]]:
+def _extended_counts(pod: Pod, *, pending_only: bool = False) -> set[tuple[str, int]]:
     """Every (resource name, count) a container of the pod requests, for
-    resources with a domain (``<domain>/<name>``: extended resources)."""
+    resources with a domain (``<domain>/<name>``: extended resources).
+
+    ``pending_only``: only containers the runtime has not created yet (no
+    ``containerID`` in the status): the only ones kubelet may still call
+    Allocate for, hence the only ones ``select_candidates`` can return. A
+    pod whose containers all run is then in no bucket, so an Allocate looks
+    at the pending pods only, not at every cached pod (issue 14: p99 18.8-34.7
+    ms at 20k cached pods before)."""
     out: set[tuple[str, int]] = set()
     spec = pod.get("spec") or {}
+    created = _created_container_names(pod) if pending_only else set()
     for key in ("initContainers", "containers"):
         for c in spec.get(key) or ():
+            if created and str(c.get("name") or "") in created:
+                continue
             res = c.get("resources") or {}
             names = set((res.get("limits") or {})) | set((res.get("requests") or {}))
             for name in names:
@@ -294,9 +304,10 @@ def _extended_counts(pod: Pod) -> set[tuple[str, int]]:
 
 
 class _Store:
-    """Thread-safe pod store with a (resource, count) index of the live pods
-    (on this node, not terminal, not being deleted), so a lookup does not scan
-    every pod."""
+    """Thread-safe pod store with a (resource, count) index of the pending
+    pods (live: on this node, not terminal, not being deleted; and with a
+    container using the resource that the runtime has not created yet), so a
+    lookup does not scan every pod (``_extended_counts(pending_only=True)``)."""
 
     def __init__(self, node_name: str | None, resource_name: str | None) -> None:
         self.node_name = node_name
@@ -330,7 +341,7 @@ class _Store:
         self._pods[key] = pod
         self._names[self._name_of(pod)] = key
         if _live_on_node(pod, self.node_name):
-            ents = _extended_counts(pod)
+            ents = _extended_counts(pod, pending_only=True)
             self._indexed[key] = ents
             for ent in ents:
                 self._index.setdefault(ent, {})[key] = pod
