@@ -181,6 +181,12 @@ def test_changes_are_appended_not_rewritten(node, tmp_path):
     again = Ledger(node, path)
     assert again.load() == [] and again.tenancies() == led.tenancies()
     assert [t.pod_uid for t in again.tenancies()] == ["u0", "u1", "u3", "u4", "u5"]
+    # a reader (fracplugin explain --ledger) replays the journal and writes nothing
+    journal = path.with_name("ledger.json.journal").read_bytes()
+    ro = Ledger(node, path, read_only=True)
+    assert ro.load() == [] and ro.tenancies() == led.tenancies()
+    ro.close()
+    assert path.read_bytes() == snap and path.with_name("ledger.json.journal").read_bytes() == journal
 
 
 @pytest.mark.parametrize("tail", [b'{"del":[],"add":[{"pod_uid":"x"', b'{"del":[],"add":[{"pod_', b"\x00\x00\x00\x00",
