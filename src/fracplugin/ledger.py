@@ -673,9 +673,18 @@ class Ledger:
             directory.mkdir(parents=True, exist_ok=True)
             self._dir_ready = True
         self._write_atomically(self._path, data)
+        # From here the state is durable in the snapshot: a failure to start
+        # the journal must not undo the change (the old journal, if any, is
+        # of another generation: stale). The next change compacts again.
         header = ('{"journal":%d,"generation":"%s"}\n' % (FORMAT_VERSION, generation)).encode()
-        self._write_atomically(self._journal_path, header)
-        self._journal_fd = os.open(self._journal_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        try:
+            self._write_atomically(self._journal_path, header)
+            fd = os.open(self._journal_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("ledger: snapshot written, journal not started (the next change writes a snapshot again): %s",
+                        exc)
+            return
+        self._journal_fd = fd
         self._journal_size = len(header)
         self._journal_records = 0
 

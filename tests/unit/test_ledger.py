@@ -333,3 +333,33 @@ def test_state_dir_not_on_tmpfs_is_warned(tmp_path):
             assert "--state-dir" in warning and path in warning and f"0x{ftype:x}" in warning
     if os.path.isdir("/dev/shm"):
         assert filesystem_type("/dev/shm") == TMPFS_MAGIC
+
+
+def test_journal_not_started_after_a_written_snapshot_keeps_the_change(node, tmp_path, monkeypatch):
+    """Compaction = snapshot, then journal. When the snapshot is in place and
+    only the journal cannot be started, the change is durable: it is kept in
+    memory (no rollback), a reload sees it, and the next change writes a
+    snapshot again."""
+    path = tmp_path / "ledger.json"
+    led = Ledger(node, path)
+    led.admit(mkplan(node, led, "a", devices="0"))
+    led.close()
+    led = Ledger(node, path)
+    led.load()
+    real_replace = os.replace
+
+    def journal_full(src, dst):
+        if str(dst).endswith(".journal"):
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", journal_full)
+    led.admit(mkplan(node, led, "b", devices="1"))  # compaction: snapshot ok, journal refused
+    monkeypatch.undo()
+    assert [t.pod_uid for t in led.tenancies()] == ["a", "b"]
+    again = Ledger(node, path)
+    assert again.load() == [] and [t.pod_uid for t in again.tenancies()] == ["a", "b"]
+    led.admit(mkplan(node, led, "c", devices="2"))
+    again = Ledger(node, path)
+    assert again.load() == [] and [t.pod_uid for t in again.tenancies()] == ["a", "b", "c"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
