@@ -188,6 +188,7 @@ class Ledger:
         self._journal_fd: int | None = None  # open (O_APPEND) journal of the current generation
         self._journal_size = 0
         self._journal_records = 0
+        self._replayed = False  # load() replayed journal lines: close() folds them into the snapshot
 
     # ---- indexes -----------------------------------------------------------
     def _index(self, t: Tenancy) -> None:
@@ -502,7 +503,8 @@ class Ledger:
             entries = {Tenancy.from_dict(r): None for r in records}
             generation = doc.get("generation")
             if isinstance(generation, str) and generation:
-                entries, torn = self._replay(entries, generation)
+                entries, torn, replayed = self._replay(entries, generation)
+                self._replayed = replayed or bool(torn)
                 if torn:
                     warnings.append(f"ledger journal {self._journal_path}: {torn}; dropped")
             for t in entries:
@@ -539,28 +541,30 @@ class Ledger:
         self._notify()
         return warnings
 
-    def _replay(self, entries: dict[Tenancy, None], generation: str) -> tuple[dict[Tenancy, None], str]:
+    def _replay(self, entries: dict[Tenancy, None], generation: str) -> tuple[dict[Tenancy, None], str, bool]:
         """Apply the journal of ``generation`` to the snapshot's ``entries``.
-        Returns the entries and why a torn tail was dropped ('' when none).
+        Returns the entries, why a torn tail was dropped ('' when none) and
+        whether any change was replayed.
         Raises _Corrupt for a bad record that is not the last line."""
         assert self._journal_path is not None
         try:
             raw = self._journal_path.read_bytes()
         except FileNotFoundError:
-            return entries, ""
+            return entries, "", False
         lines = raw.split(b"\n")
         # A complete file ends with "\n": the last element is then b"".
         tail_cut = lines[-1] != b""
         lines = lines[:-1] if not tail_cut else lines
         if not lines:
-            return entries, ""
+            return entries, "", False
         try:
             header = json.loads(lines[0])
         except ValueError:
             header = None
         if not isinstance(header, dict) or header.get("generation") != generation:
-            return entries, ""  # stale (or torn header): every change is in the snapshot
+            return entries, "", False  # stale (or torn header): every change is in the snapshot
         torn = ""
+        replayed = False
         order = dict(entries)
         for i, line in enumerate(lines[1:], start=1):
             last = i == len(lines) - 1
@@ -582,14 +586,15 @@ class Ledger:
                 order.pop(t, None)
             for t in added:
                 order[t] = None
-        return order, torn
+            replayed = True
+        return order, torn, replayed
 
     def close(self) -> None:
         """Compact the journal into the snapshot (a clean stop leaves one
         file) and close it. Errors are logged, never raised: every change is
         already durable in the journal."""
         with self._lock:
-            if self._journal_fd is not None and self._journal_records:
+            if not self._read_only and ((self._journal_fd is not None and self._journal_records) or self._replayed):
                 try:
                     self._compact()
                 except OSError as exc:
@@ -659,6 +664,7 @@ class Ledger:
             return
         assert self._journal_path is not None
         self._close_journal()
+        self._replayed = False
         if len(self._fragments) > 2 * len(self._entries) + 64:
             live = self._entries
             self._fragments = {t: f for t, f in self._fragments.items() if t in live}

@@ -385,6 +385,53 @@ def test_nri_door_serves_and_disconnects_on_sigterm(daemon: Callable[..., Daemon
         rt.close()
 
 
+def test_admissions_journaled_survive_sigkill(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    """Issue 14: admissions after the first are appended to the ledger
+    journal (the snapshot is not rewritten); a SIGKILL leaves snapshot +
+    journal, and the next start replays them: every acknowledged admission
+    is there. A clean stop then folds the journal into one snapshot."""
+    import yaml
+
+    from nri_runtime import FakeNriRuntime, pod_from_manifest
+
+    from fracplugin.ledger import RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
+
+    rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    try:
+        d = daemon("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "nri.sock"))
+        rt.wait_registered(15)
+        assert wait_until(d.ready), d.get("/readyz")
+        manifest = yaml.safe_load(INFERENCE.read_text())
+        manifest["metadata"]["annotations"]["nvidia.com/container.app.gpu-memory.request"] = "10Gi"
+        manifest["metadata"]["annotations"]["nvidia.com/container.app.gpu-memory.limit"] = "10Gi"
+        manifest["metadata"]["annotations"]["nvidia.com/container.app.gpu-compute.portion"] = "0.1"
+        uids = []
+        for i in range(3):
+            manifest["metadata"]["uid"] = f"6f1c2a0e-4b7d-4e59-9a51-0c7f3d2b9e2{i}"
+            manifest["metadata"]["name"] = f"inference-{i}"
+            pod, ctrs = pod_from_manifest(manifest)
+            rt.create_container(pod, ctrs[0])
+            uids.append(manifest["metadata"]["uid"])
+        journal = (d.state / "ledger.json.journal").read_text().splitlines()
+        assert len(journal) == 1 + 3  # header, then one line per admission
+        assert json.loads((d.state / "ledger.json").read_text())["tenancies"] == []  # written at Synchronize
+        d.proc.kill()
+        d.proc.wait(10)
+        ftype = filesystem_type(d.state)
+        warned = any("not on tmpfs" in str(r.get("msg") or r.get("message") or "") for r in d.log_records())
+        assert warned == (ftype is not None and ftype not in (TMPFS_MAGIC, RAMFS_MAGIC)), d.logs()[-2000:]
+    finally:
+        rt.close()
+    (d.state / "endpoints.json").unlink()  # a SIGKILLed daemon leaves it: wait for the new one's
+    d2 = daemon("--no-nri", "--no-device-plugin", "--no-mps")
+    st = d2.get("/status")[1]
+    assert st["ledger"]["warnings"] == []
+    assert all(sorted(t["pod_uid"] for t in g["tenants"]) == uids for g in st["gpus"])
+    assert d2.terminate() == 0
+    doc = json.loads((d2.state / "ledger.json").read_text())
+    assert len(doc["tenancies"]) == 12 and (d2.state / "ledger.json.journal").read_text().count("\n") == 1
+
+
 def test_nri_door_not_ready_without_runtime(daemon: Callable[..., DaemonProc], root: Path) -> None:
     d = daemon("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "absent.sock"))
     code, body = d.get("/readyz")
