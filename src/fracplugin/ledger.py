@@ -12,7 +12,7 @@ Invariants (checked by ``check_invariants`` and by property tests):
   Volta and later: kubelet-device-plugin.md B.4);
 - an owner (pod uid, container) appears at most once per GPU.
 
-Persistence (issue 14, ADR "ledger journal"): a snapshot plus an
+Persistence (issue 14, ADR 0010): a snapshot plus an
 append-only journal, so a change costs O(1) in the node's tenancies.
 
 - snapshot ``<path>``: ``{"version": 1, "node": ..., "generation": G,
