@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup test unit component proto demo interop e2e kai-e2e bench chart manifests chart-tools ci clean gpu-check gpu-check-wheels
+.PHONY: setup test unit component proto demo interop e2e kai-e2e kubelet-e2e bench chart manifests chart-tools ci clean gpu-check gpu-check-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ e2e: setup
 ## kai-e2e: KAI's node condition against a real etcd + kube-apiserver (binaries from the kubelet-e2e build cache)
 kai-e2e: setup
 	$(PY) tests/kai_e2e/run.py
+
+## kubelet-e2e: real etcd + kube-apiserver + kubelet (v1.37 and v1.35) + containerd with both doors (needs root)
+kubelet-e2e: setup
+	bash tests/kubelet_e2e/run.sh
 
 ## bench: benchmarks; writes build/bench.json
 bench: setup
@@ -85,7 +89,7 @@ manifests: setup
 	@set -e; tools=$$(bash scripts/chart-tools.sh helm); eval "$$tools"; export HELM; \
 	$(PY) scripts/render_manifests.py
 
-ci: test chart interop e2e
+ci: test chart interop e2e kubelet-e2e
 
 clean:
 	rm -rf build .pytest_cache .hypothesis tests/interop/bin

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Build (or reuse) the kubelet e2e binaries from released Go modules through the
+# module proxy, into a cache outside the repository (like tests/e2e/build.sh):
+#   kubelet + kube-apiserver  from k8s.io/kubernetes  $KUBE_VERSIONS (v1.37.2 v1.35.4)
+#   etcd                      from go.etcd.io/etcd/server/v3 $ETCD_VERSION (v3.7.3)
+#
+# `go install pkg@version` refuses both modules: their go.mod files carry replace
+# directives (k8s.io/* => ./staging/..., go.etcd.io/etcd/* => ../...).  So each is
+# built from a scratch module that requires the released module and pins every
+# replaced module to its released build (k8s.io/<staging> v0.<minor>.<patch>;
+# etcd's siblings at the same v3 version).  The sample-* staging modules are not
+# served by the proxy and no binary we build imports them.
+#
+# Env: FRACPLUGIN_E2E_CACHE (default /var/cache/fracplugin-e2e)
+#      KUBE_VERSIONS ("v1.37.2 v1.35.4"), ETCD_VERSION (v3.7.3)
+# Prints the build durations; skips a build whose binaries already exist.
+set -euo pipefail
+
+CACHE="${FRACPLUGIN_E2E_CACHE:-/var/cache/fracplugin-e2e}"
+KUBE_VERSIONS="${KUBE_VERSIONS:-v1.37.2 v1.35.4}"
+ETCD_VERSION="${ETCD_VERSION:-v3.7.3}"
+
+log() { echo "[kubelet-e2e-build $(date -u +%H:%M:%S)] $*" >&2; }
+
+scratch_build() {  # scratch_build <srcdir> <bindir> <go.mod body> <pkg>...
+    local src="$1" bindir="$2" body="$3"; shift 3
+    mkdir -p "$src" "$bindir"
+    printf 'module fracplugin.io/e2e-scratch\n\ngo 1.26.0\n\n%s\n' "$body" > "$src/go.mod"
+    # An importing file keeps the requirement when go resolves the module graph.
+    { echo "//go:build tools"; echo; echo "package scratch"; echo; echo "import ("
+      for p in "$@"; do echo "	_ \"$p\""; done; echo ")"; } > "$src/tools.go"
+    (cd "$src" && GOFLAGS="-mod=mod -buildvcs=false" GOTOOLCHAIN=local CGO_ENABLED=0 \
+        nice -n 10 go build -trimpath -tags tools -o "$bindir/" "$@")
+}
+
+for kv in $KUBE_VERSIONS; do
+    bin="$CACHE/kubernetes-$kv/bin"
+    if [[ -x "$bin/kubelet" && -x "$bin/kube-apiserver" ]]; then
+        log "kubernetes $kv: cached in $bin"; continue
+    fi
+    log "building kubelet + kube-apiserver $kv into $bin"
+    t0=$(date +%s)
+    gomod=$(GOFLAGS=-mod=mod go mod download -json "k8s.io/kubernetes@$kv" \
+            | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
+    staging_ver="v0.${kv#v1.}"
+    body="require k8s.io/kubernetes $kv"$'\n\nreplace (\n'
+    for m in $(sed -n 's#^[[:space:]]*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p' "$gomod"); do
+        [[ "$m" == k8s.io/sample-* ]] && continue
+        body+="	$m => $m $staging_ver"$'\n'
+    done
+    body+=")"
+    # kubelet first (the big one, ~2.2 GiB peak), then the apiserver.
+    scratch_build "$CACHE/src/kubernetes-$kv" "$bin" "$body" k8s.io/kubernetes/cmd/kubelet
+    scratch_build "$CACHE/src/kubernetes-$kv" "$bin" "$body" k8s.io/kubernetes/cmd/kube-apiserver
+    log "kubernetes $kv built in $(( $(date +%s) - t0 ))s"
+done
+
+etcd_bin="$CACHE/etcd-$ETCD_VERSION/bin"
+if [[ -x "$etcd_bin/etcd" ]]; then
+    log "etcd $ETCD_VERSION: cached in $etcd_bin"
+else
+    log "building etcd $ETCD_VERSION into $etcd_bin"
+    t0=$(date +%s)
+    body="require go.etcd.io/etcd/server/v3 $ETCD_VERSION"$'\n\nreplace (\n'
+    for m in go.etcd.io/etcd/api/v3 go.etcd.io/etcd/client/pkg/v3 go.etcd.io/etcd/client/v3 go.etcd.io/etcd/pkg/v3; do
+        body+="	$m => $m $ETCD_VERSION"$'\n'
+    done
+    body+=")"
+    scratch_build "$CACHE/src/etcd-$ETCD_VERSION" "$etcd_bin" "$body" go.etcd.io/etcd/server/v3
+    [[ -x "$etcd_bin/v3" ]] && mv "$etcd_bin/v3" "$etcd_bin/etcd"
+    log "etcd $ETCD_VERSION built in $(( $(date +%s) - t0 ))s"
+fi
