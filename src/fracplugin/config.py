@@ -112,6 +112,7 @@ class Config:
     ignored_xids: str = "13,31,43,45,68,94"
     device_specs: bool = False
     cdi_kind: str | None = None
+    secure_pipe_mount: bool = False
     # Kubernetes API
     kubeconfig: str | None = None
     node_name: str = ""
@@ -211,6 +212,9 @@ _HELP = {
     "allocation_policy": "GetPreferredAllocation policy: pack (fill used GPUs first) or spread",
     "ignored_xids": "comma list of XIDs that do not make a GPU Unhealthy (application errors)",
     "device_specs": "also answer Allocate with DeviceSpecs for /dev/nvidia<minor>, /dev/nvidiactl, /dev/nvidia-uvm",
+    "secure_pipe_mount": "make the MPS root a nosuid,nodev bind mount when its filesystem lacks those flags (the "
+                         "device plugin API has no mount options: kubelet's bind mount from Allocate inherits the "
+                         "source's flags; /run usually has them already)",
     "cdi_kind": "answer Allocate with CDI devices <kind>=<GPU-UUID> (e.g. nvidia.com/gpu)",
     "kubeconfig": "kubeconfig for API access (in-cluster config is used when running in a pod)",
     "node_name": "this node's name (env NODE_NAME)",

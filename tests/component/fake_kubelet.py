@@ -11,7 +11,10 @@ Plays the parts of kubelet the device plugin talks to
 * a client of the plugin (``allocate``, ``preferred``, ``options``);
 * ``restart()``: what a kubelet restart does to the directory (every socket
   removed except the checkpoint file, plugin streams dropped, a new
-  kubelet.sock);
+  kubelet.sock; ``leave_socket=True``: the old kubelet.sock stays while kubelet
+  is down, as after SIGTERM);
+* the real kubelet's registration semantics (``semantics="1.37"`` default or
+  ``"1.35"``; D2-D7 in ``fracplugin.kubelet.kubelet_client``);
 * ``FakePodResources``: the PodResources v1 ``List``/``Get`` server.
 
 Concurrency: grpc thread pools for the servers, one thread per ListAndWatch
@@ -46,8 +49,8 @@ class FakeKubelet(Kubelet):
         dial_timeout_s: how long Register waits to reach the plugin (kubelet: 10 s).
     """
 
-    def __init__(self, plugin_dir: str, dial_timeout_s: float = 10.0) -> None:
-        super().__init__(plugin_dir, dial_timeout_s)
+    def __init__(self, plugin_dir: str, dial_timeout_s: float = 10.0, semantics: str = "1.37") -> None:
+        super().__init__(plugin_dir, dial_timeout_s, semantics)
         self.refuse: str | None = None  # set to make Register fail with this message
         self.restarted_at = 0.0
 
@@ -56,12 +59,15 @@ class FakeKubelet(Kubelet):
         super().start()
         return self
 
-    def restart(self, downtime_s: float = 0.0) -> float:
-        """Simulate a kubelet restart: stop, remove every socket in the plugin
-        dir except the checkpoint (CleanupPluginDirectory), wait
-        ``downtime_s``, re-create kubelet.sock. Returns time.monotonic() at the
-        moment the new kubelet.sock exists."""
-        self.stop()
+    def restart(self, downtime_s: float = 0.0, leave_socket: bool = False) -> float:
+        """Simulate a kubelet restart: stop (``leave_socket``: the dead
+        kubelet.sock stays during ``downtime_s``, D4), wait ``downtime_s``,
+        remove every socket in the plugin dir except the checkpoint
+        (CleanupPluginDirectory, at kubelet start), re-create kubelet.sock.
+        Returns time.monotonic() at the moment the new kubelet.sock exists."""
+        self.stop(leave_socket=leave_socket)
+        if downtime_s:
+            time.sleep(downtime_s)
         for name in os.listdir(self.plugin_dir):
             if name == CHECKPOINT:
                 continue
@@ -71,8 +77,6 @@ class FakeKubelet(Kubelet):
                     os.unlink(path)
             except FileNotFoundError:
                 pass
-        if downtime_s:
-            time.sleep(downtime_s)
         self.start()
         self.restarted_at = time.monotonic()
         return self.restarted_at
@@ -80,7 +84,7 @@ class FakeKubelet(Kubelet):
     # ---- Registration service ---------------------------------------------
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
         if self.refuse:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.refuse)
+            self._refuse(context, self.refuse)
         return super().Register(request, context)
 
     def drop_stream(self, resource_name: str) -> None:

@@ -41,6 +41,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import grpc
 
 from .. import allocation as al
+from .. import mountflags
 from .. import planner as planner_mod
 from .._proto import deviceplugin_pb2 as pb
 from .._proto import deviceplugin_pb2_grpc as pb_grpc
@@ -146,6 +147,12 @@ class DevicePluginServer:
             seconds to reconcile it (``Allocator.reconcile``; None: skip).
         max_workers: grpc thread pool size.
         poll_s: registrar and health polling period in seconds.
+        secure_pipe_mount: at ``start``, make the MPS root (the layout's
+            ``root``) a ``nosuid,nodev`` mount when its filesystem lacks the
+            flags (``fracplugin.mountflags``), undone at ``stop``. Kubelet's
+            bind mount of the pipe directory from Allocate inherits the
+            source mount's flags; the API has no mount options (issue 11, D9).
+            Off: only a startup warning when the flags are missing.
 
     Raises:
         ValueError: bad resource name, unit, policy, or a device ID over 63 chars;
@@ -179,6 +186,7 @@ class DevicePluginServer:
         podresources_interval_s: float = 10.0,
         max_workers: int = 16,
         poll_s: float = 0.1,
+        secure_pipe_mount: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"allocation policy {policy!r} must be one of {', '.join(POLICIES)}")
@@ -193,7 +201,10 @@ class DevicePluginServer:
         self.unit_mib = unit_mib
         self.table = DeviceTable.build(node, unit_mib)
         self.plugin_dir = plugin_dir
+        self.socket_name = socket_name
         self.socket_path = os.path.join(plugin_dir, socket_name)
+        self._name_gen = 0
+        self._bound_path = ""
         self.kubelet_socket = kubelet_socket or os.path.join(plugin_dir, KUBELET_SOCKET_NAME)
         self.allocate_deadline_s = allocate_deadline_s
         self.metrics = metrics
@@ -205,6 +216,8 @@ class DevicePluginServer:
         self._reconciler: threading.Thread | None = None
         self._reconcile_stop = threading.Event()
         self.max_workers = max_workers
+        self.secure_pipe_mount = secure_pipe_mount
+        self._secured_root: str | None = None
         self.health = HealthMonitor(
             inventory,
             [g.uuid for g in node.gpus],
@@ -243,6 +256,7 @@ class DevicePluginServer:
         retries; ``registered()`` turns True when kubelet accepted us).
         Raises OSError / RuntimeError when the socket cannot be served."""
         self._stopping = False
+        self._check_pipe_mount()
         self.health.start()
         self._devices_changed()
         self._serve()
@@ -277,12 +291,35 @@ class DevicePluginServer:
             sid, self._socket_id = self._socket_id, None
         if server is not None:
             server.stop(grace=max(deadline - time.monotonic(), 0.0)).wait(max(deadline - time.monotonic(), 0.1))
-        if sid is not None and socket_identity(self.socket_path) == sid:
+        if sid is not None and socket_identity(self._bound_path) == sid:
             try:
-                os.unlink(self.socket_path)
+                os.unlink(self._bound_path)
             except FileNotFoundError:
                 pass
         self.health.stop(max(deadline - time.monotonic(), 0.1))
+        if self._secured_root is not None:
+            mountflags.release(self._secured_root)
+            self._secured_root = None
+
+    def _check_pipe_mount(self) -> None:
+        """See ``secure_pipe_mount``: a failure to secure is a startup
+        warning; flags missing while not asked to secure are logged."""
+        root = self.planner_config.layout.root
+        try:
+            if self.secure_pipe_mount:
+                if mountflags.secure(root):
+                    self._secured_root = root
+                    log.info("MPS root %s is now a nosuid,nodev bind mount (for Allocate's pipe mount)", root)
+                return
+            if os.path.isdir(root) and not {"nosuid", "nodev"} <= mountflags.flags(root):
+                log.warning("MPS root %s is on a filesystem without nosuid,nodev: the pipe directory kubelet mounts "
+                            "from Allocate inherits that (the NRI door's copy sets them); use --secure-pipe-mount "
+                            "or a nosuid,nodev filesystem", root)
+        except OSError as e:
+            msg = (f"MPS root {root}: {e}; the pipe directory kubelet mounts from Allocate is then not "
+                   "nosuid,nodev (the NRI door's copy is); use --secure-pipe-mount or a nosuid,nodev filesystem")
+            self.startup_warnings.append(msg)
+            log.warning("%s", msg)
 
     def registered(self) -> bool:
         """True while kubelet has us registered (as far as we can tell)."""
@@ -325,15 +362,30 @@ class DevicePluginServer:
 
     # ---- grpc server (RegistrationTarget) ------------------------------------
     def _serve(self) -> None:
+        """Serve on ``self.socket_path``: bind a temporary name in the same
+        directory, then rename it into place. grpc core unlinks the path it
+        bound when its server stops; with the rename that is the temporary
+        name, so stopping an old server can never delete a newer socket at the
+        public path (issue 11: the socket deleted again right after it was
+        re-created left the plugin serving on no file)."""
         os.makedirs(self.plugin_dir, exist_ok=True)
         with self._server_lock:
             old, self._server = self._server, None
+            old_id, old_path = self._socket_id, self._bound_path
         if old is not None:
-            # grpc core unlinks a unix socket when its server stops: stop the old
-            # server before binding the new one, or it would delete the new file.
             old.stop(grace=0).wait(2.0)
+        if old_path and old_path != self.socket_path and old_id is not None and socket_identity(old_path) == old_id:
+            try:
+                os.unlink(old_path)  # our previous name; kubelet dials the new one
+            except FileNotFoundError:
+                pass
         try:
             os.unlink(self.socket_path)  # a stale socket from an earlier run (A.8)
+        except FileNotFoundError:
+            pass
+        tmp = os.path.join(self.plugin_dir, f".{os.path.basename(self.socket_path)}.{os.getpid()}.tmp")
+        try:
+            os.unlink(tmp)
         except FileNotFoundError:
             pass
         server = grpc.server(
@@ -341,12 +393,17 @@ class DevicePluginServer:
             options=[("grpc.so_reuseport", 0)],
         )
         pb_grpc.add_DevicePluginServicer_to_server(_Servicer(self), server)
-        if server.add_insecure_port("unix:" + self.socket_path) == 0:
-            raise OSError(f"cannot listen on {self.socket_path}")
+        if server.add_insecure_port("unix:" + tmp) == 0:
+            raise OSError(f"cannot listen on {tmp}")
         server.start()
+        os.rename(tmp, self.socket_path)
+        # (-1, -1) when the file is already gone again: never equal to a real
+        # identity, so the registrar serves anew.
+        sid = socket_identity(self.socket_path) or (-1, -1)
         with self._server_lock:
             self._server = server
-            self._socket_id = socket_identity(self.socket_path)
+            self._socket_id = sid
+            self._bound_path = self.socket_path
         with self._cond:
             self._gen += 1
             self._cond.notify_all()
@@ -360,6 +417,29 @@ class DevicePluginServer:
         if self._stopping:
             raise RuntimeError("device plugin is stopping")
         self._serve()
+
+    def rebind_as_new(self) -> None:
+        """Serve on a socket with a new file name ``<stem>-<n>.sock`` (the same
+        kubelet may hold, or be stuck on, the old path: kubelet 1.37 refuses a
+        second Register on a path it considers connected)."""
+        if self._stopping:
+            raise RuntimeError("device plugin is stopping")
+        self._name_gen += 1
+        stem, ext = os.path.splitext(self.socket_name)
+        self.socket_path = os.path.join(self.plugin_dir, f"{stem}-{self._name_gen}{ext}")
+        self._serve()
+
+    def reset_name(self) -> None:
+        """The next ``rebind`` uses the configured socket name (a new kubelet)."""
+        self._name_gen = 0
+        self.socket_path = os.path.join(self.plugin_dir, self.socket_name)
+
+    def ready(self) -> bool:
+        """True when every device can be served Healthy (no GPU Unhealthy:
+        MPS daemons up, no XID): the registrar waits for this before the
+        first Register, so kubelet is not first told every device is
+        Unhealthy (issue 11, D7)."""
+        return not self.health.unhealthy()
 
     def active_streams(self) -> int:
         return self._streams

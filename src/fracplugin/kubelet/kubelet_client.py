@@ -12,6 +12,24 @@ one-resource client the demo drives: ``pick(n)`` healthy device IDs (asking
 ``GetPreferredAllocation`` when the plugin offers it) and ``allocate`` with
 one container request, as kubelet does per container.
 
+What a real kubelet does and this one copies (issue 11, seen with kubelet
+v1.35.4 and v1.37.2 built from k8s.io/kubernetes; ``docs/e2e.md``):
+
+* D2: ``semantics="1.37"`` (default) keys endpoints by socket path: a Register
+  on a path whose connection is still open is refused ("device plugin already
+  connected: <path>") and that path is refused for good until a restart
+  (kubelet 1.37 drops its client of the live connection on the failed
+  attempt, so the disconnect that would free the path never comes);
+  ``semantics="1.35"`` replaces the resource's endpoint (1.35, 1.36);
+* D3: Register errors are gRPC UNKNOWN (kubelet returns plain Go errors);
+* D4: ``stop(leave_socket=True)`` leaves a dead kubelet.sock behind, as a
+  kubelet stopped by SIGTERM does;
+* D5: ListAndWatch starts after Register has returned;
+* D6: ``pick`` passes ``must_include`` device IDs to GetPreferredAllocation
+  (kubelet hands an init container's devices to the next app container);
+* D7: when a plugin's stream ends and no other endpoint serves the resource,
+  every device of the resource turns Unhealthy (allocatable 0).
+
 A driver for demos and tests, not kubelet: no checkpoint, no pod admission.
 
 Concurrency model: grpc's thread pool serves Registration; one thread
@@ -93,6 +111,7 @@ class Endpoint:
     history: list[dict[str, str]] = field(default_factory=list)
     updates: int = 0
     open: bool = True
+    path: str = ""
 
     def drop(self) -> None:
         """End the stream and close the channel (kubelet dropping the plugin)."""
@@ -108,16 +127,26 @@ class Kubelet(pb_grpc.RegistrationServicer):
     Args:
         plugin_dir: the device plugin directory; ``kubelet.sock`` is created there.
         dial_timeout_s: how long Register waits to reach the plugin (kubelet: 10 s).
+        semantics: ``"1.37"`` (endpoints per socket path, a second Register on a
+            connected path refused) or ``"1.35"`` (a Register replaces the
+            resource's endpoint); see the module docstring.
     """
 
-    def __init__(self, plugin_dir: str, dial_timeout_s: float = 10.0) -> None:
+    def __init__(self, plugin_dir: str, dial_timeout_s: float = 10.0, semantics: str = "1.37") -> None:
+        if semantics not in ("1.37", "1.35"):
+            raise ValueError(f"semantics {semantics!r} must be '1.37' or '1.35'")
         self.plugin_dir = plugin_dir
         self.socket_path = os.path.join(plugin_dir, "kubelet.sock")
         self.dial_timeout_s = dial_timeout_s
+        self.semantics = semantics
         self.registrations: list[Registration] = []
         """Every accepted Register, in order."""
+        self.refusals: list[str] = []
+        """The message of every refused Register, in order."""
         self._cond = threading.Condition()
         self._endpoints: dict[str, Endpoint] = {}
+        self._by_path: dict[str, Endpoint] = {}
+        self._poisoned: set[str] = set()
         self._server: grpc.Server | None = None
 
     # ---- lifecycle -----------------------------------------------------------
@@ -126,26 +155,46 @@ class Kubelet(pb_grpc.RegistrationServicer):
         self._server = serve_unix(self.socket_path, pb_grpc.add_RegistrationServicer_to_server, self)
         return self
 
-    def stop(self) -> None:
-        """Stop serving, drop every plugin connection, remove kubelet.sock."""
+    def stop(self, leave_socket: bool = False) -> None:
+        """Stop serving, drop every plugin connection, remove kubelet.sock
+        (``leave_socket``: leave a dead kubelet.sock file, as SIGTERM does, D4).
+        A later ``start`` forgets every endpoint (a new kubelet process)."""
         with self._cond:
-            eps = list(self._endpoints.values())
+            eps = list(self._endpoints.values()) + list(self._by_path.values())
             self._endpoints.clear()
+            self._by_path.clear()
+            self._poisoned.clear()
             self._cond.notify_all()
         for ep in eps:
             ep.drop()
         server, self._server = self._server, None
         stop_unix(server, self.socket_path)
+        if leave_socket:
+            import socket as _socket
+
+            s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            try:
+                s.bind(self.socket_path)  # the file stays; nobody listens
+            finally:
+                s.close()
 
     # ---- Registration service ------------------------------------------------------
+    def _refuse(self, context: grpc.ServicerContext, message: str) -> None:
+        with self._cond:
+            self.refusals.append(message)
+            self._cond.notify_all()
+        context.abort(grpc.StatusCode.UNKNOWN, message)  # D3: kubelet answers plain errors
+
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:  # noqa: N802
-        """Check, dial, get options, start ListAndWatch, then answer (A.5).
-        Aborts INVALID_ARGUMENT (bad version or resource name) or UNAVAILABLE
-        (plugin unreachable within ``dial_timeout_s``)."""
+        """Check, dial, get options, answer; ListAndWatch starts once the
+        answer is sent (D5). Aborts UNKNOWN (bad version or resource name,
+        plugin unreachable within ``dial_timeout_s``, path already connected
+        under 1.37 semantics)."""
         if request.version != VERSION:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported API version {request.version!r}")
+            self._refuse(context, f"requested API version {request.version!r} is not supported by kubelet. "
+                                  f"Supported versions are ['{VERSION}']")
         if "/" not in request.resource_name or request.resource_name.startswith("kubernetes.io/"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid resource name {request.resource_name!r}")
+            self._refuse(context, f"the ResourceName {request.resource_name!r} is invalid")
         target = os.path.join(self.plugin_dir, request.endpoint)
         channel = grpc.insecure_channel("unix:" + target, options=[("grpc.default_authority", "localhost")])
         try:
@@ -154,33 +203,53 @@ class Kubelet(pb_grpc.RegistrationServicer):
             options = stub.GetDevicePluginOptions(pb.Empty(), timeout=self.dial_timeout_s)
         except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
             channel.close()
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the plugin at {target}: {exc}")
-        ep = Endpoint(request.resource_name, channel, stub)
+            self._refuse(context, f"failed to dial device plugin: cannot reach the plugin at {target}: {exc}")
+        ep = Endpoint(request.resource_name, channel, stub, path=target)
+        old: Endpoint | None = None
         with self._cond:
-            old = self._endpoints.get(request.resource_name)
-            self._endpoints[request.resource_name] = ep
-            self.registrations.append(Registration(request.resource_name, request.endpoint, options,
-                                                   time.monotonic()))
-            self._cond.notify_all()
-        ep.stream = stub.ListAndWatch(pb.Empty())
-        threading.Thread(target=self._consume, args=(ep,), name="kubelet-lw", daemon=True).start()
-        if old is not None:  # re-registration replaces the endpoint (A.5)
+            if self.semantics == "1.37" and (target in self._by_path or target in self._poisoned):
+                self._poisoned.add(target)
+                refused = True
+            else:
+                refused = False
+                old = self._endpoints.get(request.resource_name) if self.semantics == "1.35" else None
+                self._endpoints[request.resource_name] = ep
+                self._by_path[target] = ep
+                self.registrations.append(Registration(request.resource_name, request.endpoint, options,
+                                                       time.monotonic()))
+                self._cond.notify_all()
+        if refused:
+            channel.close()
+            self._refuse(context, f"device plugin already connected: {target}")
+        context.add_callback(lambda: threading.Thread(target=self._consume, args=(ep,), name="kubelet-lw",
+                                                      daemon=True).start())
+        if old is not None and old is not ep:  # 1.35: re-registration replaces the endpoint
             old.drop()
         return pb.Empty()
 
     def _consume(self, ep: Endpoint) -> None:
         try:
+            if not ep.open:
+                return
+            ep.stream = ep.stub.ListAndWatch(pb.Empty())
             for resp in ep.stream:
                 with self._cond:
                     ep.devices = {d.ID: d.health for d in resp.devices}
                     ep.history.append(ep.devices)
                     ep.updates += 1
                     self._cond.notify_all()
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):
             pass
         finally:
             with self._cond:
                 ep.open = False
+                if self._by_path.get(ep.path) is ep and ep.path not in self._poisoned:
+                    del self._by_path[ep.path]
+                # D7: the last endpoint of the resource gone -> every device Unhealthy
+                others = [e for e in self._by_path.values() if e.resource_name == ep.resource_name and e.open]
+                if not others and ep.devices:
+                    ep.devices = {d: "Unhealthy" for d in ep.devices}
+                    ep.history.append(ep.devices)
                 self._cond.notify_all()
 
     # ---- observing -----------------------------------------------------------------
@@ -252,23 +321,31 @@ class KubeletSim(Kubelet):
         assert name is not None
         return name
 
-    def pick(self, n: int) -> list[str]:
-        """``n`` healthy, unallocated device IDs, as kubelet chooses them: the
-        plugin's preference when it offers GetPreferredAllocation, else the first
-        ``n`` in order. Raises ValueError when fewer than ``n`` are free."""
+    def pick(self, n: int, must_include: list[str] | tuple[str, ...] = ()) -> list[str]:
+        """``n`` healthy device IDs, as kubelet chooses them: ``must_include``
+        (devices an init container of the pod got, which kubelet reuses for
+        the next container, D6) plus unallocated ones; the plugin's preference
+        when it offers GetPreferredAllocation (asked with available +
+        must_include + size), else ``must_include`` then the first free in
+        order. Raises ValueError when fewer than ``n`` are available."""
         ep, options = self._current(), self.options
+        must = list(must_include)
         with self._cond:
-            free = sorted(d for d, h in self.devices.items() if h == HEALTHY and d not in self.allocated)
-        if len(free) < n:
+            free = sorted(d for d, h in self.devices.items()
+                          if h == HEALTHY and (d not in self.allocated or d in must))
+        if len(free) < n or not set(must) <= set(free):
             raise ValueError(f"{n} devices requested, {len(free)} healthy and free")
+        if len(must) >= n:
+            return must[:n]
         if ep is not None and options is not None and options.get_preferred_allocation_available:
             req = pb.PreferredAllocationRequest(container_requests=[
-                pb.ContainerPreferredAllocationRequest(available_deviceIDs=free, allocation_size=n)])
+                pb.ContainerPreferredAllocationRequest(available_deviceIDs=free, must_include_deviceIDs=must,
+                                                       allocation_size=n)])
             resp = ep.stub.GetPreferredAllocation(req, timeout=5)
             ids = list(resp.container_responses[0].deviceIDs) if resp.container_responses else []
-            if len(ids) == n and set(ids) <= set(free):
+            if len(ids) == n and set(ids) <= set(free) and set(must) <= set(ids):
                 return ids
-        return free[:n]
+        return must + [d for d in free if d not in must][: n - len(must)]
 
     def allocate(self, device_ids: list[str], timeout_s: float = 10.0) -> pb.ContainerAllocateResponse:
         """``Allocate`` with one container request (as kubelet sends it).

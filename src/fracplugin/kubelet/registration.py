@@ -19,6 +19,29 @@ Rules (kubelet-device-plugin.md A.5, A.8, D.7-D.9):
   new socket first), or no ListAndWatch stream open for ``stream_grace_s``
   after one ended (``register_grace_s`` after a Register).
 
+Rules learnt from a real kubelet (issue 11, ``docs/e2e.md``; kubelet
+``pkg/kubelet/cm/devicemanager`` v1.35.4 and v1.37.2):
+
+* kubelet 1.37 keys its endpoints by socket *path*: a second Register on a
+  path whose connection kubelet still holds is refused ("device plugin already
+  connected", gRPC UNKNOWN) and, because the failed attempt also drops
+  kubelet's client of the first connection, every later Register on that path
+  is refused until kubelet restarts. So: never Register while a ListAndWatch
+  stream of ours is open (the kubelet holds a live connection); when we serve
+  again for the *same* kubelet (our socket was deleted, kubelet.sock was not
+  re-created) use a new socket file name (``fracplugin-<n>.sock``), and do the
+  same after an "already connected" refusal; a new kubelet (kubelet.sock
+  re-created) starts from the configured name;
+* a socket deleted right after it was created must still be noticed: "our
+  socket is missing" always means serve again (see ``_socket_gone``);
+* the first Register waits until the target says its devices can be served
+  Healthy (``ready()``, e.g. the MPS daemons are up), at most
+  ``ready_timeout_s``, so kubelet is not first told every device is Unhealthy;
+* ``last_registration_ms`` counts from the trigger or from when the current
+  kubelet.sock appeared, whichever is later (not the time kubelet was down);
+* while kubelet is down the failures are logged once as a WARNING, then at
+  most one WARNING per ``warn_every_s`` (default 60 s) with the attempt count.
+
 Concurrency model: one daemon thread (``Registrar``) owns the whole cycle; the
 device plugin server is driven through the narrow ``RegistrationTarget``
 callbacks, which must be thread-safe.
@@ -199,6 +222,17 @@ class RegistrationTarget(Protocol):
     def options(self) -> pb.DevicePluginOptions:
         ...
 
+    # Optional (checked with getattr):
+    # def rebind_as_new(self) -> None: serve on a socket with a new file name.
+    # def reset_name(self) -> None: next rebind uses the configured file name.
+    # def ready(self) -> bool: devices can be served Healthy now.
+
+
+def _socket_gone(current: tuple[int, int] | None, ours: tuple[int, int] | None) -> bool:
+    """True when our socket file is missing or is not the one we bound (a
+    missing file counts even when we never captured an identity)."""
+    return current is None or current != ours
+
 
 @dataclass
 class RegistrationStats:
@@ -210,6 +244,8 @@ class RegistrationStats:
     last_trigger: str = ""
     last_error: str = ""
     registered_at: float = 0.0
+    failures: int = 0
+    """Failed attempts since the last successful registration."""
 
 
 class Registrar:
@@ -227,6 +263,10 @@ class Registrar:
             ListAndWatch before re-registering.
         on_registered: called with the seconds from trigger to completed
             registration (bench/metrics).
+        ready_timeout_s: longest wait (seconds) for ``target.ready()`` before
+            the first Register of this process; then it registers anyway.
+        warn_every_s: at most one WARNING per this many seconds while
+            registration keeps failing (the first failure is always logged).
     """
 
     def __init__(
@@ -240,6 +280,8 @@ class Registrar:
         stream_grace_s: float = 0.5,
         register_grace_s: float = 5.0,
         on_registered: Callable[[float], None] | None = None,
+        ready_timeout_s: float = 30.0,
+        warn_every_s: float = 60.0,
     ) -> None:
         self.target = target
         self.kubelet_socket = kubelet_socket
@@ -249,7 +291,15 @@ class Registrar:
         self.stream_grace_s = stream_grace_s
         self.register_grace_s = register_grace_s
         self.on_registered = on_registered
+        self.ready_timeout_s = ready_timeout_s
+        self.warn_every_s = warn_every_s
         self.stats = RegistrationStats()
+        self._ever_registered = False
+        self._rotate_next = False
+        self._registered_with: tuple[int, int] | None = None  # kubelet.sock identity of our last Register
+        self._seen_ks: tuple[int, int] | None = None
+        self._seen_at = 0.0
+        self._last_warn = 0.0
         self._registered = False
         self._stop = threading.Event()
         self._kick = threading.Event()
@@ -303,23 +353,60 @@ class Registrar:
         else:
             self._kick.wait(seconds)
 
-    def _register_once(self) -> None:
-        if socket_identity(self.target.socket_path) != self.target.socket_identity():
-            log.info("own socket %s is gone; serving on a new one", self.target.socket_path)
+    def _note_kubelet(self) -> tuple[int, int] | None:
+        """kubelet.sock's identity now; remembers when a new one appeared."""
+        ks = socket_identity(self.kubelet_socket)
+        if ks != self._seen_ks:
+            self._seen_ks = ks
+            self._seen_at = time.monotonic()
+        return ks
+
+    def _rebind(self, why: str) -> None:
+        """Serve again. A new file name when the kubelet we registered with is
+        still the one running (it may hold, or be stuck on, the old path: 1.37)
+        or after an "already connected" refusal; the configured name otherwise."""
+        same_kubelet = self._registered_with is not None and self._registered_with == self._seen_ks
+        rotate = self._rotate_next or same_kubelet
+        self._rotate_next = False
+        new_name = getattr(self.target, "rebind_as_new", None)
+        reset = getattr(self.target, "reset_name", None)
+        if rotate and callable(new_name):
+            new_name()
+        else:
+            if callable(reset):
+                reset()
             self.target.rebind()
+        log.info("%s; serving on %s", why, self.target.socket_path)
+
+    def _register_once(self) -> None:
+        ks = self._note_kubelet()
+        if self._rotate_next:
+            self._rebind("kubelet refused our socket path as already connected")
+        elif _socket_gone(socket_identity(self.target.socket_path), self.target.socket_identity()):
+            self._rebind(f"own socket {self.target.socket_path} is gone")
         probe(self.target.socket_path, timeout_s=1.0)
-        register(
-            self.kubelet_socket,
-            os.path.basename(self.target.socket_path),
-            self.resource_name,
-            self.target.options(),
-            timeout_s=self.register_timeout_s,
-        )
+        try:
+            register(
+                self.kubelet_socket,
+                os.path.basename(self.target.socket_path),
+                self.resource_name,
+                self.target.options(),
+                timeout_s=self.register_timeout_s,
+            )
+        except RegistrationError as e:
+            if "already connected" in str(e):
+                self._rotate_next = True
+            raise
+        self._registered_with = ks
 
     def _register_until_done(self, trigger: str, t0: float) -> bool:
         """Register with backoff until it works, the stop flag is set, or the
-        kubelet socket changes (then the caller starts over without delay)."""
+        kubelet socket changes (then the caller starts over without delay).
+        A ListAndWatch stream opened on our current socket while retrying
+        (a Register that timed out on our side but went through on kubelet's)
+        counts as registered: registering again would hit a live connection."""
         ks0 = socket_identity(self.kubelet_socket)
+        streams0 = self.target.active_streams()
 
         def give_up(_state: tenacity.RetryCallState) -> bool:
             return self._stop.is_set() or socket_identity(self.kubelet_socket) != ks0
@@ -327,7 +414,22 @@ class Registrar:
         def before_sleep(state: tenacity.RetryCallState) -> None:
             err = state.outcome.exception() if state.outcome else None
             self.stats.last_error = str(err)
-            log.warning("registration attempt %d failed: %s", state.attempt_number, err)
+            self.stats.failures += 1
+            now = time.monotonic()
+            if self.stats.failures == 1 or now - self._last_warn >= self.warn_every_s:
+                self._last_warn = now
+                log.warning("registration attempt %d failed (%d failures so far; next WARNING in %.0f s at the "
+                            "earliest): %s", state.attempt_number, self.stats.failures, self.warn_every_s, err)
+            else:
+                log.debug("registration attempt %d failed: %s", state.attempt_number, err)
+
+        def attempt() -> None:
+            if streams0 == 0 and self.target.active_streams() > 0 and not _socket_gone(
+                socket_identity(self.target.socket_path), self.target.socket_identity()
+            ):
+                self._registered_with = socket_identity(self.kubelet_socket)
+                return
+            self._register_once()
 
         retry = tenacity.Retrying(
             wait=tenacity.wait_exponential(multiplier=0.05, min=0.05, max=1.0),
@@ -338,23 +440,43 @@ class Registrar:
             reraise=False,
         )
         try:
-            retry(self._register_once)
+            retry(attempt)
         except tenacity.RetryError:
             return False
-        took = time.monotonic() - t0
+        done = time.monotonic()
+        # Not the time kubelet was down: from the trigger or from when the
+        # kubelet.sock we registered on appeared, whichever is later.
+        took = done - max(t0, self._seen_at if self._seen_ks is not None else t0)
         self._registered = True
+        self._ever_registered = True
         self.stats.count += 1
         self.stats.last_s = took
         self.stats.last_trigger = trigger
         self.stats.last_error = ""
-        self.stats.registered_at = time.monotonic()
-        log.info("registered %s with kubelet (%s) in %.0f ms", self.resource_name, trigger, took * 1000)
+        self.stats.failures = 0
+        self.stats.registered_at = done
+        log.info("registered %s with kubelet (%s) in %.0f ms on %s", self.resource_name, trigger, took * 1000,
+                 os.path.basename(self.target.socket_path))
         if self.on_registered is not None:
             try:
                 self.on_registered(took)
             except Exception:
                 log.exception("on_registered callback failed")
         return True
+
+    def _wait_ready(self) -> None:
+        """Before the first Register: wait (at most ``ready_timeout_s``) until
+        the target says its devices can be served Healthy."""
+        ready = getattr(self.target, "ready", None)
+        if self._ever_registered or not callable(ready):
+            return
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not self._stop.is_set() and not ready():
+            if time.monotonic() >= deadline:
+                log.warning("devices not all Healthy after %.0f s; registering anyway (kubelet sees them as they are)",
+                            self.ready_timeout_s)
+                return
+            self._stop.wait(min(self.poll_s, 0.1))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -367,10 +489,10 @@ class Registrar:
     def _loop(self) -> None:
         need: str | None = "start"
         t0 = time.monotonic()
-        kubelet_id = socket_identity(self.kubelet_socket)
+        kubelet_id = self._note_kubelet()
         while not self._stop.is_set():
             now = time.monotonic()
-            ks = socket_identity(self.kubelet_socket)
+            ks = self._note_kubelet()
             if ks != kubelet_id:
                 kubelet_id = ks
                 if ks is None:
@@ -378,7 +500,7 @@ class Registrar:
                         log.warning("%s disappeared: kubelet stopped", self.kubelet_socket)
                     self._registered = False
                 need, t0 = "kubelet.sock re-created", now
-            elif socket_identity(self.target.socket_path) != self.target.socket_identity():
+            elif _socket_gone(socket_identity(self.target.socket_path), self.target.socket_identity()):
                 self._registered = False
                 need, t0 = need or "own socket deleted", now if need is None else t0
             elif self._registered and self.target.active_streams() == 0:
@@ -395,10 +517,18 @@ class Registrar:
             if self._kick.is_set():
                 self._kick.clear()
                 if not self._stop.is_set() and need is None:
-                    need, t0 = "kick", now
+                    if self._registered and self.target.active_streams() > 0:
+                        # kubelet holds a live connection: a second Register
+                        # would be refused by 1.37 (and poison the path).
+                        log.info("re-registration asked for, but kubelet holds a live ListAndWatch; not registering")
+                    else:
+                        need, t0 = "kick", now
             if need is not None and ks is None:
                 self.stats.last_error = f"{self.kubelet_socket} does not exist (kubelet not running yet?)"
             if need is not None and ks is not None:
+                self._wait_ready()
+                if self._stop.is_set():
+                    return
                 if self._register_until_done(need, t0):
                     need = None
                 kubelet_id = socket_identity(self.kubelet_socket) if need is None else kubelet_id
