@@ -379,12 +379,14 @@ class Registrar:
         log.info("%s; serving on %s", why, self.target.socket_path)
 
     def _register_once(self) -> None:
-        ks = self._note_kubelet()
+        self._note_kubelet()
         if self._rotate_next:
             self._rebind("kubelet refused our socket path as already connected")
         elif _socket_gone(socket_identity(self.target.socket_path), self.target.socket_identity()):
             self._rebind(f"own socket {self.target.socket_path} is gone")
         probe(self.target.socket_path, timeout_s=1.0)
+        before = time.monotonic()
+        ks = self._note_kubelet()
         try:
             register(
                 self.kubelet_socket,
@@ -397,7 +399,10 @@ class Registrar:
             if "already connected" in str(e):
                 self._rotate_next = True
             raise
-        self._registered_with = ks
+        after = socket_identity(self.kubelet_socket)
+        if after != ks:  # kubelet.sock was re-created during the call: it appeared after ``before``
+            self._seen_ks, self._seen_at = after, before
+        self._registered_with = after
 
     def _register_until_done(self, trigger: str, t0: float) -> bool:
         """Register with backoff until it works, the stop flag is set, or the
