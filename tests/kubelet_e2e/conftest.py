@@ -85,7 +85,7 @@ class Daemon(k.Proc):
         return self.status()["device_plugin"] or {}
 
 
-@pytest.fixture(scope="module", params=k.kube_versions())
+@pytest.fixture(scope="session", params=k.kube_versions())
 def kbins(request) -> k.KubeBinaries:
     if os.geteuid() != 0:
         unavailable("the kubelet e2e test must run as root (kubelet, containerd, runc)")
@@ -96,9 +96,10 @@ def kbins(request) -> k.KubeBinaries:
     raise AssertionError("unreachable")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(kbins, request) -> k.Cluster:
-    """etcd + apiserver + kubelet + containerd, node Ready; torn down after the module."""
+    """etcd + apiserver + kubelet + containerd, node Ready; one per kubelet
+    version (pytest groups the tests by version), torn down after its tests."""
     try:
         lock = k.acquire_lock()
     except k.HarnessError as e:
@@ -134,7 +135,7 @@ def start_daemon(c: k.Cluster) -> Daemon:
     return d
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def daemon_box(cluster, request) -> dict:
     """A mutable holder of the current daemon (tests restart it)."""
     box = {"d": start_daemon(cluster)}

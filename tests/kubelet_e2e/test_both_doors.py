@@ -1,0 +1,110 @@
+"""Both doors on one allocation, against a real kubelet (issue 11 scenarios
+2, 6 and 7). They depend on issue 10 (one allocation for both doors, branch
+i10): written to assert the RIGHT behaviour, kept apart from
+``test_kubelet.py`` so they can be merged after i10.
+
+* 2: a pod with devices (units) and ``gpu-memory.limit`` runs on the GPU
+  kubelet chose, with request = units x unit and the annotated limit, and the
+  ledger holds one reservation for it;
+* 6: kubelet's checkpoint removed and kubelet restarted: kubelet Allocates
+  again for the running container (D8); the answer is the original plan,
+  given at once (a planned answer, not the fallback after the deadline);
+* 7: an init container and an app container requesting the resource: kubelet
+  hands the app the init container's devices (D6); one reservation, and
+  kubelet's PodResources List agrees with fracplugin's /status after each step.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+import cluster as k
+from conftest import container_env, expected_devices, kubelet_lines, ledger, podresources
+
+pytestmark = [pytest.mark.kubelet_e2e, pytest.mark.timeout(900)]
+
+ANN = "nvidia.com/container.app."
+CHECKPOINT = k.DEVICE_PLUGIN_DIR / "kubelet_internal_checkpoint"
+
+
+def _advertised(c: k.Cluster) -> None:
+    n = expected_devices()
+    k.wait_for(lambda: c.capacity() == (n, n), 60, "every device advertised", interval=0.3)
+
+
+def _gpu_of(ids: list[str]) -> str:
+    gpus = {i.split("::")[0] for i in ids}
+    assert len(gpus) == 1, ids
+    return gpus.pop()
+
+
+def test_units_and_limit_run_on_kubelets_gpu(cluster, daemon, pods):
+    """Scenario 2: 4 devices (4 GiB) + limit 6Gi -> request 4096, limit 6144
+    on the GPU kubelet chose; one ledger reservation with those figures."""
+    c = cluster
+    _advertised(c)
+    pods.create(k.pod_manifest("b2", gib=4, annotations={ANN + "gpu-memory.limit": "6Gi"}))
+    pods.wait_running("b2")
+    gpu = _gpu_of(podresources(c)[("b2", "app")])
+    env = container_env(c, pods.container_id("b2"))
+    assert env["NVIDIA_VISIBLE_DEVICES"] == gpu
+    assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "4096"
+    assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "6144"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6144M"
+    held = [t for t in ledger(daemon) if t["pod_name"] == "b2"]
+    assert len(held) == 1, held
+    assert (held[0]["gpu_uuid"], held[0]["request_mib"], held[0]["limit_mib"]) == (gpu, 4096, 6144)
+
+
+def test_checkpoint_lost_reallocate_gets_the_original_plan_at_once(cluster, daemon, pods):
+    """Scenario 6 (D8): kubelet restarted without its checkpoint calls
+    Allocate again for the running container; fracplugin answers with the
+    plan it already holds (planned, no fallback), and nothing changes."""
+    c = cluster
+    _advertised(c)
+    pods.create(k.pod_manifest("b6", gib=2, annotations={ANN + "gpu-memory.limit": "3Gi"}))
+    pods.wait_running("b6")
+    cid = pods.container_id("b6")
+    env0 = container_env(c, cid)
+    held0 = [t for t in ledger(daemon) if t["pod_name"] == "b6"]
+    dp0 = daemon.dp()
+    off = c.kubelet.log_size()
+    c.kubelet_stop(signal.SIGTERM)
+    CHECKPOINT.unlink(missing_ok=True)
+    c.kubelet_start()
+    _advertised(c)
+    k.wait_for(lambda: daemon.dp()["allocations"] > dp0["allocations"], 60, "kubelet's re-Allocate")
+    assert kubelet_lines(c, off, "re-allocate") or kubelet_lines(c, off, "Making allocation request"), \
+        c.kubelet.tail(40)
+    dp = daemon.dp()
+    assert dp["fallbacks"] == dp0["fallbacks"], dp["last_fallback"]
+    assert dp["planned"] > dp0["planned"]
+    assert [t for t in ledger(daemon) if t["pod_name"] == "b6"] == held0
+    assert pods.container_id("b6") == cid
+    assert container_env(c, cid) == env0
+
+
+def test_init_and_app_container_one_reservation_podresources_agrees(cluster, daemon, pods):
+    """Scenario 7 (D6): the app container gets the init container's devices;
+    one reservation for the pod; PodResources and /status agree while it runs
+    and after it is gone."""
+    c = cluster
+    _advertised(c)
+    pods.create(k.pod_manifest("b7", gib=2, init=True))
+    pods.wait_running("b7")
+    pr = podresources(c)
+    app_ids = pr[("b7", "app")]
+    assert sorted(pr.get(("b7", "init"), app_ids)) == sorted(app_ids)
+    gpu = _gpu_of(app_ids)
+    held = [t for t in ledger(daemon) if t["pod_name"] == "b7"]
+    assert len(held) == 1, held
+    assert (held[0]["gpu_uuid"], held[0]["request_mib"]) == (gpu, 2048)
+    # /status agrees with PodResources for every pod kubelet lists with our devices
+    on_status = {(t["pod_name"], t["gpu_uuid"]) for t in ledger(daemon)}
+    on_kubelet = {(pod, _gpu_of(ids)) for (pod, _ct), ids in podresources(c).items()}
+    assert on_kubelet <= on_status, (on_kubelet, on_status)
+    pods.delete_all()
+    k.wait_for(lambda: not [t for t in ledger(daemon) if t["pod_name"] == "b7"], 60, "b7's reservation released")
+    assert ("b7", "app") not in podresources(c)
