@@ -12,12 +12,14 @@
 # served by the proxy and no binary we build imports them.
 #
 # Env: FRACPLUGIN_E2E_CACHE (default /var/cache/fracplugin-e2e)
-#      KUBE_VERSIONS ("v1.37.2 v1.35.4"), ETCD_VERSION (v3.7.3)
+#      KUBE_VERSIONS ("v1.37.2 v1.35.4"; "" builds etcd only), ETCD_VERSION (v3.7.3)
+# One build at a time (flock on $CACHE/.kubelet-e2e-build.lock): two runs would
+# write the same scratch module.
 # Prints the build durations; skips a build whose binaries already exist.
 set -euo pipefail
 
 CACHE="${FRACPLUGIN_E2E_CACHE:-/var/cache/fracplugin-e2e}"
-KUBE_VERSIONS="${KUBE_VERSIONS:-v1.37.2 v1.35.4}"
+KUBE_VERSIONS="${KUBE_VERSIONS-v1.37.2 v1.35.4}"  # set but empty: etcd only
 ETCD_VERSION="${ETCD_VERSION:-v3.7.3}"
 
 log() { echo "[kubelet-e2e-build $(date -u +%H:%M:%S)] $*" >&2; }
@@ -32,6 +34,26 @@ scratch_build() {  # scratch_build <srcdir> <bindir> <go.mod body> <pkg>...
     (cd "$src" && GOFLAGS="-mod=mod -buildvcs=false" GOTOOLCHAIN=local CGO_ENABLED=0 \
         nice -n 10 go build -trimpath -tags tools -o "$bindir/" "$@")
 }
+
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.kubelet-e2e-build.lock"
+flock 9
+
+etcd_bin="$CACHE/etcd-$ETCD_VERSION/bin"
+if [[ -x "$etcd_bin/etcd" ]]; then
+    log "etcd $ETCD_VERSION: cached in $etcd_bin"
+else
+    log "building etcd $ETCD_VERSION into $etcd_bin"
+    t0=$(date +%s)
+    body="require go.etcd.io/etcd/server/v3 $ETCD_VERSION"$'\n\nreplace (\n'
+    for m in go.etcd.io/etcd/api/v3 go.etcd.io/etcd/client/pkg/v3 go.etcd.io/etcd/client/v3 go.etcd.io/etcd/pkg/v3; do
+        body+="	$m => $m $ETCD_VERSION"$'\n'
+    done
+    body+=")"
+    scratch_build "$CACHE/src/etcd-$ETCD_VERSION" "$etcd_bin" "$body" go.etcd.io/etcd/server/v3
+    [[ -x "$etcd_bin/v3" ]] && mv "$etcd_bin/v3" "$etcd_bin/etcd"
+    log "etcd $ETCD_VERSION built in $(( $(date +%s) - t0 ))s"
+fi
 
 for kv in $KUBE_VERSIONS; do
     bin="$CACHE/kubernetes-$kv/bin"
@@ -54,19 +76,3 @@ for kv in $KUBE_VERSIONS; do
     scratch_build "$CACHE/src/kubernetes-$kv" "$bin" "$body" k8s.io/kubernetes/cmd/kube-apiserver
     log "kubernetes $kv built in $(( $(date +%s) - t0 ))s"
 done
-
-etcd_bin="$CACHE/etcd-$ETCD_VERSION/bin"
-if [[ -x "$etcd_bin/etcd" ]]; then
-    log "etcd $ETCD_VERSION: cached in $etcd_bin"
-else
-    log "building etcd $ETCD_VERSION into $etcd_bin"
-    t0=$(date +%s)
-    body="require go.etcd.io/etcd/server/v3 $ETCD_VERSION"$'\n\nreplace (\n'
-    for m in go.etcd.io/etcd/api/v3 go.etcd.io/etcd/client/pkg/v3 go.etcd.io/etcd/client/v3 go.etcd.io/etcd/pkg/v3; do
-        body+="	$m => $m $ETCD_VERSION"$'\n'
-    done
-    body+=")"
-    scratch_build "$CACHE/src/etcd-$ETCD_VERSION" "$etcd_bin" "$body" go.etcd.io/etcd/server/v3
-    [[ -x "$etcd_bin/v3" ]] && mv "$etcd_bin/v3" "$etcd_bin/etcd"
-    log "etcd $ETCD_VERSION built in $(( $(date +%s) - t0 ))s"
-fi

@@ -23,7 +23,7 @@ import pytest
 import cluster as k
 
 REQUIRED = os.environ.get("FRACPLUGIN_E2E_REQUIRED") == "1"
-BENCH = k.REPO / "build" / "kubelet-e2e.json"
+BENCH = k.REPO / "build" / "bench.json"
 KLOG_TS = re.compile(r"^[IWEF](\d{4}) (\d\d:\d\d:\d\d\.\d{6})")
 
 
@@ -35,8 +35,8 @@ def unavailable(msg: str) -> None:
 
 
 def record(key: str, value: Any) -> None:
-    """Add a measurement to build/kubelet-e2e.json (merged by ``make bench``'s
-    reader; per kubelet version keys)."""
+    """Merge a measurement (a number) into build/bench.json, the flat file
+    ``make bench`` writes (docs/benchmarks.md); keys name the kubelet version."""
     BENCH.parent.mkdir(exist_ok=True)
     doc = json.loads(BENCH.read_text()) if BENCH.exists() else {}
     doc[key] = value

@@ -41,7 +41,6 @@ t1=$(date +%s)
 echo "kubelet-e2e: builds/cache check took $((t1 - t0))s" >&2
 
 cd "$repo"
-rm -f build/kubelet-e2e.json
 "$py" -m pytest "$here" -m kubelet_e2e -q -p no:cacheprovider -o addopts="-ra --strict-markers" \
     ${PYTEST_ARGS:-}
 echo "kubelet-e2e: tests took $(( $(date +%s) - t1 ))s" >&2

@@ -11,7 +11,7 @@ device updates), kubelet's PodResources socket, and the container's
 environment and mounts through ``crictl exec``.
 
 Durations (re-registration after a kubelet restart, the Unhealthy window of a
-fracplugin restart) are measured and written to build/kubelet-e2e.json, not
+fracplugin restart) are measured and merged into build/bench.json, not
 asserted (house rule: no timed assertions).
 """
 
