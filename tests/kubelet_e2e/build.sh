@@ -51,7 +51,8 @@ else
     done
     body+=")"
     scratch_build "$CACHE/src/etcd-$ETCD_VERSION" "$etcd_bin" "$body" go.etcd.io/etcd/server/v3
-    [[ -x "$etcd_bin/v3" ]] && mv "$etcd_bin/v3" "$etcd_bin/etcd"
+    # go names the binary after the import path without its major version: "server"
+    for n in server v3; do if [[ -x "$etcd_bin/$n" ]]; then mv "$etcd_bin/$n" "$etcd_bin/etcd"; fi; done
     log "etcd $ETCD_VERSION built in $(( $(date +%s) - t0 ))s"
 fi
 
