@@ -347,6 +347,7 @@ class DevicePluginServer:
             "policy": self.policy,
             "pod_source": None if self.pod_source is None else ("ready" if self.pod_source.ready() else "not ready"),
             "allocations": c.allocations,
+            "preferred": c.preferred,
             "planned": c.planned,
             "reserved": c.reserved,
             "fallbacks": c.fallbacks,
