@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import time
 import urllib.request
@@ -109,6 +110,10 @@ def cluster(kbins, request) -> k.Cluster:
     c = k.Cluster(kbins, base)
 
     def fin() -> None:
+        keep = k.REPO / "build" / "kubelet-e2e-logs" / kbins.version
+        keep.mkdir(parents=True, exist_ok=True)
+        for log in base.glob("*.log"):  # for the CI artefacts / a failure's post-mortem
+            shutil.copy(log, keep / log.name)
         k.cleanup_base(base, c)
         lock.close()
     request.addfinalizer(fin)
@@ -130,6 +135,7 @@ def start_daemon(c: k.Cluster) -> Daemon:
     try:
         k.wait_for(lambda: d.check() or d.status()["ready"], 60, "fracplugin /status ready")
         k.wait_for(lambda: d.check() or d.dp().get("registered"), 30, "fracplugin registered")
+        k.wait_for(lambda: (d.status().get("pod_source") or {}).get("ready"), 30, "fracplugin's pod source synced")
     except k.HarnessError as e:
         pytest.fail(f"{e}\n--- fracplugin:\n{d.tail()}\n--- kubelet:\n{c.kubelet.tail(15)}", pytrace=False)
     return d
@@ -232,11 +238,21 @@ def kubelet_lines(c: k.Cluster, offset: int, needle: str) -> list[str]:
 
 def restart_kubelet(c: k.Cluster, sig: int = signal.SIGTERM) -> float:
     """Stop kubelet with ``sig``, start it again; returns the new
-    kubelet.sock's ctime (epoch seconds) once kubelet serves it."""
+    kubelet.sock's ctime (epoch seconds). Both signals leave the old
+    kubelet.sock behind (D4) until the new kubelet's device manager removes
+    it and creates its own: wait for a new inode, not for the file."""
+    old = c.kubelet_sock.stat().st_ino if c.kubelet_sock.exists() else None
+
+    def new_sock():
+        try:
+            st = c.kubelet_sock.stat()
+        except FileNotFoundError:
+            return None
+        return st if st.st_ino != old else None
     c.kubelet_stop(sig)
+    assert c.kubelet_sock.exists(), "kubelet removed kubelet.sock when stopped (D4 says it stays)"
     c.kubelet_start()
-    k.wait_for(lambda: c.kubelet_sock.exists(), 30, "kubelet.sock")
-    return c.kubelet_sock.stat().st_ctime
+    return k.wait_for(new_sock, 30, "the new kubelet.sock", interval=0.01).st_ctime
 
 
 def expected_devices() -> int:

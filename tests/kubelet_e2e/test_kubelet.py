@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -176,13 +177,20 @@ def test_socket_deleted_twice_then_20_kubelet_restarts(cluster, daemon, pods):
     registered at the end (kubelet advertises every device; a new pod runs)."""
     c = cluster
     wait_advertised(c)
-    sock = k.DEVICE_PLUGIN_DIR / "fracplugin.sock"
+    first = Path(daemon.dp()["socket"])
     off = c.kubelet.log_size()
-    ino = sock.stat().st_ino
-    os.unlink(sock)
-    k.wait_for(lambda: sock.exists() and sock.stat().st_ino != ino, 10, "fracplugin's new socket", interval=0.005)
-    os.unlink(sock)
-    k.wait_for(lambda: sock.exists(), 10, "fracplugin's third socket")
+    ino = first.stat().st_ino
+    os.unlink(first)
+
+    def new_socket():  # scanned, not asked: delete it as soon as it appears
+        for e in os.scandir(k.DEVICE_PLUGIN_DIR):
+            if e.name.startswith("fracplugin") and e.name.endswith(".sock") and \
+                    (e.path != str(first) or e.inode() != ino):
+                return Path(e.path)
+        return None
+    second = k.wait_for(new_socket, 10, "fracplugin's new socket", interval=0.001)
+    os.unlink(second)
+    k.wait_for(lambda: Path(daemon.dp()["socket"]).exists(), 10, "fracplugin serving again")
     wait_advertised(c)
     k.wait_for(lambda: daemon.dp()["registered"], 30, "registered after two deletions")
     assert not kubelet_lines(c, off, ALREADY), "\n".join(kubelet_lines(c, off, ALREADY))

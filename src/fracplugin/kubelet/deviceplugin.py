@@ -437,10 +437,14 @@ class DevicePluginServer:
 
     def ready(self) -> bool:
         """True when every device can be served Healthy (no GPU Unhealthy:
-        MPS daemons up, no XID): the registrar waits for this before the
+        MPS daemons up, no XID) and Allocate can find pods (the pod source,
+        when configured, is synced): the registrar waits for this before the
         first Register, so kubelet is not first told every device is
-        Unhealthy (issue 11, D7)."""
-        return not self.health.unhealthy()
+        Unhealthy (issue 11, D7) and its first Allocates are not answered
+        with the fallback ("pod source not ready", seen with a real kubelet)."""
+        if self.health.unhealthy():
+            return False
+        return self.pod_source is None or bool(self.pod_source.ready())
 
     def active_streams(self) -> int:
         return self._streams
