@@ -240,15 +240,17 @@ def restart_kubelet(c: k.Cluster, sig: int = signal.SIGTERM) -> float:
     """Stop kubelet with ``sig``, start it again; returns the new
     kubelet.sock's ctime (epoch seconds). Both signals leave the old
     kubelet.sock behind (D4) until the new kubelet's device manager removes
-    it and creates its own: wait for a new inode, not for the file."""
-    old = c.kubelet_sock.stat().st_ino if c.kubelet_sock.exists() else None
+    it and creates its own: wait for a new (inode, ctime), not for the file
+    (the inode number is often reused)."""
+    st0 = c.kubelet_sock.stat()
+    old = (st0.st_ino, st0.st_ctime_ns)
 
     def new_sock():
         try:
             st = c.kubelet_sock.stat()
         except FileNotFoundError:
             return None
-        return st if st.st_ino != old else None
+        return st if (st.st_ino, st.st_ctime_ns) != old else None
     c.kubelet_stop(sig)
     assert c.kubelet_sock.exists(), "kubelet removed kubelet.sock when stopped (D4 says it stays)"
     c.kubelet_start()
