@@ -122,8 +122,8 @@ class Proc:
         with open(log, "ab") as f:
             f.write(f"\n==== start {time.strftime('%H:%M:%S')}: {' '.join(self.argv)}\n".encode())
             f.flush()
-            self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(die_with_parent(self.argv), stdout=f, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
