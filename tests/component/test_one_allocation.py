@@ -492,6 +492,23 @@ def test_16_an_existing_mount_at_the_pipe_directory_is_refused_naming_it(node: C
     assert n.tenants() == []
 
 
+def test_16_kubelets_copy_of_the_allocate_pipe_mount_is_ours_not_a_conflict(node: Callable[..., Node]) -> None:
+    """A real kubelet passes Allocate's mount (host pipe directory ->
+    /tmp/nvidia-mps) in the CRI request (issue 11, seen with kubelet 1.37 and
+    1.35): the NRI door must not take fracplugin's own mount for the pod's."""
+    n = node()
+    p = pod("own", 1)
+    n.put(p)
+    resp = n.kubelet.allocate(R, ids(0, 1)).container_responses[0]
+    (m,) = [(x.container_path, x.host_path) for x in resp.mounts]
+    assert m[0] == "/tmp/nvidia-mps"
+    n.record("own", "app", ids(0, 1))
+    adj, got = n.create(p, "app", dict(resp.envs), mounts=[m])
+    assert getattr(adj, "code", None) is None, getattr(adj, "message", adj)
+    assert got["NVIDIA_GPU_MEMORY_REQUEST"] == "1024"
+    assert [t["pod_name"] for t in n.tenants()] == ["own"]
+
+
 # ---- lifetimes, status ------------------------------------------------------------------------------
 
 

@@ -328,7 +328,7 @@ class FracNriPlugin:
                     log.debug("nri container not fractional; untouched", extra=fields)
                     return None
                 p = self._avoid_unhealthy(p, pod, container.name, ref, fields)
-                _check_mounts(p, container)
+                _check_mounts(p, container, self.config.layout.root)
                 sm = p.mps.namespace is not None  # MPS v3 namespace to create (none with classic v2)
                 self._require_mode_up(p, ctx, fields)
                 self._ensure_mount_sources(p, fields)
@@ -938,14 +938,23 @@ class _FailOpen(Exception):
     pass
 
 
-def _check_mounts(p: ContainerPlan, container: Any) -> None:
+def _check_mounts(p: ContainerPlan, container: Any, mps_root: str) -> None:
     """Refuse a container that already mounts something at a destination our
     plan mounts the pipe directory on (the pod's own volume at
     ``/tmp/nvidia-mps``): the adjustment would silently replace it (issue 10
-    item 8). Raises FractionError naming the mount and the rule."""
+    item 8). Raises FractionError naming the mount and the rule.
+
+    A mount whose source is at or below ``mps_root`` is fracplugin's own: the
+    device plugin door's Allocate answer, which a real kubelet passes to the
+    runtime in the CRI request (issue 11: with both doors on, every container
+    with devices of our resource has it); the adjustment replaces it with the
+    plan's (same pipe directory, plus ``nosuid,nodev``)."""
     ours = {m.destination.rstrip("/") for m in p.mounts}
+    root = mps_root.rstrip("/") + "/"
     for m in container.mounts:
         dest = m.destination.rstrip("/") or "/"
+        if dest in ours and m.source and (m.source.rstrip("/") + "/").startswith(root):
+            continue
         if dest in ours:
             raise FractionError(
                 f"mounts[{m.destination}]", m.source or m.type,
