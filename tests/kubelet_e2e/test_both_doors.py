@@ -64,8 +64,9 @@ def test_checkpoint_lost_reallocate_gets_the_original_plan_at_once(cluster, daem
     restarted by kubelet, restartPolicy Always) kubelet finds no cached
     devices for it and calls Allocate again ("Needs to re-allocate device
     plugin resources", GetDeviceRunContainerOptions). fracplugin answers with
-    the plan it already holds (planned, no fallback after the deadline), the
-    ledger is unchanged and the new container has the original env."""
+    the reservation it already holds ("reserved", no fallback after the
+    deadline), the ledger keeps the same figures and the new container has
+    the original env."""
     c = cluster
     _advertised(c)
     pods.create(k.pod_manifest("b6", gib=2, annotations={ANN + "gpu-memory.limit": "3Gi"}, restart="Always"))
@@ -85,10 +86,13 @@ def test_checkpoint_lost_reallocate_gets_the_original_plan_at_once(cluster, daem
                and pods.container_id("b6") != cid and pods.wait_running("b6"), 120, "b6 restarted by kubelet")
     assert kubelet_lines(c, off, "Needs to re-allocate"), c.kubelet.tail(40)
     dp = daemon.dp()
-    assert dp["allocations"] > dp0["allocations"]
+    # answered from the recorded reservation (ADR 0007: "reserved"), not
+    # planned anew and not the fallback after the deadline
+    assert dp["reserved"] > dp0["reserved"]
     assert dp["fallbacks"] == dp0["fallbacks"], dp["last_fallback"]
-    assert dp["planned"] > dp0["planned"]
-    assert [t for t in ledger(daemon) if t["pod_name"] == "b6"] == held0
+    held = [t for t in ledger(daemon) if t["pod_name"] == "b6"]
+    assert [(t["gpu_uuid"], t["request_mib"], t["limit_mib"]) for t in held] == \
+        [(t["gpu_uuid"], t["request_mib"], t["limit_mib"]) for t in held0]
     assert container_env(c, pods.container_id("b6")) == env0
 
 

@@ -205,14 +205,15 @@ def test_socket_deleted_twice_then_20_kubelet_restarts(cluster, daemon, pods):
 
 
 def test_allocate_refusal_shows_in_pod_status(cluster, daemon, pods):
-    """Scenario 8: a refusal at Allocate (limit annotation below the request)
-    fails the pod with kubelet's UnexpectedAdmissionError, and the message an
-    operator reads through the API server (pod status, events) names the
-    annotation key and the rule."""
+    """Scenario 8: a refusal at Allocate (a limit annotation that is not a
+    Kubernetes quantity; a limit below kubelet's allocation is not refused
+    but "not applied", ADR 0007) fails the pod with kubelet's
+    UnexpectedAdmissionError, and the message an operator reads through the
+    API server (pod status, events) names the annotation key and the rule."""
     c = cluster
     wait_advertised(c)
     key = ANN + "gpu-memory.limit"
-    pods.create(k.pod_manifest("s8", gib=2, annotations={key: "1Gi"}))
+    pods.create(k.pod_manifest("s8", gib=2, annotations={key: "banana"}))
 
     def failed():
         p = pods.get("s8")
