@@ -105,20 +105,34 @@ def register(
     resource_name: str,
     options: pb.DevicePluginOptions,
     timeout_s: float = 10.0,
+    abort_if: Callable[[], bool] | None = None,
 ) -> None:
     """One ``Registration.Register`` call. ``endpoint`` is our socket's *file
-    name* (kubelet joins it with its plugin dir, reference A.3). Raises
-    RegistrationError (kubelet.sock missing, kubelet refused, timeout)."""
+    name* (kubelet joins it with its plugin dir, reference A.3). ``abort_if``
+    is checked every 50 ms while kubelet works on the call: when it turns true
+    (our socket was deleted meanwhile: kubelet would dial the missing file
+    until its own 10 s timeout) the call is cancelled. Raises
+    RegistrationError (kubelet.sock missing, kubelet refused, timeout, aborted)."""
     if not os.path.exists(kubelet_socket):
         raise RegistrationError(f"{kubelet_socket} does not exist (kubelet not running yet?)")
     with grpc.insecure_channel("unix:" + kubelet_socket, options=CHANNEL_OPTIONS) as ch:
+        fut = pb_grpc.RegistrationStub(ch).Register.future(
+            pb.RegisterRequest(version=API_VERSION, endpoint=endpoint, resource_name=resource_name, options=options),
+            timeout=timeout_s,
+        )
+        while abort_if is not None and not fut.done():
+            try:
+                fut.result(timeout=0.05)
+            except grpc.FutureTimeoutError:
+                if abort_if():
+                    fut.cancel()
+                    raise RegistrationError(
+                        f"Register {resource_name} at {kubelet_socket} abandoned: our socket {endpoint} was deleted "
+                        "while kubelet was dialing it") from None
+            except grpc.RpcError:
+                break
         try:
-            pb_grpc.RegistrationStub(ch).Register(
-                pb.RegisterRequest(
-                    version=API_VERSION, endpoint=endpoint, resource_name=resource_name, options=options
-                ),
-                timeout=timeout_s,
-            )
+            fut.result()
         except grpc.RpcError as e:
             raise RegistrationError(
                 f"Register {resource_name} at {kubelet_socket} failed: {e.code().name}: {e.details()}"
@@ -394,6 +408,7 @@ class Registrar:
                 self.resource_name,
                 self.target.options(),
                 timeout_s=self.register_timeout_s,
+                abort_if=lambda: _socket_gone(socket_identity(self.target.socket_path), self.target.socket_identity()),
             )
         except RegistrationError as e:
             if "already connected" in str(e):
