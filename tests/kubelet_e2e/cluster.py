@@ -164,6 +164,10 @@ class Proc:
 def new_base() -> Path:
     """A fresh marked base directory ``/tmp/fpk8s-XXXX`` (short: socket paths)."""
     base = Path(tempfile.mkdtemp(prefix="fpk8s-", dir="/tmp"))
+    # 0755: the MPS root lives below it and MPS clients (containers, any UID)
+    # must traverse every ancestor of the pipe directory (the supervisor
+    # refuses to start its daemons otherwise).
+    base.chmod(0o755)
     (base / MARKER).write_text(f"{os.getpid()}\n")
     return base
 
