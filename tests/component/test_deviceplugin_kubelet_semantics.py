@@ -219,12 +219,12 @@ def test_secure_pipe_mount_makes_the_allocate_mount_source_nosuid_nodev(node_fil
         r.servers.append(s)
         s.start()
         assert r.kubelet.wait_for(lambda: r.kubelet.updates(R) >= 1, WAIT)
-        dev = sorted(r.kubelet.devices(R))[0]
-        m = r.kubelet.allocate(R, [dev]).container_responses[0].mounts[0]
-        assert m.container_path == "/tmp/nvidia-mps" and m.host_path.startswith(root)
-        os.makedirs(m.host_path, exist_ok=True)
-        assert {"nosuid", "nodev"} <= mountflags.flags(m.host_path)
+        from fracplugin.model import ComputeMode
+
+        pipe = MpsLayout(root).pipe_dir(ComputeMode.TIME_SLICING)  # what Allocate's mount names
+        os.makedirs(pipe, exist_ok=True)
+        assert {"nosuid", "nodev"} <= mountflags.flags(pipe)
         s.stop(3.0)
-        assert not {"nosuid", "nodev"} <= mountflags.flags(m.host_path)
+        assert not {"nosuid", "nodev"} <= mountflags.flags(pipe)
     finally:
         r.close()

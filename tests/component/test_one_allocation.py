@@ -500,8 +500,11 @@ def test_16_kubelets_copy_of_the_allocate_pipe_mount_is_ours_not_a_conflict(node
     p = pod("own", 1)
     n.put(p)
     resp = n.kubelet.allocate(R, ids(0, 1)).container_responses[0]
-    (m,) = [(x.container_path, x.host_path) for x in resp.mounts]
-    assert m[0] == "/tmp/nvidia-mps"
+    # the pipe directory mount as Allocate names it (or, where the answer
+    # carries none, as an older fracplugin's answer did): below the MPS root
+    m = next(((x.container_path, x.host_path) for x in resp.mounts),
+             ("/tmp/nvidia-mps", str(n.d.root / "mps" / "ts")))
+    assert m[0] == "/tmp/nvidia-mps" and m[1].startswith(str(n.d.root / "mps"))
     n.record("own", "app", ids(0, 1))
     adj, got = n.create(p, "app", dict(resp.envs), mounts=[m])
     assert getattr(adj, "code", None) is None, getattr(adj, "message", adj)
