@@ -9,8 +9,7 @@
 #   FRACPLUGIN_KUBE_VERSIONS   space-separated (default "v1.37.2 v1.35.4")
 #   ETCD_VERSION               default v3.7.3
 #   CONTAINERD_VERSION         default v2.3.7 (built by tests/e2e/build.sh)
-#   FRACPLUGIN_KUBELET_E2E_MODULES  test modules (default test_kubelet.py; add
-#                              test_both_doors.py once issue 10 is merged)
+#   FRACPLUGIN_KUBELET_E2E_MODULES  test modules (default: test_kubelet.py test_both_doors.py)
 #   PYTEST_ARGS                extra pytest arguments
 set -euo pipefail
 
@@ -44,7 +43,7 @@ echo "kubelet-e2e: builds/cache check took $((t1 - t0))s" >&2
 
 cd "$repo"
 modules=()
-for m in ${FRACPLUGIN_KUBELET_E2E_MODULES:-test_kubelet.py}; do modules+=("$here/$m"); done
+for m in ${FRACPLUGIN_KUBELET_E2E_MODULES:-test_kubelet.py test_both_doors.py}; do modules+=("$here/$m"); done
 "$py" -m pytest "${modules[@]}" -m kubelet_e2e -q -p no:cacheprovider -o addopts="-ra --strict-markers" \
     -W ignore::urllib3.exceptions.InsecureRequestWarning \
     ${PYTEST_ARGS:-}
