@@ -247,6 +247,16 @@ class BoundedHandler(BaseHTTPRequestHandler):
         finally:
             self.server.reading(self.connection, False)
 
+    def send_body(self, code: int, body: bytes, ctype: str) -> None:
+        """Answer ``code`` with ``body`` (bytes, ``Content-Type: ctype``); no
+        body for HEAD. Raises OSError when the client has gone away."""
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
     def parse_request(self) -> bool:
         ok = super().parse_request()
         self.server.reading(self.connection, False)  # headers are in: no longer evictable
@@ -373,16 +383,8 @@ class HealthServer:
         outer = self
 
         class Handler(BoundedHandler):
-            def _send(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(body)
-
             def _json(self, code: int, doc: Any) -> None:
-                self._send(code, (json.dumps(doc, indent=1, default=str) + "\n").encode(), "application/json")
+                self.send_body(code, (json.dumps(doc, indent=1, default=str) + "\n").encode(), "application/json")
 
             def _gone(self, exc: BaseException) -> None:
                 """The client went away before the reply: nothing to answer."""
@@ -396,20 +398,20 @@ class HealthServer:
                     if path == "/healthz":
                         reason = outer._alive()
                         if reason is None:
-                            self._send(200, b"ok\n", "text/plain")
+                            self.send_body(200, b"ok\n", "text/plain")
                         else:
-                            self._send(503, f"not alive: {reason}\n".encode(), "text/plain")
+                            self.send_body(503, f"not alive: {reason}\n".encode(), "text/plain")
                     elif path == "/readyz":
                         r = outer.readiness()
                         self._json(200 if r["ready"] else 503, r)
                     elif path == "/status" and self.peer_is_loopback():
                         self._json(200, outer._status())
                     elif path == "/status":  # names every tenant: this node's own processes only
-                        self._send(404, STATUS_NOT_HERE.encode(), "text/plain")
+                        self.send_body(404, STATUS_NOT_HERE.encode(), "text/plain")
                     elif path == "/simulate/xid" and outer._simulate_xid is not None:
                         self._text(405, "/simulate/xid answers POST only", {"Allow": "POST"})
                     else:
-                        self._send(404, b"not found: try /healthz, /readyz, /status\n", "text/plain")
+                        self.send_body(404, b"not found: try /healthz, /readyz, /status\n", "text/plain")
                 except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
                     self._gone(exc)
                 except Exception as exc:  # a broken callback answers 500, never kills the server

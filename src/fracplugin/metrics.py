@@ -224,12 +224,7 @@ class Metrics:
                 else:
                     code, ctype, body = 200, CONTENT_TYPE_LATEST, outer.render()
                 try:
-                    self.send_response(code)
-                    self.send_header("Content-Type", ctype)
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    if self.command != "HEAD":
-                        self.wfile.write(body)
+                    self.send_body(code, body, ctype)
                 except OSError as exc:  # the scraper went away
                     log.debug("metrics http: client gone before the reply: %s", exc)
                     self.close_connection = True
