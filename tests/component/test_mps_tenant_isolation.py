@@ -54,10 +54,33 @@ def sup():
         shutil.rmtree(root, ignore_errors=True)
 
 
+_TENANT_FAKE: list[str] = []
+
+
+def tenant_binary() -> str:
+    """A copy of the fake control binary that ``nobody`` can read: the checkout
+    may lie under a directory only root can traverse (a ``mktemp -d`` clone)."""
+    if not _TENANT_FAKE:
+        d = tempfile.mkdtemp(prefix="fp-tenant-bin", dir="/tmp")
+        os.chmod(d, 0o755)
+        dst = os.path.join(d, "nvidia-cuda-mps-control")
+        shutil.copy(FAKE, dst)
+        os.chmod(dst, 0o755)
+        _TENANT_FAKE.append(dst)
+    return _TENANT_FAKE[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_tenant_binary():
+    yield
+    while _TENANT_FAKE:
+        shutil.rmtree(os.path.dirname(_TENANT_FAKE.pop()), ignore_errors=True)
+
+
 def as_tenant(pipe_dir: str, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
     """The control binary run by the tenant (uid nobody, system python3) with its pipe directory."""
     env = {"PATH": "/usr/bin:/bin", "CUDA_MPS_PIPE_DIRECTORY": pipe_dir}
-    return subprocess.run([SYSTEM_PYTHON, FAKE, *args], input=stdin, capture_output=True, text=True, env=env,
+    return subprocess.run([SYSTEM_PYTHON, tenant_binary(), *args], input=stdin, capture_output=True, text=True, env=env,
                           timeout=20, user=NOBODY, group=NOBODY)
 
 

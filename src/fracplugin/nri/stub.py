@@ -534,6 +534,7 @@ class _Session:
         self.registered = threading.Event()
         self.synchronized = False
         self.unanswered = 0  # requests read, answer not written yet
+        self.closing = False  # a bound closed this connection: later requests on it are dropped
         self.lock = threading.Lock()
 
 
@@ -913,8 +914,11 @@ class NriStub:
             transport.respond_error(ev.stream_id, err.code, err.message)
             return
         with session.lock:
+            if session.closing:  # already over the bound and being closed: read, not served
+                return
             session.unanswered += 1
             over = session.unanswered > self.max_unanswered
+            session.closing = over
         if over:
             log.error("nri runtime does not read the plugin's answers: %d requests unanswered (bound %d); "
                       "closing the connection", session.unanswered, self.max_unanswered,
