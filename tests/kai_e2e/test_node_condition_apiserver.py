@@ -126,7 +126,11 @@ def test_node_condition_on_a_real_apiserver() -> None:
             pytest.fail(msg, pytrace=False)
         pytest.skip(msg)
     work = Path(tempfile.mkdtemp(prefix="fpkai", dir="/tmp"))
+    os.chmod(work, 0o755)  # the MPS root below it must be traversable, or the daemon is not ready (issue 12)
     try:
         print(run_scenario(kubeconfig, work))
+    except AssertionError as exc:
+        tail = (work / "daemon.log").read_text(errors="replace")[-4000:] if (work / "daemon.log").exists() else ""
+        raise AssertionError(f"{exc}\n--- daemon log (tail) ---\n{tail}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
