@@ -15,13 +15,9 @@ real unix sockets (the fake runtime, or a hand-driven runtime end).
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
-import tempfile
 import threading
 
-import pytest
 
 from tests.helpers import wait_for
 
@@ -55,22 +51,6 @@ class Plugin:
         return adj
 
 
-@pytest.fixture
-def sockpath():
-    d = tempfile.mkdtemp(prefix="fpb", dir="/tmp")
-    yield os.path.join(d, "nri.sock")
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def cleanup():
-    items = []
-    yield items.append
-    for item in reversed(items):
-        if isinstance(item, NriStub):
-            item.stop(5)
-        else:
-            item.close()
 
 
 def _stub(handler, path, cleanup, **kw) -> NriStub:

@@ -4,10 +4,7 @@ StateChange), errors, large answers in small frames, reconnection, stop."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
 
@@ -69,22 +66,6 @@ class Recorder:
         self.shutdowns += 1
 
 
-@pytest.fixture
-def sockpath():
-    d = tempfile.mkdtemp(prefix="fp", dir="/tmp")
-    yield os.path.join(d, "nri.sock")
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def cleanup():
-    items = []
-    yield items.append
-    for item in reversed(items):
-        if isinstance(item, NriStub):
-            item.stop(5)
-        else:
-            item.close()
 
 
 def _stub(handler, path, cleanup, **kw):
