@@ -6,9 +6,9 @@ What it does, in one command (issue 6 item 2):
    fracplugin.cli run``) on ``examples/nodes/gpu-node-1.yaml`` with
    the fake ``nvidia-cuda-mps-control`` (``tests/fakes/``), every socket,
    pipe directory and state file in one temporary directory;
-2. acts as the container runtime (``nri.runtime_client.NriRuntimeServer``:
+2. acts as the container runtime (``sim.nri_runtime.NriRuntimeServer``:
    mux + ttrpc + NRI protobufs on a real unix socket) and as kubelet
-   (``kubelet.kubelet_client.KubeletSim``: Registration server + device
+   (``sim.kubelet.KubeletSim``: Registration server + device
    plugin client over gRPC), and gives the daemon a simulated API server
    (``--pods-file``) for the device plugin door;
 3. plays the seed pods of ``examples/pods/``: the inference pod
@@ -217,8 +217,8 @@ class Demo:
         }
 
     def start(self) -> None:
-        from .kubelet.kubelet_client import KubeletSim
-        from .nri.runtime_client import NriRuntimeServer
+        from .sim.kubelet import KubeletSim
+        from .sim.nri_runtime import NriRuntimeServer
 
         self.work = tempfile.mkdtemp(prefix="fpdemo", dir="/tmp")
         os.chmod(self.work, 0o755)  # the MPS root must be reachable by other users
@@ -248,13 +248,14 @@ class Demo:
             del env[k]  # the demo's flags, not the caller's environment, configure this daemon
         self._log_file = open(w / "daemon.log", "wb")
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(die_with_parent(cmd), stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        proc = subprocess.Popen(die_with_parent(cmd), stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        self.proc = proc
         ep = w / "state" / "endpoints.json"
-        if not _wait(lambda: ep.exists() or self.proc.poll() is not None, self.ready_timeout_s):
+        if not _wait(lambda: ep.exists() or proc.poll() is not None, self.ready_timeout_s):
             raise StepFailed(f"the daemon did not start within {self.ready_timeout_s} s")
-        if self.proc.poll() is not None:
-            raise StepFailed(f"the daemon exited at start with status {self.proc.returncode}")
+        if proc.poll() is not None:
+            raise StepFailed(f"the daemon exited at start with status {proc.returncode}")
         self.endpoints = json.loads(ep.read_text())
         ready = _wait(lambda: _http(self.endpoints["health"], "/readyz")[0] == 200, self.ready_timeout_s, 0.1)
         readiness = json.loads(_http(self.endpoints["health"], "/readyz")[1])
@@ -312,7 +313,7 @@ class Demo:
     def nri_create(self, manifest: dict[str, Any], expect: str, source: str) -> dict[str, Any]:
         """CreateContainer for every container of ``manifest``; ``expect`` is
         ``placed`` or ``refused``. Returns the result record of the (last) container."""
-        from .nri.runtime_client import container_msg, effective_env, pod_sandbox
+        from .sim.nri_runtime import container_msg, effective_env, pod_sandbox
         from .nri.ttrpc import Code, RpcError
 
         pod = pod_sandbox(manifest)

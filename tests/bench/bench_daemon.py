@@ -40,8 +40,8 @@ FAKE_MPS = REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"
 REPORT = REPO / "build" / "bench.json"
 REPEAT = int(os.environ.get("BENCH_DAEMON_REPEAT", "3"))
 
-from fracplugin.kubelet.kubelet_client import KubeletSim  # noqa: E402
-from fracplugin.nri.runtime_client import NriRuntimeServer  # noqa: E402
+from fracplugin.sim.kubelet import KubeletSim  # noqa: E402
+from fracplugin.sim.nri_runtime import NriRuntimeServer  # noqa: E402
 from benchjson import merge  # noqa: E402
 
 

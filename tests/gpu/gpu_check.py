@@ -38,7 +38,7 @@ passed or skipped, 1 a failure (or a setup problem: the line says which),
 2 no NVIDIA GPU here (one line, nothing else done).
 
 Concurrency: sequential on the main thread; the NRI runtime driver runs its
-own I/O threads (``fracplugin.nri.runtime_client``).
+own I/O threads (``fracplugin.sim.nri_runtime``).
 """
 
 from __future__ import annotations
@@ -620,7 +620,7 @@ class Nri:
     """Acts as containerd towards the daemon's NRI plugin (``NriRuntimeServer``)."""
 
     def __init__(self, socket_path: Path, request_timeout_s: float = 10.0) -> None:
-        from fracplugin.nri.runtime_client import NriRuntimeServer
+        from fracplugin.sim.nri_runtime import NriRuntimeServer
 
         self.server = NriRuntimeServer(str(socket_path), request_timeout_s=request_timeout_s,
                                        runtime_name="fracplugin-gpu-check").start()
@@ -629,7 +629,7 @@ class Nri:
         """RunPodSandbox, CreateContainer, StartContainer (the plugin holds
         StartContainer until an sm-sharing namespace is in place). Raises
         RpcError when the plugin refuses."""
-        from fracplugin.nri.runtime_client import container_msg, effective_env, pod_sandbox
+        from fracplugin.sim.nri_runtime import container_msg, effective_env, pod_sandbox
 
         pod = pod_sandbox(manifest)
         ctr = container_msg(pod, manifest["spec"]["containers"][0], container_id=secrets.token_hex(32))

@@ -1,6 +1,7 @@
-"""The kubelet side of the device plugin API, small and reusable: what
-``fracplugin demo`` uses to act as kubelet towards the daemon, and what the
-tests' ``FakeKubelet`` builds on (adding restarts, dropped streams, refusals).
+"""The demo's simulated kubelet (the kubelet side of the device plugin API):
+what ``fracplugin demo`` uses to act as kubelet towards the daemon. Not used by
+``fracplugin run``; the component tests use their own kubelet
+(``tests/peers/kubelet.py``).
 
 ``Kubelet`` serves ``v1beta1.Registration`` on ``<dir>/kubelet.sock`` and, on
 ``Register``, does what kubelet does before answering
@@ -30,7 +31,7 @@ v1.35.4 and v1.37.2 built from k8s.io/kubernetes; ``docs/e2e.md``):
 * D7: when a plugin's stream ends and no other endpoint serves the resource,
   every device of the resource turns Unhealthy (allocatable 0).
 
-A driver for demos and tests, not kubelet: no checkpoint, no pod admission.
+A driver for the demo and benchmarks, not kubelet: no checkpoint, no pod admission.
 
 Concurrency model: grpc's thread pool serves Registration; one thread
 consumes each ListAndWatch stream; shared state sits under one condition

@@ -1,6 +1,7 @@
-"""The runtime side of NRI, small and reusable: what ``fracplugin demo`` uses
-to act as containerd towards the daemon's NRI plugin, and what the tests'
-``FakeNriRuntime`` builds on (adding only fault injection and recording).
+"""The demo's simulated container runtime (the runtime side of NRI): what
+``fracplugin demo`` uses to act as containerd towards the daemon's NRI plugin.
+Not used by ``fracplugin run``; the component tests use their own peer
+(``tests/peers/nri_runtime.py``, with its own wire code).
 
 It listens on a unix socket (as the runtime does at ``/var/run/nri/nri.sock``),
 accepts one plugin connection at a time (a new one replaces the old), serves
@@ -15,8 +16,8 @@ UNIMPLEMENTED (section 1.7); a v0.8 runtime sends ``StateChange`` only. A call
 that outlives the request timeout is fatal for the connection (section 1.8).
 
 Built on fracplugin's sans-I/O mux/ttrpc layers through ``NriTransport``. It
-is a driver for demos and tests, not a claim of interop (the Go interop suite
-drives the real adaptation).
+is a driver for the demo and benchmarks, not a claim of interop (the Go
+interop suite drives the real adaptation).
 
 Concurrency model: threads. One accept thread; one reader thread per
 connection (``NriTransport``), which only answers RegisterPlugin and hands
@@ -37,9 +38,9 @@ from typing import Any, Mapping, Sequence
 
 from .. import __version__
 from .._proto import nri_pb2
-from .mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
-from .transport import ConnectionClosed, NriTransport
-from .ttrpc import Code, RequestReceived, RpcError
+from ..nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from ..nri.transport import ConnectionClosed, NriTransport
+from ..nri.ttrpc import Code, RequestReceived, RpcError
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,8 @@ class NriRuntimeServer:
     def plugin(self) -> PluginInfo | None:
         """The registered plugin of the open connection, or None."""
         with self._cond:
-            return self._conn.info if self._ready(self._conn) else None
+            conn = self._conn
+            return conn.info if conn is not None and self._ready(conn) else None
 
     def wait_registered(self, timeout_s: float = 10.0) -> PluginInfo:
         """Block until a plugin registered, was configured and (with
@@ -233,8 +235,9 @@ class NriRuntimeServer:
         with self._cond:
             if not self._cond.wait_for(lambda: self._ready(self._conn), timeout_s):
                 raise TimeoutError(f"no NRI plugin registered on {self.socket_path} within {timeout_s} s")
-            assert self._conn is not None and self._conn.info is not None
-            return self._conn.info
+            conn = self._conn
+            assert conn is not None and conn.info is not None
+            return conn.info
 
     # ---- driving the plugin ------------------------------------------------------
     def set_sync_state(self, pods: Sequence[Any], containers: Sequence[Any]) -> None:
