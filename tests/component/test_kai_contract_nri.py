@@ -13,9 +13,7 @@ from typing import Any, Callable
 
 import yaml
 
-from fracplugin.nri.runtime_client import effective_env
-from fracplugin.nri.ttrpc import RpcError
-from nri_runtime import FakeNriRuntime, pod_from_manifest
+from nri_runtime import FakeNriRuntime, RpcError, effective_env, pod_from_manifest
 from test_daemon import DaemonProc, wait_until
 from test_daemon import daemon, root  # noqa: F401  pytest fixtures
 

@@ -22,12 +22,10 @@ import threading
 from tests.helpers import wait_for
 
 from fracplugin._proto import nri_pb2
-from fracplugin.nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from fracplugin.nri.stub import MAX_SYNC_PARTS, MAX_UNANSWERED, PLUGIN_SERVICE, NriStub
-from fracplugin.nri.transport import NriTransport
-from fracplugin.nri.ttrpc import Code
 
-from nri_runtime import FakeNriRuntime, make_container, make_pod
+from nri_runtime import Code, FakeNriRuntime, make_container, make_pod
+from tests.peers.nri_runtime import PeerConnection
 
 
 class Plugin:
@@ -140,7 +138,7 @@ class SilentRuntime:
         self.listener.bind(path)
         self.listener.listen(4)
         self.park = threading.Event()
-        self.transport: NriTransport | None = None
+        self.transport: PeerConnection | None = None
         self.accepted = threading.Event()
         self.connections = 0
         threading.Thread(target=self._accept, daemon=True).start()
@@ -155,15 +153,14 @@ class SilentRuntime:
             if self.transport is not None:  # later connections: registered and left alone
                 sock.close()
                 continue
-            t = NriTransport(sock, serve_conn=RUNTIME_SERVICE_CONN, call_conn=PLUGIN_SERVICE_CONN,
-                             on_request=self._on_request, label="silent-runtime")
+            t = PeerConnection(sock, on_request=self._on_request, on_closed=lambda conn, reason: None,
+                               max_read_frame=None, label="silent-runtime")
             self.transport = t
             t.start()
 
-    def _on_request(self, ev) -> None:
-        assert self.transport is not None
-        self.transport.respond(ev.stream_id, b"")
-        if ev.method == "RegisterPlugin":
+    def _on_request(self, conn, stream_id, req) -> None:
+        conn.respond(stream_id, b"")
+        if req.method == "RegisterPlugin":
             self.accepted.set()
             self.park.wait()  # never read another byte
 

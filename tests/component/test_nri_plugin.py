@@ -18,18 +18,17 @@ from tests.helpers import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fracplugin._proto import nri_pb2, ttrpc_pb2
+from fracplugin._proto import nri_pb2
 from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.mps.layout import MpsLayout, namespace_name
-from fracplugin.nri.mux import MAX_PAYLOAD
 from fracplugin.nri.plugin import FracNriPlugin, build_adjustment
 from fracplugin.nri.stub import PLUGIN_SERVICE, NriStub
-from fracplugin.nri.ttrpc import MAX_MESSAGE, Code, MessageType, RpcError, encode_message
 from fracplugin.planner import PlannerConfig, plan_container
 from fracplugin.model import ComputeMode, PodRef
 
-from nri_runtime import FakeNriRuntime, effective_env, make_container, make_pod, pod_from_manifest
+from nri_runtime import Code, FakeNriRuntime, RpcError, effective_env, make_container, make_pod, pod_from_manifest
+from tests.peers import ttrpc_wire as wire
 
 REPO = Path(__file__).resolve().parents[2]
 PODS = REPO / "examples" / "pods"
@@ -490,8 +489,8 @@ def test_garbage_drops_the_connection_and_the_plugin_reconnects(running):
 def test_truncated_frame_then_close(running):
     h, before, pods, ctrs = running
     old = h.rt.transport
-    body = ttrpc_pb2.Request(service=PLUGIN_SERVICE, method="CreateContainer", payload=b"\x0a\x00").SerializeToString()
-    msg = encode_message(99, MessageType.REQUEST, body)
+    body = wire.encode_request(wire.Request(PLUGIN_SERVICE, "CreateContainer", b"\x0a\x00"))
+    msg = wire.ttrpc_frame(99, wire.REQUEST, body)
     h.rt.transport.send_raw(struct.pack(">II", 1, len(msg)) + msg[:7])  # mux frame cut short
     h.rt.disconnect()
     _assert_recovers(h, old, before, pods, ctrs)
@@ -500,7 +499,7 @@ def test_truncated_frame_then_close(running):
 def test_oversized_mux_frame_drops_the_connection(running):
     h, before, pods, ctrs = running
     old = h.rt.transport
-    h.rt.transport.send_raw(struct.pack(">II", 1, MAX_PAYLOAD + 1))
+    h.rt.transport.send_raw(struct.pack(">II", 1, wire.MUX_MAX_PAYLOAD + 1))
     _assert_recovers(h, old, before, pods, ctrs)
 
 
@@ -508,8 +507,7 @@ def test_oversized_ttrpc_message_is_answered_resource_exhausted(running):
     h, before, pods, ctrs = running
     # A ttrpc request above 4 MiB, spread over legal mux frames: discarded and
     # answered RESOURCE_EXHAUSTED; the connection stays up.
-    body = ttrpc_pb2.Request(service=PLUGIN_SERVICE, method="CreateContainer",
-                             payload=b"\0" * (MAX_MESSAGE + 1)).SerializeToString()
+    body = wire.encode_request(wire.Request(PLUGIN_SERVICE, "CreateContainer", b"\0" * (wire.TTRPC_MAX_DATA + 1)))
     resp = h.rt.transport.call_async_body(body, check_size=False).result(10)
     assert resp.code == Code.RESOURCE_EXHAUSTED
     resp = h.rt.call_raw(PLUGIN_SERVICE, "Frobnicate", b"")
@@ -572,7 +570,7 @@ _garbage = st.one_of(
     st.binary(min_size=1, max_size=300).map(lambda b: struct.pack(">II", 1, len(b)) + b),
     # well-formed mux + ttrpc framing around a junk or truncated request body
     st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 255), st.binary(max_size=200)).map(
-        lambda t: (lambda m: struct.pack(">II", 1, len(m)) + m)(encode_message(t[0], t[1], t[2]))
+        lambda t: (lambda m: struct.pack(">II", 1, len(m)) + m)(wire.ttrpc_frame(t[0], t[1], t[2]))
     ),
 )
 
