@@ -14,7 +14,7 @@ enqueue work, never block). Any thread may call ``call``/``call_async``,
   writing the socket), so the reader keeps reading while a writer blocks.
 
 Lock order is always write -> state. The plugin side serves conn 1 and calls
-on conn 2; a runtime-side peer (the test fake) does the opposite
+on conn 2; a runtime-side peer (the demo's ``fracplugin.sim.nri_runtime``) does the opposite
 (nri-protocol.md section 1.1).
 
 Failures (mux/ttrpc protocol errors, truncated streams, EOF, socket errors)
@@ -178,11 +178,6 @@ class NriTransport:
         ``ResponseReceived`` (any status) or fails with ``ConnectionClosed``."""
         return self._call_async(lambda: self._client.send_request(service, method, payload, timeout_nano=timeout_nano))
 
-    def call_async_body(self, body: bytes, *, check_size: bool = True) -> "Future[ResponseReceived]":
-        """Like ``call_async`` with an already encoded ``ttrpc.Request`` body;
-        ``check_size=False`` sends even above 4 MiB (for tests)."""
-        return self._call_async(lambda: self._client.send_request_body(body, check_size=check_size))
-
     def _call_async(self, queue: Callable[[], int]) -> "Future[ResponseReceived]":
         fut: Future[ResponseReceived] = Future()
         with self._write_lock:
@@ -232,24 +227,6 @@ class NriTransport:
             except ConnectionClosed as exc:
                 self.close(str(exc))
                 raise
-
-    def send_raw(self, data: bytes) -> None:
-        """Write raw bytes to the socket, bypassing all framing (for tests that
-        inject garbage). Raises ``ConnectionClosed``."""
-        with self._write_lock:
-            try:
-                self._sock.sendall(data)
-            except OSError as exc:
-                raise ConnectionClosed(f"write failed: {exc}") from exc
-
-    def send_raw_on(self, conn_id: int, data: bytes, max_frame: int | None = None) -> None:
-        """Write ``data`` (raw ttrpc bytes) in mux frames on ``conn_id``,
-        bypassing the ttrpc state machine (for tests)."""
-        with self._write_lock:
-            try:
-                self._sock.sendall(encode_frames(conn_id, data, max_frame or self._max_write_frame))
-            except OSError as exc:
-                raise ConnectionClosed(f"write failed: {exc}") from exc
 
     # -------------------------------------------------------------- reading
 
