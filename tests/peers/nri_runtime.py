@@ -839,7 +839,7 @@ def make_container(
     *,
     container_id: str = "",
     env: Mapping[str, str] | Iterable[str] | None = None,
-    state: int = 0,
+    state: Any = 0,
 ) -> Any:
     """A ``Container`` of ``pod`` (state 0 as in CreateContainer, or e.g.
     ``nri_pb2.CONTAINER_RUNNING`` for Synchronize)."""
@@ -864,11 +864,13 @@ def pod_from_manifest(manifest: Mapping[str, Any] | str | os.PathLike[str], *, p
     """``(PodSandbox, [Container...])`` from a Pod manifest (a dict, or a YAML
     file path such as ``examples/pods/*.yaml``). Container env comes from
     ``spec.containers[].env[].value``."""
-    if not isinstance(manifest, Mapping):
+    if isinstance(manifest, Mapping):
+        doc: Mapping[str, Any] = manifest
+    else:
         import yaml
 
-        manifest = yaml.safe_load(Path(manifest).read_text())
-    meta = manifest.get("metadata", {})
+        doc = yaml.safe_load(Path(manifest).read_text())
+    meta = doc.get("metadata", {})
     pod = make_pod(
         meta.get("name", "pod"),
         meta.get("namespace", "default"),
@@ -878,7 +880,7 @@ def pod_from_manifest(manifest: Mapping[str, Any] | str | os.PathLike[str], *, p
         labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()},
     )
     containers = []
-    for c in manifest.get("spec", {}).get("containers", []):
+    for c in doc.get("spec", {}).get("containers", []):
         env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
         env += [f"{e['name']}={e.get('value', '')}" for e in c.get("env") or [] if "name" in e]
         containers.append(make_container(pod, c["name"], env=env))
