@@ -146,3 +146,11 @@ def test_a_mux_frame_above_4096_bytes_drops_the_plugin(pair) -> None:
     plugin.send(2, 1, w.REQUEST, body, max_frame=8192)
     assert plugin.eof()
     assert "exceeds the reader's buffer of 4096 bytes" in rt.wait_disconnected(10)
+
+
+def test_a_register_that_does_not_decode_is_invalid_argument(pair) -> None:
+    rt, plugin = pair
+    plugin.send(2, 1, w.REQUEST, w.encode_request(w.Request(RUNTIME, "RegisterPlugin", b"\xff\xff\xff")))
+    resp = w.decode_response(plugin.next()[1].data)
+    assert resp.code == Code.INVALID_ARGUMENT and "unmarshal RegisterPluginRequest" in resp.message
+    assert rt.transport is not None and not rt.transport.closed.is_set()

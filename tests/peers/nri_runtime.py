@@ -64,6 +64,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from google.protobuf.message import DecodeError
+
 from fracplugin._proto import nri_pb2
 
 from . import ttrpc_wire as w
@@ -693,18 +695,26 @@ class FakeNriRuntime:
             conn.respond_error(stream_id, Code.UNAVAILABLE, "connection replaced")
         elif req.service != RUNTIME_SERVICE:
             conn.respond_error(stream_id, Code.UNIMPLEMENTED, f"service {req.service}")
+        elif req.method not in ("RegisterPlugin", "UpdateContainers"):
+            conn.respond_error(stream_id, Code.UNIMPLEMENTED, f"method {req.method}")
         elif req.method == "RegisterPlugin":
-            self._register(p, stream_id, req.payload)
-        elif req.method == "UpdateContainers":
-            msg = nri_pb2.UpdateContainersRequest.FromString(req.payload)
+            try:
+                reg = nri_pb2.RegisterPluginRequest.FromString(req.payload)
+            except DecodeError as exc:
+                conn.respond_error(stream_id, Code.INVALID_ARGUMENT, f"unmarshal RegisterPluginRequest: {exc}")
+                return
+            self._register(p, stream_id, reg)
+        else:
+            try:
+                msg = nri_pb2.UpdateContainersRequest.FromString(req.payload)
+            except DecodeError as exc:
+                conn.respond_error(stream_id, Code.INVALID_ARGUMENT, f"unmarshal UpdateContainersRequest: {exc}")
+                return
             with self._cond:
                 self.unsolicited.append(msg)
             conn.respond(stream_id, nri_pb2.UpdateContainersResponse().SerializeToString())
-        else:
-            conn.respond_error(stream_id, Code.UNIMPLEMENTED, f"method {req.method}")
 
-    def _register(self, p: _Plugin, stream_id: int, payload: bytes) -> None:
-        req = nri_pb2.RegisterPluginRequest.FromString(payload)
+    def _register(self, p: _Plugin, stream_id: int, req: Any) -> None:
         problem = None
         if not _PLUGIN_IDX.fullmatch(req.plugin_idx):
             problem = f"invalid plugin index {req.plugin_idx!r}, must be 2 digits"
