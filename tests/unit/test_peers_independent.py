@@ -73,3 +73,34 @@ def test_importing_the_peers_loads_no_product_transport() -> None:
     out = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, check=True).stdout
     loaded = set(out.split())
     assert loaded - ALLOWED - {"fracplugin", "fracplugin._proto"} == set()
+
+
+def _absolute_imports(path: Path, package: str) -> list[str]:
+    """Modules a source file of ``package`` imports, relative imports resolved."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out += [mod] + [f"{mod}.{a.name}" for a in node.names]
+    return out
+
+
+def test_only_the_demo_uses_the_simulation_package() -> None:
+    # fracplugin.sim holds the demo's players; what `fracplugin run` loads never imports it.
+    src = REPO / "src" / "fracplugin"
+    users = []
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src.parent)
+        if rel.parts[1] == "sim":
+            continue
+        package = ".".join(rel.with_suffix("").parts[:-1]) if path.name != "__init__.py" else ".".join(rel.parts[:-1])
+        if any(m == "fracplugin.sim" or m.startswith("fracplugin.sim.") for m in _absolute_imports(path, package)):
+            users.append(str(rel))
+    assert users == ["fracplugin/demo.py"]
