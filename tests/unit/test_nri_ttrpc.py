@@ -228,16 +228,56 @@ def test_any_split_decodes_to_the_same_messages(specs, cuts):
     assert got == whole
 
 
+# Garbage that gets past the header: frames with small lengths, any stream id,
+# message type and flags, junk bodies (a junk protobuf often decodes), then junk.
+_junk_frames = st.tuples(
+    st.lists(st.tuples(st.integers(0, 12), st.integers(0, 4), st.integers(0, 255), st.binary(max_size=40)),
+             max_size=6).map(lambda fs: b"".join(struct.pack(">IIBB", len(b), sid, t, f) + b for sid, t, f, b in fs)),
+    st.binary(max_size=60),
+).map(lambda t: t[0] + t[1])
+
+
 @settings(max_examples=300)
-@given(st.binary(max_size=300), st.sampled_from([Role.SERVER, Role.CLIENT]))
-def test_garbage_raises_only_ttrpc_error(data, role):
+@given(st.one_of(st.binary(max_size=300), _junk_frames), st.sampled_from([Role.SERVER, Role.CLIENT]))
+def test_garbage_raises_only_ttrpc_error_and_keeps_the_connection_consistent(data, role):
+    """Any input ends in events or a TtrpcError (then the connection stays
+    closed); every request rejected is answered with exactly one error
+    response of the same stream and code; a server accepts only odd,
+    increasing stream ids and awaits an answer for each; a client sees each of
+    its requests answered at most once and queues nothing of its own."""
     conn = TtrpcConnection(role)
+    sent = set()
     if role is Role.CLIENT:
         for _ in range(3):
-            conn.send_request(SVC, "M", b"")
-    try:
-        conn.receive_data(data)
+            sent.add(conn.send_request(SVC, "M", b""))
         conn.data_to_send()
+    try:
+        events = conn.receive_data(data)
+    except TtrpcError:
+        with pytest.raises(TtrpcError):
+            conn.receive_data(b"")
+        return
+    out = _frames(conn.data_to_send())
+    if role is Role.SERVER:
+        assert all(isinstance(e, (RequestReceived, RequestRejected, MessageIgnored)) for e in events), events
+        received = [e.stream_id for e in events if isinstance(e, RequestReceived)]
+        assert all(sid % 2 == 1 for sid in received) and received == sorted(set(received))
+        assert conn.awaiting_response == frozenset(received)
+        rejected = [(e.stream_id, e.code) for e in events if isinstance(e, RequestRejected)]
+        answers = []
+        for _length, sid, mtype, _flags, body in out:
+            assert mtype == MessageType.RESPONSE
+            answers.append((sid, ttrpc_pb2.Response.FromString(body).status.code))
+        assert answers == rejected
+    else:
+        assert all(isinstance(e, (ResponseReceived, MessageIgnored)) for e in events), events
+        answered = [e.stream_id for e in events if isinstance(e, ResponseReceived)]
+        assert len(answered) == len(set(answered)) and set(answered) <= sent
+        assert conn.in_flight == frozenset(sent - set(answered))
+        assert out == []
+    try:
         conn.receive_eof()
     except TtrpcError:
         pass
+    with pytest.raises(TtrpcError):
+        conn.receive_data(b"")
