@@ -48,6 +48,20 @@ def test_bound_inference_pod_gets_the_contract(seed_pods, node):
     assert not p.placed_by_node
 
 
+def test_mps_namespace_name_and_pipe_directory_are_pinned_to_literals(seed_pods, node):
+    """The namespace name is part of the host's state (MPS namespaces, pipe
+    directories, the ledger) and outlives a rollout: a format change must be
+    deliberate. ``fp_`` + 24 hex of sha256("<pod uid>/<container>") (mps/layout.py)."""
+    assert namespace_name("6f1c2a0e-4b7d-4e59-9a51-0c7f3d2b9e11", "app") == "fp_3c21d1bd17f0535bc1c74a69"
+    assert namespace_name("0b9d7e35-2f1a-4c88-8e0d-5a6b7c8d9e22", "app") == "fp_a5c3171f934d21e3985f1b8b"
+    sm = plan_seed(seed_pods["inference-sm-sharing-4gpu.bound"], node)
+    assert sm.mps.namespace == "fp_3c21d1bd17f0535bc1c74a69"
+    assert sm.mounts[0].source == "/run/fracplugin/mps/sm/shared/fp_3c21d1bd17f0535bc1c74a69"
+    ts = plan_seed(seed_pods["notebook-time-slicing-2gpu"], node)
+    assert ts.mps.namespace == "fp_a5c3171f934d21e3985f1b8b"
+    assert ts.mounts[0].source == "/run/fracplugin/mps/ts/shared/fp_a5c3171f934d21e3985f1b8b"
+
+
 def test_unbound_inference_pod_is_placed_on_all_four(seed_pods, node):
     p = plan_seed(seed_pods["inference-sm-sharing-4gpu"], node)
     assert p.device_uuids == tuple(UUIDS)
