@@ -2,18 +2,48 @@
 
 from __future__ import annotations
 
+import inspect
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Union
+
+#: What a wait is for: a phrase, or a function that says it at timeout time
+#: (e.g. one that reads the daemon's log then).
+What = Union[str, Callable[[], str], None]
 
 
-def wait_for(pred: Callable[[], Any], timeout_s: float = 15.0, what: str = "condition", step_s: float = 0.01) -> Any:
-    """Poll ``pred()`` until it returns a truthy value and return that value;
-    raise AssertionError naming ``what`` after ``timeout_s`` seconds."""
+def _describe(pred: Callable[[], Any]) -> str:
+    try:
+        text = " ".join(inspect.getsource(pred).split())
+    except (OSError, TypeError):
+        text = repr(pred)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def wait_until(pred: Callable[[], Any], timeout_s: float = 15.0, what: What = None, step_s: float = 0.01) -> Any:
+    """Poll ``pred()`` every ``step_s`` seconds until it returns a truthy value,
+    and return that value.
+
+    Polls the real condition, never a fixed delay: the wait ends as soon as
+    ``pred`` holds, and ``timeout_s`` (seconds) only bounds a test that would
+    otherwise hang.
+
+    Raises:
+        AssertionError: ``pred`` still falsy after ``timeout_s`` seconds; the
+            message names ``what`` (``pred``'s source when not given; a
+            callable is called at that moment) and the last value ``pred``
+            returned.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         value = pred()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {said or _describe(pred)}; "
+                                 f"last value: {value!r}")
         time.sleep(step_s)
+
+
+wait_for = wait_until
+"""The same helper under the name older tests import."""

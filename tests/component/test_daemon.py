@@ -24,22 +24,12 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from fracplugin.subproc import die_with_parent, with_fd_as_3
+from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
 FAKE_MPS = REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"
 GPU0 = "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01"
-
-
-def wait_until(pred: Callable[[], Any], timeout_s: float = 15.0, step_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            return v
-        time.sleep(step_s)
 
 
 class DaemonProc:
@@ -68,8 +58,9 @@ class DaemonProc:
                                      cwd=str(self.root), **popen)
         if wait:
             ep = self.state / "endpoints.json"
-            ok = wait_until(lambda: ep.exists() or self.proc.poll() is not None, 30)
-            assert ok and self.proc.poll() is None, f"daemon did not start:\n{self.logs()}"
+            wait_until(lambda: ep.exists() or self.proc.poll() is not None, 30,
+                       lambda: f"the daemon to write {ep} (or exit); log:\n{self.logs()}")
+            assert self.proc.poll() is None, f"daemon did not start:\n{self.logs()}"
             self.endpoints = json.loads(ep.read_text())
         return self
 
@@ -247,8 +238,7 @@ def test_sighup_reloads_log_level_and_fail_open(daemon: Callable[..., DaemonProc
     cfg.write_text("log_level: debug\nfail_open: true\nreserve_mib: 512\n")
     d.signal(signal.SIGHUP)
     rec = wait_until(lambda: next((r for r in d.log_records() if r.get("msg") == "SIGHUP: configuration reloaded"),
-                                  None))
-    assert rec, d.logs()
+                                  None), what=lambda: f"the reload log record; log:\n{d.logs()}")
     assert set(rec["applied"]) == {"log_level", "fail_open"} and rec["needs_restart"] == ["reserve_mib"]
     st = d.get("/status")[1]
     assert st["fail_open"] is True and st["config"]["log_level"] == "debug" and st["config"]["reserve_mib"] == 0
@@ -270,7 +260,7 @@ def test_device_plugin_door_registers_and_stops_advertising(daemon: Callable[...
         d = daemon("--no-nri", "--no-mps", "--device-plugin-dir", str(dp_dir),
                    "--pod-resources-socket", str(root / "pr.sock"), "--cdi-kind", "nvidia.com/gpu",
                    "--device-unit-mib", "2048")
-        assert wait_until(d.ready), d.get("/readyz")
+        wait_until(d.ready, what=lambda: f"readiness: {d.get('/readyz')}")
         checks = d.get("/readyz")[1]["checks"]
         assert set(checks) == {"device_plugin"} and checks["device_plugin"]["ready"]
         rn = "fracplugin.io/gpu-memory"
@@ -329,7 +319,7 @@ def test_simulated_xid_flips_one_gpu_through_the_health_endpoint(daemon: Callabl
         code, body = post({"gpu_uuid": GPU0, "xid": "79"})
         assert code == 400 and "xid must be an integer" in body
         assert post({"gpu_uuid": GPU0, "xid": 79})[0] == 202
-        assert wait_until(lambda: unhealthy() == {GPU0}), kubelet.devices(rn)
+        wait_until(lambda: unhealthy() == {GPU0}, what=lambda: f"GPU0 alone unhealthy: {kubelet.devices(rn)}")
         per_gpu = {g["uuid"]: g for g in d.get("/status")[1]["gpus"]}
         assert per_gpu[GPU0]["healthy"] is False and per_gpu[GPU0]["unhealthy_reasons"] == ["xid 79"]
         assert all(g["healthy"] for u, g in per_gpu.items() if u != GPU0)
@@ -364,7 +354,7 @@ def test_nri_door_serves_and_disconnects_on_sigterm(daemon: Callable[..., Daemon
                    "--nri-plugin-idx", "42", "--nri-plugin-name", "fp-test")
         info = rt.wait_registered(15)
         assert (info.name, info.idx) == ("fp-test", "42")
-        assert wait_until(d.ready), d.get("/readyz")
+        wait_until(d.ready, what=lambda: f"readiness: {d.get('/readyz')}")
         assert set(d.get("/readyz")[1]["checks"]) == {"nri"}
         pod, ctrs = pod_from_manifest(INFERENCE)
         adj = rt.create_container(pod, ctrs[0])
@@ -400,7 +390,7 @@ def test_admissions_journaled_survive_sigkill(daemon: Callable[..., DaemonProc],
     try:
         d = daemon("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "nri.sock"))
         rt.wait_registered(15)
-        assert wait_until(d.ready), d.get("/readyz")
+        wait_until(d.ready, what=lambda: f"readiness: {d.get('/readyz')}")
         manifest = yaml.safe_load(INFERENCE.read_text())
         manifest["metadata"]["annotations"]["nvidia.com/container.app.gpu-memory.request"] = "10Gi"
         manifest["metadata"]["annotations"]["nvidia.com/container.app.gpu-memory.limit"] = "10Gi"
@@ -442,7 +432,7 @@ def test_nri_door_not_ready_without_runtime(daemon: Callable[..., DaemonProc], r
 # ---- MPS ---------------------------------------------------------------------------------
 def test_mps_supervised_ready_and_quits_last(daemon: Callable[..., DaemonProc], root: Path) -> None:
     d = daemon("--no-nri", "--no-device-plugin", "--mps-control-binary", str(FAKE_MPS))
-    assert wait_until(d.ready, 20), d.get("/readyz")
+    wait_until(d.ready, 20, what=lambda: f"readiness: {d.get('/readyz')}")
     st = d.get("/status")[1]
     assert st["mps"]["enabled"] and st["mps"]["protocol"] == 3  # driver 615 -> v3
     pids = [x["pid"] for x in st["mps"]["daemons"]]
@@ -465,7 +455,7 @@ def test_all_doors_ready_and_stop_in_order(daemon: Callable[..., DaemonProc], ro
     try:
         d = daemon("--mps-control-binary", str(FAKE_MPS), "--nri-socket", str(root / "nri.sock"),
                    "--device-plugin-dir", str(root / "dp"), "--pod-resources-socket", str(root / "pr.sock"))
-        assert wait_until(d.ready, 20), d.get("/readyz")
+        wait_until(d.ready, 20, what=lambda: f"readiness: {d.get('/readyz')}")
         checks = d.get("/readyz")[1]["checks"]
         assert set(checks) == {"nri", "device_plugin", "mps"} and all(c["ready"] for c in checks.values())
         assert d.get("/status")[1]["doors"] == {"nri": True, "device_plugin": True, "mps": True}
@@ -521,7 +511,7 @@ def test_runtime_launched_plugin_exits_when_its_fd_closes(daemon: Callable[..., 
             theirs.close()
         try:
             assert rt.wait_registered(15).idx == "10"
-            assert wait_until(d.ready), d.get("/readyz")
+            wait_until(d.ready, what=lambda: f"readiness: {d.get('/readyz')}")
             assert d.endpoints["nri_socket"] == "fd 3"
             rt.close()
             assert d.proc.wait(20) == 0
@@ -620,8 +610,8 @@ def test_kubeconfig_starts_the_pod_watch(daemon: Callable[..., DaemonProc], root
         (root / "dp").mkdir()
         d = daemon("--no-nri", "--no-mps", "--kubeconfig", str(kubeconfig), "--device-plugin-dir", str(root / "dp"),
                    "--pod-resources-socket", str(root / "pr.sock"))
-        src = wait_until(lambda: (d.get("/status")[1].get("pod_source") or {}).get("pods") == 1, 15)
-        assert src, d.get("/status")[1].get("pod_source")
+        wait_until(lambda: (d.get("/status")[1].get("pod_source") or {}).get("pods") == 1, 15,
+                   lambda: f"one pod in the pod source: {d.get('/status')[1].get('pod_source')}")
         st = d.get("/status")[1]["pod_source"]
         assert st["kind"] == "KubernetesPodSource" and st["ready"] is True
         assert any(q.get("fieldSelector") == ["spec.nodeName=gpu-node-1"] for q in seen)
@@ -663,13 +653,13 @@ def test_nri_refusal_becomes_a_kubernetes_event(daemon: Callable[..., DaemonProc
         d = daemon("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "nri.sock"),
                    "--kubeconfig", str(kubeconfig))
         rt.wait_registered(15)
-        assert wait_until(d.ready), d.get("/readyz")
+        wait_until(d.ready, what=lambda: f"readiness: {d.get('/readyz')}")
         pod, ctrs = pod_from_manifest(INFERENCE)
         pod = copy.deepcopy(pod)
         pod.annotations["nvidia.com/container.app.gpu-memory.limit"] = "30Gi"  # request is 40Gi
         err = rt.create_container(pod, ctrs[0])
         assert getattr(err, "code", None) is not None and "gpu-memory.limit" in err.message, err
-        assert wait_until(lambda: posted, 10), "no Event posted"
+        wait_until(lambda: posted, 10, "an Event posted")
         path, ev = posted[0]
         assert path == f"/api/v1/namespaces/{pod.namespace}/events"
         assert ev["type"] == "Warning" and ev["reason"] == "FractionRefused" and ev["action"] == "CreateContainer"

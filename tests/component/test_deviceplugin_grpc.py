@@ -8,7 +8,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 
 import grpc
 import pytest
@@ -20,6 +19,7 @@ from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource
 from fracplugin.kubelet.devices import parse_device_id
 from fracplugin.ledger import Ledger
 from fracplugin.planner import PlannerConfig
+from tests.helpers import wait_until
 
 R = "fracplugin.io/gpu-memory"
 
@@ -89,15 +89,6 @@ class Stream:
         self.ch.close()
 
 
-def eventually(pred, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return bool(pred())
-
-
 def test_two_concurrent_streams_both_get_every_change_and_end_on_stop(plugin):
     s, inv, _, _ = plugin
     # Any :authority is accepted: "localhost" (kubelet >= 1.26), the socket
@@ -107,7 +98,7 @@ def test_two_concurrent_streams_both_get_every_change_and_end_on_stop(plugin):
     try:
         assert all(st.wait(lambda ls: len(ls) >= 1) for st in (a, b, c))
         c.close()
-        assert eventually(lambda: s.active_streams() == 2)
+        assert wait_until(lambda: s.active_streams() == 2)
         inv.inject_xid(s.node.gpus[3].uuid, 48)
         for st in (a, b):
             assert st.wait(lambda ls: len(ls) >= 2)
@@ -125,10 +116,10 @@ def test_a_cancelled_stream_frees_its_worker(plugin):
     streams = [Stream(s.socket_path) for _ in range(3)]
     try:
         assert all(st.wait(lambda ls: len(ls) >= 1) for st in streams)
-        assert eventually(lambda: s.active_streams() == 3)
+        assert wait_until(lambda: s.active_streams() == 3)
         for st in streams:
             st.close()
-        assert eventually(lambda: s.active_streams() == 0)
+        assert wait_until(lambda: s.active_streams() == 0)
     finally:
         for st in streams:
             st.close()
@@ -188,6 +179,6 @@ def test_unregistered_plugin_reports_why(plugin):
     assert not s.registered()
     st = s.status()
     assert st["registered"] is False
-    assert eventually(lambda: "does not exist" in s.status()["last_registration_error"])
+    assert wait_until(lambda: "does not exist" in s.status()["last_registration_error"])
     assert st["devices"] == 316 and st["healthy_devices"] == 316
     assert os.path.exists(s.socket_path)

@@ -15,7 +15,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 
 import grpc
 import pytest
@@ -27,6 +26,7 @@ from fracplugin.kubelet.devices import MAX_DEVICE_ID_LEN, parse_device_id
 from fracplugin.kubelet.podresources import PodResourcesClient, PodResourcesError, devices_for
 from fracplugin.ledger import Ledger
 from fracplugin.planner import PlannerConfig
+from tests.helpers import wait_until
 
 R = "fracplugin.io/gpu-memory"
 WAIT = 10.0  # generous upper bound for events on a loaded 2-core CI box
@@ -96,16 +96,6 @@ def running(rig):
     return rig, s
 
 
-def eventually(pred, timeout_s: float = WAIT) -> bool:
-    """Poll ``pred`` until true (for state outside the fake kubelet's condition)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return bool(pred())
-
-
 def all_healthy(devs: dict[str, str]) -> bool:
     return bool(devs) and all(h == "Healthy" for h in devs.values())
 
@@ -120,7 +110,7 @@ def test_registration(running):
     assert reg.endpoint == "fracplugin.sock"
     assert reg.options.get_preferred_allocation_available is True
     assert reg.options.pre_start_required is False
-    assert eventually(s.registered)
+    assert wait_until(s.registered)
     assert rig.kubelet.options(R).get_preferred_allocation_available is True
     st = s.status()
     assert st["registered"] and st["registrations"] == 1 and st["list_and_watch_streams"] == 1
@@ -194,7 +184,7 @@ def test_bad_allocate_is_a_grpc_error_and_the_plugin_keeps_serving(running):
     assert s.status()["refusals"] == 3
     # Still serving, still registered.
     assert rig.kubelet.options(R).get_preferred_allocation_available
-    assert eventually(s.registered)
+    assert wait_until(s.registered)
 
 
 # ---- kubelet restarts ---------------------------------------------------------
@@ -207,7 +197,7 @@ def test_kubelet_restart_leads_to_reregistration(running):
     assert rig.kubelet.registrations[-1].at >= rig.kubelet.restarted_at
     assert os.path.exists(s.socket_path)
     assert len(rig.kubelet.devices(R)) == 316
-    assert eventually(lambda: s.registrar.stats.count == 2)
+    assert wait_until(lambda: s.registrar.stats.count == 2)
     assert s.status()["last_registration_trigger"] in ("kubelet.sock re-created", "own socket deleted")
 
 
@@ -217,7 +207,7 @@ def test_kubelet_down_then_up_registers_when_the_socket_appears(rig):
     assert not s.registered()
     rig.kubelet.start()
     assert rig.kubelet.wait_for(lambda: rig.kubelet.updates(R) >= 1, WAIT)
-    assert eventually(s.registered)
+    assert wait_until(s.registered)
 
 
 def test_register_refused_is_retried(rig):
@@ -225,12 +215,12 @@ def test_register_refused_is_retried(rig):
     rig.kubelet.start()
     s = rig.server()
     s.start()
-    rig.kubelet.wait_for(lambda: False, 0.3)
+    wait_until(lambda: "kubelet is busy" in (s.status()["last_registration_error"] or ""),
+               what="the refusal to reach the plugin")
     assert not s.registered()
-    assert "kubelet is busy" in s.status()["last_registration_error"]
     rig.kubelet.refuse = None
     assert rig.kubelet.wait_for(lambda: rig.kubelet.updates(R) >= 1, WAIT)
-    assert eventually(s.registered)
+    assert wait_until(s.registered)
 
 
 def test_own_socket_deleted_is_served_again_and_reregistered(running):
@@ -246,11 +236,11 @@ def test_stream_dropped_by_kubelet_leads_to_reregistration(running):
     rig, s = running
     rig.kubelet.drop_stream(R)
     assert rig.kubelet.wait_for(lambda: len(rig.kubelet.registrations) >= 2, WAIT)
-    assert eventually(lambda: s.registrar.stats.count == 2)
+    assert wait_until(lambda: s.registrar.stats.count == 2)
     assert s.status()["last_registration_trigger"] == "ListAndWatch closed"
     # The dropped stream freed its worker: one stream open, the new one.
     assert rig.kubelet.wait_for(lambda: rig.kubelet.stream_open(R), WAIT)
-    assert eventually(lambda: s.active_streams() == 1)
+    assert wait_until(lambda: s.active_streams() == 1)
 
 
 def test_stop_ends_the_stream_first_and_removes_the_socket(running):
@@ -284,7 +274,7 @@ def test_injected_xid_flips_all_fractions_of_one_gpu_in_one_update(running):
 def test_ignored_xid_changes_nothing(running):
     rig, s = running
     rig.inv.inject_xid(rig.node.gpus[0].uuid, 13)
-    assert eventually(lambda: s.health.events_seen >= 1)
+    assert wait_until(lambda: s.health.events_seen >= 1)
     assert all_healthy(rig.kubelet.devices(R))
     assert rig.kubelet.updates(R) == 1
 

@@ -25,7 +25,9 @@ import time
 import pytest
 
 from fake_kubelet import FakeKubelet
-from test_deviceplugin_kubelet import WAIT, R, Rig, all_healthy, eventually
+from test_deviceplugin_kubelet import WAIT, R, Rig, all_healthy
+
+from tests.helpers import wait_until
 
 
 @pytest.fixture(params=["1.37", "1.35"])
@@ -42,7 +44,7 @@ def running(rig):
     s = rig.server()
     s.start()
     assert rig.kubelet.wait_for(lambda: rig.kubelet.updates(R) >= 1 and rig.kubelet.stream_open(R), WAIT)
-    assert eventually(lambda: s.active_streams() == 1)
+    assert wait_until(lambda: s.active_streams() == 1)
     return rig, s
 
 
@@ -53,7 +55,7 @@ def test_register_errors_are_unknown_like_kubelet(rig):
     rig.kubelet.start()
     s = rig.server()
     s.start()
-    assert eventually(lambda: "UNKNOWN" in s.status()["last_registration_error"])
+    assert wait_until(lambda: "UNKNOWN" in s.status()["last_registration_error"])
     assert "is invalid" in s.status()["last_registration_error"]
     rig.kubelet.refuse = None
     assert rig.kubelet.wait_for(lambda: rig.kubelet.updates(R) >= 1, WAIT)
@@ -74,12 +76,12 @@ def test_socket_deleted_again_right_after_recreation_registers_at_the_end(runnin
             return os.stat(p).st_ino != ino or p != first
         except FileNotFoundError:
             return False
-    assert eventually(new_socket)
+    assert wait_until(new_socket)
     os.unlink(s.socket_path)
     assert rig.kubelet.wait_for(lambda: len(rig.kubelet.registrations) >= 2, WAIT)
-    assert eventually(lambda: s.registered() and os.path.exists(s.socket_path))
+    assert wait_until(lambda: s.registered() and os.path.exists(s.socket_path))
     assert rig.kubelet.wait_for(lambda: rig.kubelet.stream_open(R) and all_healthy(rig.kubelet.devices(R)), WAIT)
-    assert eventually(lambda: s.active_streams() == 1)
+    assert wait_until(lambda: s.active_streams() == 1)
     assert rig.kubelet.refusals == []
     assert rig.kubelet.registrations[-1].endpoint == os.path.basename(s.socket_path)
 
@@ -92,11 +94,11 @@ def test_own_socket_deleted_serves_a_new_name_for_the_same_kubelet(running):
     assert rig.kubelet.wait_for(lambda: len(rig.kubelet.registrations) >= 2, WAIT)
     assert rig.kubelet.registrations[-1].endpoint == "fracplugin-1.sock"
     assert rig.kubelet.refusals == []
-    assert eventually(s.registered)
+    assert wait_until(s.registered)
     # a new kubelet starts from the configured name again (and wipes ours)
     rig.kubelet.restart()
     assert rig.kubelet.wait_for(lambda: len(rig.kubelet.registrations) >= 1 and rig.kubelet.updates(R) >= 1, WAIT)
-    assert eventually(lambda: s.socket_path.endswith("/fracplugin.sock") and s.registered())
+    assert wait_until(lambda: s.socket_path.endswith("/fracplugin.sock") and s.registered())
     assert rig.kubelet.registrations[-1].endpoint == "fracplugin.sock"
 
 
@@ -119,7 +121,7 @@ def test_already_connected_refusal_moves_to_a_new_socket_name(rig137):
     assert rig.kubelet.wait_for(lambda: rig.kubelet.updates(R) >= 1, WAIT)
     assert rig.kubelet.refusals and "already connected" in rig.kubelet.refusals[0]
     assert rig.kubelet.registrations[-1].endpoint == "fracplugin-1.sock"
-    assert eventually(s.registered)
+    assert wait_until(s.registered)
 
 
 def test_kick_on_a_live_connection_does_not_register_again(running):
@@ -142,7 +144,7 @@ def test_kubelet_down_with_socket_left_behind_warns_once_and_times_from_the_new_
     stopped_at = time.monotonic()
     rig.kubelet.restart(downtime_s=2.5, leave_socket=True)
     assert rig.kubelet.wait_for(lambda: len(rig.kubelet.registrations) >= 1 and rig.kubelet.updates(R) >= 1, WAIT)
-    assert eventually(lambda: s.registrar.stats.count == 2)
+    assert wait_until(lambda: s.registrar.stats.count == 2)
     # The new kubelet.sock cannot exist before stop + downtime: the figure
     # must fit between that moment and the end of the registration.
     st = s.registrar.stats

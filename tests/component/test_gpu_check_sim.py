@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from tests.gpu import gpu_check as gc
+from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
@@ -57,7 +58,7 @@ def running(request, tmp_path):
     check.daemon = gc.Daemon(work, sys.executable, [str(REPO / "src")], FAKE_MPS, simulate_node=node_file)
     check.mps_before = gc.mps_pids()
     check.daemon.start(60)
-    assert gc.wait_until(lambda: check.daemon.get("/readyz")[0] == 200, 60), check.daemon.log_tail()
+    wait_until(lambda: check.daemon.get("/readyz")[0] == 200, 60, lambda: f"readiness; log:\n{check.daemon.log_tail()}")
     check.nri.server.wait_registered(10)
     yield check
     for c in check.clients:

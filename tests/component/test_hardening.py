@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from fracplugin.subproc import die_with_parent
-from test_daemon import FAKE_MPS, INFERENCE, NODE, DaemonProc, root, wait_until  # noqa: F401 (root: fixture)
+from test_daemon import FAKE_MPS, INFERENCE, NODE, DaemonProc, root  # noqa: F401 (root: fixture)
+from tests.helpers import wait_until
 
 IDLE_CONNECTIONS = 2000
 FD_LIMIT = 1024
@@ -52,8 +53,9 @@ class LimitedDaemon(DaemonProc):
         self.proc = subprocess.Popen(die_with_parent(cmd), stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env, cwd=str(self.root))
         ep = self.state / "endpoints.json"
-        ok = wait_until(lambda: ep.exists() or self.proc.poll() is not None, 60)
-        assert ok and self.proc.poll() is None, f"daemon did not start:\n{self.logs()}"
+        wait_until(lambda: ep.exists() or self.proc.poll() is not None, 60,
+                   lambda: f"the daemon to write {ep} (or exit); log:\n{self.logs()}")
+        assert self.proc.poll() is None, f"daemon did not start:\n{self.logs()}"
         self.endpoints = json.loads(ep.read_text())
         return self
 
@@ -129,7 +131,7 @@ def test_idle_metrics_connections_leave_create_health_and_mps_working(
         d = limited("--no-device-plugin", "--mps-control-binary", str(FAKE_MPS),
                     "--nri-socket", str(root / "nri.sock"))
         assert d.nofile_soft() == FD_LIMIT  # hard 1024: nothing to raise
-        assert wait_until(d.ready, 30), d.get("/readyz")
+        wait_until(d.ready, 30, what=lambda: f"readiness: {d.get('/readyz')}")
         host, port = d.endpoints["metrics"].rsplit(":", 1)
         socks = open_idle(host, int(port), IDLE_CONNECTIONS)
         assert len(socks) >= IDLE_CONNECTIONS * 0.9, len(socks)

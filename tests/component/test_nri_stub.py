@@ -4,13 +4,13 @@ StateChange), errors, large answers in small frames, reconnection, stop."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
-import time
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import wait_for, wait_until
 
 from fracplugin._proto import nri_pb2
 from fracplugin.nri.stub import NriStub, event_mask
@@ -205,9 +205,14 @@ def test_shutdown_is_answered(sockpath, cleanup):
     assert stub.connected()
 
 
-def test_waits_for_the_runtime_then_registers(sockpath, cleanup):
+def test_waits_for_the_runtime_then_registers(sockpath, cleanup, caplog):
+    caplog.set_level(logging.INFO, logger="fracplugin.nri.stub")
     stub = _stub(Recorder(), sockpath, cleanup).start()
-    time.sleep(0.1)  # a few failed connection attempts
+
+    def failed_attempts() -> int:
+        return sum(r.getMessage() == "nri runtime not reachable, retrying" for r in caplog.records)
+
+    wait_until(lambda: failed_attempts() >= 2, what="a few failed connection attempts")
     assert not stub.connected() and not stub.ready()
     rt = FakeNriRuntime(sockpath)
     cleanup(rt)
@@ -223,9 +228,11 @@ def test_stop_is_clean_and_final(sockpath, cleanup):
     assert stub.stop(5) is True
     assert rt.wait_disconnected(5) is not None
     assert not stub.connected() and stub.exited
-    time.sleep(0.1)
+    # its threads end (the watchdog's a moment after stop() returns), so
+    # nothing can reconnect later: one connection is final
+    wait_until(lambda: not [t for t in threading.enumerate() if t.name in ("nri-stub", "nri-watchdog") and t.is_alive()],
+               what="the stub's threads to end")
     assert rt.connections == 1  # no reconnection after stop()
-    assert not [t for t in threading.enumerate() if t.name in ("nri-stub", "nri-watchdog") and t.is_alive()]
 
 
 def test_fd_mode_uses_the_inherited_socket_and_ends_with_it(cleanup):

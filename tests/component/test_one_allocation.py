@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import pytest
 import yaml
-from test_daemon import DaemonProc, root, serve_fake_api, wait_until  # noqa: F401 (root: fixture)
+from test_daemon import DaemonProc, root, serve_fake_api  # noqa: F401 (root: fixture)
+from tests.helpers import wait_until
 
 from fracplugin.allocation import reservation_key
 
@@ -93,7 +94,7 @@ class Node:
         self.pr = FakePodResources(str(root / "pr.sock")).start()
         self.rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
         self.rt.wait_registered(15)
-        assert wait_until(self.d.ready, 20), self.d.get("/readyz")
+        wait_until(self.d.ready, 20, what=lambda: f"readiness: {self.d.get('/readyz')}")
 
     def close(self) -> None:
         self.d.kill()
@@ -341,7 +342,7 @@ def test_8_a_finished_jobs_devices_go_to_the_next_pod(node: Callable[..., Node])
     assert n.held(0) == 61440
     done = pod("job", 60, phase="Succeeded")
     n.put(done)
-    assert wait_until(lambda: n.held(0) == 0, 10), n.tenants()
+    wait_until(lambda: n.held(0) == 0, 10, lambda: f"GPU 0 released: {n.tenants()}")
     nxt = pod("next", 60)
     n.put(nxt)
     env2, ann2 = n.allocate(ids(0, 60))  # was refused
@@ -446,7 +447,8 @@ def test_12_pod_authored_values_of_our_env_are_overridden(node: Callable[..., No
 def test_13_a_gpu_given_whole_by_another_plugin_is_not_shared(node: Callable[..., Node]) -> None:
     n = node()
     n.record("cuda-job", "cuda", [UUIDS[0]], resource="nvidia.com/gpu")
-    assert wait_until(lambda: any(t["door"] == "other-plugin" for t in n.tenants()), 10), n.tenants()
+    wait_until(lambda: any(t["door"] == "other-plugin" for t in n.tenants()), 10,
+               lambda: f"an other-plugin hold: {n.tenants()}")
     p = pod("frac", containers=[ctr("app")], annotations={P + "app.gpu-memory.request": "40Gi"})
     _adj, got = n.create(p, "app")
     assert got["NVIDIA_VISIBLE_DEVICES"] == UUIDS[1]
@@ -603,7 +605,7 @@ def test_warning_event_names_the_annotations_not_applied(node: Callable[..., Nod
         assert wait_until(lambda: (n.status().get("pod_source") or {}).get("pods") == 1, 15)
         env, _ = n.allocate(ids(0, 1))
         n.create(p, "app", env)
-        assert wait_until(lambda: len(posted) >= 2, 10), posted
+        wait_until(lambda: len(posted) >= 2, 10, lambda: f"two Events posted: {posted}")
         assert {e["reason"] for e in posted} == {"AnnotationNotApplied"}
         text = " ".join(e["message"] for e in posted)
         assert P + "app.gpu-memory.request" in text and P + "app.gpus.devices" in text and "70Gi" in text

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import threading
-import time
 
 import pytest
 
@@ -18,6 +17,7 @@ from fracplugin.nodecondition import (
     NodeConditionPublisher,
     condition_from_checks,
 )
+from tests.helpers import wait_until
 
 
 def test_all_ready_is_true() -> None:
@@ -76,23 +76,47 @@ class ApiError(Exception):
 
 
 def wait(pred, timeout_s=5.0):
-    end = time.monotonic() + timeout_s
-    while not pred() and time.monotonic() < end:
-        time.sleep(0.01)
-    return pred()
+    return wait_until(pred, timeout_s)
+
+
+class Readiness:
+    """The readiness function a publisher polls: returns ``state`` and counts
+    the polls, so a test can wait for the publisher to have seen a state
+    (instead of sleeping and hoping it has)."""
+
+    def __init__(self, state: ConditionState) -> None:
+        self.state = state
+        self.polls = 0
+        self.seen: list[ConditionState] = []
+
+    def __call__(self) -> ConditionState:
+        state = self.state
+        self.polls += 1
+        self.seen.append(state)
+        return state
+
+    def polls_after(self, n: int) -> None:
+        """Wait until the publisher has polled ``n`` more times: its loop went
+        round, every decision on the earlier polls is made."""
+        target = self.polls + n
+        wait_until(lambda: self.polls >= target, what=f"{n} more readiness polls")
 
 
 def test_a_flap_shorter_than_the_debounce_is_not_published() -> None:
-    core, cur = Core(), {"s": ConditionState(True, "FracpluginReady", "ok")}
-    p = NodeConditionPublisher(core, "n", lambda: cur["s"], poll_s=0.01, debounce_s=2.0, heartbeat_s=60).start()
+    core = Core()
+    ready, down = ConditionState(True, "FracpluginReady", "ok"), ConditionState(False, "MPSNotHealthy", "mps: down")
+    readiness = Readiness(ready)
+    p = NodeConditionPublisher(core, "n", readiness, poll_s=0.01, debounce_s=2.0, heartbeat_s=60).start()
     try:
         assert wait(lambda: core.statuses() == ["True"])
-        cur["s"] = ConditionState(False, "MPSNotHealthy", "mps: down")
-        time.sleep(0.1)
-        cur["s"] = ConditionState(True, "FracpluginReady", "ok")
-        time.sleep(0.3)
-        assert core.statuses() == ["True"]  # the 0.1 s dip never reached the API
-        cur["s"] = ConditionState(False, "MPSNotHealthy", "mps: down")
+        readiness.state = down
+        wait_until(lambda: down in readiness.seen, what="the publisher to see the dip")
+        readiness.state = ready
+        n = len(readiness.seen)
+        wait_until(lambda: ready in readiness.seen[n:], what="the publisher to see the recovery")
+        readiness.polls_after(2)
+        assert core.statuses() == ["True"]  # the dip, shorter than the debounce, never reached the API
+        readiness.state = down
         assert wait(lambda: core.statuses() == ["True", "False"], 15)
     finally:
         p.stop(1.0)
@@ -124,11 +148,11 @@ def test_server_errors_are_retried_forbidden_is_not() -> None:
         p.stop(0.5)
     core2 = Core()
     core2.fail = [ApiError(403)] * 50
-    p2 = NodeConditionPublisher(core2, "n", lambda: ConditionState(True, "R", "m"), poll_s=0.01,
-                                retry_base_s=0.01).start()
+    readiness = Readiness(ConditionState(True, "R", "m"))
+    p2 = NodeConditionPublisher(core2, "n", readiness, poll_s=0.01, retry_base_s=0.01).start()
     try:
         assert wait(lambda: p2.status()["failures"] == 1)
-        time.sleep(0.2)
+        readiness.polls_after(3)  # the loop went round after the failure and did not patch again
         assert len(core2.fail) == 49  # one request, no tenacity retry on 403
         assert "403" in p2.status()["last_error"]
     finally:

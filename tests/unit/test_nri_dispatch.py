@@ -12,6 +12,7 @@ import pytest
 
 from fracplugin.nri.stub import _DONE, CallContext, _Call, _Watchdog, _Workers
 from fracplugin.nri.ttrpc import RequestReceived
+from tests.helpers import wait_until
 
 
 def _call(stream_id: int, in_s: float) -> _Call:
@@ -44,7 +45,9 @@ def test_an_earlier_deadline_is_not_held_behind_a_later_one(watchdog) -> None:
     wd, seen, done = watchdog
     late = _call(1, 30.0)  # never expires within the test
     wd.add(late)
-    time.sleep(0.05)  # the thread now sleeps towards the 30 s deadline
+    # the thread now waits towards the 30 s deadline (it sets _wake_at under
+    # the lock it releases in wait(), so add() below finds it waiting)
+    wait_until(lambda: wd._wake_at == late.ctx.deadline, what="the watchdog to wait for the 30 s deadline")
     wd.add(_call(3, 0.01))
     _wait_for(done, seen, 1)
     assert seen == [3]
@@ -58,8 +61,11 @@ def test_finished_calls_are_skipped_and_pending_ones_reported_in_deadline_order(
     for c in calls[::2]:
         assert c.claim(_DONE)
     _wait_for(done, seen, 3)
-    time.sleep(0.1)  # nothing else may come
-    assert seen == [c.stream_id for c in calls[1::2]]
+    # nothing else may come: a pending call due after all of them is reported
+    # only once every earlier deadline has been handled (deadline order)
+    wd.add(_call(99, 0.2))
+    _wait_for(done, seen, 4)
+    assert seen == [c.stream_id for c in calls[1::2]] + [99]
 
 
 def test_workers_run_handlers_concurrently_and_refuse_work_after_shutdown() -> None:

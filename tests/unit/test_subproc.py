@@ -7,11 +7,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-
 import psutil
 
 from fracplugin.subproc import die_with_parent, with_fd_as_3
+from tests.helpers import wait_until
 
 PARENT = """
 import subprocess, sys, time
@@ -23,34 +22,37 @@ time.sleep(60)
 """
 
 
-def _orphan_after_parent_killed(wrap: str, wait_s: float) -> psutil.Process | None:
+def _kill_parent(wrap: str) -> tuple[int, psutil.Process]:
+    """Start a parent that starts ``sleep 60`` through ``wrap``, SIGKILL the
+    parent and reap it. Returns (the parent's pid, the child). By then the
+    kernel has reparented the child and sent its parent-death signal, if it
+    had one (both happen in the parent's exit, before it can be reaped)."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT.format(wrap=wrap)], stdout=subprocess.PIPE, text=True)
-    child_pid = int(parent.stdout.readline())
+    child = psutil.Process(int(parent.stdout.readline()))
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            child = psutil.Process(child_pid)
-            if child.status() == psutil.STATUS_ZOMBIE:
-                return None
-        except psutil.NoSuchProcess:
-            return None
-        time.sleep(0.05)
-    return child
+    return parent.pid, child
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_child_dies_with_its_parent():
-    assert _orphan_after_parent_killed("die_with_parent", 5.0) is None
+    _, child = _kill_parent("die_with_parent")
+    wait_until(lambda: _gone(child), 10, "the child to end on its parent-death signal")
 
 
 def test_without_it_the_child_would_be_orphaned():
-    child = _orphan_after_parent_killed("list", 0.5)
+    parent_pid, child = _kill_parent("list")
     try:
-        assert child is not None and child.is_running()
+        assert child.ppid() != parent_pid  # reparented: its parent's exit is over, and no signal came
+        assert not _gone(child) and child.status() != psutil.STATUS_STOPPED
     finally:
-        if child is not None:
-            child.kill()
+        child.kill()
 
 
 def test_wrapper_runs_the_command_with_its_arguments_and_pid():
