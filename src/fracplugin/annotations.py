@@ -206,56 +206,88 @@ def parse(
     Raises:
         FractionError: any rule of the contract broken (key, value, rule).
     """
-    def ckey(suffix: str) -> str:
-        return container_key(prefix, container, suffix)
-
-    keys: dict[str, str] = {}
-    request: MemorySpec | None = None
-    limit: MemorySpec | None = None
-
-    # Per-container absolute forms (nvidia.com/container.<c>.gpu-memory.*).
-    k = ckey(SUFFIX_REQUEST)
-    if k in annotations:
-        request = MemorySpec(k, annotations[k], mib=parse_quantity_mib(k, annotations[k]))
-        keys["request"] = k
-    k = ckey(SUFFIX_LIMIT)
-    if k in annotations:
-        limit = MemorySpec(k, annotations[k], mib=parse_quantity_mib(k, annotations[k]))
-        keys["limit"] = k
-
+    keys: dict[str, str] = {}  # what each part of the request was read from
+    request, limit = _container_memory(annotations, prefix, container, keys)
     # Pod-level KAI forms apply to one container of the pod.
     applies = _pod_level_applies(annotations, container, containers)
     if applies:
-        if request is None and KEY_GPU_FRACTION in annotations:
-            raw = annotations[KEY_GPU_FRACTION]
-            request = MemorySpec(KEY_GPU_FRACTION, raw, fraction=_parse_fraction(KEY_GPU_FRACTION, raw, allow_one=False))
-            keys["request"] = KEY_GPU_FRACTION
-        elif request is None and KEY_GPU_MEMORY in annotations:
-            raw = annotations[KEY_GPU_MEMORY]
-            mib = _parse_positive_int(KEY_GPU_MEMORY, raw, maximum=MAX_QUANTITY_BYTES // MIB)
-            request = MemorySpec(KEY_GPU_MEMORY, raw, mib=mib)
-            keys["request"] = KEY_GPU_MEMORY
-        if limit is None and KEY_GPU_FRACTION_LIMIT in annotations:
-            raw = annotations[KEY_GPU_FRACTION_LIMIT]
-            frac = _parse_fraction(KEY_GPU_FRACTION_LIMIT, raw, allow_one=True)
-            if request is not None and request.fraction is not None and frac <= request.fraction:
-                raise FractionError(
-                    KEY_GPU_FRACTION_LIMIT, raw,
-                    f'is not above {KEY_GPU_FRACTION}="{request.raw}": the limit must be greater than the fraction',
-                    "limit_below_request",
-                )
-            limit = MemorySpec(KEY_GPU_FRACTION_LIMIT, raw, fraction=frac)
-            keys["limit"] = KEY_GPU_FRACTION_LIMIT
+        request, limit = _pod_level_memory(annotations, request, limit, keys)
     k = KAI_PORTION_LIMIT.format(c=container)
     if limit is None and k in annotations:
         limit = MemorySpec(k, annotations[k], fraction=_parse_fraction(k, annotations[k], allow_one=True))
         keys["limit"] = k
-
     # Mode, portion and devices are validated even before we know the container
     # is fractional, so a typo never goes unnoticed (reference: portion errors
     # are errors in every mode).
+    mode, portion, devices = _compute_and_devices(annotations, prefix, container, keys)
+    if request is None and limit is None:
+        return None
+    request, limit = _request_and_limit(request, limit, keys)
+    num_devices = len(devices) if devices else 1
+    if applies and KEY_NUM_DEVICES in annotations:
+        num_devices = _num_devices(annotations[KEY_NUM_DEVICES], devices, keys)
+    return FractionRequest(
+        container=container,
+        request=request,
+        limit=limit,
+        compute_mode=mode,
+        portion=portion,
+        devices=devices,
+        num_devices=num_devices,
+        keys=keys,
+    )
+
+
+def _container_memory(annotations: Mapping[str, str], prefix: str, container: str,
+                      keys: dict[str, str]) -> tuple[MemorySpec | None, MemorySpec | None]:
+    """The per-container absolute forms (``<prefix><c>.gpu-memory.request`` /
+    ``.limit``): (request, limit), each None when absent; records their keys."""
+    out: list[MemorySpec | None] = []
+    for part, suffix in (("request", SUFFIX_REQUEST), ("limit", SUFFIX_LIMIT)):
+        k = container_key(prefix, container, suffix)
+        if k in annotations:
+            out.append(MemorySpec(k, annotations[k], mib=parse_quantity_mib(k, annotations[k])))
+            keys[part] = k
+        else:
+            out.append(None)
+    return out[0], out[1]
+
+
+def _pod_level_memory(annotations: Mapping[str, str], request: MemorySpec | None, limit: MemorySpec | None,
+                      keys: dict[str, str]) -> tuple[MemorySpec | None, MemorySpec | None]:
+    """KAI's pod-level forms, for what the per-container keys left unset:
+    ``gpu-fraction`` (else ``gpu-memory``) for the request, ``gpu-fraction.limit``
+    (strictly above ``gpu-fraction``) for the limit."""
+    if request is None and KEY_GPU_FRACTION in annotations:
+        raw = annotations[KEY_GPU_FRACTION]
+        request = MemorySpec(KEY_GPU_FRACTION, raw, fraction=_parse_fraction(KEY_GPU_FRACTION, raw, allow_one=False))
+        keys["request"] = KEY_GPU_FRACTION
+    elif request is None and KEY_GPU_MEMORY in annotations:
+        raw = annotations[KEY_GPU_MEMORY]
+        mib = _parse_positive_int(KEY_GPU_MEMORY, raw, maximum=MAX_QUANTITY_BYTES // MIB)
+        request = MemorySpec(KEY_GPU_MEMORY, raw, mib=mib)
+        keys["request"] = KEY_GPU_MEMORY
+    if limit is None and KEY_GPU_FRACTION_LIMIT in annotations:
+        raw = annotations[KEY_GPU_FRACTION_LIMIT]
+        frac = _parse_fraction(KEY_GPU_FRACTION_LIMIT, raw, allow_one=True)
+        if request is not None and request.fraction is not None and frac <= request.fraction:
+            raise FractionError(
+                KEY_GPU_FRACTION_LIMIT, raw,
+                f'is not above {KEY_GPU_FRACTION}="{request.raw}": the limit must be greater than the fraction',
+                "limit_below_request",
+            )
+        limit = MemorySpec(KEY_GPU_FRACTION_LIMIT, raw, fraction=frac)
+        keys["limit"] = KEY_GPU_FRACTION_LIMIT
+    return request, limit
+
+
+def _compute_and_devices(annotations: Mapping[str, str], prefix: str, container: str,
+                         keys: dict[str, str]) -> tuple[ComputeMode, float | None, tuple[str, ...]]:
+    """(compute mode, portion or None, devices named) of ``container``: the
+    per-container mode key wins over KAI's pod-level one; time-slicing by
+    default; a blank ``.gpus.devices`` names none."""
     mode = ComputeMode.TIME_SLICING
-    k = ckey(SUFFIX_MODE)
+    k = container_key(prefix, container, SUFFIX_MODE)
     if k in annotations:
         mode = _parse_mode(k, annotations[k])
         keys["mode"] = k
@@ -263,26 +295,29 @@ def parse(
         mode = _parse_mode(KEY_POD_COMPUTE_MODE, annotations[KEY_POD_COMPUTE_MODE])
         keys["mode"] = KEY_POD_COMPUTE_MODE
     portion: float | None = None
-    k = ckey(SUFFIX_PORTION)
+    k = container_key(prefix, container, SUFFIX_PORTION)
     if k in annotations:
         portion = _parse_fraction(k, annotations[k], allow_one=True)
         keys["portion"] = k
     devices: tuple[str, ...] = ()
-    k = ckey(SUFFIX_DEVICES)
+    k = container_key(prefix, container, SUFFIX_DEVICES)
     if k in annotations and annotations[k].strip() != "":
         devices = _parse_devices(k, annotations[k])
         keys["devices"] = k
+    return mode, portion, devices
 
-    if request is None and limit is None:
-        return None
+
+def _request_and_limit(request: MemorySpec | None, limit: MemorySpec | None,
+                       keys: dict[str, str]) -> tuple[MemorySpec, MemorySpec]:
+    """Each defaults to the other; the limit must not be below the request
+    (compared when both are MiB, or both fractions)."""
     if request is None:
+        assert limit is not None
         request = limit
         keys["request"] = keys["limit"]
     if limit is None:
         limit = request
         keys["limit"] = keys["request"]
-    assert request is not None and limit is not None
-
     if request.mib is not None and limit.mib is not None and limit.mib < request.mib:
         raise FractionError(
             limit.key, limit.raw,
@@ -298,30 +333,21 @@ def parse(
             f"is below the request {request.raw}: the limit must be >= the request",
             "limit_below_request",
         )
+    return request, limit
 
-    num_devices = len(devices) if devices else 1
-    if applies and KEY_NUM_DEVICES in annotations:
-        raw = annotations[KEY_NUM_DEVICES]
-        n = _parse_positive_int(KEY_NUM_DEVICES, raw, maximum=MAX_DEVICES)
-        keys["num_devices"] = KEY_NUM_DEVICES
-        if devices and n != len(devices):
-            raise FractionError(
-                KEY_NUM_DEVICES, raw,
-                f"does not match the {len(devices)} device(s) in {keys['devices']}",
-                "devices",
-            )
-        num_devices = n
 
-    return FractionRequest(
-        container=container,
-        request=request,
-        limit=limit,
-        compute_mode=mode,
-        portion=portion,
-        devices=devices,
-        num_devices=num_devices,
-        keys=keys,
-    )
+def _num_devices(raw: str, devices: tuple[str, ...], keys: dict[str, str]) -> int:
+    """``gpu-fraction-num-devices``: an integer in [1, MAX_DEVICES] that must
+    match the number of devices named, when some are."""
+    n = _parse_positive_int(KEY_NUM_DEVICES, raw, maximum=MAX_DEVICES)
+    keys["num_devices"] = KEY_NUM_DEVICES
+    if devices and n != len(devices):
+        raise FractionError(
+            KEY_NUM_DEVICES, raw,
+            f"does not match the {len(devices)} device(s) in {keys['devices']}",
+            "devices",
+        )
+    return n
 
 
 def _pod_level_applies(annotations: Mapping[str, str], container: str, containers: Sequence[str] | None) -> bool:
