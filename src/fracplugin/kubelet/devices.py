@@ -351,6 +351,40 @@ def preferred_allocation(
         raise ValueError(f"allocation policy {policy!r} must be one of {', '.join(POLICIES)}")
     if size <= 0:
         return []
+    avail_by_gpu, must, must_gpus = _known_devices(table, available, must_include)
+    if len(must) >= size:
+        return must[:size]
+    must_set = set(must)
+    free: dict[str, list[str]] = {
+        u: [d for _n, d in sorted(lst) if d not in must_set] for u, lst in avail_by_gpu.items()
+    }
+    rank = _ranking(table, free, must_gpus, mode_of, pod_mode, policy)
+    ranked = sorted(free, key=rank)
+
+    def memory_fits(uuid: str, devices: int) -> bool:
+        if full_of(uuid):
+            return False
+        room = free_mib_of(uuid)
+        return room is None or room >= devices * table.unit_mib
+
+    # Even split over the fewest GPUs; must_include devices count toward their
+    # GPU. First only GPUs with the memory free by the ledger, then any.
+    for fits in (memory_fits, None):
+        split = _even_split(size, ranked, free, must_gpus, fits)
+        if split is not None:
+            chosen, per = split
+            out = list(must)
+            for uuid in sorted(chosen, key=rank):
+                out.extend(free[uuid][: per - must_gpus.get(uuid, 0)])
+            return out
+    return list(must)
+
+
+def _known_devices(table: DeviceTable, available: Sequence[str], must_include: Sequence[str],
+                   ) -> tuple[dict[str, list[tuple[int, str]]], list[str], dict[str, int]]:
+    """The IDs of this node among ``must_include`` + ``available`` (first
+    occurrence only): ({GPU UUID: [(n, ID)]}, the must_include IDs kept in
+    order, {GPU UUID: how many of them it holds})."""
     avail_by_gpu: dict[str, list[tuple[int, str]]] = {}
     seen: set[str] = set()
     lookup = table.lookup
@@ -369,12 +403,13 @@ def preferred_allocation(
             must.append(d)
             uuid = lookup[d][0].uuid
             must_gpus[uuid] = must_gpus.get(uuid, 0) + 1
-    if len(must) >= size:
-        return must[:size]
-    must_set = set(must)
-    free: dict[str, list[str]] = {
-        u: [d for _n, d in sorted(lst) if d not in must_set] for u, lst in avail_by_gpu.items()
-    }
+    return avail_by_gpu, must, must_gpus
+
+
+def _ranking(table: DeviceTable, free: dict[str, list[str]], must_gpus: dict[str, int],
+             mode_of: Callable[[str], ComputeMode | None], pod_mode: ComputeMode | None,
+             policy: str) -> Callable[[str], tuple[int, int, int]]:
+    """The sort key of rule 3 (``preferred_allocation``): (tier, fill, GPU index)."""
     index = {g.uuid: g.index for g in table.node.gpus}
 
     def rank(uuid: str) -> tuple[int, int, int]:
@@ -391,36 +426,31 @@ def preferred_allocation(
         fill = n_avail if policy == "pack" else -n_avail
         return (tier, fill, index.get(uuid, 1 << 30))
 
-    ranked = sorted(free, key=rank)
+    return rank
 
-    def memory_fits(uuid: str, devices: int) -> bool:
-        if full_of(uuid):
-            return False
-        room = free_mib_of(uuid)
-        return room is None or room >= devices * table.unit_mib
 
-    # Even split over the fewest GPUs; must_include devices count toward their
-    # GPU. First only GPUs with the memory free by the ledger, then any.
-    for check_memory in (True, False):
-        for k in range(1, len(ranked) + 1):
-            if size % k:
+def _even_split(size: int, ranked: Sequence[str], free: dict[str, list[str]], must_gpus: dict[str, int],
+                fits: Callable[[str, int], bool] | None) -> tuple[list[str], int] | None:
+    """The fewest GPUs ``k`` over which ``size`` devices split evenly: (the
+    GPUs, ``size // k`` per GPU), or None. GPUs holding must_include devices
+    are always among them; the others are taken in ``ranked`` order among
+    those with enough free devices and, when ``fits`` is given, for which
+    ``fits(uuid, per)`` holds."""
+    for k in range(1, len(ranked) + 1):
+        if size % k:
+            continue
+        per = size // k
+        if any(c > per for c in must_gpus.values()) or len(must_gpus) > k:
+            continue
+        chosen: list[str] = list(must_gpus)
+        for uuid in ranked:
+            if len(chosen) == k:
+                break
+            if uuid in must_gpus:
                 continue
-            per = size // k
-            if any(c > per for c in must_gpus.values()) or len(must_gpus) > k:
-                continue
-            chosen: list[str] = list(must_gpus)
-            for uuid in ranked:
-                if len(chosen) == k:
-                    break
-                if uuid in must_gpus:
-                    continue
-                if len(free[uuid]) >= per and (not check_memory or memory_fits(uuid, per)):
-                    chosen.append(uuid)
-            if len(chosen) < k or any(len(free[u]) + must_gpus.get(u, 0) < per for u in chosen):
-                continue
-            out = list(must)
-            for uuid in sorted(chosen, key=rank):
-                need = per - must_gpus.get(uuid, 0)
-                out.extend(free[uuid][:need])
-            return out
-    return list(must)
+            if len(free[uuid]) >= per and (fits is None or fits(uuid, per)):
+                chosen.append(uuid)
+        if len(chosen) < k or any(len(free[u]) + must_gpus.get(u, 0) < per for u in chosen):
+            continue
+        return chosen, per
+    return None
