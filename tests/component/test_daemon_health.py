@@ -20,6 +20,7 @@ from fracplugin.daemon import PodsFileWatcher, read_pods_file
 from fracplugin.health import HealthServer
 from fracplugin.kubelet.podlookup import InMemoryPodSource
 from fracplugin.status import render_table, url_for
+from tests.helpers import wait_until
 
 
 def get(addr: tuple[str, int], path: str) -> tuple[int, str]:
@@ -284,7 +285,6 @@ def test_client_gone_before_the_reply_is_debug_without_traceback(caplog: pytest.
                                                                   capfd: pytest.CaptureFixture[str]) -> None:
     import struct
     import threading
-    import time
 
     entered, release = threading.Event(), threading.Event()
 
@@ -303,10 +303,7 @@ def test_client_gone_before_the_reply_is_debug_without_traceback(caplog: pytest.
         assert entered.wait(5)
         s.close()
         release.set()
-        deadline = time.monotonic() + 5
-        while h.stats()["active"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert h.stats()["active"] == 0
+        wait_until(lambda: h.stats()["active"] == 0, 5, lambda: f"no active connection: {h.stats()}")
         assert get(addr, "/healthz") == (200, "ok\n")
     finally:
         release.set()

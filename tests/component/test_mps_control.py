@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import tomllib
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 
 from fracplugin.mps import control as ctl
 from fracplugin.mps.control import MpsControl, MpsError, MpsTimeout, choose_protocol, render_config_toml
+from tests.helpers import wait_until
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fakes" / "nvidia-cuda-mps-control")
 FAST_ENV = {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
@@ -79,16 +79,22 @@ def pipe():
     assert left == []
 
 
+def _ended(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _start(root: str, procs: list, *args: str, protocol: str = "3") -> MpsControl:
     env = dict(os.environ, **FAST_ENV, CUDA_MPS_PIPE_DIRECTORY=os.path.join(root, "p"),
                CUDA_MPS_LOG_DIRECTORY=os.path.join(root, "l"))
     env.pop("CUDA_MPS_PROTOCOL_VERSION", None)
     p = subprocess.Popen([FAKE, "-p", protocol, *args, "-f"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
     procs.append(p)
-    deadline = time.monotonic() + 10
-    while not os.path.exists(os.path.join(root, "p", "control")):
-        assert p.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
+    control = os.path.join(root, "p", "control")
+    wait_until(lambda: os.path.exists(control) or p.poll() is not None, 10, f"the fake daemon's {control}")
+    assert p.poll() is None, f"the fake daemon exited {p.returncode}"
     return MpsControl(FAKE, os.path.join(root, "p"), int(protocol), os.path.join(root, "l"), env=FAST_ENV)
 
 
@@ -164,10 +170,7 @@ def test_background_daemon_and_quit_flag(pipe):
                          text=True, timeout=20)
     assert out.returncode == 0 and out.stdout.strip() == "100.0"
     assert subprocess.run([FAKE, "-q"], env=env, timeout=20).returncode == 0
-    deadline = time.monotonic() + 5
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: _ended(pid), 5, f"the daemon {pid} to quit")
     assert not os.path.exists(os.path.join(root, "p", "control"))
 
 

@@ -12,6 +12,7 @@ from fracplugin.kubelet.podlookup import (
     resource_count,
     select_candidates,
 )
+from tests.helpers import wait_until
 
 R = "fracplugin.io/gpu-memory"
 
@@ -154,12 +155,9 @@ def test_kubernetes_source_lists_then_reports_not_ready_on_api_error():
         assert [p["metadata"]["name"] for p in src.candidates(R, 4)] == ["a"]
         assert len(src) == 1
         gate.set()
-        for _ in range(100):
-            if not src.ready():
-                break
-            src.wait(0.05)
-        assert not src.ready()
-        assert "apiserver down" in (src.last_error or "")
+        # not ready, then the error recorded (two steps of the watch thread: wait for both)
+        wait_until(lambda: not src.ready() and "apiserver down" in (src.last_error or ""), 5,
+                   lambda: f"the source not ready, naming the API error: ready={src.ready()} error={src.last_error}")
     finally:
         src.stop(0.5)
 
@@ -235,11 +233,7 @@ def test_kubernetes_source_applies_watch_events():
     src.start()
     try:
         assert done.wait(5)
-        for _ in range(200):
-            if calls["list"] > 1:
-                break
-            src.wait(0.02)
-        assert calls["list"] > 1, "the watch ended and the source relisted"
+        wait_until(lambda: calls["list"] > 1, 5, "the watch to end and the source to relist")
         assert src.candidates(R, 4) == []  # a is being deleted
         assert [p["metadata"]["name"] for p in src.candidates(R, 2)] == ["b"]
         assert deleted == ["c"]
@@ -318,11 +312,7 @@ def test_malformed_watch_object_does_not_end_the_watch():
     src._client = lambda: stub
     src.start()
     try:
-        for _ in range(250):
-            if calls["list"] > 1:
-                break
-            src.wait(0.02)
-        assert calls["list"] > 1, "the watch stream ended"
+        wait_until(lambda: calls["list"] > 1, 5, "the watch stream to end (the source relists)")
         assert [p["metadata"]["name"] for p in src.candidates(R, 2)] == ["after"]
         assert len(src) == 1
     finally:

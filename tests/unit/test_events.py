@@ -15,6 +15,7 @@ from kubernetes import client
 
 from fracplugin.events import MAX_MESSAGE, REASON_REFUSED, EventRecorder, NullEventRecorder
 from fracplugin.model import FractionError, PodRef
+from tests.helpers import wait_until
 
 _EVENTS_PATH = re.compile(r"^/api/v1/namespaces/([^/]+)/events$")
 
@@ -115,13 +116,7 @@ def _recorder(made, api_obj, **kw) -> EventRecorder:
 
 
 def _wait_stats(r: EventRecorder, key: str, n: int) -> dict:
-    done = threading.Event()
-    for _ in range(1000):
-        s = r.stats()
-        if s[key] >= n:
-            return s
-        done.wait(0.01)
-    raise AssertionError(f"{key} never reached {n}: {r.stats()}")
+    return wait_until(lambda: (s := r.stats())[key] >= n and s, 10, lambda: f"{key} to reach {n}: {r.stats()}")
 
 
 def test_refusal_becomes_a_warning_event_on_the_pod(api, recorders):
