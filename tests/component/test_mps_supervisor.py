@@ -16,13 +16,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import wait_for, wait_until
 
 from fracplugin.metrics import Metrics
 from fracplugin.model import ComputeMode
@@ -117,16 +116,12 @@ class Harness:
 
 
 def leftovers(root: str) -> list[str]:
-    found = []
-    for _ in range(100):
-        found = [f"child {c.pid} {_safe(c.cmdline)}" for c in psutil.Process().children(recursive=True)]
-        for p in psutil.process_iter():
-            env = _safe(p.environ) or {}
-            if env.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(root):
-                found.append(f"orphan {p.pid} {_safe(p.cmdline)}")
-        if not found:
-            return []
-        time.sleep(0.05)
+    """Our children, and any process whose MPS pipe directory is under ``root``, now."""
+    found = [f"child {c.pid} {_safe(c.cmdline)}" for c in psutil.Process().children(recursive=True)]
+    for p in psutil.process_iter():
+        env = _safe(p.environ) or {}
+        if env.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(root):
+            found.append(f"orphan {p.pid} {_safe(p.cmdline)}")
     return found
 
 
@@ -146,9 +141,10 @@ def mps():
         yield h
     finally:
         h.close()
-        left = leftovers(root)
-        shutil.rmtree(root, ignore_errors=True)
-        assert left == [], f"processes left behind: {left}"
+        try:
+            wait_until(lambda: not leftovers(root), 5, lambda: f"no process left behind: {leftovers(root)}")
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def daemon(sup: MpsSupervisor, mode: ComputeMode) -> dict:
