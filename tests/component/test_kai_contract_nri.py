@@ -14,8 +14,10 @@ from typing import Any, Callable
 import yaml
 
 from nri_runtime import FakeNriRuntime, RpcError, effective_env, pod_from_manifest
-from test_daemon import DaemonProc, wait_until
+from test_daemon import DaemonProc
 from test_daemon import daemon, root  # noqa: F401  pytest fixtures
+
+from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = yaml.safe_load((REPO / "tests" / "fixtures" / "kai" / "nvfractions-binder.yaml").read_text())
@@ -34,7 +36,7 @@ def test_every_binder_case_through_nri(daemon: Callable[..., DaemonProc], root: 
     try:
         d = daemon("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "nri.sock"))
         rt.wait_registered(15)
-        assert wait_until(d.ready), d.get("/readyz")
+        wait_until(d.ready, what=lambda: f"readiness: {d.get('/readyz')}")
         assert d.get("/status")[1]["config"]["reserve_mib"] == 1024
         for name, case in sorted(CASES.items()):
             pod, (ctr,) = pod_from_manifest(bound(case))
@@ -57,7 +59,7 @@ def test_both_seed_pods_second_refused_naming_gpu_and_mode(daemon: Callable[...,
     try:
         d = daemon("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "nri.sock"))
         rt.wait_registered(15)
-        assert wait_until(d.ready), d.get("/readyz")
+        wait_until(d.ready, what=lambda: f"readiness: {d.get('/readyz')}")
         pod1, (c1,) = pod_from_manifest(bound(CASES[both["first"]]))
         assert not isinstance(rt.create_container(pod1, c1), RpcError)
         pod2, (c2,) = pod_from_manifest(bound(CASES[both["second"]]))

@@ -16,8 +16,10 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, Callable
 
-from test_daemon import FAKE_MPS, DaemonProc, serve_fake_api, wait_until
+from test_daemon import FAKE_MPS, DaemonProc, serve_fake_api
 from test_daemon import daemon, root  # noqa: F401  pytest fixtures
+
+from tests.helpers import wait_until
 
 SMP = "application/strategic-merge-patch+json"
 KAI = "gpu-sharing.nvidia.com/Ready"
@@ -108,9 +110,9 @@ def test_condition_true_when_ready_false_when_mps_down_false_at_shutdown(
         d = daemon("--no-nri", "--no-device-plugin", "--mps-control-binary", str(FAKE_MPS),
                    "--kubeconfig", str(kubeconfig), "--node-name", "gpu-node-1",
                    "--node-condition-types", f"{KAI},{KAI_OLD}")
-        assert wait_until(d.ready, 20), d.get("/readyz")
-        ok = wait_until(lambda: (fake.condition(KAI) or {}).get("status") == "True", 20)
-        assert ok, (fake.patches, d.logs()[-2000:])
+        wait_until(d.ready, 20, lambda: f"readiness: {d.get('/readyz')}")
+        wait_until(lambda: (fake.condition(KAI) or {}).get("status") == "True", 20,
+                   lambda: f"the condition True: {fake.patches} {d.logs()[-2000:]}")
         c = fake.condition(KAI)
         assert c["reason"] == "FracpluginReady" and "mps" in c["message"]
         assert fake.condition(KAI_OLD)["status"] == "True"  # the older KAI name, same status
@@ -122,15 +124,15 @@ def test_condition_true_when_ready_false_when_mps_down_false_at_shutdown(
 
         # MPS down: the time-slicing control daemon crashes and cannot start again
         (root / "mps" / "ts" / "fake-control.json").write_text(json.dumps({"crash": True, "fail_start": True}))
-        ok = wait_until(lambda: (fake.condition(KAI) or {}).get("status") == "False", 30)
-        assert ok, (fake.condition(KAI), d.get("/readyz"))
+        wait_until(lambda: (fake.condition(KAI) or {}).get("status") == "False", 30,
+                   lambda: f"the condition False: {fake.condition(KAI)} {d.get('/readyz')}")
         c = fake.condition(KAI)
         assert c["reason"] == "MPSNotHealthy" and c["message"].startswith("mps: "), c
 
         # MPS back: True again
         (root / "mps" / "ts" / "fake-control.json").unlink()
-        ok = wait_until(lambda: (fake.condition(KAI) or {}).get("status") == "True", 60)
-        assert ok, (fake.condition(KAI), d.get("/readyz"))
+        wait_until(lambda: (fake.condition(KAI) or {}).get("status") == "True", 60,
+                   lambda: f"the condition True again: {fake.condition(KAI)} {d.get('/readyz')}")
 
         # orderly shutdown: False before the doors go
         assert d.terminate() == 0
@@ -150,8 +152,8 @@ def test_api_errors_are_retried_and_do_not_block_the_doors(
     try:
         d = daemon("--no-nri", "--no-device-plugin", "--no-mps", "--kubeconfig", str(kubeconfig),
                    "--node-name", "gpu-node-1")
-        ok = wait_until(lambda: fake.condition(KAI) is not None, 20)
-        assert ok, (fake.patches, d.logs()[-2000:])
+        wait_until(lambda: fake.condition(KAI) is not None, 20,
+                   lambda: f"a condition published: {fake.patches} {d.logs()[-2000:]}")
         assert len(fake.patches) >= 3
         # no door enabled at all: nothing serves fractional pods, so False
         c = fake.condition(KAI)
@@ -170,8 +172,8 @@ def test_forbidden_is_reported_not_retried_in_a_loop(daemon: Callable[..., Daemo
     try:
         d = daemon("--no-nri", "--no-device-plugin", "--no-mps", "--kubeconfig", str(kubeconfig),
                    "--node-name", "gpu-node-1")
-        st = wait_until(lambda: (d.get("/status")[1].get("node_condition") or {}).get("failures"), 20)
-        assert st, d.get("/status")[1].get("node_condition")
+        wait_until(lambda: (d.get("/status")[1].get("node_condition") or {}).get("failures"), 20,
+                   lambda: f"a failed publish: {d.get('/status')[1].get('node_condition')}")
         nc = d.get("/status")[1]["node_condition"]
         assert "403" in nc["last_error"] and nc["published"] is None
         # one request per failed publish (no tenacity retry on 403); at most one more in flight
