@@ -125,14 +125,56 @@ def test_encode_rejects_bad_conn_id_and_empty_data_gives_no_frames():
     assert encode_frames(1, b"") == b""
 
 
+def _reference_frames(data: bytes) -> tuple[list[MuxFrame], int, str]:
+    """The stream read by the rules alone (nri-protocol.md 1.2: conn id u32,
+    length u32, big-endian; frames of unknown conn ids are dropped): (frames of
+    conns 1 and 2, frames dropped, "clean" | "truncated" | "too large")."""
+    frames, dropped, pos = [], 0, 0
+    while len(data) - pos >= HEADER_SIZE:
+        conn_id, length = struct.unpack_from(">II", data, pos)
+        if length > MAX_PAYLOAD:
+            return frames, dropped, "too large"
+        if pos + HEADER_SIZE + length > len(data):
+            break
+        if conn_id in (1, 2):
+            frames.append(MuxFrame(conn_id, data[pos + HEADER_SIZE : pos + HEADER_SIZE + length]))
+        else:
+            dropped += 1
+        pos += HEADER_SIZE + length
+    return frames, dropped, "clean" if pos == len(data) else "truncated"
+
+
+# Garbage with plausible headers: frames of conns 0-3, any small length (the
+# last one often truncated), then junk.
+_junk_frames = st.tuples(
+    st.lists(st.tuples(st.integers(0, 3), st.binary(max_size=30)), max_size=6).map(
+        lambda fs: b"".join(_raw_frame(c, b) for c, b in fs)),
+    st.binary(max_size=20),
+).map(lambda t: t[0] + t[1])
+
+
 @settings(max_examples=300)
-@given(st.binary(max_size=200), st.lists(st.integers(min_value=0, max_value=400), max_size=5))
-def test_garbage_raises_only_mux_error(data, cuts):
+@given(st.one_of(st.binary(max_size=200), _junk_frames),
+       st.lists(st.integers(min_value=0, max_value=400), max_size=5))
+def test_garbage_decodes_as_the_framing_rules_say_or_raises_only_mux_error(data, cuts):
+    """Any split of any input yields exactly the frames the framing rules
+    give (unknown conns dropped and counted), or MuxError for a header above
+    the payload limit (after a prefix of those frames); EOF inside a frame is
+    a MuxError; a decoder that raised stays closed."""
+    want, dropped, end = _reference_frames(data)
     dec = MuxDecoder()
+    got: list[MuxFrame] = []
     try:
         for chunk in _split(data, cuts):
-            for frame in dec.receive_data(chunk):
-                assert frame.conn_id in (1, 2)
-        dec.receive_eof()
+            got.extend(dec.receive_data(chunk))
     except MuxError:
-        pass
+        assert end == "too large" and got == want[: len(got)]
+        with pytest.raises(MuxError):
+            dec.receive_data(b"")
+        return
+    assert end != "too large" and got == want and dec.dropped_frames == dropped
+    if end == "truncated":
+        with pytest.raises(MuxError):
+            dec.receive_eof()
+    else:
+        dec.receive_eof()
