@@ -75,10 +75,6 @@ class ApiError(Exception):
         self.reason = "Injected"
 
 
-def wait(pred, timeout_s=5.0):
-    return wait_until(pred, timeout_s)
-
-
 class Readiness:
     """The readiness function a publisher polls: returns ``state`` and counts
     the polls, so a test can wait for the publisher to have seen a state
@@ -108,7 +104,7 @@ def test_a_flap_shorter_than_the_debounce_is_not_published() -> None:
     readiness = Readiness(ready)
     p = NodeConditionPublisher(core, "n", readiness, poll_s=0.01, debounce_s=2.0, heartbeat_s=60).start()
     try:
-        assert wait(lambda: core.statuses() == ["True"])
+        wait_until(lambda: core.statuses() == ["True"])
         readiness.state = down
         wait_until(lambda: down in readiness.seen, what="the publisher to see the dip")
         readiness.state = ready
@@ -117,7 +113,7 @@ def test_a_flap_shorter_than_the_debounce_is_not_published() -> None:
         readiness.polls_after(2)
         assert core.statuses() == ["True"]  # the dip, shorter than the debounce, never reached the API
         readiness.state = down
-        assert wait(lambda: core.statuses() == ["True", "False"], 15)
+        wait_until(lambda: core.statuses() == ["True", "False"], 15)
     finally:
         p.stop(1.0)
     assert core.bodies[-1]["status"]["conditions"][0]["reason"] == "ShuttingDown"
@@ -127,9 +123,9 @@ def test_transition_time_moves_only_with_the_status() -> None:
     core, cur = Core(), {"s": ConditionState(False, "NRINotReady", "a")}
     p = NodeConditionPublisher(core, "n", lambda: cur["s"], poll_s=0.01, debounce_s=0, heartbeat_s=60).start()
     try:
-        assert wait(lambda: len(core.bodies) == 1)
+        wait_until(lambda: len(core.bodies) == 1)
         cur["s"] = ConditionState(False, "MPSNotHealthy", "b")  # same status, new reason
-        assert wait(lambda: len(core.bodies) == 2)
+        wait_until(lambda: len(core.bodies) == 2)
     finally:
         p.stop(1.0)
     c0, c1 = (b["status"]["conditions"][0] for b in core.bodies[:2])
@@ -142,7 +138,7 @@ def test_server_errors_are_retried_forbidden_is_not() -> None:
     p = NodeConditionPublisher(core, "n", lambda: ConditionState(True, "R", "m"), poll_s=0.01,
                                retry_base_s=0.01).start()
     try:
-        assert wait(lambda: core.statuses() == ["True"])
+        wait_until(lambda: core.statuses() == ["True"])
         assert p.status()["failures"] == 0 and p.status()["patches"] == 1
     finally:
         p.stop(0.5)
@@ -151,7 +147,7 @@ def test_server_errors_are_retried_forbidden_is_not() -> None:
     readiness = Readiness(ConditionState(True, "R", "m"))
     p2 = NodeConditionPublisher(core2, "n", readiness, poll_s=0.01, retry_base_s=0.01).start()
     try:
-        assert wait(lambda: p2.status()["failures"] == 1)
+        wait_until(lambda: p2.status()["failures"] == 1)
         readiness.polls_after(3)  # the loop went round after the failure and did not patch again
         assert len(core2.fail) == 49  # one request, no tenacity retry on 403
         assert "403" in p2.status()["last_error"]
@@ -164,7 +160,7 @@ def test_every_type_gets_the_same_condition() -> None:
     p = NodeConditionPublisher(core, "n", lambda: ConditionState(True, "R", "m"),
                                types=(DEFAULT_CONDITION_TYPE, "gpu-fractioning.nvidia.com/Ready"), poll_s=0.01).start()
     try:
-        assert wait(lambda: core.bodies)
+        wait_until(lambda: core.bodies)
     finally:
         p.stop(0.5)
     types = [c["type"] for c in core.bodies[0]["status"]["conditions"]]
