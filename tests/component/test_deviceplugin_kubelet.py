@@ -25,6 +25,7 @@ from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource
 from fracplugin.kubelet.devices import MAX_DEVICE_ID_LEN, parse_device_id
 from fracplugin.kubelet.podresources import PodResourcesClient, PodResourcesError, devices_for
 from fracplugin.ledger import Ledger
+from fracplugin.mps.api import NullMps
 from fracplugin.planner import PlannerConfig
 from tests.helpers import wait_until
 
@@ -98,6 +99,17 @@ def running(rig):
 
 def all_healthy(devs: dict[str, str]) -> bool:
     return bool(devs) and all(h == "Healthy" for h in devs.values())
+
+
+class EventMps(NullMps):
+    """The MPS port whose every daemon is up while ``up`` is set."""
+
+    def __init__(self, up: threading.Event) -> None:
+        super().__init__()
+        self.up = up
+
+    def healthy(self, mode: object) -> bool:
+        return self.up.is_set()
 
 
 # ---- registration and the device list ------------------------------------------
@@ -283,7 +295,7 @@ def test_mps_down_makes_every_gpu_unhealthy_until_it_is_back(rig):
     up = threading.Event()
     up.set()
     rig.kubelet.start()
-    s = rig.server(mps_health=up.is_set)
+    s = rig.server(mps_health=EventMps(up))
     s.start()
     assert rig.kubelet.wait_for(lambda: all_healthy(rig.kubelet.devices(R)), WAIT)
     up.clear()

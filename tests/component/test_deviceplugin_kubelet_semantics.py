@@ -24,6 +24,7 @@ import time
 
 import pytest
 
+from fracplugin.mps.api import NullMps
 from fake_kubelet import FakeKubelet
 from test_deviceplugin_kubelet import WAIT, R, Rig, all_healthy
 
@@ -163,12 +164,23 @@ def test_stream_end_marks_every_device_unhealthy_at_kubelet(running):
     assert devs and all(h == "Unhealthy" for h in devs.values())
 
 
+class EventMps(NullMps):
+    """The MPS port whose every daemon is up while ``up`` is set."""
+
+    def __init__(self, up: threading.Event) -> None:
+        super().__init__()
+        self.up = up
+
+    def healthy(self, mode: object) -> bool:
+        return self.up.is_set()
+
+
 def test_first_register_waits_until_devices_can_be_served_healthy(rig):
     """D7 readiness order: with MPS still starting, no Register; once it is
     up, the first list kubelet gets is all Healthy."""
     up = threading.Event()
     rig.kubelet.start()
-    s = rig.server(mps_health=up.is_set)
+    s = rig.server(mps_health=EventMps(up))
     s.start()
     rig.kubelet.wait_for(lambda: bool(rig.kubelet.registrations), 1.0)
     assert rig.kubelet.registrations == []

@@ -15,6 +15,20 @@ from fracplugin.gpu.health import (
 from fracplugin.gpu.inventory import XidEvent
 from fracplugin.gpu.simulated import SimulatedInventory
 from fracplugin.model import ComputeMode
+from fracplugin.mps.api import NullMps
+
+
+class ModeMps(NullMps):
+    """The MPS port with a settable health per mode (``healthy(mode)``), or
+    one ``up()`` answer for every mode."""
+
+    def __init__(self, up=lambda: True, per_mode=None) -> None:
+        super().__init__()
+        self.up = up
+        self.per_mode = per_mode
+
+    def healthy(self, mode: ComputeMode) -> bool:
+        return self.per_mode[mode] if self.per_mode is not None else self.up()
 
 GPUS = ["GPU-a", "GPU-b"]
 
@@ -146,7 +160,7 @@ def test_parse_xid_list_rejects_garbage():
 
 def test_mps_down_marks_every_gpu_and_recovers():
     up = {"v": True}
-    m, _, changes = monitor(mps_health=lambda: up["v"])
+    m, _, changes = monitor(mps_health=ModeMps(lambda: up["v"]))
     assert m.check() is False
     up["v"] = False
     assert m.check() is True
@@ -159,7 +173,7 @@ def test_mps_down_marks_every_gpu_and_recovers():
 
 def test_mps_down_and_xid_both_reported_and_both_must_clear():
     up = {"v": False}
-    m, _, _ = monitor(mps_health=lambda: up["v"], xid_recovery_s=None)
+    m, _, _ = monitor(mps_health=ModeMps(lambda: up["v"]), xid_recovery_s=None)
     m.check()
     m.record_xid(XidEvent("GPU-a", 79))
     assert m.unhealthy()["GPU-a"] == ["xid 79", "mps down"]
@@ -168,35 +182,24 @@ def test_mps_down_and_xid_both_reported_and_both_must_clear():
     assert m.unhealthy() == {"GPU-a": ["xid 79"]}
 
 
-def test_mps_health_shapes():
-    per_gpu = gpu_health_fn(lambda uuid: uuid == "GPU-a")
-    assert per_gpu("GPU-a") and not per_gpu("GPU-b")
-
-    class Supervisor:
-        def __init__(self) -> None:
-            self.up = {ComputeMode.TIME_SLICING: True, ComputeMode.SM_SHARING: False}
-
-        def healthy(self, mode: ComputeMode) -> bool:
-            return self.up[mode]
-
-    sup = Supervisor()
+def test_mps_health_by_the_mode_of_the_gpus_tenants():
+    sup = ModeMps(per_mode={ComputeMode.TIME_SLICING: True, ComputeMode.SM_SHARING: False})
     modes = {"GPU-a": ComputeMode.SM_SHARING, "GPU-b": ComputeMode.TIME_SLICING}
     fn = gpu_health_fn(sup, modes.get)
     assert not fn("GPU-a")  # its tenants' daemon is down
     assert fn("GPU-b")
     assert fn("GPU-c")  # no tenants: some daemon is up
-    sup.up[ComputeMode.TIME_SLICING] = False
+    sup.per_mode[ComputeMode.TIME_SLICING] = False
     assert not fn("GPU-c")
-    assert gpu_health_fn(None)("GPU-a")
-    with pytest.raises(TypeError):
-        gpu_health_fn(42)
+    assert gpu_health_fn(None)("GPU-a")  # MPS not supervised
+    assert gpu_health_fn(NullMps())("GPU-a")  # the null object: nothing to be unhealthy
 
 
 def test_probe_that_raises_counts_as_down():
     def boom() -> bool:
         raise RuntimeError("control socket gone")
 
-    m, _, _ = monitor(mps_health=boom)
+    m, _, _ = monitor(mps_health=ModeMps(boom))
     m.check()
     assert set(m.unhealthy()) == set(GPUS)
 

@@ -30,28 +30,28 @@ Rules (kubelet-device-plugin.md D.10, issue 4 item 3):
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from ..model import ComputeMode
 from .inventory import Inventory, InventoryError, XidEvent
+
+if TYPE_CHECKING:
+    from ..mps.api import MpsApi
 
 log = logging.getLogger(__name__)
 
 DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 94})
 DEFAULT_XID_RECOVERY_S = 300.0
 
-MpsHealth = Any
-"""One of: ``None`` (MPS not supervised: always healthy); a callable with no
-argument ``() -> bool`` (one answer for every GPU: the daemons span all GPUs);
-a callable ``(gpu_uuid: str) -> bool``; or an object with ``healthy(mode:
-ComputeMode) -> bool`` (the MPS supervisor), in which case a GPU is healthy
-when the daemon of its tenants' mode is up (``mode_of(uuid)``), and a GPU with
-no tenants when any daemon is up."""
+MpsHealth = Optional["MpsApi"]
+"""The MPS health source: the one MPS port (``mps.api.MpsApi``: the
+supervisor, the MPS role's client, or ``NullMps``), or None (MPS not
+supervised: always healthy). A GPU is healthy when the daemon of its tenants'
+mode is up (``mode_of(uuid)``), and a GPU with no tenants when any daemon is up."""
 
 
 def parse_xid_list(text: str | Iterable[int]) -> frozenset[int]:
@@ -68,34 +68,18 @@ def parse_xid_list(text: str | Iterable[int]) -> frozenset[int]:
 def gpu_health_fn(
     mps_health: MpsHealth, mode_of: Callable[[str], ComputeMode | None] = lambda _u: None
 ) -> Callable[[str], bool]:
-    """Normalise an MPS health source into ``(gpu_uuid) -> bool``. Raises
-    TypeError for an object of none of the accepted shapes (see ``MpsHealth``)."""
+    """Normalise the MPS health source into ``(gpu_uuid) -> bool`` (see ``MpsHealth``)."""
     if mps_health is None:
         return lambda _u: True
-    healthy = getattr(mps_health, "healthy", None)
-    if callable(healthy) and not inspect.isfunction(mps_health) and not inspect.ismethod(mps_health):
+    mps = mps_health
 
-        def by_mode(uuid: str) -> bool:
-            mode = mode_of(uuid)
-            if mode is not None:
-                return bool(healthy(mode))
-            return any(bool(healthy(m)) for m in ComputeMode)
+    def by_mode(uuid: str) -> bool:
+        mode = mode_of(uuid)
+        if mode is not None:
+            return bool(mps.healthy(mode))
+        return any(bool(mps.healthy(m)) for m in ComputeMode)
 
-        return by_mode
-    if callable(mps_health):
-        try:
-            params = [
-                p
-                for p in inspect.signature(mps_health).parameters.values()
-                if p.default is inspect.Parameter.empty
-                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-        except (TypeError, ValueError):
-            params = []
-        if params:
-            return lambda u: bool(mps_health(u))
-        return lambda _u: bool(mps_health())
-    raise TypeError(f"mps_health {mps_health!r} is not a callable or an object with healthy(mode)")
+    return by_mode
 
 
 @dataclass(frozen=True)

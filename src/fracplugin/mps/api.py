@@ -1,8 +1,10 @@
 """What the NRI plugin, the device plugin and the daemon need from MPS.
 
-``MpsApi`` is the narrow interface; ``MpsSupervisor`` (supervisor.py) is the
-real implementation and ``NullMps`` the no-op default used where MPS is
-disabled (and in tests of other components).
+``MpsApi`` is the one MPS interface (the NRI door's namespaces and drains,
+the device plugin door's health, the daemon's lifecycle and status);
+``MpsSupervisor`` (supervisor.py) is the real implementation, ``RemoteMps``
+(rpc.py) the doors role's client of the MPS role, and ``NullMps`` the one
+null object, used where MPS is disabled (and in tests of other components).
 
 Concurrency: implementations must be callable from any thread; no call blocks
 longer than the ``timeout_s`` it is given.
@@ -111,7 +113,31 @@ daemon of ``mode`` changes between healthy and not healthy. Must not block."""
 
 @runtime_checkable
 class MpsApi(Protocol):
-    """The MPS operations other components call."""
+    """The MPS operations other components call (the one MPS port: the NRI
+    door, the device plugin door's health monitor, the MPS role's API server
+    and the daemon all take this type)."""
+
+    @property
+    def protocol(self) -> int | None:
+        """The MPS control protocol in use (2 or 3; None when not known yet)."""
+        ...
+
+    def start(self) -> None:
+        """Start supervising (or polling the MPS role). Raises MpsError / OSError."""
+        ...
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop within ``timeout_s`` seconds (the supervisor of role ``all``
+        quits its daemons; role ``mps`` leaves them running, ADR 0009)."""
+        ...
+
+    def quit_daemons(self, timeout_s: float = 10.0) -> None:
+        """Quit every MPS control daemon now (the MPS role's API ``quit_daemons``)."""
+        ...
+
+    def unhealthy_reason(self, mode: ComputeMode) -> str:
+        """Why the daemon of ``mode`` is not healthy ("" when it is)."""
+        ...
 
     def ensure_namespace(
         self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float,
@@ -158,6 +184,7 @@ class NullMps:
     """
 
     layout: MpsLayout = field(default_factory=MpsLayout)
+    protocol: int | None = None
 
     def ensure_namespace(
         self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float,
@@ -182,3 +209,15 @@ class NullMps:
 
     def subscribe(self, callback: HealthCallback) -> None:
         return None
+
+    def start(self) -> None:
+        return None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        return None
+
+    def quit_daemons(self, timeout_s: float = 10.0) -> None:
+        return None
+
+    def unhealthy_reason(self, mode: ComputeMode) -> str:
+        return ""

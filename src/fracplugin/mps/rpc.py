@@ -37,7 +37,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from ..model import ComputeMode
-from .api import DrainResult, HealthCallback, MpsError, MpsTimeout
+from .api import DrainResult, HealthCallback, MpsApi, MpsError, MpsTimeout
 from .layout import MpsLayout, namespace_name
 
 __all__ = ["API_VERSION", "MpsApiServer", "RemoteMps", "MAX_REQUEST_BYTES"]
@@ -79,7 +79,7 @@ class MpsApiServer:
     is bounded by the ``timeout_s`` it carries.
     """
 
-    def __init__(self, mps: Any, path: str, allowed_uids: tuple[int, ...] | None = None) -> None:
+    def __init__(self, mps: MpsApi, path: str, allowed_uids: tuple[int, ...] | None = None) -> None:
         self.mps = mps
         self.path = path
         self.allowed_uids = allowed_uids if allowed_uids is not None else tuple({0, os.geteuid()})
@@ -201,7 +201,7 @@ class MpsApiServer:
     def _dispatch(self, op: str, a: dict[str, Any]) -> Any:
         m = self.mps
         if op == "hello":
-            return {"api": API_VERSION, "protocol": getattr(m, "protocol", None), "pid": os.getpid()}
+            return {"api": API_VERSION, "protocol": m.protocol, "pid": os.getpid()}
         if op == "status":
             return m.status()
         if op == "ensure_namespace":

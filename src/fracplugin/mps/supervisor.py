@@ -67,7 +67,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable, Iterable, Mapping, Sequence
+from typing import IO, Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import tenacity
 
@@ -82,8 +82,18 @@ __all__ = ["MpsSupervisor", "SERVER_EXE", "STATES", "DaemonState"]
 log = logging.getLogger(__name__)
 
 SERVER_EXE = "nvidia-cuda-mps-server"
+_SHARED_PIPE_EXPOSURE = (
+    "MPS protocol 2 has no namespaces: tenants of a mode share that daemon's pipe directory "
+    "(read-only mount) and can reach its control socket (list, and as root set/quit)")
+
 STATES = ("stopped", "starting", "ready", "unhealthy", "backoff", "failed")
 """Values of ``status()["daemons"][i]["state"]``."""
+
+
+class _AttachMps(Protocol):
+    """What the supervisor asks of a metrics object: ``attach_mps(self)``."""
+
+    def attach_mps(self, mps: Any) -> None: ...
 
 
 @dataclass
@@ -181,7 +191,7 @@ class DaemonState:
     pipe_dir: str
     log_dir: str
     control: MpsControl
-    proc: subprocess.Popen[bytes] | None = None
+    proc: "subprocess.Popen[bytes] | _DetachedProc | None" = None
     stdout: IO[bytes] | None = None
     state: str = "stopped"
     healthy: bool = False
@@ -281,7 +291,7 @@ class MpsSupervisor:
         default_active_thread_percentage: int | None = None,
         default_pinned_mem_limits_mib: Mapping[str, int] | None = None,
         exclusive_process_gpus: Sequence[str] = (),
-        metrics: Any = None,
+        metrics: _AttachMps | None = None,
         detached: bool = False,
         state_file: str | None = None,
         crash_loop_exits: int = 3,
@@ -310,10 +320,7 @@ class MpsSupervisor:
             os.path.join(layout.root, "namespaces.json") if self.detached else None)
         self.crash_loop_exits = max(1, int(crash_loop_exits))
         self.crash_loop_window_s = float(crash_loop_window_s)
-        self.shared_pipe_exposure = (
-            "MPS protocol 2 has no namespaces: tenants of a mode share that daemon's pipe directory "
-            "(read-only mount) and can reach its control socket (list, and as root set/quit)"
-            if self.protocol < 3 else "")
+        self.shared_pipe_exposure = _SHARED_PIPE_EXPOSURE if self.protocol < 3 else ""
         self._clock = clock
         self._procfs = ProcFs(proc_root)
         self._env = dict(os.environ)
@@ -333,15 +340,18 @@ class MpsSupervisor:
         self._namespaces: dict[str, _NsRecord] = {}
         self._pending_delete: dict[str, ComputeMode] = {}
         self._draining: set[str] = set()
-        self._daemons: dict[ComputeMode, DaemonState] = {}
-        for mode in sorted(modes, key=lambda m: m.value, reverse=True):  # time-slicing first
-            pipe, logd = layout.pipe_dir(mode), layout.log_dir(mode)
-            self._daemons[mode] = DaemonState(
-                mode=mode, pipe_dir=pipe, log_dir=logd,
-                control=MpsControl(control_binary, pipe, self.protocol, logd, env=env),
-            )
-        if metrics is not None and hasattr(metrics, "attach_mps"):
+        self._daemons = self._make_daemons(env)
+        if metrics is not None:
             metrics.attach_mps(self)
+
+    def _make_daemons(self, env: Mapping[str, str] | None) -> dict[ComputeMode, DaemonState]:
+        """One ``DaemonState`` per supervised mode, time-slicing first."""
+        daemons: dict[ComputeMode, DaemonState] = {}
+        for mode in sorted(self.modes, key=lambda m: m.value, reverse=True):
+            pipe, logd = self.layout.pipe_dir(mode), self.layout.log_dir(mode)
+            daemons[mode] = DaemonState(mode=mode, pipe_dir=pipe, log_dir=logd,
+                                        control=MpsControl(self.control_binary, pipe, self.protocol, logd, env=env))
+        return daemons
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -817,13 +827,14 @@ class MpsSupervisor:
         def left() -> float:
             return deadline - time.monotonic()
 
+        pairs: list[tuple[int | None, int]]
         try:
             if self.protocol >= 3:
                 pairs = [(None, r.pid) for r in d.control.client_list(left())]
             else:
                 pairs = []
-                for spid in d.control.get_server_list(left()):
-                    pairs += [(spid, c) for c in d.control.get_client_list(spid, left())]
+                for server in d.control.get_server_list(left()):
+                    pairs += [(server, c) for c in d.control.get_client_list(server, left())]
         except MpsTimeout as e:
             errors.append(f"{d.mode.value}: client list: {e}")
             self._mark_slow(d, f"drain: client list timed out: {e}")
@@ -831,7 +842,7 @@ class MpsSupervisor:
         except MpsError as e:
             errors.append(f"{d.mode.value}: client list: {e}")
             return False
-        mine = []
+        mine: list[tuple[int | None, int]] = []
         for spid, pid in pairs:
             ref = self._procfs.container_of(pid)
             if ref is not None and container_id_matches(ref.container_id, cid):
@@ -1412,7 +1423,7 @@ class MpsSupervisor:
                     raise OSError(f"{pidfile} did not appear after the daemon started") from None
                 time.sleep(0.01)
 
-    def _waiter(self, proc: subprocess.Popen[bytes]) -> None:
+    def _waiter(self, proc: "subprocess.Popen[bytes] | _DetachedProc") -> None:
         try:
             proc.wait()
         finally:

@@ -62,7 +62,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .._proto import nri_pb2
 from .. import allocation as al
@@ -71,7 +71,9 @@ from ..annotations import KEY_CONTAINER_NAME, KEY_GPU_FRACTION, KEY_GPU_FRACTION
 from ..annotations import stray_container_keys
 from ..ledger import Ledger
 from ..model import ComputeMode, ContainerPlan, FractionError, NodeInfo, PodRef, Tenancy
+from ..mps.api import MpsApi, NullMps
 from ..mps.layout import CONTAINER_PIPE_DIR
+from ..parts import HookMetrics, NoMetrics
 from ..mps.supervisor import make_dir
 from ..planner import ENFORCED_ENV_KEYS, ENV_VISIBLE_DEVICES, EmptyLedger, PlannerConfig, plan, plan_container
 from .stub import CallContext, event_mask
@@ -101,52 +103,11 @@ _POD_LEVEL_KEYS = (KEY_GPU_FRACTION, KEY_GPU_MEMORY, KEY_GPU_FRACTION_LIMIT, KEY
 _MARGIN_S = 0.15
 
 
-class MpsHooks(Protocol):
-    """What the NRI door needs from the MPS layer (``fracplugin.mps.api.MpsApi``
-    satisfies it). Every call must return within the ``timeout_s`` given."""
+MpsHooks = MpsApi
+"""What the NRI door needs from the MPS layer: the one MPS port (``mps.api.MpsApi``)."""
 
-    def ensure_namespace(
-        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float,
-        mode: ComputeMode = ComputeMode.SM_SHARING, pinned_limit_mib: int | None = None,
-    ) -> str: ...
-
-    def release_namespace(self, pod_uid: str, container: str, timeout_s: float | None = None) -> bool: ...
-
-    def drain(self, container_id: str, timeout_s: float, modes: Any = None) -> Any: ...
-
-
-class HookMetrics(Protocol):
-    """What the NRI door reports (``fracplugin.metrics.Metrics`` may satisfy it)."""
-
-    def observe_hook(self, door: str, seconds: float) -> None: ...
-
-    def refusal(self, reason_code: str) -> None: ...
-
-
-class NoMps:
-    """No-op MPS: namespaces need nothing, drains find no clients."""
-
-    def ensure_namespace(
-        self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float,
-        mode: ComputeMode = ComputeMode.SM_SHARING, pinned_limit_mib: int | None = None,
-    ) -> str:
-        return ""
-
-    def release_namespace(self, pod_uid: str, container: str, timeout_s: float | None = None) -> bool:
-        return True
-
-    def drain(self, container_id: str, timeout_s: float, modes: Any = None) -> None:
-        return None
-
-
-class NoMetrics:
-    """No-op metrics."""
-
-    def observe_hook(self, door: str, seconds: float) -> None:
-        return None
-
-    def refusal(self, reason_code: str) -> None:
-        return None
+NoMps = NullMps
+"""No MPS: the one null object (``mps.api.NullMps``)."""
 
 
 def build_adjustment(plan_: ContainerPlan) -> Any:

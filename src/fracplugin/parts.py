@@ -1,0 +1,510 @@
+"""The lifecycle contract of the daemon's parts, and the typed ports between them.
+
+Every part ``fracplugin run`` composes (inventory, ledger, metrics, MPS, pod
+source, event recorder, the NRI door, the device plugin door, the health
+server, the node condition publisher, the logging setup) is driven through one
+contract, ``Part`` (ADR "one lifecycle contract for the daemon's parts"):
+
+* ``start() -> None``: begin serving; raises on failure (the daemon turns it
+  into a ``StartupError``). Whatever a component's own ``start`` returns (the
+  bound address, ``self``) is read by its adapter, never by the daemon.
+* ``stop(timeout_s: float) -> None``: stop within ``timeout_s`` seconds (the
+  daemon also bounds the call on a helper thread).
+* ``readiness() -> Readiness``: ``ok`` and a human ``reason``; the parts whose
+  ``check`` is set are the ``/readyz`` checks (``nri``, ``device_plugin``, ``mps``).
+* ``status() -> dict``: the part's JSON-able section of ``/status``.
+* ``reload(cfg) -> Reloaded``: SIGHUP. A part declares the settings it reads
+  (``reads``) and those it can change while running (``reloads``); a changed
+  setting it reads but cannot reload is reported ``needs_restart``.
+
+The components keep their own APIs (tests and the other modules use them);
+the adapters here are thin, typed against their component (no reflection),
+and hold the config keys each one reads.
+
+Ports (what one part needs of another): ``MpsApi`` (mps/api.py, one MPS
+interface, null object ``NullMps``), ``HookMetrics`` (below, null object
+``NoMetrics``), ``gpu.inventory.Inventory``, ``kubelet.podlookup.PodSource``,
+``ledger.Ledger`` and ``Clock``.
+
+Concurrency: ``start``/``stop``/``reload`` are called from the daemon's main
+thread (``stop`` on a helper thread); ``readiness``/``status`` from health
+server threads at any time, so they only read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+
+from . import logs
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .events import EventRecorder
+    from .gpu.inventory import Inventory
+    from .health import HealthServer
+    from .kubelet.deviceplugin import DevicePluginServer
+    from .kubelet.podlookup import InMemoryPodSource, KubernetesPodSource
+    from .ledger import Ledger
+    from .metrics import Metrics
+    from .mps.api import MpsApi
+    from .mps.rpc import MpsApiServer
+    from .nodecondition import NodeConditionPublisher
+    from .nri.plugin import FracNriPlugin
+    from .nri.stub import NriStub
+
+__all__ = [
+    "Clock", "Readiness", "Reloaded", "Part", "HookMetrics", "NoMetrics", "PartBase",
+    "LogsPart", "InventoryPart", "LedgerPart", "MetricsPart", "MpsPart", "MpsApiPart", "PodSourcePart",
+    "EventsPart", "NriDoor", "DevicePluginPart", "HealthPart", "NodeConditionPart",
+    "PLANNER_KEYS",
+]
+
+log = logging.getLogger("fracplugin.daemon")
+
+Clock = Callable[[], float]
+"""Monotonic seconds (``time.monotonic``); injectable where a part measures time."""
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """A part's readiness: ``ok`` and why (the ``detail`` of a ``/readyz`` check)."""
+
+    ok: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Reloaded:
+    """What ``Part.reload`` did: settings applied now, and settings it reads
+    that changed but take effect only after a restart (config keys, sorted)."""
+
+    applied: tuple[str, ...] = ()
+    needs_restart: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, list[str]]:
+        return {"applied": list(self.applied), "needs_restart": list(self.needs_restart)}
+
+
+class Part(Protocol):
+    """The lifecycle contract (module docstring)."""
+
+    name: str
+    """Label in logs (``stopped <name>``) and the key of ``Daemon.reload``'s per-part report."""
+    check: str | None
+    """Key of this part's ``/readyz`` check, or None when it gates nothing."""
+    reads: frozenset[str]
+    """Config keys (``config.Config`` fields) this part reads."""
+    reloads: frozenset[str]
+    """The subset of ``reads`` it applies on ``reload`` (each in ``config.RELOADABLE``)."""
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout_s: float) -> None: ...
+
+    def readiness(self) -> Readiness: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def reload(self, cfg: Config) -> Reloaded: ...
+
+
+class HookMetrics(Protocol):
+    """What the doors report per call: ``observe_hook(door, seconds)`` (door
+    ``nri``, ``allocate``, ``preferred``) and ``refusal(reason_code)``
+    (``fracplugin.metrics.Metrics`` implements it; ``NoMetrics`` is the null object)."""
+
+    def observe_hook(self, door: str, seconds: float) -> None: ...
+
+    def refusal(self, reason_code: str) -> None: ...
+
+
+class NoMetrics:
+    """The no-op ``HookMetrics``."""
+
+    def observe_hook(self, door: str, seconds: float) -> None:
+        return None
+
+    def refusal(self, reason_code: str) -> None:
+        return None
+
+
+PLANNER_KEYS = frozenset({"reserve_mib", "max_clients_per_gpu", "mps_root", "annotation_prefix", "mps_protocol",
+                          "no_cdi_devices"})
+"""Config keys of ``Daemon.planner_config`` (read by both doors at start)."""
+
+
+class PartBase:
+    """Defaults of the contract: nothing to start or stop, always ready,
+    empty status; ``reload`` diffs ``reads`` and hands the changed
+    ``reloads`` keys to ``_apply``."""
+
+    name = "part"
+    check: str | None = None
+    reads: frozenset[str] = frozenset()
+    reloads: frozenset[str] = frozenset()
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def start(self) -> None:
+        return None
+
+    def stop(self, timeout_s: float) -> None:
+        return None
+
+    def readiness(self) -> Readiness:
+        return Readiness(True, "running")
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+    def reload(self, cfg: Config) -> Reloaded:
+        """Compare ``cfg`` with the configuration this part runs with: the
+        changed keys in ``reloads`` are applied (``_apply``), the other changed
+        keys in ``reads`` are reported ``needs_restart`` (and keep their old
+        value here)."""
+        changed = sorted(k for k in self.reads if getattr(self.cfg, k) != getattr(cfg, k))
+        applied = tuple(k for k in changed if k in self.reloads)
+        if applied:
+            self._apply(cfg, applied)
+            self.cfg = dataclasses.replace(self.cfg, **{k: getattr(cfg, k) for k in applied})
+        return Reloaded(applied, tuple(k for k in changed if k not in self.reloads))
+
+    def _apply(self, cfg: Config, keys: Iterable[str]) -> None:
+        return None
+
+
+class LogsPart(PartBase):
+    """The process's logging (``logs.setup``): reloads the level and format."""
+
+    name = "logs"
+    reads = reloads = frozenset({"log_level", "log_format"})
+
+    def _apply(self, cfg: Config, keys: Iterable[str]) -> None:
+        logs.setup(cfg.log_format, cfg.log_level)
+
+
+class InventoryPart(PartBase):
+    """The GPU inventory (NVML or simulated): opened at construction, closed at stop."""
+
+    name = "inventory"
+    reads = frozenset({"simulate_node", "exclusive_process"})
+
+    def __init__(self, cfg: Config, inventory: Inventory) -> None:
+        super().__init__(cfg)
+        self.inventory = inventory
+
+    def stop(self, timeout_s: float) -> None:
+        self.inventory.close()
+
+    def status(self) -> dict[str, Any]:
+        return {"kind": type(self.inventory).__name__}
+
+
+class LedgerPart(PartBase):
+    """The ledger: loaded before the doors start, folded into one file at stop."""
+
+    name = "ledger"
+    reads = frozenset({"state_dir", "max_clients_per_gpu"})
+
+    def __init__(self, cfg: Config, ledger: Ledger, warnings: list[str]) -> None:
+        super().__init__(cfg)
+        self.ledger = ledger
+        self.warnings = warnings
+
+    def stop(self, timeout_s: float) -> None:
+        self.ledger.close()
+
+    def readiness(self) -> Readiness:
+        problems = self.ledger.check_invariants()
+        return Readiness(not problems, "; ".join(problems) or "consistent")
+
+    def status(self) -> dict[str, Any]:
+        return {"path": self.cfg.ledger_path, "warnings": self.warnings}
+
+
+class MetricsPart(PartBase):
+    """The Prometheus endpoint."""
+
+    name = "metrics"
+    reads = frozenset({"metrics_address"})
+
+    def __init__(self, cfg: Config, metrics: Metrics) -> None:
+        super().__init__(cfg)
+        self.metrics = metrics
+        self.bound: tuple[str, int] | None = None
+
+    def start(self) -> None:
+        """Serve on ``metrics_address``; ``bound`` is the (host, port) bound. Raises OSError."""
+        srv = self.metrics.serve(self.cfg.metrics_address)
+        self.bound = (str(srv.host), int(srv.port))
+
+    def stop(self, timeout_s: float) -> None:
+        self.metrics.stop(timeout_s)
+
+
+class MpsPart(PartBase):
+    """The MPS layer of this role: the supervisor (roles all, mps) or the
+    MPS role's client (role doors). Its readiness is the ``mps`` check."""
+
+    name = "mps"
+    check = "mps"
+    reads = frozenset({"mps_modes", "mps_control_binary", "mps_root", "mps_protocol", "exclusive_process",
+                       "mps_api_socket", "no_mps", "role"})
+
+    def __init__(self, cfg: Config, mps: MpsApi) -> None:
+        super().__init__(cfg)
+        self.mps = mps
+
+    def start(self) -> None:
+        self.mps.start()
+
+    def stop(self, timeout_s: float) -> None:
+        # role all: quit the daemons; role mps: leave them running for the next
+        # MPS role (ADR 0009); role doors: stop polling the MPS role.
+        self.mps.stop(timeout_s)
+
+    def readiness(self) -> Readiness:
+        ok = bool(self.mps.ready())
+        st = self.mps.status()
+        bad = [f"{d.get('mode', '?')} ({d.get('reason') or d.get('state') or 'unhealthy'})"
+               for d in (st.get("daemons") or []) if not d.get("healthy")]
+        if st.get("reachable") is False:
+            detail = f"MPS role unreachable at {st.get('remote')}: {st.get('error')}"
+        else:
+            detail = "every daemon healthy" if ok else ("unhealthy: " + "; ".join(bad) if bad else "starting")
+        if st.get("exposure"):
+            detail += f"; exposure: {st['exposure']}"
+        return Readiness(ok, detail)
+
+    def status(self) -> dict[str, Any]:
+        return self.mps.status()
+
+
+class MpsApiPart(PartBase):
+    """The MPS role's API socket (``mps.rpc.MpsApiServer``)."""
+
+    name = "mps api"
+    reads = frozenset({"mps_api_socket", "mps_root"})
+
+    def __init__(self, cfg: Config, server: MpsApiServer) -> None:
+        super().__init__(cfg)
+        self.server = server
+
+    def start(self) -> None:
+        self.server.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self.server.stop(timeout_s)
+
+
+class PodSourcePart(PartBase):
+    """The pods the device plugin door looks up: a ``--pods-file`` watched
+    into an ``InMemoryPodSource``, or the API watch (``KubernetesPodSource``)."""
+
+    name = "pod source"
+    reads = frozenset({"pods_file", "kubeconfig", "node_name", "resource_name"})
+
+    def __init__(self, cfg: Config, source: InMemoryPodSource | KubernetesPodSource,
+                 start: Callable[[], None], stop: Callable[[float], None]) -> None:
+        super().__init__(cfg)
+        self.source = source
+        self._start = start
+        self._stop = stop
+
+    def start(self) -> None:
+        self._start()
+
+    def stop(self, timeout_s: float) -> None:
+        self._stop(timeout_s)
+
+    def readiness(self) -> Readiness:
+        ok = bool(self.source.ready())
+        return Readiness(ok, "synced" if ok else "not synced")
+
+    def status(self) -> dict[str, Any]:
+        return {"kind": type(self.source).__name__, "ready": bool(self.source.ready()), "pods": len(self.source)}
+
+
+class EventsPart(PartBase):
+    """Refusal Events (``events.EventRecorder``; only built with API access)."""
+
+    name = "events"
+    reads = frozenset({"kubeconfig", "no_nri"})
+
+    def __init__(self, cfg: Config, recorder: EventRecorder) -> None:
+        super().__init__(cfg)
+        self.recorder = recorder
+
+    def start(self) -> None:
+        self.recorder.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self.recorder.stop(timeout_s)
+
+    def status(self) -> dict[str, Any]:
+        return {"enabled": True, **self.recorder.stats()}
+
+
+class NriDoor(PartBase):
+    """The NRI door: the stub (connection, ttrpc) and the plugin (handlers).
+    Readiness: synchronized with the current runtime session. Reloads
+    ``fail_open`` (refusals and MPS failures leave the container unadjusted)."""
+
+    name = "nri"
+    check = "nri"
+    reads = PLANNER_KEYS | {"nri_socket", "nri_plugin_name", "nri_plugin_idx", "fail_open", "device_unit_mib",
+                            "resource_name"}
+    reloads = frozenset({"fail_open"})
+
+    def __init__(self, cfg: Config, stub: NriStub, plugin: FracNriPlugin) -> None:
+        super().__init__(cfg)
+        self.stub = stub
+        self.plugin = plugin
+
+    def start(self) -> None:
+        self.stub.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self.stub.stop(timeout_s)
+        self.plugin.close()  # background MPS namespace jobs
+
+    def connected(self) -> bool:
+        return bool(self.stub.connected())
+
+    def synchronized(self) -> bool:
+        return bool(self.stub.ready())
+
+    def exited(self) -> bool:
+        """The stub's run thread ended on its own."""
+        return bool(self.stub.exited)
+
+    def readiness(self) -> Readiness:
+        # readiness of the current runtime session (issue 13 item 5), not "ever synchronized"
+        synced, connected = self.synchronized(), self.connected()
+        ready = synced and connected
+        before = bool(self.stub.ever_synchronized())
+        return Readiness(ready, "synchronized with the runtime" if ready else
+                         "connected, not synchronized yet" if connected else
+                         f"not connected to {self.cfg.nri_socket}" + (" (was synchronized before)" if before else ""))
+
+    def status(self) -> dict[str, Any]:
+        """The stub's and the plugin's status merged, plus ``ready``."""
+        doc: dict[str, Any] = {}
+        doc.update(self.stub.status())
+        doc.update(self.plugin.status())
+        doc["ready"] = self.synchronized() and self.connected()
+        return doc
+
+    def unadjusted(self) -> int:
+        return len(self.plugin.status().get("unadjusted") or ())
+
+    def _apply(self, cfg: Config, keys: Iterable[str]) -> None:
+        self.plugin.fail_open = cfg.fail_open
+
+
+class DevicePluginPart(PartBase):
+    """The kubelet device plugin door. Readiness: registered with kubelet.
+    Reloads ``fail_open`` (``DevicePluginServer.fail_open``)."""
+
+    name = "device plugin"
+    check = "device_plugin"
+    reads = PLANNER_KEYS | {"resource_name", "device_unit_mib", "device_plugin_dir", "kubelet_socket",
+                            "allocate_deadline_s", "pod_resources_interval_s", "pod_resources_socket",
+                            "ignored_xids", "allocation_policy", "device_specs", "cdi_kind", "secure_pipe_mount",
+                            "fail_open"}
+    reloads = frozenset({"fail_open"})
+
+    def __init__(self, cfg: Config, server: DevicePluginServer) -> None:
+        super().__init__(cfg)
+        self.server = server
+
+    def start(self) -> None:
+        self.server.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self.server.stop(timeout_s)
+
+    def readiness(self) -> Readiness:
+        reg = self.server.registered()
+        return Readiness(reg, f"registered with kubelet as {self.cfg.resource_name}" if reg
+                         else f"not registered at {self.cfg.effective_kubelet_socket}")
+
+    def status(self) -> dict[str, Any]:
+        return self.server.status()
+
+    def _apply(self, cfg: Config, keys: Iterable[str]) -> None:
+        self.server.fail_open = cfg.fail_open
+
+
+class HealthPart(PartBase):
+    """``/healthz``, ``/readyz``, ``/status``; ``bound`` after start."""
+
+    name = "health"
+    reads = frozenset({"health_address"})
+
+    def __init__(self, cfg: Config, server: HealthServer) -> None:
+        super().__init__(cfg)
+        self.server = server
+        self.bound: tuple[str, int] | None = None
+
+    def start(self) -> None:
+        """Bind and serve. Raises OSError."""
+        self.bound = self.server.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self.server.stop(timeout_s)
+
+
+class NodeConditionPart(PartBase):
+    """KAI's readiness gate (ADR 0005)."""
+
+    name = "node condition"
+    reads = frozenset({"node_condition_types", "kubeconfig", "node_name"})
+
+    def __init__(self, cfg: Config, publisher: NodeConditionPublisher) -> None:
+        super().__init__(cfg)
+        self.publisher = publisher
+
+    def start(self) -> None:
+        self.publisher.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self.publisher.stop(timeout_s)
+
+    def status(self) -> dict[str, Any]:
+        return self.publisher.status()
+
+
+def bounded(name: str, fn: Callable[[], Any], timeout_s: float, clock: Clock = time.monotonic) -> bool:
+    """Run ``fn`` on a helper (daemon) thread; wait at most ``timeout_s``
+    seconds (at least 0.05). True when it finished in time without raising;
+    a late one is logged and abandoned, an exception logged."""
+    import threading
+
+    done = threading.Event()
+    err: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            err.append(exc)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=target, name=f"stop-{name}", daemon=True)
+    t0 = clock()
+    t.start()
+    if not done.wait(max(timeout_s, 0.05)):
+        log.error("stopping %s did not finish within %.1f s; continuing", name, timeout_s, extra={"part": name})
+        return False
+    if err:
+        log.error("stopping %s failed: %s", name, err[0], extra={"part": name})
+        return False
+    log.info("stopped %s", name, extra={"part": name, "elapsed_ms": round((clock() - t0) * 1000, 1)})
+    return True
