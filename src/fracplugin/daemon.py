@@ -56,18 +56,46 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 import yaml
 
 from . import __version__, logs
 from . import config as configmod
 from .config import Config, ConfigError
-from .health import HealthServer
 from .ledger import Ledger
 from .model import ComputeMode, NodeInfo
 from .mps.layout import MpsLayout
+from .parts import (
+    DevicePluginPart,
+    EventsPart,
+    HealthPart,
+    InventoryPart,
+    LedgerPart,
+    LogsPart,
+    MetricsPart,
+    MpsApiPart,
+    MpsPart,
+    NodeConditionPart,
+    NriDoor,
+    Part,
+    PartBase,
+    PodSourcePart,
+    Readiness,
+)
+from .parts import bounded as _bounded
 from .planner import PlannerConfig
+
+if TYPE_CHECKING:
+    from .events import EventRecorder, NullEventRecorder
+    from .gpu.health import GpuHealth
+    from .gpu.inventory import Inventory
+    from .gpu.simulated import SimulatedInventory
+    from .kubelet.deviceplugin import DevicePluginServer
+    from .kubelet.podlookup import InMemoryPodSource, PodSource
+    from .metrics import Metrics
+    from .mps.api import MpsApi
 
 log = logging.getLogger("fracplugin.daemon")
 
@@ -139,7 +167,7 @@ class PodsFileWatcher:
     Concurrency: one daemon thread polling every ``poll_s`` seconds.
     """
 
-    def __init__(self, path: str, source: Any, poll_s: float = 0.1) -> None:
+    def __init__(self, path: str, source: InMemoryPodSource, poll_s: float = 0.1) -> None:
         self.path = path
         self.source = source
         self.poll_s = poll_s
@@ -198,6 +226,7 @@ class PodsFileWatcher:
                 log.warning("pods file watcher: %s: %s", type(exc).__name__, exc, extra={"path": self.path})
 
     def stop(self, timeout_s: float = 1.0) -> None:
+        """End the polling thread (waits at most ``timeout_s`` seconds)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -219,37 +248,30 @@ def _fmt_addr(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _call_bounded(name: str, fn: Callable[[], Any], timeout_s: float) -> bool:
-    """Run ``fn`` on a helper thread; wait at most ``timeout_s``. True when it
-    finished in time without raising (a late one is logged and abandoned:
-    helper threads are daemons)."""
-    done = threading.Event()
-    err: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            err.append(exc)
-        finally:
-            done.set()
-
-    t = threading.Thread(target=target, name=f"stop-{name}", daemon=True)
-    t0 = time.monotonic()
-    t.start()
-    if not done.wait(max(timeout_s, 0.05)):
-        log.error("stopping %s did not finish within %.1f s; continuing", name, timeout_s,
-                  extra={"part": name})
-        return False
-    if err:
-        log.error("stopping %s failed: %s", name, err[0], extra={"part": name})
-        return False
-    log.info("stopped %s", name, extra={"part": name, "elapsed_ms": round((time.monotonic() - t0) * 1000, 1)})
-    return True
-
-
 def _in_cluster() -> bool:
     return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.path.exists(IN_CLUSTER_TOKEN)
+
+
+def _api_client(cfg: Config) -> Any:
+    """A kubernetes ``ApiClient`` from ``--kubeconfig``; None in-cluster (each
+    user loads the service account config on its own thread). Raises StartupError."""
+    if not cfg.kubeconfig:
+        return None
+    from kubernetes import config as kconfig
+
+    try:
+        return kconfig.new_client_from_config(config_file=cfg.kubeconfig)
+    except Exception as exc:
+        raise StartupError(f"--kubeconfig {cfg.kubeconfig}: {exc}") from None
+
+
+_T = TypeVar("_T")
+
+# Stop order of the parts before MPS, with each one's share of what is left
+# (``left / weight``; the node condition is capped at 2 s): KAI stops placing
+# pods here before the doors close, the doors close before their helpers.
+_STOP_FIRST: tuple[tuple[str, int], ...] = (("node condition", 5), ("device plugin", 4), ("nri", 3), ("events", 3),
+                                           ("pod source", 3), ("metrics", 1))
 
 
 # ---- the daemon ----------------------------------------------------------------
@@ -262,8 +284,10 @@ class Daemon:
         reload: returns a freshly loaded (Config, sources) for SIGHUP; None
             disables reloading.
 
-    ``start()`` raises StartupError (after stopping what had started);
-    ``stop()`` is idempotent and bounded by ``cfg.shutdown_timeout_s``.
+    Every part is driven through ``parts.Part`` (start, stop with a timeout,
+    readiness with a reason, status, reload); ``self.parts`` holds them by
+    name in start order. ``start()`` raises StartupError (after stopping what
+    had started); ``stop()`` is idempotent and bounded by ``cfg.shutdown_timeout_s``.
     """
 
     def __init__(self, cfg: Config, sources: Mapping[str, str] | None = None,
@@ -274,21 +298,18 @@ class Daemon:
         self.sources = dict(sources or {})
         self._reload = reload
         self.started_at = time.time()
-        self.inventory: Any = None
+        self.parts: dict[str, Part] = {"logs": LogsPart(cfg)}
+        self.inventory: Inventory | None = None
+        self.simulated: SimulatedInventory | None = None
         self.node: NodeInfo | None = None
         self.node_name = ""
         self.ledger: Ledger | None = None
-        self.metrics: Any = None
-        self.mps: Any = None
-        self.mps_api: Any = None
-        self.pod_source: Any = None
-        self.pods_watcher: PodsFileWatcher | None = None
-        self.events: Any = None
-        self.node_condition: Any = None
-        self.nri_plugin: Any = None
-        self.nri_stub: Any = None
-        self.device_plugin: Any = None
-        self.health: HealthServer | None = None
+        self.metrics: Metrics | None = None
+        self.mps: MpsApi | None = None
+        self.pod_source: PodSource | None = None
+        self.events: EventRecorder | NullEventRecorder | None = None
+        self.nri: NriDoor | None = None
+        self.device_plugin: DevicePluginServer | None = None
         self.endpoints: dict[str, str] = {}
         self.ledger_warnings: list[str] = []
         self.startup_ms: float | None = None
@@ -297,6 +318,18 @@ class Daemon:
         self._stop_lock = threading.Lock()
         self.wake = threading.Event()
         self.pending_signals: list[int] = []
+
+    def _add(self, part: _T) -> _T:
+        """Register ``part`` (so that a failed start stops it) and start it."""
+        assert isinstance(part, PartBase)
+        self.parts[part.name] = part
+        part.start()
+        return part
+
+    def _part(self, kind: type[_T], name: str) -> _T | None:
+        """The registered part ``name`` (typed), or None."""
+        p = self.parts.get(name)
+        return p if isinstance(p, kind) else None
 
     # ---- construction ----------------------------------------------------
     @property
@@ -320,18 +353,20 @@ class Daemon:
             if self.cfg.simulate_node:
                 from .gpu.simulated import SimulatedInventory
 
-                self.inventory = SimulatedInventory(self.cfg.simulate_node)
+                self.simulated = SimulatedInventory(self.cfg.simulate_node)
+                self.inventory = self.simulated
             else:
                 from .gpu.nvml import NvmlInventory
 
                 self.inventory = NvmlInventory()
-            self.node = self.inventory.node()
+            node = self.node = self.inventory.node()
         except InventoryError as exc:
             raise StartupError(f"GPU inventory: {exc}") from None
-        self.node_name = self.cfg.node_name or self.node.name
+        self._add(InventoryPart(self.cfg, self.inventory))
+        self.node_name = self.cfg.node_name or node.name
         log.info("inventory ready", extra={
-            "node": self.node.name, "simulated": bool(self.cfg.simulate_node), "driver": self.node.driver_version,
-            "gpus": [f"{g.index}:{g.uuid}:{g.memory_mib}MiB" for g in self.node.gpus]})
+            "node": node.name, "simulated": bool(self.cfg.simulate_node), "driver": node.driver_version,
+            "gpus": [f"{g.index}:{g.uuid}:{g.memory_mib}MiB" for g in node.gpus]})
 
     def _build_ledger(self) -> None:
         assert self.node is not None
@@ -339,18 +374,17 @@ class Daemon:
             os.makedirs(self.cfg.state_dir, exist_ok=True)
         except OSError as exc:
             raise StartupError(f"state directory {self.cfg.state_dir}: {exc.strerror or exc}") from None
-        from .ledger import state_dir_warning
+        from .ledger import remove_crash_leftovers, state_dir_warning
 
         tmpfs_warning = state_dir_warning(self.cfg.state_dir)
         if tmpfs_warning:
             log.warning(tmpfs_warning, extra={"state_dir": self.cfg.state_dir})
-        self.ledger = Ledger(self.node, self.cfg.ledger_path, max_clients_per_gpu=self.cfg.max_clients_per_gpu)
-        self.ledger_warnings = self.ledger.load()  # the ledger logs each warning itself
-        from .ledger import remove_crash_leftovers
-
+        ledger = self.ledger = Ledger(self.node, self.cfg.ledger_path, max_clients_per_gpu=self.cfg.max_clients_per_gpu)
+        self.ledger_warnings = ledger.load()  # the ledger logs each warning itself
         for msg in remove_crash_leftovers(self.cfg.ledger_path):  # temps of killed writes, old corrupt copies
             log.info(msg, extra={"path": self.cfg.ledger_path})
-        log.info("ledger loaded", extra={"path": self.cfg.ledger_path, "tenancies": len(self.ledger.tenancies())})
+        self._add(LedgerPart(self.cfg, ledger, self.ledger_warnings))
+        log.info("ledger loaded", extra={"path": self.cfg.ledger_path, "tenancies": len(ledger.tenancies())})
 
     def _build_metrics(self) -> None:
         try:
@@ -358,18 +392,14 @@ class Daemon:
         except ImportError as exc:
             log.warning("metrics unavailable: %s", exc)
             return
-        self.metrics = Metrics(ledger=self.ledger, inventory=self.inventory, node=self.node)
-        self.metrics.attach_state(self.metric_state)
-        host, port = configmod.parse_address(self.cfg.metrics_address)
+        metrics = self.metrics = Metrics(ledger=self.ledger, inventory=self.inventory, node=self.node)
+        metrics.attach_state(self.metric_state)
         try:
-            bound = self.metrics.serve(self.cfg.metrics_address)
+            part = self._add(MetricsPart(self.cfg, metrics))
         except OSError as exc:
             raise StartupError(f"--metrics-address {self.cfg.metrics_address}: {exc.strerror or exc}") from None
-        if isinstance(bound, tuple) and len(bound) >= 2:
-            host, port = str(bound[0]), int(bound[1])
-        elif isinstance(bound, int):
-            port = bound
-        self.endpoints["metrics"] = _fmt_addr(host, port)
+        assert part.bound is not None
+        self.endpoints["metrics"] = _fmt_addr(*part.bound)
 
     def _build_mps(self) -> None:
         from .mps.api import NullMps
@@ -384,36 +414,38 @@ class Daemon:
             from .mps.rpc import RemoteMps
 
             self.mps = RemoteMps(self.cfg.effective_mps_api_socket, layout, modes=modes)
-            self.mps.start()
-            if not self.mps.status().get("reachable"):
+            self._add(MpsPart(self.cfg, self.mps))
+            st = self.mps.status()
+            if not st.get("reachable"):
                 log.warning("MPS role not reachable yet; MPS modes are down until it answers",
-                            extra={"socket": self.cfg.effective_mps_api_socket, "reason": self.mps.status().get("error")})
-            if self.metrics is not None:
-                self.metrics.attach_mps(self.mps)
-            return
+                            extra={"socket": self.cfg.effective_mps_api_socket, "reason": st.get("error")})
+        else:
+            self._build_supervisor(layout, modes)
+        if self.metrics is not None:
+            self.metrics.attach_mps(self.mps)
+
+    def _build_supervisor(self, layout: MpsLayout, modes: tuple[ComputeMode, ...]) -> None:
         from .mps.supervisor import MpsSupervisor
 
         assert self.node is not None
         protocol = None if self.cfg.mps_protocol == "auto" else int(self.cfg.mps_protocol)
         exclusive = (tuple(g.uuid for g in self.node.gpus)
                      if self.cfg.exclusive_process and not self.cfg.simulate_node else ())
-        self.mps = MpsSupervisor(layout, self.cfg.mps_control_binary, protocol, self.node.driver_version, modes,
-                                 exclusive_process_gpus=exclusive, detached=self.cfg.role == "mps")
+        sup = MpsSupervisor(layout, self.cfg.mps_control_binary, protocol, self.node.driver_version, modes,
+                            exclusive_process_gpus=exclusive, detached=self.cfg.role == "mps")
+        self.mps = sup
         try:
-            self.mps.start()
+            self._add(MpsPart(self.cfg, sup))
         except Exception as exc:
             raise StartupError(f"MPS supervisor: {exc}") from None
         if self.cfg.role == "mps":
             from .mps.rpc import MpsApiServer
 
-            self.mps_api = MpsApiServer(self.mps, self.cfg.effective_mps_api_socket)
             try:
-                self.mps_api.start()
+                self._add(MpsApiPart(self.cfg, MpsApiServer(sup, self.cfg.effective_mps_api_socket)))
             except OSError as exc:
                 raise StartupError(f"--mps-api-socket {self.cfg.effective_mps_api_socket}: {exc.strerror or exc}") from None
             self.endpoints["mps_api"] = self.cfg.effective_mps_api_socket
-        if self.metrics is not None:
-            self.metrics.attach_mps(self.mps)
 
     def _build_pod_source(self) -> None:
         if self.cfg.no_device_plugin:
@@ -421,21 +453,15 @@ class Daemon:
         from .kubelet.podlookup import InMemoryPodSource, KubernetesPodSource
 
         if self.cfg.pods_file:
-            self.pod_source = InMemoryPodSource(self.node_name)
-            self.pods_watcher = PodsFileWatcher(self.cfg.pods_file, self.pod_source)
-            self.pods_watcher.start()
-            log.info("simulated API: pods file", extra={"path": self.cfg.pods_file, "pods": len(self.pod_source)})
+            mem = InMemoryPodSource(self.node_name)
+            watcher = PodsFileWatcher(self.cfg.pods_file, mem)
+            self.pod_source = mem
+            self._add(PodSourcePart(self.cfg, mem, watcher.start, watcher.stop))
+            log.info("simulated API: pods file", extra={"path": self.cfg.pods_file, "pods": len(mem)})
         elif self.cfg.kubeconfig or _in_cluster():
-            api_client = None
-            if self.cfg.kubeconfig:
-                from kubernetes import config as kconfig
-
-                try:
-                    api_client = kconfig.new_client_from_config(config_file=self.cfg.kubeconfig)
-                except Exception as exc:
-                    raise StartupError(f"--kubeconfig {self.cfg.kubeconfig}: {exc}") from None
-            self.pod_source = KubernetesPodSource(self.node_name, self.cfg.resource_name, api_client)
-            self.pod_source.start()
+            watch = KubernetesPodSource(self.node_name, self.cfg.resource_name, _api_client(self.cfg))
+            self.pod_source = watch
+            self._add(PodSourcePart(self.cfg, watch, watch.start, watch.stop))
             log.info("API watch started", extra={"node": self.node_name,
                                                   "via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster"})
         else:
@@ -448,15 +474,9 @@ class Daemon:
         if self.cfg.no_nri or not (self.cfg.kubeconfig or _in_cluster()):
             self.events = NullEventRecorder()
             return
-        api_client = None  # in-cluster: the recorder loads the service account config on its thread
-        if self.cfg.kubeconfig:
-            from kubernetes import config as kconfig
-
-            try:
-                api_client = kconfig.new_client_from_config(config_file=self.cfg.kubeconfig)
-            except Exception as exc:
-                raise StartupError(f"--kubeconfig {self.cfg.kubeconfig}: {exc}") from None
-        self.events = EventRecorder(api_client, self.node_name).start()
+        recorder = EventRecorder(_api_client(self.cfg), self.node_name)
+        self.events = recorder
+        self._add(EventsPart(self.cfg, recorder))
         log.info("refusals become Kubernetes Events", extra={
             "via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster", "doors": "nri"})
 
@@ -471,16 +491,9 @@ class Daemon:
         if not (self.cfg.kubeconfig or _in_cluster()) or not self.node_name:
             log.info("node condition not published (no API access or no node name)", extra={"types": list(types)})
             return
-        api_client = None  # in-cluster: loaded on the publisher's thread
-        if self.cfg.kubeconfig:
-            from kubernetes import config as kconfig
-
-            try:
-                api_client = kconfig.new_client_from_config(config_file=self.cfg.kubeconfig)
-            except Exception as exc:
-                raise StartupError(f"--kubeconfig {self.cfg.kubeconfig}: {exc}") from None
-        self.node_condition = NodeConditionPublisher(
-            api_client, self.node_name, lambda: condition_from_checks(self.checks()), types).start()
+        publisher = NodeConditionPublisher(
+            _api_client(self.cfg), self.node_name, lambda: condition_from_checks(self.checks()), types)
+        self._add(NodeConditionPart(self.cfg, publisher))
         log.info("publishing the node condition KAI gates on", extra={"types": list(types), "node": self.node_name})
 
     def _refused_nri(self, pod: Any, container: str, err: Any) -> None:
@@ -500,27 +513,26 @@ class Daemon:
         from .nri.stub import NriStub
 
         assert self.node is not None and self.ledger is not None
-        self.nri_plugin = FracNriPlugin(self.node, self.ledger, self.planner_config, mps=self.mps,
-                                        metrics=self.metrics, fail_open=self.cfg.fail_open,
-                                        on_refusal=self._refused_nri, on_warning=self._warned_nri,
-                                        pod_lookup=getattr(self.pod_source, "get", None),
-                                        unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name,
-                                        gpu_health=self._gpu_health)
-        on_bound = getattr(self.metrics, "nri_bound_exceeded", None)
-        self.nri_stub = NriStub(self.nri_plugin, socket_path=self.cfg.nri_socket,
-                                plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx,
-                                on_bound=on_bound if callable(on_bound) else None)
-        self.nri_stub.start()
+        plugin = FracNriPlugin(self.node, self.ledger, self.planner_config, mps=self.mps,
+                               metrics=self.metrics, fail_open=self.cfg.fail_open,
+                               on_refusal=self._refused_nri, on_warning=self._warned_nri,
+                               pod_lookup=self.pod_source.get if self.pod_source is not None else None,
+                               unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name,
+                               gpu_health=self._gpu_health)
+        stub = NriStub(plugin, socket_path=self.cfg.nri_socket,
+                       plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx,
+                       on_bound=self.metrics.nri_bound_exceeded if self.metrics is not None else None)
+        self.nri = self._add(NriDoor(self.cfg, stub, plugin))
         self.endpoints["nri_socket"] = self.cfg.nri_socket
-        if getattr(self.nri_stub, "fd_mode", False):
+        if stub.fd_mode:
             # Launched by the runtime with the NRI socket on fd 3 (nri-protocol.md 1.5): when that
             # connection ends the runtime will launch a new plugin, so this process must go.
-            self.endpoints["nri_socket"] = f"fd {self.nri_stub.fd}"
+            self.endpoints["nri_socket"] = f"fd {stub.fd}"
 
             def watch_exit() -> None:
-                self.nri_stub.wait_exit()
+                stub.wait_exit()
                 if not self._stopping.is_set():
-                    log.info("NRI connection on fd %s ended (runtime-launched plugin): shutting down", self.nri_stub.fd)
+                    log.info("NRI connection on fd %s ended (runtime-launched plugin): shutting down", stub.fd)
                     self.pending_signals.append(signal.SIGTERM)
                     self.wake.set()
 
@@ -532,9 +544,9 @@ class Daemon:
         from .kubelet.deviceplugin import DevicePluginServer
         from .kubelet.devices import DeviceTableTooLarge
 
-        assert self.node is not None
+        assert self.node is not None and self.ledger is not None
         try:
-            self.device_plugin = DevicePluginServer(
+            server = DevicePluginServer(
                 self.node, self.ledger, self.planner_config, self.inventory,
                 pod_source=self.pod_source, resource_name=self.cfg.resource_name, unit_mib=self.cfg.device_unit_mib,
                 plugin_dir=self.cfg.device_plugin_dir, kubelet_socket=self.cfg.effective_kubelet_socket,
@@ -543,17 +555,16 @@ class Daemon:
                 metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket,
                 ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
                 policy=self.cfg.allocation_policy, device_specs=self.cfg.device_specs, cdi_kind=self.cfg.cdi_kind,
-                secure_pipe_mount=self.cfg.secure_pipe_mount)
+                secure_pipe_mount=self.cfg.secure_pipe_mount, fail_open=self.cfg.fail_open)
         except DeviceTableTooLarge as exc:
             # Kubelet could never receive the device list (devices.py): refuse to start.
             raise StartupError(f"--device-unit-mib {self.cfg.device_unit_mib}: {exc}") from None
+        self.device_plugin = server
         try:
-            self.device_plugin.start()
+            self._add(DevicePluginPart(self.cfg, server))
         except OSError as exc:
             raise StartupError(f"device plugin: {exc}") from None
-        sock = getattr(self.device_plugin, "socket_path", None)
-        if sock:
-            self.endpoints["device_plugin_socket"] = str(sock)
+        self.endpoints["device_plugin_socket"] = server.socket_path
         self.endpoints["kubelet_socket"] = self.cfg.effective_kubelet_socket
 
     def simulate_xid(self, gpu_uuid: str, xid: int) -> None:
@@ -564,38 +575,37 @@ class Daemon:
         when the inventory is not simulated (the route is never offered then)."""
         from .gpu.inventory import InventoryError
 
-        inject = getattr(self.inventory, "inject_xid", None)
-        if not self.cfg.simulate_node or not callable(inject):
+        if self.simulated is None:
             raise RuntimeError("XIDs can only be injected into a simulated node (--simulate-node)")
         assert self.node is not None
         if self.node.gpu_by_uuid(gpu_uuid) is None:
             raise LookupError(f"no GPU {gpu_uuid} on node {self.node.name} "
                               f"(GPUs: {', '.join(g.uuid for g in self.node.gpus)})")
         try:
-            inject(gpu_uuid, xid)
+            self.simulated.inject_xid(gpu_uuid, xid)
         except InventoryError as exc:
             raise LookupError(str(exc)) from None
 
-    def _gpu_health(self, uuid: str) -> Any:
+    def _gpu_health(self, uuid: str) -> GpuHealth:
         """The device plugin door's health of one GPU (XID + MPS); healthy
         when that door is not running (no monitor)."""
-        monitor = getattr(self.device_plugin, "health", None)
-        if monitor is not None and callable(getattr(monitor, "health", None)):
-            return monitor.health(uuid)
+        if self.device_plugin is not None:
+            return self.device_plugin.health.health(uuid)
         from .gpu.health import GpuHealth
 
         return GpuHealth(uuid, True)
 
     def _build_health(self) -> None:
-        simulate = self.simulate_xid if self.cfg.simulate_node and callable(
-            getattr(self.inventory, "inject_xid", None)) else None
-        self.health = HealthServer(self.cfg.health_address, self.checks, self.status, alive=self.alive,
-                                   simulate_xid=simulate)
+        from .health import HealthServer
+
+        server = HealthServer(self.cfg.health_address, self.checks, self.status, alive=self.alive,
+                              simulate_xid=self.simulate_xid if self.simulated is not None else None)
         try:
-            host, port = self.health.start()
+            part = self._add(HealthPart(self.cfg, server))
         except OSError as exc:
             raise StartupError(f"--health-address {self.cfg.health_address}: {exc.strerror or exc}") from None
-        self.endpoints["health"] = _fmt_addr(host, port)
+        assert part.bound is not None
+        self.endpoints["health"] = _fmt_addr(*part.bound)
 
     def start(self) -> None:
         """Build and start every enabled part, in order. Raises StartupError
@@ -634,48 +644,54 @@ class Daemon:
         reconnects forever in external mode, so that is a bug worth a restart)."""
         if self._stopping.is_set():
             return "shutting down"
-        if self.nri_stub is not None and getattr(self.nri_stub, "exited", False):
+        if self.nri is not None and self.nri.exited():
             return "the NRI plugin stub stopped"
         return None
 
+    @staticmethod
+    def _read(part: Part, what: str, fn: Callable[[], _T], default: _T) -> _T:
+        """``fn()`` (``what`` of ``part``: its readiness or status); an exception
+        is logged and gives ``default`` (a broken part must not break ``/status``)."""
+        try:
+            return fn()
+        except Exception:
+            log.exception("%s of part %s failed", what, part.name)
+            return default
+
     def checks(self) -> dict[str, dict[str, Any]]:
-        """Readiness of each enabled part: {part: {"ready": bool, "detail": str}}."""
+        """Readiness of each enabled part: {part: {"ready": bool, "detail": str}}
+        (``Part.readiness`` of the parts whose ``check`` is set)."""
         out: dict[str, dict[str, Any]] = {}
-        if self.nri_stub is not None:
-            # readiness of the current runtime session (issue 13 item 5), not "ever synchronized"
-            synced, connected = bool(_call(self.nri_stub, "ready")), bool(_call(self.nri_stub, "connected"))
-            before = bool(_call(self.nri_stub, "ever_synchronized"))
-            ready = synced and connected
-            detail = ("synchronized with the runtime" if ready else
-                      "connected, not synchronized yet" if connected else
-                      f"not connected to {self.cfg.nri_socket}" + (" (was synchronized before)" if before else ""))
-            out["nri"] = {"ready": ready, "detail": detail}
-        elif not self.cfg.no_nri:
-            out["nri"] = {"ready": False, "detail": "not started"}
-        if self.device_plugin is not None:
-            reg = bool(_call(self.device_plugin, "registered"))
-            out["device_plugin"] = {"ready": reg, "detail": (f"registered with kubelet as {self.cfg.resource_name}"
-                                                             if reg else f"not registered at {self.cfg.effective_kubelet_socket}")}
-        elif not self.cfg.no_device_plugin:
-            out["device_plugin"] = {"ready": False, "detail": "not started"}
-        if not self.cfg.no_mps:
-            ok = self.mps is not None and bool(_call(self.mps, "ready"))
-            if self.mps is None:
-                detail = "not started"
-            else:
-                st = self.mps.status()
-                bad = [f"{d.get('mode', '?')} ({d.get('reason') or d.get('state') or 'unhealthy'})"
-                       for d in (st.get("daemons") or []) if not d.get("healthy")]
-                if st.get("reachable") is False:
-                    detail = f"MPS role unreachable at {st.get('remote')}: {st.get('error')}"
-                else:
-                    detail = ("every daemon healthy" if ok else
-                              ("unhealthy: " + "; ".join(bad) if bad else "starting"))
-                if st.get("exposure"):
-                    detail += f"; exposure: {st['exposure']}"
-            out["mps"] = {"ready": ok, "detail": detail}
+        for name, check, enabled in (("nri", "nri", not self.cfg.no_nri),
+                                     ("device plugin", "device_plugin", not self.cfg.no_device_plugin),
+                                     ("mps", "mps", not self.cfg.no_mps)):
+            part = self.parts.get(name)
+            if part is not None:
+                r = self._read(part, "readiness", part.readiness, Readiness(False, f"{name} readiness unavailable"))
+                out[check] = {"ready": r.ok, "detail": r.reason}
+            elif enabled:
+                out[check] = {"ready": False, "detail": "not started"}
         if self._stopping.is_set():
             out["daemon"] = {"ready": False, "detail": "shutting down"}
+        return out
+
+    def _gpu_healthy(self) -> dict[str, tuple[bool, list[str]]]:
+        """Per GPU (healthy, reasons): the device plugin door's XID + MPS
+        monitor, or without that door the MPS daemon of the GPU's tenants' mode."""
+        out: dict[str, tuple[bool, list[str]]] = {}
+        if self.node is None or self.ledger is None:
+            return out
+        for g in self.node.gpus:
+            if self.device_plugin is not None:
+                h = self.device_plugin.health.health(g.uuid)
+                out[g.uuid] = (bool(h.healthy), list(h.reasons))
+                continue
+            mode = self.ledger.mode(g.uuid)
+            try:
+                ok = mode is None or self.cfg.no_mps or self.mps is None or bool(self.mps.healthy(mode))
+            except Exception:
+                ok = False
+            out[g.uuid] = (ok, [] if ok else ["mps down"])
         return out
 
     def metric_state(self) -> dict[str, Any]:
@@ -685,58 +701,41 @@ class Daemon:
         device plugin reports it Healthy (critical XID or its mode's MPS daemon
         down; without the device plugin door: its mode's MPS daemon)."""
         nri = None
-        if self.nri_stub is not None:
-            st = _call(self.nri_plugin, "status") if self.nri_plugin is not None else None
-            nri = {"connected": bool(_call(self.nri_stub, "connected")),
-                   "synchronized": bool(_call(self.nri_stub, "ready")),
-                   "unadjusted": len(st.get("unadjusted") or ()) if isinstance(st, dict) else 0}
-        dp = None if self.device_plugin is None else {"registered": bool(_call(self.device_plugin, "registered"))}
-        healthy: dict[str, bool] = {}
-        monitor = getattr(self.device_plugin, "health", None)
-        if self.node is not None and self.ledger is not None:
-            for g in self.node.gpus:
-                if monitor is not None and callable(getattr(monitor, "health", None)):
-                    healthy[g.uuid] = bool(monitor.health(g.uuid).healthy)
-                else:
-                    tenants = self.ledger.tenants(g.uuid)
-                    mode = tenants[0].mode if tenants else None
-                    try:
-                        healthy[g.uuid] = (mode is None or self.cfg.no_mps or self.mps is None
-                                           or bool(self.mps.healthy(mode)))
-                    except Exception:
-                        healthy[g.uuid] = False
-        return {"nri": nri, "device_plugin": dp, "gpu_healthy": healthy}
+        if self.nri is not None:
+            nri = {"connected": self.nri.connected(), "synchronized": self.nri.synchronized(),
+                   "unadjusted": self.nri.unadjusted()}
+        dp = self.parts.get("device plugin")
+        return {"nri": nri, "device_plugin": None if dp is None else {"registered": dp.readiness().ok},
+                "gpu_healthy": {u: h for u, (h, _r) in self._gpu_healthy().items()}}
+
+    def _status_of(self, name: str) -> dict[str, Any] | None:
+        part = self.parts.get(name)
+        empty: dict[str, Any] = {}
+        return None if part is None else self._read(part, "status", part.status, empty)
 
     def status(self) -> dict[str, Any]:
         """The ``/status`` document (see status.py for the rendering)."""
         checks = self.checks()
         gpus = []
-        mps_health = {}
-        if self.mps is not None:
-            for mode in ComputeMode:
-                try:
-                    mps_health[mode] = bool(self.mps.healthy(mode)) if not self.cfg.no_mps else True
-                except Exception:
-                    mps_health[mode] = False
-        monitor = getattr(self.device_plugin, "health", None)  # XID + MPS health of the device plugin door
+        health = self._gpu_healthy()
         if self.node is not None and self.ledger is not None:
             for g in self.node.gpus:
                 tenants = self.ledger.tenants(g.uuid)
                 held = sum(t.request_mib for t in tenants)
                 mode = tenants[0].mode if tenants else None
-                if monitor is not None and callable(getattr(monitor, "health", None)):
-                    h = monitor.health(g.uuid)
-                    healthy, reasons = bool(h.healthy), list(h.reasons)
-                else:
-                    healthy = mps_health.get(mode, True) if mode else True
-                    reasons = [] if healthy else ["mps down"]
+                healthy, reasons = health.get(g.uuid, (True, []))
                 gpus.append({
                     "index": g.index, "uuid": g.uuid, "name": g.name, "memory_mib": g.memory_mib,
                     "held_mib": held, "free_mib": g.memory_mib - held, "mode": mode.value if mode else None,
                     "healthy": healthy, "unhealthy_reasons": reasons,
                     "tenants": [t.to_dict() for t in tenants],
                 })
-        dp_status = _call(self.device_plugin, "status") if self.device_plugin is not None else None
+        events = self._status_of("events")
+        if events is None and self.events is not None:
+            events = {"enabled": False, **self.events.stats()}
+        mps = self._status_of("mps")
+        if mps is None:
+            mps = self.mps.status() if self.mps is not None else {"enabled": False, "daemons": []}
         return {
             "node": self.node_name,
             "version": __version__,
@@ -748,46 +747,27 @@ class Daemon:
                       "mps": not self.cfg.no_mps},
             "fail_open": self.cfg.fail_open,
             "gpus": gpus,
-            "mps": self.mps.status() if self.mps is not None else {"enabled": False, "daemons": []},
-            "device_plugin": dp_status if isinstance(dp_status, dict) else None,
-            "nri": self._nri_status(),
-            "pod_source": (None if self.pod_source is None else
-                           {"kind": type(self.pod_source).__name__, "ready": bool(_call(self.pod_source, "ready")),
-                            "pods": len(self.pod_source)}),
-            "events": self._events_status(),
-            "node_condition": _call(self.node_condition, "status") if self.node_condition is not None else None,
+            "mps": mps,
+            "device_plugin": self._status_of("device plugin"),
+            "nri": self._status_of("nri"),
+            "pod_source": self._status_of("pod source"),
+            "events": events,
+            "node_condition": self._status_of("node condition"),
             "endpoints": dict(self.endpoints),
             "ledger": {"path": self.cfg.ledger_path, "warnings": self.ledger_warnings},
             "config": self.cfg.to_dict(),
         }
 
-    def _events_status(self) -> dict[str, Any] | None:
-        """``{"enabled": bool, "queued", "sent", "failed", "dropped",
-        "suppressed"}`` of the refusal event recorder (None before it exists)."""
-        if self.events is None:
-            return None
-        from .events import NullEventRecorder
-
-        stats = _call(self.events, "stats")
-        return {"enabled": not isinstance(self.events, NullEventRecorder), **(stats if isinstance(stats, dict) else {})}
-
-    def _nri_status(self) -> dict[str, Any] | None:
-        """The NRI stub's and plugin's status merged (None when the door is off)."""
-        if self.nri_stub is None:
-            return None
-        doc: dict[str, Any] = {}
-        for part in (self.nri_stub, self.nri_plugin):
-            st = _call(part, "status") if part is not None else None
-            if isinstance(st, dict):
-                doc.update(st)
-        doc["ready"] = bool(_call(self.nri_stub, "ready")) and bool(_call(self.nri_stub, "connected"))
-        return doc
-
     # ---- signals, reload ----------------------------------------------------
     def reload(self) -> dict[str, Any]:
-        """Apply a SIGHUP: reload the configuration and apply what is
-        reloadable. Returns {"applied": {...}, "needs_restart": [...]} (or
-        {"error": ...} when the new configuration is invalid: nothing changes)."""
+        """Apply a SIGHUP: reload the configuration and hand it to every part
+        (``Part.reload``): each applies the ``config.RELOADABLE`` settings it
+        can change while running and reports the changed settings it reads
+        that need a restart. Returns ``{"applied": {key: (old, new)},
+        "needs_restart": [key, ...], "parts": {part: {"applied": [...],
+        "needs_restart": [...]}}}`` (parts with nothing changed are left out),
+        or ``{"error": ...}`` when the new configuration is invalid: nothing
+        changes then. A setting that needs a restart keeps its old value."""
         if self._reload is None:
             return {"error": "reload not configured"}
         try:
@@ -795,24 +775,21 @@ class Daemon:
         except ConfigError as exc:
             log.error("SIGHUP: configuration not reloaded: %s", exc)
             return {"error": str(exc)}
+        if new.role == "mps":
+            new = dataclasses.replace(new, no_nri=True, no_device_plugin=True)
         applied, ignored = configmod.reloadable_changes(self.cfg, new)
-        if "log_format" in applied or "log_level" in applied:
-            logs.setup(new.log_format, new.log_level)
-        if "fail_open" in applied:
-            for part in (self.nri_plugin, self.device_plugin):
-                if part is not None:
-                    setter = getattr(part, "set_fail_open", None)
-                    if callable(setter):
-                        setter(new.fail_open)
-                    elif hasattr(part, "fail_open"):
-                        part.fail_open = new.fail_open
-        kept = {k: getattr(self.cfg, k) for k in ignored}
+        per_part: dict[str, dict[str, list[str]]] = {}
+        for name, part in list(self.parts.items()):
+            r = part.reload(new)
+            if r.applied or r.needs_restart:
+                per_part[name] = r.to_dict()
+        kept = {k: getattr(self.cfg, k) for k in ignored}  # config fields by name, not a part
         self.cfg = dataclasses.replace(new, **kept)
         self.sources.update({k: v for k, v in sources.items() if k in applied})
         log.info("SIGHUP: configuration reloaded", extra={
             "applied": {k: {"old": a, "new": b} for k, (a, b) in applied.items()},
-            "needs_restart": ignored, "reloadable": list(configmod.RELOADABLE)})
-        return {"applied": applied, "needs_restart": ignored}
+            "needs_restart": ignored, "reloadable": list(configmod.RELOADABLE), "parts": per_part})
+        return {"applied": applied, "needs_restart": ignored, "parts": per_part}
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT -> stop; SIGHUP -> reload (main thread only)."""
@@ -838,7 +815,9 @@ class Daemon:
 
     # ---- stopping ------------------------------------------------------------
     def stop(self) -> None:
-        """Stop every part in order within ``shutdown_timeout_s`` (idempotent)."""
+        """Stop every part in order within ``shutdown_timeout_s`` (idempotent):
+        ``_STOP_FIRST``, then the MPS API and MPS (the biggest share: it must
+        quit its daemons), the inventory, the health server, the ledger."""
         with self._stop_lock:
             if self._stopped:
                 return
@@ -846,67 +825,49 @@ class Daemon:
         self._stopping.set()
         t0 = time.monotonic()
         deadline = t0 + self.cfg.shutdown_timeout_s
-        # MPS gets the biggest share at the end: it must quit its daemons.
-        reserve_for_mps = min(self.cfg.shutdown_timeout_s * 0.4, 5.0) if self.mps is not None else 0.0
+        mps = self.parts.get("mps")
+        reserve_for_mps = min(self.cfg.shutdown_timeout_s * 0.4, 5.0) if mps is not None else 0.0
 
         def left(reserve: float = 0.0) -> float:
             return max(deadline - time.monotonic() - reserve, 0.05)
 
-        def per_part(n_left: int) -> float:
-            return left(reserve_for_mps) / max(n_left, 1)
-
-        order: list[tuple[str, Callable[[], Any]]] = []
-        if self.node_condition is not None:  # first: KAI stops placing pods here before the doors close
-            order.append(("node condition", lambda: self.node_condition.stop(min(per_part(5), 2.0))))
-        if self.device_plugin is not None:
-            order.append(("device plugin", lambda: self.device_plugin.stop(per_part(4))))
-        if self.nri_stub is not None:
-            def stop_nri() -> None:
-                self.nri_stub.stop(per_part(3))
-                if self.nri_plugin is not None and callable(getattr(self.nri_plugin, "close", None)):
-                    self.nri_plugin.close()  # background MPS namespace jobs
-            order.append(("nri", stop_nri))
-        from .events import NullEventRecorder
-
-        if self.events is not None and not isinstance(self.events, NullEventRecorder):
-            order.append(("events", lambda: self.events.stop(per_part(3))))
-        if self.pods_watcher is not None:
-            order.append(("pods file", lambda: self.pods_watcher.stop(per_part(3))))
-        if self.pod_source is not None and hasattr(self.pod_source, "stop"):
-            order.append(("pod watch", lambda: self.pod_source.stop(per_part(2))))
-        if self.metrics is not None and hasattr(self.metrics, "stop"):
-            order.append(("metrics", lambda: _call_stop(self.metrics, per_part(1))))
-        for i, (name, fn) in enumerate(order):
-            _call_bounded(name, fn, left(reserve_for_mps) / max(len(order) - i, 1) + 0.5)
-        if self.mps_api is not None:
-            _call_bounded("mps api", lambda: self.mps_api.stop(1.0), 2.0)
-        if self.mps is not None and hasattr(self.mps, "stop"):
-            # role all: quit the daemons; role mps: leave them running for the
-            # next MPS role (ADR 0009); role doors: stop polling the MPS role.
-            if not _call_bounded("mps", lambda: _call_stop(self.mps, left()), left() + 0.5) and self.cfg.role == "all":
-                self._kill_mps_leftovers()
-        if self.inventory is not None:
-            _call_bounded("inventory", self.inventory.close, 1.0)
-        if self.health is not None:
-            self.health.stop()
+        first = [(self.parts[n], w) for n, w in _STOP_FIRST if n in self.parts]
+        for i, (part, weight) in enumerate(first):
+            budget = left(reserve_for_mps) / weight
+            if part.name == "node condition":
+                budget = min(budget, 2.0)
+            _bounded(part.name, partial(part.stop, budget), left(reserve_for_mps) / max(len(first) - i, 1) + 0.5)
+        api = self.parts.get("mps api")
+        if api is not None:
+            _bounded(api.name, lambda: api.stop(1.0), 2.0)
+        if mps is not None and not _bounded(mps.name, lambda: mps.stop(left()), left() + 0.5) \
+                and self.cfg.role == "all":
+            self._kill_mps_leftovers()
+        inventory = self.parts.get("inventory")
+        if inventory is not None:
+            _bounded(inventory.name, lambda: inventory.stop(1.0), 1.0)
+        health = self.parts.get("health")
+        if health is not None:
+            health.stop(2.0)
         try:
             os.unlink(self.cfg.endpoints_path)
         except OSError:
             pass
-        if self.ledger is not None:
-            self.ledger.close()  # journal folded into the snapshot: a clean stop leaves one file
+        ledger = self.parts.get("ledger")
+        if ledger is not None:
+            ledger.stop(1.0)  # journal folded into the snapshot: a clean stop leaves one file
         problems = self.ledger.check_invariants() if self.ledger is not None else []
         log.info("fracplugin stopped", extra={
             "elapsed_ms": round((time.monotonic() - t0) * 1000, 1),
             "tenancies": len(self.ledger.tenancies()) if self.ledger is not None else 0,
             "ledger_consistent": not problems})
 
-
     def _kill_mps_leftovers(self) -> None:
         """Last resort when the MPS supervisor did not stop in time: SIGKILL the
         process group of every MPS control daemon it reported (each runs in its
         own session) and their servers, so that no MPS process outlives us."""
         try:
+            assert self.mps is not None
             daemons = self.mps.status().get("daemons") or []
         except Exception:
             log.exception("MPS status unavailable; cannot kill leftover MPS processes")
@@ -921,34 +882,6 @@ class Daemon:
                     except (ProcessLookupError, PermissionError):
                         pass
                 log.error("MPS did not stop in time: killed pid %s", pid, extra={"mode": d.get("mode"), "pid": pid})
-
-
-def _call(obj: Any, method: str) -> Any:
-    """``obj.method()`` when it exists, else None; exceptions -> None (logged)."""
-    fn = getattr(obj, method, None)
-    if not callable(fn):
-        return None
-    try:
-        return fn()
-    except Exception:
-        log.exception("%s.%s() failed", type(obj).__name__, method)
-        return None
-
-
-def _call_stop(obj: Any, timeout_s: float) -> None:
-    import inspect
-
-    stop = obj.stop
-    try:
-        params = inspect.signature(stop).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        params = {}
-    if "timeout_s" in params:
-        stop(timeout_s=timeout_s)
-    elif "timeout" in params:
-        stop(timeout=timeout_s)
-    else:
-        stop()
 
 
 def main(args: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from .allocation import DOOR_ALLOCATE, DOOR_NRI, DOOR_OTHER_PLUGIN, DOOR_SYNC, to_tenancies
 from .model import ComputeMode, ContainerPlan, FractionError, GpuInfo, NodeInfo, Tenancy
@@ -203,13 +203,15 @@ class Ledger:
 
     def _unindex(self, t: Tenancy) -> None:
         del self._entries[t]
-        for index, key in ((self._by_gpu, t.gpu_uuid), (self._by_owner, t.owner),
-                           (self._by_reservation, t.reservation), (self._by_container_id, t.container_id)):
-            bucket = index.get(key)  # type: ignore[attr-defined]
+        indexes: tuple[tuple[dict[Any, dict[Tenancy, None]], Any], ...] = (
+            (self._by_gpu, t.gpu_uuid), (self._by_owner, t.owner),
+            (self._by_reservation, t.reservation), (self._by_container_id, t.container_id))
+        for index, key in indexes:
+            bucket = index.get(key)
             if bucket is not None:
                 bucket.pop(t, None)
                 if not bucket:
-                    del index[key]  # type: ignore[attr-defined]
+                    del index[key]
 
     def _set_all(self, items: Iterable[Tenancy]) -> None:
         self._entries, self._by_gpu, self._by_owner = {}, {}, {}

@@ -230,6 +230,10 @@ class NodeConditionPublisher:
             timer.cancel()
         return ok
 
+    def _pause(self, seconds: float) -> None:
+        """tenacity's sleep between tries: ends early when ``stop`` aborts retries."""
+        self._abort.wait(seconds)
+
     def status(self) -> dict[str, Any]:
         """``{"types", "node", "published": {status, reason, message} | None,
         "patches", "failures", "last_error"}`` for ``/status``."""
@@ -333,7 +337,7 @@ class NodeConditionPublisher:
             stop=tenacity.stop_after_attempt(attempts or self.retry_attempts) | tenacity.stop_when_event_set(self._abort),
             wait=tenacity.wait_exponential(multiplier=self.retry_base_s, max=5.0),
             retry=tenacity.retry_if_exception(_retryable),
-            sleep=lambda s: self._abort.wait(s) and None,
+            sleep=self._pause,
             reraise=True,
         )
         try:

@@ -46,6 +46,10 @@ from .. import planner as planner_mod
 from .._proto import deviceplugin_pb2 as pb
 from .._proto import deviceplugin_pb2_grpc as pb_grpc
 from ..gpu.health import DEFAULT_IGNORED_XIDS, DEFAULT_XID_RECOVERY_S, HealthMonitor
+from ..gpu.inventory import Inventory
+from ..ledger import Ledger
+from ..mps.api import MpsApi
+from ..parts import HookMetrics
 from ..model import ComputeMode, NodeInfo
 from . import podlookup
 from .devices import (
@@ -65,6 +69,9 @@ DEFAULT_SOCKET_NAME = "fracplugin.sock"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 ANNOTATION_ALLOCATE = "fracplugin.io/allocate"
+ALLOCATE_UNADJUSTED = "unadjusted"
+"""``fracplugin.io/allocate`` of a refusal answered under ``fail_open``."""
+_NEVER_FAIL_OPEN = ("invalid", "internal")  # kubelet's request is malformed, or a bug of ours: refused either way
 _STREAM_WAIT_S = 0.5
 
 
@@ -129,8 +136,9 @@ class DevicePluginServer:
         socket_name: our socket's file name in ``plugin_dir``.
         kubelet_socket: kubelet's registration socket (default ``<plugin_dir>/kubelet.sock``).
         allocate_deadline_s: the longest an Allocate may wait for the watch cache.
-        mps_health: see ``gpu.health.MpsHealth`` (None: not supervised).
-        metrics: optional object with ``observe_hook(door, seconds)`` (doors
+        mps_health: the MPS port whose ``healthy(mode)`` marks GPUs Unhealthy
+            (``gpu.health.MpsHealth``; None: not supervised).
+        metrics: optional ``parts.HookMetrics``: ``observe_hook(door, seconds)`` (doors
             ``allocate`` and ``preferred``) and ``refusal(code)`` (every gRPC
             error Allocate answers, labelled with the FractionError code or
             ``invalid`` / ``unhealthy`` / ``internal``).
@@ -153,6 +161,15 @@ class DevicePluginServer:
             bind mount of the pipe directory from Allocate inherits the
             source mount's flags; the API has no mount options (issue 11, D9).
             Off: only a startup warning when the flags are missing.
+        fail_open: an Allocate refused for the pod's fraction (a contract or
+            node guard refusal, an Unhealthy GPU) is answered with an
+            unadjusted container (no env, no mounts, annotation
+            ``fracplugin.io/allocate: unadjusted``; nothing recorded in the
+            ledger) instead of the gRPC error, with a warning; the refusal is
+            still counted. A malformed request (``invalid``) or an internal
+            error is refused either way. The NRI door's ``fail_open`` does the
+            same at CreateContainer (``nri.plugin``). Reloadable: the daemon
+            sets the attribute on SIGHUP.
 
     Raises:
         ValueError: bad resource name, unit, policy, or a device ID over 63 chars;
@@ -164,9 +181,9 @@ class DevicePluginServer:
     def __init__(
         self,
         node: NodeInfo,
-        ledger: Any,
+        ledger: Ledger,
         planner_config: planner_mod.PlannerConfig | None = None,
-        inventory: Any = None,
+        inventory: Inventory | None = None,
         pod_source: podlookup.PodSource | None = None,
         resource_name: str = DEFAULT_RESOURCE_NAME,
         unit_mib: int = DEFAULT_UNIT_MIB,
@@ -174,8 +191,8 @@ class DevicePluginServer:
         socket_name: str = DEFAULT_SOCKET_NAME,
         kubelet_socket: str | None = None,
         allocate_deadline_s: float = 5.0,
-        mps_health: Any = None,
-        metrics: Any = None,
+        mps_health: MpsApi | None = None,
+        metrics: HookMetrics | None = None,
         ignored_xids: Iterable[int] = DEFAULT_IGNORED_XIDS,
         *,
         xid_recovery_s: float | None = DEFAULT_XID_RECOVERY_S,
@@ -187,6 +204,7 @@ class DevicePluginServer:
         max_workers: int = 16,
         poll_s: float = 0.1,
         secure_pipe_mount: bool = False,
+        fail_open: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"allocation policy {policy!r} must be one of {', '.join(POLICIES)}")
@@ -217,20 +235,26 @@ class DevicePluginServer:
         self._reconcile_stop = threading.Event()
         self.max_workers = max_workers
         self.secure_pipe_mount = secure_pipe_mount
+        self.fail_open = fail_open
         self._secured_root: str | None = None
-        self.health = HealthMonitor(
-            inventory,
-            [g.uuid for g in node.gpus],
-            ignored_xids=ignored_xids,
-            xid_recovery_s=xid_recovery_s,
-            mps_health=mps_health,
-            mode_of=self._mode_of,
-            poll_s=max(poll_s, 0.05),
-        )
+        self.health = HealthMonitor(inventory, [g.uuid for g in node.gpus], ignored_xids=ignored_xids,
+                                    xid_recovery_s=xid_recovery_s, mps_health=mps_health, mode_of=self._mode_of,
+                                    poll_s=max(poll_s, 0.05))
         self.health.subscribe(self._devices_changed)
         self.registrar = Registrar(
             self, self.kubelet_socket, self.resource_name, poll_s=poll_s, on_registered=self._on_registered
         )
+        self._init_serving()
+        self.allocator = Allocator(
+            node, ledger, self.planner_config, self.table, self.resource_name, pod_source, allocate_deadline_s,
+            self.health.unhealthy, policy=policy,
+        )
+        self.counters = self.allocator.counters
+        self.reregister_ms: list[float] = []
+        self.startup_warnings: list[str] = []
+
+    def _init_serving(self) -> None:
+        """The ListAndWatch condition and the grpc server slots (nothing served yet)."""
         self._cond = threading.Condition()
         self._version = 0
         self._response = self._build_response()
@@ -241,13 +265,6 @@ class DevicePluginServer:
         self._server: grpc.Server | None = None
         self._socket_id: tuple[int, int] | None = None
         self._server_lock = threading.Lock()
-        self.allocator = Allocator(
-            node, ledger, self.planner_config, self.table, self.resource_name, pod_source, allocate_deadline_s,
-            self.health.unhealthy, policy=policy,
-        )
-        self.counters = self.allocator.counters
-        self.reregister_ms: list[float] = []
-        self.startup_warnings: list[str] = []
 
     # ---- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -538,8 +555,19 @@ class DevicePluginServer:
         return out
 
     def allocate(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
-        """Answer Allocate (``Allocator.allocate``). Raises Refusal."""
-        a = self.allocator.allocate([list(c.devices_ids) for c in request.container_requests])
+        """Answer Allocate (``Allocator.allocate``). Raises Refusal; with
+        ``fail_open``, a refusal of the pod's fraction is counted, logged and
+        answered with an unadjusted container instead (``fail_open``)."""
+        try:
+            a = self.allocator.allocate([list(c.devices_ids) for c in request.container_requests])
+        except Refusal as r:
+            if not self.fail_open or r.label in _NEVER_FAIL_OPEN:
+                raise
+            self._refused(r)
+            log.warning("Allocate fail-open: the container runs unadjusted (no GPU env, no MPS): %s", r.message)
+            resp = pb.AllocateResponse()
+            resp.container_responses.add().annotations[ANNOTATION_ALLOCATE] = ALLOCATE_UNADJUSTED
+            return resp
         return self._response_for(a.env, a.mounts, a.uuids, a.kind, a.key)
 
     def _response_for(

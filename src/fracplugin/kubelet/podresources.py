@@ -18,6 +18,7 @@ restart (new socket file) is picked up on the next call after a failure.
 
 from __future__ import annotations
 
+import builtins
 import threading
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -138,7 +139,7 @@ class PodResourcesClient:
                 return p
         return None
 
-    def devices_for(self, pod_namespace: str, pod_name: str, container: str, resource_name: str) -> list[str]:
+    def devices_for(self, pod_namespace: str, pod_name: str, container: str, resource_name: str) -> builtins.list[str]:
         """Device IDs of ``resource_name`` kubelet gave one container ([] when
         none or unknown). Raises PodResourcesError when kubelet cannot be asked."""
         pod = self.get(pod_namespace, pod_name)
