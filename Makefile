@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup test unit component proto demo interop e2e kai-e2e kubelet-e2e bench chart manifests chart-tools ci clean gpu-check gpu-check-wheels
+.PHONY: setup test typecheck unit component proto demo interop e2e kai-e2e kubelet-e2e bench chart manifests chart-tools ci clean gpu-check gpu-check-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,9 +14,13 @@ $(VENV)/.installed: pyproject.toml
 ## setup: create .venv and install fracplugin with its test extras
 setup: $(VENV)/.installed
 
-## test: the whole Python test suite (unit + component); interop and e2e have their own targets
-test: setup
+## test: mypy over src/ (zero errors), then the whole Python test suite (unit + component); interop and e2e have their own targets
+test: setup typecheck
 	$(PY) -m pytest tests/unit tests/component -q
+
+## typecheck: mypy src/fracplugin (config in pyproject.toml [tool.mypy])
+typecheck: setup
+	$(PY) -m mypy src/fracplugin
 
 unit: setup
 	$(PY) -m pytest tests/unit -q
