@@ -249,6 +249,29 @@ def test_sighup_reloads_log_level_and_fail_open(daemon: Callable[..., DaemonProc
     assert d.terminate() == 0
 
 
+def test_sighup_reaches_both_doors(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    """A real SIGHUP with both doors on (no runtime, no kubelet attached): each
+    door applies fail_open and reports the settings it cannot reload."""
+    cfg = root / "config.yaml"
+    (root / "dp").mkdir()
+    base = (f"nri_socket: {root / 'nri.sock'}\ndevice_plugin_dir: {root / 'dp'}\n"
+            f"pod_resources_socket: {root / 'pr.sock'}\n")
+    cfg.write_text(base + "fail_open: false\n")
+    d = daemon("--no-mps", "--config", str(cfg))
+    assert d.get("/status")[1]["nri"]["fail_open"] is False
+    cfg.write_text(base + "fail_open: true\nnri_plugin_idx: '60'\ndevice_unit_mib: 2048\n")
+    d.signal(signal.SIGHUP)
+    rec = wait_until(lambda: next((r for r in d.log_records() if r.get("msg") == "SIGHUP: configuration reloaded"),
+                                  None))
+    assert rec, d.logs()
+    assert rec["parts"]["nri"] == {"applied": ["fail_open"], "needs_restart": ["device_unit_mib", "nri_plugin_idx"]}
+    assert rec["parts"]["device plugin"] == {"applied": ["fail_open"], "needs_restart": ["device_unit_mib"]}
+    st = d.get("/status")[1]
+    assert st["fail_open"] is True and st["nri"]["fail_open"] is True
+    assert st["config"]["nri_plugin_idx"] == "50" and st["device_plugin"]["unit_mib"] == 1024
+    assert d.terminate() == 0
+
+
 # ---- device plugin door ----------------------------------------------------------
 def test_device_plugin_door_registers_and_stops_advertising(daemon: Callable[..., DaemonProc], root: Path) -> None:
     from fake_kubelet import FakeKubelet
