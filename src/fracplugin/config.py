@@ -27,7 +27,7 @@ import re
 import shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import yaml
 
@@ -357,6 +357,18 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
             value = ",".join(value)
         return ConfigError("--" + flag_name(name), value, reason, src.get(name, "default"))
 
+    _validate_role_and_mps(cfg, bad)
+    _validate_numbers(cfg, bad)
+    _validate_names_and_paths(cfg, bad)
+    return cfg
+
+
+_Bad = Callable[[str, str], ConfigError]
+"""``bad(setting, reason)``: the ConfigError naming the setting, its value and where it came from."""
+
+
+def _validate_role_and_mps(cfg: Config, bad: _Bad) -> None:
+    """``validate``: log format/level, role, MPS protocol and modes. Raises ConfigError."""
     if cfg.log_format not in LOG_FORMATS:
         raise bad("log_format", f"must be one of {', '.join(LOG_FORMATS)}")
     if cfg.log_level.lower() not in LOG_LEVELS:
@@ -375,6 +387,9 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
     if not cfg.no_mps and not cfg.mps_modes:
         raise bad("mps_modes", f"is empty: name at least one of {', '.join(MPS_MODES)}, or give --no-mps")
 
+
+def _validate_numbers(cfg: Config, bad: _Bad) -> None:
+    """``validate``: addresses, sizes, counts and timeouts. Raises ConfigError."""
     for name in ("metrics_address", "health_address"):
         try:
             parse_address(getattr(cfg, name))
@@ -396,6 +411,11 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
         raise bad("allocate_deadline_s", "must be a positive number of seconds, at most 3600")
     if not 0 < cfg.pod_resources_interval_s <= 86400:
         raise bad("pod_resources_interval_s", "must be a positive number of seconds, at most 86400")
+
+
+def _validate_names_and_paths(cfg: Config, bad: _Bad) -> None:
+    """``validate``: NRI name/index, policy, XID list, CDI kind, absolute
+    paths, the MPS root length, the resource name. Raises ConfigError."""
     if not _NRI_NAME.match(cfg.nri_plugin_name):
         raise bad("nri_plugin_name", "must match [a-zA-Z0-9_.+-]+ (NRI plugin name rule)")
     if not _NRI_IDX.match(cfg.nri_plugin_idx):
@@ -427,7 +447,6 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
         pass
     except ValueError as exc:
         raise bad("resource_name", str(exc)) from None
-    return cfg
 
 
 def check_paths(cfg: Config, sources: Mapping[str, str] | None = None) -> None:
