@@ -209,3 +209,58 @@ def test_reload_reports_per_part_and_keeps_running(fresh: Rig) -> None:
     assert st["fail_open"] is True and st["config"]["reserve_mib"] == 1024
     bad = fresh.reload(log_level="loud")
     assert "error" in bad and fresh.daemon.cfg.log_level == "info"
+
+
+KUBECONFIG = """apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1", insecure-skip-tls-verify: true}}]
+users: [{name: u, user: {token: not-a-token}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+"""
+
+
+@pytest.fixture(scope="module")
+def api_rig() -> Iterator[Rig]:
+    """A daemon with API access (a kubeconfig whose server refuses connections):
+    the API watch, the event recorder and the node condition publisher run."""
+    root = Path(tempfile.mkdtemp(prefix="fpra", dir="/tmp"))
+    root.chmod(0o755)
+    (root / "kubeconfig").write_text(KUBECONFIG)
+    r = Rig.__new__(Rig)
+    r.root, r.config = root, root / "config.yaml"
+    r.base = {"simulate_node": str(NODE), "state_dir": str(root / "state"), "mps_root": str(root / "mps"),
+              "no_mps": True, "health_address": "127.0.0.1:0", "metrics_address": "127.0.0.1:0",
+              "nri_socket": str(root / "nri.sock"), "device_plugin_dir": str(root / "dp"),
+              "pod_resources_socket": str(root / "pr.sock"), "kubeconfig": str(root / "kubeconfig"),
+              "node_name": "gpu-node-1", "shutdown_timeout_s": 4.0}
+    r.write()
+    parser = argparse.ArgumentParser()
+    configmod.add_arguments(parser)
+    r.args = parser.parse_args(["--config", str(r.config)])
+    cfg, sources = configmod.load(r.args, env={})
+    r.daemon = Daemon(cfg, sources, reload=lambda: configmod.load(r.args, env={}))
+    r.daemon.start()
+    try:
+        yield r
+    finally:
+        r.daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("part, key, value", [
+    ("events", "kubeconfig", "/tmp/other-kubeconfig"),
+    ("node condition", "node_condition_types", ["gpu-fractioning.nvidia.com/Ready"]),
+    ("pod source", "node_name", "gpu-node-2"),
+])
+def test_api_parts_report_a_changed_setting_that_needs_a_restart(api_rig: Rig, part: str, key: str,
+                                                                 value: Any) -> None:
+    assert {"events", "node condition", "pod source"} <= set(api_rig.daemon.parts)
+    before = getattr(api_rig.daemon.cfg, key)
+    try:
+        res = api_rig.reload(**{key: value})
+        assert res["parts"][part] == {"applied": [], "needs_restart": [key]}
+        assert getattr(api_rig.daemon.cfg, key) == before
+        assert api_rig.daemon.status()[part.replace(" ", "_")] is not None
+    finally:
+        assert "error" not in api_rig.reload()
