@@ -32,9 +32,14 @@ is queued (bounded) and stops, the pod watch and metrics stop, MPS quits last. E
 is released from the ledger at shutdown: containers keep running, and the next
 start reads the same tenancy back.
 
-SIGHUP re-reads the configuration (file, env, the original flags) and applies
-what can change at run time (``config.RELOADABLE``: log level, log format,
-fail-open); it logs which settings it applied and which need a restart.
+SIGHUP re-reads the configuration (file, env, the original flags) and hands
+it to every part (``parts.Part.reload``): each applies what it can change at
+run time (``config.RELOADABLE``: log level and format in ``logs``, fail-open
+in both doors) and reports the changed settings it reads that need a
+restart; the daemon logs both, per part.
+
+Every part is driven through one contract (``parts.Part``: start, stop with a
+timeout, readiness with a reason, status, reload; ADR 0012).
 
 Concurrency model: the main thread owns the lifecycle: it starts the parts,
 then sleeps on an event that the signal handlers set (handlers only set
