@@ -321,8 +321,14 @@ class Daemon:
         self._stopping = threading.Event()
         self._stopped = False
         self._stop_lock = threading.Lock()
-        self.wake = threading.Event()
         self.pending_signals: list[int] = []
+        # Signal handlers must take no lock: one that runs while the main thread
+        # holds the lock it wants (a threading.Event's, between two signals of
+        # the same killpg) deadlocks the process. They append to
+        # ``pending_signals`` (atomic) and write a byte here; the main thread
+        # blocks reading it (PEP 475: the read resumes after each handler).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
 
     def _add(self, part: _T) -> _T:
         """Register ``part`` (so that a failed start stops it) and start it."""
@@ -539,7 +545,7 @@ class Daemon:
                 if not self._stopping.is_set():
                     log.info("NRI connection on fd %s ended (runtime-launched plugin): shutting down", stub.fd)
                     self.pending_signals.append(signal.SIGTERM)
-                    self.wake.set()
+                    self.wakeup()
 
             threading.Thread(target=watch_exit, name="nri-fd-exit", daemon=True).start()
 
@@ -796,11 +802,19 @@ class Daemon:
             "needs_restart": ignored, "reloadable": list(configmod.RELOADABLE), "parts": per_part})
         return {"applied": applied, "needs_restart": ignored, "parts": per_part}
 
+    def wakeup(self) -> None:
+        """Wake ``serve_forever`` (lock-free: safe in a signal handler and from any thread)."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full: the main thread has wake-ups queued already
+            pass
+
     def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT -> stop; SIGHUP -> reload (main thread only)."""
+        """SIGTERM/SIGINT -> stop; SIGHUP -> reload (main thread only). The
+        handler only records the signal and ``wakeup()``s: it takes no lock."""
         def handler(signum: int, _frame: Any) -> None:
             self.pending_signals.append(signum)
-            self.wake.set()
+            self.wakeup()
 
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, handler)
@@ -808,8 +822,8 @@ class Daemon:
     def serve_forever(self) -> int:
         """Sleep until SIGTERM/SIGINT (handling SIGHUPs); returns the signal number."""
         while True:
-            self.wake.wait()
-            self.wake.clear()
+            if not self.pending_signals:
+                os.read(self._wake_r, 4096)
             while self.pending_signals:
                 sig = self.pending_signals.pop(0)
                 if sig == signal.SIGHUP:
@@ -936,26 +950,36 @@ def _keep_mps_role() -> int:
 
     argv = [sys.executable, "-m", "fracplugin.cli", *sys.argv[1:]]
     env = {**os.environ, _KEEPER_ENV: "1"}
-    stopping = threading.Event()
+    stopping: list[int] = []  # a list, not an Event: the handlers must take no lock (see Daemon.__init__)
     child: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int, _frame: Any) -> None:
-        stopping.set()
-        if child and child[0].poll() is None:
-            child[0].send_signal(signum)
+        stopping.append(signum)
+        if child and child[0].returncode is None:
+            try:
+                os.kill(child[0].pid, signum)  # not Popen.send_signal: that polls, under a lock
+            except ProcessLookupError:
+                pass
+
+    def reload(signum: int, _frame: Any) -> None:
+        if child and child[0].returncode is None:
+            try:
+                os.kill(child[0].pid, signum)
+            except ProcessLookupError:
+                pass
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, forward if sig != signal.SIGHUP else
-                      (lambda n, f: child[0].send_signal(n) if child and child[0].poll() is None else None))
+        signal.signal(sig, forward if sig != signal.SIGHUP else reload)
     while True:
         proc = subprocess.Popen(argv, env=env)
         child[:] = [proc]
         rc = proc.wait()
-        if stopping.is_set():
+        if stopping:
             return rc if rc >= 0 else 0
         if rc in (1, 2):  # a bad setting or a part that cannot start: let the pod report it
             return rc
         log.error("the MPS role process exited with status %s; restarting it in place (it adopts the running "
                   "MPS daemons)", rc)
-        if stopping.wait(1.0):
+        time.sleep(1.0)  # a back-off before the restart; a signal meanwhile ends the keeper
+        if stopping:
             return 0
