@@ -264,3 +264,32 @@ def test_api_parts_report_a_changed_setting_that_needs_a_restart(api_rig: Rig, p
         assert api_rig.daemon.status()[part.replace(" ", "_")] is not None
     finally:
         assert "error" not in api_rig.reload()
+
+
+def test_mps_role_parts_report_their_restart_settings() -> None:
+    """Role mps (the supervisor of detached daemons and its API socket)."""
+    root = Path(tempfile.mkdtemp(prefix="fprm", dir="/tmp"))
+    root.chmod(0o755)
+    r = Rig.__new__(Rig)
+    r.root, r.config = root, root / "config.yaml"
+    r.base = {"role": "mps", "simulate_node": str(NODE), "state_dir": str(root / "state"),
+              "mps_root": str(root / "mps"), "mps_control_binary": str(FAKE_MPS), "health_address": "127.0.0.1:0",
+              "metrics_address": "127.0.0.1:0", "shutdown_timeout_s": 4.0}
+    r.write()
+    parser = argparse.ArgumentParser()
+    configmod.add_arguments(parser)
+    r.args = parser.parse_args(["--config", str(r.config)])
+    cfg, sources = configmod.load(r.args, env={})
+    r.daemon = Daemon(cfg, sources, reload=lambda: configmod.load(r.args, env={}))
+    r.daemon.start()
+    try:
+        assert set(r.daemon.parts) == {"logs", "inventory", "metrics", "mps", "mps api", "health"}
+        res = r.reload(mps_api_socket=str(root / "other.sock"), fail_open=True)
+        assert res["parts"]["mps api"] == {"applied": [], "needs_restart": ["mps_api_socket"]}
+        assert res["parts"]["mps"] == {"applied": [], "needs_restart": ["mps_api_socket"]}
+        assert r.daemon.cfg.mps_api_socket == "" and Path(r.daemon.cfg.effective_mps_api_socket).exists()
+    finally:
+        r.daemon.stop()
+        if r.daemon.mps is not None:
+            r.daemon.mps.quit_daemons(5.0)  # role mps leaves its daemons running on stop (ADR 0009)
+        shutil.rmtree(root, ignore_errors=True)
