@@ -271,6 +271,7 @@ def _api_client(cfg: Config) -> Any:
 
 
 _T = TypeVar("_T")
+_P = TypeVar("_P", bound=PartBase)
 
 # Stop order of the parts before MPS, with each one's share of what is left
 # (``left / weight``; the node condition is capped at 2 s): KAI stops placing
@@ -330,17 +331,11 @@ class Daemon:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
 
-    def _add(self, part: _T) -> _T:
+    def _add(self, part: _P) -> _P:
         """Register ``part`` (so that a failed start stops it) and start it."""
-        assert isinstance(part, PartBase)
         self.parts[part.name] = part
         part.start()
         return part
-
-    def _part(self, kind: type[_T], name: str) -> _T | None:
-        """The registered part ``name`` (typed), or None."""
-        p = self.parts.get(name)
-        return p if isinstance(p, kind) else None
 
     # ---- construction ----------------------------------------------------
     @property

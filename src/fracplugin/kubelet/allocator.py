@@ -45,6 +45,7 @@ import grpc
 from .. import allocation as al
 from .. import planner as planner_mod
 from ..model import ComputeMode, ContainerPlan, FractionError, FractionRequest, MemorySpec, Mount, NodeInfo, PodRef, Tenancy
+from ..ledger import Ledger
 from ..mps.layout import CONTAINER_PIPE_DIR
 from . import podlookup
 from .devices import DeviceIdError, DeviceTable, parse_device_id, preferred_allocation
@@ -116,7 +117,7 @@ class Allocator:
     def __init__(
         self,
         node: NodeInfo,
-        ledger: Any,
+        ledger: Ledger,
         planner_config: planner_mod.PlannerConfig,
         table: DeviceTable,
         resource_name: str,
@@ -365,7 +366,7 @@ class Allocator:
         node guard like a planned one. ``pipe_dir``: every candidate is
         time-slicing, or none is known, so the time-slicing pipe directory
         is right for all. Raises Refusal when a guard says no."""
-        modes = {self.ledger.mode(u) for u in uuids} - {None}
+        modes = {m for u in uuids if (m := self.ledger.mode(u)) is not None}
         mode = ComputeMode.TIME_SLICING if pipe_dir or len(modes) != 1 else modes.pop()
         spec = MemorySpec(f"resources.limits[{self.resource_name}]", f"{request_mib} MiB per GPU", mib=request_mib)
         req = FractionRequest(container="", request=spec, limit=spec, compute_mode=mode, devices=tuple(uuids),
@@ -550,7 +551,7 @@ class Allocator:
                 warnings.append(f"{p.namespace}/{p.name}/{container}: {e.message}; recorded request-sized")
         if plan is None:
             spec = MemorySpec(f"resources.limits[{self.resource_name}]", f"{per * self.unit_mib} MiB", mib=per * self.unit_mib)
-            modes = {self.ledger.mode(u) for u in uuids} - {None}
+            modes = {m for u in uuids if (m := self.ledger.mode(u)) is not None}
             req = FractionRequest(container=container, request=spec, limit=spec,
                                   compute_mode=modes.pop() if len(modes) == 1 else ComputeMode.TIME_SLICING,
                                   devices=uuids, num_devices=len(uuids), keys={"request": spec.key})
