@@ -362,7 +362,7 @@ class HealthServer:
         self._checks = checks
         self._status = status
         self._alive = alive
-        self._server: BoundedHTTPServer | None = None
+        self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     @property

@@ -577,10 +577,10 @@ class _Collector(Collector):
             ref = refs[s.pid]
             if ref is None:
                 continue
-            match = _match(ref, s.gpu_uuid, by_cid, by_pod)
-            if match is None:
+            t = _match(ref, s.gpu_uuid, by_cid, by_pod)
+            if t is None:
                 continue
-            u = out.setdefault((match.pod_uid, match.container, match.gpu_uuid), _Usage())
+            u = out.setdefault((t.pod_uid, t.container, t.gpu_uuid), _Usage())
             if s.used_memory_bytes is not None:
                 u.used += int(s.used_memory_bytes)
             if s.sm_util_percent is not None and 0 <= s.sm_util_percent <= 100:

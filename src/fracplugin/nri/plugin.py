@@ -280,7 +280,6 @@ class FracNriPlugin:
                 if everyone is not None:
                     self._warn_stray(pod, ref, container.name, everyone, fields)
                 ignored: list[Any] = []
-                p: ContainerPlan | None
                 if key:
                     p, ignored = self._plan_reserved(pod, container.name, ref, key, apps)
                 else:

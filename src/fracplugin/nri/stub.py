@@ -837,7 +837,7 @@ class NriStub:
             wait=wait_exponential(multiplier=self.reconnect_initial_s, max=self.reconnect_max_s)
             + wait_random(0, self.reconnect_initial_s),
             stop=stop_when_event_set(self._stop_ev),
-            sleep=lambda s: None if self._stop_ev.wait(s) else None,
+            sleep=self._stop_ev.wait,
             before_sleep=self._log_retry,
             reraise=True,
         )
