@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
@@ -484,8 +485,6 @@ def bounded(name: str, fn: Callable[[], Any], timeout_s: float, clock: Clock = t
     """Run ``fn`` on a helper (daemon) thread; wait at most ``timeout_s``
     seconds (at least 0.05). True when it finished in time without raising;
     a late one is logged and abandoned, an exception logged."""
-    import threading
-
     done = threading.Event()
     err: list[BaseException] = []
 
