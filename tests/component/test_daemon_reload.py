@@ -17,9 +17,8 @@ import argparse
 import logging
 import shutil
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import grpc
 import pytest
@@ -34,21 +33,12 @@ from fracplugin.kubelet.allocator import Refusal
 from fracplugin.kubelet.deviceplugin import ALLOCATE_UNADJUSTED, ANNOTATION_ALLOCATE
 from fracplugin.nri.ttrpc import RpcError
 from fracplugin.parts import PartBase
+from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
 FAKE_MPS = REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"
 GPU0 = "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01"
-
-
-def poll(pred: Callable[[], Any], what: str, timeout_s: float = 15.0) -> Any:
-    """Poll ``pred`` until truthy; fail naming ``what`` on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while not (v := pred()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
-    return v
 
 
 class Rig:
@@ -85,7 +75,7 @@ def rig() -> Iterator[Rig]:
     r = Rig(root)
     r.daemon.start()
     try:
-        poll(lambda: r.daemon.checks()["mps"]["ready"], "the MPS daemons to be ready")
+        wait_until(lambda: r.daemon.checks()["mps"]["ready"], what="the MPS daemons to be ready")
         yield r
     finally:
         r.daemon.stop()
@@ -162,7 +152,7 @@ def test_device_plugin_reloads_fail_open_and_reports_its_restart_settings(fresh:
     dp = d.device_plugin
     assert dp is not None
     d.simulate_xid(GPU0, 79)  # a critical XID: GPU0 Unhealthy, Allocate on it refused
-    poll(lambda: dp.health.unhealthy().get(GPU0) == ["xid 79"], "the XID to mark GPU0 Unhealthy")
+    wait_until(lambda: dp.health.unhealthy().get(GPU0) == ["xid 79"], what="the XID to mark GPU0 Unhealthy")
     try:
         with pytest.raises(Refusal) as refused:
             _allocate_gpu0(d)
