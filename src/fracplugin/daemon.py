@@ -39,7 +39,7 @@ in both doors) and reports the changed settings it reads that need a
 restart; the daemon logs both, per part.
 
 Every part is driven through one contract (``parts.Part``: start, stop with a
-timeout, readiness with a reason, status, reload; ADR 0013).
+timeout, readiness with a reason, status, reload; ADR 0014).
 
 Concurrency model: the main thread owns the lifecycle: it starts the parts,
 then sleeps on an event that the signal handlers set (handlers only set
