@@ -112,6 +112,9 @@ class Run:
     """One harness run with one plugin; processes are stopped by close()."""
 
     def __init__(self, workdir: Path, args: list[str], scenario: dict) -> None:
+        # The daemon refuses an MPS root under a directory others cannot
+        # traverse (issue 12); TemporaryDirectory makes 0700 ones.
+        workdir.chmod(0o755)
         self.workdir = workdir
         self.procs: list[iu.Proc] = []
         self.sock = workdir / "nri.sock"
