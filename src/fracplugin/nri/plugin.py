@@ -257,6 +257,28 @@ class FracNriPlugin:
             "unadjusted": list(self.unadjusted),
         }
 
+    def may_block(self, method: str) -> bool:
+        """Whether serving ``method`` may wait now (``NriStub`` serves the
+        calls that cannot on its reader thread, the others on its handler
+        threads; ``interfaces.MayBlockInterface``).
+
+        CreateContainer waits only when it creates the MPS namespace itself
+        (``defer_namespace=False``) or an MPS daemon is not healthy
+        (``_require_mode_up`` waits for it to come back); otherwise it plans,
+        admits (a journal append and fdatasync) and answers. RemoveContainer
+        never waits (its MPS work runs in the background). StartContainer
+        (awaits the namespace), StopContainer (awaits the drain), Synchronize
+        (the whole node) and StateChange (v0.8 StartContainer) may."""
+        if method == "CreateContainer":
+            return not self.defer_namespace or not self._mps_healthy_now()
+        return method != "RemoveContainer"
+
+    def _mps_healthy_now(self) -> bool:
+        """Every MPS daemon answers its probe (True when the MPS layer cannot
+        tell, as ``_wait_mps_healthy``)."""
+        healthy = getattr(self.mps, "healthy", None)
+        return not callable(healthy) or all(healthy(mode) for mode in ComputeMode)
+
     # ------------------------------------------------------------ handlers
 
     def create_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> Any:
@@ -280,6 +302,7 @@ class FracNriPlugin:
                 if everyone is not None:
                     self._warn_stray(pod, ref, container.name, everyone, fields)
                 ignored: list[Any] = []
+                p: ContainerPlan | None
                 if key:
                     p, ignored = self._plan_reserved(pod, container.name, ref, key, apps)
                 else:

@@ -6,18 +6,34 @@ Concurrency model: threads.
 - one *run* thread (``NriStub.start``) connects, registers and waits for the
   connection to end, then reconnects with backoff (tenacity);
 - one *reader* thread per connection (``transport.NriTransport``) parses
-  frames and only enqueues work;
-- a fixed pool of handler threads (``_Workers``, ``max_workers``, default 16) runs the handler
-  methods, so requests are served concurrently and RegisterPlugin never
-  blocks the reader (Configure can arrive before the register reply,
-  nri-protocol.md section 1.6);
-- one *watchdog* thread bounds every handler: when a handler has not answered
-  within its budget (``budget_fraction`` x the request timeout, 0.75 x 2 s =
-  1.5 s by default, and the same fraction of the request's own
-  ``timeout_nano``), the stub answers ``UNAVAILABLE`` itself and discards the
-  late result, calling the handler's optional ``abandoned(method, request,
-  response)`` so it can undo side effects. A late reply would otherwise make
-  the runtime drop the whole plugin (section 1.8, "Errors and timeouts").
+  frames and routes each request through the dispatch table. It serves a
+  request itself when nothing in it can wait: a method the handler does not
+  implement (an empty answer), or one the handler's ``may_block(method)``
+  says will not wait now (``interfaces.MayBlockInterface``). Its answer is
+  written without blocking (``NriTransport.answer_nowait``): when another
+  thread is writing, or the runtime does not read fast enough, the rest of
+  the write goes to a handler thread, so the reader never stops reading
+  (the bounds below keep working against a runtime that never reads);
+- a fixed pool of handler threads (``_Workers``, ``max_workers``, default 16)
+  runs every other handler call (all of them for a handler without
+  ``may_block``), so requests that wait (on MPS, on a drain) are served
+  concurrently and RegisterPlugin never blocks the reader (Configure can
+  arrive before the register reply, nri-protocol.md section 1.6);
+- one *watchdog* thread bounds every handler, wherever it runs: when a
+  handler has not answered within its budget (``budget_fraction`` x the
+  request timeout, 0.75 x 2 s = 1.5 s by default, and the same fraction of
+  the request's own ``timeout_nano``), the stub answers ``UNAVAILABLE``
+  itself and discards the late result, calling the handler's optional
+  ``abandoned(method, request, response)`` so it can undo side effects. A
+  late reply would otherwise make the runtime drop the whole plugin (section
+  1.8, "Errors and timeouts").
+
+Why the reader serves (issue 14, ADR "nri-reader-thread-serving"): handing a
+request from the reader to a pool thread costs two thread wake-ups and a GIL
+hand-off per call (90-170 us end to end on the 2-core bench machine, a third
+of a CreateContainer), and containerd's NRI adaptation sends one
+CreateContainer at a time anyway. A handler that may wait keeps the pool:
+while the reader runs a handler no other request of that connection is read.
 
 Protocol rules followed (nri-protocol.md):
 
@@ -35,24 +51,17 @@ Protocol rules followed (nri-protocol.md):
   ``UNIMPLEMENTED`` "service X" / "method X" (section 1.3).
 - ``Shutdown`` is answered with Empty (section 1.9).
 
-Handler protocol (every method optional; an absent one answers an empty
-response). ``ctx`` is a ``CallContext``::
-
-    events: int                                     # subscription mask, optional
-    configure(request: ConfigureRequest, ctx) -> None
-    synchronize(pods, containers, ctx) -> list[ContainerUpdate] | SynchronizeResponse | None
-    create_container(pod, container, ctx) -> CreateContainerResponse | ContainerAdjustment | None
-    update_container(pod, container, linux_resources, ctx) -> UpdateContainerResponse | None
-    stop_container(pod, container, ctx) -> StopContainerResponse | list[ContainerUpdate] | None
-    post_create_container / start_container / post_start_container /
-    post_update_container / remove_container(pod, container, ctx) -> None
-    run_pod_sandbox / stop_pod_sandbox / remove_pod_sandbox /
-    post_update_pod_sandbox(pod, ctx) -> None
-    update_pod_sandbox(request, ctx) -> UpdatePodSandboxResponse | None
-    validate_container_adjustment(request, ctx) -> ValidateContainerAdjustmentResponse | None
-    shutdown(ctx) -> None
-    abandoned(method: str, request, response) -> None   # a late result was dropped
-    close() -> None                                      # called once by NriStub.stop()
+Handler: any object implementing some of the interfaces of
+``fracplugin.nri.interfaces`` (one typed Protocol per NRI request or event,
+as containerd/nri ``pkg/stub``: ``CreateContainerInterface.create_container(
+pod, container, ctx)`` and so on; ``ctx`` is a ``CallContext``). The
+dispatch table (``Dispatcher.routes``) is built once per connection from the
+methods the handler has; an absent method answers an empty response. The
+subscription mask follows from the same methods (``handler_mask``) unless a
+mask is configured (the ``events`` argument, else the handler's ``events``
+attribute), and, as in the Go stub, a configured mask may not name events the
+handler does not implement. Optional stub hooks: ``abandoned``,
+``may_block``, ``close``.
 
 A handler raises ``ttrpc.RpcError(code, message)`` to answer with an error
 status; any other exception is logged and answered ``INTERNAL``.
@@ -70,15 +79,15 @@ import re
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from tenacity import Retrying, retry_if_exception_type, stop_when_event_set, wait_exponential, wait_random
 
 from .._proto import nri_pb2
 from ..safetext import escape_controls, quote
+from .interfaces import EVENTS, CallContext, EventSpec, event_mask, handler_mask, implements
 from .mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
-from .transport import ConnectionClosed, NriTransport
+from .transport import BUSY, SPILLED, ConnectionClosed, NriTransport
 from .ttrpc import Code, RequestReceived, RpcError, unimplemented_method, unimplemented_service
 
 __all__ = [
@@ -124,88 +133,86 @@ _IDX_RE = re.compile(r"^[0-9]{2}$")
 
 E = nri_pb2
 
-# method -> (request class, response class, kind, handler attribute, event value)
-_CONTAINER_EVENTS = {
-    "PostCreateContainer": (E.PostCreateContainerRequest, E.PostCreateContainerResponse, E.POST_CREATE_CONTAINER),
-    "StartContainer": (E.StartContainerRequest, E.StartContainerResponse, E.START_CONTAINER),
-    "PostStartContainer": (E.PostStartContainerRequest, E.PostStartContainerResponse, E.POST_START_CONTAINER),
-    "PostUpdateContainer": (E.PostUpdateContainerRequest, E.PostUpdateContainerResponse, E.POST_UPDATE_CONTAINER),
-    "RemoveContainer": (E.RemoveContainerRequest, E.RemoveContainerResponse, E.REMOVE_CONTAINER),
+Serve = Callable[[Any, CallContext], Any]
+"""A route's work: (decoded request, ctx) -> the response message."""
+
+
+class _Route(NamedTuple):
+    """One entry of the dispatch table: the request class, what serves it,
+    and whether that runs handler code (then ``may_block`` is asked)."""
+
+    request: Any
+    serve: Serve
+    runs_handler: bool
+
+
+def _checked(result: Any, resp_cls: Any, attr: str | None) -> Any:
+    """``result`` as the response: None -> empty ``resp_cls``; another type is
+    a handler bug (TypeError, answered INTERNAL)."""
+    if result is None:
+        return resp_cls()
+    if not isinstance(result, resp_cls):
+        raise TypeError(f"{attr} returned {type(result).__name__}, expected {resp_cls.__name__}")
+    return result
+
+
+def _empty(spec: EventSpec) -> Serve:
+    resp = spec.response
+    return lambda req, ctx: resp()
+
+
+def _pod_event(spec: EventSpec, fn: Callable[..., Any]) -> Serve:
+    resp = spec.response
+
+    def serve(req: Any, ctx: CallContext) -> Any:
+        fn(req.pod, ctx)
+        return resp()
+    return serve
+
+
+def _container_event(spec: EventSpec, fn: Callable[..., Any]) -> Serve:
+    resp = spec.response
+
+    def serve(req: Any, ctx: CallContext) -> Any:
+        fn(req.pod, req.container, ctx)
+        return resp()
+    return serve
+
+
+def _whole_request(spec: EventSpec, fn: Callable[..., Any]) -> Serve:
+    return lambda req, ctx: _checked(fn(req, ctx), spec.response, spec.attr)
+
+
+def _create_container(spec: EventSpec, fn: Callable[..., Any]) -> Serve:
+    def serve(req: Any, ctx: CallContext) -> Any:
+        result = fn(req.pod, req.container, ctx)
+        if isinstance(result, E.ContainerAdjustment):
+            return E.CreateContainerResponse(adjust=result)
+        return _checked(result, E.CreateContainerResponse, spec.attr)
+    return serve
+
+
+def _update_container(spec: EventSpec, fn: Callable[..., Any]) -> Serve:
+    return lambda req, ctx: _checked(fn(req.pod, req.container, req.linux_resources, ctx), spec.response, spec.attr)
+
+
+def _stop_container(spec: EventSpec, fn: Callable[..., Any]) -> Serve:
+    def serve(req: Any, ctx: CallContext) -> Any:
+        result = fn(req.pod, req.container, ctx)
+        if isinstance(result, (list, tuple)):
+            return E.StopContainerResponse(update=list(result))
+        return _checked(result, E.StopContainerResponse, spec.attr)
+    return serve
+
+
+_ADAPTERS: dict[str, Callable[[EventSpec, Callable[..., Any]], Serve]] = {
+    "pod": _pod_event, "container": _container_event, "request": _whole_request,
+    "create": _create_container, "update": _update_container, "stop": _stop_container,
 }
-_POD_EVENTS = {
-    "RunPodSandbox": (E.RunPodSandboxRequest, E.RunPodSandboxResponse, E.RUN_POD_SANDBOX),
-    "StopPodSandbox": (E.StopPodSandboxRequest, E.StopPodSandboxResponse, E.STOP_POD_SANDBOX),
-    "RemovePodSandbox": (E.RemovePodSandboxRequest, E.RemovePodSandboxResponse, E.REMOVE_POD_SANDBOX),
-    "PostUpdatePodSandbox": (
-        E.PostUpdatePodSandboxRequest,
-        E.PostUpdatePodSandboxResponse,
-        E.POST_UPDATE_POD_SANDBOX,
-    ),
-}
-_OTHER = {
-    "Configure": (E.ConfigureRequest, E.ConfigureResponse, None),
-    "Synchronize": (E.SynchronizeRequest, E.SynchronizeResponse, None),
-    "Shutdown": (E.Empty, E.Empty, None),
-    "StateChange": (E.StateChangeEvent, E.Empty, None),
-    "CreateContainer": (E.CreateContainerRequest, E.CreateContainerResponse, E.CREATE_CONTAINER),
-    "UpdateContainer": (E.UpdateContainerRequest, E.UpdateContainerResponse, E.UPDATE_CONTAINER),
-    "StopContainer": (E.StopContainerRequest, E.StopContainerResponse, E.STOP_CONTAINER),
-    "UpdatePodSandbox": (E.UpdatePodSandboxRequest, E.UpdatePodSandboxResponse, E.UPDATE_POD_SANDBOX),
-    "ValidateContainerAdjustment": (
-        E.ValidateContainerAdjustmentRequest,
-        E.ValidateContainerAdjustmentResponse,
-        E.VALIDATE_CONTAINER_ADJUSTMENT,
-    ),
-}
-_METHODS: dict[str, tuple[Any, Any, int | None]] = {**_CONTAINER_EVENTS, **_POD_EVENTS, **_OTHER}
-_EVENT_TO_METHOD = {ev: m for m, (_, _, ev) in _METHODS.items() if ev is not None}
+"""How a handler method of each ``EventSpec.shape`` is called."""
 
-
-def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-
-
-_SNAKE = {m: _snake(m) for m in _METHODS}
-"""Handler attribute of each method (``CreateContainer`` -> ``create_container``)."""
-
-
-def event_mask(*events: int) -> int:
-    """Subscription mask of NRI ``Event`` values: bit ``1 << (event - 1)``
-    (containerd/nri ``pkg/api/event.go``)."""
-    mask = 0
-    for ev in events:
-        if ev <= 0:
-            raise ValueError(f"not a subscribable event: {ev}")
-        mask |= 1 << (ev - 1)
-    return mask
-
-
-def _handler_mask(handler: object) -> int:
-    events = [ev for m, (_, _, ev) in _METHODS.items() if ev is not None and callable(getattr(handler, _snake(m), None))]
-    return event_mask(*events) if events else 0
-
-
-@dataclass
-class CallContext:
-    """What a handler knows about the call it serves.
-
-    ``request_timeout_s`` is the runtime's request timeout (ConfigureRequest,
-    2 s by default); ``budget_s`` the time the stub allows this handler;
-    ``deadline`` the ``time.monotonic()`` instant the budget ends.
-    ``runtime_name`` / ``runtime_version`` come from ConfigureRequest.
-    """
-
-    method: str
-    stream_id: int
-    request_timeout_s: float
-    budget_s: float
-    deadline: float
-    runtime_name: str = ""
-    runtime_version: str = ""
-
-    def remaining(self) -> float:
-        """Seconds left of the budget (may be negative)."""
-        return self.deadline - time.monotonic()
+_STATE_CHANGE_SHAPES = ("pod", "container")
+"""Events a v0.8 runtime delivers as ``StateChange`` (nri-protocol.md 1.7)."""
 
 
 _PENDING, _DONE, _EXPIRED = 0, 1, 2
@@ -345,9 +352,15 @@ class _Workers:
 
 
 class Dispatcher:
-    """Per-connection request handling without I/O: check, decode, call the
-    handler, build the response message. ``NriStub`` runs one per connection;
-    tests can drive it directly with ``RequestReceived`` events.
+    """Per-connection request handling without I/O: check, decode, route
+    through the dispatch table, build the response message. ``NriStub`` runs
+    one per connection; tests can drive it directly with ``RequestReceived``
+    events.
+
+    ``routes`` (method -> ``_Route``) is built once from the methods
+    ``handler`` implements (``interfaces.EVENTS``); ``Configure``,
+    ``Synchronize``, ``Shutdown``, ``StateChange`` and the empty-id check of
+    ``CreateContainer`` are the stub's own around the handler's method.
 
     State kept per connection (nri-protocol.md 1.5, 1.6): the request and
     registration timeouts from ConfigureRequest (seconds; 2 s / 5 s until
@@ -374,14 +387,52 @@ class Dispatcher:
         self._sync_pods: list[Any] = []
         self._sync_containers: list[Any] = []
         self._lock = threading.Lock()
+        fns = {s.method: getattr(handler, s.attr) for s in EVENTS if implements(handler, s) and s.attr}
+        self._fns = fns
+        self._changes: dict[int, Callable[[Any, CallContext], Any]] = {
+            s.event: _ADAPTERS[s.shape](s, fns[s.method])
+            for s in EVENTS if s.shape in _STATE_CHANGE_SHAPES and s.event is not None and s.method in fns}
+        """StateChange event -> the handler's method for it."""
+        self.routes: dict[str, _Route] = {s.method: self._route(s) for s in EVENTS}
+        """The dispatch table: ttrpc method -> ``_Route``."""
+        may_block = getattr(handler, "may_block", None)
+        self._may_block: Callable[[str], bool] | None = may_block if callable(may_block) else None
+
+    def _route(self, spec: EventSpec) -> _Route:
+        own: dict[str, Serve] = {"configure": self._configure, "synchronize": self._synchronize,
+                                 "shutdown": self._shutdown, "state_change": self._state_change}
+        fn = self._fns.get(spec.method)
+        if spec.shape in own:
+            runs = fn is not None or (spec.shape == "state_change" and bool(self._changes))
+            serve = own[spec.shape]
+        else:
+            runs = fn is not None
+            serve = _ADAPTERS[spec.shape](spec, fn) if fn is not None else _empty(spec)
+        if spec.method == "CreateContainer":
+            serve = functools.partial(self._refuse_empty_id, serve)
+        return _Route(spec.request, serve, runs)
 
     def check(self, ev: RequestReceived) -> RpcError | None:
         """The UNIMPLEMENTED error for an unknown service or method, else None."""
         if ev.service != PLUGIN_SERVICE:
             return unimplemented_service(ev.service)
-        if ev.method not in _METHODS:
+        if ev.method not in self.routes:
             return unimplemented_method(ev.method)
         return None
+
+    def inline(self, method: str) -> bool:
+        """Whether ``method`` (known to ``routes``) may be served on the reader
+        thread: no handler code runs, or the handler's ``may_block(method)``
+        says it will not wait (a failing ``may_block`` counts as "may block")."""
+        if not self.routes[method].runs_handler:
+            return True
+        if self._may_block is None:
+            return False
+        try:
+            return not self._may_block(method)
+        except Exception:
+            log.exception("nri handler may_block() failed; served on a handler thread", extra={"method": method})
+            return False
 
     def context(self, ev: RequestReceived, budget_fraction: float, now: float | None = None) -> CallContext:
         """The ``CallContext`` of a request: budget = ``budget_fraction`` x the
@@ -391,15 +442,8 @@ class Dispatcher:
             limit = min(limit, ev.timeout_nano / 1e9)
         budget = limit * budget_fraction
         now = time.monotonic() if now is None else now
-        return CallContext(
-            method=ev.method,
-            stream_id=ev.stream_id,
-            request_timeout_s=self.request_timeout_s,
-            budget_s=budget,
-            deadline=now + budget,
-            runtime_name=self.runtime_name,
-            runtime_version=self.runtime_version,
-        )
+        return CallContext(ev.method, ev.stream_id, self.request_timeout_s, budget, now + budget,
+                           self.runtime_name, self.runtime_version)
 
     def decode(self, ev: RequestReceived) -> Any:
         """The request message of ``ev``; raises RpcError INVALID_ARGUMENT
@@ -407,121 +451,98 @@ class Dispatcher:
         err = self.check(ev)
         if err is not None:
             raise err
-        req_cls, _, _ = _METHODS[ev.method]
         try:
-            return req_cls.FromString(ev.payload)
+            return self.routes[ev.method].request.FromString(ev.payload)
         except Exception as exc:
             raise RpcError(Code.INVALID_ARGUMENT, f"cannot decode {ev.method} request: {exc}") from None
 
     def handle(self, method: str, req: Any, ctx: CallContext) -> Any:
-        """Run the handler for one decoded request; return the response
-        message. Raises RpcError (the handler's, or TypeError for a wrong
-        return type turned into INTERNAL by the caller)."""
-        _, resp_cls, _ = _METHODS[method]
-        h = self.handler
-        if method == "Configure":
-            with self._lock:
-                if req.request_timeout > 0:
-                    self.request_timeout_s = req.request_timeout / 1000.0
-                if req.registration_timeout > 0:
-                    self.registration_timeout_s = req.registration_timeout / 1000.0
-                self.runtime_name, self.runtime_version = req.runtime_name, req.runtime_version
-                self.configured = True
-            ctx.request_timeout_s = self.request_timeout_s
-            ctx.runtime_name, ctx.runtime_version = self.runtime_name, self.runtime_version
-            log.info(
-                "nri configured",
-                extra={
-                    "runtime": f"{req.runtime_name} {req.runtime_version}",
-                    "nri_version": req.NRI_version,
-                    "request_timeout_ms": req.request_timeout,
-                    "registration_timeout_ms": req.registration_timeout,
-                    "events": f"0x{self.events:x}",
-                },
-            )
-            fn = getattr(h, "configure", None)
-            if callable(fn):
-                fn(req, ctx)
-            return nri_pb2.ConfigureResponse(events=self.events)
-        if method == "Synchronize":
-            with self._lock:
-                parts, size = self._sync_parts + 1, self._sync_bytes + req.ByteSize()
-                if parts > self.max_sync_parts or size > self.max_sync_bytes:
-                    self._sync_pods, self._sync_containers = [], []
-                    self._sync_parts = self._sync_bytes = 0
-                    bound = "sync_parts" if parts > self.max_sync_parts else "sync_bytes"
-                else:
-                    bound = ""
-                    self._sync_parts, self._sync_bytes = parts, size
-                    self._sync_pods.extend(req.pods)
-                    self._sync_containers.extend(req.containers)
-                    if req.more:
-                        return nri_pb2.SynchronizeResponse(more=True)
-                    pods, containers = self._sync_pods, self._sync_containers
-                    self._sync_pods, self._sync_containers = [], []
-                    self._sync_parts = self._sync_bytes = 0
-            if bound:
-                msg = (f"{self.plugin_name}: Synchronize split into {parts} parts / {size} bytes so far, above the "
-                       f"bound of {self.max_sync_parts} parts / {self.max_sync_bytes} bytes; parts dropped")
-                log.error("nri Synchronize too large; refused", extra={"bound": bound, "parts": parts, "bytes": size})
-                if self._on_bound is not None:
-                    self._on_bound(bound)
-                raise RpcError(Code.RESOURCE_EXHAUSTED, msg)
-            fn = getattr(h, "synchronize", None)
-            result = fn(pods, containers, ctx) if callable(fn) else None
-            if isinstance(result, nri_pb2.SynchronizeResponse):
-                result.more = False
-                return result
-            return nri_pb2.SynchronizeResponse(update=list(result or ()))
-        if method == "Shutdown":
-            fn = getattr(h, "shutdown", None)
-            log.info("nri runtime announced shutdown")
-            if callable(fn):
-                fn(ctx)
-            return nri_pb2.Empty()
-        if method == "StateChange":
-            target = _EVENT_TO_METHOD.get(req.event)
-            if target is None or (target not in _CONTAINER_EVENTS and target not in _POD_EVENTS):
+        """Run the route of ``method`` for one decoded request; return the
+        response message. Raises RpcError (the handler's or the stub's), or
+        TypeError for a handler result of the wrong type (a bug, answered
+        INTERNAL by the caller); KeyError for a method not in ``routes``."""
+        return self.routes[method].serve(req, ctx)
+
+    # ------------------------------------------------------ the stub's own routes
+
+    def _configure(self, req: Any, ctx: CallContext) -> Any:
+        with self._lock:
+            if req.request_timeout > 0:
+                self.request_timeout_s = req.request_timeout / 1000.0
+            if req.registration_timeout > 0:
+                self.registration_timeout_s = req.registration_timeout / 1000.0
+            self.runtime_name, self.runtime_version = req.runtime_name, req.runtime_version
+            self.configured = True
+        ctx.request_timeout_s = self.request_timeout_s
+        ctx.runtime_name, ctx.runtime_version = self.runtime_name, self.runtime_version
+        log.info("nri configured", extra={
+            "runtime": f"{req.runtime_name} {req.runtime_version}", "nri_version": req.NRI_version,
+            "request_timeout_ms": req.request_timeout, "registration_timeout_ms": req.registration_timeout,
+            "events": f"0x{self.events:x}"})
+        fn = self._fns.get("Configure")
+        if fn is not None:
+            fn(req, ctx)
+        return E.ConfigureResponse(events=self.events)
+
+    def _synchronize(self, req: Any, ctx: CallContext) -> Any:
+        """Hold ``more=true`` parts (bounded: RESOURCE_EXHAUSTED past
+        ``max_sync_parts`` / ``max_sync_bytes``, the parts dropped), hand
+        everything to the handler with the last part."""
+        with self._lock:
+            parts, size = self._sync_parts + 1, self._sync_bytes + req.ByteSize()
+            if parts > self.max_sync_parts or size > self.max_sync_bytes:
+                self._sync_pods, self._sync_containers = [], []
+                self._sync_parts = self._sync_bytes = 0
+                bound = "sync_parts" if parts > self.max_sync_parts else "sync_bytes"
+            else:
+                bound = ""
+                self._sync_parts, self._sync_bytes = parts, size
+                self._sync_pods.extend(req.pods)
+                self._sync_containers.extend(req.containers)
+                if req.more:
+                    return E.SynchronizeResponse(more=True)
+                pods, containers = self._sync_pods, self._sync_containers
+                self._sync_pods, self._sync_containers = [], []
+                self._sync_parts = self._sync_bytes = 0
+        if bound:
+            msg = (f"{self.plugin_name}: Synchronize split into {parts} parts / {size} bytes so far, above the "
+                   f"bound of {self.max_sync_parts} parts / {self.max_sync_bytes} bytes; parts dropped")
+            log.error("nri Synchronize too large; refused", extra={"bound": bound, "parts": parts, "bytes": size})
+            if self._on_bound is not None:
+                self._on_bound(bound)
+            raise RpcError(Code.RESOURCE_EXHAUSTED, msg)
+        fn = self._fns.get("Synchronize")
+        result = fn(pods, containers, ctx) if fn is not None else None
+        if isinstance(result, E.SynchronizeResponse):
+            result.more = False
+            return result
+        return E.SynchronizeResponse(update=list(result or ()))
+
+    def _shutdown(self, req: Any, ctx: CallContext) -> Any:
+        log.info("nri runtime announced shutdown")
+        fn = self._fns.get("Shutdown")
+        if fn is not None:
+            fn(ctx)
+        return E.Empty()
+
+    def _state_change(self, req: Any, ctx: CallContext) -> Any:
+        """A v0.8 event: the handler's method for ``req.event`` (pod and
+        container events only; others are logged and answered Empty)."""
+        serve = self._changes.get(req.event)
+        if serve is None:
+            if not any(s.event == req.event and s.shape in _STATE_CHANGE_SHAPES for s in EVENTS):
                 log.info("nri StateChange for an event without a state-change handler", extra={"event": req.event})
-                return nri_pb2.Empty()
-            fn = getattr(h, _SNAKE[target], None)
-            if callable(fn):
-                if target in _CONTAINER_EVENTS:
-                    fn(req.pod, req.container, ctx)
-                else:
-                    fn(req.pod, ctx)
-            return nri_pb2.Empty()
-        if method == "CreateContainer" and not req.container.id:
+            return E.Empty()
+        serve(req, ctx)
+        return E.Empty()
+
+    def _refuse_empty_id(self, serve: Serve, req: Any, ctx: CallContext) -> Any:
+        if not req.container.id:
             # Nothing could ever release what were admitted under an empty id (RemoveContainer names it).
             raise RpcError(Code.INVALID_ARGUMENT, f"{self.plugin_name}: CreateContainer of container "
                            f"{quote(req.container.name)} in pod {quote(req.pod.namespace)}/{quote(req.pod.name)} "
                            "has an empty container id; refused (a container is identified by its id)")
-        fn = getattr(h, _SNAKE[method], None)
-        if not callable(fn):
-            return resp_cls()
-        if method in _CONTAINER_EVENTS:
-            fn(req.pod, req.container, ctx)
-            return resp_cls()
-        if method in _POD_EVENTS:
-            fn(req.pod, ctx)
-            return resp_cls()
-        if method == "CreateContainer":
-            result = fn(req.pod, req.container, ctx)
-            if isinstance(result, nri_pb2.ContainerAdjustment):
-                return nri_pb2.CreateContainerResponse(adjust=result)
-        elif method == "UpdateContainer":
-            result = fn(req.pod, req.container, req.linux_resources, ctx)
-        elif method == "StopContainer":
-            result = fn(req.pod, req.container, ctx)
-            if isinstance(result, (list, tuple)):
-                return nri_pb2.StopContainerResponse(update=list(result))
-        else:  # UpdatePodSandbox, ValidateContainerAdjustment
-            result = fn(req, ctx)
-        if result is None:
-            return resp_cls()
-        if not isinstance(result, resp_cls):
-            raise TypeError(f"{_SNAKE[method]} returned {type(result).__name__}, expected {resp_cls.__name__}")
-        return result
+        return serve(req, ctx)
 
 
 class _Session:
@@ -550,8 +571,9 @@ class NriStub:
             ``NRI_PLUGIN_IDX`` from (default ``os.environ``); when the socket
             variable is set the stub runs in fd mode and those values win.
         events: subscription mask; default: the handler's ``events`` attribute,
-            else the events of the methods it implements. Must be non-zero and
-            within 0x7FF (ValueError otherwise).
+            else the events of the interfaces it implements
+            (``interfaces.handler_mask``). Must be non-zero, within 0x7FF and
+            name only events the handler implements (ValueError otherwise).
         max_workers: handler threads.
         budget_fraction: share of the request timeout a handler may use.
         registration_timeout_s: how long to wait for the RegisterPlugin reply.
@@ -610,12 +632,17 @@ class NriStub:
             raise ValueError(f"plugin index {plugin_idx!r} must be exactly two digits")
         self.plugin_name = plugin_name
         self.plugin_idx = plugin_idx
+        implemented = handler_mask(handler)
         if events is None:
             events = getattr(handler, "events", None)
         if events is None:
-            events = _handler_mask(handler)
+            events = implemented
         if events == 0 or events & ~VALID_EVENTS_MASK:
             raise ValueError(f"event mask 0x{events:x} must be non-zero and within 0x{VALID_EVENTS_MASK:x}")
+        if events & ~implemented:
+            extra = [E.Event.Name(i + 1) for i in range(VALID_EVENTS_MASK.bit_length()) if (events & ~implemented) >> i & 1]
+            raise ValueError(f"event mask 0x{events:x} subscribes to events the handler does not implement: "
+                             f"{', '.join(extra)} (containerd/nri pkg/stub: only events a plugin handles)")
         self.events = events
         if not 0 < budget_fraction < 1:
             raise ValueError("budget_fraction must be in (0, 1)")
@@ -837,7 +864,7 @@ class NriStub:
             wait=wait_exponential(multiplier=self.reconnect_initial_s, max=self.reconnect_max_s)
             + wait_random(0, self.reconnect_initial_s),
             stop=stop_when_event_set(self._stop_ev),
-            sleep=self._stop_ev.wait,
+            sleep=self._pause,
             before_sleep=self._log_retry,
             reraise=True,
         )
@@ -845,6 +872,10 @@ class NriStub:
             return retrying(self._connect_and_register)
         except (OSError, TimeoutError, RpcError):
             return None  # stopped while retrying
+
+    def _pause(self, seconds: float) -> None:
+        """tenacity's sleep: the backoff pause, cut short by ``stop()``."""
+        self._stop_ev.wait(seconds)
 
     def _log_retry(self, state: Any) -> None:
         exc = state.outcome.exception() if state.outcome else None
@@ -905,17 +936,37 @@ class NriStub:
     # ------------------------------------------------------------- dispatch
 
     def _dispatch(self, session: _Session, ev: RequestReceived) -> None:
-        """Reader thread: route one request to the pool (never blocks)."""
+        """Reader thread: route one request. Served here when nothing in it
+        can wait (``Dispatcher.inline``), else handed to the pool; never
+        blocks on the socket either way."""
         transport = session.transport
         assert transport is not None
-        err = session.dispatcher.check(ev)
+        dispatcher = session.dispatcher
+        err = dispatcher.check(ev)
         if err is not None:
             log.warning("nri call for an unknown service or method", extra={"service": ev.service, "method": ev.method})
             transport.respond_error(ev.stream_id, err.code, err.message)
             return
+        if not self._count_unanswered(session, transport):
+            return
+        call = _Call(session, ev, dispatcher.context(ev, self.budget_fraction))
+        assert self._watchdog is not None and self._pool is not None
+        self._watchdog.add(call)
+        if dispatcher.inline(ev.method):
+            self._serve(call, inline=True)
+            return
+        try:
+            self._pool.submit(functools.partial(self._serve, call))
+        except RuntimeError:  # pool shut down: stopping
+            if call.claim(_DONE):
+                self._send(call, None, RpcError(Code.UNAVAILABLE, "plugin is stopping"))
+
+    def _count_unanswered(self, session: _Session, transport: NriTransport) -> bool:
+        """Count one more request read and not answered; past
+        ``max_unanswered`` close the connection (False: do not serve it)."""
         with session.lock:
             if session.closing:  # already over the bound and being closed: read, not served
-                return
+                return False
             session.unanswered += 1
             over = session.unanswered > self.max_unanswered
             session.closing = over
@@ -926,16 +977,13 @@ class NriStub:
             self._bound_hit("unanswered")
             transport.close(f"{session.unanswered} requests unanswered: the runtime does not read the answers "
                             f"(bound {self.max_unanswered})")
-            return
-        ctx = session.dispatcher.context(ev, self.budget_fraction)
-        call = _Call(session, ev, ctx)
-        assert self._watchdog is not None and self._pool is not None
-        self._watchdog.add(call)
-        try:
-            self._pool.submit(functools.partial(self._serve, call))
-        except RuntimeError:  # pool shut down: stopping
-            if call.claim(_DONE):
-                self._send(call, None, RpcError(Code.UNAVAILABLE, "plugin is stopping"))
+            return False
+        return True
+
+    @staticmethod
+    def _answered(session: _Session) -> None:
+        with session.lock:
+            session.unanswered -= 1
 
     def _expired(self, call: _Call) -> None:
         if not call.claim(_EXPIRED):
@@ -947,12 +995,29 @@ class NriStub:
         )
         self._send(call, None, RpcError(Code.UNAVAILABLE, msg))
 
-    def _send(self, call: _Call, payload: bytes | None, error: RpcError | None) -> None:
+    def _send(self, call: _Call, payload: bytes | None, error: RpcError | None, inline: bool = False) -> None:
+        """Write the answer of ``call``. ``inline`` (the reader thread): never
+        block; a write another thread holds, or one the runtime does not take
+        at once, is finished on a handler thread."""
         transport = call.session.transport
         assert transport is not None
+        # The runtime shows error messages (kubectl describe): no forged lines.
+        message = escape_controls(error.message) if error is not None else ""
+        code = error.code if error is not None else None
+        counted = True  # False: a handler thread finishes the write and counts it
         try:
-            if error is not None:  # the runtime shows it (kubectl describe): no forged lines
-                transport.respond_error(call.stream_id, error.code, escape_controls(error.message))
+            if inline:
+                outcome = transport.answer_nowait(call.stream_id, payload or b"", code, message,
+                                                  finish=functools.partial(self._finish_answer, call.session))
+                if outcome == BUSY:
+                    counted = not self._hand_over(functools.partial(self._send, call, payload, error))
+                    if counted:  # stopping: no pool left to wait on the write lock
+                        self._send(call, payload, error)
+                        return
+                elif outcome == SPILLED:
+                    counted = False
+            elif code is not None:
+                transport.respond_error(call.stream_id, code, message)
             else:
                 transport.respond(call.stream_id, payload or b"")
         except (ConnectionClosed, ValueError) as exc:
@@ -961,11 +1026,33 @@ class NriStub:
                 extra={"method": call.method, "stream_id": call.stream_id, "reason": str(exc)},
             )
         finally:
-            with call.session.lock:
-                call.session.unanswered -= 1
+            if counted:
+                self._answered(call.session)
 
-    def _serve(self, call: _Call) -> None:
-        """Pool thread: run the handler and answer, unless the watchdog did."""
+    def _hand_over(self, job: Callable[[], None]) -> bool:
+        """Run ``job`` on a handler thread; False when the pool is shut down."""
+        try:
+            assert self._pool is not None
+            self._pool.submit(job)
+        except RuntimeError:
+            return False
+        return True
+
+    def _finish_answer(self, session: _Session, write_rest: Callable[[], None]) -> None:
+        """``NriTransport.answer_nowait``'s ``finish``: the rest of an answer
+        is written (and counted) on a handler thread. Raises RuntimeError when
+        the pool is shut down (the transport then closes the connection)."""
+        def job() -> None:
+            try:
+                write_rest()
+            finally:
+                self._answered(session)
+        if not self._hand_over(job):
+            raise RuntimeError("handler pool is shut down")
+
+    def _serve(self, call: _Call, inline: bool = False) -> None:
+        """Run the handler and answer, unless the watchdog did (a pool thread,
+        or the reader thread with ``inline``)."""
         if call.state != _PENDING:
             return  # expired while queued: never run it
         method = call.method
@@ -996,7 +1083,7 @@ class NriStub:
                 call.session.synchronized = True
                 self.synchronize_count += 1
                 self._synced.set()
-            self._send(call, payload, error)
+            self._send(call, payload, error, inline)
             return
         log.warning("nri handler result arrived after its budget and was dropped", extra={"method": method})
         abandoned = getattr(self.handler, "abandoned", None)

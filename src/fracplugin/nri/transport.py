@@ -5,7 +5,10 @@ reads the socket, feeds the sans-I/O ``MuxDecoder`` and the two
 ``TtrpcConnection`` objects, resolves client futures and hands incoming
 requests to ``on_request`` (called *in the reader thread*: it must only
 enqueue work, never block). Any thread may call ``call``/``call_async``,
-``respond`` and ``respond_error``. Two locks:
+``respond`` and ``respond_error``; the reader thread itself answers with
+``answer_nowait``, which never blocks (a write lock held elsewhere, or a
+peer that does not read, hands the rest of the write to another thread).
+Two locks:
 
 - ``_write_lock`` serialises socket writes, so a ttrpc message split into
   several mux frames is never interleaved with another message on the wire and
@@ -25,6 +28,7 @@ is shut down, ``on_closed(reason)`` runs once in the closing thread, and
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
@@ -44,11 +48,18 @@ from .ttrpc import (
     TtrpcError,
 )
 
-__all__ = ["ConnectionClosed", "NriTransport"]
+__all__ = ["BUSY", "SENT", "SPILLED", "ConnectionClosed", "NriTransport"]
 
 log = logging.getLogger(__name__)
 
 _READ_SIZE = 65536
+
+SENT = "sent"
+"""``answer_nowait``: the whole answer is on the socket."""
+SPILLED = "spilled"
+"""``answer_nowait``: part of it is; ``finish`` writes the rest."""
+BUSY = "busy"
+"""``answer_nowait``: another thread is writing; nothing was done."""
 
 
 class ConnectionClosed(ConnectionError):
@@ -227,6 +238,75 @@ class NriTransport:
             except ConnectionClosed as exc:
                 self.close(str(exc))
                 raise
+
+    def answer_nowait(self, stream_id: int, payload: bytes, code: int | None, message: str,
+                      finish: Callable[[Callable[[], None]], None]) -> str:
+        """Answer request ``stream_id`` without ever blocking (for the reader
+        thread, which must keep reading): OK with ``payload`` when ``code`` is
+        None, else the error status ``code``/``message``.
+
+        Returns ``BUSY`` when another thread holds the write lock (nothing
+        done: answer with ``respond``/``respond_error`` from a thread that may
+        block); ``SENT`` when the socket took the whole answer; ``SPILLED``
+        when it took only part (a peer that does not read fast enough): the
+        write lock stays held and ``finish(write_rest)`` must run
+        ``write_rest()`` on a thread that may block, which writes the rest and
+        releases the lock. Raises ``ConnectionClosed`` (the transport is or
+        gets closed; also when ``finish`` raises) and ValueError for a stream
+        not awaiting an answer."""
+        if not self._write_lock.acquire(blocking=False):
+            return BUSY
+        try:
+            if self._closed.is_set():
+                raise ConnectionClosed(self.close_reason or "closed")
+            with self._state_lock:
+                if code is None:
+                    self._server.send_response(stream_id, payload)
+                else:
+                    self._server.send_error(stream_id, code, message)
+                data = encode_frames(self.serve_conn, self._server.data_to_send(), self._max_write_frame)
+            sent = self._send_nowait(data)
+        except BaseException as exc:
+            self._write_lock.release()
+            if isinstance(exc, ConnectionClosed):
+                self.close(str(exc))
+            raise
+        if sent == len(data):
+            self._write_lock.release()
+            return SENT
+        try:
+            finish(functools.partial(self._write_rest, memoryview(data)[sent:]))
+        except Exception as exc:
+            self._write_lock.release()
+            self.close(f"answer left half written: {exc}")
+            raise ConnectionClosed(self.close_reason or "closed") from exc
+        return SPILLED
+
+    def _send_nowait(self, data: bytes) -> int:
+        """Write what the socket takes at once; returns the bytes written.
+        Caller holds ``_write_lock``. Raises ConnectionClosed."""
+        view = memoryview(data)
+        sent = 0
+        while sent < len(view):
+            try:
+                sent += self._sock.send(view[sent:], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                raise ConnectionClosed(f"write failed: {exc}") from exc
+        return sent
+
+    def _write_rest(self, rest: memoryview) -> None:
+        """The end of an ``answer_nowait`` write, on a thread that may block;
+        releases the write lock it inherited."""
+        try:
+            self._sock.sendall(rest)
+        except OSError as exc:
+            self.close(f"write failed: {exc}")
+        finally:
+            self._write_lock.release()
 
     # -------------------------------------------------------------- reading
 
