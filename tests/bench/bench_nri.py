@@ -167,10 +167,21 @@ def serve_noop_plugin(socket_path: str) -> int:
     from fracplugin.nri.stub import NriStub
 
     class Noop:
-        events = 0x608  # CreateContainer | StopContainer | RemoveContainer, as fracplugin
+        """CreateContainer | StopContainer | RemoveContainer (mask 0x608), as
+        fracplugin; nothing of it waits, so the stub serves it on its reader
+        thread (``may_block``), as it serves fracplugin's CreateContainer."""
 
         def create_container(self, pod, container, ctx):
             return None
+
+        def stop_container(self, pod, container, ctx):
+            return None
+
+        def remove_container(self, pod, container, ctx):
+            return None
+
+        def may_block(self, method):
+            return False
 
     stub = NriStub(Noop(), socket_path=socket_path, plugin_name="noop", plugin_idx="50").start()
     done = threading.Event()

@@ -6,7 +6,8 @@ real unix sockets (the fake runtime, or a hand-driven runtime end).
   RESOURCE_EXHAUSTED naming the bound, the parts are dropped and the bound is
   counted; the next Synchronize works;
 - answers the runtime never reads: past ``MAX_UNANSWERED`` the connection is
-  closed and counted (the stub reconnects);
+  closed and counted (the stub reconnects), also when the stub serves the
+  calls on its reader thread (its answers never block it);
 - a CreateContainer with an empty container id is refused INVALID_ARGUMENT
   (the handler never sees it: nothing could release it);
 - readiness is per runtime session: a reconnection that never synchronized is
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import socket
 import threading
+
+import pytest
 
 
 from tests.helpers import wait_for
@@ -171,11 +174,20 @@ class SilentRuntime:
             self.transport.close("test over")
 
 
-def test_answers_the_runtime_never_reads_are_bounded(sockpath, cleanup):
+class InlinePlugin(Plugin):
+    """Nothing of it waits: the stub serves it on its reader thread, which
+    must still never block on a runtime that does not read."""
+
+    def may_block(self, method):
+        return False
+
+
+@pytest.mark.parametrize("plugin_cls", [Plugin, InlinePlugin])
+def test_answers_the_runtime_never_reads_are_bounded(plugin_cls, sockpath, cleanup):
     rt = SilentRuntime(sockpath)
     cleanup(rt)
     hits: list[str] = []
-    plugin = Plugin(answer_bytes=4096)
+    plugin = plugin_cls(answer_bytes=4096)
     stub = _stub(plugin, sockpath, cleanup, on_bound=hits.append)
     assert rt.accepted.wait(10)
     assert rt.transport is not None

@@ -80,10 +80,12 @@ class FakeMps:
 class FakeMetrics:
     def __init__(self) -> None:
         self.hooks: list[tuple[str, float]] = []
+        self.threads: list[str] = []  # where each CreateContainer ran
         self.refusals: list[str] = []
 
     def observe_hook(self, door, seconds):
         self.hooks.append((door, seconds))
+        self.threads.append(threading.current_thread().name)
 
     def refusal(self, reason_code):
         self.refusals.append(reason_code)
@@ -663,3 +665,45 @@ def test_no_fraction_is_placed_on_an_unhealthy_gpu(make_harness):
     assert not isinstance(adj, RpcError), adj
     assert UUIDS[0] not in effective_env(ctr, adj)["NVIDIA_VISIBLE_DEVICES"]
     assert len(h.ledger.tenancies()) == 2 and all(t.gpu_uuid != UUIDS[0] for t in h.ledger.tenancies())
+
+
+def test_create_is_served_on_the_reader_thread_unless_it_may_wait_on_mps(make_harness):
+    """issue 14: CreateContainer that only plans, admits and answers runs on
+    the stub's reader thread; while a daemon is down (it waits for it) or
+    when it creates the namespace itself, on a handler thread. Same answers."""
+    h = make_harness().start()
+    assert [h.plugin.may_block(m) for m in ("CreateContainer", "RemoveContainer", "StartContainer",
+                                            "StopContainer", "Synchronize", "StateChange")] == [
+        False, False, True, True, True, True]
+    down = {ComputeMode.TIME_SLICING}
+    h.mps.healthy = lambda mode: mode not in down
+    h.mps.unhealthy_reason = lambda mode: "probe failed"
+    assert h.plugin.may_block("CreateContainer")
+    nb, (nctr,) = _manifest("notebook-time-slicing-2gpu.yaml")
+    err = h.rt.create_container(nb, nctr)
+    assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE  # waited for the daemon, on a handler thread
+    assert h.metrics.threads[-1].startswith("nri-handler")
+    down.clear()
+    assert not h.plugin.may_block("CreateContainer")
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    assert not isinstance(h.rt.create_container(pod, ctr), RpcError)
+    assert h.metrics.threads[-1].endswith("-reader")
+    sync = make_harness(plugin_kwargs={"defer_namespace": False})
+    assert sync.plugin.may_block("CreateContainer")
+
+
+def test_a_mount_source_removed_since_the_last_creation_is_made_again(h):
+    """The mount source is checked on every creation (one stat when it was
+    made before): the MPS layer removes a released namespace's directory."""
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    adj = h.rt.create_container(pod, ctr)
+    assert not isinstance(adj, RpcError)
+    (src,) = [m.source for m in adj.mounts]
+    assert os.path.isdir(src)
+    assert h.rt.remove_container(pod, ctr) is None
+    os.rmdir(src)
+    again = make_container(pod, "app", container_id="again")
+    again.env.extend(ctr.env)
+    adj = h.rt.create_container(pod, again)
+    assert not isinstance(adj, RpcError) and [m.source for m in adj.mounts] == [src]
+    assert os.path.isdir(src) and (os.stat(src).st_mode & 0o777) == 0o755

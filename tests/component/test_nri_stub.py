@@ -280,3 +280,107 @@ def test_dispatcher_without_sockets():
     assert d.context(e, 0.5, now=100.0).deadline == pytest.approx(100.4)
     assert d.check(ev("Nope", nri_pb2.Empty())).code == Code.UNIMPLEMENTED
     assert d.check(ev("Configure", nri_pb2.Empty(), service="x.Y")).message == "service x.Y"
+
+
+class Inline(Recorder):
+    """A Recorder whose calls never wait, except StopContainer: the stub serves
+    the others on its reader thread. Records the thread of each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: dict[str, str] = {}
+        self.gate: threading.Event | None = None
+        self.abandoned_calls: list[tuple[str, str]] = []
+
+    def may_block(self, method):
+        return method == "StopContainer"
+
+    def create_container(self, pod, container, ctx):
+        self.threads["create"] = threading.current_thread().name
+        if self.gate is not None:
+            self.gate.wait(10)
+        return super().create_container(pod, container, ctx)
+
+    def stop_container(self, pod, container, ctx):
+        self.threads["stop"] = threading.current_thread().name
+        return super().stop_container(pod, container, ctx)
+
+    def abandoned(self, method, request, response):
+        self.abandoned_calls.append((method, type(response).__name__))
+
+
+class Pooled(Inline):
+    """The same without ``may_block``: the stub cannot know its calls never wait."""
+
+    may_block = None  # type: ignore[assignment]
+
+
+def test_calls_that_cannot_wait_are_served_on_the_reader_thread(sockpath, cleanup):
+    rt = FakeNriRuntime(sockpath)
+    cleanup(rt)
+    inline, pooled = Inline(), Pooled()
+    stub = _stub(inline, sockpath, cleanup).start()
+    rt.wait_registered()
+    wait_for(stub.connected, what="registration")
+    pod = make_pod("p")
+    ctr = make_container(pod, "c")
+    assert rt.create_container(pod, ctr) == nri_pb2.ContainerAdjustment()
+    assert rt.stop_container(pod, ctr) == []
+    assert inline.threads["create"].endswith("-reader")  # may_block("CreateContainer") is False
+    assert inline.threads["stop"].startswith("nri-handler")  # may_block("StopContainer") is True
+    stub.stop(5)
+    # A handler without may_block: every call of its own runs on a handler thread.
+    rt2 = FakeNriRuntime(sockpath + "2")
+    cleanup(rt2)
+    _stub(pooled, sockpath + "2", cleanup).start()
+    rt2.wait_registered()
+    assert rt2.create_container(pod, ctr) == nri_pb2.ContainerAdjustment()
+    assert pooled.threads["create"].startswith("nri-handler")
+
+
+def test_a_reader_thread_call_that_overruns_is_answered_by_the_watchdog_and_abandoned(sockpath, cleanup):
+    rt = FakeNriRuntime(sockpath, request_timeout_ms=400)
+    cleanup(rt)
+    plugin = Inline()
+    _stub(plugin, sockpath, cleanup).start()
+    rt.wait_registered()
+    pod = make_pod("p")
+    plugin.gate = threading.Event()
+    err = rt.create_container(pod, make_container(pod, "slow", container_id="c-slow"))
+    # 0.75 x 0.4 s budget: the stub answers before the runtime gives up, while its reader still waits
+    assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "budget of 0.30 s" in err.message
+    assert plugin.threads["create"].endswith("-reader")
+    plugin.gate.set()
+    wait_for(lambda: plugin.abandoned_calls, what="the late result dropped")
+    assert plugin.abandoned_calls == [("CreateContainer", "CreateContainerResponse")]
+    plugin.gate = None
+    assert rt.create_container(pod, make_container(pod, "next")) == nri_pb2.ContainerAdjustment()
+    assert rt.transport is not None and not rt.transport.closed.is_set()
+
+
+def test_the_dispatch_table_and_the_mask_follow_the_implemented_interfaces():
+    from fracplugin.nri.interfaces import EVENTS, CreateContainerInterface, handler_mask
+    from fracplugin.nri.stub import Dispatcher
+
+    rec = Recorder()
+    d = Dispatcher(rec, handler_mask(rec))
+    assert set(d.routes) == {s.method for s in EVENTS}
+    runs = {m for m, r in d.routes.items() if r.runs_handler}
+    assert runs == {"Configure", "Synchronize", "Shutdown", "StateChange", "RunPodSandbox", "RemovePodSandbox",
+                    "CreateContainer", "StartContainer", "StopContainer", "RemoveContainer"}
+    assert CreateContainerInterface.create_container.__name__ == "create_container"
+
+    class OnlyCreate:
+        def create_container(self, pod, container, ctx):
+            return None
+
+    only = OnlyCreate()
+    assert handler_mask(only) == event_mask(nri_pb2.CREATE_CONTAINER)
+    assert {m for m, r in Dispatcher(only, 0x8).routes.items() if r.runs_handler} == {"CreateContainer"}
+    # As containerd/nri's stub: a configured mask may not subscribe to events the handler does not handle.
+    with pytest.raises(ValueError, match="STOP_CONTAINER, REMOVE_CONTAINER"):
+        NriStub(only, env={}, events=event_mask(nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_CONTAINER,
+                                                nri_pb2.REMOVE_CONTAINER))
+    assert NriStub(only, env={}).events == 0x8
+    with pytest.raises(ValueError, match="must be non-zero"):
+        NriStub(object(), env={})  # implements nothing
