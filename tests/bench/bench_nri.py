@@ -32,7 +32,12 @@ nri.rss_after_1k_creates_mib, nri.create.errors (calls that failed) and
 nri.create.c64.service_ms / nri.create.c64.service_go_template_ms (wall time of
 the c=64 level divided by its calls: the per-call service time, since the
 adaptation serialises calls) and their ratio
-nri.create.c64.service_ratio_vs_go_template (issue 14 target <= 1.5).
+nri.create.c64.service_ratio_vs_go_template (issue 14 target <= 1.5);
+nri.create.cpu_ms_per_call / nri.create.cpu_ms_per_call_go_template /
+nri.create.noop_stub.cpu_ms_per_call (the plugin process's CPU time, user +
+system, per measured CreateContainer over the whole run: robust where wall
+times are not, on a loaded machine); nri.create.noop_stub.* (fracplugin's stub
+answering empty on its reader thread: the floor of the Python transport).
 The raw harness output is saved to build/bench-nri-raw.json.
 
 Usage: python tests/bench/bench_nri.py [--calls N] [--churn N] [--state tmpfs|disk|both]
@@ -131,28 +136,43 @@ def fail(msg: str, *procs: iu.Proc) -> None:
 
 
 def run_bench(workdir: Path, plugin: str, calls: int) -> dict[int, dict]:
+    """One harness run of ``plugin`` (fracplugin, noop or template): the bench
+    event of each concurrency level, keyed by concurrency; each also carries
+    ``cpu_ms_per_call``, the plugin process's CPU time (user + system,
+    children excluded: the fake MPS binary's own runs are not the hook's) from
+    the first measured level to the end of the run, over the CreateContainer
+    calls measured (the same removals and warm-ups ride along for every
+    plugin)."""
     args = ["-bench", "-bench-levels", "1,16,64", "-bench-calls", str(calls), "-bench-warmup", "50"]
     run = Run(workdir, args, {"pods": bench_pods()})
     try:
         if plugin == "fracplugin":
-            daemon = iu.start_fracplugin(run.procs, workdir, nri_socket=run.sock)
+            proc = iu.start_fracplugin(run.procs, workdir, nri_socket=run.sock)
             run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
             wait_ready(workdir / "state")
         elif plugin == "noop":
-            daemon = iu.Proc([sys.executable, __file__, "--serve-noop-plugin", str(run.sock)],
-                             stderr_path=workdir / "noop.log")
-            run.procs.append(daemon)
+            proc = iu.Proc([sys.executable, __file__, "--serve-noop-plugin", str(run.sock)],
+                           stderr_path=workdir / "noop.log")
+            run.procs.append(proc)
             run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
         else:
-            run.procs.append(iu.Proc([str(iu.template_bin("v012")), "-socket", str(run.sock), "-idx", "10"],
-                                     stderr_path=workdir / "template.log"))
-            daemon = None
+            proc = iu.Proc([str(iu.template_bin("v012")), "-socket", str(run.sock), "-idx", "10"],
+                           stderr_path=workdir / "template.log")
+            run.procs.append(proc)
             run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
+        ps = psutil.Process(proc.p.pid)
+        cpu0 = ps.cpu_times()
         run.rt.send_line()
         events = run.rt.finish(900)
+        cpu1 = ps.cpu_times()
         if any(e.get("event") == "fatal" for e in events):
+            daemon = proc if plugin != "template" else None
             fail(f"{plugin}: {[e for e in events if e.get('event') == 'fatal']}", run.rt, *(d for d in [daemon] if d))
-        return {e["concurrency"]: e for e in events if e.get("event") == "bench"}
+        levels = {e["concurrency"]: e for e in events if e.get("event") == "bench"}
+        cpu_ms = 1000 * ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) / sum(b["calls"] for b in levels.values())
+        for b in levels.values():
+            b["cpu_ms_per_call"] = round(cpu_ms, 3)
+        return levels
     finally:
         run.close()
 
@@ -269,6 +289,10 @@ def main(argv: list[str]) -> int:
         "nri.create.c64.service_ratio_vs_go_template": round(ours[64]["per_call_ms"] / tmpl[64]["per_call_ms"], 2),
     }
     values.update({
+        # the plugin process's own CPU per CreateContainer (issue 14's "CPU per call")
+        "nri.create.cpu_ms_per_call": ours[64]["cpu_ms_per_call"],
+        "nri.create.cpu_ms_per_call_go_template": tmpl[64]["cpu_ms_per_call"],
+        "nri.create.noop_stub.cpu_ms_per_call": noop[64]["cpu_ms_per_call"],
         "nri.create.noop_stub.c1.p50_ms": noop[1]["p50_ms"],
         "nri.create.noop_stub.c64.p99_ms": noop[64]["p99_ms"],
         "nri.create.noop_stub.c64.service_ms": round(noop[64]["per_call_ms"], 3),
