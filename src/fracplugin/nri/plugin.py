@@ -1,9 +1,13 @@
 """fracplugin's NRI handlers: plan, record and fence each fractional container.
 
-Concurrency model: threads. ``NriStub`` calls these handlers from its worker
-pool, several at once. Its own mutable state is the table of background MPS
-namespace jobs (a dict under ``_ns_lock``, jobs run on a 4-thread pool) and
-the last Synchronize report; the ledger is thread-safe and ``Ledger.admit``
+Concurrency model: threads. ``NriStub`` calls these handlers from its
+reader thread when ``may_block(method)`` says the call cannot wait
+(CreateContainer while every MPS daemon is healthy and the namespace is
+deferred; RemoveContainer), else from its worker pool, several at once (ADR
+nri-reader-thread-serving). Its own mutable state is the table of background
+MPS namespace jobs (a dict under ``_ns_lock``, jobs run on a 4-thread pool at
+a lower CPU priority, ``BACKGROUND_NICE``), the mount sources made before,
+and the last Synchronize report; the ledger is thread-safe and ``Ledger.admit``
 re-checks every guard atomically, so two concurrent creations cannot both take
 the last MiB of a GPU. Handlers finish within the stub's budget
 (``ctx.remaining()``); MPS calls made inside a handler get a timeout derived
