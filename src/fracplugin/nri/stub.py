@@ -545,6 +545,27 @@ class Dispatcher:
         return serve(req, ctx)
 
 
+def _subscription(handler: object, events: int | None) -> int:
+    """The subscription mask: ``events``, else the handler's ``events``
+    attribute, else the events of the interfaces it implements. Raises
+    ValueError for a mask that is 0, beyond ``VALID_EVENTS_MASK``, or names
+    events the handler does not implement (containerd/nri ``pkg/stub``
+    Configure: "Only allow plugins to subscribe to events they can handle")."""
+    implemented = handler_mask(handler)
+    if events is None:
+        events = getattr(handler, "events", None)
+    if events is None:
+        events = implemented
+    if events == 0 or events & ~VALID_EVENTS_MASK:
+        raise ValueError(f"event mask 0x{events:x} must be non-zero and within 0x{VALID_EVENTS_MASK:x}")
+    unhandled = events & ~implemented
+    if unhandled:
+        names = [E.Event.Name(i + 1) for i in range(VALID_EVENTS_MASK.bit_length()) if unhandled >> i & 1]
+        raise ValueError(f"event mask 0x{events:x} subscribes to events the handler does not implement: "
+                         f"{', '.join(names)} (containerd/nri pkg/stub: only events a plugin handles)")
+    return events
+
+
 class _Session:
     """One connection to the runtime."""
 
@@ -632,18 +653,7 @@ class NriStub:
             raise ValueError(f"plugin index {plugin_idx!r} must be exactly two digits")
         self.plugin_name = plugin_name
         self.plugin_idx = plugin_idx
-        implemented = handler_mask(handler)
-        if events is None:
-            events = getattr(handler, "events", None)
-        if events is None:
-            events = implemented
-        if events == 0 or events & ~VALID_EVENTS_MASK:
-            raise ValueError(f"event mask 0x{events:x} must be non-zero and within 0x{VALID_EVENTS_MASK:x}")
-        if events & ~implemented:
-            extra = [E.Event.Name(i + 1) for i in range(VALID_EVENTS_MASK.bit_length()) if (events & ~implemented) >> i & 1]
-            raise ValueError(f"event mask 0x{events:x} subscribes to events the handler does not implement: "
-                             f"{', '.join(extra)} (containerd/nri pkg/stub: only events a plugin handles)")
-        self.events = events
+        self.events = _subscription(handler, events)
         if not 0 < budget_fraction < 1:
             raise ValueError("budget_fraction must be in (0, 1)")
         self.budget_fraction = budget_fraction
