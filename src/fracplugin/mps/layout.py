@@ -25,6 +25,7 @@ caps at 83).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -42,6 +43,7 @@ MAX_PIPE_DIR_LEN = 83
 _MODE_DIR = {ComputeMode.TIME_SLICING: "ts", ComputeMode.SM_SHARING: "sm"}
 
 
+@functools.lru_cache(maxsize=4096)  # on every CreateContainer (issue 14): sha256 + format, a pure function
 def namespace_name(pod_uid: str, container: str) -> str:
     """MPS v3 namespace name of one sm-sharing container: ``fp_`` + 24 hex of
     sha256("<pod uid>/<container>"). Stable across container restarts (same pod
@@ -79,6 +81,7 @@ class MpsLayout:
         """The log directory of the daemon of ``mode``."""
         return str(PurePosixPath(self.root) / "log" / _MODE_DIR[mode])
 
+    @functools.lru_cache(maxsize=4096)  # on every CreateContainer (issue 14): three pathlib objects; frozen self
     def namespace_pipe_dir(self, namespace: str, mode: ComputeMode = ComputeMode.SM_SHARING) -> str:
         """The pipe directory of a container's namespace on the daemon of
         ``mode`` (MPS v3 layout ``<pipe>/<server>/<namespace>``)."""
