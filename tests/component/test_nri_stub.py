@@ -17,6 +17,7 @@ from fracplugin.nri.stub import NriStub, event_mask
 from fracplugin.nri.ttrpc import Code, RpcError
 
 from nri_runtime import FakeNriRuntime, make_container, make_pod
+from nri_runtime import RpcError as PeerRpcError
 
 
 class Recorder:
@@ -348,7 +349,7 @@ def test_a_reader_thread_call_that_overruns_is_answered_by_the_watchdog_and_aban
     plugin.gate = threading.Event()
     err = rt.create_container(pod, make_container(pod, "slow", container_id="c-slow"))
     # 0.75 x 0.4 s budget: the stub answers before the runtime gives up, while its reader still waits
-    assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "budget of 0.30 s" in err.message
+    assert isinstance(err, PeerRpcError) and err.code == Code.UNAVAILABLE and "budget of 0.30 s" in err.message
     assert plugin.threads["create"].endswith("-reader")
     plugin.gate.set()
     wait_for(lambda: plugin.abandoned_calls, what="the late result dropped")

@@ -3,7 +3,8 @@ never blocks. The whole answer goes out when the socket takes it (SENT);
 when the peer does not read, the rest is handed to ``finish`` with the write
 lock still held (SPILLED), so another answer meanwhile is refused without
 touching the socket (BUSY); the bytes on the wire are one well-formed ttrpc
-response either way. A socketpair stands in for the runtime."""
+response either way. A socketpair stands in for the runtime, whose framing
+is the tests' own (``tests.peers.ttrpc_wire``)."""
 
 from __future__ import annotations
 
@@ -13,31 +14,37 @@ from typing import Callable
 
 import pytest
 
-from fracplugin.nri.mux import MuxDecoder, encode_frames
 from fracplugin.nri.transport import BUSY, SENT, SPILLED, NriTransport
-from fracplugin.nri.ttrpc import RequestReceived, ResponseReceived, Role, TtrpcConnection
+from fracplugin.nri.ttrpc import RequestReceived
+from tests.peers.ttrpc_wire import (REQUEST, RESPONSE, MuxReader, Request, Response, TtrpcReader, decode_response,
+                                    encode_request, mux_frames, ttrpc_frame)
 
 
 class Peer:
-    """The runtime end: sends requests on conn 1 and decodes the answers."""
+    """The runtime end, on the tests' own wire code (``tests.peers.ttrpc_wire``):
+    sends requests on conn 1 and decodes the answers."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.client = TtrpcConnection(Role.CLIENT)
-        self.mux = MuxDecoder((1,))
+        self.next_id = 1
+        self.mux = MuxReader()
+        self.ttrpc = TtrpcReader()
 
     def request(self) -> int:
-        sid = self.client.send_request("svc", "M", b"")
-        self.sock.sendall(encode_frames(1, self.client.data_to_send()))
+        sid, self.next_id = self.next_id, self.next_id + 2
+        self.sock.sendall(mux_frames(1, ttrpc_frame(sid, REQUEST, encode_request(Request("svc", "M")))))
         return sid
 
-    def read_answers(self, n: int) -> list[ResponseReceived]:
-        got: list[ResponseReceived] = []
+    def read_answers(self, n: int) -> list[tuple[int, Response]]:
+        got: list[tuple[int, Response]] = []
         while len(got) < n:
             data = self.sock.recv(1 << 20)
             assert data, "transport closed"
-            for frame in self.mux.receive_data(data):
-                got += [e for e in self.client.receive_data(frame.payload) if isinstance(e, ResponseReceived)]
+            for conn, payload in self.mux.feed(data):
+                assert conn == 1
+                for msg in self.ttrpc.feed(payload):
+                    assert msg.msg_type == RESPONSE and msg.data is not None
+                    got.append((msg.stream_id, decode_response(msg.data)))
         return got
 
 
@@ -74,8 +81,8 @@ def test_a_small_answer_is_sent_whole(pair) -> None:
     finished: list[Callable[[], None]] = []
     assert transport.answer_nowait(ev.stream_id, b"ok", None, "", finish=finished.append) == SENT
     assert finished == []
-    (resp,) = peer.read_answers(1)
-    assert (resp.stream_id, resp.code, resp.payload) == (sid, 0, b"ok")
+    ((got_sid, resp),) = peer.read_answers(1)
+    assert (got_sid, resp.code, resp.payload) == (sid, 0, b"ok")
 
 
 def test_an_answer_the_peer_does_not_read_is_finished_elsewhere_and_blocks_no_one(pair) -> None:
@@ -90,13 +97,13 @@ def test_an_answer_the_peer_does_not_read_is_finished_elsewhere_and_blocks_no_on
     assert transport.answer_nowait(evs[1].stream_id, b"", 14, "later", finish=finished.append) == BUSY
     writer = threading.Thread(target=finished[0])
     writer.start()
-    (resp,) = peer.read_answers(1)  # reading lets the writer finish
+    ((got_sid, resp),) = peer.read_answers(1)  # reading lets the writer finish
     writer.join(10)
-    assert (resp.stream_id, resp.code, resp.payload) == (first, 0, big)
+    assert (got_sid, resp.code, resp.payload) == (first, 0, big)
     # The lock was handed back: the second answer goes out whole now.
     assert transport.answer_nowait(evs[1].stream_id, b"", 14, "later", finish=finished.append) == SENT
-    (resp,) = peer.read_answers(1)
-    assert (resp.stream_id, resp.code, resp.message) == (second, 14, "later")
+    ((got_sid, resp),) = peer.read_answers(1)
+    assert (got_sid, resp.code, resp.message) == (second, 14, "later")
     assert len(finished) == 1 and not transport.closed.is_set()
 
 
