@@ -399,6 +399,9 @@ class Dispatcher:
         self._may_block: Callable[[str], bool] | None = may_block if callable(may_block) else None
 
     def _route(self, spec: EventSpec) -> _Route:
+        """The table entry of ``spec``: the stub's own route for Configure,
+        Synchronize, Shutdown and StateChange, else the handler's method
+        through its adapter (``_ADAPTERS``), else an empty answer."""
         own: dict[str, Serve] = {"configure": self._configure, "synchronize": self._synchronize,
                                  "shutdown": self._shutdown, "state_change": self._state_change}
         fn = self._fns.get(spec.method)
@@ -1019,11 +1022,10 @@ class NriStub:
             if inline:
                 outcome = transport.answer_nowait(call.stream_id, payload or b"", code, message,
                                                   finish=functools.partial(self._finish_answer, call.session))
-                if outcome == BUSY:
-                    counted = not self._hand_over(functools.partial(self._send, call, payload, error))
-                    if counted:  # stopping: no pool left to wait on the write lock
-                        self._send(call, payload, error)
-                        return
+                if outcome == BUSY:  # another thread writes: a handler thread waits for the lock instead
+                    counted = False  # that _send counts it
+                    if not self._hand_over(functools.partial(self._send, call, payload, error)):
+                        self._send(call, payload, error)  # stopping: no pool left, wait here
                 elif outcome == SPILLED:
                     counted = False
             elif code is not None:
