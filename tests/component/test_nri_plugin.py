@@ -43,7 +43,6 @@ class FakeMps:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
         self.kw: list[dict] = []
-        self.nice: list[int] = []  # the calling thread's nice value, per ensure_namespace
         self.block: threading.Event | None = None
         self.done = threading.Event()
         self.fail: Exception | None = None
@@ -54,7 +53,6 @@ class FakeMps:
         with self.lock:
             self.calls.append(("ensure_namespace", pod_uid, container, atp, timeout_s))
             self.kw.append({"mode": mode, "pinned_limit_mib": pinned_limit_mib})
-            self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         gate = self.block
         if gate is not None:
             gate.wait(10)
@@ -709,15 +707,3 @@ def test_a_mount_source_removed_since_the_last_creation_is_made_again(h):
     adj = h.rt.create_container(pod, again)
     assert not isinstance(adj, RpcError) and [m.source for m in adj.mounts] == [src]
     assert os.path.isdir(src) and (os.stat(src).st_mode & 0o777) == 0o755
-
-
-def test_background_mps_work_runs_below_the_hook_threads_priority(h):
-    """issue 14: the deferred namespace job (and the MPS commands it starts)
-    runs at nice +10, so it never takes the CPU from CreateContainer."""
-    from fracplugin.nri.plugin import BACKGROUND_NICE
-
-    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
-    assert not isinstance(h.rt.create_container(pod, ctr), RpcError)
-    assert h.rt.start_container(pod, ctr) is None  # awaited the job
-    ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert h.mps.nice == [min(19, ours + BACKGROUND_NICE)]

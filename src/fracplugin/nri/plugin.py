@@ -746,12 +746,11 @@ class FracNriPlugin:
 
     def _ns_executor(self) -> ThreadPoolExecutor:
         """The background MPS pool (namespace jobs, drains, releases), made on
-        first use; the caller holds ``_ns_lock``. Its threads run at a lower
-        CPU priority (``BACKGROUND_NICE``): MPS bookkeeping must never take
-        the CPU from the runtime's serialised CreateContainer path."""
+        first use; the caller holds ``_ns_lock``. Its threads keep the
+        daemon's CPU priority: StartContainer awaits their namespace jobs
+        within its own budget (ADR 0015 says why not lower)."""
         if self._ns_pool is None:
-            self._ns_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="nri-mps-ns",
-                                               initializer=_lower_priority)
+            self._ns_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="nri-mps-ns")
         return self._ns_pool
 
     def _background(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -946,28 +945,6 @@ class FracNriPlugin:
         if ctx is None:
             return _DEFAULT_REQUEST_TIMEOUT_S * share
         return max(0.05, min(ctx.request_timeout_s * share, ctx.remaining() - _MARGIN_S))
-
-
-BACKGROUND_NICE = 10
-"""Nice increment of the background MPS threads (and so of the MPS control
-commands they run: a child inherits its thread's nice value). Linux keeps
-the nice value per thread and, with the cgroup CPU controller, it only
-weighs against the other threads of the daemon's own cgroup: the NRI hook
-threads (nice 0) get ~9x the CPU of background MPS work when both want it
-(CFS weights 1024 vs 110). The background budgets are long
-(``namespace_timeout_s`` 5 s, ``drain_timeout_s`` 30 s); ADR
-nri-reader-thread-serving, issue 14."""
-
-
-def _lower_priority() -> None:
-    """Thread initializer: raise this thread's nice value by ``BACKGROUND_NICE``
-    (``setpriority(PRIO_PROCESS, tid)``, Linux: per thread; raising it needs
-    no privilege). Where that fails the thread keeps its priority."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE)
-    except (OSError, AttributeError):
-        log.debug("nri background MPS thread keeps its CPU priority", exc_info=True)
 
 
 class _FailOpen(Exception):
