@@ -10,28 +10,58 @@ Public API (used by the daemon):
   kubelet gave a container.
 - ``DEFAULT_RESOURCE_NAME`` (``fracplugin.io/gpu-memory``), ``DEFAULT_UNIT_MIB`` (1024).
 
-Submodules import grpc and the generated protos; importing this package does
-too.
+The names above are loaded on first use (PEP 562 module ``__getattr__``):
+importing this package, or a pure submodule such as ``devices`` (which
+config validation and the NRI door use), does not import grpc and the
+generated protos. grpc with its asyncio and OpenSSL costs about 28 MiB of
+resident memory (docs/benchmarks.md, memory), which a process without the
+device plugin door (``--no-device-plugin``, ``--role mps``) never pays
+(issue 14). The submodules that serve kubelet (deviceplugin, registration,
+podresources, allocator) import grpc themselves.
 """
 
-from .devices import DEFAULT_RESOURCE_NAME, DEFAULT_UNIT_MIB, DeviceTable, preferred_allocation
-from .deviceplugin import DEFAULT_SOCKET_NAME, DevicePluginServer
-from .podlookup import InMemoryPodSource, KubernetesPodSource, PodSource
-from .podresources import DEFAULT_PODRESOURCES_SOCKET, PodResourcesClient, devices_for
-from .registration import DEFAULT_PLUGIN_DIR
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_PLUGIN_DIR",
-    "DEFAULT_PODRESOURCES_SOCKET",
-    "DEFAULT_RESOURCE_NAME",
-    "DEFAULT_SOCKET_NAME",
-    "DEFAULT_UNIT_MIB",
-    "DevicePluginServer",
-    "DeviceTable",
-    "InMemoryPodSource",
-    "KubernetesPodSource",
-    "PodResourcesClient",
-    "PodSource",
-    "devices_for",
-    "preferred_allocation",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .deviceplugin import DEFAULT_SOCKET_NAME, DevicePluginServer
+    from .devices import DEFAULT_RESOURCE_NAME, DEFAULT_UNIT_MIB, DeviceTable, preferred_allocation
+    from .podlookup import InMemoryPodSource, KubernetesPodSource, PodSource
+    from .podresources import DEFAULT_PODRESOURCES_SOCKET, PodResourcesClient, devices_for
+    from .registration import DEFAULT_PLUGIN_DIR
+
+_EXPORTS = {
+    "DEFAULT_PLUGIN_DIR": "registration",
+    "DEFAULT_PODRESOURCES_SOCKET": "podresources",
+    "DEFAULT_RESOURCE_NAME": "devices",
+    "DEFAULT_SOCKET_NAME": "deviceplugin",
+    "DEFAULT_UNIT_MIB": "devices",
+    "DevicePluginServer": "deviceplugin",
+    "DeviceTable": "devices",
+    "InMemoryPodSource": "podlookup",
+    "KubernetesPodSource": "podlookup",
+    "PodResourcesClient": "podresources",
+    "PodSource": "podlookup",
+    "devices_for": "podresources",
+    "preferred_allocation": "devices",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Load an exported name from its submodule on first use (PEP 562).
+
+    Raises AttributeError for a name this package does not export."""
+    sub = _EXPORTS.get(name)
+    if sub is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{sub}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
