@@ -329,6 +329,125 @@ def parse_xid_body(body: bytes) -> tuple[str, int]:
     return uuid.strip(), xid
 
 
+class _HealthHandler(BoundedHandler):
+    """The health server's handler: ``/healthz``, ``/readyz``, ``/status``,
+    ``POST /simulate/xid`` (module docstring). ``owner`` (the ``HealthServer``
+    whose callbacks answer) is set on the per-server subclass that
+    ``HealthServer.start`` makes."""
+
+    owner: "HealthServer"
+
+    def _json(self, code: int, doc: Any) -> None:
+        self.send_body(code, (json.dumps(doc, indent=1, default=str) + "\n").encode(), "application/json")
+
+    def _gone(self, exc: BaseException) -> None:
+        """The client went away before the reply: nothing to answer."""
+        log.debug("health http: client %s gone before the reply to %s %s: %s",
+                  self.client_address[0], self.command, self.path, exc)
+        self.close_connection = True
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        try:
+            if path == "/healthz":
+                reason = self.owner._alive()
+                if reason is None:
+                    self.send_body(200, b"ok\n", "text/plain")
+                else:
+                    self.send_body(503, f"not alive: {reason}\n".encode(), "text/plain")
+            elif path == "/readyz":
+                r = self.owner.readiness()
+                self._json(200 if r["ready"] else 503, r)
+            elif path == "/status" and self.peer_is_loopback():
+                self._json(200, self.owner._status())
+            elif path == "/status":  # names every tenant: this node's own processes only
+                self.send_body(404, STATUS_NOT_HERE.encode(), "text/plain")
+            elif path == "/simulate/xid" and self.owner._simulate_xid is not None:
+                self._text(405, "/simulate/xid answers POST only", {"Allow": "POST"})
+            else:
+                self.send_body(404, b"not found: try /healthz, /readyz, /status\n", "text/plain")
+        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+            self._gone(exc)
+        except Exception as exc:  # a broken callback answers 500, never kills the server
+            log.exception("health endpoint %s failed", path)
+            self._try_text(500, f"internal error: {exc}")
+
+    do_HEAD = do_GET
+
+    def _text(self, code: int, msg: str, headers: Mapping[str, str] | None = None) -> None:
+        body = (msg.rstrip("\n") + "\n").encode()
+        self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _try_text(self, code: int, msg: str) -> None:
+        """Answer an error; a client that is gone by now is logged at DEBUG."""
+        try:
+            self._text(code, msg)
+        except OSError as exc:
+            self._gone(exc)
+
+    def _read_body(self) -> bytes:
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            raise BadRequest(411, "a Content-Length header is required")
+        try:
+            n = int(raw)
+        except ValueError:
+            raise BadRequest(400, f"bad Content-Length {raw!r}") from None
+        if n < 0:
+            raise BadRequest(400, f"bad Content-Length {raw!r}")
+        if n > MAX_BODY:
+            self.close_connection = True  # the unread body must not be parsed as a request
+            raise BadRequest(413, f"body of {n} bytes is larger than {MAX_BODY}")
+        return self.rfile.read(n)
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server naming)
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        try:
+            if path == "/simulate/xid" and self.owner._simulate_xid is not None:
+                uuid, xid = parse_xid_body(self._read_body())
+                try:
+                    self.owner._simulate_xid(uuid, xid)
+                except LookupError as exc:
+                    self._text(404, f"unknown GPU: {exc.args[0] if exc.args else exc}")
+                    return
+                log.warning("simulated XID %d injected on %s", xid, uuid,
+                            extra={"gpu_uuid": uuid, "xid": xid, "client": self.client_address[0]})
+                self._json(202, {"injected": {"gpu_uuid": uuid, "xid": xid}})
+            elif path in _GET_PATHS:
+                self._text(405, f"{path} answers GET and HEAD only", {"Allow": "GET, HEAD"})
+            elif path == "/simulate/xid":
+                self._text(404, "not found: /simulate/xid exists only on a simulated node (--simulate-node)")
+            else:
+                self._text(404, "not found")
+        except BadRequest as exc:
+            self._try_text(exc.code, f"bad request: {exc}" if exc.code == 400 else str(exc))
+        except TimeoutError:
+            raise  # the body did not arrive in time: handle_one_request drops the connection
+        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+            self._gone(exc)
+        except Exception as exc:  # a broken callback answers 500, never kills the server
+            log.exception("health endpoint POST %s failed", path)
+            self._try_text(500, f"internal error: {exc}")
+
+    def _other_method(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        if path == "/simulate/xid" and self.owner._simulate_xid is not None:
+            self._text(405, "/simulate/xid answers POST only", {"Allow": "POST"})
+        elif path in _GET_PATHS:
+            self._text(405, f"{path} answers GET and HEAD only", {"Allow": "GET, HEAD"})
+        else:
+            self._text(404, "not found")
+
+    do_PUT = do_DELETE = do_PATCH = _other_method
+
+
 class HealthServer:
     """The health/status HTTP server.
 
@@ -362,7 +481,7 @@ class HealthServer:
         self._checks = checks
         self._status = status
         self._alive = alive
-        self._server: ThreadingHTTPServer | None = None
+        self._server: BoundedHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -379,121 +498,10 @@ class HealthServer:
         return {"ready": all(bool(c.get("ready")) for c in checks.values()), "checks": checks}
 
     def start(self) -> tuple[str, int]:
-        """Bind and serve on a daemon thread; returns the bound (host, port)."""
-        outer = self
-
-        class Handler(BoundedHandler):
-            def _json(self, code: int, doc: Any) -> None:
-                self.send_body(code, (json.dumps(doc, indent=1, default=str) + "\n").encode(), "application/json")
-
-            def _gone(self, exc: BaseException) -> None:
-                """The client went away before the reply: nothing to answer."""
-                log.debug("health http: client %s gone before the reply to %s %s: %s",
-                          self.client_address[0], self.command, self.path, exc)
-                self.close_connection = True
-
-            def do_GET(self) -> None:  # noqa: N802 (http.server naming)
-                path = self.path.split("?", 1)[0].rstrip("/") or "/"
-                try:
-                    if path == "/healthz":
-                        reason = outer._alive()
-                        if reason is None:
-                            self.send_body(200, b"ok\n", "text/plain")
-                        else:
-                            self.send_body(503, f"not alive: {reason}\n".encode(), "text/plain")
-                    elif path == "/readyz":
-                        r = outer.readiness()
-                        self._json(200 if r["ready"] else 503, r)
-                    elif path == "/status" and self.peer_is_loopback():
-                        self._json(200, outer._status())
-                    elif path == "/status":  # names every tenant: this node's own processes only
-                        self.send_body(404, STATUS_NOT_HERE.encode(), "text/plain")
-                    elif path == "/simulate/xid" and outer._simulate_xid is not None:
-                        self._text(405, "/simulate/xid answers POST only", {"Allow": "POST"})
-                    else:
-                        self.send_body(404, b"not found: try /healthz, /readyz, /status\n", "text/plain")
-                except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
-                    self._gone(exc)
-                except Exception as exc:  # a broken callback answers 500, never kills the server
-                    log.exception("health endpoint %s failed", path)
-                    self._try_text(500, f"internal error: {exc}")
-
-            do_HEAD = do_GET
-
-            def _text(self, code: int, msg: str, headers: Mapping[str, str] | None = None) -> None:
-                body = (msg.rstrip("\n") + "\n").encode()
-                self.send_response(code)
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.send_header("Content-Type", "text/plain")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(body)
-
-            def _try_text(self, code: int, msg: str) -> None:
-                """Answer an error; a client that is gone by now is logged at DEBUG."""
-                try:
-                    self._text(code, msg)
-                except OSError as exc:
-                    self._gone(exc)
-
-            def _read_body(self) -> bytes:
-                raw = self.headers.get("Content-Length")
-                if raw is None:
-                    raise BadRequest(411, "a Content-Length header is required")
-                try:
-                    n = int(raw)
-                except ValueError:
-                    raise BadRequest(400, f"bad Content-Length {raw!r}") from None
-                if n < 0:
-                    raise BadRequest(400, f"bad Content-Length {raw!r}")
-                if n > MAX_BODY:
-                    self.close_connection = True  # the unread body must not be parsed as a request
-                    raise BadRequest(413, f"body of {n} bytes is larger than {MAX_BODY}")
-                return self.rfile.read(n)
-
-            def do_POST(self) -> None:  # noqa: N802 (http.server naming)
-                path = self.path.split("?", 1)[0].rstrip("/") or "/"
-                try:
-                    if path == "/simulate/xid" and outer._simulate_xid is not None:
-                        uuid, xid = parse_xid_body(self._read_body())
-                        try:
-                            outer._simulate_xid(uuid, xid)
-                        except LookupError as exc:
-                            self._text(404, f"unknown GPU: {exc.args[0] if exc.args else exc}")
-                            return
-                        log.warning("simulated XID %d injected on %s", xid, uuid,
-                                    extra={"gpu_uuid": uuid, "xid": xid, "client": self.client_address[0]})
-                        self._json(202, {"injected": {"gpu_uuid": uuid, "xid": xid}})
-                    elif path in _GET_PATHS:
-                        self._text(405, f"{path} answers GET and HEAD only", {"Allow": "GET, HEAD"})
-                    elif path == "/simulate/xid":
-                        self._text(404, "not found: /simulate/xid exists only on a simulated node (--simulate-node)")
-                    else:
-                        self._text(404, "not found")
-                except BadRequest as exc:
-                    self._try_text(exc.code, f"bad request: {exc}" if exc.code == 400 else str(exc))
-                except TimeoutError:
-                    raise  # the body did not arrive in time: handle_one_request drops the connection
-                except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
-                    self._gone(exc)
-                except Exception as exc:  # a broken callback answers 500, never kills the server
-                    log.exception("health endpoint POST %s failed", path)
-                    self._try_text(500, f"internal error: {exc}")
-
-            def _other_method(self) -> None:
-                path = self.path.split("?", 1)[0].rstrip("/") or "/"
-                if path == "/simulate/xid" and outer._simulate_xid is not None:
-                    self._text(405, "/simulate/xid answers POST only", {"Allow": "POST"})
-                elif path in _GET_PATHS:
-                    self._text(405, f"{path} answers GET and HEAD only", {"Allow": "GET, HEAD"})
-                else:
-                    self._text(404, "not found")
-
-            do_PUT = do_DELETE = do_PATCH = _other_method
-
-        server = make_bounded_server(self._address, Handler, max_handlers=self._max_handlers,
+        """Bind and serve on a daemon thread; returns the bound (host, port).
+        Raises OSError when the address cannot be bound."""
+        handler = type("HealthHandler", (_HealthHandler,), {"owner": self})
+        server = make_bounded_server(self._address, handler, max_handlers=self._max_handlers,
                                      request_deadline_s=self._request_deadline_s, label="health http")
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
