@@ -394,31 +394,49 @@ class _Collector(Collector):
             log.exception("metrics collection failed")
 
     def _collect(self) -> Iterator[Metric]:
+        """Every family of one scrape, in the exposition order tests pin
+        (tests/fixtures/metrics capture): container series, GPU series, door
+        state, ledger entries, NVML failures, MPS daemons."""
         m = self.m
         node = m.node()
-        gpus = {g.uuid: g for g in node.gpus} if node is not None else {}
         tenancies: list[Tenancy] = []
         if m.ledger is not None:
             try:
                 tenancies = list(m.ledger.tenancies())
             except Exception as e:
                 log.warning("metrics: ledger read failed: %s", e)
+        status = self._mps_status()
+        usage = self._usage(tenancies, _server_pids(status))
+        yield from self._containers(node, tenancies, usage)
+        yield from self._gpus(node, tenancies)
+        yield from self._state(node)
 
-        status: dict[str, Any] = {}
-        if m.mps is not None:
-            try:
-                status = m.mps.status() or {}
-            except Exception as e:
-                log.warning("metrics: mps status failed: %s", e)
-        server_pids: set[int] = set()
-        for d in status.get("daemons") or ():
-            try:
-                server_pids.update(int(p) for p in d.get("server_pids") or ())
-            except (TypeError, ValueError):
-                pass
+        entries = GaugeMetricFamily("fracplugin_ledger_entries", "Tenancies recorded in the ledger.")
+        entries.add_metric([], float(len(tenancies)))
+        yield entries
 
-        usage = self._usage(tenancies, server_pids)
+        fails = CounterMetricFamily("fracplugin_nvml_failures",
+                                    "Scrapes whose NVML per-process query failed (usage series missing).")
+        fails.add_metric([], float(m.nvml_failures))
+        yield fails
 
+        yield from self._daemons(status)
+
+    def _mps_status(self) -> dict[str, Any]:
+        """The MPS supervisor's ``status()`` ({} without one or when it fails)."""
+        if self.m.mps is None:
+            return {}
+        try:
+            return dict(self.m.mps.status() or {})
+        except Exception as e:
+            log.warning("metrics: mps status failed: %s", e)
+            return {}
+
+    def _containers(self, node: NodeInfo | None, tenancies: list[Tenancy],
+                    usage: dict[tuple[str, str, str], _Usage] | None) -> Iterator[Metric]:
+        """Per container and GPU: used, request, limit, SM % and SM share %
+        (bytes, percent 0-100); no usage series when ``usage`` is None (NVML failed)."""
+        gpus = {g.uuid: g for g in node.gpus} if node is not None else {}
         used = GaugeMetricFamily("fracplugin_container_gpu_memory_used_bytes",
                                  "GPU memory used by the container's processes on this GPU (NVML).", labels=CONTAINER_LABELS)
         req = GaugeMetricFamily("fracplugin_container_gpu_memory_request_bytes",
@@ -455,42 +473,29 @@ class _Collector(Collector):
         yield sm
         yield share
 
+    def _gpus(self, node: NodeInfo | None, tenancies: list[Tenancy]) -> Iterator[Metric]:
+        """Per GPU: tenants, held bytes, total bytes, compute mode info."""
         tenants = GaugeMetricFamily("fracplugin_gpu_tenants", "Containers holding a fraction of the GPU.", labels=GPU_LABELS)
         held = GaugeMetricFamily("fracplugin_gpu_memory_held_bytes", "GPU memory held by tenancies (requests).",
                                  labels=GPU_LABELS)
         mode = GaugeMetricFamily("fracplugin_gpu_compute_mode_info", "Compute mode of the GPU's tenants (1 = current).",
                                  labels=(*GPU_LABELS, "mode"))
+        total = GaugeMetricFamily("fracplugin_gpu_memory_total_bytes", "GPU memory of the GPU (inventory).",
+                                  labels=GPU_LABELS)
         per_gpu: dict[str, list[Tenancy]] = {}
         for t in tenancies:
             per_gpu.setdefault(t.gpu_uuid, []).append(t)
-        if node is not None:
-            for g in node.gpus:
-                ts = per_gpu.get(g.uuid, [])
-                labels = [g.uuid, str(g.index)]
-                tenants.add_metric(labels, float(len(ts)))
-                held.add_metric(labels, float(sum(t.request_mib for t in ts) * MIB))
-                mode.add_metric([*labels, ts[0].mode.value if ts else "none"], 1.0)
-        total = GaugeMetricFamily("fracplugin_gpu_memory_total_bytes", "GPU memory of the GPU (inventory).",
-                                  labels=GPU_LABELS)
-        if node is not None:
-            for g in node.gpus:
-                total.add_metric([g.uuid, str(g.index)], float(g.memory_mib * MIB))
+        for g in node.gpus if node is not None else ():
+            ts = per_gpu.get(g.uuid, [])
+            labels = [g.uuid, str(g.index)]
+            tenants.add_metric(labels, float(len(ts)))
+            held.add_metric(labels, float(sum(t.request_mib for t in ts) * MIB))
+            mode.add_metric([*labels, ts[0].mode.value if ts else "none"], 1.0)
+            total.add_metric(labels, float(g.memory_mib * MIB))
         yield tenants
         yield held
         yield total
         yield mode
-        yield from self._state(node)
-
-        entries = GaugeMetricFamily("fracplugin_ledger_entries", "Tenancies recorded in the ledger.")
-        entries.add_metric([], float(len(tenancies)))
-        yield entries
-
-        fails = CounterMetricFamily("fracplugin_nvml_failures",
-                                    "Scrapes whose NVML per-process query failed (usage series missing).")
-        fails.add_metric([], float(m.nvml_failures))
-        yield fails
-
-        yield from self._daemons(status)
 
     def _state(self, node: NodeInfo | None) -> Iterator[Metric]:
         """Door and GPU health series from ``Metrics.state`` (see ``attach_state``)."""
@@ -577,16 +582,28 @@ class _Collector(Collector):
             ref = refs[s.pid]
             if ref is None:
                 continue
-            t = _match(ref, s.gpu_uuid, by_cid, by_pod)
-            if t is None:
+            owner = _match(ref, s.gpu_uuid, by_cid, by_pod)
+            if owner is None:
                 continue
-            u = out.setdefault((t.pod_uid, t.container, t.gpu_uuid), _Usage())
+            u = out.setdefault((owner.pod_uid, owner.container, owner.gpu_uuid), _Usage())
             if s.used_memory_bytes is not None:
                 u.used += int(s.used_memory_bytes)
             if s.sm_util_percent is not None and 0 <= s.sm_util_percent <= 100:
                 u.sm += float(s.sm_util_percent)
         m.procfs.prune(refs)  # PIDs NVML no longer reports leave the cache
         return out
+
+
+def _server_pids(status: Mapping[str, Any]) -> set[int]:
+    """PIDs of the MPS servers in a supervisor ``status()`` (``daemons[].server_pids``):
+    never a tenant. Malformed entries are skipped."""
+    out: set[int] = set()
+    for d in status.get("daemons") or ():
+        try:
+            out.update(int(p) for p in d.get("server_pids") or ())
+        except (TypeError, ValueError):
+            pass
+    return out
 
 
 def _match(ref: ContainerRef, gpu_uuid: str, by_cid: dict[str, list[Tenancy]],
