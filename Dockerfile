@@ -48,12 +48,17 @@ LABEL org.opencontainers.image.title="fracplugin" \
 # NVIDIA_DISABLE_REQUIRE: the daemon uses no CUDA runtime, only NVML and the
 # MPS binaries of whatever driver the node has; skip the base image's
 # "cuda>=12.8" driver check so the daemon also starts on older drivers.
+# MALLOC_ARENA_MAX=2: glibc otherwise gives each of the daemon's ~35 threads
+# (handlers, gRPC, NRI, MPS) its own malloc arena, up to 8 per core; two
+# arenas measured 0.5 MiB less resident memory at ready and bound the growth
+# on many-core nodes (docs/benchmarks.md, memory; issue 14).
 ENV NVIDIA_DISABLE_REQUIRE=true \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     PATH=/opt/venv/bin:${PATH} \
     PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    PYTHONDONTWRITEBYTECODE=1 \
+    MALLOC_ARENA_MAX=2
 # Same paths as in the builder: the venv's python is a link into /opt/python.
 COPY --from=build /opt/python /opt/python
 COPY --from=build /opt/venv /opt/venv
