@@ -70,7 +70,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from .health import REQUEST_DEADLINE_S, BoundedHandler, make_bounded_server
+from .health import REQUEST_DEADLINE_S, BoundedHandler, BoundedHTTPServer, make_bounded_server
 from .model import NodeInfo, Tenancy
 from .procfs import CachedProcFs, ContainerRef, container_id_matches
 
@@ -95,7 +95,7 @@ class MetricsServer(NamedTuple):
 
     host: str
     port: int
-    httpd: Any
+    httpd: BoundedHTTPServer
     thread: threading.Thread
 
     def close(self, timeout_s: float = 5.0) -> None:
