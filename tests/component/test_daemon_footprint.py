@@ -24,7 +24,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
@@ -73,10 +73,10 @@ def run_ready(work: Path, *args: str, endpoints: str = "endpoints.json") -> subp
     log.close()
     ep = work / "state" / endpoints
     try:
-        wait_for(lambda: ep.exists() or proc.poll() is not None, 30, what="daemon endpoints")
+        wait_until(lambda: ep.exists() or proc.poll() is not None, 30, what="daemon endpoints")
         assert proc.poll() is None, (work / "daemon.log").read_text()
         health = json.loads(ep.read_text())["health"]
-        wait_for(lambda: ready(health) or proc.poll() is not None, 30, what="/readyz 200")
+        wait_until(lambda: ready(health) or proc.poll() is not None, 30, what="/readyz 200")
         assert proc.poll() is None, (work / "daemon.log").read_text()
     except BaseException:
         stop(proc)
