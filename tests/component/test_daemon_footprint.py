@@ -40,7 +40,22 @@ def root() -> Iterator[Path]:
     try:
         yield d
     finally:
+        kill_leftovers(d)  # the MPS role's control daemons outlive it by design (ADR 0009)
         shutil.rmtree(d, ignore_errors=True)
+
+
+def kill_leftovers(work: Path) -> None:
+    """SIGKILL every process whose command line names ``work`` (the fake MPS
+    control daemons started under it)."""
+    needle = str(work).encode()
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            if needle in (p / "cmdline").read_bytes():
+                os.kill(int(p.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
 
 
 def mapped_files(pid: int) -> set[str]:
