@@ -626,6 +626,10 @@ class Daemon:
                  ("health", self._build_health), ("node condition", self._build_node_condition)]
         if self.cfg.role == "mps":  # no ledger (the doors role owns it), no doors
             steps = [s for s in steps if s[0] in ("inventory", "metrics", "mps", "health")]
+        elif not self.cfg.no_device_plugin:
+            # grpc loads before any part starts a thread or a child process, as when
+            # config validation imported it; without the door it never loads (ADR 0014)
+            from .kubelet import deviceplugin  # noqa: F401
         for name, step in steps:
             try:
                 step()
