@@ -628,7 +628,7 @@ class Daemon:
             steps = [s for s in steps if s[0] in ("inventory", "metrics", "mps", "health")]
         elif not self.cfg.no_device_plugin:
             # grpc loads before any part starts a thread or a child process, as when
-            # config validation imported it; without the door it never loads (ADR 0015)
+            # config validation imported it; without the door it never loads (ADR 0016)
             from .kubelet import deviceplugin  # noqa: F401
         for name, step in steps:
             try:
