@@ -565,6 +565,38 @@ def load(args: argparse.Namespace | None = None, env: Mapping[str, str] | None =
     return validate(cfg, sources), sources
 
 
+# Names under the prefix that are not settings: the config file's own
+# variable and the MPS role's keeper marker (daemon.py).
+_NOT_SETTINGS = frozenset({ENV_PREFIX + "CONFIG", ENV_PREFIX + "MPS_ROLE_CHILD"})
+# Kubernetes service links: a Service named fracplugin[-x] in the pod's
+# namespace gives every container FRACPLUGIN[_X]_SERVICE_HOST, _SERVICE_PORT[_NAME],
+# _PORT, _PORT_<n>_<PROTO>[_PROTO|_PORT|_ADDR] (kubelet's envvars for services).
+_SERVICE_LINK = re.compile(
+    r"^FRACPLUGIN(_[A-Z0-9_]+)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_[0-9]+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)$"
+)
+
+
+def unknown_env(env: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """The ``FRACPLUGIN_*`` variables in ``env`` that name no setting (a typo
+    such as ``FRACPLUGIN_FAILOPEN`` is otherwise silently ignored).
+
+    Returns sorted ``(name, closest)`` pairs: ``closest`` is the setting's
+    variable the name most resembles (``difflib``, cutoff 0.8), or None.
+    Kubernetes service-link variables and the names in ``_NOT_SETTINGS`` are
+    not reported.
+    """
+    import difflib
+
+    known = {env_name(n) for n in _FIELDS}
+    out = []
+    for key in sorted(env):
+        if not key.startswith(ENV_PREFIX) or key in known or key in _NOT_SETTINGS or _SERVICE_LINK.match(key):
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+        out.append((key, close[0] if close else None))
+    return out
+
+
 def reloadable_changes(old: Config, new: Config) -> tuple[dict[str, tuple[Any, Any]], list[str]]:
     """Compare two configs for a SIGHUP reload.
 

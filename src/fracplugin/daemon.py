@@ -912,6 +912,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"fracplugin run: {exc}", file=sys.stderr)
         return 2
     logs.setup(cfg.log_format, cfg.log_level)
+    for key, closest in configmod.unknown_env(os.environ):
+        log.warning("ignored environment variable %s: it names no setting%s", key,
+                    f" (did you mean {closest}?)" if closest else "", extra={"variable": key, "closest": closest})
     from .limits import raise_nofile_limit
 
     raise_nofile_limit()  # soft -> hard: idle clients must not starve the ledger and MPS of descriptors

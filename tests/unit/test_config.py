@@ -210,3 +210,24 @@ def test_role_defaults_and_api_socket() -> None:
     assert cfg.effective_mps_api_socket == "/tmp/x/mps/api.sock" and cfg.endpoints_path.endswith("endpoints-mps.json")
     with pytest.raises(ConfigError, match="--no-mps only goes with --role all"):
         load(["--role", "doors", "--no-mps"], {})
+
+
+def test_unknown_fracplugin_env_is_reported_with_the_closest_setting() -> None:
+    env = {
+        "FRACPLUGIN_FAILOPEN": "true",  # typo of FRACPLUGIN_FAIL_OPEN
+        "FRACPLUGIN_MPS_ROOT": "/run/x",  # a setting
+        "FRACPLUGIN_CONFIG": "/etc/fracplugin/config.yaml",  # the file's own variable
+        "FRACPLUGIN_MPS_ROLE_CHILD": "1",  # the keeper's marker
+        "FRACPLUGIN_METRICS_SERVICE_HOST": "10.0.0.1",  # service links of a Service "fracplugin-metrics"
+        "FRACPLUGIN_METRICS_SERVICE_PORT_METRICS": "9400",
+        "FRACPLUGIN_PORT": "tcp://10.0.0.1:9400",
+        "FRACPLUGIN_PORT_9400_TCP_ADDR": "10.0.0.1",
+        "FRACPLUGIN_WHATEVER": "1",
+        "HOME": "/root",
+    }
+    assert c.unknown_env(env) == [("FRACPLUGIN_FAILOPEN", "FRACPLUGIN_FAIL_OPEN"), ("FRACPLUGIN_WHATEVER", None)]
+
+
+def test_every_setting_variable_is_known() -> None:
+    env = {c.env_name(f.name): "x" for f in c.fields(Config)}
+    assert c.unknown_env(env) == []
