@@ -63,11 +63,14 @@ class ConfigError(ValueError):
         self.value = value
         self.reason = reason
         self.source = source
-        where = f" (from {source})" if source else ""
-        if setting.startswith("-") or setting == "--config":
-            super().__init__(f"invalid {setting}{where}: {value!r} {reason}")
-        else:  # a key of the config file that names no setting
-            super().__init__(f"unknown setting {setting!r}{where}: {reason}")
+        super().__init__(setting, value, reason)
+
+    def __str__(self) -> str:
+        """One line from the attributes (``source`` may be set after raising)."""
+        where = f" (from {self.source})" if self.source else ""
+        if self.setting.startswith("-") or self.setting == "--config":
+            return f"invalid {self.setting}{where}: {self.value!r} {self.reason}"
+        return f"unknown setting {self.setting!r}{where}: {self.reason}"  # a file key that names no setting
 
 
 @dataclass(frozen=True)
@@ -482,7 +485,10 @@ def read_file(path: str) -> dict[str, Any]:
     except RecursionError:
         raise ConfigError("--config", path, "is nested too deeply to parse", "flag") from None
     except yaml.YAMLError as exc:
-        raise ConfigError("--config", path, f"is not valid YAML: {str(exc).splitlines()[0]}", "flag") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError("--config", path, f"is not valid YAML{where}: {what}", "flag") from None
     except Exception as exc:  # the parser is not ours: any failure is the file's
         raise ConfigError("--config", path, f"cannot be parsed: {type(exc).__name__}", "flag") from None
     if doc is None:
@@ -498,9 +504,24 @@ def read_file(path: str) -> dict[str, Any]:
         name = _BY_FLAG.get(k) or _BY_FLAG.get(k.replace("_", "-")) or (k if k in _FIELDS else None)
         if name is None:
             known = ", ".join(sorted(_FIELDS))
-            raise ConfigError(k, value, f"is not a setting (known keys: {known})", f"file {path}")
+            raise ConfigError(k, value, f"is not a setting (known keys: {known})", f"file {path}{_key_line(path, k)}")
         out[name] = value
     return out
+
+
+def _key_line(path: str, key: str) -> str:
+    """`` line N`` where ``key`` stands at the top level of the YAML file at
+    ``path`` (1-based, from the parser's marks), or "" when it cannot be told.
+    Only called on the error path: the file is parsed once more."""
+    try:
+        node = yaml.compose(Path(path).read_text())
+    except Exception:
+        return ""
+    if isinstance(node, yaml.MappingNode):
+        for k, _v in node.value:
+            if str(k.value) == key:
+                return f" line {k.start_mark.line + 1}"
+    return ""
 
 
 _UNIT_RE = re.compile(r"^\s*([0-9]*)\s*(Mi|Gi|MiB|GiB)\s*$")
@@ -541,10 +562,15 @@ def load(args: argparse.Namespace | None = None, env: Mapping[str, str] | None =
         try:
             file_values = read_file(config_path)
         except ConfigError as exc:
-            exc.source = config_src
+            if exc.setting == "--config":  # the file itself: blame where its name came from
+                exc.source = config_src
             raise
         for name, raw in file_values.items():
-            values[name] = _convert(name, raw, f"file {config_path}")
+            try:
+                values[name] = _convert(name, raw, f"file {config_path}")
+            except ConfigError as exc:
+                exc.source = f"file {config_path}{_key_line(config_path, name) or _key_line(config_path, flag_name(name))}"
+                raise
             sources[name] = f"file {config_path}"
     for name in _FIELDS:
         keys = [env_name(name)] + (["NODE_NAME"] if name == "node_name" else [])

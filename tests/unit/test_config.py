@@ -231,3 +231,24 @@ def test_unknown_fracplugin_env_is_reported_with_the_closest_setting() -> None:
 def test_every_setting_variable_is_known() -> None:
     env = {c.env_name(f.name): "x" for f in c.fields(Config)}
     assert c.unknown_env(env) == []
+
+
+def test_config_file_errors_name_the_line(tmp_path: Path) -> None:
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("reserve_mib: 1024\nfail_open: [true\nlog_level: info\n")
+    with pytest.raises(ConfigError, match=r"is not valid YAML at line 3, column \d+: "):
+        c.read_file(str(bad_yaml))
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("# settings\nreserve_mib: 1024\nreserv_mib: 10\n")
+    with pytest.raises(ConfigError, match=rf"unknown setting 'reserv_mib' \(from file {unknown} line 3\)"):
+        c.load(None, {"FRACPLUGIN_CONFIG": str(unknown)})
+    bad_value = tmp_path / "value.yaml"
+    bad_value.write_text("log_level: info\n\nreserve-mib: lots\n")
+    with pytest.raises(ConfigError, match=rf"invalid --reserve-mib \(from file {bad_value} line 3\): 'lots'"):
+        c.load(None, {"FRACPLUGIN_CONFIG": str(bad_value)})
+
+
+def test_a_config_file_named_by_env_is_blamed_on_the_env(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError, match=r"invalid --config \(from env FRACPLUGIN_CONFIG\)"):
+        c.load(None, {"FRACPLUGIN_CONFIG": str(missing)})
