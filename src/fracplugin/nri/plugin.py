@@ -4,10 +4,13 @@ Concurrency model: threads. ``NriStub`` calls these handlers from its
 reader thread when ``may_block(method)`` says the call cannot wait
 (CreateContainer while every MPS daemon is healthy and the namespace is
 deferred; RemoveContainer), else from its worker pool, several at once (ADR
-nri-reader-thread-serving). Its own mutable state is the table of background
-MPS namespace jobs (a dict under ``_ns_lock``, jobs run on a 4-thread pool at
-a lower CPU priority, ``BACKGROUND_NICE``), the mount sources made before,
-and the last Synchronize report; the ledger is thread-safe and ``Ledger.admit``
+nri-reader-thread-serving). Its own mutable state is the background MPS work
+(a keyed work queue, ``nsqueue.KeyedWorkQueue``, 4 workers: one pending job
+per MPS namespace owner and per drained container, so its memory is bounded
+by the owners with work, not by the runtime's event rate; issue 14), the
+table of namespace jobs StartContainer awaits and the owners whose namespace
+may exist (dicts under ``_ns_lock``), the mount sources made before, and the
+last Synchronize report; the ledger is thread-safe and ``Ledger.admit``
 re-checks every guard atomically, so two concurrent creations cannot both take
 the last MiB of a GPU. Handlers finish within the stub's budget
 (``ctx.remaining()``); MPS calls made inside a handler get a timeout derived
@@ -60,12 +63,13 @@ Behaviour (DESIGN.md sections 2 and 4; issue 3 item 3):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import stat
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Mapping, Sequence
 
@@ -81,6 +85,7 @@ from ..mps.layout import CONTAINER_PIPE_DIR
 from ..parts import HookMetrics, NoMetrics
 from ..mps.supervisor import make_dir
 from ..planner import ENFORCED_ENV_KEYS, ENV_VISIBLE_DEVICES, EmptyLedger, PlannerConfig, plan, plan_container
+from .nsqueue import KeyedWorkQueue
 from .stub import CallContext, event_mask
 from .ttrpc import Code, RpcError
 
@@ -107,6 +112,13 @@ _DEFAULT_REQUEST_TIMEOUT_S = 2.0
 _POD_LEVEL_KEYS = (KEY_GPU_FRACTION, KEY_GPU_MEMORY, KEY_GPU_FRACTION_LIMIT, KEY_NUM_DEVICES)
 _MARGIN_S = 0.15
 _MODES = tuple(ComputeMode)
+_NS_WORKERS = 4
+_ENSURE = "ensure"
+_RELEASE = "release"
+_DRAIN = "drain"
+
+Owner = tuple[str, str]
+"""An MPS namespace owner: (pod UID, container name) (``Tenancy.owner``)."""
 
 
 MpsHooks = MpsApi
@@ -233,9 +245,13 @@ class FracNriPlugin:
         self.events = NRI_EVENTS_DEFERRED if defer_namespace else NRI_EVENTS
         """Subscription mask sent in ConfigureResponse (0x628 deferred, 0x608 not)."""
         self._ns_lock = threading.Lock()
-        self._ns_pending: dict[str, Future[str]] = {}
+        # container id -> (owner, future of the namespace job StartContainer awaits)
+        self._ns_pending: dict[str, tuple[Owner, Future[Any]]] = {}
+        # owners whose namespace may exist: an ensure for them started (or a
+        # Synchronize found them) since their last release ran
+        self._ns_made: dict[Owner, None] = {}
         self._stopped_holds: dict[str, list[Tenancy]] = {}  # container id -> holds released at StopContainer
-        self._ns_pool: ThreadPoolExecutor | None = None
+        self._ns_queue: KeyedWorkQueue | None = None
         self._made_sources: dict[str, None] = {}  # mount sources made before (insertion order: oldest first)
         self._synced = threading.Event()
         self.unadjusted: list[dict[str, Any]] = []
@@ -250,17 +266,22 @@ class FracNriPlugin:
 
     def status(self) -> dict[str, Any]:
         """JSON-able state: ``{"ready", "fail_open", "events",
-        "defer_namespace", "pending_namespaces", "unadjusted"}`` where
-        ``pending_namespaces`` counts background MPS namespace jobs not yet
-        awaited and ``unadjusted`` lists what the last Synchronize reported."""
+        "defer_namespace", "pending_namespaces", "mps_jobs", "unadjusted"}``
+        where ``pending_namespaces`` counts containers whose background MPS
+        namespace job is not done yet, ``mps_jobs`` is the background MPS work
+        queue's ``{"queued", "running", "threads"}`` (at most one queued job per
+        namespace owner and per drained container) and ``unadjusted`` lists what
+        the last Synchronize reported."""
         with self._ns_lock:
-            pending = sum(1 for f in self._ns_pending.values() if not f.done())
+            pending = sum(1 for _, f in self._ns_pending.values() if not f.done())
+            q = self._ns_queue
         return {
             "ready": self.ready(),
             "fail_open": self.fail_open,
             "events": f"0x{self.events:x}",
             "defer_namespace": self.defer_namespace,
             "pending_namespaces": pending,
+            "mps_jobs": q.stats() if q is not None else {"queued": 0, "running": 0, "threads": 0},
             "unadjusted": list(self.unadjusted),
         }
 
@@ -568,17 +589,16 @@ class FracNriPlugin:
             ) from None
 
     def _start_namespace(self, p: ContainerPlan, container_id: str, fields: Mapping[str, Any]) -> None:
-        """Create the namespace of ``p`` in the background (deferred mode)."""
+        """Create the namespace of ``p`` in the background (deferred mode):
+        one queued ensure per owner (``_queue_ensure``)."""
+        owner = (p.pod.uid, p.container)
+        job = functools.partial(self._namespace_job, p, dict(fields))
         with self._ns_lock:
-            old = self._ns_pending.pop(container_id, None)
-            fut = self._ns_executor().submit(self._namespace_job, p, dict(fields))
-            self._ns_pending[container_id] = fut
-        if old is not None:
-            old.cancel()
+            self._queue_ensure(container_id, owner, job)
 
     def _namespace_job(self, p: ContainerPlan, fields: Mapping[str, Any]) -> str:
-        return self._renew_job(p.pod.uid, p.container, p.active_thread_percentage, fields,
-                               p.compute_mode, p.limit_mib)
+        return self._ensure_job((p.pod.uid, p.container), p.active_thread_percentage, fields,
+                                p.compute_mode, p.limit_mib)
 
     def start_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> None:
         """StartContainer (deferred mode): wait, within the handler budget, for
@@ -590,7 +610,8 @@ class FracNriPlugin:
         fields = {"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": container.name,
                   "container_id": container.id}
         with self._ns_lock:
-            fut = self._ns_pending.get(container.id)
+            job = self._ns_pending.get(container.id)
+        fut = job[1] if job is not None else None
         timeout = self._mps_timeout(ctx, share=1.0)
         if fut is None:
             # Nothing pending: not ours, already awaited, or the daemon restarted
@@ -599,6 +620,8 @@ class FracNriPlugin:
             if not held:
                 return None
             t = held[0]
+            with self._ns_lock:
+                self._ns_made[t.owner] = None
             try:
                 deadline = time.monotonic() + timeout
                 self._wait_mps_healthy(deadline, t.mode)
@@ -625,12 +648,18 @@ class FracNriPlugin:
         self._forget_namespace_job(container.id, fut)
         return None
 
-    def _forget_namespace_job(self, container_id: str, fut: Future[str] | None = None) -> None:
+    def _forget_namespace_job(self, container_id: str, fut: Future[Any] | None = None) -> set[Owner]:
+        """Stop tracking the namespace job of ``container_id`` (only if it is
+        ``fut``, when given). Returns its owner (empty set when none was
+        tracked). The job itself is not cancelled here: other containers of
+        the same owner may await it; ``_release_owners`` drops it when nothing
+        holds the owner."""
         with self._ns_lock:
             cur = self._ns_pending.get(container_id)
-            if cur is not None and (fut is None or cur is fut):
+            if cur is not None and (fut is None or cur[1] is fut):
                 del self._ns_pending[container_id]
-                cur.cancel()
+                return {cur[0]}
+        return set()
 
     def _mps_failed(self, exc: Exception, fields: Mapping[str, Any], who: str) -> None:
         self.metrics.refusal("mps_unavailable")
@@ -640,13 +669,15 @@ class FracNriPlugin:
         raise RpcError(Code.UNAVAILABLE, f"fracplugin: MPS namespace for {who} is not ready: {exc}")
 
     def close(self) -> None:
-        """Stop the background namespace workers (pending jobs are cancelled;
-        running ones end within ``namespace_timeout_s``)."""
+        """Stop the background MPS workers without waiting (queued jobs are
+        cancelled; a running one ends within its own budget,
+        ``namespace_timeout_s`` or ``drain_timeout_s``). A later call queues on
+        a new queue."""
         with self._ns_lock:
-            pool, self._ns_pool = self._ns_pool, None
+            q, self._ns_queue = self._ns_queue, None
             self._ns_pending.clear()
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        if q is not None:
+            q.close()
 
     def _wait_mps_healthy(self, deadline: float, mode: ComputeMode = ComputeMode.SM_SHARING) -> bool:
         """Absorb a short window where the daemon of ``mode`` is (re)starting:
@@ -713,7 +744,11 @@ class FracNriPlugin:
         timeout = self._mps_timeout(ctx, share=0.5)
         modes = sorted({t.mode for t in self.ledger.find_container_id(container.id)}, key=lambda m: m.value) or None
         fields = {"pod": f"{pod.namespace}/{pod.name}", "container_id": container.id}
-        fut = self._background(self._drain_job, container.id, modes, fields)
+        # One drain per container: a second StopContainer shares the queued or
+        # running one (the MPS layer would skip a concurrent second drain).
+        with self._ns_lock:
+            fut = self._ns_work().share((_DRAIN, container.id),
+                                        functools.partial(self._drain_job, container.id, modes, fields), tag=_DRAIN)
         try:
             fut.result(timeout)
         except FutureTimeout:
@@ -744,47 +779,83 @@ class FracNriPlugin:
                      extra={**fields, "drain": getattr(result, "to_dict", lambda: str(result))()})
         return result
 
-    def _ns_executor(self) -> ThreadPoolExecutor:
-        """The background MPS pool (namespace jobs, drains, releases), made on
-        first use; the caller holds ``_ns_lock``. Its threads keep the
-        daemon's CPU priority: StartContainer awaits their namespace jobs
+    def _ns_work(self) -> KeyedWorkQueue:
+        """The background MPS work queue (namespace creations and releases,
+        keyed by owner; drains, keyed by container id), made on first use (and
+        again after ``close``); the caller holds ``_ns_lock``. Its threads keep
+        the daemon's CPU priority: StartContainer awaits their namespace jobs
         within its own budget (ADR 0015 says why not lower)."""
-        if self._ns_pool is None:
-            self._ns_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="nri-mps-ns")
-        return self._ns_pool
+        if self._ns_queue is None:
+            self._ns_queue = KeyedWorkQueue(workers=_NS_WORKERS, name="nri-mps-ns")
+        return self._ns_queue
 
-    def _background(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        with self._ns_lock:
-            return self._ns_executor().submit(fn, *args)
+    def _queue_ensure(self, container_id: str, owner: Owner, job: Callable[[], Any]) -> None:
+        """Queue ``job`` (an ensure of ``owner``'s namespace) as the job
+        StartContainer of ``container_id`` awaits; the caller holds
+        ``_ns_lock``. An ensure of the owner still queued (another container of
+        the same pod and name, or a Synchronize renewal) is replaced by this
+        newer one and its waiters get this one's outcome (the namespace is the
+        owner's); a queued release is replaced (desired state: the namespace
+        exists); a job of the owner that runs now finishes first."""
+        q = self._ns_work()
+        key = ("ns", *owner)
+        fut = q.put(key, job, join=q.pending_tag(key) == _ENSURE, tag=_ENSURE)
+        self._ns_pending[container_id] = (owner, fut)
 
     def remove_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> None:
         """RemoveContainer: release the ledger entries of this container id and,
         in the background, its MPS namespace when nothing else holds it (the
-        delete waits on MPS: off the runtime's critical path, issue 12)."""
-        self._forget_namespace_job(container.id)
+        delete waits on MPS: off the runtime's critical path, issue 12). A drain
+        of the container still queued is dropped (its processes are gone)."""
+        owners = self._forget_namespace_job(container.id)
         with self._ns_lock:
             stopped = self._stopped_holds.pop(container.id, [])
+            if self._ns_queue is not None:
+                self._ns_queue.cancel((_DRAIN, container.id))
         gone = stopped + self.ledger.release_stopped(container.id)
         if gone:
             log.info(
                 "nri container released",
                 extra={"pod_uid": pod.uid, "container": container.name, "container_id": container.id, "gpus": len(gone)},
             )
-            if any(t.mps_namespace for t in gone):
-                try:
-                    self._background(self._release_namespace, gone)
-                except RuntimeError:  # pool shut down (closing): release inline
-                    self._release_namespace(gone)
+        self._release_owners(owners | {t.owner for t in gone if t.mps_namespace})
         return None
 
-    def _release_namespace(self, gone: Sequence[Tenancy]) -> None:
-        for owner in {t.owner for t in gone if t.mps_namespace}:
-            if self.ledger.find(*owner):
-                continue  # a newer container of the same pod/name holds it
-            try:
-                self.mps.release_namespace(*owner)
-            except Exception as exc:
-                log.warning("nri MPS namespace release failed", extra={"pod_uid": owner[0], "container": owner[1], "reason": str(exc)})
+    def _release_owners(self, owners: set[Owner]) -> None:
+        """For each owner nothing in the ledger holds any more: drop its
+        queued namespace creation and queue the release of its namespace,
+        unless that creation was all there was (it never started, and no other
+        ensure started since the owner's last release: there is nothing to
+        release). A queued release of an owner that a newer container then
+        holds is replaced by that container's ensure (``_queue_ensure``) or, if
+        it already started waiting, skipped when it runs (``_release_job``)."""
+        inline: list[Owner] = []
+        for owner in owners:
+            with self._ns_lock:
+                if self.ledger.find(*owner):
+                    continue  # a newer container of the same pod/name holds it
+                q = self._ns_work()
+                key = ("ns", *owner)
+                if q.cancel(key, tag=_ENSURE, only_idle=True) and owner not in self._ns_made:
+                    continue  # created and removed before MPS got to it
+                try:
+                    q.put(key, functools.partial(self._release_job, owner), tag=_RELEASE)
+                except RuntimeError:  # queue closed meanwhile: release inline
+                    inline.append(owner)
+        for owner in inline:
+            self._release_job(owner)
+
+    def _release_job(self, owner: Owner) -> None:
+        """Release ``owner``'s namespace unless a newer container of the same
+        pod and name holds it now (MPS errors are logged, never raised)."""
+        if self.ledger.find(*owner):
+            return
+        with self._ns_lock:
+            self._ns_made.pop(owner, None)
+        try:
+            self.mps.release_namespace(*owner)
+        except Exception as exc:
+            log.warning("nri MPS namespace release failed", extra={"pod_uid": owner[0], "container": owner[1], "reason": str(exc)})
 
     def abandoned(self, method: str, request: Any, response: Any) -> None:
         """The stub answered a CreateContainer itself (budget overrun) and
@@ -794,13 +865,13 @@ class FracNriPlugin:
             return
         if not isinstance(response, nri_pb2.CreateContainerResponse) or not response.adjust.env:
             return
-        self._forget_namespace_job(request.container.id)
+        owners = self._forget_namespace_job(request.container.id)
         gone = self.ledger.release_container_id(request.container.id)
         log.warning(
             "nri late CreateContainer result dropped; admission undone",
             extra={"container_id": request.container.id, "gpus": len(gone)},
         )
-        self._release_namespace(gone)
+        self._release_owners(owners | {t.owner for t in gone if t.mps_namespace})
 
     def synchronize(self, pods: Sequence[Any], containers: Sequence[Any], ctx: CallContext | None = None) -> list[Any]:
         """Rebuild the ledger from what runs. Returns no updates."""
@@ -877,6 +948,8 @@ class FracNriPlugin:
         if not self.defer_namespace:
             return
         seen: set[str] = set()
+        with self._ns_lock:  # owners no container holds any more will not be released by us
+            self._ns_made = {o: None for o in self._ns_made if self.ledger.find(*o)}
         for t in tenancies:
             if not t.mps_namespace or not t.container_id or t.container_id in seen:
                 continue
@@ -885,9 +958,17 @@ class FracNriPlugin:
                 if t.container_id in self._ns_pending:
                     continue
                 fields = {"pod_uid": t.pod_uid, "container": t.container, "container_id": t.container_id}
-                self._ns_pending[t.container_id] = self._ns_executor().submit(
-                    self._renew_job, t.pod_uid, t.container, t.active_thread_percentage, fields, t.mode, t.limit_mib
-                )
+                self._ns_made[t.owner] = None  # the MPS layer (a split MPS role) may hold it from before
+                self._queue_ensure(t.container_id, t.owner, functools.partial(
+                    self._ensure_job, t.owner, t.active_thread_percentage, fields, t.mode, t.limit_mib))
+
+    def _ensure_job(self, owner: Owner, atp: int | None, fields: Mapping[str, Any],
+                    mode: ComputeMode, limit_mib: int | None) -> str:
+        """A queued namespace creation: from its start the namespace may
+        exist (a later release of the owner must then run)."""
+        with self._ns_lock:
+            self._ns_made[owner] = None
+        return self._renew_job(owner[0], owner[1], atp, fields, mode, limit_mib)
 
     def _renew_job(self, pod_uid: str, container: str, atp: int | None, fields: Mapping[str, Any],
                    mode: ComputeMode = ComputeMode.SM_SHARING, limit_mib: int | None = None) -> str:

@@ -1,0 +1,241 @@
+"""A keyed work queue for the NRI door's background MPS work (issue 14).
+
+The idea is the Kubernetes controller workqueue's (client-go
+``util/workqueue``: a queue of keys, a *dirty* set and a *processing* set):
+work is queued per key, a key has at most one pending job, and a key that a
+worker is processing is not handed to a second worker until that run ends
+(a job put meanwhile waits and runs after it). What a key stands for is the
+caller's business; ``FracNriPlugin`` uses the MPS namespace owner
+``("ns", pod UID, container name)`` for namespace creation and release, and
+``("drain", container id)`` for StopContainer's drain.
+
+Unlike client-go's queue, a key carries its job (a callable) and a
+``concurrent.futures.Future`` for its outcome, because StartContainer and
+StopContainer wait for a particular job within their budget. A newer job for
+a key replaces the one still pending (the desired state wins: "ensure the
+namespace" after "release it" leaves only the ensure), either cancelling the
+replaced job's future (``put(..., join=False)``) or handing the replaced
+job's waiters the newer job's outcome (``join=True``).
+
+Memory: at most one pending entry and one running job per key, so what the
+queue holds is bounded by the number of distinct keys with work, not by the
+rate at which work is put (the unbounded ``ThreadPoolExecutor`` queue this
+replaces grew by one work item per CreateContainer and per RemoveContainer
+for as long as the runtime created containers faster than MPS answered, and
+cancelled futures stayed queued until a worker popped them).
+
+Order: keys run in the order their pending entry was first queued (FIFO over
+keys); a key put again while pending keeps its place; a key put while running
+is queued behind the keys already waiting when its running job ends.
+
+Concurrency: every method may be called from any thread. Jobs run on up to
+``workers`` daemon threads, started on demand; a job's exception is set on its
+future (never raised in the worker). ``close()`` cancels what is pending and
+lets each worker finish the job it runs, then end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+__all__ = ["KeyedWorkQueue"]
+
+
+@dataclass
+class _Entry:
+    job: Callable[[], Any]
+    future: Future[Any]
+    tag: str
+
+
+class KeyedWorkQueue:
+    """One pending job per key, never two workers on one key (module docstring).
+
+    Args:
+        workers: most jobs run at once (threads, started on demand; >= 1).
+        name: thread name prefix (``<name>_<n>``).
+
+    Raises ValueError for ``workers < 1``.
+    """
+
+    def __init__(self, workers: int = 4, name: str = "keyed-work") -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers!r}")
+        self.workers = workers
+        self.name = name
+        lock = threading.Lock()
+        self._cv = threading.Condition(lock)  # workers wait here for a ready key
+        self._idle_cv = threading.Condition(lock)  # wait_idle waits here
+        self._pending: dict[Hashable, _Entry] = {}
+        self._ready: OrderedDict[Hashable, None] = OrderedDict()  # pending keys not running, FIFO
+        self._running: dict[Hashable, tuple[Future[Any], str]] = {}
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._closed = False
+
+    # ------------------------------------------------------------- putting
+
+    def put(self, key: Hashable, job: Callable[[], Any], *, join: bool = False, tag: str = "") -> Future[Any]:
+        """Make ``job`` the pending job of ``key`` and return the future of its
+        outcome.
+
+        A job already pending for ``key`` is replaced: with ``join=False`` its
+        future is cancelled and a new one returned; with ``join=True`` its
+        future is kept and returned (its waiters get ``job``'s outcome). A job
+        of ``key`` that is running is never touched: ``job`` runs after it.
+        ``tag`` is a label the caller can read back (``pending_tag``).
+
+        Raises RuntimeError once the queue is closed.
+        """
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"work queue {self.name} is closed")
+            entry = self._pending.get(key)
+            if entry is not None and join:
+                entry.job, entry.tag = job, tag
+                return entry.future
+            if entry is not None:
+                entry.future.cancel()
+            fut: Future[Any] = Future()
+            self._pending[key] = _Entry(job, fut, tag)
+            if key not in self._running:
+                self._ready[key] = None  # a replaced entry keeps its place
+                self._wake()
+            return fut
+
+    def share(self, key: Hashable, job: Callable[[], Any], *, tag: str = "") -> Future[Any]:
+        """The future of the job of ``key`` that is pending, else of the one
+        running, else of ``job``, queued now (for work whose repetition adds
+        nothing, such as a second drain of one container). Raises RuntimeError
+        once the queue is closed."""
+        with self._cv:
+            entry = self._pending.get(key)
+            if entry is not None:
+                return entry.future
+            running = self._running.get(key)
+            if running is not None and not self._closed:
+                return running[0]
+        return self.put(key, job, tag=tag)
+
+    def cancel(self, key: Hashable, *, tag: str | None = None, only_idle: bool = False) -> bool:
+        """Drop the pending job of ``key`` (its future is cancelled). With
+        ``tag``, only a pending job of that tag; with ``only_idle``, only when
+        no job of ``key`` is running. Returns True when a pending job was
+        dropped: it never started and never will. A running job is never
+        interrupted."""
+        with self._cv:
+            entry = self._pending.get(key)
+            if entry is None or (tag is not None and entry.tag != tag) or (only_idle and key in self._running):
+                return False
+            del self._pending[key]
+            self._ready.pop(key, None)
+            entry.future.cancel()
+            return True
+
+    # ------------------------------------------------------------ looking
+
+    def pending_tag(self, key: Hashable) -> str | None:
+        """The tag of the pending job of ``key`` (None when none is pending)."""
+        with self._cv:
+            entry = self._pending.get(key)
+            return None if entry is None else entry.tag
+
+    def running(self, key: Hashable) -> bool:
+        """Whether a worker runs a job of ``key`` now."""
+        with self._cv:
+            return key in self._running
+
+    def stats(self) -> dict[str, int]:
+        """``{"queued": pending jobs, "running": jobs running, "threads":
+        worker threads alive}``: the queue's whole footprint is O(queued +
+        running), each at most one per key."""
+        with self._cv:
+            return {"queued": len(self._pending), "running": len(self._running),
+                    "threads": sum(1 for t in self._threads if t.is_alive())}
+
+    def __len__(self) -> int:
+        """Number of pending (queued, not running) jobs."""
+        with self._cv:
+            return len(self._pending)
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until nothing is pending or running, at most ``timeout_s``
+        seconds (None: no bound). Returns whether the queue is idle."""
+        with self._idle_cv:
+            return self._idle_cv.wait_for(lambda: not self._pending and not self._running, timeout_s)
+
+    # ------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Stop taking work: pending jobs are cancelled (their futures too),
+        workers end after the job each is running (``join`` waits for that).
+        Idempotent."""
+        with self._cv:
+            self._closed = True
+            dropped = list(self._pending.values())
+            self._pending.clear()
+            self._ready.clear()
+            self._cv.notify_all()
+            self._idle_cv.notify_all()
+        for entry in dropped:
+            entry.future.cancel()
+
+    def join(self, timeout_s: float) -> bool:
+        """After ``close``: wait up to ``timeout_s`` seconds (in all) for the
+        workers to end. Returns True when none is alive."""
+        with self._cv:
+            threads = list(self._threads)
+        end = time.monotonic() + max(0.0, timeout_s)
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
+
+    # ------------------------------------------------------------ workers
+
+    def _wake(self) -> None:
+        """Caller holds the lock: hand the new ready key to an idle worker, or
+        start one while fewer than ``workers`` run."""
+        if self._idle:
+            self._cv.notify()
+            return
+        self._threads = [t for t in self._threads if t.is_alive()]
+        if len(self._threads) < self.workers:
+            t = threading.Thread(target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._ready and not self._closed:
+                    self._idle += 1
+                    try:
+                        self._cv.wait()
+                    finally:
+                        self._idle -= 1
+                if self._closed:
+                    return
+                key, _ = self._ready.popitem(last=False)
+                entry = self._pending.pop(key)
+                self._running[key] = (entry.future, entry.tag)
+            try:
+                if entry.future.set_running_or_notify_cancel():
+                    try:
+                        result = entry.job()
+                    except BaseException as exc:  # the job's failure is its future's, not the worker's
+                        entry.future.set_exception(exc)
+                    else:
+                        entry.future.set_result(result)
+            finally:
+                with self._cv:
+                    del self._running[key]
+                    if key in self._pending and not self._closed:
+                        self._ready[key] = None  # put while it ran: runs after it, behind those waiting
+                    elif not self._pending and not self._running:
+                        self._idle_cv.notify_all()
+
