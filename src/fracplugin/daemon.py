@@ -785,12 +785,20 @@ class Daemon:
         except ConfigError as exc:
             log.error("SIGHUP: configuration not reloaded: %s", exc)
             return {"error": str(exc)}
+        except Exception as exc:  # the loader's own failure: the running configuration stays
+            log.exception("SIGHUP: configuration not reloaded: the loader failed")
+            return {"error": f"loading the configuration failed: {type(exc).__name__}: {exc}"}
         if new.role == "mps":
             new = dataclasses.replace(new, no_nri=True, no_device_plugin=True)
         applied, ignored = configmod.reloadable_changes(self.cfg, new)
-        per_part: dict[str, dict[str, list[str]]] = {}
+        per_part: dict[str, dict[str, Any]] = {}
         for name, part in list(self.parts.items()):
-            r = part.reload(new)
+            try:
+                r = part.reload(new)
+            except Exception as exc:  # one part's failure neither stops the others nor the daemon
+                log.exception("SIGHUP: part %s failed to reload; it keeps its configuration", name)
+                per_part[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
             if r.applied or r.needs_restart:
                 per_part[name] = r.to_dict()
         kept = {k: getattr(self.cfg, k) for k in ignored}  # config fields by name, not a part
@@ -819,17 +827,27 @@ class Daemon:
             signal.signal(sig, handler)
 
     def serve_forever(self) -> int:
-        """Sleep until SIGTERM/SIGINT (handling SIGHUPs); returns the signal number."""
+        """Sleep until SIGTERM/SIGINT (handling SIGHUPs); returns the signal number.
+
+        A stop signal wins over the SIGHUPs queued with it (they are dropped:
+        a SIGHUP storm cannot hold the shutdown back), and the SIGHUPs queued
+        together are one reload (a reload reads the configuration as it is
+        when it runs, so N queued SIGHUPs are worth one). ``reload`` never
+        raises (a failure is logged and answered as an error)."""
         while True:
             if not self.pending_signals:
                 os.read(self._wake_r, 4096)
-            while self.pending_signals:
-                sig = self.pending_signals.pop(0)
-                if sig == signal.SIGHUP:
-                    self.reload()
-                else:
-                    log.info("received %s: shutting down", signal.Signals(sig).name)
-                    return sig
+            stop = next((s for s in list(self.pending_signals) if s != signal.SIGHUP), None)
+            hups = self.pending_signals.count(signal.SIGHUP)
+            for _ in range(hups):  # remove() by value: a handler may append meanwhile
+                self.pending_signals.remove(signal.SIGHUP)
+            if stop is not None:
+                self.pending_signals.remove(stop)
+                log.info("received %s: shutting down", signal.Signals(stop).name,
+                         extra={"reloads_dropped": hups})
+                return stop
+            if hups:
+                self.reload()
 
     # ---- stopping ------------------------------------------------------------
     def stop(self) -> None:
