@@ -385,3 +385,47 @@ def test_the_dispatch_table_and_the_mask_follow_the_implemented_interfaces():
     assert NriStub(only, env={}).events == 0x8
     with pytest.raises(ValueError, match="must be non-zero"):
         NriStub(object(), env={})  # implements nothing
+
+
+class WrongShape:
+    """Implements CreateContainer with the wrong arguments (a handler written
+    against another shape: no ctx)."""
+
+    def create_container(self, pod, container):
+        return None
+
+
+class TakesAnything:
+    def create_container(self, *args, **kwargs):
+        return None
+
+    def remove_container(self, pod, container, ctx=None, extra=1):
+        return None
+
+
+class UpdatesPods:
+    """Implements UpdatePodSandbox (NRI v0.10+), beyond the 0x7FF mask every runtime accepts."""
+
+    def create_container(self, pod, container, ctx):
+        return None
+
+    def update_pod_sandbox(self, request, ctx):
+        return None
+
+
+def test_a_handler_method_with_the_wrong_signature_is_refused_when_the_stub_is_built():
+    with pytest.raises(ValueError, match=r"WrongShape\.create_container\(pod, container\) cannot serve CreateContainer: "
+                                         r"CreateContainerInterface is called as create_container\(pod, container, ctx\)"):
+        NriStub(WrongShape(), env={})
+    ok = NriStub(TakesAnything(), env={})  # defaults and *args fit
+    assert ok.events == event_mask(nri_pb2.CREATE_CONTAINER, nri_pb2.REMOVE_CONTAINER)
+
+
+def test_a_mask_that_cannot_be_sent_is_refused_naming_the_events():
+    with pytest.raises(ValueError, match="implements UPDATE_POD_SANDBOX, beyond the events every runtime accepts"):
+        NriStub(UpdatesPods(), env={})
+    assert NriStub(UpdatesPods(), env={}, events=event_mask(nri_pb2.CREATE_CONTAINER)).events == 0x8
+    with pytest.raises(ValueError, match="must be an integer bit mask"):
+        NriStub(Recorder(), env={}, events="8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be an integer bit mask"):
+        NriStub(Recorder(), env={}, events=True)  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ Concurrency model: none (types and constant tables only).
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, Union
@@ -57,6 +58,7 @@ __all__ = [
     "UpdateContainerInterface",
     "UpdatePodInterface",
     "ValidateContainerAdjustmentInterface",
+    "check_handler",
     "event_mask",
     "handler_mask",
     "implements",
@@ -324,3 +326,37 @@ def handler_mask(handler: object) -> int:
     ``stub.setupHandlers``); 0 when it implements none."""
     events = [s.event for s in EVENTS if s.event is not None and implements(handler, s)]
     return event_mask(*events) if events else 0
+
+
+def _arguments(spec: EventSpec) -> list[str]:
+    """The positional parameters the stub passes to ``spec``'s handler
+    method: those of the interface's method, without ``self``."""
+    assert spec.interface is not None and spec.attr is not None
+    params = inspect.signature(getattr(spec.interface, spec.attr)).parameters
+    return [n for n in params if n != "self"]
+
+
+def check_handler(handler: object) -> None:
+    """Raise ValueError when a method of ``handler`` that names an NRI
+    interface's method cannot take that interface's arguments (the stub calls
+    it positionally: ``create_container(pod, container, ctx)``), so that a
+    handler written against another shape fails when the stub is built, naming
+    the method, its signature and the interface, instead of answering every
+    call of that event INTERNAL (Go's stub gets this check from the compiler).
+    A callable whose signature Python cannot read is accepted."""
+    for spec in EVENTS:
+        if not implements(handler, spec):
+            continue
+        assert spec.attr is not None and spec.interface is not None
+        fn = getattr(handler, spec.attr)
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            continue
+        args = _arguments(spec)
+        try:
+            sig.bind(*args)
+        except TypeError as exc:
+            raise ValueError(
+                f"handler {type(handler).__name__}.{spec.attr}{sig} cannot serve {spec.method}: "
+                f"{spec.interface.__name__} is called as {spec.attr}({', '.join(args)}) ({exc})") from None

@@ -85,7 +85,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_when_event_set, wai
 
 from .._proto import nri_pb2
 from ..safetext import escape_controls, quote
-from .interfaces import EVENTS, CallContext, EventSpec, event_mask, handler_mask, implements
+from .interfaces import EVENTS, CallContext, EventSpec, check_handler, event_mask, handler_mask, implements
 from .mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from .transport import BUSY, SPILLED, ConnectionClosed, NriTransport
 from .ttrpc import Code, RequestReceived, RpcError, unimplemented_method, unimplemented_service
@@ -551,22 +551,38 @@ class Dispatcher:
 def _subscription(handler: object, events: int | None) -> int:
     """The subscription mask: ``events``, else the handler's ``events``
     attribute, else the events of the interfaces it implements. Raises
-    ValueError for a mask that is 0, beyond ``VALID_EVENTS_MASK``, or names
-    events the handler does not implement (containerd/nri ``pkg/stub``
-    Configure: "Only allow plugins to subscribe to events they can handle")."""
+    ValueError for a handler method that cannot take its interface's
+    arguments (``interfaces.check_handler``), a mask that is not an integer,
+    is 0, beyond ``VALID_EVENTS_MASK``, or names events the handler does not
+    implement (containerd/nri ``pkg/stub`` Configure: "Only allow plugins to
+    subscribe to events they can handle"), and, with no mask configured, for a
+    handler implementing events beyond ``VALID_EVENTS_MASK`` (naming them)."""
+    check_handler(handler)
     implemented = handler_mask(handler)
     if events is None:
         events = getattr(handler, "events", None)
     if events is None:
+        beyond = implemented & ~VALID_EVENTS_MASK
+        if beyond:
+            raise ValueError(f"the handler implements {', '.join(_event_names(beyond))}, beyond the events every "
+                             f"runtime accepts (0x{VALID_EVENTS_MASK:x}, NRI v0.3 to v0.9): configure an explicit "
+                             f"event mask within 0x{VALID_EVENTS_MASK:x}")
         events = implemented
+    if isinstance(events, bool) or not isinstance(events, int):
+        raise ValueError(f"event mask {events!r} must be an integer bit mask (interfaces.event_mask)")
     if events == 0 or events & ~VALID_EVENTS_MASK:
         raise ValueError(f"event mask 0x{events:x} must be non-zero and within 0x{VALID_EVENTS_MASK:x}")
     unhandled = events & ~implemented
     if unhandled:
-        names = [E.Event.Name(i + 1) for i in range(VALID_EVENTS_MASK.bit_length()) if unhandled >> i & 1]
         raise ValueError(f"event mask 0x{events:x} subscribes to events the handler does not implement: "
-                         f"{', '.join(names)} (containerd/nri pkg/stub: only events a plugin handles)")
+                         f"{', '.join(_event_names(unhandled))} (containerd/nri pkg/stub: only events a plugin "
+                         f"handles)")
     return events
+
+
+def _event_names(mask: int) -> list[str]:
+    """The ``nri_pb2.Event`` names of the bits of ``mask`` (bit ``event - 1``)."""
+    return [E.Event.Name(i + 1) for i in range(mask.bit_length()) if mask >> i & 1]
 
 
 class _Session:
