@@ -457,7 +457,9 @@ def check_paths(cfg: Config, sources: Mapping[str, str] | None = None) -> None:
     daemon starts (``validate`` checks values only and touches no file).
 
     Raises ConfigError: ``--mps-control-binary`` not executable (unless
-    ``--no-mps``), ``--simulate-node`` not a readable file.
+    ``--no-mps``, or ``--role doors``: the doors reach MPS through the MPS
+    role's API socket and never run the binary, ADR 0009), ``--simulate-node``
+    not a readable file.
     """
     src = sources or {}
 
@@ -466,7 +468,7 @@ def check_paths(cfg: Config, sources: Mapping[str, str] | None = None) -> None:
 
     if cfg.simulate_node is not None and not os.access(cfg.simulate_node, os.R_OK):
         raise bad("simulate_node", "is not a readable file")
-    if not cfg.no_mps and shutil.which(cfg.mps_control_binary) is None:
+    if not cfg.no_mps and cfg.role != "doors" and shutil.which(cfg.mps_control_binary) is None:
         raise bad("mps_control_binary", "is not an executable file (nor found on PATH); install the NVIDIA driver's "
                   "nvidia-cuda-mps-control, point this setting at it, or give --no-mps")
 

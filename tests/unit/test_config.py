@@ -122,6 +122,19 @@ def test_paths_that_must_exist(argv: list[str], setting: str, needle: str) -> No
     c.check_paths(ok)
 
 
+def test_the_doors_role_does_not_need_the_mps_binary() -> None:
+    """``--role doors`` talks to the MPS role's API socket and never runs
+    ``nvidia-cuda-mps-control`` (ADR 0009): its absence is no start error there,
+    while ``--role all`` and ``--role mps`` still need it."""
+    missing = ["--mps-control-binary", "/nonexistent/nvidia-cuda-mps-control"]
+    doors, sources = load(["--role", "doors", *missing])
+    c.check_paths(doors, sources)
+    for role in ("all", "mps"):
+        cfg, sources = load(["--role", role, *missing])
+        with pytest.raises(ConfigError, match="not an executable"):
+            c.check_paths(cfg, sources)
+
+
 def test_exclusive_process_is_opt_in() -> None:
     assert load()[0].exclusive_process is False
     assert load(["--exclusive-process"])[0].exclusive_process is True
