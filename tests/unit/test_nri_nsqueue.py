@@ -231,3 +231,38 @@ def test_workers_start_on_demand_up_to_the_limit():
         assert q.join(30)
     with pytest.raises(ValueError, match="workers must be >= 1"):
         KeyedWorkQueue(workers=0)
+
+
+def test_a_burst_put_while_one_worker_idles_runs_on_as_many_workers_as_allowed():
+    """A worker that was notified but has not woken yet counts as idle: a burst
+    of puts in that moment used to queue behind it (one job at a time with
+    ``workers=4``). Each job below waits at a barrier of four: they can only
+    all finish when four run at once."""
+    q = KeyedWorkQueue(workers=4, name="t-queue")
+    try:
+        q.put("warm", lambda: None).result(30)
+        wait_for(lambda: q.stats() == {"queued": 0, "running": 0, "threads": 1}, what="one idle worker")
+        barrier = threading.Barrier(4, timeout=30)
+        futures = [q.put(k, barrier.wait) for k in "abcd"]  # back to back, before the idle worker wakes
+        assert sorted(f.result(60) for f in futures) == [0, 1, 2, 3]  # BrokenBarrierError when serialised
+        assert q.stats()["threads"] == 4
+    finally:
+        q.close()
+        assert q.join(30)
+
+
+def test_wait_idle_wakes_when_the_last_pending_job_is_cancelled_before_a_worker_took_it():
+    """No worker has taken the ready key yet (its worker never started: the
+    queue's ``_wake`` is held back here, as a worker that has not woken yet),
+    a thread waits for idle, the key is cancelled: the waiter wakes."""
+    q = KeyedWorkQueue(workers=1, name="t-queue")
+    q._wake = lambda: None  # type: ignore[method-assign]  # the job stays ready, no worker takes it
+    fut = q.put("y", lambda: None)
+    result: list[bool] = []
+    waiter = threading.Thread(target=lambda: result.append(q.wait_idle(None)))
+    waiter.start()
+    wait_for(lambda: len(q._idle_cv._waiters) == 1, what="the waiter to wait")  # type: ignore[attr-defined]
+    assert q.cancel("y") and fut.cancelled()
+    waiter.join(30)
+    assert not waiter.is_alive() and result == [True]
+    q.close()

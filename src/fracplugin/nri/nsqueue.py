@@ -135,6 +135,8 @@ class KeyedWorkQueue:
             del self._pending[key]
             self._ready.pop(key, None)
             entry.future.cancel()
+            if not self._pending and not self._running:
+                self._idle_cv.notify_all()  # the last pending job was dropped before any worker took it
             return True
 
     # ------------------------------------------------------------ looking
@@ -198,10 +200,15 @@ class KeyedWorkQueue:
     # ------------------------------------------------------------ workers
 
     def _wake(self) -> None:
-        """Caller holds the lock: hand the new ready key to an idle worker, or
-        start one while fewer than ``workers`` run."""
+        """Caller holds the lock: hand the new ready key to an idle worker, and
+        start one more (while fewer than ``workers`` run) when the ready keys
+        outnumber the idle workers. A worker notified but not yet awake still
+        counts as idle, so comparing with the ready keys, not only asking
+        whether one is idle, keeps a burst of puts from queueing behind one
+        waking worker."""
         if self._idle:
             self._cv.notify()
+        if len(self._ready) <= self._idle:
             return
         self._threads = [t for t in self._threads if t.is_alive()]
         if len(self._threads) < self.workers:
