@@ -590,7 +590,13 @@ def load(args: argparse.Namespace | None = None, env: Mapping[str, str] | None =
     cfg = Config(**values)
     if cfg.log_level != cfg.log_level.lower():
         cfg = dataclasses.replace(cfg, log_level=cfg.log_level.lower())
-    return validate(cfg, sources), sources
+    try:
+        return validate(cfg, sources), sources
+    except ConfigError as exc:
+        bad_key = _BY_FLAG.get(exc.setting.removeprefix("--"))
+        if config_path and bad_key is not None and exc.source == f"file {config_path}":  # name the key's line
+            exc.source += _key_line(config_path, bad_key) or _key_line(config_path, flag_name(bad_key))
+        raise
 
 
 # Names under the prefix that are not settings: the config file's own

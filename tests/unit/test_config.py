@@ -265,3 +265,18 @@ def test_a_config_file_named_by_env_is_blamed_on_the_env(tmp_path: Path) -> None
     missing = tmp_path / "missing.yaml"
     with pytest.raises(ConfigError, match=r"invalid --config \(from env FRACPLUGIN_CONFIG\)"):
         c.load(None, {"FRACPLUGIN_CONFIG": str(missing)})
+
+
+@pytest.mark.parametrize("text, setting, line", [
+    ("log_level: info\nmax_clients_per_gpu: 99\n", "--max-clients-per-gpu", 2),  # a rule of validate()
+    ("fail_open: false\n\nshutdown-timeout: .nan\n", "--shutdown-timeout", 3),  # the flag's spelling
+    ("log_level: [debug]\n", "--log-level", 1),
+])
+def test_a_value_the_rules_refuse_names_its_line_in_the_file(tmp_path: Path, text: str, setting: str,
+                                                               line: int) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as ei:
+        load(["--config", str(f)])
+    assert ei.value.setting == setting
+    assert ei.value.source == f"file {f} line {line}", str(ei.value)
