@@ -993,6 +993,11 @@ def _keep_mps_role() -> int:
     while True:
         proc = subprocess.Popen(argv, env=env)
         child[:] = [proc]
+        if stopping:  # a stop that landed while the child was being started was forwarded to no one
+            try:
+                os.kill(proc.pid, stopping[-1])
+            except ProcessLookupError:
+                pass
         rc = proc.wait()
         if stopping:
             return rc if rc >= 0 else 0

@@ -1,0 +1,44 @@
+"""The MPS role's keeper (``daemon._keep_mps_role``, ADR 0009): a SIGTERM
+that lands while the keeper is starting its child (after the previous check,
+before the child is known to the handler) still reaches that child.
+
+The child here is a real process (a sleeper standing in for the MPS role
+process); ``subprocess.Popen`` is wrapped only to deliver the SIGTERM to the
+keeper at that exact moment, which a real kubelet can do at any time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from fracplugin import daemon as daemonmod
+
+
+def test_a_sigterm_while_the_child_starts_is_forwarded_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def popen_then_sigterm(argv, env=None):  # noqa: ANN001 - the keeper's call shape
+        proc = real_popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        started.append(proc)
+        os.kill(os.getpid(), signal.SIGTERM)  # the keeper's handler runs before Popen returns to it
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen_then_sigterm)
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        rc = daemonmod._keep_mps_role()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert len(started) == 1
+    assert started[0].returncode == -signal.SIGTERM  # stopped by the forwarded signal, not slept out
+    assert rc == 0
