@@ -115,9 +115,11 @@ def render_table(doc: Mapping[str, Any]) -> str:
         out.append("MPS: not supervised (--no-mps)")
     else:
         where = f" through the MPS role at {mps['remote']}" if mps.get("remote") else ""
-        out.append(f"MPS daemons (protocol {mps.get('protocol', '?')}){where}, ready: {_yn(mps.get('ready'))}")
+        protocol = mps.get("protocol")
+        proto = f" (protocol {protocol})" if protocol is not None else " (protocol unknown)"
+        out.append(f"MPS daemons{proto}{where}, ready: {_yn(mps.get('ready'))}")
         if mps.get("reachable") is False:
-            out.append(f"  MPS role unreachable: {mps.get('error')}")
+            out.append(f"  MPS role: {mps.get('error')}")  # the error names the socket and why
         if mps.get("exposure"):
             out.append(f"  exposure: {mps['exposure']}")
         for d in mps.get("daemons", []):
