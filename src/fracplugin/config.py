@@ -497,6 +497,10 @@ def read_file(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(doc, dict):
         raise ConfigError("--config", path, "must hold a mapping of setting: value", "flag")
+    dup = _duplicate_key(path)
+    if dup is not None:  # YAML 1.2 requires unique keys; PyYAML keeps the last one silently
+        raise ConfigError("--config", path, f"gives the key {dup[0]!r} twice (lines {dup[1]} and {dup[2]}): keep one",
+                          "flag")
     out: dict[str, Any] = {}
     for key, value in doc.items():
         k = str(key)
@@ -509,6 +513,23 @@ def read_file(path: str) -> dict[str, Any]:
             raise ConfigError(k, value, f"is not a setting (known keys: {known})", f"file {path}{_key_line(path, k)}")
         out[name] = value
     return out
+
+
+def _duplicate_key(path: str) -> tuple[str, int, int] | None:
+    """The first top-level key given twice in the YAML file at ``path``, as
+    (key, first line, second line) (1-based), or None."""
+    try:
+        node = yaml.compose(Path(path).read_text())
+    except Exception:
+        return None
+    seen: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for k, _v in node.value:
+            line = k.start_mark.line + 1
+            if str(k.value) in seen:
+                return str(k.value), seen[str(k.value)], line
+            seen[str(k.value)] = line
+    return None
 
 
 def _key_line(path: str, key: str) -> str:

@@ -280,3 +280,10 @@ def test_a_value_the_rules_refuse_names_its_line_in_the_file(tmp_path: Path, tex
         load(["--config", str(f)])
     assert ei.value.setting == setting
     assert ei.value.source == f"file {f} line {line}", str(ei.value)
+
+
+def test_a_key_given_twice_in_the_file_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    f = tmp_path / "dup.yaml"
+    f.write_text("reserve_mib: 1024\nlog_level: info\nreserve_mib: 2048\n")
+    with pytest.raises(ConfigError, match=r"invalid --config \(from flag\): '.*dup.yaml' gives the key 'reserve_mib' twice \(lines 1 and 3\)"):
+        c.read_file(str(f))
