@@ -24,6 +24,7 @@ Keys read, for container ``c`` and prefix ``p`` (default ``nvidia.com/container.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
@@ -180,7 +181,69 @@ def _parse_devices(key: str, raw: str) -> tuple[str, ...]:
     return entries
 
 
+PARSE_CACHE_SIZE = 1024
+"""Parsed requests kept by ``parse`` (LRU), keyed by the values it reads."""
+PARSE_CACHE_MAX_CHARS = 1024
+"""Annotation values longer than this in total are parsed without the cache
+(a cached key holds them: 1024 entries x 1 KiB at most)."""
+
+
 def parse(
+    annotations: Mapping[str, str],
+    container: str,
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    containers: Sequence[str] | None = None,
+) -> FractionRequest | None:
+    """Parse the annotations that concern ``container`` (``parse_uncached``'s
+    contract, which see), from a cache (issue 14: this runs on every
+    CreateContainer, 10 us of Decimal arithmetic and regexes per call).
+
+    The result depends only on ``container``, ``prefix``, ``containers`` and
+    the values of the at most 12 keys ``relevant_keys(prefix, container)``
+    names (absent = None), so those are the cache key: a pod of the same
+    Deployment, a restarted container and every container without
+    annotations parse once. The returned ``FractionRequest`` is shared
+    between callers: it is frozen, and its ``keys`` mapping must not be
+    changed. Refusals are not cached (``FractionError`` is raised again,
+    each time, by ``parse_uncached``).
+    """
+    names = relevant_keys(prefix, container)
+    values = tuple(map(annotations.get, names))
+    size = 0
+    for v in values:
+        if v is not None:
+            if type(v) is not str:  # not hashable as a key for sure, and not the contract: no cache
+                size = PARSE_CACHE_MAX_CHARS + 1
+                break
+            size += len(v)
+    if size > PARSE_CACHE_MAX_CHARS:
+        return parse_uncached(annotations, container, prefix=prefix, containers=containers)
+    return _parse_values(names, values, container, prefix, None if containers is None else tuple(containers))
+
+
+@functools.lru_cache(maxsize=256)
+def relevant_keys(prefix: str, container: str) -> tuple[str, ...]:
+    """Every annotation key ``parse_uncached`` reads for ``container``: the
+    five per-container keys, KAI's portion limit, the pod-level KAI forms and
+    KAI's pod-level compute mode (DESIGN.md section 4)."""
+    return (
+        *(container_key(prefix, container, s) for s in (SUFFIX_REQUEST, SUFFIX_LIMIT, SUFFIX_MODE,
+                                                          SUFFIX_PORTION, SUFFIX_DEVICES)),
+        KAI_PORTION_LIMIT.format(c=container),
+        KEY_GPU_FRACTION, KEY_GPU_FRACTION_LIMIT, KEY_GPU_MEMORY, KEY_NUM_DEVICES, KEY_CONTAINER_NAME,
+        KEY_POD_COMPUTE_MODE,
+    )
+
+
+@functools.lru_cache(maxsize=PARSE_CACHE_SIZE)
+def _parse_values(names: tuple[str, ...], values: tuple[str | None, ...], container: str, prefix: str,
+                  containers: tuple[str, ...] | None) -> FractionRequest | None:
+    present = {k: v for k, v in zip(names, values) if v is not None}
+    return parse_uncached(present, container, prefix=prefix, containers=containers)
+
+
+def parse_uncached(
     annotations: Mapping[str, str],
     container: str,
     *,
