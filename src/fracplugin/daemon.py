@@ -319,6 +319,7 @@ class Daemon:
         self.endpoints: dict[str, str] = {}
         self.ledger_warnings: list[str] = []
         self.startup_ms: float | None = None
+        self._healthy_gpus: dict[str, GpuHealth] = {}  # _gpu_health without the device plugin door
         self._stopping = threading.Event()
         self._stopped = False
         self._stop_lock = threading.Lock()
@@ -597,9 +598,14 @@ class Daemon:
         when that door is not running (no monitor)."""
         if self.device_plugin is not None:
             return self.device_plugin.health.health(uuid)
-        from .gpu.health import GpuHealth
+        # Called per GPU on every CreateContainer (issue 14): one frozen
+        # GpuHealth per UUID, made once, not an import and a build per call.
+        healthy = self._healthy_gpus.get(uuid)
+        if healthy is None:
+            from .gpu.health import GpuHealth
 
-        return GpuHealth(uuid, True)
+            healthy = self._healthy_gpus[uuid] = GpuHealth(uuid, True)
+        return healthy
 
     def _build_health(self) -> None:
         from .health import HealthServer

@@ -28,6 +28,7 @@ Rules (DESIGN.md section 4; gpu-fractioning-reference.md section 3):
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -326,6 +327,27 @@ def plan_from_tenancies(tenancies: Sequence[Tenancy], node: NodeInfo, config: Pl
                    portion=None if t0.active_thread_percentage is None else t0.active_thread_percentage / 100)
 
 
+@functools.lru_cache(maxsize=1024)  # on every CreateContainer (issue 14); a pure function of two ints
+def _pinned_limit(n_gpus: int, limit_mib: int) -> str:
+    """``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``: ``0=<limit>M,1=<limit>M,...``
+    for ordinals 0..n_gpus-1 (mps-nvml.md 2.1)."""
+    return ",".join(f"{i}={limit_mib}M" for i in range(n_gpus))
+
+
+@functools.lru_cache(maxsize=4096)  # frozen values, shared between plans (issue 14)
+def _mps_target(mode: ComputeMode, host_pipe: str, ns: str | None, atp: int | None, limit_mib: int) -> MpsTarget:
+    return MpsTarget(mode=mode, host_pipe_dir=host_pipe, container_pipe_dir=CONTAINER_PIPE_DIR,
+                     namespace=ns, active_thread_percentage=atp, pinned_mem_limit_mib=limit_mib)
+
+
+@functools.lru_cache(maxsize=4096)  # frozen values, shared between plans (issue 14)
+def _pipe_mounts(host_pipe: str) -> tuple[Mount, ...]:
+    """The one bind mount of a plan: the pipe directory, read-only:
+    connecting to a unix socket works on a read-only mount, unlinking or
+    replacing it does not (issue 12)."""
+    return (Mount(source=host_pipe, destination=CONTAINER_PIPE_DIR, read_only=True),)
+
+
 def _finish(pod: PodRef, container: str, gpus: tuple[GpuInfo, ...], request_mib: int, limit_mib: int,
             mode: ComputeMode, atp: int | None, ns: str | None, config: PlannerConfig,
             placed: bool, *, cdi: tuple[str, ...] = (), portion: float | None = None) -> ContainerPlan:
@@ -336,20 +358,18 @@ def _finish(pod: PodRef, container: str, gpus: tuple[GpuInfo, ...], request_mib:
     # no namespaces: the mode's daemon pipe directory, read-only (the
     # supervisor reports this exposure).
     host_pipe = layout.namespace_pipe_dir(ns, mode) if ns else layout.pipe_dir(mode)
-    mps = MpsTarget(
-        mode=mode, host_pipe_dir=host_pipe, container_pipe_dir=CONTAINER_PIPE_DIR,
-        namespace=ns, active_thread_percentage=atp, pinned_mem_limit_mib=limit_mib,
-    )
+    mps = _mps_target(mode, host_pipe, ns, atp, limit_mib)
+    uuids = gpus[0].uuid if len(gpus) == 1 else ",".join([g.uuid for g in gpus])
     env: dict[str, str] = {
-        ENV_VISIBLE_DEVICES: ",".join(g.uuid for g in gpus),
+        ENV_VISIBLE_DEVICES: uuids,
         # The MPS server spans every GPU of its daemon: restrict the client to
         # its own, in plan order, so that ordinal i of the pinned limit below is
         # gpus[i] (mps-nvml.md 1.3 and 2.1: same syntax and ordinals as
         # CUDA_VISIBLE_DEVICES; UUIDs recommended).
-        ENV_CUDA_VISIBLE_DEVICES: ",".join(g.uuid for g in gpus),
+        ENV_CUDA_VISIBLE_DEVICES: uuids,
         ENV_MEMORY_REQUEST: str(request_mib),
         ENV_MEMORY_LIMIT: str(limit_mib),
-        ENV_PINNED_LIMIT: ",".join(f"{i}={limit_mib}M" for i in range(len(gpus))),
+        ENV_PINNED_LIMIT: _pinned_limit(len(gpus), limit_mib),
     }
     if atp is not None:
         env[ENV_ACTIVE_THREAD_PERCENTAGE] = str(atp)
@@ -359,7 +379,7 @@ def _finish(pod: PodRef, container: str, gpus: tuple[GpuInfo, ...], request_mib:
         compute_mode=mode, active_thread_percentage=atp, env=env,
         # read-only: connecting to a unix socket works on a read-only mount,
         # unlinking or replacing it does not (issue 12)
-        mounts=(Mount(source=host_pipe, destination=CONTAINER_PIPE_DIR, read_only=True),),
+        mounts=_pipe_mounts(host_pipe),
         mps=mps, placed_by_node=placed, cdi_devices=cdi, portion=portion,
     )
 

@@ -134,15 +134,25 @@ def build_adjustment(plan_: ContainerPlan) -> Any:
     ``Mount.options`` (``rbind``, ``rw``/``ro``, ``nosuid``, ``nodev``), and
     each of the plan's CDI device names as ``CDI_devices`` (field 8, NRI
     v0.7+; the runtime resolves it from its CDI spec dirs, ADR 0005)."""
-    adj = nri_pb2.ContainerAdjustment()
-    for key, value in plan_.env.items():
-        adj.env.add(key="-" + key)
-        adj.env.add(key=key, value=str(value))
+    adj = nri_pb2.ContainerAdjustment.FromString(_env_adjustment(tuple(plan_.env.items())))
     for m in plan_.mounts:
         adj.mounts.add(destination=m.destination, type="bind", source=m.source, options=list(m.options))
     for name in plan_.cdi_devices:
         adj.CDI_devices.add(name=name)
     return adj
+
+
+@functools.lru_cache(maxsize=1024)
+def _env_adjustment(env: tuple[tuple[str, str], ...]) -> bytes:
+    """The serialized ``ContainerAdjustment`` holding only ``build_adjustment``'s
+    env part for ``env`` (issue 14: 13 ``env.add`` calls cost ~5 us per
+    CreateContainer; the env depends on the GPUs, the MiB and the portion,
+    not on the pod, so plans share it; parsing it back costs ~1 us)."""
+    adj = nri_pb2.ContainerAdjustment()
+    for key, value in env:
+        adj.env.add(key="-" + key)
+        adj.env.add(key=key, value=str(value))
+    return adj.SerializeToString()
 
 
 def _env_map(container: Any) -> dict[str, str]:
