@@ -140,6 +140,32 @@ def admission_problem(
     return None
 
 
+_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # json.dumps' own string encoder
+
+
+def _int(v: int | None) -> str:
+    if v is None:
+        return "null"
+    if type(v) is not int:
+        raise TypeError(f"expected an integer, got {v!r}")
+    return int.__repr__(v)
+
+
+def encode_tenancy(t: Tenancy) -> str:
+    """One tenancy as its ledger record: exactly
+    ``json.dumps(t.to_dict(), sort_keys=True, separators=(",", ":"))``
+    (keys sorted, compact, ASCII with ``\\uXXXX`` escapes), written field by
+    field (issue 14: 2 us instead of 5 us per admission). A property test
+    keeps the two identical. Raises TypeError for a non-integer MiB field."""
+    ns = t.mps_namespace
+    return ('{"active_thread_percentage":%s,"container":%s,"container_id":%s,"door":%s,"gpu_uuid":%s,'
+            '"limit_mib":%s,"mode":%s,"mps_namespace":%s,"namespace":%s,"pod_name":%s,"pod_uid":%s,'
+            '"request_mib":%s,"reservation":%s}' % (
+                _int(t.active_thread_percentage), _str(t.container), _str(t.container_id), _str(t.door),
+                _str(t.gpu_uuid), _int(t.limit_mib), _str(t.mode.value), "null" if ns is None else _str(ns),
+                _str(t.namespace), _str(t.pod_name), _str(t.pod_uid), _int(t.request_mib), _str(t.reservation)))
+
+
 class _Corrupt(ValueError):
     """The snapshot or the journal cannot be trusted (the message says why)."""
 
@@ -616,7 +642,7 @@ class Ledger:
     def _fragment(self, t: Tenancy) -> str:
         frag = self._fragments.get(t)
         if frag is None:
-            frag = self._fragments[t] = json.dumps(t.to_dict(), sort_keys=True, separators=(",", ":"))
+            frag = self._fragments[t] = encode_tenancy(t)
         return frag
 
     def _persist(self, removed: Sequence[Tenancy], added: Sequence[Tenancy]) -> None:
