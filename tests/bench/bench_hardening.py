@@ -63,6 +63,7 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (room, hard))
     target = min(TARGET, room - 200)
     work = Path(tempfile.mkdtemp(prefix="fpbh", dir="/tmp"))
+    work.chmod(0o755)  # the MPS root must be traversable, or the daemon is never ready (issue 12)
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     cmd = ["prlimit", f"--nofile={FD_LIMIT}:{FD_LIMIT}", "--", sys.executable, "-m", "fracplugin.cli", "run",
@@ -83,6 +84,10 @@ def main() -> int:
         health, metrics = endpoints["health"], endpoints["metrics"]
         while get(f"http://{health}/readyz")[0] != 200 and time.monotonic() < deadline:
             time.sleep(0.1)
+        if get(f"http://{health}/readyz")[0] != 200:
+            tail = (work / "daemon.log").read_text(errors="replace").splitlines()[-5:]
+            print("bench_hardening: the daemon never became ready; log tail:", *tail, sep="\n", file=sys.stderr)
+            return 1
         host, port = metrics.rsplit(":", 1)
         t0 = time.monotonic()
         while len(socks) < target:
