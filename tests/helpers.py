@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import os
+import signal
 import time
+from pathlib import Path
 from typing import Any, Callable, Union
 
 #: What a wait is for: a phrase, or a function that says it at timeout time
@@ -47,3 +50,17 @@ def wait_until(pred: Callable[[], Any], timeout_s: float = 15.0, what: What = No
 
 wait_for = wait_until
 """The same helper under the name older tests import."""
+
+
+def kill_leftovers(work: Path) -> None:
+    """SIGKILL every process whose command line names ``work`` (the fake MPS
+    control daemons started under it outlive the MPS role by design, ADR 0009)."""
+    needle = str(work).encode()
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            if needle in (p / "cmdline").read_bytes():
+                os.kill(int(p.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue

@@ -51,6 +51,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO))
 NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
 FAKE_MPS = REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"
 REPORT = REPO / "build" / "bench.json"
@@ -60,6 +61,7 @@ IMAGE_ENV = {"MALLOC_ARENA_MAX": "2"}  # the Dockerfile's ENV that bears on memo
 from fracplugin.sim.kubelet import KubeletSim  # noqa: E402
 from fracplugin.sim.nri_runtime import NriRuntimeServer  # noqa: E402
 from benchjson import merge  # noqa: E402
+from tests.helpers import kill_leftovers  # noqa: E402
 
 
 def ready(health: str) -> bool:
@@ -130,19 +132,6 @@ def one_run(*extra: str, nri: bool = True, kubelet: bool = True,
             kl.stop()
         kill_leftovers(work)  # the MPS role's control daemons outlive it by design (ADR 0009)
         shutil.rmtree(work, ignore_errors=True)
-
-
-def kill_leftovers(work: Path) -> None:
-    """SIGKILL every process whose command line names ``work``."""
-    needle = str(work).encode()
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit() or int(p.name) == os.getpid():
-            continue
-        try:
-            if needle in (p / "cmdline").read_bytes():
-                os.kill(int(p.name), signal.SIGKILL)
-        except (OSError, ValueError):
-            continue
 
 
 def demo_wall_s() -> float:

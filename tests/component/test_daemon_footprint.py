@@ -24,7 +24,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.helpers import wait_until
+from tests.helpers import kill_leftovers, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
@@ -42,20 +42,6 @@ def root() -> Iterator[Path]:
     finally:
         kill_leftovers(d)  # the MPS role's control daemons outlive it by design (ADR 0009)
         shutil.rmtree(d, ignore_errors=True)
-
-
-def kill_leftovers(work: Path) -> None:
-    """SIGKILL every process whose command line names ``work`` (the fake MPS
-    control daemons started under it)."""
-    needle = str(work).encode()
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit() or int(p.name) == os.getpid():
-            continue
-        try:
-            if needle in (p / "cmdline").read_bytes():
-                os.kill(int(p.name), signal.SIGKILL)
-        except (OSError, ValueError):
-            continue
 
 
 def mapped_files(pid: int) -> set[str]:

@@ -42,10 +42,13 @@ GPU0 = "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01"
 
 
 class Rig:
-    def __init__(self, root: Path) -> None:
+    """A daemon built from a config file in ``root`` (``base``: its settings;
+    default: all doors with the fake MPS and a pods file)."""
+
+    def __init__(self, root: Path, base: dict[str, Any] | None = None) -> None:
         self.root = root
         self.config = root / "config.yaml"
-        self.base: dict[str, Any] = {
+        self.base: dict[str, Any] = base if base is not None else {
             "simulate_node": str(NODE), "state_dir": str(root / "state"), "mps_root": str(root / "mps"),
             "mps_control_binary": str(FAKE_MPS), "health_address": "127.0.0.1:0",
             "metrics_address": "127.0.0.1:0", "nri_socket": str(root / "nri.sock"),
@@ -217,19 +220,11 @@ def api_rig() -> Iterator[Rig]:
     root = Path(tempfile.mkdtemp(prefix="fpra", dir="/tmp"))
     root.chmod(0o755)
     (root / "kubeconfig").write_text(KUBECONFIG)
-    r = Rig.__new__(Rig)
-    r.root, r.config = root, root / "config.yaml"
-    r.base = {"simulate_node": str(NODE), "state_dir": str(root / "state"), "mps_root": str(root / "mps"),
-              "no_mps": True, "health_address": "127.0.0.1:0", "metrics_address": "127.0.0.1:0",
-              "nri_socket": str(root / "nri.sock"), "device_plugin_dir": str(root / "dp"),
-              "pod_resources_socket": str(root / "pr.sock"), "kubeconfig": str(root / "kubeconfig"),
-              "node_name": "gpu-node-1", "shutdown_timeout_s": 4.0}
-    r.write()
-    parser = argparse.ArgumentParser()
-    configmod.add_arguments(parser)
-    r.args = parser.parse_args(["--config", str(r.config)])
-    cfg, sources = configmod.load(r.args, env={})
-    r.daemon = Daemon(cfg, sources, reload=lambda: configmod.load(r.args, env={}))
+    r = Rig(root, {"simulate_node": str(NODE), "state_dir": str(root / "state"), "mps_root": str(root / "mps"),
+                   "no_mps": True, "health_address": "127.0.0.1:0", "metrics_address": "127.0.0.1:0",
+                   "nri_socket": str(root / "nri.sock"), "device_plugin_dir": str(root / "dp"),
+                   "pod_resources_socket": str(root / "pr.sock"), "kubeconfig": str(root / "kubeconfig"),
+                   "node_name": "gpu-node-1", "shutdown_timeout_s": 4.0})
     r.daemon.start()
     try:
         yield r
@@ -260,17 +255,9 @@ def test_mps_role_parts_report_their_restart_settings() -> None:
     """Role mps (the supervisor of detached daemons and its API socket)."""
     root = Path(tempfile.mkdtemp(prefix="fprm", dir="/tmp"))
     root.chmod(0o755)
-    r = Rig.__new__(Rig)
-    r.root, r.config = root, root / "config.yaml"
-    r.base = {"role": "mps", "simulate_node": str(NODE), "state_dir": str(root / "state"),
-              "mps_root": str(root / "mps"), "mps_control_binary": str(FAKE_MPS), "health_address": "127.0.0.1:0",
-              "metrics_address": "127.0.0.1:0", "shutdown_timeout_s": 4.0}
-    r.write()
-    parser = argparse.ArgumentParser()
-    configmod.add_arguments(parser)
-    r.args = parser.parse_args(["--config", str(r.config)])
-    cfg, sources = configmod.load(r.args, env={})
-    r.daemon = Daemon(cfg, sources, reload=lambda: configmod.load(r.args, env={}))
+    r = Rig(root, {"role": "mps", "simulate_node": str(NODE), "state_dir": str(root / "state"),
+                   "mps_root": str(root / "mps"), "mps_control_binary": str(FAKE_MPS),
+                   "health_address": "127.0.0.1:0", "metrics_address": "127.0.0.1:0", "shutdown_timeout_s": 4.0})
     r.daemon.start()
     try:
         assert set(r.daemon.parts) == {"logs", "inventory", "metrics", "mps", "mps api", "health"}

@@ -24,9 +24,8 @@ import time
 
 import pytest
 
-from fracplugin.mps.api import NullMps
 from fake_kubelet import FakeKubelet
-from test_deviceplugin_kubelet import WAIT, R, Rig, all_healthy
+from test_deviceplugin_kubelet import WAIT, EventMps, R, Rig, all_healthy
 
 from tests.helpers import wait_until
 
@@ -162,17 +161,6 @@ def test_stream_end_marks_every_device_unhealthy_at_kubelet(running):
     assert rig.kubelet.wait_for(lambda: not rig.kubelet.stream_open(R), WAIT)
     devs = rig.kubelet.devices(R)
     assert devs and all(h == "Unhealthy" for h in devs.values())
-
-
-class EventMps(NullMps):
-    """The MPS port whose every daemon is up while ``up`` is set."""
-
-    def __init__(self, up: threading.Event) -> None:
-        super().__init__()
-        self.up = up
-
-    def healthy(self, mode: object) -> bool:
-        return self.up.is_set()
 
 
 def test_first_register_waits_until_devices_can_be_served_healthy(rig):
