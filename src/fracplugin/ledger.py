@@ -42,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .allocation import DOOR_ALLOCATE, DOOR_NRI, DOOR_OTHER_PLUGIN, DOOR_SYNC, to_tenancies
 from .model import ComputeMode, ContainerPlan, FractionError, GpuInfo, NodeInfo, Tenancy
@@ -360,28 +360,21 @@ class Ledger:
 
     def release(self, pod_uid: str, container: str) -> list[Tenancy]:
         """Drop one container's tenancies; returns what was dropped."""
-        with self._lock:
-            gone = self._drop(list(self._by_owner.get((pod_uid, container), ())))
-        if gone:
-            self._notify()
-        return gone
+        return self._release_from(self._by_owner, (pod_uid, container))
 
     def release_container_id(self, container_id: str) -> list[Tenancy]:
         """Drop the tenancies recorded under a runtime container id."""
-        if not container_id:
-            return []
-        with self._lock:
-            gone = self._drop(list(self._by_container_id.get(container_id, ())))
-        if gone:
-            self._notify()
-        return gone
+        return self._release_from(self._by_container_id, container_id) if container_id else []
 
     def release_reservation(self, key: str) -> list[Tenancy]:
         """Drop one kubelet reservation (kubelet freed its devices)."""
-        if not key:
-            return []
+        return self._release_from(self._by_reservation, key) if key else []
+
+    def _release_from(self, index: Mapping[Any, Any], key: Any) -> list[Tenancy]:
+        """Drop what ``index[key]`` names (one of the ledger's indexes), under
+        the lock, and notify the watchers when something went."""
         with self._lock:
-            gone = self._drop(list(self._by_reservation.get(key, ())))
+            gone = self._drop(list(index.get(key, ())))
         if gone:
             self._notify()
         return gone
