@@ -258,7 +258,8 @@ def test_sighup_reaches_both_doors(daemon: Callable[..., DaemonProc], root: Path
             f"pod_resources_socket: {root / 'pr.sock'}\n")
     cfg.write_text(base + "fail_open: false\n")
     d = daemon("--no-mps", "--config", str(cfg))
-    assert d.get("/status")[1]["nri"]["fail_open"] is False
+    before = d.get("/status")[1]
+    assert before["nri"]["fail_open"] is False and before["device_plugin"]["fail_open"] is False
     cfg.write_text(base + "fail_open: true\nnri_plugin_idx: '60'\ndevice_unit_mib: 2048\n")
     d.signal(signal.SIGHUP)
     rec = wait_until(lambda: next((r for r in d.log_records() if r.get("msg") == "SIGHUP: configuration reloaded"),
@@ -268,6 +269,7 @@ def test_sighup_reaches_both_doors(daemon: Callable[..., DaemonProc], root: Path
     assert rec["parts"]["device plugin"] == {"applied": ["fail_open"], "needs_restart": ["device_unit_mib"]}
     st = d.get("/status")[1]
     assert st["fail_open"] is True and st["nri"]["fail_open"] is True
+    assert st["device_plugin"]["fail_open"] is True  # read from the device plugin server itself
     assert st["config"]["nri_plugin_idx"] == "50" and st["device_plugin"]["unit_mib"] == 1024
     assert d.terminate() == 0
 

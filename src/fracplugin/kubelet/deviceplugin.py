@@ -362,6 +362,7 @@ class DevicePluginServer:
             "healthy_devices": sum(n for u, n in self.table.per_gpu.items() if u not in unhealthy),
             "unhealthy_gpus": unhealthy,
             "policy": self.policy,
+            "fail_open": self.fail_open,
             "pod_source": None if self.pod_source is None else ("ready" if self.pod_source.ready() else "not ready"),
             "allocations": c.allocations,
             "preferred": c.preferred,
