@@ -479,13 +479,16 @@ def read_file(path: str) -> dict[str, Any]:
     for a file that is not UTF-8, nested too deeply or otherwise unparsable:
     one line naming the file, never a traceback; issue 13 item 4)."""
     try:
-        doc = yaml.safe_load(Path(path).read_text())
+        doc = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except OSError as exc:
         raise ConfigError("--config", path, f"cannot be read: {exc.strerror or exc}", "flag") from None
     except UnicodeDecodeError as exc:
         raise ConfigError("--config", path, f"is not UTF-8 text (byte {exc.start})", "flag") from None
     except RecursionError:
         raise ConfigError("--config", path, "is nested too deeply to parse", "flag") from None
+    except _DuplicateKey as exc:  # YAML 1.2 requires unique keys; PyYAML would keep the last one silently
+        raise ConfigError("--config", path, f"gives the key {exc.key!r} twice (lines {exc.first} and {exc.second}): "
+                          "keep one", "flag") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -497,10 +500,6 @@ def read_file(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(doc, dict):
         raise ConfigError("--config", path, "must hold a mapping of setting: value", "flag")
-    dup = _duplicate_key(path)
-    if dup is not None:  # YAML 1.2 requires unique keys; PyYAML keeps the last one silently
-        raise ConfigError("--config", path, f"gives the key {dup[0]!r} twice (lines {dup[1]} and {dup[2]}): keep one",
-                          "flag")
     out: dict[str, Any] = {}
     for key, value in doc.items():
         k = str(key)
@@ -515,21 +514,27 @@ def read_file(path: str) -> dict[str, Any]:
     return out
 
 
-def _duplicate_key(path: str) -> tuple[str, int, int] | None:
-    """The first top-level key given twice in the YAML file at ``path``, as
-    (key, first line, second line) (1-based), or None."""
-    try:
-        node = yaml.compose(Path(path).read_text())
-    except Exception:
-        return None
-    seen: dict[str, int] = {}
-    if isinstance(node, yaml.MappingNode):
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping of the config file gives ``key`` twice (1-based lines)."""
+
+    def __init__(self, key: str, first: int, second: int) -> None:
+        super().__init__(key)
+        self.key, self.first, self.second = key, first, second
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping
+    (PyYAML keeps the last one; YAML 1.2 section 3.2.1.1 requires unique keys)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[str, int] = {}
         for k, _v in node.value:
-            line = k.start_mark.line + 1
-            if str(k.value) in seen:
-                return str(k.value), seen[str(k.value)], line
-            seen[str(k.value)] = line
-    return None
+            if isinstance(k, yaml.ScalarNode):
+                line = k.start_mark.line + 1
+                if k.value in seen:
+                    raise _DuplicateKey(k.value, seen[k.value], line)
+                seen[k.value] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _key_line(path: str, key: str) -> str:
