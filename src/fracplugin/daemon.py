@@ -824,13 +824,22 @@ class Daemon:
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT -> stop; SIGHUP -> reload (main thread only). The
-        handler only records the signal and ``wakeup()``s: it takes no lock."""
+        handler only records the signal and ``wakeup()``s: it takes no lock.
+
+        The kernel may deliver a process signal to any thread; Python runs the
+        handler in the main thread only when that thread next executes
+        bytecode, and a main thread blocked in ``serve_forever``'s ``read``
+        is not interrupted by a signal another thread received. So the wake
+        pipe is also the interpreter's wakeup fd (``signal.set_wakeup_fd``):
+        the C-level handler writes to it from whichever thread got the
+        signal, the read returns, and the Python handler runs."""
         def handler(signum: int, _frame: Any) -> None:
             self.pending_signals.append(signum)
             self.wakeup()
 
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
 
     def serve_forever(self) -> int:
         """Sleep until SIGTERM/SIGINT (handling SIGHUPs); returns the signal number.

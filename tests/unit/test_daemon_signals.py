@@ -15,10 +15,12 @@ import dataclasses
 import os
 import signal
 import threading
+from pathlib import Path
 
 from fracplugin.config import Config
 from fracplugin.daemon import Daemon
 from fracplugin.parts import PartBase
+from tests.helpers import wait_until
 
 
 class CountingReload:
@@ -41,6 +43,7 @@ def _with_handlers(test):
         try:
             test()
         finally:
+            signal.set_wakeup_fd(-1)
             for s, h in old.items():
                 signal.signal(s, h)
     run.__name__ = test.__name__
@@ -127,3 +130,38 @@ def test_a_reload_that_fails_unexpectedly_is_reported_and_the_loop_goes_on() -> 
     assert d2.parts["good"].cfg.fail_open is True  # the others still reload
     res = d2.reload()  # nothing changed for the good part since; the broken one fails again
     assert res["parts"] == {"broken": {"error": "RuntimeError: cannot apply"}}
+
+
+_SYS_READ = {"x86_64": 0, "aarch64": 63}.get(os.uname().machine, 0)
+
+
+@_with_handlers
+def test_a_stop_signal_delivered_to_another_thread_wakes_the_loop() -> None:
+    """The kernel may hand a process signal to any thread (here: forced with
+    pthread_kill); the main thread blocked in serve_forever must still wake
+    (the CI hang: SIGTERM never logged, the daemon killed after 30 s)."""
+    cfg = Config(no_nri=True, no_device_plugin=True, no_mps=True)
+    d = Daemon(cfg, reload=CountingReload(cfg))
+    d.install_signal_handlers()
+    returned = threading.Event()
+    rescued: list[bool] = []
+
+    main_tid = threading.get_native_id()
+
+    def blocked_in_read() -> bool:  # /proc/<tid>/syscall: the number of the syscall the thread sleeps in
+        return Path(f"/proc/self/task/{main_tid}/syscall").read_text().split()[0] == str(_SYS_READ)
+
+    def signal_this_thread() -> None:
+        wait_until(blocked_in_read, what="the main thread to block in serve_forever's read")
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        if not returned.wait(10):  # the loop never woke: end it another way so the test reports
+            rescued.append(True)
+            d.pending_signals.append(signal.SIGINT)
+            d.wakeup()
+
+    t = threading.Thread(target=signal_this_thread)
+    t.start()
+    got = d.serve_forever()
+    returned.set()
+    t.join()
+    assert (got, rescued) == (signal.SIGTERM, [])
