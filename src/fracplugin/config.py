@@ -642,17 +642,22 @@ def unknown_env(env: Mapping[str, str]) -> list[tuple[str, str | None]]:
 
     Returns sorted ``(name, closest)`` pairs: ``closest`` is the setting's
     variable the name most resembles (``difflib``, cutoff 0.8), or None.
-    Kubernetes service-link variables and the names in ``_NOT_SETTINGS`` are
-    not reported.
+    Names are matched case-sensitively, as the environment is on Linux: a
+    lower- or mixed-case ``fracplugin_mps_root`` is reported too, with the
+    upper-case setting it was meant to be. Kubernetes service-link variables
+    and the names in ``_NOT_SETTINGS`` are not reported. ``difflib`` is only
+    imported when there is something to report (it is not needed on a clean
+    start).
     """
-    import difflib
-
     known = {env_name(n) for n in _FIELDS}
     out = []
     for key in sorted(env):
-        if not key.startswith(ENV_PREFIX) or key in known or key in _NOT_SETTINGS or _SERVICE_LINK.match(key):
+        if not key.upper().startswith(ENV_PREFIX) or key in known or key in _NOT_SETTINGS \
+                or _SERVICE_LINK.match(key):
             continue
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+        import difflib
+
+        close = difflib.get_close_matches(key.upper(), sorted(known), n=1, cutoff=0.8)
         out.append((key, close[0] if close else None))
     return out
 

@@ -241,6 +241,15 @@ def test_unknown_fracplugin_env_is_reported_with_the_closest_setting() -> None:
     assert c.unknown_env(env) == [("FRACPLUGIN_FAILOPEN", "FRACPLUGIN_FAIL_OPEN"), ("FRACPLUGIN_WHATEVER", None)]
 
 
+def test_lower_case_setting_variables_are_reported_with_the_upper_case_name() -> None:
+    # the environment is case-sensitive on Linux: fracplugin_mps_root sets nothing
+    env = {"fracplugin_mps_root": "/run/x", "Fracplugin_Fail_Open": "true", "fracplugin_nonsense_here": "1",
+           "fracpluginx": "1", "path": "/bin"}
+    assert c.unknown_env(env) == [("Fracplugin_Fail_Open", "FRACPLUGIN_FAIL_OPEN"),
+                                  ("fracplugin_mps_root", "FRACPLUGIN_MPS_ROOT"),
+                                  ("fracplugin_nonsense_here", None)]
+
+
 def test_every_setting_variable_is_known() -> None:
     env = {c.env_name(f.name): "x" for f in c.fields(Config)}
     assert c.unknown_env(env) == []
