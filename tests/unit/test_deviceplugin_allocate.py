@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import pytest
 
 from fracplugin._proto import deviceplugin_pb2 as pb
 from fracplugin.gpu.inventory import XidEvent
 from fracplugin.gpu.simulated import SimulatedInventory
+from fracplugin.kubelet.codes import StatusCode
 from fracplugin.kubelet.deviceplugin import ANNOTATION_ALLOCATE, DevicePluginServer, Refusal
 from fracplugin.kubelet.devices import parse_device_id
 from fracplugin.kubelet.podlookup import InMemoryPodSource
@@ -93,17 +93,17 @@ def refusal(fn, *a) -> Refusal:
 def test_bad_requests_get_invalid_argument_naming_the_rule(make, node):
     s = make()
     r = refusal(s.allocate, areq())
-    assert r.code == grpc.StatusCode.INVALID_ARGUMENT and "0 container requests" in r.message
+    assert r.code == StatusCode.INVALID_ARGUMENT and "0 container requests" in r.message
     r = refusal(s.allocate, areq(ids(node, 0, 1), ids(node, 1, 1)))
-    assert r.code == grpc.StatusCode.INVALID_ARGUMENT and "2 container requests" in r.message
+    assert r.code == StatusCode.INVALID_ARGUMENT and "2 container requests" in r.message
     r = refusal(s.allocate, areq([]))
-    assert r.code == grpc.StatusCode.INVALID_ARGUMENT and "no device IDs" in r.message
+    assert r.code == StatusCode.INVALID_ARGUMENT and "no device IDs" in r.message
     r = refusal(s.allocate, areq(["GPU-nope::1"]))
-    assert r.code == grpc.StatusCode.INVALID_ARGUMENT and "GPU-nope::1" in r.message
+    assert r.code == StatusCode.INVALID_ARGUMENT and "GPU-nope::1" in r.message
     r = refusal(s.allocate, areq([ids(node, 0, 1)[0]] * 2))
-    assert r.code == grpc.StatusCode.INVALID_ARGUMENT and "twice" in r.message
+    assert r.code == StatusCode.INVALID_ARGUMENT and "twice" in r.message
     r = refusal(s.allocate, areq(ids(node, 0, 2) + ids(node, 1, 1)))
-    assert r.code == grpc.StatusCode.INVALID_ARGUMENT and "same number of devices" in r.message
+    assert r.code == StatusCode.INVALID_ARGUMENT and "same number of devices" in r.message
     r = refusal(s.allocate, areq([f"{node.gpus[0].uuid}::79"]))
     assert "0..78" in r.message
 
@@ -117,7 +117,7 @@ def test_non_canonical_device_ids_are_invalid_argument_naming_the_id(make, node,
     s = make()
     u = node.gpus[0].uuid
     r = refusal(s.allocate, areq(ids_of(u)))
-    assert r.code == grpc.StatusCode.INVALID_ARGUMENT, r.message
+    assert r.code == StatusCode.INVALID_ARGUMENT, r.message
     assert u in r.message and len(r.message) < 1000
     assert s.ledger.tenancies() == []
 
@@ -133,7 +133,7 @@ def test_devices_of_an_unhealthy_gpu_are_refused(make, node):
     s = make()
     s.health.record_xid(XidEvent(node.gpus[0].uuid, 79))
     r = refusal(s.allocate, areq(ids(node, 0, 2)))
-    assert r.code == grpc.StatusCode.FAILED_PRECONDITION and "xid 79" in r.message
+    assert r.code == StatusCode.FAILED_PRECONDITION and "xid 79" in r.message
 
 
 # ---- planned answers ---------------------------------------------------------
@@ -220,7 +220,7 @@ def test_bad_annotation_is_invalid_argument_naming_pod_and_key(make, node, src):
     src.add(pod("typo", 2, {P + "app.gpu-compute.mode": "fast"}))
     s = make()
     r = refusal(s.allocate, areq(ids(node, 0, 2)))
-    assert r.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert r.code == StatusCode.INVALID_ARGUMENT
     assert "default/typo" in r.message and P + "app.gpu-compute.mode" in r.message
     assert s.status()["refusals"] == 0  # counted by the grpc handler, not here
 
@@ -239,7 +239,7 @@ def test_ledger_guard_is_failed_precondition(make, node, src):
     s = make()
     s.allocate(areq(ids(node, 0, 2)))
     r = refusal(s.allocate, areq(ids(node, 0, 3, start=2)))
-    assert r.code == grpc.StatusCode.FAILED_PRECONDITION and "one compute mode per GPU" in r.message
+    assert r.code == StatusCode.FAILED_PRECONDITION and "one compute mode per GPU" in r.message
 
 
 # ---- fallbacks -----------------------------------------------------------------
@@ -365,7 +365,7 @@ def test_preferred_follows_the_pending_pods_mode(make, node, src):
 def test_preferred_refuses_negative_size(make):
     s = make()
     r = refusal(s.preferred, preq([], [], -1))
-    assert r.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert r.code == StatusCode.INVALID_ARGUMENT
 
 
 # ---- restart recovery ---------------------------------------------------------------

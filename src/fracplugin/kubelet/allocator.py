@@ -1,7 +1,7 @@
 """The decisions of the device plugin door (ADR 0007): Allocate,
 GetPreferredAllocation and the reconciliation with kubelet's PodResources.
 
-The grpc server (``deviceplugin.py``) only moves bytes; everything here is
+The gRPC server (``deviceplugin.py``) only moves bytes; everything here is
 plain Python on the node, the ledger, the device table and the pod source.
 
 Allocate (kubelet-device-plugin.md A.5, A.6; issue 10):
@@ -40,14 +40,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-import grpc
-
 from .. import allocation as al
 from .. import planner as planner_mod
 from ..model import ComputeMode, ContainerPlan, FractionError, FractionRequest, MemorySpec, Mount, NodeInfo, PodRef, Tenancy
 from ..ledger import Ledger
 from ..mps.layout import CONTAINER_PIPE_DIR
 from . import podlookup
+from .codes import StatusCode
 from .devices import DeviceIdError, DeviceTable, parse_device_id, preferred_allocation
 
 log = logging.getLogger(__name__)
@@ -56,10 +55,12 @@ log = logging.getLogger(__name__)
 class Refusal(Exception):
     """An Allocate / GetPreferredAllocation answered with a gRPC error.
 
-    ``code`` is the grpc.StatusCode kubelet gets, ``message`` the text kubelet
-    shows as the pod's admission error, ``label`` the metrics reason."""
+    ``code`` is the gRPC status kubelet gets (``codes.StatusCode``: our own
+    type, the canonical gRPC numbers, so this module loads no gRPC library),
+    ``message`` the text kubelet shows as the pod's admission error, ``label``
+    the metrics reason."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, label: str) -> None:
+    def __init__(self, code: StatusCode, message: str, label: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -159,20 +160,20 @@ class Allocator:
         n = len(device_lists)
         if n != 1:
             raise Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                StatusCode.INVALID_ARGUMENT,
                 f"AllocateRequest has {n} container requests; kubelet sends exactly one per call "
                 "(deviceplugin v1beta1, devicemanager) and fracplugin allocates one container at a time",
                 "invalid",
             )
         ids = list(device_lists[0])
         if not ids:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refusal(StatusCode.INVALID_ARGUMENT,
                           f"Allocate of {self.resource_name} names no device IDs; at least one is needed", "invalid")
         try:
             by_gpu = self.table.group(ids)
         except DeviceIdError as e:
             raise Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                StatusCode.INVALID_ARGUMENT,
                 f"Allocate of {self.resource_name}: {e} (devices are <GPU-UUID>::<n> of node {self.node.name})",
                 "invalid",
             ) from None
@@ -180,7 +181,7 @@ class Allocator:
         if len(set(counts.values())) != 1:
             detail = ", ".join(f"{u}: {c}" for u, c in counts.items())
             raise Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                StatusCode.INVALID_ARGUMENT,
                 f"Allocate of {self.resource_name} spans GPUs with different device counts ({detail}); "
                 "a container gets the same memory on every GPU, so each GPU must hold the same number of devices",
                 "invalid",
@@ -188,7 +189,7 @@ class Allocator:
         sick = {u: r for u, r in self.unhealthy().items() if u in by_gpu}
         if sick:
             detail = "; ".join(f"{u} ({', '.join(r)})" for u, r in sick.items())
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+            raise Refusal(StatusCode.FAILED_PRECONDITION,
                           f"Allocate of {self.resource_name}: devices on Unhealthy GPU(s) {detail}", "unhealthy")
         return by_gpu, next(iter(counts.values()))
 
@@ -338,8 +339,8 @@ class Allocator:
         if len(everyone) == 1:
             self._served.add(cand.key)  # a hint for the next Allocate; the ledger records no holder
         if isinstance(outcome, FractionError):
-            code = (grpc.StatusCode.FAILED_PRECONDITION if outcome.code in ("guard", "no_fit")
-                    else grpc.StatusCode.INVALID_ARGUMENT)
+            code = (StatusCode.FAILED_PRECONDITION if outcome.code in ("guard", "no_fit")
+                    else StatusCode.INVALID_ARGUMENT)
             raise Refusal(code, f"{who}: {outcome.message}", outcome.code)
         self._record(outcome, key, who, {c.uid for c in cands})
         self._bump("planned")
@@ -354,9 +355,9 @@ class Allocator:
         try:
             self.ledger.admit(plan, door=al.DOOR_ALLOCATE, reservation=key, bound=False)
         except FractionError as e:
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"{who}: {e.message}", e.code) from None
+            raise Refusal(StatusCode.FAILED_PRECONDITION, f"{who}: {e.message}", e.code) from None
         except OSError as e:
-            raise Refusal(grpc.StatusCode.UNAVAILABLE, f"{who}: cannot persist the ledger: {e}", "ledger_io") from None
+            raise Refusal(StatusCode.UNAVAILABLE, f"{who}: cannot persist the ledger: {e}", "ledger_io") from None
         self._hints[key] = set(hints)
         self._made[key] = time.monotonic()
 
@@ -376,7 +377,7 @@ class Allocator:
             plan = planner_mod.plan(req, PodRef("", "", ""), self.node, self.ledger, self.planner_config,
                                     reservation=key)
         except FractionError as e:
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"{who}: {e.message}", e.code) from None
+            raise Refusal(StatusCode.FAILED_PRECONDITION, f"{who}: {e.message}", e.code) from None
         self._record(plan, key, who, set(hints or ()))
         self._bump("fallbacks", last_fallback=reason)
         log.warning("Allocate fallback for %s on %s: %s", self.resource_name, ",".join(uuids), reason)
@@ -399,7 +400,7 @@ class Allocator:
         """Device IDs for one container (``devices.preferred_allocation``),
         never a GPU at its tenant limit, never an uneven split (issue 10 item 7)."""
         if size < 0:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"allocation_size {size} is negative", "invalid")
+            raise Refusal(StatusCode.INVALID_ARGUMENT, f"allocation_size {size} is negative", "invalid")
         out = preferred_allocation(
             self.table, list(available), list(must_include), size, mode_of=self._mode_of,
             pod_mode=self._pod_mode_for(size), policy=self.policy, free_mib_of=self._free_mib_of,

@@ -2,23 +2,26 @@
 
 What kubelet sees (kubelet-device-plugin.md A): one extended resource (default
 ``fracplugin.io/gpu-memory``), one device per ``unit_mib`` MiB of one GPU, IDs
-``<GPU-UUID>::<n>`` (see ``devices.py``), served over grpcio on a unix socket
-in the device plugin directory and registered on ``kubelet.sock``
-(``registration.py``).
+``<GPU-UUID>::<n>`` (see ``devices.py``), served over gRPC (grpclib, ADR
+0018: no grpcio in the daemon) on a unix socket in the device plugin
+directory and registered on ``kubelet.sock`` (``registration.py``).
 
-Concurrency model: grpc's synchronous server with a thread pool
-(``max_workers``, default 16). Each open ListAndWatch stream holds one worker
-while it is open, but never for good: the generator waits on a condition
-variable with a 0.5 s timeout, re-checks ``context.is_active()`` and the stop
-flag, and a ``context.add_callback`` wakes it when the RPC ends. Allocate and
-GetPreferredAllocation run on workers; the part of Allocate that chooses a pod
-and writes the ledger runs under one lock (kubelet may call it concurrently,
-A.5); waiting for the watch cache happens outside that lock. Three helper
-threads: the registrar (``registration.Registrar``), the health monitor
-(``gpu.health.HealthMonitor``) and, when the daemon passes one, the pod watch
-(owned by the pod source).
+Concurrency model: one asyncio event loop on one thread owned by the door
+(``aio.LoopThread``, ``fracplugin-grpc``) serves every connection and every
+call; the handlers never block it. ListAndWatch streams are coroutines that
+wait on an ``asyncio.Event`` set (from any thread, through
+``call_soon_threadsafe``) when the device list changes or the server stops;
+an open stream costs no thread. Allocate and GetPreferredAllocation run their
+synchronous part (the allocator: ledger fsync, watch-cache waits) in the
+loop's small executor (``max_workers`` threads, default 4); the part of
+Allocate that chooses a pod and writes the ledger runs under one lock
+(kubelet may call it concurrently, A.5); waiting for the watch cache happens
+outside that lock. Helper threads: the registrar (``registration.Registrar``,
+whose probe and Register calls run on the loop), the health monitor
+(``gpu.health.HealthMonitor``), the PodResources reconciler and, when the
+daemon passes one, the pod watch (owned by the pod source).
 
-What this module decides: nothing about GPUs. The grpc server, the
+What this module decides: nothing about GPUs. The gRPC server, the
 registrar and ListAndWatch (device health from ``gpu.health.HealthMonitor``)
 live here; Allocate, GetPreferredAllocation and the PodResources
 reconciliation are decided by ``allocator.Allocator`` (ADR 0007: one
@@ -31,20 +34,17 @@ DeviceSpecs / CDI devices, and annotations ``fracplugin.io/allocate``
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
 import time
-from concurrent import futures
 from typing import Any, Iterable, Mapping, Sequence
-
-import grpc
 
 from .. import allocation as al
 from .. import mountflags
 from .. import planner as planner_mod
 from .._proto import deviceplugin_pb2 as pb
-from .._proto import deviceplugin_pb2_grpc as pb_grpc
 from ..gpu.health import DEFAULT_IGNORED_XIDS, DEFAULT_XID_RECOVERY_S, HealthMonitor
 from ..gpu.inventory import Inventory
 from ..ledger import Ledger
@@ -59,7 +59,10 @@ from .devices import (
     DeviceTable,
     validate_resource_name,
 )
+from . import grpcwire
+from .aio import LoopThread
 from .allocator import Allocator, Refusal  # noqa: F401 (Refusal: re-exported)
+from .codes import StatusCode
 from .podresources import DEFAULT_PODRESOURCES_SOCKET, PodResourcesClient, PodResourcesError
 from .registration import DEFAULT_PLUGIN_DIR, KUBELET_SOCKET_NAME, Registrar, socket_identity
 
@@ -72,56 +75,71 @@ ANNOTATION_ALLOCATE = "fracplugin.io/allocate"
 ALLOCATE_UNADJUSTED = "unadjusted"
 """``fracplugin.io/allocate`` of a refusal answered under ``fail_open``."""
 _NEVER_FAIL_OPEN = ("invalid", "internal")  # kubelet's request is malformed, or a bug of ours: refused either way
-_STREAM_WAIT_S = 0.5
+_SERVICE = "/v1beta1.DevicePlugin/"
 
 
-class _Servicer(pb_grpc.DevicePluginServicer):
-    """grpc handlers; all state lives in the DevicePluginServer."""
+class _Servicer:
+    """The DevicePlugin service's handlers (grpclib ``__mapping__``), coroutines
+    on the door's event loop; all state lives in the DevicePluginServer."""
 
     def __init__(self, owner: "DevicePluginServer") -> None:
         self._o = owner
 
-    def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
-        return self._o.options()
+    def __mapping__(self) -> dict[str, Any]:
+        u, us = grpcwire.UNARY_UNARY, grpcwire.UNARY_STREAM
+        h = grpcwire.handler
+        return {
+            _SERVICE + "GetDevicePluginOptions": h(self.get_options, u, pb.Empty, pb.DevicePluginOptions),
+            _SERVICE + "ListAndWatch": h(self.list_and_watch, us, pb.Empty, pb.ListAndWatchResponse),
+            _SERVICE + "GetPreferredAllocation": h(self.preferred, u, pb.PreferredAllocationRequest,
+                                                   pb.PreferredAllocationResponse),
+            _SERVICE + "Allocate": h(self.allocate, u, pb.AllocateRequest, pb.AllocateResponse),
+            _SERVICE + "PreStartContainer": h(self.prestart, u, pb.PreStartContainerRequest,
+                                              pb.PreStartContainerResponse),
+        }
 
-    def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterable[pb.ListAndWatchResponse]:
-        yield from self._o._list_and_watch(context)
+    async def get_options(self, stream: Any) -> None:
+        await stream.recv_message()
+        await stream.send_message(self._o.options())
 
-    def GetPreferredAllocation(
-        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
-    ) -> pb.PreferredAllocationResponse:
+    async def list_and_watch(self, stream: Any) -> None:
+        await stream.recv_message()
+        await self._o._list_and_watch(stream)
+
+    async def preferred(self, stream: Any) -> None:
+        request = await stream.recv_message()
         try:
-            return self._o.preferred(request)
+            resp = await self._o.loop.run_blocking(self._o.preferred, request)
         except Refusal as r:
-            context.abort(r.code, r.message)
+            raise grpcwire.grpc_error(r.code, r.message) from None
         except Exception as e:  # never crash the plugin on bad input
             log.exception("GetPreferredAllocation failed")
-            context.abort(grpc.StatusCode.INTERNAL, f"GetPreferredAllocation failed: {e}")
-        raise AssertionError("unreachable")
+            raise grpcwire.grpc_error(StatusCode.INTERNAL, f"GetPreferredAllocation failed: {e}") from None
+        await stream.send_message(resp)
 
-    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
+    async def allocate(self, stream: Any) -> None:
+        request = await stream.recv_message()
         t0 = time.monotonic()
         try:
-            return self._o.allocate(request)
+            resp = await self._o.loop.run_blocking(self._o.allocate, request)
         except Refusal as r:
             self._o._refused(r)
-            context.abort(r.code, r.message)
+            raise grpcwire.grpc_error(r.code, r.message) from None
         except Exception as e:
             log.exception("Allocate failed")
-            self._o._refused(Refusal(grpc.StatusCode.INTERNAL, str(e), "internal"))
-            context.abort(grpc.StatusCode.INTERNAL, f"Allocate failed: {e}")
+            self._o._refused(Refusal(StatusCode.INTERNAL, str(e), "internal"))
+            raise grpcwire.grpc_error(StatusCode.INTERNAL, f"Allocate failed: {e}") from None
         finally:
             self._o._observe("allocate", time.monotonic() - t0)
-        raise AssertionError("unreachable")
+        await stream.send_message(resp)
 
-    def PreStartContainer(
-        self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
-    ) -> pb.PreStartContainerResponse:
-        return pb.PreStartContainerResponse()
+    async def prestart(self, stream: Any) -> None:
+        await stream.recv_message()
+        await stream.send_message(pb.PreStartContainerResponse())
 
 
 class DevicePluginServer:
-    """The device plugin: grpc server, registration, health, Allocate.
+    """The device plugin: gRPC server, registration, health, Allocate.
 
     Args:
         node: the node and its GPUs.
@@ -153,7 +171,9 @@ class DevicePluginServer:
         podresources_socket: kubelet's PodResources socket, read at ``start``
             to rebuild the ledger and then every ``podresources_interval_s``
             seconds to reconcile it (``Allocator.reconcile``; None: skip).
-        max_workers: grpc thread pool size.
+        max_workers: threads of the event loop's executor, which runs the
+            synchronous part of Allocate and GetPreferredAllocation (at least
+            1; ListAndWatch streams hold none).
         poll_s: registrar and health polling period in seconds.
         secure_pipe_mount: at ``start``, make the MPS root (the layout's
             ``root``) a ``nosuid,nodev`` mount when its filesystem lacks the
@@ -201,7 +221,7 @@ class DevicePluginServer:
         cdi_kind: str | None = None,
         podresources_socket: str | None = DEFAULT_PODRESOURCES_SOCKET,
         podresources_interval_s: float = 10.0,
-        max_workers: int = 16,
+        max_workers: int = 4,
         poll_s: float = 0.1,
         secure_pipe_mount: bool = False,
         fail_open: bool = False,
@@ -234,6 +254,7 @@ class DevicePluginServer:
         self._reconciler: threading.Thread | None = None
         self._reconcile_stop = threading.Event()
         self.max_workers = max_workers
+        self.loop = LoopThread("fracplugin-grpc", workers=max_workers)
         self.secure_pipe_mount = secure_pipe_mount
         self.fail_open = fail_open
         self._secured_root: str | None = None
@@ -242,7 +263,8 @@ class DevicePluginServer:
                                     poll_s=max(poll_s, 0.05))
         self.health.subscribe(self._devices_changed)
         self.registrar = Registrar(
-            self, self.kubelet_socket, self.resource_name, poll_s=poll_s, on_registered=self._on_registered
+            self, self.kubelet_socket, self.resource_name, poll_s=poll_s, on_registered=self._on_registered,
+            loop=self.loop,
         )
         self._init_serving()
         self.allocator = Allocator(
@@ -254,7 +276,7 @@ class DevicePluginServer:
         self.startup_warnings: list[str] = []
 
     def _init_serving(self) -> None:
-        """The ListAndWatch condition and the grpc server slots (nothing served yet)."""
+        """The ListAndWatch condition and the gRPC server slots (nothing served yet)."""
         self._cond = threading.Condition()
         self._version = 0
         self._response = self._build_response()
@@ -262,7 +284,8 @@ class DevicePluginServer:
         self._gen = 0
         self._streams = 0
         self._last_stream_end = 0.0
-        self._server: grpc.Server | None = None
+        self._server: grpcwire.UnixServer | None = None
+        self._wakers: set[asyncio.Event] = set()  # one per open ListAndWatch stream (loop thread only)
         self._socket_id: tuple[int, int] | None = None
         self._server_lock = threading.Lock()
 
@@ -274,15 +297,19 @@ class DevicePluginServer:
         Raises OSError / RuntimeError when the socket cannot be served."""
         self._stopping = False
         self._check_pipe_mount()
+        self.loop.start()
         self.health.start()
         self._devices_changed()
         self._serve()
         if self.podresources_socket and os.path.exists(self.podresources_socket):
+            client = PodResourcesClient(self.podresources_socket, loop=self.loop)
             try:
-                self.startup_warnings.extend(self.rebuild_from_podresources(PodResourcesClient(self.podresources_socket)))
+                self.startup_warnings.extend(self.rebuild_from_podresources(client))
             except PodResourcesError as e:
                 self.startup_warnings.append(str(e))
                 log.warning("ledger rebuild from PodResources skipped: %s", e)
+            finally:
+                client.close()
         if self.podresources_socket:
             self._reconcile_stop.clear()
             self._reconciler = threading.Thread(target=self._reconcile_loop, name="fracplugin-podresources",
@@ -292,22 +319,28 @@ class DevicePluginServer:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop advertising first (end every ListAndWatch stream, so kubelet
-        sees the resource go away), then stop registering, stop the grpc server
-        (in-flight calls get ``timeout_s / 2``), remove our socket and stop the
-        health monitor."""
+        sees the resource go away), then stop registering, stop the gRPC server
+        (in-flight calls get what is left of ``timeout_s``, then are cancelled
+        and their connections closed), stop the event loop thread, remove our
+        socket and stop the health monitor."""
         deadline = time.monotonic() + timeout_s
         self._reconcile_stop.set()
         self.registrar.signal_stop()  # no re-registration while we wind down
         with self._cond:
             self._stopping = True
-            self._cond.notify_all()
+        self._wake_streams()
+        with self._cond:
             self._cond.wait_for(lambda: self._streams == 0, timeout=max(timeout_s / 2, 0.0))
         self.registrar.stop(max(deadline - time.monotonic(), 0.1))
         with self._server_lock:
             server, self._server = self._server, None
             sid, self._socket_id = self._socket_id, None
         if server is not None:
-            server.stop(grace=max(deadline - time.monotonic(), 0.0)).wait(max(deadline - time.monotonic(), 0.1))
+            self._close_server(server, max(deadline - time.monotonic(), 0.1))
+        rec, self._reconciler = self._reconciler, None
+        if rec is not None:
+            rec.join(max(deadline - time.monotonic(), 0.1))
+        self.loop.stop(max(deadline - time.monotonic(), 0.1))
         if sid is not None and socket_identity(self._bound_path) == sid:
             try:
                 os.unlink(self._bound_path)
@@ -379,20 +412,37 @@ class DevicePluginServer:
         """Operator action: forget an XID mark on a GPU (Healthy again unless MPS is down)."""
         return self.health.clear(gpu_uuid)
 
-    # ---- grpc server (RegistrationTarget) ------------------------------------
+    # ---- gRPC server (RegistrationTarget) ------------------------------------
+    def _close_server(self, server: grpcwire.UnixServer, grace_s: float) -> None:
+        """Close ``server`` on the loop: stop listening, cancel its handlers,
+        close its connections; wait for the handlers at most ``grace_s``."""
+        async def close() -> None:
+            server.close()
+            try:
+                await asyncio.wait_for(server.wait_closed(), grace_s)
+            except asyncio.TimeoutError:
+                log.warning("device plugin server: handlers still running %.1f s after close", grace_s)
+
+        try:
+            self.loop.call(close(), grace_s + 1.0)
+        except (RuntimeError, TimeoutError) as e:
+            log.warning("device plugin server close: %s", e)
+
     def _serve(self) -> None:
         """Serve on ``self.socket_path``: bind a temporary name in the same
-        directory, then rename it into place. grpc core unlinks the path it
-        bound when its server stops; with the rename that is the temporary
-        name, so stopping an old server can never delete a newer socket at the
-        public path (issue 11: the socket deleted again right after it was
-        re-created left the plugin serving on no file)."""
+        directory, then rename it into place. grpcio's core unlinked the path
+        it bound when its server stopped (asyncio may too: Python 3.13's
+        ``cleanup_socket``); with the rename that is the temporary name, so
+        stopping an old server can never delete a newer socket at the public
+        path (issue 11: the socket deleted again right after it was re-created
+        left the plugin serving on no file). Raises OSError when the socket
+        cannot be bound."""
         os.makedirs(self.plugin_dir, exist_ok=True)
         with self._server_lock:
             old, self._server = self._server, None
             old_id, old_path = self._socket_id, self._bound_path
         if old is not None:
-            old.stop(grace=0).wait(2.0)
+            self._close_server(old, 2.0)
         if old_path and old_path != self.socket_path and old_id is not None and socket_identity(old_path) == old_id:
             try:
                 os.unlink(old_path)  # our previous name; kubelet dials the new one
@@ -407,14 +457,17 @@ class DevicePluginServer:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="fracplugin-dp"),
-            options=[("grpc.so_reuseport", 0)],
-        )
-        pb_grpc.add_DevicePluginServicer_to_server(_Servicer(self), server)
-        if server.add_insecure_port("unix:" + tmp) == 0:
-            raise OSError(f"cannot listen on {tmp}")
-        server.start()
+        mapping = _Servicer(self).__mapping__()
+
+        async def listen() -> grpcwire.UnixServer:
+            srv = grpcwire.UnixServer(mapping)
+            await srv.start(path=tmp)
+            return srv
+
+        try:
+            server = self.loop.call(listen(), 5.0)
+        except (OSError, TimeoutError) as e:
+            raise OSError(f"cannot listen on {tmp}: {e}") from e
         os.rename(tmp, self.socket_path)
         # (-1, -1) when the file is already gone again: never equal to a real
         # identity, so the registrar serves anew.
@@ -426,6 +479,7 @@ class DevicePluginServer:
         with self._cond:
             self._gen += 1
             self._cond.notify_all()
+        self._wake_streams()
         log.info("device plugin serving %s on %s", self.resource_name, self.socket_path)
 
     def socket_identity(self) -> tuple[int, int] | None:
@@ -505,43 +559,54 @@ class DevicePluginServer:
             self._response = resp
             self._version += 1
             self._cond.notify_all()
+        self._wake_streams()
+
+    def _wake_streams(self) -> None:
+        """Wake every ListAndWatch coroutine (from any thread): they re-check
+        the version, the stop flag and the server generation."""
+        with self._cond:
+            wakers = list(self._wakers)
+        if not wakers:
+            return
+        try:
+            self.loop.loop.call_soon_threadsafe(_set_all, wakers)
+        except RuntimeError:  # the loop is stopped or closed: no stream runs on it
+            pass
 
     def current_devices(self) -> pb.ListAndWatchResponse:
         """The list ListAndWatch sends now."""
         with self._cond:
             return self._response
 
-    def _list_and_watch(self, context: grpc.ServicerContext) -> Iterable[pb.ListAndWatchResponse]:
-        cond = self._cond
-
-        def wake() -> None:
-            with cond:
-                cond.notify_all()
-
-        context.add_callback(wake)
-        with cond:
+    async def _list_and_watch(self, stream: Any) -> None:
+        """Serve one ListAndWatch stream on the loop: the current list at once,
+        then every change, until the server stops (the stream ends with OK),
+        is replaced (``_gen``) or kubelet cancels it (the task is cancelled)."""
+        ev = asyncio.Event()
+        with self._cond:
             gen = self._gen
             self._streams += 1
+            self._wakers.add(ev)
         sent = -1
         try:
             while True:
-                with cond:
-                    cond.wait_for(
-                        lambda: self._version != sent or self._stopping or self._gen != gen or not context.is_active(),
-                        timeout=_STREAM_WAIT_S,
-                    )
-                    if self._stopping or self._gen != gen or not context.is_active():
+                ev.clear()  # before the check: a wake after it is never lost
+                with self._cond:
+                    if self._stopping or self._gen != gen:
                         return
                     version, resp = self._version, self._response
                 if version != sent:
                     sent = version
-                    yield resp
+                    await stream.send_message(resp)
+                    continue
+                await ev.wait()
         finally:
-            with cond:
+            with self._cond:
+                self._wakers.discard(ev)
                 self._streams -= 1
                 if not self._stopping and self._gen == gen:
                     self._last_stream_end = time.monotonic()
-                cond.notify_all()
+                self._cond.notify_all()
 
     # ---- GetPreferredAllocation / Allocate (decisions: allocator.py) -----------
     def preferred(self, request: pb.PreferredAllocationRequest) -> pb.PreferredAllocationResponse:
@@ -617,10 +682,12 @@ class DevicePluginServer:
             if not self.podresources_socket or not os.path.exists(self.podresources_socket):
                 continue
             try:
-                client = client or PodResourcesClient(self.podresources_socket)
+                client = client or PodResourcesClient(self.podresources_socket, loop=self.loop)
                 for w in self.allocator.reconcile(client.list()):
                     log.info("PodResources reconcile: %s", w)
             except PodResourcesError as e:
+                if self._reconcile_stop.is_set():
+                    break
                 log.warning("PodResources reconcile skipped: %s", e)
                 client = None
             except Exception:
@@ -633,3 +700,8 @@ class DevicePluginServer:
         again for running containers, A.5). Returns warnings. Raises
         PodResourcesError when kubelet cannot be asked."""
         return self.allocator.reconcile(client.list(), initial=True)
+
+
+def _set_all(events: Iterable[asyncio.Event]) -> None:
+    for e in events:
+        e.set()

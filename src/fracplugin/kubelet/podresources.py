@@ -10,9 +10,13 @@ Uses: the NRI door confirms at CreateContainer which device IDs kubelet gave a
 container (``devices_for``); the device plugin rebuilds its ledger at startup
 for containers allocated before a restart (kubelet never re-Allocates, A.5).
 
-Concurrency model: a ``PodResourcesClient`` holds one grpc channel; grpc
-channels are thread-safe, so one client may be shared by threads. Every call
-has a deadline (``timeout_s``). The socket is dialled lazily, so a kubelet
+Concurrency model: a ``PodResourcesClient`` holds one grpclib channel (ADR
+0018), used only on an event loop thread (``aio.LoopThread``: the door's,
+passed as ``loop``, or a private one started on first use and stopped by
+``close``); the synchronous methods hand each call to that loop and wait for
+it, so one client may be shared by threads. A method called from the loop
+thread itself raises RuntimeError (it would wait for itself). Every call has
+a deadline (``timeout_s``). The socket is dialled lazily, so a kubelet
 restart (new socket file) is picked up on the next call after a failure.
 """
 
@@ -21,12 +25,12 @@ from __future__ import annotations
 import builtins
 import threading
 from dataclasses import dataclass, field
-from typing import Mapping
-
-import grpc
+from typing import Any, Mapping
 
 from .._proto import podresources_pb2 as pb
-from .._proto import podresources_pb2_grpc as pb_grpc
+from . import grpcwire
+from .aio import LoopStopped, LoopThread
+from .codes import StatusCode
 
 DEFAULT_PODRESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
@@ -74,42 +78,63 @@ class PodResourcesClient:
     Args:
         socket_path: the unix socket (default ``/var/lib/kubelet/pod-resources/kubelet.sock``).
         timeout_s: deadline of each call in seconds.
+        loop: the event loop thread the calls run on (the device plugin
+            door's); None: the client starts its own on first use and
+            stops it in ``close``.
     """
 
-    def __init__(self, socket_path: str = DEFAULT_PODRESOURCES_SOCKET, timeout_s: float = 2.0) -> None:
+    _LIST = "/v1.PodResourcesLister/List"
+    _GET = "/v1.PodResourcesLister/Get"
+
+    def __init__(self, socket_path: str = DEFAULT_PODRESOURCES_SOCKET, timeout_s: float = 2.0,
+                 loop: LoopThread | None = None) -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._channel: grpc.Channel | None = None
-        self._stub: pb_grpc.PodResourcesListerStub | None = None
+        self._loop = loop
+        self._own_loop: LoopThread | None = None
+        self._channel: Any = None  # grpclib Channel, created and used on the loop only
         self._get_unimplemented = False
 
-    def _get_stub(self) -> pb_grpc.PodResourcesListerStub:
+    def _loop_thread(self) -> LoopThread:
         with self._lock:
-            if self._stub is None:
-                # grpcio >= 1.57 sends the %-encoded path as :authority on UDS
-                # targets; kubelet (grpc-go) accepts it, but be explicit (D.9).
-                self._channel = grpc.insecure_channel(
-                    "unix:" + self.socket_path, options=[("grpc.default_authority", "localhost")]
-                )
-                self._stub = pb_grpc.PodResourcesListerStub(self._channel)
-            return self._stub
+            if self._loop is not None:
+                return self._loop
+            if self._own_loop is None:
+                self._own_loop = LoopThread("fracplugin-podresources", workers=1).start()
+            return self._own_loop
 
-    def _reset(self) -> None:
-        with self._lock:
-            if self._channel is not None:
-                self._channel.close()
-            self._channel = None
-            self._stub = None
+    async def _call(self, method: str, request: Any, reply_type: type) -> Any:
+        if self._channel is None:
+            self._channel = grpcwire.channel(self.socket_path)
+        try:
+            return await grpcwire.unary(self._channel, self.socket_path, method, request, reply_type, self.timeout_s)
+        except grpcwire.RpcError as e:
+            if e.code not in (StatusCode.UNIMPLEMENTED, StatusCode.NOT_FOUND):
+                self._drop_channel()  # dial again next time (kubelet restarted: a new socket)
+            raise
+
+    def _drop_channel(self) -> None:
+        ch, self._channel = self._channel, None
+        if ch is not None:
+            ch.close()
+
+    def _run(self, method: str, request: Any, reply_type: type) -> Any:
+        """One call on the loop. Raises grpcwire.RpcError; RuntimeError from the loop thread."""
+        try:
+            return self._loop_thread().call(self._call(method, request, reply_type), self.timeout_s + 1.0)
+        except TimeoutError as e:
+            raise grpcwire.RpcError(StatusCode.DEADLINE_EXCEEDED, str(e)) from None
+        except LoopStopped as e:
+            raise grpcwire.RpcError(StatusCode.UNAVAILABLE, str(e)) from None
 
     def list(self) -> list[PodDevices]:
         """Every pod kubelet knows with its containers' devices. Raises PodResourcesError."""
         try:
-            resp = self._get_stub().List(pb.ListPodResourcesRequest(), timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            self._reset()
+            resp = self._run(self._LIST, pb.ListPodResourcesRequest(), pb.ListPodResourcesResponse)
+        except grpcwire.RpcError as e:
             raise PodResourcesError(
-                f"PodResources List on {self.socket_path} failed: {e.code().name}: {e.details()}"
+                f"PodResources List on {self.socket_path} failed: {e.code.name}: {e.message}"
             ) from None
         return [_convert(p) for p in resp.pod_resources]
 
@@ -118,21 +143,19 @@ class PodResourcesClient:
         None when kubelet does not know the pod. Raises PodResourcesError."""
         if not self._get_unimplemented:
             try:
-                resp = self._get_stub().Get(
-                    pb.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace), timeout=self.timeout_s
-                )
+                resp = self._run(self._GET, pb.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace),
+                                 pb.GetPodResourcesResponse)
                 return _convert(resp.pod_resources)
-            except grpc.RpcError as e:
-                code = e.code()
-                if code == grpc.StatusCode.UNIMPLEMENTED:
+            except grpcwire.RpcError as e:
+                code = e.code
+                if code == StatusCode.UNIMPLEMENTED:
                     self._get_unimplemented = True
-                elif code == grpc.StatusCode.NOT_FOUND or "not found" in (e.details() or "").lower():
+                elif code == StatusCode.NOT_FOUND or "not found" in (e.message or "").lower():
                     return None
                 else:
-                    self._reset()
                     raise PodResourcesError(
                         f"PodResources Get {namespace}/{name} on {self.socket_path} failed: "
-                        f"{code.name}: {e.details()}"
+                        f"{code.name}: {e.message}"
                     ) from None
         for p in self.list():
             if p.namespace == namespace and p.name == name:
@@ -151,7 +174,19 @@ class PodResourcesClient:
         return list(c.devices.get(resource_name, ()))
 
     def close(self) -> None:
-        self._reset()
+        """Close the channel; stop the client's own loop thread if it started one."""
+        with self._lock:
+            loop = self._loop or self._own_loop
+            own, self._own_loop = self._own_loop, None
+        if loop is not None and loop.running() and not loop.in_loop_thread():
+            async def drop() -> None:
+                self._drop_channel()
+            try:
+                loop.call(drop(), 2.0)
+            except (RuntimeError, TimeoutError):
+                pass
+        if own is not None:
+            own.stop()
 
 
 def devices_for(

@@ -6,8 +6,10 @@ Rules (kubelet-device-plugin.md A.5, A.8, D.7-D.9):
   then call ``Registration.Register`` on ``kubelet.sock``: kubelet dials back
   and calls GetDevicePluginOptions + ListAndWatch before Register returns, so
   Register fails when we are not serving;
-* dial kubelet.sock with ``:authority`` ``localhost`` (grpc option
-  ``grpc.default_authority``; grpcio >= 1.57 would send the %-encoded path);
+* dial kubelet.sock over grpclib (ADR 0018; ``grpcwire``), whose
+  ``:authority`` on a unix socket is ``127.0.0.1:50051`` (kubelet's grpc-go
+  server does not check it; grpcio >= 1.57 sent the %-encoded path, which
+  is why grpcio was told ``localhost``);
 * retry with exponential backoff (tenacity; 50 ms doubling to 1 s) for as long
   as the plugin runs;
 * re-register without restarting the process when kubelet restarts. Triggers,
@@ -44,30 +46,36 @@ Rules learnt from a real kubelet (issue 11, ``docs/e2e.md``; kubelet
 
 Concurrency model: one daemon thread (``Registrar``) owns the whole cycle; the
 device plugin server is driven through the narrow ``RegistrationTarget``
-callbacks, which must be thread-safe.
+callbacks, which must be thread-safe. The gRPC calls themselves (probe,
+Register) run on the door's event loop (``aio.LoopThread``, passed as
+``loop``); the registrar thread waits for them with a deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Coroutine, Protocol, TypeVar
 
-import grpc
 import tenacity
 
 from .._proto import deviceplugin_pb2 as pb
-from .._proto import deviceplugin_pb2_grpc as pb_grpc
+from . import grpcwire
+from .aio import LoopThread
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 API_VERSION = "v1beta1"
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET_NAME = "kubelet.sock"
-CHANNEL_OPTIONS = [("grpc.default_authority", "localhost")]
+_GET_OPTIONS = "/v1beta1.DevicePlugin/GetDevicePluginOptions"
+_REGISTER = "/v1beta1.Registration/Register"
+_LOOP_SLACK_S = 1.0  # a call's own deadline ends it; this only bounds a wedged loop
 
 
 class RegistrationError(RuntimeError):
@@ -84,19 +92,50 @@ def socket_identity(path: str) -> tuple[int, int] | None:
     return (st.st_ino, st.st_ctime_ns)
 
 
-def probe(socket_path: str, timeout_s: float = 1.0) -> pb.DevicePluginOptions:
+def _run(coro: Coroutine[Any, Any, T], loop: LoopThread | None, timeout_s: float) -> T:
+    """Run ``coro`` on ``loop`` (the door's event loop thread) or, without
+    one, on a loop of the calling thread for this call only. Raises what the
+    coroutine raises; TimeoutError / RuntimeError from ``LoopThread.call``."""
+    if loop is None:
+        return asyncio.run(coro)
+    return loop.call(coro, timeout_s + _LOOP_SLACK_S)
+
+
+def probe(socket_path: str, timeout_s: float = 1.0, loop: LoopThread | None = None) -> pb.DevicePluginOptions:
     """Call GetDevicePluginOptions on a device plugin socket, the way kubelet
-    does (authority ``localhost``, blocking until ready or ``timeout_s``).
+    does, retrying a connection that cannot be made yet until ``timeout_s``
+    seconds (grpcio's ``wait_for_ready``). ``loop``: the door's event loop
+    (None: a loop of the calling thread for this call).
     Raises RegistrationError."""
-    with grpc.insecure_channel("unix:" + socket_path, options=CHANNEL_OPTIONS) as ch:
+    try:
+        return _run(grpcwire.unary(None, socket_path, _GET_OPTIONS, pb.Empty(), pb.DevicePluginOptions, timeout_s,
+                                   wait_for_ready=True), loop, timeout_s)
+    except (grpcwire.RpcError, TimeoutError) as e:
+        raise RegistrationError(f"own socket {socket_path} does not answer: {e}") from None
+
+
+async def _register(
+    kubelet_socket: str,
+    request: pb.RegisterRequest,
+    timeout_s: float,
+    abort_if: Callable[[], bool] | None,
+) -> None:
+    call = asyncio.ensure_future(grpcwire.unary(None, kubelet_socket, _REGISTER, request, pb.Empty, timeout_s))
+    try:
+        while abort_if is not None and not call.done():
+            await asyncio.wait({call}, timeout=0.05)
+            if not call.done() and abort_if():
+                raise RegistrationError(
+                    f"Register {request.resource_name} at {kubelet_socket} abandoned: our socket {request.endpoint} "
+                    "was deleted while kubelet was dialing it")
         try:
-            return pb_grpc.DevicePluginStub(ch).GetDevicePluginOptions(
-                pb.Empty(), timeout=timeout_s, wait_for_ready=True
-            )
-        except grpc.RpcError as e:
-            raise RegistrationError(
-                f"own socket {socket_path} does not answer: {e.code().name}: {e.details()}"
-            ) from None
+            await call
+        except grpcwire.RpcError as e:
+            raise RegistrationError(f"Register {request.resource_name} at {kubelet_socket} failed: {e}") from None
+    finally:
+        if not call.done():
+            call.cancel()
+            await asyncio.wait({call})
 
 
 def register(
@@ -106,37 +145,23 @@ def register(
     options: pb.DevicePluginOptions,
     timeout_s: float = 10.0,
     abort_if: Callable[[], bool] | None = None,
+    loop: LoopThread | None = None,
 ) -> None:
     """One ``Registration.Register`` call. ``endpoint`` is our socket's *file
     name* (kubelet joins it with its plugin dir, reference A.3). ``abort_if``
     is checked every 50 ms while kubelet works on the call: when it turns true
     (our socket was deleted meanwhile: kubelet would dial the missing file
-    until its own 10 s timeout) the call is cancelled. Raises
+    until its own 10 s timeout) the call is cancelled. ``loop``: the door's
+    event loop (None: a loop of the calling thread for this call). Raises
     RegistrationError (kubelet.sock missing, kubelet refused, timeout, aborted)."""
     if not os.path.exists(kubelet_socket):
         raise RegistrationError(f"{kubelet_socket} does not exist (kubelet not running yet?)")
-    with grpc.insecure_channel("unix:" + kubelet_socket, options=CHANNEL_OPTIONS) as ch:
-        fut = pb_grpc.RegistrationStub(ch).Register.future(
-            pb.RegisterRequest(version=API_VERSION, endpoint=endpoint, resource_name=resource_name, options=options),
-            timeout=timeout_s,
-        )
-        while abort_if is not None and not fut.done():
-            try:
-                fut.result(timeout=0.05)
-            except grpc.FutureTimeoutError:
-                if abort_if():
-                    fut.cancel()
-                    raise RegistrationError(
-                        f"Register {resource_name} at {kubelet_socket} abandoned: our socket {endpoint} was deleted "
-                        "while kubelet was dialing it") from None
-            except grpc.RpcError:
-                break
-        try:
-            fut.result()
-        except grpc.RpcError as e:
-            raise RegistrationError(
-                f"Register {resource_name} at {kubelet_socket} failed: {e.code().name}: {e.details()}"
-            ) from None
+    req = pb.RegisterRequest(version=API_VERSION, endpoint=endpoint, resource_name=resource_name, options=options)
+    try:
+        _run(_register(kubelet_socket, req, timeout_s, abort_if), loop, timeout_s)
+    except TimeoutError:
+        raise RegistrationError(f"Register {resource_name} at {kubelet_socket} failed: no answer within "
+                                f"{timeout_s} s") from None
 
 
 class DirWatch:
@@ -281,6 +306,8 @@ class Registrar:
             the first Register of this process; then it registers anyway.
         warn_every_s: at most one WARNING per this many seconds while
             registration keeps failing (the first failure is always logged).
+        loop: the door's event loop the probe and Register calls run on
+            (None: a loop of the registrar thread per call).
     """
 
     def __init__(
@@ -296,8 +323,10 @@ class Registrar:
         on_registered: Callable[[float], None] | None = None,
         ready_timeout_s: float = 30.0,
         warn_every_s: float = 60.0,
+        loop: LoopThread | None = None,
     ) -> None:
         self.target = target
+        self.loop = loop
         self.kubelet_socket = kubelet_socket
         self.resource_name = resource_name
         self.poll_s = poll_s
@@ -398,7 +427,7 @@ class Registrar:
             self._rebind("kubelet refused our socket path as already connected")
         elif _socket_gone(socket_identity(self.target.socket_path), self.target.socket_identity()):
             self._rebind(f"own socket {self.target.socket_path} is gone")
-        probe(self.target.socket_path, timeout_s=1.0)
+        probe(self.target.socket_path, timeout_s=1.0, loop=self.loop)
         before = time.monotonic()
         ks = self._note_kubelet()
         try:
@@ -409,6 +438,7 @@ class Registrar:
                 self.target.options(),
                 timeout_s=self.register_timeout_s,
                 abort_if=lambda: _socket_gone(socket_identity(self.target.socket_path), self.target.socket_identity()),
+                loop=self.loop,
             )
         except RegistrationError as e:
             if "already connected" in str(e):
