@@ -1,11 +1,14 @@
 """What a ``fracplugin run`` process loads (issue 14, docs/benchmarks.md memory).
 
-grpc (its Cython core, asyncio and OpenSSL) is about 28 MiB of resident
-memory. Only the device plugin door speaks gRPC, so a process without it
-(``--no-device-plugin``, the MPS role) must never map grpc's core library:
-checked on the real daemon process through ``/proc/<pid>/maps``, with a
-positive control that the same check sees grpc where the door's code is
-loaded.
+grpcio (its Cython core, asyncio and OpenSSL) was about 12-28 MiB of resident
+memory. ADR 0018: the kubelet door speaks gRPC through grpclib, so no
+``fracplugin run`` process, all doors included, ever imports ``grpc``;
+ADR 0016: a process without the device plugin door (``--no-device-plugin``,
+the MPS role) does not load the door's gRPC library (grpclib, h2) either.
+Checked on the real daemon process through ``/proc/<pid>/maps`` (grpcio's
+core is a shared object, mapped by ``import grpc``), with a positive control
+that the same check sees grpcio's core where ``grpc`` is imported, and on
+the run path's imports through ``sys.modules``.
 """
 
 from __future__ import annotations
@@ -99,13 +102,53 @@ def grpc_mapped(pid: int) -> list[str]:
     return sorted(p for p in mapped_files(pid) if GRPC_CORE in p)
 
 
-def test_the_check_sees_grpc_where_the_device_plugin_code_is_loaded() -> None:
-    """Positive control: resolving ``fracplugin.kubelet.DevicePluginServer`` maps grpc's core."""
-    code = ("import os, sys, fracplugin.kubelet as k; before = 'grpc' in sys.modules; k.DevicePluginServer; "
-            "maps = open('/proc/self/maps').read(); print(before, 'grpc' in sys.modules, %r in maps)" % GRPC_CORE)
+def test_the_check_sees_grpcio_where_grpc_is_imported() -> None:
+    """Positive control: ``import grpc`` maps grpcio's core (the test peers' library)."""
+    code = ("import sys; before = %r in open('/proc/self/maps').read(); import grpc; "
+            "print(before, %r in open('/proc/self/maps').read())" % (GRPC_CORE, GRPC_CORE))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "True", "True"]
+    assert out.stdout.split() == ["False", "True"]
+
+
+def test_the_run_path_with_every_door_never_imports_grpc() -> None:
+    """ADR 0018: the daemon's modules, the device plugin door's included
+    (server, registration, PodResources), load grpclib and never grpcio.
+    Positive control: the door's gRPC library is loaded by the same import."""
+    code = ("import sys, fracplugin.cli, fracplugin.daemon, fracplugin.nri.plugin, fracplugin.kubelet as k; "
+            "k.DevicePluginServer; k.PodResourcesClient; import fracplugin.kubelet.registration; "
+            "print('grpclib.server' in sys.modules, 'grpclib.client' in sys.modules, "
+            "sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().split(maxsplit=2) == ["True", "True", "[]"]
+
+
+@pytest.mark.timeout(120)
+def test_daemon_with_every_door_never_maps_grpcio(root: Path) -> None:
+    """The real daemon, NRI and device plugin doors on and registered with
+    peers (grpcio's kubelet, the NRI runtime peer): grpcio's core is not
+    mapped, and the door is served (the kubelet peer got its device list)."""
+    from tests.peers.kubelet import FakeKubelet
+    from tests.peers.nri_runtime import FakeNriRuntime
+
+    dp = root / "dp"
+    rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    kubelet = FakeKubelet(str(dp)).start()
+    try:
+        proc = run_ready(root, "--nri-socket", str(root / "nri.sock"), "--device-plugin-dir", str(dp),
+                         "--pod-resources-socket", str(root / "pr.sock"))
+        try:
+            assert rt.wait_registered(15) is not None
+            assert kubelet.wait_for(lambda: bool(kubelet.registrations), 15)
+            files = mapped_files(proc.pid)
+            assert any("libpython" in f or "python3" in f for f in files)  # the listing is the daemon's own
+            assert grpc_mapped(proc.pid) == []
+        finally:
+            stop(proc)
+    finally:
+        kubelet.stop()
+        rt.close()
 
 
 @pytest.mark.timeout(120)
@@ -117,6 +160,17 @@ def test_daemon_without_the_device_plugin_door_never_maps_grpc(root: Path) -> No
         assert grpc_mapped(proc.pid) == []
     finally:
         stop(proc)
+
+
+def test_without_the_door_its_grpc_library_is_not_imported() -> None:
+    """ADR 0016 for grpclib: config validation and the NRI door import
+    ``fracplugin.kubelet.devices`` (pure), never the door's transport."""
+    code = ("import sys, fracplugin.cli, fracplugin.daemon, fracplugin.config, fracplugin.nri.plugin, "
+            "fracplugin.kubelet.devices, fracplugin.kubelet.codes; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'grpclib', 'h2')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.timeout(120)
