@@ -421,7 +421,7 @@ class Demo:
 
     # ---- the device plugin door ------------------------------------------------------------
     def allocate(self, manifest: dict[str, Any]) -> dict[str, str]:
-        import grpc
+        from .kubelet.grpcwire import RpcError
 
         md = manifest["metadata"]
         spec = manifest["spec"]["containers"][0]
@@ -433,12 +433,12 @@ class Demo:
         self.out(f"  kubelet picked {n} device IDs on {', '.join(gpus)} ({ids[0]} ...)")
         try:
             r = self.kubelet.allocate(ids)
-        except grpc.RpcError as exc:
-            self.out(f"  container {name}: REFUSED ({exc.code().name})")
-            self.out(f"    reason: {exc.details()}")
+        except RpcError as exc:
+            self.out(f"  container {name}: REFUSED ({exc.code.name})")
+            self.out(f"    reason: {exc.message}")
             self.results.append({"door": "device-plugin", "container": name, "outcome": "refused",
-                                 "reason": exc.details()})
-            raise StepFailed(f"Allocate for {name} was refused: {exc.details()}") from None
+                                 "reason": exc.message})
+            raise StepFailed(f"Allocate for {name} was refused: {exc.message}") from None
         env = dict(r.envs)
         mounts = [f"{m.host_path} -> {m.container_path} ({'ro' if m.read_only else 'rw'})" for m in r.mounts]
         devices = [d for d in env.get("NVIDIA_VISIBLE_DEVICES", "").split(",") if d]
