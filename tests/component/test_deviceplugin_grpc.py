@@ -66,6 +66,7 @@ class Stream:
         self.call = pb_grpc.DevicePluginStub(self.ch).ListAndWatch(pb.Empty())
         self.lists: list[dict[str, str]] = []
         self.ended = threading.Event()
+        self.end_code: grpc.StatusCode | None = None
         self.cond = threading.Condition()
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -75,8 +76,9 @@ class Stream:
                 with self.cond:
                     self.lists.append({d.ID: d.health for d in resp.devices})
                     self.cond.notify_all()
-        except grpc.RpcError:
-            pass
+            self.end_code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            self.end_code = e.code()
         finally:
             self.ended.set()
 
@@ -105,6 +107,7 @@ def test_two_concurrent_streams_both_get_every_change_and_end_on_stop(plugin):
             assert sum(h == "Unhealthy" for h in st.lists[-1].values()) == 79
         s.stop(3.0)
         assert a.ended.wait(5) and b.ended.wait(5)
+        assert (a.end_code, b.end_code) == (grpc.StatusCode.OK, grpc.StatusCode.OK)  # ended, not reset
         assert s.active_streams() == 0
     finally:
         for st in (a, b, c):
@@ -182,3 +185,62 @@ def test_unregistered_plugin_reports_why(plugin):
     assert wait_until(lambda: "does not exist" in s.status()["last_registration_error"])
     assert st["devices"] == 316 and st["healthy_devices"] == 316
     assert os.path.exists(s.socket_path)
+
+
+def test_refusals_reach_a_grpcio_client_with_their_code_and_message(plugin):
+    """ADR 0018: the grpclib server answers a Refusal's ``codes.StatusCode``
+    and message as grpc-status / grpc-message, read by another gRPC
+    implementation (grpcio here, grpc-go in kubelet)."""
+    s, inv, _, _ = plugin
+    with channel(s.socket_path) as ch:
+        stub = pb_grpc.DevicePluginStub(ch)
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["x::1"])]),
+                          timeout=5)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x::1" in bad.value.details()
+        g3 = s.node.gpus[3].uuid
+        inv.inject_xid(g3, 79)
+        assert wait_until(lambda: g3 in s.health.unhealthy())
+        with pytest.raises(grpc.RpcError) as sick:
+            stub.Allocate(pb.AllocateRequest(container_requests=[
+                pb.ContainerAllocateRequest(devices_ids=[f"{g3}::0"])]), timeout=5)
+        assert sick.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "xid 79" in sick.value.details()
+        with pytest.raises(grpc.RpcError) as neg:
+            stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
+                pb.ContainerPreferredAllocationRequest(available_deviceIDs=[f"{g3}::0"], allocation_size=-1)]),
+                timeout=5)
+        assert neg.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "negative" in neg.value.details()
+
+
+def test_allocate_runs_off_the_event_loop_thread(plugin):
+    """The allocator (ledger fsync, watch-cache waits) runs in the door's
+    executor, never on the thread that serves every connection."""
+    s, _, _, _ = plugin
+    seen: list[str] = []
+    real = s.allocator.allocate
+
+    def recording(*args, **kwargs):
+        seen.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    s.allocator.allocate = recording
+    ids = [f"{s.node.gpus[0].uuid}::{i}" for i in range(2)]
+    with channel(s.socket_path) as ch:
+        r = pb_grpc.DevicePluginStub(ch).Allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=5)
+    assert r.container_responses[0].annotations["fracplugin.io/allocate"]
+    assert len(seen) == 1 and seen[0].startswith("fracplugin-dp") and seen[0] != "fracplugin-grpc"
+
+
+def test_stop_ends_the_loop_thread_and_closes_connections(plugin):
+    """After ``stop`` nothing of the door's transport runs: the loop thread
+    is gone, and a channel that was connected sees the server go away."""
+    s, _, _, _ = plugin
+    with channel(s.socket_path) as ch:
+        stub = pb_grpc.DevicePluginStub(ch)
+        assert stub.GetDevicePluginOptions(pb.Empty(), timeout=5).get_preferred_allocation_available
+        s.stop(3.0)
+        assert not any(t.name == "fracplugin-grpc" and t.is_alive() for t in threading.enumerate())
+        with pytest.raises(grpc.RpcError) as gone:
+            stub.GetDevicePluginOptions(pb.Empty(), timeout=2)
+        assert gone.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
