@@ -97,8 +97,9 @@ def setup(fmt: str = "json", level: str = "info", stream: TextIO | None = None) 
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root.addHandler(handler)
     set_level(level)
-    # grpc and kubernetes are chatty at debug; keep them at warning unless asked.
-    for noisy in ("kubernetes", "urllib3", "grpc"):
+    # grpc and kubernetes are chatty at debug; keep them at warning unless asked
+    # (grpclib logs every cancelled ListAndWatch at INFO: "Request was cancelled").
+    for noisy in ("kubernetes", "urllib3", "grpc", "grpclib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return handler
 
