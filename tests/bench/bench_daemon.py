@@ -15,12 +15,12 @@ read-modify-write under an exclusive ``flock``):
 - ``daemon.shutdown_ms``: SIGTERM to process exit;
 - ``daemon.rss_mib``: resident memory of the ready daemon (VmRSS), MiB;
 - ``daemon.rss_anon_mib`` / ``daemon.rss_file_mib``: the same split into
-  anonymous memory (Python heap, grpc's allocations, stacks) and mapped files
+  anonymous memory (Python heap, stacks) and mapped files
   (shared libraries and extension modules: pages of the page cache, shared
   with other processes mapping the same file; how many a fault maps depends
   on the kernel's page-cache folio size), MiB;
 - ``daemon.rss_mib_nri_only``: VmRSS of a ready ``--no-device-plugin``
-  daemon (NRI, MPS, metrics, health: no grpc), MiB;
+  daemon (NRI, MPS, metrics, health: no gRPC library at all), MiB;
 - ``daemon.rss_mib_mps_role``: VmRSS of a ready ``--role mps`` process, MiB;
 - ``demo.wall_s``: one ``fracplugin demo`` run, seconds.
 

@@ -11,13 +11,14 @@ Public API (used by the daemon):
 - ``DEFAULT_RESOURCE_NAME`` (``fracplugin.io/gpu-memory``), ``DEFAULT_UNIT_MIB`` (1024).
 
 The names above are loaded on first use (PEP 562 module ``__getattr__``):
-importing this package, or a pure submodule such as ``devices`` (which
-config validation and the NRI door use), does not import grpc and the
-generated protos. grpc with its asyncio and OpenSSL costs about 28 MiB of
-resident memory (docs/benchmarks.md, memory), which a process without the
-device plugin door (``--no-device-plugin``, ``--role mps``) never pays
-(issue 14). The submodules that serve kubelet (deviceplugin, registration,
-podresources, allocator) import grpc themselves.
+importing this package, or a pure submodule such as ``devices`` or
+``codes`` (which config validation and the NRI door use), does not import
+the door's gRPC library (grpclib with h2, ADR 0018; about 4-5 MiB of
+resident memory with the door's state) nor the generated protos, which a
+process without the device plugin door (``--no-device-plugin``, ``--role
+mps``) never pays (ADR 0016). The submodules that speak gRPC (deviceplugin,
+registration, podresources, through ``grpcwire`` and ``aio``) import
+grpclib themselves; nothing in the daemon imports grpcio (ADR 0018).
 """
 
 from __future__ import annotations
