@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-import grpc
 import pytest
 import yaml
 
@@ -30,6 +29,7 @@ from fracplugin._proto import deviceplugin_pb2 as pb
 from fracplugin._proto import nri_pb2
 from fracplugin.daemon import Daemon
 from fracplugin.kubelet.allocator import Refusal
+from fracplugin.kubelet.codes import StatusCode
 from fracplugin.kubelet.deviceplugin import ALLOCATE_UNADJUSTED, ANNOTATION_ALLOCATE
 from fracplugin.nri.ttrpc import RpcError
 from fracplugin.parts import PartBase
@@ -159,7 +159,7 @@ def test_device_plugin_reloads_fail_open_and_reports_its_restart_settings(fresh:
     try:
         with pytest.raises(Refusal) as refused:
             _allocate_gpu0(d)
-        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert refused.value.code == StatusCode.FAILED_PRECONDITION
         refusals = dp.counters.refusals
         res = fresh.reload(fail_open=True, device_unit_mib=2048)
         assert res["parts"]["device plugin"] == {"applied": ["fail_open"], "needs_restart": ["device_unit_mib"]}
