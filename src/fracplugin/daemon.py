@@ -633,8 +633,8 @@ class Daemon:
         if self.cfg.role == "mps":  # no ledger (the doors role owns it), no doors
             steps = [s for s in steps if s[0] in ("inventory", "metrics", "mps", "health")]
         elif not self.cfg.no_device_plugin:
-            # grpc loads before any part starts a thread or a child process, as when
-            # config validation imported it; without the door it never loads (ADR 0016)
+            # the door's gRPC library (grpclib, ADR 0018) loads before any part starts a
+            # thread or a child process; without the door it never loads (ADR 0016)
             from .kubelet import deviceplugin  # noqa: F401
         for name, step in steps:
             try:
