@@ -339,6 +339,37 @@ def test_recap_refused_while_a_client_is_attached(mps):
     assert sup.ensure_namespace(POD_A, "app", 30, timeout_s=5)  # same cap: fine
 
 
+def test_ensure_of_a_namespace_applied_on_this_daemon_asks_mps_nothing(mps):
+    # issue 14: every new container of the same pod and name (restarts, the
+    # runtime's retries, bench_nri) used to cost a `namespace list` per ensure.
+    sup = mps.supervisor(modes=(SM,))
+    assert sup.wait_ready(15)
+    key = f"{SM_SERVER}/{namespace_name(POD_A, 'app')}"
+    path = sup.ensure_namespace(POD_A, "app", 30, timeout_s=5, pinned_limit_mib=2048)
+    mps.faults(SM, refuse=["namespace"])  # from now on MPS refuses every namespace command
+    assert sup.ensure_namespace(POD_A, "app", 30, timeout_s=5, pinned_limit_mib=2048) == path  # none sent
+    with pytest.raises(MpsError, match="refused"):  # other caps: asked (and refused)
+        sup.ensure_namespace(POD_A, "app", 40, timeout_s=5, pinned_limit_mib=2048)
+    with pytest.raises(MpsError, match="refused"):  # after a failed apply the state is unknown: asked again
+        sup.ensure_namespace(POD_A, "app", 30, timeout_s=5, pinned_limit_mib=2048)
+    mps.faults(SM)
+    assert sup.ensure_namespace(POD_A, "app", 30, timeout_s=5, pinned_limit_mib=2048) == path
+    # A restarted daemon re-applies the recorded namespace before it is healthy;
+    # that apply counts: the next ensure asks nothing.
+    old = daemon(sup, SM)["pid"]
+    mps.faults(SM, crash=True, pid=old)
+    wait_for(lambda: daemon(sup, SM)["pid"] not in (None, old) and sup.healthy(SM), what="restart")
+    assert mps.state(SM)["namespaces"][key]["active_thread_percentage"] == 30
+    mps.faults(SM, refuse=["namespace"])
+    assert sup.ensure_namespace(POD_A, "app", 30, timeout_s=5, pinned_limit_mib=2048) == path
+    # A release forgets it: the next ensure creates the namespace again.
+    mps.faults(SM)
+    assert sup.release_namespace(POD_A, "app") is True
+    assert key not in mps.state(SM)["namespaces"]
+    assert sup.ensure_namespace(POD_A, "app", 30, timeout_s=5, pinned_limit_mib=2048) == path
+    assert mps.state(SM)["namespaces"][key]["active_thread_percentage"] == 30
+
+
 def test_release_deletes_namespace_or_retries_until_clients_leave(mps):
     sup = mps.supervisor(modes=(SM,))
     assert sup.wait_ready(15)

@@ -166,3 +166,65 @@ def test_removal_after_the_namespace_was_made_releases_it_after_the_creation(nod
     wait_for(lambda: _jobs(plugin)["queued"] == 0 and _jobs(plugin)["running"] == 0, what="the queue drained")
     assert mps.by_owner()[(pod.uid, "app")] == ["ensure", "release"]
     assert mps.most_at_once == 1
+
+
+def _settled(plugin: FracNriPlugin) -> bool:
+    return _jobs(plugin)["queued"] == 0 and _jobs(plugin)["running"] == 0
+
+
+def test_a_new_container_of_an_owner_whose_namespace_is_made_queues_nothing(node):
+    # issue 14: each container restart (or the runtime's retry) of a pod's
+    # container queued one more ensure of the same namespace.
+    plugin, ledger, mps, rt = node
+    mps.gate.set()
+    pod = _pod(0)
+    first = make_container(pod, "app", container_id="ctr-0")
+    assert not isinstance(rt.create_container(pod, first), RpcError)
+    assert rt.start_container(pod, first) is None
+    wait_for(lambda: _settled(plugin), what="the ensure done")
+    for n in range(1, 4):  # restarts: the old container goes, a new one comes
+        ctr = make_container(pod, "app", container_id=f"ctr-{n}")
+        assert not isinstance(rt.create_container(pod, ctr), RpcError)
+        assert _jobs(plugin)["queued"] == 0 and _jobs(plugin)["running"] == 0
+        assert rt.start_container(pod, ctr) is None  # awaits the ensure that made it
+        assert rt.remove_container(pod, make_container(pod, "app", container_id=f"ctr-{n - 1}")) is None
+    assert mps.by_owner()[(pod.uid, "app")] == ["ensure"]
+    # Other settings for the same owner (a new portion): ensured again.
+    other = make_pod("inference-0", uid=pod.uid, pod_id=pod.id, annotations={
+        **dict(pod.annotations), P + "app.gpu-compute.portion": "0.5"})
+    ctr = make_container(other, "app", container_id="ctr-9")
+    assert not isinstance(rt.create_container(other, ctr), RpcError)
+    assert rt.start_container(other, ctr) is None
+    wait_for(lambda: _settled(plugin), what="the second ensure done")
+    assert mps.by_owner()[(pod.uid, "app")] == ["ensure", "ensure"]
+    # Released: the next container of the owner makes it again.
+    assert rt.remove_container(pod, make_container(pod, "app", container_id="ctr-3")) is None
+    assert rt.remove_container(other, ctr) is None
+    wait_for(lambda: _settled(plugin) and mps.by_owner()[(pod.uid, "app")][-1] == "release", what="the release")
+    again = make_container(pod, "app", container_id="ctr-10")
+    assert not isinstance(rt.create_container(pod, again), RpcError)
+    assert rt.start_container(pod, again) is None
+    assert mps.by_owner()[(pod.uid, "app")] == ["ensure", "ensure", "release", "ensure"]
+
+
+def test_a_failed_ensure_is_not_reused(node):
+    plugin, ledger, mps, rt = node
+    mps.gate.set()
+    pod = _pod(0)
+    calls = {"n": 0}
+    ensure = mps.ensure_namespace
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("MPS said no")
+        return ensure(*a, **kw)
+
+    mps.ensure_namespace = flaky
+    first = make_container(pod, "app", container_id="ctr-0")
+    assert not isinstance(rt.create_container(pod, first), RpcError)
+    assert isinstance(rt.start_container(pod, first), RpcError)  # UNAVAILABLE: the ensure failed
+    second = make_container(pod, "app", container_id="ctr-1")
+    assert not isinstance(rt.create_container(pod, second), RpcError)
+    assert rt.start_container(pod, second) is None  # a new ensure ran (and succeeded)
+    assert calls["n"] == 2

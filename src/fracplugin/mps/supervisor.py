@@ -212,6 +212,12 @@ class DaemonState:
     last_error: str = ""
     server_pids: set[int] = field(default_factory=set)
     restore_pending: set[str] = field(default_factory=set)
+    applied: dict[str, "_NsRecord"] = field(default_factory=dict)
+    """Namespaces this daemon process was seen to hold with these caps (a
+    create/set/list that succeeded since it became ready): an ensure of the
+    same record skips the control commands (issue 14). Emptied when the daemon
+    becomes ready again (a restart or an adoption re-applies every recorded
+    namespace first) and per name on a release or a failed apply."""
     ns_lock: threading.Lock = field(default_factory=threading.Lock)
     adopted: bool = False
     adopt_tried: bool = False
@@ -606,8 +612,10 @@ class MpsSupervisor:
         the server's 100 %), ``--pinned-memory-limit=<MiB>M`` when
         ``pinned_limit_mib`` is given (the container's limit per GPU: each client
         process of the namespace is capped to it on each device, mps-nvml.md 1.6).
-        Idempotent: an existing namespace with the same caps is left alone;
-        different caps are re-set (which MPS refuses while a client is attached:
+        Idempotent: an existing namespace with the same caps is left alone
+        (one the supervisor applied with these caps on the daemon's current
+        process costs no control command at all: another container of the same
+        pod and name, issue 14); different caps are re-set (which MPS refuses while a client is attached:
         MpsError). The request is recorded (and persisted in the MPS role) and
         re-applied after every daemon restart until ``release_namespace``.
 
@@ -635,12 +643,18 @@ class MpsSupervisor:
             self._pending_delete.pop(name, None)
             up = d.healthy and d.proc is not None
             why = self._reason(d)
+            # Applied with these caps on this daemon process (it has been
+            # healthy since: every restart re-applies before it is): nothing to
+            # ask MPS. A new container of the same pod and name (a restart, the
+            # runtime's retries) costs no control command (issue 14).
+            current = up and prev == rec and d.applied.get(name) == rec
         try:
             if not up:
                 raise MpsError(f"the {mode.value} MPS daemon is not ready ({why})")
-            # A brand-new container's namespace cannot exist yet: create without
-            # listing first (one control command less on the way to StartContainer).
-            self._apply_namespace(d, name, rec, t_deadline, fresh=prev is None)
+            if not current:
+                # A brand-new container's namespace cannot exist yet: create without
+                # listing first (one control command less on the way to StartContainer).
+                self._apply_namespace(d, name, rec, t_deadline, fresh=prev is None)
         except BaseException:
             with self._lock:
                 if self._namespaces.get(name) is rec:
@@ -670,6 +684,8 @@ class MpsSupervisor:
             mode = rec.mode if rec is not None else ComputeMode.SM_SHARING
             d = self._daemons.get(mode)
             self._pending_delete[name] = mode
+            for dd in self._daemons.values():
+                dd.applied.pop(name, None)
         if rec is not None:
             self._save_state()
         if d is None or self.protocol < 3:
@@ -707,6 +723,8 @@ class MpsSupervisor:
 
         if not d.ns_lock.acquire(timeout=max(0.0, left())):
             raise MpsTimeout(f"namespace {name}: another namespace operation is still running")
+        with self._lock:
+            d.applied.pop(name, None)  # unknown until this apply succeeds
         try:
             row = None
             if not fresh:
@@ -743,6 +761,9 @@ class MpsSupervisor:
                     atp if atp is not None and row.active_thread_percentage != atp else None,
                     pinned if pinned is not None and _mib(row.pinned_memory_limit) != pinned else None,
                     left())
+            with self._lock:
+                if self._namespaces.get(name) == rec:  # not released meanwhile
+                    d.applied[name] = rec
         finally:
             d.ns_lock.release()
 
@@ -1058,6 +1079,7 @@ class MpsSupervisor:
             d.slow = ""
             d.control_id = None
             d.restore_pending = {n for n, r in self._namespaces.items() if r.mode is d.mode}
+            d.applied.clear()  # a new (or adopted) daemon process: known only once re-applied
             dropped = []
             if fresh:  # a fresh daemon has no namespaces
                 for n in [n for n, m in self._pending_delete.items() if m is d.mode]:

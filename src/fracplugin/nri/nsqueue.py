@@ -147,6 +147,12 @@ class KeyedWorkQueue:
             entry = self._pending.get(key)
             return None if entry is None else entry.tag
 
+    def busy(self, key: Hashable) -> bool:
+        """Whether a job of ``key`` is pending or running now (one lock
+        acquisition: for a caller's hot path)."""
+        with self._cv:
+            return key in self._pending or key in self._running
+
     def running(self, key: Hashable) -> bool:
         """Whether a worker runs a job of ``key`` now."""
         with self._cv:

@@ -260,6 +260,12 @@ class FracNriPlugin:
         # owners whose namespace may exist: an ensure for them started (or a
         # Synchronize found them) since their last release ran
         self._ns_made: dict[Owner, None] = {}
+        # owner -> (its settings: mode, portion, pinned limit; the done future of
+        # the ensure that made its namespace with them): while the owner stays
+        # in _ns_made and no job of it is queued or running, a new container of
+        # the owner awaits that outcome instead of queueing another ensure
+        # (issue 14: a restart or retry of a container costs no MPS work)
+        self._ns_current: dict[Owner, tuple[tuple[Any, ...], Future[Any]]] = {}
         self._stopped_holds: dict[str, list[Tenancy]] = {}  # container id -> holds released at StopContainer
         self._ns_queue: KeyedWorkQueue | None = None
         self._made_sources: dict[str, None] = {}  # mount sources made before (insertion order: oldest first)
@@ -600,11 +606,22 @@ class FracNriPlugin:
 
     def _start_namespace(self, p: ContainerPlan, container_id: str, fields: Mapping[str, Any]) -> None:
         """Create the namespace of ``p`` in the background (deferred mode):
-        one queued ensure per owner (``_queue_ensure``)."""
+        one queued ensure per owner (``_queue_ensure``). When an ensure of the
+        owner already made it with the same settings (compute mode, active
+        thread percentage, pinned limit), no release of the owner ran since and
+        no job of the owner is queued or running, the container awaits that
+        ensure's outcome instead: nothing is queued (issue 14; the MPS layer
+        keeps the namespace, and re-applies it after a daemon restart before
+        the daemon counts as healthy again, which CreateContainer waited for)."""
         owner = (p.pod.uid, p.container)
-        job = functools.partial(self._namespace_job, p, dict(fields))
         with self._ns_lock:
-            self._queue_ensure(container_id, owner, job)
+            cur = self._ns_current.get(owner)
+            if (cur is not None and cur[0] == (p.compute_mode, p.active_thread_percentage, p.limit_mib)
+                    and owner in self._ns_made and self._ns_queue is not None
+                    and not self._ns_queue.busy(("ns", *owner))):
+                self._ns_pending[container_id] = (owner, cur[1])
+                return
+            self._queue_ensure(container_id, owner, functools.partial(self._namespace_job, p, dict(fields)))
 
     def _namespace_job(self, p: ContainerPlan, fields: Mapping[str, Any]) -> str:
         return self._ensure_job((p.pod.uid, p.container), p.active_thread_percentage, fields,
@@ -632,6 +649,7 @@ class FracNriPlugin:
             t = held[0]
             with self._ns_lock:
                 self._ns_made[t.owner] = None
+                self._ns_current.pop(t.owner, None)  # made here, outside the queue: not reused
             try:
                 deadline = time.monotonic() + timeout
                 self._wait_mps_healthy(deadline, t.mode)
@@ -686,6 +704,7 @@ class FracNriPlugin:
         with self._ns_lock:
             q, self._ns_queue = self._ns_queue, None
             self._ns_pending.clear()
+            self._ns_current.clear()
         if q is not None:
             q.close()
 
@@ -862,6 +881,7 @@ class FracNriPlugin:
             return
         with self._ns_lock:
             self._ns_made.pop(owner, None)
+            self._ns_current.pop(owner, None)
         try:
             self.mps.release_namespace(*owner)
         except Exception as exc:
@@ -960,6 +980,7 @@ class FracNriPlugin:
         seen: set[str] = set()
         with self._ns_lock:  # owners no container holds any more will not be released by us
             self._ns_made = {o: None for o in self._ns_made if self.ledger.find(*o)}
+            self._ns_current = {o: v for o, v in self._ns_current.items() if o in self._ns_made}
         for t in tenancies:
             if not t.mps_namespace or not t.container_id or t.container_id in seen:
                 continue
@@ -978,7 +999,14 @@ class FracNriPlugin:
         exist (a later release of the owner must then run)."""
         with self._ns_lock:
             self._ns_made[owner] = None
-        return self._renew_job(owner[0], owner[1], atp, fields, mode, limit_mib)
+            self._ns_current.pop(owner, None)  # unknown until this ensure succeeds
+        path = self._renew_job(owner[0], owner[1], atp, fields, mode, limit_mib)
+        done: Future[Any] = Future()
+        done.set_result(path)
+        with self._ns_lock:
+            if owner in self._ns_made:  # not released meanwhile
+                self._ns_current[owner] = ((mode, atp, limit_mib), done)
+        return path
 
     def _renew_job(self, pod_uid: str, container: str, atp: int | None, fields: Mapping[str, Any],
                    mode: ComputeMode = ComputeMode.SM_SHARING, limit_mib: int | None = None) -> str:
