@@ -140,8 +140,9 @@ class Metrics:
             "fracplugin_hook_duration_seconds", "Time spent answering a door's request (NRI CreateContainer, Allocate).",
             ["door"], buckets=HOOK_BUCKETS, registry=self.registry,
         )
-        for door in ("nri", "allocate"):
-            self._hook.labels(door=door)
+        # The labelled children the doors observe on every call (issue 14:
+        # ``labels()`` validates and looks the label set up under a lock each time).
+        self._hook_doors = {door: self._hook.labels(door=door) for door in ("nri", "allocate")}
         self._refusals = Counter(
             "fracplugin_refusals_total", "Fraction requests refused, by reason (FractionError.code).",
             ["reason"], registry=self.registry,
@@ -161,7 +162,10 @@ class Metrics:
     # -- events from the doors --------------------------------------------------
     def observe_hook(self, door: str, seconds: float) -> None:
         """Record one request of ``door`` (``nri``, ``allocate``) that took ``seconds``."""
-        self._hook.labels(door=door).observe(max(0.0, float(seconds)))
+        child = self._hook_doors.get(door)
+        if child is None:
+            child = self._hook.labels(door=door)
+        child.observe(max(0.0, float(seconds)))
 
     def refusal(self, reason: str) -> None:
         """Count one refusal with label ``reason`` (a FractionError.code)."""

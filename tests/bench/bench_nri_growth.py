@@ -51,6 +51,7 @@ from fracplugin._proto import nri_pb2  # noqa: E402
 from fracplugin.gpu.simulated import load_node  # noqa: E402
 from fracplugin.ledger import Ledger  # noqa: E402
 from fracplugin.model import NodeInfo, PodRef  # noqa: E402
+from fracplugin.mps.layout import MpsLayout  # noqa: E402
 from fracplugin.nri.plugin import FracNriPlugin  # noqa: E402
 from fracplugin.planner import PlannerConfig, plan_container  # noqa: E402
 
@@ -73,8 +74,14 @@ def annotations(gpu: int) -> dict[str, str]:
 
 
 def make_plugin(node: NodeInfo, n: int, state: Path) -> FracNriPlugin:
-    """A plugin whose ledger holds n-1 tenancies (GPU 15 gets the fewest)."""
-    config = PlannerConfig()
+    """A plugin whose ledger holds n-1 tenancies (GPU 15 gets the fewest).
+    The MPS root (where each new pod's pipe directory is made: every measured
+    call is a new pod) is under ``state`` on tmpfs, as /run is in production;
+    it used to be the default /run/fracplugin/mps, so the bench wrote 9,150
+    directories into the host's own MPS root (on the disk on the development
+    machine) and left them there. Measured A/B: that did not change the
+    per-call figure (the dirs existed from earlier runs)."""
+    config = PlannerConfig(layout=MpsLayout(str(state / "mps")))
     ledger = Ledger(node, state / "ledger.json", max_clients_per_gpu=config.max_clients_per_gpu)
     for i in range(n - 1):
         gpu = i % (GPUS - 1) if i < (GPUS - 1) * 48 else GPUS - 1

@@ -362,9 +362,11 @@ def test_ensure_of_a_namespace_applied_on_this_daemon_asks_mps_nothing(mps):
     assert mps.state(SM)["namespaces"][key]["active_thread_percentage"] == 30
     mps.faults(SM, refuse=["namespace"])
     assert sup.ensure_namespace(POD_A, "app", 30, timeout_s=5, pinned_limit_mib=2048) == path
-    # A release forgets it: the next ensure creates the namespace again.
-    mps.faults(SM)
+    # A release of a namespace the daemon holds deletes it without listing
+    # first; it is forgotten: the next ensure creates the namespace again.
+    mps.faults(SM, refuse=["namespace list"])
     assert sup.release_namespace(POD_A, "app") is True
+    mps.faults(SM)
     assert key not in mps.state(SM)["namespaces"]
     assert sup.ensure_namespace(POD_A, "app", 30, timeout_s=5, pinned_limit_mib=2048) == path
     assert mps.state(SM)["namespaces"][key]["active_thread_percentage"] == 30

@@ -493,11 +493,11 @@ class MpsSupervisor:
         """True when the daemon serving ``mode`` is running, answered its last
         probe and has every recorded namespace in place. False for a mode that
         is not supervised."""
-        d = self._daemons.get(ComputeMode(mode))
+        d = self._daemons.get(mode)  # ComputeMode is a str enum: its value finds it too
         if d is None:
+            ComputeMode(mode)  # ValueError for a value that names no mode, as before
             return False
-        with self._lock:
-            return d.healthy
+        return d.healthy  # one bool, written under the lock: read atomically (NRI hot path)
 
     def ready(self) -> bool:
         """Every supervised daemon is healthy."""
@@ -684,6 +684,7 @@ class MpsSupervisor:
             mode = rec.mode if rec is not None else ComputeMode.SM_SHARING
             d = self._daemons.get(mode)
             self._pending_delete[name] = mode
+            known = d is not None and d.applied.get(name) is not None
             for dd in self._daemons.values():
                 dd.applied.pop(name, None)
         if rec is not None:
@@ -693,9 +694,14 @@ class MpsSupervisor:
                 self._pending_delete.pop(name, None)
             return True
         budget = self.probe_timeout_s if timeout_s is None else max(0.0, float(timeout_s))
-        return self._try_delete(d, name, time.monotonic() + budget)
+        return self._try_delete(d, name, time.monotonic() + budget, known=known)
 
-    def _try_delete(self, d: DaemonState, name: str, deadline: float) -> bool:
+    def _try_delete(self, d: DaemonState, name: str, deadline: float, known: bool = False) -> bool:
+        """``namespace delete`` of ``name`` on ``d`` if it is still to be
+        deleted. ``known``: the daemon's current process holds it (we applied
+        it), so it is deleted without listing first (one control command
+        instead of two, issue 14); a failed delete is retried after the next
+        probes, which list first."""
         try:
             if not d.ns_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 return False
@@ -703,8 +709,7 @@ class MpsSupervisor:
                 with self._lock:
                     if self._pending_delete.get(name) is not d.mode:
                         return name not in self._namespaces
-                rows = d.control.namespace_list(SM_SERVER, deadline - time.monotonic())
-                if any(r.name == name for r in rows):
+                if known or any(r.name == name for r in d.control.namespace_list(SM_SERVER, deadline - time.monotonic())):
                     d.control.namespace_delete(name, SM_SERVER, deadline - time.monotonic())
             finally:
                 d.ns_lock.release()
