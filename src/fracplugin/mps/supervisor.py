@@ -615,8 +615,8 @@ class MpsSupervisor:
         Idempotent: an existing namespace with the same caps is left alone
         (one the supervisor applied with these caps on the daemon's current
         process costs no control command at all: another container of the same
-        pod and name, issue 14); different caps are re-set (which MPS refuses while a client is attached:
-        MpsError). The request is recorded (and persisted in the MPS role) and
+        pod and name, issue 14); different caps are re-set (which MPS refuses
+        while a client is attached: MpsError). The request is recorded (and persisted in the MPS role) and
         re-applied after every daemon restart until ``release_namespace``.
 
         Never blocks past ``timeout_s``. Raises MpsError (no daemon for the mode,
@@ -709,7 +709,8 @@ class MpsSupervisor:
                 with self._lock:
                     if self._pending_delete.get(name) is not d.mode:
                         return name not in self._namespaces
-                if known or any(r.name == name for r in d.control.namespace_list(SM_SERVER, deadline - time.monotonic())):
+                if known or any(r.name == name
+                                for r in d.control.namespace_list(SM_SERVER, deadline - time.monotonic())):
                     d.control.namespace_delete(name, SM_SERVER, deadline - time.monotonic())
             finally:
                 d.ns_lock.release()
