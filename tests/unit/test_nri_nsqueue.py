@@ -266,3 +266,14 @@ def test_wait_idle_wakes_when_the_last_pending_job_is_cancelled_before_a_worker_
     waiter.join(30)
     assert not waiter.is_alive() and result == [True]
     q.close()
+
+
+def test_busy_while_a_job_of_the_key_is_pending_or_running(queue):
+    assert not queue.busy("k")
+    gate = _busy(queue, "k")  # running (the only worker)
+    assert queue.busy("k") and not queue.busy("other")
+    queued = queue.put("other", lambda: "other")  # pending behind the busy worker
+    assert queue.busy("other")
+    gate.release.set()
+    assert queued.result(30) == "other"
+    wait_for(lambda: not queue.busy("k") and not queue.busy("other"), what="both done")
