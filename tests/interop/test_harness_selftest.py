@@ -26,6 +26,7 @@ from interop_util import (
     check_no_fatal,
     creates,
     env_of,
+    mounts_of,
     start_runtime,
     template_bin,
     wrapper_script,
@@ -75,6 +76,27 @@ def test_empty_adjustment_recognised(line, sdir, procs):
     check_no_fatal(events, rt)
     (c,) = creates(events)
     assert c["ok"] and adjustment_is_empty(c["adjust"]), c
+
+
+@pytest.mark.parametrize("line", LINES)
+def test_template_mount_flag(line, sdir, procs):
+    """-mount SRC:DST[:OPTS] adds a bind mount to every created container
+    (the bench's equal-answer template run relies on it)."""
+    sock = sdir / "nri.sock"
+    rt = start_runtime(procs, line, sdir, {"pods": [_pod("p"), _pod("q")]}, socket=sock)
+    procs.append(Proc([str(template_bin(line)), "-socket", str(sock), "-idx", "10", "-env", "K=0=2G",
+                       "-mount", "/src/a:/dst/a:rbind,ro,nosuid", "-mount", "/src/b:/dst/b"],
+                      stderr_path=sdir / "t.log"))
+    events = rt.finish(60)
+    check_no_fatal(events, rt)
+    c = creates(events)
+    assert len(c) == 2 and all(e["ok"] for e in c), c
+    for e in c:
+        assert env_of(e) == {"K": "0=2G"}
+        assert sorted(mounts_of(e), key=lambda m: m["source"]) == [
+            {"source": "/src/a", "destination": "/dst/a", "type": "bind", "options": ["rbind", "ro", "nosuid"]},
+            {"source": "/src/b", "destination": "/dst/b", "type": "bind"},
+        ]
 
 
 @pytest.mark.parametrize("line", LINES)

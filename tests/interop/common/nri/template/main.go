@@ -10,6 +10,11 @@
 //
 //	-env K=V     add K=V to every created container's env (repeatable), so a
 //	             test can see this plugin's adjustment merged next to another
+//	-mount SRC:DST[:OPTS]
+//	             add a bind mount of SRC at DST (OPTS: comma-separated mount
+//	             options, e.g. rbind,ro) to every created container
+//	             (repeatable; SRC and DST cannot contain ':'), so a benchmark
+//	             can make this plugin answer as much as another one does
 //	-reconnect   on connection loss, reconnect (with 100 ms retries) instead
 //	             of exiting, like a well-behaved external plugin
 //	-socket P    NRI socket (default: the stub's default, or fd 3 when the
@@ -38,13 +43,27 @@ import (
 	"google.golang.org/grpc/status"
 )
 
-type envFlag []string
+type listFlag []string
 
-func (e *envFlag) String() string     { return strings.Join(*e, ",") }
-func (e *envFlag) Set(v string) error { *e = append(*e, v); return nil }
+func (e *listFlag) String() string     { return strings.Join(*e, ",") }
+func (e *listFlag) Set(v string) error { *e = append(*e, v); return nil }
+
+// parseMount turns SRC:DST[:OPTS] into a bind mount.
+func parseMount(v string) (*api.Mount, error) {
+	parts := strings.SplitN(v, ":", 3)
+	if len(parts) < 2 || parts[0] == "" || parts[1] == "" {
+		return nil, fmt.Errorf("-mount %q: want SRC:DST[:OPTS]", v)
+	}
+	m := &api.Mount{Source: parts[0], Destination: parts[1], Type: "bind"}
+	if len(parts) == 3 && parts[2] != "" {
+		m.Options = strings.Split(parts[2], ",")
+	}
+	return m, nil
+}
 
 type plugin struct {
 	env     []*api.KeyValue
+	mounts  []*api.Mount
 	creates atomic.Int64
 	starts  atomic.Int64
 	// the first unavailCreates/unavailStarts calls answer UNAVAILABLE
@@ -78,6 +97,10 @@ func (p *plugin) CreateContainer(_ context.Context, pod *api.PodSandbox, ctr *ap
 	for _, kv := range p.env {
 		adj.AddEnv(kv.Key, kv.Value)
 	}
+	for _, m := range p.mounts {
+		adj.AddMount(&api.Mount{Source: m.Source, Destination: m.Destination, Type: m.Type,
+			Options: append([]string(nil), m.Options...)})
+	}
 	return adj, nil, nil
 }
 
@@ -104,15 +127,25 @@ func main() {
 		reconnect = flag.Bool("reconnect", false, "reconnect after the runtime goes away instead of exiting")
 		unCreates = flag.Int64("unavailable-creates", 0, "answer the first N CreateContainer calls with UNAVAILABLE")
 		unStarts  = flag.Int64("unavailable-starts", 0, "answer the first N StartContainer calls with UNAVAILABLE")
-		env       envFlag
+		env       listFlag
+		mounts    listFlag
 	)
 	flag.Var(&env, "env", "K=V to add to every created container (repeatable)")
+	flag.Var(&mounts, "mount", "SRC:DST[:OPTS] bind mount to add to every created container (repeatable)")
 	flag.Parse()
 
 	p := &plugin{unavailCreates: *unCreates, unavailStarts: *unStarts}
 	for _, e := range env {
 		k, v, _ := strings.Cut(e, "=")
 		p.env = append(p.env, &api.KeyValue{Key: k, Value: v})
+	}
+	for _, v := range mounts {
+		m, err := parseMount(v)
+		if err != nil {
+			logf("%v", err)
+			os.Exit(2)
+		}
+		p.mounts = append(p.mounts, m)
 	}
 	ctx := context.Background()
 	for attempt := 0; ; attempt++ {
