@@ -17,6 +17,20 @@ How it measures:
   * Pods: 64 pods, pod i pinned to GPU i % 4 of examples/nodes/
     gpu-node-1.yaml, container "app", time-slicing, request 1Gi, limit 2Gi
     (16 tenants per GPU at most; within the 48-client MPS limit).
+  * MPS: the daemon runs the compiled fake MPS client (tests/fakes/
+    mps_client.c, built into build/fake-mps/ on first use): a control
+    command costs about what the real binary's does (~1 ms of CPU) instead of
+    a Python start (25-100 ms); the daemon side stays the Python fake. The
+    run with the Python fake client is kept beside it (``*_python_fake_mps``
+    keys): there the namespace commands are so slow that most of them never
+    run (an ensure still pending when its containers go is replaced by the
+    release, nsqueue.py), so it does less
+    MPS work than a node with the real binary would (``nri.create.mps_commands*``).
+  * Go template, two runs: the empty answer (the stock template's, the
+    issue-14 headline ratio) and the same answer as fracplugin's for the
+    bench pods (``*_same_answer``: fracplugin's answer for bench pod 0 is
+    captured first and given back by the template with ``-env``/``-mount``,
+    checked equal in bytes), so containerd's side merges as much for both.
   * RSS: -churn 10000 sequential create+remove pairs; the daemon's RSS is
     read with psutil at every 1000 (after 1000 and after 10000 are kept).
   * State dir (``--state-dir``, the ledger file): on tmpfs (/dev/shm) for the
@@ -24,21 +38,52 @@ How it measures:
     the latency levels are run a second time with the state dir on the disk
     (/tmp) for the ``nri.create.disk_state.*`` keys, which add the ledger's
     two fsyncs per change (``--state {tmpfs,disk,both}``, default both).
+  * Order in one invocation: answer capture (fracplugin, template), fracplugin
+    (compiled client, tmpfs), template (empty), template (same answer),
+    fracplugin (Python fake client), fracplugin (disk state), no-op stub,
+    churn. Ratios are taken within one invocation.
 
-Keys: nri.create.c1.p50_ms, nri.create.c1.p99_ms, nri.create.c16.p99_ms,
-nri.create.c64.p50_ms, nri.create.c64.p99_ms, nri.create.c64.p99_go_template_ms,
-nri.create.c64.p99_ratio_vs_go_template, nri.rss_after_10k_creates_mib, plus
-nri.rss_after_1k_creates_mib, nri.create.errors (calls that failed) and
-nri.create.c64.service_ms / nri.create.c64.service_go_template_ms (wall time of
-the c=64 level divided by its calls: the per-call service time, since the
-adaptation serialises calls) and their ratio
-nri.create.c64.service_ratio_vs_go_template (issue 14 target <= 1.5);
-nri.create.cpu_ms_per_call / nri.create.cpu_ms_per_call_go_template /
-nri.create.noop_stub.cpu_ms_per_call (the plugin process's CPU time, user +
-system, per measured CreateContainer over the whole run: robust where wall
-times are not, on a loaded machine); nri.create.noop_stub.* (fracplugin's stub
-answering empty on its reader thread: the floor of the Python transport).
-The raw harness output is saved to build/bench-nri-raw.json.
+Keys (ms unless named otherwise; c = calls queued at once):
+  fracplugin, compiled fake MPS client:
+    nri.create.c1.p50_ms, nri.create.c1.p99_ms, nri.create.c16.p99_ms,
+    nri.create.c64.p50_ms, nri.create.c64.p99_ms;
+    nri.create.c64.service_ms (wall time of the c=64 level / its calls: the
+    per-call service time, since the adaptation serialises calls);
+    nri.create.cpu_ms_per_call (the plugin process's CPU, user + system, per
+    measured CreateContainer over the whole run, children excluded);
+    nri.create.fake_mps_cpu_ms_per_call (fake MPS client runs + fake MPS
+    daemon), nri.create.harness_cpu_ms_per_call (the Go harness),
+    nri.create.mps_commands (fake MPS control commands in the run);
+    nri.create.errors (failed calls, all fracplugin runs and the churn);
+    nri.rss_after_10k_creates_mib, nri.rss_after_1k_creates_mib.
+  Go template, empty answer (issue 14's headline comparison):
+    nri.create.c64.p99_go_template_ms, nri.create.c64.service_go_template_ms,
+    nri.create.cpu_ms_per_call_go_template,
+    nri.create.harness_cpu_ms_per_call_go_template;
+    nri.create.c64.service_ratio_vs_go_template (issue 14 target <= 1.5),
+    nri.create.c64.p99_ratio_vs_go_template.
+  Go template, same answer as fracplugin's:
+    nri.create.c64.service_go_template_same_answer_ms,
+    nri.create.c64.p99_go_template_same_answer_ms,
+    nri.create.cpu_ms_per_call_go_template_same_answer,
+    nri.create.harness_cpu_ms_per_call_go_template_same_answer,
+    nri.create.c64.service_ratio_vs_go_template_same_answer,
+    nri.create.c64.p99_ratio_vs_go_template_same_answer.
+  fracplugin with the Python fake MPS client (what these keys measured before):
+    nri.create.c1.p50_ms_python_fake_mps, nri.create.c64.service_python_fake_mps_ms,
+    nri.create.c64.service_ratio_vs_go_template_python_fake_mps,
+    nri.create.c64.p99_ratio_vs_go_template_python_fake_mps,
+    nri.create.cpu_ms_per_call_python_fake_mps,
+    nri.create.fake_mps_cpu_ms_per_call_python_fake_mps,
+    nri.create.mps_commands_python_fake_mps.
+  No-op stub (fracplugin's stub answering empty on its reader thread: the
+  floor of the Python transport): nri.create.noop_stub.cpu_ms_per_call,
+  nri.create.noop_stub.c1.p50_ms, nri.create.noop_stub.c64.p99_ms,
+  nri.create.noop_stub.c64.service_ms.
+  Disk state (compiled client): nri.create.disk_state.c1.p50_ms,
+  nri.create.disk_state.c64.p99_ms, nri.create.disk_state.c64.service_ms.
+The raw harness output (every level, both answers, the template's flags) is
+saved to build/bench-nri-raw.json.
 
 Usage: python tests/bench/bench_nri.py [--calls N] [--churn N] [--state tmpfs|disk|both]
 No assertions on the figures: targets are read by people (issue 3).
@@ -135,19 +180,57 @@ def fail(msg: str, *procs: iu.Proc) -> None:
     raise SystemExit("bench_nri: " + msg + "".join(p.stderr_tail() for p in procs))
 
 
-def run_bench(workdir: Path, plugin: str, calls: int) -> dict[int, dict]:
+def _mps_daemon_cpu_s(workdir: Path) -> float:
+    """User + system CPU seconds of the fake MPS control daemons (pid files
+    under the daemon's --mps-root) alive now; they are neither the plugin's
+    children nor ours."""
+    total = 0.0
+    for pidfile in (workdir / "mps").glob("**/nvidia-cuda-mps-control.pid"):
+        try:
+            t = psutil.Process(int(pidfile.read_text().split()[0])).cpu_times()
+        except (OSError, ValueError, IndexError, psutil.Error):
+            continue
+        total += t.user + t.system
+    return total
+
+
+def _mps_commands(workdir: Path) -> int:
+    """Control commands the fake MPS daemons under ``workdir`` answered so far
+    (lines of their control.log other than their own start and exit)."""
+    n = 0
+    for log in workdir.glob("**/control.log"):
+        try:
+            text = log.read_text(errors="replace")
+        except OSError:
+            continue
+        n += sum(1 for line in text.splitlines() if "control daemon (fake)" not in line)
+    return n
+
+
+def run_bench(workdir: Path, plugin: str, calls: int, *, mps_binary: Path | None = None,
+              template_args: list[str] | None = None) -> dict[int, dict]:
     """One harness run of ``plugin`` (fracplugin, noop or template): the bench
-    event of each concurrency level, keyed by concurrency; each also carries
-    ``cpu_ms_per_call``, the plugin process's CPU time (user + system,
-    children excluded: the fake MPS binary's own runs are not the hook's) from
-    the first measured level to the end of the run, over the CreateContainer
-    calls measured (the same removals and warm-ups ride along for every
-    plugin)."""
+    event of each concurrency level, keyed by concurrency.
+
+    ``mps_binary``: the fake MPS the daemon runs (``--mps-control-binary``;
+    default the Python fake); ``template_args``: extra template-plugin flags
+    (``-env``, ``-mount``: the equal-answer run). Each level also carries CPU
+    per measured CreateContainer (ms; from the first measured level to the
+    end of the run; the same removals and warm-ups ride along for every
+    plugin): ``cpu_ms_per_call`` the plugin process's own (user + system,
+    children excluded: the fake MPS binary's runs are not the hook's),
+    ``mps_client_cpu_ms_per_call`` its reaped children's (the fake MPS client
+    commands the daemon ran), ``mps_daemon_cpu_ms_per_call`` the fake MPS
+    control daemons' (alive at both ends of the run), and
+    ``harness_cpu_ms_per_call`` the Go harness's (containerd's adaptation and
+    the bench goroutines; its whole life less its CPU before the gate);
+    ``mps_commands``: the control commands the fake MPS answered in that
+    window (how much MPS work the run really did)."""
     args = ["-bench", "-bench-levels", "1,16,64", "-bench-calls", str(calls), "-bench-warmup", "50"]
     run = Run(workdir, args, {"pods": bench_pods()})
     try:
         if plugin == "fracplugin":
-            proc = iu.start_fracplugin(run.procs, workdir, nri_socket=run.sock)
+            proc = iu.start_fracplugin(run.procs, workdir, nri_socket=run.sock, mps_binary=mps_binary)
             run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
             wait_ready(workdir / "state")
         elif plugin == "noop":
@@ -156,25 +239,86 @@ def run_bench(workdir: Path, plugin: str, calls: int) -> dict[int, dict]:
             run.procs.append(proc)
             run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
         else:
-            proc = iu.Proc([str(iu.template_bin("v012")), "-socket", str(run.sock), "-idx", "10"],
-                           stderr_path=workdir / "template.log")
+            proc = iu.Proc([str(iu.template_bin("v012")), "-socket", str(run.sock), "-idx", "10",
+                            *(template_args or [])], stderr_path=workdir / "template.log")
             run.procs.append(proc)
             run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
         ps = psutil.Process(proc.p.pid)
+        rt_before_gate = psutil.Process(run.rt.p.pid).cpu_times()
+        ours0 = os.times()
+        mps0 = _mps_daemon_cpu_s(workdir)
+        cmds0 = _mps_commands(workdir)
         cpu0 = ps.cpu_times()
         run.rt.send_line()
         events = run.rt.finish(900)
         cpu1 = ps.cpu_times()
+        mps1 = _mps_daemon_cpu_s(workdir)
+        cmds1 = _mps_commands(workdir)
+        ours1 = os.times()  # the harness was reaped in finish(): its whole life's CPU is in our children's
         if any(e.get("event") == "fatal" for e in events):
             daemon = proc if plugin != "template" else None
             fail(f"{plugin}: {[e for e in events if e.get('event') == 'fatal']}", run.rt, *(d for d in [daemon] if d))
         levels = {e["concurrency"]: e for e in events if e.get("event") == "bench"}
-        cpu_ms = 1000 * ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) / sum(b["calls"] for b in levels.values())
+        n = sum(b["calls"] for b in levels.values())
+        cpu = {
+            "cpu_ms_per_call": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system),
+            "mps_client_cpu_ms_per_call": ((cpu1.children_user - cpu0.children_user)
+                                           + (cpu1.children_system - cpu0.children_system)),
+            "mps_daemon_cpu_ms_per_call": max(0.0, mps1 - mps0),
+            "harness_cpu_ms_per_call": ((ours1.children_user - ours0.children_user)
+                                        + (ours1.children_system - ours0.children_system)
+                                        - (rt_before_gate.user + rt_before_gate.system)),
+        }
         for b in levels.values():
-            b["cpu_ms_per_call"] = round(cpu_ms, 3)
+            b.update({k: round(1000 * v / n, 3) for k, v in cpu.items()})
+            b["mps_commands"] = cmds1 - cmds0
         return levels
     finally:
         run.close()
+
+
+def capture_answer(workdir: Path, plugin: str, *, mps_binary: Path | None = None,
+                   template_args: list[str] | None = None) -> dict:
+    """The merged adjustment (the harness's ``create`` event: ``adjust``,
+    ``adjust_bytes``) that ``plugin`` (fracplugin or template) gives the first
+    bench pod, in a plain (non-bench) run of the harness with bench pod 0."""
+    run = Run(workdir, [], {"pods": bench_pods()[:1]})
+    try:
+        if plugin == "fracplugin":
+            iu.start_fracplugin(run.procs, workdir, nri_socket=run.sock, mps_binary=mps_binary)
+            run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
+            wait_ready(workdir / "state")
+        else:
+            run.procs.append(iu.Proc([str(iu.template_bin("v012")), "-socket", str(run.sock), "-idx", "10",
+                                      *(template_args or [])], stderr_path=workdir / "template.log"))
+            run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
+        run.rt.send_line()
+        events = run.rt.finish(120)
+        created = [e for e in events if e.get("event") == "create"]
+        if len(created) != 1 or not created[0]["ok"]:
+            fail(f"{plugin}: the answer for bench pod 0: {created or events[-5:]}", run.rt)
+        return {"adjust": created[0]["adjust"], "adjust_bytes": created[0].get("adjust_bytes", 0)}
+    finally:
+        run.close()
+
+
+def same_answer_args(adjust: dict) -> list[str]:
+    """template-plugin flags (``-env K=V``, ``-mount SRC:DST:OPTS``) that make
+    it answer every CreateContainer with the env entries and bind mounts of
+    ``adjust`` (fracplugin's answer for bench pod 0: the bench pods' answers
+    differ only in values of the same length). Fails on an answer with parts
+    the template cannot give (anything but env and bind mounts)."""
+    args: list[str] = []
+    for kv in adjust.get("env") or []:
+        args += ["-env", f"{kv['key']}={kv.get('value', '')}"]
+    for m in adjust.get("mounts") or []:
+        if m.get("type") != "bind" or ":" in m["source"] + m["destination"]:
+            fail(f"the template cannot give the mount {m}")
+        args += ["-mount", f"{m['source']}:{m['destination']}:{','.join(m.get('options') or [])}"]
+    rest = {k: v for k, v in adjust.items() if k not in ("env", "mounts")}
+    if not iu.adjustment_is_empty(rest):
+        fail(f"fracplugin's answer has parts the template cannot give: {rest}")
+    return args
 
 
 def serve_noop_plugin(socket_path: str) -> int:
@@ -211,11 +355,11 @@ def serve_noop_plugin(socket_path: str) -> int:
     return 0
 
 
-def run_churn(workdir: Path, n: int) -> tuple[dict[int, float], int]:
+def run_churn(workdir: Path, n: int, mps_binary: Path | None = None) -> tuple[dict[int, float], int]:
     """RSS (MiB) of the daemon after each 1000 create+remove pairs, and the failed creations."""
     run = Run(workdir, ["-churn", str(n), "-checkpoint-every", "1000", "-pause"], {"pods": bench_pods()})
     try:
-        daemon = iu.start_fracplugin(run.procs, workdir, nri_socket=run.sock)
+        daemon = iu.start_fracplugin(run.procs, workdir, nri_socket=run.sock, mps_binary=mps_binary)
         run.rt.wait_event(lambda e: e["event"] in ("gate", "fatal"), timeout=90)
         wait_ready(workdir / "state")
         proc = psutil.Process(daemon.p.pid)
@@ -248,29 +392,47 @@ def main(argv: list[str]) -> int:
         return serve_noop_plugin(a.serve_noop_plugin)
     t0 = time.monotonic()
     iu.build_module("nri-v012")
-    raw: dict = {}
+    cclient = iu.fake_mps_client()
+    headline_dir = TMPFS if a.state != "disk" else "/tmp"
+    # the equal-answer template: fracplugin's own answer for a bench pod, given back by the template
+    with tempfile.TemporaryDirectory(prefix="fpb", dir=headline_dir) as d0:
+        answer = capture_answer(Path(d0), "fracplugin", mps_binary=cclient)
+    same_args = same_answer_args(answer["adjust"])
+    with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d0:
+        tmpl_answer = capture_answer(Path(d0), "template", template_args=same_args)
+    if tmpl_answer["adjust_bytes"] != answer["adjust_bytes"]:
+        fail(f"the equal-answer template answers {tmpl_answer['adjust_bytes']} bytes, fracplugin "
+             f"{answer['adjust_bytes']}: {tmpl_answer['adjust']} vs {answer['adjust']}")
     ours: dict[int, dict] = {}
+    pyfake: dict[int, dict] = {}
     disk: dict[int, dict] = {}
     if a.state in ("tmpfs", "both"):
         with tempfile.TemporaryDirectory(prefix="fpb", dir=TMPFS) as d1:
-            ours = run_bench(Path(d1), "fracplugin", a.calls)
-    if a.state in ("disk", "both"):
-        with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d1:
-            disk = run_bench(Path(d1), "fracplugin", a.calls)
-    if not ours:  # --state disk: the disk figures are the only ones
-        ours = disk
+            ours = run_bench(Path(d1), "fracplugin", a.calls, mps_binary=cclient)
     with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d2:
         tmpl = run_bench(Path(d2), "template", a.calls)
+    with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d2:
+        same = run_bench(Path(d2), "template", a.calls, template_args=same_args)
+    with tempfile.TemporaryDirectory(prefix="fpb", dir=headline_dir) as d1:
+        pyfake = run_bench(Path(d1), "fracplugin", a.calls, mps_binary=iu.FAKE_MPS)
+    if a.state in ("disk", "both"):
+        with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d1:
+            disk = run_bench(Path(d1), "fracplugin", a.calls, mps_binary=cclient)
+    if not ours:  # --state disk: the disk figures are the only ones
+        ours = disk
     with tempfile.TemporaryDirectory(prefix="fpb", dir="/tmp") as d4:
         noop = run_bench(Path(d4), "noop", a.calls)
-    with tempfile.TemporaryDirectory(prefix="fpb", dir=TMPFS if a.state != "disk" else "/tmp") as d3:
-        rss, churn_errors = run_churn(Path(d3), a.churn)
-    raw = {"fracplugin": ours, "fracplugin_disk_state": disk, "go_template": tmpl, "python_noop_stub": noop,
-           "rss_mib": rss,
-           "state": a.state}
+    with tempfile.TemporaryDirectory(prefix="fpb", dir=headline_dir) as d3:
+        rss, churn_errors = run_churn(Path(d3), a.churn, cclient)
+    raw = {"fracplugin": ours, "fracplugin_python_fake_mps": pyfake, "fracplugin_disk_state": disk,
+           "go_template": tmpl, "go_template_same_answer": same, "python_noop_stub": noop,
+           "answers": {"fracplugin": answer, "go_template_same_answer": tmpl_answer,
+                       "go_template_same_answer_args": same_args},
+           "fake_mps_client": str(cclient), "rss_mib": rss, "state": a.state}
     RAW.parent.mkdir(parents=True, exist_ok=True)
     RAW.write_text(json.dumps(raw, indent=1, sort_keys=True) + "\n")
-    errors = sum(b["errors"] for b in ours.values()) + (sum(b["errors"] for b in disk.values()) if disk is not ours else 0)
+    runs = [ours, pyfake] + ([disk] if disk is not ours else [])
+    errors = sum(b["errors"] for r in runs for b in r.values())
     values = {
         "nri.create.c1.p50_ms": ours[1]["p50_ms"],
         "nri.create.c1.p99_ms": ours[1]["p99_ms"],
@@ -285,7 +447,7 @@ def main(argv: list[str]) -> int:
         # wall time / calls at c=64: the per-call service time behind the adaptation's mutex
         "nri.create.c64.service_ms": round(ours[64]["per_call_ms"], 3),
         "nri.create.c64.service_go_template_ms": round(tmpl[64]["per_call_ms"], 3),
-        # issue 14's headline: per-call service time over the Go template's, same run
+        # issue 14's headline: per-call service time over the (empty-answer) Go template's, same run
         "nri.create.c64.service_ratio_vs_go_template": round(ours[64]["per_call_ms"] / tmpl[64]["per_call_ms"], 2),
     }
     values.update({
@@ -296,6 +458,29 @@ def main(argv: list[str]) -> int:
         "nri.create.noop_stub.c1.p50_ms": noop[1]["p50_ms"],
         "nri.create.noop_stub.c64.p99_ms": noop[64]["p99_ms"],
         "nri.create.noop_stub.c64.service_ms": round(noop[64]["per_call_ms"], 3),
+        # the CPU beside the plugin's: fake MPS client runs, fake MPS daemon, the Go harness
+        "nri.create.fake_mps_cpu_ms_per_call": round(ours[64]["mps_client_cpu_ms_per_call"]
+                                                     + ours[64]["mps_daemon_cpu_ms_per_call"], 3),
+        "nri.create.harness_cpu_ms_per_call": ours[64]["harness_cpu_ms_per_call"],
+        "nri.create.mps_commands": ours[64]["mps_commands"],
+        "nri.create.harness_cpu_ms_per_call_go_template": tmpl[64]["harness_cpu_ms_per_call"],
+        # the same, with the Python fake MPS client (the figures before the compiled client)
+        "nri.create.c1.p50_ms_python_fake_mps": pyfake[1]["p50_ms"],
+        "nri.create.c64.service_python_fake_mps_ms": round(pyfake[64]["per_call_ms"], 3),
+        "nri.create.c64.service_ratio_vs_go_template_python_fake_mps":
+            round(pyfake[64]["per_call_ms"] / tmpl[64]["per_call_ms"], 2),
+        "nri.create.c64.p99_ratio_vs_go_template_python_fake_mps": round(pyfake[64]["p99_ms"] / tmpl[64]["p99_ms"], 2),
+        "nri.create.cpu_ms_per_call_python_fake_mps": pyfake[64]["cpu_ms_per_call"],
+        "nri.create.mps_commands_python_fake_mps": pyfake[64]["mps_commands"],
+        "nri.create.fake_mps_cpu_ms_per_call_python_fake_mps": round(pyfake[64]["mps_client_cpu_ms_per_call"]
+                                                                     + pyfake[64]["mps_daemon_cpu_ms_per_call"], 3),
+        # the Go template answering what fracplugin answers (same env entries and mount): same merge work
+        "nri.create.c64.service_go_template_same_answer_ms": round(same[64]["per_call_ms"], 3),
+        "nri.create.c64.p99_go_template_same_answer_ms": same[64]["p99_ms"],
+        "nri.create.c64.service_ratio_vs_go_template_same_answer": round(ours[64]["per_call_ms"] / same[64]["per_call_ms"], 2),
+        "nri.create.c64.p99_ratio_vs_go_template_same_answer": round(ours[64]["p99_ms"] / same[64]["p99_ms"], 2),
+        "nri.create.cpu_ms_per_call_go_template_same_answer": same[64]["cpu_ms_per_call"],
+        "nri.create.harness_cpu_ms_per_call_go_template_same_answer": same[64]["harness_cpu_ms_per_call"],
     })
     if disk:
         values.update({
@@ -307,7 +492,7 @@ def main(argv: list[str]) -> int:
     print(json.dumps(values, indent=1, sort_keys=True))
     print(f"bench_nri: done in {time.monotonic() - t0:.0f}s; raw figures in {RAW.relative_to(REPO)}")
     if errors:
-        first = next((b["first_error"] for b in [*ours.values(), *disk.values()] if b["errors"]), "")
+        first = next((b["first_error"] for r in runs for b in r.values() if b["errors"]), "")
         print(f"bench_nri: {errors} CreateContainer calls failed, e.g. {first}", file=sys.stderr)
     return 0
 

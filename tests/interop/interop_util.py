@@ -43,6 +43,7 @@ NODE_YAML = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
 PODS_DIR = REPO / "examples" / "pods"
 FRACPLUGIN = REPO / ".venv" / "bin" / "fracplugin"
 FAKE_MPS = REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"
+"""The Python fake MPS control binary (daemon and client)."""
 
 # NRI line -> Go module directory
 NRI_LINES = {"v012": "nri-v012", "v08": "nri-v08"}
@@ -202,10 +203,26 @@ class Proc:
             self._err.close()
 
 
+def fake_mps_client() -> Path:
+    """The compiled fake MPS client (tests/fakes/mps_client.c, built with gcc
+    into build/fake-mps/ on first use, cached by source hash): answers client
+    commands itself (about 1 ms of CPU each, as the real binary; the Python
+    fake costs 25-100 ms) and execs FAKE_MPS for everything else (daemon,
+    faults). Raises tests.fakes.mps_client.BuildError without a C compiler."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fake_mps_client_build", REPO / "tests" / "fakes" / "mps_client.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return Path(mod.build_mps_client())
+
+
 def fracplugin_argv(workdir: Path, *, nri_socket: Path | None, extra: list[str] | None = None,
-                    mps: bool = True) -> list[str]:
+                    mps: bool = True, mps_binary: Path | None = None) -> list[str]:
     """The daemon command line the interop tests use (external NRI plugin mode
-    when nri_socket is given), with the fake nvidia-cuda-mps-control.
+    when nri_socket is given), with the fake nvidia-cuda-mps-control
+    (``mps_binary``: another one, e.g. ``fake_mps_client()``; default FAKE_MPS).
 
     FRACPLUGIN_INTEROP_NO_MPS=1 (a debugging knob, off by default and in CI)
     runs the daemon with --no-mps instead."""
@@ -217,7 +234,7 @@ def fracplugin_argv(workdir: Path, *, nri_socket: Path | None, extra: list[str] 
     mps_root.mkdir(exist_ok=True)
     argv = [str(FRACPLUGIN), "run", "--simulate-node", str(NODE_YAML), "--state-dir", str(state)]
     if mps:
-        argv += ["--mps-control-binary", str(FAKE_MPS), "--mps-root", str(mps_root)]
+        argv += ["--mps-control-binary", str(mps_binary or FAKE_MPS), "--mps-root", str(mps_root)]
     else:
         argv += ["--no-mps", "--mps-root", str(mps_root)]
     argv += ["--health-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0", "--log-format", "text"]
