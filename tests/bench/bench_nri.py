@@ -24,8 +24,8 @@ How it measures:
     run with the Python fake client is kept beside it (``*_python_fake_mps``
     keys): there the namespace commands are so slow that most of them never
     run (an ensure still pending when its containers go is replaced by the
-    release, nsqueue.py), so it does less
-    MPS work than a node with the real binary would (``nri.create.mps_commands*``).
+    release, nsqueue.py), so it does less MPS work than a node with the real
+    binary would (``nri.create.mps_commands*``).
   * Go template, two runs: the empty answer (the stock template's, the
     issue-14 headline ratio) and the same answer as fracplugin's for the
     bench pods (``*_same_answer``: fracplugin's answer for bench pod 0 is
