@@ -180,12 +180,18 @@ def fail(msg: str, *procs: iu.Proc) -> None:
     raise SystemExit("bench_nri: " + msg + "".join(p.stderr_tail() for p in procs))
 
 
+def _find(root: Path, name: str) -> list[Path]:
+    """Files called ``name`` under ``root``; directories that vanish during
+    the walk (namespaces the daemon releases meanwhile) are skipped."""
+    return [Path(d) / name for d, _, files in os.walk(root) if name in files]
+
+
 def _mps_daemon_cpu_s(workdir: Path) -> float:
     """User + system CPU seconds of the fake MPS control daemons (pid files
     under the daemon's --mps-root) alive now; they are neither the plugin's
     children nor ours."""
     total = 0.0
-    for pidfile in (workdir / "mps").glob("**/nvidia-cuda-mps-control.pid"):
+    for pidfile in _find(workdir / "mps", "nvidia-cuda-mps-control.pid"):
         try:
             t = psutil.Process(int(pidfile.read_text().split()[0])).cpu_times()
         except (OSError, ValueError, IndexError, psutil.Error):
@@ -198,7 +204,7 @@ def _mps_commands(workdir: Path) -> int:
     """Control commands the fake MPS daemons under ``workdir`` answered so far
     (lines of their control.log other than their own start and exit)."""
     n = 0
-    for log in workdir.glob("**/control.log"):
+    for log in _find(workdir, "control.log"):
         try:
             text = log.read_text(errors="replace")
         except OSError:
