@@ -176,8 +176,12 @@ def test_a_reply_without_a_status_line_is_a_broken_connection(cbin, root):
         for reply in replies:
             conn, _ = srv.accept()
             with conn:
-                while not conn.recv(4096).endswith(b"\n"):
-                    pass
+                got = b""
+                while not got.endswith(b"\n"):
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    got += chunk
                 conn.sendall(reply)
 
     t = threading.Thread(target=serve, daemon=True)
