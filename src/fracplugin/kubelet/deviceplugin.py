@@ -99,15 +99,15 @@ class _Servicer:
         }
 
     async def get_options(self, stream: Any) -> None:
-        await stream.recv_message()
+        await grpcwire.recv_request(stream)
         await stream.send_message(self._o.options())
 
     async def list_and_watch(self, stream: Any) -> None:
-        await stream.recv_message()
+        await grpcwire.recv_request(stream)
         await self._o._list_and_watch(stream)
 
     async def preferred(self, stream: Any) -> None:
-        request = await stream.recv_message()
+        request = await grpcwire.recv_request(stream)
         try:
             resp = await self._o.loop.run_blocking(self._o.preferred, request)
         except Refusal as r:
@@ -118,7 +118,7 @@ class _Servicer:
         await stream.send_message(resp)
 
     async def allocate(self, stream: Any) -> None:
-        request = await stream.recv_message()
+        request = await grpcwire.recv_request(stream)
         t0 = time.monotonic()
         try:
             resp = await self._o.loop.run_blocking(self._o.allocate, request)
@@ -134,7 +134,7 @@ class _Servicer:
         await stream.send_message(resp)
 
     async def prestart(self, stream: Any) -> None:
-        await stream.recv_message()
+        await grpcwire.recv_request(stream)
         await stream.send_message(pb.PreStartContainerResponse())
 
 

@@ -19,7 +19,13 @@ What this module adds to grpclib:
   accepted connections at ``close`` (grpcio's ``stop(grace=0)`` did; asyncio's
   ``Server.close`` before Python 3.13 leaves them open, and a peer would keep
   calling a server that was replaced);
-* ``handler``: a ``grpclib.const.Handler`` for a ``__mapping__`` entry.
+* ``handler``: a ``grpclib.const.Handler`` for a ``__mapping__`` entry;
+* ``recv_request`` and the replies ``unary`` reads: at most
+  ``MAX_MESSAGE_BYTES`` (4 MiB) per message, refused with RESOURCE_EXHAUSTED
+  before it is read, as grpcio and grpc-go do by default (grpclib has no
+  limit: it read whatever length a peer announced into memory); a message
+  that does not decode is INTERNAL naming its type (grpcio's answer; grpclib
+  answered UNKNOWN "Internal Server Error" and logged a traceback).
 
 Facts of the wire (checked against grpcio peers in the component tests and
 a real kubelet in ``make kubelet-e2e``): grpclib's client sends
@@ -36,7 +42,7 @@ import asyncio
 import time
 from typing import Any, Callable, Coroutine, Mapping, Type, TypeVar
 
-from grpclib.client import Channel, UnaryUnaryMethod
+from grpclib.client import Channel
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from grpclib.server import Server
@@ -47,6 +53,13 @@ Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
 _CONNECT_RETRY_S = 0.05
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+"""The largest gRPC message (bytes, after the 5-byte prefix) the door receives,
+as a server and as a client: grpcio's default ``grpc.max_receive_message_length``
+(the door's limit before ADR 0018) and grpc-go's default server receive limit
+(kubelet's side). Our own largest message, a ListAndWatch answer, is kept
+under 3.5 MiB (``devices.DeviceTableTooLarge``)."""
 
 
 class RpcError(Exception):
@@ -105,8 +118,16 @@ async def unary(
             if left <= 0:
                 raise RpcError(StatusCode.DEADLINE_EXCEEDED, f"{method} on {path}: no answer within {timeout_s} s")
             try:
-                call: UnaryUnaryMethod[Any, Rep] = UnaryUnaryMethod(c, method, type(request), reply_type)
-                return await call(request, timeout=left)
+                # grpclib's UnaryUnaryMethod.__call__, with a bounded read of the reply
+                async with c.request(method, Cardinality.UNARY_UNARY, type(request), reply_type,
+                                     timeout=left) as st:
+                    await st.send_message(request, end=True)
+                    await st.recv_initial_metadata()  # raises GRPCError for a trailers-only refusal
+                    with st._wrapper:  # the call's deadline (grpclib's recv_message does the same)
+                        reply = await _read_message(st._stream, st._codec, reply_type, f"{method} reply")
+                if reply is None:
+                    raise RpcError(StatusCode.INTERNAL, f"{method} on {path}: the server answered no message")
+                return reply
             except GRPCError as e:
                 raise RpcError(StatusCode(e.status.value), e.message or "") from None
             except (asyncio.TimeoutError, TimeoutError):
@@ -120,9 +141,64 @@ async def unary(
                 await asyncio.sleep(_CONNECT_RETRY_S)
             except (StreamTerminatedError, ProtocolError) as e:
                 raise RpcError(StatusCode.UNAVAILABLE, f"{method} on {path}: {e}") from None
+            except AttributeError as e:
+                # grpclib 0.4.9: a peer that closes the connection (e.g. after
+                # answering bytes that are not HTTP/2) between the connect and
+                # the new stream leaves Connection without its _transport
+                raise RpcError(StatusCode.UNAVAILABLE,
+                               f"{method} on {path}: the connection closed before the call was sent ({e})") from None
     finally:
         if own:
             c.close()
+
+
+async def _read_message(raw: Any, codec: Any, message_type: Type[Rep], what: str,
+                        max_bytes: int = MAX_MESSAGE_BYTES) -> Rep | None:
+    """Read one length-prefixed gRPC message from grpclib's h2 stream ``raw``
+    (``grpclib.stream.recv_message`` plus the size rule of gRPC: the 5-byte
+    prefix is read first and a length over ``max_bytes`` is refused before
+    any of the message is read). None: the peer ended the stream instead.
+
+    Raises:
+        GRPCError: RESOURCE_EXHAUSTED (over ``max_bytes``, naming both sizes,
+            grpc-go's and grpcio's wording), INTERNAL (compressed flag without
+            an agreed encoding, truncated, or not a ``message_type``).
+    """
+    try:
+        prefix = await raw.recv_data(5)
+        if not prefix:
+            return None
+        if prefix[0] != 0:
+            raise GRPCError(Status.INTERNAL, f"{what}: compressed flag {prefix[0]} set but no grpc-encoding "
+                                             "is supported (identity only)")
+        n = int.from_bytes(prefix[1:5], "big")
+        if n > max_bytes:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED,
+                            f"{what}: received message larger than max ({n} vs. {max_bytes})")
+        data = await raw.recv_data(n)
+    except AssertionError:  # grpclib's Buffer: the stream ended inside the message
+        raise GRPCError(Status.INTERNAL, f"{what}: the stream ended inside a message") from None
+    try:
+        return codec.decode(data, message_type)  # type: ignore[no-any-return]
+    except Exception as e:  # protobuf DecodeError: a peer's bytes are never our bug
+        raise GRPCError(Status.INTERNAL, f"{what}: cannot decode {message_type.__name__}: {e}") from None
+
+
+async def recv_request(stream: Any) -> Any:
+    """The request of a unary or server-streaming call, for a handler
+    (``grpclib.server.Stream``), read under ``MAX_MESSAGE_BYTES``
+    (``_read_message``; grpclib's own ``recv_message`` has no limit).
+
+    Raises:
+        GRPCError: RESOURCE_EXHAUSTED / INTERNAL as ``_read_message``, or
+            INTERNAL when the client sent no message; grpclib answers it as
+            the call's status.
+    """
+    name = getattr(stream._recv_type, "__name__", "request")
+    msg = await _read_message(stream._stream, stream._codec, stream._recv_type, name)
+    if msg is None:
+        raise GRPCError(Status.INTERNAL, f"{name}: the client sent no request message")
+    return msg
 
 
 def handler(fn: Callable[[Any], Coroutine[Any, Any, None]], cardinality: Cardinality,

@@ -1,0 +1,193 @@
+"""The device plugin socket against a hostile or broken peer (review of the
+grpclib transport, ADR 0018): bytes that are not gRPC, a wrong content-type,
+an unknown method, a corrupt or oversize message. Each time the peer gets a
+clear refusal and the door keeps serving kubelet.
+
+The oversize rule: gRPC's receive limit, 4 MiB by default in grpcio (which
+served the door before ADR 0018) and grpc-go (kubelet): a larger message is
+refused with RESOURCE_EXHAUSTED before it is read, so a peer cannot make the
+daemon buffer it (grpclib alone has no limit: it read a 256 MiB message into
+memory)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import struct
+import tempfile
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+
+from fracplugin._proto import deviceplugin_pb2 as pb
+from fracplugin._proto import deviceplugin_pb2_grpc as pb_grpc
+from fracplugin.gpu.simulated import SimulatedInventory
+from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource
+from fracplugin.kubelet import grpcwire
+from fracplugin.ledger import Ledger
+from fracplugin.planner import PlannerConfig
+
+MiB = 1024 * 1024
+_GUARD_S = 10.0  # only bounds a test that would otherwise hang on a silent server
+
+
+@pytest.fixture
+def plugin(node_file):
+    d = tempfile.mkdtemp(prefix="fp", dir="/tmp")
+    inv = SimulatedInventory(node_file)
+    node = inv.node()
+    s = DevicePluginServer(node, Ledger(node), PlannerConfig(), inv, pod_source=InMemoryPodSource(node.name),
+                           plugin_dir=d, podresources_socket=None, allocate_deadline_s=0.2)
+    s.start()
+    yield s
+    s.stop(2.0)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def serves(s: DevicePluginServer) -> bool:
+    with grpc.insecure_channel("unix:" + s.socket_path) as ch:
+        return pb_grpc.DevicePluginStub(ch).GetDevicePluginOptions(pb.Empty(), timeout=5).get_preferred_allocation_available
+
+
+class RawH2:
+    """An HTTP/2 client on the plugin's socket that writes exactly what the test says."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(_GUARD_S)
+        self.sock.connect(path)
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.conn.initiate_connection()
+        self.flush()
+        self.headers: list[dict[bytes, bytes]] = []
+        self.ended = False
+
+    def flush(self) -> None:
+        self.sock.sendall(self.conn.data_to_send())
+
+    def open(self, path: str, content_type: str = "application/grpc") -> int:
+        sid = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":path", path),
+                                     (":authority", "localhost"), ("content-type", content_type), ("te", "trailers")])
+        self.flush()
+        return sid
+
+    def pump(self) -> bool:
+        """Read once from the server; False when it closed the connection."""
+        data = self.sock.recv(65536)
+        if not data:
+            return False
+        for e in self.conn.receive_data(data):
+            if isinstance(e, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                self.headers.append(dict(e.headers))
+            if isinstance(e, (h2.events.StreamEnded, h2.events.StreamReset)):
+                self.ended = True
+        self.flush()
+        return True
+
+    def status(self) -> tuple[int, str]:
+        """The (grpc-status, grpc-message) the server answered, waiting for the stream's end."""
+        while not self.ended and self.pump():
+            pass
+        merged: dict[bytes, bytes] = {}
+        for h in self.headers:
+            merged.update(h)
+        return int(merged[b"grpc-status"]), merged.get(b"grpc-message", b"").decode()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_bytes_that_are_not_grpc_close_that_connection_only(plugin):
+    s = plugin
+    for junk in (os.urandom(4096), b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n"):
+        c = socket.socket(socket.AF_UNIX)
+        c.settimeout(_GUARD_S)
+        c.connect(s.socket_path)
+        c.sendall(junk)
+        while c.recv(65536):  # the server closes the connection (a socket timeout fails the test)
+            pass
+        c.close()
+        assert serves(s)
+
+
+def test_wrong_content_type_and_unknown_method_are_refused(plugin):
+    s = plugin
+    c = RawH2(s.socket_path)
+    try:
+        sid = c.open("/v1beta1.DevicePlugin/GetDevicePluginOptions", content_type="text/html")
+        c.conn.send_data(sid, b"\0\0\0\0\0", end_stream=True)
+        c.flush()
+        code, _ = c.status()
+        assert code == grpc.StatusCode.UNKNOWN.value[0]
+        assert c.headers[0][b":status"] == b"415"
+    finally:
+        c.close()
+    with grpc.insecure_channel("unix:" + s.socket_path) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/v1beta1.DevicePlugin/Nope")(b"", timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert serves(s)
+
+
+def test_oversize_request_is_refused_before_it_is_read(plugin):
+    """A message announced as 64 MiB: RESOURCE_EXHAUSTED naming both sizes,
+    and the server lets the peer send no more than its flow-control windows
+    (a few MiB), instead of reading 64 MiB into the daemon."""
+    s = plugin
+    c = RawH2(s.socket_path)
+    announced = 64 * MiB
+    sent = 0
+    try:
+        sid = c.open("/v1beta1.DevicePlugin/Allocate")
+        c.conn.send_data(sid, b"\0" + struct.pack(">I", announced))
+        c.flush()
+        chunk = b"\x01" * c.conn.max_outbound_frame_size
+        while sent < announced and not c.ended:
+            window = min(c.conn.local_flow_control_window(sid), c.conn.max_outbound_frame_size)
+            if window <= 0:
+                if not c.pump():
+                    break
+                continue
+            c.conn.send_data(sid, chunk[:window])
+            c.flush()
+            sent += window
+        code, message = c.status()
+    finally:
+        c.close()
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message
+    assert f"{announced} vs. {grpcwire.MAX_MESSAGE_BYTES}" in message
+    assert sent <= 16 * MiB, f"the server accepted {sent / MiB:.1f} MiB of a message over its limit"
+    assert serves(s)
+
+
+def test_grpcio_client_sees_the_size_limit_of_grpcio(plugin):
+    s = plugin
+    ids = [f"{s.node.gpus[0].uuid}::0"] * (5 * MiB // 50)  # > 4 MiB on the wire
+    with grpc.insecure_channel("unix:" + s.socket_path) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.DevicePluginStub(ch).Allocate(
+                pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in e.value.details()
+    # A request just under the limit is read and decided (refused for its IDs, not its size).
+    ids = [f"{s.node.gpus[0].uuid}::0"] * (3 * MiB // 50)
+    with grpc.insecure_channel("unix:" + s.socket_path) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.DevicePluginStub(ch).Allocate(
+                pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=10)
+    assert e.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_corrupt_request_is_refused_with_what_could_not_be_read(plugin):
+    s = plugin
+    with grpc.insecure_channel("unix:" + s.socket_path) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/v1beta1.DevicePlugin/Allocate")(b"\x01" * 64, timeout=5)
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert "AllocateRequest" in e.value.details()
+    assert serves(s)

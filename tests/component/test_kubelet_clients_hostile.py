@@ -1,0 +1,140 @@
+"""The door's gRPC clients (PodResources, Registration) against a broken
+kubelet (review of the grpclib transport, ADR 0018): a server that answers
+too much, answers bytes that are not HTTP/2, closes at once, or never
+answers. Each call ends with a clear error within its own deadline, and the
+client works again once the server does."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import threading
+
+import pytest
+
+from fracplugin._proto import deviceplugin_pb2 as pb
+from fracplugin.kubelet import grpcwire
+from fracplugin.kubelet.aio import LoopThread
+from fracplugin.kubelet.podresources import PodResourcesClient, PodResourcesError
+from fracplugin.kubelet.registration import RegistrationError, register
+from tests.peers.kubelet import FakePodResources
+
+
+@pytest.fixture
+def sockdir():
+    d = tempfile.mkdtemp(prefix="fp", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def loop():
+    lt = LoopThread("test-grpc", workers=1).start()
+    yield lt
+    lt.stop()
+
+
+class RawServer:
+    """A unix socket server that does ``behaviour`` with each connection:
+    ``garbage`` (writes bytes that are not HTTP/2), ``close`` (closes at
+    once) or ``silent`` (reads and never answers)."""
+
+    def __init__(self, path: str, behaviour: str) -> None:
+        self.path = path
+        self.behaviour = behaviour
+        self.accepted = 0
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(path)
+        self.sock.listen(16)
+        self.conns: list[socket.socket] = []
+        self.done = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            if self.behaviour == "garbage":
+                try:
+                    c.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n" + os.urandom(256))
+                except OSError:
+                    pass
+                c.close()
+            elif self.behaviour == "close":
+                c.close()
+            else:
+                self.conns.append(c)
+
+    def close(self) -> None:
+        self.done.set()
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.parametrize("behaviour,codes", [
+    ("garbage", ("UNAVAILABLE", "INTERNAL")),
+    ("close", ("UNAVAILABLE",)),
+    ("silent", ("DEADLINE_EXCEEDED",)),
+])
+def test_podresources_on_a_broken_server_fails_clearly_then_recovers(sockdir, loop, behaviour, codes):
+    path = os.path.join(sockdir, "kubelet.sock")
+    srv = RawServer(path, behaviour)
+    client = PodResourcesClient(path, timeout_s=0.5, loop=loop)
+    try:
+        with pytest.raises(PodResourcesError) as e:
+            client.list()
+        assert path in str(e.value)
+        assert any(f"failed: {c}:" in str(e.value) for c in codes), str(e.value)
+        assert srv.accepted >= 1
+        # kubelet comes back on the same path: the next call dials anew.
+        srv.close()
+        os.unlink(path)
+        good = FakePodResources(path).start()
+        try:
+            good.pods[("ns", "p")] = {"c": {"r": ["a"]}}
+            assert [p.name for p in client.list()] == ["p"]
+        finally:
+            good.stop()
+    finally:
+        srv.close()
+        client.close()
+
+
+def test_podresources_reply_over_the_size_limit_is_refused(sockdir, loop):
+    """grpcio's client refused a reply over 4 MiB (RESOURCE_EXHAUSTED); the
+    grpclib one read any size into memory."""
+    path = os.path.join(sockdir, "kubelet.sock")
+    good = FakePodResources(path).start()
+    client = PodResourcesClient(path, timeout_s=5.0, loop=loop)
+    try:
+        good.pods[("ns", "big")] = {"c": {"r": ["x" * 1000] * (5 * 1024)}}  # ~5 MiB
+        with pytest.raises(PodResourcesError) as e:
+            client.list()
+        assert "RESOURCE_EXHAUSTED" in str(e.value) and f"vs. {grpcwire.MAX_MESSAGE_BYTES}" in str(e.value)
+        del good.pods[("ns", "big")]
+        good.pods[("ns", "small")] = {"c": {"r": ["a"]}}
+        assert [p.name for p in client.list()] == ["small"]
+    finally:
+        client.close()
+        good.stop()
+
+
+@pytest.mark.parametrize("behaviour", ["silent", "close", "garbage"])
+def test_register_on_a_broken_kubelet_socket_fails_within_its_deadline(sockdir, loop, behaviour):
+    path = os.path.join(sockdir, "kubelet.sock")
+    srv = RawServer(path, behaviour)
+    try:
+        with pytest.raises(RegistrationError) as e:
+            register(path, "fracplugin.sock", "fracplugin.io/gpu-memory", pb.DevicePluginOptions(), timeout_s=0.5,
+                     loop=loop)
+        assert path in str(e.value)
+        if behaviour == "silent":
+            assert "DEADLINE_EXCEEDED" in str(e.value) or "no answer within" in str(e.value)
+    finally:
+        srv.close()
