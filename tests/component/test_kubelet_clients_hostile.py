@@ -138,3 +138,31 @@ def test_register_on_a_broken_kubelet_socket_fails_within_its_deadline(sockdir, 
             assert "DEADLINE_EXCEEDED" in str(e.value) or "no answer within" in str(e.value)
     finally:
         srv.close()
+
+
+def test_stop_abandons_a_register_that_kubelet_never_answers(sockdir, node_file):
+    """kubelet.sock accepts and never answers Register: stopping the door
+    cancels the call instead of waiting for its deadline (60 s here), so the
+    daemon's shutdown budget is not spent on a wedged kubelet."""
+    from fracplugin.gpu.simulated import SimulatedInventory
+    from fracplugin.kubelet import DevicePluginServer
+    from fracplugin.ledger import Ledger
+    from fracplugin.planner import PlannerConfig
+    from tests.helpers import wait_until
+
+    srv = RawServer(os.path.join(sockdir, "kubelet.sock"), "silent")
+    inv = SimulatedInventory(node_file)
+    node = inv.node()
+    s = DevicePluginServer(node, Ledger(node), PlannerConfig(), inv, plugin_dir=sockdir, podresources_socket=None)
+    s.registrar.register_timeout_s = 60.0
+    try:
+        s.start()
+        wait_until(lambda: srv.accepted >= 1, what="the Register call to reach kubelet.sock")
+        t = s.registrar._thread
+        assert t is not None and t.is_alive()
+        s.registrar.stop(5.0)  # bounds the test only: the call is cancelled at once
+        assert not t.is_alive(), "the registrar still waits for a Register kubelet never answers"
+        assert not s.registered()
+    finally:
+        s.stop(2.0)
+        srv.close()

@@ -118,16 +118,17 @@ async def _register(
     kubelet_socket: str,
     request: pb.RegisterRequest,
     timeout_s: float,
-    abort_if: Callable[[], bool] | None,
+    abort_if: Callable[[], str | bool | None] | None,
 ) -> None:
     call = asyncio.ensure_future(grpcwire.unary(None, kubelet_socket, _REGISTER, request, pb.Empty, timeout_s))
     try:
         while abort_if is not None and not call.done():
             await asyncio.wait({call}, timeout=0.05)
-            if not call.done() and abort_if():
-                raise RegistrationError(
-                    f"Register {request.resource_name} at {kubelet_socket} abandoned: our socket {request.endpoint} "
-                    "was deleted while kubelet was dialing it")
+            why = None if call.done() else abort_if()
+            if why:
+                if not isinstance(why, str):
+                    why = f"our socket {request.endpoint} was deleted while kubelet was dialing it"
+                raise RegistrationError(f"Register {request.resource_name} at {kubelet_socket} abandoned: {why}")
         try:
             await call
         except grpcwire.RpcError as e:
@@ -144,14 +145,15 @@ def register(
     resource_name: str,
     options: pb.DevicePluginOptions,
     timeout_s: float = 10.0,
-    abort_if: Callable[[], bool] | None = None,
+    abort_if: Callable[[], str | bool | None] | None = None,
     loop: LoopThread | None = None,
 ) -> None:
     """One ``Registration.Register`` call. ``endpoint`` is our socket's *file
     name* (kubelet joins it with its plugin dir, reference A.3). ``abort_if``
     is checked every 50 ms while kubelet works on the call: when it turns true
     (our socket was deleted meanwhile: kubelet would dial the missing file
-    until its own 10 s timeout) the call is cancelled. ``loop``: the door's
+    until its own 10 s timeout; the plugin stops) the call is cancelled; a
+    string it returns is the reason in the error. ``loop``: the door's
     event loop (None: a loop of the calling thread for this call). Raises
     RegistrationError (kubelet.sock missing, kubelet refused, timeout, aborted)."""
     if not os.path.exists(kubelet_socket):
@@ -437,7 +439,7 @@ class Registrar:
                 self.resource_name,
                 self.target.options(),
                 timeout_s=self.register_timeout_s,
-                abort_if=lambda: _socket_gone(socket_identity(self.target.socket_path), self.target.socket_identity()),
+                abort_if=self._abort_register,
                 loop=self.loop,
             )
         except RegistrationError as e:
@@ -448,6 +450,14 @@ class Registrar:
         if after != ks:  # kubelet.sock was re-created during the call: it appeared after ``before``
             self._seen_ks, self._seen_at = after, before
         self._registered_with = after
+
+    def _abort_register(self) -> str | bool:
+        """Why a Register in flight is abandoned now, or False: the plugin
+        stops (a kubelet that accepts and never answers would otherwise hold
+        the shutdown for the call's whole deadline), or our socket was deleted."""
+        if self._stop.is_set():
+            return "the device plugin is stopping"
+        return _socket_gone(socket_identity(self.target.socket_path), self.target.socket_identity())
 
     def _register_until_done(self, trigger: str, t0: float) -> bool:
         """Register with backoff until it works, the stop flag is set, or the
