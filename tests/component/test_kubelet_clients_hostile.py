@@ -166,3 +166,48 @@ def test_stop_abandons_a_register_that_kubelet_never_answers(sockdir, node_file)
     finally:
         s.stop(2.0)
         srv.close()
+
+
+def test_reconcile_against_a_podresources_that_refuses_list_leaks_no_connection(sockdir, node_file, caplog):
+    """A PodResources server that answers List UNIMPLEMENTED (no real kubelet
+    does; a broken one or a stand-in may) makes every reconcile round fail;
+    each round must close its connection, not leave it open (one more file
+    descriptor every ``podresources_interval_s`` until the daemon hits its
+    limit)."""
+    import logging
+
+    import grpc
+
+    from fracplugin._proto import podresources_pb2_grpc as prpb_grpc
+    from fracplugin.gpu.simulated import SimulatedInventory
+    from fracplugin.kubelet import DevicePluginServer
+    from fracplugin.ledger import Ledger
+    from fracplugin.planner import PlannerConfig
+    from tests.helpers import wait_until
+
+    class Refusing(FakePodResources):
+        def List(self, request, context):  # noqa: N802
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "List is switched off here")
+
+    pr = os.path.join(sockdir, "pr.sock")
+    good = Refusing(pr).start()
+    inv = SimulatedInventory(node_file)
+    node = inv.node()
+    s = DevicePluginServer(node, Ledger(node), PlannerConfig(), inv, plugin_dir=sockdir, podresources_socket=pr,
+                           podresources_interval_s=0.01)
+    caplog.set_level(logging.WARNING, logger="fracplugin.kubelet.deviceplugin")
+
+    def rounds() -> int:
+        return sum("PodResources reconcile skipped" in r.getMessage() for r in caplog.records)
+
+    try:
+        s.start()
+        wait_until(lambda: rounds() >= 5)
+        fds = len(os.listdir("/proc/self/fd"))
+        n = rounds()
+        wait_until(lambda: rounds() >= n + 40)
+        assert "UNIMPLEMENTED" in caplog.text
+        assert len(os.listdir("/proc/self/fd")) - fds < 20, "every failed reconcile round left its connection open"
+    finally:
+        s.stop(2.0)
+        good.stop()

@@ -678,20 +678,28 @@ class DevicePluginServer:
         kubelet's PodResources List (whole GPUs of other plugins, reservations
         kubelet freed or that were never bound). Errors are logged, never fatal."""
         client: PodResourcesClient | None = None
-        while not self._reconcile_stop.wait(self.podresources_interval_s):
-            if not self.podresources_socket or not os.path.exists(self.podresources_socket):
-                continue
-            try:
-                client = client or PodResourcesClient(self.podresources_socket, loop=self.loop)
-                for w in self.allocator.reconcile(client.list()):
-                    log.info("PodResources reconcile: %s", w)
-            except PodResourcesError as e:
-                if self._reconcile_stop.is_set():
-                    break
-                log.warning("PodResources reconcile skipped: %s", e)
-                client = None
-            except Exception:
-                log.exception("PodResources reconcile failed")
+        try:
+            while not self._reconcile_stop.wait(self.podresources_interval_s):
+                if not self.podresources_socket or not os.path.exists(self.podresources_socket):
+                    continue
+                try:
+                    client = client or PodResourcesClient(self.podresources_socket, loop=self.loop)
+                    for w in self.allocator.reconcile(client.list()):
+                        log.info("PodResources reconcile: %s", w)
+                except PodResourcesError as e:
+                    if self._reconcile_stop.is_set():
+                        break
+                    log.warning("PodResources reconcile skipped: %s", e)
+                    # a fresh client next round; this one's connection is closed, not
+                    # left open (an error such as UNIMPLEMENTED keeps the channel)
+                    if client is not None:
+                        client.close()
+                    client = None
+                except Exception:
+                    log.exception("PodResources reconcile failed")
+        finally:
+            if client is not None:
+                client.close()
 
     # ---- restart recovery ----------------------------------------------------
     def rebuild_from_podresources(self, client: PodResourcesClient) -> list[str]:
