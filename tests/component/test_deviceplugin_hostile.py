@@ -16,6 +16,7 @@ import shutil
 import socket
 import struct
 import tempfile
+import threading
 
 import grpc
 import h2.config
@@ -30,6 +31,7 @@ from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource
 from fracplugin.kubelet import grpcwire
 from fracplugin.ledger import Ledger
 from fracplugin.planner import PlannerConfig
+from tests.helpers import wait_until
 
 MiB = 1024 * 1024
 _GUARD_S = 10.0  # only bounds a test that would otherwise hang on a silent server
@@ -191,3 +193,50 @@ def test_corrupt_request_is_refused_with_what_could_not_be_read(plugin):
     assert e.value.code() == grpc.StatusCode.INTERNAL
     assert "AllocateRequest" in e.value.details()
     assert serves(s)
+
+
+@pytest.mark.parametrize("frame", [
+    b"\x00\x00\x08\x06\x00\x00\x00\x00\x00" + b"12345678",  # PING: h2 answers each with a PING ACK
+    b"\x00\x00\x00\x04\x00\x00\x00\x00\x00",  # empty SETTINGS: answered with a SETTINGS ACK
+], ids=["ping", "settings"])
+def test_a_flood_of_frames_whose_answers_are_never_read_is_not_buffered(plugin, frame):
+    """HTTP/2 ping / settings flood (CVE-2019-9512, -9515): the peer sends
+    32 MiB of frames h2 must answer and never reads. The server stops reading
+    that connection once its unread answers pass the buffer's high-water mark,
+    so the peer cannot send them all, and the daemon holds well under 1 MiB
+    of answers (grpclib alone kept reading: 32 MiB of PINGs, +35 MiB RSS)."""
+    s = plugin
+    c = socket.socket(socket.AF_UNIX)
+    c.connect(s.socket_path)
+    c.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+    total = (32 * MiB // len(frame)) * len(frame)
+    batch = frame * 4096
+    progress = {"sent": 0, "error": None}
+
+    def flood() -> None:
+        try:
+            while progress["sent"] < total:
+                c.sendall(batch)
+                progress["sent"] += len(batch)
+        except OSError as e:
+            progress["error"] = e
+
+    t = threading.Thread(target=flood, daemon=True)
+    t.start()
+
+    async def buffers() -> list[tuple[int, bool]]:
+        return s._server.write_buffers()
+
+    def paused() -> list[tuple[int, bool]]:
+        return [b for b in s.loop.call(buffers(), 5.0) if not b[1]]
+
+    try:
+        held = wait_until(lambda: paused() or not t.is_alive(), 30, what="the server to stop reading the flood")
+        assert t.is_alive(), f"the server read all {progress['sent'] / MiB:.1f} MiB of the flood ({progress['error']})"
+        assert all(size < 1 * MiB for size, _ in held), held
+        assert progress["sent"] < total
+        assert serves(s)  # another connection is served meanwhile
+    finally:
+        c.shutdown(socket.SHUT_RDWR)  # wakes the flood thread blocked in send
+        c.close()
+        t.join(10)

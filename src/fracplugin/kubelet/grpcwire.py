@@ -15,7 +15,8 @@ What this module adds to grpclib:
 * ``unary``: one unary call with a deadline on a fresh or given channel;
   connection failures are retried until the deadline when ``wait_for_ready``
   (grpcio's ``wait_for_ready=True``, which ``registration.probe`` used);
-* ``UnixServer``: a grpclib server on a unix socket that also closes its
+* ``UnixServer``: a grpclib server on a unix socket that stops reading a
+  peer that does not read (HTTP/2 control-frame floods) and closes its
   accepted connections at ``close`` (grpcio's ``stop(grace=0)`` did; asyncio's
   ``Server.close`` before Python 3.13 leaves them open, and a peer would keep
   calling a server that was replaced);
@@ -45,6 +46,7 @@ from typing import Any, Callable, Coroutine, Mapping, Type, TypeVar
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+from grpclib.protocol import H2Protocol
 from grpclib.server import Server
 
 from .codes import StatusCode
@@ -219,17 +221,62 @@ class _Servable:
         return self._mapping
 
 
+class _BackpressuredProtocol(H2Protocol):
+    """grpclib's server connection, plus: stop reading from the peer while
+    writes to it are paused (asyncio's transport buffer over its high-water
+    mark, 64 KiB), read again once it drained.
+
+    Why: h2 answers some frames by itself (PING, SETTINGS, and the window
+    updates of data it reads); grpclib writes those answers whatever the
+    buffer holds. A peer that floods such frames and never reads grew the
+    daemon's memory one byte per byte it sent (32 MiB of PINGs: +35 MiB RSS),
+    the HTTP/2 "ping flood" / "settings flood" (CVE-2019-9512, CVE-2019-9515);
+    grpcio's core refused them (ping strikes, GOAWAY). A peer that reads,
+    as kubelet does, never reaches the mark. Streams' DATA already waits for
+    the buffer (grpclib's ``write_ready``)."""
+
+    _fp_transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self._fp_transport = transport
+        super().connection_made(transport)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        t = self._fp_transport
+        if t is not None and not t.is_closing():
+            t.pause_reading()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        t = self._fp_transport
+        if t is not None and not t.is_closing():
+            t.resume_reading()
+
+
 class UnixServer(Server):
     """A grpclib server for ``mapping`` (``/package.Service/Method`` ->
-    ``Handler``) that remembers its connections and closes them at ``close``.
-    Construct and use it on its event loop."""
+    ``Handler``) that remembers its connections and closes them at ``close``,
+    and stops reading a connection whose peer does not read its answers
+    (``_BackpressuredProtocol``). Construct and use it on its event loop."""
 
     def __init__(self, mapping: Mapping[str, Handler]) -> None:
         super().__init__([_Servable(mapping)])
         self._protocols: list[Any] = []
 
+    def write_buffers(self) -> list[tuple[int, bool]]:
+        """Per open connection: (bytes waiting in its write buffer, whether it
+        is read). For tests and diagnostics; call it on the event loop."""
+        out = []
+        for p in self._protocols:
+            t = p._fp_transport
+            if t is not None and not t.is_closing():
+                out.append((t.get_write_buffer_size(), t.is_reading()))
+        return out
+
     def _protocol_factory(self) -> Any:  # grpclib.server.Server's hook for each accepted connection
-        proto = super()._protocol_factory()
+        base = super()._protocol_factory()  # registers the connection's handler with the server
+        proto = _BackpressuredProtocol(base.handler, base.config, base.h2_config)
         self._protocols = [p for p in self._protocols if _alive(p)]
         self._protocols.append(proto)
         return proto
