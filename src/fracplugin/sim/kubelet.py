@@ -236,7 +236,7 @@ class Kubelet:
         the answer (trailers included) is sent (D5). Answers UNKNOWN (bad
         version or resource name, plugin unreachable within
         ``dial_timeout_s``, path already connected under 1.37 semantics)."""
-        request = await stream.recv_message()
+        request = await grpcwire.recv_request(stream)  # at most 4 MiB, as kubelet's grpc-go server
         if request.version != VERSION:
             raise self._refusal(f"requested API version {request.version!r} is not supported by kubelet. "
                                 f"Supported versions are ['{VERSION}']")
