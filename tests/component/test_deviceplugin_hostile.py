@@ -224,19 +224,70 @@ def test_a_flood_of_frames_whose_answers_are_never_read_is_not_buffered(plugin, 
     t = threading.Thread(target=flood, daemon=True)
     t.start()
 
-    async def buffers() -> list[tuple[int, bool]]:
-        return s._server.write_buffers()
+    async def stats() -> list[dict[str, int]]:
+        return s._server.connection_stats()
 
-    def paused() -> list[tuple[int, bool]]:
-        return [b for b in s.loop.call(buffers(), 5.0) if not b[1]]
+    def paused() -> list[dict[str, int]]:
+        return [st for st in s.loop.call(stats(), 5.0) if not st["reading"]]
 
     try:
         held = wait_until(lambda: paused() or not t.is_alive(), 30, what="the server to stop reading the flood")
         assert t.is_alive(), f"the server read all {progress['sent'] / MiB:.1f} MiB of the flood ({progress['error']})"
-        assert all(size < 1 * MiB for size, _ in held), held
+        assert all(st["write_buffer_bytes"] < 1 * MiB for st in held), held
         assert progress["sent"] < total
         assert serves(s)  # another connection is served meanwhile
     finally:
         c.shutdown(socket.SHUT_RDWR)  # wakes the flood thread blocked in send
         c.close()
         t.join(10)
+
+
+def test_streams_reset_before_their_handler_ran_are_released(plugin):
+    """HTTP/2 rapid reset (CVE-2023-44487): HEADERS then RST_STREAM at once,
+    thousands of times on one connection. grpclib cancels the handler's task
+    before it ran, so the task's ``finally`` that releases the stream never
+    ran either: every stream stayed in the connection's table for the life
+    of the connection (50 000 resets: 48 -> 425 MiB RSS). Now each one is
+    released when its task ends, however it ends."""
+    import h2.errors
+
+    s = plugin
+    c = RawH2(s.socket_path)
+    n = 3000
+    drained = threading.Event()
+
+    def drain() -> None:  # read (and discard) the answers, so this is not the flood case
+        try:
+            while c.sock.recv(1 << 20):
+                pass
+        except OSError:
+            pass
+        drained.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+
+    async def stats() -> list[dict[str, int]]:
+        return s._server.connection_stats()
+
+    try:
+        for i in range(n):
+            sid = c.conn.get_next_available_stream_id()
+            c.conn.send_headers(sid, [(":method", "POST"), (":scheme", "http"),
+                                      (":path", "/v1beta1.DevicePlugin/ListAndWatch"), (":authority", "localhost"),
+                                      ("content-type", "application/grpc"), ("te", "trailers")])
+            c.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+            if i % 100 == 99:
+                c.flush()
+        c.flush()
+        # every stream the peer opened was seen (the server's stream table or
+        # its counters show the last one), and none is held after its reset
+        wait_until(lambda: any(st["streams_reset"] >= n for st in s.loop.call(stats(), 5.0)),
+                   what="the server to read every HEADERS + RST_STREAM")
+        held = wait_until(lambda: [st for st in s.loop.call(stats(), 5.0) if st["streams_reset"] >= n]
+                          if all(st["open_streams"] < 10 for st in s.loop.call(stats(), 5.0)) else None,
+                          what=lambda: f"the reset streams to be released: {s.loop.call(stats(), 5.0)}")
+        assert held
+        assert serves(s)
+    finally:
+        c.sock.shutdown(socket.SHUT_RDWR)
+        c.close()
