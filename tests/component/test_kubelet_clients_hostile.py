@@ -211,3 +211,42 @@ def test_reconcile_against_a_podresources_that_refuses_list_leaks_no_connection(
     finally:
         s.stop(2.0)
         good.stop()
+
+
+def test_a_reply_that_never_comes_after_its_headers_ends_at_the_deadline(sockdir, loop):
+    """The server sends its response headers and then nothing: the bounded
+    read of the reply (``grpcwire.unary``) still ends at the call's deadline
+    (grpclib's deadline wrapper), as DEADLINE_EXCEEDED."""
+    import asyncio
+
+    from fracplugin._proto import podresources_pb2 as prpb
+
+    path = os.path.join(sockdir, "pr.sock")
+    release = asyncio.Event()
+
+    async def hang(stream):
+        await grpcwire.recv_request(stream)
+        await stream.send_initial_metadata()
+        await release.wait()
+
+    mapping = {"/v1.PodResourcesLister/List": grpcwire.handler(hang, grpcwire.UNARY_UNARY,
+                                                               prpb.ListPodResourcesRequest,
+                                                               prpb.ListPodResourcesResponse)}
+
+    async def listen():
+        srv = grpcwire.UnixServer(mapping)
+        await srv.start(path=path)
+        return srv
+
+    srv = loop.call(listen(), 5.0)
+    try:
+        with pytest.raises(grpcwire.RpcError) as e:  # 30 s: only bounds a read that would never end
+            loop.call(grpcwire.unary(None, path, "/v1.PodResourcesLister/List", prpb.ListPodResourcesRequest(),
+                                     prpb.ListPodResourcesResponse, 0.3), 30.0)
+        assert e.value.code.name == "DEADLINE_EXCEEDED"
+    finally:
+        async def close():
+            release.set()
+            srv.close()
+            await srv.wait_closed()
+        loop.call(close(), 5.0)
