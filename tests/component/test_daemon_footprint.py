@@ -166,7 +166,7 @@ def test_without_the_door_its_grpc_library_is_not_imported() -> None:
     """ADR 0016 for grpclib: config validation and the NRI door import
     ``fracplugin.kubelet.devices`` (pure), never the door's transport."""
     code = ("import sys, fracplugin.cli, fracplugin.daemon, fracplugin.config, fracplugin.nri.plugin, "
-            "fracplugin.kubelet.devices, fracplugin.kubelet.codes; "
+            "fracplugin.kubelet.devices, fracplugin.rpcstatus; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'grpclib', 'h2')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

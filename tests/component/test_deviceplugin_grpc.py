@@ -188,7 +188,7 @@ def test_unregistered_plugin_reports_why(plugin):
 
 
 def test_refusals_reach_a_grpcio_client_with_their_code_and_message(plugin):
-    """ADR 0018: the grpclib server answers a Refusal's ``codes.StatusCode``
+    """ADR 0018: the grpclib server answers a Refusal's ``rpcstatus.StatusCode``
     and message as grpc-status / grpc-message, read by another gRPC
     implementation (grpcio here, grpc-go in kubelet)."""
     s, inv, _, _ = plugin

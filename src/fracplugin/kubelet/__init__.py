@@ -11,8 +11,8 @@ Public API (used by the daemon):
 - ``DEFAULT_RESOURCE_NAME`` (``fracplugin.io/gpu-memory``), ``DEFAULT_UNIT_MIB`` (1024).
 
 The names above are loaded on first use (PEP 562 module ``__getattr__``):
-importing this package, or a pure submodule such as ``devices`` or
-``codes`` (which config validation and the NRI door use), does not import
+importing this package, or a pure submodule such as ``devices`` (which
+config validation and the NRI door use), does not import
 the door's gRPC library (grpclib with h2, ADR 0018; about 4-5 MiB of
 resident memory with the door's state) nor the generated protos, which a
 process without the device plugin door (``--no-device-plugin``, ``--role

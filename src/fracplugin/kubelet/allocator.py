@@ -46,7 +46,7 @@ from ..model import ComputeMode, ContainerPlan, FractionError, FractionRequest, 
 from ..ledger import Ledger
 from ..mps.layout import CONTAINER_PIPE_DIR
 from . import podlookup
-from .codes import StatusCode
+from ..rpcstatus import StatusCode
 from .devices import DeviceIdError, DeviceTable, parse_device_id, preferred_allocation
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 class Refusal(Exception):
     """An Allocate / GetPreferredAllocation answered with a gRPC error.
 
-    ``code`` is the gRPC status kubelet gets (``codes.StatusCode``: our own
+    ``code`` is the gRPC status kubelet gets (``rpcstatus.StatusCode``: our own
     type, the canonical gRPC numbers, so this module loads no gRPC library),
     ``message`` the text kubelet shows as the pod's admission error, ``label``
     the metrics reason."""

@@ -62,7 +62,7 @@ from .devices import (
 from . import grpcwire
 from .aio import LoopThread
 from .allocator import Allocator, Refusal  # noqa: F401 (Refusal: re-exported)
-from .codes import StatusCode
+from ..rpcstatus import StatusCode
 from .podresources import DEFAULT_PODRESOURCES_SOCKET, PodResourcesClient, PodResourcesError
 from .registration import DEFAULT_PLUGIN_DIR, KUBELET_SOCKET_NAME, Registrar, socket_identity
 

@@ -10,7 +10,7 @@ What this module adds to grpclib:
 
 * ``RpcError``: one error type for every failed call (a ``grpc-status`` from
   the peer, a connection that could not be made or broke, a deadline), with
-  our own ``codes.StatusCode`` and the message, so callers never import
+  our own ``rpcstatus.StatusCode`` and the message, so callers never import
   grpclib to handle errors;
 * ``unary``: one unary call with a deadline on a fresh or given channel;
   connection failures are retried until the deadline when ``wait_for_ready``
@@ -49,7 +49,7 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server
 
-from .codes import StatusCode
+from ..rpcstatus import StatusCode
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -68,7 +68,7 @@ class RpcError(Exception):
     """A gRPC call that did not succeed.
 
     Attributes:
-        code: ``codes.StatusCode`` (UNAVAILABLE for a connection that could not
+        code: ``rpcstatus.StatusCode`` (UNAVAILABLE for a connection that could not
             be made or broke, DEADLINE_EXCEEDED for a deadline, else the peer's
             ``grpc-status``).
         message: the peer's ``grpc-message`` or what went wrong locally.

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 from .._proto import podresources_pb2 as pb
 from . import grpcwire
 from .aio import LoopStopped, LoopThread
-from .codes import StatusCode
+from ..rpcstatus import StatusCode
 
 DEFAULT_PODRESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Iterable, Union
 
 from .._proto import ttrpc_pb2
+from ..rpcstatus import StatusCode
 
 __all__ = [
     "HEADER_SIZE",
@@ -79,26 +80,8 @@ class MessageType(enum.IntEnum):
     DATA = 3
 
 
-class Code(enum.IntEnum):
-    """gRPC status codes used on the wire (google.rpc.Code)."""
-
-    OK = 0
-    CANCELLED = 1
-    UNKNOWN = 2
-    INVALID_ARGUMENT = 3
-    DEADLINE_EXCEEDED = 4
-    NOT_FOUND = 5
-    ALREADY_EXISTS = 6
-    PERMISSION_DENIED = 7
-    RESOURCE_EXHAUSTED = 8
-    FAILED_PRECONDITION = 9
-    ABORTED = 10
-    OUT_OF_RANGE = 11
-    UNIMPLEMENTED = 12
-    INTERNAL = 13
-    UNAVAILABLE = 14
-    DATA_LOSS = 15
-    UNAUTHENTICATED = 16
+Code = StatusCode
+"""gRPC status codes used on the wire (google.rpc.Code): the one ``rpcstatus.StatusCode``."""
 
 
 class Role(enum.Enum):

@@ -58,7 +58,7 @@ from typing import Any, Callable, Mapping
 from .._proto import deviceplugin_pb2 as pb
 from ..kubelet import grpcwire
 from ..kubelet.aio import LoopThread
-from ..kubelet.codes import StatusCode
+from ..rpcstatus import StatusCode
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,13 @@
-"""gRPC status codes as the kubelet door answers them, without a gRPC library.
+"""The status codes both doors answer with, without an RPC library.
 
 ``StatusCode`` carries the canonical numeric codes of gRPC
-(``doc/statuscodes.md`` in grpc/grpc; the same numbers grpc-go's
-``codes.Code`` and grpclib's ``const.Status`` use). ``allocator.Refusal``
-names one of these; the transport (``grpcwire``) turns it into the
-``grpc-status`` trailer. A pure module: importing it loads no gRPC library,
-so the allocator's decisions and their tests stay transport-free (ADR 0018).
+(``doc/statuscodes.md`` in grpc/grpc, ``google.rpc.Code``; the same numbers
+grpc-go's ``codes.Code``, grpclib's ``const.Status`` and ttrpc's status use).
+The kubelet door's ``allocator.Refusal`` names one and ``kubelet.grpcwire``
+turns it into the ``grpc-status`` trailer; the NRI door's ttrpc layer
+(``nri.ttrpc.Code`` is this class) puts it in the response's ``status``. A
+pure module: importing it loads no RPC library, so the decisions and their
+tests stay transport-free (ADR 0018).
 """
 
 from __future__ import annotations
