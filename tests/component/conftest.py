@@ -1,4 +1,4 @@
-"""Fixtures shared by the NRI component tests (stub against a fake runtime)."""
+"""Fixtures shared by the component tests (short socket directories, teardown of NRI stubs and runtimes)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,14 @@ def sockpath():
     """A fresh NRI socket path in a private /tmp directory (short: unix socket paths)."""
     d = tempfile.mkdtemp(prefix="fp", dir="/tmp")
     yield os.path.join(d, "nri.sock")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def sockdir():
+    """A fresh private /tmp directory for unix sockets (short paths), removed after the test."""
+    d = tempfile.mkdtemp(prefix="fp", dir="/tmp")
+    yield d
     shutil.rmtree(d, ignore_errors=True)
 
 

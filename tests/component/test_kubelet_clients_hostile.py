@@ -7,9 +7,7 @@ client works again once the server does."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import tempfile
 import threading
 
 import pytest
@@ -20,13 +18,6 @@ from fracplugin.kubelet.aio import LoopThread
 from fracplugin.kubelet.podresources import PodResourcesClient, PodResourcesError
 from fracplugin.kubelet.registration import RegistrationError, register
 from tests.peers.kubelet import FakePodResources
-
-
-@pytest.fixture
-def sockdir():
-    d = tempfile.mkdtemp(prefix="fp", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -178,7 +169,6 @@ def test_reconcile_against_a_podresources_that_refuses_list_leaks_no_connection(
 
     import grpc
 
-    from fracplugin._proto import podresources_pb2_grpc as prpb_grpc
     from fracplugin.gpu.simulated import SimulatedInventory
     from fracplugin.kubelet import DevicePluginServer
     from fracplugin.ledger import Ledger

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-import tempfile
 import threading
 from pathlib import Path
 
@@ -122,13 +121,6 @@ class Harness:
     def close(self):
         self.stub.stop(5)
         self.rt.close()
-
-
-@pytest.fixture
-def sockdir():
-    d = tempfile.mkdtemp(prefix="fp", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
