@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 
+import psutil
 import pytest
 
 from fracplugin.nri.stub import NriStub
@@ -37,3 +39,32 @@ def cleanup():
             item.stop(5)
         else:
             item.close()
+
+
+@pytest.fixture
+def pipe():
+    """``(root, procs)`` for tests that run the fake ``nvidia-cuda-mps-control``:
+    a private /tmp directory and a list the test appends its Popen objects to.
+    Teardown closes their stdin (a ``-f`` daemon exits on EOF), kills what is
+    still running after 5 s, kills a ``-d`` daemon left under ``<root>/p``,
+    and fails the test if any child process of the test run is left."""
+    root = tempfile.mkdtemp(prefix="fp", dir="/tmp")
+    procs: list[subprocess.Popen] = []
+    yield root, procs
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.stdin.close()
+            except (OSError, AttributeError):  # AttributeError: started without a stdin pipe
+                pass
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    pidfile = os.path.join(root, "p", "nvidia-cuda-mps-control.pid")
+    if os.path.exists(pidfile):  # a -d daemon the test did not stop
+        os.kill(int(open(pidfile).read()), 9)
+    left = [c.pid for c in psutil.Process().children(recursive=True)]
+    shutil.rmtree(root, ignore_errors=True)
+    assert left == []

@@ -8,11 +8,9 @@ the Python fake). The benchmarks run the daemon with the compiled client
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -29,26 +27,6 @@ FAST_PATH = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH"
 @pytest.fixture(scope="module")
 def cbin() -> str:
     return str(build_mps_client())
-
-
-@pytest.fixture
-def root():
-    d = tempfile.mkdtemp(prefix="fpc", dir="/tmp")
-    procs: list[subprocess.Popen] = []
-    yield d, procs
-    for p in procs:
-        if p.poll() is None:
-            try:
-                p.stdin.close()
-            except (OSError, AttributeError):
-                pass
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    shutil.rmtree(d, ignore_errors=True)
-    assert [c.pid for c in psutil.Process().children(recursive=True)] == []
 
 
 def _env(d: str, **extra: str) -> dict[str, str]:
@@ -91,8 +69,8 @@ def _both(cbin: str, args: list[str], env: dict[str, str], stdin: bytes | None =
     return want
 
 
-def test_v3_argv_requests_answer_as_the_python_fake(cbin, root):
-    d, procs = root
+def test_v3_argv_requests_answer_as_the_python_fake(cbin, pipe):
+    d, procs = pipe
     _daemon(d, procs, str(PY_FAKE))
     env = _env(d)
     assert _both(cbin, ["server", "list", "--format=csv,noheader"], env)[0] == 0
@@ -122,8 +100,8 @@ def test_v3_argv_requests_answer_as_the_python_fake(cbin, root):
     assert rc == 1 and err.startswith(b"Error: command refused by fake")
 
 
-def test_v2_stdin_requests_answer_as_the_python_fake(cbin, root):
-    d, procs = root
+def test_v2_stdin_requests_answer_as_the_python_fake(cbin, pipe):
+    d, procs = pipe
     _daemon(d, procs, str(PY_FAKE), protocol="2")
     env = _env(d)
     assert _both(cbin, [], env, b"get_default_active_thread_percentage\n")[1] == b"100.0\n"
@@ -145,8 +123,8 @@ def test_v2_stdin_requests_answer_as_the_python_fake(cbin, root):
     assert _both(cbin, ["server", "list"], env)[0] == 1  # a v2 daemon does not know v3 modules
 
 
-def test_quit_and_a_daemon_that_is_gone(cbin, root):
-    d, procs = root
+def test_quit_and_a_daemon_that_is_gone(cbin, pipe):
+    d, procs = pipe
     env = _env(d)
     results = []
     for binary in (str(PY_FAKE), cbin):
@@ -163,8 +141,8 @@ def test_quit_and_a_daemon_that_is_gone(cbin, root):
     assert _both(cbin, ["server", "list"], long_env) == (1, b"", gone)
 
 
-def test_a_reply_without_a_status_line_is_a_broken_connection(cbin, root):
-    d, _ = root
+def test_a_reply_without_a_status_line_is_a_broken_connection(cbin, pipe):
+    d, _ = pipe
     pipe = Path(d, "p")
     pipe.mkdir()
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -196,8 +174,8 @@ def test_a_reply_without_a_status_line_is_a_broken_connection(cbin, root):
     assert not t.is_alive()
 
 
-def test_everything_but_a_client_is_the_python_fake(cbin, root):
-    d, procs = root
+def test_everything_but_a_client_is_the_python_fake(cbin, pipe):
+    d, procs = pipe
     p = _daemon(d, procs, cbin)  # -f through the compiled front: the Python daemon, same PID
     assert psutil.Process(p.pid).cmdline()[1] == str(PY_FAKE)
     env = _env(d)
@@ -216,8 +194,8 @@ def test_everything_but_a_client_is_the_python_fake(cbin, root):
     assert _run(cbin, ["-v"], no_python, None)[0] != 0  # handed to the Python fake, which needs python3
 
 
-def test_the_product_drives_mps_through_the_compiled_client(cbin, root):
-    d, procs = root
+def test_the_product_drives_mps_through_the_compiled_client(cbin, pipe):
+    d, procs = pipe
     cfg = os.path.join(d, "c.toml")
     Path(cfg).write_text(render_config_toml(sm_sharing=True))
     c = MpsControl(cbin, os.path.join(d, "p"), 3, os.path.join(d, "l"), env={"PATH": FAST_PATH})

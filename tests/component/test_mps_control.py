@@ -4,10 +4,8 @@ nvidia-cuda-mps-control, plus the pure helpers (protocol choice, TOML)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import tomllib
 from pathlib import Path
 
@@ -53,30 +51,6 @@ def test_config_toml_for_each_daemon():
     assert ts["servers"] == {"shared": {}}  # issue 12: time-slicing tenants get namespaces of it too
     with pytest.raises(ValueError):
         render_config_toml(sm_sharing=True, servers=("Bad-Name",))
-
-
-@pytest.fixture
-def pipe():
-    root = tempfile.mkdtemp(prefix="fp", dir="/tmp")
-    procs: list[subprocess.Popen] = []
-    yield root, procs
-    for p in procs:
-        if p.poll() is None:
-            try:
-                p.stdin.close()
-            except OSError:
-                pass
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    pidfile = os.path.join(root, "p", "nvidia-cuda-mps-control.pid")
-    if os.path.exists(pidfile):  # a -d daemon the test did not stop
-        os.kill(int(open(pidfile).read()), 9)
-    left = [c.pid for c in psutil.Process().children(recursive=True)]
-    shutil.rmtree(root, ignore_errors=True)
-    assert left == []
 
 
 def _ended(pid: int) -> bool:
