@@ -258,14 +258,13 @@ class FracNriPlugin:
         # container id -> (owner, future of the namespace job StartContainer awaits)
         self._ns_pending: dict[str, tuple[Owner, Future[Any]]] = {}
         # owners whose namespace may exist: an ensure for them started (or a
-        # Synchronize found them) since their last release ran
-        self._ns_made: dict[Owner, None] = {}
-        # owner -> (its settings: mode, portion, pinned limit; the done future of
-        # the ensure that made its namespace with them): while the owner stays
-        # in _ns_made and no job of it is queued or running, a new container of
-        # the owner awaits that outcome instead of queueing another ensure
-        # (issue 14: a restart or retry of a container costs no MPS work)
-        self._ns_current: dict[Owner, tuple[tuple[Any, ...], Future[Any]]] = {}
+        # Synchronize found them) since their last release ran. The value, once
+        # an ensure of the queue made it, is (its settings: mode, portion, pinned
+        # limit; that ensure's done future): while no job of the owner is queued
+        # or running, a new container of the owner with the same settings awaits
+        # that outcome instead of queueing another ensure (issue 14: a restart or
+        # retry of a container costs no MPS work); None = not known to be made so.
+        self._ns_made: dict[Owner, tuple[tuple[Any, ...], Future[Any]] | None] = {}
         self._stopped_holds: dict[str, list[Tenancy]] = {}  # container id -> holds released at StopContainer
         self._ns_queue: KeyedWorkQueue | None = None
         self._made_sources: dict[str, None] = {}  # mount sources made before (insertion order: oldest first)
@@ -615,9 +614,9 @@ class FracNriPlugin:
         the daemon counts as healthy again, which CreateContainer waited for)."""
         owner = (p.pod.uid, p.container)
         with self._ns_lock:
-            cur = self._ns_current.get(owner)
+            cur = self._ns_made.get(owner)
             if (cur is not None and cur[0] == (p.compute_mode, p.active_thread_percentage, p.limit_mib)
-                    and owner in self._ns_made and self._ns_queue is not None
+                    and self._ns_queue is not None
                     and not self._ns_queue.busy(("ns", *owner))):
                 self._ns_pending[container_id] = (owner, cur[1])
                 return
@@ -648,8 +647,7 @@ class FracNriPlugin:
                 return None
             t = held[0]
             with self._ns_lock:
-                self._ns_made[t.owner] = None
-                self._ns_current.pop(t.owner, None)  # made here, outside the queue: not reused
+                self._ns_made[t.owner] = None  # made here, outside the queue: not reused
             try:
                 deadline = time.monotonic() + timeout
                 self._wait_mps_healthy(deadline, t.mode)
@@ -704,7 +702,7 @@ class FracNriPlugin:
         with self._ns_lock:
             q, self._ns_queue = self._ns_queue, None
             self._ns_pending.clear()
-            self._ns_current.clear()
+            self._ns_made = dict.fromkeys(self._ns_made)  # no queue to have made them any more
         if q is not None:
             q.close()
 
@@ -881,7 +879,6 @@ class FracNriPlugin:
             return
         with self._ns_lock:
             self._ns_made.pop(owner, None)
-            self._ns_current.pop(owner, None)
         try:
             self.mps.release_namespace(*owner)
         except Exception as exc:
@@ -979,8 +976,7 @@ class FracNriPlugin:
             return
         seen: set[str] = set()
         with self._ns_lock:  # owners no container holds any more will not be released by us
-            self._ns_made = {o: None for o in self._ns_made if self.ledger.find(*o)}
-            self._ns_current = {o: v for o, v in self._ns_current.items() if o in self._ns_made}
+            self._ns_made = {o: v for o, v in self._ns_made.items() if self.ledger.find(*o)}
         for t in tenancies:
             if not t.mps_namespace or not t.container_id or t.container_id in seen:
                 continue
@@ -989,7 +985,7 @@ class FracNriPlugin:
                 if t.container_id in self._ns_pending:
                     continue
                 fields = {"pod_uid": t.pod_uid, "container": t.container, "container_id": t.container_id}
-                self._ns_made[t.owner] = None  # the MPS layer (a split MPS role) may hold it from before
+                self._ns_made.setdefault(t.owner, None)  # the MPS layer (a split MPS role) may hold it from before
                 self._queue_ensure(t.container_id, t.owner, functools.partial(
                     self._ensure_job, t.owner, t.active_thread_percentage, fields, t.mode, t.limit_mib))
 
@@ -998,14 +994,13 @@ class FracNriPlugin:
         """A queued namespace creation: from its start the namespace may
         exist (a later release of the owner must then run)."""
         with self._ns_lock:
-            self._ns_made[owner] = None
-            self._ns_current.pop(owner, None)  # unknown until this ensure succeeds
+            self._ns_made[owner] = None  # not known to be made until this ensure succeeds
         path = self._renew_job(owner[0], owner[1], atp, fields, mode, limit_mib)
         done: Future[Any] = Future()
         done.set_result(path)
         with self._ns_lock:
             if owner in self._ns_made:  # not released meanwhile
-                self._ns_current[owner] = ((mode, atp, limit_mib), done)
+                self._ns_made[owner] = ((mode, atp, limit_mib), done)
         return path
 
     def _renew_job(self, pod_uid: str, container: str, atp: int | None, fields: Mapping[str, Any],
