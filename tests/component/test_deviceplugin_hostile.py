@@ -212,10 +212,11 @@ def test_a_flood_of_frames_whose_answers_are_never_read_is_not_buffered(plugin, 
     total = (32 * MiB // len(frame)) * len(frame)
     batch = frame * 4096
     progress = {"sent": 0, "error": None}
+    enough = threading.Event()
 
     def flood() -> None:
         try:
-            while progress["sent"] < total:
+            while progress["sent"] < total and not enough.is_set():
                 c.sendall(batch)
                 progress["sent"] += len(batch)
         except OSError as e:
@@ -236,10 +237,30 @@ def test_a_flood_of_frames_whose_answers_are_never_read_is_not_buffered(plugin, 
         assert all(st["write_buffer_bytes"] < 1 * MiB for st in held), held
         assert progress["sent"] < total
         assert serves(s)  # another connection is served meanwhile
+        # the peer reads again: the server drains its answers and reads the
+        # rest of the flood (a kubelet that fell behind once is not cut off)
+        drainer = threading.Thread(target=_drain, args=(c,), daemon=True)
+        drainer.start()
+        sent_when_paused = progress["sent"]
+        wait_until(lambda: progress["sent"] > sent_when_paused + 4 * MiB, 60,
+                   what=lambda: f"more of the flood to be read ({progress}, {sent_when_paused} when paused)")
+        enough.set()
+        t.join(10)
+        assert progress["error"] is None
+        wait_until(lambda: not paused(), 10, what="the connection to be read again")
     finally:
         c.shutdown(socket.SHUT_RDWR)  # wakes the flood thread blocked in send
         c.close()
         t.join(10)
+
+
+def _drain(c: socket.socket) -> None:
+    """Read and discard what the server sends on ``c`` until it closes."""
+    try:
+        while c.recv(1 << 20):
+            pass
+    except OSError:
+        pass
 
 
 def test_streams_reset_before_their_handler_ran_are_released(plugin):
