@@ -109,3 +109,12 @@ def status_code(code: grpc.StatusCode | None) -> StatusCode:
     if code is None:
         return StatusCode.UNKNOWN
     return StatusCode[code.name]
+
+
+def failure(e: grpc.RpcError) -> tuple[StatusCode, str]:
+    """(code, details) of a failed grpcio call; an error that is not a call
+    (grpcio raises none such from a unary call, but the type allows it) is
+    UNKNOWN with its text."""
+    if isinstance(e, grpc.Call):
+        return status_code(e.code()), e.details() or ""
+    return StatusCode.UNKNOWN, str(e)

@@ -117,8 +117,7 @@ class PodResourcesClient:
         try:
             return method(self._get_stub())
         except grpc.RpcError as e:
-            code = grpcopts.status_code(e.code() if isinstance(e, grpc.Call) else None)
-            details = (e.details() if isinstance(e, grpc.Call) else None) or str(e)
+            code, details = grpcopts.failure(e)
             if code not in (StatusCode.UNIMPLEMENTED, StatusCode.NOT_FOUND):
                 self._drop_channel()
             raise _CallFailed(code, details) from None

@@ -101,9 +101,8 @@ def probe(socket_path: str, timeout_s: float = 1.0) -> pb.DevicePluginOptions:
 
 def _why(e: grpc.RpcError) -> str:
     """``CODE: details`` of a failed grpcio call."""
-    code = e.code() if isinstance(e, grpc.Call) else None
-    details = e.details() if isinstance(e, grpc.Call) else str(e)
-    return f"{grpcopts.status_code(code).name}: {details}"
+    code, details = grpcopts.failure(e)
+    return f"{code.name}: {details}"
 
 
 def register(
