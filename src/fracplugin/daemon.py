@@ -633,7 +633,7 @@ class Daemon:
         if self.cfg.role == "mps":  # no ledger (the doors role owns it), no doors
             steps = [s for s in steps if s[0] in ("inventory", "metrics", "mps", "health")]
         elif not self.cfg.no_device_plugin:
-            # the door's gRPC library (grpclib, ADR 0018) loads before any part starts a
+            # the door's gRPC library (grpcio, ADR 0021) loads before any part starts a
             # thread or a child process; without the door it never loads (ADR 0016)
             from .kubelet import deviceplugin  # noqa: F401
         for name, step in steps:
