@@ -96,6 +96,43 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _mib(v: Any) -> str:
+    if v is None:
+        return "-"
+    return "max" if int(v) == 0xFFFFFFFFFFFFFFFF else str(int(v) >> 20)
+
+
+def enforced_cell(enforced: str, reason: str) -> str:
+    """The ENFORCED column: ``yes``, ``no (why)`` or ``unknown``."""
+    return f"no ({reason})" if enforced == "no" and reason else enforced
+
+
+def render_memory_limits(ml: Mapping[str, Any]) -> str:
+    """The CUDA memory limits section of ``/status`` (issue 23): mode, the
+    node's capability gate, and per container and GPU the planned and read
+    soft/hard limits (MiB) with the ENFORCED column (yes / no (why) / unknown)."""
+    out = [f"memory limits: {ml.get('mode')}, policy {ml.get('policy')}, cgroup root {ml.get('cgroup_root')}"]
+    node = ml.get("node") or {}
+    if node:
+        out.append("  node can enforce: " + ("yes" if node.get("can_enforce") else f"no ({node.get('reason')})"))
+        for c in node.get("capabilities") or []:
+            state = {True: "yes", False: "NO", None: "unknown"}.get(c.get("ok"), "unknown")
+            out.append(f"    {c.get('name', '?'):<18} {state:<8} {c.get('detail', '')}".rstrip())
+    rows = [("CONTAINER", "GPU", "PLANNED SOFT/HARD MiB", "READ SOFT/HARD MiB", "USED MiB", "ENFORCED")]
+    for c in ml.get("containers") or []:
+        for g in c.get("gpus") or []:
+            ok = {True: "yes", False: "no", None: "unknown"}.get(g.get("enforced"), "unknown")
+            rows.append((f"{c.get('pod')}/{c.get('container')}", str(g.get("gpu")),
+                         f"{_mib(g.get('planned_soft_bytes'))}/{_mib(g.get('planned_hard_bytes'))}",
+                         f"{_mib(g.get('read_soft_bytes'))}/{_mib(g.get('read_hard_bytes'))}",
+                         _mib(g.get("used_bytes")), enforced_cell(ok, g.get("reason") or c.get("reason") or "")))
+    if len(rows) > 1:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        for r in rows:
+            out.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1])
+    return "\n".join(out)
+
+
 def render_table(doc: Mapping[str, Any]) -> str:
     """The human rendering of a ``/status`` document."""
     out = []
@@ -164,6 +201,10 @@ def render_table(doc: Mapping[str, Any]) -> str:
                    + (f"{pub.get('status')} ({pub.get('reason')})" if pub else "not published")
                    + f"  patches {nc.get('patches', 0)}  failures {nc.get('failures', 0)}"
                    + (f"  last error: {nc['last_error']}" if nc.get("last_error") else ""))
+    ml = doc.get("memory_limits")
+    if isinstance(ml, dict):
+        out.append("")
+        out.append(render_memory_limits(ml))
     eps = doc.get("endpoints") or {}
     if eps:
         out.append("")

@@ -219,3 +219,54 @@ def check_capabilities(
     items = (_driver(driver_version), _mps(mps_protocol), _cgroup_v2(cgroup_root),
              _accounting(cgroup_root, gpus, nvml_probe), _mig(gpus), hook_cap)
     return NodeCapabilities(items=items, hook=hook)
+
+
+class CapabilityGate:
+    """``check_capabilities`` kept fresh: re-evaluated when older than
+    ``refresh_s`` seconds (its inputs are files and cheap NVML reads), so a
+    node that changes (a CDI spec written, MIG turned on through NVML, the
+    driver upgraded after a restart) is seen without a restart.
+
+    Args: as ``check_capabilities``, with ``gpus`` and ``mps_protocol`` as
+    callables read at each evaluation. Thread-safe; ``current()`` never raises."""
+
+    def __init__(self, gpus: Callable[[], Sequence[GpuInfo]], driver_version: str, *,
+                 cgroup_root: str = "/sys/fs/cgroup",
+                 mps_protocol: Callable[[], int | None] | None = None,
+                 nvml_probe: Callable[[str], str | None] | None = None,
+                 hook_of: Callable[[str], bool | None] | None = None,
+                 refresh_s: float = 10.0) -> None:
+        import threading  # noqa: PLC0415
+
+        self._gpus = gpus
+        self.driver_version = driver_version
+        self.cgroup_root = cgroup_root
+        self._protocol = mps_protocol
+        self.nvml_probe = nvml_probe
+        self.hook_of = hook_of
+        self.refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._at = -1.0e18
+        self._last: NodeCapabilities | None = None
+
+    def current(self) -> NodeCapabilities:
+        """The gate's answer, at most ``refresh_s`` old."""
+        import time  # noqa: PLC0415
+
+        now = time.monotonic()
+        with self._lock:
+            if self._last is not None and now - self._at < self.refresh_s:
+                return self._last
+        try:
+            protocol = self._protocol() if self._protocol is not None else None
+        except Exception:
+            protocol = None
+        caps = check_capabilities(list(self._gpus()), self.driver_version, cgroup_root=self.cgroup_root,
+                                  mps_protocol=protocol, nvml_probe=self.nvml_probe, hook_of=self.hook_of)
+        with self._lock:
+            self._last, self._at = caps, now
+        return caps
+
+    def reason(self) -> str:
+        """``""`` when the node can enforce, else the reason (``NodeCapabilities.reason``)."""
+        return self.current().reason
