@@ -161,10 +161,13 @@ def test_apply_sets_soft_and_hard_on_the_leaf_of_each_gpu_and_reads_back(started
                          capture_output=True, text=True, timeout=30)
     assert "ENFORCED" in out.stdout and "40960/61440" in out.stdout, out.stdout
     code, text = d.get("/metrics", "metrics")
-    want = (f'fracplugin_container_gpu_memory_limit_bytes{{pod="{pod.namespace}/{pod.name}",container="{c.name}",'
-            f'gpu="{GPUS[0]}",kind="hard",source="enforced"}} {61440 * MIB:.1f}')
+    want = (f'fracplugin_container_cuda_memory_limit_bytes{{namespace="{pod.namespace}",pod="{pod.name}",'
+            f'container="{c.name}",gpu_uuid="{GPUS[0]}",kind="hard",source="enforced"}} {61440 * MIB:.1f}')
     assert code == 200 and want.replace(".0", "") in text.replace(".0", ""), text
     assert 'fracplugin_node_capability{capability="cgroup_v2"} 1' in text
+    assert text.count("# TYPE fracplugin_container_gpu_memory_limit_bytes ") == 1  # the ledger's family, once
+    assert f'fracplugin_container_cuda_memory_limit_enforced{{namespace="{pod.namespace}",pod="{pod.name}",' \
+           f'container="{c.name}"}} 1' in text
     rt.stop_container(pod, c)
     rt.remove_container(pod, c)
     wait_until(lambda: all(fake.read_limits(root / "limits").get((u, str(leaf)), (1, 0))[0] == 0 for u in GPUS), 10,
@@ -239,3 +242,18 @@ def test_off_changes_nothing(started: Any, root: Path) -> None:
     rt.create_container(pod, c)
     assert rt.start_container(pod, c) is None
     assert fake.read_limits(root / "limits") == {}
+
+
+def test_cgroup_v1_policy_warn_withholds_the_toolkit_hook_env(started: Any) -> None:
+    """On a node that cannot enforce, policy warn admits the container but
+    does not hand it NVIDIA_GPU_MEMORY_REQUEST/LIMIT (the toolkit hook would
+    fail its start on cgroup v1); the rest of the plan's env is there."""
+    from nri_runtime import effective_env, pod_from_manifest
+
+    d, rt, _cg = started(["--memory-limits", "auto"], v2=False)
+    pod, ctrs = pod_from_manifest(INFERENCE)
+    adj = rt.create_container(pod, ctrs[0])
+    assert not hasattr(adj, "code"), adj
+    env = effective_env(ctrs[0], adj)
+    assert "NVIDIA_GPU_MEMORY_REQUEST" not in env and "NVIDIA_GPU_MEMORY_LIMIT" not in env, env
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50" and env["NVIDIA_VISIBLE_DEVICES"] == ",".join(GPUS)

@@ -2,10 +2,17 @@
 
 ``NriMemoryLimits`` is what ``FracNriPlugin`` calls (three one-line hooks):
 
-* ``admit(plan)`` at CreateContainer: with ``--memory-limits-policy refuse``
-  and a node that cannot enforce (the capability gate), the container is
-  refused with a ``FractionError`` naming the missing capability (key
-  ``node``, code ``memory_limits_unenforceable``). With ``warn`` it passes.
+* ``admit(plan) -> plan`` at CreateContainer: with ``--memory-limits-policy
+  refuse`` and a node that cannot enforce (the capability gate), the
+  container is refused with a ``FractionError`` naming the missing capability
+  (key ``node``, code ``memory_limits_unenforceable``). With ``warn`` it
+  passes, but while the node lacks what the toolkit's
+  ``apply-cuda-memory-limits`` hook fails on (driver r615+, cgroup v2, memory
+  accounting, MIG off) the plan's ``NVIDIA_GPU_MEMORY_REQUEST`` /
+  ``NVIDIA_GPU_MEMORY_LIMIT`` are withheld: the hook does nothing unless both
+  are set, and when it runs on such a node it fails the container's start
+  (an OCI hook error; enforcement-cdi-dra.md). ``withheld_keys()`` names them
+  (Synchronize does not report their absence). ADR 0025.
 * ``start(pod, container, ledger)`` at StartContainer: apply/verify the limits
   of the container's GPUs (from the ledger: soft = request, hard = limit) on
   its leaf cgroup (NRI ``linux.cgroups_path``). A limit that is not enforced
@@ -19,19 +26,28 @@ Nothing here lets an exception other than the refusals out.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
 
 from ..model import ContainerPlan, FractionError, PodRef
+from ..planner import ENV_MEMORY_LIMIT, ENV_MEMORY_REQUEST
+from .capability import NodeCapabilities
 from ..rpcstatus import StatusCode as Code
 from .memlimits import LIMIT_MAX, MIB, ContainerLimits, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, plan_gpus
 
-__all__ = ["NriMemoryLimits", "REFUSAL_CODE"]
+__all__ = ["NriMemoryLimits", "REFUSAL_CODE", "HOOK_ENV", "HOOK_FAILS_ON"]
 
 log = logging.getLogger(__name__)
 
 REFUSAL_CODE = "memory_limits_unenforceable"
+
+HOOK_ENV = (ENV_MEMORY_REQUEST, ENV_MEMORY_LIMIT)
+"""What the toolkit hook reads (both needed, else it does nothing)."""
+
+HOOK_FAILS_ON = ("driver", "cgroup_v2", "memory_accounting", "mig_off")
+"""Capabilities whose absence makes the toolkit hook fail the container's start."""
 
 
 class NriMemoryLimits:
@@ -43,11 +59,15 @@ class NriMemoryLimits:
             None = not timed.
         on_not_enforced: ``f(pod ref, container, message)`` when a started
             container's limit is not in force (the ``MemoryLimitNotEnforced``
-            Warning Event); must not block; its exceptions are logged."""
+            Warning Event); must not block; its exceptions are logged.
+        capabilities: ``() -> NodeCapabilities`` (the gate's full answer):
+            decides which env the toolkit hook must not get; None = withhold nothing."""
 
     def __init__(self, enforcer: MemoryLimitEnforcer, policy: LimitPolicy,
                  gate_reason: Callable[[], str], observe: Callable[[float], None] | None = None,
-                 on_not_enforced: Callable[[PodRef, str, str], None] | None = None) -> None:
+                 on_not_enforced: Callable[[PodRef, str, str], None] | None = None,
+                 capabilities: Callable[[], NodeCapabilities] | None = None) -> None:
+        self.capabilities = capabilities
         self.enforcer = enforcer
         self.policy = policy
         self.gate_reason = gate_reason
@@ -58,15 +78,31 @@ class NriMemoryLimits:
     def active(self) -> bool:
         return self.enforcer.mode is not MemoryLimitMode.OFF
 
-    def admit(self, plan: ContainerPlan) -> None:
-        """Raises FractionError when the policy refuses and the node cannot enforce."""
-        if not self.active or self.policy is not LimitPolicy.REFUSE:
-            return
-        why = self.gate_reason()
-        if why:
-            raise FractionError("node", None, f"{why} (--memory-limits-policy refuse; --memory-limits off admits "
-                                              f"fractional pods here without CUDA memory limits)",
-                                code=REFUSAL_CODE)
+    def withheld_keys(self) -> tuple[str, ...]:
+        """Env keys not handed to containers now (``HOOK_ENV`` while a
+        capability in ``HOOK_FAILS_ON`` is missing; else none)."""
+        if not self.active or self.capabilities is None:
+            return ()
+        caps = self.capabilities()
+        if any(c.name in HOOK_FAILS_ON for c in caps.missing):
+            return HOOK_ENV
+        return ()
+
+    def admit(self, plan: ContainerPlan) -> ContainerPlan:
+        """The plan to answer with (``withheld_keys`` removed from its env).
+        Raises FractionError when the policy refuses and the node cannot enforce."""
+        if not self.active:
+            return plan
+        if self.policy is LimitPolicy.REFUSE:
+            why = self.gate_reason()
+            if why:
+                raise FractionError("node", None, f"{why} (--memory-limits-policy refuse; --memory-limits off "
+                                                  f"admits fractional pods here without CUDA memory limits)",
+                                    code=REFUSAL_CODE)
+        withheld = self.withheld_keys()
+        if withheld and any(k in plan.env for k in withheld):
+            return dataclasses.replace(plan, env={k: v for k, v in plan.env.items() if k not in withheld})
+        return plan
 
     def start(self, pod: Any, container: Any, ledger: Any) -> ContainerLimits | None:
         """Apply/verify for a container the ledger holds. Raises ``RpcError``

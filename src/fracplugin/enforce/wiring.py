@@ -72,7 +72,7 @@ class MemoryLimits:
                                             region_of=regions.get, can_enforce=self.gate.reason)
         self._hist: Any = None
         self.nri = NriMemoryLimits(self.enforcer, policy, self.gate.reason, observe=self._observe,
-                                   on_not_enforced=on_not_enforced)
+                                   on_not_enforced=on_not_enforced, capabilities=self.gate.current)
 
     @classmethod
     def build(cls, cfg: Any, node: NodeInfo, **kw: Any) -> "MemoryLimits":
@@ -132,8 +132,12 @@ class MemoryLimits:
 
 class MemoryLimitsCollector:
     """``fracplugin_node_capability{capability}`` (1 ok, 0 missing, -1
-    unknown) and ``fracplugin_container_gpu_memory_limit_bytes{pod, container,
-    gpu, kind, source}`` (kind soft|hard|used; source planned|enforced|dmem|nvml)."""
+    unknown), ``fracplugin_memory_limits_enforceable``,
+    ``fracplugin_container_cuda_memory_limit_bytes{namespace, pod, container,
+    gpu_uuid, kind, source}`` (kind soft|hard|used; source
+    planned|enforced|dmem|nvml; named apart from the ledger's
+    ``fracplugin_container_gpu_memory_limit_bytes``, which has other labels)
+    and ``fracplugin_container_cuda_memory_limit_enforced{namespace, pod, container}``."""
 
     def __init__(self, limits: MemoryLimits) -> None:
         self.limits = limits
@@ -159,21 +163,22 @@ class MemoryLimitsCollector:
                                     "1 when the node can enforce CUDA memory limits (every required capability).")
             can.add_metric([], 1.0 if caps.can_enforce else 0.0)
             yield can
-            lim = GaugeMetricFamily("fracplugin_container_gpu_memory_limit_bytes",
-                                    "A container's CUDA memory limit per GPU: planned and enforced (read back from "
-                                    "NVML) soft/hard, and used (dmem.current).",
-                                    labels=("pod", "container", "gpu", "kind", "source"))
+            lim = GaugeMetricFamily("fracplugin_container_cuda_memory_limit_bytes",
+                                    "A container's CUDA memory limit per GPU (cgroup soft/hard, issue 23): planned, "
+                                    "enforced (read back from NVML), and used (dmem.current, else NVML).",
+                                    labels=("namespace", "pod", "container", "gpu_uuid", "kind", "source"))
             results = self.limits.enforcer.results()
             for labels, value in metrics_rows(results):
-                lim.add_metric([labels["pod"], labels["container"], labels["gpu"], labels["kind"], labels["source"]],
-                               value)
+                ns, _, name = labels["pod"].partition("/")
+                lim.add_metric([ns, name, labels["container"], labels["gpu"], labels["kind"], labels["source"]], value)
             yield lim
-            ne = GaugeMetricFamily("fracplugin_container_memory_limit_enforced",
+            ne = GaugeMetricFamily("fracplugin_container_cuda_memory_limit_enforced",
                                    "1 when every GPU of the container has its planned limit in force, 0 when not.",
-                                   labels=("pod", "container"))
+                                   labels=("namespace", "pod", "container"))
             for r in results:
                 if r.enforced != "unknown":
-                    ne.add_metric([r.pod, r.container], 1.0 if r.enforced == "yes" else 0.0)
+                    ns, _, name = r.pod.partition("/")
+                    ne.add_metric([ns, name, r.container], 1.0 if r.enforced == "yes" else 0.0)
             yield ne
         except Exception:
             log.exception("metrics: memory limits collection failed")

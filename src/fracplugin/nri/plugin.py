@@ -364,8 +364,8 @@ class FracNriPlugin:
                     return None
                 p = self._avoid_unhealthy(p, pod, container.name, ref, fields)
                 _check_mounts(p, container, self.config.layout.root)
-                if self.memory_limits is not None:
-                    self.memory_limits.admit(p)  # refuse policy + node that cannot enforce: FractionError
+                if self.memory_limits is not None:  # ADR 0025: may refuse, or withhold the toolkit hook's env
+                    p = self.memory_limits.admit(p)
                 sm = p.mps.namespace is not None  # MPS v3 namespace to create (none with classic v2)
                 self._require_mode_up(p, ctx, fields)
                 self._ensure_mount_sources(p, fields)
@@ -954,7 +954,8 @@ class FracNriPlugin:
                 tenancies.extend(self._unadjusted_gpu_user(pod, c, fields))
                 continue
             env = _env_map(c)
-            missing = sorted(k for k in p.env if k not in env)
+            withheld = self.memory_limits.withheld_keys() if self.memory_limits is not None else ()
+            missing = sorted(k for k in p.env if k not in env and k not in withheld)
             different = sorted(k for k in p.env if k in env and env[k] != p.env[k])
             if missing or different:
                 unadjusted.append({**fields, "missing": missing, "different": different})
