@@ -93,6 +93,7 @@ from .parts import bounded as _bounded
 from .planner import PlannerConfig
 
 if TYPE_CHECKING:
+    from .enforce.wiring import MemoryLimits
     from .events import EventRecorder, NullEventRecorder
     from .gpu.health import GpuHealth
     from .gpu.inventory import Inventory
@@ -315,7 +316,7 @@ class Daemon:
         self.pod_source: PodSource | None = None
         self.events: EventRecorder | NullEventRecorder | None = None
         self.nri: NriDoor | None = None
-        self.memory_limits: Any = None  # enforce.wiring.MemoryLimits (issue 23), None with --memory-limits off
+        self.memory_limits: MemoryLimits | None = None  # enforce.wiring.MemoryLimits (issue 23), None with --memory-limits off
         self.cdi_hook_of: Callable[[str], bool | None] | None = None  # the CDI reader's "spec carries the hook"
         self.device_plugin: DevicePluginServer | None = None
         self.endpoints: dict[str, str] = {}
@@ -515,7 +516,7 @@ class Daemon:
         if self.events is not None:
             self.events.warned(pod, container, message, "nri")
 
-    def _build_memory_limits(self) -> Any:
+    def _build_memory_limits(self) -> MemoryLimits | None:
         """CUDA memory limits per container (issue 23, ADR 0025): None with
         ``--memory-limits off``, else the ``enforce.wiring.MemoryLimits`` the
         NRI door calls (a part: readiness check ``memory_limits``)."""
