@@ -119,7 +119,8 @@ def env(lib_dir: Path, node_path: Path, limits_path: Path, calls_path: Path | No
 
 def read_limits(path: str | os.PathLike[str]) -> dict[tuple[str, str], tuple[int, int]]:
     """The limits the fake holds: ``{(gpu uuid, cgroup dir): (soft bytes, hard bytes)}``
-    (a pair with no limit is absent)."""
+    (a pair with no limit is absent). The file is a journal: the last line of
+    a pair wins; soft 0 + hard ``LIMIT_MAX`` clears it."""
     out: dict[tuple[str, str], tuple[int, int]] = {}
     try:
         text = Path(path).read_text()
@@ -128,5 +129,9 @@ def read_limits(path: str | os.PathLike[str]) -> dict[tuple[str, str], tuple[int
     for line in text.splitlines():
         parts = line.split(" ", 3)
         if len(parts) == 4:
-            out[(parts[0], parts[3])] = (int(parts[1]), int(parts[2]))
+            key, value = (parts[0], parts[3]), (int(parts[1]), int(parts[2]))
+            if value == (0, LIMIT_MAX):
+                out.pop(key, None)
+            else:
+                out[key] = value
     return out

@@ -16,9 +16,9 @@
  *                                            (functions: SetMemoryLimits, GetMemoryLimits,
  *                                            GetHandleByUUID, MemoryInfo, Init)
  *
- * Memory limits: $FAKE_NVML_LIMITS (a file; one line per GPU and cgroup
- * namespace: "<uuid> <soft bytes> <hard bytes> <namespace>"), read and
- * rewritten under flock by nvmlDeviceSetMemoryLimits_v1 and read by
+ * Memory limits: $FAKE_NVML_LIMITS (a journal file: one line appended per
+ * nvmlDeviceSetMemoryLimits_v1, "<uuid> <soft bytes> <hard bytes> <namespace>",
+ * the last line of a (GPU, namespace) wins), under flock, read incrementally by
  * nvmlDeviceGetMemoryLimits_v1, so tests (and several processes) see one
  * state. A namespace that is not an existing directory is NVML_ERROR_NOT_FOUND;
  * a GPU in MIG mode is NVML_ERROR_NOT_SUPPORTED (NVML rejects MIG); "no limit"
@@ -386,26 +386,103 @@ static void log_call(const char *what, const char *uuid, const char *ns) {
     fclose(f);
 }
 
-/* Open the limits file locked (LOCK_EX to write, LOCK_SH to read); -1 if unset. */
-static int open_limits(int exclusive) {
-    const char *path = getenv("FAKE_NVML_LIMITS");
-    if (!path) return -1;
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) return -1;
-    if (flock(fd, exclusive ? LOCK_EX : LOCK_SH) != 0) { close(fd); return -1; }
-    return fd;
+/* The limits file is a journal: one line per Set ("<uuid> <soft> <hard> <ns>"),
+ * the last line of a (uuid, ns) wins, soft 0 + hard MAX clears it. Each process
+ * keeps the table it has read so far and reads only what was appended since
+ * (so a call costs O(new lines), as the driver's O(1), not O(all limits)); a
+ * file that shrank or was replaced is read again from the start. */
+typedef struct { char uuid[96]; char *ns; unsigned long long soft, hard; } limit_t;
+static limit_t *table;
+static size_t nlimits, cap_limits;
+static char table_path[4096];
+static dev_t table_dev;
+static ino_t table_ino;
+static off_t table_seen;
+static pthread_mutex_t table_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void table_reset(void) {
+    for (size_t i = 0; i < nlimits; i++) free(table[i].ns);
+    nlimits = 0;
+    table_seen = 0;
 }
 
-/* Read the whole limits file (caller frees). */
-static char *slurp(int fd) {
+static limit_t *table_find(const char *uuid, const char *ns) {
+    for (size_t i = 0; i < nlimits; i++)
+        if (!strcmp(table[i].uuid, uuid) && !strcmp(table[i].ns, ns)) return &table[i];
+    return NULL;
+}
+
+static int table_put(const char *uuid, const char *ns, unsigned long long soft, unsigned long long hard) {
+    limit_t *e = table_find(uuid, ns);
+    if (soft == 0 && hard == LIMIT_MAX) {
+        if (e) {
+            free(e->ns);
+            *e = table[--nlimits];
+        }
+        return OK;
+    }
+    if (!e) {
+        if (nlimits == cap_limits) {
+            size_t cap = cap_limits ? cap_limits * 2 : 64;
+            limit_t *t = realloc(table, cap * sizeof *t);
+            if (!t) return UNKNOWN;
+            table = t;
+            cap_limits = cap;
+        }
+        e = &table[nlimits];
+        snprintf(e->uuid, sizeof e->uuid, "%s", uuid);
+        e->ns = strdup(ns);
+        if (!e->ns) return UNKNOWN;
+        nlimits++;
+    }
+    e->soft = soft;
+    e->hard = hard;
+    return OK;
+}
+
+/* Bring the table up to date with the journal at fd (the caller holds a flock). */
+static int table_sync(int fd, const char *path) {
     struct stat st;
-    if (fstat(fd, &st) != 0) return NULL;
-    char *buf = calloc(1, (size_t)st.st_size + 1);
-    if (!buf) return NULL;
-    ssize_t n = pread(fd, buf, (size_t)st.st_size, 0);
-    if (n < 0) { free(buf); return NULL; }
+    if (fstat(fd, &st) != 0) return UNKNOWN;
+    if (strcmp(path, table_path) || st.st_dev != table_dev || st.st_ino != table_ino || st.st_size < table_seen) {
+        table_reset();
+        snprintf(table_path, sizeof table_path, "%s", path);
+        table_dev = st.st_dev;
+        table_ino = st.st_ino;
+    }
+    if (st.st_size == table_seen) return OK;
+    size_t len = (size_t)(st.st_size - table_seen);
+    char *buf = malloc(len + 1);
+    if (!buf) return UNKNOWN;
+    ssize_t n = pread(fd, buf, len, table_seen);
+    if (n < 0) { free(buf); return UNKNOWN; }
     buf[n] = 0;
-    return buf;
+    char *line = buf, *nl;
+    while ((nl = strchr(line, '\n')) != NULL) {  /* complete lines only */
+        *nl = 0;
+        char uuid[96];
+        unsigned long long soft, hard;
+        int off = 0;
+        if (sscanf(line, "%95s %llu %llu %n", uuid, &soft, &hard, &off) >= 3 && off > 0)
+            table_put(uuid, line + off, soft, hard);
+        table_seen += (off_t)(nl - line + 1);
+        line = nl + 1;
+    }
+    free(buf);
+    return OK;
+}
+
+/* Open the journal locked (LOCK_EX to append, LOCK_SH to read) and sync the
+ * table; -1 when $FAKE_NVML_LIMITS is unset or cannot be opened. */
+static int open_limits(int exclusive, int *rc) {
+    const char *path = getenv("FAKE_NVML_LIMITS");
+    *rc = OK;
+    if (!path) return -1;
+    int fd = open(path, O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd < 0) { *rc = UNKNOWN; return -1; }
+    if (flock(fd, exclusive ? LOCK_EX : LOCK_SH) != 0) { close(fd); *rc = UNKNOWN; return -1; }
+    *rc = table_sync(fd, path);
+    return fd;
 }
 
 static int check_limits_call(gpu_t *g, const char *fn, const char *ns) {
@@ -427,23 +504,18 @@ API int nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t d, nvmlGetMemoryLimits_v1_t *l
     lim->softLimit = 0;
     lim->hardLimit = LIMIT_MAX;
     lim->currentUsed = 0;
-    int fd = open_limits(0);
-    if (fd < 0) return OK;
-    char *buf = slurp(fd);
-    close(fd);
-    if (!buf) return UNKNOWN;
-    for (char *save = NULL, *line = strtok_r(buf, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
-        char uuid[96];
-        unsigned long long soft, hard;
-        int off = 0;
-        if (sscanf(line, "%95s %llu %llu %n", uuid, &soft, &hard, &off) < 3) continue;
-        if (!strcmp(uuid, g->uuid) && !strcmp(line + off, lim->nameSpace)) {
-            lim->softLimit = soft;
-            lim->hardLimit = hard;
+    pthread_mutex_lock(&table_mu);
+    int fd = open_limits(0, &rc);
+    if (rc == OK) {
+        limit_t *e = table_find(g->uuid, lim->nameSpace);
+        if (e) {
+            lim->softLimit = e->soft;
+            lim->hardLimit = e->hard;
         }
     }
-    free(buf);
-    return OK;
+    if (fd >= 0) close(fd);
+    pthread_mutex_unlock(&table_mu);
+    return rc;
 }
 
 API int nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t d, const nvmlSetMemoryLimits_v1_t *lim) {
@@ -453,30 +525,21 @@ API int nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t d, const nvmlSetMemoryLimits_v
     int rc = check_limits_call(g, "SetMemoryLimits", lim->nameSpace);
     if (rc) return rc;
     if (lim->hardLimit != LIMIT_MAX && lim->softLimit > lim->hardLimit) return INVALID_ARGUMENT;
-    int fd = open_limits(1);
-    if (fd < 0) return UNKNOWN;
-    char *buf = slurp(fd);
-    if (!buf) { close(fd); return UNKNOWN; }
-    size_t cap = strlen(buf) + strlen(lim->nameSpace) + 256;
-    char *out = calloc(1, cap);
-    if (!out) { free(buf); close(fd); return UNKNOWN; }
-    size_t used = 0;
-    for (char *save = NULL, *line = strtok_r(buf, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
-        char uuid[96];
-        unsigned long long soft, hard;
-        int off = 0;
-        if (sscanf(line, "%95s %llu %llu %n", uuid, &soft, &hard, &off) >= 3 && !strcmp(uuid, g->uuid) &&
-            !strcmp(line + off, lim->nameSpace))
-            continue; /* replaced below */
-        used += (size_t)snprintf(out + used, cap - used, "%s\n", line);
+    pthread_mutex_lock(&table_mu);
+    int fd = open_limits(1, &rc);
+    if (fd < 0 && rc == OK) rc = UNKNOWN;  /* nowhere to keep it */
+    if (rc == OK) {
+        char line[8192];
+        int n = snprintf(line, sizeof line, "%s %llu %llu %s\n", g->uuid, lim->softLimit, lim->hardLimit,
+                         lim->nameSpace);
+        if (n <= 0 || (size_t)n >= sizeof line || write(fd, line, (size_t)n) != n) {
+            rc = UNKNOWN;
+        } else {
+            table_seen += n;  /* our own line, already applied below */
+            rc = table_put(g->uuid, lim->nameSpace, lim->softLimit, lim->hardLimit);
+        }
     }
-    if (!(lim->softLimit == 0 && lim->hardLimit == LIMIT_MAX))
-        used += (size_t)snprintf(out + used, cap - used, "%s %llu %llu %s\n", g->uuid, lim->softLimit, lim->hardLimit,
-                                 lim->nameSpace);
-    rc = OK;
-    if (ftruncate(fd, 0) != 0 || pwrite(fd, out, used, 0) != (ssize_t)used) rc = UNKNOWN;
-    free(out);
-    free(buf);
-    close(fd);
+    if (fd >= 0) close(fd);
+    pthread_mutex_unlock(&table_mu);
     return rc;
 }
