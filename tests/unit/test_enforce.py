@@ -206,3 +206,61 @@ def test_gate_reason_skips_nvml(tmp_path, nvml_node, backend):
     res = e.start(CID, f"/kubepods/pod1/{CID}", _plan(node))
     assert res.enforced == "no" and "mig_off" in res.why and fake.read_limits(limits) == {}
     assert LIMIT_MAX == 0xFFFFFFFFFFFFFFFF and os.path.isdir(tmp_path / "cg")
+
+
+# ------------------------------------------------------------------ the fake library serves the daemon's NVML reads
+
+def test_nvml_inventory_reads_the_simulated_node_through_the_fake(nvml_node):
+    """The daemon's real NvmlInventory (gpu/nvml.py) on the fake library:
+    the node file's GPUs, a process, an XID event and a re-probe."""
+    write, _ = nvml_node
+    node = yaml.safe_load(NODE_YAML.read_text())
+    p = fake.node_file(write().parent / "node", node, mig=[2], procs=[(1, 4242, 3 << 30)])
+    with open(p, "a") as f:
+        f.write("xid 3 79\n")
+    from fracplugin.gpu.nvml import NvmlInventory
+
+    inv = NvmlInventory()
+    try:
+        got = inv.node()
+        assert got.driver_version == "615.71.09" and got.cuda_driver_version == 13040
+        assert [(g.index, g.uuid, g.memory_mib, g.pci_bus_id, g.numa_node, g.compute_capability, g.mig_enabled)
+                for g in got.gpus] == [
+            (g["index"], g["uuid"], g["memory_mib"], g["pci_bus_id"], g["numa_node"], g["compute_capability"],
+             g["index"] == 2) for g in node["gpus"]]
+        procs = inv.processes()
+        assert [(s.gpu_uuid, s.pid, s.used_memory_bytes) for s in procs] == [(node["gpus"][1]["uuid"], 4242, 3 << 30)]
+        events = list(inv.events(1.0))
+        assert [(e.gpu_uuid, e.xid) for e in events] == [(node["gpus"][3]["uuid"], 79)]
+        assert inv.probe_gpu(node["gpus"][0]["uuid"]) and not inv.probe_gpu("GPU-not-here")
+    finally:
+        inv.close()
+
+
+def test_condition_names_memory_limits():
+    from fracplugin.nodecondition import condition_from_checks
+
+    st = condition_from_checks({"nri": {"ready": True, "detail": "ok"},
+                                "memory_limits": {"ready": False, "detail": "memory limits cannot be enforced on "
+                                                  "this node: cgroup_v2 (x)"}})
+    assert (st.ready, st.reason) == (False, "MemoryLimitsNotEnforceable") and "cgroup_v2" in st.message
+
+
+def test_status_table_enforced_column():
+    from fracplugin.status import render_memory_limits
+
+    doc = {"mode": "apply", "policy": "warn", "cgroup_root": "/sys/fs/cgroup",
+           "node": {"can_enforce": True, "reason": "", "capabilities": [{"name": "cgroup_v2", "ok": True,
+                                                                           "detail": "cgroup v2"}]},
+           "containers": [{"pod": "ns/p", "container": "c", "reason": "", "gpus": [
+               {"gpu": "GPU-a", "planned_soft_bytes": 40960 * MIB, "planned_hard_bytes": 61440 * MIB,
+                "read_soft_bytes": 40960 * MIB, "read_hard_bytes": 61440 * MIB, "enforced": True, "reason": "",
+                "used_bytes": None},
+               {"gpu": "GPU-b", "planned_soft_bytes": 40960 * MIB, "planned_hard_bytes": 61440 * MIB,
+                "read_soft_bytes": 0, "read_hard_bytes": LIMIT_MAX, "enforced": False,
+                "reason": "read soft 0 MiB / hard max", "used_bytes": None}]}]}
+    text = render_memory_limits(doc)
+    lines = text.splitlines()
+    assert "ENFORCED" in lines[3]
+    assert lines[4].split()[-1] == "yes" and "40960/61440" in lines[4]
+    assert lines[5].endswith("no (read soft 0 MiB / hard max)") and "0/max" in lines[5]
