@@ -264,3 +264,15 @@ def test_status_table_enforced_column():
     assert "ENFORCED" in lines[3]
     assert lines[4].split()[-1] == "yes" and "40960/61440" in lines[4]
     assert lines[5].endswith("no (read soft 0 MiB / hard max)") and "0/max" in lines[5]
+
+
+def test_remove_after_a_restart_zeroes_soft_limits_found_on_the_leaf(tmp_path, nvml_node, backend):
+    """A container started before this daemon (no kept result): RemoveContainer
+    finds its leaf from the cgroups path and zeroes every soft limit set there."""
+    _w, limits = nvml_node
+    node = load_node(str(NODE_YAML))
+    leaf = v2_tree(tmp_path / "cg", f"kubepods/pod1/{CID}")
+    backend.set(node.gpus[1].uuid, str(leaf), 5 * MIB, 9 * MIB)  # as an earlier daemon (or the hook) left it
+    e = MemoryLimitEnforcer(MemoryLimitMode.AUTO, backend, cgroup_root=str(tmp_path / "cg"))
+    e.remove(CID, f"/kubepods/pod1/{CID}", [g.uuid for g in node.gpus])
+    assert fake.read_limits(limits) == {(node.gpus[1].uuid, str(leaf)): (0, 9 * MIB)}

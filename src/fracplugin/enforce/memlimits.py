@@ -445,22 +445,41 @@ class MemoryLimitEnforcer:
             g.reason = (f"read soft {cur.soft // MIB} MiB / hard {hard}, planned soft {g.planned_soft // MIB} MiB / "
                         f"hard {g.planned_hard // MIB} MiB" + ("" if apply else " (verify mode: not set)"))
 
-    def remove(self, container_id: str) -> None:
+    def remove(self, container_id: str, cgroups_path: str = "", gpus: Sequence[str] = ()) -> None:
         """Zero the soft limit (hard kept) on every GPU where it was set or
-        read, then forget the container. Never raises (failures are logged)."""
+        read, then forget the container. A container started before this
+        daemon did (no kept result) is found from ``cgroups_path``: each GPU
+        of ``gpus`` whose soft limit on its leaf is not 0 gets it zeroed.
+        Never raises (failures are logged)."""
         with self._lock:
             res = self._results.pop(container_id, None)
-        if res is None or res.cgroup is None or self.backend is None:
+        if self.backend is None or self.mode is MemoryLimitMode.OFF:
             return
-        for g in res.gpus:
-            if not g.read_soft:
-                continue
+        if res is not None and res.cgroup is not None:
+            leaf = res.cgroup
+            todo = [(g.gpu_uuid, g.read_hard) for g in res.gpus if g.read_soft]
+        elif res is None and cgroups_path and gpus:
             try:
-                if os.path.isdir(res.cgroup):
-                    self.backend.set(g.gpu_uuid, res.cgroup, 0, g.read_hard if g.read_hard is not None else LIMIT_MAX)
+                leaf = resolve_leaf(cgroups_path, self.cgroup_root)
+            except CgroupNotFound:
+                return
+            todo = []
+            for uuid in gpus:
+                try:
+                    cur = self.backend.get(uuid, leaf)
+                except LimitError:
+                    continue
+                if cur.soft:
+                    todo.append((uuid, cur.hard))
+        else:
+            return
+        for uuid, hard in todo:
+            try:
+                if os.path.isdir(leaf):
+                    self.backend.set(uuid, leaf, 0, hard if hard is not None else LIMIT_MAX)
             except LimitError as exc:
                 log.warning("memory limits: soft limit not zeroed", extra={"container_id": container_id,
-                                                                          "gpu_uuid": g.gpu_uuid, "reason": exc.reason})
+                                                                          "gpu_uuid": uuid, "reason": exc.reason})
 
     def results(self) -> list[ContainerLimits]:
         """The kept results (one per started container not removed yet)."""

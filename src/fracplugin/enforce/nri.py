@@ -143,10 +143,17 @@ class NriMemoryLimits:
         except Exception:
             log.exception("memory limits: on_not_enforced failed")
 
-    def remove(self, container_id: str) -> None:
-        """Zero the soft limit of a removed container (never raises)."""
-        if self.active:
-            self.enforcer.remove(container_id)
+    def remove(self, container: Any, gpus: Callable[[], Any] | None = None) -> None:
+        """Zero the soft limit of a removed container (never raises). Without
+        a result kept from its start (started before this daemon), its leaf
+        from ``linux.cgroups_path`` is checked on every GPU of ``gpus()``
+        (UUIDs)."""
+        if not self.active:
+            return
+        linux = getattr(container, "linux", None)
+        cgroups_path = str(getattr(linux, "cgroups_path", "") or "") if linux is not None else ""
+        all_gpus = list(gpus()) if gpus is not None and self.enforcer.result(container.id) is None else []
+        self.enforcer.remove(container.id, cgroups_path, all_gpus)
 
 
 def _mib(v: int | None) -> str:

@@ -848,8 +848,8 @@ class FracNriPlugin:
         delete waits on MPS: off the runtime's critical path, issue 12). A drain
         of the container still queued is dropped (its processes are gone)."""
         owners = self._forget_namespace_job(container.id)
-        if self.memory_limits is not None:
-            self.memory_limits.remove(container.id)  # zero the soft limit before the cgroup goes
+        if self.memory_limits is not None:  # zero the soft limit before the cgroup goes
+            self.memory_limits.remove(container, lambda: [g.uuid for g in self.node.gpus])
         with self._ns_lock:
             stopped = self._stopped_holds.pop(container.id, [])
             if self._ns_queue is not None:
