@@ -85,7 +85,7 @@ class MemoryLimits:
         and auto mode read it from then on)."""
         self.gate.hook_of = hook_of
         self.enforcer.hook_of = hook_of
-        self.gate._at = -1.0e18  # re-evaluate at the next read
+        self.gate.invalidate()
 
     def _observe(self, seconds: float) -> None:
         if self._hist is not None:
