@@ -71,6 +71,8 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
     """The GPU tenancy table of a status document (also used by the demo)."""
     rows = [("GPU", "UUID", "MODE", "HELD/TOTAL MiB", "TENANTS", "HEALTH")]
     tenant_lines: dict[int, list[str]] = {}
+    ml = doc.get("memory_limits") if isinstance(doc.get("memory_limits"), dict) else {}
+    enforced = {c.get("container_id"): c for c in (ml or {}).get("containers") or []}
     for g in doc.get("gpus", []):
         tenants = g.get("tenants", [])
         rows.append((str(g["index"]), g["uuid"], g.get("mode") or "-", f"{g['held_mib']}/{g['memory_mib']}",
@@ -84,8 +86,10 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
                       else "(holder not known yet)")
             door = t.get("door") or "nri"
             res = f"  reservation {t['reservation']}" if t.get("reservation") else ""
+            c = enforced.get(t.get("container_id")) if t.get("container_id") else None
+            enf = f"  ENFORCED {enforced_cell(c.get('enforced', 'unknown'), c.get('reason') or '')}" if c else ""
             lines.append(f"{holder}: request {t['request_mib']} MiB, "
-                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}  door {door}{res}")
+                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}  door {door}{res}{enf}")
         tenant_lines[len(rows) - 1] = lines
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []

@@ -160,6 +160,7 @@ def test_apply_sets_soft_and_hard_on_the_leaf_of_each_gpu_and_reads_back(started
     out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "status", "--state-dir", str(d.state)],
                          capture_output=True, text=True, timeout=30)
     assert "ENFORCED" in out.stdout and "40960/61440" in out.stdout, out.stdout
+    assert sum("door nri  ENFORCED yes" in line for line in out.stdout.splitlines()) == 4, out.stdout  # per GPU tenant
     code, text = d.get("/metrics", "metrics")
     want = (f'fracplugin_container_cuda_memory_limit_bytes{{namespace="{pod.namespace}",pod="{pod.name}",'
             f'container="{c.name}",gpu_uuid="{GPUS[0]}",kind="hard",source="enforced"}} {61440 * MIB:.1f}')
