@@ -258,3 +258,54 @@ def test_cgroup_v1_policy_warn_withholds_the_toolkit_hook_env(started: Any) -> N
     env = effective_env(ctrs[0], adj)
     assert "NVIDIA_GPU_MEMORY_REQUEST" not in env and "NVIDIA_GPU_MEMORY_LIMIT" not in env, env
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50" and env["NVIDIA_VISIBLE_DEVICES"] == ",".join(GPUS)
+
+
+def test_not_enforced_becomes_a_warning_event(started: Any, root: Path) -> None:
+    """With API access, a container whose limit is not in force gets a Warning
+    Event MemoryLimitNotEnforced on its pod naming the GPU, the planned and
+    read values and the reason (here: verify mode, nothing set the limits)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    posted: list[dict[str, Any]] = []
+
+    class Api(BaseHTTPRequestHandler):
+        def log_message(self, *a: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            posted.append(body)
+            out = json.dumps(body).encode()
+            self.send_response(201)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    api = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    api.daemon_threads = True
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    kubeconfig = root / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "t",
+        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{api.server_address[1]}"}}],
+        "users": [{"name": "t", "user": {"token": "x"}}],
+        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
+    try:
+        d, rt, cg = started(["--memory-limits", "verify", "--kubeconfig", str(kubeconfig),
+                             "--node-condition-types", ""])
+        pod, c, _leaf = _pod_with_cgroup(cg)
+        rt.create_container(pod, c)
+        assert rt.start_container(pod, c) is None
+        wait_until(lambda: [e for e in posted if e.get("reason") == "MemoryLimitNotEnforced"], 15,
+                   lambda: f"a MemoryLimitNotEnforced Event; posted {posted}\n{d.logs()[-3000:]}")
+        [ev] = [e for e in posted if e.get("reason") == "MemoryLimitNotEnforced"]
+        assert ev["type"] == "Warning" and ev["action"] == "StartContainer"
+        assert ev["involvedObject"]["uid"] == pod.uid and ev["involvedObject"]["fieldPath"] == "spec.containers{app}"
+        msg = ev["message"]
+        assert all(u in msg for u in GPUS), msg
+        assert "planned soft 40960 MiB / hard 61440 MiB, read soft 0 MiB / hard max" in msg, msg
+        assert "verify mode" in msg
+    finally:
+        api.shutdown()

@@ -276,3 +276,15 @@ def test_remove_after_a_restart_zeroes_soft_limits_found_on_the_leaf(tmp_path, n
     e = MemoryLimitEnforcer(MemoryLimitMode.AUTO, backend, cgroup_root=str(tmp_path / "cg"))
     e.remove(CID, f"/kubepods/pod1/{CID}", [g.uuid for g in node.gpus])
     assert fake.read_limits(limits) == {(node.gpus[1].uuid, str(leaf)): (0, 9 * MIB)}
+
+
+def test_gate_names_gpus_without_cdi_spec_and_those_without_the_hook(tmp_path):
+    node = load_node(str(NODE_YAML))
+    known = {node.gpus[0].uuid: True, node.gpus[1].uuid: False}
+    caps = check_capabilities(node.gpus, node.driver_version, cgroup_root=str(tmp_path), hook_of=known.get)
+    c = caps.get("cdi_hook")
+    assert c.ok is False and node.gpus[1].uuid in c.detail and node.gpus[0].uuid not in c.detail
+    caps = check_capabilities(node.gpus, node.driver_version, cgroup_root=str(tmp_path), hook_of=lambda u: None)
+    c = caps.get("cdi_hook")
+    assert c.ok is None and all(g.uuid in c.detail for g in node.gpus) and "no CDI spec" in c.detail
+    assert caps.hook == {g.uuid: None for g in node.gpus}

@@ -190,7 +190,9 @@ def _hook(gpus: Sequence[GpuInfo], hook_of: Callable[[str], bool | None] | None)
     if absent:
         return Capability("cdi_hook", False, f"no CDI spec with the apply-cuda-memory-limits hook for "
                                              f"{', '.join(absent)}"), hook
-    return Capability("cdi_hook", None, "no CDI spec found for some GPU (hook unknown)"), hook
+    unknown = [u for u, v in hook.items() if v is None]
+    return Capability("cdi_hook", None, f"no CDI spec found for {', '.join(unknown) or 'any GPU'} "
+                                        "(memory-limit hook unknown)"), hook
 
 
 def check_capabilities(
