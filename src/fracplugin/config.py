@@ -35,6 +35,8 @@ ENV_PREFIX = "FRACPLUGIN_"
 LOG_FORMATS = ("json", "text")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MPS_PROTOCOLS = ("auto", "2", "3")
+MEMORY_LIMIT_MODES = ("auto", "apply", "verify", "off")
+MEMORY_LIMIT_POLICIES = ("warn", "refuse")
 ROLES = ("all", "doors", "mps")
 MPS_MODES = ("time-slicing", "sm-sharing")
 _NRI_NAME = re.compile(r"^[a-zA-Z0-9_.+-]+$")  # nri-protocol.md 1.5 (v0.12+ rule)
@@ -131,6 +133,10 @@ class Config:
     node_condition_types: tuple[str, ...] = ("gpu-sharing.nvidia.com/Ready",)
     max_clients_per_gpu: int = 48
     fail_open: bool = False
+    # CUDA 13.4 memory limits per container (issue 23, ADR 0025)
+    memory_limits: str = "off"
+    memory_limits_policy: str = "warn"
+    cgroup_root: str = "/sys/fs/cgroup"
     # process
     log_format: str = "json"
     log_level: str = "info"
@@ -233,6 +239,13 @@ _HELP = {
     "max_clients_per_gpu": "tenants allowed per GPU (MPS client limit)",
     "fail_open": "leave a container unadjusted (unfenced, with a warning and a counted refusal) instead of "
                  "failing it when its fraction is refused or MPS fails; --no-fail-open overrides file/env",
+    "memory_limits": "CUDA 13.4 per-container memory limits (soft = request, hard = limit) on each container's leaf "
+                     "cgroup via NVML at StartContainer: auto (apply where the GPU's CDI spec lacks the toolkit's "
+                     "apply-cuda-memory-limits hook, verify where it has it), apply, verify, or off (ADR 0025)",
+    "memory_limits_policy": "when a container's memory limit cannot be enforced: warn (start it, Warning Event "
+                            "MemoryLimitNotEnforced) or refuse (fail its start; refuse fractional containers while "
+                            "the node cannot enforce)",
+    "cgroup_root": "the cgroup v2 mount where container leaf cgroups and dmem.capacity are read",
     "log_format": "log format: json or text",
     "log_level": "log level: debug, info, warning or error",
     "shutdown_timeout_s": "seconds allowed for an orderly shutdown",
@@ -265,7 +278,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _METAVARS = {"allocation_policy": "pack|spread", "ignored_xids": "XIDS", "cdi_kind": "KIND",
              "mps_protocol": "auto|2|3", "log_format": "json|text", "log_level": "LEVEL", "mps_modes": "MODES",
              "nri_plugin_name": "NAME", "nri_plugin_idx": "NN", "resource_name": "NAME", "node_name": "NAME",
-             "annotation_prefix": "PREFIX", "max_clients_per_gpu": "N", "node_condition_types": "TYPES"}
+             "annotation_prefix": "PREFIX", "max_clients_per_gpu": "N", "node_condition_types": "TYPES",
+             "memory_limits": "auto|apply|verify|off", "memory_limits_policy": "warn|refuse", "cgroup_root": "DIR"}
 
 
 def _metavar(name: str) -> str:
@@ -384,6 +398,12 @@ def _validate_role_and_mps(cfg: Config, bad: _Bad) -> None:
         raise bad("mps_api_socket", "must be an absolute path")
     if cfg.mps_protocol not in MPS_PROTOCOLS:
         raise bad("mps_protocol", f"must be one of {', '.join(MPS_PROTOCOLS)}")
+    if cfg.memory_limits not in MEMORY_LIMIT_MODES:
+        raise bad("memory_limits", f"must be one of {', '.join(MEMORY_LIMIT_MODES)}")
+    if cfg.memory_limits_policy not in MEMORY_LIMIT_POLICIES:
+        raise bad("memory_limits_policy", f"must be one of {', '.join(MEMORY_LIMIT_POLICIES)}")
+    if not cfg.cgroup_root.startswith("/"):
+        raise bad("cgroup_root", "must be an absolute path")
     for m in cfg.mps_modes:
         if m not in MPS_MODES:
             raise bad("mps_modes", f"has the unknown mode {m!r}; modes are {', '.join(MPS_MODES)}")

@@ -93,6 +93,7 @@ from .parts import bounded as _bounded
 from .planner import PlannerConfig
 
 if TYPE_CHECKING:
+    from .enforce.wiring import MemoryLimits
     from .events import EventRecorder, NullEventRecorder
     from .gpu.health import GpuHealth
     from .gpu.inventory import Inventory
@@ -315,6 +316,8 @@ class Daemon:
         self.pod_source: PodSource | None = None
         self.events: EventRecorder | NullEventRecorder | None = None
         self.nri: NriDoor | None = None
+        self.memory_limits: MemoryLimits | None = None  # enforce.wiring.MemoryLimits (issue 23), None with --memory-limits off
+        self.cdi_hook_of: Callable[[str], bool | None] | None = None  # the CDI reader's "spec carries the hook"
         self.device_plugin: DevicePluginServer | None = None
         self.endpoints: dict[str, str] = {}
         self.ledger_warnings: list[str] = []
@@ -513,6 +516,23 @@ class Daemon:
         if self.events is not None:
             self.events.warned(pod, container, message, "nri")
 
+    def _build_memory_limits(self) -> MemoryLimits | None:
+        """CUDA memory limits per container (issue 23, ADR 0025): None with
+        ``--memory-limits off``, else the ``enforce.wiring.MemoryLimits`` the
+        NRI door calls (a part: readiness check ``memory_limits``)."""
+        if self.cfg.memory_limits == "off" or self.node is None:
+            return None
+        from .enforce.wiring import MemoryLimits, MemoryLimitsPart
+
+        ml = self.memory_limits = MemoryLimits.build(
+            self.cfg, self.node, mps_protocol=lambda: self.mps.protocol if self.mps is not None else None,
+            hook_of=self.cdi_hook_of,
+            on_not_enforced=lambda pod, c, msg: self.events.limit_not_enforced(pod, c, msg) if self.events else None)
+        if self.metrics is not None:
+            ml.attach_metrics(self.metrics.registry)
+        self._add(MemoryLimitsPart(self.cfg, ml))
+        return ml
+
     def _build_nri(self) -> None:
         if self.cfg.no_nri:
             return
@@ -520,12 +540,13 @@ class Daemon:
         from .nri.stub import NriStub
 
         assert self.node is not None and self.ledger is not None
+        limits = self._build_memory_limits()
         plugin = FracNriPlugin(self.node, self.ledger, self.planner_config, mps=self.mps,
                                metrics=self.metrics, fail_open=self.cfg.fail_open,
                                on_refusal=self._refused_nri, on_warning=self._warned_nri,
                                pod_lookup=self.pod_source.get if self.pod_source is not None else None,
                                unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name,
-                               gpu_health=self._gpu_health)
+                               gpu_health=self._gpu_health, memory_limits=limits.nri if limits else None)
         stub = NriStub(plugin, socket_path=self.cfg.nri_socket,
                        plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx,
                        on_bound=self.metrics.nri_bound_exceeded if self.metrics is not None else None)
@@ -680,7 +701,8 @@ class Daemon:
         out: dict[str, dict[str, Any]] = {}
         for name, check, enabled in (("nri", "nri", not self.cfg.no_nri),
                                      ("device plugin", "device_plugin", not self.cfg.no_device_plugin),
-                                     ("mps", "mps", not self.cfg.no_mps)):
+                                     ("mps", "mps", not self.cfg.no_mps),
+                                     ("memory limits", "memory_limits", False)):
             part = self.parts.get(name)
             if part is not None:
                 r = self._read(part, "readiness", part.readiness, Readiness(False, f"{name} readiness unavailable"))
@@ -769,6 +791,7 @@ class Daemon:
             "pod_source": self._status_of("pod source"),
             "events": events,
             "node_condition": self._status_of("node condition"),
+            "memory_limits": self._status_of("memory limits"),
             "endpoints": dict(self.endpoints),
             "ledger": {"path": self.cfg.ledger_path, "warnings": self.ledger_warnings},
             "config": self.cfg.to_dict(),

@@ -71,6 +71,7 @@ PART_REASONS = {
     "nri": "NRINotReady",
     "device_plugin": "DevicePluginNotReady",
     "mps": "MPSNotHealthy",
+    "memory_limits": "MemoryLimitsNotEnforceable",
 }
 MAX_MESSAGE = 1024
 

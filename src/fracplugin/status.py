@@ -71,6 +71,8 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
     """The GPU tenancy table of a status document (also used by the demo)."""
     rows = [("GPU", "UUID", "MODE", "HELD/TOTAL MiB", "TENANTS", "HEALTH")]
     tenant_lines: dict[int, list[str]] = {}
+    ml = doc.get("memory_limits") if isinstance(doc.get("memory_limits"), dict) else {}
+    enforced = {c.get("container_id"): c for c in (ml or {}).get("containers") or []}
     for g in doc.get("gpus", []):
         tenants = g.get("tenants", [])
         rows.append((str(g["index"]), g["uuid"], g.get("mode") or "-", f"{g['held_mib']}/{g['memory_mib']}",
@@ -84,8 +86,10 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
                       else "(holder not known yet)")
             door = t.get("door") or "nri"
             res = f"  reservation {t['reservation']}" if t.get("reservation") else ""
+            c = enforced.get(t.get("container_id")) if t.get("container_id") else None
+            enf = f"  ENFORCED {enforced_cell(c.get('enforced', 'unknown'), c.get('reason') or '')}" if c else ""
             lines.append(f"{holder}: request {t['request_mib']} MiB, "
-                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}  door {door}{res}")
+                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}  door {door}{res}{enf}")
         tenant_lines[len(rows) - 1] = lines
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
@@ -93,6 +97,43 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
         out.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         for line in tenant_lines.get(n, []):
             out.append("    - " + line)
+    return "\n".join(out)
+
+
+def _mib(v: Any) -> str:
+    if v is None:
+        return "-"
+    return "max" if int(v) == 0xFFFFFFFFFFFFFFFF else str(int(v) >> 20)
+
+
+def enforced_cell(enforced: str, reason: str) -> str:
+    """The ENFORCED column: ``yes``, ``no (why)`` or ``unknown``."""
+    return f"no ({reason})" if enforced == "no" and reason else enforced
+
+
+def render_memory_limits(ml: Mapping[str, Any]) -> str:
+    """The CUDA memory limits section of ``/status`` (issue 23): mode, the
+    node's capability gate, and per container and GPU the planned and read
+    soft/hard limits (MiB) with the ENFORCED column (yes / no (why) / unknown)."""
+    out = [f"memory limits: {ml.get('mode')}, policy {ml.get('policy')}, cgroup root {ml.get('cgroup_root')}"]
+    node = ml.get("node") or {}
+    if node:
+        out.append("  node can enforce: " + ("yes" if node.get("can_enforce") else f"no ({node.get('reason')})"))
+        for c in node.get("capabilities") or []:
+            state = {True: "yes", False: "NO", None: "unknown"}.get(c.get("ok"), "unknown")
+            out.append(f"    {c.get('name', '?'):<18} {state:<8} {c.get('detail', '')}".rstrip())
+    rows = [("CONTAINER", "GPU", "PLANNED SOFT/HARD MiB", "READ SOFT/HARD MiB", "USED MiB", "ENFORCED")]
+    for c in ml.get("containers") or []:
+        for g in c.get("gpus") or []:
+            ok = {True: "yes", False: "no", None: "unknown"}.get(g.get("enforced"), "unknown")
+            rows.append((f"{c.get('pod')}/{c.get('container')}", str(g.get("gpu")),
+                         f"{_mib(g.get('planned_soft_bytes'))}/{_mib(g.get('planned_hard_bytes'))}",
+                         f"{_mib(g.get('read_soft_bytes'))}/{_mib(g.get('read_hard_bytes'))}",
+                         _mib(g.get("used_bytes")), enforced_cell(ok, g.get("reason") or c.get("reason") or "")))
+    if len(rows) > 1:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        for r in rows:
+            out.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1])
     return "\n".join(out)
 
 
@@ -164,6 +205,10 @@ def render_table(doc: Mapping[str, Any]) -> str:
                    + (f"{pub.get('status')} ({pub.get('reason')})" if pub else "not published")
                    + f"  patches {nc.get('patches', 0)}  failures {nc.get('failures', 0)}"
                    + (f"  last error: {nc['last_error']}" if nc.get("last_error") else ""))
+    ml = doc.get("memory_limits")
+    if isinstance(ml, dict):
+        out.append("")
+        out.append(render_memory_limits(ml))
     eps = doc.get("endpoints") or {}
     if eps:
         out.append("")

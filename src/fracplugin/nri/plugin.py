@@ -215,6 +215,8 @@ class FracNriPlugin:
             plugin door's XID + MPS monitor): no fraction is placed on an
             Unhealthy GPU (node placement skips it; a container bound to one
             gets UNAVAILABLE, the runtime retries). None: every GPU healthy.
+        memory_limits: CUDA memory limits per container (``enforce.nri.NriMemoryLimits``);
+            subscribes StartContainer when active. None: not enforced here.
     """
 
     def __init__(
@@ -235,8 +237,13 @@ class FracNriPlugin:
         unit_mib: int = 1024,
         resource_name: str = "fracplugin.io/gpu-memory",
         gpu_health: Callable[[str], Any] | None = None,
+        memory_limits: Any = None,
     ) -> None:
         self.node = node
+        self.memory_limits = memory_limits
+        """``enforce.nri.NriMemoryLimits`` (issue 23, ADR 0025) or None: admit
+        at CreateContainer, apply/verify at StartContainer, zero the soft
+        limit at RemoveContainer."""
         self.gpu_health = gpu_health
         self.on_refusal = on_refusal
         self.on_warning = on_warning
@@ -252,7 +259,8 @@ class FracNriPlugin:
         self.defer_namespace = defer_namespace
         self.namespace_timeout_s = namespace_timeout_s
         self.drain_timeout_s = drain_timeout_s
-        self.events = NRI_EVENTS_DEFERRED if defer_namespace else NRI_EVENTS
+        limits_on = memory_limits is not None and memory_limits.active
+        self.events = NRI_EVENTS_DEFERRED if defer_namespace or limits_on else NRI_EVENTS
         """Subscription mask sent in ConfigureResponse (0x628 deferred, 0x608 not)."""
         self._ns_lock = threading.Lock()
         # container id -> (owner, future of the namespace job StartContainer awaits)
@@ -356,6 +364,8 @@ class FracNriPlugin:
                     return None
                 p = self._avoid_unhealthy(p, pod, container.name, ref, fields)
                 _check_mounts(p, container, self.config.layout.root)
+                if self.memory_limits is not None:  # ADR 0025: may refuse, or withhold the toolkit hook's env
+                    p = self.memory_limits.admit(p)
                 sm = p.mps.namespace is not None  # MPS v3 namespace to create (none with classic v2)
                 self._require_mode_up(p, ctx, fields)
                 self._ensure_mount_sources(p, fields)
@@ -630,7 +640,10 @@ class FracNriPlugin:
         """StartContainer (deferred mode): wait, within the handler budget, for
         the container's MPS namespace. Raises ``RpcError`` UNAVAILABLE when it
         failed or is not there yet (the runtime fails the start; kubelet
-        retries), unless ``fail_open``."""
+        retries), unless ``fail_open``. With ``memory_limits`` the container's
+        CUDA memory limits are applied/verified first (``NriMemoryLimits.start``)."""
+        if self.memory_limits is not None:
+            self.memory_limits.start(pod, container, self.ledger)
         if not self.defer_namespace:
             return None
         fields = {"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": container.name,
@@ -835,6 +848,8 @@ class FracNriPlugin:
         delete waits on MPS: off the runtime's critical path, issue 12). A drain
         of the container still queued is dropped (its processes are gone)."""
         owners = self._forget_namespace_job(container.id)
+        if self.memory_limits is not None:  # zero the soft limit before the cgroup goes
+            self.memory_limits.remove(container, lambda: [g.uuid for g in self.node.gpus])
         with self._ns_lock:
             stopped = self._stopped_holds.pop(container.id, [])
             if self._ns_queue is not None:
@@ -939,7 +954,8 @@ class FracNriPlugin:
                 tenancies.extend(self._unadjusted_gpu_user(pod, c, fields))
                 continue
             env = _env_map(c)
-            missing = sorted(k for k in p.env if k not in env)
+            withheld = self.memory_limits.withheld_keys() if self.memory_limits is not None else ()
+            missing = sorted(k for k in p.env if k not in env and k not in withheld)
             different = sorted(k for k in p.env if k in env and env[k] != p.env[k])
             if missing or different:
                 unadjusted.append({**fields, "missing": missing, "different": different})
