@@ -316,6 +316,7 @@ class Daemon:
         self.events: EventRecorder | NullEventRecorder | None = None
         self.nri: NriDoor | None = None
         self.device_plugin: DevicePluginServer | None = None
+        self.cdi: Any = None  # cdi.CdiRegistry once a door needs it (ADR 0025b)
         self.endpoints: dict[str, str] = {}
         self.ledger_warnings: list[str] = []
         self.startup_ms: float | None = None
@@ -525,7 +526,7 @@ class Daemon:
                                on_refusal=self._refused_nri, on_warning=self._warned_nri,
                                pod_lookup=self.pod_source.get if self.pod_source is not None else None,
                                unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name,
-                               gpu_health=self._gpu_health)
+                               gpu_health=self._gpu_health, cdi=None if self.cfg.no_cdi_devices else self._cdi())
         stub = NriStub(plugin, socket_path=self.cfg.nri_socket,
                        plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx,
                        on_bound=self.metrics.nri_bound_exceeded if self.metrics is not None else None)
@@ -545,6 +546,16 @@ class Daemon:
 
             threading.Thread(target=watch_exit, name="nri-fd-exit", daemon=True).start()
 
+    def _cdi(self) -> Any:
+        """The node's CDI specs (``cdi.CdiRegistry`` over ``--cdi-spec-dirs``,
+        ADR 0025b), built once; None without spec directories."""
+        if self.cdi is None and self.cfg.cdi_spec_dirs and self.node is not None:
+            from .cdi import CdiRegistry
+
+            self.cdi = CdiRegistry(self.cfg.cdi_spec_dirs, self.node.gpus, kind=self.cfg.cdi_kind)
+            self.cdi.refresh()
+        return self.cdi
+
     def _build_device_plugin(self) -> None:
         if self.cfg.no_device_plugin:
             return
@@ -562,6 +573,7 @@ class Daemon:
                 metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket,
                 ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
                 policy=self.cfg.allocation_policy, device_specs=self.cfg.device_specs, cdi_kind=self.cfg.cdi_kind,
+                cdi=self._cdi(),
                 secure_pipe_mount=self.cfg.secure_pipe_mount, fail_open=self.cfg.fail_open)
         except DeviceTableTooLarge as exc:
             # Kubelet could never receive the device list (devices.py): refuse to start.
@@ -769,6 +781,7 @@ class Daemon:
             "pod_source": self._status_of("pod source"),
             "events": events,
             "node_condition": self._status_of("node condition"),
+            "cdi": self.cdi.status() if self.cdi is not None else None,
             "endpoints": dict(self.endpoints),
             "ledger": {"path": self.cfg.ledger_path, "warnings": self.ledger_warnings},
             "config": self.cfg.to_dict(),

@@ -565,4 +565,4 @@ def test_notes_follow_the_values(helm: str, tmp_path: Path) -> None:
     assert "port-forward ds/fracplugin 9102:9102" in notes
     assert "gpu-memory" not in notes  # no device plugin door with KAI
     assert "pod-security" not in notes  # the chart created the labelled namespace
-    assert '@.type=="gpu-sharing.nvidia.com/Ready"' in notes  # KAI's readiness gate
+    assert '@.type=="gpu-fractioning.nvidia.com/Ready"' in notes  # KAI's readiness gate (first of both names)

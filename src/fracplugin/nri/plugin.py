@@ -78,6 +78,7 @@ from .. import allocation as al
 from ..annotations import parse as parse_annotations
 from ..annotations import KEY_CONTAINER_NAME, KEY_GPU_FRACTION, KEY_GPU_FRACTION_LIMIT, KEY_GPU_MEMORY, KEY_NUM_DEVICES
 from ..annotations import stray_container_keys
+from ..cdi import container_cdi_devices, with_node_cdi_devices
 from ..ledger import Ledger
 from ..model import ComputeMode, ContainerPlan, FractionError, NodeInfo, PodRef, Tenancy
 from ..mps.api import MpsApi, NullMps
@@ -215,6 +216,10 @@ class FracNriPlugin:
             plugin door's XID + MPS monitor): no fraction is placed on an
             Unhealthy GPU (node placement skips it; a container bound to one
             gets UNAVAILABLE, the runtime retries). None: every GPU healthy.
+        cdi: the node's CDI specs (``cdi.CdiRegistry``): the adjustment also
+            requests each planned GPU's CDI device, unless the container
+            already has one for that GPU (``cdi.with_node_cdi_devices``;
+            ADR 0025b). None: only the CDI names the scheduler wrote.
     """
 
     def __init__(
@@ -235,8 +240,11 @@ class FracNriPlugin:
         unit_mib: int = 1024,
         resource_name: str = "fracplugin.io/gpu-memory",
         gpu_health: Callable[[str], Any] | None = None,
+        cdi: Any = None,
     ) -> None:
         self.node = node
+        self.cdi = cdi
+        """``cdi.CdiRegistry`` or None: each planned GPU's CDI device joins the adjustment (ADR 0025b)."""
         self.gpu_health = gpu_health
         self.on_refusal = on_refusal
         self.on_warning = on_warning
@@ -374,6 +382,8 @@ class FracNriPlugin:
             for i in ignored:
                 self._warn(ref, container.name, i.message, fields, key=i.key, value=i.value)
             self._warn_unenforced(p, container, fields)
+            if self.cdi is not None:  # the node's CDI device of each GPU, never twice (ADR 0025b)
+                p = with_node_cdi_devices(p, self.cdi, container_cdi_devices(container))
             # DEBUG, not INFO: this runs on every creation, inside the runtime's
             # serialised CreateContainer path; formatting and writing a log
             # record there cost ~0.1 ms per call (bench_nri). Admissions stay
