@@ -280,6 +280,7 @@ def defaults_problems(values: dict[str, Any]) -> list[str]:
         ("hostPaths", "nriSocket"): d.nri_socket,
         ("hostPaths", "stateDir"): d.state_dir,
         ("hostPaths", "mpsRoot"): d.mps_root,
+        ("hostPaths", "cdiSpecDirs"): list(d.cdi_spec_dirs),
         ("hostPaths", "kubeletRoot"): str(Path(d.device_plugin_dir).parent),
         ("devicePlugin", "resourceName"): d.resource_name,
         ("devicePlugin", "unit"): {1024: "GiB"}.get(d.device_unit_mib, f"{d.device_unit_mib}Mi"),
