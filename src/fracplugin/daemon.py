@@ -93,6 +93,7 @@ from .parts import bounded as _bounded
 from .planner import PlannerConfig
 
 if TYPE_CHECKING:
+    from .cdi import CdiRegistry
     from .events import EventRecorder, NullEventRecorder
     from .gpu.health import GpuHealth
     from .gpu.inventory import Inventory
@@ -316,7 +317,7 @@ class Daemon:
         self.events: EventRecorder | NullEventRecorder | None = None
         self.nri: NriDoor | None = None
         self.device_plugin: DevicePluginServer | None = None
-        self.cdi: Any = None  # cdi.CdiRegistry once a door needs it (ADR 0025b)
+        self.cdi: CdiRegistry | None = None  # once a door needs it (ADR 0025b)
         self.endpoints: dict[str, str] = {}
         self.ledger_warnings: list[str] = []
         self.startup_ms: float | None = None
@@ -546,7 +547,7 @@ class Daemon:
 
             threading.Thread(target=watch_exit, name="nri-fd-exit", daemon=True).start()
 
-    def _cdi(self) -> Any:
+    def _cdi(self) -> CdiRegistry | None:
         """The node's CDI specs (``cdi.CdiRegistry`` over ``--cdi-spec-dirs``,
         ADR 0025b), built once; None without spec directories."""
         if self.cdi is None and self.cfg.cdi_spec_dirs and self.node is not None:

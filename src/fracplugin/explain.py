@@ -263,9 +263,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         pod = load_pod(args.pod)
         config = PlannerConfig(reserve_mib=args.reserve_mib, annotation_prefix=args.annotation_prefix)
-        dirs = [d.strip() for d in (args.cdi_spec_dirs or "").split(",") if d.strip()]
+        raw_dirs = getattr(args, "cdi_spec_dirs", ",".join(DEFAULT_SPEC_DIRS))  # callers that build args by hand
+        dirs = [d.strip() for d in (raw_dirs or "").split(",") if d.strip()]
         report = explain(pod, args.node, container=args.container, ledger_path=args.ledger, config=config,
-                         cdi_spec_dirs=dirs, cdi_kind=args.cdi_kind)
+                         cdi_spec_dirs=dirs, cdi_kind=getattr(args, "cdi_kind", None))
     except UsageError as exc:
         print(f"fracplugin explain: {exc}", file=sys.stderr)
         return 2

@@ -47,6 +47,7 @@ from .. import mountflags
 from .. import planner as planner_mod
 from .._proto import deviceplugin_pb2 as pb
 from .._proto import deviceplugin_pb2_grpc as pb_grpc
+from ..cdi import CdiRegistry
 from ..gpu.health import DEFAULT_IGNORED_XIDS, DEFAULT_XID_RECOVERY_S, HealthMonitor
 from ..gpu.inventory import Inventory
 from ..ledger import Ledger
@@ -213,7 +214,7 @@ class DevicePluginServer:
         policy: str = "pack",
         device_specs: bool = False,
         cdi_kind: str | None = None,
-        cdi: Any = None,
+        cdi: CdiRegistry | None = None,
         podresources_socket: str | None = DEFAULT_PODRESOURCES_SOCKET,
         podresources_interval_s: float = 10.0,
         max_workers: int = 16,

@@ -78,7 +78,7 @@ from .. import allocation as al
 from ..annotations import parse as parse_annotations
 from ..annotations import KEY_CONTAINER_NAME, KEY_GPU_FRACTION, KEY_GPU_FRACTION_LIMIT, KEY_GPU_MEMORY, KEY_NUM_DEVICES
 from ..annotations import stray_container_keys
-from ..cdi import container_cdi_devices, with_node_cdi_devices
+from ..cdi import CdiRegistry, container_cdi_devices, with_node_cdi_devices
 from ..ledger import Ledger
 from ..model import ComputeMode, ContainerPlan, FractionError, NodeInfo, PodRef, Tenancy
 from ..mps.api import MpsApi, NullMps
@@ -240,11 +240,11 @@ class FracNriPlugin:
         unit_mib: int = 1024,
         resource_name: str = "fracplugin.io/gpu-memory",
         gpu_health: Callable[[str], Any] | None = None,
-        cdi: Any = None,
+        cdi: CdiRegistry | None = None,
     ) -> None:
         self.node = node
         self.cdi = cdi
-        """``cdi.CdiRegistry`` or None: each planned GPU's CDI device joins the adjustment (ADR 0025b)."""
+        """Each planned GPU's CDI device joins the adjustment (ADR 0025b); None: not."""
         self.gpu_health = gpu_health
         self.on_refusal = on_refusal
         self.on_warning = on_warning
