@@ -94,6 +94,7 @@ from .planner import PlannerConfig
 
 if TYPE_CHECKING:
     from .enforce.wiring import MemoryLimits
+    from .cdi import CdiRegistry
     from .events import EventRecorder, NullEventRecorder
     from .gpu.health import GpuHealth
     from .gpu.inventory import Inventory
@@ -319,6 +320,7 @@ class Daemon:
         self.memory_limits: MemoryLimits | None = None  # enforce.wiring.MemoryLimits (issue 23), None with --memory-limits off
         self.cdi_hook_of: Callable[[str], bool | None] | None = None  # the CDI reader's "spec carries the hook"
         self.device_plugin: DevicePluginServer | None = None
+        self.cdi: CdiRegistry | None = None  # once a door needs it (ADR 0025b)
         self.endpoints: dict[str, str] = {}
         self.ledger_warnings: list[str] = []
         self.startup_ms: float | None = None
@@ -524,6 +526,15 @@ class Daemon:
             return None
         from .enforce.wiring import MemoryLimits, MemoryLimitsPart
 
+        registry = self._cdi()
+        if registry is not None and self.cdi_hook_of is None:
+            def hook_of(uuid: str) -> bool:
+                """The gate's CDI input: does the CDI spec for this GPU carry the toolkit's
+                memory-limit hook (False where no spec lists the GPU: nothing would run it)."""
+                dev = registry.device_for(uuid)
+                return dev is not None and dev.has_memory_limit_hook
+
+            self.cdi_hook_of = hook_of
         ml = self.memory_limits = MemoryLimits.build(
             self.cfg, self.node, mps_protocol=lambda: self.mps.protocol if self.mps is not None else None,
             hook_of=self.cdi_hook_of,
@@ -546,7 +557,8 @@ class Daemon:
                                on_refusal=self._refused_nri, on_warning=self._warned_nri,
                                pod_lookup=self.pod_source.get if self.pod_source is not None else None,
                                unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name,
-                               gpu_health=self._gpu_health, memory_limits=limits.nri if limits else None)
+                               gpu_health=self._gpu_health, memory_limits=limits.nri if limits else None,
+                               cdi=None if self.cfg.no_cdi_devices else self._cdi())
         stub = NriStub(plugin, socket_path=self.cfg.nri_socket,
                        plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx,
                        on_bound=self.metrics.nri_bound_exceeded if self.metrics is not None else None)
@@ -566,6 +578,16 @@ class Daemon:
 
             threading.Thread(target=watch_exit, name="nri-fd-exit", daemon=True).start()
 
+    def _cdi(self) -> CdiRegistry | None:
+        """The node's CDI specs (``cdi.CdiRegistry`` over ``--cdi-spec-dirs``,
+        ADR 0025b), built once; None without spec directories."""
+        if self.cdi is None and self.cfg.cdi_spec_dirs and self.node is not None:
+            from .cdi import CdiRegistry
+
+            self.cdi = CdiRegistry(self.cfg.cdi_spec_dirs, self.node.gpus, kind=self.cfg.cdi_kind)
+            self.cdi.refresh()
+        return self.cdi
+
     def _build_device_plugin(self) -> None:
         if self.cfg.no_device_plugin:
             return
@@ -583,6 +605,7 @@ class Daemon:
                 metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket,
                 ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
                 policy=self.cfg.allocation_policy, device_specs=self.cfg.device_specs, cdi_kind=self.cfg.cdi_kind,
+                cdi=self._cdi(),
                 secure_pipe_mount=self.cfg.secure_pipe_mount, fail_open=self.cfg.fail_open)
         except DeviceTableTooLarge as exc:
             # Kubelet could never receive the device list (devices.py): refuse to start.
@@ -792,6 +815,7 @@ class Daemon:
             "events": events,
             "node_condition": self._status_of("node condition"),
             "memory_limits": self._status_of("memory limits"),
+            "cdi": self.cdi.status() if self.cdi is not None else None,
             "endpoints": dict(self.endpoints),
             "ledger": {"path": self.cfg.ledger_path, "warnings": self.ledger_warnings},
             "config": self.cfg.to_dict(),

@@ -137,6 +137,22 @@ def render_memory_limits(ml: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
+def render_cdi(cdi: Mapping[str, Any]) -> str:
+    """The ``cdi`` section of ``/status`` (``CdiRegistry.status``): the spec
+    directories, each GPU's CDI device and memory-limit hook, the GPUs no spec
+    lists (their containers get the env only) and the specs ignored."""
+    out = [f"CDI specs in {','.join(cdi.get('spec_dirs') or []) or '-'}: {len(cdi.get('specs') or [])} read"]
+    for uuid, d in (cdi.get("devices") or {}).items():
+        hook = "memory-limit hook" if d.get("memory_limit_hook") else "NO memory-limit hook"
+        out.append(f"  {uuid}  {d.get('name')}  {hook}")
+    missing = cdi.get("gpus_without_spec") or []
+    if missing:
+        out.append(f"  GPUs without a CDI spec (env only, no CDI device): {', '.join(missing)}")
+    for bad in cdi.get("invalid_specs") or []:
+        out.append(f"  ignored spec {bad.get('path')}: {bad.get('reason')}")
+    return "\n".join(out)
+
+
 def render_table(doc: Mapping[str, Any]) -> str:
     """The human rendering of a ``/status`` document."""
     out = []
@@ -209,6 +225,10 @@ def render_table(doc: Mapping[str, Any]) -> str:
     if isinstance(ml, dict):
         out.append("")
         out.append(render_memory_limits(ml))
+    cdi = doc.get("cdi")
+    if isinstance(cdi, dict):  # CDI-native GPU injection (ADR 0025b)
+        out.append("")
+        out.append(render_cdi(cdi))
     eps = doc.get("endpoints") or {}
     if eps:
         out.append("")

@@ -280,6 +280,7 @@ def defaults_problems(values: dict[str, Any]) -> list[str]:
         ("hostPaths", "nriSocket"): d.nri_socket,
         ("hostPaths", "stateDir"): d.state_dir,
         ("hostPaths", "mpsRoot"): d.mps_root,
+        ("hostPaths", "cdiSpecDirs"): list(d.cdi_spec_dirs),
         ("hostPaths", "kubeletRoot"): str(Path(d.device_plugin_dir).parent),
         ("devicePlugin", "resourceName"): d.resource_name,
         ("devicePlugin", "unit"): {1024: "GiB"}.get(d.device_unit_mib, f"{d.device_unit_mib}Mi"),
@@ -565,4 +566,4 @@ def test_notes_follow_the_values(helm: str, tmp_path: Path) -> None:
     assert "port-forward ds/fracplugin 9102:9102" in notes
     assert "gpu-memory" not in notes  # no device plugin door with KAI
     assert "pod-security" not in notes  # the chart created the labelled namespace
-    assert '@.type=="gpu-sharing.nvidia.com/Ready"' in notes  # KAI's readiness gate
+    assert '@.type=="gpu-fractioning.nvidia.com/Ready"' in notes  # KAI's readiness gate (first of both names)

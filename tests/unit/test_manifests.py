@@ -546,6 +546,18 @@ def test_every_default_host_path_is_mounted(manifests: Manifests) -> None:
     assert host_path_problems(manifests, DAEMON_DEFAULT_HOST_PATHS) == []
 
 
+def test_cdi_spec_dirs_are_mounted_read_only(manifests: Manifests) -> None:
+    """The daemon reads the node's CDI specs (ADR 0025b): each default and
+    configured spec directory is a hostPath mounted at the same path, read-only."""
+    cfg = _config(manifests)
+    assert cfg["cdi_spec_dirs"] == list(DEFAULTS.cdi_spec_dirs)
+    dirs = {f"cdi_spec_dirs[{i}]": d for i, d in enumerate(DEFAULTS.cdi_spec_dirs)}
+    assert host_path_problems(manifests, dirs) == []
+    c = _container(manifests)
+    mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+    assert all(mounts[d].get("readOnly") is True for d in DEFAULTS.cdi_spec_dirs), mounts
+
+
 def test_pod_spec(manifests: Manifests) -> None:
     assert pod_problems(manifests) == []
 

@@ -47,6 +47,7 @@ from .. import mountflags
 from .. import planner as planner_mod
 from .._proto import deviceplugin_pb2 as pb
 from .._proto import deviceplugin_pb2_grpc as pb_grpc
+from ..cdi import CdiRegistry
 from ..gpu.health import DEFAULT_IGNORED_XIDS, DEFAULT_XID_RECOVERY_S, HealthMonitor
 from ..gpu.inventory import Inventory
 from ..ledger import Ledger
@@ -157,7 +158,10 @@ class DevicePluginServer:
         device_specs: also answer DeviceSpecs for ``/dev/nvidia<minor>``,
             ``/dev/nvidiactl`` and ``/dev/nvidia-uvm``.
         cdi_kind: when set (e.g. ``nvidia.com/gpu``), answer CDI devices
-            ``<cdi_kind>=<GPU-UUID>``.
+            ``<cdi_kind>=<GPU-UUID>`` for GPUs ``cdi`` has no device for.
+        cdi: the node's CDI specs (``cdi.CdiRegistry``): Allocate answers each
+            allocated GPU's CDI device from them (ADR 0025b). None: only
+            ``cdi_kind``.
         podresources_socket: kubelet's PodResources socket, read at ``start``
             to rebuild the ledger and then every ``podresources_interval_s``
             seconds to reconcile it (``Allocator.reconcile``; None: skip).
@@ -210,6 +214,7 @@ class DevicePluginServer:
         policy: str = "pack",
         device_specs: bool = False,
         cdi_kind: str | None = None,
+        cdi: CdiRegistry | None = None,
         podresources_socket: str | None = DEFAULT_PODRESOURCES_SOCKET,
         podresources_interval_s: float = 10.0,
         max_workers: int = 16,
@@ -242,6 +247,7 @@ class DevicePluginServer:
         self.policy = policy
         self.device_specs = device_specs
         self.cdi_kind = cdi_kind
+        self.cdi = cdi
         self.podresources_socket = podresources_socket
         self.podresources_interval_s = podresources_interval_s
         self._reconciler: threading.Thread | None = None
@@ -633,8 +639,11 @@ class DevicePluginServer:
             paths = [f"/dev/nvidia{self.node.gpu_by_uuid(u).minor}" for u in uuids]  # type: ignore[union-attr]
             for p in paths + ["/dev/nvidiactl", "/dev/nvidia-uvm"]:
                 c.devices.add(container_path=p, host_path=p, permissions="rw")
-        if self.cdi_kind:
-            for u in uuids:
+        for u in uuids:  # the node's CDI device of each GPU (ADR 0025b), else the operator's kind
+            dev = self.cdi.device_for(u) if self.cdi is not None else None
+            if dev is not None:
+                c.cdi_devices.add(name=dev.name)
+            elif self.cdi_kind:
                 c.cdi_devices.add(name=f"{self.cdi_kind}={u}")
         c.annotations[ANNOTATION_ALLOCATE] = kind
         c.annotations[al.ANNOTATION_RESERVATION] = key

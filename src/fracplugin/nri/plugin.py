@@ -78,6 +78,7 @@ from .. import allocation as al
 from ..annotations import parse as parse_annotations
 from ..annotations import KEY_CONTAINER_NAME, KEY_GPU_FRACTION, KEY_GPU_FRACTION_LIMIT, KEY_GPU_MEMORY, KEY_NUM_DEVICES
 from ..annotations import stray_container_keys
+from ..cdi import CdiRegistry, container_cdi_devices, with_node_cdi_devices
 from ..ledger import Ledger
 from ..model import ComputeMode, ContainerPlan, FractionError, NodeInfo, PodRef, Tenancy
 from ..mps.api import MpsApi, NullMps
@@ -217,6 +218,10 @@ class FracNriPlugin:
             gets UNAVAILABLE, the runtime retries). None: every GPU healthy.
         memory_limits: CUDA memory limits per container (``enforce.nri.NriMemoryLimits``);
             subscribes StartContainer when active. None: not enforced here.
+        cdi: the node's CDI specs (``cdi.CdiRegistry``): the adjustment also
+            requests each planned GPU's CDI device, unless the container
+            already has one for that GPU (``cdi.with_node_cdi_devices``;
+            ADR 0025b). None: only the CDI names the scheduler wrote.
     """
 
     def __init__(
@@ -238,12 +243,15 @@ class FracNriPlugin:
         resource_name: str = "fracplugin.io/gpu-memory",
         gpu_health: Callable[[str], Any] | None = None,
         memory_limits: Any = None,
+        cdi: CdiRegistry | None = None,
     ) -> None:
         self.node = node
         self.memory_limits = memory_limits
         """``enforce.nri.NriMemoryLimits`` (issue 23, ADR 0025) or None: admit
         at CreateContainer, apply/verify at StartContainer, zero the soft
         limit at RemoveContainer."""
+        self.cdi = cdi
+        """Each planned GPU's CDI device joins the adjustment (ADR 0025b); None: not."""
         self.gpu_health = gpu_health
         self.on_refusal = on_refusal
         self.on_warning = on_warning
@@ -384,6 +392,8 @@ class FracNriPlugin:
             for i in ignored:
                 self._warn(ref, container.name, i.message, fields, key=i.key, value=i.value)
             self._warn_unenforced(p, container, fields)
+            if self.cdi is not None:  # the node's CDI device of each GPU, never twice (ADR 0025b)
+                p = with_node_cdi_devices(p, self.cdi, container_cdi_devices(container))
             # DEBUG, not INFO: this runs on every creation, inside the runtime's
             # serialised CreateContainer path; formatting and writing a log
             # record there cost ~0.1 ms per call (bench_nri). Admissions stay
