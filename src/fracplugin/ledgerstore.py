@@ -25,7 +25,7 @@ log = logging.getLogger("fracplugin.ledger")  # the ledger's log, as before the 
 FORMAT_VERSION = 1
 JOURNAL_SUFFIX = ".journal"
 
-_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # json.dumps' own string encoder
+_str = json.encoder.encode_basestring_ascii  # json.dumps' own string encoder
 
 
 def _int(v: int | None) -> str:

@@ -16,6 +16,7 @@ import os
 import stat
 from typing import Any, Mapping, Sequence
 
+from .._proto import nri_pb2
 from .. import allocation as al
 from ..annotations import KEY_CONTAINER_NAME
 from ..annotations import stray_container_keys
@@ -34,7 +35,7 @@ log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as befor
 class _Admission(_Namespaces):
     """CreateContainer's checks (a mixin of ``FracNriPlugin``)."""
 
-    def _reservation_key(self, container: Any, fields: Mapping[str, Any]) -> str:
+    def _reservation_key(self, container: nri_pb2.Container, fields: Mapping[str, Any]) -> str:
         """The reservation key Allocate answered for this container, or "".
         The container annotation is preferred (kubelet copies Allocate's
         annotations into the CRI config; runtimes may not pass them on), then
@@ -63,7 +64,7 @@ class _Admission(_Namespaces):
                 return ""
         return key
 
-    def _spec_names(self, pod: Any) -> tuple[list[str] | None, list[str] | None]:
+    def _spec_names(self, pod: nri_pb2.PodSandbox) -> tuple[list[str] | None, list[str] | None]:
         """``_containers_of`` only when it matters (the hot path stays a dict
         lookup): the pod has pod-level KAI forms without a container name, or
         per-container keys not yet checked for strays."""
@@ -77,7 +78,7 @@ class _Admission(_Namespaces):
             return None, None
         return self._containers_of(pod)
 
-    def _containers_of(self, pod: Any) -> tuple[list[str] | None, list[str] | None]:
+    def _containers_of(self, pod: nri_pb2.PodSandbox) -> tuple[list[str] | None, list[str] | None]:
         """(app container names, init + app names) from the pod's spec when
         ``pod_lookup`` knows the pod, else (None, None)."""
         if self.pod_lookup is None:
@@ -97,7 +98,7 @@ class _Admission(_Namespaces):
         inits = [str(c.get("name")) for c in spec.get("initContainers") or () if isinstance(c, Mapping)]
         return apps, inits + apps
 
-    def _warn_stray(self, pod: Any, ref: PodRef, container: str, everyone: Sequence[str],
+    def _warn_stray(self, pod: nri_pb2.PodSandbox, ref: PodRef, container: str, everyone: Sequence[str],
                     fields: Mapping[str, Any]) -> None:
         """Annotations naming no container of the pod: a Warning once per pod
         (the same words as ``fracplugin explain``)."""
@@ -114,7 +115,7 @@ class _Admission(_Namespaces):
                        f"(containers: {', '.join(everyone)}); it has no effect", fields, key=k,
                        value=pod.annotations[k])
 
-    def _plan_reserved(self, pod: Any, container: str, ref: PodRef, key: str,
+    def _plan_reserved(self, pod: nri_pb2.PodSandbox, container: str, ref: PodRef, key: str,
                        apps: Sequence[str] | None, ledger: Any = None) -> tuple[ContainerPlan, list[Any]]:
         """Plan a container under kubelet's reservation ``key``. Raises
         FractionError for annotations that break the contract or a guard
@@ -140,7 +141,7 @@ class _Admission(_Namespaces):
         return plan(req, ref, self.node, self.ledger if ledger is None else ledger, self.config,
                     reservation=key), ignored
 
-    def _plan_reserved_unguarded(self, pod: Any, container: str, key: str) -> tuple[ContainerPlan, list[Any]]:
+    def _plan_reserved_unguarded(self, pod: nri_pb2.PodSandbox, container: str, key: str) -> tuple[ContainerPlan, list[Any]]:
         """``_plan_reserved`` against an empty ledger (what runs is recorded)."""
         apps, _ = self._containers_of(pod)
         return self._plan_reserved(pod, container, _pod_ref(pod), key, apps, ledger=EmptyLedger())
@@ -152,7 +153,7 @@ class _Admission(_Namespaces):
                 self.on_warning(ref, container, message)
             except Exception:
                 log.exception("nri on_warning callback failed", extra=dict(fields))
-    def _avoid_unhealthy(self, p: ContainerPlan, pod: Any, name: str, ref: PodRef,
+    def _avoid_unhealthy(self, p: ContainerPlan, pod: nri_pb2.PodSandbox, name: str, ref: PodRef,
                          fields: Mapping[str, Any]) -> ContainerPlan:
         """No fraction on an Unhealthy GPU (issue 12): a node-placed container is
         planned again on the healthy GPUs only; a container bound to an
@@ -234,7 +235,7 @@ class _Admission(_Namespaces):
         log.warning("nri container refused", extra=extra)
         raise RpcError(Code.INVALID_ARGUMENT, err.message)
 
-    def _warn_unenforced(self, p: ContainerPlan, container: Any, fields: Mapping[str, Any]) -> None:
+    def _warn_unenforced(self, p: ContainerPlan, container: nri_pb2.Container, fields: Mapping[str, Any]) -> None:
         """Pod-authored values of keys we own but do not set in this plan
         (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE without a portion) stay: NRI
         cannot remove env the pod spec set. Say so."""
@@ -245,7 +246,7 @@ class _Admission(_Namespaces):
 
 
 
-def _check_mounts(p: ContainerPlan, container: Any, mps_root: str) -> None:
+def _check_mounts(p: ContainerPlan, container: nri_pb2.Container, mps_root: str) -> None:
     """Refuse a container that already mounts something at a destination our
     plan mounts the pipe directory on (the pod's own volume at
     ``/tmp/nvidia-mps``): the adjustment would silently replace it (issue 10

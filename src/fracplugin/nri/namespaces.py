@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Mapping, Sequence
 
+from .._proto import nri_pb2
 from ..model import ComputeMode, ContainerPlan, Tenancy
 from .interfaces import CallContext
 from .nsqueue import KeyedWorkQueue
@@ -74,7 +75,8 @@ class _Namespaces(_PluginState):
         return self._ensure_job((p.pod.uid, p.container), p.active_thread_percentage, fields,
                                 p.compute_mode, p.limit_mib)
 
-    def start_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> None:
+    def start_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
+                        ctx: CallContext | None = None) -> None:
         """StartContainer (deferred mode): wait, within the handler budget, for
         the container's MPS namespace. Raises ``RpcError`` UNAVAILABLE when it
         failed or is not there yet (the runtime fails the start; kubelet

@@ -77,7 +77,18 @@ from ..mps.api import MpsApi, NullMps
 from ..ports import HookMetrics, NoMetrics
 from ..planner import PlannerConfig, plan_container
 from .nsqueue import KeyedWorkQueue
-from .interfaces import CallContext, event_mask
+from .interfaces import (
+    AbandonedInterface,
+    CallContext,
+    CloseInterface,
+    CreateContainerInterface,
+    MayBlockInterface,
+    RemoveContainerInterface,
+    StartContainerInterface,
+    StopContainerInterface,
+    SynchronizeInterface,
+    event_mask,
+)
 from .pluginbase import _MODES, Owner, _FailOpen, _pod_ref
 from .admission import _check_mounts
 from .reconcile import _Reconcile
@@ -110,7 +121,7 @@ NoMps = NullMps
 """No MPS: the one null object (``mps.api.NullMps``)."""
 
 
-def build_adjustment(plan_: ContainerPlan) -> Any:
+def build_adjustment(plan_: ContainerPlan) -> nri_pb2.ContainerAdjustment:
     """The ``ContainerAdjustment`` of a plan: for each env key ``-KEY`` then
     ``KEY=value`` (plan order), and each mount as ``type: bind`` with
     ``Mount.options`` (``rbind``, ``rw``/``ro``, ``nosuid``, ``nodev``), and
@@ -295,7 +306,8 @@ class FracNriPlugin(_Reconcile, _Release):
 
     # ------------------------------------------------------------ handlers
 
-    def create_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> Any:
+    def create_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
+                         ctx: CallContext | None = None) -> nri_pb2.CreateContainerResponse | None:
         """CreateContainer: a ``CreateContainerResponse`` (empty when the
         container is not fractional or ``fail_open`` swallowed a refusal).
         Raises ``RpcError`` INVALID_ARGUMENT (refusal) or UNAVAILABLE (MPS).
@@ -339,7 +351,8 @@ class FracNriPlugin(_Reconcile, _Release):
                 if sm and self.defer_namespace:
                     self._start_namespace(p, container.id, fields)
             except FractionError as err:
-                return self._refuse(err, fields, ref, container.name)
+                self._refuse(err, fields, ref, container.name)  # raises unless fail_open
+                return None
             except _FailOpen:
                 return None
             for i in ignored:
@@ -377,3 +390,20 @@ class FracNriPlugin(_Reconcile, _Release):
             self._ns_made = dict.fromkeys(self._ns_made)  # no queue to have made them any more
         if q is not None:
             q.close()
+
+
+NriHandler = tuple[
+    CreateContainerInterface, StartContainerInterface, StopContainerInterface, RemoveContainerInterface,
+    SynchronizeInterface, AbandonedInterface, MayBlockInterface, CloseInterface,
+]
+"""The ``nri.interfaces`` Protocols ``FracNriPlugin`` implements: every NRI
+event it handles and the stub's hooks it offers (a unit test keeps this list
+equal to what ``interfaces.implements`` finds on the class)."""
+
+
+def as_nri_handler(plugin: FracNriPlugin) -> NriHandler:
+    """``plugin`` as each interface of ``NriHandler``: mypy checks here that
+    every handler method of ``FracNriPlugin`` takes the protobuf messages and
+    returns what ``nri/interfaces.py`` declares (issue 26 item 3); at run time
+    it only returns ``plugin`` eight times."""
+    return (plugin, plugin, plugin, plugin, plugin, plugin, plugin, plugin)

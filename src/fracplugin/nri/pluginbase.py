@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Mapping
 
+from .._proto import nri_pb2
 from ..annotations import KEY_GPU_FRACTION, KEY_GPU_FRACTION_LIMIT, KEY_GPU_MEMORY, KEY_NUM_DEVICES
 from ..ledger import Ledger
 from ..model import ComputeMode, FractionError, NodeInfo, PodRef, Tenancy
@@ -35,7 +36,7 @@ Owner = tuple[str, str]
 """An MPS namespace owner: (pod UID, container name) (``Tenancy.owner``)."""
 
 
-def _env_map(container: Any) -> dict[str, str]:
+def _env_map(container: nri_pb2.Container) -> dict[str, str]:
     env: dict[str, str] = {}
     for kv in container.env:
         k, _, v = kv.partition("=")
@@ -43,7 +44,7 @@ def _env_map(container: Any) -> dict[str, str]:
     return env
 
 
-def _pod_ref(pod: Any) -> PodRef:
+def _pod_ref(pod: nri_pb2.PodSandbox) -> PodRef:
     return PodRef(pod.namespace, pod.name, pod.uid)
 
 

@@ -29,7 +29,8 @@ log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as befor
 class _Reconcile(_Admission):
     """Synchronize (a mixin of ``FracNriPlugin``)."""
 
-    def synchronize(self, pods: Sequence[Any], containers: Sequence[Any], ctx: CallContext | None = None) -> list[Any]:
+    def synchronize(self, pods: Sequence[nri_pb2.PodSandbox], containers: Sequence[nri_pb2.Container],
+                    ctx: CallContext | None = None) -> list[nri_pb2.ContainerUpdate]:
         """Rebuild the ledger from what runs. Returns no updates."""
         pods_by_id = {p.id: p for p in pods}
         tenancies: list[Tenancy] = []
@@ -97,7 +98,7 @@ class _Reconcile(_Admission):
         return []
 
 
-    def _unadjusted_gpu_user(self, pod: Any, c: Any, fields: Mapping[str, Any]) -> list[Tenancy]:
+    def _unadjusted_gpu_user(self, pod: nri_pb2.PodSandbox, c: nri_pb2.Container, fields: Mapping[str, Any]) -> list[Tenancy]:
         """A created or running container that fracplugin did not adjust
         (no annotations, no reservation key) but whose env names GPUs of this
         node in ``NVIDIA_VISIBLE_DEVICES`` uses those GPUs unfenced: it holds
@@ -118,7 +119,7 @@ class _Reconcile(_Admission):
                         reservation=f"{al.DOOR_SYNC}:{c.id}={g.uuid}")  # type: ignore[union-attr]
                 for g in gpus]
 
-    def _replan(self, pod: Any, c: Any) -> tuple[ContainerPlan | None, bool]:
+    def _replan(self, pod: nri_pb2.PodSandbox, c: nri_pb2.Container) -> tuple[ContainerPlan | None, bool]:
         """Plan a running container against an empty ledger (no guard refusals),
         on the devices its env says it got when that is our
         ``NVIDIA_VISIBLE_DEVICES``. Returns (plan or None, devices known)."""

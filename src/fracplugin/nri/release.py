@@ -26,7 +26,8 @@ log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as befor
 class _Release(_Namespaces):
     """Release and stop (a mixin of ``FracNriPlugin``)."""
 
-    def stop_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> None:
+    def stop_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
+                       ctx: CallContext | None = None) -> None:
         """StopContainer: drain the container's MPS clients on the daemon of its
         mode only (from the ledger; every daemon when unknown). The drain runs
         off the runtime's critical path: in a worker, awaited for at most half
@@ -71,7 +72,8 @@ class _Release(_Namespaces):
         return result
 
 
-    def remove_container(self, pod: Any, container: Any, ctx: CallContext | None = None) -> None:
+    def remove_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
+                         ctx: CallContext | None = None) -> None:
         """RemoveContainer: release the ledger entries of this container id and,
         in the background, its MPS namespace when nothing else holds it (the
         delete waits on MPS: off the runtime's critical path, issue 12). A drain
