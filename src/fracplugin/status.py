@@ -153,21 +153,9 @@ def render_cdi(cdi: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
-def render_table(doc: Mapping[str, Any]) -> str:
-    """The human rendering of a ``/status`` document."""
-    out = []
-    ready = doc.get("ready")
-    out.append(f"node {doc.get('node', '?')}  fracplugin {doc.get('version', '?')}  pid {doc.get('pid', '?')}  "
-               f"ready: {_yn(ready)}")
-    doors = doc.get("doors", {})
-    out.append("doors: " + "  ".join(f"{k}={'on' if v else 'off'}" for k, v in doors.items())
-               + f"  fail-open={'on' if doc.get('fail_open') else 'off'}")
-    for part, c in (doc.get("checks") or {}).items():
-        out.append(f"  {part:<14} {'ready' if c.get('ready') else 'NOT READY':<10} {c.get('detail', '')}".rstrip())
-    out.append("")
-    out.append(render_gpus(doc))
-    mps = doc.get("mps") or {}
-    out.append("")
+def render_mps(mps: Mapping[str, Any]) -> list[str]:
+    """The MPS section of ``/status`` as lines: protocol, the MPS role, each daemon's health."""
+    out: list[str] = []
     if not mps.get("enabled"):
         out.append("MPS: not supervised (--no-mps)")
     else:
@@ -186,6 +174,24 @@ def render_table(doc: Mapping[str, Any]) -> str:
             if d.get("adopted"):
                 extra += "  adopted"
             out.append(f"  {d.get('mode', '?'):<13} {'healthy' if d.get('healthy') else 'UNHEALTHY':<9} {extra}".rstrip())
+    return out
+
+
+def render_table(doc: Mapping[str, Any]) -> str:
+    """The human rendering of a ``/status`` document."""
+    out = []
+    ready = doc.get("ready")
+    out.append(f"node {doc.get('node', '?')}  fracplugin {doc.get('version', '?')}  pid {doc.get('pid', '?')}  "
+               f"ready: {_yn(ready)}")
+    doors = doc.get("doors", {})
+    out.append("doors: " + "  ".join(f"{k}={'on' if v else 'off'}" for k, v in doors.items())
+               + f"  fail-open={'on' if doc.get('fail_open') else 'off'}")
+    for part, c in (doc.get("checks") or {}).items():
+        out.append(f"  {part:<14} {'ready' if c.get('ready') else 'NOT READY':<10} {c.get('detail', '')}".rstrip())
+    out.append("")
+    out.append(render_gpus(doc))
+    out.append("")
+    out.extend(render_mps(doc.get("mps") or {}))
     nri = doc.get("nri")
     if isinstance(nri, dict):
         out.append("")

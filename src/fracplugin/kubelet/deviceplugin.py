@@ -52,7 +52,7 @@ from ..gpu.health import DEFAULT_IGNORED_XIDS, DEFAULT_XID_RECOVERY_S, HealthMon
 from ..gpu.inventory import Inventory
 from ..ledger import Ledger
 from ..mps.api import MpsApi
-from ..parts import HookMetrics
+from ..ports import HookMetrics
 from ..model import ComputeMode, NodeInfo
 from . import podlookup
 from .devices import (
@@ -147,7 +147,7 @@ class DevicePluginServer:
         allocate_deadline_s: the longest an Allocate may wait for the watch cache.
         mps_health: the MPS port whose ``healthy(mode)`` marks GPUs Unhealthy
             (``gpu.health.MpsHealth``; None: not supervised).
-        metrics: optional ``parts.HookMetrics``: ``observe_hook(door, seconds)`` (doors
+        metrics: optional ``ports.HookMetrics``: ``observe_hook(door, seconds)`` (doors
             ``allocate`` and ``preferred``) and ``refusal(code)`` (every gRPC
             error Allocate answers, labelled with the FractionError code or
             ``invalid`` / ``unhealthy`` / ``internal``).
