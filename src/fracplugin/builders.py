@@ -302,7 +302,14 @@ class _Builders:
         NRI door calls (a part: readiness check ``memory_limits``)."""
         if self.cfg.memory_limits == "off" or self.node is None:
             return None
+        from .enforce.memlimits import NvmlLimits
         from .enforce.wiring import MemoryLimits, MemoryLimitsPart
+
+        if self.cfg.memory_limits == "auto" and self.simulate_node_without_nvml(NvmlLimits.loadable):
+            # A simulated node with no NVML library has nothing to set or read limits with:
+            # auto means off there (ADR 0025); apply/verify chosen explicitly still run.
+            log.info("memory limits: off (auto on a simulated node without NVML)")
+            return None
 
         registry = self._cdi()
         if registry is not None and self.cdi_hook_of is None:
@@ -321,6 +328,10 @@ class _Builders:
             ml.attach_metrics(self.metrics.registry)
         self._add(MemoryLimitsPart(self.cfg, ml))
         return ml
+
+    def simulate_node_without_nvml(self, loadable: Callable[[], bool]) -> bool:
+        """True on a ``--simulate-node`` daemon where NVML does not initialise."""
+        return bool(self.cfg.simulate_node) and not loadable()
 
     def _cdi(self) -> CdiRegistry | None:
         """The node's CDI specs (``cdi.CdiRegistry`` over ``--cdi-spec-dirs``,

@@ -137,8 +137,8 @@ class Config:
     max_clients_per_gpu: int = 48
     fail_open: bool = False
     # CUDA 13.4 memory limits per container (issue 23, ADR 0025)
-    memory_limits: str = "off"
-    memory_limits_policy: str = "warn"
+    memory_limits: str = "auto"  # auto on a simulated node without NVML: off (builders._build_memory_limits)
+    memory_limits_policy: str = "refuse"
     cgroup_root: str = "/sys/fs/cgroup"
     # process
     log_format: str = "json"

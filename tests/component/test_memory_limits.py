@@ -179,7 +179,7 @@ def test_apply_sets_soft_and_hard_on_the_leaf_of_each_gpu_and_reads_back(started
 def test_verify_reports_unenforced_and_sets_nothing(started: Any, root: Path) -> None:
     """--memory-limits verify: nothing is set; the container is ENFORCED no
     with the planned and read values."""
-    d, rt, cg = started(["--memory-limits", "verify"])
+    d, rt, cg = started(["--memory-limits", "verify", "--memory-limits-policy", "warn"])
     pod, c, leaf = _pod_with_cgroup(cg)
     rt.create_container(pod, c)
     assert rt.start_container(pod, c) is None  # policy warn: it starts
@@ -251,7 +251,7 @@ def test_cgroup_v1_policy_warn_withholds_the_toolkit_hook_env(started: Any) -> N
     fail its start on cgroup v1); the rest of the plan's env is there."""
     from nri_runtime import effective_env, pod_from_manifest
 
-    d, rt, _cg = started(["--memory-limits", "auto"], v2=False)
+    d, rt, _cg = started(["--memory-limits", "auto", "--memory-limits-policy", "warn"], v2=False)
     pod, ctrs = pod_from_manifest(INFERENCE)
     adj = rt.create_container(pod, ctrs[0])
     assert not hasattr(adj, "code"), adj
@@ -294,7 +294,7 @@ def test_not_enforced_becomes_a_warning_event(started: Any, root: Path) -> None:
         "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
     try:
         d, rt, cg = started(["--memory-limits", "verify", "--kubeconfig", str(kubeconfig),
-                             "--node-condition-types", ""])
+                             "--node-condition-types", "", "--memory-limits-policy", "warn"])
         pod, c, _leaf = _pod_with_cgroup(cg)
         rt.create_container(pod, c)
         assert rt.start_container(pod, c) is None

@@ -141,6 +141,18 @@ class NvmlLimits:
             self._pynvml = pynvml
             self._open = True
 
+    @staticmethod
+    def loadable() -> bool:
+        """Whether NVML initialises here (the real library, or the fake one of
+        tests/fakes/nvml on ``LD_LIBRARY_PATH``); never raises."""
+        nv = NvmlLimits()
+        try:
+            nv.open()
+        except LimitError:
+            return False
+        nv.close()
+        return True
+
     def close(self) -> None:
         with self._lock:
             if not self._open:
