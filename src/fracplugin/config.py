@@ -217,7 +217,8 @@ _HELP = {
     "device_specs": "also answer Allocate with DeviceSpecs for /dev/nvidia<minor>, /dev/nvidiactl, /dev/nvidia-uvm",
     "secure_pipe_mount": "make the MPS root a nosuid,nodev bind mount when its filesystem lacks those flags (the "
                          "device plugin API has no mount options: kubelet's bind mount from Allocate inherits the "
-                         "source's flags; /run usually has them already)",
+                         "source's flags; /run usually has them already). Needs CAP_SYS_ADMIN in the host mount "
+                         "namespace: for a daemon run on the host, not the chart's DaemonSet",
     "cdi_kind": "answer Allocate with CDI devices <kind>=<GPU-UUID> (e.g. nvidia.com/gpu)",
     "kubeconfig": "kubeconfig for API access (in-cluster config is used when running in a pod)",
     "node_name": "this node's name (env NODE_NAME)",
