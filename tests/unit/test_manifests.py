@@ -747,7 +747,7 @@ def test_broken_copy_is_caught(
     [
         (lambda t: t.replace('ENTRYPOINT ["fracplugin", "run"]', 'ENTRYPOINT ["fracplugin"]'), "ENTRYPOINT"),
         (lambda t: t.replace(f":{HEALTH_PORT}/healthz", ":9999/healthz"), "HEALTHCHECK"),
-        (lambda t: t.replace("ARG CUDA_BASE=nvidia/cuda:", "ARG CUDA_BASE=python:3.11-slim#"), "nvidia/cuda"),
+        (lambda t: t.replace("ARG BASE=nvidia/cuda:", "ARG BASE=python:3.11-slim#"), "nvidia/cuda"),
         (lambda t: t.replace("COPY src ./src", "COPY src ./src\nCOPY tests ./tests"), "COPY tests"),
     ],
     ids=["entrypoint", "healthcheck-port", "final-base", "unlisted-copy"],
