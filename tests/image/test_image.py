@@ -17,7 +17,9 @@ checks:
 - ``fracplugin version`` and an import of every module the daemon loads, run
   in the unpacked root filesystem under runc with the DaemonSet's settings
   (read-only root, every capability dropped and the chart's set added back,
-  no new privileges), and once by chroot.
+  no new privileges), and once by chroot;
+- ``fracplugin run`` on the simulated node in the same container: /healthz,
+  /readyz, /metrics and ``fracplugin status`` answer, SIGTERM ends it with 0.
 
 Nothing is skipped: a missing archive, runc or root is a failure naming what
 to run (ADR 0027).
@@ -238,10 +240,12 @@ def chart_capabilities() -> list[str]:
     return [f"CAP_{c}" for c in sc["capabilities"]["add"]]
 
 
-def runc_run(image: dict[str, Any], args: list[str], bundle: Path) -> subprocess.CompletedProcess[str]:
+def runc_run(image: dict[str, Any], args: list[str], bundle: Path,
+             binds: dict[str, Path] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``args`` in the unpacked root filesystem under runc as the
     DaemonSet runs the container: uid 0, the image's Env, read-only root,
-    only the chart's capabilities, no new privileges, a tmpfs /tmp."""
+    only the chart's capabilities, no new privileges, a tmpfs /tmp;
+    ``binds``: container path -> host directory, read-only."""
     runc = shutil.which("runc")
     assert runc, "runc not found: apt-get install -y runc (make image-test runs the image under runc)"
     assert os.geteuid() == 0, "make image-test runs the image under runc as root"
@@ -257,6 +261,8 @@ def runc_run(image: dict[str, Any], args: list[str], bundle: Path) -> subprocess
     spec["process"]["capabilities"]["ambient"] = []
     spec["mounts"].append({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
                            "options": ["nosuid", "nodev", "size=65536k"]})
+    for dest, src in (binds or {}).items():
+        spec["mounts"].append({"destination": dest, "type": "bind", "source": str(src), "options": ["rbind", "ro"]})
     spec["hostname"] = "fracplugin-image-test"
     (bundle / "config.json").write_text(json.dumps(spec))
     cid = f"fpimg-{uuid.uuid4().hex[:8]}"
@@ -283,6 +289,57 @@ def test_daemon_modules_import_under_runc(image: dict[str, Any], tmp_path: Path)
             "print('ok')\n")
     r = runc_run(image, ["python", "-c", code], tmp_path / "bundle")
     assert r.returncode == 0 and r.stdout.strip() == "ok", f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+
+
+# Inside the container: start the daemon on the simulated node (no doors, no
+# MPS: no runtime, kubelet or driver here), wait for /healthz, then read
+# /healthz, /readyz, /metrics and `fracplugin status` as the probes, Prometheus
+# and `kubectl exec` would, and stop it with SIGTERM as kubelet does.
+DAEMON_PROBE = """
+import json, signal, subprocess, sys, time, urllib.error, urllib.request
+d = subprocess.Popen(["fracplugin", "run", "--simulate-node", "/sim/gpu-node-1.yaml", "--no-nri",
+                      "--no-device-plugin", "--no-mps", "--state-dir", "/tmp/state", "--mps-root", "/tmp/mps",
+                      "--health-address", "127.0.0.1:8080", "--metrics-address", "127.0.0.1:2112"])
+def get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError as e:
+        return None, str(e)
+deadline = time.monotonic() + 90
+while get("http://127.0.0.1:8080/healthz")[0] != 200:
+    if d.poll() is not None or time.monotonic() > deadline:
+        print(json.dumps({"error": "daemon not healthy", "exit": d.poll()})); sys.exit(1)
+    time.sleep(0.1)
+out = {k: get("http://127.0.0.1:" + u) for k, u in
+       (("healthz", "8080/healthz"), ("readyz", "8080/readyz"), ("metrics", "2112/metrics"))}
+st = subprocess.run(["fracplugin", "status", "--output", "json", "--state-dir", "/tmp/state"],
+                    capture_output=True, text=True)
+out["status"] = [st.returncode, st.stdout[-4000:], st.stderr[-2000:]]
+d.send_signal(signal.SIGTERM)
+out["exit"] = d.wait(60)
+print(json.dumps(out))
+"""
+
+
+def test_daemon_serves_under_runc_with_the_daemonset_settings(image: dict[str, Any], tmp_path: Path) -> None:
+    """``fracplugin run`` in the image under the chart's capabilities and a
+    read-only root: health, readiness, /metrics and ``fracplugin status``
+    answer, and SIGTERM ends it cleanly."""
+    r = runc_run(image, ["python", "-c", DAEMON_PROBE], tmp_path / "bundle",
+                 binds={"/sim": REPO / "examples" / "nodes"})
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["healthz"][0] == 200, out["healthz"]
+    assert out["readyz"][0] == 200, out["readyz"]
+    assert out["metrics"][0] == 200 and "fracplugin_" in out["metrics"][1], out["metrics"][0]
+    rc, stdout, stderr = out["status"]
+    assert rc == 0, stderr
+    node = yaml.safe_load((REPO / "examples" / "nodes" / "gpu-node-1.yaml").read_text())
+    assert [g["uuid"] for g in json.loads(stdout)["gpus"]] == [g["uuid"] for g in node["gpus"]], stdout
+    assert out["exit"] == 0, r.stderr[-4000:]
 
 
 def test_fracplugin_version_by_chroot(image: dict[str, Any]) -> None:
