@@ -105,4 +105,8 @@ manifests: setup
 ci: test chart interop e2e kubelet-e2e image image-test
 
 clean:
+	@# make image's private buildah store keeps a bind mount of its overlay directory
+	@if [ -d build/image/store ]; then \
+		buildah --root "$(CURDIR)/build/image/store" --runroot "$(CURDIR)/build/image/run" rm --all >/dev/null 2>&1; \
+		umount -R "$(CURDIR)/build/image/store/overlay" 2>/dev/null; true; fi
 	rm -rf build .pytest_cache .hypothesis tests/interop/bin

@@ -101,6 +101,9 @@ import_rootfs() {  # name tarball
   buildah "${STORE[@]}" commit --quiet --rm "$c" "$1" >/dev/null
 }
 log "import into buildah's store $OUT/store"
+# Working containers a killed or earlier run left behind (bud keeps the one of
+# a stage that another stage copies from) hold overlay mounts: remove them.
+buildah "${STORE[@]}" rm --all >/dev/null 2>&1 || true
 import_rootfs "$BASE" "$OUT/base-$SUITE.tar"
 import_rootfs "$BUILD_BASE" "$OUT/build-base-$SUITE.tar"
 buildah "${STORE[@]}" rmi -f "$UV_IMAGE" >/dev/null 2>&1 || true
@@ -124,5 +127,6 @@ fi
 log "push $TAG to oci-archive:$ARCHIVE"
 rm -f "$ARCHIVE"
 buildah "${STORE[@]}" push --quiet --compression-format gzip "$TAG" "oci-archive:$ARCHIVE:fracplugin:$VERSION" >&2
+buildah "${STORE[@]}" rm --all >/dev/null 2>&1 || true
 log "done in $(( $(date +%s) - start )) s: $(du -h "$ARCHIVE" | cut -f1) $ARCHIVE"
 echo "$ARCHIVE"
