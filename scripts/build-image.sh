@@ -27,6 +27,10 @@ for tool in mmdebstrap buildah runc; do
   command -v "$tool" >/dev/null || die "$tool not found: apt-get install -y mmdebstrap buildah runc"
 done
 
+# pip of the host (to fetch uv's wheel): the project's python3.11, as .ci/run requires.
+HOST_PYTHON=$(command -v python3.11 || command -v python3 || true)
+[ -n "$HOST_PYTHON" ] && "$HOST_PYTHON" -m pip --version >/dev/null 2>&1 \
+  || die "no python3.11 (or python3) with pip on PATH: it downloads uv's wheel from PyPI"
 SUITE=${FRACPLUGIN_IMAGE_SUITE:-bookworm}
 MIRROR=${FRACPLUGIN_IMAGE_MIRROR:-http://deb.debian.org/debian}
 OUT=$(mkdir -p "${FRACPLUGIN_IMAGE_DIR:-build/image}" && cd "${FRACPLUGIN_IMAGE_DIR:-build/image}" && pwd)
@@ -77,9 +81,9 @@ fi
 if [ ! -x "$OUT/uv/uv" ]; then
   log "uv $UV_VERSION from PyPI"
   rm -rf "$OUT/uv" && mkdir -p "$OUT/uv"
-  python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_17_x86_64 \
+  "$HOST_PYTHON" -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_17_x86_64 \
     --python-version 3.11 -d "$OUT/uv" "uv==$UV_VERSION"
-  python3 - "$OUT/uv" <<'EOF'
+  "$HOST_PYTHON" - "$OUT/uv" <<'EOF'
 import pathlib, sys, zipfile
 out = pathlib.Path(sys.argv[1])
 wheel, = out.glob("uv-*.whl")
