@@ -226,7 +226,8 @@ _HELP = {
     "device_specs": "also answer Allocate with DeviceSpecs for /dev/nvidia<minor>, /dev/nvidiactl, /dev/nvidia-uvm",
     "secure_pipe_mount": "make the MPS root a nosuid,nodev bind mount when its filesystem lacks those flags (the "
                          "device plugin API has no mount options: kubelet's bind mount from Allocate inherits the "
-                         "source's flags; /run usually has them already)",
+                         "source's flags; /run usually has them already). Needs CAP_SYS_ADMIN in the host mount "
+                         "namespace: for a daemon run on the host, not the chart's DaemonSet",
     "cdi_kind": "an operator-named CDI kind (e.g. nvidia.com/gpu), looked up first in the CDI specs; Allocate "
                 "answers <kind>=<GPU-UUID> for a GPU no spec lists",
     "cdi_spec_dirs": "comma list of CDI spec directories read to request each planned GPU's CDI device (kinds "

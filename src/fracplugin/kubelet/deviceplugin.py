@@ -174,7 +174,10 @@ class DevicePluginServer:
             flags (``fracplugin.mountflags``), undone at ``stop``. Kubelet's
             bind mount of the pipe directory from Allocate inherits the
             source mount's flags; the API has no mount options (issue 11, D9).
-            Off: only a startup warning when the flags are missing.
+            Needs CAP_SYS_ADMIN in the host mount namespace: a daemon run on
+            the host, never the chart's DaemonSet (no SYS_ADMIN, no
+            Bidirectional propagation; ADR 0008). Off: only a startup warning
+            when the flags are missing.
         fail_open: an Allocate refused for the pod's fraction (a contract or
             node guard refusal, an Unhealthy GPU) is answered with an
             unadjusted container (no env, no mounts, annotation
@@ -346,8 +349,17 @@ class DevicePluginServer:
 
     def _check_pipe_mount(self) -> None:
         """See ``secure_pipe_mount``: a failure to secure is a startup
-        warning; flags missing while not asked to secure are logged."""
+        warning; flags missing while not asked to secure are logged. The
+        remedy each message names is one that can work where the flag failed:
+        mount(2) needs CAP_SYS_ADMIN in the host mount namespace, and a mount
+        made inside a pod reaches the host's kubelet only through
+        Bidirectional mount propagation, neither of which the chart's
+        DaemonSet has (ADR 0008), so ``--secure-pipe-mount`` is for a daemon
+        run on the host; in the DaemonSet the MPS root's filesystem itself
+        must be nosuid,nodev (``/run`` on systemd hosts is)."""
         root = self.planner_config.layout.root
+        remedy = ("mount the MPS root's host filesystem nosuid,nodev (a tmpfs such as /run on systemd hosts is), or "
+                  "choose an MPS root on one")
         try:
             if self.secure_pipe_mount:
                 if mountflags.secure(root):
@@ -356,11 +368,19 @@ class DevicePluginServer:
                 return
             if os.path.isdir(root) and not {"nosuid", "nodev"} <= mountflags.flags(root):
                 log.warning("MPS root %s is on a filesystem without nosuid,nodev: the pipe directory kubelet mounts "
-                            "from Allocate inherits that (the NRI door's copy sets them); use --secure-pipe-mount "
-                            "or a nosuid,nodev filesystem", root)
+                            "from Allocate inherits that (the NRI door's copy sets them); %s (--secure-pipe-mount "
+                            "works only for a daemon run on the host with CAP_SYS_ADMIN, not in the chart's "
+                            "DaemonSet)", root, remedy)
         except OSError as e:
-            msg = (f"MPS root {root}: {e}; the pipe directory kubelet mounts from Allocate is then not "
-                   "nosuid,nodev (the NRI door's copy is); use --secure-pipe-mount or a nosuid,nodev filesystem")
+            if self.secure_pipe_mount:
+                msg = (f"MPS root {root}: --secure-pipe-mount could not make it a nosuid,nodev mount: {e}; the pipe "
+                       "directory kubelet mounts from Allocate is then not nosuid,nodev (the NRI door's copy is). "
+                       "mount(2) needs CAP_SYS_ADMIN in the host mount namespace, and from a pod the host's kubelet "
+                       "sees the mount only with Bidirectional mount propagation; the chart's DaemonSet has neither, "
+                       f"so drop --secure-pipe-mount there and {remedy}")
+            else:
+                msg = (f"MPS root {root}: {e}; the pipe directory kubelet mounts from Allocate is then not "
+                       f"nosuid,nodev (the NRI door's copy is); {remedy}")
             self.startup_warnings.append(msg)
             log.warning("%s", msg)
 
