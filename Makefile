@@ -14,13 +14,13 @@ $(VENV)/.installed: pyproject.toml
 ## setup: create .venv and install fracplugin with its test extras
 setup: $(VENV)/.installed
 
-## test: mypy over src/ (zero errors), then the whole Python test suite (unit + component); interop and e2e have their own targets
+## test: mypy --strict over src/ (zero errors), then the whole Python test suite (unit + component); interop and e2e have their own targets
 test: setup typecheck
 	$(PY) -m pytest tests/unit tests/component -q
 
-## typecheck: mypy src/fracplugin (config in pyproject.toml [tool.mypy])
+## typecheck: mypy --strict src/fracplugin, zero errors (config and the reasoned exceptions in pyproject.toml [tool.mypy])
 typecheck: setup
-	$(PY) -m mypy src/fracplugin
+	$(PY) -m mypy --strict src/fracplugin
 
 unit: setup
 	$(PY) -m pytest tests/unit -q

@@ -74,7 +74,7 @@ def _api_client(cfg: Config) -> Any:
     from kubernetes import config as kconfig
 
     try:
-        return kconfig.new_client_from_config(config_file=cfg.kubeconfig)  # type: ignore[no-untyped-call]  # the kubernetes client is untyped
+        return kconfig.new_client_from_config(config_file=cfg.kubeconfig)
     except Exception as exc:
         raise StartupError(f"--kubeconfig {cfg.kubeconfig}: {exc}") from None
 

@@ -65,8 +65,8 @@ MAX_MESSAGE = 1024
 
 _ACTIONS = {"nri": "CreateContainer", "deviceplugin": "Allocate"}
 
-# (pod, container, message, door, wall-clock seconds) -- what refused() enqueues.
-_Item = tuple  # (pod, container, message, door, unix seconds[, reason])
+_Item = tuple[PodRef, str, str, str, float, str]
+"""What the hook side enqueues: (pod, container, message, door, unix seconds, Event reason)."""
 
 
 class NullEventRecorder:
@@ -149,7 +149,7 @@ class EventRecorder:
                 self._dropped += 1
             return
         try:
-            self._q.put_nowait((pod, container, err.message, door, time.time()))
+            self._q.put_nowait((pod, container, err.message, door, time.time(), REASON_REFUSED))
         except queue.Full:
             with self._lock:
                 self._dropped += 1
@@ -275,8 +275,7 @@ class EventRecorder:
         return False
 
     def _send(self, item: _Item) -> None:
-        pod, container, message, door, at = item[:5]
-        reason = item[5] if len(item) > 5 else REASON_REFUSED  # type: ignore[misc]
+        pod, container, message, door, at, reason = item
         if self._repeat(pod, container, message, at):
             with self._lock:
                 self._suppressed += 1
