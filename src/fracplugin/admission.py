@@ -83,7 +83,7 @@ ANN = "variables.ann"
 
 def has(key: str) -> str:
     """CEL: the annotation whose key is the CEL expression ``key`` is present."""
-    return f"({key}) in {ANN}"
+    return f"(({key}) in {ANN})"
 
 
 def val(key: str) -> str:
