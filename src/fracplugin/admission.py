@@ -23,7 +23,9 @@ the portion, the device list, limit >= request, and
 exist, room, one mode per GPU, clients per GPU.
 
 CEL used: Kubernetes' quantity library (``isQuantity``, ``quantity``,
-``isLessThan``, ``isGreaterThan``, ``sign``, ``asApproximateFloat``), the
+``isLessThan``, ``isGreaterThan``, ``asApproximateFloat``; not ``sign``:
+k8s.io/apiserver v0.37 declares it a global function though its docs call it
+a method), the
 strings extension (``trim``, ``split``), the lists library (``indexOf``,
 ``lastIndexOf``) and RE2 ``matches``; all in the CEL environment of
 Kubernetes >= 1.30 (ValidatingAdmissionPolicy v1).
@@ -122,11 +124,11 @@ QTY = "quantity($v)"
 
 def quantity_checks(key: str) -> list[Check]:
     """annotations.parse_quantity_mib: a quantity in bytes in [1Mi, 1Pi]."""
-    hint = (f"($v.matches({regex(C.INT_PATTERN)}) && {QTY}.sign() > 0 ? "
+    hint = (f"($v.matches({regex(C.INT_PATTERN)}) && {QTY}.isGreaterThan(quantity('0')) ? "
             f"{cel_template(C.QUANTITY_MIB_HINT, raw='$v')} : '')")
     return _refusals(key, _padding() + [
         (f"!$v.matches({regex(C.QUANTITY_PATTERN)}) || !isQuantity($v)", lit(C.QUANTITY_SYNTAX)),
-        (f"{QTY}.sign() < 0", lit(C.QUANTITY_NEGATIVE)),
+        (f"{QTY}.isLessThan(quantity('0'))", lit(C.QUANTITY_NEGATIVE)),
         (f"{QTY}.isGreaterThan(quantity('1Pi'))", lit(C.QUANTITY_ABSURD)),
         (f"{QTY}.isLessThan(quantity('1Mi'))", f"{lit(C.QUANTITY_BELOW_MIB)} + {hint}"),
     ])
