@@ -31,8 +31,8 @@ strings extension (``trim``, ``split``), the lists library (``indexOf``,
 Kubernetes >= 1.30 (ValidatingAdmissionPolicy v1).
 
 Known differences (all on values no one writes): a value with a control
-character or more than ``FractionError.MAX_QUOTED`` characters is quoted
-verbatim here, escaped and cut in Python; ``MiB`` rounding of a limit
+character is quoted verbatim here and escaped in Python (with a line break the
+API server shows ``STATIC_MESSAGE`` instead); ``MiB`` rounding of a limit
 compared with its request uses a float (exact below 2**53 bytes).
 """
 
@@ -44,8 +44,11 @@ from typing import Any
 
 from . import annotations as A
 from . import contract as C
+from .model import FractionError
 
 POLICY_NAME = "fracplugin-annotations"
+STATIC_MESSAGE = ("a fracplugin annotation of this pod breaks the contract (README \"Annotations\"); "
+                  "`fracplugin explain POD.yaml --node NODE.yaml` names the key, the value and the rule")
 VALIDATION_ACTIONS = ("Deny", "Warn")
 
 # ---- CEL spelling helpers ------------------------------------------------------
@@ -93,9 +96,16 @@ def val(key: str) -> str:
     return f"{ANN}[{key}]"
 
 
+def quoted(v: str) -> str:
+    """CEL: the value ``v`` as FractionError quotes it: verbatim up to
+    ``MAX_QUOTED`` characters, else cut there with the length appended."""
+    n = FractionError.MAX_QUOTED
+    return f"(size({v}) > {n} ? {v}.substring(0, {n}) + '... (' + string(size({v})) + ' characters)' : {v})"
+
+
 def message(key: str, reason: str) -> str:
     """CEL: ``<key>="<value>" <reason>`` (FractionError.message), ``reason`` a CEL expression."""
-    return f"{key} + '=\"' + {val(key)} + '\" ' + {reason}"
+    return f"{key} + '=\"' + {quoted(val(key))} + '\" ' + {reason}"
 
 
 Check = tuple[str, str]
@@ -201,8 +211,10 @@ def element(guard: str, checks: list[Check]) -> str:
 
 
 def qty_valid(x: str) -> str:
-    """CEL: ``quantity(x)`` can be evaluated."""
-    return f"{x}.matches({regex(C.QUANTITY_PATTERN)}) && isQuantity({x})"
+    """CEL: ``x`` is a quantity in [0, 1Pi], so ``_mib_ceil(quantity(x))`` can be
+    evaluated (``1e400`` is a quantity whose float is +Inf: ``int()`` of it errs)."""
+    return (f"{x}.matches({regex(C.QUANTITY_PATTERN)}) && isQuantity({x}) && "
+            f"!quantity({x}).isGreaterThan(quantity('1Pi')) && !quantity({x}).isLessThan(quantity('0'))")
 
 
 def frac_valid(x: str) -> str:
@@ -329,6 +341,8 @@ def policy_objects(*, prefix_expression: str, validation_actions: list[str] | st
             "validations": [{
                 "expression": "size(variables.problems) == 0",
                 "messageExpression": "variables.problems[0][0]",
+                # shown when the message cannot be (a value with a line break)
+                "message": STATIC_MESSAGE,
                 "reason": "Invalid",
             }],
         },

@@ -15,6 +15,7 @@ import yaml
 from fracplugin.annotations import parse_uncached
 from fracplugin.explain import explain
 from fracplugin.model import FractionError
+from fracplugin.safetext import escape_controls
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
@@ -36,6 +37,9 @@ BAD: list[tuple[str, dict[str, str], list[str]]] = [
     ("request-absurd", {REQ: "2Pi"}, ["app"]),
     ("request-below-mib", {REQ: "100Ki"}, ["app"]),
     ("request-milli", {REQ: "500m"}, ["app"]),
+    # found by the generated test: 1e400 is a quantity whose float is +Inf; the
+    # limit-vs-request rule must not read it (the CEL erred instead of refusing)
+    ("request-absurd-exponent-with-limit", {REQ: "1e400", LIM: "40Gi"}, ["app"]),
     ("limit-below-request", {REQ: "40Gi", LIM: "20Gi"}, ["app"]),
     ("limit-below-request-rounded", {REQ: "1000M", LIM: "900Mi"}, ["app"]),
     ("limit-not-quantity", {LIM: "lots"}, ["app"]),
@@ -43,6 +47,7 @@ BAD: list[tuple[str, dict[str, str], list[str]]] = [
     ("mode-case", {REQ: "4Gi", MODE: "SM-Sharing"}, ["app"]),
     ("mode-blank", {REQ: "4Gi", MODE: ""}, ["app"]),
     ("mode-unknown", {REQ: "4Gi", MODE: "mps"}, ["app"]),
+    ("mode-long-value-cut-as-explain-cuts-it", {REQ: "4Gi", MODE: "sm-sharing," * 40}, ["app"]),
     ("mode-unfractional-still-checked", {MODE: "time_slicing"}, ["app"]),
     ("pod-mode-case", {REQ: "4Gi", "kai.scheduler/gpu-compute-sharing-mode": "SM-Sharing"}, ["app"]),
     # .gpu-compute.portion: a decimal in (0, 1]
@@ -141,8 +146,8 @@ def expected_message(manifest: dict[str, Any]) -> str | None:
     report = explain(copy.deepcopy(manifest), str(NODE))
     for c in report["containers"]:
         if c["error"]:
-            e = c["error"]
-            return FractionError(e["key"], e["value"], e["reason"]).message
+            e = c["error"]  # the value already cut as FractionError cuts it: not wrapped again
+            return escape_controls(f'{e["key"]}="{e["value"]}" {e["reason"]}')
     return None
 
 

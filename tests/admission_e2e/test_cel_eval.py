@@ -86,7 +86,7 @@ FRACTIONS = ["0.5", "0.25", "1", "0", "1.0", "0.999", "1.5", "50%", "NaN", "inf"
              "", " 0.5", "0.3", "0.75", "-0.5", "half"]
 INTS = ["1", "2", "3", "4", "0", "-5", "65", "64", "two", "20480", "1024", "20Gi", "1.5G", "99999999999", "",
         " 2", "0002", "512Ki", "1073741825"]
-MODES = ["time-slicing", "sm-sharing", "SM-Sharing", "", "mps", " sm-sharing"]
+MODES = ["time-slicing", "sm-sharing", "SM-Sharing", "", "mps", " sm-sharing", "é" * 300]
 DEVICE_LISTS = [GPU[0], f"{GPU[0]},{GPU[1]}", f"{GPU[0]}, {GPU[1]}", "0,1", "0,,1", "0,0", " ", "", ",",
                 ",".join(str(i) for i in range(65)), "k8s.device-plugin.nvidia.com/gpu=" + GPU[2]]
 NAMES = ["app", "side", "nope", "", " app"]
