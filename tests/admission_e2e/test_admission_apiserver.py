@@ -38,6 +38,22 @@ import cluster as k  # noqa: E402  (tests/kubelet_e2e/cluster.py: Proc, versions
 TOKEN = k.TOKEN
 
 
+def warning_text(header: str) -> str:
+    """The text of an HTTP ``Warning: 299 - "<text>"`` header as the API
+    server writes it (RFC 7234 quoted-string: ``\\"`` and ``\\\\`` escaped)."""
+    code, _, rest = header.partition(" - ")
+    rest = rest.strip()
+    if code.strip() != "299" or not (rest.startswith('"') and rest.endswith('"')):
+        return header
+    out, i, body = [], 0, rest[1:-1]
+    while i < len(body):
+        if body[i] == "\\" and i + 1 < len(body):
+            i += 1
+        out.append(body[i])
+        i += 1
+    return "".join(out)
+
+
 class ApiServer:
     """etcd + kube-apiserver under ``base``; ``request`` speaks HTTPS as admin."""
 
@@ -115,7 +131,7 @@ class ApiServer:
             doc = json.loads(raw)
         except ValueError:
             doc = raw.decode(errors="replace")
-        return code, doc, headers.get_all("Warning") or []
+        return code, doc, [warning_text(w) for w in headers.get_all("Warning") or []]
 
     def create_pod(self, manifest: dict[str, Any]) -> tuple[int, Any, list[str]]:
         return self.request("POST", "/api/v1/namespaces/default/pods?dryRun=All", manifest)
@@ -209,3 +225,8 @@ def test_warn_admits_and_warns_with_the_message(apiserver: ApiServer) -> None:
         apiserver.request("PUT", path, current)
         bad = pod("probe", {"nvidia.com/container.app.gpu-compute.mode": "SM-Sharing"}, ["app"])
         k.wait_for(lambda: apiserver.create_pod(bad)[0] == 422, 60, "the binding to turn back to Deny")
+
+
+def test_warning_text_unquotes_the_header() -> None:
+    assert warning_text('299 - "Validation failed: k=\\"v\\" has \\\\ one"') == 'Validation failed: k="v" has \\ one'
+    assert warning_text("199 - other") == "199 - other"
