@@ -185,12 +185,22 @@ def positive_int_checks(key_name: str, *, maximum: int) -> list[Check]:
     ])
 
 
+#: Largest device list (characters, entries) checked for a device named twice:
+#: the check is quadratic and CEL has no set to make it linear; beyond these a
+#: list of more than MAX_DEVICES entries is refused as too long (Python may
+#: say "twice" first) and a shorter one with a repeat is left to the node.
+DUPLICATE_CHECK_MAX_CHARS = 4096
+DUPLICATE_CHECK_MAX_ENTRIES = 2 * C.MAX_DEVICES
+
+
 def devices_checks(key: str) -> list[Check]:
-    """annotations._parse_devices: no empty entry, none twice, at most MAX_DEVICES."""
+    """annotations._parse_devices: no empty entry, none twice (lists within
+    ``DUPLICATE_CHECK_MAX_*``, the CEL cost limit), at most MAX_DEVICES."""
     entries = "$v.split(',').map(e, e.trim())"
+    small = f"size($v) <= {DUPLICATE_CHECK_MAX_CHARS} && size($v.split(',')) <= {DUPLICATE_CHECK_MAX_ENTRIES}"
     return _refusals(key, [
         (f"{entries}.exists(e, e == '')", lit(C.DEVICES_EMPTY_ENTRY)),
-        (f"{entries}.exists(e, {entries}.indexOf(e) != {entries}.lastIndexOf(e))", lit(C.DEVICES_TWICE)),
+        (f"{small} && {entries}.exists(e, {entries}.indexOf(e) != {entries}.lastIndexOf(e))", lit(C.DEVICES_TWICE)),
         (f"size({entries}) > {C.MAX_DEVICES}", lit(C.DEVICES_TOO_MANY)),
     ])
 

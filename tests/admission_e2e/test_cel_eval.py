@@ -121,3 +121,28 @@ def annotation_sets(draw: Any) -> tuple[dict[str, str], list[str]]:
 def test_generated_annotations_get_the_same_first_refusal(cel: CelEval, case: tuple[dict[str, str], list[str]]) -> None:
     annotations, containers = case
     assert cel.message(pod("gen", annotations, containers)) == parse_message(annotations, containers)
+
+
+def test_large_device_lists_stay_within_the_cost_limit(cel: CelEval) -> None:
+    """The duplicate check is quadratic: bounded (admission.DUPLICATE_CHECK_*)
+    so a long list is refused or admitted, never a CEL cost error (which
+    failurePolicy Ignore would turn into an admitted pod)."""
+    long_list = ",".join(f"GPU-{i:036d}" for i in range(3000))
+    for value, want in ((long_list, "names more than 64 devices"),
+                        (",".join(["0"] * 2000), "names more than 64 devices"),  # the node says "twice" first
+                        ("0," * 63 + "0", "names a device twice"),
+                        ("x" * 200_000, None)):
+        annotations = {REQ: "4Gi", DEVICES: value}
+        got = cel.message(pod("big", annotations, ["app"]))
+        assert (got is None) if want is None else (got is not None and got.endswith(f'" {want}')), (want, got and got[-80:])
+
+
+def test_many_containers_stay_within_the_cost_limit(cel: CelEval) -> None:
+    names = [f"c{i}" for i in range(40)]
+    annotations = {f"nvidia.com/container.{c}.{k}": v for c in names for k, v in (
+        ("gpu-memory.request", "4Gi"), ("gpu-memory.limit", "8Gi"), ("gpu-compute.mode", "sm-sharing"),
+        ("gpu-compute.portion", "0.5"), ("gpus.devices", "0,1"))}
+    annotations["gpu-fraction-num-devices"] = "2"
+    assert cel.problems(pod("many", annotations, names)) == []
+    annotations["nvidia.com/container.c39.gpu-compute.mode"] = "SM"
+    assert cel.message(pod("many", annotations, names)) == parse_message(annotations, names)
