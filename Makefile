@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup test typecheck unit component proto demo interop e2e kai-e2e kubelet-e2e bench chart manifests chart-tools ci clean gpu-check gpu-check-wheels image image-test
+.PHONY: setup test typecheck unit component proto demo interop e2e kai-e2e kubelet-e2e bench chart manifests chart-tools ci clean gpu-check gpu-check-wheels image image-test admission-e2e
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ e2e: setup
 ## kai-e2e: KAI's node condition against a real etcd + kube-apiserver (binaries from the kubelet-e2e build cache)
 kai-e2e: setup
 	$(PY) tests/kai_e2e/run.py
+
+## admission-e2e: the chart's ValidatingAdmissionPolicy (ADR 0026) in Kubernetes' own CEL environment (Go,
+## tests/admission_e2e/celeval) and on a real etcd + kube-apiserver per Kubernetes line (kubelet-e2e build cache)
+admission-e2e: setup
+	$(PY) -m pytest tests/admission_e2e -q -p no:cacheprovider
 
 ## kubelet-e2e: real etcd + kube-apiserver + kubelet (v1.37 and v1.35) + containerd with both doors (needs root)
 kubelet-e2e: setup
@@ -102,7 +107,7 @@ manifests: setup
 	@set -e; tools=$$(bash scripts/chart-tools.sh helm); eval "$$tools"; export HELM; \
 	$(PY) scripts/render_manifests.py
 
-ci: test chart interop e2e kubelet-e2e image image-test
+ci: test chart interop e2e kubelet-e2e admission-e2e image image-test
 
 clean:
 	@# make image's private buildah store keeps a bind mount of its overlay directory

@@ -91,6 +91,24 @@ def test_monitoring_set_renders_every_optional_object(renders) -> None:
     assert {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")} <= set(crd_schemas())
 
 
+def test_admission_set_renders_the_generated_policy(renders) -> None:
+    """ci/admission-values.yaml: the ValidatingAdmissionPolicy and its binding,
+    whose CEL is the generator's (fracplugin.admission, ADR 0026) with the
+    set's annotation prefix, and whose actions and failure policy are the set's."""
+    from fracplugin import admission
+
+    m = renders["admission"]
+    (policy,) = [d for d in objects(m) if d["kind"] == "ValidatingAdmissionPolicy"]
+    (binding,) = [d for d in objects(m) if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    want, want_binding = admission.policy_objects(prefix_expression='"gpu.example.com/container."',
+                                                  validation_actions=["Warn"], failure_policy="Fail",
+                                                  name=policy["metadata"]["name"])
+    assert policy["spec"] == want["spec"]
+    assert binding["spec"] == {**want_binding["spec"], "policyName": policy["metadata"]["name"]}
+    assert policy["metadata"]["labels"] == binding["metadata"]["labels"] != {}
+    assert not any(d["kind"].startswith("ValidatingAdmissionPolicy") for d in objects(renders["default"]))
+
+
 def test_default_has_no_optional_object(renders) -> None:
     kinds = sorted(d["kind"] for d in objects(renders["default"]))
     # layout split by default (issue 12, ADR 0009): fracplugin-mps and fracplugin
@@ -396,6 +414,9 @@ BAD_VALUES = [
     ("extraEnv[0].name=FRACPLUGIN_SECURE_PIPE_MOUNT,extraEnv[0].value=true",
      ["extraEnv FRACPLUGIN_SECURE_PIPE_MOUNT=true", "Bidirectional"]),
     ("gpuOperator.driverUpgrade=sometimes", ["/gpuOperator/driverUpgrade"]),
+    ("admissionPolicy.validationActions={Audit}", ["/admissionPolicy/validationActions/0", "Deny", "Warn"]),
+    ("admissionPolicy.failurePolicy=Never", ["/admissionPolicy/failurePolicy", "Ignore", "Fail"]),
+    ("admissionPolicy.enable=true", ["additional properties", "enable"]),
 ]
 
 
