@@ -8,14 +8,14 @@ exclusive ``flock``, other keys kept):
 - ``node.rss_mib_split``: VmRSS summed over every process of a ready split
   node: the ``--role doors`` process (NRI door + device plugin door on
   grpcio, against ``KubeletSim``) and every process of the ``--role mps``
-  role (the role process and its children, the control daemons it started,
-  which run in their own sessions, found by their pid files under
-  ``--mps-root``, and their children), MiB. Pages shared between processes
+  role (the role process and its descendants), MiB. The MPS control daemons
+  are not fracplugin's (here Python fakes standing in for NVIDIA's binary):
+  they are left out and reported as ``node.rss_mib_fake_mps_daemons``. Pages shared between processes
   (libraries, the interpreter) count once per process, as VmRSS does;
   ``node.pss_mib_split`` is the same sum of PSS (shared pages divided among
   their users), the figure that adds up;
 - ``node.rss_mib_single`` / ``node.pss_mib_single``: the same for one ready
-  ``--role all`` process and its control daemons, MiB;
+  ``--role all`` process and its descendants, MiB;
 - ``nri.burst64.start_wait_p50_ms`` (and ``_p99_ms``, ``_max_ms``): a burst of
   64 new sm-sharing pods against the split node: 64 threads, one per pod, each
   calls CreateContainer then StartContainer, every call under one lock (as
@@ -30,9 +30,11 @@ exclusive ``flock``, other keys kept):
   alone allow, run back to back;
 - ``nri.burst64.mps_commands``, ``mps.command_wall_ms`` (median wall time of
   one ``server list`` through the client binary, measured after the burst);
-- ``mps.cpu_ms_per_command``: CPU (user + system) of every process of the MPS
-  role during the burst (the role process with the client commands it reaped,
-  the control daemons) / the control commands the daemons answered, ms.
+- ``mps.cpu_ms_per_command``: CPU (user + system) of every fracplugin process
+  of the MPS role during the burst (the role process and its descendants,
+  with the client commands they reaped) / the control commands the daemons
+  answered (probes included), ms; ``mps.fake_daemon_cpu_ms_per_command``: the
+  fake control daemons' own (a Python script here, not NVIDIA's binary).
 
 MPS: the compiled fake client (``tests/fakes/mps_client.c``, ~the real
 binary's cost per command); the daemons are the Python fake.
@@ -163,7 +165,7 @@ class Node:
         self.mps_root = self.work / "mps"
         self.sock = self.work / "nri.sock"
         self.kubelet = KubeletSim(str(self.work / "dp")).start()
-        self.rt: Any = (FakeNriRuntime(str(self.sock)) if burst_runtime
+        self.rt: Any = (FakeNriRuntime(str(self.sock), initial_sync=([], [])) if burst_runtime
                         else NriRuntimeServer(str(self.sock)).start())
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -204,14 +206,25 @@ class Node:
             self._start("all", *doors)
         return self
 
+    def fake_daemons(self) -> list[psutil.Process]:
+        """The fake MPS control daemons (Python scripts standing in for
+        NVIDIA's ``nvidia-cuda-mps-control``) and their children."""
+        return _tree(_control_daemons(self.mps_root))
+
+    def _ours(self, roles: list[str]) -> list[psutil.Process]:
+        """The processes of ``roles`` and their descendants, without the fake
+        MPS control daemons (not fracplugin's code; ``fake_daemons``)."""
+        fake = {p.pid for p in self.fake_daemons()}
+        return [p for p in _tree([psutil.Process(self.procs[r].pid) for r in roles]) if p.pid not in fake]
+
     def mps_processes(self) -> list[psutil.Process]:
-        """Every process of the MPS role (split) or of MPS in ``--role all``
-        (then the whole daemon, which is also the doors)."""
-        role = self.procs["mps" if self.split else "all"]
-        return _tree([psutil.Process(role.pid), *_control_daemons(self.mps_root)])
+        """Every fracplugin process of the MPS role (split) or the whole
+        daemon (``--role all``, which is also the doors)."""
+        return self._ours(["mps" if self.split else "all"])
 
     def all_processes(self) -> list[psutil.Process]:
-        return _tree([psutil.Process(p.pid) for p in self.procs.values()] + _control_daemons(self.mps_root))
+        """Every fracplugin process of the node (both roles when split)."""
+        return self._ours(list(self.procs))
 
     def close(self) -> None:
         for p in reversed(list(self.procs.values())):
@@ -250,14 +263,13 @@ def burst(node: Node, pods: int) -> dict[str, float]:
     docstring). Returns the ``nri.burst<N>.*`` and ``mps.*`` figures."""
     rt = node.rt
     rt.wait_registered(60)
-    rt.synchronize([], [])
     lock = threading.Lock()  # containerd's NRI lock: one plugin call at a time
     creates: list[float] = []
     starts: list[float] = []
     refused: list[str] = []
     ends: list[float] = []
-    mps = node.mps_processes()
-    cpu0, cmds0 = _cpu_s(mps), _mps_commands(node.work)
+    mps, fake = node.mps_processes(), node.fake_daemons()
+    cpu0, fake0, cmds0 = _cpu_s(mps), _cpu_s(fake), _mps_commands(node.work)
     go = threading.Event()
 
     def one(i: int) -> None:
@@ -298,7 +310,8 @@ def burst(node: Node, pods: int) -> dict[str, float]:
             break
         last = now
         time.sleep(1.0)
-    cpu1, cmds1 = _cpu_s(node.mps_processes() + mps), _mps_commands(node.work)
+    cpu1, cmds1 = _cpu_s(_tree(node.mps_processes() + mps)), _mps_commands(node.work)  # each process once
+    fake1 = _cpu_s(_tree(node.fake_daemons() + fake))
     cmds = max(1, cmds1 - cmds0)
     wall_cmd = command_wall_ms(node)
     ideal_ms = cmds * wall_cmd + pods * statistics.median(creates)
@@ -314,6 +327,7 @@ def burst(node: Node, pods: int) -> dict[str, float]:
         f"{key}.mps_commands": float(cmds1 - cmds0),
         "mps.command_wall_ms": wall_cmd,
         "mps.cpu_ms_per_command": 1000 * (cpu1 - cpu0) / cmds,
+        "mps.fake_daemon_cpu_ms_per_command": 1000 * (fake1 - fake0) / cmds,
     }
 
 
@@ -330,6 +344,7 @@ def main(argv: list[str]) -> int:
     node = Node(split=True, client=client, burst_runtime=True).start()
     try:
         results["node.rss_mib_split"], results["node.pss_mib_split"] = _memory_mib(node.all_processes())
+        results["node.rss_mib_fake_mps_daemons"] = _memory_mib(node.fake_daemons())[0]
         results.update(burst(node, pods))
     finally:
         node.close()
