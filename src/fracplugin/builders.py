@@ -357,7 +357,8 @@ class _Builders:
                                pod_lookup=self.pod_source.get if self.pod_source is not None else None,
                                unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name,
                                gpu_health=self._gpu_health, memory_limits=limits.nri if limits else None,
-                               cdi=None if self.cfg.no_cdi_devices else self._cdi())
+                               cdi=None if self.cfg.no_cdi_devices else self._cdi(),
+                               start_wait_s=self.cfg.nri_start_wait_s)
         stub = NriStub(plugin, socket_path=self.cfg.nri_socket,
                        plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx,
                        on_bound=self.metrics.nri_bound_exceeded if self.metrics is not None else None)

@@ -104,6 +104,9 @@ class Config:
     nri_socket: str = "/var/run/nri/nri.sock"
     nri_plugin_name: str = "fracplugin"
     nri_plugin_idx: str = "50"
+    # StartContainer's wait for a container's MPS namespace (ADR 0028): at most this, and at most
+    # the handler's budget (0.75 x the runtime's request timeout, 2 s default) minus a margin
+    nri_start_wait_s: float = 1.0
     # device plugin door (kubelet-device-plugin.md A.1)
     no_device_plugin: bool = False
     device_plugin_dir: str = "/var/lib/kubelet/device-plugins"
@@ -213,6 +216,10 @@ _HELP = {
     "nri_socket": "NRI socket of the container runtime",
     "nri_plugin_name": "NRI plugin name ([a-zA-Z0-9_.+-]+)",
     "nri_plugin_idx": "NRI plugin index (two digits; plugins run in index order)",
+    "nri_start_wait_s": "seconds StartContainer waits for the container's MPS namespace (never past its handler "
+                        "budget, which keeps the runtime's request timeout, 2 s by default); when spent while the "
+                        "namespace is still being made the container starts and the log says so; a namespace whose "
+                        "creation failed still fails the start (ADR 0028)",
     "no_device_plugin": "disable the kubelet device plugin door",
     "device_plugin_dir": "kubelet device plugin directory (our socket goes here)",
     "resource_name": "extended resource advertised by the device plugin",
@@ -445,6 +452,8 @@ def _validate_numbers(cfg: Config, bad: _Bad) -> None:
         raise bad("allocate_deadline_s", "must be a positive number of seconds, at most 3600")
     if not 0 < cfg.pod_resources_interval_s <= 86400:
         raise bad("pod_resources_interval_s", "must be a positive number of seconds, at most 86400")
+    if not 0 <= cfg.nri_start_wait_s <= 60:  # the handler budget bounds it anyway (ADR 0028)
+        raise bad("nri_start_wait_s", "must be 0 to 60 seconds (the wait never exceeds StartContainer's budget)")
 
 
 def _validate_names_and_paths(cfg: Config, bad: _Bad) -> None:

@@ -344,7 +344,7 @@ class Demo:
                 else:
                     self.out(f"  container {name}: PLACED (container id {ctr.id[:12]})")
                     self._print_plan(devices, env, mounts)
-                    self._start_with_retries(pod, ctr, name)
+                    self._start_with_retries(pod, ctr, name, [m.source for m in adj.mounts])
                     rec = {"door": "nri", "container": name, "outcome": "placed", "devices": devices, "env": env,
                            "mounts": mounts}
                 self._sandboxes[md["name"]] = (pod, ctr)
@@ -370,23 +370,40 @@ class Demo:
                 time.sleep(0.5 * attempt)
         raise AssertionError("unreachable")
 
-    def _start_with_retries(self, pod: Any, ctr: Any, name: str) -> None:
+    def _start_with_retries(self, pod: Any, ctr: Any, name: str, sources: list[str] | None = None) -> None:
         """StartContainer (the plugin waits there for an sm-sharing container's
-        MPS namespace); UNAVAILABLE is retried as kubelet retries a failed start.
-        Raises StepFailed when it never starts."""
+        MPS namespace, within a budget: a namespace still being made then
+        comes after the start, ADR 0028); UNAVAILABLE is retried as kubelet
+        retries a failed start. With MPS supervised, an sm-sharing
+        container's namespace ``control`` socket (in its pipe directory, one
+        of ``sources``) is awaited before the demo goes on. Raises
+        StepFailed when it never starts."""
         from .nri.ttrpc import Code, RpcError
 
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:
                 self.runtime.start_container(pod, ctr)
-                self.out("    StartContainer: started" + (" (its MPS namespace is in place)"
-                                                           if self._is_sm(pod, ctr) else ""))
+                self.out("    StartContainer: started" + self._namespace_note(pod, ctr, sources or []))
                 return
             except RpcError as exc:
                 if exc.code != Code.UNAVAILABLE or attempt == CREATE_ATTEMPTS:
                     raise StepFailed(f"{name}: StartContainer failed: {exc.message}") from None
                 self.out(f"    StartContainer: UNAVAILABLE (transient), retrying as kubelet would: {exc.message}")
                 time.sleep(0.5 * attempt)
+
+    def _namespace_note(self, pod: Any, ctr: Any, sources: list[str]) -> str:
+        """Wait (up to 30 s) for an sm-sharing container's namespace
+        ``control`` socket when MPS is supervised; say when it came."""
+        if not self._is_sm(pod, ctr) or self.mps_binary is None:
+            return ""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30:
+            if any(os.path.exists(os.path.join(s, "control")) for s in sources):
+                late = time.monotonic() - t0
+                return (" (its MPS namespace is in place)" if late < 0.001
+                        else f" (its MPS namespace followed {late * 1000:.0f} ms later, ADR 0028)")
+            time.sleep(0.01)
+        return " (its MPS namespace did not appear within 30 s)"
 
     @staticmethod
     def _is_sm(pod: Any, ctr: Any) -> bool:

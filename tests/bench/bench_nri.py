@@ -72,7 +72,10 @@ Keys (ms unless named otherwise; c = calls queued at once):
     nri.create.cpu_ms_per_call_go_template_same_answer,
     nri.create.harness_cpu_ms_per_call_go_template_same_answer,
     nri.create.c64.service_ratio_vs_go_template_same_answer,
-    nri.create.c64.p99_ratio_vs_go_template_same_answer.
+    nri.create.c64.p99_ratio_vs_go_template_same_answer,
+    nri.create.cpu_ratio_vs_go_template_same_answer (CPU per call, c=64 run),
+    nri.create.c1.p50_ratio_vs_go_template_same_answer (issue 28's targets:
+    <= 1.5 for the c64 service ratio, <= 2.0 for these two).
   fracplugin with the Python fake MPS client (what these keys measured before):
     nri.create.c1.p50_ms_python_fake_mps, nri.create.c64.service_python_fake_mps_ms,
     nri.create.c64.service_ratio_vs_go_template_python_fake_mps,
@@ -458,6 +461,22 @@ def bench_memory_limits(n: int = 500) -> dict[str, float]:
     return out
 
 
+def same_answer_ratios(ours: dict[int, dict], same: dict[int, dict]) -> dict[str, float]:
+    """Issue 28's ratios against the Go template giving fracplugin's answer,
+    from one invocation's levels (``run_bench`` results keyed by concurrency):
+    ``nri.create.cpu_ratio_vs_go_template_same_answer`` (the plugin process's
+    CPU per call over the template's, c=64 run; target <= 2.0) and
+    ``nri.create.c1.p50_ratio_vs_go_template_same_answer`` (c=1 median round
+    trip over the template's; target <= 2.0). The c=64 service ratio
+    (``nri.create.c64.service_ratio_vs_go_template_same_answer``, <= 1.5) is
+    in ``main``'s table."""
+    return {
+        "nri.create.cpu_ratio_vs_go_template_same_answer":
+            round(ours[64]["cpu_ms_per_call"] / same[64]["cpu_ms_per_call"], 2),
+        "nri.create.c1.p50_ratio_vs_go_template_same_answer": round(ours[1]["p50_ms"] / same[1]["p50_ms"], 2),
+    }
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=1000, help="CreateContainer calls per concurrency level")
@@ -567,6 +586,7 @@ def main(argv: list[str]) -> int:
         "nri.create.cpu_ms_per_call_go_template_same_answer": same[64]["cpu_ms_per_call"],
         "nri.create.harness_cpu_ms_per_call_go_template_same_answer": same[64]["harness_cpu_ms_per_call"],
     })
+    values.update(same_answer_ratios(ours, same))
     if disk:
         values.update({
             "nri.create.disk_state.c1.p50_ms": disk[1]["p50_ms"],

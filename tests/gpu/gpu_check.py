@@ -643,7 +643,11 @@ class Nri:
 
     def create(self, manifest: dict[str, Any], container_id: str = "", cgroups_path: str = "") -> Planned:
         """RunPodSandbox, CreateContainer, StartContainer (the plugin holds
-        StartContainer until an sm-sharing namespace is in place). Raises
+        StartContainer while an sm-sharing namespace is being made, within a
+        budget; a namespace still being made comes after the start, ADR 0028,
+        so its ``control`` socket in the pipe directory is awaited here, up to
+        60 s, before a CUDA client may run: one started earlier would run
+        without MPS). Raises
         RpcError when the plugin refuses. ``cgroups_path``: the container's
         ``linux.cgroups_path`` as the runtime sends it (cgroupfs form
         ``/<dir>/<leaf>``), so the daemon can find its leaf cgroup."""
@@ -658,6 +662,12 @@ class Nri:
         self.server.start_container(pod, ctr)
         env = effective_env(ctr, resp.adjust)
         mounts = [(m.source, m.destination) for m in resp.adjust.mounts]
+        pipes = [src for src, dest in mounts if dest == "/tmp/nvidia-mps"]  # layout.CONTAINER_PIPE_DIR
+        deadline = time.monotonic() + 60
+        while pipes and not any(os.path.exists(os.path.join(p_, "control")) for p_ in pipes):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the MPS namespace in {pipes} did not appear within 60 s of StartContainer")
+            time.sleep(0.01)
         return Planned(manifest, pod, ctr, env, mounts)
 
     def remove(self, p: Planned) -> None:

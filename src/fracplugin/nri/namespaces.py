@@ -77,55 +77,107 @@ class _Namespaces(_PluginState):
 
     def start_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
                         ctx: CallContext | None = None) -> None:
-        """StartContainer (deferred mode): wait, within the handler budget, for
-        the container's MPS namespace. Raises ``RpcError`` UNAVAILABLE when it
-        failed or is not there yet (the runtime fails the start; kubelet
-        retries), unless ``fail_open``. With ``memory_limits`` the container's
-        CUDA memory limits are applied/verified first (``NriMemoryLimits.start``)."""
+        """StartContainer (deferred mode): wait for the container's MPS
+        namespace job at most ``_start_wait(ctx)`` seconds (``start_wait_s``,
+        never past the handler budget: the runtime's request timeout, 2 s by
+        default, nri-protocol.md 1.5, is kept). ADR 0028 tells slow from failed:
+
+        - done: the container starts;
+        - failed (the ensure raised, or was cancelled): ``RpcError``
+          UNAVAILABLE (the runtime fails the start; kubelet retries and the next
+          CreateContainer queues a new ensure), unless ``fail_open``;
+        - not done when the wait is spent (queued or running, merely slow): the
+          container starts, a warning says the budget was spent and a second
+          line says when the job ended; unless the mode's MPS daemon is down
+          (not slow: UNAVAILABLE, as CreateContainer's ``_require_mode_up``).
+
+        A container created before a daemon restart (nothing pending, the
+        ledger holds its namespace) gets an ensure queued now, awaited the same
+        way. With ``memory_limits`` the container's CUDA memory limits are
+        applied/verified first (``NriMemoryLimits.start``)."""
         if self.memory_limits is not None:
             self.memory_limits.start(pod, container, self.ledger)
         if not self.defer_namespace:
             return None
         fields = {"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": container.name,
                   "container_id": container.id}
+        who = f"{pod.namespace}/{pod.name}/{container.name}"
         with self._ns_lock:
             job = self._ns_pending.get(container.id)
-        fut = job[1] if job is not None else None
-        timeout = self._mps_timeout(ctx, share=1.0)
-        if fut is None:
+        if job is None:
             # Nothing pending: not ours, already awaited, or the daemon restarted
-            # between create and start; then make sure synchronously.
+            # between create and start; then queue an ensure and await it.
             held = [t for t in self.ledger.find_container_id(container.id) if t.mps_namespace]
             if not held:
                 return None
             t = held[0]
             with self._ns_lock:
-                self._ns_made[t.owner] = None  # made here, outside the queue: not reused
-            try:
-                deadline = time.monotonic() + timeout
-                self._wait_mps_healthy(deadline, t.mode)
-                self.mps.ensure_namespace(t.pod_uid, t.container, t.active_thread_percentage,
-                                          max(0.01, deadline - time.monotonic()),
-                                          mode=t.mode, pinned_limit_mib=t.limit_mib)
-            except Exception as exc:
-                return self._mps_failed(exc, fields, f"{pod.namespace}/{pod.name}/{container.name}")
-            return None
+                self._ns_made.setdefault(t.owner, None)
+                self._queue_ensure(container.id, t.owner, functools.partial(
+                    self._ensure_job, t.owner, t.active_thread_percentage, dict(fields), t.mode, t.limit_mib))
+                job = self._ns_pending[container.id]
+        owner, fut = job
+        wait = self._start_wait(ctx)
+        began = time.monotonic()
         try:
-            fut.result(timeout)
+            fut.result(wait)
         except FutureTimeout:
-            self.metrics.refusal("mps_unavailable")
-            if self.fail_open:
-                log.warning("nri fail-open: container starts before its MPS namespace exists", extra=fields)
-                return None
-            raise RpcError(
-                Code.UNAVAILABLE,
-                f"fracplugin: MPS namespace for {pod.namespace}/{pod.name}/{container.name} is still being created",
-            ) from None
+            return self._start_before_namespace(owner, container.id, fut, fields, who, time.monotonic() - began)
         except Exception as exc:
             self._forget_namespace_job(container.id, fut)
-            return self._mps_failed(exc, fields, f"{pod.namespace}/{pod.name}/{container.name}")
+            return self._mps_failed(exc, fields, who)
         self._forget_namespace_job(container.id, fut)
         return None
+
+    def _start_wait(self, ctx: CallContext | None) -> float:
+        """Seconds StartContainer may wait for a namespace: ``start_wait_s``,
+        never past the handler's budget minus ``_MARGIN_S`` (0 when none is left)."""
+        if ctx is None:
+            return max(0.0, min(self.start_wait_s, _DEFAULT_REQUEST_TIMEOUT_S * 0.75 - _MARGIN_S))
+        return max(0.0, min(self.start_wait_s, ctx.remaining() - _MARGIN_S))
+
+    def _start_before_namespace(self, owner: Owner, container_id: str, fut: Future[Any],
+                                fields: Mapping[str, Any], who: str, waited_s: float) -> None:
+        """The wait of StartContainer is spent and the namespace job of
+        ``owner`` is not done (ADR 0028). A job still queued or running on a
+        healthy daemon is slow, not failed: the container starts and the log
+        says so (a second line when the job ends, with how long after).
+        Raises ``RpcError`` UNAVAILABLE (unless ``fail_open``) when the
+        daemon of the owner's mode is down: the job waits for it and may never
+        end in time."""
+        held = self.ledger.find(*owner)
+        mode = held[0].mode if held else ComputeMode.SM_SHARING
+        if not self._mps_up(mode):
+            why_fn = getattr(self.mps, "unhealthy_reason", None)
+            why = why_fn(mode) if callable(why_fn) else "not healthy"
+            self._forget_namespace_job(container_id, fut)
+            return self._mps_failed(RuntimeError(f"the {mode.value} MPS daemon is down ({why})"), fields, who)
+        q = self._ns_queue
+        state = "running" if q is not None and q.running(("ns", *owner)) else "queued"
+        self._forget_namespace_job(container_id, fut)
+        log.warning("nri StartContainer wait spent: container starts before its MPS namespace exists",
+                    extra={**fields, "waited_s": round(waited_s, 3), "start_wait_s": self.start_wait_s,
+                           "namespace_job": state})
+        spent_at = time.monotonic()
+
+        def ended(done: Future[Any]) -> None:
+            late = {**fields, "after_start_s": round(time.monotonic() - spent_at, 3)}
+            if done.cancelled():
+                log.warning("nri MPS namespace job cancelled after its container started", extra=late)
+            elif done.exception() is not None:
+                log.warning("nri MPS namespace failed after its container started",
+                            extra={**late, "reason": str(done.exception())})
+            else:
+                log.info("nri MPS namespace ready after its container started", extra=late)
+
+        fut.add_done_callback(ended)
+        return None
+
+    def _mps_up(self, mode: ComputeMode) -> bool:
+        """The daemon of ``mode`` answers its probe now (True when the MPS
+        layer cannot tell)."""
+        healthy = getattr(self.mps, "healthy", None)
+        return not callable(healthy) or bool(healthy(mode))
 
     def _forget_namespace_job(self, container_id: str, fut: Future[Any] | None = None) -> set[Owner]:
         """Stop tracking the namespace job of ``container_id`` (only if it is

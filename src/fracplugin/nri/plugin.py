@@ -166,11 +166,15 @@ class FracNriPlugin(_Reconcile, _Release):
         defer_namespace: True (default): CreateContainer admits and answers at
             once and creates the sm-sharing MPS namespace in the background;
             StartContainer (subscribed then: mask 0x628) waits for it within
-            its budget and fails the start with UNAVAILABLE when it is not
-            there. The container process cannot reach MPS before it starts, so
+            ``start_wait_s`` and fails the start with UNAVAILABLE only when its
+            creation failed (a namespace still being made lets the container
+            start, logged; ADR 0028). The container process cannot reach MPS before it starts, so
             this keeps MPS control commands off CreateContainer's critical
             path. False: the namespace is created inside CreateContainer.
         namespace_timeout_s: bound of one background namespace creation.
+        start_wait_s: most seconds StartContainer waits for a namespace still
+            being made (never past its handler budget); then the container
+            starts and the log says so (ADR 0028; ``--nri-start-wait-s``).
         drain_timeout_s: budget of one background drain (StopContainer waits
             for it at most half the request timeout; gpu-fractioning's
             terminate budget is 30 s, mps-nvml.md 2.7).
@@ -226,6 +230,7 @@ class FracNriPlugin(_Reconcile, _Release):
         gpu_health: Callable[[str], Any] | None = None,
         memory_limits: Any = None,
         cdi: CdiRegistry | None = None,
+        start_wait_s: float = 1.0,
     ) -> None:
         self.node = node
         self.memory_limits = memory_limits
@@ -249,6 +254,7 @@ class FracNriPlugin(_Reconcile, _Release):
         self.defer_namespace = defer_namespace
         self.namespace_timeout_s = namespace_timeout_s
         self.drain_timeout_s = drain_timeout_s
+        self.start_wait_s = start_wait_s
         limits_on = memory_limits is not None and memory_limits.active
         self.events = NRI_EVENTS_DEFERRED if defer_namespace or limits_on else NRI_EVENTS
         """Subscription mask sent in ConfigureResponse (0x628 deferred, 0x608 not)."""

@@ -75,6 +75,7 @@ class _PluginState:
     defer_namespace: bool
     namespace_timeout_s: float
     drain_timeout_s: float
+    start_wait_s: float
     events: int
     _ns_lock: threading.Lock
     _ns_pending: dict[str, tuple[Owner, Future[Any]]]
