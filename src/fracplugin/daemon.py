@@ -104,6 +104,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fracplugin.daemon")
 
+POD_SOURCE_MISSING = ("the pod watch cannot run, so the doors do not know pods' containers: the device plugin door "
+                      "answers Allocate with what is right for any pod, and the NRI door applies pod-level KAI forms "
+                      "(gpu-fraction, gpu-memory, gpu-fraction-num-devices) to every container that asks, sidecars "
+                      "included; give --kubeconfig or run in the cluster")
+"""Why the doors work blind without API access (log line and ``/readyz`` detail; issue 25 item 1)."""
+
 IN_CLUSTER_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 
@@ -455,7 +461,9 @@ class Daemon:
             self.endpoints["mps_api"] = self.cfg.effective_mps_api_socket
 
     def _build_pod_source(self) -> None:
-        if self.cfg.no_device_plugin:
+        # both doors read the pod's spec: the NRI door for pod-level KAI forms
+        # (first or named app container), also with --no-device-plugin (issue 25 item 1)
+        if self.cfg.no_device_plugin and self.cfg.no_nri:
             return
         from .kubelet.podlookup import InMemoryPodSource, KubernetesPodSource
 
@@ -472,8 +480,7 @@ class Daemon:
             log.info("API watch started", extra={"node": self.node_name,
                                                   "via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster"})
         else:
-            log.warning("no API access (no --kubeconfig, not in a cluster, no --pods-file): the device plugin "
-                        "door cannot find pods and answers Allocate with what is right for any pod")
+            log.warning("no API access (no --kubeconfig, not in a cluster, no --pods-file): " + POD_SOURCE_MISSING)
 
     def _build_events(self) -> None:
         from .events import EventRecorder, NullEventRecorder
@@ -687,6 +694,8 @@ class Daemon:
                 out[check] = {"ready": r.ok, "detail": r.reason}
             elif enabled:
                 out[check] = {"ready": False, "detail": "not started"}
+        if self.pod_source is None and "nri" in out:  # said, not gated on (issue 25 item 1)
+            out["nri"]["detail"] = f"{out['nri']['detail']}; no API access: {POD_SOURCE_MISSING}"
         if self._stopping.is_set():
             out["daemon"] = {"ready": False, "detail": "shutting down"}
         return out

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from .annotation_lint import lint
 from .annotations import DEFAULT_PREFIX, stray_container_keys  # noqa: F401 (stray_container_keys: re-exported)
 from .gpu.inventory import InventoryError
 from .gpu.simulated import load_node
@@ -205,6 +206,8 @@ def explain(pod: dict[str, Any], node_path: str, *, container: str | None = None
     everyone = init_names + names
     warnings = [f"annotation {k} names no container of this pod (containers: {', '.join(everyone)}); it has no effect"
                 for k in stray_container_keys(annotations, config.annotation_prefix, everyone)]
+    # keys not in the contract and forms ignored: the NRI door's words (issue 25 item 3)
+    warnings += [x.message for x in lint(annotations, config.annotation_prefix, names, everyone)]
     return {"pod": str(ref), "node": node.name, "containers": out, "warnings": warnings}
 
 
