@@ -694,8 +694,9 @@ class Daemon:
                 out[check] = {"ready": r.ok, "detail": r.reason}
             elif enabled:
                 out[check] = {"ready": False, "detail": "not started"}
-        if self.pod_source is None and "nri" in out:  # said, not gated on (issue 25 item 1)
-            out["nri"]["detail"] = f"{out['nri']['detail']}; no API access: {POD_SOURCE_MISSING}"
+        if "nri" in out and (self.pod_source is None or not self.pod_source.ready()):  # said, not gated on (issue 25 item 1)
+            why = "no API access" if self.pod_source is None else "pod watch not synced"
+            out["nri"]["detail"] = f"{out['nri']['detail']}; {why}: {POD_SOURCE_MISSING}"
         if self._stopping.is_set():
             out["daemon"] = {"ready": False, "detail": "shutting down"}
         return out

@@ -52,8 +52,18 @@ def spec_unknown(plugin: Any, pod: Any) -> None:
     forms: the first or named app container) and the pod watch does not know
     the pod (yet): raise ``RpcError`` UNAVAILABLE (the runtime fails the
     creation, kubelet retries; the watch has it by then) rather than fence a
-    sidecar. With ``fail_open`` the container is planned alone (logged)."""
+    sidecar. With ``fail_open``, or while the watch itself is not synced (the
+    API server is unreachable: as without API access), the container is
+    planned alone (logged; ``/readyz`` says the watch is not synced)."""
     what = f"{pod.namespace}/{pod.name}"
+    source = getattr(plugin.pod_lookup, "__self__", None)  # the pod source whose ``get`` is the lookup
+    ready = getattr(source, "ready", None)
+    if callable(ready) and not ready():
+        # the watch itself is not synced (API server unreachable): as without
+        # API access, the container is planned alone; /readyz says so
+        log.warning("nri pod watch not synced; pod-level forms read for this container alone",
+                    extra={"pod": what, "pod_uid": pod.uid})
+        return
     if plugin.fail_open:
         log.warning("nri pod spec not known; pod-level forms read for this container alone (fail-open)",
                     extra={"pod": what, "pod_uid": pod.uid})
