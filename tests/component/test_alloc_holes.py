@@ -325,7 +325,14 @@ def mps_node(root: Path) -> Iterator[tuple[DaemonProc, Any, list[int]]]:  # noqa
     (root / "dp").mkdir()
     from fake_kubelet import FakeKubelet
 
-    d = DaemonProc(root, ["--mps-control-binary", str(FAKE_MPS), "--nri-socket", str(root / "nri.sock"),
+    # The MPS control binary, as a wrapper: while ``mps-down`` exists every new
+    # start of it waits (the supervisor's restart of a hung daemon does not come
+    # back either), so the outage lasts until the test ends it.
+    flag = root / "mps-down"
+    wrapper = root / "mps-control"
+    wrapper.write_text(f"#!/bin/sh\nwhile [ -e {flag} ]; do sleep 0.05; done\nexec {sys.executable} {FAKE_MPS} \"$@\"\n")
+    wrapper.chmod(0o755)
+    d = DaemonProc(root, ["--mps-control-binary", str(wrapper), "--nri-socket", str(root / "nri.sock"),
                           "--device-plugin-dir", str(root / "dp"), "--pod-resources-socket", str(root / "pr.sock"),
                           "--node-name", "gpu-node-1"]).start()
     kubelet = FakeKubelet(str(root / "dp")).start()
@@ -336,6 +343,7 @@ def mps_node(root: Path) -> Iterator[tuple[DaemonProc, Any, list[int]]]:  # noqa
         wait_until(d.ready, 30, what=lambda: f"readiness: {d.get('/readyz')}")
         yield d, rt, stopped
     finally:
+        flag.unlink(missing_ok=True)
         for pid in stopped:
             try:
                 os.kill(pid, signal.SIGCONT)
@@ -350,6 +358,7 @@ def test_7_mps_daemons_not_answering_is_unavailable_naming_the_mode(mps_node: tu
     from nri_runtime import make_container, make_pod
 
     d, rt, stopped = mps_node
+    (d.root / "mps-down").touch()
     for x in d.get("/status")[1]["mps"]["daemons"]:
         os.kill(x["pid"], signal.SIGSTOP)
         stopped.append(x["pid"])
