@@ -2,8 +2,9 @@
 
 Each subcommand lives in its own module with ``add_arguments(parser)`` and
 ``main(args) -> int``; this file only dispatches, so ``fracplugin explain``
-does not import the door's gRPC library (grpclib; no ``fracplugin`` command
-imports grpcio, ADR 0018) and ``fracplugin run`` does not import the demo.
+does not import the door's gRPC library (grpcio, loaded only where the
+device plugin door runs: ADR 0016, 0021) and ``fracplugin run`` does not
+import the demo.
 Exit status: 0 success, 1 refusal/failure, 2 usage error (argparse's own).
 """
 

@@ -427,7 +427,7 @@ class Demo:
 
     # ---- the device plugin door ------------------------------------------------------------
     def allocate(self, manifest: dict[str, Any]) -> dict[str, str]:
-        from .kubelet.grpcwire import RpcError
+        import grpc
 
         md = manifest["metadata"]
         spec = manifest["spec"]["containers"][0]
@@ -439,12 +439,14 @@ class Demo:
         self.out(f"  kubelet picked {n} device IDs on {', '.join(gpus)} ({ids[0]} ...)")
         try:
             r = self.kubelet.allocate(ids)
-        except RpcError as exc:
-            self.out(f"  container {name}: REFUSED ({exc.code.name})")
-            self.out(f"    reason: {exc.message}")
+        except grpc.RpcError as exc:
+            code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
+            reason = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+            self.out(f"  container {name}: REFUSED ({code})")
+            self.out(f"    reason: {reason}")
             self.results.append({"door": "device-plugin", "container": name, "outcome": "refused",
-                                 "reason": exc.message})
-            raise StepFailed(f"Allocate for {name} was refused: {exc.message}") from None
+                                 "reason": reason})
+            raise StepFailed(f"Allocate for {name} was refused: {reason}") from None
         env = dict(r.envs)
         mounts = [f"{m.host_path} -> {m.container_path} ({'ro' if m.read_only else 'rw'})" for m in r.mounts]
         devices = [d for d in env.get("NVIDIA_VISIBLE_DEVICES", "").split(",") if d]

@@ -98,8 +98,7 @@ def setup(fmt: str = "json", level: str = "info", stream: TextIO | None = None) 
     root.addHandler(handler)
     set_level(level)
     # grpc and kubernetes are chatty at debug; keep them at warning unless asked
-    # (grpclib logs every cancelled ListAndWatch at INFO: "Request was cancelled").
-    for noisy in ("kubernetes", "urllib3", "grpc", "grpclib"):
+    for noisy in ("kubernetes", "urllib3", "grpc"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return handler
 

@@ -2,9 +2,9 @@
 
 ``StatusCode`` carries the canonical numeric codes of gRPC
 (``doc/statuscodes.md`` in grpc/grpc, ``google.rpc.Code``; the same numbers
-grpc-go's ``codes.Code``, grpclib's ``const.Status`` and ttrpc's status use).
-The kubelet door's ``allocator.Refusal`` names one and ``kubelet.grpcwire``
-turns it into the ``grpc-status`` trailer; the NRI door's ttrpc layer
+grpc-go's ``codes.Code``, grpcio's ``StatusCode`` and ttrpc's status use).
+The kubelet door's ``allocator.Refusal`` names one and the door answers it as
+grpcio's code of the same name (``kubelet.grpcopts.grpc_code``); the NRI door's ttrpc layer
 (``nri.ttrpc.Code`` is this class) puts it in the response's ``status``. A
 pure module: importing it loads no RPC library, so the decisions and their
 tests stay transport-free (ADR 0018).

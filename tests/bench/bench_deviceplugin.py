@@ -8,7 +8,7 @@ object, read-modify-write under an exclusive flock, other keys kept):
 
 - ``deviceplugin.allocate.p50_ms`` / ``.p99_ms``: Allocate round trip as
   kubelet sees it (gRPC over the unix socket, the fake kubelet's grpcio client
-  against the plugin's grpclib server (ADR 0018): pod lookup in the cache, plan,
+  against the plugin's grpcio server (ADR 0021): pod lookup in the cache, plan,
   ledger admit with its fsync'd journal on tmpfs, answer). Target p99 < 10 ms.
 - ``deviceplugin.preferred.p50_ms`` / ``.p99_ms``: GetPreferredAllocation round trip.
 - ``deviceplugin.reregister_ms`` (median) and ``deviceplugin.reregister_max_ms``:

@@ -53,16 +53,20 @@ def plugin(node_file):
     shutil.rmtree(d, ignore_errors=True)
 
 
-def channel(path: str, authority: str | None = "localhost") -> grpc.Channel:
-    opts = [("grpc.default_authority", authority)] if authority else []
+def channel(path: str, authority: str | None = "localhost", own_connection: bool = False) -> grpc.Channel:
+    """A grpcio channel to ``path``; ``own_connection``: not shared with other
+    channels to the same path (grpcio shares one connection by default)."""
+    opts: list[tuple[str, str | int]] = [("grpc.default_authority", authority)] if authority else []
+    if own_connection:
+        opts.append(("grpc.use_local_subchannel_pool", 1))
     return grpc.insecure_channel("unix:" + path, options=opts)
 
 
 class Stream:
     """A ListAndWatch consumer on its own channel and thread."""
 
-    def __init__(self, path: str, authority: str | None = "localhost") -> None:
-        self.ch = channel(path, authority)
+    def __init__(self, path: str, authority: str | None = "localhost", own_connection: bool = False) -> None:
+        self.ch = channel(path, authority, own_connection)
         self.call = pb_grpc.DevicePluginStub(self.ch).ListAndWatch(pb.Empty())
         self.lists: list[dict[str, str]] = []
         self.ended = threading.Event()
@@ -188,9 +192,8 @@ def test_unregistered_plugin_reports_why(plugin):
 
 
 def test_refusals_reach_a_grpcio_client_with_their_code_and_message(plugin):
-    """ADR 0018: the grpclib server answers a Refusal's ``rpcstatus.StatusCode``
-    and message as grpc-status / grpc-message, read by another gRPC
-    implementation (grpcio here, grpc-go in kubelet)."""
+    """A Refusal's ``rpcstatus.StatusCode`` and message reach the client as
+    grpc-status / grpc-message (grpcio here, grpc-go in kubelet)."""
     s, inv, _, _ = plugin
     with channel(s.socket_path) as ch:
         stub = pb_grpc.DevicePluginStub(ch)
@@ -212,35 +215,50 @@ def test_refusals_reach_a_grpcio_client_with_their_code_and_message(plugin):
         assert neg.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "negative" in neg.value.details()
 
 
-def test_allocate_runs_off_the_event_loop_thread(plugin):
-    """The allocator (ledger fsync, watch-cache waits) runs in the door's
-    executor, never on the thread that serves every connection."""
+def test_calls_over_the_worker_limit_are_refused_at_once_not_queued(plugin):
+    """Each open ListAndWatch stream holds one of the door's ``max_workers``
+    threads. With every worker held, another call is answered
+    RESOURCE_EXHAUSTED at once (grpcio's ``maximum_concurrent_rpcs``) instead
+    of waiting behind streams that may never end; once a stream ends, calls
+    are served again. (Each on its own connection: one connection holds at
+    most ``grpcopts.MAX_CONCURRENT_STREAMS`` streams, the rest wait there.)"""
     s, _, _, _ = plugin
-    seen: list[str] = []
-    real = s.allocator.allocate
+    streams = [Stream(s.socket_path, own_connection=True) for _ in range(s.max_workers)]
+    try:
+        assert all(st.wait(lambda ls: len(ls) >= 1) for st in streams)
+        assert wait_until(lambda: s.active_streams() == s.max_workers)
+        with channel(s.socket_path, own_connection=True) as ch:
+            with pytest.raises(grpc.RpcError) as full:
+                pb_grpc.DevicePluginStub(ch).GetDevicePluginOptions(pb.Empty(), timeout=60)
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        streams[0].close()
 
-    def recording(*args, **kwargs):
-        seen.append(threading.current_thread().name)
-        return real(*args, **kwargs)
+        def served() -> bool:
+            with channel(s.socket_path, own_connection=True) as ch:
+                try:
+                    return pb_grpc.DevicePluginStub(ch).GetDevicePluginOptions(
+                        pb.Empty(), timeout=60).get_preferred_allocation_available
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                    return False
 
-    s.allocator.allocate = recording
-    ids = [f"{s.node.gpus[0].uuid}::{i}" for i in range(2)]
-    with channel(s.socket_path) as ch:
-        r = pb_grpc.DevicePluginStub(ch).Allocate(
-            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=5)
-    assert r.container_responses[0].annotations["fracplugin.io/allocate"]
-    assert len(seen) == 1 and seen[0].startswith("fracplugin-dp") and seen[0] != "fracplugin-grpc"
+        assert wait_until(served, what="a call to be served once a stream ended")
+    finally:
+        for st in streams:
+            st.close()
 
 
-def test_stop_ends_the_loop_thread_and_closes_connections(plugin):
-    """After ``stop`` nothing of the door's transport runs: the loop thread
-    is gone, and a channel that was connected sees the server go away."""
+def test_stop_ends_the_worker_threads_and_closes_connections(plugin):
+    """After ``stop`` nothing of the door's transport runs: its worker
+    threads end, and a channel that was connected sees the server go away."""
     s, _, _, _ = plugin
     with channel(s.socket_path) as ch:
         stub = pb_grpc.DevicePluginStub(ch)
-        assert stub.GetDevicePluginOptions(pb.Empty(), timeout=5).get_preferred_allocation_available
+        assert stub.GetDevicePluginOptions(pb.Empty(), timeout=60).get_preferred_allocation_available
+        assert any(t.name.startswith("fracplugin-dp") for t in threading.enumerate())
         s.stop(3.0)
-        assert not any(t.name == "fracplugin-grpc" and t.is_alive() for t in threading.enumerate())
+        assert wait_until(lambda: not any(t.name.startswith("fracplugin-dp") for t in threading.enumerate()),
+                          what="the door's worker threads to end")
         with pytest.raises(grpc.RpcError) as gone:
             stub.GetDevicePluginOptions(pb.Empty(), timeout=2)
         assert gone.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -329,7 +329,11 @@ def test_readyz_is_per_runtime_session(limited: Callable[..., LimitedDaemon], ro
         assert wait_until(d.ready, 20)
         rt.initial_sync = None  # the runtime comes back and never synchronizes
         rt.disconnect()
-        assert wait_until(lambda: rt.connections >= 2 and d.get("/status")[1]["nri"]["connected"], 20)
+        # the plugin's second session is complete on both ends: the runtime's
+        # own registration (RegisterPlugin answered, Configure returned) and the
+        # daemon's view; only then may the runtime synchronize it
+        assert wait_until(lambda: len(rt.registrations) >= 2 and rt.plugin is not None
+                          and d.get("/status")[1]["nri"]["connected"], 20)
         code, body = d.get("/readyz")
         nri = body["checks"]["nri"]  # the detail goes on to say the pod watch cannot run (no API access here)
         assert code == 503 and nri["ready"] is False and nri["detail"].startswith("connected, not synchronized yet;")

@@ -1,8 +1,8 @@
 """The door's gRPC clients (PodResources, Registration) against a broken
-kubelet (review of the grpclib transport, ADR 0018): a server that answers
-too much, answers bytes that are not HTTP/2, closes at once, or never
-answers. Each call ends with a clear error within its own deadline, and the
-client works again once the server does."""
+kubelet: a server that answers too much, answers bytes that are not HTTP/2,
+closes at once, or never answers. Black-box (ADR 0021: grpcio clients with
+the options of ``kubelet.grpcopts``): each call ends with a clear error
+within its own deadline, and the client works again once the server does."""
 
 from __future__ import annotations
 
@@ -13,18 +13,10 @@ import threading
 import pytest
 
 from fracplugin._proto import deviceplugin_pb2 as pb
-from fracplugin.kubelet import grpcwire
-from fracplugin.kubelet.aio import LoopThread
+from fracplugin.kubelet import grpcopts
 from fracplugin.kubelet.podresources import PodResourcesClient, PodResourcesError
 from fracplugin.kubelet.registration import RegistrationError, register
 from tests.peers.kubelet import FakePodResources
-
-
-@pytest.fixture
-def loop():
-    lt = LoopThread("test-grpc", workers=1).start()
-    yield lt
-    lt.stop()
 
 
 class RawServer:
@@ -73,10 +65,10 @@ class RawServer:
     ("close", ("UNAVAILABLE",)),
     ("silent", ("DEADLINE_EXCEEDED",)),
 ])
-def test_podresources_on_a_broken_server_fails_clearly_then_recovers(sockdir, loop, behaviour, codes):
+def test_podresources_on_a_broken_server_fails_clearly_then_recovers(sockdir, behaviour, codes):
     path = os.path.join(sockdir, "kubelet.sock")
     srv = RawServer(path, behaviour)
-    client = PodResourcesClient(path, timeout_s=0.5, loop=loop)
+    client = PodResourcesClient(path, timeout_s=0.5)
     try:
         with pytest.raises(PodResourcesError) as e:
             client.list()
@@ -97,17 +89,18 @@ def test_podresources_on_a_broken_server_fails_clearly_then_recovers(sockdir, lo
         client.close()
 
 
-def test_podresources_reply_over_the_size_limit_is_refused(sockdir, loop):
-    """grpcio's client refused a reply over 4 MiB (RESOURCE_EXHAUSTED); the
-    grpclib one read any size into memory."""
+def test_podresources_reply_over_the_size_limit_is_refused(sockdir):
+    """A reply over 4 MiB is RESOURCE_EXHAUSTED naming both sizes (the
+    grpclib client had read any size into memory); the next, smaller one is
+    read."""
     path = os.path.join(sockdir, "kubelet.sock")
     good = FakePodResources(path).start()
-    client = PodResourcesClient(path, timeout_s=5.0, loop=loop)
+    client = PodResourcesClient(path, timeout_s=30.0)  # 30 s: only bounds a call that would never end
     try:
         good.pods[("ns", "big")] = {"c": {"r": ["x" * 1000] * (5 * 1024)}}  # ~5 MiB
         with pytest.raises(PodResourcesError) as e:
             client.list()
-        assert "RESOURCE_EXHAUSTED" in str(e.value) and f"vs. {grpcwire.MAX_MESSAGE_BYTES}" in str(e.value)
+        assert "RESOURCE_EXHAUSTED" in str(e.value) and f"vs. {grpcopts.MAX_MESSAGE_BYTES}" in str(e.value)
         del good.pods[("ns", "big")]
         good.pods[("ns", "small")] = {"c": {"r": ["a"]}}
         assert [p.name for p in client.list()] == ["small"]
@@ -117,13 +110,12 @@ def test_podresources_reply_over_the_size_limit_is_refused(sockdir, loop):
 
 
 @pytest.mark.parametrize("behaviour", ["silent", "close", "garbage"])
-def test_register_on_a_broken_kubelet_socket_fails_within_its_deadline(sockdir, loop, behaviour):
+def test_register_on_a_broken_kubelet_socket_fails_within_its_deadline(sockdir, behaviour):
     path = os.path.join(sockdir, "kubelet.sock")
     srv = RawServer(path, behaviour)
     try:
         with pytest.raises(RegistrationError) as e:
-            register(path, "fracplugin.sock", "fracplugin.io/gpu-memory", pb.DevicePluginOptions(), timeout_s=0.5,
-                     loop=loop)
+            register(path, "fracplugin.sock", "fracplugin.io/gpu-memory", pb.DevicePluginOptions(), timeout_s=0.5)
         assert path in str(e.value)
         if behaviour == "silent":
             assert "DEADLINE_EXCEEDED" in str(e.value) or "no answer within" in str(e.value)
@@ -203,40 +195,41 @@ def test_reconcile_against_a_podresources_that_refuses_list_leaks_no_connection(
         good.stop()
 
 
-def test_a_reply_that_never_comes_after_its_headers_ends_at_the_deadline(sockdir, loop):
-    """The server sends its response headers and then nothing: the bounded
-    read of the reply (``grpcwire.unary``) still ends at the call's deadline
-    (grpclib's deadline wrapper), as DEADLINE_EXCEEDED."""
-    import asyncio
+def test_a_reply_that_never_comes_after_its_headers_ends_at_the_deadline(sockdir):
+    """The server sends its response headers and then nothing: the call still
+    ends at its deadline, DEADLINE_EXCEEDED, and the client works again once
+    the server answers."""
+    from concurrent import futures
+
+    import grpc
 
     from fracplugin._proto import podresources_pb2 as prpb
+    from fracplugin._proto import podresources_pb2_grpc as prpb_grpc
+
+    release = threading.Event()
+    answered: list[bool] = []
+
+    class Hanging(prpb_grpc.PodResourcesListerServicer):
+        def List(self, request, context):  # noqa: N802
+            if not answered:  # the first call: headers, then nothing until released
+                answered.append(False)
+                context.send_initial_metadata(())
+                release.wait()
+            return prpb.ListPodResourcesResponse()
 
     path = os.path.join(sockdir, "pr.sock")
-    release = asyncio.Event()
-
-    async def hang(stream):
-        await grpcwire.recv_request(stream)
-        await stream.send_initial_metadata()
-        await release.wait()
-
-    mapping = {"/v1.PodResourcesLister/List": grpcwire.handler(hang, grpcwire.UNARY_UNARY,
-                                                               prpb.ListPodResourcesRequest,
-                                                               prpb.ListPodResourcesResponse)}
-
-    async def listen():
-        srv = grpcwire.UnixServer(mapping)
-        await srv.start(path=path)
-        return srv
-
-    srv = loop.call(listen(), 5.0)
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    prpb_grpc.add_PodResourcesListerServicer_to_server(Hanging(), srv)
+    assert srv.add_insecure_port("unix:" + path)
+    srv.start()
+    client = PodResourcesClient(path, timeout_s=0.3)
     try:
-        with pytest.raises(grpcwire.RpcError) as e:  # 30 s: only bounds a read that would never end
-            loop.call(grpcwire.unary(None, path, "/v1.PodResourcesLister/List", prpb.ListPodResourcesRequest(),
-                                     prpb.ListPodResourcesResponse, 0.3), 30.0)
-        assert e.value.code.name == "DEADLINE_EXCEEDED"
+        with pytest.raises(PodResourcesError) as e:
+            client.list()
+        assert "failed: DEADLINE_EXCEEDED:" in str(e.value)
+        release.set()
+        assert client.list() == []
     finally:
-        async def close():
-            release.set()
-            srv.close()
-            await srv.wait_closed()
-        loop.call(close(), 5.0)
+        release.set()
+        client.close()
+        srv.stop(grace=0).wait(5)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build (or reuse) the kubelet e2e binaries from released Go modules through the
 # module proxy, into a cache outside the repository (like tests/e2e/build.sh):
-#   kubelet + kube-apiserver  from k8s.io/kubernetes  $KUBE_VERSIONS (v1.37.2 v1.35.4)
+#   kubelet + kube-apiserver  from k8s.io/kubernetes  $KUBE_VERSIONS (v1.37.2 v1.35.4),
+#                             one `go build` per line so their shared packages compile once
 #   etcd                      from go.etcd.io/etcd/server/v3 $ETCD_VERSION (v3.7.3)
 #
 # `go install pkg@version` refuses both modules: their go.mod files carry replace
@@ -21,6 +22,9 @@ set -euo pipefail
 CACHE="${FRACPLUGIN_E2E_CACHE:-/var/cache/fracplugin-e2e}"
 KUBE_VERSIONS="${KUBE_VERSIONS-v1.37.2 v1.35.4}"  # set but empty: etcd only
 ETCD_VERSION="${ETCD_VERSION:-v3.7.3}"
+# What kubelet-e2e, kai-e2e and the admission e2e run. A cluster e2e (issue 24)
+# adds kube-controller-manager and kube-scheduler here: same build, shared packages.
+KUBE_BINARIES="${KUBE_BINARIES:-kubelet kube-apiserver}"
 
 log() { echo "[kubelet-e2e-build $(date -u +%H:%M:%S)] $*" >&2; }
 
@@ -58,10 +62,12 @@ fi
 
 for kv in $KUBE_VERSIONS; do
     bin="$CACHE/kubernetes-$kv/bin"
-    if [[ -x "$bin/kubelet" && -x "$bin/kube-apiserver" ]]; then
+    have=1
+    for b in $KUBE_BINARIES; do [[ -x "$bin/$b" ]] || have=0; done
+    if [[ $have == 1 ]]; then
         log "kubernetes $kv: cached in $bin"; continue
     fi
-    log "building kubelet + kube-apiserver $kv into $bin"
+    log "building $KUBE_BINARIES $kv into $bin"
     t0=$(date +%s)
     gomod=$(GOFLAGS=-mod=mod go mod download -json "k8s.io/kubernetes@$kv" \
             | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
@@ -72,8 +78,10 @@ for kv in $KUBE_VERSIONS; do
         body+="	$m => $m $staging_ver"$'\n'
     done
     body+=")"
-    # kubelet first (the big one, ~2.2 GiB peak), then the apiserver.
-    scratch_build "$CACHE/src/kubernetes-$kv" "$bin" "$body" k8s.io/kubernetes/cmd/kubelet
-    scratch_build "$CACHE/src/kubernetes-$kv" "$bin" "$body" k8s.io/kubernetes/cmd/kube-apiserver
+    # One go build for every binary of the line: the packages they share
+    # (client-go, apimachinery, the api types) compile once.
+    pkgs=()
+    for b in $KUBE_BINARIES; do pkgs+=("k8s.io/kubernetes/cmd/$b"); done
+    scratch_build "$CACHE/src/kubernetes-$kv" "$bin" "$body" "${pkgs[@]}"
     log "kubernetes $kv built in $(( $(date +%s) - t0 ))s"
 done

@@ -114,9 +114,21 @@ def test_truncated_frame_at_eof_is_a_protocol_error():
 
 
 def test_clean_eof_is_fine():
+    """EOF right after a complete frame: the frame was delivered, nothing is
+    pending, ``receive_eof`` raises nothing and closes the decoder (a later
+    ``receive_data`` is refused). Control: the same EOF one byte into the next
+    frame is a truncated stream."""
     dec = MuxDecoder()
-    dec.receive_data(_raw_frame(1, b"hello"))
+    assert dec.receive_data(_raw_frame(1, b"hello")) == [MuxFrame(1, b"hello")]
+    assert dec.buffered == 0
     dec.receive_eof()
+    with pytest.raises(MuxError, match="closed"):
+        dec.receive_data(_raw_frame(1, b"late"))
+    cut = MuxDecoder()
+    assert cut.receive_data(_raw_frame(1, b"hello") + _raw_frame(2, b"x")[:1]) == [MuxFrame(1, b"hello")]
+    assert cut.buffered == 1
+    with pytest.raises(MuxError, match="1 bytes pending"):
+        cut.receive_eof()
 
 
 def test_encode_rejects_bad_conn_id_and_empty_data_gives_no_frames():

@@ -13,12 +13,11 @@ Public API (used by the daemon):
 The names above are loaded on first use (PEP 562 module ``__getattr__``):
 importing this package, or a pure submodule such as ``devices`` (which
 config validation and the NRI door use), does not import
-the door's gRPC library (grpclib with h2, ADR 0018; about 4-5 MiB of
-resident memory with the door's state) nor the generated protos, which a
+the door's gRPC library (grpcio, ADR 0021) nor the generated protos, which a
 process without the device plugin door (``--no-device-plugin``, ``--role
 mps``) never pays (ADR 0016). The submodules that speak gRPC (deviceplugin,
-registration, podresources, through ``grpcwire`` and ``aio``) import
-grpclib themselves; nothing in the daemon imports grpcio (ADR 0018).
+registration, podresources) import grpcio themselves, with the options of
+``grpcopts``.
 """
 
 from __future__ import annotations

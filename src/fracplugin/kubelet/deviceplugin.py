@@ -2,24 +2,23 @@
 
 What kubelet sees (kubelet-device-plugin.md A): one extended resource (default
 ``fracplugin.io/gpu-memory``), one device per ``unit_mib`` MiB of one GPU, IDs
-``<GPU-UUID>::<n>`` (see ``devices.py``), served over gRPC (grpclib, ADR
-0018: no grpcio in the daemon) on a unix socket in the device plugin
+``<GPU-UUID>::<n>`` (see ``devices.py``), served over gRPC (grpcio, ADR
+0021; its options in ``grpcopts``) on a unix socket in the device plugin
 directory and registered on ``kubelet.sock`` (``registration.py``).
 
-Concurrency model: one asyncio event loop on one thread owned by the door
-(``aio.LoopThread``, ``fracplugin-grpc``) serves every connection and every
-call; the handlers never block it. ListAndWatch streams are coroutines that
-wait on an ``asyncio.Event`` set (from any thread, through
-``call_soon_threadsafe``) when the device list changes or the server stops;
-an open stream costs no thread. Allocate and GetPreferredAllocation run their
-synchronous part (the allocator: ledger fsync, watch-cache waits) in the
-loop's small executor (``max_workers`` threads, default 4); the part of
-Allocate that chooses a pod and writes the ledger runs under one lock
-(kubelet may call it concurrently, A.5); waiting for the watch cache happens
-outside that lock. Helper threads: the registrar (``registration.Registrar``,
-whose probe and Register calls run on the loop), the health monitor
-(``gpu.health.HealthMonitor``), the PodResources reconciler and, when the
-daemon passes one, the pod watch (owned by the pod source).
+Concurrency model: grpcio's synchronous server with a thread pool
+(``max_workers`` threads ``fracplugin-dp_<n>``, default 16) and at most
+``max_workers`` RPCs at once (more are answered RESOURCE_EXHAUSTED at once,
+not queued behind streams that never end). Each open ListAndWatch stream
+holds one worker while it is open: its generator waits on a condition
+variable, woken when the device list changes, the server stops or is
+replaced, or the RPC ends (``context.add_callback``). Allocate and
+GetPreferredAllocation run on workers; the part of Allocate that chooses a
+pod and writes the ledger runs under one lock (kubelet may call it
+concurrently, A.5); waiting for the watch cache happens outside that lock.
+Helper threads: the registrar (``registration.Registrar``), the health
+monitor (``gpu.health.HealthMonitor``), the PodResources reconciler and,
+when the daemon passes one, the pod watch (owned by the pod source).
 
 What this module decides: nothing about GPUs. The gRPC server, the
 registrar and ListAndWatch (device health from ``gpu.health.HealthMonitor``)
@@ -34,22 +33,26 @@ DeviceSpecs / CDI devices, and annotations ``fracplugin.io/allocate``
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from concurrent import futures
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import grpc
 
 from .. import allocation as al
 from .. import mountflags
 from .. import planner as planner_mod
 from .._proto import deviceplugin_pb2 as pb
+from .._proto import deviceplugin_pb2_grpc as pb_grpc
+from ..cdi import CdiRegistry
 from ..gpu.health import DEFAULT_IGNORED_XIDS, DEFAULT_XID_RECOVERY_S, HealthMonitor
 from ..gpu.inventory import Inventory
 from ..ledger import Ledger
 from ..mps.api import MpsApi
-from ..parts import HookMetrics
+from ..ports import HookMetrics
 from ..model import ComputeMode, NodeInfo
 from . import podlookup
 from .devices import (
@@ -59,8 +62,7 @@ from .devices import (
     DeviceTable,
     validate_resource_name,
 )
-from . import grpcwire
-from .aio import LoopThread
+from . import grpcopts
 from .allocator import Allocator, Refusal  # noqa: F401 (Refusal: re-exported)
 from ..rpcstatus import StatusCode
 from .podresources import DEFAULT_PODRESOURCES_SOCKET, PodResourcesClient, PodResourcesError
@@ -75,67 +77,56 @@ ANNOTATION_ALLOCATE = "fracplugin.io/allocate"
 ALLOCATE_UNADJUSTED = "unadjusted"
 """``fracplugin.io/allocate`` of a refusal answered under ``fail_open``."""
 _NEVER_FAIL_OPEN = ("invalid", "internal")  # kubelet's request is malformed, or a bug of ours: refused either way
-_SERVICE = "/v1beta1.DevicePlugin/"
 
 
-class _Servicer:
-    """The DevicePlugin service's handlers (grpclib ``__mapping__``), coroutines
-    on the door's event loop; all state lives in the DevicePluginServer."""
+class _Servicer(pb_grpc.DevicePluginServicer):
+    """The DevicePlugin service's handlers, run on grpcio's worker threads;
+    all state lives in the DevicePluginServer."""
 
     def __init__(self, owner: "DevicePluginServer") -> None:
         self._o = owner
 
-    def __mapping__(self) -> dict[str, Any]:
-        u, us = grpcwire.UNARY_UNARY, grpcwire.UNARY_STREAM
-        h = grpcwire.handler
-        return {
-            _SERVICE + "GetDevicePluginOptions": h(self.get_options, u, pb.Empty, pb.DevicePluginOptions),
-            _SERVICE + "ListAndWatch": h(self.list_and_watch, us, pb.Empty, pb.ListAndWatchResponse),
-            _SERVICE + "GetPreferredAllocation": h(self.preferred, u, pb.PreferredAllocationRequest,
-                                                   pb.PreferredAllocationResponse),
-            _SERVICE + "Allocate": h(self.allocate, u, pb.AllocateRequest, pb.AllocateResponse),
-            _SERVICE + "PreStartContainer": h(self.prestart, u, pb.PreStartContainerRequest,
-                                              pb.PreStartContainerResponse),
-        }
+    def GetDevicePluginOptions(  # noqa: N802 (the service's method names)
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> pb.DevicePluginOptions:
+        return self._o.options()
 
-    async def get_options(self, stream: Any) -> None:
-        await grpcwire.recv_request(stream)
-        await stream.send_message(self._o.options())
+    def ListAndWatch(  # noqa: N802
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> Iterator[pb.ListAndWatchResponse]:
+        yield from self._o._list_and_watch(context)
 
-    async def list_and_watch(self, stream: Any) -> None:
-        await grpcwire.recv_request(stream)
-        await self._o._list_and_watch(stream)
-
-    async def preferred(self, stream: Any) -> None:
-        request = await grpcwire.recv_request(stream)
+    def GetPreferredAllocation(  # noqa: N802
+        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
         try:
-            resp = await self._o.loop.run_blocking(self._o.preferred, request)
+            return self._o.preferred(request)
         except Refusal as r:
-            raise grpcwire.grpc_error(r.code, r.message) from None
+            context.abort(grpcopts.grpc_code(r.code), r.message)
         except Exception as e:  # never crash the plugin on bad input
             log.exception("GetPreferredAllocation failed")
-            raise grpcwire.grpc_error(StatusCode.INTERNAL, f"GetPreferredAllocation failed: {e}") from None
-        await stream.send_message(resp)
+            context.abort(grpc.StatusCode.INTERNAL, f"GetPreferredAllocation failed: {e}")
+        raise AssertionError("unreachable: context.abort raises")
 
-    async def allocate(self, stream: Any) -> None:
-        request = await grpcwire.recv_request(stream)
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:  # noqa: N802
         t0 = time.monotonic()
         try:
-            resp = await self._o.loop.run_blocking(self._o.allocate, request)
+            return self._o.allocate(request)
         except Refusal as r:
             self._o._refused(r)
-            raise grpcwire.grpc_error(r.code, r.message) from None
+            context.abort(grpcopts.grpc_code(r.code), r.message)
         except Exception as e:
             log.exception("Allocate failed")
             self._o._refused(Refusal(StatusCode.INTERNAL, str(e), "internal"))
-            raise grpcwire.grpc_error(StatusCode.INTERNAL, f"Allocate failed: {e}") from None
+            context.abort(grpc.StatusCode.INTERNAL, f"Allocate failed: {e}")
         finally:
             self._o._observe("allocate", time.monotonic() - t0)
-        await stream.send_message(resp)
+        raise AssertionError("unreachable: context.abort raises")
 
-    async def prestart(self, stream: Any) -> None:
-        await grpcwire.recv_request(stream)
-        await stream.send_message(pb.PreStartContainerResponse())
+    def PreStartContainer(  # noqa: N802
+        self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()
 
 
 class DevicePluginServer:
@@ -156,7 +147,7 @@ class DevicePluginServer:
         allocate_deadline_s: the longest an Allocate may wait for the watch cache.
         mps_health: the MPS port whose ``healthy(mode)`` marks GPUs Unhealthy
             (``gpu.health.MpsHealth``; None: not supervised).
-        metrics: optional ``parts.HookMetrics``: ``observe_hook(door, seconds)`` (doors
+        metrics: optional ``ports.HookMetrics``: ``observe_hook(door, seconds)`` (doors
             ``allocate`` and ``preferred``) and ``refusal(code)`` (every gRPC
             error Allocate answers, labelled with the FractionError code or
             ``invalid`` / ``unhealthy`` / ``internal``).
@@ -167,20 +158,26 @@ class DevicePluginServer:
         device_specs: also answer DeviceSpecs for ``/dev/nvidia<minor>``,
             ``/dev/nvidiactl`` and ``/dev/nvidia-uvm``.
         cdi_kind: when set (e.g. ``nvidia.com/gpu``), answer CDI devices
-            ``<cdi_kind>=<GPU-UUID>``.
+            ``<cdi_kind>=<GPU-UUID>`` for GPUs ``cdi`` has no device for.
+        cdi: the node's CDI specs (``cdi.CdiRegistry``): Allocate answers each
+            allocated GPU's CDI device from them (ADR 0025b). None: only
+            ``cdi_kind``.
         podresources_socket: kubelet's PodResources socket, read at ``start``
             to rebuild the ledger and then every ``podresources_interval_s``
             seconds to reconcile it (``Allocator.reconcile``; None: skip).
-        max_workers: threads of the event loop's executor, which runs the
-            synchronous part of Allocate and GetPreferredAllocation (at least
-            1; ListAndWatch streams hold none).
+        max_workers: grpcio worker threads, and the most RPCs served at once
+            (each open ListAndWatch stream holds one; at least 2: one stream
+            and one call). An RPC over the limit is answered RESOURCE_EXHAUSTED.
         poll_s: registrar and health polling period in seconds.
         secure_pipe_mount: at ``start``, make the MPS root (the layout's
             ``root``) a ``nosuid,nodev`` mount when its filesystem lacks the
             flags (``fracplugin.mountflags``), undone at ``stop``. Kubelet's
             bind mount of the pipe directory from Allocate inherits the
             source mount's flags; the API has no mount options (issue 11, D9).
-            Off: only a startup warning when the flags are missing.
+            Needs CAP_SYS_ADMIN in the host mount namespace: a daemon run on
+            the host, never the chart's DaemonSet (no SYS_ADMIN, no
+            Bidirectional propagation; ADR 0008). Off: only a startup warning
+            when the flags are missing.
         fail_open: an Allocate refused for the pod's fraction (a contract or
             node guard refusal, an Unhealthy GPU) is answered with an
             unadjusted container (no env, no mounts, annotation
@@ -192,7 +189,8 @@ class DevicePluginServer:
             sets the attribute on SIGHUP.
 
     Raises:
-        ValueError: bad resource name, unit, policy, or a device ID over 63 chars;
+        ValueError: bad resource name, unit, policy, ``max_workers`` < 2, or a
+            device ID over 63 chars;
         devices.DeviceTableTooLarge (a ValueError): the ListAndWatch response
             would exceed 3.5 MiB (kubelet's gRPC receive limit is 4 MiB), naming
             the unit, the device count and the smallest unit that fits.
@@ -219,15 +217,18 @@ class DevicePluginServer:
         policy: str = "pack",
         device_specs: bool = False,
         cdi_kind: str | None = None,
+        cdi: CdiRegistry | None = None,
         podresources_socket: str | None = DEFAULT_PODRESOURCES_SOCKET,
         podresources_interval_s: float = 10.0,
-        max_workers: int = 4,
+        max_workers: int = 16,
         poll_s: float = 0.1,
         secure_pipe_mount: bool = False,
         fail_open: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"allocation policy {policy!r} must be one of {', '.join(POLICIES)}")
+        if max_workers < 2:
+            raise ValueError(f"max_workers {max_workers} must be at least 2 (one ListAndWatch stream and one call)")
         if "/" in socket_name:
             raise ValueError(f"socket name {socket_name!r} must be a file name (kubelet joins it with its dir)")
         self.node = node
@@ -249,12 +250,12 @@ class DevicePluginServer:
         self.policy = policy
         self.device_specs = device_specs
         self.cdi_kind = cdi_kind
+        self.cdi = cdi
         self.podresources_socket = podresources_socket
         self.podresources_interval_s = podresources_interval_s
         self._reconciler: threading.Thread | None = None
         self._reconcile_stop = threading.Event()
         self.max_workers = max_workers
-        self.loop = LoopThread("fracplugin-grpc", workers=max_workers)
         self.secure_pipe_mount = secure_pipe_mount
         self.fail_open = fail_open
         self._secured_root: str | None = None
@@ -264,7 +265,6 @@ class DevicePluginServer:
         self.health.subscribe(self._devices_changed)
         self.registrar = Registrar(
             self, self.kubelet_socket, self.resource_name, poll_s=poll_s, on_registered=self._on_registered,
-            loop=self.loop,
         )
         self._init_serving()
         self.allocator = Allocator(
@@ -284,8 +284,7 @@ class DevicePluginServer:
         self._gen = 0
         self._streams = 0
         self._last_stream_end = 0.0
-        self._server: grpcwire.UnixServer | None = None
-        self._wakers: set[asyncio.Event] = set()  # one per open ListAndWatch stream (loop thread only)
+        self._server: _Served | None = None
         self._socket_id: tuple[int, int] | None = None
         self._server_lock = threading.Lock()
 
@@ -297,12 +296,11 @@ class DevicePluginServer:
         Raises OSError / RuntimeError when the socket cannot be served."""
         self._stopping = False
         self._check_pipe_mount()
-        self.loop.start()
         self.health.start()
         self._devices_changed()
         self._serve()
         if self.podresources_socket and os.path.exists(self.podresources_socket):
-            client = PodResourcesClient(self.podresources_socket, loop=self.loop)
+            client = PodResourcesClient(self.podresources_socket)
             try:
                 self.startup_warnings.extend(self.rebuild_from_podresources(client))
             except PodResourcesError as e:
@@ -321,15 +319,14 @@ class DevicePluginServer:
         """Stop advertising first (end every ListAndWatch stream, so kubelet
         sees the resource go away), then stop registering, stop the gRPC server
         (in-flight calls get what is left of ``timeout_s``, then are cancelled
-        and their connections closed), stop the event loop thread, remove our
-        socket and stop the health monitor."""
+        and their connections closed), remove our socket and stop the health
+        monitor."""
         deadline = time.monotonic() + timeout_s
         self._reconcile_stop.set()
         self.registrar.signal_stop()  # no re-registration while we wind down
         with self._cond:
             self._stopping = True
-        self._wake_streams()
-        with self._cond:
+            self._cond.notify_all()
             self._cond.wait_for(lambda: self._streams == 0, timeout=max(timeout_s / 2, 0.0))
         self.registrar.stop(max(deadline - time.monotonic(), 0.1))
         with self._server_lock:
@@ -340,7 +337,6 @@ class DevicePluginServer:
         rec, self._reconciler = self._reconciler, None
         if rec is not None:
             rec.join(max(deadline - time.monotonic(), 0.1))
-        self.loop.stop(max(deadline - time.monotonic(), 0.1))
         if sid is not None and socket_identity(self._bound_path) == sid:
             try:
                 os.unlink(self._bound_path)
@@ -353,8 +349,17 @@ class DevicePluginServer:
 
     def _check_pipe_mount(self) -> None:
         """See ``secure_pipe_mount``: a failure to secure is a startup
-        warning; flags missing while not asked to secure are logged."""
+        warning; flags missing while not asked to secure are logged. The
+        remedy each message names is one that can work where the flag failed:
+        mount(2) needs CAP_SYS_ADMIN in the host mount namespace, and a mount
+        made inside a pod reaches the host's kubelet only through
+        Bidirectional mount propagation, neither of which the chart's
+        DaemonSet has (ADR 0008), so ``--secure-pipe-mount`` is for a daemon
+        run on the host; in the DaemonSet the MPS root's filesystem itself
+        must be nosuid,nodev (``/run`` on systemd hosts is)."""
         root = self.planner_config.layout.root
+        remedy = ("mount the MPS root's host filesystem nosuid,nodev (a tmpfs such as /run on systemd hosts is), or "
+                  "choose an MPS root on one")
         try:
             if self.secure_pipe_mount:
                 if mountflags.secure(root):
@@ -363,11 +368,19 @@ class DevicePluginServer:
                 return
             if os.path.isdir(root) and not {"nosuid", "nodev"} <= mountflags.flags(root):
                 log.warning("MPS root %s is on a filesystem without nosuid,nodev: the pipe directory kubelet mounts "
-                            "from Allocate inherits that (the NRI door's copy sets them); use --secure-pipe-mount "
-                            "or a nosuid,nodev filesystem", root)
+                            "from Allocate inherits that (the NRI door's copy sets them); %s (--secure-pipe-mount "
+                            "works only for a daemon run on the host with CAP_SYS_ADMIN, not in the chart's "
+                            "DaemonSet)", root, remedy)
         except OSError as e:
-            msg = (f"MPS root {root}: {e}; the pipe directory kubelet mounts from Allocate is then not "
-                   "nosuid,nodev (the NRI door's copy is); use --secure-pipe-mount or a nosuid,nodev filesystem")
+            if self.secure_pipe_mount:
+                msg = (f"MPS root {root}: --secure-pipe-mount could not make it a nosuid,nodev mount: {e}; the pipe "
+                       "directory kubelet mounts from Allocate is then not nosuid,nodev (the NRI door's copy is). "
+                       "mount(2) needs CAP_SYS_ADMIN in the host mount namespace, and from a pod the host's kubelet "
+                       "sees the mount only with Bidirectional mount propagation; the chart's DaemonSet has neither, "
+                       f"so drop --secure-pipe-mount there and {remedy}")
+            else:
+                msg = (f"MPS root {root}: {e}; the pipe directory kubelet mounts from Allocate is then not "
+                       f"nosuid,nodev (the NRI door's copy is); {remedy}")
             self.startup_warnings.append(msg)
             log.warning("%s", msg)
 
@@ -413,26 +426,23 @@ class DevicePluginServer:
         return self.health.clear(gpu_uuid)
 
     # ---- gRPC server (RegistrationTarget) ------------------------------------
-    def _close_server(self, server: grpcwire.UnixServer, grace_s: float) -> None:
-        """Close ``server`` on the loop: stop listening, cancel its handlers,
-        close its connections; wait for the handlers at most ``grace_s``."""
-        async def close() -> None:
-            server.close()
-            try:
-                await asyncio.wait_for(server.wait_closed(), grace_s)
-            except asyncio.TimeoutError:
-                log.warning("device plugin server: handlers still running %.1f s after close", grace_s)
-
-        try:
-            self.loop.call(close(), grace_s + 1.0)
-        except (RuntimeError, TimeoutError) as e:
-            log.warning("device plugin server close: %s", e)
+    def _close_server(self, server: "_Served", budget_s: float) -> None:
+        """Stop ``server`` within ``budget_s`` seconds: stop listening, let
+        in-flight calls finish for three quarters of it, then cancel them and
+        close every connection (grpcio's ``stop(grace)``), and wait for that
+        at most to the end of the budget; then let its worker threads go.
+        (A call whose request a peer never finishes sending counts as in
+        flight until it is cancelled.)"""
+        budget_s = max(budget_s, 0.0)
+        done = server.server.stop(grace=budget_s * 0.75)
+        if not done.wait(budget_s):
+            log.warning("device plugin server: calls still being cancelled %.1f s after stop", budget_s)
+        server.pool.shutdown(wait=False, cancel_futures=True)
 
     def _serve(self) -> None:
         """Serve on ``self.socket_path``: bind a temporary name in the same
-        directory, then rename it into place. grpcio's core unlinked the path
-        it bound when its server stopped (asyncio may too: Python 3.13's
-        ``cleanup_socket``); with the rename that is the temporary name, so
+        directory, then rename it into place. grpcio's core unlinks the path
+        it bound when its server stops; with the rename that is the temporary name, so
         stopping an old server can never delete a newer socket at the public
         path (issue 11: the socket deleted again right after it was re-created
         left the plugin serving on no file). Raises OSError when the socket
@@ -457,17 +467,7 @@ class DevicePluginServer:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        mapping = _Servicer(self).__mapping__()
-
-        async def listen() -> grpcwire.UnixServer:
-            srv = grpcwire.UnixServer(mapping)
-            await srv.start(path=tmp)
-            return srv
-
-        try:
-            server = self.loop.call(listen(), 5.0)
-        except (OSError, TimeoutError) as e:
-            raise OSError(f"cannot listen on {tmp}: {e}") from e
+        server = self._listen(tmp)
         os.rename(tmp, self.socket_path)
         # (-1, -1) when the file is already gone again: never equal to a real
         # identity, so the registrar serves anew.
@@ -479,8 +479,27 @@ class DevicePluginServer:
         with self._cond:
             self._gen += 1
             self._cond.notify_all()
-        self._wake_streams()
         log.info("device plugin serving %s on %s", self.resource_name, self.socket_path)
+
+    def _listen(self, path: str) -> "_Served":
+        """A started grpcio server for the DevicePlugin service on unix socket
+        ``path`` (options: ``grpcopts.server_options``). Raises OSError when
+        the socket cannot be bound."""
+        pool = futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="fracplugin-dp")
+        server = grpc.server(pool, options=grpcopts.server_options(), maximum_concurrent_rpcs=self.max_workers)
+        pb_grpc.add_DevicePluginServicer_to_server(_Servicer(self), server)
+        try:
+            bound = server.add_insecure_port("unix:" + path)
+        except RuntimeError as e:  # grpcio raises where older versions returned 0
+            bound, why = 0, str(e)
+        else:
+            why = "grpc could not bind it"
+        if bound == 0:
+            server.stop(grace=0)
+            pool.shutdown(wait=False)
+            raise OSError(f"cannot listen on {path}: {why}")
+        server.start()
+        return _Served(server, pool)
 
     def socket_identity(self) -> tuple[int, int] | None:
         return self._socket_id
@@ -559,54 +578,45 @@ class DevicePluginServer:
             self._response = resp
             self._version += 1
             self._cond.notify_all()
-        self._wake_streams()
-
-    def _wake_streams(self) -> None:
-        """Wake every ListAndWatch coroutine (from any thread): they re-check
-        the version, the stop flag and the server generation."""
-        with self._cond:
-            wakers = list(self._wakers)
-        if not wakers:
-            return
-        try:
-            self.loop.loop.call_soon_threadsafe(_set_all, wakers)
-        except RuntimeError:  # the loop is stopped or closed: no stream runs on it
-            pass
 
     def current_devices(self) -> pb.ListAndWatchResponse:
         """The list ListAndWatch sends now."""
         with self._cond:
             return self._response
 
-    async def _list_and_watch(self, stream: Any) -> None:
-        """Serve one ListAndWatch stream on the loop: the current list at once,
+    def _list_and_watch(self, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
+        """Serve one ListAndWatch stream on a worker: the current list at once,
         then every change, until the server stops (the stream ends with OK),
-        is replaced (``_gen``) or kubelet cancels it (the task is cancelled)."""
-        ev = asyncio.Event()
-        with self._cond:
+        is replaced (``_gen``) or kubelet cancels it (the RPC ends: its
+        callback wakes the wait)."""
+        cond = self._cond
+
+        def wake() -> None:
+            with cond:
+                cond.notify_all()
+
+        with cond:
             gen = self._gen
             self._streams += 1
-            self._wakers.add(ev)
         sent = -1
         try:
+            if not context.add_callback(wake):  # the RPC has already ended
+                return
             while True:
-                ev.clear()  # before the check: a wake after it is never lost
-                with self._cond:
-                    if self._stopping or self._gen != gen:
+                with cond:
+                    cond.wait_for(lambda: self._version != sent or self._stopping or self._gen != gen
+                                  or not context.is_active())
+                    if self._stopping or self._gen != gen or not context.is_active():
                         return
                     version, resp = self._version, self._response
-                if version != sent:
-                    sent = version
-                    await stream.send_message(resp)
-                    continue
-                await ev.wait()
+                sent = version
+                yield resp
         finally:
-            with self._cond:
-                self._wakers.discard(ev)
+            with cond:
                 self._streams -= 1
                 if not self._stopping and self._gen == gen:
                     self._last_stream_end = time.monotonic()
-                self._cond.notify_all()
+                cond.notify_all()
 
     # ---- GetPreferredAllocation / Allocate (decisions: allocator.py) -----------
     def preferred(self, request: pb.PreferredAllocationRequest) -> pb.PreferredAllocationResponse:
@@ -649,8 +659,11 @@ class DevicePluginServer:
             paths = [f"/dev/nvidia{self.node.gpu_by_uuid(u).minor}" for u in uuids]  # type: ignore[union-attr]
             for p in paths + ["/dev/nvidiactl", "/dev/nvidia-uvm"]:
                 c.devices.add(container_path=p, host_path=p, permissions="rw")
-        if self.cdi_kind:
-            for u in uuids:
+        for u in uuids:  # the node's CDI device of each GPU (ADR 0025b), else the operator's kind
+            dev = self.cdi.device_for(u) if self.cdi is not None else None
+            if dev is not None:
+                c.cdi_devices.add(name=dev.name)
+            elif self.cdi_kind:
                 c.cdi_devices.add(name=f"{self.cdi_kind}={u}")
         c.annotations[ANNOTATION_ALLOCATE] = kind
         c.annotations[al.ANNOTATION_RESERVATION] = key
@@ -683,7 +696,7 @@ class DevicePluginServer:
                 if not self.podresources_socket or not os.path.exists(self.podresources_socket):
                     continue
                 try:
-                    client = client or PodResourcesClient(self.podresources_socket, loop=self.loop)
+                    client = client or PodResourcesClient(self.podresources_socket)
                     for w in self.allocator.reconcile(client.list()):
                         log.info("PodResources reconcile: %s", w)
                 except PodResourcesError as e:
@@ -710,6 +723,11 @@ class DevicePluginServer:
         return self.allocator.reconcile(client.list(), initial=True)
 
 
-def _set_all(events: Iterable[asyncio.Event]) -> None:
-    for e in events:
-        e.set()
+class _Served:
+    """One running grpcio server of the door and the worker pool it owns."""
+
+    __slots__ = ("server", "pool")
+
+    def __init__(self, server: grpc.Server, pool: futures.ThreadPoolExecutor) -> None:
+        self.server = server
+        self.pool = pool

@@ -10,14 +10,12 @@ Uses: the NRI door confirms at CreateContainer which device IDs kubelet gave a
 container (``devices_for``); the device plugin rebuilds its ledger at startup
 for containers allocated before a restart (kubelet never re-Allocates, A.5).
 
-Concurrency model: a ``PodResourcesClient`` holds one grpclib channel (ADR
-0018), used only on an event loop thread (``aio.LoopThread``: the door's,
-passed as ``loop``, or a private one started on first use and stopped by
-``close``); the synchronous methods hand each call to that loop and wait for
-it, so one client may be shared by threads. A method called from the loop
-thread itself raises RuntimeError (it would wait for itself). Every call has
-a deadline (``timeout_s``). The socket is dialled lazily, so a kubelet
-restart (new socket file) is picked up on the next call after a failure.
+Concurrency model: a ``PodResourcesClient`` holds one grpcio channel (ADR
+0021; options in ``grpcopts``), which is thread-safe, so one client may be
+shared by threads; calls run on the caller's thread. Every call has a
+deadline (``timeout_s``). The socket is dialled lazily and the channel is
+dropped after a failure (other than an answer UNIMPLEMENTED / NOT_FOUND), so
+a kubelet restart (new socket file) is picked up on the next call.
 """
 
 from __future__ import annotations
@@ -25,11 +23,13 @@ from __future__ import annotations
 import builtins
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+import grpc
 
 from .._proto import podresources_pb2 as pb
-from . import grpcwire
-from .aio import LoopStopped, LoopThread
+from .._proto import podresources_pb2_grpc as pb_grpc
+from . import grpcopts
 from ..rpcstatus import StatusCode
 
 DEFAULT_PODRESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
@@ -72,67 +72,61 @@ def _convert(p: pb.PodResources) -> PodDevices:
     return PodDevices(p.namespace, p.name, tuple(conts))
 
 
+class _CallFailed(Exception):
+    """A PodResources call that failed: our status code and grpcio's details."""
+
+    def __init__(self, code: StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
 class PodResourcesClient:
     """Client of kubelet's PodResources v1 API.
 
     Args:
         socket_path: the unix socket (default ``/var/lib/kubelet/pod-resources/kubelet.sock``).
         timeout_s: deadline of each call in seconds.
-        loop: the event loop thread the calls run on (the device plugin
-            door's); None: the client starts its own on first use and
-            stops it in ``close``.
     """
 
-    _LIST = "/v1.PodResourcesLister/List"
-    _GET = "/v1.PodResourcesLister/Get"
-
-    def __init__(self, socket_path: str = DEFAULT_PODRESOURCES_SOCKET, timeout_s: float = 2.0,
-                 loop: LoopThread | None = None) -> None:
+    def __init__(self, socket_path: str = DEFAULT_PODRESOURCES_SOCKET, timeout_s: float = 2.0) -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._loop = loop
-        self._own_loop: LoopThread | None = None
-        self._channel: Any = None  # grpclib Channel, created and used on the loop only
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.PodResourcesListerStub | None = None
         self._get_unimplemented = False
 
-    def _loop_thread(self) -> LoopThread:
+    def _get_stub(self) -> pb_grpc.PodResourcesListerStub:
         with self._lock:
-            if self._loop is not None:
-                return self._loop
-            if self._own_loop is None:
-                self._own_loop = LoopThread("fracplugin-podresources", workers=1).start()
-            return self._own_loop
-
-    async def _call(self, method: str, request: Any, reply_type: type) -> Any:
-        if self._channel is None:
-            self._channel = grpcwire.channel(self.socket_path)
-        try:
-            return await grpcwire.unary(self._channel, self.socket_path, method, request, reply_type, self.timeout_s)
-        except grpcwire.RpcError as e:
-            if e.code not in (StatusCode.UNIMPLEMENTED, StatusCode.NOT_FOUND):
-                self._drop_channel()  # dial again next time (kubelet restarted: a new socket)
-            raise
+            if self._stub is None:
+                self._channel = grpcopts.unix_channel(self.socket_path)
+                self._stub = pb_grpc.PodResourcesListerStub(self._channel)
+            return self._stub
 
     def _drop_channel(self) -> None:
-        ch, self._channel = self._channel, None
+        with self._lock:
+            ch, self._channel, self._stub = self._channel, None, None
         if ch is not None:
             ch.close()
 
-    def _run(self, method: str, request: Any, reply_type: type) -> Any:
-        """One call on the loop. Raises grpcwire.RpcError; RuntimeError from the loop thread."""
+    def _call(self, method: Callable[[pb_grpc.PodResourcesListerStub], Any]) -> Any:
+        """``method(stub)`` with this client's channel. Raises _CallFailed;
+        drops the channel unless the answer was UNIMPLEMENTED / NOT_FOUND
+        (dial again next time: kubelet restarted on a new socket)."""
         try:
-            return self._loop_thread().call(self._call(method, request, reply_type), self.timeout_s + 1.0)
-        except TimeoutError as e:
-            raise grpcwire.RpcError(StatusCode.DEADLINE_EXCEEDED, str(e)) from None
-        except LoopStopped as e:
-            raise grpcwire.RpcError(StatusCode.UNAVAILABLE, str(e)) from None
+            return method(self._get_stub())
+        except grpc.RpcError as e:
+            code, details = grpcopts.failure(e)
+            if code not in (StatusCode.UNIMPLEMENTED, StatusCode.NOT_FOUND):
+                self._drop_channel()
+            raise _CallFailed(code, details) from None
 
     def list(self) -> list[PodDevices]:
         """Every pod kubelet knows with its containers' devices. Raises PodResourcesError."""
         try:
-            resp = self._run(self._LIST, pb.ListPodResourcesRequest(), pb.ListPodResourcesResponse)
-        except grpcwire.RpcError as e:
+            resp = self._call(lambda stub: stub.List(pb.ListPodResourcesRequest(), timeout=self.timeout_s))
+        except _CallFailed as e:
             raise PodResourcesError(
                 f"PodResources List on {self.socket_path} failed: {e.code.name}: {e.message}"
             ) from None
@@ -143,10 +137,10 @@ class PodResourcesClient:
         None when kubelet does not know the pod. Raises PodResourcesError."""
         if not self._get_unimplemented:
             try:
-                resp = self._run(self._GET, pb.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace),
-                                 pb.GetPodResourcesResponse)
+                request = pb.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace)
+                resp = self._call(lambda stub: stub.Get(request, timeout=self.timeout_s))
                 return _convert(resp.pod_resources)
-            except grpcwire.RpcError as e:
+            except _CallFailed as e:
                 code = e.code
                 if code == StatusCode.UNIMPLEMENTED:
                     self._get_unimplemented = True
@@ -174,19 +168,8 @@ class PodResourcesClient:
         return list(c.devices.get(resource_name, ()))
 
     def close(self) -> None:
-        """Close the channel; stop the client's own loop thread if it started one."""
-        with self._lock:
-            loop = self._loop or self._own_loop
-            own, self._own_loop = self._own_loop, None
-        if loop is not None and loop.running() and not loop.in_loop_thread():
-            async def drop() -> None:
-                self._drop_channel()
-            try:
-                loop.call(drop(), 2.0)
-            except (RuntimeError, TimeoutError):
-                pass
-        if own is not None:
-            own.stop()
+        """Close the channel (a later call dials again)."""
+        self._drop_channel()
 
 
 def devices_for(

@@ -6,10 +6,9 @@ Rules (kubelet-device-plugin.md A.5, A.8, D.7-D.9):
   then call ``Registration.Register`` on ``kubelet.sock``: kubelet dials back
   and calls GetDevicePluginOptions + ListAndWatch before Register returns, so
   Register fails when we are not serving;
-* dial kubelet.sock over grpclib (ADR 0018; ``grpcwire``), whose
-  ``:authority`` on a unix socket is ``127.0.0.1:50051`` (kubelet's grpc-go
-  server does not check it; grpcio >= 1.57 sent the %-encoded path, which
-  is why grpcio was told ``localhost``);
+* dial kubelet.sock over grpcio (ADR 0021) with ``:authority`` ``localhost``
+  (``grpcopts.client_options``; grpcio >= 1.57 would send the %-encoded
+  path);
 * retry with exponential backoff (tenacity; 50 ms doubling to 1 s) for as long
   as the plugin runs;
 * re-register without restarting the process when kubelet restarts. Triggers,
@@ -46,36 +45,32 @@ Rules learnt from a real kubelet (issue 11, ``docs/e2e.md``; kubelet
 
 Concurrency model: one daemon thread (``Registrar``) owns the whole cycle; the
 device plugin server is driven through the narrow ``RegistrationTarget``
-callbacks, which must be thread-safe. The gRPC calls themselves (probe,
-Register) run on the door's event loop (``aio.LoopThread``, passed as
-``loop``); the registrar thread waits for them with a deadline.
+callbacks, which must be thread-safe. The gRPC calls (probe, Register) run on
+the registrar thread, each on a channel of its own with a deadline.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Coroutine, Protocol, TypeVar
+from typing import Callable, Protocol
 
+import grpc
 import tenacity
 
 from .._proto import deviceplugin_pb2 as pb
-from . import grpcwire
-from .aio import LoopThread
+from .._proto import deviceplugin_pb2_grpc as pb_grpc
+from . import grpcopts
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 API_VERSION = "v1beta1"
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET_NAME = "kubelet.sock"
-_GET_OPTIONS = "/v1beta1.DevicePlugin/GetDevicePluginOptions"
-_REGISTER = "/v1beta1.Registration/Register"
-_LOOP_SLACK_S = 1.0  # a call's own deadline ends it; this only bounds a wedged loop
+_ABORT_POLL_S = 0.05  # how often a Register in flight checks ``abort_if``
 
 
 class RegistrationError(RuntimeError):
@@ -92,51 +87,22 @@ def socket_identity(path: str) -> tuple[int, int] | None:
     return (st.st_ino, st.st_ctime_ns)
 
 
-def _run(coro: Coroutine[Any, Any, T], loop: LoopThread | None, timeout_s: float) -> T:
-    """Run ``coro`` on ``loop`` (the door's event loop thread) or, without
-    one, on a loop of the calling thread for this call only. Raises what the
-    coroutine raises; TimeoutError / RuntimeError from ``LoopThread.call``."""
-    if loop is None:
-        return asyncio.run(coro)
-    return loop.call(coro, timeout_s + _LOOP_SLACK_S)
-
-
-def probe(socket_path: str, timeout_s: float = 1.0, loop: LoopThread | None = None) -> pb.DevicePluginOptions:
+def probe(socket_path: str, timeout_s: float = 1.0) -> pb.DevicePluginOptions:
     """Call GetDevicePluginOptions on a device plugin socket, the way kubelet
-    does, retrying a connection that cannot be made yet until ``timeout_s``
-    seconds (grpcio's ``wait_for_ready``). ``loop``: the door's event loop
-    (None: a loop of the calling thread for this call).
-    Raises RegistrationError."""
-    try:
-        return _run(grpcwire.unary(None, socket_path, _GET_OPTIONS, pb.Empty(), pb.DevicePluginOptions, timeout_s,
-                                   wait_for_ready=True), loop, timeout_s)
-    except (grpcwire.RpcError, TimeoutError) as e:
-        raise RegistrationError(f"own socket {socket_path} does not answer: {e}") from None
-
-
-async def _register(
-    kubelet_socket: str,
-    request: pb.RegisterRequest,
-    timeout_s: float,
-    abort_if: Callable[[], str | bool | None] | None,
-) -> None:
-    call = asyncio.ensure_future(grpcwire.unary(None, kubelet_socket, _REGISTER, request, pb.Empty, timeout_s))
-    try:
-        while abort_if is not None and not call.done():
-            await asyncio.wait({call}, timeout=0.05)
-            why = None if call.done() else abort_if()
-            if why:
-                if not isinstance(why, str):
-                    why = f"our socket {request.endpoint} was deleted while kubelet was dialing it"
-                raise RegistrationError(f"Register {request.resource_name} at {kubelet_socket} abandoned: {why}")
+    does (``wait_for_ready``: a connection that cannot be made yet is retried
+    until ``timeout_s`` seconds). Raises RegistrationError."""
+    with grpcopts.unix_channel(socket_path) as ch:
         try:
-            await call
-        except grpcwire.RpcError as e:
-            raise RegistrationError(f"Register {request.resource_name} at {kubelet_socket} failed: {e}") from None
-    finally:
-        if not call.done():
-            call.cancel()
-            await asyncio.wait({call})
+            return pb_grpc.DevicePluginStub(ch).GetDevicePluginOptions(pb.Empty(), timeout=timeout_s,
+                                                                       wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise RegistrationError(f"own socket {socket_path} does not answer: {_why(e)}") from None
+
+
+def _why(e: grpc.RpcError) -> str:
+    """``CODE: details`` of a failed grpcio call."""
+    code, details = grpcopts.failure(e)
+    return f"{code.name}: {details}"
 
 
 def register(
@@ -146,24 +112,35 @@ def register(
     options: pb.DevicePluginOptions,
     timeout_s: float = 10.0,
     abort_if: Callable[[], str | bool | None] | None = None,
-    loop: LoopThread | None = None,
 ) -> None:
     """One ``Registration.Register`` call. ``endpoint`` is our socket's *file
     name* (kubelet joins it with its plugin dir, reference A.3). ``abort_if``
     is checked every 50 ms while kubelet works on the call: when it turns true
     (our socket was deleted meanwhile: kubelet would dial the missing file
     until its own 10 s timeout; the plugin stops) the call is cancelled; a
-    string it returns is the reason in the error. ``loop``: the door's
-    event loop (None: a loop of the calling thread for this call). Raises
-    RegistrationError (kubelet.sock missing, kubelet refused, timeout, aborted)."""
+    string it returns is the reason in the error. Raises RegistrationError
+    (kubelet.sock missing, kubelet refused, timeout, aborted)."""
     if not os.path.exists(kubelet_socket):
         raise RegistrationError(f"{kubelet_socket} does not exist (kubelet not running yet?)")
     req = pb.RegisterRequest(version=API_VERSION, endpoint=endpoint, resource_name=resource_name, options=options)
-    try:
-        _run(_register(kubelet_socket, req, timeout_s, abort_if), loop, timeout_s)
-    except TimeoutError:
-        raise RegistrationError(f"Register {resource_name} at {kubelet_socket} failed: no answer within "
-                                f"{timeout_s} s") from None
+    with grpcopts.unix_channel(kubelet_socket) as ch:
+        call = pb_grpc.RegistrationStub(ch).Register.future(req, timeout=timeout_s)
+        try:
+            while abort_if is not None and not call.done():
+                try:
+                    call.result(timeout=_ABORT_POLL_S)
+                except grpc.FutureTimeoutError:
+                    why = abort_if()
+                    if why:
+                        if not isinstance(why, str):
+                            why = f"our socket {endpoint} was deleted while kubelet was dialing it"
+                        raise RegistrationError(f"Register {resource_name} at {kubelet_socket} abandoned: {why}")
+            call.result()
+        except grpc.RpcError as e:
+            raise RegistrationError(f"Register {resource_name} at {kubelet_socket} failed: {_why(e)}") from None
+        finally:
+            if not call.done():
+                call.cancel()
 
 
 class DirWatch:
@@ -308,8 +285,6 @@ class Registrar:
             the first Register of this process; then it registers anyway.
         warn_every_s: at most one WARNING per this many seconds while
             registration keeps failing (the first failure is always logged).
-        loop: the door's event loop the probe and Register calls run on
-            (None: a loop of the registrar thread per call).
     """
 
     def __init__(
@@ -325,10 +300,8 @@ class Registrar:
         on_registered: Callable[[float], None] | None = None,
         ready_timeout_s: float = 30.0,
         warn_every_s: float = 60.0,
-        loop: LoopThread | None = None,
     ) -> None:
         self.target = target
-        self.loop = loop
         self.kubelet_socket = kubelet_socket
         self.resource_name = resource_name
         self.poll_s = poll_s
@@ -429,7 +402,7 @@ class Registrar:
             self._rebind("kubelet refused our socket path as already connected")
         elif _socket_gone(socket_identity(self.target.socket_path), self.target.socket_identity()):
             self._rebind(f"own socket {self.target.socket_path} is gone")
-        probe(self.target.socket_path, timeout_s=1.0, loop=self.loop)
+        probe(self.target.socket_path, timeout_s=1.0)
         before = time.monotonic()
         ks = self._note_kubelet()
         try:
@@ -440,7 +413,6 @@ class Registrar:
                 self.target.options(),
                 timeout_s=self.register_timeout_s,
                 abort_if=self._abort_register,
-                loop=self.loop,
             )
         except RegistrationError as e:
             if "already connected" in str(e):

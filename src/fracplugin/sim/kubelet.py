@@ -33,74 +33,66 @@ v1.35.4 and v1.37.2 built from k8s.io/kubernetes; ``docs/e2e.md``):
 
 A driver for the demo and benchmarks, not kubelet: no checkpoint, no pod admission.
 
-Transport: grpclib on one asyncio loop thread (``kubelet.aio.LoopThread``,
-as the daemon's door; ADR 0018), so ``fracplugin demo`` needs no grpcio
-either. The component tests' kubelet (``tests/peers/kubelet.py``) stays on
-grpcio: there the two gRPC implementations check each other.
+Transport: grpcio (as the daemon's door, ADR 0021; client options from
+``kubelet.grpcopts``). The component tests' kubelet
+(``tests/peers/kubelet.py``) is written apart from this one, so a bug here
+cannot hide the same bug there; a real kubelet (grpc-go, ``make
+kubelet-e2e``) is the independent gRPC implementation.
 
-Concurrency model: the loop thread serves Registration and consumes each
-ListAndWatch stream (one task per endpoint); shared state sits under one
-condition variable (held only briefly, also on the loop thread). Client
-calls (``pick``, ``allocate``) block the caller's thread until the loop
-answers (never call them from the loop thread).
+Concurrency model: grpcio's thread pool serves Registration; one thread
+consumes each ListAndWatch stream; shared state sits under one condition
+variable. Client calls (``pick``, ``allocate``) run on the caller's thread.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, NoReturn
+
+import grpc
 
 from .._proto import deviceplugin_pb2 as pb
-from ..kubelet import grpcwire
-from ..kubelet.aio import LoopThread
-from ..rpcstatus import StatusCode
+from .._proto import deviceplugin_pb2_grpc as pb_grpc
+from ..kubelet import grpcopts
 
 log = logging.getLogger(__name__)
 
 VERSION = "v1beta1"
 HEALTHY = "Healthy"
-_DP = "/v1beta1.DevicePlugin/"
-_REGISTER = "/v1beta1.Registration/Register"
 
 
-def serve_unix(loop: LoopThread, socket_path: str, mapping: Mapping[str, Any]) -> grpcwire.UnixServer:
-    """Start a grpclib server for ``mapping`` (``__mapping__`` entries) on
-    unix socket ``socket_path``, on ``loop`` (started); the parent directory
-    is created and a stale file removed. Raises OSError when the socket
-    cannot be bound."""
+def serve_unix(socket_path: str, add: Callable[[grpc.Server], None], workers: int = 4) -> grpc.Server:
+    """Start a grpcio server on unix socket ``socket_path`` with the services
+    ``add(server)`` registers; the parent directory is created and a stale
+    file removed. Raises OSError when the socket cannot be bound."""
     os.makedirs(os.path.dirname(socket_path) or ".", exist_ok=True)
     try:
         os.unlink(socket_path)
     except FileNotFoundError:
         pass
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kubelet-sim"),
+                         options=grpcopts.server_options())
+    add(server)
+    try:
+        bound = server.add_insecure_port("unix:" + socket_path)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        server.stop(grace=0)
+        raise OSError(f"cannot listen on {socket_path}")
+    server.start()
+    return server
 
-    async def listen() -> grpcwire.UnixServer:
-        server = grpcwire.UnixServer(mapping)
-        await server.start(path=socket_path)
-        return server
 
-    return loop.call(listen(), 5.0)
-
-
-def stop_unix(loop: LoopThread, server: grpcwire.UnixServer | None, socket_path: str) -> None:
-    """Stop ``server`` at once (its connections closed, waiting up to 2 s) and remove ``socket_path``."""
-    if server is not None and loop.running():
-        async def close() -> None:
-            server.close()
-            try:
-                await asyncio.wait_for(server.wait_closed(), 2.0)
-            except asyncio.TimeoutError:
-                pass
-
-        try:
-            loop.call(close(), 3.0)
-        except (RuntimeError, TimeoutError):
-            pass
+def stop_unix(server: grpc.Server | None, socket_path: str) -> None:
+    """Stop ``server`` at once (its calls cancelled, waiting up to 2 s) and remove ``socket_path``."""
+    if server is not None:
+        server.stop(grace=0).wait(2.0)
     try:
         os.unlink(socket_path)
     except FileNotFoundError:
@@ -117,17 +109,16 @@ class Registration:
     at: float
 
 
-@dataclass
+@dataclass(eq=False)
 class Endpoint:
-    """A registered plugin of one resource: its channel (grpclib, used on
-    ``loop``), its ListAndWatch consumer task, the last device list (ID ->
-    health), every list received in order, how many, and whether the stream
-    is still open."""
+    """A registered plugin of one resource: its channel and stub, its
+    ListAndWatch call, the last device list (ID -> health), every list
+    received in order, how many, and whether the stream is still open."""
 
     resource_name: str
-    channel: Any
-    loop: LoopThread
-    stream: "asyncio.Task[None] | None" = None
+    channel: grpc.Channel
+    stub: pb_grpc.DevicePluginStub
+    stream: Any = None
     devices: dict[str, str] = field(default_factory=dict)
     history: list[dict[str, str]] = field(default_factory=list)
     updates: int = 0
@@ -137,28 +128,17 @@ class Endpoint:
     def drop(self) -> None:
         """End the stream and close the channel (kubelet dropping the plugin); from any thread."""
         self.open = False
+        if self.stream is not None:
+            self.stream.cancel()
+        self.channel.close()
 
-        def drop_now() -> None:
-            if self.stream is not None:
-                self.stream.cancel()
-            self.channel.close()
 
-        try:
-            self.loop.loop.call_soon_threadsafe(drop_now)
-        except RuntimeError:  # the loop is stopped: nothing runs on the channel
-            pass
+class _RegistrationService(pb_grpc.RegistrationServicer):
+    def __init__(self, kubelet: "Kubelet") -> None:
+        self.kubelet = kubelet
 
-    def call(self, method: str, request: Any, reply_type: type, timeout_s: float) -> Any:
-        """One unary call of the DevicePlugin service (``method``: e.g.
-        ``Allocate``) on this endpoint's connection, from a thread other than
-        the loop's. Raises grpcwire.RpcError (refusal, connection, deadline)."""
-        async def run() -> Any:
-            return await grpcwire.unary(self.channel, self.path, _DP + method, request, reply_type, timeout_s)
-
-        try:
-            return self.loop.call(run(), timeout_s + 1.0)
-        except TimeoutError as e:
-            raise grpcwire.RpcError(StatusCode.DEADLINE_EXCEEDED, str(e)) from None
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:  # noqa: N802
+        return self.kubelet._register(request, context)
 
 
 class Kubelet:
@@ -187,17 +167,13 @@ class Kubelet:
         self._endpoints: dict[str, Endpoint] = {}
         self._by_path: dict[str, Endpoint] = {}
         self._poisoned: set[str] = set()
-        self._server: grpcwire.UnixServer | None = None
-        self.loop = LoopThread("kubelet-sim", workers=1)
-
-    def __mapping__(self) -> dict[str, Any]:
-        return {_REGISTER: grpcwire.handler(self._register, grpcwire.UNARY_UNARY, pb.RegisterRequest, pb.Empty)}
+        self._server: grpc.Server | None = None
 
     # ---- lifecycle -----------------------------------------------------------
     def start(self) -> "Kubelet":
         """Serve Registration on ``kubelet.sock`` (a stale file is removed). Raises OSError."""
-        self.loop.start()
-        self._server = serve_unix(self.loop, self.socket_path, self.__mapping__())
+        service = _RegistrationService(self)
+        self._server = serve_unix(self.socket_path, lambda s: pb_grpc.add_RegistrationServicer_to_server(service, s))
         return self
 
     def stop(self, leave_socket: bool = False) -> None:
@@ -213,8 +189,7 @@ class Kubelet:
         for ep in eps:
             ep.drop()
         server, self._server = self._server, None
-        stop_unix(self.loop, server, self.socket_path)
-        self.loop.stop()
+        stop_unix(server, self.socket_path)
         if leave_socket:
             import socket as _socket
 
@@ -225,39 +200,39 @@ class Kubelet:
                 s.close()
 
     # ---- Registration service ------------------------------------------------------
-    def _refusal(self, message: str) -> Exception:
+    def _refuse(self, context: grpc.ServicerContext, message: str) -> NoReturn:
+        """Record and answer a refusal (raises: ``context.abort``)."""
         with self._cond:
             self.refusals.append(message)
             self._cond.notify_all()
-        return grpcwire.grpc_error(StatusCode.UNKNOWN, message)  # D3: kubelet answers plain errors
+        context.abort(grpc.StatusCode.UNKNOWN, message)  # D3: kubelet answers plain errors
+        raise AssertionError("unreachable: context.abort raises")
 
-    async def _register(self, stream: Any) -> None:
+    def _register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
         """Register: check, dial, get options, answer; ListAndWatch starts once
-        the answer (trailers included) is sent (D5). Answers UNKNOWN (bad
-        version or resource name, plugin unreachable within
-        ``dial_timeout_s``, path already connected under 1.37 semantics)."""
-        request = await grpcwire.recv_request(stream)  # at most 4 MiB, as kubelet's grpc-go server
+        the answer is on its way (D5). Answers UNKNOWN (bad version or
+        resource name, plugin unreachable within ``dial_timeout_s``, path
+        already connected under 1.37 semantics)."""
         if request.version != VERSION:
-            raise self._refusal(f"requested API version {request.version!r} is not supported by kubelet. "
-                                f"Supported versions are ['{VERSION}']")
+            self._refuse(context, f"requested API version {request.version!r} is not supported by kubelet. "
+                                  f"Supported versions are ['{VERSION}']")
         if "/" not in request.resource_name or request.resource_name.startswith("kubernetes.io/"):
-            raise self._refusal(f"the ResourceName {request.resource_name!r} is invalid")
+            self._refuse(context, f"the ResourceName {request.resource_name!r} is invalid")
         target = os.path.join(self.plugin_dir, request.endpoint)
-        channel = grpcwire.channel(target)
+        channel = grpcopts.unix_channel(target)
+        stub = pb_grpc.DevicePluginStub(channel)
         try:
-            options = await grpcwire.unary(channel, target, _DP + "GetDevicePluginOptions", pb.Empty(),
-                                           pb.DevicePluginOptions, self.dial_timeout_s, wait_for_ready=True)
-        except grpcwire.RpcError as exc:
+            options = stub.GetDevicePluginOptions(pb.Empty(), timeout=self.dial_timeout_s, wait_for_ready=True)
+        except grpc.RpcError as exc:
             channel.close()
-            raise self._refusal(f"failed to dial device plugin: cannot reach the plugin at {target}: {exc}") from None
-        ep = Endpoint(request.resource_name, channel, self.loop, path=target)
+            self._refuse(context, f"failed to dial device plugin: cannot reach the plugin at {target}: {exc}")
+        ep = Endpoint(request.resource_name, channel, stub, path=target)
         old: Endpoint | None = None
         with self._cond:
-            if self.semantics == "1.37" and (target in self._by_path or target in self._poisoned):
+            refused = self.semantics == "1.37" and (target in self._by_path or target in self._poisoned)
+            if refused:
                 self._poisoned.add(target)
-                refused = True
             else:
-                refused = False
                 old = self._endpoints.get(request.resource_name) if self.semantics == "1.35" else None
                 self._endpoints[request.resource_name] = ep
                 self._by_path[target] = ep
@@ -266,27 +241,26 @@ class Kubelet:
                 self._cond.notify_all()
         if refused:
             channel.close()
-            raise self._refusal(f"device plugin already connected: {target}")
-        await stream.send_message(pb.Empty())
-        await stream.send_trailing_metadata()  # the answer is complete before ListAndWatch starts (D5)
-        ep.stream = asyncio.get_running_loop().create_task(self._consume(ep))
+            self._refuse(context, f"device plugin already connected: {target}")
+        # D5: ListAndWatch only once the answer is complete (the RPC ended).
+        context.add_callback(lambda: threading.Thread(target=self._consume, args=(ep,), name="kubelet-sim-lw",
+                                                      daemon=True).start())
         if old is not None and old is not ep:  # 1.35: re-registration replaces the endpoint
             old.drop()
+        return pb.Empty()
 
-    async def _consume(self, ep: Endpoint) -> None:
+    def _consume(self, ep: Endpoint) -> None:
         try:
             if not ep.open:
                 return
-            async with ep.channel.request(_DP + "ListAndWatch", grpcwire.UNARY_STREAM, pb.Empty,
-                                          pb.ListAndWatchResponse) as st:
-                await st.send_message(pb.Empty(), end=True)
-                async for resp in st:
-                    with self._cond:
-                        ep.devices = {d.ID: d.health for d in resp.devices}
-                        ep.history.append(ep.devices)
-                        ep.updates += 1
-                        self._cond.notify_all()
-        except Exception:  # the stream ended: refused, reset, connection gone
+            ep.stream = ep.stub.ListAndWatch(pb.Empty())
+            for resp in ep.stream:
+                with self._cond:
+                    ep.devices = {d.ID: d.health for d in resp.devices}
+                    ep.history.append(ep.devices)
+                    ep.updates += 1
+                    self._cond.notify_all()
+        except (grpc.RpcError, ValueError):  # the stream ended: refused, cancelled, channel closed
             pass
         finally:
             with self._cond:
@@ -384,7 +358,7 @@ class KubeletSim(Kubelet):
             req = pb.PreferredAllocationRequest(container_requests=[
                 pb.ContainerPreferredAllocationRequest(available_deviceIDs=free, must_include_deviceIDs=must,
                                                        allocation_size=n)])
-            resp = ep.call("GetPreferredAllocation", req, pb.PreferredAllocationResponse, 5.0)
+            resp = ep.stub.GetPreferredAllocation(req, timeout=5.0)
             ids = list(resp.container_responses[0].deviceIDs) if resp.container_responses else []
             if len(ids) == n and set(ids) <= set(free) and set(must) <= set(ids):
                 return ids
@@ -392,15 +366,15 @@ class KubeletSim(Kubelet):
 
     def allocate(self, device_ids: list[str], timeout_s: float = 10.0) -> pb.ContainerAllocateResponse:
         """``Allocate`` with one container request (as kubelet sends it).
-        Returns the container response; raises ``kubelet.grpcwire.RpcError``
-        (``code``, ``message``) on refusal, ConnectionError when no plugin
+        Returns the container response; raises ``grpc.RpcError``
+        (``code()``, ``details()``) on refusal, ConnectionError when no plugin
         registered."""
         ep = self._current()
         if ep is None:
             raise ConnectionError("no device plugin registered")
-        resp = ep.call("Allocate",
-                       pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=device_ids)]),
-                       pb.AllocateResponse, timeout_s)
+        resp = ep.stub.Allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=device_ids)]),
+            timeout=timeout_s)
         if not resp.container_responses:
             raise ValueError("Allocate answered no container response (kubelet treats this as an error)")
         with self._cond:

@@ -1,0 +1,291 @@
+"""Probing and health of the MPS supervisor's daemons.
+
+``DaemonProber`` decides when a started (or adopted) daemon is ready and
+whether a ready one is still healthy:
+
+* ready when the ``control`` socket exists and a real command answers; then
+  v2 defaults are applied and recorded namespaces restored (``namespaces``);
+* an active probe every ``probe_interval_s`` (v3 ``server list``, v2
+  ``get_default_active_thread_percentage``) bounded by ``probe_timeout_s``;
+  ``probe_failure_threshold`` consecutive failures confirm a hang: the daemon
+  is hard-killed and restarted (``lifecycle``);
+* the probe first checks that ``<pipe>/control`` is still the socket the
+  daemon created (owner, inode, directory writable by us only): a replaced
+  socket is never talked to;
+* non-zero server exits in ``control.log`` (``crash_loop_exits`` within
+  ``crash_loop_window_s``) make the daemon unhealthy ("server crash loop");
+* a probe or start this process could not even run (EMFILE, ENOMEM: an
+  ``MpsResourceError``) is no probe failure and spends no budget (issue 13).
+
+Runs on the supervisor thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+
+from ..model import ComputeMode
+from .api import MpsError, MpsResourceError
+from .lifecycle import DaemonProcesses
+from .namespaces import NamespaceBook
+from .procs import DetachedProc, is_control_daemon, pid_alive
+from .state import SERVER_EXIT_RE, DaemonState, SupervisorCore, control_log_size
+
+__all__ = ["DaemonProber"]
+
+log = logging.getLogger("fracplugin.mps.supervisor")
+
+
+class DaemonProber:
+    """Readiness, probes, adoption and crash-loop detection (state in ``c``)."""
+
+    def __init__(self, c: SupervisorCore, procs: DaemonProcesses, book: NamespaceBook) -> None:
+        self.c = c
+        self.procs = procs
+        self.book = book
+
+    def check_starting(self, d: DaemonState, now: float) -> None:
+        """A ``starting`` daemon: ready once ``<pipe>/control`` exists and a probe answers; killed and restarted
+        after ``start_timeout_s``."""
+        if os.path.exists(os.path.join(d.pipe_dir, "control")):
+            try:
+                dur = d.control.probe(self.c.probe_timeout_s)
+            except MpsResourceError as e:
+                # Our process cannot run the probe (EMFILE, ...): the start timeout counts from when it
+                # can again, so starvation never kills the daemon nor spends the budget (issue 13 item 1).
+                with self.c.lock:
+                    d.resource_errors += 1
+                    d.last_error = f"probe not run: {e}"
+                    d.started_at = now
+                return
+            except MpsError as e:
+                with self.c.lock:
+                    d.last_error = f"not ready: {e}"
+            else:
+                self.after_ready(d, dur)
+                return
+        if d.started_at is not None and now - d.started_at > self.c.start_timeout_s:
+            reason = f"not ready within {self.c.start_timeout_s:g}s"
+            self.procs.hard_kill(d)
+            self.procs.schedule_restart(d, reason, consume_budget=True)
+
+    def try_adopt(self, d: DaemonState) -> bool:
+        """MPS role start: adopt a control daemon left running by a previous
+        fracplugin (pid file names a live process whose command line is the
+        control binary, and a real probe answers through ``<pipe>/control``).
+        Its servers, namespaces and clients are kept; recorded namespaces that
+        are missing are re-created. Returns True when adopted."""
+        try:
+            with open(os.path.join(d.pipe_dir, "nvidia-cuda-mps-control.pid"), encoding="utf-8") as f:
+                pid = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return False
+        if not pid_alive(pid) or not is_control_daemon(pid, self.c.control_binary):
+            return False
+        try:
+            dur = d.control.probe(self.c.probe_timeout_s)
+        except MpsError as e:
+            log.warning("MPS %s daemon pid %d found but not answering (%s): starting a new one", d.mode.value, pid, e)
+            return False
+        proc = DetachedProc(pid)
+        with self.c.lock:
+            d.proc = proc
+            d.adopted = True
+            d.starts += 1
+            d.started_at = self.c.clock()
+            d.state = "starting"
+        threading.Thread(target=self.procs.waiter, args=(proc,), name=f"mps-wait-{pid}", daemon=True).start()
+        log.info("adopted running MPS %s daemon pid %d", d.mode.value, pid)
+        self.after_ready(d, dur, fresh=False)
+        return True
+
+    def control_identity(self, d: DaemonState) -> tuple[int, int] | None:
+        """(device, inode) of ``<pipe>/control`` when it is a socket owned by us
+        in a directory only we can write; None otherwise."""
+        try:
+            st_dir = os.stat(d.pipe_dir)
+            st = os.lstat(os.path.join(d.pipe_dir, "control"))
+        except OSError:
+            return None
+        me = os.geteuid()
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != me or st_dir.st_uid != me or st_dir.st_mode & 0o022:
+            return None
+        return (st.st_dev, st.st_ino)
+
+    def after_ready(self, d: DaemonState, probe_s: float, fresh: bool = True) -> None:
+        """The daemon answered: state ``ready``; drop namespaces released meanwhile (fresh daemon), remember the
+        control socket's identity, apply v2 defaults, restore recorded namespaces, then report health."""
+        now = self.c.clock()
+        with self.c.lock:
+            if self.c.stopping.is_set() or d.proc is None:
+                return
+            d.state = "ready"
+            d.ready_at = now
+            d.last_probe_s = probe_s
+            d.last_probe_ok = True
+            d.last_probe_at = now
+            d.probe_failures = 0
+            d.next_probe_at = now + self.c.probe_interval_s
+            d.slow = ""
+            d.control_id = None
+            d.restore_pending = {n for n, r in self.c.namespaces.items() if r.mode is d.mode}
+            d.applied.clear()  # a new (or adopted) daemon process: known only once re-applied
+            dropped = []
+            if fresh:  # a fresh daemon has no namespaces
+                for n in [n for n, m in self.c.pending_delete.items() if m is d.mode]:
+                    del self.c.pending_delete[n]
+                    dropped.append(n)
+        for n in dropped:  # released while the daemon (re)started: nothing will bind there again
+            leaf = self.c.layout.namespace_pipe_dir(n, d.mode)
+            try:
+                if stat.S_ISSOCK(os.lstat(os.path.join(leaf, "control")).st_mode):
+                    os.unlink(os.path.join(leaf, "control"))
+            except OSError:
+                pass
+            try:
+                os.rmdir(leaf)
+            except OSError:
+                pass
+        d.control_id = self.control_identity(d)
+        if d.log_offset is None:
+            d.log_offset = control_log_size(d)
+        self.apply_defaults(d)
+        self.book.restore(d, fresh=fresh)
+        self.c.set_health(d, not d.restore_pending and d.control_id is not None)
+        if d.control_id is None:
+            with self.c.lock:
+                d.last_error = f"{d.pipe_dir}/control is not a socket of ours in a directory only we can write"
+        self.update_servers(d)
+        log.info("MPS %s daemon ready (pid %s)", d.mode.value, d.proc.pid if d.proc else None)
+
+    def apply_defaults(self, d: DaemonState) -> None:
+        """v2 only: default active thread percentage (sm-sharing) and pinned device memory limits (MiB per
+        device). Errors are logged, never raised."""
+        if self.c.protocol >= 3:
+            return
+        try:
+            if self.c.default_atp is not None and d.mode is ComputeMode.SM_SHARING:
+                d.control.set_default_active_thread_percentage(self.c.default_atp, self.c.probe_timeout_s)
+            for dev, mib in self.c.default_pinned.items():
+                d.control.set_default_device_pinned_mem_limit(dev, mib, self.c.probe_timeout_s)
+        except MpsError as e:
+            with self.c.lock:
+                d.last_error = f"defaults: {e}"
+            log.warning("MPS %s defaults not applied: %s", d.mode.value, e)
+
+    def probe(self, d: DaemonState, now: float) -> None:
+        """One active probe of a ready/unhealthy daemon (module docstring); ``probe_failure_threshold``
+        consecutive failures hard-restart it."""
+        ok = True
+        err = ""
+        t0 = time.monotonic()
+        ident = self.control_identity(d)
+        if d.control_id is not None and ident != d.control_id:
+            # Someone replaced the daemon's control socket: never talk to it.
+            ok = False
+            err = f"{d.pipe_dir}/control was replaced (not the socket the daemon created)"
+        else:
+            try:
+                d.control.probe(self.c.probe_timeout_s)
+            except MpsResourceError as e:
+                # The probe could not even be run (EMFILE, ...): says nothing about the daemon. Retry
+                # at the next interval; never a probe failure, never a restart (issue 13 item 1).
+                with self.c.lock:
+                    d.resource_errors += 1
+                    d.last_error = f"probe not run: {e}"
+                    d.next_probe_at = self.c.clock() + self.c.probe_interval_s
+                log.warning("MPS %s probe not run (this process is out of a resource): %s", d.mode.value, e)
+                return
+            except MpsError as e:
+                ok = False
+                err = str(e)
+            if ok and d.control_id is not None and self.control_identity(d) != d.control_id:
+                ok = False  # replaced while the probe ran: whoever answered, it is not to be trusted
+                err = f"{d.pipe_dir}/control was replaced during the probe"
+        dur = time.monotonic() - t0
+        t = self.c.clock()
+        with self.c.lock:
+            d.last_probe_at = t
+            d.last_probe_ok = ok
+            d.last_probe_s = dur
+            # a failed probe is repeated soon: a hang is confirmed (or not) quickly
+            d.next_probe_at = t + (self.c.probe_interval_s if ok else min(self.c.probe_interval_s, 1.0))
+            if ok:
+                d.probe_failures = 0
+                d.state = "ready"
+                d.slow = ""
+            else:
+                d.probe_failures += 1
+                d.state = "unhealthy"
+                d.last_error = f"probe: {err}"
+            failures = d.probe_failures
+        if ok:
+            if d.restore_pending:
+                self.book.restore(d)
+            self.book.sweep_deletes(d)
+            self.update_servers(d)
+            loop = self.check_crash_loop(d)
+            self.c.set_health(d, not d.restore_pending and not loop)
+            return
+        self.c.set_health(d, False)
+        if d.proc is not None and d.proc.poll() is not None:
+            return  # it died meanwhile: the exit path restarts it on the next step
+        log.warning("MPS %s probe failed (%d): %s", d.mode.value, failures, err)
+        if failures >= self.c.probe_failure_threshold:
+            self.procs.hard_kill(d)
+            self.procs.schedule_restart(d, f"probe failed: {err}", consume_budget=True)
+
+    def check_crash_loop(self, d: DaemonState) -> bool:
+        """Read what ``control.log`` gained since the last probe; count non-zero
+        server exits (``SERVER_EXIT_RE``) in the last ``crash_loop_window_s``.
+        Returns True (and sets ``crash_loop``) while there are at least
+        ``crash_loop_exits`` of them: the control daemon answers, but no client
+        can keep a server."""
+        path = os.path.join(d.log_dir, "control.log")
+        now = self.c.clock()
+        try:
+            size = os.path.getsize(path)
+            off = d.log_offset or 0
+            if size < off:
+                off = 0  # rotated or truncated
+            text = ""
+            if size > off:
+                with open(path, "rb") as f:
+                    f.seek(off)
+                    text = f.read(min(size - off, 4 << 20)).decode("utf-8", "replace")
+                off += len(text.encode("utf-8", "replace"))
+            d.log_offset = off
+        except OSError:
+            text = ""
+        exits = [m for m in SERVER_EXIT_RE.finditer(text) if m.group(1) != "0"]
+        with self.c.lock:
+            d.server_exits.extend([now] * len(exits))
+            d.server_exits = [t for t in d.server_exits if now - t < self.c.crash_loop_window_s]
+            n = len(d.server_exits)
+            was = d.crash_loop
+            d.crash_loop = (f"MPS server crash loop: {n} server exits with non-zero status in the last "
+                            f"{self.c.crash_loop_window_s:g}s (control.log)") if n >= self.c.crash_loop_exits else ""
+            if d.crash_loop:
+                d.last_error = d.crash_loop
+            loop = bool(d.crash_loop)
+        if loop and not was:
+            log.error("MPS %s daemon: %s", d.mode.value, d.crash_loop)
+        return loop
+
+    def update_servers(self, d: DaemonState) -> None:
+        """Remember server PIDs (v3 ``server list``, v2 ``get_server_list``) so a
+        hard restart can kill them (only PIDs whose exe is a server are killed)."""
+        pids: set[int] = set()
+        try:
+            if self.c.protocol >= 3:
+                pids |= {r.pid for r in d.control.server_list(self.c.probe_timeout_s) if r.pid}
+            else:
+                pids |= set(d.control.get_server_list(self.c.probe_timeout_s))
+        except MpsError:
+            pass
+        with self.c.lock:
+            d.server_pids |= pids
