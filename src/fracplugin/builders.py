@@ -49,6 +49,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fracplugin.daemon")  # the daemon's log, as before the split
 
+POD_SOURCE_MISSING = ("the pod watch cannot run, so the doors do not know pods' containers: the device plugin door "
+                      "answers Allocate with what is right for any pod, and the NRI door applies pod-level KAI forms "
+                      "(gpu-fraction, gpu-memory, gpu-fraction-num-devices) to every container that asks, sidecars "
+                      "included; give --kubeconfig or run in the cluster")
+"""Why the doors work blind without API access (log line and ``/readyz`` detail; issue 25 item 1)."""
+
 IN_CLUSTER_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 
@@ -238,7 +244,9 @@ class _Builders:
             self.endpoints["mps_api"] = self.cfg.effective_mps_api_socket
 
     def _build_pod_source(self) -> None:
-        if self.cfg.no_device_plugin:
+        # both doors read the pod's spec: the NRI door for pod-level KAI forms
+        # (first or named app container), also with --no-device-plugin (issue 25 item 1)
+        if self.cfg.no_device_plugin and self.cfg.no_nri:
             return
         from .kubelet.podlookup import InMemoryPodSource, KubernetesPodSource
 
@@ -255,8 +263,7 @@ class _Builders:
             log.info("API watch started", extra={"node": self.node_name,
                                                   "via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster"})
         else:
-            log.warning("no API access (no --kubeconfig, not in a cluster, no --pods-file): the device plugin "
-                        "door cannot find pods and answers Allocate with what is right for any pod")
+            log.warning("no API access (no --kubeconfig, not in a cluster, no --pods-file): " + POD_SOURCE_MISSING)
 
     def _build_events(self) -> None:
         from .events import EventRecorder, NullEventRecorder

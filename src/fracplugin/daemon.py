@@ -70,7 +70,7 @@ from .ledger import Ledger
 from .model import NodeInfo
 from .parts import LogsPart, NriDoor, Part, Readiness
 from .parts import bounded as _bounded
-from .builders import _P, StartupError, _Builders
+from .builders import POD_SOURCE_MISSING, _P, StartupError, _Builders
 
 if TYPE_CHECKING:
     from .cdi import CdiRegistry
@@ -242,6 +242,9 @@ class Daemon(_Builders):
                 out[check] = {"ready": r.ok, "detail": r.reason}
             elif enabled:
                 out[check] = {"ready": False, "detail": "not started"}
+        if "nri" in out and (self.pod_source is None or not self.pod_source.ready()):  # said, not gated on (issue 25 item 1)
+            why = "no API access" if self.pod_source is None else "pod watch not synced"
+            out["nri"]["detail"] = f"{out['nri']['detail']}; {why}: {POD_SOURCE_MISSING}"
         if self._stopping.is_set():
             out["daemon"] = {"ready": False, "detail": "shutting down"}
         return out

@@ -225,7 +225,13 @@ class Demo:
         os.chmod(self.work, 0o755)  # MPS pipe dirs below must be reachable by containers' users
         w = Path(self.work)
         pods_file = w / "pods.yaml"
-        pods_file.write_text(yaml.safe_dump(self._dp_pod()))
+        # the simulated API server holds every pod the demo plays, bound to the
+        # node (kubelet creates containers only of pods it got from the API): the
+        # NRI door reads their spec for pod-level KAI forms (issue 25 item 1)
+        seeds = [_load_pod(self.pods_dir / INFERENCE), _load_pod(self.pods_dir / NOTEBOOK), self._tight_pod()]
+        for seed in seeds:
+            seed.setdefault("spec", {})["nodeName"] = "gpu-node-1"
+        pods_file.write_text(yaml.safe_dump_all([*seeds, self._dp_pod()]))
         # containerd's plugin_request_timeout (default 2 s): the fake MPS control
         # binary is a Python script, far slower to start than the real one, and
         # a sm-sharing CreateContainer runs two of its commands.

@@ -34,14 +34,14 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from .annotation_lint import lint
 from .annotations import DEFAULT_PREFIX, stray_container_keys  # noqa: F401 (stray_container_keys: re-exported)
 from .cdi import DEFAULT_SPEC_DIRS, CdiRegistry, with_node_cdi_devices
 from .gpu.inventory import InventoryError
 from .gpu.simulated import MAX_MEMORY_MIB, load_node
-from .ledger import Ledger
+from .ledger import DEFAULT_MAX_CLIENTS_PER_GPU, Ledger
 from .model import FractionError, GpuInfo, NodeInfo, PodRef, Tenancy
 from .mps.layout import MpsLayout
-from .ledger import DEFAULT_MAX_CLIENTS_PER_GPU
 from .planner import DEFAULT_RESERVE_MIB, PlannerConfig, plan_container
 from .safetext import escape_controls, quote
 
@@ -399,6 +399,8 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     everyone = init_names + names
     warnings = [f"annotation {k} names no container of this pod (containers: {', '.join(everyone)}); it has no effect"
                 for k in stray_container_keys(annotations, config.annotation_prefix, everyone)]
+    # keys not in the contract and forms ignored: the NRI door's words (issue 25 item 3)
+    warnings += [x.message for x in lint(annotations, config.annotation_prefix, names, everyone)]
     return {"pod": str(ref), "node": node.name, "containers": out, "warnings": warnings,
             "cdi": _cdi_report(cdi, warnings)}
 

@@ -75,6 +75,15 @@ def same_hold(t: Tenancy, owner: tuple[str, str], reservation: str = "") -> bool
     return bool(owner[0]) and t.owner == owner
 
 
+def holder_text(t: Tenancy) -> str:
+    """``namespace/pod/container`` of a hold, or ``reservation <key> (holder
+    not known yet)`` for a kubelet reservation no container claimed yet
+    (README, "What each door decides"; never ``//``)."""
+    if t.bound:
+        return f"{t.namespace}/{t.pod_name}/{t.container}"
+    return f"reservation {t.reservation} (holder not known yet)"
+
+
 def admission_problem(
     gpu: GpuInfo,
     tenants: Sequence[Tenancy],
@@ -122,7 +131,7 @@ def admission_problem(
     if other_mode is not None:
         t = other_mode
         return Problem(
-            f"GPU {gpu.index} ({gpu.uuid}) is in {t.mode.value} mode for {t.namespace}/{t.pod_name}/{t.container}",
+            f"GPU {gpu.index} ({gpu.uuid}) is in {t.mode.value} mode for {holder_text(t)}",
             f"one compute mode per GPU, this container wants {mode.value}",
         )
     if held + request_mib > gpu.memory_mib:

@@ -24,6 +24,8 @@ from ..model import ContainerPlan, FractionError, PodRef
 from ..mps.layout import CONTAINER_PIPE_DIR
 from ..mps.supervisor import make_dir
 from ..planner import ENFORCED_ENV_KEYS, EmptyLedger, plan, plan_container
+from ..reservations import claim_problem, proof_of
+from .pod_checks import lint_pod, spec_unknown
 from .ttrpc import Code, RpcError
 from .pluginbase import _POD_LEVEL_KEYS, _env_map, _FailOpen, _pod_ref
 from .namespaces import _Namespaces
@@ -35,7 +37,7 @@ log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as befor
 class _Admission(_Namespaces):
     """CreateContainer's checks (a mixin of ``FracNriPlugin``)."""
 
-    def _reservation_key(self, container: nri_pb2.Container, fields: Mapping[str, Any]) -> str:
+    def _reservation_key(self, container: nri_pb2.Container, fields: Mapping[str, Any], strict: bool = False) -> str:
         """The reservation key Allocate answered for this container, or "".
         The container annotation is preferred (kubelet copies Allocate's
         annotations into the CRI config; runtimes may not pass them on), then
@@ -54,29 +56,41 @@ class _Admission(_Namespaces):
         try:
             by_gpu = al.parse_reservation_key(key)
         except al.ReservationKeyError as exc:
+            if strict:  # a key no Allocate of ours made is refused, not ignored (issue 25 item 4)
+                raise FractionError(al.ENV_RESERVATION, key[:200], f"is not a reservation key: {exc}",
+                                    "reservation") from None
             log.warning("nri reservation key ignored", extra={**fields, "reason": str(exc)})
             return ""
         for uuid in by_gpu:
             gpu = self.node.gpu_by_uuid(uuid)
             if gpu is None or max(by_gpu[uuid]) >= gpu.memory_mib // self.unit_mib:
+                if strict:
+                    raise FractionError(al.ENV_RESERVATION, key[:200], f"names devices node {self.node.name} does "
+                                        "not advertise: no Allocate of this node made it", "reservation")
                 log.warning("nri reservation key ignored", extra={
                     **fields, "reason": f"{key[:120]} names devices node {self.node.name} does not advertise"})
                 return ""
         return key
 
-    def _spec_names(self, pod: nri_pb2.PodSandbox) -> tuple[list[str] | None, list[str] | None]:
+    def _spec_names(self, pod: nri_pb2.PodSandbox, container: str = "") -> tuple[list[str] | None, list[str] | None]:
         """``_containers_of`` only when it matters (the hot path stays a dict
         lookup): the pod has pod-level KAI forms without a container name, or
         per-container keys not yet checked for strays."""
         if self.pod_lookup is None:
             return None, None
         annotations = pod.annotations
-        pod_level = KEY_CONTAINER_NAME not in annotations and any(k in annotations for k in _POD_LEVEL_KEYS)
+        named = annotations.get(KEY_CONTAINER_NAME)
+        # the spec decides: which container is first, or whether the named one exists (issue 25 items 1, 2)
+        pod_level = (named is None and any(k in annotations for k in _POD_LEVEL_KEYS)) or (
+            named is not None and named != container)
         unchecked = pod.uid not in self._warned_pods and any(
             k.startswith(self.config.annotation_prefix) for k in annotations) if self.config.annotation_prefix else False
         if not (pod_level or unchecked):
             return None, None
-        return self._containers_of(pod)
+        got = self._containers_of(pod)
+        if pod_level and got[0] is None:
+            spec_unknown(self, pod)
+        return got
 
     def _containers_of(self, pod: nri_pb2.PodSandbox) -> tuple[list[str] | None, list[str] | None]:
         """(app container names, init + app names) from the pod's spec when
@@ -114,6 +128,40 @@ class _Admission(_Namespaces):
             self._warn(ref, container, f'{k}="{pod.annotations[k]}" names no container of this pod '
                        f"(containers: {', '.join(everyone)}); it has no effect", fields, key=k,
                        value=pod.annotations[k])
+
+    def _claim_and_read(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container, ref: PodRef,
+                        fields: Mapping[str, Any]) -> tuple[str, list[str] | None]:
+        """CreateContainer's reading of the pod: (the reservation key this
+        container claims, "" for none; the pod's app container names, None
+        when its spec is not read). Raises FractionError for a key it may not
+        claim (forged, unknown, another's, no proof; ADR 0024) and RpcError
+        UNAVAILABLE while a needed spec is not known (``pod_checks.spec_unknown``).
+        Stray and unread annotations are warned about once (issue 25 item 3)."""
+        key = self._reservation_key(container, fields, strict=True)
+        if key:
+            self._check_claim(pod, container, key, ref)
+        apps, everyone = self._spec_names(pod, container.name)
+        if everyone is not None:
+            self._warn_stray(pod, ref, container.name, everyone, fields)
+        self._lint(pod, ref, container.name, apps, everyone, fields)
+        return key, apps
+
+    def _check_claim(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container, key: str, ref: PodRef) -> None:
+        """Raise FractionError when this container may not claim reservation
+        ``key`` (``reservations.claim_problem``: forged, unknown, held by
+        another running container, or without the proof Allocate answered;
+        issue 25 item 4)."""
+        proof = proof_of(container.annotations, container.env)
+        why = claim_problem(self.ledger, key, ref.uid, proof, self.node.name)
+        if why is not None:
+            raise FractionError(al.ENV_RESERVATION, key, why, "reservation")
+
+    def _lint(self, pod: nri_pb2.PodSandbox, ref: PodRef, container: str, apps: Sequence[str] | None,
+              everyone: Sequence[str] | None, fields: Mapping[str, Any]) -> None:
+        """Warn (log + ``on_warning``) about annotation keys fracplugin does
+        not read and forms it ignores (``annotation_lint``; issue 25 item 3),
+        once per pod and container."""
+        lint_pod(self, pod, ref, container, apps, everyone, fields)
 
     def _plan_reserved(self, pod: nri_pb2.PodSandbox, container: str, ref: PodRef, key: str,
                        apps: Sequence[str] | None, ledger: Any = None) -> tuple[ContainerPlan, list[Any]]:
@@ -166,9 +214,12 @@ class _Admission(_Namespaces):
         if p.placed_by_node:
             healthy = tuple(g for g in self.node.gpus if self.gpu_health(g.uuid).healthy)
             view = dataclasses.replace(self.node, gpus=healthy)
-            again = plan_container(dict(pod.annotations), name, ref, view, self.ledger, self.config)
+            try:
+                again = plan_container(dict(pod.annotations), name, ref, view, self.ledger, self.config)
+            except FractionError:
+                again = None  # no healthy GPU fits now: transient, UNAVAILABLE below (issue 25 item 7)
             if again is not None:
-                return again  # FractionError (no healthy GPU fits) propagates as a refusal
+                return again
         what = "; ".join(f"GPU {self.node.gpu_by_uuid(u).index} ({u}): {', '.join(h.reasons)}"  # type: ignore[union-attr]
                          for u, h in bad.items())
         self.metrics.refusal("gpu_unhealthy")

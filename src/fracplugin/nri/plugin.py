@@ -345,10 +345,7 @@ class FracNriPlugin(_Reconcile, _Release):
         fields = {"pod": str(ref), "pod_uid": ref.uid, "container": container.name, "container_id": container.id}
         try:
             try:
-                key = self._reservation_key(container, fields)
-                apps, everyone = self._spec_names(pod)
-                if everyone is not None:
-                    self._warn_stray(pod, ref, container.name, everyone, fields)
+                key, apps = self._claim_and_read(pod, container, ref, fields)
                 ignored: list[Any] = []
                 p: ContainerPlan | None
                 if key:
@@ -359,12 +356,14 @@ class FracNriPlugin(_Reconcile, _Release):
                 if p is None:
                     log.debug("nri container not fractional; untouched", extra=fields)
                     return None
+                # the mode's MPS daemon first: while it is down every GPU may read
+                # Unhealthy, and that is transient (issue 25 item 7)
+                self._require_mode_up(p, ctx, fields)
                 p = self._avoid_unhealthy(p, pod, container.name, ref, fields)
                 _check_mounts(p, container, self.config.layout.root)
                 if self.memory_limits is not None:  # ADR 0025: may refuse, or withhold the toolkit hook's env
                     p = self.memory_limits.admit(p)
                 sm = p.mps.namespace is not None  # MPS v3 namespace to create (none with classic v2)
-                self._require_mode_up(p, ctx, fields)
                 self._ensure_mount_sources(p, fields)
                 if sm and not self.defer_namespace:
                     self._ensure_namespace(p, ctx, fields)

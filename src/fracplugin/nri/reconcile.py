@@ -18,6 +18,7 @@ from .. import allocation as al
 from ..annotations import parse as parse_annotations
 from ..model import ComputeMode, ContainerPlan, FractionError, Tenancy
 from ..planner import ENV_VISIBLE_DEVICES, EmptyLedger, plan
+from ..reservations import unbind_gone
 from .interfaces import CallContext
 from .pluginbase import _env_map, _pod_ref
 from .admission import _Admission
@@ -87,8 +88,10 @@ class _Reconcile(_Admission):
         # kubelet frees them, not the runtime; PodResources reconciles them)
         # and whole GPUs of other device plugins.
         rebuilt = list(tenancies)
-        self.ledger.transform(lambda cur: rebuilt + [
-            t for t in cur if t.door in (al.DOOR_ALLOCATE, al.DOOR_OTHER_PLUGIN) and t.reservation not in reserved])
+        live = {c.id for c in containers}  # a kept reservation's container the runtime no longer runs is unbound
+        self.ledger.transform(lambda cur: rebuilt + unbind_gone([
+            t for t in cur if t.door in (al.DOOR_ALLOCATE, al.DOOR_OTHER_PLUGIN) and t.reservation not in reserved],
+            live))
         self._renew_namespaces(tenancies)
         self.unadjusted = unadjusted
         self._synced.set()
