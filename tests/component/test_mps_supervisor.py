@@ -28,8 +28,11 @@ from fracplugin.model import ComputeMode
 from fracplugin.mps.api import MpsApi, MpsError, MpsTimeout, NullMps
 from fracplugin.mps.layout import SM_SERVER, MpsLayout, namespace_name
 from fracplugin.mps.supervisor import MpsSupervisor
+from tests.fakes.mps_client import fake_control_binary
 
-FAKE = str(Path(__file__).resolve().parents[1] / "fakes" / "nvidia-cuda-mps-control")
+# the compiled client in front of the Python fake (gcc): a control command starts in ~1 ms, where a
+# Python start takes seconds on a loaded machine, longer than the command budgets these tests give
+FAKE = str(fake_control_binary())
 TS, SM = ComputeMode.TIME_SLICING, ComputeMode.SM_SHARING
 # The fake's "#!/usr/bin/env python3" resolves to this interpreter, not to a
 # (slow) version-manager shim that may come first on PATH.
