@@ -230,38 +230,39 @@ class DaemonProber:
                 d.last_error = f"defaults: {e}"
             log.warning("MPS %s defaults not applied: %s", d.mode.value, e)
 
+    def ask(self, d: DaemonState) -> tuple[bool, bool, str] | None:
+        """Run one probe command of ``d``: ``(ok, timed_out, error)``; None when this process could not even
+        run it (an ``MpsResourceError``: recorded, the next probe is at the next interval, never a failure)."""
+        if d.control_id is not None and self.control_identity(d) != d.control_id:
+            # Someone replaced the daemon's control socket: never talk to it.
+            return False, False, f"{d.pipe_dir}/control was replaced (not the socket the daemon created)"
+        try:
+            d.control.probe(probe_timeout_for(self.c.probe_timeout_s, d.probe_timeouts))
+        except MpsResourceError as e:
+            # The probe could not even be run (EMFILE, ...): says nothing about the daemon. Retry
+            # at the next interval; never a probe failure, never a restart (issue 13 item 1).
+            with self.c.lock:
+                d.resource_errors += 1
+                d.last_error = f"probe not run: {e}"
+                d.next_probe_at = self.c.clock() + self.c.probe_interval_s
+            log.warning("MPS %s probe not run (this process is out of a resource): %s", d.mode.value, e)
+            return None
+        except MpsError as e:
+            return False, isinstance(e, MpsTimeout), str(e)
+        if d.control_id is not None and self.control_identity(d) != d.control_id:
+            # replaced while the probe ran: whoever answered, it is not to be trusted
+            return False, False, f"{d.pipe_dir}/control was replaced during the probe"
+        return True, False, ""
+
     def probe(self, d: DaemonState, now: float) -> None:
         """One active probe of a ready/unhealthy daemon (module docstring): a refused probe reports it
         unhealthy at once; a timed-out one only when it is the ``probe_failure_threshold``-th failure in a
         row, which also hard-restarts it."""
-        ok = True
-        timed_out = False
-        err = ""
         t0 = time.monotonic()
-        ident = self.control_identity(d)
-        if d.control_id is not None and ident != d.control_id:
-            # Someone replaced the daemon's control socket: never talk to it.
-            ok = False
-            err = f"{d.pipe_dir}/control was replaced (not the socket the daemon created)"
-        else:
-            try:
-                d.control.probe(probe_timeout_for(self.c.probe_timeout_s, d.probe_timeouts))
-            except MpsResourceError as e:
-                # The probe could not even be run (EMFILE, ...): says nothing about the daemon. Retry
-                # at the next interval; never a probe failure, never a restart (issue 13 item 1).
-                with self.c.lock:
-                    d.resource_errors += 1
-                    d.last_error = f"probe not run: {e}"
-                    d.next_probe_at = self.c.clock() + self.c.probe_interval_s
-                log.warning("MPS %s probe not run (this process is out of a resource): %s", d.mode.value, e)
-                return
-            except MpsError as e:
-                ok = False
-                timed_out = isinstance(e, MpsTimeout)
-                err = str(e)
-            if ok and d.control_id is not None and self.control_identity(d) != d.control_id:
-                ok = False  # replaced while the probe ran: whoever answered, it is not to be trusted
-                err = f"{d.pipe_dir}/control was replaced during the probe"
+        asked = self.ask(d)
+        if asked is None:
+            return
+        ok, timed_out, err = asked
         dur = time.monotonic() - t0
         starved: float | None = None
         if timed_out:
