@@ -61,7 +61,8 @@ def reservation_key(by_gpu: Mapping[str, Iterable[int]]) -> str:
             continue
         ranges = []
         start = prev = nums[0]
-        for n in nums[1:] + [None]:  # type: ignore[list-item]
+        tail: list[int | None] = [*nums[1:], None]  # None closes the last range
+        for n in tail:
             if n is not None and n == prev + 1:
                 prev = n
                 continue

@@ -307,7 +307,7 @@ class Demo:
         from .status import render_gpus
 
         code, body = _http(self.endpoints["health"], "/status")
-        doc = json.loads(body)
+        doc: dict[str, Any] = json.loads(body)
         self.out("  GPU tenancy (from the daemon's /status):")
         self.out.block(render_gpus(doc), "    ")
         for d in (doc.get("mps") or {}).get("daemons") or []:
@@ -414,7 +414,8 @@ class Demo:
     @staticmethod
     def _is_sm(pod: Any, ctr: Any) -> bool:
         key = f"nvidia.com/container.{ctr.name}.gpu-compute.mode"
-        return pod.annotations.get(key) == "sm-sharing"
+        mode: str | None = pod.annotations.get(key)
+        return mode == "sm-sharing"
 
     def nri_remove(self, manifest: dict[str, Any]) -> None:
         md = manifest["metadata"]

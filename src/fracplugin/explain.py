@@ -17,11 +17,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
 from .annotations import DEFAULT_PREFIX, stray_container_keys  # noqa: F401 (stray_container_keys: re-exported)
+from .cdi import DEFAULT_SPEC_DIRS, CdiRegistry, with_node_cdi_devices
 from .gpu.inventory import InventoryError
 from .gpu.simulated import load_node
 from .ledger import Ledger
@@ -41,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "-o", choices=("table", "json"), default="table")
     p.add_argument("--ledger", help="a ledger.json whose tenants already hold the node's GPUs")
     p.add_argument("--annotation-prefix", default=DEFAULT_PREFIX)
+    p.add_argument("--cdi-spec-dirs", metavar="DIR[,DIR]", default=",".join(DEFAULT_SPEC_DIRS),
+                   help="comma list of CDI spec directories: each planned GPU's CDI device is listed as the daemon "
+                        f"would request it (default {','.join(DEFAULT_SPEC_DIRS)}; empty = none)")
+    p.add_argument("--cdi-kind", metavar="KIND", default=None,
+                   help="an operator-named CDI kind looked up first (as fracplugin run --cdi-kind)")
     p.add_argument("--reserve-mib", type=_non_negative, default=DEFAULT_RESERVE_MIB,
                    help=f"MiB per GPU kept out of fraction resolution (default {DEFAULT_RESERVE_MIB}: "
                         "KAI's NvFractions binder reserve; 0 = the whole GPU)")
@@ -149,12 +155,18 @@ def pod_shape_problem(pod: dict[str, Any]) -> str | None:
 
 
 def explain(pod: dict[str, Any], node_path: str, *, container: str | None = None, ledger_path: str | None = None,
-            config: PlannerConfig = PlannerConfig()) -> dict[str, Any]:
-    """The explain report as a dict (the ``--output json`` shape). Raises UsageError."""
+            config: PlannerConfig = PlannerConfig(), cdi_spec_dirs: Sequence[str] = (),
+            cdi_kind: str | None = None) -> dict[str, Any]:
+    """The explain report as a dict (the ``--output json`` shape): each
+    container's plan with ``cdi_devices`` (the CDI devices the daemon would
+    request: the scheduler's names plus each GPU's device from the specs in
+    ``cdi_spec_dirs``, ADR 0025b), and ``cdi`` (``CdiRegistry.status`` less
+    its per-GPU devices; None without spec directories). Raises UsageError."""
     try:
         node = load_node(node_path)
     except InventoryError as exc:
         raise UsageError(str(exc)) from None
+    cdi = CdiRegistry(cdi_spec_dirs, node.gpus, kind=cdi_kind) if cdi_spec_dirs else None
     # The pod's containers are placed against each other (issue 10 item 6):
     # a scratch in-memory ledger starts as the node's tenants (or empty) and
     # each planned container is admitted into it before the next is planned.
@@ -191,21 +203,28 @@ def explain(pod: dict[str, Any], node_path: str, *, container: str | None = None
             plan = plan_container(annotations, name, ref, node, ledger, config, containers=names)
         except FractionError as err:
             out.append({"name": name, "fractional": True, "devices": [], "compute_mode": None,
-                        "request_mib": None, "limit_mib": None, "env": {}, "mounts": [], "error": err.to_dict()})
+                        "request_mib": None, "limit_mib": None, "env": {}, "mounts": [], "cdi_devices": [],
+                        "error": err.to_dict()})
             continue
         if plan is None:
             out.append({"name": name, "fractional": False, "devices": [], "compute_mode": None,
-                        "request_mib": None, "limit_mib": None, "env": {}, "mounts": [], "error": None})
+                        "request_mib": None, "limit_mib": None, "env": {}, "mounts": [], "cdi_devices": [],
+                        "error": None})
         else:
-            out.append(plan.to_dict())
+            out.append(with_node_cdi_devices(plan, cdi).to_dict())
             try:
                 ledger.admit(plan)
             except FractionError as err:  # the pod's own earlier containers took the room
-                out[-1] = {**out[-1], "devices": [], "env": {}, "mounts": [], "error": err.to_dict()}
+                out[-1] = {**out[-1], "devices": [], "env": {}, "mounts": [], "cdi_devices": [], "error": err.to_dict()}
     everyone = init_names + names
     warnings = [f"annotation {k} names no container of this pod (containers: {', '.join(everyone)}); it has no effect"
                 for k in stray_container_keys(annotations, config.annotation_prefix, everyone)]
-    return {"pod": str(ref), "node": node.name, "containers": out, "warnings": warnings}
+    cdi_doc = None
+    if cdi is not None:
+        st = cdi.status()
+        cdi_doc = {k: st[k] for k in ("spec_dirs", "specs", "invalid_specs", "gpus_without_spec")}
+        warnings += [f"CDI spec {i['path']} ignored: {i['reason']}" for i in st["invalid_specs"]]
+    return {"pod": str(ref), "node": node.name, "containers": out, "warnings": warnings, "cdi": cdi_doc}
 
 
 def render_table(report: dict[str, Any]) -> str:
@@ -244,7 +263,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         pod = load_pod(args.pod)
         config = PlannerConfig(reserve_mib=args.reserve_mib, annotation_prefix=args.annotation_prefix)
-        report = explain(pod, args.node, container=args.container, ledger_path=args.ledger, config=config)
+        raw_dirs = getattr(args, "cdi_spec_dirs", ",".join(DEFAULT_SPEC_DIRS))  # callers that build args by hand
+        dirs = [d.strip() for d in (raw_dirs or "").split(",") if d.strip()]
+        report = explain(pod, args.node, container=args.container, ledger_path=args.ledger, config=config,
+                         cdi_spec_dirs=dirs, cdi_kind=getattr(args, "cdi_kind", None))
     except UsageError as exc:
         print(f"fracplugin explain: {exc}", file=sys.stderr)
         return 2

@@ -412,7 +412,7 @@ def test_admissions_journaled_survive_sigkill(daemon: Callable[..., DaemonProc],
 
     from nri_runtime import FakeNriRuntime, pod_from_manifest
 
-    from fracplugin.ledger import RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
+    from fracplugin.ledgerstore import RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 
     rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
     try:

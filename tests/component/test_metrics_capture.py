@@ -53,7 +53,7 @@ def live() -> dict[str, set[frozenset[str]]]:
     mod = importlib.util.module_from_spec(spec)
     sys.modules["capture_metrics"] = mod
     spec.loader.exec_module(mod)
-    return series(mod.capture())
+    return series(mod.capture() + mod.capture_memory_limits())  # the demo's daemon, then a memory-limits one
 
 
 def test_fixture_series_are_still_exported(live) -> None:

@@ -211,7 +211,10 @@ class Daemon(Process):
                 "--mps-control-binary", str(h.REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"),
                 "--mps-root", str(self.mps_root),
                 "--health-address", self.health,
-                "--metrics-address", "127.0.0.1:0"]
+                "--metrics-address", "127.0.0.1:0",
+                # the CDI spec directory containerd loads (harness: cdi_spec_dirs), so the daemon
+                # requests each planned GPU's CDI device itself (ADR 0025b)
+                "--cdi-spec-dirs", str(base / "cdi")]
         super().__init__(argv, base / "fracplugin.log")
 
     def status(self) -> dict:
@@ -371,6 +374,24 @@ def test_kai_cdi_device_names_are_injected_by_the_runtime(ctrd, daemon, pods):
     assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == "0=10240M,1=10240M,2=10240M,3=10240M"
     assert PIPE_DIR in h.container_mountpoints(ctrd, cid)
     assert [env.get(f"FP_CDI_GPU{i}") for i in range(4)] == EXPECTED_UUIDS, env
+    pods.remove_all()
+    _wait_ledger_empty(daemon)
+
+
+def test_uuid_devices_get_the_nodes_cdi_devices_from_the_daemon(ctrd, daemon, pods):
+    """Issue 23 small failing input 1 with the real runtime: the scheduler wrote
+    plain GPU UUIDs; the daemon finds each GPU's ``k8s.device-plugin.nvidia.com/gpu``
+    device in the node's CDI spec (the directory containerd loads) and puts it
+    in the adjustment; containerd applies the spec (one env variable per GPU),
+    and the env is as before (ADR 0025b). Time-slicing: no MPS namespace."""
+    ann = {ANN + "gpu-memory.request": "10Gi", ANN + "gpu-compute.mode": "time-slicing",
+           ANN + "gpus.devices": ",".join(EXPECTED_UUIDS)}
+    pid, cfg = pods.run("uuid-cdi", ann)
+    cid = pods.create_and_start(pid, cfg)
+    env = h.container_env(ctrd, cid)
+    assert env.get("NVIDIA_VISIBLE_DEVICES", "").split(",") == EXPECTED_UUIDS
+    assert [env.get(f"FP_CDI_GPU{i}") for i in range(4)] == EXPECTED_UUIDS, env
+    assert daemon.status()["cdi"]["gpus_without_spec"] == []
     pods.remove_all()
     _wait_ledger_empty(daemon)
 

@@ -354,7 +354,7 @@ class DaemonProcesses:
                     with open(os.path.join(d.pipe_dir, "nvidia-cuda-mps-control.pid"), encoding="utf-8") as f:
                         pid = int(f.read().split()[0])
                     if pid_alive(pid) and is_control_daemon(pid, self.c.control_binary):
-                        procs[d.mode] = proc = DetachedProc(pid)  # type: ignore[assignment]
+                        procs[d.mode] = proc = DetachedProc(pid)
                 except (OSError, ValueError, IndexError):
                     pass
             if proc is None or proc.poll() is not None:

@@ -84,7 +84,7 @@ def cpu_pressure_pct(proc_root: str = "/proc") -> float | None:
 def probe_timeout_for(base_s: float, timeouts: int) -> float:
     """Timeout (seconds) of the next probe after ``timeouts`` consecutive timed-out probes:
     ``base_s`` doubled per timeout, at most ``MAX_TIMEOUT_DOUBLINGS`` times (module docstring)."""
-    return base_s * (2 ** min(max(0, timeouts), MAX_TIMEOUT_DOUBLINGS))
+    return base_s * float(1 << min(max(0, timeouts), MAX_TIMEOUT_DOUBLINGS))
 
 
 class DaemonProber:

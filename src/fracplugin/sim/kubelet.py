@@ -372,7 +372,7 @@ class KubeletSim(Kubelet):
         ep = self._current()
         if ep is None:
             raise ConnectionError("no device plugin registered")
-        resp = ep.stub.Allocate(
+        resp: pb.AllocateResponse = ep.stub.Allocate(
             pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=device_ids)]),
             timeout=timeout_s)
         if not resp.container_responses:

@@ -41,6 +41,7 @@ from .._proto import nri_pb2
 from ..nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from ..nri.transport import ConnectionClosed, NriTransport
 from ..nri.ttrpc import Code, RequestReceived, RpcError
+from .nri_driver import _PluginDriver
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class PluginConn:
         self.state_change_fallback = False
 
 
-class NriRuntimeServer:
+class NriRuntimeServer(_PluginDriver):
     """Listen on ``socket_path`` and drive the plugin that connects.
 
     Args:
@@ -239,49 +240,7 @@ class NriRuntimeServer:
             assert conn is not None and conn.info is not None
             return conn.info
 
-    # ---- driving the plugin ------------------------------------------------------
-    def set_sync_state(self, pods: Sequence[Any], containers: Sequence[Any]) -> None:
-        """What the next Synchronize (after a (re)connection) carries."""
-        self.initial_sync = (list(pods), list(containers))
-
-    def create_container(self, pod: Any, container: Any) -> Any:
-        """CreateContainer: returns the ``CreateContainerResponse``. Raises
-        ``RpcError`` when the plugin refuses (e.g. INVALID_ARGUMENT),
-        ``ConnectionError`` / ``TimeoutError``."""
-        req = nri_pb2.CreateContainerRequest(pod=pod, container=container)
-        return self._call("CreateContainer", req, nri_pb2.CreateContainerResponse)
-
-    def update_container(self, pod: Any, container: Any) -> Any:
-        """UpdateContainer: returns the ``UpdateContainerResponse``. Raises RpcError."""
-        req = nri_pb2.UpdateContainerRequest(pod=pod, container=container)
-        return self._call("UpdateContainer", req, nri_pb2.UpdateContainerResponse)
-
-    def stop_container(self, pod: Any, container: Any) -> Any:
-        """StopContainer: returns the ``StopContainerResponse``. Raises RpcError."""
-        req = nri_pb2.StopContainerRequest(pod=pod, container=container)
-        return self._call("StopContainer", req, nri_pb2.StopContainerResponse)
-
-    def start_container(self, pod: Any, container: Any) -> None:
-        """StartContainer (v0.12 RPC, StateChange fallback). Raises RpcError
-        (e.g. UNAVAILABLE: the runtime fails the start, kubelet retries)."""
-        self._event("StartContainer", pod, container)
-
-    def remove_container(self, pod: Any, container: Any) -> None:
-        """RemoveContainer (v0.12 RPC, StateChange fallback). Raises RpcError."""
-        self._event("RemoveContainer", pod, container)
-
-    def run_pod_sandbox(self, pod: Any) -> None:
-        """RunPodSandbox (v0.12 RPC, StateChange fallback). Raises RpcError."""
-        self._event("RunPodSandbox", pod, None)
-
-    def stop_pod_sandbox(self, pod: Any) -> None:
-        """StopPodSandbox (v0.12 RPC, StateChange fallback). Raises RpcError."""
-        self._event("StopPodSandbox", pod, None)
-
-    def remove_pod_sandbox(self, pod: Any) -> None:
-        """RemovePodSandbox (v0.12 RPC, StateChange fallback). Raises RpcError."""
-        self._event("RemovePodSandbox", pod, None)
-
+    # ---- driving the plugin: the events are in nri_driver.py -------------------
     def synchronize(self, pods: Sequence[Any], containers: Sequence[Any], *, parts: int = 1) -> list[Any]:
         """Send Synchronize, split into ``parts`` messages (all but the last
         with ``more = true``; the plugin must answer those ``{more: true}``).
