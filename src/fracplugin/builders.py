@@ -228,7 +228,9 @@ class _Builders:
         exclusive = (tuple(g.uuid for g in self.node.gpus)
                      if self.cfg.exclusive_process and not self.cfg.simulate_node else ())
         sup = MpsSupervisor(layout, self.cfg.mps_control_binary, protocol, self.node.driver_version, modes,
-                            exclusive_process_gpus=exclusive, detached=self.cfg.role == "mps")
+                            exclusive_process_gpus=exclusive, detached=self.cfg.role == "mps",
+                            probe_timeout_s=self.cfg.mps_probe_timeout_s,
+                            probe_failure_threshold=self.cfg.mps_probe_failure_threshold)
         self.mps = sup
         try:
             self._add(MpsPart(self.cfg, sup))

@@ -97,6 +97,9 @@ class Config:
     mps_protocol: str = "auto"
     mps_modes: tuple[str, ...] = MPS_MODES
     exclusive_process: bool = False
+    # MPS daemon probes (mps/probing.py): a live daemon on a starved host answers late
+    mps_probe_timeout_s: float = 2.0
+    mps_probe_failure_threshold: int = 2
     # state
     state_dir: str = "/run/fracplugin/state"
     # NRI door (nri-protocol.md 1.5)
@@ -182,7 +185,7 @@ host path must be mounted by the DaemonSet)."""
 
 #: setting -> flag name. ``shutdown_timeout_s`` is ``--shutdown-timeout`` (seconds).
 _FLAG_OVERRIDES = {"shutdown_timeout_s": "shutdown-timeout", "allocate_deadline_s": "allocate-deadline",
-                   "pod_resources_interval_s": "pod-resources-interval"}
+                   "pod_resources_interval_s": "pod-resources-interval", "mps_probe_timeout_s": "mps-probe-timeout"}
 
 
 def flag_name(setting: str) -> str:
@@ -209,6 +212,10 @@ _HELP = {
     "mps_root": "host directory holding the MPS pipe and log directories",
     "mps_protocol": "MPS control protocol: auto (from the driver version), 2 or 3",
     "mps_modes": "comma list of compute modes whose MPS daemon is supervised",
+    "mps_probe_timeout_s": "seconds one MPS daemon probe may take; each timed-out probe doubles the next one's, "
+                           "up to 8x",
+    "mps_probe_failure_threshold": "consecutive failed MPS daemon probes that confirm a hang (a timed-out probe "
+                                   "reports the daemon unhealthy only then, and it is restarted)",
     "exclusive_process": "put every GPU of the node in EXCLUSIVE_PROCESS compute mode through NVML (only the MPS "
                          "server then opens contexts; off by default because it also constrains whole-GPU pods)",
     "state_dir": "directory of ledger.json and endpoints.json",
@@ -425,6 +432,10 @@ def _validate_role_and_mps(cfg: Config, bad: _Bad) -> None:
     for m in cfg.mps_modes:
         if m not in MPS_MODES:
             raise bad("mps_modes", f"has the unknown mode {m!r}; modes are {', '.join(MPS_MODES)}")
+    if not 0 < cfg.mps_probe_timeout_s <= 600:
+        raise bad("mps_probe_timeout_s", "must be a positive number of seconds, at most 600")
+    if not 1 <= cfg.mps_probe_failure_threshold <= 100:
+        raise bad("mps_probe_failure_threshold", "must be 1..100")
     if not cfg.no_mps and not cfg.mps_modes:
         raise bad("mps_modes", f"is empty: name at least one of {', '.join(MPS_MODES)}, or give --no-mps")
 

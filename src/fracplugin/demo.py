@@ -34,6 +34,7 @@ kubelet drivers run their own I/O threads.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -72,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--examples", metavar="DIR", default=None,
                    help="directory with nodes/ and pods/ (default: the repo's examples/)")
     p.add_argument("--mps-control-binary", metavar="PATH", default=None,
-                   help="MPS control executable (default: the repo's tests/fakes/nvidia-cuda-mps-control)")
+                   help="MPS control executable (default: the repo's fake, tests/fakes/nvidia-cuda-mps-control, "
+                        "behind its compiled client when gcc is there)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, ledger) afterwards")
     p.add_argument("--ready-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long to wait for the daemon to be ready")
@@ -99,7 +101,8 @@ def find_examples(explicit: str | None = None) -> Path:
 def find_fake_mps(explicit: str | None = None) -> Path | None:
     """The MPS control binary: ``--mps-control-binary``, else the repo's fake
     (``tests/fakes/nvidia-cuda-mps-control`` relative to the package source or
-    the current directory); None when none is found."""
+    the current directory; its compiled client in front when it can be built,
+    ``_compiled_fake``); None when none is found."""
     if explicit:
         p = Path(explicit)
         if not (p.is_file() and os.access(p, os.X_OK)):
@@ -108,8 +111,28 @@ def find_fake_mps(explicit: str | None = None) -> Path | None:
     for base in (PKG_DIR.parents[1], Path.cwd()):
         p = base / "tests" / "fakes" / "nvidia-cuda-mps-control"
         if p.is_file() and os.access(p, os.X_OK):
-            return p.resolve()
+            return _compiled_fake(p) or p.resolve()
     return None
+
+
+def _compiled_fake(py_fake: Path) -> Path | None:
+    """The compiled front of the repo's fake (``tests/fakes/mps_client.py``
+    builds it with gcc into ``build/fake-mps/``): its control commands start in
+    about a millisecond, like the real binary's, where the Python fake's take
+    seconds on a loaded machine and a probe could time out. None when it
+    cannot be built (no C compiler): the Python fake is used then."""
+    builder = py_fake.parent / "mps_client.py"
+    if not builder.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location("fracplugin_demo_fake_mps_client", builder)
+        if spec is None or spec.loader is None:
+            return None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return Path(mod.build_mps_client()).resolve()
+    except Exception:  # noqa: BLE001 - any failure to build: the Python fake still works
+        return None
 
 
 # ---- small helpers ----------------------------------------------------------------------

@@ -234,7 +234,7 @@ class MpsPart(PartBase):
     name = "mps"
     check = "mps"
     reads = frozenset({"mps_modes", "mps_control_binary", "mps_root", "mps_protocol", "exclusive_process",
-                       "mps_api_socket", "no_mps", "role"})
+                       "mps_api_socket", "no_mps", "role", "mps_probe_timeout_s", "mps_probe_failure_threshold"})
 
     def __init__(self, cfg: Config, mps: MpsApi) -> None:
         super().__init__(cfg)

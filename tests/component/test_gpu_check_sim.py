@@ -24,12 +24,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fakes.mps_client import fake_control_binary
 from tests.gpu import gpu_check as gc
 from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
-FAKE_MPS = str(REPO / "tests" / "fakes" / "nvidia-cuda-mps-control")
+FAKE_MPS = str(fake_control_binary())  # compiled client: probes answer in ms on a loaded machine too
 
 
 def _node(tmp_path: Path, driver: str) -> tuple[str, dict]:

@@ -453,6 +453,29 @@ def mps_pids(proc: str = "/proc") -> set[int]:
     return out
 
 
+def foreign_mps(pid: int, work: Path, proc: str = "/proc") -> bool:
+    """True when MPS process ``pid`` belongs to another MPS root: its
+    environment sets ``CUDA_MPS_PIPE_DIRECTORY`` to a directory outside
+    ``work`` (another checkout's or node agent's fake or daemon, started while
+    the check ran). A process without that variable, or whose environment
+    cannot be read, is not known to be foreign (False): it is counted."""
+    try:
+        env = (Path(proc) / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    for kv in env:
+        if kv.startswith(b"CUDA_MPS_PIPE_DIRECTORY="):
+            pipe = kv.split(b"=", 1)[1].decode(errors="replace")
+            return not (pipe == str(work) or pipe.startswith(str(work).rstrip("/") + "/"))
+    return False
+
+
+def new_mps_pids(before: set[int], work: Path, proc: str = "/proc") -> set[int]:
+    """MPS processes (``mps_pids``) that were not there ``before`` and are not
+    another MPS root's (``foreign_mps``): what this check's daemon may have left."""
+    return {pid for pid in mps_pids(proc) - before if not foreign_mps(pid, work, proc)}
+
+
 def own_leftovers(work: Path, proc: str = "/proc") -> list[str]:
     """Live processes whose command line or environment names ``work`` (the
     daemon and every MPS process it started get their paths there), as
@@ -1474,11 +1497,14 @@ class GpuCheck:
             rc = self.daemon.stop(30.0)
             r.check(6, "daemon stopped by SIGTERM", "exit status 0 within 30 s",
                     {"status": rc, "after_s": round(time.monotonic() - t, 1)}, rc == 0, "did not stop cleanly")
-            wait_until(lambda: not (mps_pids() - self.mps_before) and not own_leftovers(self.work), 10.0, 0.2)
-            left = sorted(mps_pids() - self.mps_before)
+            # a condition, bounded generously (a loaded host reaps slowly); other MPS roots' processes
+            # (another checkout's fakes on a shared machine) are not this check's
+            wait_until(lambda: not new_mps_pids(self.mps_before, self.work) and not own_leftovers(self.work),
+                       60.0, 0.2)
+            left = sorted(new_mps_pids(self.mps_before, self.work))
             ours = own_leftovers(self.work)
-            r.check(6, "no MPS process left", "no nvidia-cuda-mps-* process that was not there before, no process "
-                    "naming the work directory", {"mps": left, "work_dir": ours}, not left and not ours,
+            r.check(6, "no MPS process left", "no nvidia-cuda-mps-* process that was not there before (other MPS "
+                    "roots' left out), no process naming the work directory", {"mps": left, "work_dir": ours}, not left and not ours,
                     "processes left running")
             for pid in left + [int(x.split(":")[0]) for x in ours]:  # ours: started after the check began
                 try:

@@ -340,7 +340,8 @@ class DaemonProcesses:
 
     def shutdown_locked(self, timeout_s: float) -> None:
         """``quit`` (stdin, or the control socket when detached), wait until the deadline, SIGKILL, kill leftover
-        servers, remove stale ``control`` sockets. Caller holds ``shutdown_lock``."""
+        servers, remove stale ``control`` sockets (and, of a daemon that is gone, its server and namespace
+        sockets: ``clean_stale_leaves``). Caller holds ``shutdown_lock``."""
         deadline = time.monotonic() + timeout_s
         daemons = list(self.c.daemons.values())
         with self.c.lock:
@@ -393,6 +394,11 @@ class DaemonProcesses:
                 os.unlink(os.path.join(d.pipe_dir, "control"))
             except OSError:
                 pass
+            proc = procs[d.mode]
+            if proc is None or proc.poll() is not None:
+                # A daemon that died uncleanly (SIGKILLed here, or hard-killed by a confirmed hang and
+                # not restarted yet) left its server and namespace sockets: nothing serves them now.
+                self.clean_stale_leaves(d)
             with self.c.lock:
                 d.state = "stopped"
 

@@ -9,6 +9,23 @@ whether a ready one is still healthy:
   ``get_default_active_thread_percentage``) bounded by ``probe_timeout_s``;
   ``probe_failure_threshold`` consecutive failures confirm a hang: the daemon
   is hard-killed and restarted (``lifecycle``);
+* a probe that *timed out* is not the same as one that was *refused*: on a
+  starved host (load far above the cores) a live daemon, and the control
+  client the probe starts, answer late. So a refused probe (the daemon answered
+  an error, its socket is gone or was replaced, the client exited non-zero)
+  reports the daemon unhealthy at once, while timed-out probes change the
+  reported health only once ``probe_failure_threshold`` of them in a row
+  confirm a hang; and each timed-out probe (while starting too) doubles the
+  next one's timeout, up to 8 x ``probe_timeout_s`` (``probe_timeout_for``),
+  so a daemon that is alive but slow gets the time to say so, while a hung
+  one is still confirmed within a few probe timeouts; and while the host is
+  CPU-starved (``/proc/pressure/cpu`` "some avg10" at least
+  ``STARVED_CPU_PRESSURE_PCT``: runnable tasks waited for a CPU that share of
+  the last 10 s; Linux PSI, kernel docs ``accounting/psi.rst``) a timed-out
+  probe whose timeout is still below the cap is not counted at all: on such a
+  host a hang is confirmed only by probes that waited 8 x ``probe_timeout_s``
+  (about 30 s to the first count with the defaults, rather than 2 s), which
+  is the right trade while a restart would kill every client's GPU work;
 * the probe first checks that ``<pipe>/control`` is still the socket the
   daemon created (owner, inode, directory writable by us only): a replaced
   socket is never talked to;
@@ -29,15 +46,45 @@ import threading
 import time
 
 from ..model import ComputeMode
-from .api import MpsError, MpsResourceError
+from .api import MpsError, MpsResourceError, MpsTimeout
 from .lifecycle import DaemonProcesses
 from .namespaces import NamespaceBook
 from .procs import DetachedProc, is_control_daemon, pid_alive
 from .state import SERVER_EXIT_RE, DaemonState, SupervisorCore, control_log_size
 
-__all__ = ["DaemonProber"]
+__all__ = ["DaemonProber", "probe_timeout_for", "cpu_pressure_pct", "MAX_TIMEOUT_DOUBLINGS",
+           "STARVED_CPU_PRESSURE_PCT"]
 
 log = logging.getLogger("fracplugin.mps.supervisor")
+
+MAX_TIMEOUT_DOUBLINGS = 3
+"""A probe after n consecutive timed-out ones waits ``probe_timeout_s * 2**min(n, 3)`` (at most 8x)."""
+
+
+STARVED_CPU_PRESSURE_PCT = 50.0
+"""CPU pressure (PSI "some avg10", percent) from which the host counts as starved (module docstring)."""
+
+
+def cpu_pressure_pct(proc_root: str = "/proc") -> float | None:
+    """Linux PSI ``<proc_root>/pressure/cpu`` "some avg10": the percentage of the
+    last 10 s in which at least one runnable task waited for a CPU. None when
+    the file is missing or unreadable (kernel without PSI, ``psi=0``)."""
+    try:
+        with open(os.path.join(proc_root, "pressure", "cpu"), encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("some "):
+                    for field in line.split()[1:]:
+                        if field.startswith("avg10="):
+                            return float(field[len("avg10="):])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def probe_timeout_for(base_s: float, timeouts: int) -> float:
+    """Timeout (seconds) of the next probe after ``timeouts`` consecutive timed-out probes:
+    ``base_s`` doubled per timeout, at most ``MAX_TIMEOUT_DOUBLINGS`` times (module docstring)."""
+    return base_s * float(1 << min(max(0, timeouts), MAX_TIMEOUT_DOUBLINGS))
 
 
 class DaemonProber:
@@ -53,7 +100,11 @@ class DaemonProber:
         after ``start_timeout_s``."""
         if os.path.exists(os.path.join(d.pipe_dir, "control")):
             try:
-                dur = d.control.probe(self.c.probe_timeout_s)
+                # the escalated timeout, but never past the start timeout (the supervisor thread waits on it)
+                left = (self.c.start_timeout_s - (now - d.started_at)) if d.started_at is not None else 0.0
+                timeout = min(probe_timeout_for(self.c.probe_timeout_s, d.probe_timeouts),
+                              max(self.c.probe_timeout_s, left))
+                dur = d.control.probe(timeout)
             except MpsResourceError as e:
                 # Our process cannot run the probe (EMFILE, ...): the start timeout counts from when it
                 # can again, so starvation never kills the daemon nor spends the budget (issue 13 item 1).
@@ -65,6 +116,7 @@ class DaemonProber:
             except MpsError as e:
                 with self.c.lock:
                     d.last_error = f"not ready: {e}"
+                    d.probe_timeouts = d.probe_timeouts + 1 if isinstance(e, MpsTimeout) else 0
             else:
                 self.after_ready(d, dur)
                 return
@@ -129,6 +181,7 @@ class DaemonProber:
             d.last_probe_ok = True
             d.last_probe_at = now
             d.probe_failures = 0
+            d.probe_timeouts = 0
             d.next_probe_at = now + self.c.probe_interval_s
             d.slow = ""
             d.control_id = None
@@ -177,36 +230,44 @@ class DaemonProber:
                 d.last_error = f"defaults: {e}"
             log.warning("MPS %s defaults not applied: %s", d.mode.value, e)
 
-    def probe(self, d: DaemonState, now: float) -> None:
-        """One active probe of a ready/unhealthy daemon (module docstring); ``probe_failure_threshold``
-        consecutive failures hard-restart it."""
-        ok = True
-        err = ""
-        t0 = time.monotonic()
-        ident = self.control_identity(d)
-        if d.control_id is not None and ident != d.control_id:
+    def ask(self, d: DaemonState) -> tuple[bool, bool, str] | None:
+        """Run one probe command of ``d``: ``(ok, timed_out, error)``; None when this process could not even
+        run it (an ``MpsResourceError``: recorded, the next probe is at the next interval, never a failure)."""
+        if d.control_id is not None and self.control_identity(d) != d.control_id:
             # Someone replaced the daemon's control socket: never talk to it.
-            ok = False
-            err = f"{d.pipe_dir}/control was replaced (not the socket the daemon created)"
-        else:
-            try:
-                d.control.probe(self.c.probe_timeout_s)
-            except MpsResourceError as e:
-                # The probe could not even be run (EMFILE, ...): says nothing about the daemon. Retry
-                # at the next interval; never a probe failure, never a restart (issue 13 item 1).
-                with self.c.lock:
-                    d.resource_errors += 1
-                    d.last_error = f"probe not run: {e}"
-                    d.next_probe_at = self.c.clock() + self.c.probe_interval_s
-                log.warning("MPS %s probe not run (this process is out of a resource): %s", d.mode.value, e)
-                return
-            except MpsError as e:
-                ok = False
-                err = str(e)
-            if ok and d.control_id is not None and self.control_identity(d) != d.control_id:
-                ok = False  # replaced while the probe ran: whoever answered, it is not to be trusted
-                err = f"{d.pipe_dir}/control was replaced during the probe"
+            return False, False, f"{d.pipe_dir}/control was replaced (not the socket the daemon created)"
+        try:
+            d.control.probe(probe_timeout_for(self.c.probe_timeout_s, d.probe_timeouts))
+        except MpsResourceError as e:
+            # The probe could not even be run (EMFILE, ...): says nothing about the daemon. Retry
+            # at the next interval; never a probe failure, never a restart (issue 13 item 1).
+            with self.c.lock:
+                d.resource_errors += 1
+                d.last_error = f"probe not run: {e}"
+                d.next_probe_at = self.c.clock() + self.c.probe_interval_s
+            log.warning("MPS %s probe not run (this process is out of a resource): %s", d.mode.value, e)
+            return None
+        except MpsError as e:
+            return False, isinstance(e, MpsTimeout), str(e)
+        if d.control_id is not None and self.control_identity(d) != d.control_id:
+            # replaced while the probe ran: whoever answered, it is not to be trusted
+            return False, False, f"{d.pipe_dir}/control was replaced during the probe"
+        return True, False, ""
+
+    def probe(self, d: DaemonState, now: float) -> None:
+        """One active probe of a ready/unhealthy daemon (module docstring): a refused probe reports it
+        unhealthy at once; a timed-out one only when it is the ``probe_failure_threshold``-th failure in a
+        row, which also hard-restarts it."""
+        t0 = time.monotonic()
+        asked = self.ask(d)
+        if asked is None:
+            return
+        ok, timed_out, err = asked
         dur = time.monotonic() - t0
+        starved: float | None = None
+        if timed_out:
+            pct = cpu_pressure_pct(self.c.procfs.root)
+            starved = pct if pct is not None and pct >= STARVED_CPU_PRESSURE_PCT else None
         t = self.c.clock()
         with self.c.lock:
             d.last_probe_at = t
@@ -216,13 +277,22 @@ class DaemonProber:
             d.next_probe_at = t + (self.c.probe_interval_s if ok else min(self.c.probe_interval_s, 1.0))
             if ok:
                 d.probe_failures = 0
+                d.probe_timeouts = 0
                 d.state = "ready"
                 d.slow = ""
             else:
-                d.probe_failures += 1
-                d.state = "unhealthy"
-                d.last_error = f"probe: {err}"
+                # a timed-out probe on a starved host, whose timeout can still grow, is no evidence of a hang
+                excused = (timed_out and starved is not None and d.probe_timeouts < MAX_TIMEOUT_DOUBLINGS)
+                if not excused:
+                    d.probe_failures += 1
+                d.probe_timeouts = d.probe_timeouts + 1 if timed_out else 0
+                d.last_error = f"probe: {err}" + (f" (host CPU-starved: pressure {starved:g}%; not counted)"
+                                                   if excused else "")
             failures = d.probe_failures
+            # a late answer alone (a starved host) is no verdict until the threshold confirms a hang
+            suspect_only = timed_out and failures < self.c.probe_failure_threshold and d.healthy
+            if not ok and not suspect_only:
+                d.state = "unhealthy"
         if ok:
             if d.restore_pending:
                 self.book.restore(d)
@@ -231,9 +301,15 @@ class DaemonProber:
             loop = self.check_crash_loop(d)
             self.c.set_health(d, not d.restore_pending and not loop)
             return
-        self.c.set_health(d, False)
         if d.proc is not None and d.proc.poll() is not None:
+            self.c.set_health(d, False)
             return  # it died meanwhile: the exit path restarts it on the next step
+        if suspect_only:
+            log.warning("MPS %s probe timed out (%d of %d before it counts as hung; next timeout %.3gs): %s",
+                        d.mode.value, failures, self.c.probe_failure_threshold,
+                        probe_timeout_for(self.c.probe_timeout_s, d.probe_timeouts), err)
+            return
+        self.c.set_health(d, False)
         log.warning("MPS %s probe failed (%d): %s", d.mode.value, failures, err)
         if failures >= self.c.probe_failure_threshold:
             self.procs.hard_kill(d)

@@ -110,6 +110,7 @@ class DaemonState:
     resource_errors: int = 0  # starts/probes not run for lack of descriptors/memory (no budget spent)
     wedges: int = 0
     probe_failures: int = 0
+    probe_timeouts: int = 0  # consecutive probes that timed out (not refused): the next one waits longer
     last_probe_s: float | None = None
     last_probe_ok: bool | None = None
     last_probe_at: float | None = None

@@ -49,7 +49,8 @@ gpu-fractioning-reference.md section 4):
 * ready when the ``control`` socket exists and a real command answers;
 * an active probe every ``probe_interval_s`` (v3 ``server list``, v2
   ``get_default_active_thread_percentage``) with ``probe_timeout_s``; a hung
-  daemon fails it and is killed and restarted;
+  daemon fails it and is killed and restarted (a late answer alone, as on a
+  starved host, reports nothing until ``probe_failure_threshold`` confirm it);
 * the probe first checks that ``<pipe>/control`` is still the socket the
   daemon created (owner, inode, directory writable by us only): a replaced
   socket is never talked to; server crash loops (non-zero server exits in
@@ -119,7 +120,8 @@ class MpsSupervisor:
         start_timeout_s: a daemon not ready this long after start is killed and restarted.
         probe_failure_threshold: consecutive failed probes that trigger a restart
             (default 2: a restart kills every client's GPU work, so one slow answer
-            on a loaded node is not enough; the first failure already reports unhealthy).
+            on a loaded node is not enough). A refused probe reports unhealthy at once; timed-out
+            probes only at the threshold, each one doubling the next probe's timeout (``probing``).
         backoff_base_s, backoff_max_s: exponential backoff after the immediate first retry.
         server_exe: basename of MPS server binaries (leftover-server cleanup).
         default_active_thread_percentage: v2 only: ``set_default_active_thread_percentage``
