@@ -6,7 +6,7 @@ is not a key the contract reads, so the container runs unfenced. Every door
 (``fracplugin explain``, the NRI door's Warning Event, Allocate's log) says
 so with the same words, naming the key and the closest valid one.
 
-Keys checked (DESIGN.md section 4, ``annotations.py``):
+Keys checked (docs/reference/design.md section 4, ``annotations.py``):
 
 - under the per-container prefix (``nvidia.com/container.``): the rest must
   be ``<container><suffix>`` with one of the five suffixes

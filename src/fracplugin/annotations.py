@@ -1,8 +1,8 @@
 """Pod annotations -> FractionRequest for one container (pure; no I/O).
 
-The contract is DESIGN.md section 4; the rules come from the reference node
+The contract is docs/reference/design.md section 4; the rules come from the reference node
 stack's annotation parser and KAI's NvFractions binder/admission
-(gpu-fractioning-reference.md sections 2a and 2b). Every refusal is a
+(docs/reference/gpu-fractioning-reference.md sections 2a and 2b). Every refusal is a
 ``FractionError`` naming the key, the value and the rule.
 
 Keys read, for container ``c`` and prefix ``p`` (default ``nvidia.com/container.``):
@@ -63,7 +63,7 @@ _QUANTITY_RE = re.compile(rf"^{C.QUANTITY_PATTERN}\Z")
 
 def container_key(prefix: str, container: str, suffix: str) -> str:
     """``<prefix><container><suffix>``; exact-key lookup means ``trainer`` never
-    matches ``trainer-2`` (gpu-fractioning-reference.md section 2a)."""
+    matches ``trainer-2`` (docs/reference/gpu-fractioning-reference.md section 2a)."""
     return f"{prefix}{container}{suffix}"
 
 
@@ -243,7 +243,7 @@ def parse(
 def relevant_keys(prefix: str, container: str) -> tuple[str, ...]:
     """Every annotation key ``parse_uncached`` reads for ``container``: the
     five per-container keys, KAI's portion limit, the pod-level KAI forms and
-    KAI's pod-level compute mode (DESIGN.md section 4)."""
+    KAI's pod-level compute mode (docs/reference/design.md section 4)."""
     return (
         *(container_key(prefix, container, s) for s in (SUFFIX_REQUEST, SUFFIX_LIMIT, SUFFIX_MODE,
                                                           SUFFIX_PORTION, SUFFIX_DEVICES)),

@@ -374,7 +374,7 @@ class _Builders:
         self.nri = self._add(NriDoor(self.cfg, stub, plugin))
         self.endpoints["nri_socket"] = self.cfg.nri_socket
         if stub.fd_mode:
-            # Launched by the runtime with the NRI socket on fd 3 (nri-protocol.md 1.5): when that
+            # Launched by the runtime with the NRI socket on fd 3 (docs/reference/nri-protocol.md 1.5): when that
             # connection ends the runtime will launch a new plugin, so this process must go.
             self.endpoints["nri_socket"] = f"fd {stub.fd}"
 

@@ -9,7 +9,7 @@ them). Only the GPU kinds are read: ``k8s.device-plugin.nvidia.com/gpu`` (the
 NVIDIA device plugin's, KAI's binder with ``cdiEnabled``), ``nvidia.com/gpu``
 (the container toolkit's ``nvidia-ctk cdi generate`` / just-in-time specs) and
 an operator-named kind (``--cdi-kind``), which is preferred when given
-(enforcement-cdi-dra.md "CDI on GPU Operator nodes").
+(docs/reference/enforcement-cdi-dra.md "CDI on GPU Operator nodes").
 
 A device is matched to a GPU by UUID: its name is the UUID (the device
 plugin's default ``deviceIDStrategy``), or its edits name the UUID (a hook

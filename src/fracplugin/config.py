@@ -39,8 +39,8 @@ MEMORY_LIMIT_MODES = ("auto", "apply", "verify", "off")
 MEMORY_LIMIT_POLICIES = ("warn", "refuse")
 ROLES = ("all", "doors", "mps")
 MPS_MODES = ("time-slicing", "sm-sharing")
-_NRI_NAME = re.compile(r"^[a-zA-Z0-9_.+-]+$")  # nri-protocol.md 1.5 (v0.12+ rule)
-_NRI_IDX = re.compile(r"^[0-9]{2}$")  # nri-protocol.md 1.5: exactly two digits
+_NRI_NAME = re.compile(r"^[a-zA-Z0-9_.+-]+$")  # docs/reference/nri-protocol.md 1.5 (v0.12+ rule)
+_NRI_IDX = re.compile(r"^[0-9]{2}$")  # docs/reference/nri-protocol.md 1.5: exactly two digits
 # A qualified name as Kubernetes writes condition types: optional DNS subdomain
 # prefix, then a name of [A-Za-z0-9] with -_. inside, at most 63 characters.
 _CONDITION_TYPE = re.compile(r"^(?:[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -90,7 +90,7 @@ class Config:
     mps_api_socket: str = ""  # "" = <mps_root>/api.sock (/run/fracplugin/mps/api.sock)
     # inventory
     simulate_node: str | None = None
-    # MPS (mps-nvml.md section 1)
+    # MPS (docs/reference/mps-nvml.md section 1)
     no_mps: bool = False
     mps_control_binary: str = "nvidia-cuda-mps-control"
     mps_root: str = "/run/fracplugin/mps"
@@ -102,7 +102,7 @@ class Config:
     mps_probe_failure_threshold: int = 2
     # state
     state_dir: str = "/run/fracplugin/state"
-    # NRI door (nri-protocol.md 1.5)
+    # NRI door (docs/reference/nri-protocol.md 1.5)
     no_nri: bool = False
     nri_socket: str = "/var/run/nri/nri.sock"
     nri_plugin_name: str = "fracplugin"
@@ -110,7 +110,7 @@ class Config:
     # StartContainer's wait for a container's MPS namespace (ADR 0028): at most this, and at most
     # the handler's budget (0.75 x the runtime's request timeout, 2 s default) minus a margin
     nri_start_wait_s: float = 1.0
-    # device plugin door (kubelet-device-plugin.md A.1)
+    # device plugin door (docs/reference/kubelet-device-plugin.md A.1)
     no_device_plugin: bool = False
     device_plugin_dir: str = "/var/lib/kubelet/device-plugins"
     resource_name: str = "fracplugin.io/gpu-memory"
@@ -387,9 +387,9 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
 
     Rules: enumerations (log format/level, MPS protocol and modes), HOST:PORT
     addresses, positive sizes and timeouts, NRI name/index syntax
-    (nri-protocol.md 1.5), the resource name (kubelet ``IsExtendedResourceName``,
-    kubelet-device-plugin.md A.3), absolute paths, the MPS root length
-    (socket paths must fit 108 bytes, mps-nvml.md 1.4).
+    (docs/reference/nri-protocol.md 1.5), the resource name (kubelet ``IsExtendedResourceName``,
+    docs/reference/kubelet-device-plugin.md A.3), absolute paths, the MPS root length
+    (socket paths must fit 108 bytes, docs/reference/mps-nvml.md 1.4).
     """
     src = sources or {}
 

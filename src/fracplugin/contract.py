@@ -15,7 +15,7 @@ a bare ``40960`` is 40960 bytes), KAI's pod-level ``gpu-memory`` is a whole
 number **of MiB** per GPU (``20480``; ``20Gi`` is refused); each refusal of
 these keys says which, with a "did you mean" for the other unit's spelling.
 Sources: the reference node stack's parser and KAI's pod-level forms
-(gpu-fractioning-reference.md sections 2a and 2b).
+(docs/reference/gpu-fractioning-reference.md sections 2a and 2b).
 """
 
 from __future__ import annotations

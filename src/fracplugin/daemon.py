@@ -1,6 +1,6 @@
 """``fracplugin run``: build every part, start them, serve, stop them in order.
 
-Start order (each part switchable, DESIGN.md section 3):
+Start order (each part switchable, docs/reference/design.md section 3):
 
 1. inventory: NVML, or ``SimulatedInventory`` with ``--simulate-node``;
 2. ledger: ``<state-dir>/ledger.json``, loaded (warnings logged, a corrupt

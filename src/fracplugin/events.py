@@ -1,4 +1,4 @@
-"""Kubernetes Events for refusals (DESIGN.md section 4: "bad input gets an
+"""Kubernetes Events for refusals (docs/reference/design.md section 4: "bad input gets an
 error naming key, value and rule, a Kubernetes Event when API access is
 configured, a log line, and a counter").
 

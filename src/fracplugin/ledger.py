@@ -9,7 +9,7 @@ Invariants (checked by ``check_invariants`` and by property tests):
 - one compute mode per GPU at a time;
 - per GPU, the sum of request MiB held <= the GPU's memory;
 - per GPU, at most ``max_clients_per_gpu`` tenants (MPS client limit, 48 on
-  Volta and later: kubelet-device-plugin.md B.4);
+  Volta and later: docs/reference/kubelet-device-plugin.md B.4);
 - an owner (pod uid, container) appears at most once per GPU.
 
 Persistence (issue 14, ADR 0010): a snapshot plus an

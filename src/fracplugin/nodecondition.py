@@ -4,7 +4,7 @@ In NvFractions mode KAI's scheduler places a fractional pod only on a node
 whose readiness condition is True; otherwise its fit error reads "node is not
 ready for fractional GPU scheduling. Condition <type> is <status>. Reason:
 <reason>" (KAI-Scheduler scheduler predicate tests). Two names are in use
-(enforcement-cdi-dra.md "The KAI node condition"): ``gpu-fractioning.nvidia.com/Ready``
+(docs/reference/enforcement-cdi-dra.md "The KAI node condition"): ``gpu-fractioning.nvidia.com/Ready``
 is what the renamed node stack writes and the constant in KAI's api module
 that current KAI reads; ``gpu-sharing.nvidia.com/Ready`` is the older
 operator's name, which some older KAI builds read. fracplugin publishes both

@@ -2,7 +2,7 @@
 
 The reservation key (``FRACPLUGIN_RESERVATION``, ``<uuid>::<ranges>``) is
 readable: any pod can write it into its own spec env, and kubelet puts the
-pod-spec env after the device plugin's (kubelet-device-plugin.md A.5). So a
+pod-spec env after the device plugin's (docs/reference/kubelet-device-plugin.md A.5). So a
 key alone proves nothing. Each Allocate answer therefore also carries a
 *proof*: 128 random bits (``secrets.token_hex(16)``) made for that Allocate,
 in env ``FRACPLUGIN_RESERVATION_PROOF`` and container annotation

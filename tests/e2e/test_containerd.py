@@ -1,11 +1,11 @@
 """End to end: a real containerd 2.x + runc + crictl with fracplugin attached over NRI.
 
 What it proves (issue 7): a container created by a real runtime gets the
-contract's environment and the MPS pipe-directory mount (DESIGN.md section 4),
+contract's environment and the MPS pipe-directory mount (docs/reference/design.md section 4),
 pod-authored values are overridden, bad annotations make container creation
 fail with an error naming the annotation, unannotated containers are left
 alone, the ledger is empty again after the pods are gone, and the daemon
-reconnects after containerd restarts (reference nri-protocol.md 1.9).
+reconnects after containerd restarts (reference docs/reference/nri-protocol.md 1.9).
 
 Requirements: root, and the binaries ``tests/e2e/build.sh`` builds (``make
 e2e`` runs it first).  Under ``make e2e`` (``FRACPLUGIN_E2E_REQUIRED=1``) a
@@ -352,7 +352,7 @@ def test_limit_below_request_is_refused(ctrd, daemon, pods):
     assert res.returncode != 0, res.stdout
     assert "nvidia.com/container.app.gpu-memory.limit" in res.stderr, res.stderr
     assert "20Gi" in res.stderr, res.stderr
-    assert "InvalidArgument" in res.stderr, res.stderr  # DESIGN.md 2: INVALID_ARGUMENT
+    assert "InvalidArgument" in res.stderr, res.stderr  # docs/reference/design.md 2: INVALID_ARGUMENT
     assert daemon.alive(), daemon.tail()
     assert daemon.tenancies() == []
     pods.remove_all()

@@ -22,7 +22,7 @@ The steps (issue 17), each a step of the JSON report ``gpu-check.json``:
    allocation fails and reports what it got, the devices it sees, its SM
    count and whether it went through MPS;
 4. one container with two client processes: what a container with several
-   processes gets (the pinned limit is per client process, mps-nvml.md 2.8);
+   processes gets (the pinned limit is per client process, docs/reference/mps-nvml.md 2.8);
 5. ``/metrics`` scraped while the clients hold memory: per-container used
    bytes against what they allocated (clients are put in a cgroup named like
    a containerd container so the daemon joins their PIDs to the container);
@@ -85,8 +85,8 @@ STEP_MIB = 256
 TS_LIMIT_MIB = 2048
 SM_LIMIT_MIB = 4096
 SM_PORTION = "0.25"
-SM_CHUNK = 8  # SMs per MPS chunk on Hopper and later (mps-nvml.md 1.5): ATP granularity slack
-PIN_SLACK_MIB = 1024  # the pinned limit also counts the context's own allocations (mps-nvml.md 2.2)
+SM_CHUNK = 8  # SMs per MPS chunk on Hopper and later (docs/reference/mps-nvml.md 1.5): ATP granularity slack
+PIN_SLACK_MIB = 1024  # the pinned limit also counts the context's own allocations (docs/reference/mps-nvml.md 2.2)
 METRIC_SLACK_MIB = 1024  # NVML's per-process figure includes the context
 MPS_EXES = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 MPS_SEARCH = ("/usr/bin", "/usr/local/nvidia/bin", "/usr/local/bin", "/usr/sbin")
@@ -388,7 +388,7 @@ def judge_through_mps(attr: int | None, pid: int | None, clients: list[int] | No
 
 def mps_namespace_skip(protocol: int) -> str:
     """Why per-container MPS namespaces cannot be checked (``""`` when they can):
-    they exist only in MPS v3 (driver r615+, mps-nvml.md 1.6, 3)."""
+    they exist only in MPS v3 (driver r615+, docs/reference/mps-nvml.md 1.6, 3)."""
     return "" if protocol >= 3 else (f"MPS protocol {protocol}: per-container namespaces need MPS v3 (driver r615+); "
                                      "sm-sharing containers share the daemon's pipe directory here")
 
@@ -441,7 +441,7 @@ def pod_manifest(name: str, mode: str, limit_mib: int, gpu_uuid: str, portion: s
 
 # ---- processes on this machine ----------------------------------------------------------------
 def mps_pids(proc: str = "/proc") -> set[int]:
-    """PIDs whose ``exe`` basename is an MPS binary (not ``comm``: truncated, mps-nvml.md 1.2)."""
+    """PIDs whose ``exe`` basename is an MPS binary (not ``comm``: truncated, docs/reference/mps-nvml.md 1.2)."""
     out = set()
     for p in Path(proc).iterdir():
         if p.name.isdigit():
@@ -499,7 +499,7 @@ def own_leftovers(work: Path, proc: str = "/proc") -> list[str]:
 
 def compute_modes() -> dict[str, int] | None:
     """Every GPU's compute mode through NVML (``{uuid: mode}``; 0 DEFAULT,
-    2 PROHIBITED, 3 EXCLUSIVE_PROCESS, mps-nvml.md 2.4); None when NVML fails.
+    2 PROHIBITED, 3 EXCLUSIVE_PROCESS, docs/reference/mps-nvml.md 2.4); None when NVML fails.
     The check must leave them as it found them (no ``--exclusive-process``)."""
     try:
         import pynvml
@@ -831,8 +831,8 @@ def mps_client_pids(binary: str, pipe_dir: str, protocol: int, timeout_s: float 
 ML_REQUEST_MIB = 1024
 ML_LIMIT_MIB = 2048
 ML_SLACK_MIB = 1  # nvidia-smi and cuMemGetInfo report MiB (rounded)
-ML_DRIVER = 615  # CUDA 13.4 memory partitioning: driver r615+ (mps-nvml.md, "MPS v3 Memory Partitioning")
-NVML_DEVICE_MEMORY_LIMIT_MAX = 0xFFFFFFFFFFFFFFFF  # "no hard limit" (mps-nvml.md 4.4)
+ML_DRIVER = 615  # CUDA 13.4 memory partitioning: driver r615+ (docs/reference/mps-nvml.md, "MPS v3 Memory Partitioning")
+NVML_DEVICE_MEMORY_LIMIT_MAX = 0xFFFFFFFFFFFFFFFF  # "no hard limit" (docs/reference/mps-nvml.md 4.4)
 HOOK_BINARY = "nvidia-cdi-hook"
 HOOK_SEARCH = ("/usr/bin", "/usr/local/bin", "/usr/local/nvidia/toolkit", "/usr/local/nvidia/bin")
 
@@ -841,7 +841,7 @@ def memory_limits_skip(driver_version: str, cgroup_root: str, mig_enabled: bool,
     """Why CUDA memory limits cannot be proven on this machine, or "" when
     they can: driver below r615, no cgroup v2 at ``cgroup_root`` (its
     ``cgroup.controllers``), a MIG GPU, or NVML without
-    ``nvmlDeviceGetMemoryLimits_v1`` (enforcement-cdi-dra.md)."""
+    ``nvmlDeviceGetMemoryLimits_v1`` (docs/reference/enforcement-cdi-dra.md)."""
     try:
         major = int(driver_version.split(".")[0])
     except ValueError:
@@ -909,7 +909,7 @@ def find_hook_binary() -> str | None:
 class NvmlLimits:
     """``nvmlDeviceGet/SetMemoryLimits_v1`` on one GPU through nvidia-ml-py
     (structs ``c_nvmlGetMemoryLimits_v1_t`` / ``c_nvmlSetMemoryLimits_v1_t``,
-    ``nameSpace`` = the cgroup directory as bytes; mps-nvml.md 4.4). Raises
+    ``nameSpace`` = the cgroup directory as bytes; docs/reference/mps-nvml.md 4.4). Raises
     the library's NVMLError."""
 
     def __init__(self, uuid_: str) -> None:
@@ -943,7 +943,7 @@ class NvmlLimits:
 
     def clear(self, cgroup: str) -> None:
         """Soft 0 first, then no hard limit (a deleted leaf keeps its
-        ancestors' dmem.min otherwise; enforcement-cdi-dra.md)."""
+        ancestors' dmem.min otherwise; docs/reference/enforcement-cdi-dra.md)."""
         self.set(cgroup, 0, NVML_DEVICE_MEMORY_LIMIT_MAX)
 
     def close(self) -> None:
@@ -980,7 +980,7 @@ def run_limits_hook(binary: str, cgroup: str, gpu_uuid: str, env: Mapping[str, s
     holder process is put in the leaf, an OCI bundle whose ``config.json``
     carries ``env`` (``NVIDIA_GPU_MEMORY_REQUEST``/``_LIMIT``) is written, and
     the OCI state (``pid``, ``bundle``) goes to the hook's stdin (inference
-    from enforcement-cdi-dra.md: the hook reads the env from the spec and the
+    from docs/reference/enforcement-cdi-dra.md: the hook reads the env from the spec and the
     cgroup from the container PID). Returns (exit status, output)."""
     bundle = work / f"bundle-{secrets.token_hex(4)}"
     bundle.mkdir()
@@ -1305,7 +1305,7 @@ class GpuCheck:
                         "a process passed the limit")
                 total = sum(got)
                 r.check(4, "what the container got in all", f"<= {2 * TS_LIMIT_MIB} MiB (the pinned limit binds each "
-                        "client process, not the container: mps-nvml.md 2.8)", {"total_mib": total,
+                        "client process, not the container: docs/reference/mps-nvml.md 2.8)", {"total_mib": total,
                         "container_limit_mib": TS_LIMIT_MIB, "per_process": got}, total <= 2 * TS_LIMIT_MIB)
                 r.facts["container_with_two_processes_mib"] = total
                 self._metric("two processes", ts, total, reps)

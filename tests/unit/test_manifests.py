@@ -100,7 +100,7 @@ ALLOWED_CAPABILITIES: dict[str, str] = {
 REQUIRED_CAPABILITIES = frozenset(ALLOWED_CAPABILITIES)
 
 # GPU Operator driver-upgrade signals (ADR 0008 decision 13;
-# gpu-fractioning-reference.md section 1): node labels -> may the daemon run?
+# docs/reference/gpu-fractioning-reference.md section 1): node labels -> may the daemon run?
 GPU_DEPLOY_CLIENT = "nvidia.com/gpu.deploy.client"
 DRIVER_UPGRADE_STATE = "nvidia.com/gpu-driver-upgrade-state"
 GPU_NODE = {"nvidia.com/gpu.present": "true"}

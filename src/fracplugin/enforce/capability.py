@@ -1,6 +1,6 @@
 """The memory-limit capability gate: can this node enforce CUDA 13.4 limits?
 
-Inputs (issue 23 item 2; facts: mps-nvml.md section 3, enforcement-cdi-dra.md):
+Inputs (issue 23 item 2; facts: docs/reference/mps-nvml.md section 3, docs/reference/enforcement-cdi-dra.md):
 
 * ``driver``: NVIDIA driver r615 or newer (memory partitioning needs CUDA 13.4,
   driver r615; Dynamo's "Per-GPU Compute and Memory Limits with MPS").

@@ -1,10 +1,10 @@
 """A container's leaf cgroup directory from NRI's ``linux.cgroups_path``.
 
 CUDA 13.4's per-container memory limit is set on the container's own **leaf**
-cgroup (mps-nvml.md section 3: a new leaf with ``+dmem`` starts at
+cgroup (docs/reference/mps-nvml.md section 3: a new leaf with ``+dmem`` starts at
 ``dmem.max=max`` and does not inherit; the NVML namespace is the full cgroup
 directory path). The runtime hands NRI plugins the path it gives runc
-(``Container.linux.cgroups_path``, nri-protocol.md), in one of two shapes:
+(``Container.linux.cgroups_path``, docs/reference/nri-protocol.md), in one of two shapes:
 
 * systemd driver: ``<slice>:<prefix>:<name>``, e.g.
   ``kubepods-burstable-pod<uid_>.slice:cri-containerd:<64hex>`` (containerd)

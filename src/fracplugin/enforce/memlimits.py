@@ -3,7 +3,7 @@
 Per container at StartContainer (its leaf cgroup exists, user code has not
 run): for each GPU of its plan read ``nvmlDeviceGetMemoryLimits_v1`` on the
 leaf cgroup and compare with the plan (soft = request, hard = limit, bytes;
-mps-nvml.md section 3, 4.4). Modes (``--memory-limits``):
+docs/reference/mps-nvml.md section 3, 4.4). Modes (``--memory-limits``):
 
 * ``apply``: set them with ``nvmlDeviceSetMemoryLimits_v1`` when they differ,
   then read back.

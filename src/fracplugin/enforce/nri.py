@@ -11,7 +11,7 @@
   accounting, MIG off) the plan's ``NVIDIA_GPU_MEMORY_REQUEST`` /
   ``NVIDIA_GPU_MEMORY_LIMIT`` are withheld: the hook does nothing unless both
   are set, and when it runs on such a node it fails the container's start
-  (an OCI hook error; enforcement-cdi-dra.md). ``withheld_keys()`` names them
+  (an OCI hook error; docs/reference/enforcement-cdi-dra.md). ``withheld_keys()`` names them
   (Synchronize does not report their absence). ADR 0025.
 * ``start(pod, container, ledger)`` at StartContainer: apply/verify the limits
   of the container's GPUs (from the ledger: soft = request, hard = limit) on

@@ -4,7 +4,7 @@ GetPreferredAllocation and the reconciliation with kubelet's PodResources.
 The gRPC server (``deviceplugin.py``) only moves bytes; everything here is
 plain Python on the node, the ledger, the device table and the pod source.
 
-Allocate (kubelet-device-plugin.md A.5, A.6; issue 10):
+Allocate (docs/reference/kubelet-device-plugin.md A.5, A.6; issue 10):
 
 * the request is checked (one container request, canonical IDs of this
   node, the same count on every GPU, no Unhealthy GPU);

@@ -1,6 +1,6 @@
 """The kubelet device plugin door: GPU memory as an extended resource.
 
-What kubelet sees (kubelet-device-plugin.md A): one extended resource (default
+What kubelet sees (docs/reference/kubelet-device-plugin.md A): one extended resource (default
 ``fracplugin.io/gpu-memory``), one device per ``unit_mib`` MiB of one GPU, IDs
 ``<GPU-UUID>::<n>`` (see ``devices.py``), served over gRPC (grpcio, ADR
 0021; its options in ``grpcopts``) on a unix socket in the device plugin

@@ -1,6 +1,6 @@
 """Registering the device plugin with kubelet, and staying registered.
 
-Rules (kubelet-device-plugin.md A.5, A.8, D.7-D.9):
+Rules (docs/reference/kubelet-device-plugin.md A.5, A.8, D.7-D.9):
 
 * serve first, check our own socket answers (``GetDevicePluginOptions`` on it),
   then call ``Registration.Register`` on ``kubelet.sock``: kubelet dials back

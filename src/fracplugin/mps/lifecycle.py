@@ -66,7 +66,7 @@ class DaemonProcesses:
                 f.write(text)
             os.replace(tmp, cfg)
             # -m (multiuser) on both daemons: root-owned named servers that
-            # clients of any UID attach to (mps-nvml.md 1.6, 2.3); context-share
+            # clients of any UID attach to (docs/reference/mps-nvml.md 1.6, 2.3); context-share
             # (config above) is what makes one sm-sharing and the other time-sliced.
             argv = [self.c.control_binary, "-p", "3", "-m"]
             return argv + ["-d" if self.c.detached else "-f", "-a", cfg]
@@ -194,7 +194,7 @@ class DaemonProcesses:
     def spawn_detached(self, d: DaemonState, argv: list[str], env: dict[str, str], out: IO[bytes]) -> DetachedProc:
         """``nvidia-cuda-mps-control -d``: the daemon forks into its own session
         and the launcher exits once the socket is up; its PID is read from
-        ``<pipe>/nvidia-cuda-mps-control.pid`` (mps-nvml.md 1.4). Raises OSError."""
+        ``<pipe>/nvidia-cuda-mps-control.pid`` (docs/reference/mps-nvml.md 1.4). Raises OSError."""
         try:
             r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                close_fds=True, start_new_session=True, timeout=self.c.start_timeout_s,

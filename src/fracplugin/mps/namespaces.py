@@ -121,7 +121,7 @@ class NamespaceBook:
     def restore(self, d: DaemonState, fresh: bool = False) -> None:
         """Re-create recorded namespaces (after a (re)start, and retried after probes).
         ``fresh``: the daemon has just started, so it has no namespaces yet (CLI
-        changes are not persisted, mps-nvml.md 1.7): skip the listing."""
+        changes are not persisted, docs/reference/mps-nvml.md 1.7): skip the listing."""
         if self.c.protocol < 3:
             with self.c.lock:
                 d.restore_pending.clear()
@@ -211,7 +211,7 @@ class NamespaceBook:
         Caps: ``--active-thread-percentage`` when a percentage is given (None =
         the server's 100 %), ``--pinned-memory-limit=<MiB>M`` when
         ``pinned_limit_mib`` is given (the container's limit per GPU: each client
-        process of the namespace is capped to it on each device, mps-nvml.md 1.6).
+        process of the namespace is capped to it on each device, docs/reference/mps-nvml.md 1.6).
         Idempotent: an existing namespace with the same caps is left alone
         (one the supervisor applied with these caps on the daemon's current
         process costs no control command at all: another container of the same

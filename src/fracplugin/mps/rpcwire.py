@@ -19,7 +19,7 @@ raises ``RequestError``. What it refuses:
   strings are non-empty and at most ``MAX_TEXT`` characters; ``timeout_s`` is
   a finite number of seconds in ``0..MAX_TIMEOUT_S`` (``Infinity``/``NaN``,
   which Python's ``json`` accepts, are refused here); the active thread
-  percentage an integer 1..100 (mps-nvml.md 1.6: ``--active-thread-percentage``);
+  percentage an integer 1..100 (docs/reference/mps-nvml.md 1.6: ``--active-thread-percentage``);
   the pinned device memory limit an integer number of MiB >= 1; a mode one of
   ``ComputeMode``'s values. Booleans are never taken for numbers.
 """

@@ -63,7 +63,7 @@ class NsRecord:
 
 SERVER_EXIT_RE = re.compile(r"server(?:\s+\S+)?\s+exited with status (-?\d+)", re.IGNORECASE)
 """A server exit in ``control.log`` (what the control daemon logs when one of its
-``nvidia-cuda-mps-server`` processes dies; mps-nvml.md 1.4: control.log holds
+``nvidia-cuda-mps-server`` processes dies; docs/reference/mps-nvml.md 1.4: control.log holds
 server status). A non-zero status counts towards a crash loop."""
 
 

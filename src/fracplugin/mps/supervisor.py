@@ -34,8 +34,8 @@ Concurrency model
   one daemon are serialised by a per-daemon lock acquired with a timeout.
 * Health-change callbacks run on the supervisor thread; they must not block.
 
-What it does (issue 5; mps-nvml.md sections 1.2-1.8, 2.7;
-gpu-fractioning-reference.md section 4):
+What it does (issue 5; docs/reference/mps-nvml.md sections 1.2-1.8, 2.7;
+docs/reference/gpu-fractioning-reference.md section 4):
 * start: pipe/log directories from ``MpsLayout``, 0755 whatever the umask
   (an MPS root under a directory others cannot traverse is a start failure
   naming it), stale ``control`` socket removed; v3: ``-p 3 -m -f|-d -a
@@ -389,7 +389,7 @@ class MpsSupervisor:
         Caps: ``--active-thread-percentage`` when a percentage is given (None =
         the server's 100 %), ``--pinned-memory-limit=<MiB>M`` when
         ``pinned_limit_mib`` is given (the container's limit per GPU: each client
-        process of the namespace is capped to it on each device, mps-nvml.md 1.6).
+        process of the namespace is capped to it on each device, docs/reference/mps-nvml.md 1.6).
         Idempotent: an existing namespace with the same caps is left alone
         (one the supervisor applied with these caps on the daemon's current
         process costs no control command at all: another container of the same

@@ -47,7 +47,7 @@ DEFAULT_REGISTRATION_TIMEOUT_S = 5.0
 
 # Bounds on what a runtime can make the plugin hold (issue 13 item 5). A runtime
 # splits Synchronize only to stay under ttrpc's 4 MiB message limit
-# (nri-protocol.md 1.6), so a real node needs a handful of parts: a node at
+# (docs/reference/nri-protocol.md 1.6), so a real node needs a handful of parts: a node at
 # kubelet's 110-pod default with a few containers each is well under 1 MiB.
 MAX_SYNC_PARTS = 64
 """Most ``more=true`` Synchronize parts held before the last one."""
@@ -140,7 +140,7 @@ _ADAPTERS: dict[str, Callable[[EventSpec, Callable[..., Any]], Serve]] = {
 """How a handler method of each ``EventSpec.shape`` is called."""
 
 _STATE_CHANGE_SHAPES = ("pod", "container")
-"""Events a v0.8 runtime delivers as ``StateChange`` (nri-protocol.md 1.7)."""
+"""Events a v0.8 runtime delivers as ``StateChange`` (docs/reference/nri-protocol.md 1.7)."""
 
 
 class Dispatcher:
@@ -154,7 +154,7 @@ class Dispatcher:
     ``Synchronize``, ``Shutdown``, ``StateChange`` and the empty-id check of
     ``CreateContainer`` are the stub's own around the handler's method.
 
-    State kept per connection (nri-protocol.md 1.5, 1.6): the request and
+    State kept per connection (docs/reference/nri-protocol.md 1.5, 1.6): the request and
     registration timeouts from ConfigureRequest (seconds; 2 s / 5 s until
     Configure says otherwise), the runtime's name and version, and the parts
     of a split Synchronize. Thread-safe.

@@ -80,7 +80,7 @@ class _Namespaces(_PluginState):
         """StartContainer (deferred mode): wait for the container's MPS
         namespace job at most ``_start_wait(ctx)`` seconds (``start_wait_s``,
         never past the handler budget: the runtime's request timeout, 2 s by
-        default, nri-protocol.md 1.5, is kept). ADR 0028 tells slow from failed:
+        default, docs/reference/nri-protocol.md 1.5, is kept). ADR 0028 tells slow from failed:
 
         - done: the container starts;
         - failed (the ensure raised, or was cancelled): ``RpcError``

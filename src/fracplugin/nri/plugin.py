@@ -16,7 +16,7 @@ the last MiB of a GPU. Handlers finish within the stub's budget
 (``ctx.remaining()``); MPS calls made inside a handler get a timeout derived
 from it, background jobs ``namespace_timeout_s``.
 
-Behaviour (DESIGN.md sections 2 and 4; issue 3 item 3):
+Behaviour (docs/reference/design.md sections 2 and 4; issue 3 item 3):
 
 - CreateContainer: ``planner.plan_container(pod annotations, container name,
   PodRef, node, ledger, config)``. ``None`` -> empty response (untouched). A
@@ -27,7 +27,7 @@ Behaviour (DESIGN.md sections 2 and 4; issue 3 item 3):
   with every env var of the plan set *by value* (a removal marker ``-KEY``
   precedes each, which clears an earlier plugin's claim on the key so our
   value wins the runtime's merge; ``-KEY`` alone would not remove a value the
-  pod spec set, nri-protocol.md section 1.8) and the plan's bind mounts.
+  pod spec set, docs/reference/nri-protocol.md section 1.8) and the plan's bind mounts.
   A ``FractionError`` becomes INVALID_ARGUMENT with ``err.message`` (key,
   value, rule), shown by ``kubectl describe pod``; with ``fail_open`` the
   container is left unadjusted and a warning is logged. Either way every
@@ -109,7 +109,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 NRI_EVENTS = event_mask(nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_CONTAINER, nri_pb2.REMOVE_CONTAINER)
-"""0x608: CreateContainer | StopContainer | RemoveContainer (nri-protocol.md 1.4)."""
+"""0x608: CreateContainer | StopContainer | RemoveContainer (docs/reference/nri-protocol.md 1.4)."""
 
 NRI_EVENTS_DEFERRED = NRI_EVENTS | event_mask(nri_pb2.START_CONTAINER)
 """0x628: the above plus StartContainer, where a deferred MPS namespace is awaited."""
@@ -177,7 +177,7 @@ class FracNriPlugin(_Reconcile, _Release):
             starts and the log says so (ADR 0028; ``--nri-start-wait-s``).
         drain_timeout_s: budget of one background drain (StopContainer waits
             for it at most half the request timeout; gpu-fractioning's
-            terminate budget is 30 s, mps-nvml.md 2.7).
+            terminate budget is 30 s, docs/reference/mps-nvml.md 2.7).
         on_refusal: ``f(pod: PodRef, container: str, err: FractionError)``
             called for every refusal of CreateContainer (also with
             ``fail_open``), in the handler thread, before the answer is sent.

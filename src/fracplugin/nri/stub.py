@@ -18,7 +18,7 @@ Concurrency model: threads.
   runs every other handler call (all of them for a handler without
   ``may_block``), so requests that wait (on MPS, on a drain) are served
   concurrently and RegisterPlugin never blocks the reader (Configure can
-  arrive before the register reply, nri-protocol.md section 1.6);
+  arrive before the register reply, docs/reference/nri-protocol.md section 1.6);
 - one *watchdog* thread bounds every handler, wherever it runs: when a
   handler has not answered within its budget (``budget_fraction`` x the
   request timeout, 0.75 x 2 s = 1.5 s by default, and the same fraction of
@@ -35,7 +35,7 @@ of a CreateContainer), and containerd's NRI adaptation sends one
 CreateContainer at a time anyway. A handler that may wait keeps the pool:
 while the reader runs a handler no other request of that connection is read.
 
-Protocol rules followed (nri-protocol.md):
+Protocol rules followed (docs/reference/nri-protocol.md):
 
 - external mode: connect to ``socket_path`` (default ``/var/run/nri/nri.sock``);
   runtime-launched mode: use the socket on fd ``NRI_PLUGIN_SOCKET`` with
@@ -310,7 +310,7 @@ class NriStub(_Serving):
     def update_containers(
         self, updates: Sequence[Any] = (), evictions: Sequence[Any] = (), timeout_s: float = 2.0
     ) -> list[Any]:
-        """Unsolicited ``Runtime/UpdateContainers`` (nri-protocol.md 1.6 step 7):
+        """Unsolicited ``Runtime/UpdateContainers`` (docs/reference/nri-protocol.md 1.6 step 7):
         ``updates`` are ``ContainerUpdate``s, ``evictions`` ``ContainerEviction``s.
         Returns the updates the runtime reports as failed. Raises
         ``ConnectionClosed`` when not connected, ``RpcError``, ``TimeoutError``."""

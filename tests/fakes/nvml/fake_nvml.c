@@ -1,7 +1,7 @@
 /* A fake libnvidia-ml.so.1 for tests: the real nvidia-ml-py (pynvml) loads
  * it through LD_LIBRARY_PATH (pynvml calls CDLL("libnvidia-ml.so.1")) and
  * gets a simulated node. Our own code, written from the NVML API facts in
- * docs (mps-nvml.md section 4); no upstream code.
+ * docs (docs/reference/mps-nvml.md section 4); no upstream code.
  *
  * Node file: $FAKE_NVML_NODE, read at every nvmlInitWithFlags. One record a
  * line, fields separated by single spaces ('#' starts a comment line):
