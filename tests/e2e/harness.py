@@ -183,10 +183,11 @@ class Containerd:
         """Write config.toml from containerd-config.toml.tmpl; return its path."""
         tmpl = string.Template((HERE / "containerd-config.toml.tmpl").read_text())
         for d in ("root", "state", "tmp", "opt", "nri/plugins", "nri/conf.d", "cni/bin",
-                  "cni/net.d", "certs.d", "logs", "cdi"):
+                  "cni/net.d", "certs.d", "logs", "cdi", "cdi-hook"):
             (self.base / d).mkdir(parents=True, exist_ok=True)
         for spec in (HERE / "cdi").glob("*.yaml"):  # CDI specs for the CDI-name test (ADR 0005)
             shutil.copyfile(spec, self.base / "cdi" / spec.name)
+        write_hook_cdi_spec(self.base / "cdi-hook")
         text = tmpl.substitute(
             root=self.base / "root", state=self.state, tmp=self.base / "tmp", base=self.base,
             sock=self.sock, nri_sock=self.nri_sock, log_level=self.log_level,
@@ -300,8 +301,13 @@ class Containerd:
 # ---------------------------------------------------------------- pods
 
 def pod_config(base: Path, name: str, uid: str, annotations: dict[str, str],
-               namespace: str = "default") -> Path:
-    """Write a CRI PodSandboxConfig (host network, host-less log dir) and return its path."""
+               namespace: str = "default", cgroup_parent: str | None = None) -> Path:
+    """Write a CRI PodSandboxConfig (host network, host-less log dir) and return its path.
+
+    ``cgroup_parent``: the pod's cgroup parent (CRI ``linux.cgroup_parent``;
+    with the cgroupfs driver the container's cgroups path is
+    ``<cgroup_parent>/<container id>``); use ``cgroup_parent_of(base)`` so that
+    ``cleanup_base`` removes it."""
     d = base / "pods" / name
     d.mkdir(parents=True, exist_ok=True)
     cfg = {
@@ -311,6 +317,8 @@ def pod_config(base: Path, name: str, uid: str, annotations: dict[str, str],
         "labels": {"app.kubernetes.io/part-of": "fracplugin-e2e"},
         "linux": {"security_context": {"namespace_options": {"network": 2}}},
     }
+    if cgroup_parent:
+        cfg["linux"]["cgroup_parent"] = cgroup_parent
     p = d / "pod.json"
     p.write_text(json.dumps(cfg, indent=1))
     return p
@@ -330,6 +338,58 @@ def container_config(base: Path, pod: str, name: str, env: dict[str, str] | None
     p = base / "pods" / pod / f"{name}.json"
     p.write_text(json.dumps(cfg, indent=1))
     return p
+
+
+HOOK_GPUS = [f"GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a0{i}" for i in range(1, 5)]
+
+
+def write_hook_cdi_spec(d: Path) -> Path:
+    """Write a CDI spec of kind ``nvidia.com/gpu`` (the toolkit's kind) for
+    the four GPUs of examples/nodes/gpu-node-1.yaml whose devices each carry a
+    ``createRuntime`` hook named ``apply-cuda-memory-limits`` (the toolkit's
+    memory-limit hook, tests/fixtures/cdi/with-hook's shape), into ``d``.
+
+    The hook's path is ``d/nvidia-cdi-hook``, a shell script written here
+    that appends its arguments to ``d/hook-calls.log`` (runc runs it, so the
+    log shows the runtime applied the spec); each device also sets
+    ``FP_CDI_HOOK_GPU<i>=<uuid>``. Returns the spec's path."""
+    d.mkdir(parents=True, exist_ok=True)
+    hook = d / "nvidia-cdi-hook"
+    hook.write_text(f"#!/bin/sh\necho \"$*\" >> {d / 'hook-calls.log'}\n")
+    hook.chmod(0o755)
+    devices = [{"name": u, "containerEdits": {
+        "env": [f"FP_CDI_HOOK_GPU{i}={u}"],
+        "hooks": [{"hookName": "createRuntime", "path": str(hook),
+                   "args": ["nvidia-cdi-hook", "apply-cuda-memory-limits", f"--gpu-id={u}"]}]}}
+               for i, u in enumerate(HOOK_GPUS)]
+    spec = d / "nvidia.com-gpu.json"
+    spec.write_text(json.dumps({"cdiVersion": "0.6.0", "kind": "nvidia.com/gpu", "devices": devices}, indent=1))
+    return spec
+
+
+def cgroup_parent_of(base: Path) -> str:
+    """The cgroup parent pods of ``base`` may use: ``/<base dir name>``
+    (runc creates it in every controller; ``cleanup_base`` removes it)."""
+    return "/" + Path(base).name
+
+
+def remove_cgroup_parent(base: Path, log=print) -> None:
+    """Remove ``cgroup_parent_of(base)`` (and empty children) from every
+    mounted cgroup hierarchy under /sys/fs/cgroup; never raises."""
+    name = cgroup_parent_of(base).strip("/")
+    for top in Path("/sys/fs/cgroup").glob(name):  # cgroup v2 (unified)
+        _rmdir_tree(top, log)
+    for top in Path("/sys/fs/cgroup").glob(f"*/{name}"):  # cgroup v1: one hierarchy per controller
+        _rmdir_tree(top, log)
+
+
+def _rmdir_tree(top: Path, log) -> None:
+    dirs = sorted((d for d in top.rglob("*") if d.is_dir()), key=lambda d: len(d.parts), reverse=True)
+    for d in [*dirs, top]:
+        try:
+            d.rmdir()  # cgroupfs: rmdir of a cgroup with no tasks and no children
+        except OSError as e:
+            log(f"cleanup: cannot remove cgroup {d}: {e}")
 
 
 def container_env(ctrd: Containerd, cid: str) -> dict[str, str]:
@@ -418,6 +478,7 @@ def cleanup_base(base: Path, ctrd: Containerd | None = None, log=print) -> None:
             time.sleep(1.0)
     for mp in _mounts_under(base):
         subprocess.run(["umount", "-l", mp], capture_output=True)
+    remove_cgroup_parent(base, log)
     left = _mounts_under(base)
     if left:
         log(f"cleanup: still mounted: {left}")

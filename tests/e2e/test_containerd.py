@@ -90,10 +90,11 @@ class Pods:
         self.ids: list[str] = []
 
     def run(self, name: str, annotations: dict[str, str], uid: str | None = None,
-            namespace: str = "default") -> tuple[str, Path]:
-        """Run a host-network pod sandbox; return (pod id, pod config path)."""
+            namespace: str = "default", cgroup_parent: str | None = None) -> tuple[str, Path]:
+        """Run a host-network pod sandbox; return (pod id, pod config path).
+        ``cgroup_parent``: the pod's CRI ``linux.cgroup_parent`` (h.pod_config)."""
         uid = uid or str(uuid.uuid4())
-        cfg = h.pod_config(self.ctrd.base, name, uid, annotations, namespace)
+        cfg = h.pod_config(self.ctrd.base, name, uid, annotations, namespace, cgroup_parent)
         pid = self.ctrd.crictl("runp", str(cfg), timeout=120).stdout.strip()
         self.ids.append(pid)
         return pid, cfg
@@ -198,7 +199,10 @@ class Process:
 class Daemon(Process):
     """``fracplugin run`` on the simulated node, attached to ``ctrd``'s NRI socket."""
 
-    def __init__(self, ctrd: h.Containerd):
+    def __init__(self, ctrd: h.Containerd, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None, cdi_spec_dirs: str | None = None):
+        """``extra_args`` are appended to ``fracplugin run``'s; ``env`` is added to
+        this process's environment; ``cdi_spec_dirs`` replaces ``<base>/cdi``."""
         base = ctrd.base
         self.health = f"127.0.0.1:{h.free_port()}"
         self.state_dir = base / "fp-state"
@@ -214,8 +218,8 @@ class Daemon(Process):
                 "--metrics-address", "127.0.0.1:0",
                 # the CDI spec directory containerd loads (harness: cdi_spec_dirs), so the daemon
                 # requests each planned GPU's CDI device itself (ADR 0025b)
-                "--cdi-spec-dirs", str(base / "cdi")]
-        super().__init__(argv, base / "fracplugin.log")
+                "--cdi-spec-dirs", cdi_spec_dirs or str(base / "cdi"), *(extra_args or [])]
+        super().__init__(argv, base / "fracplugin.log", env={**os.environ, **env} if env else None)
 
     def status(self) -> dict:
         """The daemon's status document (``GET /status`` on the health address)."""
@@ -236,8 +240,16 @@ def daemon(ctrd, request) -> Daemon:
     if probe.returncode != 0 or "--nri-socket" not in probe.stdout:
         pytest.fail("`fracplugin run` is not available with --nri-socket: "
                     + (probe.stderr.strip() or probe.stdout.strip())[-500:], pytrace=False)
+    d = start_daemon(ctrd, request)
+    return d
+
+
+def start_daemon(ctrd: h.Containerd, request, **kw) -> Daemon:
+    """Start a Daemon (``kw`` as Daemon's) stopped by ``request``'s finalizer;
+    return it once it is registered with containerd and ``/status`` is ready
+    (fails the test with both logs otherwise)."""
     offset = _log_offset(ctrd)
-    d = Daemon(ctrd)
+    d = Daemon(ctrd, **kw)
     request.addfinalizer(d.stop)
     try:
         def registered():
