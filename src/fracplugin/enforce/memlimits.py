@@ -462,7 +462,14 @@ class MemoryLimitEnforcer:
         read, then forget the container. A container started before this
         daemon did (no kept result) is found from ``cgroups_path``: each GPU
         of ``gpus`` whose soft limit on its leaf is not 0 gets it zeroed.
-        Never raises (failures are logged)."""
+        Never raises (failures are logged).
+
+        With containerd 2.x the leaf is usually gone already: runc deletes the
+        container's cgroup when the task is deleted, before (or racing with)
+        the NRI StopContainer/RemoveContainer events (tests/e2e, docs/e2e.md).
+        Deleting the cgroup clears its limits in the driver
+        (docs/reference/mps-nvml.md section 3); that is logged, not treated as
+        a failure."""
         with self._lock:
             res = self._results.pop(container_id, None)
         if self.backend is None or self.mode is MemoryLimitMode.OFF:
@@ -485,10 +492,13 @@ class MemoryLimitEnforcer:
                     todo.append((uuid, cur.hard))
         else:
             return
+        if todo and not os.path.isdir(leaf):
+            log.info("memory limits: leaf cgroup already deleted by the runtime (its limits went with it)",
+                     extra={"container_id": container_id, "cgroup": leaf})
+            return
         for uuid, hard in todo:
             try:
-                if os.path.isdir(leaf):
-                    self.backend.set(uuid, leaf, 0, hard if hard is not None else LIMIT_MAX)
+                self.backend.set(uuid, leaf, 0, hard if hard is not None else LIMIT_MAX)
             except LimitError as exc:
                 log.warning("memory limits: soft limit not zeroed", extra={"container_id": container_id,
                                                                           "gpu_uuid": uuid, "reason": exc.reason})
