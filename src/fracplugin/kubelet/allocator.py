@@ -30,6 +30,13 @@ Allocate (docs/reference/kubelet-device-plugin.md A.5, A.6; issue 10):
 Lifetimes: a reservation is released when kubelet frees its devices: the
 pods it may belong to are deleted or reach Succeeded/Failed (pod source), its
 devices are allocated again (above), or PodResources no longer lists them.
+
+Where the parts are (issue 26, ADR 0023: one public class, its methods in
+mixins by responsibility): this module holds ``Allocator``'s Allocate;
+``preferred.py`` GetPreferredAllocation; ``lifetimes.py`` the reservation
+lifetimes and the PodResources reconciliation; ``allocbase.py`` the answer
+types (``Refusal``, ``Answer``, ``Counters``: importable here as before) and
+the state they share.
 """
 
 from __future__ import annotations
@@ -38,7 +45,6 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from .. import allocation as al
@@ -49,57 +55,17 @@ from ..ledger import Ledger, holder_text
 from ..mps.layout import CONTAINER_PIPE_DIR
 from . import podlookup
 from ..rpcstatus import StatusCode
-from .devices import DeviceIdError, DeviceTable, parse_device_id, preferred_allocation
+from .allocbase import Answer, Counters, Refusal
+from .devices import DeviceIdError, DeviceTable, parse_device_id
+from .lifetimes import _Lifetimes
+from .preferred import _Preferred
+
+__all__ = ["Allocator", "Answer", "Counters", "Refusal"]
 
 log = logging.getLogger(__name__)
 
 
-class Refusal(Exception):
-    """An Allocate / GetPreferredAllocation answered with a gRPC error.
-
-    ``code`` is the gRPC status kubelet gets (``rpcstatus.StatusCode``: our own
-    type, the canonical gRPC numbers, so this module loads no gRPC library),
-    ``message`` the text kubelet shows as the pod's admission error, ``label``
-    the metrics reason."""
-
-    def __init__(self, code: StatusCode, message: str, label: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.label = label
-
-
-@dataclass(frozen=True)
-class Answer:
-    """What Allocate answers: env, mounts, the GPUs (ordinal order), the
-    reservation key and ``kind`` (``planned``, ``reserved`` = a recorded
-    reservation answered again, or ``fallback``)."""
-
-    env: Mapping[str, str]
-    mounts: tuple[Mount, ...]
-    uuids: tuple[str, ...]
-    key: str
-    kind: str
-
-
-@dataclass
-class Counters:
-    """What the door did since start (``/status`` ``device_plugin``): Allocates
-    answered, of which planned / reserved (a recorded reservation answered
-    again) / fallbacks, refusals, GetPreferredAllocation calls, and the last
-    fallback and refusal reasons."""
-
-    allocations: int = 0
-    planned: int = 0
-    reserved: int = 0
-    fallbacks: int = 0
-    refusals: int = 0
-    preferred: int = 0
-    last_fallback: str = ""
-    last_refusal: str = ""
-
-
-class Allocator:
+class Allocator(_Lifetimes, _Preferred):
     """Allocate / GetPreferredAllocation / PodResources decisions.
 
     Args:
@@ -458,223 +424,6 @@ class Allocator:
                 mounts = (Mount(source=self.planner_config.layout.pipe_dir(ComputeMode.TIME_SLICING),
                                 destination=CONTAINER_PIPE_DIR, read_only=True),)
         return Answer(env, mounts, tuple(uuids), key, "fallback")
-
-    # ---- GetPreferredAllocation ------------------------------------------------
-    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
-        """Device IDs for one container (``devices.preferred_allocation``),
-        never a GPU at its tenant limit, never an uneven split (issue 10 item 7)."""
-        if size < 0:
-            raise Refusal(StatusCode.INVALID_ARGUMENT, f"allocation_size {size} is negative", "invalid")
-        modes = self._modes_for(size)
-        full_of: Callable[[str], bool] = self._full
-        if len(modes) > 1:
-            # candidates differ in mode: a GPU with any tenant would refuse one
-            # of them (issue 25 item 6); used only when nothing else fits
-            full_of = lambda u: self._full(u) or bool(self._tenants_of(u))  # noqa: E731
-        out = preferred_allocation(
-            self.table, list(available), list(must_include), size, mode_of=self._mode_of,
-            pod_mode=modes.pop() if len(modes) == 1 else None, policy=self.policy, free_mib_of=self._free_mib_of,
-            full_of=full_of,
-        )
-        self._bump("preferred")
-        return out
-
-    def _mode_of(self, uuid: str) -> ComputeMode | None:
-        try:
-            return self.ledger.mode(uuid)
-        except Exception:
-            return None
-
-    def _full(self, uuid: str) -> bool:
-        try:
-            return len(self.ledger.tenants(uuid)) >= self.planner_config.max_clients_per_gpu or any(
-                t.door in (al.DOOR_OTHER_PLUGIN, al.DOOR_SYNC) for t in self.ledger.tenants(uuid))
-        except Exception:
-            return False
-
-    def _free_mib_of(self, uuid: str) -> int | None:
-        gpu = self.node.gpu_by_uuid(uuid)
-        try:
-            return None if gpu is None else gpu.memory_mib - int(self.ledger.held_mib(uuid))
-        except Exception:
-            return None
-
-    def _tenants_of(self, uuid: str) -> list[Tenancy]:
-        try:
-            return self.ledger.tenants(uuid)
-        except Exception:
-            return []
-
-    def _pod_mode_for(self, count: int) -> ComputeMode | None:
-        modes = self._modes_for(count)
-        return modes.pop() if len(modes) == 1 else None
-
-    def _modes_for(self, count: int) -> set[ComputeMode]:
-        """The compute modes the pending candidates for ``count`` devices want."""
-        if self.pod_source is None:
-            return set()
-        modes: set[ComputeMode] = set()
-        with self._lock:
-            cands = self._candidates(count)
-        prefix = self.planner_config.annotation_prefix
-        for c in cands:
-            annotations = (c.pod.get("metadata") or {}).get("annotations") or {}
-            try:
-                parsed = al.parse_for_kubelet(annotations, c.container, self.unit_mib * count, prefix=prefix)
-            except FractionError:
-                continue
-            modes.add(parsed.compute_mode if parsed is not None else ComputeMode.TIME_SLICING)
-        return modes
-
-    # ---- lifetimes --------------------------------------------------------------
-    def pod_gone(self, pod: Mapping[str, Any]) -> None:
-        """A pod was deleted or finished (Succeeded/Failed): kubelet frees its
-        devices. Its bound reservations are released, and unbound ones whose
-        every candidate is gone."""
-        uid = podlookup.pod_uid(pod)
-        with self._lock:
-            was_served = any(k[0] == uid for k in self._served) or any(t.pod_uid == uid for t in self.ledger.tenancies())
-            self._served = {k for k in self._served if k[0] != uid}
-            finished = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-            if not finished and not was_served:
-                self._deleted.append((time.monotonic(), pod))
-            for key, tenancies in self.ledger.reservations().items():
-                hints = self._hints.get(key)
-                if hints is not None:
-                    hints.discard(uid)
-                bound_here = any(t.pod_uid == uid for t in tenancies)
-                orphan = not tenancies[0].bound and hints is not None and not hints
-                if bound_here and not finished and any(t.container_id for t in tenancies):
-                    # The API object is gone (a force delete) but the runtime
-                    # still runs the container: the hold lasts until NRI says it
-                    # stopped (Stop/Remove, or a Synchronize without it). A pod
-                    # Succeeded/Failed has no running container (kubelet saw them end).
-                    with self._gone_lock:
-                        self._gone_keys[key] = podlookup.pod_key(pod)
-                    log.info("reservation %s kept: pod %s is gone from the API but its container still runs",
-                             key, podlookup.pod_key(pod))
-                    continue
-                if bound_here or orphan:
-                    self.ledger.release_reservation(key)
-                    self._forget(key)
-                    log.info("reservation %s released: pod %s %s", key, podlookup.pod_key(pod),
-                             "finished" if not bound_here or pod.get("status") else "gone")
-
-    def _release_gone(self) -> None:
-        """Ledger subscriber: release the reservations of pods gone from the
-        API once no running container holds them any more (issue 25 item 5)."""
-        with self._gone_lock:
-            if not self._gone_keys:
-                return
-            keys = list(self._gone_keys.items())
-        for key, who in keys:
-            held = self.ledger.reservation(key)
-            if held and any(t.container_id for t in held):
-                continue
-            with self._gone_lock:
-                if self._gone_keys.pop(key, None) is None:
-                    continue
-            if held:
-                self.ledger.release_reservation(key)
-                self._forget(key)
-                log.info("reservation %s released: pod %s is gone and its container stopped", key, who)
-
-    # ---- PodResources ------------------------------------------------------------
-    def reconcile(self, pods: Sequence[Any], *, initial: bool = False) -> list[str]:
-        """Make the ledger agree with kubelet's PodResources List (``pods``:
-        ``podresources.PodDevices``). Returns warnings.
-
-        * a container listed with devices of our resource holds the
-          reservation of those IDs: recorded (planned from the pod when the pod
-          source knows it, request-sized otherwise) or bound when unbound;
-        * a container listed with devices of another resource that are GPU
-          UUIDs of this node holds that GPU whole (door ``other-plugin``);
-        * reservations (and whole-GPU holds) not listed are released, except
-          reservations younger than ``podresources_grace_s`` (kubelet records
-          an allocation only after Allocate returned) unless ``initial``.
-        """
-        warnings: list[str] = []
-        listed: set[str] = set()
-        whole: list[Tenancy] = []
-        now = time.monotonic()
-        with self._lock:
-            for p in pods:
-                for c in p.containers:
-                    for res, ids in c.devices.items():
-                        if res != self.resource_name:
-                            for d in ids:
-                                g = self.node.gpu_by_uuid(d)
-                                if g is not None:
-                                    whole.append(Tenancy(
-                                        pod_uid=self._uid_of(p), namespace=p.namespace, pod_name=p.name,
-                                        container=c.name, gpu_uuid=g.uuid, request_mib=g.memory_mib,
-                                        limit_mib=g.memory_mib, mode=ComputeMode.TIME_SLICING,
-                                        door=al.DOOR_OTHER_PLUGIN, reservation=f"{res}={g.uuid}"))
-                            continue
-                        if not ids:
-                            continue
-                        try:
-                            by_gpu = self.table.group(ids)
-                        except DeviceIdError as e:
-                            warnings.append(f"PodResources lists {p.namespace}/{p.name}/{c.name} with {e}; skipped")
-                            continue
-                        key = al.reservation_key({u: [parse_device_id(d)[1] for d in v] for u, v in by_gpu.items()})
-                        listed.add(key)
-                        warnings.extend(self._bind_listed(p, c.name, by_gpu, key))
-            current = self.ledger.tenancies()
-            running = {t.reservation for t in current if t.door == al.DOOR_ALLOCATE and t.container_id}
-            stale = [t for t in current if t.door == al.DOOR_ALLOCATE and t.reservation not in listed
-                     and t.reservation not in running  # the runtime still runs its container (issue 25 item 5)
-                     and (initial or now - self._made.get(t.reservation, 0.0) > self.podresources_grace_s)]
-            old_whole = [t for t in current if t.door == al.DOOR_OTHER_PLUGIN]
-            if stale or old_whole != whole:
-                gone = {t.reservation for t in stale}
-                self.ledger.transform(lambda cur: [
-                    t for t in cur if t.door != al.DOOR_OTHER_PLUGIN and not (
-                        t.door == al.DOOR_ALLOCATE and t.reservation in gone)] + whole)
-            for key in {t.reservation for t in stale}:
-                self._forget(key)
-                warnings.append(f"reservation {key} is not in PodResources; released")
-        return warnings
-
-    def _uid_of(self, p: Any) -> str:
-        pod = self.pod_source.get(p.namespace, p.name) if self.pod_source is not None else None
-        return podlookup.pod_uid(pod) if pod is not None else f"podresources:{p.namespace}/{p.name}"
-
-    def _bind_listed(self, p: Any, container: str, by_gpu: Mapping[str, list[str]], key: str) -> list[str]:
-        existing = self.ledger.reservation(key)
-        if existing and existing[0].bound:
-            return []
-        per = max(len(v) for v in by_gpu.values())
-        uuids = tuple(by_gpu)
-        count = sum(len(v) for v in by_gpu.values())
-        pod = self.pod_source.get(p.namespace, p.name) if self.pod_source is not None else None
-        ref = PodRef(p.namespace, p.name, podlookup.pod_uid(pod) if pod is not None else f"podresources:{p.namespace}/{p.name}")
-        plan: ContainerPlan | None = None
-        warnings: list[str] = []
-        if existing:
-            plan = planner_mod.plan_from_tenancies(existing, self.node, self.planner_config, pod=ref, container=container)
-        elif pod is not None:
-            cand = podlookup.Candidate(pod, container, False, ("", 0, 0, ""))
-            try:
-                req, _ = self.request_for(cand, uuids, per * self.unit_mib, count)
-                plan = planner_mod.plan(req, ref, self.node, planner_mod.EmptyLedger(), self.planner_config,
-                                        reservation=key)
-            except FractionError as e:
-                warnings.append(f"{p.namespace}/{p.name}/{container}: {e.message}; recorded request-sized")
-        if plan is None:
-            spec = MemorySpec(f"resources.limits[{self.resource_name}]", f"{per * self.unit_mib} MiB", mib=per * self.unit_mib)
-            modes = {m for u in uuids if (m := self.ledger.mode(u)) is not None}
-            req = FractionRequest(container=container, request=spec, limit=spec,
-                                  compute_mode=modes.pop() if len(modes) == 1 else ComputeMode.TIME_SLICING,
-                                  devices=uuids, num_devices=len(uuids), keys={"request": spec.key})
-            plan = planner_mod.plan(req, ref, self.node, planner_mod.EmptyLedger(), self.planner_config)
-        # What runs is recorded, never refused (replace_all logs guard breaks).
-        cid = existing[0].container_id if existing else ""
-        new = al.to_tenancies(plan, cid, door=al.DOOR_ALLOCATE, reservation=key)
-        self.ledger.transform(lambda cur: [t for t in cur if t.reservation != key] + new)
-        self._hints.pop(key, None)
-        return warnings
 
     # ---- bookkeeping --------------------------------------------------------------
     def _bump(self, counter: str, **last: str) -> None:

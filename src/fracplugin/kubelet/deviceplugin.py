@@ -29,6 +29,14 @@ allocation for both doors), whose answer this module turns into an
 reservation key the NRI door binds at CreateContainer), mounts, optional
 DeviceSpecs / CDI devices, and annotations ``fracplugin.io/allocate``
 (``planned`` | ``reserved`` | ``fallback``) and ``fracplugin.io/reservation``.
+
+Where the parts are (issue 26, ADR 0023: one public class, its methods in
+mixins by responsibility): this module holds ``DevicePluginServer``'s
+construction, ``start`` / ``stop``, status and readiness, and the
+PodResources upkeep; ``servicer.py`` the gRPC servicer, ListAndWatch and
+the Allocate / GetPreferredAllocation responses; ``doorserver.py`` the gRPC
+server, its socket and the registrar's target methods; ``doorbase.py`` the
+state they share.
 """
 
 from __future__ import annotations
@@ -37,23 +45,17 @@ import logging
 import os
 import threading
 import time
-from concurrent import futures
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable
 
-import grpc
-
-from .. import allocation as al
 from .. import mountflags
 from .. import planner as planner_mod
-from .._proto import deviceplugin_pb2 as pb
-from .._proto import deviceplugin_pb2_grpc as pb_grpc
 from ..cdi import CdiRegistry
 from ..gpu.health import DEFAULT_IGNORED_XIDS, DEFAULT_XID_RECOVERY_S, HealthMonitor
 from ..gpu.inventory import Inventory
 from ..ledger import Ledger
 from ..mps.api import MpsApi
 from ..ports import HookMetrics
-from ..model import ComputeMode, NodeInfo
+from ..model import NodeInfo
 from . import podlookup
 from .devices import (
     DEFAULT_RESOURCE_NAME,
@@ -62,74 +64,23 @@ from .devices import (
     DeviceTable,
     validate_resource_name,
 )
-from . import grpcopts
-from .allocator import Allocator, Refusal  # noqa: F401 (Refusal: re-exported)
-from ..rpcstatus import StatusCode
+from .allocator import Allocator, Refusal
+from .doorserver import _DoorServing
 from .podresources import DEFAULT_PODRESOURCES_SOCKET, PodResourcesClient, PodResourcesError
 from .registration import DEFAULT_PLUGIN_DIR, KUBELET_SOCKET_NAME, Registrar, socket_identity
+from .servicer import ALLOCATE_UNADJUSTED, ANNOTATION_ALLOCATE, HEALTHY, UNHEALTHY
+
+__all__ = [
+    "ALLOCATE_UNADJUSTED", "ANNOTATION_ALLOCATE", "DEFAULT_SOCKET_NAME", "HEALTHY", "UNHEALTHY",
+    "DevicePluginServer", "Refusal",
+]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET_NAME = "fracplugin.sock"
-HEALTHY = "Healthy"
-UNHEALTHY = "Unhealthy"
-ANNOTATION_ALLOCATE = "fracplugin.io/allocate"
-ALLOCATE_UNADJUSTED = "unadjusted"
-"""``fracplugin.io/allocate`` of a refusal answered under ``fail_open``."""
-_NEVER_FAIL_OPEN = ("invalid", "internal")  # kubelet's request is malformed, or a bug of ours: refused either way
 
 
-class _Servicer(pb_grpc.DevicePluginServicer):
-    """The DevicePlugin service's handlers, run on grpcio's worker threads;
-    all state lives in the DevicePluginServer."""
-
-    def __init__(self, owner: "DevicePluginServer") -> None:
-        self._o = owner
-
-    def GetDevicePluginOptions(  # noqa: N802 (the service's method names)
-        self, request: pb.Empty, context: grpc.ServicerContext
-    ) -> pb.DevicePluginOptions:
-        return self._o.options()
-
-    def ListAndWatch(  # noqa: N802
-        self, request: pb.Empty, context: grpc.ServicerContext
-    ) -> Iterator[pb.ListAndWatchResponse]:
-        yield from self._o._list_and_watch(context)
-
-    def GetPreferredAllocation(  # noqa: N802
-        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
-    ) -> pb.PreferredAllocationResponse:
-        try:
-            return self._o.preferred(request)
-        except Refusal as r:
-            context.abort(grpcopts.grpc_code(r.code), r.message)
-        except Exception as e:  # never crash the plugin on bad input
-            log.exception("GetPreferredAllocation failed")
-            context.abort(grpc.StatusCode.INTERNAL, f"GetPreferredAllocation failed: {e}")
-        raise AssertionError("unreachable: context.abort raises")
-
-    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:  # noqa: N802
-        t0 = time.monotonic()
-        try:
-            return self._o.allocate(request)
-        except Refusal as r:
-            self._o._refused(r)
-            context.abort(grpcopts.grpc_code(r.code), r.message)
-        except Exception as e:
-            log.exception("Allocate failed")
-            self._o._refused(Refusal(StatusCode.INTERNAL, str(e), "internal"))
-            context.abort(grpc.StatusCode.INTERNAL, f"Allocate failed: {e}")
-        finally:
-            self._o._observe("allocate", time.monotonic() - t0)
-        raise AssertionError("unreachable: context.abort raises")
-
-    def PreStartContainer(  # noqa: N802
-        self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
-    ) -> pb.PreStartContainerResponse:
-        return pb.PreStartContainerResponse()
-
-
-class DevicePluginServer:
+class DevicePluginServer(_DoorServing):
     """The device plugin: gRPC server, registration, health, Allocate.
 
     Args:
@@ -275,19 +226,6 @@ class DevicePluginServer:
         self.reregister_ms: list[float] = []
         self.startup_warnings: list[str] = []
 
-    def _init_serving(self) -> None:
-        """The ListAndWatch condition and the gRPC server slots (nothing served yet)."""
-        self._cond = threading.Condition()
-        self._version = 0
-        self._response = self._build_response()
-        self._stopping = False
-        self._gen = 0
-        self._streams = 0
-        self._last_stream_end = 0.0
-        self._server: _Served | None = None
-        self._socket_id: tuple[int, int] | None = None
-        self._server_lock = threading.Lock()
-
     # ---- lifecycle -----------------------------------------------------------
     def start(self) -> None:
         """Health first, then serve on the socket, rebuild the ledger from
@@ -425,107 +363,6 @@ class DevicePluginServer:
         """Operator action: forget an XID mark on a GPU (Healthy again unless MPS is down)."""
         return self.health.clear(gpu_uuid)
 
-    # ---- gRPC server (RegistrationTarget) ------------------------------------
-    def _close_server(self, server: "_Served", budget_s: float) -> None:
-        """Stop ``server`` within ``budget_s`` seconds: stop listening, let
-        in-flight calls finish for three quarters of it, then cancel them and
-        close every connection (grpcio's ``stop(grace)``), and wait for that
-        at most to the end of the budget; then let its worker threads go.
-        (A call whose request a peer never finishes sending counts as in
-        flight until it is cancelled.)"""
-        budget_s = max(budget_s, 0.0)
-        done = server.server.stop(grace=budget_s * 0.75)
-        if not done.wait(budget_s):
-            log.warning("device plugin server: calls still being cancelled %.1f s after stop", budget_s)
-        server.pool.shutdown(wait=False, cancel_futures=True)
-
-    def _serve(self) -> None:
-        """Serve on ``self.socket_path``: bind a temporary name in the same
-        directory, then rename it into place. grpcio's core unlinks the path
-        it bound when its server stops; with the rename that is the temporary name, so
-        stopping an old server can never delete a newer socket at the public
-        path (issue 11: the socket deleted again right after it was re-created
-        left the plugin serving on no file). Raises OSError when the socket
-        cannot be bound."""
-        os.makedirs(self.plugin_dir, exist_ok=True)
-        with self._server_lock:
-            old, self._server = self._server, None
-            old_id, old_path = self._socket_id, self._bound_path
-        if old is not None:
-            self._close_server(old, 2.0)
-        if old_path and old_path != self.socket_path and old_id is not None and socket_identity(old_path) == old_id:
-            try:
-                os.unlink(old_path)  # our previous name; kubelet dials the new one
-            except FileNotFoundError:
-                pass
-        try:
-            os.unlink(self.socket_path)  # a stale socket from an earlier run (A.8)
-        except FileNotFoundError:
-            pass
-        tmp = os.path.join(self.plugin_dir, f".{os.path.basename(self.socket_path)}.{os.getpid()}.tmp")
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        server = self._listen(tmp)
-        os.rename(tmp, self.socket_path)
-        # (-1, -1) when the file is already gone again: never equal to a real
-        # identity, so the registrar serves anew.
-        sid = socket_identity(self.socket_path) or (-1, -1)
-        with self._server_lock:
-            self._server = server
-            self._socket_id = sid
-            self._bound_path = self.socket_path
-        with self._cond:
-            self._gen += 1
-            self._cond.notify_all()
-        log.info("device plugin serving %s on %s", self.resource_name, self.socket_path)
-
-    def _listen(self, path: str) -> "_Served":
-        """A started grpcio server for the DevicePlugin service on unix socket
-        ``path`` (options: ``grpcopts.server_options``). Raises OSError when
-        the socket cannot be bound."""
-        pool = futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="fracplugin-dp")
-        server = grpc.server(pool, options=grpcopts.server_options(), maximum_concurrent_rpcs=self.max_workers)
-        pb_grpc.add_DevicePluginServicer_to_server(_Servicer(self), server)
-        try:
-            bound = server.add_insecure_port("unix:" + path)
-        except RuntimeError as e:  # grpcio raises where older versions returned 0
-            bound, why = 0, str(e)
-        else:
-            why = "grpc could not bind it"
-        if bound == 0:
-            server.stop(grace=0)
-            pool.shutdown(wait=False)
-            raise OSError(f"cannot listen on {path}: {why}")
-        server.start()
-        return _Served(server, pool)
-
-    def socket_identity(self) -> tuple[int, int] | None:
-        return self._socket_id
-
-    def rebind(self) -> None:
-        """Serve on a fresh socket (kubelet wiped ours on restart)."""
-        if self._stopping:
-            raise RuntimeError("device plugin is stopping")
-        self._serve()
-
-    def rebind_as_new(self) -> None:
-        """Serve on a socket with a new file name ``<stem>-<n>.sock`` (the same
-        kubelet may hold, or be stuck on, the old path: kubelet 1.37 refuses a
-        second Register on a path it considers connected)."""
-        if self._stopping:
-            raise RuntimeError("device plugin is stopping")
-        self._name_gen += 1
-        stem, ext = os.path.splitext(self.socket_name)
-        self.socket_path = os.path.join(self.plugin_dir, f"{stem}-{self._name_gen}{ext}")
-        self._serve()
-
-    def reset_name(self) -> None:
-        """The next ``rebind`` uses the configured socket name (a new kubelet)."""
-        self._name_gen = 0
-        self.socket_path = os.path.join(self.plugin_dir, self.socket_name)
-
     def ready(self) -> bool:
         """True when every device can be served Healthy (no GPU Unhealthy:
         MPS daemons up, no XID) and Allocate can find pods (the pod source,
@@ -536,155 +373,6 @@ class DevicePluginServer:
         if self.health.unhealthy():
             return False
         return self.pod_source is None or bool(self.pod_source.ready())
-
-    def active_streams(self) -> int:
-        return self._streams
-
-    def last_stream_end(self) -> float:
-        return self._last_stream_end
-
-    def options(self) -> pb.DevicePluginOptions:
-        """Same answer in RegisterRequest.options and GetDevicePluginOptions (A.5)."""
-        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
-
-    def _on_registered(self, seconds: float) -> None:
-        self.reregister_ms.append(seconds * 1000.0)
-        del self.reregister_ms[:-100]
-
-    # ---- ListAndWatch ------------------------------------------------------
-    def _mode_of(self, uuid: str) -> ComputeMode | None:
-        try:
-            return self.ledger.mode(uuid)
-        except Exception:
-            return None
-
-    def _build_response(self) -> pb.ListAndWatchResponse:
-        devices = []
-        for gpu in self.node.gpus:
-            health = HEALTHY if self.health.healthy(gpu.uuid) else UNHEALTHY
-            topo = None
-            if gpu.numa_node is not None and gpu.numa_node >= 0:
-                topo = pb.TopologyInfo(nodes=[pb.NUMANode(ID=gpu.numa_node)])
-            for dev_id in self.table.ids(gpu.uuid):
-                d = pb.Device(ID=dev_id, health=health)
-                if topo is not None:
-                    d.topology.CopyFrom(topo)
-                devices.append(d)
-        return pb.ListAndWatchResponse(devices=devices)
-
-    def _devices_changed(self) -> None:
-        resp = self._build_response()
-        with self._cond:
-            self._response = resp
-            self._version += 1
-            self._cond.notify_all()
-
-    def current_devices(self) -> pb.ListAndWatchResponse:
-        """The list ListAndWatch sends now."""
-        with self._cond:
-            return self._response
-
-    def _list_and_watch(self, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
-        """Serve one ListAndWatch stream on a worker: the current list at once,
-        then every change, until the server stops (the stream ends with OK),
-        is replaced (``_gen``) or kubelet cancels it (the RPC ends: its
-        callback wakes the wait)."""
-        cond = self._cond
-
-        def wake() -> None:
-            with cond:
-                cond.notify_all()
-
-        with cond:
-            gen = self._gen
-            self._streams += 1
-        sent = -1
-        try:
-            if not context.add_callback(wake):  # the RPC has already ended
-                return
-            while True:
-                with cond:
-                    cond.wait_for(lambda: self._version != sent or self._stopping or self._gen != gen
-                                  or not context.is_active())
-                    if self._stopping or self._gen != gen or not context.is_active():
-                        return
-                    version, resp = self._version, self._response
-                sent = version
-                yield resp
-        finally:
-            with cond:
-                self._streams -= 1
-                if not self._stopping and self._gen == gen:
-                    self._last_stream_end = time.monotonic()
-                cond.notify_all()
-
-    # ---- GetPreferredAllocation / Allocate (decisions: allocator.py) -----------
-    def preferred(self, request: pb.PreferredAllocationRequest) -> pb.PreferredAllocationResponse:
-        """Answer GetPreferredAllocation (``Allocator.preferred``). Raises Refusal."""
-        t0 = time.monotonic()
-        out = pb.PreferredAllocationResponse()
-        for creq in request.container_requests:
-            ids = self.allocator.preferred(list(creq.available_deviceIDs), list(creq.must_include_deviceIDs),
-                                           int(creq.allocation_size))
-            out.container_responses.add(deviceIDs=ids)
-        self._observe("preferred", time.monotonic() - t0)
-        return out
-
-    def allocate(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
-        """Answer Allocate (``Allocator.allocate``). Raises Refusal; with
-        ``fail_open``, a refusal of the pod's fraction is counted, logged and
-        answered with an unadjusted container instead (``fail_open``)."""
-        try:
-            a = self.allocator.allocate([list(c.devices_ids) for c in request.container_requests])
-        except Refusal as r:
-            if not self.fail_open or r.label in _NEVER_FAIL_OPEN:
-                raise
-            self._refused(r)
-            log.warning("Allocate fail-open: the container runs unadjusted (no GPU env, no MPS): %s", r.message)
-            resp = pb.AllocateResponse()
-            resp.container_responses.add().annotations[ANNOTATION_ALLOCATE] = ALLOCATE_UNADJUSTED
-            return resp
-        return self._response_for(a.env, a.mounts, a.uuids, a.kind, a.key)
-
-    def _response_for(
-        self, env: Mapping[str, str], mounts: Sequence[Any], uuids: Sequence[str], kind: str, key: str
-    ) -> pb.AllocateResponse:
-        resp = pb.AllocateResponse()
-        c = resp.container_responses.add()
-        c.envs.update(env)
-        c.envs[al.ENV_RESERVATION] = key
-        for m in mounts:
-            c.mounts.add(container_path=m.destination, host_path=m.source, read_only=m.read_only)
-        if self.device_specs:
-            paths = [f"/dev/nvidia{self.node.gpu_by_uuid(u).minor}" for u in uuids]  # type: ignore[union-attr]
-            for p in paths + ["/dev/nvidiactl", "/dev/nvidia-uvm"]:
-                c.devices.add(container_path=p, host_path=p, permissions="rw")
-        for u in uuids:  # the node's CDI device of each GPU (ADR 0025b), else the operator's kind
-            dev = self.cdi.device_for(u) if self.cdi is not None else None
-            if dev is not None:
-                c.cdi_devices.add(name=dev.name)
-            elif self.cdi_kind:
-                c.cdi_devices.add(name=f"{self.cdi_kind}={u}")
-        c.annotations[ANNOTATION_ALLOCATE] = kind
-        c.annotations[al.ANNOTATION_RESERVATION] = key
-        return resp
-
-    # ---- bookkeeping ---------------------------------------------------------
-    def _refused(self, r: Refusal) -> None:
-        self.allocator.refused(r.message)
-        log.warning("Allocate refused (%s): %s", r.code.name, r.message)
-        if self.metrics is not None:
-            try:
-                self.metrics.refusal(r.label)
-            except Exception:
-                log.exception("metrics.refusal failed")
-
-    def _observe(self, door: str, seconds: float) -> None:
-        if self.metrics is not None:
-            try:
-                self.metrics.observe_hook(door, seconds)
-            except Exception:
-                log.exception("metrics.observe_hook failed")
 
     def _reconcile_loop(self) -> None:
         """Every ``podresources_interval_s``: ``Allocator.reconcile`` with
@@ -721,13 +409,3 @@ class DevicePluginServer:
         again for running containers, A.5). Returns warnings. Raises
         PodResourcesError when kubelet cannot be asked."""
         return self.allocator.reconcile(client.list(), initial=True)
-
-
-class _Served:
-    """One running grpcio server of the door and the worker pool it owns."""
-
-    __slots__ = ("server", "pool")
-
-    def __init__(self, server: grpc.Server, pool: futures.ThreadPoolExecutor) -> None:
-        self.server = server
-        self.pool = pool

@@ -1,0 +1,90 @@
+"""GetPreferredAllocation's decision (docs/reference/kubelet-device-plugin.md
+A.5): the device IDs to propose for one container, never a GPU at its tenant
+limit or held whole, never an uneven split, and the compute modes the
+pending candidates want.
+
+Split out of ``kubelet/allocator.py`` (issue 26, ADR 0023), moved as it was:
+the module docstring of ``kubelet/allocator.py`` describes the decisions;
+``Allocator`` is the one class to use.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from .. import allocation as al
+from ..model import ComputeMode, FractionError, Tenancy
+from ..rpcstatus import StatusCode
+from .allocbase import Refusal, _AllocatorState
+from .devices import preferred_allocation
+
+
+class _Preferred(_AllocatorState):
+    """GetPreferredAllocation (a mixin of ``Allocator``)."""
+
+    # ---- GetPreferredAllocation ------------------------------------------------
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """Device IDs for one container (``devices.preferred_allocation``),
+        never a GPU at its tenant limit, never an uneven split (issue 10 item 7)."""
+        if size < 0:
+            raise Refusal(StatusCode.INVALID_ARGUMENT, f"allocation_size {size} is negative", "invalid")
+        modes = self._modes_for(size)
+        full_of: Callable[[str], bool] = self._full
+        if len(modes) > 1:
+            # candidates differ in mode: a GPU with any tenant would refuse one
+            # of them (issue 25 item 6); used only when nothing else fits
+            full_of = lambda u: self._full(u) or bool(self._tenants_of(u))  # noqa: E731
+        out = preferred_allocation(
+            self.table, list(available), list(must_include), size, mode_of=self._mode_of,
+            pod_mode=modes.pop() if len(modes) == 1 else None, policy=self.policy, free_mib_of=self._free_mib_of,
+            full_of=full_of,
+        )
+        self._bump("preferred")
+        return out
+
+    def _mode_of(self, uuid: str) -> ComputeMode | None:
+        try:
+            return self.ledger.mode(uuid)
+        except Exception:
+            return None
+
+    def _full(self, uuid: str) -> bool:
+        try:
+            return len(self.ledger.tenants(uuid)) >= self.planner_config.max_clients_per_gpu or any(
+                t.door in (al.DOOR_OTHER_PLUGIN, al.DOOR_SYNC) for t in self.ledger.tenants(uuid))
+        except Exception:
+            return False
+
+    def _free_mib_of(self, uuid: str) -> int | None:
+        gpu = self.node.gpu_by_uuid(uuid)
+        try:
+            return None if gpu is None else gpu.memory_mib - int(self.ledger.held_mib(uuid))
+        except Exception:
+            return None
+
+    def _tenants_of(self, uuid: str) -> list[Tenancy]:
+        try:
+            return self.ledger.tenants(uuid)
+        except Exception:
+            return []
+
+    def _pod_mode_for(self, count: int) -> ComputeMode | None:
+        modes = self._modes_for(count)
+        return modes.pop() if len(modes) == 1 else None
+
+    def _modes_for(self, count: int) -> set[ComputeMode]:
+        """The compute modes the pending candidates for ``count`` devices want."""
+        if self.pod_source is None:
+            return set()
+        modes: set[ComputeMode] = set()
+        with self._lock:
+            cands = self._candidates(count)
+        prefix = self.planner_config.annotation_prefix
+        for c in cands:
+            annotations = (c.pod.get("metadata") or {}).get("annotations") or {}
+            try:
+                parsed = al.parse_for_kubelet(annotations, c.container, self.unit_mib * count, prefix=prefix)
+            except FractionError:
+                continue
+            modes.add(parsed.compute_mode if parsed is not None else ComputeMode.TIME_SLICING)
+        return modes
