@@ -330,7 +330,7 @@ def mps_node(root: Path) -> Iterator[tuple[DaemonProc, Any, list[int]]]:  # noqa
     # back either), so the outage lasts until the test ends it.
     flag = root / "mps-down"
     wrapper = root / "mps-control"
-    wrapper.write_text(f"#!/bin/sh\nwhile [ -e {flag} ]; do sleep 0.05; done\nexec {sys.executable} {FAKE_MPS} \"$@\"\n")
+    wrapper.write_text(f"#!/bin/sh\nwhile [ -e {flag} ]; do sleep 0.05; done\nexec {FAKE_MPS} \"$@\"\n")
     wrapper.chmod(0o755)
     d = DaemonProc(root, ["--mps-control-binary", str(wrapper), "--nri-socket", str(root / "nri.sock"),
                           "--device-plugin-dir", str(root / "dp"), "--pod-resources-socket", str(root / "pr.sock"),
