@@ -399,7 +399,7 @@ class Daemon:
         except ImportError as exc:
             log.warning("metrics unavailable: %s", exc)
             return
-        metrics = self.metrics = Metrics(ledger=self.ledger, inventory=self.inventory, node=self.node)
+        metrics = self.metrics = Metrics(ledger=self.ledger, inventory=self.inventory, node=self.node, node_name=self.node_name)
         metrics.attach_state(self.metric_state)
         try:
             part = self._add(MetricsPart(self.cfg, metrics))
