@@ -86,7 +86,4 @@ names the keys, the values and the rule.
 {{- if and (not .Values.nri.enabled) (not (include "fracplugin.devicePluginOn" .)) -}}
 {{- fail (printf "nri.enabled=false with scheduler=%q and devicePlugin.enabled=%v leaves no door: nothing would enforce fractions" .Values.scheduler .Values.devicePlugin.enabled) -}}
 {{- end -}}
-{{- if and .Values.serviceMonitor.enabled (not .Values.metrics.service.enabled) -}}
-{{- fail "serviceMonitor.enabled=true needs metrics.service.enabled=true (a ServiceMonitor selects a Service)" -}}
-{{- end -}}
 {{- end -}}
