@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup test typecheck unit component proto demo interop e2e kai-e2e kubelet-e2e bench chart manifests chart-tools ci clean gpu-check gpu-check-wheels
+.PHONY: setup test typecheck unit component proto demo interop e2e kai-e2e kubelet-e2e bench chart manifests chart-tools ci clean gpu-check gpu-check-wheels image image-test admission-e2e
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,13 +14,13 @@ $(VENV)/.installed: pyproject.toml
 ## setup: create .venv and install fracplugin with its test extras
 setup: $(VENV)/.installed
 
-## test: mypy over src/ (zero errors), then the whole Python test suite (unit + component); interop and e2e have their own targets
+## test: mypy --strict over src/ (zero errors), then the whole Python test suite (unit + component); interop and e2e have their own targets
 test: setup typecheck
 	$(PY) -m pytest tests/unit tests/component -q
 
-## typecheck: mypy src/fracplugin (config in pyproject.toml [tool.mypy])
+## typecheck: mypy --strict src/fracplugin, zero errors (config and the reasoned exceptions in pyproject.toml [tool.mypy])
 typecheck: setup
-	$(PY) -m mypy src/fracplugin
+	$(PY) -m mypy --strict src/fracplugin
 
 unit: setup
 	$(PY) -m pytest tests/unit -q
@@ -48,9 +48,23 @@ e2e: setup
 kai-e2e: setup
 	$(PY) tests/kai_e2e/run.py
 
+## admission-e2e: the chart's ValidatingAdmissionPolicy (ADR 0026) in Kubernetes' own CEL environment (Go,
+## tests/admission_e2e/celeval) and on a real etcd + kube-apiserver per Kubernetes line (kubelet-e2e build cache)
+admission-e2e: setup
+	$(PY) -m pytest tests/admission_e2e -q -p no:cacheprovider
+
 ## kubelet-e2e: real etcd + kube-apiserver + kubelet (v1.37 and v1.35) + containerd with both doors (needs root)
 kubelet-e2e: setup
 	bash tests/kubelet_e2e/run.sh
+
+## image: build the image from the Dockerfile without an image registry (mmdebstrap bases with Debian's
+## python3.11, buildah; needs root, mmdebstrap, buildah, runc; ADR 0027). The last line is the OCI archive's path.
+image:
+	@bash scripts/build-image.sh
+
+## image-test: check the archive make image wrote (contents, size) and run `fracplugin version` in it under runc
+image-test: setup
+	$(PY) -m pytest tests/image -q -p no:cacheprovider
 
 ## bench: benchmarks; writes build/bench.json
 bench: setup
@@ -93,7 +107,11 @@ manifests: setup
 	@set -e; tools=$$(bash scripts/chart-tools.sh helm); eval "$$tools"; export HELM; \
 	$(PY) scripts/render_manifests.py
 
-ci: test chart interop e2e kubelet-e2e
+ci: test chart interop e2e kubelet-e2e admission-e2e image image-test
 
 clean:
+	@# make image's private buildah store keeps a bind mount of its overlay directory
+	@if [ -d build/image/store ]; then \
+		buildah --root "$(CURDIR)/build/image/store" --runroot "$(CURDIR)/build/image/run" rm --all >/dev/null 2>&1; \
+		umount -R "$(CURDIR)/build/image/store/overlay" 2>/dev/null; true; fi
 	rm -rf build .pytest_cache .hypothesis tests/interop/bin

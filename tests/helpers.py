@@ -22,13 +22,36 @@ def _describe(pred: Callable[[], Any]) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def wait_until(pred: Callable[[], Any], timeout_s: float = 15.0, what: What = None, step_s: float = 0.01) -> Any:
+#: Every wait's bound is ``timeout_s * WAIT_SCALE``. A bound only ends a test
+#: that would otherwise hang (a wait ends the moment its condition holds), so
+#: it is sized for the slowest machine the suite must pass on: a 2-core one
+#: with load 20 (other builds, ``yes > /dev/null`` hogs), where one Python
+#: interpreter start (``python3 -c pass``, some 20 ms idle) was measured at
+#: 1.7-2.2 s wall at load 13-20 (2026-12-02, 2 cores), about 100x. Set
+#: ``FRACPLUGIN_TEST_WAIT_SCALE`` (a positive number) to change it.
+WAIT_SCALE = float(os.environ.get("FRACPLUGIN_TEST_WAIT_SCALE") or 6.0)
+if not WAIT_SCALE > 0:
+    raise ValueError(f"FRACPLUGIN_TEST_WAIT_SCALE={WAIT_SCALE!r}: must be a positive number")
+
+#: ``wait_until``'s bound when none is given: 15 s on an idle machine (90 s by default).
+DEFAULT_WAIT_S = 15.0
+
+
+def scaled(timeout_s: float) -> float:
+    """``timeout_s`` (seconds, as on an idle machine) times ``WAIT_SCALE``: the bound a
+    test gives anything it waits on (a peer, a subprocess, a socket read)."""
+    return timeout_s * WAIT_SCALE
+
+
+def wait_until(pred: Callable[[], Any], timeout_s: float = DEFAULT_WAIT_S, what: What = None,
+               step_s: float = 0.01) -> Any:
     """Poll ``pred()`` every ``step_s`` seconds until it returns a truthy value,
     and return that value.
 
     Polls the real condition, never a fixed delay: the wait ends as soon as
-    ``pred`` holds, and ``timeout_s`` (seconds) only bounds a test that would
-    otherwise hang.
+    ``pred`` holds, and ``timeout_s`` (seconds, as on an idle machine; the
+    bound is ``scaled(timeout_s)``, see ``WAIT_SCALE``) only bounds a test
+    that would otherwise hang.
 
     Raises:
         AssertionError: ``pred`` still falsy after ``timeout_s`` seconds; the
@@ -36,14 +59,15 @@ def wait_until(pred: Callable[[], Any], timeout_s: float = 15.0, what: What = No
             callable is called at that moment) and the last value ``pred``
             returned.
     """
-    deadline = time.monotonic() + timeout_s
+    bound = scaled(timeout_s)
+    deadline = time.monotonic() + bound
     while True:
         value = pred()
         if value:
             return value
         if time.monotonic() > deadline:
             said = what() if callable(what) else what
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {said or _describe(pred)}; "
+            raise AssertionError(f"timed out after {bound:g} s waiting for {said or _describe(pred)}; "
                                  f"last value: {value!r}")
         time.sleep(step_s)
 

@@ -3,7 +3,7 @@
 kubelet's device plugin allocation is authoritative for a container that
 requests the extended resource: the GPUs and the guaranteed memory (devices x
 ``--device-unit-mib`` per GPU) come from the device IDs kubelet chose
-(kubelet-device-plugin.md A.5: kubelet picks the devices, Allocate only sees
+(docs/reference/kubelet-device-plugin.md A.5: kubelet picks the devices, Allocate only sees
 their IDs). Annotations may only add what kubelet does not decide: a limit at
 or above the request, the compute mode and the portion. What they may not do
 (move the container to other GPUs, raise the request above the units kubelet
@@ -11,7 +11,7 @@ charged) is reported as an ``Ignored`` and not applied.
 
 A reservation is keyed by the device IDs kubelet passed
 (``reservation_key``), not by a pod: Allocate does not name the pod
-(kubelet-device-plugin.md A.6), so the holder is learned later from evidence
+(docs/reference/kubelet-device-plugin.md A.6), so the holder is learned later from evidence
 (the NRI CreateContainer of a container whose env carries the key, or
 PodResources). The key travels to the container in Allocate's answer (env
 ``FRACPLUGIN_RESERVATION`` and the container annotation of the same meaning),
@@ -61,7 +61,8 @@ def reservation_key(by_gpu: Mapping[str, Iterable[int]]) -> str:
             continue
         ranges = []
         start = prev = nums[0]
-        for n in nums[1:] + [None]:  # type: ignore[list-item]
+        tail: list[int | None] = [*nums[1:], None]  # None closes the last range
+        for n in tail:
             if n is not None and n == prev + 1:
                 prev = n
                 continue

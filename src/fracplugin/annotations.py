@@ -1,8 +1,8 @@
 """Pod annotations -> FractionRequest for one container (pure; no I/O).
 
-The contract is DESIGN.md section 4; the rules come from the reference node
+The contract is docs/reference/design.md section 4; the rules come from the reference node
 stack's annotation parser and KAI's NvFractions binder/admission
-(gpu-fractioning-reference.md sections 2a and 2b). Every refusal is a
+(docs/reference/gpu-fractioning-reference.md sections 2a and 2b). Every refusal is a
 ``FractionError`` naming the key, the value and the rule.
 
 Keys read, for container ``c`` and prefix ``p`` (default ``nvidia.com/container.``):
@@ -14,7 +14,7 @@ Keys read, for container ``c`` and prefix ``p`` (default ``nvidia.com/container.
 - ``p c .gpus.devices``: comma list of GPU UUIDs, indices or CDI names.
 - pod-level KAI forms, used when no per-container memory key is given:
   ``gpu-fraction`` (0 < f < 1), ``gpu-fraction.limit`` (f < l <= 1),
-  ``gpu-memory`` (MiB integer), ``gpu-fraction-num-devices`` (integer >= 1),
+  ``gpu-memory`` (a whole number of MiB per GPU, not a quantity), ``gpu-fraction-num-devices`` (integer >= 1),
   ``gpu-fraction-container-name`` (which container they apply to), and
   ``kai.scheduler/container.<c>.gpu-memory.portion.limit`` (0 < l <= 1).
 - pod-level ``kai.scheduler/gpu-compute-sharing-mode`` (the form KAI's docs
@@ -30,13 +30,11 @@ import re
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from typing import Mapping, Sequence
 
+from . import contract as C
+from .contract import MAX_DEVICES, MAX_QUANTITY_BYTES, MIB  # noqa: F401 (re-exported)
 from .model import ComputeMode, FractionError, FractionRequest, MemorySpec
 
 DEFAULT_PREFIX = "nvidia.com/container."
-MIB = 1 << 20
-# Larger than any GPU for decades; anything above is a typo (e.g. "40Ei").
-MAX_QUANTITY_BYTES = 1 << 50  # 1 PiB
-MAX_DEVICES = 64
 
 KEY_GPU_FRACTION = "gpu-fraction"
 KEY_GPU_FRACTION_LIMIT = "gpu-fraction.limit"
@@ -56,24 +54,24 @@ SUFFIX_MODE = ".gpu-compute.mode"
 SUFFIX_PORTION = ".gpu-compute.portion"
 SUFFIX_DEVICES = ".gpus.devices"
 
-_DECIMAL_RE = re.compile(r"^[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?\Z")
-_INT_RE = re.compile(r"^[0-9]+\Z")  # ASCII digits only (str.isdigit() accepts "²", "١")
+_DECIMAL_RE = re.compile(rf"^{C.DECIMAL_PATTERN}\Z")
+_INT_RE = re.compile(rf"^{C.INT_PATTERN}\Z")  # ASCII digits only (str.isdigit() accepts "²", "١")
 # The Kubernetes quantity grammar (apimachinery resource.ParseQuantity): the
 # Python client's parser is laxer (it accepts "4 Gi"), so the shape is checked first.
-_QUANTITY_RE = re.compile(r"^[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?\Z")
+_QUANTITY_RE = re.compile(rf"^{C.QUANTITY_PATTERN}\Z")
 
 
 def container_key(prefix: str, container: str, suffix: str) -> str:
     """``<prefix><container><suffix>``; exact-key lookup means ``trainer`` never
-    matches ``trainer-2`` (gpu-fractioning-reference.md section 2a)."""
+    matches ``trainer-2`` (docs/reference/gpu-fractioning-reference.md section 2a)."""
     return f"{prefix}{container}{suffix}"
 
 
 def _no_padding(key: str, raw: str) -> None:
     if raw == "":
-        raise FractionError(key, raw, "is blank: give a value or remove the annotation", "blank")
+        raise FractionError(key, raw, C.BLANK, "blank")
     if raw != raw.strip():
-        raise FractionError(key, raw, "has leading or trailing whitespace", "whitespace")
+        raise FractionError(key, raw, C.PADDED, "whitespace")
 
 
 _SUFFIX_EXPONENTS = {"n": -3, "u": -2, "m": -1, "k": 1, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}
@@ -107,7 +105,9 @@ def parse_quantity_mib(key: str, raw: str) -> int:
 
     Parsing is ``quantity_value`` (the kubernetes client's ``parse_quantity``
     rules, behind our stricter syntax ``_QUANTITY_RE``); the range rules are
-    ours: at least 1 MiB (1048576 bytes), at most 1 PiB, no whitespace.
+    ours: at least 1 MiB (1048576 bytes), at most 1 PiB, no whitespace. Every
+    refusal says the key is a quantity in bytes (``contract.BYTES_UNIT``), and
+    a bare positive integer below 1Mi gets "did you mean <raw>Mi?".
 
     Raises:
         FractionError: blank, padded, non-numeric, negative, zero, sub-MiB or
@@ -119,17 +119,16 @@ def parse_quantity_mib(key: str, raw: str) -> int:
             raise ValueError(raw)
         value = quantity_value(raw)
     except (ValueError, InvalidOperation, TypeError, ArithmeticError):
-        raise FractionError(
-            key, raw, "is not a Kubernetes quantity (examples: 40Gi, 4096M, 1.5G, 4294967296)", "quantity"
-        ) from None
+        raise FractionError(key, raw, C.QUANTITY_SYNTAX, "quantity") from None
     if not value.is_finite():
-        raise FractionError(key, raw, "is not a finite quantity", "quantity")
+        raise FractionError(key, raw, C.QUANTITY_NOT_FINITE, "quantity")
     if value < 0:
-        raise FractionError(key, raw, "is negative: GPU memory must be at least 1Mi", "quantity")
+        raise FractionError(key, raw, C.QUANTITY_NEGATIVE, "quantity")
     if value > MAX_QUANTITY_BYTES:
-        raise FractionError(key, raw, "is absurdly large: GPU memory above 1Pi is refused", "quantity")
+        raise FractionError(key, raw, C.QUANTITY_ABSURD, "quantity")
     if value < MIB:
-        raise FractionError(key, raw, "is below 1Mi: GPU memory must be at least 1Mi (1048576 bytes)", "quantity")
+        hint = C.QUANTITY_MIB_HINT.format(raw=raw) if _INT_RE.match(raw) and value > 0 else ""
+        raise FractionError(key, raw, C.QUANTITY_BELOW_MIB + hint, "quantity")
     return int((value / MIB).to_integral_value(rounding=ROUND_CEILING))
 
 
@@ -137,13 +136,13 @@ def _parse_fraction(key: str, raw: str, *, allow_one: bool) -> float:
     """A decimal fraction in (0, 1] (``allow_one``) or (0, 1)."""
     _no_padding(key, raw)
     if not _DECIMAL_RE.match(raw):
-        raise FractionError(key, raw, "is not a decimal number (example: 0.5)", "fraction")
+        raise FractionError(key, raw, C.FRACTION_SYNTAX, "fraction")
     value = float(raw)
     if not math.isfinite(value):
-        raise FractionError(key, raw, "is not a finite number", "fraction")
+        raise FractionError(key, raw, C.FRACTION_NOT_FINITE, "fraction")
     upper = "1]" if allow_one else "1)"
     if value <= 0 or value > 1 or (value == 1 and not allow_one):
-        raise FractionError(key, raw, f"is outside (0, {upper}", "fraction")
+        raise FractionError(key, raw, C.FRACTION_OUTSIDE.format(upper=upper), "fraction")
     return value
 
 
@@ -151,33 +150,51 @@ def _parse_mode(key: str, raw: str) -> ComputeMode:
     for mode in ComputeMode:
         if raw == mode.value:
             return mode
-    raise FractionError(key, raw, 'must be exactly "time-slicing" or "sm-sharing"', "mode")
+    raise FractionError(key, raw, C.MODE, "mode")
 
 
 def _parse_positive_int(key: str, raw: str, *, maximum: int) -> int:
+    """A whole number in [1, maximum]; each refusal names the key's unit
+    (``contract.int_unit``), and a ``gpu-memory`` written as a quantity of at
+    least 1Mi (``20Gi``) gets "did you mean "<MiB>" (MiB)?"."""
     _no_padding(key, raw)
+    unit = C.int_unit(key)
     if raw.startswith("-") and _INT_RE.match(raw[1:]):
-        raise FractionError(key, raw, "must be at least 1", "integer")
+        raise FractionError(key, raw, C.with_unit(C.INT_AT_LEAST_1, unit), "integer")
     if not _INT_RE.match(raw):
-        raise FractionError(key, raw, "is not a whole number", "integer")
+        raise FractionError(key, raw, C.with_unit(C.INT_NOT_WHOLE, unit) + _mib_hint(key, raw), "integer")
     if len(raw) > len(str(maximum)):
-        raise FractionError(key, raw, f"must be at most {maximum}", "integer")
+        raise FractionError(key, raw, C.with_unit(C.INT_AT_MOST.format(maximum=maximum), unit), "integer")
     value = int(raw)
     if value < 1:
-        raise FractionError(key, raw, "must be at least 1", "integer")
+        raise FractionError(key, raw, C.with_unit(C.INT_AT_LEAST_1, unit), "integer")
     if value > maximum:
-        raise FractionError(key, raw, f"must be at most {maximum}", "integer")
+        raise FractionError(key, raw, C.with_unit(C.INT_AT_MOST.format(maximum=maximum), unit), "integer")
     return value
+
+
+def _mib_hint(key: str, raw: str) -> str:
+    """``contract.MIB_QUANTITY_HINT`` for a pod-level ``gpu-memory`` holding a
+    quantity in [1Mi, 1Pi] (the MiB it means, rounded up); else empty."""
+    if key != KEY_GPU_MEMORY or not _QUANTITY_RE.match(raw):
+        return ""
+    try:
+        value = quantity_value(raw)
+    except (ValueError, InvalidOperation, ArithmeticError):
+        return ""
+    if not value.is_finite() or not MIB <= value <= MAX_QUANTITY_BYTES:
+        return ""
+    return C.MIB_QUANTITY_HINT.format(mib=int((value / MIB).to_integral_value(rounding=ROUND_CEILING)))
 
 
 def _parse_devices(key: str, raw: str) -> tuple[str, ...]:
     entries = tuple(e.strip() for e in raw.split(","))
     if any(e == "" for e in entries):
-        raise FractionError(key, raw, "has an empty entry: give a comma list of GPU UUIDs or indices", "devices")
+        raise FractionError(key, raw, C.DEVICES_EMPTY_ENTRY, "devices")
     if len(set(entries)) != len(entries):
-        raise FractionError(key, raw, "names a device twice", "devices")
+        raise FractionError(key, raw, C.DEVICES_TWICE, "devices")
     if len(entries) > MAX_DEVICES:
-        raise FractionError(key, raw, f"names more than {MAX_DEVICES} devices", "devices")
+        raise FractionError(key, raw, C.DEVICES_TOO_MANY, "devices")
     return entries
 
 
@@ -226,7 +243,7 @@ def parse(
 def relevant_keys(prefix: str, container: str) -> tuple[str, ...]:
     """Every annotation key ``parse_uncached`` reads for ``container``: the
     five per-container keys, KAI's portion limit, the pod-level KAI forms and
-    KAI's pod-level compute mode (DESIGN.md section 4)."""
+    KAI's pod-level compute mode (docs/reference/design.md section 4)."""
     return (
         *(container_key(prefix, container, s) for s in (SUFFIX_REQUEST, SUFFIX_LIMIT, SUFFIX_MODE,
                                                           SUFFIX_PORTION, SUFFIX_DEVICES)),
@@ -327,7 +344,7 @@ def _pod_level_memory(annotations: Mapping[str, str], request: MemorySpec | None
         keys["request"] = KEY_GPU_FRACTION
     elif request is None and KEY_GPU_MEMORY in annotations:
         raw = annotations[KEY_GPU_MEMORY]
-        mib = _parse_positive_int(KEY_GPU_MEMORY, raw, maximum=MAX_QUANTITY_BYTES // MIB)
+        mib = _parse_positive_int(KEY_GPU_MEMORY, raw, maximum=C.MAX_GPU_MEMORY_MIB)
         request = MemorySpec(KEY_GPU_MEMORY, raw, mib=mib)
         keys["request"] = KEY_GPU_MEMORY
     if limit is None and KEY_GPU_FRACTION_LIMIT in annotations:
@@ -336,7 +353,7 @@ def _pod_level_memory(annotations: Mapping[str, str], request: MemorySpec | None
         if request is not None and request.fraction is not None and frac <= request.fraction:
             raise FractionError(
                 KEY_GPU_FRACTION_LIMIT, raw,
-                f'is not above {KEY_GPU_FRACTION}="{request.raw}": the limit must be greater than the fraction',
+                C.FRACTION_LIMIT_NOT_ABOVE.format(fraction_key=KEY_GPU_FRACTION, fraction_raw=request.raw),
                 "limit_below_request",
             )
         limit = MemorySpec(KEY_GPU_FRACTION_LIMIT, raw, fraction=frac)
@@ -384,7 +401,7 @@ def _request_and_limit(request: MemorySpec | None, limit: MemorySpec | None,
     if request.mib is not None and limit.mib is not None and limit.mib < request.mib:
         raise FractionError(
             limit.key, limit.raw,
-            f"is below the request {request.raw} ({request.mib} MiB): the limit must be >= the request",
+            C.LIMIT_BELOW_REQUEST_MIB.format(request_raw=request.raw, request_mib=request.mib),
             "limit_below_request",
         )
     if (
@@ -393,7 +410,7 @@ def _request_and_limit(request: MemorySpec | None, limit: MemorySpec | None,
     ):
         raise FractionError(
             limit.key, limit.raw,
-            f"is below the request {request.raw}: the limit must be >= the request",
+            C.LIMIT_BELOW_REQUEST_FRACTION.format(request_raw=request.raw),
             "limit_below_request",
         )
     return request, limit
@@ -407,7 +424,7 @@ def _num_devices(raw: str, devices: tuple[str, ...], keys: dict[str, str]) -> in
     if devices and n != len(devices):
         raise FractionError(
             KEY_NUM_DEVICES, raw,
-            f"does not match the {len(devices)} device(s) in {keys['devices']}",
+            C.DEVICES_COUNT_MISMATCH.format(count=len(devices), devices_key=keys["devices"]),
             "devices",
         )
     return n
@@ -418,7 +435,7 @@ def _pod_level_applies(annotations: Mapping[str, str], container: str, container
     if named is not None:
         _no_padding(KEY_CONTAINER_NAME, named)
         if containers is not None and named not in containers:
-            raise FractionError(KEY_CONTAINER_NAME, named, "names no container of this pod", "container")
+            raise FractionError(KEY_CONTAINER_NAME, named, C.CONTAINER_NOT_IN_POD, "container")
         return named == container
     if containers:
         return containers[0] == container

@@ -35,10 +35,12 @@ ENV_PREFIX = "FRACPLUGIN_"
 LOG_FORMATS = ("json", "text")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MPS_PROTOCOLS = ("auto", "2", "3")
+MEMORY_LIMIT_MODES = ("auto", "apply", "verify", "off")
+MEMORY_LIMIT_POLICIES = ("warn", "refuse")
 ROLES = ("all", "doors", "mps")
 MPS_MODES = ("time-slicing", "sm-sharing")
-_NRI_NAME = re.compile(r"^[a-zA-Z0-9_.+-]+$")  # nri-protocol.md 1.5 (v0.12+ rule)
-_NRI_IDX = re.compile(r"^[0-9]{2}$")  # nri-protocol.md 1.5: exactly two digits
+_NRI_NAME = re.compile(r"^[a-zA-Z0-9_.+-]+$")  # docs/reference/nri-protocol.md 1.5 (v0.12+ rule)
+_NRI_IDX = re.compile(r"^[0-9]{2}$")  # docs/reference/nri-protocol.md 1.5: exactly two digits
 # A qualified name as Kubernetes writes condition types: optional DNS subdomain
 # prefix, then a name of [A-Za-z0-9] with -_. inside, at most 63 characters.
 _CONDITION_TYPE = re.compile(r"^(?:[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -88,21 +90,27 @@ class Config:
     mps_api_socket: str = ""  # "" = <mps_root>/api.sock (/run/fracplugin/mps/api.sock)
     # inventory
     simulate_node: str | None = None
-    # MPS (mps-nvml.md section 1)
+    # MPS (docs/reference/mps-nvml.md section 1)
     no_mps: bool = False
     mps_control_binary: str = "nvidia-cuda-mps-control"
     mps_root: str = "/run/fracplugin/mps"
     mps_protocol: str = "auto"
     mps_modes: tuple[str, ...] = MPS_MODES
     exclusive_process: bool = False
+    # MPS daemon probes (mps/probing.py): a live daemon on a starved host answers late
+    mps_probe_timeout_s: float = 2.0
+    mps_probe_failure_threshold: int = 2
     # state
     state_dir: str = "/run/fracplugin/state"
-    # NRI door (nri-protocol.md 1.5)
+    # NRI door (docs/reference/nri-protocol.md 1.5)
     no_nri: bool = False
     nri_socket: str = "/var/run/nri/nri.sock"
     nri_plugin_name: str = "fracplugin"
     nri_plugin_idx: str = "50"
-    # device plugin door (kubelet-device-plugin.md A.1)
+    # StartContainer's wait for a container's MPS namespace (ADR 0028): at most this, and at most
+    # the handler's budget (0.75 x the runtime's request timeout, 2 s default) minus a margin
+    nri_start_wait_s: float = 1.0
+    # device plugin door (docs/reference/kubelet-device-plugin.md A.1)
     no_device_plugin: bool = False
     device_plugin_dir: str = "/var/lib/kubelet/device-plugins"
     resource_name: str = "fracplugin.io/gpu-memory"
@@ -115,6 +123,8 @@ class Config:
     ignored_xids: str = "13,31,43,45,68,94"
     device_specs: bool = False
     cdi_kind: str | None = None
+    # CDI specs read for GPU injection (issue 23, ADR 0025b): lowest priority first
+    cdi_spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
     secure_pipe_mount: bool = False
     # Kubernetes API
     kubeconfig: str | None = None
@@ -127,10 +137,15 @@ class Config:
     annotation_prefix: str = "nvidia.com/container."
     reserve_mib: int = 1024  # KAI's binder reserve per GPU (planner.DEFAULT_RESERVE_MIB)
     no_cdi_devices: bool = False
-    # KAI readiness gate (ADR 0005): node condition types published from readiness
-    node_condition_types: tuple[str, ...] = ("gpu-sharing.nvidia.com/Ready",)
+    # KAI readiness gate (ADR 0005, issue 23 item 5): node condition types published from
+    # readiness; both names by default (the renamed node stack / KAI's api module, older builds)
+    node_condition_types: tuple[str, ...] = ("gpu-fractioning.nvidia.com/Ready", "gpu-sharing.nvidia.com/Ready")
     max_clients_per_gpu: int = 48
     fail_open: bool = False
+    # CUDA 13.4 memory limits per container (issue 23, ADR 0025)
+    memory_limits: str = "auto"  # auto on a simulated node without NVML: off (builders._build_memory_limits)
+    memory_limits_policy: str = "refuse"
+    cgroup_root: str = "/sys/fs/cgroup"
     # process
     log_format: str = "json"
     log_level: str = "info"
@@ -170,7 +185,7 @@ host path must be mounted by the DaemonSet)."""
 
 #: setting -> flag name. ``shutdown_timeout_s`` is ``--shutdown-timeout`` (seconds).
 _FLAG_OVERRIDES = {"shutdown_timeout_s": "shutdown-timeout", "allocate_deadline_s": "allocate-deadline",
-                   "pod_resources_interval_s": "pod-resources-interval"}
+                   "pod_resources_interval_s": "pod-resources-interval", "mps_probe_timeout_s": "mps-probe-timeout"}
 
 
 def flag_name(setting: str) -> str:
@@ -197,6 +212,10 @@ _HELP = {
     "mps_root": "host directory holding the MPS pipe and log directories",
     "mps_protocol": "MPS control protocol: auto (from the driver version), 2 or 3",
     "mps_modes": "comma list of compute modes whose MPS daemon is supervised",
+    "mps_probe_timeout_s": "seconds one MPS daemon probe may take; each timed-out probe doubles the next one's, "
+                           "up to 8x",
+    "mps_probe_failure_threshold": "consecutive failed MPS daemon probes that confirm a hang (a timed-out probe "
+                                   "reports the daemon unhealthy only then, and it is restarted)",
     "exclusive_process": "put every GPU of the node in EXCLUSIVE_PROCESS compute mode through NVML (only the MPS "
                          "server then opens contexts; off by default because it also constrains whole-GPU pods)",
     "state_dir": "directory of ledger.json and endpoints.json",
@@ -204,6 +223,10 @@ _HELP = {
     "nri_socket": "NRI socket of the container runtime",
     "nri_plugin_name": "NRI plugin name ([a-zA-Z0-9_.+-]+)",
     "nri_plugin_idx": "NRI plugin index (two digits; plugins run in index order)",
+    "nri_start_wait_s": "seconds StartContainer waits for the container's MPS namespace (never past its handler "
+                        "budget, which keeps the runtime's request timeout, 2 s by default); when spent while the "
+                        "namespace is still being made the container starts and the log says so; a namespace whose "
+                        "creation failed still fails the start (ADR 0028)",
     "no_device_plugin": "disable the kubelet device plugin door",
     "device_plugin_dir": "kubelet device plugin directory (our socket goes here)",
     "resource_name": "extended resource advertised by the device plugin",
@@ -217,8 +240,13 @@ _HELP = {
     "device_specs": "also answer Allocate with DeviceSpecs for /dev/nvidia<minor>, /dev/nvidiactl, /dev/nvidia-uvm",
     "secure_pipe_mount": "make the MPS root a nosuid,nodev bind mount when its filesystem lacks those flags (the "
                          "device plugin API has no mount options: kubelet's bind mount from Allocate inherits the "
-                         "source's flags; /run usually has them already)",
-    "cdi_kind": "answer Allocate with CDI devices <kind>=<GPU-UUID> (e.g. nvidia.com/gpu)",
+                         "source's flags; /run usually has them already). Needs CAP_SYS_ADMIN in the host mount "
+                         "namespace: for a daemon run on the host, not the chart's DaemonSet",
+    "cdi_kind": "an operator-named CDI kind (e.g. nvidia.com/gpu), looked up first in the CDI specs; Allocate "
+                "answers <kind>=<GPU-UUID> for a GPU no spec lists",
+    "cdi_spec_dirs": "comma list of CDI spec directories read to request each planned GPU's CDI device (kinds "
+                     "k8s.device-plugin.nvidia.com/gpu, nvidia.com/gpu, --cdi-kind) in the NRI adjustment and "
+                     "Allocate; re-read when they change; empty = none",
     "kubeconfig": "kubeconfig for API access (in-cluster config is used when running in a pod)",
     "node_name": "this node's name (env NODE_NAME)",
     "pods_file": "simulated API access: a YAML file of Pod documents (re-read when it changes)",
@@ -228,11 +256,20 @@ _HELP = {
     "reserve_mib": "MiB per GPU kept out of fraction resolution (1024 = what KAI's NvFractions binder holds back)",
     "no_cdi_devices": "do not pass CDI device names from .gpus.devices on as NRI CDI devices (runtimes older than "
                       "containerd 2.1 / CRI-O 1.34); the env still names the GPUs",
-    "node_condition_types": "comma list of node condition types published from readiness for KAI's NvFractions gate "
-                            "(add gpu-fractioning.nvidia.com/Ready for older KAI; empty = publish none; needs API access)",
+    "node_condition_types": "comma list of node condition types published from readiness for KAI's NvFractions gate, "
+                            "Unknown when the daemon stops (KAI's api module and the renamed node stack read "
+                            "gpu-fractioning.nvidia.com/Ready, older builds gpu-sharing.nvidia.com/Ready; empty = "
+                            "publish none; needs API access)",
     "max_clients_per_gpu": "tenants allowed per GPU (MPS client limit)",
     "fail_open": "leave a container unadjusted (unfenced, with a warning and a counted refusal) instead of "
                  "failing it when its fraction is refused or MPS fails; --no-fail-open overrides file/env",
+    "memory_limits": "CUDA 13.4 per-container memory limits (soft = request, hard = limit) on each container's leaf "
+                     "cgroup via NVML at StartContainer: auto (apply where the GPU's CDI spec lacks the toolkit's "
+                     "apply-cuda-memory-limits hook, verify where it has it), apply, verify, or off (ADR 0025)",
+    "memory_limits_policy": "when a container's memory limit cannot be enforced: warn (start it, Warning Event "
+                            "MemoryLimitNotEnforced) or refuse (fail its start; refuse fractional containers while "
+                            "the node cannot enforce)",
+    "cgroup_root": "the cgroup v2 mount where container leaf cgroups and dmem.capacity are read",
     "log_format": "log format: json or text",
     "log_level": "log level: debug, info, warning or error",
     "shutdown_timeout_s": "seconds allowed for an orderly shutdown",
@@ -265,7 +302,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _METAVARS = {"allocation_policy": "pack|spread", "ignored_xids": "XIDS", "cdi_kind": "KIND",
              "mps_protocol": "auto|2|3", "log_format": "json|text", "log_level": "LEVEL", "mps_modes": "MODES",
              "nri_plugin_name": "NAME", "nri_plugin_idx": "NN", "resource_name": "NAME", "node_name": "NAME",
-             "annotation_prefix": "PREFIX", "max_clients_per_gpu": "N", "node_condition_types": "TYPES"}
+             "annotation_prefix": "PREFIX", "max_clients_per_gpu": "N", "node_condition_types": "TYPES",
+             "memory_limits": "auto|apply|verify|off", "memory_limits_policy": "warn|refuse", "cgroup_root": "DIR",
+             "cdi_spec_dirs": "DIR[,DIR]"}
 
 
 def _metavar(name: str) -> str:
@@ -348,9 +387,9 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
 
     Rules: enumerations (log format/level, MPS protocol and modes), HOST:PORT
     addresses, positive sizes and timeouts, NRI name/index syntax
-    (nri-protocol.md 1.5), the resource name (kubelet ``IsExtendedResourceName``,
-    kubelet-device-plugin.md A.3), absolute paths, the MPS root length
-    (socket paths must fit 108 bytes, mps-nvml.md 1.4).
+    (docs/reference/nri-protocol.md 1.5), the resource name (kubelet ``IsExtendedResourceName``,
+    docs/reference/kubelet-device-plugin.md A.3), absolute paths, the MPS root length
+    (socket paths must fit 108 bytes, docs/reference/mps-nvml.md 1.4).
     """
     src = sources or {}
 
@@ -384,9 +423,19 @@ def _validate_role_and_mps(cfg: Config, bad: _Bad) -> None:
         raise bad("mps_api_socket", "must be an absolute path")
     if cfg.mps_protocol not in MPS_PROTOCOLS:
         raise bad("mps_protocol", f"must be one of {', '.join(MPS_PROTOCOLS)}")
+    if cfg.memory_limits not in MEMORY_LIMIT_MODES:
+        raise bad("memory_limits", f"must be one of {', '.join(MEMORY_LIMIT_MODES)}")
+    if cfg.memory_limits_policy not in MEMORY_LIMIT_POLICIES:
+        raise bad("memory_limits_policy", f"must be one of {', '.join(MEMORY_LIMIT_POLICIES)}")
+    if not cfg.cgroup_root.startswith("/"):
+        raise bad("cgroup_root", "must be an absolute path")
     for m in cfg.mps_modes:
         if m not in MPS_MODES:
             raise bad("mps_modes", f"has the unknown mode {m!r}; modes are {', '.join(MPS_MODES)}")
+    if not 0 < cfg.mps_probe_timeout_s <= 600:
+        raise bad("mps_probe_timeout_s", "must be a positive number of seconds, at most 600")
+    if not 1 <= cfg.mps_probe_failure_threshold <= 100:
+        raise bad("mps_probe_failure_threshold", "must be 1..100")
     if not cfg.no_mps and not cfg.mps_modes:
         raise bad("mps_modes", f"is empty: name at least one of {', '.join(MPS_MODES)}, or give --no-mps")
 
@@ -414,6 +463,8 @@ def _validate_numbers(cfg: Config, bad: _Bad) -> None:
         raise bad("allocate_deadline_s", "must be a positive number of seconds, at most 3600")
     if not 0 < cfg.pod_resources_interval_s <= 86400:
         raise bad("pod_resources_interval_s", "must be a positive number of seconds, at most 86400")
+    if not 0 <= cfg.nri_start_wait_s <= 60:  # the handler budget bounds it anyway (ADR 0028)
+        raise bad("nri_start_wait_s", "must be 0 to 60 seconds (the wait never exceeds StartContainer's budget)")
 
 
 def _validate_names_and_paths(cfg: Config, bad: _Bad) -> None:
@@ -431,6 +482,9 @@ def _validate_names_and_paths(cfg: Config, bad: _Bad) -> None:
         raise bad("ignored_xids", "must be a comma list of integers") from None
     if cfg.cdi_kind is not None and (cfg.cdi_kind.count("/") != 1 or "=" in cfg.cdi_kind):
         raise bad("cdi_kind", "must be a CDI kind <vendor>/<class> (e.g. nvidia.com/gpu)")
+    for d in cfg.cdi_spec_dirs:
+        if not d.startswith("/"):
+            raise bad("cdi_spec_dirs", f"has {d!r}, which is not an absolute path")
     for name in ("state_dir", "mps_root", "device_plugin_dir", "nri_socket", "pod_resources_socket"):
         if not str(getattr(cfg, name)).startswith("/"):
             raise bad(name, "must be an absolute path")

@@ -1,6 +1,6 @@
 """``fracplugin run``: build every part, start them, serve, stop them in order.
 
-Start order (each part switchable, DESIGN.md section 3):
+Start order (each part switchable, docs/reference/design.md section 3):
 
 1. inventory: NVML, or ``SimulatedInventory`` with ``--simulate-node``;
 2. ledger: ``<state-dir>/ledger.json``, loaded (warnings logged, a corrupt
@@ -60,181 +60,36 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
-
-import yaml
 
 from . import __version__, logs
 from . import config as configmod
 from .config import Config, ConfigError
 from .ledger import Ledger
-from .model import ComputeMode, NodeInfo
-from .mps.layout import MpsLayout
-from .parts import (
-    DevicePluginPart,
-    EventsPart,
-    HealthPart,
-    InventoryPart,
-    LedgerPart,
-    LogsPart,
-    MetricsPart,
-    MpsApiPart,
-    MpsPart,
-    NodeConditionPart,
-    NriDoor,
-    Part,
-    PartBase,
-    PodSourcePart,
-    Readiness,
-)
+from .model import NodeInfo
+from .parts import LogsPart, NriDoor, Part, Readiness
 from .parts import bounded as _bounded
-from .planner import PlannerConfig
+from .builders import POD_SOURCE_MISSING, _P, StartupError, _Builders
 
 if TYPE_CHECKING:
+    from .cdi import CdiRegistry
+    from .enforce.wiring import MemoryLimits
     from .events import EventRecorder, NullEventRecorder
     from .gpu.health import GpuHealth
     from .gpu.inventory import Inventory
     from .gpu.simulated import SimulatedInventory
     from .kubelet.deviceplugin import DevicePluginServer
-    from .kubelet.podlookup import InMemoryPodSource, PodSource
+    from .kubelet.podlookup import PodSource
     from .metrics import Metrics
     from .mps.api import MpsApi
 
 log = logging.getLogger("fracplugin.daemon")
 
-IN_CLUSTER_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
-
-
-class StartupError(RuntimeError):
-    """A part could not start (bad inventory, address in use, ...): exit 1."""
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``fracplugin run`` (see ``config.add_arguments``)."""
     configmod.add_arguments(p)
-
-
-# ---- the simulated API: a pods file ----------------------------------------
-def read_pods_file(path: str) -> list[dict[str, Any]]:
-    """Pod documents of a YAML file (``kind: Pod`` docs, or ``kind: List`` /
-    ``PodList`` items). A missing or empty file is no pods. A pod whose shape
-    the lookup cannot read (``podlookup.pod_problem``, e.g. ``containers: 'abc'``)
-    is skipped with a warning naming the pod and the file. Raises ValueError
-    for a file that cannot be read as YAML at all (invalid YAML, nesting too
-    deep for the parser, not UTF-8, unreadable): never another exception."""
-    from .kubelet.podlookup import describe_pod, pod_problem
-
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return []
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"pods file {path} cannot be read: {exc}") from None
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        raise ValueError(f"pods file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    except RecursionError:
-        raise ValueError(f"pods file {path} is nested too deeply to parse; rejected") from None
-    except Exception as exc:  # the parser is not ours: any failure rejects the file, never the daemon
-        raise ValueError(f"pods file {path} cannot be parsed: {type(exc).__name__}: {exc}") from None
-    pods: list[dict[str, Any]] = []
-    candidates: list[Any] = []
-    for d in docs:
-        if not isinstance(d, dict):
-            log.warning("pods file %s: a document that is not an object (%s) skipped", path, type(d).__name__)
-            continue
-        if d.get("kind") in ("List", "PodList"):
-            items = d.get("items") or []
-            if not isinstance(items, list):
-                log.warning("pods file %s: a %s whose items are not a list skipped", path, d.get("kind"))
-                continue
-            candidates.extend(items)
-        elif d.get("kind", "Pod") == "Pod" and isinstance(d.get("metadata"), dict):
-            candidates.append(d)
-    for pod in candidates:
-        problem = pod_problem(pod)
-        if problem is not None:
-            log.warning("pods file %s: pod %s skipped: %s", path, describe_pod(pod), problem,
-                        extra={"path": path, "pod": describe_pod(pod)})
-            continue
-        pods.append(pod)
-    return pods
-
-
-class PodsFileWatcher:
-    """Feeds an ``InMemoryPodSource`` from a YAML file, re-read when its
-    (mtime, size) changes; pods that disappear from the file are deleted
-    (like watch DELETED events).
-
-    Concurrency: one daemon thread polling every ``poll_s`` seconds.
-    """
-
-    def __init__(self, path: str, source: InMemoryPodSource, poll_s: float = 0.1) -> None:
-        self.path = path
-        self.source = source
-        self.poll_s = poll_s
-        self._seen: dict[str, dict[str, Any]] = {}
-        self._stamp: tuple[float, int] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @staticmethod
-    def _key(pod: Mapping[str, Any]) -> str:
-        md = pod.get("metadata") or {}
-        return str(md.get("uid") or f"{md.get('namespace', 'default')}/{md.get('name', '')}")
-
-    def sync(self) -> bool:
-        """Re-read the file if it changed; returns True when it was read."""
-        try:
-            st = os.stat(self.path)
-            stamp: tuple[float, int] | None = (st.st_mtime, st.st_size)
-        except FileNotFoundError:
-            stamp = None
-        if stamp == self._stamp:
-            return False
-        self._stamp = stamp
-        try:
-            pods = read_pods_file(self.path)
-        except ValueError as exc:
-            log.warning("%s; keeping the %d pods read before", exc, len(self._seen),
-                        extra={"path": self.path})
-            return False
-        now = {self._key(p): p for p in pods}
-        for key, pod in self._seen.items():
-            if key not in now:
-                self.source.delete(pod)
-        for key, pod in now.items():
-            if self._seen.get(key) != pod:
-                self.source.add(pod)
-        self._seen = now
-        log.debug("pods file read", extra={"path": self.path, "pods": len(now)})
-        return True
-
-    def start(self) -> None:
-        """Read the file once (a bad file is logged, never raised: the daemon
-        starts with no pods) and start polling."""
-        try:
-            self.sync()
-        except Exception as exc:  # pragma: no cover - sync handles what it knows
-            log.warning("pods file %s not read: %s: %s", self.path, type(exc).__name__, exc)
-        self._thread = threading.Thread(target=self._run, name="fracplugin-podsfile", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            try:
-                self.sync()
-            except Exception as exc:  # never let the watcher die
-                log.warning("pods file watcher: %s: %s", type(exc).__name__, exc, extra={"path": self.path})
-
-    def stop(self, timeout_s: float = 1.0) -> None:
-        """End the polling thread (waits at most ``timeout_s`` seconds)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
 
 
 # ---- helpers -----------------------------------------------------------------
@@ -248,30 +103,7 @@ def _write_json_atomic(path: str, doc: Any) -> None:
     os.replace(tmp, path)
 
 
-def _fmt_addr(host: str, port: int) -> str:
-    host = host or "0.0.0.0"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _in_cluster() -> bool:
-    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.path.exists(IN_CLUSTER_TOKEN)
-
-
-def _api_client(cfg: Config) -> Any:
-    """A kubernetes ``ApiClient`` from ``--kubeconfig``; None in-cluster (each
-    user loads the service account config on its own thread). Raises StartupError."""
-    if not cfg.kubeconfig:
-        return None
-    from kubernetes import config as kconfig
-
-    try:
-        return kconfig.new_client_from_config(config_file=cfg.kubeconfig)
-    except Exception as exc:
-        raise StartupError(f"--kubeconfig {cfg.kubeconfig}: {exc}") from None
-
-
 _T = TypeVar("_T")
-_P = TypeVar("_P", bound=PartBase)
 
 # Stop order of the parts before MPS, with each one's share of what is left
 # (``left / weight``; the node condition is capped at 2 s): KAI stops placing
@@ -281,7 +113,7 @@ _STOP_FIRST: tuple[tuple[str, int], ...] = (("node condition", 5), ("device plug
 
 
 # ---- the daemon ----------------------------------------------------------------
-class Daemon:
+class Daemon(_Builders):
     """All parts of the node daemon, with their lifecycle.
 
     Args:
@@ -316,6 +148,9 @@ class Daemon:
         self.events: EventRecorder | NullEventRecorder | None = None
         self.nri: NriDoor | None = None
         self.device_plugin: DevicePluginServer | None = None
+        self.memory_limits: MemoryLimits | None = None  # enforce.wiring.MemoryLimits (issue 23), None with --memory-limits off
+        self.cdi_hook_of: Callable[[str], bool | None] | None = None  # the CDI reader's "spec carries the hook"
+        self.cdi: CdiRegistry | None = None  # once a door needs it (ADR 0025b)
         self.endpoints: dict[str, str] = {}
         self.ledger_warnings: list[str] = []
         self.startup_ms: float | None = None
@@ -337,287 +172,6 @@ class Daemon:
         self.parts[part.name] = part
         part.start()
         return part
-
-    # ---- construction ----------------------------------------------------
-    @property
-    def planner_config(self) -> PlannerConfig:
-        """Planner settings; per-container MPS namespaces only with MPS v3
-        (classic v2 has none: sm-sharing containers share the daemon's pipe
-        directory, ADR 0001)."""
-        from .mps.control import choose_protocol
-
-        override = None if self.cfg.mps_protocol == "auto" else int(self.cfg.mps_protocol)
-        driver = self.node.driver_version if self.node is not None else ""
-        return PlannerConfig(reserve_mib=self.cfg.reserve_mib, max_clients_per_gpu=self.cfg.max_clients_per_gpu,
-                             layout=MpsLayout(self.cfg.mps_root), annotation_prefix=self.cfg.annotation_prefix,
-                             mps_namespaces=choose_protocol(driver, override) >= 3,
-                             cdi_devices=not self.cfg.no_cdi_devices)
-
-    def _build_inventory(self) -> None:
-        from .gpu.inventory import InventoryError
-
-        try:
-            if self.cfg.simulate_node:
-                from .gpu.simulated import SimulatedInventory
-
-                self.simulated = SimulatedInventory(self.cfg.simulate_node)
-                self.inventory = self.simulated
-            else:
-                from .gpu.nvml import NvmlInventory
-
-                self.inventory = NvmlInventory()
-            node = self.node = self.inventory.node()
-        except InventoryError as exc:
-            raise StartupError(f"GPU inventory: {exc}") from None
-        self._add(InventoryPart(self.cfg, self.inventory))
-        self.node_name = self.cfg.node_name or node.name
-        log.info("inventory ready", extra={
-            "node": node.name, "simulated": bool(self.cfg.simulate_node), "driver": node.driver_version,
-            "gpus": [f"{g.index}:{g.uuid}:{g.memory_mib}MiB" for g in node.gpus]})
-
-    def _build_ledger(self) -> None:
-        assert self.node is not None
-        try:
-            os.makedirs(self.cfg.state_dir, exist_ok=True)
-        except OSError as exc:
-            raise StartupError(f"state directory {self.cfg.state_dir}: {exc.strerror or exc}") from None
-        from .ledger import remove_crash_leftovers, state_dir_warning
-
-        tmpfs_warning = state_dir_warning(self.cfg.state_dir)
-        if tmpfs_warning:
-            log.warning(tmpfs_warning, extra={"state_dir": self.cfg.state_dir})
-        ledger = self.ledger = Ledger(self.node, self.cfg.ledger_path, max_clients_per_gpu=self.cfg.max_clients_per_gpu)
-        self.ledger_warnings = ledger.load()  # the ledger logs each warning itself
-        for msg in remove_crash_leftovers(self.cfg.ledger_path):  # temps of killed writes, old corrupt copies
-            log.info(msg, extra={"path": self.cfg.ledger_path})
-        self._add(LedgerPart(self.cfg, ledger, self.ledger_warnings))
-        log.info("ledger loaded", extra={"path": self.cfg.ledger_path, "tenancies": len(ledger.tenancies())})
-
-    def _build_metrics(self) -> None:
-        try:
-            from .metrics import Metrics
-        except ImportError as exc:
-            log.warning("metrics unavailable: %s", exc)
-            return
-        metrics = self.metrics = Metrics(ledger=self.ledger, inventory=self.inventory, node=self.node, node_name=self.node_name)
-        metrics.attach_state(self.metric_state)
-        try:
-            part = self._add(MetricsPart(self.cfg, metrics))
-        except OSError as exc:
-            raise StartupError(f"--metrics-address {self.cfg.metrics_address}: {exc.strerror or exc}") from None
-        assert part.bound is not None
-        self.endpoints["metrics"] = _fmt_addr(*part.bound)
-
-    def _build_mps(self) -> None:
-        from .mps.api import NullMps
-
-        layout = MpsLayout(self.cfg.mps_root)
-        if self.cfg.no_mps:
-            self.mps = NullMps(layout)
-            return
-        modes = tuple(ComputeMode(m) for m in self.cfg.mps_modes)
-        if self.cfg.role == "doors":
-            # MPS lives in the MPS role (ADR 0009): talk to it, never start it.
-            from .mps.rpc import RemoteMps
-
-            self.mps = RemoteMps(self.cfg.effective_mps_api_socket, layout, modes=modes)
-            self._add(MpsPart(self.cfg, self.mps))
-            st = self.mps.status()
-            if not st.get("reachable"):
-                log.warning("MPS role not reachable yet; MPS modes are down until it answers",
-                            extra={"socket": self.cfg.effective_mps_api_socket, "reason": st.get("error")})
-        else:
-            self._build_supervisor(layout, modes)
-        if self.metrics is not None:
-            self.metrics.attach_mps(self.mps)
-
-    def _build_supervisor(self, layout: MpsLayout, modes: tuple[ComputeMode, ...]) -> None:
-        from .mps.supervisor import MpsSupervisor
-
-        assert self.node is not None
-        protocol = None if self.cfg.mps_protocol == "auto" else int(self.cfg.mps_protocol)
-        exclusive = (tuple(g.uuid for g in self.node.gpus)
-                     if self.cfg.exclusive_process and not self.cfg.simulate_node else ())
-        sup = MpsSupervisor(layout, self.cfg.mps_control_binary, protocol, self.node.driver_version, modes,
-                            exclusive_process_gpus=exclusive, detached=self.cfg.role == "mps")
-        self.mps = sup
-        try:
-            self._add(MpsPart(self.cfg, sup))
-        except Exception as exc:
-            raise StartupError(f"MPS supervisor: {exc}") from None
-        if self.cfg.role == "mps":
-            from .mps.rpc import MpsApiServer
-
-            try:
-                self._add(MpsApiPart(self.cfg, MpsApiServer(sup, self.cfg.effective_mps_api_socket)))
-            except OSError as exc:
-                raise StartupError(f"--mps-api-socket {self.cfg.effective_mps_api_socket}: {exc.strerror or exc}") from None
-            self.endpoints["mps_api"] = self.cfg.effective_mps_api_socket
-
-    def _build_pod_source(self) -> None:
-        if self.cfg.no_device_plugin:
-            return
-        from .kubelet.podlookup import InMemoryPodSource, KubernetesPodSource
-
-        if self.cfg.pods_file:
-            mem = InMemoryPodSource(self.node_name)
-            watcher = PodsFileWatcher(self.cfg.pods_file, mem)
-            self.pod_source = mem
-            self._add(PodSourcePart(self.cfg, mem, watcher.start, watcher.stop))
-            log.info("simulated API: pods file", extra={"path": self.cfg.pods_file, "pods": len(mem)})
-        elif self.cfg.kubeconfig or _in_cluster():
-            watch = KubernetesPodSource(self.node_name, self.cfg.resource_name, _api_client(self.cfg))
-            self.pod_source = watch
-            self._add(PodSourcePart(self.cfg, watch, watch.start, watch.stop))
-            log.info("API watch started", extra={"node": self.node_name,
-                                                  "via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster"})
-        else:
-            log.warning("no API access (no --kubeconfig, not in a cluster, no --pods-file): the device plugin "
-                        "door cannot find pods and answers Allocate with what is right for any pod")
-
-    def _build_events(self) -> None:
-        from .events import EventRecorder, NullEventRecorder
-
-        if self.cfg.no_nri or not (self.cfg.kubeconfig or _in_cluster()):
-            self.events = NullEventRecorder()
-            return
-        recorder = EventRecorder(_api_client(self.cfg), self.node_name)
-        self.events = recorder
-        self._add(EventsPart(self.cfg, recorder))
-        log.info("refusals become Kubernetes Events", extra={
-            "via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster", "doors": "nri"})
-
-    def _build_node_condition(self) -> None:
-        """KAI's readiness gate: publish ``--node-condition-types`` from
-        readiness when there is API access (ADR 0005)."""
-        from .nodecondition import NodeConditionPublisher, condition_from_checks
-
-        types = self.cfg.node_condition_types
-        if not types:
-            return
-        if not (self.cfg.kubeconfig or _in_cluster()) or not self.node_name:
-            log.info("node condition not published (no API access or no node name)", extra={"types": list(types)})
-            return
-        publisher = NodeConditionPublisher(
-            _api_client(self.cfg), self.node_name, lambda: condition_from_checks(self.checks()), types)
-        self._add(NodeConditionPart(self.cfg, publisher))
-        log.info("publishing the node condition KAI gates on", extra={"types": list(types), "node": self.node_name})
-
-    def _refused_nri(self, pod: Any, container: str, err: Any) -> None:
-        """``FracNriPlugin.on_refusal``: queue the refusal's Event (never blocks)."""
-        if self.events is not None:
-            self.events.refused(pod, container, err, "nri")
-
-    def _warned_nri(self, pod: Any, container: str, message: str) -> None:
-        """``FracNriPlugin.on_warning``: queue an AnnotationNotApplied Event (never blocks)."""
-        if self.events is not None:
-            self.events.warned(pod, container, message, "nri")
-
-    def _build_nri(self) -> None:
-        if self.cfg.no_nri:
-            return
-        from .nri.plugin import FracNriPlugin
-        from .nri.stub import NriStub
-
-        assert self.node is not None and self.ledger is not None
-        plugin = FracNriPlugin(self.node, self.ledger, self.planner_config, mps=self.mps,
-                               metrics=self.metrics, fail_open=self.cfg.fail_open,
-                               on_refusal=self._refused_nri, on_warning=self._warned_nri,
-                               pod_lookup=self.pod_source.get if self.pod_source is not None else None,
-                               unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name,
-                               gpu_health=self._gpu_health)
-        stub = NriStub(plugin, socket_path=self.cfg.nri_socket,
-                       plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx,
-                       on_bound=self.metrics.nri_bound_exceeded if self.metrics is not None else None)
-        self.nri = self._add(NriDoor(self.cfg, stub, plugin))
-        self.endpoints["nri_socket"] = self.cfg.nri_socket
-        if stub.fd_mode:
-            # Launched by the runtime with the NRI socket on fd 3 (nri-protocol.md 1.5): when that
-            # connection ends the runtime will launch a new plugin, so this process must go.
-            self.endpoints["nri_socket"] = f"fd {stub.fd}"
-
-            def watch_exit() -> None:
-                stub.wait_exit()
-                if not self._stopping.is_set():
-                    log.info("NRI connection on fd %s ended (runtime-launched plugin): shutting down", stub.fd)
-                    self.pending_signals.append(signal.SIGTERM)
-                    self.wakeup()
-
-            threading.Thread(target=watch_exit, name="nri-fd-exit", daemon=True).start()
-
-    def _build_device_plugin(self) -> None:
-        if self.cfg.no_device_plugin:
-            return
-        from .kubelet.deviceplugin import DevicePluginServer
-        from .kubelet.devices import DeviceTableTooLarge
-
-        assert self.node is not None and self.ledger is not None
-        try:
-            server = DevicePluginServer(
-                self.node, self.ledger, self.planner_config, self.inventory,
-                pod_source=self.pod_source, resource_name=self.cfg.resource_name, unit_mib=self.cfg.device_unit_mib,
-                plugin_dir=self.cfg.device_plugin_dir, kubelet_socket=self.cfg.effective_kubelet_socket,
-                allocate_deadline_s=self.cfg.allocate_deadline_s, mps_health=None if self.cfg.no_mps else self.mps,
-                podresources_interval_s=self.cfg.pod_resources_interval_s,
-                metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket,
-                ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
-                policy=self.cfg.allocation_policy, device_specs=self.cfg.device_specs, cdi_kind=self.cfg.cdi_kind,
-                secure_pipe_mount=self.cfg.secure_pipe_mount, fail_open=self.cfg.fail_open)
-        except DeviceTableTooLarge as exc:
-            # Kubelet could never receive the device list (devices.py): refuse to start.
-            raise StartupError(f"--device-unit-mib {self.cfg.device_unit_mib}: {exc}") from None
-        self.device_plugin = server
-        try:
-            self._add(DevicePluginPart(self.cfg, server))
-        except OSError as exc:
-            raise StartupError(f"device plugin: {exc}") from None
-        self.endpoints["device_plugin_socket"] = server.socket_path
-        self.endpoints["kubelet_socket"] = self.cfg.effective_kubelet_socket
-
-    def simulate_xid(self, gpu_uuid: str, xid: int) -> None:
-        """``POST /simulate/xid``: queue XID ``xid`` on ``gpu_uuid`` in the
-        simulated inventory (``SimulatedInventory.inject_xid``); the device
-        plugin's health monitor then sees it as NVML would deliver it.
-        Raises LookupError for a GPU this node does not have; RuntimeError
-        when the inventory is not simulated (the route is never offered then)."""
-        from .gpu.inventory import InventoryError
-
-        if self.simulated is None:
-            raise RuntimeError("XIDs can only be injected into a simulated node (--simulate-node)")
-        assert self.node is not None
-        if self.node.gpu_by_uuid(gpu_uuid) is None:
-            raise LookupError(f"no GPU {gpu_uuid} on node {self.node.name} "
-                              f"(GPUs: {', '.join(g.uuid for g in self.node.gpus)})")
-        try:
-            self.simulated.inject_xid(gpu_uuid, xid)
-        except InventoryError as exc:
-            raise LookupError(str(exc)) from None
-
-    def _gpu_health(self, uuid: str) -> GpuHealth:
-        """The device plugin door's health of one GPU (XID + MPS); healthy
-        when that door is not running (no monitor)."""
-        if self.device_plugin is not None:
-            return self.device_plugin.health.health(uuid)
-        # Called per GPU on every CreateContainer (issue 14): one frozen
-        # GpuHealth per UUID, made once, not an import and a build per call.
-        healthy = self._healthy_gpus.get(uuid)
-        if healthy is None:
-            from .gpu.health import GpuHealth
-
-            healthy = self._healthy_gpus[uuid] = GpuHealth(uuid, True)
-        return healthy
-
-    def _build_health(self) -> None:
-        from .health import HealthServer
-
-        server = HealthServer(self.cfg.health_address, self.checks, self.status, alive=self.alive,
-                              simulate_xid=self.simulate_xid if self.simulated is not None else None)
-        try:
-            part = self._add(HealthPart(self.cfg, server))
-        except OSError as exc:
-            raise StartupError(f"--health-address {self.cfg.health_address}: {exc.strerror or exc}") from None
-        assert part.bound is not None
-        self.endpoints["health"] = _fmt_addr(*part.bound)
 
     def start(self) -> None:
         """Build and start every enabled part, in order. Raises StartupError
@@ -680,13 +234,17 @@ class Daemon:
         out: dict[str, dict[str, Any]] = {}
         for name, check, enabled in (("nri", "nri", not self.cfg.no_nri),
                                      ("device plugin", "device_plugin", not self.cfg.no_device_plugin),
-                                     ("mps", "mps", not self.cfg.no_mps)):
+                                     ("mps", "mps", not self.cfg.no_mps),
+                                     ("memory limits", "memory_limits", False)):
             part = self.parts.get(name)
             if part is not None:
                 r = self._read(part, "readiness", part.readiness, Readiness(False, f"{name} readiness unavailable"))
                 out[check] = {"ready": r.ok, "detail": r.reason}
             elif enabled:
                 out[check] = {"ready": False, "detail": "not started"}
+        if "nri" in out and (self.pod_source is None or not self.pod_source.ready()):  # said, not gated on (issue 25 item 1)
+            why = "no API access" if self.pod_source is None else "pod watch not synced"
+            out["nri"]["detail"] = f"{out['nri']['detail']}; {why}: {POD_SOURCE_MISSING}"
         if self._stopping.is_set():
             out["daemon"] = {"ready": False, "detail": "shutting down"}
         return out
@@ -769,6 +327,8 @@ class Daemon:
             "pod_source": self._status_of("pod source"),
             "events": events,
             "node_condition": self._status_of("node condition"),
+            "memory_limits": self._status_of("memory limits"),
+            "cdi": self.cdi.status() if self.cdi is not None else None,
             "endpoints": dict(self.endpoints),
             "ledger": {"path": self.cfg.ledger_path, "warnings": self.ledger_warnings},
             "config": self.cfg.to_dict(),
@@ -1023,3 +583,4 @@ def _keep_mps_role() -> int:
         time.sleep(1.0)  # a back-off before the restart; a signal meanwhile ends the keeper
         if stopping:
             return 0
+

@@ -34,6 +34,7 @@ kubelet drivers run their own I/O threads.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -72,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--examples", metavar="DIR", default=None,
                    help="directory with nodes/ and pods/ (default: the repo's examples/)")
     p.add_argument("--mps-control-binary", metavar="PATH", default=None,
-                   help="MPS control executable (default: the repo's tests/fakes/nvidia-cuda-mps-control)")
+                   help="MPS control executable (default: the repo's fake, tests/fakes/nvidia-cuda-mps-control, "
+                        "behind its compiled client when gcc is there)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, ledger) afterwards")
     p.add_argument("--ready-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long to wait for the daemon to be ready")
@@ -99,7 +101,8 @@ def find_examples(explicit: str | None = None) -> Path:
 def find_fake_mps(explicit: str | None = None) -> Path | None:
     """The MPS control binary: ``--mps-control-binary``, else the repo's fake
     (``tests/fakes/nvidia-cuda-mps-control`` relative to the package source or
-    the current directory); None when none is found."""
+    the current directory; its compiled client in front when it can be built,
+    ``_compiled_fake``); None when none is found."""
     if explicit:
         p = Path(explicit)
         if not (p.is_file() and os.access(p, os.X_OK)):
@@ -108,8 +111,28 @@ def find_fake_mps(explicit: str | None = None) -> Path | None:
     for base in (PKG_DIR.parents[1], Path.cwd()):
         p = base / "tests" / "fakes" / "nvidia-cuda-mps-control"
         if p.is_file() and os.access(p, os.X_OK):
-            return p.resolve()
+            return _compiled_fake(p) or p.resolve()
     return None
+
+
+def _compiled_fake(py_fake: Path) -> Path | None:
+    """The compiled front of the repo's fake (``tests/fakes/mps_client.py``
+    builds it with gcc into ``build/fake-mps/``): its control commands start in
+    about a millisecond, like the real binary's, where the Python fake's take
+    seconds on a loaded machine and a probe could time out. None when it
+    cannot be built (no C compiler): the Python fake is used then."""
+    builder = py_fake.parent / "mps_client.py"
+    if not builder.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location("fracplugin_demo_fake_mps_client", builder)
+        if spec is None or spec.loader is None:
+            return None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return Path(mod.build_mps_client()).resolve()
+    except Exception:  # noqa: BLE001 - any failure to build: the Python fake still works
+        return None
 
 
 # ---- small helpers ----------------------------------------------------------------------
@@ -225,7 +248,13 @@ class Demo:
         os.chmod(self.work, 0o755)  # MPS pipe dirs below must be reachable by containers' users
         w = Path(self.work)
         pods_file = w / "pods.yaml"
-        pods_file.write_text(yaml.safe_dump(self._dp_pod()))
+        # the simulated API server holds every pod the demo plays, bound to the
+        # node (kubelet creates containers only of pods it got from the API): the
+        # NRI door reads their spec for pod-level KAI forms (issue 25 item 1)
+        seeds = [_load_pod(self.pods_dir / INFERENCE), _load_pod(self.pods_dir / NOTEBOOK), self._tight_pod()]
+        for seed in seeds:
+            seed.setdefault("spec", {})["nodeName"] = "gpu-node-1"
+        pods_file.write_text(yaml.safe_dump_all([*seeds, self._dp_pod()]))
         # containerd's plugin_request_timeout (default 2 s): the fake MPS control
         # binary is a Python script, far slower to start than the real one, and
         # a sm-sharing CreateContainer runs two of its commands.
@@ -284,7 +313,7 @@ class Demo:
         from .status import render_gpus
 
         code, body = _http(self.endpoints["health"], "/status")
-        doc = json.loads(body)
+        doc: dict[str, Any] = json.loads(body)
         self.out("  GPU tenancy (from the daemon's /status):")
         self.out.block(render_gpus(doc), "    ")
         for d in (doc.get("mps") or {}).get("daemons") or []:
@@ -344,7 +373,7 @@ class Demo:
                 else:
                     self.out(f"  container {name}: PLACED (container id {ctr.id[:12]})")
                     self._print_plan(devices, env, mounts)
-                    self._start_with_retries(pod, ctr, name)
+                    self._start_with_retries(pod, ctr, name, [m.source for m in adj.mounts])
                     rec = {"door": "nri", "container": name, "outcome": "placed", "devices": devices, "env": env,
                            "mounts": mounts}
                 self._sandboxes[md["name"]] = (pod, ctr)
@@ -370,17 +399,20 @@ class Demo:
                 time.sleep(0.5 * attempt)
         raise AssertionError("unreachable")
 
-    def _start_with_retries(self, pod: Any, ctr: Any, name: str) -> None:
+    def _start_with_retries(self, pod: Any, ctr: Any, name: str, sources: list[str] | None = None) -> None:
         """StartContainer (the plugin waits there for an sm-sharing container's
-        MPS namespace); UNAVAILABLE is retried as kubelet retries a failed start.
-        Raises StepFailed when it never starts."""
+        MPS namespace, within a budget: a namespace still being made then
+        comes after the start, ADR 0028); UNAVAILABLE is retried as kubelet
+        retries a failed start. With MPS supervised, an sm-sharing
+        container's namespace ``control`` socket (in its pipe directory, one
+        of ``sources``) is awaited before the demo goes on. Raises
+        StepFailed when it never starts."""
         from .nri.ttrpc import Code, RpcError
 
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:
                 self.runtime.start_container(pod, ctr)
-                self.out("    StartContainer: started" + (" (its MPS namespace is in place)"
-                                                           if self._is_sm(pod, ctr) else ""))
+                self.out("    StartContainer: started" + self._namespace_note(pod, ctr, sources or []))
                 return
             except RpcError as exc:
                 if exc.code != Code.UNAVAILABLE or attempt == CREATE_ATTEMPTS:
@@ -388,10 +420,25 @@ class Demo:
                 self.out(f"    StartContainer: UNAVAILABLE (transient), retrying as kubelet would: {exc.message}")
                 time.sleep(0.5 * attempt)
 
+    def _namespace_note(self, pod: Any, ctr: Any, sources: list[str]) -> str:
+        """Wait (up to 30 s) for an sm-sharing container's namespace
+        ``control`` socket when MPS is supervised; say when it came."""
+        if not self._is_sm(pod, ctr) or self.mps_binary is None:
+            return ""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30:
+            if any(os.path.exists(os.path.join(s, "control")) for s in sources):
+                late = time.monotonic() - t0
+                return (" (its MPS namespace is in place)" if late < 0.001
+                        else f" (its MPS namespace followed {late * 1000:.0f} ms later, ADR 0028)")
+            time.sleep(0.01)
+        return " (its MPS namespace did not appear within 30 s)"
+
     @staticmethod
     def _is_sm(pod: Any, ctr: Any) -> bool:
         key = f"nvidia.com/container.{ctr.name}.gpu-compute.mode"
-        return pod.annotations.get(key) == "sm-sharing"
+        mode: str | None = pod.annotations.get(key)
+        return mode == "sm-sharing"
 
     def nri_remove(self, manifest: dict[str, Any]) -> None:
         md = manifest["metadata"]

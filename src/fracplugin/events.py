@@ -1,4 +1,4 @@
-"""Kubernetes Events for refusals (DESIGN.md section 4: "bad input gets an
+"""Kubernetes Events for refusals (docs/reference/design.md section 4: "bad input gets an
 error naming key, value and rule, a Kubernetes Event when API access is
 configured, a log line, and a counter").
 
@@ -57,14 +57,16 @@ REASON_REFUSED = "FractionRefused"
 """``reason`` of the Event written for a refusal."""
 REASON_NOT_APPLIED = "AnnotationNotApplied"
 """``reason`` of the Event written for an annotation a door did not apply (ADR 0007)."""
+REASON_LIMIT_NOT_ENFORCED = "MemoryLimitNotEnforced"
+"""``reason`` of the Event written when a container's CUDA memory limit is not in force (issue 23, ADR 0025)."""
 
 MAX_MESSAGE = 1024
 """Characters of the refusal message kept in the Event (longer ones are cut)."""
 
 _ACTIONS = {"nri": "CreateContainer", "deviceplugin": "Allocate"}
 
-# (pod, container, message, door, wall-clock seconds) -- what refused() enqueues.
-_Item = tuple  # (pod, container, message, door, unix seconds[, reason])
+_Item = tuple[PodRef, str, str, str, float, str]
+"""What the hook side enqueues: (pod, container, message, door, unix seconds, Event reason)."""
 
 
 class NullEventRecorder:
@@ -77,6 +79,10 @@ class NullEventRecorder:
 
     def warned(self, pod: PodRef, container: str, message: str, door: str) -> None:
         """Ignore the warning."""
+        return None
+
+    def limit_not_enforced(self, pod: PodRef, container: str, message: str) -> None:
+        """Ignore it (still logged, in status and metrics)."""
         return None
 
     def start(self) -> "NullEventRecorder":
@@ -143,7 +149,21 @@ class EventRecorder:
                 self._dropped += 1
             return
         try:
-            self._q.put_nowait((pod, container, err.message, door, time.time()))
+            self._q.put_nowait((pod, container, err.message, door, time.time(), REASON_REFUSED))
+        except queue.Full:
+            with self._lock:
+                self._dropped += 1
+
+    def limit_not_enforced(self, pod: PodRef, container: str, message: str) -> None:
+        """Queue a ``MemoryLimitNotEnforced`` Warning Event (action
+        StartContainer; ``message`` names the GPU, the planned and read limits
+        and the missing capability). Never blocks, never raises."""
+        if self._stop.is_set():
+            with self._lock:
+                self._dropped += 1
+            return
+        try:
+            self._q.put_nowait((pod, container, message, "StartContainer", time.time(), REASON_LIMIT_NOT_ENFORCED))
         except queue.Full:
             with self._lock:
                 self._dropped += 1
@@ -255,8 +275,7 @@ class EventRecorder:
         return False
 
     def _send(self, item: _Item) -> None:
-        pod, container, message, door, at = item[:5]
-        reason = item[5] if len(item) > 5 else REASON_REFUSED  # type: ignore[misc]
+        pod, container, message, door, at, reason = item
         if self._repeat(pod, container, message, at):
             with self._lock:
                 self._suppressed += 1

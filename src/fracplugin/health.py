@@ -45,7 +45,10 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 from .config import parse_address
 
@@ -99,11 +102,11 @@ class _DeadlineReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b: Any) -> int:  # type: ignore[override]
+    def readinto(self, b: WriteableBuffer) -> int:
         left = self._h.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"request not received within {self._h.server.request_deadline_s:g} s")
-        sock = self._h.connection
+        sock: socket.socket = self._h.connection
         sock.settimeout(left)
         try:
             return sock.recv_into(b)
@@ -236,7 +239,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.deadline = time.monotonic() + self.server.request_deadline_s
-        self.rfile = io.BufferedReader(_DeadlineReader(self))  # type: ignore[assignment]
+        self.rfile = io.BufferedReader(_DeadlineReader(self))
 
     def handle_one_request(self) -> None:
         # One deadline for the request line, headers and body of each request.

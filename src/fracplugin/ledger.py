@@ -9,7 +9,7 @@ Invariants (checked by ``check_invariants`` and by property tests):
 - one compute mode per GPU at a time;
 - per GPU, the sum of request MiB held <= the GPU's memory;
 - per GPU, at most ``max_clients_per_gpu`` tenants (MPS client limit, 48 on
-  Volta and later: kubelet-device-plugin.md B.4);
+  Volta and later: docs/reference/kubelet-device-plugin.md B.4);
 - an owner (pod uid, container) appears at most once per GPU.
 
 Persistence (issue 14, ADR 0010): a snapshot plus an
@@ -34,25 +34,21 @@ last journal line (cut by a crash during its append) is dropped.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .allocation import DOOR_ALLOCATE, DOOR_NRI, DOOR_OTHER_PLUGIN, DOOR_SYNC, to_tenancies
 from .model import ComputeMode, ContainerPlan, FractionError, GpuInfo, NodeInfo, Tenancy
+from .ledgerstore import JOURNAL_SUFFIX, _LedgerStore
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 DEFAULT_MAX_CLIENTS_PER_GPU = 48
 _WHOLE_DOORS = (DOOR_OTHER_PLUGIN, DOOR_SYNC)
-JOURNAL_SUFFIX = ".journal"
 DEFAULT_COMPACT_MIN_RECORDS = 1024
 """Journal changes kept before a compaction, at least (issue 14)."""
 
@@ -77,6 +73,15 @@ def same_hold(t: Tenancy, owner: tuple[str, str], reservation: str = "") -> bool
     if reservation and t.reservation == reservation:
         return True
     return bool(owner[0]) and t.owner == owner
+
+
+def holder_text(t: Tenancy) -> str:
+    """``namespace/pod/container`` of a hold, or ``reservation <key> (holder
+    not known yet)`` for a kubelet reservation no container claimed yet
+    (README, "What each door decides"; never ``//``)."""
+    if t.bound:
+        return f"{t.namespace}/{t.pod_name}/{t.container}"
+    return f"reservation {t.reservation} (holder not known yet)"
 
 
 def admission_problem(
@@ -126,7 +131,7 @@ def admission_problem(
     if other_mode is not None:
         t = other_mode
         return Problem(
-            f"GPU {gpu.index} ({gpu.uuid}) is in {t.mode.value} mode for {t.namespace}/{t.pod_name}/{t.container}",
+            f"GPU {gpu.index} ({gpu.uuid}) is in {t.mode.value} mode for {holder_text(t)}",
             f"one compute mode per GPU, this container wants {mode.value}",
         )
     if held + request_mib > gpu.memory_mib:
@@ -140,37 +145,8 @@ def admission_problem(
     return None
 
 
-_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # json.dumps' own string encoder
 
-
-def _int(v: int | None) -> str:
-    if v is None:
-        return "null"
-    if type(v) is not int:
-        raise TypeError(f"expected an integer, got {v!r}")
-    return int.__repr__(v)
-
-
-def encode_tenancy(t: Tenancy) -> str:
-    """One tenancy as its ledger record: exactly
-    ``json.dumps(t.to_dict(), sort_keys=True, separators=(",", ":"))``
-    (keys sorted, compact, ASCII with ``\\uXXXX`` escapes), written field by
-    field (issue 14: 2 us instead of 5 us per admission). A property test
-    keeps the two identical. Raises TypeError for a non-integer MiB field."""
-    ns = t.mps_namespace
-    return ('{"active_thread_percentage":%s,"container":%s,"container_id":%s,"door":%s,"gpu_uuid":%s,'
-            '"limit_mib":%s,"mode":%s,"mps_namespace":%s,"namespace":%s,"pod_name":%s,"pod_uid":%s,'
-            '"request_mib":%s,"reservation":%s}' % (
-                _int(t.active_thread_percentage), _str(t.container), _str(t.container_id), _str(t.door),
-                _str(t.gpu_uuid), _int(t.limit_mib), _str(t.mode.value), "null" if ns is None else _str(ns),
-                _str(t.namespace), _str(t.pod_name), _str(t.pod_uid), _int(t.request_mib), _str(t.reservation)))
-
-
-class _Corrupt(ValueError):
-    """The snapshot or the journal cannot be trusted (the message says why)."""
-
-
-class Ledger:
+class Ledger(_LedgerStore):
     """Per-GPU tenancy of this node.
 
     Args:
@@ -216,116 +192,11 @@ class Ledger:
         self._journal_records = 0
         self._replayed = False  # load() replayed journal lines: close() folds them into the snapshot
 
-    # ---- indexes -----------------------------------------------------------
-    def _index(self, t: Tenancy) -> None:
-        self._entries[t] = None
-        self._by_gpu.setdefault(t.gpu_uuid, {})[t] = None
-        if t.pod_uid:
-            self._by_owner.setdefault(t.owner, {})[t] = None
-        if t.reservation:
-            self._by_reservation.setdefault(t.reservation, {})[t] = None
-        if t.container_id:
-            self._by_container_id.setdefault(t.container_id, {})[t] = None
-
-    def _unindex(self, t: Tenancy) -> None:
-        del self._entries[t]
-        indexes: tuple[tuple[dict[Any, dict[Tenancy, None]], Any], ...] = (
-            (self._by_gpu, t.gpu_uuid), (self._by_owner, t.owner),
-            (self._by_reservation, t.reservation), (self._by_container_id, t.container_id))
-        for index, key in indexes:
-            bucket = index.get(key)
-            if bucket is not None:
-                bucket.pop(t, None)
-                if not bucket:
-                    del index[key]
-
-    def _set_all(self, items: Iterable[Tenancy]) -> None:
-        self._entries, self._by_gpu, self._by_owner = {}, {}, {}
-        self._by_reservation, self._by_container_id = {}, {}
-        for t in items:
-            self._index(t)
-
-    def _apply(self, removed: Sequence[Tenancy], added: Sequence[Tenancy]) -> None:
-        for t in removed:
-            self._unindex(t)
-        for t in added:
-            self._index(t)
-
-    def _held_by(self, owner: tuple[str, str], reservation: str) -> list[Tenancy]:
-        """The hold's current entries (``same_hold``), via the indexes."""
-        out: dict[Tenancy, None] = {}
-        if reservation:
-            out.update(self._by_reservation.get(reservation, {}))
-        if owner[0]:
-            out.update(self._by_owner.get(owner, {}))
-        return list(out)
-
-    # ---- reading -----------------------------------------------------------
-    @property
-    def node(self) -> NodeInfo:
-        return self._node
-
-    @property
-    def path(self) -> Path | None:
-        return self._path
-
-    @property
-    def journal_path(self) -> Path | None:
-        """``<path>.journal``: the changes since the snapshot (None in memory)."""
-        return self._journal_path
-
-    def tenancies(self) -> list[Tenancy]:
-        """All tenancies, in admission order."""
-        with self._lock:
-            return list(self._entries)
-
-    def tenants(self, gpu_uuid: str) -> list[Tenancy]:
-        """Tenancies on one GPU (O(tenants of that GPU))."""
-        with self._lock:
-            return list(self._by_gpu.get(gpu_uuid, ()))
-
-    def held_mib(self, gpu_uuid: str) -> int:
-        """Request MiB held on one GPU."""
-        return sum(t.request_mib for t in self.tenants(gpu_uuid))
-
-    def mode(self, gpu_uuid: str) -> ComputeMode | None:
-        """The compute mode of a GPU's tenants, None when it has none."""
-        tenants = self.tenants(gpu_uuid)
-        return tenants[0].mode if tenants else None
-
-    def find(self, pod_uid: str, container: str) -> list[Tenancy]:
-        """The tenancies of one container (one per GPU)."""
-        with self._lock:
-            return list(self._by_owner.get((pod_uid, container), ()))
-
-    def find_container_id(self, container_id: str) -> list[Tenancy]:
-        """The tenancies recorded under a runtime container id."""
-        if not container_id:
-            return []
-        with self._lock:
-            return list(self._by_container_id.get(container_id, ()))
-
     def subscribe(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` after every change (outside the lock)."""
         with self._lock:
             self._subscribers.append(callback)
 
-    def reservation(self, key: str) -> list[Tenancy]:
-        """The tenancies of one kubelet reservation (one per GPU; empty when none)."""
-        if not key:
-            return []
-        with self._lock:
-            return list(self._by_reservation.get(key, ()))
-
-    def reservations(self) -> dict[str, list[Tenancy]]:
-        """Every reservation of the ``allocate`` door: key -> its tenancies."""
-        out: dict[str, list[Tenancy]] = {}
-        with self._lock:
-            for key, bucket in self._by_reservation.items():
-                mine = [t for t in bucket if t.door == DOOR_ALLOCATE]
-                if mine:
-                    out[key] = mine
-        return out
 
     # ---- changing ----------------------------------------------------------
     def admit(self, plan: ContainerPlan, container_id: str = "", *, door: str = DOOR_NRI,
@@ -473,353 +344,3 @@ class Ledger:
                 cb()
             except Exception:  # a subscriber never breaks the ledger
                 log.exception("ledger subscriber failed")
-
-    # ---- invariants --------------------------------------------------------
-    def check_invariants(self) -> list[str]:
-        """Every broken invariant, as a sentence (empty when all hold)."""
-        problems = []
-        with self._lock:
-            entries = list(self._entries)
-        for gpu in self._node.gpus:
-            on = [t for t in entries if t.gpu_uuid == gpu.uuid]
-            if len({t.mode for t in on}) > 1:
-                problems.append(f"GPU {gpu.uuid} has tenants of more than one compute mode")
-            held = sum(t.request_mib for t in on)
-            if held > gpu.memory_mib:
-                problems.append(f"GPU {gpu.uuid} holds {held} MiB of {gpu.memory_mib} MiB")
-            if len(on) > self._max_clients:
-                problems.append(f"GPU {gpu.uuid} has {len(on)} tenants, limit {self._max_clients}")
-            owners = [t.hold for t in on]
-            if len(owners) != len(set(owners)):
-                problems.append(f"GPU {gpu.uuid} lists one container twice")
-        return problems
-
-    # ---- persistence -------------------------------------------------------
-    def load(self) -> list[str]:
-        """Read the snapshot and replay its journal (if any) into memory;
-        returns warnings for the operator.
-
-        A snapshot that is not valid JSON of our format, or a journal with a
-        bad record before its last line, is moved aside to
-        ``<path>.corrupt-<unix seconds>`` (the journal to
-        ``<path>.journal.corrupt-<unix seconds>``) and the ledger starts
-        empty. A torn last journal line (a change whose append a crash cut:
-        it was never acknowledged, since the append's fsync comes before the
-        answer) is dropped with a warning. A journal of another generation
-        than the snapshot (a compaction that crashed between its two renames)
-        is stale: every change in it is already in the snapshot. Records on
-        GPUs this node does not have are dropped with a warning. Writes
-        nothing: the first change after ``load`` compacts.
-        """
-        if self._path is None or not self._path.exists():
-            return []
-        warnings: list[str] = []
-        try:
-            doc = json.loads(self._path.read_text())
-            if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION:
-                raise ValueError(f"unsupported format (version {doc.get('version') if isinstance(doc, dict) else None!r})")
-            records = doc["tenancies"]
-            if not isinstance(records, list):
-                raise ValueError("tenancies is not a list")
-            entries = {Tenancy.from_dict(r): None for r in records}
-            generation = doc.get("generation")
-            if isinstance(generation, str) and generation:
-                entries, torn, replayed = self._replay(entries, generation)
-                self._replayed = replayed or bool(torn)
-                if torn:
-                    warnings.append(f"ledger journal {self._journal_path}: {torn}; dropped")
-            for t in entries:
-                if not 1 <= t.request_mib <= t.limit_mib:
-                    raise ValueError(f"record {t.namespace}/{t.pod_name}/{t.container} has request {t.request_mib} MiB "
-                                     f"and limit {t.limit_mib} MiB (need 1 <= request <= limit)")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-            what = "journal" if isinstance(exc, _Corrupt) else "file"
-            if self._read_only:
-                return [f"ledger {what} {self._path} is unreadable ({exc}); ignored"]
-            stamp = int(time.time())
-            aside = self._path.with_name(f"{self._path.name}.corrupt-{stamp}")
-            os.replace(self._path, aside)
-            assert self._journal_path is not None
-            if self._journal_path.exists():
-                os.replace(self._journal_path, self._journal_path.with_name(f"{self._journal_path.name}.corrupt-{stamp}"))
-            msg = f"ledger {what} {self._path} is corrupt ({exc}); moved aside to {aside}, starting empty"
-            log.error(msg)
-            return [msg]
-        kept = []
-        for t in entries:
-            if t.gpu_uuid not in self._gpus:
-                warnings.append(f"ledger record for {t.namespace}/{t.pod_name}/{t.container} names GPU {t.gpu_uuid}, "
-                                f"which this node does not have; dropped")
-                continue
-            kept.append(t)
-        with self._lock:
-            self._close_journal()  # the next change compacts: a new generation
-            self._set_all(kept)
-            for problem in self.check_invariants():
-                warnings.append(f"ledger file breaks a guard: {problem}")
-        for w in warnings:
-            log.warning(w)
-        self._notify()
-        return warnings
-
-    def _replay(self, entries: dict[Tenancy, None], generation: str) -> tuple[dict[Tenancy, None], str, bool]:
-        """Apply the journal of ``generation`` to the snapshot's ``entries``.
-        Returns the entries, why a torn tail was dropped ('' when none) and
-        whether any change was replayed.
-        Raises _Corrupt for a bad record that is not the last line."""
-        assert self._journal_path is not None
-        try:
-            raw = self._journal_path.read_bytes()
-        except FileNotFoundError:
-            return entries, "", False
-        lines = raw.split(b"\n")
-        # A complete file ends with "\n": the last element is then b"".
-        tail_cut = lines[-1] != b""
-        lines = lines[:-1] if not tail_cut else lines
-        if not lines:
-            return entries, "", False
-        try:
-            header = json.loads(lines[0])
-        except ValueError:
-            header = None
-        if not isinstance(header, dict) or header.get("generation") != generation:
-            return entries, "", False  # stale (or torn header): every change is in the snapshot
-        torn = ""
-        replayed = False
-        order = dict(entries)
-        for i, line in enumerate(lines[1:], start=1):
-            last = i == len(lines) - 1
-            try:
-                rec = json.loads(line)
-                if not isinstance(rec, dict):
-                    raise ValueError("a journal record must be an object")
-                removed = [Tenancy.from_dict(r) for r in rec.get("del", [])]
-                added = [Tenancy.from_dict(r) for r in rec.get("add", [])]
-            except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-                if last:
-                    torn = f"line {i + 1} is a torn (unfinished) change ({exc})"
-                    break
-                raise _Corrupt(f"journal line {i + 1}: {exc}") from None
-            if last and tail_cut:
-                torn = f"line {i + 1} is a torn (unfinished) change (no end of line)"
-                break
-            for t in removed:
-                order.pop(t, None)
-            for t in added:
-                order[t] = None
-            replayed = True
-        return order, torn, replayed
-
-    def close(self) -> None:
-        """Compact the journal into the snapshot (a clean stop leaves one
-        file) and close it. Errors are logged, never raised: every change is
-        already durable in the journal."""
-        with self._lock:
-            if not self._read_only and ((self._journal_fd is not None and self._journal_records) or self._replayed):
-                try:
-                    self._compact()
-                except OSError as exc:
-                    log.warning("ledger: compaction at close failed: %s", exc)
-            self._close_journal()
-
-    def _close_journal(self) -> None:
-        if self._journal_fd is not None:
-            try:
-                os.close(self._journal_fd)
-            except OSError:
-                pass
-        self._journal_fd = None
-        self._journal_records = 0
-        self._journal_size = 0
-
-    def _fragment(self, t: Tenancy) -> str:
-        frag = self._fragments.get(t)
-        if frag is None:
-            frag = self._fragments[t] = encode_tenancy(t)
-        return frag
-
-    def _persist(self, removed: Sequence[Tenancy], added: Sequence[Tenancy]) -> None:
-        """Make one change durable: one journal line appended and fsynced
-        (O(size of the change)); the first change after a load, and every
-        ``max(compact_min_records, 2 x tenancies)`` changes, compact instead."""
-        if self._path is None or self._read_only:
-            return
-        if self._journal_fd is None:
-            self._compact()
-            return
-        line = ('{"del":[%s],"add":[%s]}\n' % (
-            ",".join(self._fragment(t) for t in removed), ",".join(self._fragment(t) for t in added))).encode()
-        fd = self._journal_fd
-        try:
-            view = memoryview(line)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.fdatasync(fd)
-        except OSError:
-            # Cut what may have reached the file, so a rolled-back change is
-            # not replayed; the next change compacts from memory either way.
-            try:
-                os.ftruncate(fd, self._journal_size)
-            except OSError:
-                pass
-            self._close_journal()
-            raise
-        self._journal_size += len(line)
-        self._journal_records += 1
-        if self._journal_records > max(self._compact_min, 2 * len(self._entries)):
-            try:
-                self._compact()
-            except OSError as exc:  # the change is durable in the journal already
-                log.warning("ledger: compaction failed (the journal keeps every change): %s", exc)
-                self._close_journal()
-
-    def _compact(self) -> None:
-        """Write the whole state as a new snapshot generation, then start an
-        empty journal of that generation. Order (crash-safe at every step):
-        snapshot temp, fsync, rename, fsync dir; journal temp (header line),
-        fsync, rename, fsync dir. A crash between the two renames leaves the
-        old journal, whose generation no longer matches: it is ignored, and
-        the snapshot already holds all of its changes."""
-        if self._path is None or self._read_only:
-            return
-        assert self._journal_path is not None
-        self._close_journal()
-        self._replayed = False
-        if len(self._fragments) > 2 * len(self._entries) + 64:
-            live = self._entries
-            self._fragments = {t: f for t, f in self._fragments.items() if t in live}
-        generation = os.urandom(8).hex()
-        # The document in compact JSON, one tenancy per line so the file stays
-        # readable with `less`.
-        data = ('{"node":%s,"version":%d,"generation":"%s","tenancies":[\n%s\n]}\n' % (
-            json.dumps(self._node.name), FORMAT_VERSION, generation,
-            ",\n".join(self._fragment(t) for t in self._entries))).encode()
-        directory = self._path.parent
-        if not self._dir_ready:
-            directory.mkdir(parents=True, exist_ok=True)
-            self._dir_ready = True
-        self._write_atomically(self._path, data)
-        # From here the state is durable in the snapshot: a failure to start
-        # the journal must not undo the change (the old journal, if any, is
-        # of another generation: stale). The next change compacts again.
-        header = ('{"journal":%d,"generation":"%s"}\n' % (FORMAT_VERSION, generation)).encode()
-        try:
-            self._write_atomically(self._journal_path, header)
-            fd = os.open(self._journal_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        except OSError as exc:
-            log.warning("ledger: snapshot written, journal not started (the next change writes a snapshot again): %s",
-                        exc)
-            return
-        self._journal_fd = fd
-        self._journal_size = len(header)
-        self._journal_records = 0
-
-    @staticmethod
-    def _write_atomically(path: Path, data: bytes) -> None:
-        directory = path.parent
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-
-TMPFS_MAGIC = 0x01021994
-"""``f_type`` of tmpfs in statfs(2) (linux/magic.h TMPFS_MAGIC); ramfs is 0x858458f6."""
-RAMFS_MAGIC = 0x858458F6
-
-
-def filesystem_type(path: str | os.PathLike[str]) -> int | None:
-    """The ``f_type`` that statfs(2) reports for ``path`` (None when the call
-    fails or is not available). Python's os.statvfs has no f_type, so this
-    calls libc's statfs through ctypes (struct statfs: f_type is the first
-    field, a ``long`` on Linux: man 2 statfs)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on x86_64 and arm64
-        if libc.statfs(os.fsencode(os.fspath(path)), buf) != 0:
-            return None
-        return ctypes.c_long.from_buffer(buf).value
-    except (OSError, AttributeError, ValueError):
-        return None
-
-
-def state_dir_warning(state_dir: str | os.PathLike[str]) -> str:
-    """A warning for the operator when ``state_dir`` is not on tmpfs (or
-    ramfs), '' otherwise (or when the type cannot be told). On a disk, each
-    ledger change waits for an fsync of the journal: bench_nri measured a
-    64-queued CreateContainer p99 of 1.37 s with the state on a disk before
-    the journal (issue 14), against containerd's 2 s NRI budget."""
-    probe = Path(state_dir)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    ftype = filesystem_type(probe)
-    if ftype is None or ftype in (TMPFS_MAGIC, RAMFS_MAGIC):
-        return ""
-    return (f"--state-dir {state_dir} is not on tmpfs (statfs f_type 0x{ftype:x}, tmpfs is 0x{TMPFS_MAGIC:08x}): "
-            f"every ledger change waits for a disk fsync inside the runtime's CreateContainer budget; "
-            f"use a tmpfs such as /run/fracplugin/state")
-
-
-def remove_crash_leftovers(path: str | os.PathLike[str]) -> list[str]:
-    """Remove what crashes leave next to the ledger file ``path`` (issue 13
-    item 5), and return one message per action for the log:
-
-    - ``.<name>.*``: temporary files of an atomic write (``_persist``:
-      mkstemp, fsync, rename) that a kill -9 interrupted before the rename;
-      ``.endpoints.*`` temps of the daemon's endpoints file likewise;
-    - ``<name>.corrupt-<unix seconds>``: copies of corrupt ledgers moved aside
-      by ``load``; the newest (largest suffix, then mtime) is kept for a post
-      mortem, the others removed.
-
-    Call it at start, after ``load`` and before anything writes the ledger
-    (one daemon per node owns the directory). Never raises: a file that
-    cannot be removed is reported in the returned messages.
-    """
-    p = Path(path)
-    directory = p.parent
-    msgs: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError as exc:
-        return [f"state directory {directory} not listed for crash leftovers: {exc}"]
-    temps = [n for n in names if n.startswith(f".{p.name}.") or n.startswith(".endpoints.")]
-    corrupt = [n for n in names if n.startswith(f"{p.name}.corrupt-")]
-
-    def rank(name: str) -> tuple[int, float]:
-        suffix = name.rsplit("-", 1)[-1]
-        try:
-            mtime = (directory / name).stat().st_mtime
-        except OSError:
-            mtime = 0.0
-        return (int(suffix) if suffix.isdigit() else -1, mtime)
-
-    corrupt.sort(key=rank)
-    if corrupt:
-        msgs.append(f"kept the newest corrupt ledger copy {directory / corrupt[-1]}")
-    for name in temps + corrupt[:-1]:
-        target = directory / name
-        try:
-            if target.is_file() and not target.is_symlink():
-                target.unlink()
-                msgs.append(f"removed crash leftover {target}")
-        except OSError as exc:
-            msgs.append(f"cannot remove crash leftover {target}: {exc}")
-    return msgs

@@ -27,7 +27,7 @@ per container and GPU, labels ``namespace, pod, pod_uid, container`` and the GPU
   fracplugin_container_sm_utilization_share_percent  SM % / the container's share, clamped to 100; share =
                                                    active thread percentage / 100 when set (sm-sharing),
                                                    else limit / GPU memory (gpu-fractioning metricsd's
-                                                   normalisation, gpu-fractioning-reference.md section 5)
+                                                   normalisation, docs/reference/gpu-fractioning-reference.md section 5)
 per GPU, labels ``gpu_uuid, gpu_index`` (deprecated), ``UUID, gpu, modelName, Hostname``:
   fracplugin_gpu_tenants                           ledger tenancies on the GPU
   fracplugin_gpu_memory_held_bytes                 ledger held MiB x 2^20
@@ -56,7 +56,7 @@ doors and node:
   fracplugin_nri_bounds_exceeded_total             counter, label ``bound`` (``sync_parts``, ``sync_bytes``,
                                                    ``unanswered``): a runtime hit a bound of nri/stub.py
 
-Attribution (mps-nvml.md sections 4.3, 4.6): each ``ProcessSample`` PID is
+Attribution (docs/reference/mps-nvml.md sections 4.3, 4.6): each ``ProcessSample`` PID is
 joined to a container through ``/proc/<pid>/cgroup`` (procfs.py, cached per
 scrape), then to a ledger tenancy on the same GPU by container id, or, for
 tenancies recorded without one (device-plugin door), by pod UID when exactly

@@ -4,7 +4,7 @@ Everything here is a frozen dataclass or an enum: no I/O, no behaviour beyond
 small derived properties. Units are in the field names (``*_mib`` = MiB,
 ``*_bytes`` = bytes, ``*_s`` = seconds).
 
-The flow (DESIGN.md section 2)::
+The flow (docs/reference/design.md section 2)::
 
     annotations.parse(...)  -> FractionRequest
     planner.plan(request, inventory, ledger, ...) -> ContainerPlan   (or raises FractionError)
@@ -22,7 +22,7 @@ from .safetext import escape_controls
 
 
 class ComputeMode(str, enum.Enum):
-    """How co-tenants of one GPU share its SMs (DESIGN.md section 4).
+    """How co-tenants of one GPU share its SMs (docs/reference/design.md section 4).
 
     ``time-slicing``: each client gets the whole GPU in turns (own fault domain).
     ``sm-sharing``: clients run concurrently under one MPS server, optionally
@@ -148,7 +148,7 @@ class MemorySpec:
     def resolve_mib(self, gpu_memory_mib: int, reserve_mib: int = 0) -> int:
         """MiB on a GPU of ``gpu_memory_mib``: the absolute value, or
         ``floor((gpu_memory_mib - reserve_mib) * fraction)`` (KAI's nvfractions
-        binder formula, gpu-fractioning-reference.md section 2b)."""
+        binder formula, docs/reference/gpu-fractioning-reference.md section 2b)."""
         if self.mib is not None:
             return self.mib
         assert self.fraction is not None
@@ -186,7 +186,7 @@ class FractionRequest:
     @property
     def active_thread_percentage(self) -> int | None:
         """floor(portion * 100), at least 1, only in sm-sharing with a portion
-        (gpu-fractioning-reference.md section 2a)."""
+        (docs/reference/gpu-fractioning-reference.md section 2a)."""
         if self.compute_mode is not ComputeMode.SM_SHARING or self.portion is None:
             return None
         # float64 floor like the reference (0.29 -> 28, not 29)
@@ -233,7 +233,7 @@ class MpsTarget:
 
 @dataclass(frozen=True)
 class ContainerPlan:
-    """Exactly what one fractional container gets (DESIGN.md section 4).
+    """Exactly what one fractional container gets (docs/reference/design.md section 4).
 
     ``devices`` are the assigned GPUs in container-ordinal order (ordinal i in
     ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` is ``devices[i]``). ``request_mib`` and

@@ -1,19 +1,25 @@
 """The node condition KAI Scheduler gates fractional pods on (ADR 0005).
 
 In NvFractions mode KAI's scheduler places a fractional pod only on a node
-whose condition ``gpu-sharing.nvidia.com/Ready`` is True (an older KAI,
-kai-scheduler/api ``constants.NvFractionNodeReadyConditionType``, names it
-``gpu-fractioning.nvidia.com/Ready``); otherwise its fit error reads "node is
-not ready for fractional GPU scheduling. Condition <type> is <status>. Reason:
-<reason>" (KAI-Scheduler scheduler predicate tests). The node component KAI
-expects sets it; fracplugin is that component, so it publishes the condition
-from its own readiness:
+whose readiness condition is True; otherwise its fit error reads "node is not
+ready for fractional GPU scheduling. Condition <type> is <status>. Reason:
+<reason>" (KAI-Scheduler scheduler predicate tests). Two names are in use
+(docs/reference/enforcement-cdi-dra.md "The KAI node condition"): ``gpu-fractioning.nvidia.com/Ready``
+is what the renamed node stack writes and the constant in KAI's api module
+that current KAI reads; ``gpu-sharing.nvidia.com/Ready`` is the older
+operator's name, which some older KAI builds read. fracplugin publishes both
+by default (``DEFAULT_CONDITION_TYPES``, issue 23 item 5), from its own
+readiness:
 
 - ``True``, reason ``FracpluginReady``, when every enabled part is ready
   (NRI synchronized, device plugin registered, MPS daemons healthy);
 - ``False`` with the reason of the first part that is not
   (``NRINotReady``, ``DevicePluginNotReady``, ``MPSNotHealthy``,
-  ``ShuttingDown``) and a message made of every failing part's detail.
+  ``ShuttingDown``) and a message made of every failing part's detail;
+- ``Unknown``, reason ``ShuttingDown``, as the last word of a daemon that
+  stops on purpose (SIGTERM): the node's state is not known while no daemon
+  runs, as the reference node stack does (``markNodesUnknownOnShutdown``).
+  KAI places fractional pods only on True, so Unknown keeps them away too.
 
 How it is written: a strategic merge patch of the node's ``status`` subresource
 (``PATCH /api/v1/nodes/<node>/status``, ``application/strategic-merge-patch+json``);
@@ -32,9 +38,8 @@ is retried with tenacity (exponential backoff, ``retry_attempts`` tries) on
 connection errors, 5xx, 409 and 429, not on other 4xx (a missing RBAC rule is
 logged once per change and retried at the next heartbeat). Nothing here is on
 the container start path: the doors never wait for the API server.
-``stop`` publishes a last ``False`` (reason ``ShuttingDown``) within its time
-bound, so KAI stops placing fractional pods on a node whose doors are going
-away, then ends the thread. Counters are guarded by one lock.
+``stop`` publishes a last ``Unknown`` (reason ``ShuttingDown``) on every type
+within its time bound, then ends the thread. Counters are guarded by one lock.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import tenacity
 __all__ = [
     "DEFAULT_CONDITION_TYPE",
     "LEGACY_CONDITION_TYPE",
+    "DEFAULT_CONDITION_TYPES",
     "ConditionState",
     "NodeConditionPublisher",
     "condition_from_checks",
@@ -58,10 +64,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONDITION_TYPE = "gpu-sharing.nvidia.com/Ready"
-"""The node condition KAI's NvFractions predicate reads (newest KAI)."""
-LEGACY_CONDITION_TYPE = "gpu-fractioning.nvidia.com/Ready"
-"""The type older KAI releases read (kai-scheduler/api constants.go)."""
+DEFAULT_CONDITION_TYPE = "gpu-fractioning.nvidia.com/Ready"
+"""The type the renamed node stack writes and KAI's api module names (current KAI reads it)."""
+LEGACY_CONDITION_TYPE = "gpu-sharing.nvidia.com/Ready"
+"""The older operator's type, read by some older KAI builds."""
+DEFAULT_CONDITION_TYPES = (DEFAULT_CONDITION_TYPE, LEGACY_CONDITION_TYPE)
+"""Published by default (issue 23 item 5): both names, same status."""
 
 REASON_READY = "FracpluginReady"
 REASON_STOPPING = "ShuttingDown"
@@ -71,21 +79,26 @@ PART_REASONS = {
     "nri": "NRINotReady",
     "device_plugin": "DevicePluginNotReady",
     "mps": "MPSNotHealthy",
+    "memory_limits": "MemoryLimitsNotEnforceable",
 }
 MAX_MESSAGE = 1024
 
 
 @dataclass(frozen=True)
 class ConditionState:
-    """What the condition should say: ``ready`` (status True/False), a
-    CamelCase ``reason`` and a human ``message``."""
+    """What the condition should say: ``ready`` (status True/False, or
+    ``Unknown`` when ``unknown``), a CamelCase ``reason`` and a human ``message``."""
 
     ready: bool
     reason: str
     message: str
+    unknown: bool = False
 
     @property
     def status(self) -> str:
+        """``True``, ``False`` or ``Unknown`` (Kubernetes ConditionStatus)."""
+        if self.unknown:
+            return "Unknown"
         return "True" if self.ready else "False"
 
 
@@ -136,7 +149,7 @@ class NodeConditionPublisher:
         readiness: returns the current ``ConditionState`` (cheap, never blocks;
             the daemon passes ``condition_from_checks(self.checks())``).
         types: condition types to publish, all with the same status
-            (default ``gpu-sharing.nvidia.com/Ready``).
+            (default ``DEFAULT_CONDITION_TYPES``: both names).
         poll_s: seconds between readiness polls.
         debounce_s: seconds a new state must hold before it is published.
         heartbeat_s: seconds between re-publishing an unchanged state
@@ -155,7 +168,7 @@ class NodeConditionPublisher:
         api: Any,
         node_name: str,
         readiness: Callable[[], ConditionState],
-        types: Sequence[str] = (DEFAULT_CONDITION_TYPE,),
+        types: Sequence[str] = DEFAULT_CONDITION_TYPES,
         *,
         poll_s: float = 0.5,
         debounce_s: float = 2.0,
@@ -206,9 +219,11 @@ class NodeConditionPublisher:
         return self
 
     def stop(self, timeout_s: float = 2.0, message: str = "fracplugin is shutting down") -> bool:
-        """Publish ``False`` (reason ``ShuttingDown``) within ``timeout_s``
-        seconds, then end the thread. Returns True when the last publish
-        succeeded. Idempotent (later calls publish nothing)."""
+        """Publish ``Unknown`` (reason ``ShuttingDown``) on every type within
+        ``timeout_s`` seconds, then end the thread: the daemon stops on purpose
+        and the node's readiness is not known until one runs again (the
+        reference's ``markNodesUnknownOnShutdown``). Returns True when the last
+        publish succeeded. Idempotent (later calls publish nothing)."""
         if self._stop.is_set():
             return False
         self._stop.set()
@@ -220,7 +235,7 @@ class NodeConditionPublisher:
                 self._thread.join(max(deadline - time.monotonic(), 0.05))
         self._abort.clear()
         ok = False
-        final = ConditionState(False, REASON_STOPPING, message)
+        final = ConditionState(False, REASON_STOPPING, message, unknown=True)
         timer = threading.Timer(max(deadline - time.monotonic(), 0.05), self._abort.set)
         timer.daemon = True
         timer.start()

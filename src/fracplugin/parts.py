@@ -22,7 +22,7 @@ the adapters here are thin, typed against their component (no reflection),
 and hold the config keys each one reads.
 
 Ports (what one part needs of another): ``MpsApi`` (mps/api.py, one MPS
-interface, null object ``NullMps``), ``HookMetrics`` (below, null object
+interface, null object ``NullMps``), ``HookMetrics`` (ports.py, null object
 ``NoMetrics``), ``gpu.inventory.Inventory``, ``kubelet.podlookup.PodSource``,
 ``ledger.Ledger`` and ``Clock``.
 
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from . import logs
+from .ports import Clock, HookMetrics, NoMetrics
 
 if TYPE_CHECKING:
     from .config import Config
@@ -66,8 +67,6 @@ __all__ = [
 
 log = logging.getLogger("fracplugin.daemon")
 
-Clock = Callable[[], float]
-"""Monotonic seconds (``time.monotonic``); injectable where a part measures time."""
 
 
 @dataclass(frozen=True)
@@ -111,26 +110,6 @@ class Part(Protocol):
     def status(self) -> dict[str, Any]: ...
 
     def reload(self, cfg: Config) -> Reloaded: ...
-
-
-class HookMetrics(Protocol):
-    """What the doors report per call: ``observe_hook(door, seconds)`` (door
-    ``nri``, ``allocate``, ``preferred``) and ``refusal(reason_code)``
-    (``fracplugin.metrics.Metrics`` implements it; ``NoMetrics`` is the null object)."""
-
-    def observe_hook(self, door: str, seconds: float) -> None: ...
-
-    def refusal(self, reason_code: str) -> None: ...
-
-
-class NoMetrics:
-    """The no-op ``HookMetrics``."""
-
-    def observe_hook(self, door: str, seconds: float) -> None:
-        return None
-
-    def refusal(self, reason_code: str) -> None:
-        return None
 
 
 PLANNER_KEYS = frozenset({"reserve_mib", "max_clients_per_gpu", "mps_root", "annotation_prefix", "mps_protocol",
@@ -255,7 +234,7 @@ class MpsPart(PartBase):
     name = "mps"
     check = "mps"
     reads = frozenset({"mps_modes", "mps_control_binary", "mps_root", "mps_protocol", "exclusive_process",
-                       "mps_api_socket", "no_mps", "role"})
+                       "mps_api_socket", "no_mps", "role", "mps_probe_timeout_s", "mps_probe_failure_threshold"})
 
     def __init__(self, cfg: Config, mps: MpsApi) -> None:
         super().__init__(cfg)
@@ -359,7 +338,7 @@ class NriDoor(PartBase):
     name = "nri"
     check = "nri"
     reads = PLANNER_KEYS | {"nri_socket", "nri_plugin_name", "nri_plugin_idx", "fail_open", "device_unit_mib",
-                            "resource_name"}
+                            "resource_name", "nri_start_wait_s"}
     reloads = frozenset({"fail_open"})
 
     def __init__(self, cfg: Config, stub: NriStub, plugin: FracNriPlugin) -> None:

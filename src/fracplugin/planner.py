@@ -4,7 +4,7 @@ Same inputs, same plan. The ledger is only read (``tenants``); recording the
 plan is the caller's job (``Ledger.admit``), which re-checks the guards
 atomically.
 
-Rules (DESIGN.md section 4; gpu-fractioning-reference.md section 3):
+Rules (docs/reference/design.md section 4; docs/reference/gpu-fractioning-reference.md section 3):
 
 - devices named by the scheduler (``.gpus.devices``) must exist on the node;
   entries are UUIDs, indices or CDI names (``vendor/class=<uuid|index>``);
@@ -104,7 +104,7 @@ class PlannerConfig:
             active thread percentage is carried by the env only.
         cdi_devices: True: devices written as CDI names are also requested
             as CDI devices in the NRI adjustment (needs containerd 2.1+ or
-            CRI-O 1.34+, nri-protocol.md 1.10); False: env only (ADR 0005).
+            CRI-O 1.34+, docs/reference/nri-protocol.md 1.10); False: env only (ADR 0005).
     """
 
     reserve_mib: int = DEFAULT_RESERVE_MIB
@@ -296,7 +296,7 @@ def plan(
         portion = kai_compute_portion(request, gpus, request_mib, config.reserve_mib)
     atp = None
     if request.compute_mode is ComputeMode.SM_SHARING and portion is not None:
-        # floor(portion x 100), at least 1 (gpu-fractioning-reference.md 2a)
+        # floor(portion x 100), at least 1 (docs/reference/gpu-fractioning-reference.md 2a)
         atp = max(1, math.floor(portion * 100))
     cdi = tuple(e for e in request.devices if is_cdi_name(e)) if (config.cdi_devices and not placed) else ()
     ns = namespace_name(pod.uid, request.container) if config.mps_namespaces else None
@@ -310,7 +310,7 @@ def plan_from_tenancies(tenancies: Sequence[Tenancy], node: NodeInfo, config: Pl
     ``allocation.to_tenancies`` wrote them): same GPUs in ordinal order,
     request, limit, mode, active thread percentage and MPS namespace, so a
     re-Allocate of the same device IDs gets the first answer again at once
-    (kubelet-device-plugin.md A.5). Raises ValueError when ``tenancies`` is
+    (docs/reference/kubelet-device-plugin.md A.5). Raises ValueError when ``tenancies`` is
     empty or names a GPU the node does not have."""
     if not tenancies:
         raise ValueError("no tenancies")
@@ -330,7 +330,7 @@ def plan_from_tenancies(tenancies: Sequence[Tenancy], node: NodeInfo, config: Pl
 @functools.lru_cache(maxsize=1024)  # on every CreateContainer (issue 14); a pure function of two ints
 def _pinned_limit(n_gpus: int, limit_mib: int) -> str:
     """``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``: ``0=<limit>M,1=<limit>M,...``
-    for ordinals 0..n_gpus-1 (mps-nvml.md 2.1)."""
+    for ordinals 0..n_gpus-1 (docs/reference/mps-nvml.md 2.1)."""
     return ",".join(f"{i}={limit_mib}M" for i in range(n_gpus))
 
 
@@ -364,7 +364,7 @@ def _finish(pod: PodRef, container: str, gpus: tuple[GpuInfo, ...], request_mib:
         ENV_VISIBLE_DEVICES: uuids,
         # The MPS server spans every GPU of its daemon: restrict the client to
         # its own, in plan order, so that ordinal i of the pinned limit below is
-        # gpus[i] (mps-nvml.md 1.3 and 2.1: same syntax and ordinals as
+        # gpus[i] (docs/reference/mps-nvml.md 1.3 and 2.1: same syntax and ordinals as
         # CUDA_VISIBLE_DEVICES; UUIDs recommended).
         ENV_CUDA_VISIBLE_DEVICES: uuids,
         ENV_MEMORY_REQUEST: str(request_mib),

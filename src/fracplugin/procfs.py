@@ -5,7 +5,7 @@ safe to call from any thread. Callers that look up many PIDs in one sampling
 cycle should keep their own per-cycle cache (PIDs are reused; exited PIDs are a
 normal race and read as ``None``).
 
-Rules (mps-nvml.md section 4.6; gpu-fractioning ``mpsd/internal/procfs``,
+Rules (docs/reference/mps-nvml.md section 4.6; gpu-fractioning ``mpsd/internal/procfs``,
 dcgm-exporter ``pidmapper.go``):
 
 * ``/proc/<pid>/cgroup`` lines are ``hierarchy-id:controllers:path``. cgroup v2
@@ -133,7 +133,7 @@ class ProcFs:
     symlinks).
 
     Needs the host PID namespace in production (``hostPID: true``): NVML and the
-    MPS control daemon report host PIDs (mps-nvml.md section 4.3, 2.3).
+    MPS control daemon report host PIDs (docs/reference/mps-nvml.md section 4.3, 2.3).
     """
 
     def __init__(self, root: str = "/proc") -> None:
@@ -162,7 +162,7 @@ class ProcFs:
 
         Match MPS binaries by this, not by ``comm``: comm is truncated to 15
         characters and both MPS binaries read back as ``nvidia-cuda-mps``
-        (mps-nvml.md section 1.2). A deleted binary's `` (deleted)`` suffix is stripped.
+        (docs/reference/mps-nvml.md section 1.2). A deleted binary's `` (deleted)`` suffix is stripped.
         """
         try:
             target = os.readlink(self._path(pid, "exe"))

@@ -71,6 +71,8 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
     """The GPU tenancy table of a status document (also used by the demo)."""
     rows = [("GPU", "UUID", "MODE", "HELD/TOTAL MiB", "TENANTS", "HEALTH")]
     tenant_lines: dict[int, list[str]] = {}
+    ml = doc.get("memory_limits") if isinstance(doc.get("memory_limits"), dict) else {}
+    enforced = {c.get("container_id"): c for c in (ml or {}).get("containers") or []}
     for g in doc.get("gpus", []):
         tenants = g.get("tenants", [])
         rows.append((str(g["index"]), g["uuid"], g.get("mode") or "-", f"{g['held_mib']}/{g['memory_mib']}",
@@ -84,8 +86,10 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
                       else "(holder not known yet)")
             door = t.get("door") or "nri"
             res = f"  reservation {t['reservation']}" if t.get("reservation") else ""
+            c = enforced.get(t.get("container_id")) if t.get("container_id") else None
+            enf = f"  ENFORCED {enforced_cell(c.get('enforced', 'unknown'), c.get('reason') or '')}" if c else ""
             lines.append(f"{holder}: request {t['request_mib']} MiB, "
-                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}  door {door}{res}")
+                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}  door {door}{res}{enf}")
         tenant_lines[len(rows) - 1] = lines
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
@@ -96,21 +100,62 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
-def render_table(doc: Mapping[str, Any]) -> str:
-    """The human rendering of a ``/status`` document."""
-    out = []
-    ready = doc.get("ready")
-    out.append(f"node {doc.get('node', '?')}  fracplugin {doc.get('version', '?')}  pid {doc.get('pid', '?')}  "
-               f"ready: {_yn(ready)}")
-    doors = doc.get("doors", {})
-    out.append("doors: " + "  ".join(f"{k}={'on' if v else 'off'}" for k, v in doors.items())
-               + f"  fail-open={'on' if doc.get('fail_open') else 'off'}")
-    for part, c in (doc.get("checks") or {}).items():
-        out.append(f"  {part:<14} {'ready' if c.get('ready') else 'NOT READY':<10} {c.get('detail', '')}".rstrip())
-    out.append("")
-    out.append(render_gpus(doc))
-    mps = doc.get("mps") or {}
-    out.append("")
+def _mib(v: Any) -> str:
+    if v is None:
+        return "-"
+    return "max" if int(v) == 0xFFFFFFFFFFFFFFFF else str(int(v) >> 20)
+
+
+def enforced_cell(enforced: str, reason: str) -> str:
+    """The ENFORCED column: ``yes``, ``no (why)`` or ``unknown``."""
+    return f"no ({reason})" if enforced == "no" and reason else enforced
+
+
+def render_memory_limits(ml: Mapping[str, Any]) -> str:
+    """The CUDA memory limits section of ``/status`` (issue 23): mode, the
+    node's capability gate, and per container and GPU the planned and read
+    soft/hard limits (MiB) with the ENFORCED column (yes / no (why) / unknown)."""
+    out = [f"memory limits: {ml.get('mode')}, policy {ml.get('policy')}, cgroup root {ml.get('cgroup_root')}"]
+    node = ml.get("node") or {}
+    if node:
+        out.append("  node can enforce: " + ("yes" if node.get("can_enforce") else f"no ({node.get('reason')})"))
+        for c in node.get("capabilities") or []:
+            state = {True: "yes", False: "NO", None: "unknown"}.get(c.get("ok"), "unknown")
+            out.append(f"    {c.get('name', '?'):<18} {state:<8} {c.get('detail', '')}".rstrip())
+    rows = [("CONTAINER", "GPU", "PLANNED SOFT/HARD MiB", "READ SOFT/HARD MiB", "USED MiB", "ENFORCED")]
+    for c in ml.get("containers") or []:
+        for g in c.get("gpus") or []:
+            ok = {True: "yes", False: "no", None: "unknown"}.get(g.get("enforced"), "unknown")
+            rows.append((f"{c.get('pod')}/{c.get('container')}", str(g.get("gpu")),
+                         f"{_mib(g.get('planned_soft_bytes'))}/{_mib(g.get('planned_hard_bytes'))}",
+                         f"{_mib(g.get('read_soft_bytes'))}/{_mib(g.get('read_hard_bytes'))}",
+                         _mib(g.get("used_bytes")), enforced_cell(ok, g.get("reason") or c.get("reason") or "")))
+    if len(rows) > 1:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        for r in rows:
+            out.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1])
+    return "\n".join(out)
+
+
+def render_cdi(cdi: Mapping[str, Any]) -> str:
+    """The ``cdi`` section of ``/status`` (``CdiRegistry.status``): the spec
+    directories, each GPU's CDI device and memory-limit hook, the GPUs no spec
+    lists (their containers get the env only) and the specs ignored."""
+    out = [f"CDI specs in {','.join(cdi.get('spec_dirs') or []) or '-'}: {len(cdi.get('specs') or [])} read"]
+    for uuid, d in (cdi.get("devices") or {}).items():
+        hook = "memory-limit hook" if d.get("memory_limit_hook") else "NO memory-limit hook"
+        out.append(f"  {uuid}  {d.get('name')}  {hook}")
+    missing = cdi.get("gpus_without_spec") or []
+    if missing:
+        out.append(f"  GPUs without a CDI spec (env only, no CDI device): {', '.join(missing)}")
+    for bad in cdi.get("invalid_specs") or []:
+        out.append(f"  ignored spec {bad.get('path')}: {bad.get('reason')}")
+    return "\n".join(out)
+
+
+def render_mps(mps: Mapping[str, Any]) -> list[str]:
+    """The MPS section of ``/status`` as lines: protocol, the MPS role, each daemon's health."""
+    out: list[str] = []
     if not mps.get("enabled"):
         out.append("MPS: not supervised (--no-mps)")
     else:
@@ -129,6 +174,24 @@ def render_table(doc: Mapping[str, Any]) -> str:
             if d.get("adopted"):
                 extra += "  adopted"
             out.append(f"  {d.get('mode', '?'):<13} {'healthy' if d.get('healthy') else 'UNHEALTHY':<9} {extra}".rstrip())
+    return out
+
+
+def render_table(doc: Mapping[str, Any]) -> str:
+    """The human rendering of a ``/status`` document."""
+    out = []
+    ready = doc.get("ready")
+    out.append(f"node {doc.get('node', '?')}  fracplugin {doc.get('version', '?')}  pid {doc.get('pid', '?')}  "
+               f"ready: {_yn(ready)}")
+    doors = doc.get("doors", {})
+    out.append("doors: " + "  ".join(f"{k}={'on' if v else 'off'}" for k, v in doors.items())
+               + f"  fail-open={'on' if doc.get('fail_open') else 'off'}")
+    for part, c in (doc.get("checks") or {}).items():
+        out.append(f"  {part:<14} {'ready' if c.get('ready') else 'NOT READY':<10} {c.get('detail', '')}".rstrip())
+    out.append("")
+    out.append(render_gpus(doc))
+    out.append("")
+    out.extend(render_mps(doc.get("mps") or {}))
     nri = doc.get("nri")
     if isinstance(nri, dict):
         out.append("")
@@ -164,6 +227,14 @@ def render_table(doc: Mapping[str, Any]) -> str:
                    + (f"{pub.get('status')} ({pub.get('reason')})" if pub else "not published")
                    + f"  patches {nc.get('patches', 0)}  failures {nc.get('failures', 0)}"
                    + (f"  last error: {nc['last_error']}" if nc.get("last_error") else ""))
+    ml = doc.get("memory_limits")
+    if isinstance(ml, dict):
+        out.append("")
+        out.append(render_memory_limits(ml))
+    cdi = doc.get("cdi")
+    if isinstance(cdi, dict):  # CDI-native GPU injection (ADR 0025b)
+        out.append("")
+        out.append(render_cdi(cdi))
     eps = doc.get("endpoints") or {}
     if eps:
         out.append("")

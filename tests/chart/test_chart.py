@@ -103,6 +103,24 @@ def test_service_monitor_brings_its_service_and_needs_no_relabelling(helm: str) 
     assert "ServiceMonitor" not in [d["kind"] for d in objects(alone)]
 
 
+def test_admission_set_renders_the_generated_policy(renders) -> None:
+    """ci/admission-values.yaml: the ValidatingAdmissionPolicy and its binding,
+    whose CEL is the generator's (fracplugin.admission, ADR 0026) with the
+    set's annotation prefix, and whose actions and failure policy are the set's."""
+    from fracplugin import admission
+
+    m = renders["admission"]
+    (policy,) = [d for d in objects(m) if d["kind"] == "ValidatingAdmissionPolicy"]
+    (binding,) = [d for d in objects(m) if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    want, want_binding = admission.policy_objects(prefix_expression='"gpu.example.com/container."',
+                                                  validation_actions=["Warn"], failure_policy="Fail",
+                                                  name=policy["metadata"]["name"])
+    assert policy["spec"] == want["spec"]
+    assert binding["spec"] == {**want_binding["spec"], "policyName": policy["metadata"]["name"]}
+    assert policy["metadata"]["labels"] == binding["metadata"]["labels"] != {}
+    assert not any(d["kind"].startswith("ValidatingAdmissionPolicy") for d in objects(renders["default"]))
+
+
 def test_default_has_no_optional_object(renders) -> None:
     kinds = sorted(d["kind"] for d in objects(renders["default"]))
     # layout split by default (issue 12, ADR 0009): fracplugin-mps and fracplugin
@@ -165,6 +183,49 @@ def _set_value(name: str, key: str, default: Any) -> Any:
 @pytest.mark.parametrize("name", SETS)
 def test_rendering_passes_the_manifest_checks(renders, name: str) -> None:
     assert deployment_problems(renders[name], _set_value(name, "priorityClassName", "system-node-critical")) == []
+
+
+def _node_for(name: str) -> dict[str, str]:
+    """Labels of a node the set's DaemonSets are meant for: the chart's
+    nodeSelector with the set's merged in (Helm merges maps)."""
+    return {**manifest_checks.GPU_NODE, **_set_value(name, "nodeSelector", {}), "kubernetes.io/arch": "amd64"}
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_every_set_leaves_a_node_during_a_gpu_operator_driver_upgrade(renders, name: str) -> None:
+    """ADR 0008 decision 13, on each rendering: every DaemonSet runs on the
+    set's nodes without GPU Operator labels or with them idle, and leaves while
+    the client label is paused or a driver upgrade is in progress."""
+    assert manifest_checks.driver_upgrade_problems(renders[name], _node_for(name)) == []
+
+
+def test_user_affinity_is_kept_and_anded_with_the_gpu_operator_rules(renders) -> None:
+    """custom-values.yaml has two required terms (ORed) and a preference: each
+    term still decides, the GPU Operator rules apply under both, and the
+    preference is kept."""
+    node = _node_for("custom")
+    for ds in _daemonsets(renders["custom"]):
+        pod = ds["spec"]["template"]["spec"]
+        admits = lambda labels: manifest_checks.node_admits(pod, labels)  # noqa: E731
+        assert admits(node)
+        assert not admits({**node, "kubernetes.io/arch": "arm64"})  # the user's first term
+        assert admits({**node, "kubernetes.io/arch": "arm64", "example.com/gpu-pool": "a"})  # ... or the second
+        assert not admits({**node, "kubernetes.io/arch": "arm64", "example.com/gpu-pool": "a",
+                           manifest_checks.GPU_DEPLOY_CLIENT: "paused-for-driver-upgrade"})
+        assert not admits({**node, manifest_checks.DRIVER_UPGRADE_STATE: "drain-required"})
+        pref = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert pref[0]["preference"]["matchExpressions"][0]["key"] == "example.com/fast"
+
+
+def test_driver_upgrade_rules_can_be_turned_off(helm: str) -> None:
+    """gpuOperator.driverUpgrade=false: no chart affinity at all (the user's,
+    none by default), so the DaemonSets stay on a node mid-upgrade."""
+    m = rendered(helm, [], ("gpuOperator.driverUpgrade=false",))
+    for ds in _daemonsets(m):
+        pod = ds["spec"]["template"]["spec"]
+        assert "affinity" not in pod
+        assert manifest_checks.node_admits(pod, {**manifest_checks.GPU_NODE,
+                                                 manifest_checks.DRIVER_UPGRADE_STATE: "pod-restart-required"})
 
 
 def test_values_set_ports_reach_probes_and_config(renders) -> None:
@@ -292,6 +353,7 @@ def defaults_problems(values: dict[str, Any]) -> list[str]:
         ("hostPaths", "nriSocket"): d.nri_socket,
         ("hostPaths", "stateDir"): d.state_dir,
         ("hostPaths", "mpsRoot"): d.mps_root,
+        ("hostPaths", "cdiSpecDirs"): list(d.cdi_spec_dirs),
         ("hostPaths", "kubeletRoot"): str(Path(d.device_plugin_dir).parent),
         ("devicePlugin", "resourceName"): d.resource_name,
         ("devicePlugin", "unit"): {1024: "GiB"}.get(d.device_unit_mib, f"{d.device_unit_mib}Mi"),
@@ -355,6 +417,17 @@ BAD_VALUES = [
     ("nri.enabled=false,scheduler=kai", ["nri.enabled=false", "kai", "leaves no door"]),
     ("extraConfig.mps_root=/x", ["extraConfig.mps_root", "set it there"]),
     ("layout=split,mps.apiSocket=/tmp/api.sock", ["mps.apiSocket", "/tmp/api.sock", "hostPaths.run"]),
+    # --secure-pipe-mount needs SYS_ADMIN and Bidirectional propagation (ADR 0008 decision 7)
+    ("extraArgs={--secure-pipe-mount}", ['extraArgs "--secure-pipe-mount"', "CAP_SYS_ADMIN", "Bidirectional",
+                                         "nosuid,nodev"]),
+    ("extraArgs={--secure-pipe-mount=true}", ['extraArgs "--secure-pipe-mount=true"', "Bidirectional"]),
+    ("extraConfig.secure_pipe_mount=true", ["extraConfig.secure_pipe_mount=true", "CAP_SYS_ADMIN"]),
+    ("extraEnv[0].name=FRACPLUGIN_SECURE_PIPE_MOUNT,extraEnv[0].value=true",
+     ["extraEnv FRACPLUGIN_SECURE_PIPE_MOUNT=true", "Bidirectional"]),
+    ("gpuOperator.driverUpgrade=sometimes", ["/gpuOperator/driverUpgrade"]),
+    ("admissionPolicy.validationActions={Audit}", ["/admissionPolicy/validationActions/0", "Deny", "Warn"]),
+    ("admissionPolicy.failurePolicy=Never", ["/admissionPolicy/failurePolicy", "Ignore", "Fail"]),
+    ("admissionPolicy.enable=true", ["additional properties", "enable"]),
 ]
 
 
@@ -576,4 +649,4 @@ def test_notes_follow_the_values(helm: str, tmp_path: Path) -> None:
     assert "port-forward ds/fracplugin 9102:9102" in notes
     assert "gpu-memory" not in notes  # no device plugin door with KAI
     assert "pod-security" not in notes  # the chart created the labelled namespace
-    assert '@.type=="gpu-sharing.nvidia.com/Ready"' in notes  # KAI's readiness gate
+    assert '@.type=="gpu-fractioning.nvidia.com/Ready"' in notes  # KAI's readiness gate (first of both names)

@@ -28,6 +28,7 @@ ALERTS = {
     "FracpluginMPSDaemonDown", "FracpluginMPSDaemonRestarting", "FracpluginMPSDaemonWedged",
     "FracpluginDevicePluginNotRegistered", "FracpluginNRIDisconnected", "FracpluginRefusalsClimbing",
     "FracpluginGPUUnhealthy", "FracpluginHookLatencyNearBudget", "FracpluginLedgerDisagreesWithRuntime",
+    "FracpluginMemoryLimitNotEnforced",  # issue 23 item 4
 }
 RUNBOOKS = REPO / "docs" / "runbooks.md"
 

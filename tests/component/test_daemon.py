@@ -24,11 +24,14 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from fracplugin.subproc import die_with_parent, with_fd_as_3
+from tests.fakes.mps_client import fake_control_binary
 from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
-FAKE_MPS = REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"
+# the compiled client in front of the Python fake (when gcc is there): a control command (the
+# supervisor's probe) starts in ~1 ms, not in a Python start that takes seconds on a loaded machine
+FAKE_MPS = fake_control_binary()
 GPU0 = "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01"
 
 
@@ -409,7 +412,7 @@ def test_admissions_journaled_survive_sigkill(daemon: Callable[..., DaemonProc],
 
     from nri_runtime import FakeNriRuntime, pod_from_manifest
 
-    from fracplugin.ledger import RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
+    from fracplugin.ledgerstore import RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 
     rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
     try:

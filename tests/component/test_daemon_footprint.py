@@ -124,7 +124,6 @@ def test_the_run_path_with_every_door_loads_grpcio_and_never_grpclib() -> None:
     assert out.stdout.strip().split(maxsplit=1) == ["True", "[]"]
 
 
-@pytest.mark.timeout(120)
 def test_daemon_with_every_door_maps_grpcio(root: Path) -> None:
     """The real daemon, NRI and device plugin doors on and registered with
     peers (the kubelet peer, the NRI runtime peer): the door is served (the
@@ -153,7 +152,6 @@ def test_daemon_with_every_door_maps_grpcio(root: Path) -> None:
         rt.close()
 
 
-@pytest.mark.timeout(120)
 def test_daemon_without_the_device_plugin_door_never_maps_grpc(root: Path) -> None:
     proc = run_ready(root, "--no-nri", "--no-device-plugin")
     try:
@@ -175,7 +173,6 @@ def test_without_the_door_its_grpc_library_is_not_imported() -> None:
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.timeout(120)
 def test_mps_role_never_maps_grpc(root: Path) -> None:
     proc = run_ready(root, "--role", "mps", endpoints="endpoints-mps.json")
     try:

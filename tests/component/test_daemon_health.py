@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from fracplugin import logs
-from fracplugin.daemon import PodsFileWatcher, read_pods_file
+from fracplugin.podsfile import PodsFileWatcher, read_pods_file
 from fracplugin.health import HealthServer
 from fracplugin.kubelet.podlookup import InMemoryPodSource
 from fracplugin.status import render_table, url_for

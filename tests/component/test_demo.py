@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import scaled
+
 REPO = Path(__file__).resolve().parents[2]
 UUIDS = [f"GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a0{i}" for i in range(1, 5)]
 
@@ -38,7 +40,7 @@ def _procs_mentioning(needle: str) -> list[int]:
 def demo_run() -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", "fracplugin.cli", "demo"], capture_output=True, text=True,
-                          timeout=110, env=env, cwd=str(REPO))
+                          timeout=scaled(110), env=env, cwd=str(REPO))  # bounds a hang only
 
 
 def test_demo_exits_0_and_leaves_nothing(demo_run: subprocess.CompletedProcess[str]) -> None:

@@ -1,4 +1,4 @@
-"""DevicePlugin service details over the real socket (kubelet-device-plugin.md
+"""DevicePlugin service details over the real socket (docs/reference/kubelet-device-plugin.md
 D.1): concurrent ListAndWatch streams, streams that end, metrics hooks,
 PreStartContainer, preferred allocation with must_include, any :authority."""
 
@@ -98,7 +98,7 @@ class Stream:
 def test_two_concurrent_streams_both_get_every_change_and_end_on_stop(plugin):
     s, inv, _, _ = plugin
     # Any :authority is accepted: "localhost" (kubelet >= 1.26), the socket
-    # path (older kubelets, kubelet-device-plugin.md D.9), grpcio's default.
+    # path (older kubelets, docs/reference/kubelet-device-plugin.md D.9), grpcio's default.
     a, b = Stream(s.socket_path), Stream(s.socket_path, authority=s.socket_path)
     c = Stream(s.socket_path, authority=None)
     try:

@@ -5,7 +5,7 @@ for gpu-node-1; a 20-device request lands on one GPU; Allocate env for a pod
 with a limit and sm-sharing annotations; kubelet restart -> re-registration;
 an injected XID flips all fractions of one GPU in one update; a plugin restart
 with running pods loses nothing. Plus the registration edge cases of
-kubelet-device-plugin.md D.7-D.9.
+docs/reference/kubelet-device-plugin.md D.7-D.9.
 """
 
 from __future__ import annotations

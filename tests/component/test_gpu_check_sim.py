@@ -24,12 +24,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fakes.mps_client import fake_control_binary
 from tests.gpu import gpu_check as gc
 from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
-FAKE_MPS = str(REPO / "tests" / "fakes" / "nvidia-cuda-mps-control")
+FAKE_MPS = str(fake_control_binary())  # compiled client: probes answer in ms on a loaded machine too
 
 
 def _node(tmp_path: Path, driver: str) -> tuple[str, dict]:
@@ -147,7 +148,7 @@ def test_rehearsal_runs_every_step_and_writes_the_report(tmp_path, fake_libcuda,
                         metric_wait_s=1.0)
     rc = check.run()
     doc = json.loads(out.read_text())
-    assert [s["step"] for s in doc["steps"]] == [1, 2, 3, 4, 5, 6, 7]
+    assert [s["step"] for s in doc["steps"]] == [1, 2, 3, 4, 5, 6, 7, 8]
     figs = {(s["step"], f["name"]): f for s in doc["steps"] for f in s["figures"]}
     status = {k: f["status"] for k, f in figs.items()}
     must_pass = [
@@ -171,6 +172,10 @@ def test_rehearsal_runs_every_step_and_writes_the_report(tmp_path, fake_libcuda,
         assert "is not among the control daemon's clients []" in f["reason"]  # ... but no real MPS client
     assert status[(5, "time-slicing: used bytes")] == "fail"
     assert status[(6, "compute mode unchanged")] == "skipped"  # NVML only on a GPU machine
+    # CUDA memory limits (issue 23 item 7): only a real GPU shows them, never a pass here
+    f = figs[(8, "CUDA memory limits")]
+    assert f["status"] == "skipped" and "real GPU" in f["reason"]
+    assert [s["status"] for s in doc["steps"] if s["step"] == 8] == ["skipped"]
     if driver.startswith("580"):
         f = figs[(3, "sm-sharing: own MPS namespace")]
         assert f["status"] == "skipped" and "MPS v3 (driver r615+)" in f["reason"]

@@ -335,7 +335,8 @@ def test_readyz_is_per_runtime_session(limited: Callable[..., LimitedDaemon], ro
         assert wait_until(lambda: len(rt.registrations) >= 2 and rt.plugin is not None
                           and d.get("/status")[1]["nri"]["connected"], 20)
         code, body = d.get("/readyz")
-        assert code == 503 and body["checks"]["nri"] == {"ready": False, "detail": "connected, not synchronized yet"}
+        nri = body["checks"]["nri"]  # the detail goes on to say the pod watch cannot run (no API access here)
+        assert code == 503 and nri["ready"] is False and nri["detail"].startswith("connected, not synchronized yet;")
         rt.synchronize([], [])
         assert wait_until(d.ready, 20)
         assert d.terminate() == 0

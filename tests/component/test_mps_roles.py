@@ -158,8 +158,9 @@ def doors_role(root: Path) -> Role:
 
 
 def start(rt: Any, pod: Any, ctr: Any) -> Any:
-    """StartContainer as kubelet drives it: UNAVAILABLE ("namespace still being
-    created" on a loaded machine) is retried, anything else is the answer."""
+    """StartContainer as kubelet drives it: UNAVAILABLE (an MPS daemon down
+    for a moment) is retried, anything else is the answer. A namespace still
+    being made does not refuse the start (ADR 0028): callers wait for it."""
     for _ in range(5):
         err = rt.start_container(pod, ctr)
         if err is None or "UNAVAILABLE" not in str(err):
@@ -205,11 +206,15 @@ def test_doors_role_restart_and_kill_keep_mps_and_its_tenants(root: Path) -> Non
             assert [(m.source, list(m.options)) for m in adj.mounts] == [
                 (str(root / "mps" / mode_dir / "shared" / namespace_name(pod.uid, "app")),
                  ["rbind", "ro", "nosuid", "nodev"])]
+        sm_ns = f"shared/{namespace_name('uid-sm1', 'app')}"
+        ts_ns = f"shared/{namespace_name('uid-ts1', 'app')}"
+        # the containers may start before their namespaces exist (ADR 0028): wait for both, capped
+        wait_for(lambda: all(c.get("pinned_memory_limit") for c in (caps(root)["sm"].get(sm_ns, {}),
+                                                                   caps(root)["ts"].get(ts_ns, {}))),
+                 timeout_s=30, what="both namespaces made and capped")
         pids = mps_pids(root)
         assert all(p[1] and "-" not in p[1] for p in pids.values()), pids  # servers running
         before = caps(root)
-        sm_ns = f"shared/{namespace_name('uid-sm1', 'app')}"
-        ts_ns = f"shared/{namespace_name('uid-ts1', 'app')}"
         assert before["sm"][sm_ns]["active_thread_percentage"] == 30
         assert before["sm"][sm_ns]["pinned_memory_limit"] == "12288M"  # the container's limit per GPU
         assert before["ts"][ts_ns]["pinned_memory_limit"] == "10240M"
@@ -236,9 +241,42 @@ def test_doors_role_restart_and_kill_keep_mps_and_its_tenants(root: Path) -> Non
         adj = rt.create_container(pod, ctr)
         assert not isinstance(adj, nr.RpcError), adj
         assert start(rt, pod, ctr) is None
-        assert f"shared/{namespace_name('uid-ts2', 'app')}" in caps(root)["ts"]
+        wait_for(lambda: f"shared/{namespace_name('uid-ts2', 'app')}" in caps(root)["ts"], timeout_s=30,
+                 what="the new tenant's namespace")
         assert {g["index"]: g["held_mib"] for g in doors.get("/status")[1]["gpus"]}[1] == 2 * 8192
         assert mps_pids(root) == pids
+        doors.stop()
+    finally:
+        rt.close()
+    mps.stop()
+
+
+def test_a_slow_namespace_create_does_not_refuse_the_start(root: Path) -> None:
+    """ADR 0028 with the fake MPS binary made slow (its fault file: every
+    ``namespace create`` answered after 2 s, far past the doors' 0.1 s start
+    wait): StartContainer answers OK, the doors log says the wait was spent,
+    and the namespace is made with its caps afterwards (and logged)."""
+    import nri_runtime as nr
+
+    mps = mps_role(root).start()
+    wait_for(mps.ready, timeout_s=30, what="MPS role ready")
+    (root / "mps" / "sm" / "fake-control.json").write_text(json.dumps({"slow": {"namespace create": 2.0}}))
+    rt = nr.FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    try:
+        doors = Role(root, "doors", "--no-device-plugin", "--nri-socket", str(root / "nri.sock"),
+                     "--nri-start-wait-s", "0.1").start()
+        rt.wait_registered(15)
+        wait_for(doors.ready, timeout_s=30, what="doors role ready")
+        pod = sm_pod(nr, "slow1")
+        ctr = nr.make_container(pod, "app")
+        assert not isinstance(rt.create_container(pod, ctr), nr.RpcError)
+        assert rt.start_container(pod, ctr) is None  # not refused, not retried
+        assert "StartContainer wait spent" in doors.logs()
+        ns = f"shared/{namespace_name('uid-slow1', 'app')}"
+        wait_for(lambda: caps(root)["sm"].get(ns, {}).get("active_thread_percentage") == 30, timeout_s=30,
+                 what="the slow namespace made and capped")
+        wait_for(lambda: "namespace ready after its container started" in doors.logs(), timeout_s=30,
+                 what="the late namespace logged")
         doors.stop()
     finally:
         rt.close()

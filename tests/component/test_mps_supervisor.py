@@ -28,8 +28,11 @@ from fracplugin.model import ComputeMode
 from fracplugin.mps.api import MpsApi, MpsError, MpsTimeout, NullMps
 from fracplugin.mps.layout import SM_SERVER, MpsLayout, namespace_name
 from fracplugin.mps.supervisor import MpsSupervisor
+from tests.fakes.mps_client import fake_control_binary
 
-FAKE = str(Path(__file__).resolve().parents[1] / "fakes" / "nvidia-cuda-mps-control")
+# the compiled client in front of the Python fake (gcc): a control command starts in ~1 ms, where a
+# Python start takes seconds on a loaded machine, longer than the command budgets these tests give
+FAKE = str(fake_control_binary())
 TS, SM = ComputeMode.TIME_SLICING, ComputeMode.SM_SHARING
 # The fake's "#!/usr/bin/env python3" resolves to this interpreter, not to a
 # (slow) version-manager shim that may come first on PATH.
@@ -230,6 +233,58 @@ def test_hung_daemon_is_caught_by_the_probe_and_restarted(mps):
     d = daemon(sup, TS)
     assert d["restarts"] == 1 and "probe failed" in d["last_error"]
     assert (TS, False) in mps.events
+
+
+def test_a_late_answer_alone_does_not_report_a_live_daemon_down(mps):
+    # every probe answer takes 0.8 s, longer than the 0.5 s probe timeout: a live daemon on a starved
+    # host. The timed-out probe doubles the next one's timeout (1 s), which gets the answer; one late
+    # answer is no verdict (threshold 2), so health never drops and nothing is restarted.
+    sup = mps.supervisor(modes=(TS,), probe_interval_s=0.2, probe_timeout_s=0.5)
+    assert sup.wait_ready(15)
+    pid = daemon(sup, TS)["pid"]
+    mps.events.clear()
+    mps.faults(TS, slow={"server list": 0.8})
+    wait_for(lambda: "timed out" in daemon(sup, TS)["last_error"], what="a timed-out probe")
+    assert sup.healthy(TS), daemon(sup, TS)
+    wait_for(lambda: daemon(sup, TS)["last_probe_ok"] and daemon(sup, TS)["last_probe_s"] >= 0.8,
+             what="the next probe, with a longer timeout, answered")
+    assert (TS, False) not in mps.events
+    assert daemon(sup, TS)["pid"] == pid and daemon(sup, TS)["restarts"] == 0
+
+
+def test_a_refused_probe_reports_the_daemon_down_at_once(mps):
+    # refused (the daemon answers an error): no waiting for a threshold (set high here: no restart)
+    sup = mps.supervisor(modes=(TS,), probe_interval_s=0.2, probe_failure_threshold=100)
+    assert sup.wait_ready(15)
+    mps.faults(TS, refuse=["server list"])
+    wait_for(lambda: not sup.healthy(TS), what="unhealthy after a refused probe")
+    d = daemon(sup, TS)
+    assert d["restarts"] == 0 and d["state"] == "unhealthy" and "timed out" not in d["last_error"], d
+    mps.faults(TS)
+    wait_for(lambda: sup.healthy(TS), what="healthy once probes answer again")
+
+
+def test_on_a_cpu_starved_host_timeouts_count_only_at_the_longest_probe_timeout(mps):
+    # PSI says runnable tasks waited for a CPU 99 % of the last 10 s: timed-out probes are not counted
+    # while their timeout can still double (0.2, 0.4, 0.8 s), only at the cap (1.6 s); a hung daemon is
+    # still restarted then (threshold 1 here)
+    os.makedirs(os.path.join(mps.proc_root, "pressure"))
+    with open(os.path.join(mps.proc_root, "pressure", "cpu"), "w") as f:
+        f.write("some avg10=99.00 avg60=98.00 avg300=97.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    sup = mps.supervisor(modes=(TS,), proc_root=mps.proc_root, probe_interval_s=0.2, probe_timeout_s=0.2,
+                         probe_failure_threshold=1, max_restarts=0)
+    assert sup.wait_ready(15)
+    old = daemon(sup, TS)["pid"]
+    mps.events.clear()
+    mps.faults(TS, hang=True, pid=old)
+    seen = wait_for(lambda: d if "not counted" in (d := daemon(sup, TS))["last_error"] else None,
+                    what="a timed-out probe excused by CPU pressure")
+    assert "CPU-starved" in seen["last_error"] and seen["restarts"] == 0
+    assert seen["healthy"] and seen["state"] == "ready", seen  # not counted: health unchanged
+    wait_for(lambda: daemon(sup, TS)["restarts"] >= 1, what="the hang confirmed at the longest timeout")
+    assert (TS, False) in mps.events
+    mps.faults(TS)
+    wait_for(lambda: daemon(sup, TS)["pid"] not in (None, old) and sup.healthy(TS), what="a healthy new daemon")
 
 
 def test_slow_answers_within_the_timeout_keep_the_daemon_healthy(mps):

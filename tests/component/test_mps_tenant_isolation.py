@@ -4,7 +4,7 @@ control socket").
 The tenant is a real process running as ``nobody`` with
 ``CUDA_MPS_PIPE_DIRECTORY`` set to the pipe directory the planner mounts for
 it (its own namespace leaf, in every mode); the fake control binary enforces
-what the real daemon enforces (mps-nvml.md 1.6: non-owner UIDs cannot set,
+what the real daemon enforces (docs/reference/mps-nvml.md 1.6: non-owner UIDs cannot set,
 create, delete; client sockets are not control sockets). The read-only bind
 mount is made for real in a private mount namespace (``unshare -m``).
 """

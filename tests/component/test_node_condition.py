@@ -22,8 +22,8 @@ from test_daemon import daemon, root  # noqa: F401  pytest fixtures
 from tests.helpers import wait_until
 
 SMP = "application/strategic-merge-patch+json"
-KAI = "gpu-sharing.nvidia.com/Ready"
-KAI_OLD = "gpu-fractioning.nvidia.com/Ready"
+KAI = "gpu-fractioning.nvidia.com/Ready"  # KAI's api module, the renamed node stack
+KAI_OLD = "gpu-sharing.nvidia.com/Ready"  # the older operator's name
 
 
 class FakeNodeApi:
@@ -103,13 +103,15 @@ def start_api(root: Path) -> tuple[FakeNodeApi, Any, Path]:
     return fake, server, kubeconfig
 
 
-def test_condition_true_when_ready_false_when_mps_down_false_at_shutdown(
+def test_condition_true_when_ready_false_when_mps_down_unknown_at_shutdown(
         daemon: Callable[..., DaemonProc], root: Path) -> None:
+    """Both names by default; small failing input 4 of issue 23: the daemon
+    stops on purpose (SIGTERM) -> both conditions Unknown (was: False
+    ShuttingDown under one name)."""
     fake, server, kubeconfig = start_api(root)
     try:
         d = daemon("--no-nri", "--no-device-plugin", "--mps-control-binary", str(FAKE_MPS),
-                   "--kubeconfig", str(kubeconfig), "--node-name", "gpu-node-1",
-                   "--node-condition-types", f"{KAI},{KAI_OLD}")
+                   "--kubeconfig", str(kubeconfig), "--node-name", "gpu-node-1")
         wait_until(d.ready, 20, lambda: f"readiness: {d.get('/readyz')}")
         wait_until(lambda: (fake.condition(KAI) or {}).get("status") == "True", 20,
                    lambda: f"the condition True: {fake.patches} {d.logs()[-2000:]}")
@@ -134,10 +136,11 @@ def test_condition_true_when_ready_false_when_mps_down_false_at_shutdown(
         wait_until(lambda: (fake.condition(KAI) or {}).get("status") == "True", 60,
                    lambda: f"the condition True again: {fake.condition(KAI)} {d.get('/readyz')}")
 
-        # orderly shutdown: False before the doors go
+        # orderly shutdown (SIGTERM): Unknown under both names before the doors go
         assert d.terminate() == 0
-        c = fake.condition(KAI)
-        assert c["status"] == "False" and c["reason"] == "ShuttingDown", c
+        for t in (KAI, KAI_OLD):
+            c = fake.condition(t)
+            assert c["status"] == "Unknown" and c["reason"] == "ShuttingDown", (t, c)
     finally:
         server.shutdown()
         server.server_close()

@@ -287,20 +287,68 @@ def test_mps_failure_fails_the_start_with_unavailable(h):
     assert h.ledger.tenancies() == []
 
 
-def test_start_waits_for_a_slow_namespace_then_succeeds_on_retry(make_harness):
-    h = make_harness(runtime_kwargs={"request_timeout_ms": 1000}).start()
+def _records(caplog, text):
+    return [r for r in list(caplog.records) if text in r.getMessage()]
+
+
+@pytest.mark.parametrize("start_wait_s", [0.05, 30.0])
+def test_start_never_refuses_a_slow_namespace_and_keeps_the_runtime_timeout(make_harness, caplog, start_wait_s):
+    """ADR 0028: the namespace job is still running (the MPS gate stays shut
+    until StartContainer has answered): the container starts, the log says the
+    wait was spent, and a later line says when the namespace got made. A
+    configured wait far past the runtime's 1 s request timeout is cut to the
+    handler's budget: the answer comes before the runtime gives up."""
+    caplog.set_level("INFO", logger="fracplugin.nri.plugin")
+    h = make_harness(runtime_kwargs={"request_timeout_ms": 1000}, plugin_kwargs={"start_wait_s": start_wait_s}).start()
     gate = threading.Event()
     h.mps.block = gate
     pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
     assert not isinstance(h.rt.create_container(pod, ctr), RpcError)  # not held up by MPS
     try:
-        err = h.rt.start_container(pod, ctr)  # answered within the stub budget, before the runtime gives up
-        assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "still being created" in err.message
+        assert h.rt.start_container(pod, ctr) is None  # started, not refused; answered within the runtime timeout
+        assert not h.mps.done.is_set()  # the namespace really was not there yet
     finally:
         gate.set()
-    wait_for(h.mps.done.is_set, what="the namespace")
-    assert h.rt.start_container(pod, ctr) is None  # kubelet's retry
+    (spent,) = _records(caplog, "StartContainer wait spent")
+    assert spent.levelname == "WARNING" and spent.container_id == ctr.id
+    assert spent.namespace_job in ("queued", "running") and spent.waited_s <= min(start_wait_s, 0.75)
+    assert h.metrics.refusals == []
+    wait_for(lambda: _records(caplog, "namespace ready after its container started"), what="the late namespace line")
+    assert len(h.mps.named("ensure_namespace")) == 1
+    assert h.plugin.status()["pending_namespaces"] == 0
     assert len(h.ledger.tenancies()) == 4
+
+
+def test_start_refuses_when_the_daemon_of_the_mode_is_down_not_slow(make_harness, caplog):
+    """A namespace job waiting for a daemon that is down is not slow: the
+    start is refused (UNAVAILABLE, kubelet retries), as CreateContainer
+    refuses while that daemon is down (issue 12)."""
+    h = make_harness(plugin_kwargs={"start_wait_s": 0.05}).start()
+    up = {"sm": True}
+    h.mps.healthy = lambda mode: up["sm"]
+    gate = threading.Event()
+    h.mps.block = gate
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    assert not isinstance(h.rt.create_container(pod, ctr), RpcError)
+    up["sm"] = False
+    try:
+        err = h.rt.start_container(pod, ctr)
+        assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "daemon is down" in err.message
+        assert h.metrics.refusals == ["mps_unavailable"]
+    finally:
+        up["sm"] = True
+        gate.set()
+    assert not _records(caplog, "StartContainer wait spent")
+
+
+def test_start_after_a_failed_namespace_is_refused_even_when_slow_ones_start(h):
+    """Failed is not slow: an ensure that raised fails the start (UNAVAILABLE)."""
+    h.mps.fail = RuntimeError("namespace create refused")
+    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    assert not isinstance(h.rt.create_container(pod, ctr), RpcError)
+    wait_for(h.mps.done.is_set, what="the failed ensure")
+    err = h.rt.start_container(pod, ctr)
+    assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "namespace create refused" in err.message
 
 
 def test_synchronous_namespace_mode_refuses_creation_on_mps_failure(make_harness):

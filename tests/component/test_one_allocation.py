@@ -8,7 +8,7 @@ PodResources List), ``nri_runtime.FakeNriRuntime`` (CreateContainer etc. over
 the NRI socket) and a pods file standing in for the API server's watch.
 
 The container env at CreateContainer is built as kubelet builds it: the
-Allocate answer's envs first, then the pod spec's env (kubelet-device-plugin.md
+Allocate answer's envs first, then the pod spec's env (docs/reference/kubelet-device-plugin.md
 A.5, "Container start"); a later value of the same key wins.
 
 Node: examples/nodes/gpu-node-1.yaml, four GPUs of 81559 MiB; one device =

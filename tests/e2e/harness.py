@@ -10,7 +10,7 @@ was mounted below it, and removes it.
 Concurrency model: synchronous; each helper runs subprocesses and waits.  Not
 thread-safe (one test process drives one containerd at a time).
 
-Facts used (see shared reference nri-protocol.md 1.5, 1.6, 1.10):
+Facts used (see shared reference docs/reference/nri-protocol.md 1.5, 1.6, 1.10):
 containerd 2.x reads config version 3; NRI is the ``io.containerd.nri.v1.nri``
 plugin with ``socket_path``; an external plugin must reconnect after a
 containerd restart because containerd recreates the socket (1.9).

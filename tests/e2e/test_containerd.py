@@ -1,11 +1,11 @@
 """End to end: a real containerd 2.x + runc + crictl with fracplugin attached over NRI.
 
 What it proves (issue 7): a container created by a real runtime gets the
-contract's environment and the MPS pipe-directory mount (DESIGN.md section 4),
+contract's environment and the MPS pipe-directory mount (docs/reference/design.md section 4),
 pod-authored values are overridden, bad annotations make container creation
 fail with an error naming the annotation, unannotated containers are left
 alone, the ledger is empty again after the pods are gone, and the daemon
-reconnects after containerd restarts (reference nri-protocol.md 1.9).
+reconnects after containerd restarts (reference docs/reference/nri-protocol.md 1.9).
 
 Requirements: root, and the binaries ``tests/e2e/build.sh`` builds (``make
 e2e`` runs it first).  Under ``make e2e`` (``FRACPLUGIN_E2E_REQUIRED=1``) a
@@ -211,7 +211,10 @@ class Daemon(Process):
                 "--mps-control-binary", str(h.REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"),
                 "--mps-root", str(self.mps_root),
                 "--health-address", self.health,
-                "--metrics-address", "127.0.0.1:0"]
+                "--metrics-address", "127.0.0.1:0",
+                # the CDI spec directory containerd loads (harness: cdi_spec_dirs), so the daemon
+                # requests each planned GPU's CDI device itself (ADR 0025b)
+                "--cdi-spec-dirs", str(base / "cdi")]
         super().__init__(argv, base / "fracplugin.log")
 
     def status(self) -> dict:
@@ -349,7 +352,7 @@ def test_limit_below_request_is_refused(ctrd, daemon, pods):
     assert res.returncode != 0, res.stdout
     assert "nvidia.com/container.app.gpu-memory.limit" in res.stderr, res.stderr
     assert "20Gi" in res.stderr, res.stderr
-    assert "InvalidArgument" in res.stderr, res.stderr  # DESIGN.md 2: INVALID_ARGUMENT
+    assert "InvalidArgument" in res.stderr, res.stderr  # docs/reference/design.md 2: INVALID_ARGUMENT
     assert daemon.alive(), daemon.tail()
     assert daemon.tenancies() == []
     pods.remove_all()
@@ -371,6 +374,24 @@ def test_kai_cdi_device_names_are_injected_by_the_runtime(ctrd, daemon, pods):
     assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == "0=10240M,1=10240M,2=10240M,3=10240M"
     assert PIPE_DIR in h.container_mountpoints(ctrd, cid)
     assert [env.get(f"FP_CDI_GPU{i}") for i in range(4)] == EXPECTED_UUIDS, env
+    pods.remove_all()
+    _wait_ledger_empty(daemon)
+
+
+def test_uuid_devices_get_the_nodes_cdi_devices_from_the_daemon(ctrd, daemon, pods):
+    """Issue 23 small failing input 1 with the real runtime: the scheduler wrote
+    plain GPU UUIDs; the daemon finds each GPU's ``k8s.device-plugin.nvidia.com/gpu``
+    device in the node's CDI spec (the directory containerd loads) and puts it
+    in the adjustment; containerd applies the spec (one env variable per GPU),
+    and the env is as before (ADR 0025b). Time-slicing: no MPS namespace."""
+    ann = {ANN + "gpu-memory.request": "10Gi", ANN + "gpu-compute.mode": "time-slicing",
+           ANN + "gpus.devices": ",".join(EXPECTED_UUIDS)}
+    pid, cfg = pods.run("uuid-cdi", ann)
+    cid = pods.create_and_start(pid, cfg)
+    env = h.container_env(ctrd, cid)
+    assert env.get("NVIDIA_VISIBLE_DEVICES", "").split(",") == EXPECTED_UUIDS
+    assert [env.get(f"FP_CDI_GPU{i}") for i in range(4)] == EXPECTED_UUIDS, env
+    assert daemon.status()["cdi"]["gpus_without_spec"] == []
     pods.remove_all()
     _wait_ledger_empty(daemon)
 

@@ -68,5 +68,18 @@ def build_mps_client(out_root: Path = OUT_ROOT) -> Path:
     return out
 
 
+def fake_control_binary() -> Path:
+    """The fake ``nvidia-cuda-mps-control`` tests and the demo should run: the
+    compiled client (``build_mps_client()``) when a C compiler is there, else
+    the Python fake. Why: on a loaded machine (load far above the cores) a
+    Python client can take seconds to start, longer than the supervisor's
+    probe timeout, so a healthy fake daemon looks hung; the compiled one
+    starts in about a millisecond, like the real binary."""
+    try:
+        return build_mps_client()
+    except (BuildError, OSError, subprocess.SubprocessError):
+        return PY_FAKE
+
+
 if __name__ == "__main__":
     print(build_mps_client())

@@ -13,7 +13,7 @@ It is what a tenant container's process does, reduced to what the check needs:
    ``cuCtxSetCurrent``) and reads the SMs it may use
    (``cuCtxGetExecAffinity(CU_EXEC_AFFINITY_TYPE_SM_COUNT)``: under MPS the
    active thread percentage shows there, rounded down to whole SMs,
-   mps-nvml.md 2.8);
+   docs/reference/mps-nvml.md 2.8);
 4. allocates ``--step-mib`` (256 MiB) blocks with ``cuMemAlloc`` until one
    fails or ``--cap-mib`` would be passed (the cap keeps an unenforced limit
    from taking the whole GPU);

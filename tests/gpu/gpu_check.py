@@ -22,7 +22,7 @@ The steps (issue 17), each a step of the JSON report ``gpu-check.json``:
    allocation fails and reports what it got, the devices it sees, its SM
    count and whether it went through MPS;
 4. one container with two client processes: what a container with several
-   processes gets (the pinned limit is per client process, mps-nvml.md 2.8);
+   processes gets (the pinned limit is per client process, docs/reference/mps-nvml.md 2.8);
 5. ``/metrics`` scraped while the clients hold memory: per-container used
    bytes against what they allocated (clients are put in a cgroup named like
    a containerd container so the daemon joins their PIDs to the container);
@@ -30,7 +30,18 @@ The steps (issue 17), each a step of the JSON report ``gpu-check.json``:
    still work (drain and wedge handling); the daemon stopped (SIGTERM); no MPS
    process or socket of ours may be left;
 7. ``gpu-check.json`` written; exit 0 only when nothing failed, all within
-   5 minutes (``DEADLINE_S``).
+   5 minutes (``DEADLINE_S``);
+8. (issue 23 item 7; runs before the daemon stops, reported last) CUDA 13.4
+   memory limits on a container's leaf cgroup: a container planned with
+   request 1 GiB / limit 2 GiB; with the toolkit hook absent the daemon's
+   ``--memory-limits`` (auto = apply) must have set them at StartContainer;
+   with it present ``nvidia-cdi-hook apply-cuda-memory-limits`` is run on a
+   second leaf as the runtime would; on each leaf ``nvmlDeviceGetMemoryLimits_v1``
+   must read soft = request and hard = limit (bytes), ``nvidia-smi
+   --query-gpu=memory.total`` and ``cuMemGetInfo`` run inside it must show the
+   hard limit, an allocation past it must fail, and two processes in it
+   together must stay under it. Needs driver r615+, cgroup v2 at the cgroup
+   root, MIG off and NVML's memory-limit calls; else skipped with the reason.
 
 A figure that cannot be measured on this driver (MPS v3 namespaces before
 r615, say) is ``skipped`` with the reason, never ``pass``. Exit status: 0 all
@@ -74,8 +85,8 @@ STEP_MIB = 256
 TS_LIMIT_MIB = 2048
 SM_LIMIT_MIB = 4096
 SM_PORTION = "0.25"
-SM_CHUNK = 8  # SMs per MPS chunk on Hopper and later (mps-nvml.md 1.5): ATP granularity slack
-PIN_SLACK_MIB = 1024  # the pinned limit also counts the context's own allocations (mps-nvml.md 2.2)
+SM_CHUNK = 8  # SMs per MPS chunk on Hopper and later (docs/reference/mps-nvml.md 1.5): ATP granularity slack
+PIN_SLACK_MIB = 1024  # the pinned limit also counts the context's own allocations (docs/reference/mps-nvml.md 2.2)
 METRIC_SLACK_MIB = 1024  # NVML's per-process figure includes the context
 MPS_EXES = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 MPS_SEARCH = ("/usr/bin", "/usr/local/nvidia/bin", "/usr/local/bin", "/usr/sbin")
@@ -90,6 +101,7 @@ STEPS: tuple[tuple[int, str], ...] = (
     (5, "per-container memory metrics"),
     (6, "SIGKILLed client, next client, clean stop"),
     (7, "report within 5 minutes"),
+    (8, "CUDA memory limits on the container's cgroup, toolkit hook absent and present"),
 )
 STATUSES = ("pass", "fail", "skipped")
 
@@ -376,7 +388,7 @@ def judge_through_mps(attr: int | None, pid: int | None, clients: list[int] | No
 
 def mps_namespace_skip(protocol: int) -> str:
     """Why per-container MPS namespaces cannot be checked (``""`` when they can):
-    they exist only in MPS v3 (driver r615+, mps-nvml.md 1.6, 3)."""
+    they exist only in MPS v3 (driver r615+, docs/reference/mps-nvml.md 1.6, 3)."""
     return "" if protocol >= 3 else (f"MPS protocol {protocol}: per-container namespaces need MPS v3 (driver r615+); "
                                      "sm-sharing containers share the daemon's pipe directory here")
 
@@ -410,11 +422,15 @@ def judge_metric(used: int | None, allocated_mib: int) -> tuple[str, str, str]:
     return "fail", exp, f"used {mib:.0f} MiB"
 
 
-def pod_manifest(name: str, mode: str, limit_mib: int, gpu_uuid: str, portion: str | None = None) -> dict[str, Any]:
+def pod_manifest(name: str, mode: str, limit_mib: int, gpu_uuid: str, portion: str | None = None,
+                 request_mib: int | None = None) -> dict[str, Any]:
     """A one-container pod (container ``app``) asking for ``limit_mib`` on
-    ``gpu_uuid`` in ``mode`` (the annotation contract, README)."""
+    ``gpu_uuid`` in ``mode`` (the annotation contract, README); the request is
+    ``request_mib`` (default: the limit)."""
     ann = {f"{PREFIX}app.gpu-memory.limit": f"{limit_mib}Mi", f"{PREFIX}app.gpu-compute.mode": mode,
            f"{PREFIX}app.gpus.devices": gpu_uuid}
+    if request_mib is not None:
+        ann[f"{PREFIX}app.gpu-memory.request"] = f"{request_mib}Mi"
     if portion is not None:
         ann[f"{PREFIX}app.gpu-compute.portion"] = portion
     return {"apiVersion": "v1", "kind": "Pod",
@@ -425,7 +441,7 @@ def pod_manifest(name: str, mode: str, limit_mib: int, gpu_uuid: str, portion: s
 
 # ---- processes on this machine ----------------------------------------------------------------
 def mps_pids(proc: str = "/proc") -> set[int]:
-    """PIDs whose ``exe`` basename is an MPS binary (not ``comm``: truncated, mps-nvml.md 1.2)."""
+    """PIDs whose ``exe`` basename is an MPS binary (not ``comm``: truncated, docs/reference/mps-nvml.md 1.2)."""
     out = set()
     for p in Path(proc).iterdir():
         if p.name.isdigit():
@@ -435,6 +451,29 @@ def mps_pids(proc: str = "/proc") -> set[int]:
             except OSError:
                 continue
     return out
+
+
+def foreign_mps(pid: int, work: Path, proc: str = "/proc") -> bool:
+    """True when MPS process ``pid`` belongs to another MPS root: its
+    environment sets ``CUDA_MPS_PIPE_DIRECTORY`` to a directory outside
+    ``work`` (another checkout's or node agent's fake or daemon, started while
+    the check ran). A process without that variable, or whose environment
+    cannot be read, is not known to be foreign (False): it is counted."""
+    try:
+        env = (Path(proc) / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    for kv in env:
+        if kv.startswith(b"CUDA_MPS_PIPE_DIRECTORY="):
+            pipe = kv.split(b"=", 1)[1].decode(errors="replace")
+            return not (pipe == str(work) or pipe.startswith(str(work).rstrip("/") + "/"))
+    return False
+
+
+def new_mps_pids(before: set[int], work: Path, proc: str = "/proc") -> set[int]:
+    """MPS processes (``mps_pids``) that were not there ``before`` and are not
+    another MPS root's (``foreign_mps``): what this check's daemon may have left."""
+    return {pid for pid in mps_pids(proc) - before if not foreign_mps(pid, work, proc)}
 
 
 def own_leftovers(work: Path, proc: str = "/proc") -> list[str]:
@@ -460,7 +499,7 @@ def own_leftovers(work: Path, proc: str = "/proc") -> list[str]:
 
 def compute_modes() -> dict[str, int] | None:
     """Every GPU's compute mode through NVML (``{uuid: mode}``; 0 DEFAULT,
-    2 PROHIBITED, 3 EXCLUSIVE_PROCESS, mps-nvml.md 2.4); None when NVML fails.
+    2 PROHIBITED, 3 EXCLUSIVE_PROCESS, docs/reference/mps-nvml.md 2.4); None when NVML fails.
     The check must leave them as it found them (no ``--exclusive-process``)."""
     try:
         import pynvml
@@ -625,19 +664,33 @@ class Nri:
         self.server = NriRuntimeServer(str(socket_path), request_timeout_s=request_timeout_s,
                                        runtime_name="fracplugin-gpu-check").start()
 
-    def create(self, manifest: dict[str, Any]) -> Planned:
+    def create(self, manifest: dict[str, Any], container_id: str = "", cgroups_path: str = "") -> Planned:
         """RunPodSandbox, CreateContainer, StartContainer (the plugin holds
-        StartContainer until an sm-sharing namespace is in place). Raises
-        RpcError when the plugin refuses."""
+        StartContainer while an sm-sharing namespace is being made, within a
+        budget; a namespace still being made comes after the start, ADR 0028,
+        so its ``control`` socket in the pipe directory is awaited here, up to
+        60 s, before a CUDA client may run: one started earlier would run
+        without MPS). Raises
+        RpcError when the plugin refuses. ``cgroups_path``: the container's
+        ``linux.cgroups_path`` as the runtime sends it (cgroupfs form
+        ``/<dir>/<leaf>``), so the daemon can find its leaf cgroup."""
         from fracplugin.sim.nri_runtime import container_msg, effective_env, pod_sandbox
 
         pod = pod_sandbox(manifest)
-        ctr = container_msg(pod, manifest["spec"]["containers"][0], container_id=secrets.token_hex(32))
+        ctr = container_msg(pod, manifest["spec"]["containers"][0], container_id=container_id or secrets.token_hex(32))
+        if cgroups_path:
+            ctr.linux.cgroups_path = cgroups_path
         self.server.run_pod_sandbox(pod)
         resp = self.server.create_container(pod, ctr)
         self.server.start_container(pod, ctr)
         env = effective_env(ctr, resp.adjust)
         mounts = [(m.source, m.destination) for m in resp.adjust.mounts]
+        pipes = [src for src, dest in mounts if dest == "/tmp/nvidia-mps"]  # layout.CONTAINER_PIPE_DIR
+        deadline = time.monotonic() + 60
+        while pipes and not any(os.path.exists(os.path.join(p_, "control")) for p_ in pipes):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the MPS namespace in {pipes} did not appear within 60 s of StartContainer")
+            time.sleep(0.01)
         return Planned(manifest, pod, ctr, env, mounts)
 
     def remove(self, p: Planned) -> None:
@@ -774,6 +827,182 @@ def mps_client_pids(binary: str, pipe_dir: str, protocol: int, timeout_s: float 
         return None
 
 
+# ---- step 8: CUDA memory limits (issue 23 item 7) ----------------------------------------------
+ML_REQUEST_MIB = 1024
+ML_LIMIT_MIB = 2048
+ML_SLACK_MIB = 1  # nvidia-smi and cuMemGetInfo report MiB (rounded)
+ML_DRIVER = 615  # CUDA 13.4 memory partitioning: driver r615+ (docs/reference/mps-nvml.md, "MPS v3 Memory Partitioning")
+NVML_DEVICE_MEMORY_LIMIT_MAX = 0xFFFFFFFFFFFFFFFF  # "no hard limit" (docs/reference/mps-nvml.md 4.4)
+HOOK_BINARY = "nvidia-cdi-hook"
+HOOK_SEARCH = ("/usr/bin", "/usr/local/bin", "/usr/local/nvidia/toolkit", "/usr/local/nvidia/bin")
+
+
+def memory_limits_skip(driver_version: str, cgroup_root: str, mig_enabled: bool, nvml_has_limits: bool) -> str:
+    """Why CUDA memory limits cannot be proven on this machine, or "" when
+    they can: driver below r615, no cgroup v2 at ``cgroup_root`` (its
+    ``cgroup.controllers``), a MIG GPU, or NVML without
+    ``nvmlDeviceGetMemoryLimits_v1`` (docs/reference/enforcement-cdi-dra.md)."""
+    try:
+        major = int(driver_version.split(".")[0])
+    except ValueError:
+        return f"driver version {driver_version!r} cannot be read"
+    if major < ML_DRIVER:
+        return f"driver {driver_version} < r{ML_DRIVER}: no CUDA memory partitioning (CUDA 13.4)"
+    if not os.path.exists(os.path.join(cgroup_root, "cgroup.controllers")):
+        return f"no cgroup v2 at {cgroup_root} (cgroup v1 or hybrid): memory limits need cgroup v2"
+    if mig_enabled:
+        return "the GPU is in MIG mode: NVML memory limits reject MIG handles"
+    if not nvml_has_limits:
+        return "NVML lacks nvmlDeviceGetMemoryLimits_v1 (driver library or nvidia-ml-py too old)"
+    return ""
+
+
+def judge_limits(read: tuple[int, int] | None, request_mib: int, limit_mib: int) -> tuple[bool, str, str]:
+    """``(ok, expected, reason)`` for NVML's ``(softLimit, hardLimit)`` bytes
+    on a leaf against the plan: soft = request, hard = limit (bytes)."""
+    exp = f"soft {request_mib * MIB} B ({request_mib} MiB), hard {limit_mib * MIB} B ({limit_mib} MiB)"
+    if read is None:
+        return False, exp, "not read"
+    soft, hard = read
+    if (soft, hard) == (request_mib * MIB, limit_mib * MIB):
+        return True, exp, ""
+    if soft == 0 and hard == NVML_DEVICE_MEMORY_LIMIT_MAX:
+        return False, exp, "no limit set on the cgroup"
+    return False, exp, f"soft {soft} B, hard {hard} B"
+
+
+def judge_total(total_mib: float | None, hard_mib: int, what: str) -> tuple[bool, str, str]:
+    """``(ok, expected, reason)``: ``what`` (nvidia-smi memory.total, cuMemGetInfo total) inside the cgroup is the hard limit."""
+    exp = f"{hard_mib} MiB (+-{ML_SLACK_MIB}): the hard limit, not the GPU's memory"
+    if total_mib is None:
+        return False, exp, f"{what} not read"
+    if abs(total_mib - hard_mib) <= ML_SLACK_MIB:
+        return True, exp, ""
+    return False, exp, f"{what} shows {total_mib} MiB"
+
+
+def judge_capped(allocated_mib: Sequence[int], stopped_by: Sequence[str], hard_mib: int) -> tuple[bool, str, str]:
+    """``(ok, expected, reason)``: processes of one cgroup together stay at or
+    under the hard limit and each one's next allocation failed (not the
+    client's own cap)."""
+    total = sum(allocated_mib)
+    exp = f"together <= {hard_mib} MiB, the next allocation fails (CUDA_ERROR_OUT_OF_MEMORY)"
+    if any(s != "error" for s in stopped_by):
+        return False, exp, f"a process stopped at its own cap, not at an allocation failure: {list(stopped_by)}"
+    if total > hard_mib:
+        return False, exp, f"together {total} MiB, past the hard limit"
+    return True, exp, ""
+
+
+def find_hook_binary() -> str | None:
+    """The toolkit's ``nvidia-cdi-hook`` (PATH, then ``HOOK_SEARCH``), or None."""
+    found = shutil.which(HOOK_BINARY)
+    if found:
+        return found
+    for d in HOOK_SEARCH:
+        p = os.path.join(d, HOOK_BINARY)
+        if os.access(p, os.X_OK):
+            return p
+    return None
+
+
+class NvmlLimits:
+    """``nvmlDeviceGet/SetMemoryLimits_v1`` on one GPU through nvidia-ml-py
+    (structs ``c_nvmlGetMemoryLimits_v1_t`` / ``c_nvmlSetMemoryLimits_v1_t``,
+    ``nameSpace`` = the cgroup directory as bytes; docs/reference/mps-nvml.md 4.4). Raises
+    the library's NVMLError."""
+
+    def __init__(self, uuid_: str) -> None:
+        import pynvml
+
+        self.nv = pynvml
+        pynvml.nvmlInit()
+        self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid_.encode() if isinstance(uuid_, str) else uuid_)
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            import pynvml
+
+            return hasattr(pynvml, "nvmlDeviceGetMemoryLimits_v1") and hasattr(pynvml, "c_nvmlGetMemoryLimits_v1_t")
+        except Exception:
+            return False
+
+    def get(self, cgroup: str) -> tuple[int, int]:
+        """(softLimit, hardLimit) bytes on ``cgroup``."""
+        st = self.nv.c_nvmlGetMemoryLimits_v1_t()
+        st.nameSpace = cgroup.encode()
+        self.nv.nvmlDeviceGetMemoryLimits_v1(self.handle, st)
+        return int(st.softLimit), int(st.hardLimit)
+
+    def set(self, cgroup: str, soft: int, hard: int) -> None:
+        st = self.nv.c_nvmlSetMemoryLimits_v1_t()
+        st.nameSpace = cgroup.encode()
+        st.softLimit, st.hardLimit = soft, hard
+        self.nv.nvmlDeviceSetMemoryLimits_v1(self.handle, st)
+
+    def clear(self, cgroup: str) -> None:
+        """Soft 0 first, then no hard limit (a deleted leaf keeps its
+        ancestors' dmem.min otherwise; docs/reference/enforcement-cdi-dra.md)."""
+        self.set(cgroup, 0, NVML_DEVICE_MEMORY_LIMIT_MAX)
+
+    def close(self) -> None:
+        try:
+            self.nv.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def smi_total_in(cgroup: str, gpu_uuid: str, timeout_s: float = 30.0) -> tuple[float | None, str]:
+    """``nvidia-smi --query-gpu=memory.total`` run inside ``cgroup`` (the shell
+    moves itself there, then execs nvidia-smi): (MiB, "") or (None, why)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None, "nvidia-smi not found"
+    script = f'echo $$ > "$1/cgroup.procs" && exec "$2" --query-gpu=memory.total --format=csv,noheader,nounits -i "$3"'
+    try:
+        out = subprocess.run(["sh", "-c", script, "sh", cgroup, smi, gpu_uuid], capture_output=True, text=True,
+                             timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, f"nvidia-smi did not answer within {timeout_s:.0f} s"
+    if out.returncode != 0:
+        return None, f"exit {out.returncode}: {(out.stderr or out.stdout).strip()[:200]}"
+    try:
+        return float(out.stdout.strip().splitlines()[0]), ""
+    except (ValueError, IndexError):
+        return None, f"unreadable output {out.stdout.strip()[:100]!r}"
+
+
+def run_limits_hook(binary: str, cgroup: str, gpu_uuid: str, env: Mapping[str, str], work: Path,
+                    timeout_s: float = 30.0) -> tuple[int, str]:
+    """Run ``nvidia-cdi-hook apply-cuda-memory-limits`` as the runtime runs a
+    createRuntime hook for a container whose process sits in ``cgroup``: a
+    holder process is put in the leaf, an OCI bundle whose ``config.json``
+    carries ``env`` (``NVIDIA_GPU_MEMORY_REQUEST``/``_LIMIT``) is written, and
+    the OCI state (``pid``, ``bundle``) goes to the hook's stdin (inference
+    from docs/reference/enforcement-cdi-dra.md: the hook reads the env from the spec and the
+    cgroup from the container PID). Returns (exit status, output)."""
+    bundle = work / f"bundle-{secrets.token_hex(4)}"
+    bundle.mkdir()
+    holder = subprocess.Popen(["sh", "-c", 'echo $$ > "$1/cgroup.procs" && exec sleep 60', "sh", cgroup],
+                              start_new_session=True)
+    try:
+        wait_until(lambda: str(holder.pid) in Path(cgroup, "cgroup.procs").read_text().split(), 5.0, 0.05)
+        (bundle / "config.json").write_text(json.dumps({
+            "ociVersion": "1.2.0", "root": {"path": "/"},
+            "process": {"args": ["sleep"], "cwd": "/", "env": [f"{k}={v}" for k, v in env.items()]},
+            "linux": {"cgroupsPath": cgroup}}))
+        state = json.dumps({"ociVersion": "1.2.0", "id": bundle.name, "status": "creating", "pid": holder.pid,
+                            "bundle": str(bundle)})
+        out = subprocess.run([binary, "apply-cuda-memory-limits", "--driver-root", "/", "--gpu-id", gpu_uuid],
+                             input=state, capture_output=True, text=True, timeout=timeout_s)
+        return out.returncode, (out.stdout + out.stderr).strip()[-400:]
+    finally:
+        holder.kill()
+        holder.wait(10)
+        shutil.rmtree(bundle, ignore_errors=True)
+
+
 # ---- the check ----------------------------------------------------------------------------------
 class GpuCheck:
     """One run of steps 1-7 (module docstring). ``run()`` returns the exit status."""
@@ -815,6 +1044,7 @@ class GpuCheck:
         try:
             if self.step1_inventory() and self.step2_daemon():
                 self.step3_to_6()
+                self.step8_memory_limits()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM (main): clean up and still write the report
             r.add(7, "check ran to the end", "not interrupted", "interrupted (SIGINT/SIGTERM)", "fail")
         except Exception as exc:  # a driver error: report it as a failure, clean up, write the report
@@ -967,14 +1197,15 @@ class GpuCheck:
                  "after_s": round(time.monotonic() - t, 1)}, bool(n), "not back in time")
 
     # -- 3..6 -------------------------------------------------------------------------------
-    def _plan(self, step: int, manifest: dict[str, Any], limit_mib: int, atp: int | None) -> Planned | None:
+    def _plan(self, step: int, manifest: dict[str, Any], limit_mib: int, atp: int | None,
+              **create: str) -> Planned | None:
         from fracplugin.nri.ttrpc import RpcError
 
         r = self.report
         name = manifest["metadata"]["name"]
         assert self.nri is not None
         try:
-            p = self.nri.create(manifest)
+            p = self.nri.create(manifest, **create)
         except (RpcError, TimeoutError, ConnectionError) as exc:
             r.add(step, f"{name}: planned through NRI", "placed", f"{type(exc).__name__}: {exc}", "fail")
             return None
@@ -1074,7 +1305,7 @@ class GpuCheck:
                         "a process passed the limit")
                 total = sum(got)
                 r.check(4, "what the container got in all", f"<= {2 * TS_LIMIT_MIB} MiB (the pinned limit binds each "
-                        "client process, not the container: mps-nvml.md 2.8)", {"total_mib": total,
+                        "client process, not the container: docs/reference/mps-nvml.md 2.8)", {"total_mib": total,
                         "container_limit_mib": TS_LIMIT_MIB, "per_process": got}, total <= 2 * TS_LIMIT_MIB)
                 r.facts["container_with_two_processes_mib"] = total
                 self._metric("two processes", ts, total, reps)
@@ -1135,6 +1366,127 @@ class GpuCheck:
         except Exception as exc:
             r.add(6, "sm-sharing: removed through NRI", "Stop/RemoveContainer answered", str(exc), "fail")
 
+    # -- 8 ---------------------------------------------------------------------------------
+    def step8_memory_limits(self) -> None:
+        """Issue 23 item 7 (module docstring, step 8). Every figure is skipped
+        with the reason where the machine cannot show it."""
+        r = self.report
+        print("== 8. CUDA memory limits on the container's cgroup", flush=True)
+        title = "CUDA memory limits"
+        if self.simulate_node:
+            r.skip(8, title, "enforced on the container's cgroup", "needs a real GPU (simulated node)")
+            return
+        why = memory_limits_skip(self.node.driver_version, self.cgroup_root, bool(self.gpu.mig_enabled),
+                                 NvmlLimits.available())
+        if why:
+            r.skip(8, title, "enforced on the container's cgroup", why)
+            return
+        assert self.nri is not None
+        if self.cgroups is None or self.cgroups.base is None:
+            r.skip(8, title, "enforced on the container's cgroup", "no writable cgroup here: "
+                   + (self.cgroups.reason if self.cgroups else "no cgroups"))
+            return
+        nvml = NvmlLimits(self.gpu.uuid)
+        try:
+            manifest = pod_manifest("gpucheck-memlimits", "time-slicing", ML_LIMIT_MIB, self.gpu.uuid,
+                                    request_mib=ML_REQUEST_MIB)
+            # the leaf exists before CreateContainer, as the runtime makes it; the request names it
+            cid = secrets.token_hex(32)
+            leaf = self.cgroups.for_container(cid)
+            cg_path = "/" + os.path.relpath(leaf, self.cgroup_root)
+            p = self._plan(8, manifest, ML_LIMIT_MIB, None, container_id=cid, cgroups_path=cg_path)
+            if p is None:
+                return
+            want = (int(p.env.get("NVIDIA_GPU_MEMORY_REQUEST", 0)), int(p.env.get("NVIDIA_GPU_MEMORY_LIMIT", 0)))
+            r.check(8, "planned request / limit", f"{ML_REQUEST_MIB} / {ML_LIMIT_MIB} MiB", want,
+                    want == (ML_REQUEST_MIB, ML_LIMIT_MIB), "the plan's env differs")
+            # hook absent: the daemon itself (--memory-limits auto = apply) set them at StartContainer
+            self._limits_on_leaf("hook absent", nvml, leaf, set_by="the daemon (--memory-limits apply)",
+                                 fallback=True)
+            # hook present: the toolkit's createRuntime hook on a second leaf, as the runtime runs it
+            hook = find_hook_binary()
+            if hook is None:
+                r.skip(8, "hook present: limits on the cgroup", "set by apply-cuda-memory-limits",
+                       f"{HOOK_BINARY} not found (PATH, {', '.join(HOOK_SEARCH)}): toolkit v1.20.1+ not installed")
+            else:
+                leaf2 = self.cgroups.for_container(secrets.token_hex(32))
+                rc, out = run_limits_hook(hook, leaf2, self.gpu.uuid, p.env, self.work)
+                r.check(8, "hook present: nvidia-cdi-hook apply-cuda-memory-limits", "exit 0",
+                        {"status": rc, "output": out}, rc == 0, "the hook failed")
+                if rc == 0:
+                    self._limits_on_leaf("hook present", nvml, leaf2, set_by="nvidia-cdi-hook", fallback=False)
+            try:
+                self.nri.remove(p)
+            except Exception as exc:
+                r.add(8, "memory-limits container removed through NRI", "answered", str(exc), "fail")
+        finally:
+            nvml.close()
+
+    def _limits_on_leaf(self, label: str, nvml: NvmlLimits, leaf: str, set_by: str, fallback: bool) -> None:
+        """The figures of one leaf: NVML read-back, then (limits in force)
+        nvidia-smi and cuMemGetInfo inside it, one process past the hard
+        limit, two processes together. ``fallback``: when the limits are not
+        in force, the check sets them itself so the CUDA side is still
+        measured (the read-back figure has failed already)."""
+        r = self.report
+        timeout = max(1.0, min(90.0, self.left()))
+        try:
+            read: tuple[int, int] | None = nvml.get(leaf)
+            err = ""
+        except Exception as exc:  # NVMLError: permission, not supported
+            read, err = None, f"{type(exc).__name__}: {exc}"
+        ok, exp, why = judge_limits(read, ML_REQUEST_MIB, ML_LIMIT_MIB)
+        r.check(8, f"{label}: nvmlDeviceGetMemoryLimits_v1 on its cgroup", f"{exp}, set by {set_by}",
+                {"cgroup": leaf, "soft": read[0] if read else None, "hard": read[1] if read else None,
+                 "error": err}, ok, err or why)
+        if not ok:
+            if not fallback or read is None:
+                return
+            try:
+                nvml.set(leaf, ML_REQUEST_MIB * MIB, ML_LIMIT_MIB * MIB)
+            except Exception as exc:
+                r.add(8, f"{label}: limits set by the check", "NVML set", f"{type(exc).__name__}: {exc}", "fail")
+                return
+        try:
+            total, why = smi_total_in(leaf, self.gpu.uuid)
+            ok, exp, why2 = judge_total(total, ML_LIMIT_MIB, "nvidia-smi memory.total")
+            r.check(8, f"{label}: nvidia-smi memory.total in the cgroup", exp, total, ok, why or why2)
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CUDA_VISIBLE_DEVICES": self.gpu.uuid}
+            # no MPS env: only the cgroup limit may stop these clients (the pinned limit is per process)
+            one = Client(self.python, env, ML_LIMIT_MIB + 1024, leaf, lib=self.cuda_lib)
+            self.clients.append(one)
+            rep = one.wait_report(timeout)
+            if not rep.get("ok"):
+                r.add(8, f"{label}: CUDA client in the cgroup", "ran", rep, "fail", rep.get("error", ""))
+                one.release()
+                return
+            ok, exp, why = judge_total(rep.get("mem_total_mib"), ML_LIMIT_MIB, "cuMemGetInfo total")
+            r.check(8, f"{label}: cuMemGetInfo total in the cgroup", exp,
+                    {k: rep.get(k) for k in ("mem_total_mib", "mem_free_mib")}, ok, why)
+            ok, exp, why = judge_capped([int(rep["allocated_mib"])], [rep.get("stopped_by", "")], ML_LIMIT_MIB)
+            r.check(8, f"{label}: an allocation past the hard limit fails", exp,
+                    {k: rep.get(k) for k in ("allocated_mib", "stopped_by", "alloc_error")}, ok, why)
+            one.release()
+            two = [Client(self.python, env, ML_LIMIT_MIB + 1024, leaf, lib=self.cuda_lib) for _ in range(2)]
+            self.clients.extend(two)
+            reps = []
+            for c in two:  # one after the other: the first holds its memory while the second allocates
+                reps.append(c.wait_report(timeout))
+            if all(x.get("ok") for x in reps):
+                ok, exp, why = judge_capped([int(x["allocated_mib"]) for x in reps],
+                                            [x.get("stopped_by", "") for x in reps], ML_LIMIT_MIB)
+                r.check(8, f"{label}: two processes together capped", exp,
+                        {"per_process_mib": [x.get("allocated_mib") for x in reps]}, ok, why)
+            else:
+                r.add(8, f"{label}: two CUDA clients in the cgroup", "both report", reps, "fail")
+            for c in two:
+                c.release()
+        finally:
+            try:
+                nvml.clear(leaf)
+            except Exception:
+                pass
+
     # -- shutdown (6) ----------------------------------------------------------------------------
     def shutdown(self) -> None:
         r = self.report
@@ -1145,11 +1497,14 @@ class GpuCheck:
             rc = self.daemon.stop(30.0)
             r.check(6, "daemon stopped by SIGTERM", "exit status 0 within 30 s",
                     {"status": rc, "after_s": round(time.monotonic() - t, 1)}, rc == 0, "did not stop cleanly")
-            wait_until(lambda: not (mps_pids() - self.mps_before) and not own_leftovers(self.work), 10.0, 0.2)
-            left = sorted(mps_pids() - self.mps_before)
+            # a condition, bounded generously (a loaded host reaps slowly); other MPS roots' processes
+            # (another checkout's fakes on a shared machine) are not this check's
+            wait_until(lambda: not new_mps_pids(self.mps_before, self.work) and not own_leftovers(self.work),
+                       60.0, 0.2)
+            left = sorted(new_mps_pids(self.mps_before, self.work))
             ours = own_leftovers(self.work)
-            r.check(6, "no MPS process left", "no nvidia-cuda-mps-* process that was not there before, no process "
-                    "naming the work directory", {"mps": left, "work_dir": ours}, not left and not ours,
+            r.check(6, "no MPS process left", "no nvidia-cuda-mps-* process that was not there before (other MPS "
+                    "roots' left out), no process naming the work directory", {"mps": left, "work_dir": ours}, not left and not ours,
                     "processes left running")
             for pid in left + [int(x.split(":")[0]) for x in ours]:  # ours: started after the check began
                 try:

@@ -377,7 +377,7 @@ def mounts_of(create_event: dict[str, Any]) -> list[dict[str, Any]]:
 def adjustment_is_empty(adjust: dict[str, Any] | None) -> bool:
     """True when the merged adjustment changes nothing: the runtime
     pre-populates empty hooks and linux.resources.memory/cpu (reference
-    nri-protocol.md 1.8), which are tolerated."""
+    docs/reference/nri-protocol.md 1.8), which are tolerated."""
     a = json.loads(json.dumps(adjust or {}))
     hooks = a.pop("hooks", None) or {}
     linux = a.pop("linux", None) or {}

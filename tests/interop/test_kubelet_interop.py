@@ -3,7 +3,7 @@ stubs (issue 4 item 7).
 
 tests/interop/kubelet/cmd/kubelet-sim uses k8s.io/kubelet
 pkg/apis/deviceplugin/v1beta1 and behaves like kubelet's device manager
-(reference kubelet-device-plugin.md A.5): Registration served on a temporary
+(reference docs/reference/kubelet-device-plugin.md A.5): Registration served on a temporary
 kubelet.sock, dial back to the plugin's endpoint with :authority "localhost"
 and a 10 s blocking dial, GetDevicePluginOptions then ListAndWatch,
 GetPreferredAllocation + Allocate like admission, and a kubelet restart that

@@ -4,7 +4,7 @@ The Go harness (tests/interop/nri-*/cmd/nri-runtime) embeds containerd/nri
 pkg/adaptation, the code containerd embeds, at v0.12.5 (containerd 2.3) and
 v0.8.0 (containerd 1.7.26+/2.0/2.1). It plays the runtime, our daemon is the
 plugin, and every assertion is on the JSON of the merged adjustment the real
-adaptation produced. Expected values: issue 3 / DESIGN.md section 4 for the
+adaptation produced. Expected values: issue 3 / docs/reference/design.md section 4 for the
 bound seed pod examples/pods/inference-sm-sharing-4gpu.bound.yaml.
 """
 

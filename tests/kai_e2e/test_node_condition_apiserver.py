@@ -1,9 +1,10 @@
 """KAI's readiness gate against a REAL kube-apiserver (issue #18).
 
 ``fracplugin run`` (simulated node, fake MPS binary, no NRI, no device plugin)
-publishes ``gpu-sharing.nvidia.com/Ready`` on a Node object of a real API
-server: True once ready, False with reason ``MPSNotHealthy`` when MPS goes
-down, True again when it comes back, False (``ShuttingDown``) after SIGTERM;
+publishes ``gpu-sharing.nvidia.com/Ready`` (and, by default, ``gpu-fractioning.nvidia.com/Ready``)
+on a Node object of a real API server: True once ready, False with reason
+``MPSNotHealthy`` when MPS goes down, True again when it comes back, Unknown
+(``ShuttingDown``) under both names after SIGTERM (issue 23 item 5, ADR 0025b);
 kubelet's own conditions are untouched (the API server's strategic merge on
 ``type``).
 
@@ -102,8 +103,9 @@ def run_scenario(kubeconfig: str, workdir: Path) -> dict[str, Any]:
               f"{TYPE}=True after MPS came back")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        c = _condition(api, node, TYPE)
-        assert c.status == "False" and c.reason == "ShuttingDown", c
+        for t in (TYPE, "gpu-fractioning.nvidia.com/Ready"):
+            c = _condition(api, node, t)
+            assert c is not None and c.status == "Unknown" and c.reason == "ShuttingDown", (t, c)
         kubelet = _condition(api, node, "Ready")
         assert kubelet is not None and kubelet.reason == "KubeletReady"
         return seen

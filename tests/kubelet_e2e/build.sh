@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Build (or reuse) the kubelet e2e binaries from released Go modules through the
 # module proxy, into a cache outside the repository (like tests/e2e/build.sh):
-#   kubelet, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl
-#                             from k8s.io/kubernetes  $KUBE_VERSIONS (v1.37.2 v1.35.4),
+#   kubelet + kube-apiserver  from k8s.io/kubernetes  $KUBE_VERSIONS (v1.37.2 v1.35.4),
 #                             one `go build` per line so their shared packages compile once
 #   etcd                      from go.etcd.io/etcd/server/v3 $ETCD_VERSION (v3.7.3)
 #
@@ -23,9 +22,9 @@ set -euo pipefail
 CACHE="${FRACPLUGIN_E2E_CACHE:-/var/cache/fracplugin-e2e}"
 KUBE_VERSIONS="${KUBE_VERSIONS-v1.37.2 v1.35.4}"  # set but empty: etcd only
 ETCD_VERSION="${ETCD_VERSION:-v3.7.3}"
-# What the cluster e2e runs: kubelet-e2e needs the first two, the cluster and
-# admission tests the rest.
-KUBE_BINARIES="kubelet kube-apiserver kube-controller-manager kube-scheduler kubectl"
+# What kubelet-e2e, kai-e2e and the admission e2e run. A cluster e2e (issue 24)
+# adds kube-controller-manager and kube-scheduler here: same build, shared packages.
+KUBE_BINARIES="${KUBE_BINARIES:-kubelet kube-apiserver}"
 
 log() { echo "[kubelet-e2e-build $(date -u +%H:%M:%S)] $*" >&2; }
 

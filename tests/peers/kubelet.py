@@ -3,7 +3,7 @@
 ``fracplugin.sim``, so a registration bug in the product cannot be mirrored
 here and pass.
 
-What it copies from kubelet (kubelet-device-plugin.md A.5, A.8; and what a
+What it copies from kubelet (docs/reference/kubelet-device-plugin.md A.5, A.8; and what a
 real kubelet v1.35.4 / v1.37.2 did in issue 11, ``docs/e2e.md``):
 
 * ``Registration`` on ``<dir>/kubelet.sock``: ``Register`` checks the version
@@ -28,7 +28,7 @@ real kubelet v1.35.4 / v1.37.2 did in issue 11, ``docs/e2e.md``):
   kubelet sends it (``allocate``, ``preferred``, ``options``).
 
 ``FakePodResources``: the PodResources v1 ``List``/``Get`` server
-(kubelet-device-plugin.md A.7).
+(docs/reference/kubelet-device-plugin.md A.7).
 
 Concurrency model: grpc thread pools serve Registration and PodResources; one
 thread consumes each ListAndWatch stream; shared state sits under one

@@ -3,7 +3,7 @@ on a real unix socket, with its own wire code (``ttrpc_wire``): nothing here
 comes from ``fracplugin.nri``, so a framing or registration bug in the
 product's stub cannot be mirrored on this side and pass.
 
-Behaviour, from the NRI reference notes (nri-protocol.md sections 1.1-1.9,
+Behaviour, from the NRI reference notes (docs/reference/nri-protocol.md sections 1.1-1.9,
 containerd/nri ``pkg/adaptation``):
 
 * mux conn 2 serves ``Runtime`` (``RegisterPlugin``, ``UpdateContainers``),
@@ -88,12 +88,12 @@ log = logging.getLogger(__name__)
 
 PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
 RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
-VALID_EVENTS_V012 = 0x3FFF  # (1 << (LAST-1)) - 1, LAST = 15 from v0.10 (nri-protocol.md 1.4)
+VALID_EVENTS_V012 = 0x3FFF  # (1 << (LAST-1)) - 1, LAST = 15 from v0.10 (docs/reference/nri-protocol.md 1.4)
 VALID_EVENTS_V08 = 0x7FF  # the same with LAST = 12, up to v0.9
 _PLUGIN_NAME = re.compile(r"[a-zA-Z0-9_.+-]+")  # pkg/api/plugin.go, v0.12.0+
 _PLUGIN_IDX = re.compile(r"[0-9]{2}")
 
-# Events that travel as StateChange where no dedicated RPC is used (nri-protocol.md 1.7).
+# Events that travel as StateChange where no dedicated RPC is used (docs/reference/nri-protocol.md 1.7).
 STATE_CHANGE_EVENTS = {
     "RunPodSandbox": nri_pb2.RUN_POD_SANDBOX,
     "StopPodSandbox": nri_pb2.STOP_POD_SANDBOX,
@@ -148,7 +148,7 @@ class ConnectionClosed(ConnectionError):
 
 def valid_events(nri_version: str) -> int:
     """The ``ValidEvents`` mask a runtime of ``nri_version`` accepts from
-    Configure (nri-protocol.md 1.4): 0x7FF up to v0.9, 0x3FFF from v0.10."""
+    Configure (docs/reference/nri-protocol.md 1.4): 0x7FF up to v0.9, 0x3FFF from v0.10."""
     m = re.match(r"v?0\.(\d+)", nri_version)
     return VALID_EVENTS_V08 if m and int(m.group(1)) < 10 else VALID_EVENTS_V012
 
@@ -785,7 +785,7 @@ class FakeNriRuntime:
         try:
             payload = p.conn.call(PLUGIN_SERVICE, method, req.SerializeToString(), self.request_timeout_s)
         except TimeoutError:
-            p.conn.close(f"{method} timed out")  # deadline exceeded is fatal (nri-protocol.md 1.8)
+            p.conn.close(f"{method} timed out")  # deadline exceeded is fatal (docs/reference/nri-protocol.md 1.8)
             raise TimeoutError(f"{method}: plugin did not answer within {self.request_timeout_s} s") from None
         return resp_cls.FromString(payload)
 
@@ -828,7 +828,7 @@ def make_pod(
     labels: Mapping[str, str] | None = None,
 ) -> Any:
     """A ``PodSandbox`` as containerd sends it: the pod's annotations plus
-    containerd's ``io.kubernetes.cri.*`` keys (nri-protocol.md 1.11)."""
+    containerd's ``io.kubernetes.cri.*`` keys (docs/reference/nri-protocol.md 1.11)."""
     uid = uid or f"uid-{namespace}-{name}"
     pod_id = pod_id or f"sandbox-{uid}"
     ann = dict(annotations or {})
@@ -900,7 +900,7 @@ def pod_from_manifest(manifest: Mapping[str, Any] | str | os.PathLike[str], *, p
 def effective_env(container: Any, adjustment: Any) -> dict[str, str]:
     """The env a container ends up with: its own, then the adjustment's (set
     by value; ``-KEY`` removals are not applied to spec env, as the runtime's
-    merge does not forward them: nri-protocol.md 1.8)."""
+    merge does not forward them: docs/reference/nri-protocol.md 1.8)."""
     env: dict[str, str] = {}
     for kv in container.env:
         k, _, v = kv.partition("=")

@@ -35,7 +35,7 @@ Facts used (with their sources):
   carries the status and no payload; unknown service / method answer
   ``UNIMPLEMENTED`` "service <name>" / "method <name>".
 
-All of it is in nri-protocol.md sections 1.1-1.3 of the project's reference
+All of it is in docs/reference/nri-protocol.md sections 1.1-1.3 of the project's reference
 notes. The envelopes are encoded here by hand (proto3 rules: fields in
 field-number order, default values omitted, varints little-endian base 128,
 negative int32/int64 as 10-byte two's complement), which is what Go's

@@ -1,4 +1,4 @@
-"""annotations.parse: every row of the contract table (DESIGN.md section 4)."""
+"""annotations.parse: every row of the contract table (docs/reference/design.md section 4)."""
 
 from __future__ import annotations
 

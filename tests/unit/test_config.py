@@ -97,6 +97,7 @@ def test_node_name_from_downward_api_env() -> None:
     (["--allocation-policy", "random"], {}, "--allocation-policy", "pack or spread"),
     (["--ignored-xids", "13,x"], {}, "--ignored-xids", "integers"),
     (["--cdi-kind", "nvidia.com/gpu=0"], {}, "--cdi-kind", "<vendor>/<class>"),
+    (["--cdi-spec-dirs", "/etc/cdi,var/run/cdi"], {}, "--cdi-spec-dirs", "'var/run/cdi', which is not an absolute path"),
     (["--role", "both"], {}, "--role", "all, doors, mps"),
     (["--mps-api-socket", "api.sock"], {}, "--mps-api-socket", "absolute"),
 ])
@@ -296,3 +297,15 @@ def test_a_key_given_twice_in_the_file_is_refused_naming_both_lines(tmp_path: Pa
     f.write_text("reserve_mib: 1024\nlog_level: info\nreserve_mib: 2048\n")
     with pytest.raises(ConfigError, match=r"invalid --config \(from flag\): '.*dup.yaml' gives the key 'reserve_mib' twice \(lines 1 and 3\)"):
         c.read_file(str(f))
+
+
+def test_cdi_spec_dirs_default_flag_and_empty() -> None:
+    """``--cdi-spec-dirs DIR[,DIR]`` (issue 23 item 1): default /etc/cdi,/var/run/cdi; empty = none."""
+    def load(argv: list[str]) -> tuple[str, ...]:
+        p = argparse.ArgumentParser()
+        c.add_arguments(p)
+        return c.load(p.parse_args(argv), {})[0].cdi_spec_dirs
+
+    assert load([]) == ("/etc/cdi", "/var/run/cdi")
+    assert load(["--cdi-spec-dirs", "/a/cdi, /b/cdi"]) == ("/a/cdi", "/b/cdi")
+    assert load(["--cdi-spec-dirs", ""]) == ()

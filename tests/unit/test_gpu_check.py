@@ -206,9 +206,10 @@ def test_report_orders_steps_and_never_counts_a_skip_as_a_pass(tmp_path, capsys)
     r.check(1, "GPUs", ">= 1", 1, True)
     r.check(6, "leftovers", "none", [123], False, "MPS processes left running")
     doc = r.to_dict()
-    assert [s["step"] for s in doc["steps"]] == [1, 2, 3, 4, 5, 6, 7]
+    assert [s["step"] for s in doc["steps"]] == [1, 2, 3, 4, 5, 6, 7, 8]
     st = {s["step"]: s["status"] for s in doc["steps"]}
-    assert st == {1: "pass", 2: "skipped", 3: "skipped", 4: "skipped", 5: "pass", 6: "fail", 7: "skipped"}
+    assert st == {1: "pass", 2: "skipped", 3: "skipped", 4: "skipped", 5: "pass", 6: "fail", 7: "skipped",
+                  8: "skipped"}
     assert doc["result"] == "fail" and r.exit_code() == 1
     assert doc["steps"][2]["figures"] == [{"name": "namespace", "expected": "leaf", "observed": None,
                                            "status": "skipped", "reason": "MPS protocol 2"}]
@@ -226,7 +227,7 @@ def test_report_with_only_passes_and_skips_exits_0():
     assert r.exit_code() == 0 and r.to_dict()["result"] == "pass"
 
 
-@pytest.mark.parametrize("step,status", [(0, "pass"), (8, "pass"), (1, "ok"), (1, "passed")])
+@pytest.mark.parametrize("step,status", [(0, "pass"), (9, "pass"), (1, "ok"), (1, "passed")])
 def test_report_refuses_unknown_steps_and_statuses(step, status):
     with pytest.raises(ValueError):
         gc.Report().add(step, "x", "y", 1, status)
@@ -354,3 +355,44 @@ def test_compute_modes_through_pynvml(monkeypatch):
 
     monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeMode", lost)
     assert gc.compute_modes() is None and calls[-1] == "shutdown"
+
+
+# ---- step 8: CUDA memory limits (issue 23 item 7) ----------------------------------------------------
+def test_memory_limits_skip_names_what_is_missing(tmp_path):
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cgroup.controllers").write_text("cpu memory dmem\n")
+    assert gc.memory_limits_skip("615.71.09", str(v2), False, True) == ""
+    assert "r615" in gc.memory_limits_skip("580.159.03", str(v2), False, True)
+    assert "cgroup v2" in gc.memory_limits_skip("615.71.09", str(tmp_path), False, True)
+    assert "MIG" in gc.memory_limits_skip("615.71.09", str(v2), True, True)
+    assert "nvmlDeviceGetMemoryLimits_v1" in gc.memory_limits_skip("615.71.09", str(v2), False, False)
+    assert "cannot be read" in gc.memory_limits_skip("", str(v2), False, True)
+
+
+def test_judge_limits_reads_bytes_against_the_plan():
+    assert gc.judge_limits((1024 * MIB, 2048 * MIB), 1024, 2048)[0]
+    ok, _, why = gc.judge_limits((0, gc.NVML_DEVICE_MEMORY_LIMIT_MAX), 1024, 2048)
+    assert not ok and why == "no limit set on the cgroup"
+    ok, _, why = gc.judge_limits((1024, 2048), 1024, 2048)  # MiB where bytes are due
+    assert not ok and "soft 1024 B" in why
+    assert gc.judge_limits(None, 1024, 2048)[:1] == (False,)
+
+
+def test_judge_total_and_capped():
+    assert gc.judge_total(2048.0, 2048, "x")[0] and gc.judge_total(2047, 2048, "x")[0]
+    ok, _, why = gc.judge_total(81559, 2048, "nvidia-smi memory.total")
+    assert not ok and "81559" in why
+    assert not gc.judge_total(None, 2048, "x")[0]
+    assert gc.judge_capped([1024, 768], ["error", "error"], 2048)[0]
+    ok, _, why = gc.judge_capped([2048, 2048], ["error", "error"], 2048)  # per process, not per container
+    assert not ok and "4096" in why
+    ok, _, why = gc.judge_capped([3072], ["cap"], 2048)
+    assert not ok and "own cap" in why
+
+
+def test_pod_manifest_with_a_request():
+    m = gc.pod_manifest("x", "time-slicing", 2048, "GPU-x", request_mib=1024)
+    ann = m["metadata"]["annotations"]
+    assert ann["nvidia.com/container.app.gpu-memory.request"] == "1024Mi"
+    assert ann["nvidia.com/container.app.gpu-memory.limit"] == "2048Mi"

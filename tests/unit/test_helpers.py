@@ -29,3 +29,12 @@ def test_without_what_the_predicate_source_is_named_and_a_callable_what_is_read_
 
     with pytest.raises(AssertionError, match=r"waiting for readiness \(log: starting, crashed\); last value: False"):
         wait_until(ready, 0, lambda: f"readiness (log: {', '.join(log)})")
+
+
+def test_bounds_are_scaled_for_a_loaded_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tests.helpers as h
+
+    monkeypatch.setattr(h, "WAIT_SCALE", 3.0)
+    assert h.scaled(5) == 15.0
+    with pytest.raises(AssertionError, match=r"timed out after 0\.03 s waiting for nothing"):
+        h.wait_until(lambda: 0, 0.01, "nothing")

@@ -29,6 +29,10 @@ def test_every_function_in_src_is_under_80_lines() -> None:
     assert long == []
 
 
+DAEMON_MODULES = ("daemon.py", "builders.py")
+"""The daemon and its part builders (``builders.py``, split out of ``daemon.py``)."""
+
+
 def test_the_daemon_holds_no_any_typed_part() -> None:
     tree = ast.parse((SRC / "daemon.py").read_text())
     daemon = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Daemon")
@@ -40,18 +44,24 @@ def test_the_daemon_holds_no_any_typed_part() -> None:
         and "Any" in ast.unparse(n.annotation)
     ]
     assert any_attrs == []
+    builders = next(n for n in ast.parse((SRC / "builders.py").read_text()).body
+                    if isinstance(n, ast.ClassDef) and n.name == "_Builders")
+    declared = [ast.unparse(n.target) for n in builders.body
+                if isinstance(n, ast.AnnAssign) and "Any" in ast.unparse(n.annotation)]
+    assert declared == []
 
 
 def test_the_daemon_reads_no_part_by_reflection() -> None:
     """``hasattr``/``inspect``/``callable(getattr(...))`` on parts were the old
     probing; the one ``getattr`` allowed reads configuration fields by name."""
-    tree = ast.parse((SRC / "daemon.py").read_text())
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
-    assert [ast.unparse(c) for c in calls if c.func.id in ("hasattr", "callable")] == []
-    getattrs = [ast.unparse(c) for c in calls if c.func.id == "getattr"]
-    assert all(g.startswith("getattr(self.cfg,") for g in getattrs), getattrs
-    imports = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-    assert "inspect" not in imports
+    for name in DAEMON_MODULES:
+        tree = ast.parse((SRC / name).read_text())
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+        assert [ast.unparse(c) for c in calls if c.func.id in ("hasattr", "callable")] == [], name
+        getattrs = [ast.unparse(c) for c in calls if c.func.id == "getattr"]
+        assert all(g.startswith("getattr(self.cfg,") for g in getattrs), (name, getattrs)
+        imports = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        assert "inspect" not in imports, name
 
 
 def test_no_child_process_is_started_with_a_preexec_fn() -> None:

@@ -317,7 +317,7 @@ def test_state_dir_not_on_tmpfs_is_warned(tmp_path):
     import shutil
     import subprocess
 
-    from fracplugin.ledger import TMPFS_MAGIC, filesystem_type, state_dir_warning
+    from fracplugin.ledgerstore import TMPFS_MAGIC, filesystem_type, state_dir_warning
 
     for path in ("/dev/shm", str(tmp_path)):
         if not os.path.isdir(path):

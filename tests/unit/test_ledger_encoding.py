@@ -8,7 +8,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fracplugin.ledger import encode_tenancy
+from fracplugin.ledgerstore import encode_tenancy
 from fracplugin.model import ComputeMode, Tenancy
 
 TEXT = st.text(max_size=12)  # any code point: quotes, backslashes, controls, non-ASCII, surrogates

@@ -19,8 +19,13 @@ that the negative tests below can show each one failing on a mutated copy):
 - least privilege, for every DaemonSet of the directory and every container
   (docs/adr/0008-least-privilege-daemonset.md): not privileged, no privilege
   escalation, read-only root filesystem, RuntimeDefault seccomp, all
-  capabilities dropped and only ``ALLOWED_CAPABILITIES`` added back, no host
-  network or IPC;
+  capabilities dropped and exactly ``ALLOWED_CAPABILITIES`` added back, no host
+  network or IPC, no ``--secure-pipe-mount`` without SYS_ADMIN and Bidirectional
+  propagation;
+- GPU Operator driver upgrades: every DaemonSet leaves a node whose
+  ``nvidia.com/gpu.deploy.client`` is paused or whose
+  ``nvidia.com/gpu-driver-upgrade-state`` is in progress, and runs where the
+  labels are absent (``driver_upgrade_problems``, ADR 0008 decision 13);
 - RBAC: exactly the verbs the code calls (``api_verbs_used``, read from the
   source: pods list/watch, events create, nodes get, nodes/status patch), bound to the daemon's
   ServiceAccount; no other role;
@@ -82,10 +87,37 @@ SRC = REPO / "src" / "fracplugin"
 # (docs/adr/0008-least-privilege-daemonset.md).
 ALLOWED_CAPABILITIES: dict[str, str] = {
     "SYS_PTRACE": "read /proc/<pid>/exe and /environ of other containers' processes (ptrace access mode)",
+    "DAC_READ_SEARCH": "read /proc/<pid>/environ (mode 0400) of processes under other UIDs: protocol-2 MPS servers "
+                       "run under their client's UID and the cleanup at quit finds them by their environment",
     "KILL": "signal MPS servers and clients that run under other UIDs",
     "SETUID": "the MPS control daemon starts each MPS server under its client's UID",
     "SETGID": "the MPS control daemon starts each MPS server under its client's GID",
 }
+
+# Every fracplugin container adds all of these back: without one, a duty of
+# ALLOWED_CAPABILITIES silently fails under the DaemonSet (issue 24 found
+# DAC_READ_SEARCH missing by running the daemon under exactly this set).
+REQUIRED_CAPABILITIES = frozenset(ALLOWED_CAPABILITIES)
+
+# GPU Operator driver-upgrade signals (ADR 0008 decision 13;
+# docs/reference/gpu-fractioning-reference.md section 1): node labels -> may the daemon run?
+GPU_DEPLOY_CLIENT = "nvidia.com/gpu.deploy.client"
+DRIVER_UPGRADE_STATE = "nvidia.com/gpu-driver-upgrade-state"
+GPU_NODE = {"nvidia.com/gpu.present": "true"}
+DRIVER_UPGRADE_NODES: list[tuple[str, dict[str, str], bool]] = [
+    ("no GPU Operator labels", {}, True),
+    ("client true, upgrade done", {GPU_DEPLOY_CLIENT: "true", DRIVER_UPGRADE_STATE: "upgrade-done"}, True),
+    ("client true, never upgraded", {GPU_DEPLOY_CLIENT: "true"}, True),
+    ("older operator: no client label, upgrade done", {DRIVER_UPGRADE_STATE: "upgrade-done"}, True),
+    ("driver-manager paused clients", {GPU_DEPLOY_CLIENT: "paused-for-driver-upgrade"}, False),
+    ("mig-manager paused clients", {GPU_DEPLOY_CLIENT: "paused-for-mig-change", DRIVER_UPGRADE_STATE: "upgrade-done"}, False),
+    ("clients disabled", {GPU_DEPLOY_CLIENT: "false"}, False),
+    ("upgrade required", {DRIVER_UPGRADE_STATE: "upgrade-required"}, False),
+    ("cordon required", {GPU_DEPLOY_CLIENT: "true", DRIVER_UPGRADE_STATE: "cordon-required"}, False),
+    ("pod deletion required", {DRIVER_UPGRADE_STATE: "pod-deletion-required"}, False),
+    ("pod restart required", {GPU_DEPLOY_CLIENT: "true", DRIVER_UPGRADE_STATE: "pod-restart-required"}, False),
+    ("upgrade failed", {DRIVER_UPGRADE_STATE: "upgrade-failed"}, False),
+]
 
 Manifests = dict[str, list[dict[str, Any]]]
 
@@ -345,9 +377,99 @@ def security_problems(m: Manifests) -> list[str]:
             caps = sc.get("capabilities") or {}
             if [str(x).upper() for x in caps.get("drop") or []] != ["ALL"]:
                 problems.append(f"{where}: capabilities.drop must be [ALL], is {caps.get('drop')}")
-            extra = sorted({str(x).upper().removeprefix("CAP_") for x in caps.get("add") or []} - set(ALLOWED_CAPABILITIES))
+            added = {str(x).upper().removeprefix("CAP_") for x in caps.get("add") or []}
+            extra = sorted(added - set(ALLOWED_CAPABILITIES))
             if extra:
                 problems.append(f"{where}: capabilities.add {extra} beyond {sorted(ALLOWED_CAPABILITIES)}")
+            missing = sorted(REQUIRED_CAPABILITIES - added)
+            if missing:
+                problems.append(f"{where}: capabilities.add lacks {missing} "
+                                f"({'; '.join(ALLOWED_CAPABILITIES[c] for c in missing)})")
+            problems += _secure_pipe_mount_problems(where, c, sc, pod, _config_or_empty(m))
+    return problems
+
+
+def _config_or_empty(m: Manifests) -> dict[str, Any]:
+    cms = [d for d in objects(m) if d.get("kind") == "ConfigMap"]
+    return yaml.safe_load(cms[0]["data"]["config.yaml"]) or {} if cms else {}
+
+
+def _secure_pipe_mount_problems(where: str, c: dict[str, Any], sc: dict[str, Any], pod: dict[str, Any],
+                                cfg: dict[str, Any]) -> list[str]:
+    """``--secure-pipe-mount`` (flag, config key or FRACPLUGIN_ env) in a
+    container that cannot mount: mount(2) needs SYS_ADMIN, and the host's
+    kubelet sees the mount only through a Bidirectional mount of the MPS
+    root's volume (ADR 0008 decision 7)."""
+    args = [str(a) for a in c.get("args") or []]
+    env = {e.get("name"): str(e.get("value", "")).lower() for e in c.get("env") or []}
+    asked = (any(a == "--secure-pipe-mount" or a.startswith("--secure-pipe-mount=") and
+                 a.split("=", 1)[1].lower() in ("1", "true", "yes", "on") for a in args)
+             or cfg.get("secure_pipe_mount") is True
+             or env.get("FRACPLUGIN_SECURE_PIPE_MOUNT") in ("1", "true", "yes", "on"))
+    if not asked:
+        return []
+    caps = {str(x).upper().removeprefix("CAP_") for x in (sc.get("capabilities") or {}).get("add") or []}
+    bidirectional = any(vm.get("mountPropagation") == "Bidirectional" for vm in c.get("volumeMounts") or [])
+    if "SYS_ADMIN" in caps and bidirectional:
+        return []
+    return [f"{where}: --secure-pipe-mount cannot work here: mount(2) needs SYS_ADMIN (added: {sorted(caps)}) and "
+            f"kubelet sees the mount only through Bidirectional mount propagation (present: {bidirectional})"]
+
+
+def _term_matches(term: dict[str, Any], labels: dict[str, str]) -> bool:
+    """One nodeSelectorTerm (its matchExpressions ANDed) against node labels,
+    with Kubernetes' operator semantics (NotIn and DoesNotExist match a node
+    without the label). matchFields are the DaemonSet controller's own (node
+    name) and are not part of a template."""
+    for e in term.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], [str(v) for v in e.get("values") or []]
+        have = key in labels
+        if op == "In":
+            ok = have and labels[key] in values
+        elif op == "NotIn":
+            ok = not have or labels[key] not in values
+        elif op == "Exists":
+            ok = have
+        elif op == "DoesNotExist":
+            ok = not have
+        elif op in ("Gt", "Lt"):
+            number = labels.get(key, "").lstrip("-").isdigit()
+            ok = have and number and (int(labels[key]) > int(values[0]) if op == "Gt" else int(labels[key]) < int(values[0]))
+        else:
+            raise ValueError(f"node selector operator {op!r} of key {key!r}: not a Kubernetes operator")
+        if not ok:
+            return False
+    return bool(term.get("matchExpressions")) or not term.get("matchFields")
+
+
+def node_admits(pod: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a DaemonSet pod template may run on (and so stays on) a node
+    with ``labels``: its nodeSelector and its required node affinity (terms
+    ORed). A DaemonSet controller deletes running pods from a node that stops
+    matching, which is how the GPU Operator's label flips evict the daemon."""
+    if any(labels.get(k) != v for k, v in (pod.get("nodeSelector") or {}).items()):
+        return False
+    required = (((pod.get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution"))
+    if not required:
+        return True
+    return any(_term_matches(t, labels) for t in required.get("nodeSelectorTerms") or [])
+
+
+def driver_upgrade_problems(m: Manifests, node_labels: dict[str, str] | None = None) -> list[str]:
+    """Every DaemonSet leaves a node while the GPU Operator upgrades its
+    driver or changes its MIG layout, and runs on it otherwise
+    (``DRIVER_UPGRADE_NODES`` added to ``node_labels``, default ``GPU_NODE``:
+    a node the DaemonSets are meant for)."""
+    problems = []
+    for ds in daemonsets(m):
+        pod = ds["spec"]["template"]["spec"]
+        for name, labels, want in DRIVER_UPGRADE_NODES:
+            node = {**(GPU_NODE if node_labels is None else node_labels), **labels}
+            if node_admits(pod, node) != want:
+                problems.append(f"DaemonSet {ds['metadata']['name']} on a node with {labels} ({name}): "
+                                f"{'runs' if not want else 'does not run'}, want it to "
+                                f"{'run' if want else 'leave (GPU Operator driver upgrade, ADR 0008 decision 13)'}")
     return problems
 
 
@@ -546,12 +668,43 @@ def test_every_default_host_path_is_mounted(manifests: Manifests) -> None:
     assert host_path_problems(manifests, DAEMON_DEFAULT_HOST_PATHS) == []
 
 
+def test_cdi_spec_dirs_are_mounted_read_only(manifests: Manifests) -> None:
+    """The daemon reads the node's CDI specs (ADR 0025b): each default and
+    configured spec directory is a hostPath mounted at the same path, read-only."""
+    cfg = _config(manifests)
+    assert cfg["cdi_spec_dirs"] == list(DEFAULTS.cdi_spec_dirs)
+    dirs = {f"cdi_spec_dirs[{i}]": d for i, d in enumerate(DEFAULTS.cdi_spec_dirs)}
+    assert host_path_problems(manifests, dirs) == []
+    c = _container(manifests)
+    mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+    assert all(mounts[d].get("readOnly") is True for d in DEFAULTS.cdi_spec_dirs), mounts
+
+
 def test_pod_spec(manifests: Manifests) -> None:
     assert pod_problems(manifests) == []
 
 
 def test_least_privilege(manifests: Manifests) -> None:
     assert security_problems(manifests) == []
+
+
+def test_daemon_leaves_a_node_during_a_gpu_operator_driver_upgrade(manifests: Manifests) -> None:
+    assert driver_upgrade_problems(manifests) == []
+
+
+def test_node_admits_follows_kubernetes_operator_semantics() -> None:
+    """The evaluator the driver-upgrade check relies on: terms ORed,
+    expressions ANDed, NotIn/DoesNotExist true for an absent label."""
+    pod = {"nodeSelector": {"a": "1"}, "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "b", "operator": "NotIn", "values": ["x"]},
+                                                    {"key": "c", "operator": "DoesNotExist"}]},
+                              {"matchExpressions": [{"key": "c", "operator": "Gt", "values": ["5"]}]}]}}}}
+    assert node_admits(pod, {"a": "1"}) is True
+    assert node_admits(pod, {"a": "2"}) is False
+    assert node_admits(pod, {"a": "1", "b": "x"}) is False
+    assert node_admits(pod, {"a": "1", "b": "y"}) is True
+    assert node_admits(pod, {"a": "1", "c": "3"}) is False
+    assert node_admits(pod, {"a": "1", "b": "x", "c": "6"}) is True
 
 
 def test_rbac_needed_is_what_the_code_calls() -> None:
@@ -666,6 +819,39 @@ def _add_cap(cap: str) -> Callable[[Manifests], None]:
     return mutate
 
 
+def _drop_cap(cap: str, role: str = "doors") -> Callable[[Manifests], None]:
+    def mutate(m: Manifests) -> None:
+        add = _container(m, role)["securityContext"]["capabilities"]["add"]
+        add.remove(cap)
+
+    return mutate
+
+
+def _all(*mutations: Callable[[Manifests], None]) -> Callable[[Manifests], None]:
+    def mutate(m: Manifests) -> None:
+        for f in mutations:
+            f(m)
+
+    return mutate
+
+
+def _drop_affinity_key(role: str, key: str) -> Callable[[Manifests], None]:
+    """Remove every expression on ``key`` from the role's required terms."""
+
+    def mutate(m: Manifests) -> None:
+        req = _pod(m, role)["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        for t in req["nodeSelectorTerms"]:
+            t["matchExpressions"] = [e for e in t["matchExpressions"] if e["key"] != key]
+
+    return mutate
+
+
+def _require_client_label(m: Manifests) -> None:
+    """The reference's own shape: the client label as a plain nodeSelector,
+    which keeps the daemon off every node without the GPU Operator."""
+    _pod(m)["nodeSelector"][GPU_DEPLOY_CLIENT] = "true"
+
+
 def _second_daemonset_privileged(m: Manifests) -> None:
     """A second DaemonSet (as the MPS role's fracplugin-mps) that is privileged."""
     mps = copy.deepcopy(_ds(m))
@@ -703,6 +889,24 @@ MUTATIONS: list[tuple[str, Callable[[Manifests], None], Callable[[Manifests], li
     ("unconfined seccomp", _set(_sc, "seccompProfile", {"type": "Unconfined"}), security_problems, "'Unconfined'"),
     ("capabilities kept", _set(_sc, "capabilities", {"add": ["KILL"]}), security_problems, "drop must be [ALL]"),
     ("SYS_ADMIN added", _add_cap("SYS_ADMIN"), security_problems, "['SYS_ADMIN']"),
+    ("DAC_READ_SEARCH dropped", _drop_cap("DAC_READ_SEARCH"), security_problems, "lacks ['DAC_READ_SEARCH']"),
+    ("MPS role without SYS_PTRACE", _drop_cap("SYS_PTRACE", "mps"), security_problems,
+     "fracplugin-mps container mps: capabilities.add lacks ['SYS_PTRACE']"),
+    ("secure pipe mount flag", lambda m: _container(m)["args"].append("--secure-pipe-mount"), security_problems,
+     "--secure-pipe-mount cannot work"),
+    ("secure pipe mount in config", _set_config("secure_pipe_mount", True), security_problems,
+     "--secure-pipe-mount cannot work"),
+    ("secure pipe mount by env", lambda m: _container(m, "mps")["env"].append(
+        {"name": "FRACPLUGIN_SECURE_PIPE_MOUNT", "value": "true"}), security_problems, "--secure-pipe-mount cannot work"),
+    ("secure pipe mount with SYS_ADMIN only", _all(_add_cap("SYS_ADMIN"),
+                                                   lambda m: _container(m)["args"].append("--secure-pipe-mount")),
+     lambda m: [p for p in security_problems(m) if "secure-pipe-mount" in p], "Bidirectional mount propagation"),
+    ("no driver-upgrade affinity", lambda m: _pod(m).pop("affinity"), driver_upgrade_problems,
+     "paused-for-driver-upgrade"),
+    ("MPS role ignores the upgrade state", _drop_affinity_key("mps", DRIVER_UPGRADE_STATE), driver_upgrade_problems,
+     "DaemonSet fracplugin-mps on a node with {'nvidia.com/gpu-driver-upgrade-state': 'upgrade-required'}"),
+    ("client label required, absent blocks", _require_client_label, driver_upgrade_problems,
+     "no GPU Operator labels"),
     ("CAP_NET_ADMIN added", _add_cap("CAP_NET_ADMIN"), security_problems, "['NET_ADMIN']"),
     ("host network", _set(_pod, "hostNetwork", True), security_problems, "hostNetwork"),
     ("second DaemonSet privileged", _second_daemonset_privileged, security_problems,
@@ -747,7 +951,7 @@ def test_broken_copy_is_caught(
     [
         (lambda t: t.replace('ENTRYPOINT ["fracplugin", "run"]', 'ENTRYPOINT ["fracplugin"]'), "ENTRYPOINT"),
         (lambda t: t.replace(f":{HEALTH_PORT}/healthz", ":9999/healthz"), "HEALTHCHECK"),
-        (lambda t: t.replace("ARG CUDA_BASE=nvidia/cuda:", "ARG CUDA_BASE=python:3.11-slim#"), "nvidia/cuda"),
+        (lambda t: t.replace("ARG BASE=nvidia/cuda:", "ARG BASE=python:3.11-slim#"), "nvidia/cuda"),
         (lambda t: t.replace("COPY src ./src", "COPY src ./src\nCOPY tests ./tests"), "COPY tests"),
     ],
     ids=["entrypoint", "healthcheck-port", "final-base", "unlisted-copy"],

@@ -13,6 +13,7 @@ from fracplugin import config as c
 from fracplugin.config import ConfigError
 from fracplugin.nodecondition import (
     DEFAULT_CONDITION_TYPE,
+    DEFAULT_CONDITION_TYPES,
     ConditionState,
     NodeConditionPublisher,
     condition_from_checks,
@@ -116,7 +117,8 @@ def test_a_flap_shorter_than_the_debounce_is_not_published() -> None:
         wait_until(lambda: core.statuses() == ["True", "False"], 15)
     finally:
         p.stop(1.0)
-    assert core.bodies[-1]["status"]["conditions"][0]["reason"] == "ShuttingDown"
+    last = core.bodies[-1]["status"]["conditions"][0]
+    assert last["reason"] == "ShuttingDown" and last["status"] == "Unknown"  # a stop on purpose: Unknown
 
 
 def test_transition_time_moves_only_with_the_status() -> None:
@@ -157,14 +159,19 @@ def test_server_errors_are_retried_forbidden_is_not() -> None:
 
 def test_every_type_gets_the_same_condition() -> None:
     core = Core()
-    p = NodeConditionPublisher(core, "n", lambda: ConditionState(True, "R", "m"),
-                               types=(DEFAULT_CONDITION_TYPE, "gpu-fractioning.nvidia.com/Ready"), poll_s=0.01).start()
+    p = NodeConditionPublisher(core, "n", lambda: ConditionState(True, "R", "m"), poll_s=0.01).start()
     try:
         wait_until(lambda: core.bodies)
     finally:
         p.stop(0.5)
+    # by default both names (issue 23 item 5): the renamed stack's / KAI api's, then the older one
     types = [c["type"] for c in core.bodies[0]["status"]["conditions"]]
-    assert types == ["gpu-sharing.nvidia.com/Ready", "gpu-fractioning.nvidia.com/Ready"]
+    assert types == [DEFAULT_CONDITION_TYPE, "gpu-sharing.nvidia.com/Ready"] == list(DEFAULT_CONDITION_TYPES)
+    assert DEFAULT_CONDITION_TYPE == "gpu-fractioning.nvidia.com/Ready"
+    # the last word of a stop on purpose: Unknown under both names
+    assert [(c["type"], c["status"], c["reason"]) for c in core.bodies[-1]["status"]["conditions"]] == [
+        ("gpu-fractioning.nvidia.com/Ready", "Unknown", "ShuttingDown"),
+        ("gpu-sharing.nvidia.com/Ready", "Unknown", "ShuttingDown")]
 
 
 @pytest.mark.parametrize("kwargs", [{"types": ()}, {"node_name": ""}, {"poll_s": 0}, {"debounce_s": -1}])
@@ -183,7 +190,7 @@ def load(argv: list[str], env: dict[str, str]):
 def test_condition_types_setting() -> None:
     cfg, _ = load(["--node-condition-types", "gpu-sharing.nvidia.com/Ready,gpu-fractioning.nvidia.com/Ready"], {})
     assert cfg.node_condition_types == ("gpu-sharing.nvidia.com/Ready", "gpu-fractioning.nvidia.com/Ready")
-    assert load([], {})[0].node_condition_types == ("gpu-sharing.nvidia.com/Ready",)
+    assert load([], {})[0].node_condition_types == ("gpu-fractioning.nvidia.com/Ready", "gpu-sharing.nvidia.com/Ready")
     assert load(["--node-condition-types", ""], {})[0].node_condition_types == ()
     with pytest.raises(ConfigError, match=r"--node-condition-types .*'bad type!'.*not a condition type"):
         load(["--node-condition-types", "bad type!"], {})

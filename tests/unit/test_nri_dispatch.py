@@ -1,7 +1,7 @@
 """The stub's dispatch machinery without sockets: the watchdog
-(``nri.stub._Watchdog``: expired calls are reported, finished ones are not,
+(``nri.serving._Watchdog``: expired calls are reported, finished ones are not,
 and a call whose deadline is earlier than the ones already waited for is not
-held back behind them) and the handler threads (``nri.stub._Workers``)."""
+held back behind them) and the handler threads (``nri.serving._Workers``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from fracplugin.nri.stub import _DONE, CallContext, _Call, _Watchdog, _Workers
+from fracplugin.nri.interfaces import CallContext
+from fracplugin.nri.serving import _DONE, _Call, _Watchdog, _Workers
 from fracplugin.nri.ttrpc import RequestReceived
 from tests.helpers import wait_until
 

@@ -115,7 +115,7 @@ def load_calls(version: str) -> list[Call]:
         payload = bytes.fromhex(rec["payload_hex"])
         key = (rec["mux_conn"], rec["stream"])
         if rec["type"] == 1:
-            # The caller on conn 1 is the runtime, on conn 2 the plugin (nri-protocol.md 1.1).
+            # The caller on conn 1 is the runtime, on conn 2 the plugin (docs/reference/nri-protocol.md 1.1).
             expected_dir = {1: "runtime->plugin", 2: "plugin->runtime"}[rec["mux_conn"]]
             assert rec["dir"] == expected_dir, rec
             assert rec["stream"] % 2 == 1 and rec["stream"] > last_stream.get(rec["mux_conn"], 0), rec
@@ -268,7 +268,7 @@ def test_configure(calls, version):
     assert req.NRI_version == ("v0.12.2" if version == "v0.12.2" else "")  # field 6 since v0.12.0
     resp = cfg.response
     assert isinstance(resp, nri_pb2.ConfigureResponse)
-    mask = lambda *events: sum(1 << (e - 1) for e in events)  # noqa: E731  (nri-protocol.md 1.4)
+    mask = lambda *events: sum(1 << (e - 1) for e in events)  # noqa: E731  (docs/reference/nri-protocol.md 1.4)
     assert resp.events == mask(nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_CONTAINER, nri_pb2.REMOVE_CONTAINER) == 0x608
     assert nri_pb2.ConfigureResponse(events=0x608).SerializeToString() == cfg.response_env.payload
 

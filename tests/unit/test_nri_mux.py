@@ -77,7 +77,7 @@ def test_any_split_decodes_to_the_same_frames(msgs, cuts):
 
 
 def test_reads_accept_frames_larger_than_4096():
-    # The Go runtime sends frames of 16 KB and more (nri-protocol.md 1.2).
+    # The Go runtime sends frames of 16 KB and more (docs/reference/nri-protocol.md 1.2).
     payload = bytes(range(256)) * 80  # 20 480 bytes
     frames = MuxDecoder().receive_data(_raw_frame(1, payload))
     assert frames == [MuxFrame(1, payload)]
@@ -138,7 +138,7 @@ def test_encode_rejects_bad_conn_id_and_empty_data_gives_no_frames():
 
 
 def _reference_frames(data: bytes) -> tuple[list[MuxFrame], int, str]:
-    """The stream read by the rules alone (nri-protocol.md 1.2: conn id u32,
+    """The stream read by the rules alone (docs/reference/nri-protocol.md 1.2: conn id u32,
     length u32, big-endian; frames of unknown conn ids are dropped): (frames of
     conns 1 and 2, frames dropped, "clean" | "truncated" | "too large")."""
     frames, dropped, pos = [], 0, 0

@@ -3,7 +3,7 @@
 Fixtures: ``tests/fixtures/nri/wire-nri-{v0.12.2,v0.8.0}.jsonl`` (every ttrpc
 message of one plugin connection with the real runtime side). The runtime's
 messages are re-framed the way the Go runtime sends them (mux frames of up to
-16 KB, nri-protocol.md 1.2), decoded by ``MuxDecoder`` + ``TtrpcConnection``,
+16 KB, docs/reference/nri-protocol.md 1.2), decoded by ``MuxDecoder`` + ``TtrpcConnection``,
 handled by the stub's ``Dispatcher`` with fracplugin's handlers, and our
 answers are encoded back: every frame we write is <= 4096 bytes and decodes to
 the expected response.

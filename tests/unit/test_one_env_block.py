@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fracplugin.reservations import ENV_RESERVATION_PROOF
 from fracplugin._proto import deviceplugin_pb2 as pb
 from fracplugin._proto import nri_pb2
 from fracplugin.allocation import ENV_RESERVATION
@@ -53,12 +54,14 @@ def test_both_doors_answer_the_same_env_block_for_one_allocation(node_file: Path
         pb.ContainerAllocateRequest(devices_ids=[f"{gpu}::{n}" for n in range(8)])]))
     allocate_env = dict(resp.container_responses[0].envs)
     key = allocate_env.pop(ENV_RESERVATION)
+    proof = allocate_env.pop(ENV_RESERVATION_PROOF)  # kubelet passes Allocate's whole env on (ADR 0024)
 
     nri = FracNriPlugin(node, ledger, config)
     sandbox = nri_pb2.PodSandbox(id="sandbox-inf", name="inf", namespace="default", uid="uid-inf",
                                  annotations=ANNOTATIONS)
     container = nri_pb2.Container(id="ctr-app", pod_sandbox_id="sandbox-inf", name="app",
-                                  env=[f"{ENV_RESERVATION}={key}", "NVIDIA_VISIBLE_DEVICES=all"])
+                                  env=[f"{ENV_RESERVATION}={key}", f"{ENV_RESERVATION_PROOF}={proof}",
+                                       "NVIDIA_VISIBLE_DEVICES=all"])
     nri_env = _adjusted_env(nri.create_container(sandbox, container).adjust)
 
     expected = {

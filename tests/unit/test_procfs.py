@@ -1,4 +1,4 @@
-"""procfs: /proc/<pid>/cgroup -> container id and pod UID (mps-nvml.md section 4.6)."""
+"""procfs: /proc/<pid>/cgroup -> container id and pod UID (docs/reference/mps-nvml.md section 4.6)."""
 
 from __future__ import annotations
 

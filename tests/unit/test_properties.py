@@ -81,7 +81,7 @@ def _fraction(low: int, high: int) -> st.SearchStrategy[str]:
 
 
 def _floor_usable(fraction: str) -> int:
-    """KAI's binder formula (gpu-fractioning-reference.md 2b): floor((memory - reserve) x fraction), float64."""
+    """KAI's binder formula (docs/reference/gpu-fractioning-reference.md 2b): floor((memory - reserve) x fraction), float64."""
     return math.floor(USABLE_MIB * float(fraction))
 
 

@@ -5,8 +5,8 @@ protos carry the wire facts of the references.
   byte with the committed package (fails when someone edited proto/** without
   running ``make proto``, or edited generated files by hand).
 - Checks service paths and field numbers/types of the kubelet APIs against
-  shared reference kubelet-device-plugin.md A.2, A.3, A.7 and of the
-  ttrpc envelope against nri-protocol.md 1.3 (NRI itself is checked against
+  shared reference docs/reference/kubelet-device-plugin.md A.2, A.3, A.7 and of the
+  ttrpc envelope against docs/reference/nri-protocol.md 1.3 (NRI itself is checked against
   real wire transcripts in test_nri_fixtures.py).
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ REP = "repeated"
 MAP = "map"
 
 # message -> {field name: (number, type[, REP|MAP][, message type name])}
-DEVICEPLUGIN = {  # kubelet-device-plugin.md A.3
+DEVICEPLUGIN = {  # docs/reference/kubelet-device-plugin.md A.3
     "DevicePluginOptions": {"pre_start_required": (1, BOOL), "get_preferred_allocation_available": (2, BOOL)},
     "RegisterRequest": {"version": (1, S), "endpoint": (2, S), "resource_name": (3, S),
                         "options": (4, MSG, "DevicePluginOptions")},
@@ -111,7 +111,7 @@ DEVICEPLUGIN = {  # kubelet-device-plugin.md A.3
     "Empty": {},
 }
 
-PODRESOURCES = {  # kubelet-device-plugin.md A.7
+PODRESOURCES = {  # docs/reference/kubelet-device-plugin.md A.7
     "ListPodResourcesRequest": {},
     "ListPodResourcesResponse": {"pod_resources": (1, MSG, REP, "PodResources")},
     "GetPodResourcesRequest": {"pod_name": (1, S), "pod_namespace": (2, S)},
@@ -135,7 +135,7 @@ PODRESOURCES = {  # kubelet-device-plugin.md A.7
     "CDIDevice": {"name": (1, S)},
 }
 
-TTRPC = {  # nri-protocol.md 1.3
+TTRPC = {  # docs/reference/nri-protocol.md 1.3
     "Request": {"service": (1, S), "method": (2, S), "payload": (3, B), "timeout_nano": (4, I64),
                 "metadata": (5, MSG, REP, "KeyValue")},
     "Response": {"status": (1, MSG, "Status"), "payload": (2, B)},

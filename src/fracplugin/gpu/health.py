@@ -8,12 +8,12 @@ thread; subscribers are called on the monitor thread (or on the thread that
 calls ``record_xid`` / ``clear`` / ``check``) after every change, outside the
 lock, and must not block.
 
-Rules (kubelet-device-plugin.md D.10, issue 4 item 3):
+Rules (docs/reference/kubelet-device-plugin.md D.10, issue 4 item 3):
 
 * An XID in ``ignored_xids`` changes nothing. Default 13, 31, 43, 45, 68, 94:
-  the application errors NVIDIA's device plugin ignores (mps-nvml.md 4.5)
+  the application errors NVIDIA's device plugin ignores (docs/reference/mps-nvml.md 4.5)
   with NVIDIA's XID catalog applied to the two it gets wrong
-  (kubelet-device-plugin.md D.10, issue 12): 94 (contained ECC error: restart
+  (docs/reference/kubelet-device-plugin.md D.10, issue 12): 94 (contained ECC error: restart
   the application, the GPU is fine) is ignored, 109 (context switch timeout,
   a GPU-level fault) is not. Any other XID marks the whole GPU Unhealthy
   (every fraction of it, in one update).

@@ -5,7 +5,7 @@ utilisation timestamps. Errors from NVML turn into InventoryError with a
 sentence an operator can act on (no driver, GPU lost, ...); per-process
 queries degrade to missing samples and a counter, never an exception.
 
-Facts: mps-nvml.md section 4 (pynvml 13.615.71 behaviour, events, processes).
+Facts: docs/reference/mps-nvml.md section 4 (pynvml 13.615.71 behaviour, events, processes).
 """
 
 from __future__ import annotations

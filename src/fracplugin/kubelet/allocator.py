@@ -4,7 +4,7 @@ GetPreferredAllocation and the reconciliation with kubelet's PodResources.
 The gRPC server (``deviceplugin.py``) only moves bytes; everything here is
 plain Python on the node, the ledger, the device table and the pod source.
 
-Allocate (kubelet-device-plugin.md A.5, A.6; issue 10):
+Allocate (docs/reference/kubelet-device-plugin.md A.5, A.6; issue 10):
 
 * the request is checked (one container request, canonical IDs of this
   node, the same count on every GPU, no Unhealthy GPU);
@@ -34,6 +34,7 @@ devices are allocated again (above), or PodResources no longer lists them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -42,8 +43,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .. import allocation as al
 from .. import planner as planner_mod
+from .. import annotation_lint, reservations
 from ..model import ComputeMode, ContainerPlan, FractionError, FractionRequest, MemorySpec, Mount, NodeInfo, PodRef, Tenancy
-from ..ledger import Ledger
+from ..ledger import Ledger, holder_text
 from ..mps.layout import CONTAINER_PIPE_DIR
 from . import podlookup
 from ..rpcstatus import StatusCode
@@ -149,9 +151,16 @@ class Allocator:
         self._hints: dict[str, set[str]] = {}  # reservation key -> live candidate pod uids
         self._made: dict[str, float] = {}  # reservation key -> monotonic time of its Allocate
         self._deleted: list[tuple[float, Mapping[str, Any]]] = []
+        # reservation key -> pod (ns/name) gone from the API while the runtime
+        # still ran its container: released once no container holds it (issue 25 item 5)
+        self._gone_keys: dict[str, str] = {}
+        self._gone_lock = threading.Lock()
         sub = getattr(pod_source, "subscribe_deleted", None)
         if callable(sub):
             sub(self.pod_gone)
+        ledger_sub = getattr(ledger, "subscribe", None)
+        if callable(ledger_sub):
+            ledger_sub(self._release_gone)
 
     # ---- Allocate ------------------------------------------------------------
     def validate(self, device_lists: Sequence[Sequence[str]]) -> tuple[dict[str, list[str]], int]:
@@ -194,7 +203,23 @@ class Allocator:
         return by_gpu, next(iter(counts.values()))
 
     def allocate(self, device_lists: Sequence[Sequence[str]]) -> Answer:
-        """Answer one Allocate (module docstring). Raises Refusal."""
+        """Answer one Allocate (module docstring). Raises Refusal. The
+        answer's env carries the reservation's proof
+        (``reservations.ENV_RESERVATION_PROOF``: new for a new Allocate of
+        the key, the same for a re-Allocate answered as recorded; ADR 0024)."""
+        by_gpu, _ = self.validate(device_lists)
+        before = self.ledger.reservation(
+            al.reservation_key({u: [parse_device_id(d)[1] for d in v] for u, v in by_gpu.items()}))
+        a = self._allocate(device_lists)
+        proofs = reservations.proofs_of(self.ledger)
+        # the same proof for the same allocation (a re-Allocate answered as recorded,
+        # an app container reusing its init container's IDs: the reservation was
+        # unbound); a new one when kubelet gives the IDs to another holder
+        same = a.kind == "reserved" or bool(before and not before[0].bound)
+        proof = proofs.current_or_issue(a.key) if same else proofs.issue(a.key)
+        return dataclasses.replace(a, env={**a.env, reservations.ENV_RESERVATION_PROOF: proof})
+
+    def _allocate(self, device_lists: Sequence[Sequence[str]]) -> Answer:
         by_gpu, per_gpu = self.validate(device_lists)
         count = sum(len(v) for v in by_gpu.values())
         uuids = tuple(by_gpu)
@@ -303,6 +328,13 @@ class Allocator:
         req, ignored = self.request_for(cand, uuids, request_mib, count)
         for i in ignored:
             log.info("Allocate: pod %s container %s: %s", podlookup.pod_key(cand.pod), cand.container, i.message)
+        spec = cand.pod.get("spec") or {}
+        apps = [str(c.get("name")) for c in spec.get("containers") or ()]
+        inits = [str(c.get("name")) for c in spec.get("initContainers") or ()]
+        for x in annotation_lint.unknown_keys(dict(md.get("annotations") or {}), self.planner_config.annotation_prefix,
+                                              inits + apps) + annotation_lint.ignored_forms(
+                dict(md.get("annotations") or {}), self.planner_config.annotation_prefix, cand.container, apps):
+            log.warning("Allocate: pod %s container %s: %s", podlookup.pod_key(cand.pod), cand.container, x.message)
         return planner_mod.plan(req, pod, self.node, self.ledger, self.planner_config, reservation=key)
 
     def _allocate_for(self, cands: list[podlookup.Candidate], uuids: tuple[str, ...], key: str,
@@ -329,6 +361,7 @@ class Allocator:
         first = settings(outcomes[0])
         if len(everyone) > 1 and any(settings(o) != first for o in outcomes[1:]):
             names = ", ".join(f"{podlookup.pod_key(c.pod)}/{c.container}" for c in everyone[:5])
+            self._refuse_mixed_modes(everyone, uuids, key, request_mib, count)
             all_ts = all(isinstance(o, ContainerPlan) and o.compute_mode is ComputeMode.TIME_SLICING for o in outcomes)
             return self._fallback(
                 uuids, key, request_mib, all_ts,
@@ -350,6 +383,37 @@ class Allocator:
         # MPS v3: no pipe-directory mount from this door (never a daemon's
         # directory, and a leaf is per container: the NRI door mounts it).
         return Answer(dict(outcome.env), () if v3 else outcome.mounts, uuids, key, "planned")
+
+    def _refuse_mixed_modes(self, everyone: Sequence[podlookup.Candidate], uuids: tuple[str, ...], key: str,
+                            request_mib: int, count: int) -> None:
+        """Candidates that want different compute modes, on GPUs that already
+        hold something else: whichever pod this is, one of them would be
+        refused at CreateContainer for as long as the other tenant runs (one
+        mode per GPU), though kubelet admitted it. Refuse now (kubelet fails
+        the admission; GetPreferredAllocation proposes other GPUs) instead of
+        leaving an admitted pod stuck (issue 25 item 6, ADR 0024). Raises Refusal."""
+        wanted: list[tuple[podlookup.Candidate, ComputeMode]] = []
+        for c in everyone:
+            try:
+                wanted.append((c, self.request_for(c, uuids, request_mib, count)[0].compute_mode))
+            except FractionError:
+                continue  # refused whatever the GPU
+        if len({m for _c, m in wanted}) < 2:
+            return
+        for u in uuids:
+            others = [t for t in self.ledger.tenants(u) if t.reservation != key]
+            if others:
+                g = self.node.gpu_by_uuid(u)
+                t = others[0]
+                held = holder_text(t)
+                want = ", ".join(f"{podlookup.pod_key(c.pod)}/{c.container} {m.value}" for c, m in wanted[:5])
+                raise Refusal(
+                    StatusCode.FAILED_PRECONDITION,
+                    f"Allocate of {self.resource_name} on GPU {g.index if g else '?'} ({u}): the pods that may be "
+                    f"the one admitted want different compute modes ({want}) and the GPU is already held by "
+                    f"{held} ({t.mode.value}); one compute mode per GPU, so one of them would be refused at "
+                    "CreateContainer for as long as that tenant runs. Devices of a GPU with no other tenant "
+                    "(GetPreferredAllocation proposes them) avoid this", "mode_ambiguous")
 
     def _record(self, plan: ContainerPlan, key: str, who: str, hints: set[str]) -> None:
         try:
@@ -401,10 +465,16 @@ class Allocator:
         never a GPU at its tenant limit, never an uneven split (issue 10 item 7)."""
         if size < 0:
             raise Refusal(StatusCode.INVALID_ARGUMENT, f"allocation_size {size} is negative", "invalid")
+        modes = self._modes_for(size)
+        full_of: Callable[[str], bool] = self._full
+        if len(modes) > 1:
+            # candidates differ in mode: a GPU with any tenant would refuse one
+            # of them (issue 25 item 6); used only when nothing else fits
+            full_of = lambda u: self._full(u) or bool(self._tenants_of(u))  # noqa: E731
         out = preferred_allocation(
             self.table, list(available), list(must_include), size, mode_of=self._mode_of,
-            pod_mode=self._pod_mode_for(size), policy=self.policy, free_mib_of=self._free_mib_of,
-            full_of=self._full,
+            pod_mode=modes.pop() if len(modes) == 1 else None, policy=self.policy, free_mib_of=self._free_mib_of,
+            full_of=full_of,
         )
         self._bump("preferred")
         return out
@@ -429,9 +499,20 @@ class Allocator:
         except Exception:
             return None
 
+    def _tenants_of(self, uuid: str) -> list[Tenancy]:
+        try:
+            return self.ledger.tenants(uuid)
+        except Exception:
+            return []
+
     def _pod_mode_for(self, count: int) -> ComputeMode | None:
+        modes = self._modes_for(count)
+        return modes.pop() if len(modes) == 1 else None
+
+    def _modes_for(self, count: int) -> set[ComputeMode]:
+        """The compute modes the pending candidates for ``count`` devices want."""
         if self.pod_source is None:
-            return None
+            return set()
         modes: set[ComputeMode] = set()
         with self._lock:
             cands = self._candidates(count)
@@ -443,7 +524,7 @@ class Allocator:
             except FractionError:
                 continue
             modes.add(parsed.compute_mode if parsed is not None else ComputeMode.TIME_SLICING)
-        return modes.pop() if len(modes) == 1 else None
+        return modes
 
     # ---- lifetimes --------------------------------------------------------------
     def pod_gone(self, pod: Mapping[str, Any]) -> None:
@@ -463,11 +544,40 @@ class Allocator:
                     hints.discard(uid)
                 bound_here = any(t.pod_uid == uid for t in tenancies)
                 orphan = not tenancies[0].bound and hints is not None and not hints
+                if bound_here and not finished and any(t.container_id for t in tenancies):
+                    # The API object is gone (a force delete) but the runtime
+                    # still runs the container: the hold lasts until NRI says it
+                    # stopped (Stop/Remove, or a Synchronize without it). A pod
+                    # Succeeded/Failed has no running container (kubelet saw them end).
+                    with self._gone_lock:
+                        self._gone_keys[key] = podlookup.pod_key(pod)
+                    log.info("reservation %s kept: pod %s is gone from the API but its container still runs",
+                             key, podlookup.pod_key(pod))
+                    continue
                 if bound_here or orphan:
                     self.ledger.release_reservation(key)
                     self._forget(key)
                     log.info("reservation %s released: pod %s %s", key, podlookup.pod_key(pod),
                              "finished" if not bound_here or pod.get("status") else "gone")
+
+    def _release_gone(self) -> None:
+        """Ledger subscriber: release the reservations of pods gone from the
+        API once no running container holds them any more (issue 25 item 5)."""
+        with self._gone_lock:
+            if not self._gone_keys:
+                return
+            keys = list(self._gone_keys.items())
+        for key, who in keys:
+            held = self.ledger.reservation(key)
+            if held and any(t.container_id for t in held):
+                continue
+            with self._gone_lock:
+                if self._gone_keys.pop(key, None) is None:
+                    continue
+            if held:
+                self.ledger.release_reservation(key)
+                self._forget(key)
+                log.info("reservation %s released: pod %s is gone and its container stopped", key, who)
 
     # ---- PodResources ------------------------------------------------------------
     def reconcile(self, pods: Sequence[Any], *, initial: bool = False) -> list[str]:
@@ -512,7 +622,9 @@ class Allocator:
                         listed.add(key)
                         warnings.extend(self._bind_listed(p, c.name, by_gpu, key))
             current = self.ledger.tenancies()
+            running = {t.reservation for t in current if t.door == al.DOOR_ALLOCATE and t.container_id}
             stale = [t for t in current if t.door == al.DOOR_ALLOCATE and t.reservation not in listed
+                     and t.reservation not in running  # the runtime still runs its container (issue 25 item 5)
                      and (initial or now - self._made.get(t.reservation, 0.0) > self.podresources_grace_s)]
             old_whole = [t for t in current if t.door == al.DOOR_OTHER_PLUGIN]
             if stale or old_whole != whole:
@@ -576,4 +688,4 @@ class Allocator:
 
 
 def _holder(t: Tenancy) -> str:
-    return f"{t.namespace}/{t.pod_name}/{t.container}" if t.bound else "holder not known"
+    return f"{t.namespace}/{t.pod_name}/{t.container}" if t.bound else "holder not known yet"

@@ -1,6 +1,6 @@
 """The kubelet device plugin door: GPU memory as an extended resource.
 
-What kubelet sees (kubelet-device-plugin.md A): one extended resource (default
+What kubelet sees (docs/reference/kubelet-device-plugin.md A): one extended resource (default
 ``fracplugin.io/gpu-memory``), one device per ``unit_mib`` MiB of one GPU, IDs
 ``<GPU-UUID>::<n>`` (see ``devices.py``), served over gRPC (grpcio, ADR
 0021; its options in ``grpcopts``) on a unix socket in the device plugin
@@ -47,11 +47,12 @@ from .. import mountflags
 from .. import planner as planner_mod
 from .._proto import deviceplugin_pb2 as pb
 from .._proto import deviceplugin_pb2_grpc as pb_grpc
+from ..cdi import CdiRegistry
 from ..gpu.health import DEFAULT_IGNORED_XIDS, DEFAULT_XID_RECOVERY_S, HealthMonitor
 from ..gpu.inventory import Inventory
 from ..ledger import Ledger
 from ..mps.api import MpsApi
-from ..parts import HookMetrics
+from ..ports import HookMetrics
 from ..model import ComputeMode, NodeInfo
 from . import podlookup
 from .devices import (
@@ -146,7 +147,7 @@ class DevicePluginServer:
         allocate_deadline_s: the longest an Allocate may wait for the watch cache.
         mps_health: the MPS port whose ``healthy(mode)`` marks GPUs Unhealthy
             (``gpu.health.MpsHealth``; None: not supervised).
-        metrics: optional ``parts.HookMetrics``: ``observe_hook(door, seconds)`` (doors
+        metrics: optional ``ports.HookMetrics``: ``observe_hook(door, seconds)`` (doors
             ``allocate`` and ``preferred``) and ``refusal(code)`` (every gRPC
             error Allocate answers, labelled with the FractionError code or
             ``invalid`` / ``unhealthy`` / ``internal``).
@@ -157,7 +158,10 @@ class DevicePluginServer:
         device_specs: also answer DeviceSpecs for ``/dev/nvidia<minor>``,
             ``/dev/nvidiactl`` and ``/dev/nvidia-uvm``.
         cdi_kind: when set (e.g. ``nvidia.com/gpu``), answer CDI devices
-            ``<cdi_kind>=<GPU-UUID>``.
+            ``<cdi_kind>=<GPU-UUID>`` for GPUs ``cdi`` has no device for.
+        cdi: the node's CDI specs (``cdi.CdiRegistry``): Allocate answers each
+            allocated GPU's CDI device from them (ADR 0025b). None: only
+            ``cdi_kind``.
         podresources_socket: kubelet's PodResources socket, read at ``start``
             to rebuild the ledger and then every ``podresources_interval_s``
             seconds to reconcile it (``Allocator.reconcile``; None: skip).
@@ -170,7 +174,10 @@ class DevicePluginServer:
             flags (``fracplugin.mountflags``), undone at ``stop``. Kubelet's
             bind mount of the pipe directory from Allocate inherits the
             source mount's flags; the API has no mount options (issue 11, D9).
-            Off: only a startup warning when the flags are missing.
+            Needs CAP_SYS_ADMIN in the host mount namespace: a daemon run on
+            the host, never the chart's DaemonSet (no SYS_ADMIN, no
+            Bidirectional propagation; ADR 0008). Off: only a startup warning
+            when the flags are missing.
         fail_open: an Allocate refused for the pod's fraction (a contract or
             node guard refusal, an Unhealthy GPU) is answered with an
             unadjusted container (no env, no mounts, annotation
@@ -210,6 +217,7 @@ class DevicePluginServer:
         policy: str = "pack",
         device_specs: bool = False,
         cdi_kind: str | None = None,
+        cdi: CdiRegistry | None = None,
         podresources_socket: str | None = DEFAULT_PODRESOURCES_SOCKET,
         podresources_interval_s: float = 10.0,
         max_workers: int = 16,
@@ -242,6 +250,7 @@ class DevicePluginServer:
         self.policy = policy
         self.device_specs = device_specs
         self.cdi_kind = cdi_kind
+        self.cdi = cdi
         self.podresources_socket = podresources_socket
         self.podresources_interval_s = podresources_interval_s
         self._reconciler: threading.Thread | None = None
@@ -340,8 +349,17 @@ class DevicePluginServer:
 
     def _check_pipe_mount(self) -> None:
         """See ``secure_pipe_mount``: a failure to secure is a startup
-        warning; flags missing while not asked to secure are logged."""
+        warning; flags missing while not asked to secure are logged. The
+        remedy each message names is one that can work where the flag failed:
+        mount(2) needs CAP_SYS_ADMIN in the host mount namespace, and a mount
+        made inside a pod reaches the host's kubelet only through
+        Bidirectional mount propagation, neither of which the chart's
+        DaemonSet has (ADR 0008), so ``--secure-pipe-mount`` is for a daemon
+        run on the host; in the DaemonSet the MPS root's filesystem itself
+        must be nosuid,nodev (``/run`` on systemd hosts is)."""
         root = self.planner_config.layout.root
+        remedy = ("mount the MPS root's host filesystem nosuid,nodev (a tmpfs such as /run on systemd hosts is), or "
+                  "choose an MPS root on one")
         try:
             if self.secure_pipe_mount:
                 if mountflags.secure(root):
@@ -350,11 +368,19 @@ class DevicePluginServer:
                 return
             if os.path.isdir(root) and not {"nosuid", "nodev"} <= mountflags.flags(root):
                 log.warning("MPS root %s is on a filesystem without nosuid,nodev: the pipe directory kubelet mounts "
-                            "from Allocate inherits that (the NRI door's copy sets them); use --secure-pipe-mount "
-                            "or a nosuid,nodev filesystem", root)
+                            "from Allocate inherits that (the NRI door's copy sets them); %s (--secure-pipe-mount "
+                            "works only for a daemon run on the host with CAP_SYS_ADMIN, not in the chart's "
+                            "DaemonSet)", root, remedy)
         except OSError as e:
-            msg = (f"MPS root {root}: {e}; the pipe directory kubelet mounts from Allocate is then not "
-                   "nosuid,nodev (the NRI door's copy is); use --secure-pipe-mount or a nosuid,nodev filesystem")
+            if self.secure_pipe_mount:
+                msg = (f"MPS root {root}: --secure-pipe-mount could not make it a nosuid,nodev mount: {e}; the pipe "
+                       "directory kubelet mounts from Allocate is then not nosuid,nodev (the NRI door's copy is). "
+                       "mount(2) needs CAP_SYS_ADMIN in the host mount namespace, and from a pod the host's kubelet "
+                       "sees the mount only with Bidirectional mount propagation; the chart's DaemonSet has neither, "
+                       f"so drop --secure-pipe-mount there and {remedy}")
+            else:
+                msg = (f"MPS root {root}: {e}; the pipe directory kubelet mounts from Allocate is then not "
+                       f"nosuid,nodev (the NRI door's copy is); {remedy}")
             self.startup_warnings.append(msg)
             log.warning("%s", msg)
 
@@ -633,8 +659,11 @@ class DevicePluginServer:
             paths = [f"/dev/nvidia{self.node.gpu_by_uuid(u).minor}" for u in uuids]  # type: ignore[union-attr]
             for p in paths + ["/dev/nvidiactl", "/dev/nvidia-uvm"]:
                 c.devices.add(container_path=p, host_path=p, permissions="rw")
-        if self.cdi_kind:
-            for u in uuids:
+        for u in uuids:  # the node's CDI device of each GPU (ADR 0025b), else the operator's kind
+            dev = self.cdi.device_for(u) if self.cdi is not None else None
+            if dev is not None:
+                c.cdi_devices.add(name=dev.name)
+            elif self.cdi_kind:
                 c.cdi_devices.add(name=f"{self.cdi_kind}={u}")
         c.annotations[ANNOTATION_ALLOCATE] = kind
         c.annotations[al.ANNOTATION_RESERVATION] = key

@@ -3,7 +3,7 @@
 Pure code: no I/O, no clock, no threads. Safe to call from any thread (all
 inputs are passed in, nothing is shared).
 
-The extended resource (kubelet-device-plugin.md A.3, A.5):
+The extended resource (docs/reference/kubelet-device-plugin.md A.3, A.5):
 
 * one resource, default name ``fracplugin.io/gpu-memory`` (``fracplugin.io``
   is a domain the project owns; anything outside ``kubernetes.io`` /
@@ -45,7 +45,7 @@ leaving headroom under ``KUBELET_MAX_RECV_BYTES`` for gRPC framing."""
 _CANONICAL_N = re.compile(r"(0|[1-9][0-9]{0,17})", re.ASCII)
 _HEALTH_WORST = len("Unhealthy")
 
-# kubelet-device-plugin.md A.3: resource_name must be an extended resource
+# docs/reference/kubelet-device-plugin.md A.3: resource_name must be an extended resource
 # name; the kubernetes.io domain is rejected. Qualified-name shape
 # (<dns-subdomain>/<name>) as in Kubernetes' IsQualifiedName.
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")

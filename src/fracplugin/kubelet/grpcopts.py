@@ -73,7 +73,7 @@ def client_options() -> list[tuple[str, int | str]]:
     * ``grpc.default_authority`` ``localhost``: grpcio >= 1.57 sends the
       %-encoded socket path as ``:authority`` on a unix target; kubelet
       (grpc-go) accepts both, ``localhost`` is what kubelet itself sends
-      (kubelet-device-plugin.md D.9).
+      (docs/reference/kubelet-device-plugin.md D.9).
     * ``grpc.use_local_subchannel_pool`` 1: the channel gets its own
       connection state. grpcio shares subchannels (and their reconnect
       backoff) between channels to the same target by default, so a channel

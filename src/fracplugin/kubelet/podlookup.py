@@ -1,6 +1,6 @@
 """Finding the pod behind an Allocate call (which carries only device IDs).
 
-kubelet-device-plugin.md A.5/A.6: kubelet calls Allocate once per container,
+docs/reference/kubelet-device-plugin.md A.5/A.6: kubelet calls Allocate once per container,
 init containers first (spec order), then app containers, during pod admission;
 the request names device IDs only. We keep a watch cache of the pods bound to
 this node (field selector ``spec.nodeName=<node>``) and pick, among pods that

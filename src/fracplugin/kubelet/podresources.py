@@ -1,6 +1,6 @@
 """PodResources v1 client: which devices kubelet gave which container.
 
-kubelet-device-plugin.md A.7: service ``v1.PodResourcesLister`` on
+docs/reference/kubelet-device-plugin.md A.7: service ``v1.PodResourcesLister`` on
 ``/var/lib/kubelet/pod-resources/kubelet.sock`` with ``List`` (GA 1.28) and
 ``Get`` (1.27+, feature gate ``KubeletPodResourcesGet``; older kubelets answer
 UNIMPLEMENTED, then we fall back to ``List``). PodResources carries pod name

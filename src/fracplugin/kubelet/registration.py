@@ -1,6 +1,6 @@
 """Registering the device plugin with kubelet, and staying registered.
 
-Rules (kubelet-device-plugin.md A.5, A.8, D.7-D.9):
+Rules (docs/reference/kubelet-device-plugin.md A.5, A.8, D.7-D.9):
 
 * serve first, check our own socket answers (``GetDevicePluginOptions`` on it),
   then call ``Registration.Register`` on ``kubelet.sock``: kubelet dials back
@@ -93,8 +93,9 @@ def probe(socket_path: str, timeout_s: float = 1.0) -> pb.DevicePluginOptions:
     until ``timeout_s`` seconds). Raises RegistrationError."""
     with grpcopts.unix_channel(socket_path) as ch:
         try:
-            return pb_grpc.DevicePluginStub(ch).GetDevicePluginOptions(pb.Empty(), timeout=timeout_s,
-                                                                       wait_for_ready=True)
+            options: pb.DevicePluginOptions = pb_grpc.DevicePluginStub(ch).GetDevicePluginOptions(
+                pb.Empty(), timeout=timeout_s, wait_for_ready=True)
+            return options
         except grpc.RpcError as e:
             raise RegistrationError(f"own socket {socket_path} does not answer: {_why(e)}") from None
 

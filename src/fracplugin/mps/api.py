@@ -69,7 +69,7 @@ class DrainResult:
         wedged: True when a terminate (or the client listing) ran out of time or
             failed: the daemon it belongs to is considered wedged and is being
             hard-restarted (gpu-fractioning ``drain.go``: a client killed
-            mid-kernel wedges the server; mps-nvml.md section 2.7).
+            mid-kernel wedges the server; docs/reference/mps-nvml.md section 2.7).
         restarted: compute modes whose daemon was scheduled for a hard restart
             (always empty now: a drain step that times out only marks the daemon
             slow/unhealthy; the probe decides about a restart, issue 12).

@@ -5,7 +5,7 @@ short-lived ``nvidia-cuda-mps-control`` client process, bounded by the
 ``timeout_s`` it is given (the child is killed and reaped on timeout). Safe from
 any thread.
 
-Two protocol generations (mps-nvml.md sections 1.2, 1.5, 1.6, 1.8):
+Two protocol generations (docs/reference/mps-nvml.md sections 1.2, 1.5, 1.6, 1.8):
 
 * v2: commands on the client's stdin, one per line (``echo get_server_list |
   nvidia-cuda-mps-control``); exit status 0 iff the daemon was reached.
@@ -49,7 +49,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 NAME_RE = re.compile(r"^[a-z0-9_]{1,64}$")
-"""MPS v3 server/namespace names: ``[a-z0-9_]``, at most 64 chars (mps-nvml.md 1.6)."""
+"""MPS v3 server/namespace names: ``[a-z0-9_]``, at most 64 chars (docs/reference/mps-nvml.md 1.6)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def _csv_rows(text: str, min_fields: int) -> list[list[str]]:
 
 def choose_protocol(driver_version: str, override: int | None = None) -> int:
     """MPS protocol for a driver: ``override`` when given, else 3 for driver
-    major >= 615 (MPS v3 / CUDA 13.4, mps-nvml.md section 3), else 2.
+    major >= 615 (MPS v3 / CUDA 13.4, docs/reference/mps-nvml.md section 3), else 2.
     Raises ValueError for an override other than 2/3. An unparseable version -> 2."""
     if override is not None:
         if override not in (2, 3):
@@ -126,8 +126,8 @@ def choose_protocol(driver_version: str, override: int | None = None) -> int:
 
 
 def render_config_toml(sm_sharing: bool, servers: Iterable[str] = ("shared",), audit_log: bool = False) -> str:
-    """The ``-a <file>`` TOML for an MPS v3 daemon (mps-nvml.md 1.7,
-    gpu-fractioning-reference.md section 4): memory accounting on;
+    """The ``-a <file>`` TOML for an MPS v3 daemon (docs/reference/mps-nvml.md 1.7,
+    docs/reference/gpu-fractioning-reference.md section 4): memory accounting on;
     context-share on for the sm-sharing daemon, off for the time-slicing one;
     one parameterless ``[servers.<name>]`` per name (``shared``) on both, so that
     every container gets a namespace of that server (its own leaf pipe
@@ -178,7 +178,7 @@ class MpsControl:
         self.protocol = protocol
         self.log_dir = log_dir
         self._env = dict(os.environ)
-        self._env.pop("CUDA_MPS_PROTOCOL_VERSION", None)  # env would override -p (mps-nvml.md 1.2)
+        self._env.pop("CUDA_MPS_PROTOCOL_VERSION", None)  # env would override -p (docs/reference/mps-nvml.md 1.2)
         if env:
             self._env.update(env)
         self._env["CUDA_MPS_PIPE_DIRECTORY"] = pipe_dir
@@ -224,7 +224,7 @@ class MpsControl:
     # -- probes -------------------------------------------------------------------
 
     def probe(self, timeout_s: float) -> float:
-        """A real control command that exercises the daemon (mps-nvml.md 1.8):
+        """A real control command that exercises the daemon (docs/reference/mps-nvml.md 1.8):
         v3 ``server list --format=csv,noheader``; v2 ``get_default_active_thread_percentage``
         (NVIDIA's device plugin health probe). Returns the duration in seconds."""
         t0 = time.monotonic()
@@ -257,7 +257,7 @@ class MpsControl:
 
     def namespace_set_atp(self, name: str, server: str, percentage: int, timeout_s: float) -> None:
         """``namespace set <name> --server=<s> --active-thread-percentage=<1..100>``.
-        Fails while a client is attached (measured on r615, mps-nvml.md 1.6)."""
+        Fails while a client is attached (measured on r615, docs/reference/mps-nvml.md 1.6)."""
         if not 1 <= int(percentage) <= 100:
             raise ValueError(f"active thread percentage must be 1..100, got {percentage!r}")
         self.run(["namespace", "set", name, f"--server={server}", f"--active-thread-percentage={int(percentage)}"], timeout_s)
@@ -265,7 +265,7 @@ class MpsControl:
     def namespace_set_caps(self, name: str, server: str, percentage: int | None, pinned_mib: int | None,
                            timeout_s: float) -> None:
         """One ``namespace set <name> --server=<s> [--active-thread-percentage=<1..100>]
-        [--pinned-memory-limit=<MiB>M]`` (mps-nvml.md 1.6: several keys per set).
+        [--pinned-memory-limit=<MiB>M]`` (docs/reference/mps-nvml.md 1.6: several keys per set).
         Nothing to set -> no command. Fails while a client is attached."""
         args = ["namespace", "set", name, f"--server={server}"]
         if percentage is not None:
@@ -282,14 +282,14 @@ class MpsControl:
     def namespace_set_pinned(self, name: str, server: str, mib: int, timeout_s: float) -> None:
         """``namespace set <name> --server=<s> --pinned-memory-limit=<MiB>M``: the
         per-client pinned device memory limit of the namespace, on each device
-        (mps-nvml.md 1.6; values ``<n>M``). Fails while a client is attached."""
+        (docs/reference/mps-nvml.md 1.6; values ``<n>M``). Fails while a client is attached."""
         if int(mib) < 1:
             raise ValueError(f"pinned memory limit must be >= 1 MiB, got {mib!r}")
         self.run(["namespace", "set", name, f"--server={server}", f"--pinned-memory-limit={int(mib)}M"], timeout_s)
 
     def quit(self, timeout_s: float) -> None:
         """Stop the daemon on purpose (and its servers): v3 ``-q``, v2 ``quit`` on
-        stdin (mps-nvml.md 1.2)."""
+        stdin (docs/reference/mps-nvml.md 1.2)."""
         if self.protocol >= 3:
             self.run(["-q"], timeout_s)
         else:
@@ -326,7 +326,7 @@ class MpsControl:
 
     def terminate_client(self, server_pid: int, client_pid: int, timeout_s: float) -> None:
         """v2 ``terminate_client <server> <client>``; the reply is ``0`` on success
-        (CUDA_SUCCESS) or a CUDA error (mps-nvml.md 1.5)."""
+        (CUDA_SUCCESS) or a CUDA error (docs/reference/mps-nvml.md 1.5)."""
         out = self.v2(f"terminate_client {int(server_pid)} {int(client_pid)}", timeout_s).strip()
         if out and out.split()[-1] != "0":
             raise MpsError(f"terminate_client {server_pid} {client_pid}: {out}", output=out)
@@ -354,7 +354,7 @@ def _text(b: bytes | str | None) -> str:
 
 def set_exclusive_process(gpu_uuids: Iterable[str]) -> dict[str, str]:
     """Put each GPU in EXCLUSIVE_PROCESS compute mode through NVML, where permitted
-    (mps-nvml.md section 2.4: the MPS server becomes the single arbiter).
+    (docs/reference/mps-nvml.md section 2.4: the MPS server becomes the single arbiter).
 
     Returns ``{uuid: "ok" | "<error>"}``; never raises (no NVML, no permission
     and unsupported GPUs are reported, not fatal)."""

@@ -1,6 +1,6 @@
 """Where MPS pipe and log directories live, host side and container side.
 
-One ``nvidia-cuda-mps-control`` per compute mode (DESIGN.md section 5):
+One ``nvidia-cuda-mps-control`` per compute mode (docs/reference/design.md section 5):
 
     <root>/ts            pipe directory of the time-slicing daemon (its ``control`` socket)
     <root>/sm            pipe directory of the sm-sharing daemon (MPS v3, -m)
@@ -12,13 +12,13 @@ One ``nvidia-cuda-mps-control`` per compute mode (DESIGN.md section 5):
 Containers see their pipe directory at ``CONTAINER_PIPE_DIR``. Under MPS v3
 every container, in every mode, gets only its own namespace leaf (mounted
 read-only), never a daemon's pipe directory: the daemon's ``control`` socket
-is reachable only from the host (issue 12; mps-nvml.md 2.3: "mount ONLY the
+is reachable only from the host (issue 12; docs/reference/mps-nvml.md 2.3: "mount ONLY the
 leaf namespace dir"). Under classic MPS v2 there are no namespaces and a
 container gets the daemon's pipe directory itself (read-only): the daemon
 reports that as an exposure at start and in readiness detail.
 
 Paths are kept short: a socket path must fit ``sockaddr_un.sun_path`` (108
-bytes incl. NUL, mps-nvml.md section 1.4); with the ``/control`` leaf that
+bytes incl. NUL, docs/reference/mps-nvml.md section 1.4); with the ``/control`` leaf that
 leaves pipe directories at most ``MAX_PIPE_DIR_LEN`` characters (the reference
 caps at 83).
 """
@@ -48,7 +48,7 @@ def namespace_name(pod_uid: str, container: str) -> str:
     """MPS v3 namespace name of one sm-sharing container: ``fp_`` + 24 hex of
     sha256("<pod uid>/<container>"). Stable across container restarts (same pod
     and name -> same namespace, same pipe directory). Names allow only
-    ``[a-z0-9_]``, at most 64 chars (mps-nvml.md section 1.6)."""
+    ``[a-z0-9_]``, at most 64 chars (docs/reference/mps-nvml.md section 1.6)."""
     digest = hashlib.sha256(f"{pod_uid}/{container}".encode()).hexdigest()
     return "fp_" + digest[:24]
 

@@ -36,7 +36,7 @@ def main(args: argparse.Namespace) -> int:
     remote = RemoteMps(path)
     try:
         remote.quit_daemons(float(args.timeout))
-    except MpsError as e:
+    except (MpsError, ValueError) as e:  # ValueError: the MPS role refused an argument (named in e)
         print(f"fracplugin mps-quit: {e}", file=sys.stderr)
         return 2 if "not reachable" in str(e) else 1
     print(f"MPS daemons stopped (through {path})")

@@ -92,7 +92,7 @@ class CallContext:
 
 
 class ConfigureInterface(Protocol):
-    """``Configure``: the runtime's name, version and timeouts (nri-protocol.md
+    """``Configure``: the runtime's name, version and timeouts (docs/reference/nri-protocol.md
     1.6 step 3). The stub answers with the subscription mask itself."""
 
     def configure(self, request: E.ConfigureRequest, ctx: CallContext) -> None: ...
@@ -300,7 +300,7 @@ EVENTS: tuple[EventSpec, ...] = (
               E.ValidateContainerAdjustmentRequest, E.ValidateContainerAdjustmentResponse,
               E.VALIDATE_CONTAINER_ADJUSTMENT, "request"),
 )
-"""Every method of the Plugin service (nri-protocol.md 1.4, 1.7)."""
+"""Every method of the Plugin service (docs/reference/nri-protocol.md 1.4, 1.7)."""
 
 
 def event_mask(*events: int) -> int:

@@ -6,7 +6,7 @@ read-side buffer of one socket and must be fed by one thread at a time;
 ``encode_frames`` is a pure function. The caller (``transport.py``) owns the
 socket and the locking.
 
-Wire format (nri-protocol.md section 1.2): each mux frame is an 8-byte header
+Wire format (docs/reference/nri-protocol.md section 1.2): each mux frame is an 8-byte header
 -- conn id (``uint32`` big-endian), payload length (``uint32`` big-endian) --
 followed by the payload. Conn id 0 is reserved, 1 is ``PluginServiceConn``
 (the runtime calls the plugin), 2 is ``RuntimeServiceConn`` (the plugin calls
@@ -17,7 +17,7 @@ a larger length is a protocol error here (the stream cannot be trusted).
 Writes are chunked into frames of at most ``MAX_WRITE_FRAME`` (4096) bytes
 *including* the 8-byte header: a Go peer reads one mux frame per ``Read`` into
 a 4096-byte ``bufio`` buffer and drops a plugin that sends bigger frames
-(verified, nri-protocol.md section 1.2, "Critical interop rule"). One ttrpc
+(verified, docs/reference/nri-protocol.md section 1.2, "Critical interop rule"). One ttrpc
 message may therefore span many frames; the reader treats each conn as a byte
 stream and must not assume one frame is one message.
 """

@@ -18,7 +18,7 @@ Two locks:
 
 Lock order is always write -> state. The plugin side serves conn 1 and calls
 on conn 2; a runtime-side peer (the demo's ``fracplugin.sim.nri_runtime``) does the opposite
-(nri-protocol.md section 1.1).
+(docs/reference/nri-protocol.md section 1.1).
 
 Failures (mux/ttrpc protocol errors, truncated streams, EOF, socket errors)
 close the transport: pending calls fail with ``ConnectionClosed``, the socket

@@ -6,7 +6,7 @@ style of h2: bytes go in through ``receive_data`` and come out as events;
 threads or clocks. The caller serialises access (``transport.py`` holds a
 lock around it).
 
-Wire format (nri-protocol.md section 1.3, from containerd/ttrpc
+Wire format (docs/reference/nri-protocol.md section 1.3, from containerd/ttrpc
 ``PROTOCOL.md`` / ``channel.go`` / ``server.go``): a 10-byte big-endian header
 -- data length ``u32``, stream id ``u32``, message type ``u8`` (1 request,
 2 response, 3 data), flags ``u8`` -- then the data: a ``ttrpc.Request`` or

@@ -5,7 +5,7 @@ what ``fracplugin demo`` uses to act as kubelet towards the daemon. Not used by
 
 ``Kubelet`` serves ``v1beta1.Registration`` on ``<dir>/kubelet.sock`` and, on
 ``Register``, does what kubelet does before answering
-(kubelet-device-plugin.md A.5): checks the version and the resource name,
+(docs/reference/kubelet-device-plugin.md A.5): checks the version and the resource name,
 dials ``<dir>/<endpoint>`` with ``:authority`` ``localhost`` (A.8), calls
 ``GetDevicePluginOptions`` and starts consuming ``ListAndWatch``; a
 re-registration of a resource replaces its endpoint. ``KubeletSim`` adds the
@@ -372,7 +372,7 @@ class KubeletSim(Kubelet):
         ep = self._current()
         if ep is None:
             raise ConnectionError("no device plugin registered")
-        resp = ep.stub.Allocate(
+        resp: pb.AllocateResponse = ep.stub.Allocate(
             pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=device_ids)]),
             timeout=timeout_s)
         if not resp.container_responses:

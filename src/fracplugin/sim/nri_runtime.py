@@ -6,7 +6,7 @@ Not used by ``fracplugin run``; the component tests use their own peer
 It listens on a unix socket (as the runtime does at ``/var/run/nri/nri.sock``),
 accepts one plugin connection at a time (a new one replaces the old), serves
 ``Runtime`` on mux conn 2 (``RegisterPlugin``, ``UpdateContainers``) and calls
-``Plugin`` on conn 1 (nri-protocol.md sections 1.1, 1.6): after RegisterPlugin
+``Plugin`` on conn 1 (docs/reference/nri-protocol.md sections 1.1, 1.6): after RegisterPlugin
 it calls Configure, checks the event mask against the version's
 ``ValidEvents`` (0x3FFF for v0.12, 0x7FF for v0.8 and older: section 1.4) and
 then Synchronizes (``initial_sync``); afterwards the caller drives
@@ -41,15 +41,16 @@ from .._proto import nri_pb2
 from ..nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from ..nri.transport import ConnectionClosed, NriTransport
 from ..nri.ttrpc import Code, RequestReceived, RpcError
+from .nri_driver import _PluginDriver
 
 log = logging.getLogger(__name__)
 
 PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
 RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
-VALID_EVENTS_V012 = 0x3FFF  # (1 << (LAST-1)) - 1 with LAST = 15 (nri-protocol.md 1.4)
+VALID_EVENTS_V012 = 0x3FFF  # (1 << (LAST-1)) - 1 with LAST = 15 (docs/reference/nri-protocol.md 1.4)
 VALID_EVENTS_V08 = 0x7FF  # the same with LAST = 12
 
-# Events carried by StateChange where no dedicated RPC is used (nri-protocol.md 1.7).
+# Events carried by StateChange where no dedicated RPC is used (docs/reference/nri-protocol.md 1.7).
 STATE_CHANGE_EVENTS = {
     "RunPodSandbox": nri_pb2.RUN_POD_SANDBOX,
     "StopPodSandbox": nri_pb2.STOP_POD_SANDBOX,
@@ -64,7 +65,7 @@ STATE_CHANGE_EVENTS = {
 
 def valid_events(nri_version: str) -> int:
     """The ``ValidEvents`` mask a runtime of ``nri_version`` accepts from
-    Configure (nri-protocol.md 1.4): 0x7FF up to v0.8, 0x3FFF from v0.12."""
+    Configure (docs/reference/nri-protocol.md 1.4): 0x7FF up to v0.8, 0x3FFF from v0.12."""
     return VALID_EVENTS_V08 if nri_version.startswith(("v0.8", "v0.7", "v0.6", "v0.4", "v0.3")) else VALID_EVENTS_V012
 
 
@@ -91,7 +92,7 @@ class PluginConn:
         self.state_change_fallback = False
 
 
-class NriRuntimeServer:
+class NriRuntimeServer(_PluginDriver):
     """Listen on ``socket_path`` and drive the plugin that connects.
 
     Args:
@@ -239,49 +240,7 @@ class NriRuntimeServer:
             assert conn is not None and conn.info is not None
             return conn.info
 
-    # ---- driving the plugin ------------------------------------------------------
-    def set_sync_state(self, pods: Sequence[Any], containers: Sequence[Any]) -> None:
-        """What the next Synchronize (after a (re)connection) carries."""
-        self.initial_sync = (list(pods), list(containers))
-
-    def create_container(self, pod: Any, container: Any) -> Any:
-        """CreateContainer: returns the ``CreateContainerResponse``. Raises
-        ``RpcError`` when the plugin refuses (e.g. INVALID_ARGUMENT),
-        ``ConnectionError`` / ``TimeoutError``."""
-        req = nri_pb2.CreateContainerRequest(pod=pod, container=container)
-        return self._call("CreateContainer", req, nri_pb2.CreateContainerResponse)
-
-    def update_container(self, pod: Any, container: Any) -> Any:
-        """UpdateContainer: returns the ``UpdateContainerResponse``. Raises RpcError."""
-        req = nri_pb2.UpdateContainerRequest(pod=pod, container=container)
-        return self._call("UpdateContainer", req, nri_pb2.UpdateContainerResponse)
-
-    def stop_container(self, pod: Any, container: Any) -> Any:
-        """StopContainer: returns the ``StopContainerResponse``. Raises RpcError."""
-        req = nri_pb2.StopContainerRequest(pod=pod, container=container)
-        return self._call("StopContainer", req, nri_pb2.StopContainerResponse)
-
-    def start_container(self, pod: Any, container: Any) -> None:
-        """StartContainer (v0.12 RPC, StateChange fallback). Raises RpcError
-        (e.g. UNAVAILABLE: the runtime fails the start, kubelet retries)."""
-        self._event("StartContainer", pod, container)
-
-    def remove_container(self, pod: Any, container: Any) -> None:
-        """RemoveContainer (v0.12 RPC, StateChange fallback). Raises RpcError."""
-        self._event("RemoveContainer", pod, container)
-
-    def run_pod_sandbox(self, pod: Any) -> None:
-        """RunPodSandbox (v0.12 RPC, StateChange fallback). Raises RpcError."""
-        self._event("RunPodSandbox", pod, None)
-
-    def stop_pod_sandbox(self, pod: Any) -> None:
-        """StopPodSandbox (v0.12 RPC, StateChange fallback). Raises RpcError."""
-        self._event("StopPodSandbox", pod, None)
-
-    def remove_pod_sandbox(self, pod: Any) -> None:
-        """RemovePodSandbox (v0.12 RPC, StateChange fallback). Raises RpcError."""
-        self._event("RemovePodSandbox", pod, None)
-
+    # ---- driving the plugin: the events are in nri_driver.py -------------------
     def synchronize(self, pods: Sequence[Any], containers: Sequence[Any], *, parts: int = 1) -> list[Any]:
         """Send Synchronize, split into ``parts`` messages (all but the last
         with ``more = true``; the plugin must answer those ``{more: true}``).
@@ -400,7 +359,7 @@ class NriRuntimeServer:
         try:
             payload = t.call(PLUGIN_SERVICE, method, req.SerializeToString(), self.request_timeout_s)
         except TimeoutError:
-            t.close(f"{method} timed out")  # deadline exceeded is fatal (nri-protocol.md 1.8)
+            t.close(f"{method} timed out")  # deadline exceeded is fatal (docs/reference/nri-protocol.md 1.8)
             raise TimeoutError(f"{method}: plugin did not answer within {self.request_timeout_s} s") from None
         return resp_cls.FromString(payload)
 
@@ -426,7 +385,7 @@ class NriRuntimeServer:
 def sandbox_msg(name: str, namespace: str, uid: str, sandbox_id: str, annotations: Mapping[str, str],
                 labels: Mapping[str, str]) -> Any:
     """A ``PodSandbox`` as containerd sends it: the pod's annotations plus
-    containerd's own ``io.kubernetes.cri.*`` keys (nri-protocol.md 1.11)."""
+    containerd's own ``io.kubernetes.cri.*`` keys (docs/reference/nri-protocol.md 1.11)."""
     ann = dict(annotations)
     ann.update({
         "io.kubernetes.cri.container-type": "sandbox",
@@ -463,7 +422,7 @@ def container_msg(pod: Any, spec: Mapping[str, Any], container_id: str = "") -> 
 def effective_env(container: Any, adjustment: Any) -> dict[str, str]:
     """The env a container ends up with: its own, then the adjustment's
     (set by value; ``-KEY`` removals are not applied to spec env, as the real
-    merge does not forward them: nri-protocol.md 1.8)."""
+    merge does not forward them: docs/reference/nri-protocol.md 1.8)."""
     env: dict[str, str] = {}
     for kv in container.env:
         k, _, v = kv.partition("=")

@@ -86,4 +86,62 @@ names the keys, the values and the rule.
 {{- if and (not .Values.nri.enabled) (not (include "fracplugin.devicePluginOn" .)) -}}
 {{- fail (printf "nri.enabled=false with scheduler=%q and devicePlugin.enabled=%v leaves no door: nothing would enforce fractions" .Values.scheduler .Values.devicePlugin.enabled) -}}
 {{- end -}}
+{{- /* --secure-pipe-mount (ADR 0008, 0011): mount(2) needs CAP_SYS_ADMIN and a pod's mount reaches the host's kubelet only with Bidirectional propagation; the DaemonSet has neither. */ -}}
+{{- $spm := "mount(2) needs CAP_SYS_ADMIN in the host mount namespace and the host's kubelet sees a pod's mount only with Bidirectional mount propagation, neither of which this chart grants (ADR 0008); keep hostPaths.mpsRoot on a nosuid,nodev filesystem instead (/run is one on systemd hosts)" -}}
+{{- range .Values.extraArgs -}}
+{{- if or (eq . "--secure-pipe-mount") (hasPrefix "--secure-pipe-mount=" .) -}}
+{{- fail (printf "extraArgs %q: --secure-pipe-mount cannot work in the DaemonSet: %s" . $spm) -}}
+{{- end -}}
+{{- end -}}
+{{- range $k, $v := (.Values.extraConfig | default dict) -}}
+{{- if and (eq (replace "-" "_" $k) "secure_pipe_mount") $v -}}
+{{- fail (printf "extraConfig.%s=%v: --secure-pipe-mount cannot work in the DaemonSet: %s" $k $v $spm) -}}
+{{- end -}}
+{{- end -}}
+{{- range .Values.extraEnv -}}
+{{- if and (eq (toString .name) "FRACPLUGIN_SECURE_PIPE_MOUNT") (has (lower (toString .value)) (list "1" "true" "yes" "on")) -}}
+{{- fail (printf "extraEnv FRACPLUGIN_SECURE_PIPE_MOUNT=%v: --secure-pipe-mount cannot work in the DaemonSet: %s" .value $spm) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Pod affinity: the user's affinity with the GPU Operator rules (values
+gpuOperator.driverUpgrade) ANDed into each of its required node selector
+terms. Node selector terms are ORed and the expressions of one term ANDed, so
+"(client label absent or true) and (upgrade state absent or upgrade-done)" is
+four terms per user term. A DaemonSet controller removes a running pod from a
+node that stops matching, which is what makes the label flips evict us.
+Facts: gpu-fractioning-reference.md section 1 (deploy.client nodeSelector and
+the driver-upgrade-state affinity of the reference's daemons).
+*/}}
+{{- define "fracplugin.affinity" -}}
+{{- $affinity := deepCopy (.Values.affinity | default dict) -}}
+{{- if .Values.gpuOperator.driverUpgrade -}}
+{{- $client := list
+  (dict "key" "nvidia.com/gpu.deploy.client" "operator" "DoesNotExist")
+  (dict "key" "nvidia.com/gpu.deploy.client" "operator" "In" "values" (list "true")) -}}
+{{- $state := list
+  (dict "key" "nvidia.com/gpu-driver-upgrade-state" "operator" "DoesNotExist")
+  (dict "key" "nvidia.com/gpu-driver-upgrade-state" "operator" "In" "values" (list "upgrade-done")) -}}
+{{- $nodeAffinity := get $affinity "nodeAffinity" | default dict -}}
+{{- $required := get $nodeAffinity "requiredDuringSchedulingIgnoredDuringExecution" | default dict -}}
+{{- $userTerms := get $required "nodeSelectorTerms" | default (list dict) -}}
+{{- $terms := list -}}
+{{- range $t := $userTerms -}}
+{{- range $c := $client -}}
+{{- range $s := $state -}}
+{{- $term := deepCopy $t -}}
+{{- $_ := set $term "matchExpressions" (concat (get $t "matchExpressions" | default list) (list $c $s)) -}}
+{{- $terms = append $terms $term -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $required "nodeSelectorTerms" $terms -}}
+{{- $_ := set $nodeAffinity "requiredDuringSchedulingIgnoredDuringExecution" $required -}}
+{{- $_ := set $affinity "nodeAffinity" $nodeAffinity -}}
+{{- end -}}
+{{- if $affinity -}}
+{{- toYaml $affinity -}}
+{{- end -}}
 {{- end -}}

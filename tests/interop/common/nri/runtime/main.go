@@ -253,7 +253,7 @@ func ctrID(p podSpec, c ctrSpec, round int) string {
 
 // makePod builds the PodSandbox the way containerd fills it: the pod's
 // annotations plus containerd's own io.kubernetes.cri.* keys
-// (reference nri-protocol.md 1.11, observed with containerd 2.1.9).
+// (reference docs/reference/nri-protocol.md 1.11, observed with containerd 2.1.9).
 func makePod(p podSpec) *adaptation.PodSandbox {
 	if p.Namespace == "" {
 		p.Namespace = "default"

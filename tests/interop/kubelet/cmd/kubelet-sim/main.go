@@ -1,7 +1,7 @@
 // Command kubelet-sim plays kubelet's device manager against a device plugin,
 // using the upstream API stubs k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1.
 //
-// What it does, following kubelet (reference kubelet-device-plugin.md A.5):
+// What it does, following kubelet (reference docs/reference/kubelet-device-plugin.md A.5):
 //   - serves Registration on <dir>/kubelet.sock (the directory is created
 //     with mode 0750, stale sockets in it are removed first, as
 //     CleanupPluginDirectory does);

@@ -1,6 +1,6 @@
 // Per-NRI-line shims for the shared runtime harness (main.go, a symlink to
 // ../../../common/nri/runtime/main.go). NRI v0.12 has dedicated request types
-// for pod and container lifecycle events (reference nri-protocol.md 1.7).
+// for pod and container lifecycle events (reference docs/reference/nri-protocol.md 1.7).
 package main
 
 import (

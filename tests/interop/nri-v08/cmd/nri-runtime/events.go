@@ -1,6 +1,6 @@
 // Per-NRI-line shims for the shared runtime harness (main.go, a symlink to
 // ../../../common/nri/runtime/main.go). NRI v0.8 relays pod and container
-// lifecycle events as StateChange (reference nri-protocol.md 1.7).
+// lifecycle events as StateChange (reference docs/reference/nri-protocol.md 1.7).
 package main
 
 import (

@@ -1,0 +1,465 @@
+"""How ``fracplugin run`` builds each part (``Daemon``'s construction: the
+``_build_*`` steps ``Daemon.start`` runs in order, see ``daemon.py``), and
+the small helpers they share (``StartupError``, API client, addresses).
+
+Split out of ``daemon.py`` (issue 26, ADR 0023), moved as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+from .config import Config
+from .ledger import Ledger
+from .model import ComputeMode, NodeInfo
+from .mps.layout import MpsLayout
+from .parts import (
+    DevicePluginPart,
+    EventsPart,
+    HealthPart,
+    InventoryPart,
+    LedgerPart,
+    MetricsPart,
+    MpsApiPart,
+    MpsPart,
+    NodeConditionPart,
+    NriDoor,
+    Part,
+    PartBase,
+    PodSourcePart,
+)
+from .planner import PlannerConfig
+from .podsfile import PodsFileWatcher
+
+if TYPE_CHECKING:
+    from .cdi import CdiRegistry
+    from .enforce.wiring import MemoryLimits
+    from .events import EventRecorder, NullEventRecorder
+    from .gpu.health import GpuHealth
+    from .gpu.inventory import Inventory
+    from .gpu.simulated import SimulatedInventory
+    from .kubelet.deviceplugin import DevicePluginServer
+    from .kubelet.podlookup import PodSource
+    from .metrics import Metrics
+    from .mps.api import MpsApi
+
+log = logging.getLogger("fracplugin.daemon")  # the daemon's log, as before the split
+
+POD_SOURCE_MISSING = ("the pod watch cannot run, so the doors do not know pods' containers: the device plugin door "
+                      "answers Allocate with what is right for any pod, and the NRI door applies pod-level KAI forms "
+                      "(gpu-fraction, gpu-memory, gpu-fraction-num-devices) to every container that asks, sidecars "
+                      "included; give --kubeconfig or run in the cluster")
+"""Why the doors work blind without API access (log line and ``/readyz`` detail; issue 25 item 1)."""
+
+IN_CLUSTER_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+class StartupError(RuntimeError):
+    """A part could not start (bad inventory, address in use, ...): exit 1."""
+
+
+
+def _fmt_addr(host: str, port: int) -> str:
+    host = host or "0.0.0.0"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _in_cluster() -> bool:
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.path.exists(IN_CLUSTER_TOKEN)
+
+
+def _api_client(cfg: Config) -> Any:
+    """A kubernetes ``ApiClient`` from ``--kubeconfig``; None in-cluster (each
+    user loads the service account config on its own thread). Raises StartupError."""
+    if not cfg.kubeconfig:
+        return None
+    from kubernetes import config as kconfig
+
+    try:
+        return kconfig.new_client_from_config(config_file=cfg.kubeconfig)
+    except Exception as exc:
+        raise StartupError(f"--kubeconfig {cfg.kubeconfig}: {exc}") from None
+
+
+
+_P = TypeVar("_P", bound=PartBase)
+
+
+class _Builders:
+    """The construction steps of ``Daemon`` (a mixin: ``Daemon.__init__``
+    sets these attributes; see ``Daemon``)."""
+
+    cfg: Config
+    parts: dict[str, Part]
+    inventory: Inventory | None
+    simulated: SimulatedInventory | None
+    node: NodeInfo | None
+    node_name: str
+    ledger: Ledger | None
+    metrics: Metrics | None
+    mps: MpsApi | None
+    pod_source: PodSource | None
+    events: EventRecorder | NullEventRecorder | None
+    nri: NriDoor | None
+    device_plugin: DevicePluginServer | None
+    memory_limits: MemoryLimits | None
+    cdi_hook_of: Callable[[str], bool | None] | None
+    cdi: CdiRegistry | None
+    endpoints: dict[str, str]
+    ledger_warnings: list[str]
+    _healthy_gpus: dict[str, GpuHealth]
+    _stopping: threading.Event
+    pending_signals: list[int]
+
+    if TYPE_CHECKING:  # Daemon's own methods the steps use
+        def _add(self, part: _P) -> _P: ...
+
+        def metric_state(self) -> dict[str, Any]: ...
+
+        def checks(self) -> dict[str, dict[str, Any]]: ...
+
+        def status(self) -> dict[str, Any]: ...
+
+        def alive(self) -> str | None: ...
+
+        def wakeup(self) -> None: ...
+
+    @property
+    def planner_config(self) -> PlannerConfig:
+        """Planner settings; per-container MPS namespaces only with MPS v3
+        (classic v2 has none: sm-sharing containers share the daemon's pipe
+        directory, ADR 0001)."""
+        from .mps.control import choose_protocol
+
+        override = None if self.cfg.mps_protocol == "auto" else int(self.cfg.mps_protocol)
+        driver = self.node.driver_version if self.node is not None else ""
+        return PlannerConfig(reserve_mib=self.cfg.reserve_mib, max_clients_per_gpu=self.cfg.max_clients_per_gpu,
+                             layout=MpsLayout(self.cfg.mps_root), annotation_prefix=self.cfg.annotation_prefix,
+                             mps_namespaces=choose_protocol(driver, override) >= 3,
+                             cdi_devices=not self.cfg.no_cdi_devices)
+
+    def _build_inventory(self) -> None:
+        from .gpu.inventory import InventoryError
+
+        try:
+            if self.cfg.simulate_node:
+                from .gpu.simulated import SimulatedInventory
+
+                self.simulated = SimulatedInventory(self.cfg.simulate_node)
+                self.inventory = self.simulated
+            else:
+                from .gpu.nvml import NvmlInventory
+
+                self.inventory = NvmlInventory()
+            node = self.node = self.inventory.node()
+        except InventoryError as exc:
+            raise StartupError(f"GPU inventory: {exc}") from None
+        self._add(InventoryPart(self.cfg, self.inventory))
+        self.node_name = self.cfg.node_name or node.name
+        log.info("inventory ready", extra={
+            "node": node.name, "simulated": bool(self.cfg.simulate_node), "driver": node.driver_version,
+            "gpus": [f"{g.index}:{g.uuid}:{g.memory_mib}MiB" for g in node.gpus]})
+
+    def _build_ledger(self) -> None:
+        assert self.node is not None
+        try:
+            os.makedirs(self.cfg.state_dir, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"state directory {self.cfg.state_dir}: {exc.strerror or exc}") from None
+        from .ledgerstore import remove_crash_leftovers, state_dir_warning
+
+        tmpfs_warning = state_dir_warning(self.cfg.state_dir)
+        if tmpfs_warning:
+            log.warning(tmpfs_warning, extra={"state_dir": self.cfg.state_dir})
+        ledger = self.ledger = Ledger(self.node, self.cfg.ledger_path, max_clients_per_gpu=self.cfg.max_clients_per_gpu)
+        self.ledger_warnings = ledger.load()  # the ledger logs each warning itself
+        for msg in remove_crash_leftovers(self.cfg.ledger_path):  # temps of killed writes, old corrupt copies
+            log.info(msg, extra={"path": self.cfg.ledger_path})
+        self._add(LedgerPart(self.cfg, ledger, self.ledger_warnings))
+        log.info("ledger loaded", extra={"path": self.cfg.ledger_path, "tenancies": len(ledger.tenancies())})
+
+    def _build_metrics(self) -> None:
+        try:
+            from .metrics import Metrics
+        except ImportError as exc:
+            log.warning("metrics unavailable: %s", exc)
+            return
+        metrics = self.metrics = Metrics(ledger=self.ledger, inventory=self.inventory, node=self.node,
+                                         node_name=self.node_name)
+        metrics.attach_state(self.metric_state)
+        try:
+            part = self._add(MetricsPart(self.cfg, metrics))
+        except OSError as exc:
+            raise StartupError(f"--metrics-address {self.cfg.metrics_address}: {exc.strerror or exc}") from None
+        assert part.bound is not None
+        self.endpoints["metrics"] = _fmt_addr(*part.bound)
+
+    def _build_mps(self) -> None:
+        from .mps.api import NullMps
+
+        layout = MpsLayout(self.cfg.mps_root)
+        if self.cfg.no_mps:
+            self.mps = NullMps(layout)
+            return
+        modes = tuple(ComputeMode(m) for m in self.cfg.mps_modes)
+        if self.cfg.role == "doors":
+            # MPS lives in the MPS role (ADR 0009): talk to it, never start it.
+            from .mps.rpc import RemoteMps
+
+            self.mps = RemoteMps(self.cfg.effective_mps_api_socket, layout, modes=modes)
+            self._add(MpsPart(self.cfg, self.mps))
+            st = self.mps.status()
+            if not st.get("reachable"):
+                log.warning("MPS role not reachable yet; MPS modes are down until it answers",
+                            extra={"socket": self.cfg.effective_mps_api_socket, "reason": st.get("error")})
+        else:
+            self._build_supervisor(layout, modes)
+        if self.metrics is not None:
+            self.metrics.attach_mps(self.mps)
+
+    def _build_supervisor(self, layout: MpsLayout, modes: tuple[ComputeMode, ...]) -> None:
+        from .mps.supervisor import MpsSupervisor
+
+        assert self.node is not None
+        protocol = None if self.cfg.mps_protocol == "auto" else int(self.cfg.mps_protocol)
+        exclusive = (tuple(g.uuid for g in self.node.gpus)
+                     if self.cfg.exclusive_process and not self.cfg.simulate_node else ())
+        sup = MpsSupervisor(layout, self.cfg.mps_control_binary, protocol, self.node.driver_version, modes,
+                            exclusive_process_gpus=exclusive, detached=self.cfg.role == "mps",
+                            probe_timeout_s=self.cfg.mps_probe_timeout_s,
+                            probe_failure_threshold=self.cfg.mps_probe_failure_threshold)
+        self.mps = sup
+        try:
+            self._add(MpsPart(self.cfg, sup))
+        except Exception as exc:
+            raise StartupError(f"MPS supervisor: {exc}") from None
+        if self.cfg.role == "mps":
+            from .mps.rpc import MpsApiServer
+
+            try:
+                self._add(MpsApiPart(self.cfg, MpsApiServer(sup, self.cfg.effective_mps_api_socket)))
+            except OSError as exc:
+                raise StartupError(f"--mps-api-socket {self.cfg.effective_mps_api_socket}: {exc.strerror or exc}") from None
+            self.endpoints["mps_api"] = self.cfg.effective_mps_api_socket
+
+    def _build_pod_source(self) -> None:
+        # both doors read the pod's spec: the NRI door for pod-level KAI forms
+        # (first or named app container), also with --no-device-plugin (issue 25 item 1)
+        if self.cfg.no_device_plugin and self.cfg.no_nri:
+            return
+        from .kubelet.podlookup import InMemoryPodSource, KubernetesPodSource
+
+        if self.cfg.pods_file:
+            mem = InMemoryPodSource(self.node_name)
+            watcher = PodsFileWatcher(self.cfg.pods_file, mem)
+            self.pod_source = mem
+            self._add(PodSourcePart(self.cfg, mem, watcher.start, watcher.stop))
+            log.info("simulated API: pods file", extra={"path": self.cfg.pods_file, "pods": len(mem)})
+        elif self.cfg.kubeconfig or _in_cluster():
+            watch = KubernetesPodSource(self.node_name, self.cfg.resource_name, _api_client(self.cfg))
+            self.pod_source = watch
+            self._add(PodSourcePart(self.cfg, watch, watch.start, watch.stop))
+            log.info("API watch started", extra={"node": self.node_name,
+                                                  "via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster"})
+        else:
+            log.warning("no API access (no --kubeconfig, not in a cluster, no --pods-file): " + POD_SOURCE_MISSING)
+
+    def _build_events(self) -> None:
+        from .events import EventRecorder, NullEventRecorder
+
+        if self.cfg.no_nri or not (self.cfg.kubeconfig or _in_cluster()):
+            self.events = NullEventRecorder()
+            return
+        recorder = EventRecorder(_api_client(self.cfg), self.node_name)
+        self.events = recorder
+        self._add(EventsPart(self.cfg, recorder))
+        log.info("refusals become Kubernetes Events", extra={
+            "via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster", "doors": "nri"})
+
+    def _build_node_condition(self) -> None:
+        """KAI's readiness gate: publish ``--node-condition-types`` from
+        readiness when there is API access (ADR 0005)."""
+        from .nodecondition import NodeConditionPublisher, condition_from_checks
+
+        types = self.cfg.node_condition_types
+        if not types:
+            return
+        if not (self.cfg.kubeconfig or _in_cluster()) or not self.node_name:
+            log.info("node condition not published (no API access or no node name)", extra={"types": list(types)})
+            return
+        publisher = NodeConditionPublisher(
+            _api_client(self.cfg), self.node_name, lambda: condition_from_checks(self.checks()), types)
+        self._add(NodeConditionPart(self.cfg, publisher))
+        log.info("publishing the node condition KAI gates on", extra={"types": list(types), "node": self.node_name})
+
+    def _refused_nri(self, pod: Any, container: str, err: Any) -> None:
+        """``FracNriPlugin.on_refusal``: queue the refusal's Event (never blocks)."""
+        if self.events is not None:
+            self.events.refused(pod, container, err, "nri")
+
+    def _warned_nri(self, pod: Any, container: str, message: str) -> None:
+        """``FracNriPlugin.on_warning``: queue an AnnotationNotApplied Event (never blocks)."""
+        if self.events is not None:
+            self.events.warned(pod, container, message, "nri")
+
+    def _build_memory_limits(self) -> MemoryLimits | None:
+        """CUDA memory limits per container (issue 23, ADR 0025): None with
+        ``--memory-limits off``, else the ``enforce.wiring.MemoryLimits`` the
+        NRI door calls (a part: readiness check ``memory_limits``)."""
+        if self.cfg.memory_limits == "off" or self.node is None:
+            return None
+        from .enforce.memlimits import NvmlLimits
+        from .enforce.wiring import MemoryLimits, MemoryLimitsPart
+
+        if self.cfg.memory_limits == "auto" and self.simulate_node_without_nvml(NvmlLimits.loadable):
+            # A simulated node with no NVML library has nothing to set or read limits with:
+            # auto means off there (ADR 0025); apply/verify chosen explicitly still run.
+            log.info("memory limits: off (auto on a simulated node without NVML)")
+            return None
+
+        registry = self._cdi()
+        if registry is not None and self.cdi_hook_of is None:
+            def hook_of(uuid: str) -> bool:
+                """The gate's CDI input: does the CDI spec for this GPU carry the toolkit's
+                memory-limit hook (False where no spec lists the GPU: nothing would run it)."""
+                dev = registry.device_for(uuid)
+                return dev is not None and dev.has_memory_limit_hook
+
+            self.cdi_hook_of = hook_of
+        ml = self.memory_limits = MemoryLimits.build(
+            self.cfg, self.node, mps_protocol=lambda: self.mps.protocol if self.mps is not None else None,
+            hook_of=self.cdi_hook_of,
+            on_not_enforced=lambda pod, c, msg: self.events.limit_not_enforced(pod, c, msg) if self.events else None)
+        if self.metrics is not None:
+            ml.attach_metrics(self.metrics.registry, self.metrics.node_name())
+        self._add(MemoryLimitsPart(self.cfg, ml))
+        return ml
+
+    def simulate_node_without_nvml(self, loadable: Callable[[], bool]) -> bool:
+        """True on a ``--simulate-node`` daemon where NVML does not initialise."""
+        return bool(self.cfg.simulate_node) and not loadable()
+
+    def _cdi(self) -> CdiRegistry | None:
+        """The node's CDI specs (``cdi.CdiRegistry`` over ``--cdi-spec-dirs``,
+        ADR 0025b), built once; None without spec directories."""
+        if self.cdi is None and self.cfg.cdi_spec_dirs and self.node is not None:
+            from .cdi import CdiRegistry
+
+            self.cdi = CdiRegistry(self.cfg.cdi_spec_dirs, self.node.gpus, kind=self.cfg.cdi_kind)
+            self.cdi.refresh()
+        return self.cdi
+
+    def _build_nri(self) -> None:
+        if self.cfg.no_nri:
+            return
+        from .nri.plugin import FracNriPlugin
+        from .nri.stub import NriStub
+
+        assert self.node is not None and self.ledger is not None
+        limits = self._build_memory_limits()
+        plugin = FracNriPlugin(self.node, self.ledger, self.planner_config, mps=self.mps,
+                               metrics=self.metrics, fail_open=self.cfg.fail_open,
+                               on_refusal=self._refused_nri, on_warning=self._warned_nri,
+                               pod_lookup=self.pod_source.get if self.pod_source is not None else None,
+                               unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name,
+                               gpu_health=self._gpu_health, memory_limits=limits.nri if limits else None,
+                               cdi=None if self.cfg.no_cdi_devices else self._cdi(),
+                               start_wait_s=self.cfg.nri_start_wait_s)
+        stub = NriStub(plugin, socket_path=self.cfg.nri_socket,
+                       plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx,
+                       on_bound=self.metrics.nri_bound_exceeded if self.metrics is not None else None)
+        self.nri = self._add(NriDoor(self.cfg, stub, plugin))
+        self.endpoints["nri_socket"] = self.cfg.nri_socket
+        if stub.fd_mode:
+            # Launched by the runtime with the NRI socket on fd 3 (docs/reference/nri-protocol.md 1.5): when that
+            # connection ends the runtime will launch a new plugin, so this process must go.
+            self.endpoints["nri_socket"] = f"fd {stub.fd}"
+
+            def watch_exit() -> None:
+                stub.wait_exit()
+                if not self._stopping.is_set():
+                    log.info("NRI connection on fd %s ended (runtime-launched plugin): shutting down", stub.fd)
+                    self.pending_signals.append(signal.SIGTERM)
+                    self.wakeup()
+
+            threading.Thread(target=watch_exit, name="nri-fd-exit", daemon=True).start()
+
+    def _build_device_plugin(self) -> None:
+        if self.cfg.no_device_plugin:
+            return
+        from .kubelet.deviceplugin import DevicePluginServer
+        from .kubelet.devices import DeviceTableTooLarge
+
+        assert self.node is not None and self.ledger is not None
+        try:
+            server = DevicePluginServer(
+                self.node, self.ledger, self.planner_config, self.inventory,
+                pod_source=self.pod_source, resource_name=self.cfg.resource_name, unit_mib=self.cfg.device_unit_mib,
+                plugin_dir=self.cfg.device_plugin_dir, kubelet_socket=self.cfg.effective_kubelet_socket,
+                allocate_deadline_s=self.cfg.allocate_deadline_s, mps_health=None if self.cfg.no_mps else self.mps,
+                podresources_interval_s=self.cfg.pod_resources_interval_s,
+                metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket,
+                ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
+                policy=self.cfg.allocation_policy, device_specs=self.cfg.device_specs, cdi_kind=self.cfg.cdi_kind,
+                cdi=self._cdi(),
+                secure_pipe_mount=self.cfg.secure_pipe_mount, fail_open=self.cfg.fail_open)
+        except DeviceTableTooLarge as exc:
+            # Kubelet could never receive the device list (devices.py): refuse to start.
+            raise StartupError(f"--device-unit-mib {self.cfg.device_unit_mib}: {exc}") from None
+        self.device_plugin = server
+        try:
+            self._add(DevicePluginPart(self.cfg, server))
+        except OSError as exc:
+            raise StartupError(f"device plugin: {exc}") from None
+        self.endpoints["device_plugin_socket"] = server.socket_path
+        self.endpoints["kubelet_socket"] = self.cfg.effective_kubelet_socket
+
+    def simulate_xid(self, gpu_uuid: str, xid: int) -> None:
+        """``POST /simulate/xid``: queue XID ``xid`` on ``gpu_uuid`` in the
+        simulated inventory (``SimulatedInventory.inject_xid``); the device
+        plugin's health monitor then sees it as NVML would deliver it.
+        Raises LookupError for a GPU this node does not have; RuntimeError
+        when the inventory is not simulated (the route is never offered then)."""
+        from .gpu.inventory import InventoryError
+
+        if self.simulated is None:
+            raise RuntimeError("XIDs can only be injected into a simulated node (--simulate-node)")
+        assert self.node is not None
+        if self.node.gpu_by_uuid(gpu_uuid) is None:
+            raise LookupError(f"no GPU {gpu_uuid} on node {self.node.name} "
+                              f"(GPUs: {', '.join(g.uuid for g in self.node.gpus)})")
+        try:
+            self.simulated.inject_xid(gpu_uuid, xid)
+        except InventoryError as exc:
+            raise LookupError(str(exc)) from None
+
+    def _gpu_health(self, uuid: str) -> GpuHealth:
+        """The device plugin door's health of one GPU (XID + MPS); healthy
+        when that door is not running (no monitor)."""
+        if self.device_plugin is not None:
+            return self.device_plugin.health.health(uuid)
+        # Called per GPU on every CreateContainer (issue 14): one frozen
+        # GpuHealth per UUID, made once, not an import and a build per call.
+        healthy = self._healthy_gpus.get(uuid)
+        if healthy is None:
+            from .gpu.health import GpuHealth
+
+            healthy = self._healthy_gpus[uuid] = GpuHealth(uuid, True)
+        return healthy
+
+    def _build_health(self) -> None:
+        from .health import HealthServer
+
+        server = HealthServer(self.cfg.health_address, self.checks, self.status, alive=self.alive,
+                              simulate_xid=self.simulate_xid if self.simulated is not None else None)
+        try:
+            part = self._add(HealthPart(self.cfg, server))
+        except OSError as exc:
+            raise StartupError(f"--health-address {self.cfg.health_address}: {exc.strerror or exc}") from None
+        assert part.bound is not None
+        self.endpoints["health"] = _fmt_addr(*part.bound)
+

@@ -1,0 +1,534 @@
+"""Apply or verify CUDA 13.4 memory limits per container and GPU, via NVML.
+
+Per container at StartContainer (its leaf cgroup exists, user code has not
+run): for each GPU of its plan read ``nvmlDeviceGetMemoryLimits_v1`` on the
+leaf cgroup and compare with the plan (soft = request, hard = limit, bytes;
+docs/reference/mps-nvml.md section 3, 4.4). Modes (``--memory-limits``):
+
+* ``apply``: set them with ``nvmlDeviceSetMemoryLimits_v1`` when they differ,
+  then read back.
+* ``verify``: report only (the toolkit's ``apply-cuda-memory-limits`` hook
+  sets them at createRuntime).
+* ``auto`` (default): apply on GPUs whose CDI spec lacks the hook (or is not
+  known to carry it), verify where it is present.
+* ``off``: nothing (no NVML call, nothing reported as not enforced).
+
+At RemoveContainer the soft limit is zeroed (hard kept) before the cgroup
+goes: a deleted leaf keeps its ancestors' ``dmem.min`` otherwise (MPS docs).
+
+NVML refusals (no permission, not supported, MIG), a cgroup that cannot be
+found and a missing library become a ``reason`` on the result, never an
+exception out of ``start``/``remove``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from .cgroups import DEFAULT_CGROUP_ROOT, CgroupNotFound, resolve_leaf
+
+__all__ = [
+    "MemoryLimitMode", "LimitPolicy", "LimitError", "LimitsBackend", "NvmlLimits", "GpuLimits",
+    "GpuLimitResult", "ContainerLimits", "MemoryLimitEnforcer", "LIMIT_MAX", "MIB",
+]
+
+log = logging.getLogger(__name__)
+
+LIMIT_MAX = 0xFFFFFFFFFFFFFFFF
+"""``NVML_DEVICE_MEMORY_LIMIT_MAX``: no hard limit."""
+MIB = 1 << 20
+
+
+class MemoryLimitMode(str, enum.Enum):
+    """``--memory-limits``: auto | apply | verify | off."""
+
+    AUTO = "auto"
+    APPLY = "apply"
+    VERIFY = "verify"
+    OFF = "off"
+
+    @classmethod
+    def parse(cls, text: str) -> "MemoryLimitMode":
+        """Raises ValueError naming the value and the allowed ones."""
+        try:
+            return cls(str(text).strip().lower())
+        except ValueError:
+            raise ValueError(f"--memory-limits {text!r} must be one of auto, apply, verify, off") from None
+
+
+class LimitPolicy(str, enum.Enum):
+    """``--memory-limits-policy``: what happens when a limit cannot be enforced
+    (ADR 0025): ``warn`` starts the container and warns (Event, metric,
+    status); ``refuse`` fails its start (StartContainer error; CreateContainer
+    refusal when the node cannot enforce at all)."""
+
+    WARN = "warn"
+    REFUSE = "refuse"
+
+    @classmethod
+    def parse(cls, text: str) -> "LimitPolicy":
+        """Raises ValueError naming the value and the allowed ones."""
+        try:
+            return cls(str(text).strip().lower())
+        except ValueError:
+            raise ValueError(f"--memory-limits-policy {text!r} must be warn or refuse") from None
+
+
+class LimitError(Exception):
+    """An NVML limits call failed; ``reason`` is the operator's sentence,
+    ``code`` a short label (no_permission, not_supported, not_found, no_nvml, nvml)."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        self.code = code
+        self.reason = reason
+        super().__init__(reason)
+
+
+@dataclass(frozen=True)
+class GpuLimits:
+    """Limits on one GPU for one cgroup: bytes; hard ``LIMIT_MAX`` = none."""
+
+    soft: int
+    hard: int
+    used: int | None = None
+
+
+class LimitsBackend(Protocol):
+    """What the enforcer needs from NVML (``NvmlLimits`` in production)."""
+
+    def get(self, gpu_uuid: str, namespace: str) -> GpuLimits:
+        """Read the limits of ``namespace`` (a cgroup dir) on the GPU. Raises LimitError."""
+        ...
+
+    def set(self, gpu_uuid: str, namespace: str, soft: int, hard: int) -> None:
+        """Set them (bytes). Raises LimitError."""
+        ...
+
+
+_CODES = {3: "not_supported", 4: "no_permission", 6: "not_found", 13: "not_supported", 12: "no_nvml"}
+
+
+class NvmlLimits:
+    """``LimitsBackend`` on nvidia-ml-py (pynvml): ``nvmlDeviceGet/SetMemoryLimits_v1``.
+
+    Uses pynvml's own structs and wrappers when the installed version has
+    them (13.615+), else our own ctypes structs through pynvml's loaded
+    library handle. Calls ``nvmlInit`` once (``open``), ``nvmlShutdown`` at
+    ``close``. Thread-safe (NVML is; handles are cached under a lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handles: dict[str, Any] = {}
+        self._open = False
+        self._pynvml: Any = None
+
+    def open(self) -> None:
+        """Initialise NVML. Raises LimitError (no_nvml) when it cannot."""
+        with self._lock:
+            if self._open:
+                return
+            try:
+                import pynvml  # noqa: PLC0415
+
+                pynvml.nvmlInit()
+            except Exception as exc:
+                raise LimitError("no_nvml", f"NVML could not be initialised: {exc}") from None
+            self._pynvml = pynvml
+            self._open = True
+
+    @staticmethod
+    def loadable() -> bool:
+        """Whether NVML initialises here (the real library, or the fake one of
+        tests/fakes/nvml on ``LD_LIBRARY_PATH``); never raises."""
+        nv = NvmlLimits()
+        try:
+            nv.open()
+        except LimitError:
+            return False
+        nv.close()
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._open:
+                return
+            self._open = False
+            self._handles.clear()
+            try:
+                self._pynvml.nvmlShutdown()
+            except Exception:
+                pass
+
+    def _handle(self, uuid: str) -> Any:
+        self.open()
+        with self._lock:
+            h = self._handles.get(uuid)
+            if h is None:
+                h = self._pynvml.nvmlDeviceGetHandleByUUID(uuid)
+                self._handles[uuid] = h
+            return h
+
+    def _err(self, exc: Exception, what: str, uuid: str, namespace: str) -> LimitError:
+        value = getattr(exc, "value", None)
+        code = _CODES.get(value, "nvml") if isinstance(value, int) else "nvml"
+        if code == "not_found":
+            msg = f"NVML {what} on {uuid} for {namespace}: {exc} (cgroup or GPU not found)"
+        elif code == "no_permission":
+            msg = f"NVML {what} on {uuid} for {namespace}: {exc} (setting limits needs root)"
+        elif code == "not_supported":
+            msg = f"NVML {what} on {uuid} for {namespace}: {exc} (driver without memory partitioning, or MIG)"
+        else:
+            msg = f"NVML {what} on {uuid} for {namespace}: {exc}"
+        return LimitError(code, msg)
+
+    def _structs(self) -> tuple[Any, Any]:
+        p = self._pynvml
+        if hasattr(p, "c_nvmlGetMemoryLimits_v1_t") and hasattr(p, "c_nvmlSetMemoryLimits_v1_t"):
+            return p.c_nvmlGetMemoryLimits_v1_t, p.c_nvmlSetMemoryLimits_v1_t
+        return _OwnGet, _OwnSet
+
+    def _call(self, name: str, h: Any, st: Any) -> None:
+        p = self._pynvml
+        fn = getattr(p, name, None)
+        if fn is not None:
+            fn(h, st)
+            return
+        import ctypes  # noqa: PLC0415
+
+        ret = p._nvmlGetFunctionPointer(name)(h, ctypes.byref(st))
+        p._nvmlCheckReturn(ret)
+
+    def get(self, gpu_uuid: str, namespace: str) -> GpuLimits:
+        try:
+            h = self._handle(gpu_uuid)
+            get_t, _ = self._structs()
+            st = get_t()
+            st.nameSpace = os.fsencode(namespace)
+            self._call("nvmlDeviceGetMemoryLimits_v1", h, st)
+            return GpuLimits(int(st.softLimit), int(st.hardLimit), int(getattr(st, "currentUsed", 0)) or None)
+        except LimitError:
+            raise
+        except Exception as exc:
+            raise self._err(exc, "GetMemoryLimits_v1", gpu_uuid, namespace) from None
+
+    def set(self, gpu_uuid: str, namespace: str, soft: int, hard: int) -> None:
+        try:
+            h = self._handle(gpu_uuid)
+            _, set_t = self._structs()
+            st = set_t()
+            st.nameSpace = os.fsencode(namespace)
+            st.softLimit = soft
+            st.hardLimit = hard
+            self._call("nvmlDeviceSetMemoryLimits_v1", h, st)
+        except LimitError:
+            raise
+        except Exception as exc:
+            raise self._err(exc, "SetMemoryLimits_v1", gpu_uuid, namespace) from None
+
+    def probe(self, gpu_uuid: str, root: str = DEFAULT_CGROUP_ROOT) -> str | None:
+        """None when ``nvmlDeviceGetMemoryLimits_v1`` answers on ``root`` for
+        the GPU, else the reason (the capability gate's NVML input)."""
+        try:
+            self.get(gpu_uuid, root)
+            return None
+        except LimitError as exc:
+            return exc.reason
+
+
+def _own_structs() -> tuple[Any, Any]:
+    import ctypes  # noqa: PLC0415
+
+    class Get(ctypes.Structure):
+        _fields_ = [("nameSpace", ctypes.c_char_p), ("softLimit", ctypes.c_ulonglong),
+                    ("hardLimit", ctypes.c_ulonglong), ("currentUsed", ctypes.c_ulonglong)]
+
+    class Set(ctypes.Structure):
+        _fields_ = [("nameSpace", ctypes.c_char_p), ("softLimit", ctypes.c_ulonglong),
+                    ("hardLimit", ctypes.c_ulonglong)]
+
+    return Get, Set
+
+
+_OwnGet, _OwnSet = _own_structs()
+
+
+@dataclass
+class GpuLimitResult:
+    """One GPU of one container: planned and read limits (bytes) and the verdict.
+
+    ``enforced``: True (read == planned), False (differs or could not be
+    set/read: ``reason``), None (not checked: mode off). ``action``:
+    ``applied``, ``verified``, ``none``. ``used`` from ``dmem.current`` when the
+    kernel has it (None otherwise)."""
+
+    gpu_uuid: str
+    planned_soft: int
+    planned_hard: int
+    read_soft: int | None = None
+    read_hard: int | None = None
+    enforced: bool | None = None
+    action: str = "none"
+    reason: str = ""
+    used: int | None = None
+    used_source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu": self.gpu_uuid, "planned_soft_bytes": self.planned_soft, "planned_hard_bytes": self.planned_hard,
+                "read_soft_bytes": self.read_soft, "read_hard_bytes": self.read_hard, "enforced": self.enforced,
+                "action": self.action, "reason": self.reason, "used_bytes": self.used,
+                "used_source": self.used_source}
+
+
+@dataclass
+class ContainerLimits:
+    """One container's limits on all its GPUs (``enforced`` yes/no/unknown)."""
+
+    container_id: str
+    pod: str
+    container: str
+    cgroup: str | None
+    gpus: list[GpuLimitResult] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def enforced(self) -> str:
+        """``yes``, ``no`` or ``unknown`` (the ENFORCED column)."""
+        states = [g.enforced for g in self.gpus]
+        if self.reason and not states:
+            return "no"
+        if any(s is False for s in states):
+            return "no"
+        if states and all(s is True for s in states):
+            return "yes"
+        return "unknown"
+
+    @property
+    def why(self) -> str:
+        """The first reason (container-level, then per GPU)."""
+        return self.reason or next((g.reason for g in self.gpus if g.reason), "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"container_id": self.container_id, "pod": self.pod, "container": self.container,
+                "cgroup": self.cgroup, "enforced": self.enforced, "reason": self.why,
+                "gpus": [g.to_dict() for g in self.gpus]}
+
+
+def read_dmem_current(leaf: str, region: str) -> int | None:
+    """The ``region`` line of ``<leaf>/dmem.current`` in bytes (None when absent)."""
+    try:
+        with open(os.path.join(leaf, "dmem.current"), encoding="utf-8") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 2 and parts[0] == region and parts[1].isdigit():
+                    return int(parts[1])
+    except OSError:
+        return None
+    return None
+
+
+class MemoryLimitEnforcer:
+    """Apply/verify per container (see the module docstring).
+
+    Args:
+        mode: the ``--memory-limits`` mode.
+        backend: NVML limits (``NvmlLimits``); None = no NVML (every
+            container "no (NVML not available)" unless mode is off).
+        cgroup_root: where leaf cgroups are resolved (``--cgroup-root``).
+        hook_of: ``uuid -> bool | None``: the GPU's CDI spec carries the
+            toolkit hook (auto mode verifies there, applies elsewhere).
+        region_of: ``uuid -> dmem region`` (``nvidia/<bdf>/vidmem``) to read
+            ``dmem.current``; None = do not read.
+        can_enforce: ``() -> reason`` (``""`` when the node can enforce): a
+            node that cannot is reported without NVML calls.
+        on_not_enforced: ``f(ContainerLimits)`` after a start whose limits
+            are not enforced (a Warning Event); must not block.
+
+    Thread-safe; results are kept per container id until ``remove``."""
+
+    def __init__(self, mode: MemoryLimitMode, backend: LimitsBackend | None, *,
+                 cgroup_root: str = DEFAULT_CGROUP_ROOT,
+                 hook_of: Callable[[str], bool | None] | None = None,
+                 region_of: Callable[[str], str | None] | None = None,
+                 can_enforce: Callable[[], str] | None = None,
+                 on_not_enforced: Callable[[ContainerLimits], None] | None = None) -> None:
+        self.mode = mode
+        self.backend = backend
+        self.cgroup_root = cgroup_root
+        self.hook_of = hook_of
+        self.region_of = region_of
+        self.can_enforce = can_enforce
+        self.on_not_enforced = on_not_enforced
+        self._lock = threading.Lock()
+        self._results: dict[str, ContainerLimits] = {}
+
+    def _applies(self, uuid: str) -> bool:
+        if self.mode is MemoryLimitMode.APPLY:
+            return True
+        if self.mode is MemoryLimitMode.VERIFY:
+            return False
+        hook = None
+        if self.hook_of is not None:
+            try:
+                hook = self.hook_of(uuid)
+            except Exception:
+                hook = None
+        return hook is not True
+
+    def start(self, container_id: str, cgroups_path: str, gpus: Sequence[tuple[str, int, int]],
+              pod: str = "", container: str = "") -> ContainerLimits | None:
+        """Apply or verify the limits of one container.
+
+        Args:
+            container_id: the runtime's id.
+            cgroups_path: NRI ``linux.cgroups_path``.
+            gpus: ``(gpu uuid, request MiB, limit MiB)`` per GPU of its plan.
+        Returns the result (None with mode off or no GPUs). Never raises."""
+        if self.mode is MemoryLimitMode.OFF or not gpus:
+            return None
+        res = ContainerLimits(container_id, pod, container, None,
+                              [GpuLimitResult(u, req * MIB, lim * MIB) for u, req, lim in gpus])
+        try:
+            self._start(res, cgroups_path)
+        except Exception as exc:  # never a traceback into the runtime's call
+            log.exception("memory limits: unexpected failure", extra={"container_id": container_id})
+            res.reason = f"unexpected error: {exc}"
+        with self._lock:
+            self._results[container_id] = res
+        if res.enforced != "yes" and self.on_not_enforced is not None:
+            try:
+                self.on_not_enforced(res)
+            except Exception:
+                log.exception("memory limits: on_not_enforced failed")
+        return res
+
+    def _start(self, res: ContainerLimits, cgroups_path: str) -> None:
+        why = self.can_enforce() if self.can_enforce is not None else ""
+        if why:
+            res.reason = why
+            for g in res.gpus:
+                g.enforced = False
+            return
+        try:
+            leaf = resolve_leaf(cgroups_path, self.cgroup_root)
+        except CgroupNotFound as exc:
+            res.reason = exc.reason
+            for g in res.gpus:
+                g.enforced = False
+            return
+        res.cgroup = leaf
+        if self.backend is None:
+            res.reason = "NVML is not available to read or set memory limits"
+            for g in res.gpus:
+                g.enforced = False
+            return
+        for g in res.gpus:
+            self._one(g, leaf)
+
+    def _one(self, g: GpuLimitResult, leaf: str) -> None:
+        assert self.backend is not None
+        apply = self._applies(g.gpu_uuid)
+        g.action = "applied" if apply else "verified"
+        try:
+            cur = self.backend.get(g.gpu_uuid, leaf)
+            if apply and (cur.soft, cur.hard) != (g.planned_soft, g.planned_hard):
+                self.backend.set(g.gpu_uuid, leaf, g.planned_soft, g.planned_hard)
+                cur = self.backend.get(g.gpu_uuid, leaf)
+        except LimitError as exc:
+            g.enforced = False
+            g.reason = exc.reason
+            return
+        g.read_soft, g.read_hard = cur.soft, cur.hard
+        if cur.used is not None:
+            g.used, g.used_source = cur.used, "nvml"
+        if self.region_of is not None:
+            region = self.region_of(g.gpu_uuid)
+            if region:
+                used = read_dmem_current(leaf, region)
+                if used is not None:
+                    g.used, g.used_source = used, "dmem"
+        g.enforced = (cur.soft, cur.hard) == (g.planned_soft, g.planned_hard)
+        if not g.enforced:
+            hard = "max" if cur.hard == LIMIT_MAX else f"{cur.hard // MIB} MiB"
+            g.reason = (f"read soft {cur.soft // MIB} MiB / hard {hard}, planned soft {g.planned_soft // MIB} MiB / "
+                        f"hard {g.planned_hard // MIB} MiB" + ("" if apply else " (verify mode: not set)"))
+
+    def remove(self, container_id: str, cgroups_path: str = "", gpus: Sequence[str] = ()) -> None:
+        """Zero the soft limit (hard kept) on every GPU where it was set or
+        read, then forget the container. A container started before this
+        daemon did (no kept result) is found from ``cgroups_path``: each GPU
+        of ``gpus`` whose soft limit on its leaf is not 0 gets it zeroed.
+        Never raises (failures are logged)."""
+        with self._lock:
+            res = self._results.pop(container_id, None)
+        if self.backend is None or self.mode is MemoryLimitMode.OFF:
+            return
+        if res is not None and res.cgroup is not None:
+            leaf = res.cgroup
+            todo = [(g.gpu_uuid, g.read_hard) for g in res.gpus if g.read_soft]
+        elif res is None and cgroups_path and gpus:
+            try:
+                leaf = resolve_leaf(cgroups_path, self.cgroup_root)
+            except CgroupNotFound:
+                return
+            todo = []
+            for uuid in gpus:
+                try:
+                    cur = self.backend.get(uuid, leaf)
+                except LimitError:
+                    continue
+                if cur.soft:
+                    todo.append((uuid, cur.hard))
+        else:
+            return
+        for uuid, hard in todo:
+            try:
+                if os.path.isdir(leaf):
+                    self.backend.set(uuid, leaf, 0, hard if hard is not None else LIMIT_MAX)
+            except LimitError as exc:
+                log.warning("memory limits: soft limit not zeroed", extra={"container_id": container_id,
+                                                                          "gpu_uuid": uuid, "reason": exc.reason})
+
+    def results(self) -> list[ContainerLimits]:
+        """The kept results (one per started container not removed yet)."""
+        with self._lock:
+            return list(self._results.values())
+
+    def result(self, container_id: str) -> ContainerLimits | None:
+        with self._lock:
+            return self._results.get(container_id)
+
+    def status(self) -> dict[str, Any]:
+        """JSON-able: ``{"mode", "containers": [ContainerLimits.to_dict()]}``."""
+        return {"mode": self.mode.value, "containers": [r.to_dict() for r in self.results()]}
+
+
+def plan_gpus(tenancies: Sequence[Any]) -> list[tuple[str, int, int]]:
+    """``(uuid, request MiB, limit MiB)`` per GPU from a container's ledger
+    tenancies (``Tenancy``: ``gpu_uuid``, ``request_mib``, ``limit_mib``)."""
+    seen: dict[str, tuple[str, int, int]] = {}
+    for t in tenancies:
+        seen.setdefault(t.gpu_uuid, (t.gpu_uuid, int(t.request_mib), int(t.limit_mib)))
+    return list(seen.values())
+
+
+def metrics_rows(results: Sequence[ContainerLimits]) -> list[tuple[Mapping[str, str], float]]:
+    """Rows for ``fracplugin_container_gpu_memory_limit_bytes{pod, container,
+    gpu, kind, source}``: kind soft|hard|used, source planned|enforced|dmem|nvml."""
+    rows: list[tuple[Mapping[str, str], float]] = []
+    for r in results:
+        for g in r.gpus:
+            base = {"pod": r.pod, "container": r.container, "gpu": g.gpu_uuid}
+            rows.append(({**base, "kind": "soft", "source": "planned"}, float(g.planned_soft)))
+            rows.append(({**base, "kind": "hard", "source": "planned"}, float(g.planned_hard)))
+            if g.read_soft is not None:
+                rows.append(({**base, "kind": "soft", "source": "enforced"}, float(g.read_soft)))
+            if g.read_hard is not None and g.read_hard != LIMIT_MAX:
+                rows.append(({**base, "kind": "hard", "source": "enforced"}, float(g.read_hard)))
+            if g.used is not None:
+                rows.append(({**base, "kind": "used", "source": g.used_source or "nvml"}, float(g.used)))
+    return rows

@@ -1,0 +1,176 @@
+"""The NRI door's side of memory-limit enforcement (issue 23 item 3, ADR 0025).
+
+``NriMemoryLimits`` is what ``FracNriPlugin`` calls (three one-line hooks):
+
+* ``admit(plan) -> plan`` at CreateContainer: with ``--memory-limits-policy
+  refuse`` and a node that cannot enforce (the capability gate), the
+  container is refused with a ``FractionError`` naming the missing capability
+  (key ``node``, code ``memory_limits_unenforceable``). With ``warn`` it
+  passes, but while the node lacks what the toolkit's
+  ``apply-cuda-memory-limits`` hook fails on (driver r615+, cgroup v2, memory
+  accounting, MIG off) the plan's ``NVIDIA_GPU_MEMORY_REQUEST`` /
+  ``NVIDIA_GPU_MEMORY_LIMIT`` are withheld: the hook does nothing unless both
+  are set, and when it runs on such a node it fails the container's start
+  (an OCI hook error; docs/reference/enforcement-cdi-dra.md). ``withheld_keys()`` names them
+  (Synchronize does not report their absence). ADR 0025.
+* ``start(pod, container, ledger)`` at StartContainer: apply/verify the limits
+  of the container's GPUs (from the ledger: soft = request, hard = limit) on
+  its leaf cgroup (NRI ``linux.cgroups_path``). A limit that is not enforced
+  is reported (status, metric, Warning Event ``MemoryLimitNotEnforced``); with
+  ``refuse`` the start fails with FAILED_PRECONDITION (the runtime fails the
+  start, kubelet retries with back-off).
+* ``remove(container_id)`` at RemoveContainer: zero the soft limit.
+
+Nothing here lets an exception other than the refusals out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+from ..model import ContainerPlan, FractionError, PodRef
+from ..planner import ENV_MEMORY_LIMIT, ENV_MEMORY_REQUEST
+from .capability import NodeCapabilities
+from ..rpcstatus import StatusCode as Code
+from .memlimits import LIMIT_MAX, MIB, ContainerLimits, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, plan_gpus
+
+__all__ = ["NriMemoryLimits", "REFUSAL_CODE", "HOOK_ENV", "HOOK_FAILS_ON"]
+
+log = logging.getLogger(__name__)
+
+REFUSAL_CODE = "memory_limits_unenforceable"
+
+HOOK_ENV = (ENV_MEMORY_REQUEST, ENV_MEMORY_LIMIT)
+"""What the toolkit hook reads (both needed, else it does nothing)."""
+
+HOOK_FAILS_ON = ("driver", "cgroup_v2", "memory_accounting", "mig_off")
+"""Capabilities whose absence makes the toolkit hook fail the container's start."""
+
+
+class NriMemoryLimits:
+    """Args:
+        enforcer: the per-container apply/verify engine.
+        policy: warn or refuse.
+        gate_reason: ``() -> str``: "" when the node can enforce, else why.
+        observe: ``f(seconds)`` per StartContainer apply/verify (a histogram);
+            None = not timed.
+        on_not_enforced: ``f(pod ref, container, message)`` when a started
+            container's limit is not in force (the ``MemoryLimitNotEnforced``
+            Warning Event); must not block; its exceptions are logged.
+        capabilities: ``() -> NodeCapabilities`` (the gate's full answer):
+            decides which env the toolkit hook must not get; None = withhold nothing."""
+
+    def __init__(self, enforcer: MemoryLimitEnforcer, policy: LimitPolicy,
+                 gate_reason: Callable[[], str], observe: Callable[[float], None] | None = None,
+                 on_not_enforced: Callable[[PodRef, str, str], None] | None = None,
+                 capabilities: Callable[[], NodeCapabilities] | None = None) -> None:
+        self.capabilities = capabilities
+        self.enforcer = enforcer
+        self.policy = policy
+        self.gate_reason = gate_reason
+        self.observe = observe
+        self.on_not_enforced = on_not_enforced
+
+    @property
+    def active(self) -> bool:
+        return self.enforcer.mode is not MemoryLimitMode.OFF
+
+    def withheld_keys(self) -> tuple[str, ...]:
+        """Env keys not handed to containers now (``HOOK_ENV`` while a
+        capability in ``HOOK_FAILS_ON`` is missing; else none)."""
+        if not self.active or self.capabilities is None:
+            return ()
+        caps = self.capabilities()
+        if any(c.name in HOOK_FAILS_ON for c in caps.missing):
+            return HOOK_ENV
+        return ()
+
+    def admit(self, plan: ContainerPlan) -> ContainerPlan:
+        """The plan to answer with (``withheld_keys`` removed from its env).
+        Raises FractionError when the policy refuses and the node cannot enforce."""
+        if not self.active:
+            return plan
+        if self.policy is LimitPolicy.REFUSE:
+            why = self.gate_reason()
+            if why:
+                raise FractionError("node", None, f"{why} (--memory-limits-policy refuse; --memory-limits off "
+                                                  f"admits fractional pods here without CUDA memory limits)",
+                                    code=REFUSAL_CODE)
+        withheld = self.withheld_keys()
+        if withheld and any(k in plan.env for k in withheld):
+            return dataclasses.replace(plan, env={k: v for k, v in plan.env.items() if k not in withheld})
+        return plan
+
+    def start(self, pod: Any, container: Any, ledger: Any) -> ContainerLimits | None:
+        """Apply/verify for a container the ledger holds. Raises ``RpcError``
+        FAILED_PRECONDITION when not enforced and the policy refuses."""
+        if not self.active:
+            return None
+        gpus = plan_gpus(ledger.find_container_id(container.id))
+        if not gpus:
+            return None
+        t0 = time.perf_counter()
+        linux = getattr(container, "linux", None)
+        cgroups_path = str(getattr(linux, "cgroups_path", "") or "") if linux is not None else ""
+        res = self.enforcer.start(container.id, cgroups_path, gpus,
+                                  pod=f"{pod.namespace}/{pod.name}", container=container.name)
+        if self.observe is not None:
+            self.observe(time.perf_counter() - t0)
+        if res is None or res.enforced == "yes":
+            return res
+        fields = {"pod": res.pod, "container": res.container, "container_id": container.id, "cgroup": res.cgroup,
+                  "reason": res.why, "enforced": res.enforced}
+        if self.policy is LimitPolicy.REFUSE:
+            self._report(pod, res)
+            from ..nri.ttrpc import RpcError  # noqa: PLC0415
+
+            log.warning("memory limit not enforced: start refused", extra=fields)
+            raise RpcError(Code.FAILED_PRECONDITION,
+                           f"fracplugin: GPU memory limit of {res.pod}/{res.container} is not enforced: {res.why}")
+        self._report(pod, res)
+        log.warning("memory limit not enforced: container starts (policy warn)", extra=fields)
+        return res
+
+    def _report(self, pod: Any, res: ContainerLimits) -> None:
+        if self.on_not_enforced is None:
+            return
+        try:
+            ref = PodRef(namespace=pod.namespace, name=pod.name, uid=pod.uid)
+            self.on_not_enforced(ref, res.container, not_enforced_message(res))
+        except Exception:
+            log.exception("memory limits: on_not_enforced failed")
+
+    def remove(self, container: Any, gpus: Callable[[], Any] | None = None) -> None:
+        """Zero the soft limit of a removed container (never raises). Without
+        a result kept from its start (started before this daemon), its leaf
+        from ``linux.cgroups_path`` is checked on every GPU of ``gpus()``
+        (UUIDs)."""
+        if not self.active:
+            return
+        linux = getattr(container, "linux", None)
+        cgroups_path = str(getattr(linux, "cgroups_path", "") or "") if linux is not None else ""
+        all_gpus = list(gpus()) if gpus is not None and self.enforcer.result(container.id) is None else []
+        self.enforcer.remove(container.id, cgroups_path, all_gpus)
+
+
+def _mib(v: int | None) -> str:
+    if v is None:
+        return "unread"
+    return "max" if v == LIMIT_MAX else f"{v // MIB} MiB"
+
+
+def not_enforced_message(res: ContainerLimits) -> str:
+    """The Event text: per GPU not enforced, its planned and read soft/hard
+    limits and the reason (the missing capability or NVML's refusal)."""
+    parts = []
+    for g in res.gpus:
+        if g.enforced:
+            continue
+        parts.append(f"GPU {g.gpu_uuid}: planned soft {_mib(g.planned_soft)} / hard {_mib(g.planned_hard)}, "
+                     f"read soft {_mib(g.read_soft)} / hard {_mib(g.read_hard)}: {g.reason or res.reason}")
+    head = f"CUDA memory limit of container {res.container} not enforced"
+    return head + ("; " + "; ".join(parts) if parts else f": {res.why}")
+

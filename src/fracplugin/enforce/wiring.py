@@ -1,0 +1,221 @@
+"""Memory limits as one daemon part: NVML backend, capability gate, the
+enforcer, the NRI hooks, readiness, status and metrics (issue 23, ADR 0025).
+
+``MemoryLimits.build(...)`` is all the daemon calls; it reads only the
+settings ``memory_limits``, ``memory_limits_policy`` and ``cgroup_root``.
+Readiness (``readiness()``) is False, with the gate's reason, when the node
+cannot enforce and the mode is not ``off``: ``/readyz`` detail and the KAI
+node condition (False, reason ``MemoryLimitsNotReady``) then say which
+capability is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Iterator
+
+from ..model import NodeInfo, PodRef
+from ..parts import PartBase, Readiness
+from .capability import CAPABILITIES, CapabilityGate, gpu_region
+from .memlimits import LimitError, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, NvmlLimits, metrics_rows
+from .nri import NriMemoryLimits
+
+__all__ = ["MemoryLimits", "MemoryLimitsCollector", "MemoryLimitsPart"]
+
+log = logging.getLogger(__name__)
+
+START_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class MemoryLimits:
+    """Everything memory-limit related of one daemon.
+
+    Args:
+        mode, policy, cgroup_root: the settings.
+        node: the node (GPUs, driver version).
+        mps_protocol: ``() -> 2 | 3 | None``.
+        hook_of: ``uuid -> bool | None``: the GPU's CDI spec carries the
+            toolkit's memory-limit hook (from the CDI reader; None = not read).
+        on_not_enforced: ``f(pod ref, container, message)`` (the Warning Event).
+        backend: NVML limits; default ``NvmlLimits()`` opened here (when NVML
+            cannot be initialised the backend is None and the gate's
+            ``memory_accounting`` says so)."""
+
+    def __init__(self, mode: MemoryLimitMode, policy: LimitPolicy, cgroup_root: str, node: NodeInfo, *,
+                 mps_protocol: Callable[[], int | None] | None = None,
+                 hook_of: Callable[[str], bool | None] | None = None,
+                 on_not_enforced: Callable[[PodRef, str, str], None] | None = None,
+                 backend: Any = "default") -> None:
+        self.mode = mode
+        self.policy = policy
+        self.cgroup_root = cgroup_root
+        self.node = node
+        self.nvml: NvmlLimits | None = None
+        self.nvml_error = ""
+        if backend == "default":
+            backend = None
+            if mode is not MemoryLimitMode.OFF:
+                nv = NvmlLimits()
+                try:
+                    nv.open()
+                    backend = self.nvml = nv
+                except LimitError as exc:
+                    self.nvml_error = exc.reason
+                    log.warning("memory limits: NVML not available", extra={"reason": exc.reason})
+        self.backend = backend
+        probe = getattr(backend, "probe", None)
+        self.gate = CapabilityGate(
+            lambda: node.gpus, node.driver_version, cgroup_root=cgroup_root, mps_protocol=mps_protocol,
+            nvml_probe=(lambda u: probe(u, cgroup_root)) if callable(probe) else None, hook_of=hook_of)
+        regions = {g.uuid: gpu_region(g) for g in node.gpus}
+        self.enforcer = MemoryLimitEnforcer(mode, backend, cgroup_root=cgroup_root, hook_of=hook_of,
+                                            region_of=regions.get, can_enforce=self.gate.reason)
+        self._hist: Any = None
+        self.nri = NriMemoryLimits(self.enforcer, policy, self.gate.reason, observe=self._observe,
+                                   on_not_enforced=on_not_enforced, capabilities=self.gate.current)
+
+    @classmethod
+    def build(cls, cfg: Any, node: NodeInfo, **kw: Any) -> "MemoryLimits":
+        """From the daemon's config (``memory_limits``, ``memory_limits_policy``, ``cgroup_root``)."""
+        return cls(MemoryLimitMode.parse(cfg.memory_limits), LimitPolicy.parse(cfg.memory_limits_policy),
+                   cfg.cgroup_root, node, **kw)
+
+    def set_hook_of(self, hook_of: Callable[[str], bool | None] | None) -> None:
+        """Plug in the CDI reader's ``uuid -> hook present`` later (the gate
+        and auto mode read it from then on)."""
+        self.gate.hook_of = hook_of
+        self.enforcer.hook_of = hook_of
+        self.gate.invalidate()
+
+    def _observe(self, seconds: float) -> None:
+        if self._hist is not None:
+            self._hist.observe(seconds)
+
+    def readiness(self) -> dict[str, Any] | None:
+        """``{"ready", "detail"}`` for ``/readyz`` (None with mode off)."""
+        if self.mode is MemoryLimitMode.OFF:
+            return None
+        caps = self.gate.current()
+        if not caps.can_enforce:
+            return {"ready": False, "detail": caps.reason}
+        notes = [f"{c.name}: {c.detail}" for c in caps.items if c.ok is not True]
+        detail = f"memory limits {self.mode.value}, policy {self.policy.value}"
+        return {"ready": True, "detail": detail + ("; " + "; ".join(notes) if notes else "")}
+
+    def status(self) -> dict[str, Any]:
+        """The ``/status`` ``memory_limits`` section."""
+        out: dict[str, Any] = {"mode": self.mode.value, "policy": self.policy.value, "cgroup_root": self.cgroup_root,
+                               "nvml": self.backend is not None, "nvml_error": self.nvml_error}
+        if self.mode is not MemoryLimitMode.OFF:
+            out["node"] = self.gate.current().to_dict()
+            out["containers"] = [r.to_dict() for r in self.enforcer.results()]
+        return out
+
+    def enforced_of(self) -> dict[str, tuple[str, str]]:
+        """container id -> (yes|no|unknown, reason): the ENFORCED column."""
+        return {r.container_id: (r.enforced, r.why) for r in self.enforcer.results()}
+
+    def attach_metrics(self, registry: Any, hostname: str = "") -> None:
+        """Register the collector and the StartContainer histogram on a
+        prometheus-client ``CollectorRegistry``. ``hostname``: the node's name
+        for dcgm-exporter's ``Hostname`` label (the daemon's ``node`` label;
+        "" = the inventory node's name)."""
+        from prometheus_client import Histogram  # noqa: PLC0415
+
+        self._hist = Histogram("fracplugin_memory_limits_start_seconds",
+                               "StartContainer's cost of applying/verifying CUDA memory limits.",
+                               buckets=START_BUCKETS, registry=registry)
+        registry.register(MemoryLimitsCollector(self, hostname or self.node.name))
+
+    def close(self) -> None:
+        if self.nvml is not None:
+            self.nvml.close()
+
+
+class MemoryLimitsCollector:
+    """``fracplugin_node_capability{capability}`` (1 ok, 0 missing, -1
+    unknown), ``fracplugin_memory_limits_enforceable``,
+    ``fracplugin_container_cuda_memory_limit_bytes{namespace, pod, container,
+    gpu_uuid, UUID, gpu, modelName, Hostname, kind, source}`` (the GPU by
+    dcgm-exporter's label names as on every per-GPU series of
+    ``fracplugin.metrics``, ``gpu_uuid`` deprecated until 0.3.0; issue 27
+    item 3; index and model "" for a GPU the inventory lacks; kind soft|hard|used; source
+    planned|enforced|dmem|nvml; named apart from the ledger's
+    ``fracplugin_container_gpu_memory_limit_bytes``, which has other labels)
+    and ``fracplugin_container_cuda_memory_limit_enforced{namespace, pod, container}``."""
+
+    def __init__(self, limits: MemoryLimits, hostname: str) -> None:
+        self.limits = limits
+        self.hostname = hostname
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415
+
+        if self.limits.mode is MemoryLimitMode.OFF:
+            return
+        try:
+            caps = self.limits.gate.current()
+            fam = GaugeMetricFamily("fracplugin_node_capability",
+                                    "Memory-limit capability of the node: 1 present, 0 missing, -1 unknown.",
+                                    labels=("capability",))
+            for name in CAPABILITIES:
+                c = caps.get(name)
+                fam.add_metric([name], -1.0 if c is None or c.ok is None else (1.0 if c.ok else 0.0))
+            yield fam
+            can = GaugeMetricFamily("fracplugin_memory_limits_enforceable",
+                                    "1 when the node can enforce CUDA memory limits (every required capability).")
+            can.add_metric([], 1.0 if caps.can_enforce else 0.0)
+            yield can
+            lim = GaugeMetricFamily("fracplugin_container_cuda_memory_limit_bytes",
+                                    "A container's CUDA memory limit per GPU (cgroup soft/hard, issue 23): planned, "
+                                    "enforced (read back from NVML), and used (dmem.current, else NVML).",
+                                    labels=("namespace", "pod", "container", "gpu_uuid", "UUID", "gpu", "modelName",
+                                            "Hostname", "kind", "source"))
+            results = self.limits.enforcer.results()
+            for labels, value in metrics_rows(results):
+                ns, _, name = labels["pod"].partition("/")
+                uuid = labels["gpu"]
+                gpu = self.limits.node.gpu_by_uuid(uuid)
+                index, model = (str(gpu.index), gpu.name) if gpu is not None else ("", "")
+                lim.add_metric([ns, name, labels["container"], uuid, uuid, index, model, self.hostname,
+                                labels["kind"], labels["source"]], value)
+            yield lim
+            ne = GaugeMetricFamily("fracplugin_container_cuda_memory_limit_enforced",
+                                   "1 when every GPU of the container has its planned limit in force, 0 when not.",
+                                   labels=("namespace", "pod", "container"))
+            for r in results:
+                if r.enforced != "unknown":
+                    ns, _, name = r.pod.partition("/")
+                    ne.add_metric([ns, name, r.container], 1.0 if r.enforced == "yes" else 0.0)
+            yield ne
+        except Exception:
+            log.exception("metrics: memory limits collection failed")
+
+
+class MemoryLimitsPart(PartBase):
+    """The daemon part (``parts.Part``): readiness check ``memory_limits``
+    (the gate), status ``memory_limits``, NVML shut down at stop. Its
+    settings take effect at restart."""
+
+    name = "memory limits"
+    check = "memory_limits"
+    reads = frozenset({"memory_limits", "memory_limits_policy", "cgroup_root"})
+
+    def __init__(self, cfg: Any, limits: MemoryLimits) -> None:
+        super().__init__(cfg)
+        self.limits = limits
+
+    def stop(self, timeout_s: float) -> None:
+        self.limits.close()
+
+    def readiness(self) -> Readiness:
+        r = self.limits.readiness()
+        if r is None:
+            return Readiness(True, "memory limits off")
+        return Readiness(bool(r["ready"]), str(r["detail"]))
+
+    def status(self) -> dict[str, Any]:
+        return self.limits.status()

@@ -1,0 +1,162 @@
+"""Process primitives of the MPS supervisor: control daemons that are not our
+children, liveness by ``/proc``, and the MPS root's directories.
+
+Used by ``lifecycle`` (start, adopt, kill), ``probing`` (adoption) and
+``namespaces`` (leaf directories); nothing here holds supervisor state.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import stat
+import subprocess
+import time
+
+__all__ = ["SERVER_EXE", "DetachedProc", "pid_alive", "is_control_daemon", "make_dir",
+           "root_problem"]
+
+SERVER_EXE = "nvidia-cuda-mps-server"
+"""Basename of the MPS server binary (``/proc/<pid>/exe``), for leftover-server cleanup."""
+
+
+class DetachedProc:
+    """A control daemon that is not our child: started with ``-d`` (it
+    daemonizes into its own session) or adopted from a previous fracplugin.
+    Offers the ``Popen`` subset the supervisor uses. ``returncode`` is -1 once
+    the process is gone (its real status belongs to its parent, not to us)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = int(pid)
+        self.returncode: int | None = None
+        self.stdin = None
+        self._pidfd: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+
+    def poll(self) -> int | None:
+        """The exit status (-1 once gone), or None while it runs."""
+        if self.returncode is None and not pid_alive(self.pid):
+            self.returncode = -1
+            self._close()
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL it (nothing when it is gone)."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until it is gone (pidfd, else polling /proc) or ``timeout`` seconds; returns -1. Raises
+        subprocess.TimeoutExpired."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            fd = self._pidfd
+            if fd is not None:
+                try:
+                    select.select([fd], [], [], 0.2 if left is None else min(0.2, left))
+                    continue
+                except (OSError, ValueError):
+                    pass
+            time.sleep(0.02)
+        return self.returncode if self.returncode is not None else -1
+
+    def _close(self) -> None:
+        fd, self._pidfd = self._pidfd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (``/proc/<pid>/stat`` state)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", encoding="utf-8", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[-1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def is_control_daemon(pid: int, control_binary: str) -> bool:
+    """``pid``'s command line runs ``control_binary`` (basename of argv[0] or
+    argv[1], so that a script run by its interpreter matches too). False when
+    the process is gone or unreadable."""
+    want = os.path.basename(control_binary)
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return False
+    return any(os.path.basename(a) == want for a in argv[:2])
+
+
+def _chain(root: str, leaf: str) -> list[str]:
+    """Directories from ``root`` down to ``leaf`` (inclusive), when leaf is under root."""
+    root = os.path.normpath(root)
+    leaf = os.path.normpath(leaf)
+    out = [root]
+    if leaf == root or not leaf.startswith(root + os.sep):
+        return out
+    cur = root
+    for part in leaf[len(root) + 1:].split(os.sep):
+        cur = os.path.join(cur, part)
+        out.append(cur)
+    return out
+
+
+def make_dir(path: str, root: str | None = None, mode: int = 0o755) -> None:
+    """``mkdir -p path`` and chmod ``mode`` on each directory it created and on
+    ``path`` itself, whatever the process umask (``os.makedirs(mode=)`` is
+    masked by it: under ``umask 077`` it makes 0700 directories that a
+    non-root container cannot enter). Directories above ``root`` are left alone.
+    Raises OSError."""
+    path = os.path.normpath(path)
+    todo = []
+    cur = path
+    while not os.path.isdir(cur):
+        todo.append(cur)
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            break
+        cur = parent
+    os.makedirs(path, mode=mode, exist_ok=True)
+    floor = os.path.normpath(root) if root else None
+    for p in set(todo) | {path} | set(_chain(floor, path) if floor else ()):
+        if floor and not (p == floor or p.startswith(floor + os.sep)):
+            continue
+        st = os.stat(p)
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(p, mode)
+
+
+def root_problem(root: str) -> str:
+    """"" when every existing ancestor of ``root`` is traversable by other users
+    (o+x), else a sentence naming the first one that is not (containers run as
+    any UID and must reach ``<root>/.../control``)."""
+    parent = os.path.dirname(os.path.normpath(root))
+    chain = []
+    while parent and parent != "/":
+        chain.append(parent)
+        parent = os.path.dirname(parent)
+    for p in reversed(chain):
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            break
+        except OSError as e:
+            return f"MPS root {root}: cannot stat {p}: {e.strerror or e}"
+        if not st.st_mode & 0o001:
+            return (f"MPS root {root}: directory {p} is mode {stat.S_IMODE(st.st_mode):04o}, not traversable "
+                    f"by other users (o+x): containers could not reach their MPS pipe directories")
+    return ""

@@ -1,0 +1,323 @@
+"""The NRI door's CreateContainer checks and planning helpers: kubelet's
+reservation key (ADR 0007), the pod's spec names and stray annotations,
+Unhealthy GPUs, the MPS daemon of the container's mode, mount sources and
+mount conflicts, refusals and warnings.
+
+Split out of ``nri/plugin.py`` (issue 26, ADR 0023), moved as it was: the
+module docstring of ``nri/plugin.py`` describes the behaviour and the
+concurrency model; ``FracNriPlugin`` is the one class to use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import stat
+from typing import Any, Mapping, Sequence
+
+from .._proto import nri_pb2
+from .. import allocation as al
+from ..annotations import KEY_CONTAINER_NAME
+from ..annotations import stray_container_keys
+from ..model import ContainerPlan, FractionError, PodRef
+from ..mps.layout import CONTAINER_PIPE_DIR
+from ..mps.supervisor import make_dir
+from ..planner import ENFORCED_ENV_KEYS, EmptyLedger, plan, plan_container
+from ..reservations import claim_problem, proof_of
+from .pod_checks import lint_pod, spec_unknown
+from .ttrpc import Code, RpcError
+from .pluginbase import _POD_LEVEL_KEYS, _env_map, _FailOpen, _pod_ref
+from .namespaces import _Namespaces
+
+log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
+
+
+
+class _Admission(_Namespaces):
+    """CreateContainer's checks (a mixin of ``FracNriPlugin``)."""
+
+    def _reservation_key(self, container: nri_pb2.Container, fields: Mapping[str, Any], strict: bool = False) -> str:
+        """The reservation key Allocate answered for this container, or "".
+        The container annotation is preferred (kubelet copies Allocate's
+        annotations into the CRI config; runtimes may not pass them on), then
+        the env (the pod spec cannot remove it, but could set its own value: a
+        key that is not canonical or names devices this node does not
+        advertise is ignored with a warning)."""
+        key = container.annotations.get(al.ANNOTATION_RESERVATION, "") if container.annotations else ""
+        if not key:
+            prefix = al.ENV_RESERVATION + "="
+            for kv in reversed(container.env):  # the last value is the one the container sees
+                if kv.startswith(prefix):
+                    key = kv[len(prefix):]
+                    break
+        if not key:
+            return ""
+        try:
+            by_gpu = al.parse_reservation_key(key)
+        except al.ReservationKeyError as exc:
+            if strict:  # a key no Allocate of ours made is refused, not ignored (issue 25 item 4)
+                raise FractionError(al.ENV_RESERVATION, key[:200], f"is not a reservation key: {exc}",
+                                    "reservation") from None
+            log.warning("nri reservation key ignored", extra={**fields, "reason": str(exc)})
+            return ""
+        for uuid in by_gpu:
+            gpu = self.node.gpu_by_uuid(uuid)
+            if gpu is None or max(by_gpu[uuid]) >= gpu.memory_mib // self.unit_mib:
+                if strict:
+                    raise FractionError(al.ENV_RESERVATION, key[:200], f"names devices node {self.node.name} does "
+                                        "not advertise: no Allocate of this node made it", "reservation")
+                log.warning("nri reservation key ignored", extra={
+                    **fields, "reason": f"{key[:120]} names devices node {self.node.name} does not advertise"})
+                return ""
+        return key
+
+    def _spec_names(self, pod: nri_pb2.PodSandbox, container: str = "") -> tuple[list[str] | None, list[str] | None]:
+        """``_containers_of`` only when it matters (the hot path stays a dict
+        lookup): the pod has pod-level KAI forms without a container name, or
+        per-container keys not yet checked for strays."""
+        if self.pod_lookup is None:
+            return None, None
+        annotations = pod.annotations
+        named = annotations.get(KEY_CONTAINER_NAME)
+        # the spec decides: which container is first, or whether the named one exists (issue 25 items 1, 2)
+        pod_level = (named is None and any(k in annotations for k in _POD_LEVEL_KEYS)) or (
+            named is not None and named != container)
+        unchecked = pod.uid not in self._warned_pods and any(
+            k.startswith(self.config.annotation_prefix) for k in annotations) if self.config.annotation_prefix else False
+        if not (pod_level or unchecked):
+            return None, None
+        got = self._containers_of(pod)
+        if pod_level and got[0] is None:
+            spec_unknown(self, pod)
+        return got
+
+    def _containers_of(self, pod: nri_pb2.PodSandbox) -> tuple[list[str] | None, list[str] | None]:
+        """(app container names, init + app names) from the pod's spec when
+        ``pod_lookup`` knows the pod, else (None, None)."""
+        if self.pod_lookup is None:
+            return None, None
+        try:
+            spec_pod = self.pod_lookup(pod.namespace, pod.name)
+        except Exception:
+            log.exception("nri pod lookup failed")
+            return None, None
+        if not spec_pod:
+            return None, None
+        md = spec_pod.get("metadata") or {}
+        if md.get("uid") and md.get("uid") != pod.uid:
+            return None, None  # another pod of the same name
+        spec = spec_pod.get("spec") or {}
+        apps = [str(c.get("name")) for c in spec.get("containers") or () if isinstance(c, Mapping)]
+        inits = [str(c.get("name")) for c in spec.get("initContainers") or () if isinstance(c, Mapping)]
+        return apps, inits + apps
+
+    def _warn_stray(self, pod: nri_pb2.PodSandbox, ref: PodRef, container: str, everyone: Sequence[str],
+                    fields: Mapping[str, Any]) -> None:
+        """Annotations naming no container of the pod: a Warning once per pod
+        (the same words as ``fracplugin explain``)."""
+        if pod.uid in self._warned_pods:
+            return
+        self._warned_pods[pod.uid] = None  # checked (the pod's spec was known)
+        while len(self._warned_pods) > 4096:
+            self._warned_pods.pop(next(iter(self._warned_pods)))
+        stray = stray_container_keys(dict(pod.annotations), self.config.annotation_prefix, everyone)
+        if not stray:
+            return
+        for k in stray:
+            self._warn(ref, container, f'{k}="{pod.annotations[k]}" names no container of this pod '
+                       f"(containers: {', '.join(everyone)}); it has no effect", fields, key=k,
+                       value=pod.annotations[k])
+
+    def _claim_and_read(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container, ref: PodRef,
+                        fields: Mapping[str, Any]) -> tuple[str, list[str] | None]:
+        """CreateContainer's reading of the pod: (the reservation key this
+        container claims, "" for none; the pod's app container names, None
+        when its spec is not read). Raises FractionError for a key it may not
+        claim (forged, unknown, another's, no proof; ADR 0024) and RpcError
+        UNAVAILABLE while a needed spec is not known (``pod_checks.spec_unknown``).
+        Stray and unread annotations are warned about once (issue 25 item 3)."""
+        key = self._reservation_key(container, fields, strict=True)
+        if key:
+            self._check_claim(pod, container, key, ref)
+        apps, everyone = self._spec_names(pod, container.name)
+        if everyone is not None:
+            self._warn_stray(pod, ref, container.name, everyone, fields)
+        self._lint(pod, ref, container.name, apps, everyone, fields)
+        return key, apps
+
+    def _check_claim(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container, key: str, ref: PodRef) -> None:
+        """Raise FractionError when this container may not claim reservation
+        ``key`` (``reservations.claim_problem``: forged, unknown, held by
+        another running container, or without the proof Allocate answered;
+        issue 25 item 4)."""
+        proof = proof_of(container.annotations, container.env)
+        why = claim_problem(self.ledger, key, ref.uid, proof, self.node.name)
+        if why is not None:
+            raise FractionError(al.ENV_RESERVATION, key, why, "reservation")
+
+    def _lint(self, pod: nri_pb2.PodSandbox, ref: PodRef, container: str, apps: Sequence[str] | None,
+              everyone: Sequence[str] | None, fields: Mapping[str, Any]) -> None:
+        """Warn (log + ``on_warning``) about annotation keys fracplugin does
+        not read and forms it ignores (``annotation_lint``; issue 25 item 3),
+        once per pod and container."""
+        lint_pod(self, pod, ref, container, apps, everyone, fields)
+
+    def _plan_reserved(self, pod: nri_pb2.PodSandbox, container: str, ref: PodRef, key: str,
+                       apps: Sequence[str] | None, ledger: Any = None) -> tuple[ContainerPlan, list[Any]]:
+        """Plan a container under kubelet's reservation ``key``. Raises
+        FractionError for annotations that break the contract or a guard
+        (the reservation's own hold does not count against it)."""
+        by_gpu = al.parse_reservation_key(key)
+        if ledger is None:
+            held = self.ledger.reservation(key)
+            if held and held[0].bound and held[0].pod_uid != ref.uid and held[0].container_id:
+                t = held[0]
+                raise FractionError(
+                    al.ENV_RESERVATION, key,
+                    f"is held by running container {t.namespace}/{t.pod_name}/{t.container}; kubelet gives a "
+                    "device to one pod at a time, so this container cannot claim it", "reservation")
+        gpus = sorted((self.node.gpu_by_uuid(u) for u in by_gpu), key=lambda g: g.index)  # type: ignore[union-attr]
+        uuids = [g.uuid for g in gpus]  # type: ignore[union-attr]
+        per = len(next(iter(by_gpu.values()))) * self.unit_mib
+        count = sum(len(v) for v in by_gpu.values())
+        parsed = al.parse_for_kubelet(dict(pod.annotations), container, per, prefix=self.config.annotation_prefix,
+                                      containers=apps)
+        req, ignored = al.kubelet_request(
+            container, uuids, per, count, parsed, f"resources.limits[{self.resource_name}]",
+            gpu_memory_mib=min(g.memory_mib for g in gpus), reserve_mib=self.config.reserve_mib)  # type: ignore[union-attr]
+        return plan(req, ref, self.node, self.ledger if ledger is None else ledger, self.config,
+                    reservation=key), ignored
+
+    def _plan_reserved_unguarded(self, pod: nri_pb2.PodSandbox, container: str, key: str) -> tuple[ContainerPlan, list[Any]]:
+        """``_plan_reserved`` against an empty ledger (what runs is recorded)."""
+        apps, _ = self._containers_of(pod)
+        return self._plan_reserved(pod, container, _pod_ref(pod), key, apps, ledger=EmptyLedger())
+
+    def _warn(self, ref: PodRef, container: str, message: str, fields: Mapping[str, Any], **extra: Any) -> None:
+        log.warning("nri annotation not applied", extra={**fields, **extra, "reason": message})
+        if self.on_warning is not None:
+            try:
+                self.on_warning(ref, container, message)
+            except Exception:
+                log.exception("nri on_warning callback failed", extra=dict(fields))
+    def _avoid_unhealthy(self, p: ContainerPlan, pod: nri_pb2.PodSandbox, name: str, ref: PodRef,
+                         fields: Mapping[str, Any]) -> ContainerPlan:
+        """No fraction on an Unhealthy GPU (issue 12): a node-placed container is
+        planned again on the healthy GPUs only; a container bound to an
+        Unhealthy GPU is refused with UNAVAILABLE naming the GPU and why."""
+        if self.gpu_health is None:
+            return p
+        bad = {g.uuid: h for g in p.devices if not (h := self.gpu_health(g.uuid)).healthy}
+        if not bad:
+            return p
+        if p.placed_by_node:
+            healthy = tuple(g for g in self.node.gpus if self.gpu_health(g.uuid).healthy)
+            view = dataclasses.replace(self.node, gpus=healthy)
+            try:
+                again = plan_container(dict(pod.annotations), name, ref, view, self.ledger, self.config)
+            except FractionError:
+                again = None  # no healthy GPU fits now: transient, UNAVAILABLE below (issue 25 item 7)
+            if again is not None:
+                return again
+        what = "; ".join(f"GPU {self.node.gpu_by_uuid(u).index} ({u}): {', '.join(h.reasons)}"  # type: ignore[union-attr]
+                         for u, h in bad.items())
+        self.metrics.refusal("gpu_unhealthy")
+        log.warning("nri container bound to an Unhealthy GPU", extra={**fields, "gpus": what})
+        if self.fail_open:
+            raise _FailOpen()
+        raise RpcError(Code.UNAVAILABLE, f"fracplugin: {ref}/{name} is bound to Unhealthy GPU(s) {what}")
+
+    def _ensure_mount_sources(self, p: ContainerPlan, fields: Mapping[str, Any]) -> None:
+        """Create every bind-mount source of ``p`` (mode 0755) before answering.
+
+        The runtime bind-mounts them when it creates the task (runc create),
+        which comes before the NRI StartContainer event: a deferred MPS
+        namespace directory must already exist then, or the container fails
+        with "stat <dir>: no such file or directory" (seen with containerd 2.3
+        in tests/e2e). MPS later creates its sockets inside the directory,
+        which the bind mount shows. Raises RpcError UNAVAILABLE (or
+        _FailOpen) when the directory cannot be made.
+        """
+        for m in p.mounts:
+            if self._made_before(m.source):
+                continue
+            try:
+                make_dir(m.source, self.config.layout.root)  # 0755 whatever the umask (issue 12)
+                self._made_sources[m.source] = None
+                while len(self._made_sources) > 4096:
+                    self._made_sources.pop(next(iter(self._made_sources)), None)
+            except OSError as exc:
+                self.metrics.refusal("mps_unavailable")
+                log.warning("nri cannot create a mount source", extra={**fields, "path": m.source, "reason": str(exc)})
+                if self.fail_open:
+                    raise _FailOpen() from None
+                raise RpcError(
+                    Code.UNAVAILABLE,
+                    f"fracplugin: cannot create the MPS pipe directory {m.source} for {p.pod}/{p.container}: {exc}",
+                ) from None
+
+    def _made_before(self, path: str) -> bool:
+        """``path`` is a mount source ``make_dir`` made (or checked) before and
+        it still is a 0755 directory: one ``stat`` instead of ``make_dir``'s
+        walk up to the MPS root (issue 14: 30-40 us per CreateContainer). The
+        MPS layer may remove a released namespace's directory at any time, so
+        the directory itself is always checked."""
+        if path not in self._made_sources:
+            return False
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        return stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o755
+
+
+    def _refuse(self, err: FractionError, fields: Mapping[str, Any], pod: PodRef, container: str) -> None:
+        self.metrics.refusal(err.code)
+        if self.on_refusal is not None:
+            try:
+                self.on_refusal(pod, container, err)
+            except Exception:
+                log.exception("nri on_refusal callback failed", extra=dict(fields))
+        extra = {**fields, "key": err.key, "value": err.value, "rule": err.reason, "code": err.code}
+        if self.fail_open:
+            log.warning("nri refusal ignored (fail-open): container runs unfenced", extra=extra)
+            return None
+        log.warning("nri container refused", extra=extra)
+        raise RpcError(Code.INVALID_ARGUMENT, err.message)
+
+    def _warn_unenforced(self, p: ContainerPlan, container: nri_pb2.Container, fields: Mapping[str, Any]) -> None:
+        """Pod-authored values of keys we own but do not set in this plan
+        (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE without a portion) stay: NRI
+        cannot remove env the pod spec set. Say so."""
+        env = _env_map(container)
+        left = [k for k in ENFORCED_ENV_KEYS if k in env and k not in p.env]
+        if left:
+            log.warning("nri pod sets env that fracplugin owns but does not set here", extra={**fields, "keys": left})
+
+
+
+def _check_mounts(p: ContainerPlan, container: nri_pb2.Container, mps_root: str) -> None:
+    """Refuse a container that already mounts something at a destination our
+    plan mounts the pipe directory on (the pod's own volume at
+    ``/tmp/nvidia-mps``): the adjustment would silently replace it (issue 10
+    item 8). Raises FractionError naming the mount and the rule.
+
+    A mount whose source is at or below ``mps_root`` is fracplugin's own: the
+    device plugin door's Allocate answer, which a real kubelet passes to the
+    runtime in the CRI request (issue 11: with both doors on, every container
+    with devices of our resource has it); the adjustment replaces it with the
+    plan's (same pipe directory, plus ``nosuid,nodev``)."""
+    ours = {m.destination.rstrip("/") for m in p.mounts}
+    root = mps_root.rstrip("/") + "/"
+    for m in container.mounts:
+        dest = m.destination.rstrip("/") or "/"
+        if dest in ours and m.source and (m.source.rstrip("/") + "/").startswith(root):
+            continue
+        if dest in ours:
+            raise FractionError(
+                f"mounts[{m.destination}]", m.source or m.type,
+                f"is the container's own mount at {CONTAINER_PIPE_DIR}, where fracplugin mounts the MPS pipe "
+                "directory; it would be replaced. Mount the volume elsewhere",
+                "mount_conflict",
+            )

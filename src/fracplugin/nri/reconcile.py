@@ -1,0 +1,139 @@
+"""The NRI door's Synchronize: rebuild the ledger from the containers the
+runtime reports, re-planned against their annotations and the devices they
+got, and report containers that lack fracplugin's adjustment.
+
+Split out of ``nri/plugin.py`` (issue 26, ADR 0023), moved as it was: the
+module docstring of ``nri/plugin.py`` describes the behaviour and the
+concurrency model; ``FracNriPlugin`` is the one class to use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Mapping, Sequence
+
+from .._proto import nri_pb2
+from .. import allocation as al
+from ..annotations import parse as parse_annotations
+from ..model import ComputeMode, ContainerPlan, FractionError, Tenancy
+from ..planner import ENV_VISIBLE_DEVICES, EmptyLedger, plan
+from ..reservations import unbind_gone
+from .interfaces import CallContext
+from .pluginbase import _env_map, _pod_ref
+from .admission import _Admission
+
+log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
+
+
+
+class _Reconcile(_Admission):
+    """Synchronize (a mixin of ``FracNriPlugin``)."""
+
+    def synchronize(self, pods: Sequence[nri_pb2.PodSandbox], containers: Sequence[nri_pb2.Container],
+                    ctx: CallContext | None = None) -> list[nri_pb2.ContainerUpdate]:
+        """Rebuild the ledger from what runs. Returns no updates."""
+        pods_by_id = {p.id: p for p in pods}
+        tenancies: list[Tenancy] = []
+        recorded: set[tuple[str, str]] = set()
+        reserved: set[str] = set()
+        unadjusted: list[dict[str, Any]] = []
+        for c in containers:
+            pod = pods_by_id.get(c.pod_sandbox_id)
+            if pod is None:
+                log.warning("nri sync: container without its pod", extra={"container_id": c.id, "container": c.name})
+                continue
+            fields = {"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": c.name, "container_id": c.id}
+            key = self._reservation_key(c, fields)
+            if key:
+                # kubelet's allocation: recorded as it runs, never refused.
+                try:
+                    p, _ignored = self._plan_reserved_unguarded(pod, c.name, key)
+                except FractionError as err:
+                    log.warning("nri sync: running container's annotations are refused; recorded request-sized",
+                                extra={**fields, "key": err.key, "value": err.value, "rule": err.reason})
+                    p = None
+                if p is not None:
+                    tenancies.extend(al.to_tenancies(p, c.id, door=al.DOOR_ALLOCATE, reservation=key))
+                    recorded.add((pod.uid, c.name))
+                    reserved.add(key)
+                    continue
+            try:
+                p, adjusted = self._replan(pod, c)
+            except FractionError as err:
+                log.warning(
+                    "nri sync: running container has annotations fracplugin refuses; not recorded",
+                    extra={**fields, "key": err.key, "value": err.value, "rule": err.reason},
+                )
+                continue
+            if p is None:
+                tenancies.extend(self._unadjusted_gpu_user(pod, c, fields))
+                continue
+            env = _env_map(c)
+            withheld = self.memory_limits.withheld_keys() if self.memory_limits is not None else ()
+            missing = sorted(k for k in p.env if k not in env and k not in withheld)
+            different = sorted(k for k in p.env if k in env and env[k] != p.env[k])
+            if missing or different:
+                unadjusted.append({**fields, "missing": missing, "different": different})
+                log.warning(
+                    "nri sync: container should carry fracplugin's adjustment but does not",
+                    extra={**fields, "missing": missing, "different": different},
+                )
+            if not adjusted and p.placed_by_node:
+                # Unknown placement: it never got our devices; do not invent one.
+                continue
+            tenancies.extend(al.to_tenancies(p, c.id))
+            recorded.add((pod.uid, c.name))
+        # Keep kubelet's reservations NRI did not re-derive (bound or not:
+        # kubelet frees them, not the runtime; PodResources reconciles them)
+        # and whole GPUs of other device plugins.
+        rebuilt = list(tenancies)
+        live = {c.id for c in containers}  # a kept reservation's container the runtime no longer runs is unbound
+        self.ledger.transform(lambda cur: rebuilt + unbind_gone([
+            t for t in cur if t.door in (al.DOOR_ALLOCATE, al.DOOR_OTHER_PLUGIN) and t.reservation not in reserved],
+            live))
+        self._renew_namespaces(tenancies)
+        self.unadjusted = unadjusted
+        self._synced.set()
+        log.info(
+            "nri synchronized",
+            extra={"pods": len(pods), "containers": len(containers), "tenancies": len(tenancies), "unadjusted": len(unadjusted)},
+        )
+        return []
+
+
+    def _unadjusted_gpu_user(self, pod: nri_pb2.PodSandbox, c: nri_pb2.Container, fields: Mapping[str, Any]) -> list[Tenancy]:
+        """A created or running container that fracplugin did not adjust
+        (no annotations, no reservation key) but whose env names GPUs of this
+        node in ``NVIDIA_VISIBLE_DEVICES`` uses those GPUs unfenced: it holds
+        each of them whole (door ``sync``), so placement, the free-memory guard
+        and the metrics see it (issue 10 item 5). Released at its
+        StopContainer / RemoveContainer."""
+        if c.state not in (nri_pb2.CONTAINER_CREATED, nri_pb2.CONTAINER_RUNNING):
+            return []
+        seen = [d.strip() for d in _env_map(c).get(ENV_VISIBLE_DEVICES, "").split(",") if d.strip()]
+        gpus = [self.node.gpu_by_uuid(u) for u in seen]
+        if not seen or any(g is None for g in gpus):
+            return []
+        log.warning("nri sync: container uses GPUs fracplugin did not give it; counted as holding them whole",
+                    extra={**fields, "devices": ",".join(seen)})
+        return [Tenancy(pod_uid=pod.uid, namespace=pod.namespace, pod_name=pod.name, container=c.name,
+                        gpu_uuid=g.uuid, request_mib=g.memory_mib, limit_mib=g.memory_mib,  # type: ignore[union-attr]
+                        mode=ComputeMode.TIME_SLICING, container_id=c.id, door=al.DOOR_SYNC,
+                        reservation=f"{al.DOOR_SYNC}:{c.id}={g.uuid}")  # type: ignore[union-attr]
+                for g in gpus]
+
+    def _replan(self, pod: nri_pb2.PodSandbox, c: nri_pb2.Container) -> tuple[ContainerPlan | None, bool]:
+        """Plan a running container against an empty ledger (no guard refusals),
+        on the devices its env says it got when that is our
+        ``NVIDIA_VISIBLE_DEVICES``. Returns (plan or None, devices known)."""
+        request = parse_annotations(dict(pod.annotations), c.name, prefix=self.config.annotation_prefix)
+        if request is None:
+            return None, False
+        env = _env_map(c)
+        seen = [d.strip() for d in env.get(ENV_VISIBLE_DEVICES, "").split(",") if d.strip()]
+        known = bool(seen) and all(self.node.gpu_by_uuid(u) is not None for u in seen)
+        if known:
+            request = dataclasses.replace(request, devices=tuple(seen), num_devices=len(seen))
+        p = plan(request, _pod_ref(pod), self.node, EmptyLedger(), self.config)
+        return p, known or not p.placed_by_node

@@ -1,0 +1,173 @@
+"""Who may claim a kubelet reservation at the NRI door (issue 25 item 4, ADR 0024).
+
+The reservation key (``FRACPLUGIN_RESERVATION``, ``<uuid>::<ranges>``) is
+readable: any pod can write it into its own spec env, and kubelet puts the
+pod-spec env after the device plugin's (docs/reference/kubelet-device-plugin.md A.5). So a
+key alone proves nothing. Each Allocate answer therefore also carries a
+*proof*: 128 random bits (``secrets.token_hex(16)``) made for that Allocate,
+in env ``FRACPLUGIN_RESERVATION_PROOF`` and container annotation
+``fracplugin.io/reservation-proof``. Only the container kubelet gave the
+devices to sees it (Allocate answers are not part of the pod object, nor of
+``/status``, the ledger or the logs); a new Allocate of the same device IDs
+makes a new proof (the old holder's stops counting); a re-Allocate of a
+reservation (kubelet restart, an init container's IDs reused by the app
+container) answers the same one.
+
+The proofs are kept in memory and in ``<state-dir>/reservation-proofs.json``
+(mode 0600, beside the ledger; a restarted daemon still knows the proofs of
+running containers, whose cached Allocate answer kubelet reuses at every
+restart of the container).
+
+``claim_problem`` is the rule the NRI door applies at CreateContainer:
+
+1. no reservation with that key in the ledger: refused (a key no Allocate of
+   this node made, or one already released);
+2. the reservation is bound to this pod (PodResources or an earlier
+   container of the pod bound it): accepted, proof or not;
+3. held by a running container of another pod: refused;
+4. otherwise the container must show the reservation's current proof.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import secrets
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Container, Mapping, Sequence
+
+from .model import Tenancy
+
+log = logging.getLogger(__name__)
+
+ENV_RESERVATION_PROOF = "FRACPLUGIN_RESERVATION_PROOF"
+ANNOTATION_RESERVATION_PROOF = "fracplugin.io/reservation-proof"
+PROOFS_FILE = "reservation-proofs.json"
+MAX_PROOFS = 8192
+"""Proofs kept (oldest dropped first); a node has at most ~79 x GPUs reservations."""
+
+
+class ReservationProofs:
+    """Reservation key -> the proof of its latest Allocate (thread-safe).
+
+    Args:
+        path: the JSON file to keep them in (None: memory only). An unreadable
+            file is logged and ignored (the owners are then accepted through
+            rule 2 once PodResources binds their reservations).
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self._lock = threading.Lock()
+        self._proofs: dict[str, str] = {}
+        if self.path is not None and self.path.exists():
+            try:
+                doc = json.loads(self.path.read_text())
+                if isinstance(doc, dict):
+                    self._proofs = {str(k): str(v) for k, v in doc.items()}
+            except (OSError, ValueError) as exc:
+                log.warning("reservation proofs unreadable; starting empty", extra={"path": str(self.path),
+                                                                                    "reason": str(exc)})
+
+    def issue(self, key: str) -> str:
+        """A new proof for ``key`` (a new Allocate of these device IDs)."""
+        proof = secrets.token_hex(16)
+        with self._lock:
+            self._proofs.pop(key, None)
+            self._proofs[key] = proof
+            while len(self._proofs) > MAX_PROOFS:
+                self._proofs.pop(next(iter(self._proofs)))
+            self._save()
+        return proof
+
+    def current(self, key: str) -> str | None:
+        """The proof of ``key``'s latest Allocate, or None."""
+        with self._lock:
+            return self._proofs.get(key)
+
+    def current_or_issue(self, key: str) -> str:
+        """The current proof of ``key`` (a re-Allocate of the same
+        reservation), or a new one when there is none."""
+        cur = self.current(key)
+        return cur if cur is not None else self.issue(key)
+
+    def matches(self, key: str, proof: str) -> bool:
+        """True when ``proof`` is ``key``'s current proof (constant time)."""
+        cur = self.current(key)
+        return cur is not None and bool(proof) and hmac.compare_digest(cur, proof)
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._proofs, f)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("reservation proofs not saved", extra={"path": str(self.path), "reason": str(exc)})
+
+
+_BY_LEDGER: "weakref.WeakKeyDictionary[Any, ReservationProofs]" = weakref.WeakKeyDictionary()
+_BY_LEDGER_LOCK = threading.Lock()
+
+
+def proofs_of(ledger: Any) -> ReservationProofs:
+    """The one ``ReservationProofs`` of a ledger (both doors share the
+    ledger, so they share its proofs), kept beside the ledger file."""
+    with _BY_LEDGER_LOCK:
+        got = _BY_LEDGER.get(ledger)
+        if got is None:
+            path = getattr(ledger, "path", None)
+            got = ReservationProofs(Path(path).with_name(PROOFS_FILE) if path is not None else None)
+            _BY_LEDGER[ledger] = got
+        return got
+
+
+def proof_of(annotations: Mapping[str, str] | None, env: Any) -> str:
+    """The proof a container shows: its annotation, else the last
+    ``FRACPLUGIN_RESERVATION_PROOF=`` of its env (``KEY=value`` strings)."""
+    if annotations and annotations.get(ANNOTATION_RESERVATION_PROOF):
+        return str(annotations[ANNOTATION_RESERVATION_PROOF])
+    prefix = ENV_RESERVATION_PROOF + "="
+    for kv in reversed(list(env)):
+        if kv.startswith(prefix):
+            return str(kv[len(prefix):])
+    return ""
+
+
+def claim_problem(ledger: Any, key: str, pod_uid: str, proof: str, node_name: str) -> str | None:
+    """Why the container of pod ``pod_uid`` showing ``proof`` may not claim
+    reservation ``key`` (module docstring, rules 1-4), or None. The message
+    names the key and the rule."""
+    held = ledger.reservation(key)
+    if not held:
+        return (f"names no reservation of node {node_name}: no Allocate of this node answered it (a key copied "
+                "or made up, or one already released); only the container kubelet allocated those devices to "
+                "can claim them")
+    if any(t.pod_uid == pod_uid for t in held):
+        return None
+    running = next((t for t in held if t.bound and t.container_id), None)
+    if running is not None:
+        return (f"is held by running container {running.namespace}/{running.pod_name}/{running.container}; kubelet "
+                "gives a device to one pod at a time, so this container cannot claim it")
+    if proofs_of(ledger).matches(key, proof):
+        return None
+    what = "carries no" if not proof else "carries a wrong"
+    return (f"{what} {ENV_RESERVATION_PROOF}: the reservation was allocated by kubelet to another container "
+            "(its Allocate answer holds the proof); a pod cannot claim another pod's devices")
+
+
+def unbind_gone(tenancies: Sequence[Tenancy], live_container_ids: Container[str]) -> list[Tenancy]:
+    """``tenancies`` with the container id cleared where the runtime no longer
+    reports that container (an NRI Synchronize): a kubelet reservation stays
+    with its pod, but no running container holds it any more (issue 25 item 5:
+    a force-deleted pod's hold then ends)."""
+    return [dataclasses.replace(t, container_id="") if t.container_id and t.container_id not in live_container_ids
+            else t for t in tenancies]

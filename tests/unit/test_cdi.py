@@ -1,0 +1,168 @@
+"""CdiRegistry: GPU UUID -> CDI device name and memory-limit hook, from fake
+spec trees (tests/fixtures/cdi); with_node_cdi_devices: the plan's CDI
+devices without duplicates (issue 23 item 1, ADR 0025b)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from fracplugin.cdi import CdiRegistry, container_cdi_devices, with_node_cdi_devices
+from fracplugin.gpu.simulated import load_node
+from fracplugin.model import PodRef
+from fracplugin.planner import EmptyLedger, plan_container
+
+REPO = Path(__file__).resolve().parents[2]
+FIX = REPO / "tests" / "fixtures" / "cdi"
+NODE = load_node(REPO / "examples" / "nodes" / "gpu-node-1.yaml")
+UUIDS = [g.uuid for g in NODE.gpus]
+DP = "k8s.device-plugin.nvidia.com/gpu"
+
+
+def tree(tmp_path: Path, *names: str) -> Path:
+    """A spec directory holding the spec files of the named fixture folders."""
+    d = tmp_path / "cdi"
+    d.mkdir(exist_ok=True)
+    for n in names:
+        for f in (FIX / n).iterdir():
+            shutil.copy(f, d / f.name)
+    return d
+
+
+def test_device_plugin_kind_by_uuid_with_hook(tmp_path: Path) -> None:
+    reg = CdiRegistry([str(tmp_path / "missing"), str(tree(tmp_path, "with-hook"))], NODE.gpus)
+    for u in UUIDS:
+        d = reg.device_for(u)
+        assert d is not None and d.name == f"{DP}={u}" and d.kind == DP and d.has_memory_limit_hook
+    assert reg.status()["gpus_without_spec"] == []
+
+
+def test_without_hook(tmp_path: Path) -> None:
+    reg = CdiRegistry([str(tree(tmp_path, "no-hook"))], NODE.gpus)
+    d = reg.device_for(UUIDS[2])
+    assert d is not None and d.name == f"{DP}={UUIDS[2]}" and not d.has_memory_limit_hook
+
+
+def test_toolkit_index_names_match_by_minor_and_skip_mig_and_all(tmp_path: Path) -> None:
+    reg = CdiRegistry([str(tree(tmp_path, "toolkit"))], NODE.gpus)
+    assert [reg.device_for(u).name for u in UUIDS] == [f"nvidia.com/gpu={i}" for i in range(4)]  # type: ignore[union-attr]
+    assert all(reg.device_for(u).has_memory_limit_hook for u in UUIDS)  # type: ignore[union-attr]
+    assert reg.gpu_of("nvidia.com/gpu=2") == UUIDS[2]
+    assert reg.gpu_of("nvidia.com/gpu=0:1") is None and reg.gpu_of("nvidia.com/gpu=all") is None
+
+
+def test_device_plugin_kind_preferred_over_toolkit_and_operator_kind_over_both(tmp_path: Path) -> None:
+    d = tree(tmp_path, "toolkit", "no-hook")
+    assert CdiRegistry([str(d)], NODE.gpus).device_for(UUIDS[0]).name == f"{DP}={UUIDS[0]}"  # type: ignore[union-attr]
+    op = CdiRegistry([str(d)], NODE.gpus, kind="nvidia.com/gpu").device_for(UUIDS[0])
+    assert op is not None and op.name == "nvidia.com/gpu=0" and op.has_memory_limit_hook
+
+
+def test_spec_level_hook_counts_for_every_device(tmp_path: Path) -> None:
+    d = tmp_path / "cdi"
+    d.mkdir()
+    (d / "x.yaml").write_text(
+        f'cdiVersion: "0.6.0"\nkind: {DP}\ndevices:\n  - name: {UUIDS[0]}\n    containerEdits: {{}}\n'
+        "containerEdits:\n  hooks:\n    - hookName: createRuntime\n      path: /usr/bin/nvidia-cdi-hook\n"
+        "      args: [nvidia-cdi-hook, apply-cuda-memory-limits]\n")
+    assert CdiRegistry([str(d)], NODE.gpus).device_for(UUIDS[0]).has_memory_limit_hook  # type: ignore[union-attr]
+    # a hook of another lifecycle stage is not the createRuntime hook
+    (d / "x.yaml").write_text((d / "x.yaml").read_text().replace("createRuntime", "poststop"))
+    assert not CdiRegistry([str(d)], NODE.gpus).device_for(UUIDS[0]).has_memory_limit_hook  # type: ignore[union-attr]
+
+
+def test_broken_spec_named_in_one_warning_and_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    d = tree(tmp_path, "with-hook", "broken")
+    reg = CdiRegistry([str(d)], NODE.gpus, file_check_s=0.0)
+    with caplog.at_level(logging.WARNING, logger="fracplugin.cdi"):
+        assert reg.device_for(UUIDS[0]) is not None  # the good spec still counts
+        reg.refresh(force=True)
+        reg.device_for(UUIDS[1])
+    warnings = [r for r in caplog.records if "vendor.example-gpu.yaml" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert "not valid YAML" in warnings[0].getMessage()
+    st = reg.status()
+    assert [i["path"] for i in st["invalid_specs"]] == [str(d / "vendor.example-gpu.yaml")]
+
+
+@pytest.mark.parametrize("body, words", [
+    ("- just\n- a list\n", "must be a mapping"),
+    ('cdiVersion: "0.6.0"\nkind: nogpu\ndevices: []\n', "kind='nogpu'"),
+    (f'kind: {DP}\ndevices:\n  - containerEdits: {{}}\n', "devices[0] has no name"),
+    (f'kind: {DP}\ndevices: 3\n', "devices must be a list"),
+])
+def test_bad_spec_shapes_are_named(tmp_path: Path, body: str, words: str) -> None:
+    d = tmp_path / "cdi"
+    d.mkdir()
+    (d / "bad.yaml").write_text(body)
+    reg = CdiRegistry([str(d)], NODE.gpus)
+    assert reg.device_for(UUIDS[0]) is None
+    [inv] = reg.status()["invalid_specs"]
+    assert words in inv["reason"], inv
+
+
+def test_reread_on_new_file_and_on_edit_in_place(tmp_path: Path) -> None:
+    d = tmp_path / "cdi"
+    d.mkdir()
+    reg = CdiRegistry([str(d)], NODE.gpus, file_check_s=0.0)
+    assert reg.device_for(UUIDS[0]) is None
+    assert reg.status()["gpus_without_spec"] == UUIDS
+    shutil.copy(FIX / "no-hook" / "k8s.device-plugin.nvidia.com-gpu.yaml", d / "dp.yaml")
+    assert not reg.device_for(UUIDS[0]).has_memory_limit_hook  # type: ignore[union-attr]
+    # edit in place (same directory mtime possible): the file's own stat changes
+    text = (FIX / "with-hook" / "k8s.device-plugin.nvidia.com-gpu.yaml").read_text()
+    with open(d / "dp.yaml", "w") as f:
+        f.write(text)
+    st = os.stat(d / "dp.yaml")
+    os.utime(d / "dp.yaml", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert reg.device_for(UUIDS[0]).has_memory_limit_hook  # type: ignore[union-attr]
+    reads = reg.reads
+    reg.device_for(UUIDS[0])
+    assert reg.reads == reads  # unchanged: not read again
+
+
+def plan_for(devices: str) -> object:
+    ann = {
+        "nvidia.com/container.app.gpu-memory.request": "40Gi",
+        "nvidia.com/container.app.gpu-memory.limit": "60Gi",
+        "nvidia.com/container.app.gpus.devices": devices,
+    }
+    return plan_container(ann, "app", PodRef("default", "inference", "uid-1"), NODE, EmptyLedger())
+
+
+def test_plan_gets_one_device_per_gpu(tmp_path: Path) -> None:
+    reg = CdiRegistry([str(tree(tmp_path, "with-hook"))], NODE.gpus)
+    p = with_node_cdi_devices(plan_for(",".join(UUIDS)), reg)  # type: ignore[arg-type]
+    assert p.cdi_devices == tuple(f"{DP}={u}" for u in UUIDS)
+    assert p.env["NVIDIA_VISIBLE_DEVICES"] == ",".join(UUIDS)  # env as today
+
+
+def test_no_duplicate_of_the_containers_own_or_the_schedulers(tmp_path: Path) -> None:
+    reg = CdiRegistry([str(tree(tmp_path, "with-hook", "toolkit"))], NODE.gpus)
+    # KAI's binder with cdiEnabled wrote CDI names for two GPUs
+    written = f"{DP}={UUIDS[0]},{DP}={UUIDS[1]}"
+    p = with_node_cdi_devices(plan_for(written), reg)  # type: ignore[arg-type]
+    assert p.cdi_devices == (f"{DP}={UUIDS[0]}", f"{DP}={UUIDS[1]}")
+    # the container already has GPU 0 (by another kind) and GPU 1 by the same name
+    container = SimpleNamespace(CDI_devices=[SimpleNamespace(name="nvidia.com/gpu=0")],
+                                annotations={"cdi.k8s.io/fracplugin": f"{DP}={UUIDS[1]}", "other": "x"})
+    present = container_cdi_devices(container)
+    assert present == ("nvidia.com/gpu=0", f"{DP}={UUIDS[1]}")
+    p = with_node_cdi_devices(plan_for(",".join(UUIDS)), reg, present)  # type: ignore[arg-type]
+    assert p.cdi_devices == (f"{DP}={UUIDS[2]}", f"{DP}={UUIDS[3]}")
+
+
+def test_gpu_without_spec_gets_none(tmp_path: Path) -> None:
+    d = tmp_path / "cdi"
+    d.mkdir()
+    text = (FIX / "with-hook" / "k8s.device-plugin.nvidia.com-gpu.yaml").read_text()
+    (d / "dp.yaml").write_text(text.replace(UUIDS[3], "GPU-00000000-0000-0000-0000-000000000000"))
+    reg = CdiRegistry([str(d)], NODE.gpus)
+    p = with_node_cdi_devices(plan_for(",".join(UUIDS)), reg)  # type: ignore[arg-type]
+    assert p.cdi_devices == tuple(f"{DP}={u}" for u in UUIDS[:3])
+    assert reg.status()["gpus_without_spec"] == [UUIDS[3]]

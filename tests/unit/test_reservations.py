@@ -1,0 +1,60 @@
+"""reservations: who may claim a kubelet reservation (issue 25 item 4, ADR 0024)."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+from fracplugin.gpu.simulated import load_node
+from fracplugin.ledger import Ledger
+from fracplugin.model import ComputeMode, Tenancy
+from fracplugin.reservations import ReservationProofs, claim_problem, proof_of, proofs_of, unbind_gone
+
+REPO = Path(__file__).resolve().parents[2]
+KEY = "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01::0-3"
+
+
+def _held(ledger: Ledger, uid: str = "", cid: str = "") -> None:
+    ledger.replace_all([Tenancy(pod_uid=uid, namespace="default" if uid else "", pod_name="owner" if uid else "",
+                                container="app" if uid else "", gpu_uuid=KEY.split("::")[0], request_mib=4096,
+                                limit_mib=4096, mode=ComputeMode.TIME_SLICING, container_id=cid, door="allocate",
+                                reservation=KEY)])
+
+
+def test_proofs_are_new_per_allocate_and_kept_on_disk(tmp_path: Path) -> None:
+    path = tmp_path / "reservation-proofs.json"
+    proofs = ReservationProofs(path)
+    first = proofs.issue(KEY)
+    assert len(first) == 32 and proofs.current_or_issue(KEY) == first
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ReservationProofs(path).matches(KEY, first)  # a restarted daemon knows it
+    second = proofs.issue(KEY)
+    assert second != first and not proofs.matches(KEY, first) and proofs.matches(KEY, second)
+
+
+def test_claim_rules(tmp_path: Path) -> None:
+    node = load_node(str(REPO / "examples" / "nodes" / "gpu-node-1.yaml"))
+    ledger = Ledger(node, tmp_path / "ledger.json")
+    assert "no Allocate of this node answered it" in str(claim_problem(ledger, KEY, "uid-x", "", node.name))
+    _held(ledger)
+    proof = proofs_of(ledger).issue(KEY)
+    assert proofs_of(ledger) is proofs_of(ledger)
+    assert "carries no FRACPLUGIN_RESERVATION_PROOF" in str(claim_problem(ledger, KEY, "uid-x", "", node.name))
+    assert "wrong" in str(claim_problem(ledger, KEY, "uid-x", "f" * 32, node.name))
+    assert claim_problem(ledger, KEY, "uid-x", proof, node.name) is None
+    _held(ledger, "uid-owner", "c1")
+    assert claim_problem(ledger, KEY, "uid-owner", "", node.name) is None  # bound to this pod
+    assert "held by running container default/owner/app" in str(claim_problem(ledger, KEY, "uid-x", proof, node.name))
+
+
+def test_proof_of_reads_the_annotation_then_the_last_env_value() -> None:
+    assert proof_of({"fracplugin.io/reservation-proof": "a"}, ["FRACPLUGIN_RESERVATION_PROOF=b"]) == "a"
+    assert proof_of({}, ["FRACPLUGIN_RESERVATION_PROOF=b", "FRACPLUGIN_RESERVATION_PROOF=c"]) == "c"
+    assert proof_of(None, []) == ""
+
+
+def test_unbind_gone_clears_containers_the_runtime_no_longer_runs() -> None:
+    t = Tenancy("u", "d", "p", "c", "g", 1, 1, ComputeMode.TIME_SLICING, container_id="c1", door="allocate",
+                reservation=KEY)
+    assert [x.container_id for x in unbind_gone([t], {"c1"})] == ["c1"]
+    assert [x.container_id for x in unbind_gone([t], set())] == [""]
