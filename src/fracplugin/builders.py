@@ -188,7 +188,8 @@ class _Builders:
         except ImportError as exc:
             log.warning("metrics unavailable: %s", exc)
             return
-        metrics = self.metrics = Metrics(ledger=self.ledger, inventory=self.inventory, node=self.node)
+        metrics = self.metrics = Metrics(ledger=self.ledger, inventory=self.inventory, node=self.node,
+                                         node_name=self.node_name)
         metrics.attach_state(self.metric_state)
         try:
             part = self._add(MetricsPart(self.cfg, metrics))
@@ -334,7 +335,7 @@ class _Builders:
             hook_of=self.cdi_hook_of,
             on_not_enforced=lambda pod, c, msg: self.events.limit_not_enforced(pod, c, msg) if self.events else None)
         if self.metrics is not None:
-            ml.attach_metrics(self.metrics.registry)
+            ml.attach_metrics(self.metrics.registry, self.metrics.node_name())
         self._add(MemoryLimitsPart(self.cfg, ml))
         return ml
 

@@ -9,9 +9,17 @@ reads the ledger (thread-safe), the inventory (thread-safe reads) and the MPS
 supervisor's ``status()``; a scrape holds no lock of its own. Own
 ``CollectorRegistry`` (no global default registry, no process/GC metrics).
 
-Metrics (names and labels are the contract; README lists them):
+Metrics (names and labels are the contract; README lists them and a test
+compares that list with ``/metrics``):
 
-per container and GPU, labels ``namespace, pod, pod_uid, container, gpu_uuid, gpu_index``:
+every series, label ``node``: the node's name (``--node-name``/``NODE_NAME``,
+else the inventory's), added by ``render`` (``NODE_LABEL``)
+identity (issue 27 item 3):
+  fracplugin_build_info                            1, labels ``version`` (the package's), ``python_version``
+  fracplugin_gpu_info                              1 per GPU, labels ``UUID, gpu, modelName, Hostname, device``
+                                                   (``nvidia<minor>``), ``pci_bus_id``: dcgm-exporter's names
+per container and GPU, labels ``namespace, pod, pod_uid, container`` and the GPU's
+``gpu_uuid, gpu_index`` (deprecated) and ``UUID, gpu, modelName, Hostname`` (dcgm-exporter's):
   fracplugin_container_gpu_memory_used_bytes       sum of NVML usedGpuMemory of the container's processes
   fracplugin_container_gpu_memory_request_bytes    the ledger's request (MiB x 2^20)
   fracplugin_container_gpu_memory_limit_bytes      the ledger's limit (MiB x 2^20)
@@ -20,7 +28,7 @@ per container and GPU, labels ``namespace, pod, pod_uid, container, gpu_uuid, gp
                                                    active thread percentage / 100 when set (sm-sharing),
                                                    else limit / GPU memory (gpu-fractioning metricsd's
                                                    normalisation, docs/reference/gpu-fractioning-reference.md section 5)
-per GPU, labels ``gpu_uuid, gpu_index``:
+per GPU, labels ``gpu_uuid, gpu_index`` (deprecated), ``UUID, gpu, modelName, Hostname``:
   fracplugin_gpu_tenants                           ledger tenancies on the GPU
   fracplugin_gpu_memory_held_bytes                 ledger held MiB x 2^20
   fracplugin_gpu_memory_total_bytes                the GPU's memory (inventory MiB x 2^20)
@@ -62,6 +70,7 @@ from __future__ import annotations
 
 import logging
 import math
+import platform
 import threading
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -71,16 +80,30 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from .health import REQUEST_DEADLINE_S, BoundedHandler, BoundedHTTPServer, make_bounded_server
-from .model import NodeInfo, Tenancy
+from . import __version__
+from .model import GpuInfo, NodeInfo, Tenancy
 from .procfs import CachedProcFs, ContainerRef, container_id_matches
 
-__all__ = ["Metrics", "MetricsServer", "render_text", "CONTAINER_LABELS", "GPU_LABELS", "HOOK_BUCKETS", "MIB"]
+__all__ = ["Metrics", "MetricsServer", "render_text", "CONTAINER_LABELS", "GPU_LABELS", "GPU_INFO_LABELS",
+           "DCGM_GPU_LABELS", "NODE_LABEL", "HOOK_BUCKETS", "MIB"]
 
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-CONTAINER_LABELS = ("namespace", "pod", "pod_uid", "container", "gpu_uuid", "gpu_index")
-GPU_LABELS = ("gpu_uuid", "gpu_index")
+DCGM_GPU_LABELS = ("UUID", "gpu", "modelName", "Hostname")
+"""dcgm-exporter's label names of a GPU (its ``UUID``, index ``gpu``, product
+name ``modelName`` and the node's ``Hostname``), on every per-GPU series so
+they join with ``DCGM_FI_*`` series (``on(UUID)``). Issue 27 item 3."""
+DEPRECATED_GPU_LABELS = ("gpu_uuid", "gpu_index")
+"""Our first names of ``UUID`` and ``gpu``: still emitted in 0.2.x, removed in
+the release after (CHANGELOG.md)."""
+CONTAINER_LABELS = ("namespace", "pod", "pod_uid", "container", *DEPRECATED_GPU_LABELS, *DCGM_GPU_LABELS)
+GPU_LABELS = (*DEPRECATED_GPU_LABELS, *DCGM_GPU_LABELS)
+GPU_INFO_LABELS = (*DCGM_GPU_LABELS, "device", "pci_bus_id")
+NODE_LABEL = "node"
+"""Added by ``Metrics.render`` to every series (the node's name, as kubelet
+knows it): the dashboard and the alerts key on it, and no scrape config has to
+relabel for it."""
 HOOK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 SERVER_EXE = "nvidia-cuda-mps-server"
 MAX_HANDLERS = 8
@@ -116,6 +139,10 @@ class Metrics:
         mps: the MPS supervisor (anything with ``status()``); may be attached later.
         proc_root: proc filesystem for PID -> container (tests pass a temp dir).
         registry: a ``CollectorRegistry`` to use (default: a new one).
+        node_name: the node's name as kubelet knows it (the daemon's
+            ``--node-name``): the ``node`` label of every series and the
+            ``Hostname`` label of the GPU series. Default: ``node().name``;
+            no ``node`` label while neither is known.
     """
 
     def __init__(
@@ -127,11 +154,13 @@ class Metrics:
         *,
         proc_root: str = "/proc",
         registry: CollectorRegistry | None = None,
+        node_name: str | None = None,
     ) -> None:
         self.ledger = ledger
         self.inventory = inventory
         self._node = node
         self.mps = mps
+        self._node_name = node_name or None
         self.state: Callable[[], Mapping[str, Any]] | None = None
         self.procfs = CachedProcFs(proc_root)  # PID -> container, kept while the PID's start time holds
         self._lock = threading.Lock()
@@ -197,7 +226,16 @@ class Metrics:
         ``generate_latest``, without the ``*_created`` series) because the
         library's generic formatter dominated the scrape time of a full node
         (8 GPUs x 48 clients: see ``metrics.scrape_ms`` in build/bench.json)."""
-        return render_text(self.registry)
+        name = self.node_name()
+        return render_text(self.registry, {NODE_LABEL: name} if name else None)
+
+    def node_name(self) -> str:
+        """The ``node`` label's value: ``node_name`` given at construction,
+        else the inventory node's name; "" when neither is known."""
+        if self._node_name:
+            return self._node_name
+        node = self.node()
+        return node.name if node is not None else ""
 
     def serve(self, address: str = ":2112", *, max_handlers: int = MAX_HANDLERS,
               request_deadline_s: float = REQUEST_DEADLINE_S) -> MetricsServer:
@@ -311,12 +349,18 @@ are rendered on every scrape); cleared past ``_LABELS_CACHE_MAX`` entries."""
 _LABELS_CACHE_MAX = 50_000
 
 
-def render_text(registry: CollectorRegistry) -> bytes:
+def render_text(registry: CollectorRegistry, const_labels: Mapping[str, str] | None = None) -> bytes:
     """Text exposition format 0.0.4 of every family in ``registry``: ``# HELP`` /
     ``# TYPE`` then one line per sample (``name{label="value",...} value``).
     Counters are named ``<name>_total`` in HELP/TYPE as prometheus-client does;
     ``*_created`` samples are left out. Types other than counter, gauge,
-    histogram and summary are written as ``untyped``."""
+    histogram and summary are written as ``untyped``.
+
+    ``const_labels`` ({name: value}) are appended to every sample's labels,
+    after its own (the ``node`` label: issue 27 item 3), except where the
+    sample already has a label of that name."""
+    const = {k: v for k, v in (const_labels or {}).items() if v}
+    suffix = ",".join(f'{k}="{_esc_label(str(v))}"' for k, v in const.items())
     out: list[str] = []
     labels_cache = _LABELS_CACHE
     if len(labels_cache) > _LABELS_CACHE_MAX:
@@ -336,7 +380,11 @@ def render_text(registry: CollectorRegistry) -> bytes:
                     lbl = labels_cache.get(key)
                     if lbl is None:
                         lbl = labels_cache[key] = ",".join(f'{k}="{_esc_label(str(v))}"' for k, v in key)
+                if suffix and not any(k in smp.labels for k in const):
+                    lbl = f"{lbl},{suffix}"
                 out.append(f"{smp.name}{{{lbl}}} {_fmt_value(smp.value)}\n")
+            elif suffix:
+                out.append(f"{smp.name}{{{suffix}}} {_fmt_value(smp.value)}\n")
             else:
                 out.append(f"{smp.name} {_fmt_value(smp.value)}\n")
     return "".join(out).encode("utf-8")
@@ -378,14 +426,14 @@ class _Collector(Collector):
 
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
-        self._labels: dict[tuple[Tenancy, str], _Labels] = {}  # (tenancy, gpu index) -> its container labels
+        self._labels: dict[tuple[Tenancy, GpuInfo | None, str], _Labels] = {}  # (tenancy, GPU, host) -> labels
 
-    def _tenancy_labels(self, t: Tenancy, gpu_index: str) -> _Labels:
-        key = (t, gpu_index)
+    def _tenancy_labels(self, t: Tenancy, gpu: GpuInfo | None, hostname: str) -> _Labels:
+        key = (t, gpu, hostname)
         lab = self._labels.get(key)
         if lab is None:
             lab = self._labels[key] = _Labels(CONTAINER_LABELS, (t.namespace, t.pod_name, t.pod_uid, t.container,
-                                                                  t.gpu_uuid, gpu_index))
+                                                                  *gpu_label_values(t.gpu_uuid, gpu, hostname)))
         return lab
 
     def describe(self) -> Iterable[Metric]:
@@ -411,9 +459,11 @@ class _Collector(Collector):
                 log.warning("metrics: ledger read failed: %s", e)
         status = self._mps_status()
         usage = self._usage(tenancies, _server_pids(status))
-        yield from self._containers(node, tenancies, usage)
-        yield from self._gpus(node, tenancies)
-        yield from self._state(node)
+        host = m.node_name()
+        yield from self._containers(node, tenancies, usage, host)
+        yield from self._gpus(node, tenancies, host)
+        yield from self._identity(node, host)
+        yield from self._state(node, host)
 
         entries = GaugeMetricFamily("fracplugin_ledger_entries", "Tenancies recorded in the ledger.")
         entries.add_metric([], float(len(tenancies)))
@@ -437,7 +487,7 @@ class _Collector(Collector):
             return {}
 
     def _containers(self, node: NodeInfo | None, tenancies: list[Tenancy],
-                    usage: dict[tuple[str, str, str], _Usage] | None) -> Iterator[Metric]:
+                    usage: dict[tuple[str, str, str], _Usage] | None, host: str) -> Iterator[Metric]:
         """Per container and GPU: used, request, limit, SM % and SM share %
         (bytes, percent 0-100); no usage series when ``usage`` is None (NVML failed)."""
         gpus = {g.uuid: g for g in node.gpus} if node is not None else {}
@@ -460,7 +510,7 @@ class _Collector(Collector):
         req_s, lim_s, used_s, sm_s, share_s = req.samples, lim.samples, used.samples, sm.samples, share.samples
         for t in tenancies:
             gpu = gpus.get(t.gpu_uuid)
-            lab = self._tenancy_labels(t, str(gpu.index) if gpu is not None else "")
+            lab = self._tenancy_labels(t, gpu, host)
             req_s.append(Sample(req.name, lab, float(t.request_mib * MIB)))
             lim_s.append(Sample(lim.name, lab, float(t.limit_mib * MIB)))
             if usage is None:
@@ -477,7 +527,7 @@ class _Collector(Collector):
         yield sm
         yield share
 
-    def _gpus(self, node: NodeInfo | None, tenancies: list[Tenancy]) -> Iterator[Metric]:
+    def _gpus(self, node: NodeInfo | None, tenancies: list[Tenancy], host: str) -> Iterator[Metric]:
         """Per GPU: tenants, held bytes, total bytes, compute mode info."""
         tenants = GaugeMetricFamily("fracplugin_gpu_tenants", "Containers holding a fraction of the GPU.", labels=GPU_LABELS)
         held = GaugeMetricFamily("fracplugin_gpu_memory_held_bytes", "GPU memory held by tenancies (requests).",
@@ -491,7 +541,7 @@ class _Collector(Collector):
             per_gpu.setdefault(t.gpu_uuid, []).append(t)
         for g in node.gpus if node is not None else ():
             ts = per_gpu.get(g.uuid, [])
-            labels = [g.uuid, str(g.index)]
+            labels = gpu_label_values(g.uuid, g, host)
             tenants.add_metric(labels, float(len(ts)))
             held.add_metric(labels, float(sum(t.request_mib for t in ts) * MIB))
             mode.add_metric([*labels, ts[0].mode.value if ts else "none"], 1.0)
@@ -501,7 +551,21 @@ class _Collector(Collector):
         yield total
         yield mode
 
-    def _state(self, node: NodeInfo | None) -> Iterator[Metric]:
+    def _identity(self, node: NodeInfo | None, host: str) -> Iterator[Metric]:
+        """``fracplugin_build_info`` and ``fracplugin_gpu_info`` (value 1;
+        issue 27 item 3): what a dashboard joins on to name a GPU the way
+        dcgm-exporter does, and which fracplugin a node runs."""
+        build = GaugeMetricFamily("fracplugin_build_info", "fracplugin's version (value 1).",
+                                  labels=("version", "python_version"))
+        build.add_metric([__version__, platform.python_version()], 1.0)
+        yield build
+        info = GaugeMetricFamily("fracplugin_gpu_info",
+                                 "A GPU of the node, with dcgm-exporter's label names (value 1).", labels=GPU_INFO_LABELS)
+        for g in node.gpus if node is not None else ():
+            info.add_metric([g.uuid, str(g.index), g.name, host, f"nvidia{g.minor}", g.pci_bus_id], 1.0)
+        yield info
+
+    def _state(self, node: NodeInfo | None, host: str) -> Iterator[Metric]:
         """Door and GPU health series from ``Metrics.state`` (see ``attach_state``)."""
         if self.m.state is None:
             return
@@ -516,7 +580,7 @@ class _Collector(Collector):
                                     "1 when the GPU is Healthy at the device plugin, 0 when Unhealthy.", labels=GPU_LABELS)
             for g in node.gpus:
                 if g.uuid in healthy:
-                    fam.add_metric([g.uuid, str(g.index)], 1.0 if healthy[g.uuid] else 0.0)
+                    fam.add_metric(gpu_label_values(g.uuid, g, host), 1.0 if healthy[g.uuid] else 0.0)
             yield fam
         nri = st.get("nri")
         if nri is not None:
@@ -596,6 +660,13 @@ class _Collector(Collector):
                 u.sm += float(s.sm_util_percent)
         m.procfs.prune(refs)  # PIDs NVML no longer reports leave the cache
         return out
+
+
+def gpu_label_values(uuid: str, gpu: GpuInfo | None, hostname: str) -> list[str]:
+    """Values of ``GPU_LABELS`` for the GPU ``uuid`` (``gpu``: its inventory
+    entry, None when the inventory lacks it: index and model then "")."""
+    index = str(gpu.index) if gpu is not None else ""
+    return [uuid, index, uuid, index, gpu.name if gpu is not None else "", hostname]
 
 
 def _server_pids(status: Mapping[str, Any]) -> set[int]:

@@ -91,6 +91,18 @@ def test_monitoring_set_renders_every_optional_object(renders) -> None:
     assert {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")} <= set(crd_schemas())
 
 
+def test_service_monitor_brings_its_service_and_needs_no_relabelling(helm: str) -> None:
+    m = rendered(helm, [], ("serviceMonitor.enabled=true",))
+    kinds = [d["kind"] for d in objects(m)]
+    assert kinds.count("Service") == 1 and kinds.count("ServiceMonitor") == 1
+    (mon,) = [d for d in objects(m) if d["kind"] == "ServiceMonitor"]
+    (ep,) = mon["spec"]["endpoints"]
+    assert ep["honorLabels"] is True and "relabelings" not in ep  # node is the daemon's own label
+    alone = rendered(helm, [], ("metrics.service.enabled=true",))
+    assert [d["kind"] for d in objects(alone)].count("Service") == 1
+    assert "ServiceMonitor" not in [d["kind"] for d in objects(alone)]
+
+
 def test_admission_set_renders_the_generated_policy(renders) -> None:
     """ci/admission-values.yaml: the ValidatingAdmissionPolicy and its binding,
     whose CEL is the generator's (fracplugin.admission, ADR 0026) with the
@@ -403,7 +415,6 @@ BAD_VALUES = [
     ("replicas=3", ["additional properties", "replicas"]),
     ("hostPaths.stateDir=/var/lib/fracplugin", ["hostPaths.stateDir", "/var/lib/fracplugin", "must lie under hostPaths.run"]),
     ("nri.enabled=false,scheduler=kai", ["nri.enabled=false", "kai", "leaves no door"]),
-    ("serviceMonitor.enabled=true", ["serviceMonitor.enabled=true needs metrics.service.enabled=true"]),
     ("extraConfig.mps_root=/x", ["extraConfig.mps_root", "set it there"]),
     ("layout=split,mps.apiSocket=/tmp/api.sock", ["mps.apiSocket", "/tmp/api.sock", "hostPaths.run"]),
     # --secure-pipe-mount needs SYS_ADMIN and Bidirectional propagation (ADR 0008 decision 7)

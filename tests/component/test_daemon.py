@@ -167,7 +167,7 @@ def test_no_doors_start_ready_status_and_sigterm(daemon: Callable[..., DaemonPro
     assert st["mps"]["enabled"] is False
     assert d.get("/nope")[0] == 404
     with urllib.request.urlopen(f"http://{d.endpoints['metrics']}/metrics", timeout=5) as r:
-        assert "fracplugin_ledger_entries 0.0" in r.read().decode()
+        assert 'fracplugin_ledger_entries{node="gpu-node-1"} 0.0' in r.read().decode()
     # the effective configuration is logged at start, with where each setting came from
     start = next(r for r in d.log_records() if r.get("msg", "").endswith("starting"))
     assert start["config"]["no_nri"] is True and start["sources"]["no_nri"] == "flag"

@@ -110,10 +110,10 @@ def test_demo_device_plugin_door(demo_run: subprocess.CompletedProcess[str]) -> 
 
 def test_demo_metrics(demo_run: subprocess.CompletedProcess[str]) -> None:
     sec = next(v for k, v in _sections(demo_run.stdout).items() if k.startswith("a few metrics"))
-    assert 'fracplugin_refusals_total{reason="no_fit"} 1.0' in sec
-    assert 'fracplugin_refusals_total{reason="limit_below_request"} 1.0' in sec
-    assert 'fracplugin_mps_daemon_up{mode="sm-sharing"} 1.0' in sec
-    assert "fracplugin_ledger_entries 3.0" in sec  # notebook on two GPUs + embeddings on one
+    assert 'fracplugin_refusals_total{reason="no_fit",node="gpu-node-1"} 1.0' in sec
+    assert 'fracplugin_refusals_total{reason="limit_below_request",node="gpu-node-1"} 1.0' in sec
+    assert 'fracplugin_mps_daemon_up{mode="sm-sharing",node="gpu-node-1"} 1.0' in sec
+    assert 'fracplugin_ledger_entries{node="gpu-node-1"} 3.0' in sec  # notebook on two GPUs + embeddings on one
 
 
 def test_demo_nri_binds_the_device_plugin_reservation(demo_run: subprocess.CompletedProcess[str]) -> None:

@@ -144,7 +144,7 @@ def test_idle_metrics_connections_leave_create_health_and_mps_working(
         assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "40960", adj
         assert d.get("/healthz") == (200, "ok\n")
         code, body = http_get(f"http://{host}:{port}/metrics")
-        assert code == 200 and "fracplugin_ledger_entries 4.0" in body
+        assert code == 200 and 'fracplugin_ledger_entries{node="gpu-node-1"} 4.0' in body
         st = d.get("/status")[1]
         assert [m["healthy"] for m in st["mps"]["daemons"]] == [True, True], st["mps"]
         assert all(m["restart_budget_used"] == 0 and m["resource_errors"] == 0 for m in st["mps"]["daemons"])
@@ -360,7 +360,7 @@ def test_runtime_bounds_through_the_daemon(limited: Callable[..., LimitedDaemon]
         codes = [rt.call_raw(PLUGIN_SERVICE, "Synchronize", part).code for _ in range(MAX_SYNC_PARTS + 1)]
         assert codes == [0] * MAX_SYNC_PARTS + [8]  # RESOURCE_EXHAUSTED
         code, body = http_get(f"http://{d.endpoints['metrics']}/metrics")
-        assert code == 200 and 'fracplugin_nri_bounds_exceeded_total{bound="sync_parts"} 1.0' in body
+        assert code == 200 and 'fracplugin_nri_bounds_exceeded_total{bound="sync_parts",node="gpu-node-1"} 1.0' in body
         assert d.get("/status")[1]["nri"]["bounds_exceeded"]["sync_parts"] == 1
         pod, ctrs = pod_from_manifest(INFERENCE)
         ctrs[0].id = ""

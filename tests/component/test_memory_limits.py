@@ -122,6 +122,16 @@ def started(root: Path) -> Iterator[Any]:
         rt.close()
 
 
+def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of the family ``name`` in exposition ``text``, as
+    (labels, value), parsed by prometheus-client's own text parser (so the
+    order of labels, e.g. where the daemon's ``node`` label goes, does not matter)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(dict(smp.labels), smp.value) for fam in text_string_to_metric_families(text)
+            for smp in fam.samples if smp.name == name]
+
+
 def _pod_with_cgroup(cg: Path) -> tuple[Any, Any, Path]:
     """The seed inference pod's container with a systemd-driver cgroups path
     (containerd layout) and its leaf directory made under the test root."""
@@ -162,13 +172,19 @@ def test_apply_sets_soft_and_hard_on_the_leaf_of_each_gpu_and_reads_back(started
     assert "ENFORCED" in out.stdout and "40960/61440" in out.stdout, out.stdout
     assert sum("door nri  ENFORCED yes" in line for line in out.stdout.splitlines()) == 4, out.stdout  # per GPU tenant
     code, text = d.get("/metrics", "metrics")
-    want = (f'fracplugin_container_cuda_memory_limit_bytes{{namespace="{pod.namespace}",pod="{pod.name}",'
-            f'container="{c.name}",gpu_uuid="{GPUS[0]}",kind="hard",source="enforced"}} {61440 * MIB:.1f}')
-    assert code == 200 and want.replace(".0", "") in text.replace(".0", ""), text
-    assert 'fracplugin_node_capability{capability="cgroup_v2"} 1' in text
+    assert code == 200, text
+    node = yaml.safe_load(NODE.read_text())
+    gpu0 = node["gpus"][0]
+    # every series carries the daemon's node label; the per-GPU one dcgm-exporter's GPU labels
+    # (gpu_uuid kept, deprecated) beside them (issue 27 item 3)
+    want = {"namespace": pod.namespace, "pod": pod.name, "container": c.name, "gpu_uuid": GPUS[0],
+            "UUID": GPUS[0], "gpu": str(gpu0["index"]), "modelName": gpu0["name"], "Hostname": node["node"],
+            "kind": "hard", "source": "enforced", "node": node["node"]}
+    assert (want, float(61440 * MIB)) in _samples(text, "fracplugin_container_cuda_memory_limit_bytes"), text
+    assert ({"capability": "cgroup_v2", "node": node["node"]}, 1.0) in _samples(text, "fracplugin_node_capability")
     assert text.count("# TYPE fracplugin_container_gpu_memory_limit_bytes ") == 1  # the ledger's family, once
-    assert f'fracplugin_container_cuda_memory_limit_enforced{{namespace="{pod.namespace}",pod="{pod.name}",' \
-           f'container="{c.name}"}} 1' in text
+    assert ({"namespace": pod.namespace, "pod": pod.name, "container": c.name, "node": node["node"]}, 1.0) in \
+        _samples(text, "fracplugin_container_cuda_memory_limit_enforced"), text
     rt.stop_container(pod, c)
     rt.remove_container(pod, c)
     wait_until(lambda: all(fake.read_limits(root / "limits").get((u, str(leaf)), (1, 0))[0] == 0 for u in GPUS), 10,
@@ -216,7 +232,7 @@ def test_cgroup_v1_node_not_ready_and_refuses_naming_the_capability(started: Any
     err = rt.create_container(pod, ctrs[0])
     assert getattr(err, "code", None) is not None and "cgroup_v2" in err.message, err
     code, text = d.get("/metrics", "metrics")
-    assert 'fracplugin_node_capability{capability="cgroup_v2"} 0' in text
+    assert [v for lbl, v in _samples(text, "fracplugin_node_capability") if lbl["capability"] == "cgroup_v2"] == [0.0]
 
 
 def test_mig_gpu_from_nvml_refuses_naming_the_capability(started: Any) -> None:

@@ -4,7 +4,9 @@ what the real daemon emits: re-captured here with scripts/capture_metrics.py
 (the real daemon on the simulated node, driven through its NRI and device
 plugin sockets), every series of the fixture (name and label names) must be
 in the live output. The dashboard's and the alerts' metric names are checked
-against the live output too."""
+against the live output too, and every dashboard query (selectors, grouping,
+legends, table columns, variables: tests/unit/test_dashboard.py's checks)
+against the live series."""
 
 from __future__ import annotations
 
@@ -47,13 +49,33 @@ def missing(fixture: dict[str, set[frozenset[str]]], live: dict[str, set[frozens
     return out
 
 
-@pytest.fixture(scope="module")
-def live() -> dict[str, set[frozenset[str]]]:
-    spec = importlib.util.spec_from_file_location("capture_metrics", REPO / "scripts" / "capture_metrics.py")
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["capture_metrics"] = mod
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
-    return series(mod.capture() + mod.capture_memory_limits())  # the demo's daemon, then a memory-limits one
+    return mod
+
+
+@pytest.fixture(scope="module")
+def live_text() -> str:
+    mod = _load("capture_metrics", REPO / "scripts" / "capture_metrics.py")
+    return mod.capture() + mod.capture_memory_limits()  # the demo's daemon, then a memory-limits one
+
+
+@pytest.fixture(scope="module")
+def live(live_text: str) -> dict[str, set[frozenset[str]]]:
+    return series(live_text)
+
+
+@pytest.mark.timeout(300)
+def test_every_dashboard_query_selects_live_series(live_text: str) -> None:
+    dash_check = _load("dashboard_check", REPO / "tests" / "unit" / "test_dashboard.py")
+    dash = json.loads((CHART_FILES / "dashboard.json").read_text())
+    assert dash_check.query_problems(dash, dash_check.capture_series(live_text)) == []
+    # the daemon's own node label is on every live series (no scrape relabelling needed)
+    samples = dash_check.capture_series(live_text)
+    assert samples and {lbl.get("node") for _, lbl in samples} == {"gpu-node-1"}
 
 
 def test_fixture_series_are_still_exported(live) -> None:
@@ -77,4 +99,4 @@ def test_missing_series_are_detected() -> None:
     live["fracplugin_mps_daemon_up"] = {frozenset({"daemon"})}
     problems = missing(fixture, live)
     assert "fracplugin_gpu_healthy is no longer exported" in problems
-    assert "fracplugin_mps_daemon_up with labels ['mode'] is no longer exported" in problems
+    assert "fracplugin_mps_daemon_up with labels ['mode', 'node'] is no longer exported" in problems

@@ -4,8 +4,13 @@ total, tenants' request/limit vs used, SM share, MPS daemon state, hook
 latency, refusals), and every metric its queries name is one the daemon
 exports: the capture from the real daemon (tests/fixtures/metrics/
 daemon-metrics.txt; tests/component/test_metrics_capture.py re-captures it
-and checks the dashboard against the live /metrics too). Each check fails on a
-mutated copy.
+and checks the dashboard against the live /metrics too).
+
+Issue 27 item 3: every selector of every query (the dashboard's variables
+replaced by what "All" selects) selects series of that capture, every label a
+query groups by, a legend shows, a variable lists or a table column renames is
+on those series, and no table shows a ``Value``/``Value #A`` column (organize
+transformations name them). Each check fails on a mutated copy.
 """
 
 from __future__ import annotations
@@ -85,6 +90,174 @@ def dashboard_problems(text: str, exported: set[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def exported() -> set[str]:
     return exported_names(CAPTURE.read_text())
+
+
+# ---------------------------------------------------------------- queries against the capture
+
+VARIABLES = {"$node": ".*", "$gpu": ".*", "$__rate_interval": "5m", "${datasource}": ""}
+"""What the dashboard's variables are when "All" is selected (allValue .*)."""
+_SELECTOR = re.compile(r"\b(fracplugin_[a-z0-9_]+)(\{([^}]*)\})?")
+_MATCHER = re.compile(r'([a-zA-Z_]\w*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+_GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+_LEGEND = re.compile(r"\{\{\s*([a-zA-Z_]\w*)\s*\}\}")
+
+
+def capture_series(text: str) -> list[tuple[str, dict[str, str]]]:
+    """Every sample of a text exposition as (sample name, labels)."""
+    return [(smp.name, dict(smp.labels)) for fam in text_string_to_metric_families(text) for smp in fam.samples]
+
+
+def _matches(labels: dict[str, str], op: str, name: str, value: str) -> bool:
+    have = labels.get(name, "")
+    if op == "=":
+        return have == value
+    if op == "!=":
+        return have != value
+    hit = re.fullmatch(value, have) is not None
+    return hit if op == "=~" else not hit
+
+
+def _expand(q: str) -> str:
+    for var, value in VARIABLES.items():
+        q = q.replace(var, value)
+    return q
+
+
+def query_labels(q: str, series: list[tuple[str, dict[str, str]]]) -> tuple[set[str], list[str]]:
+    """(labels every series the query selects has, problems) for one PromQL
+    text: a selector that selects nothing in the capture is a problem; with
+    ``by (...)`` only those labels remain, and each must be on the series."""
+    q = _expand(q)
+    problems: list[str] = []
+    common: set[str] | None = None
+    for m in _SELECTOR.finditer(q):
+        name, matchers = m.group(1), _MATCHER.findall(m.group(3) or "")
+        hit = [lbl for n, lbl in series if n == name and all(_matches(lbl, op, k, v) for k, op, v in matchers)]
+        if not hit:
+            problems.append(f"{m.group(0)} selects no series of the daemon's /metrics capture")
+            continue
+        for lbl in hit:
+            common = set(lbl) if common is None else common & set(lbl)
+    have = common or set()
+    for group in _GROUPING.findall(q):
+        by = {x.strip() for x in group.split(",") if x.strip()} - {"le"}
+        for label in sorted(by - have):
+            problems.append(f"{q}: groups by {label!r}, which the selected series lack")
+        have = by & have if "by" in q else have - by
+    return have, problems
+
+
+def query_problems(dash: dict[str, Any], series: list[tuple[str, dict[str, str]]]) -> list[str]:
+    """Every panel query, legend and table column, and every variable,
+    checked against the captured series (see the module docstring)."""
+    problems: list[str] = []
+    for panel in dash.get("panels", []):
+        title = panel.get("title")
+        panel_labels: set[str] = set()
+        for t in panel.get("targets", []):
+            have, found = query_labels(t.get("expr", ""), series)
+            problems += [f"panel {title!r} {t.get('refId')}: {p}" for p in found]
+            panel_labels |= have
+            for label in _LEGEND.findall(t.get("legendFormat", "")):
+                if label not in have:
+                    problems.append(f"panel {title!r} {t.get('refId')}: legend shows {{{{{label}}}}}, "
+                                    f"which its series lack")
+        for tr in panel.get("transformations", []):
+            if tr.get("id") == "organize":
+                for col in tr["options"].get("renameByName", {}):
+                    if not col.startswith("Value") and col not in panel_labels:
+                        problems.append(f"panel {title!r}: renames column {col!r}, which no query's series has")
+    for var in dash.get("templating", {}).get("list", []):
+        if var.get("type") != "query":
+            continue
+        q = var["query"]["query"] if isinstance(var["query"], dict) else str(var["query"])
+        m = re.fullmatch(r"label_values\((.*),\s*([a-zA-Z_]\w*)\)", q)
+        if m is None:
+            problems.append(f"variable {var['name']}: {q!r} is not label_values(SELECTOR, LABEL)")
+            continue
+        have, found = query_labels(m.group(1), series)
+        problems += [f"variable {var['name']}: {p}" for p in found]
+        if m.group(2) not in have:
+            problems.append(f"variable {var['name']}: lists label {m.group(2)!r}, which its series lack")
+    return problems
+
+
+def table_column_problems(dash: dict[str, Any]) -> list[str]:
+    """A table panel must not show Grafana's default value column names
+    (``Value`` for one query, ``Value #<refId>`` for several): each is renamed
+    or hidden by an organize transformation."""
+    problems = []
+    for panel in dash.get("panels", []):
+        if panel.get("type") != "table":
+            continue
+        refs = [t["refId"] for t in panel.get("targets", [])]
+        defaults = ["Value"] if len(refs) == 1 else [f"Value #{r}" for r in refs]
+        named: set[str] = set()
+        for tr in panel.get("transformations", []):
+            if tr.get("id") == "organize":
+                named |= set(tr["options"].get("renameByName", {}))
+                named |= {k for k, v in tr["options"].get("excludeByName", {}).items() if v}
+        for col in defaults:
+            if col not in named:
+                problems.append(f"table {panel.get('title')!r} shows a column {col!r}: rename or hide it "
+                                f"(organize transformation)")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def captured() -> list[tuple[str, dict[str, str]]]:
+    return capture_series(CAPTURE.read_text())
+
+
+def test_every_query_selects_captured_series_with_the_labels_it_uses(captured) -> None:
+    assert query_problems(json.loads(DASHBOARD.read_text()), captured) == []
+
+
+def test_table_columns_have_names() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    assert [p["title"] for p in dash["panels"] if p["type"] == "table"]
+    assert table_column_problems(dash) == []
+
+
+def test_a_panel_shows_used_against_request_and_limit_per_container(captured) -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    want = {f"fracplugin_container_gpu_memory_{k}_bytes" for k in ("used", "request", "limit")}
+    panels = [p for p in dash["panels"] if p["type"] == "timeseries"
+              and want <= {n for t in p["targets"] for n in _METRIC.findall(t["expr"])}]
+    assert panels, "no time series panel shows used, request and limit together"
+    for p in panels:
+        for t in p["targets"]:
+            have, problems = query_labels(t["expr"], captured)
+            assert problems == [] and {"namespace", "pod", "container"} <= have
+
+
+def _set_expr(dash: dict[str, Any], title: str, old: str, new: str) -> dict[str, Any]:
+    dash = copy.deepcopy(dash)
+    (panel,) = [p for p in dash["panels"] if p.get("title") == title]
+    t = next(t for t in panel["targets"] if old in t["expr"] or old in t.get("legendFormat", ""))
+    t["expr"] = t["expr"].replace(old, new)
+    t["legendFormat"] = t.get("legendFormat", "").replace(old, new)
+    return dash
+
+
+@pytest.mark.parametrize(("mutate", "needle"), [
+    (lambda d: _set_expr(d, "GPU memory held vs total", 'gpu=~"$gpu"', 'gpu_idx="0"'), "selects no series"),
+    (lambda d: _set_expr(d, "GPU memory held vs total", 'node=~"$node"', 'node="gpu-node-9"'), "selects no series"),
+    (lambda d: _set_expr(d, "Hooks per second", "by (door, node)", "by (door, host)"), "groups by 'host'"),
+    (lambda d: _set_expr(d, "Tenants per GPU", "{{gpu}}", "{{gpu_id}}"), "legend shows {{gpu_id}}"),
+    (lambda d: _set_expr(d, "Hook latency p50 / p99", "{{door}}", "{{mode}}"), "legend shows {{mode}}"),
+], ids=["wrong-label", "no-node", "group-by", "legend", "legend-after-sum"])
+def test_query_check_fails_on_a_mutated_copy(captured, mutate, needle: str) -> None:
+    problems = query_problems(mutate(json.loads(DASHBOARD.read_text())), captured)
+    assert any(needle in p for p in problems), problems
+
+
+def test_table_check_fails_without_the_organize_transformation() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    for p in dash["panels"]:
+        p["transformations"] = [t for t in p.get("transformations", []) if t["id"] != "organize"]
+    problems = table_column_problems(dash)
+    assert any("'Value #A'" in p for p in problems) and any("'Value'" in p for p in problems), problems
 
 
 def test_dashboard_is_valid_and_names_only_exported_metrics(exported: set[str]) -> None:

@@ -86,21 +86,31 @@ def setup(node_file, proc):
     return metrics, ledger, inv
 
 
+NODE = "gpu-node-1"  # the simulated node's name: the node label of every series
+MODEL = "NVIDIA H100 80GB HBM3"
+
+
 def scrape(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels without ``node``): value}; every sample
+    must carry ``node`` = the node's name."""
     out = {}
     for fam in text_string_to_metric_families(metrics.render().decode()):
         for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            labels = dict(s.labels)
+            assert labels.pop("node", None) == NODE, (s.name, s.labels)
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
     return out
 
 
 def cl(uid, pod, container, gpu, idx):
     return tuple(sorted({"namespace": "ml", "pod": pod, "pod_uid": uid, "container": container,
-                         "gpu_uuid": gpu, "gpu_index": str(idx)}.items()))
+                         "gpu_uuid": gpu, "gpu_index": str(idx),
+                         "UUID": gpu, "gpu": str(idx), "modelName": MODEL, "Hostname": NODE}.items()))
 
 
 def gl(gpu, idx, **extra):
-    return tuple(sorted({"gpu_uuid": gpu, "gpu_index": str(idx), **extra}.items()))
+    return tuple(sorted({"gpu_uuid": gpu, "gpu_index": str(idx), "UUID": gpu, "gpu": str(idx),
+                              "modelName": MODEL, "Hostname": NODE, **extra}.items()))
 
 
 def test_per_container_series_are_attributed_through_cgroups(setup):
@@ -252,5 +262,51 @@ def test_render_matches_prometheus_client_exposition(setup):
 
     ours = parsed(metrics.render().decode())
     theirs = parsed(generate_latest(metrics.registry).decode())
-    assert ours == theirs
+    # render adds the node label to every series; prometheus-client has no such option
+    assert {k[:3] + (tuple(sorted((*k[3], ("node", NODE)))),): v for k, v in theirs.items()} == ours
     assert any(k[2] == "fracplugin_refusals_total" and ("reason", 'we"ird\\reason\nx') in k[3] for k in ours)
+
+
+def test_build_info_and_gpu_info_use_dcgm_exporters_label_names(setup):
+    import platform
+
+    from fracplugin import __version__
+
+    metrics, ledger, _ = setup
+    s = scrape(metrics)
+    assert s[("fracplugin_build_info", (("python_version", platform.python_version()), ("version", __version__)))] == 1
+    info = {k[1]: v for k, v in s.items() if k[0] == "fracplugin_gpu_info"}
+    assert info == {tuple(sorted({"UUID": g.uuid, "gpu": str(g.index), "modelName": g.name, "Hostname": NODE,
+                                  "device": f"nvidia{g.minor}", "pci_bus_id": g.pci_bus_id}.items())): 1.0
+                    for g in ledger.node.gpus}
+    assert len(info) == 4 and all(dict(k)["pci_bus_id"] for k in info)
+
+
+def test_node_label_is_the_node_name_given(setup, proc):
+    _, ledger, inv = setup
+    text = Metrics(ledger=ledger, inventory=inv, proc_root=proc, node_name="k8s-node-7").render().decode()
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    assert samples and {s.labels.get("node") for s in samples} == {"k8s-node-7"}
+    gpu_series = [s for s in samples if "UUID" in s.labels]
+    assert gpu_series and {s.labels["Hostname"] for s in gpu_series} == {"k8s-node-7"}
+    # no node known: no node label (not an empty one)
+    bare = Metrics().render().decode()
+    assert "node=" not in bare and "fracplugin_build_info{" in bare
+
+
+def test_render_keeps_a_collectors_own_node_label():
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import GaugeMetricFamily
+
+    from fracplugin.metrics import render_text
+
+    class Own:
+        def collect(self):
+            g = GaugeMetricFamily("x_peer", "peer", labels=("node",))
+            g.add_metric(["other"], 1.0)
+            yield g
+
+    reg = CollectorRegistry()
+    reg.register(Own())
+    assert render_text(reg, {"node": "n1"}).decode().splitlines()[-1] == 'x_peer{node="other"} 1.0'
+    assert render_text(reg, {"node": 'a"b'}).decode().count('node="other"') == 1

@@ -11,16 +11,25 @@ from fracplugin.ledger import Ledger
 from fracplugin.metrics import MIB, Metrics
 
 
+NODE = "gpu-node-1"  # the simulated node's name: the node label of every series
+MODEL = "NVIDIA H100 80GB HBM3"
+
+
 def scrape(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels without ``node``): value}; every sample
+    must carry ``node`` = the node's name."""
     out = {}
     for fam in text_string_to_metric_families(metrics.render().decode()):
         for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            labels = dict(s.labels)
+            assert labels.pop("node", None) == NODE, (s.name, s.labels)
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
     return out
 
 
 def gl(gpu, idx):
-    return tuple(sorted({"gpu_uuid": gpu, "gpu_index": str(idx)}.items()))
+    return tuple(sorted({"gpu_uuid": gpu, "gpu_index": str(idx),
+                         "UUID": gpu, "gpu": str(idx), "modelName": MODEL, "Hostname": NODE}.items()))
 
 
 def test_gpu_memory_total_is_the_inventory(node_file):

@@ -115,15 +115,17 @@ class MemoryLimits:
         """container id -> (yes|no|unknown, reason): the ENFORCED column."""
         return {r.container_id: (r.enforced, r.why) for r in self.enforcer.results()}
 
-    def attach_metrics(self, registry: Any) -> None:
+    def attach_metrics(self, registry: Any, hostname: str = "") -> None:
         """Register the collector and the StartContainer histogram on a
-        prometheus-client ``CollectorRegistry``."""
+        prometheus-client ``CollectorRegistry``. ``hostname``: the node's name
+        for dcgm-exporter's ``Hostname`` label (the daemon's ``node`` label;
+        "" = the inventory node's name)."""
         from prometheus_client import Histogram  # noqa: PLC0415
 
         self._hist = Histogram("fracplugin_memory_limits_start_seconds",
                                "StartContainer's cost of applying/verifying CUDA memory limits.",
                                buckets=START_BUCKETS, registry=registry)
-        registry.register(MemoryLimitsCollector(self))
+        registry.register(MemoryLimitsCollector(self, hostname or self.node.name))
 
     def close(self) -> None:
         if self.nvml is not None:
@@ -134,13 +136,17 @@ class MemoryLimitsCollector:
     """``fracplugin_node_capability{capability}`` (1 ok, 0 missing, -1
     unknown), ``fracplugin_memory_limits_enforceable``,
     ``fracplugin_container_cuda_memory_limit_bytes{namespace, pod, container,
-    gpu_uuid, kind, source}`` (kind soft|hard|used; source
+    gpu_uuid, UUID, gpu, modelName, Hostname, kind, source}`` (the GPU by
+    dcgm-exporter's label names as on every per-GPU series of
+    ``fracplugin.metrics``, ``gpu_uuid`` deprecated until 0.3.0; issue 27
+    item 3; index and model "" for a GPU the inventory lacks; kind soft|hard|used; source
     planned|enforced|dmem|nvml; named apart from the ledger's
     ``fracplugin_container_gpu_memory_limit_bytes``, which has other labels)
     and ``fracplugin_container_cuda_memory_limit_enforced{namespace, pod, container}``."""
 
-    def __init__(self, limits: MemoryLimits) -> None:
+    def __init__(self, limits: MemoryLimits, hostname: str) -> None:
         self.limits = limits
+        self.hostname = hostname
 
     def describe(self) -> Iterable[Any]:
         return []
@@ -166,11 +172,16 @@ class MemoryLimitsCollector:
             lim = GaugeMetricFamily("fracplugin_container_cuda_memory_limit_bytes",
                                     "A container's CUDA memory limit per GPU (cgroup soft/hard, issue 23): planned, "
                                     "enforced (read back from NVML), and used (dmem.current, else NVML).",
-                                    labels=("namespace", "pod", "container", "gpu_uuid", "kind", "source"))
+                                    labels=("namespace", "pod", "container", "gpu_uuid", "UUID", "gpu", "modelName",
+                                            "Hostname", "kind", "source"))
             results = self.limits.enforcer.results()
             for labels, value in metrics_rows(results):
                 ns, _, name = labels["pod"].partition("/")
-                lim.add_metric([ns, name, labels["container"], labels["gpu"], labels["kind"], labels["source"]], value)
+                uuid = labels["gpu"]
+                gpu = self.limits.node.gpu_by_uuid(uuid)
+                index, model = (str(gpu.index), gpu.name) if gpu is not None else ("", "")
+                lim.add_metric([ns, name, labels["container"], uuid, uuid, index, model, self.hostname,
+                                labels["kind"], labels["source"]], value)
             yield lim
             ne = GaugeMetricFamily("fracplugin_container_cuda_memory_limit_enforced",
                                    "1 when every GPU of the container has its planned limit in force, 0 when not.",

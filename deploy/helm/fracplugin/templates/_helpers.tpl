@@ -103,9 +103,6 @@ names the keys, the values and the rule.
 {{- fail (printf "extraEnv FRACPLUGIN_SECURE_PIPE_MOUNT=%v: --secure-pipe-mount cannot work in the DaemonSet: %s" .value $spm) -}}
 {{- end -}}
 {{- end -}}
-{{- if and .Values.serviceMonitor.enabled (not .Values.metrics.service.enabled) -}}
-{{- fail "serviceMonitor.enabled=true needs metrics.service.enabled=true (a ServiceMonitor selects a Service)" -}}
-{{- end -}}
 {{- end -}}
 
 {{/*
