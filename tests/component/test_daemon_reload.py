@@ -55,6 +55,10 @@ class Rig:
             "device_plugin_dir": str(root / "dp"), "pod_resources_socket": str(root / "podresources.sock"),
             "pods_file": str(root / "pods.yaml"), "log_level": "info", "fail_open": False,
             "shutdown_timeout_s": 8.0,
+            # in process: whether NVML loads depends on what other tests loaded into this
+            # interpreter (the fake libnvidia-ml.so.1), so auto would vary; test_memory_limits
+            # covers that part through a daemon of its own
+            "memory_limits": "off",
         }
         self.write()
         parser = argparse.ArgumentParser()

