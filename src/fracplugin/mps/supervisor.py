@@ -380,27 +380,9 @@ class MpsSupervisor:
         self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float,
         mode: ComputeMode = ComputeMode.SM_SHARING, pinned_limit_mib: int | None = None,
     ) -> str:
-        """Create and cap the MPS v3 namespace of a container, before it starts;
-        return its host pipe directory (``layout.namespace_pipe_dir(ns, mode)``).
-
-        The namespace is ``namespace_name(pod_uid, container)`` on server
-        ``shared`` of the daemon of ``mode`` (time-slicing containers get one too,
-        so that no container needs a daemon's ``control`` socket: issue 12).
-        Caps: ``--active-thread-percentage`` when a percentage is given (None =
-        the server's 100 %), ``--pinned-memory-limit=<MiB>M`` when
-        ``pinned_limit_mib`` is given (the container's limit per GPU: each client
-        process of the namespace is capped to it on each device, docs/reference/mps-nvml.md 1.6).
-        Idempotent: an existing namespace with the same caps is left alone
-        (one the supervisor applied with these caps on the daemon's current
-        process costs no control command at all: another container of the same
-        pod and name, issue 14); different caps are re-set (which MPS refuses
-        while a client is attached: MpsError). The request is recorded (and persisted in the MPS role) and
-        re-applied after every daemon restart until ``release_namespace``.
-
-        Never blocks past ``timeout_s``. Raises MpsError (no daemon for the mode,
-        protocol 2, daemon not ready, command refused), MpsTimeout, ValueError
-        (percentage outside 1..100, pinned limit below 1 MiB).
-        """
+        """Create and cap the MPS v3 namespace of a container before it starts;
+        its host pipe directory. The contract (caps, idempotence, restarts, errors
+        raised: MpsError, MpsTimeout, ValueError) is ``NamespaceBook.ensure``'s."""
         return self.book.ensure(pod_uid, container, active_thread_percentage, timeout_s, mode, pinned_limit_mib)
 
     def release_namespace(self, pod_uid: str, container: str, timeout_s: float | None = None) -> bool:
@@ -413,29 +395,9 @@ class MpsSupervisor:
 
     def drain(self, container_id: str, timeout_s: float,
               modes: Iterable[ComputeMode] | None = None) -> DrainResult:
-        """Terminate the MPS clients of a stopping container (NRI StopContainer).
-
-        Only the daemons that can hold the container's clients are asked:
-        ``modes`` (the container's compute mode, from the ledger); None = every
-        running daemon (container unknown to the ledger). Each daemon gets its
-        own budget of ``timeout_s`` (they are drained concurrently), so a slow
-        daemon never eats another's time. Clients come from v3 ``client list
-        --format=csv,noheader`` / v2 ``get_server_list`` + ``get_client_list``,
-        joined with ``/proc/<pid>/cgroup`` (procfs.container_id_matches); each is
-        terminated (v3 ``client terminate <pid>``, v2 ``terminate_client``).
-
-        Slowness is not a hang: a command that runs out of time marks that
-        daemon unhealthy ("slow") and asks for a probe at once; only the probe
-        (``probe_failure_threshold`` consecutive failures) confirms a hang and
-        hard-restarts the daemon (issue 12: one slow answer killed every
-        client's work). ``wedged`` in the result then means "a drain step timed
-        out or failed"; ``restarted`` stays empty (the restart, if any, is the
-        probe's decision).
-
-        Never blocks past ``timeout_s`` (plus process start jitter); never raises
-        for MPS errors (they are in ``DrainResult.errors``). A second drain of the
-        same container while one runs returns ``skipped=True`` at once.
-        """
+        """Terminate the MPS clients of a stopping container (NRI StopContainer),
+        within ``timeout_s`` per daemon; never raises for MPS errors. The contract
+        (which daemons, slowness vs hangs, ``DrainResult``) is ``Drainer.drain``'s."""
         return self.drainer.drain(container_id, timeout_s, modes)
 
     # ------------------------------------------------------------------ thread
