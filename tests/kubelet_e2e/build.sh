@@ -82,6 +82,12 @@ for kv in $KUBE_VERSIONS; do
     # (client-go, apimachinery, the api types) compile once.
     pkgs=()
     for b in $KUBE_BINARIES; do pkgs+=("k8s.io/kubernetes/cmd/$b"); done
-    scratch_build "$CACHE/src/kubernetes-$kv" "$bin" "$body" "${pkgs[@]}"
+    # Into a temp dir, then renamed: a build killed while linking or writing
+    # never leaves a half binary that the cache check above would take.
+    tmp="$(mktemp -d "$CACHE/kubernetes-$kv.build.XXXXXX")"
+    scratch_build "$CACHE/src/kubernetes-$kv" "$tmp" "$body" "${pkgs[@]}"
+    mkdir -p "$bin"
+    for b in $KUBE_BINARIES; do mv -f "$tmp/$b" "$bin/$b"; done
+    rm -rf "$tmp"
     log "kubernetes $kv built in $(( $(date +%s) - t0 ))s"
 done
