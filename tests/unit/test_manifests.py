@@ -64,7 +64,7 @@ K8S_VERSIONS = ("1.30.0", "1.37.0")
 # read from the daemon's own defaults. /proc is reached via hostPID.
 DAEMON_DEFAULT_HOST_PATHS: dict[str, str] = {
     name: getattr(DEFAULTS, name)
-    for name in ("device_plugin_dir", "pod_resources_socket", "nri_socket", "mps_root", "state_dir")
+    for name in ("device_plugin_dir", "pod_resources_socket", "nri_socket", "mps_root", "state_dir", "cgroup_root")
 }
 HEALTH_PORT = 8080
 METRICS_PORT = 2112
