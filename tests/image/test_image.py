@@ -283,7 +283,7 @@ def test_daemon_modules_import_under_runc(image: dict[str, Any], tmp_path: Path)
     """Every module ``fracplugin run`` loads imports in the image (the
     wheels' native parts match the base's glibc and Python)."""
     code = ("import importlib\n"
-            "for m in ('fracplugin.cli', 'fracplugin.daemon', 'grpclib', 'google.protobuf', 'kubernetes', 'pynvml',"
+            "for m in ('fracplugin.cli', 'fracplugin.daemon', 'grpc', 'google.protobuf', 'kubernetes', 'pynvml',"
             " 'psutil', 'prometheus_client', 'yaml', 'tenacity', 'ssl'):\n"
             "    importlib.import_module(m)\n"
             "print('ok')\n")
