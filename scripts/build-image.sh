@@ -57,8 +57,10 @@ SLIM=(--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/sha
 
 # 1. base root filesystems (mmdebstrap removes apt's package lists and caches by default).
 if [ ! -s "$OUT/base-$SUITE.tar" ]; then
-  log "final base: mmdebstrap --variant=essential $SUITE + python$PYTHON_VERSION"
-  mmdebstrap --quiet --format=tar --variant=essential --include="python$PYTHON_VERSION" "${SLIM[@]}" \
+  # libstdc++6: grpcio's native module (the kubelet door, ADR 0021) links it;
+  # the essential variant does not carry it (image-test imports every module).
+  log "final base: mmdebstrap --variant=essential $SUITE + python$PYTHON_VERSION libstdc++6"
+  mmdebstrap --quiet --format=tar --variant=essential --include="python$PYTHON_VERSION,libstdc++6" "${SLIM[@]}" \
     "$SUITE" "$OUT/base-$SUITE.tar.part" "$MIRROR"
   # The essential variant has no apt, but mmdebstrap's cleanup leaves apt's
   # state directories (the lists lock, lists/partial) in the tarball, after
