@@ -362,8 +362,13 @@ def test_7_mps_daemons_not_answering_is_unavailable_naming_the_mode(mps_node: tu
     for x in d.get("/status")[1]["mps"]["daemons"]:
         os.kill(x["pid"], signal.SIGSTOP)
         stopped.append(x["pid"])
-    assert wait_until(lambda: not d.get("/readyz")[1]["checks"]["mps"]["ready"], 30,
-                      lambda: f"MPS seen down: {d.get('/readyz')}")
+    # /readyz turns when the first daemon misses its probe; the refusal reads
+    # the time-slicing daemon's own health, so wait for that one.
+    def ts_down() -> bool:
+        return not any(x["healthy"] for x in d.get("/status")[1]["mps"]["daemons"] if x["mode"] == "time-slicing")
+
+    assert wait_until(ts_down, 30, lambda: f"time-slicing MPS daemon seen down: {d.get('/status')[1]['mps']}")
+    assert not d.get("/readyz")[1]["checks"]["mps"]["ready"]
     sandbox = make_pod("np7", "default", "uid-np7", {P + "app.gpu-memory.request": "4Gi"})
     err = rt.create_container(sandbox, make_container(sandbox, "app"))
     assert code(err) == UNAVAILABLE, err
