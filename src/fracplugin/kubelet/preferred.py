@@ -68,10 +68,6 @@ class _Preferred(_AllocatorState):
         except Exception:
             return []
 
-    def _pod_mode_for(self, count: int) -> ComputeMode | None:
-        modes = self._modes_for(count)
-        return modes.pop() if len(modes) == 1 else None
-
     def _modes_for(self, count: int) -> set[ComputeMode]:
         """The compute modes the pending candidates for ``count`` devices want."""
         if self.pod_source is None:
