@@ -124,12 +124,20 @@ def test_already_connected_refusal_moves_to_a_new_socket_name(rig137):
     assert wait_until(s.registered)
 
 
-def test_kick_on_a_live_connection_does_not_register_again(running):
-    """D2: never a second Register while kubelet holds the ListAndWatch."""
+def test_kick_on_a_live_connection_does_not_register_again(running, caplog):
+    """D2: never a second Register while kubelet holds the ListAndWatch.
+
+    The absence is read off the registrar's own decision, not a quiet
+    interval: the kick is handled on the registrar's thread, which logs that
+    it declines (kubelet holds a live stream) in the same step where it would
+    otherwise call Register; once that line is there, a Register for this
+    kick can no longer come."""
     rig, s = running
+    caplog.set_level(logging.INFO, logger="fracplugin.kubelet.registration")
     n = len(rig.kubelet.registrations)
     s.registrar.kick()
-    rig.kubelet.wait_for(lambda: len(rig.kubelet.registrations) > n, 1.0)
+    assert wait_until(lambda: any("holds a live ListAndWatch; not registering" in r.getMessage()
+                                  for r in caplog.records), what="the registrar to handle the kick")
     assert len(rig.kubelet.registrations) == n
     assert rig.kubelet.refusals == []
     assert s.registrar.stats.count == 1
@@ -165,12 +173,27 @@ def test_stream_end_marks_every_device_unhealthy_at_kubelet(running):
 
 def test_first_register_waits_until_devices_can_be_served_healthy(rig):
     """D7 readiness order: with MPS still starting, no Register; once it is
-    up, the first list kubelet gets is all Healthy."""
+    up, the first list kubelet gets is all Healthy.
+
+    The absence is read off the registrar's own steps, not a quiet interval:
+    it asks ``ready()`` before the first Register and registers only once
+    that is True; after it was told False twice (it has come round its wait
+    loop while not ready), no Register may have been sent."""
     up = threading.Event()
     rig.kubelet.start()
     s = rig.server(mps_health=EventMps(up))
+    answers: list[bool] = []  # what ready() told the registrar's thread
+    real_ready = s.ready
+
+    def ready() -> bool:
+        r = real_ready()
+        if threading.current_thread().name == "fracplugin-registrar":
+            answers.append(r)
+        return r
+
+    s.ready = ready  # the registrar looks it up on its target at each wait (getattr)
     s.start()
-    rig.kubelet.wait_for(lambda: bool(rig.kubelet.registrations), 1.0)
+    assert wait_until(lambda: answers.count(False) >= 2, what="the registrar to find the devices not ready twice")
     assert rig.kubelet.registrations == []
     assert not s.registered()
     up.set()

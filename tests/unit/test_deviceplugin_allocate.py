@@ -19,6 +19,8 @@ from fracplugin.ledger import Ledger
 from fracplugin.model import ComputeMode
 from fracplugin.planner import PlannerConfig
 
+from tests.helpers import wait_until
+
 R = "fracplugin.io/gpu-memory"
 P = "nvidia.com/container."
 
@@ -303,10 +305,17 @@ def test_missing_pod_falls_back_after_the_deadline(make, node, src):
 
 
 def test_pod_arriving_while_allocate_waits_is_found(make, node, src):
-    s = make(allocate_deadline_s=5.0)
-    threading.Timer(0.1, src.add, args=(pod("late-watch", 6, {P + "app.gpu-memory.limit": "7Gi"}),)).start()
-    env = env_of(s.allocate(areq(ids(node, 0, 6))))
-    assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "7168"
+    s = make(allocate_deadline_s=30.0)
+    answers: list[object] = []
+    call = threading.Thread(target=lambda: answers.append(s.allocate(areq(ids(node, 0, 6)))))
+    call.start()
+    # The pod arrives once Allocate has looked, found nothing and waits on the
+    # pod source (a timer could add it before Allocate even looked).
+    wait_until(lambda: len(src._store._cond._waiters) == 1, what="Allocate to wait for its pod")  # type: ignore[attr-defined]
+    src.add(pod("late-watch", 6, {P + "app.gpu-memory.limit": "7Gi"}))
+    call.join(10)
+    assert not call.is_alive() and len(answers) == 1
+    assert env_of(answers[0])["NVIDIA_GPU_MEMORY_LIMIT"] == "7168"
 
 
 def test_api_down_falls_back_at_once(make, node, src):

@@ -98,9 +98,18 @@ def test_in_memory_source_wait_wakes_on_change_and_reports_deletes():
     deleted = []
     src.subscribe_deleted(lambda p: deleted.append(p["metadata"]["name"]))
     p = pod("p", "2026-01-01T00:00:00Z", [("app", 4)])
-    threading.Timer(0.05, src.add, args=(p,)).start()
-    assert src.wait(5.0) is True
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(src.wait(30.0)))
+    waiter.start()
+    # The change must come while the waiter is blocked (a timer could fire
+    # before it waits on a busy machine): the store's condition then holds it.
+    wait_until(lambda: len(src._store._cond._waiters) == 1, what="the waiter to block in wait()")  # type: ignore[attr-defined]
+    src.add(p)
+    waiter.join(10)
+    assert not waiter.is_alive() and woke == [True]
     assert len(src) == 1
+    # Nothing changes now: wait() must give up after its own timeout. The
+    # bounded wait is the thing tested (its timeout path), not a synchronisation.
     assert src.wait(0.01) is False
     src.delete(p)
     assert deleted == ["p"] and len(src) == 0
