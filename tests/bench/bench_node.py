@@ -23,8 +23,10 @@ exclusive ``flock``, other keys kept):
   the container; 0 by default: a cached image, the least time for early work),
   then calls CreateContainer then StartContainer, every call under one lock (as
   containerd holds its NRI lock per call); a StartContainer's wait is its own
-  round trip (how long that call held the lock), ms; ``nri.burst64.pull_ms``
-  says which pull time the figures are for;
+  round trip (how long that call held the lock), ms; ``_sum_ms``: all of
+  them added (the time starts held the lock), ``_over_5ms``: how many waited
+  longer than 5 ms; ``nri.burst64.pull_ms`` says which pull time the figures
+  are for;
 - ``nri.burst64.refused``: StartContainers answered with an error (ADR 0028:
   none while MPS is merely slow);
 - ``nri.burst64.ready_ratio``: time from the first CreateContainer to the last
@@ -332,6 +334,8 @@ def burst(node: Node, pods: int, pull_ms: float = 0.0) -> dict[str, float]:
         f"{key}.start_wait_p50_ms": statistics.median(starts),
         f"{key}.start_wait_p99_ms": starts[min(len(starts) - 1, int(0.99 * len(starts)))],
         f"{key}.start_wait_max_ms": starts[-1],
+        f"{key}.start_wait_sum_ms": sum(starts),
+        f"{key}.start_wait_over_5ms": float(sum(1 for s in starts if s > 5.0)),
         f"{key}.refused": float(len(refused)),
         f"{key}.ready_ratio": round(ready_ms / ideal_ms, 2),
         f"{key}.mps_commands": float(cmds1 - cmds0),

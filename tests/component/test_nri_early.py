@@ -96,6 +96,31 @@ def test_create_awaits_an_early_ensure_still_running(make_harness):
     assert h.plugin.status()["early_namespaces"]["used"] == 1
 
 
+def test_an_early_ensure_a_container_awaits_runs_before_early_work_nobody_awaits(make_harness, monkeypatch):
+    """A burst: every pod's RunPodSandbox queued its ensure; the one whose
+    CreateContainer came (its StartContainer is next) is made first."""
+    import fracplugin.nri.namespaces as namespaces
+
+    monkeypatch.setattr(namespaces, "_NS_WORKERS", 1)  # one MPS worker: the order is the queue's
+    h = make_harness().start()
+    gate = threading.Event()
+    h.mps.block = gate
+    hold, _ = _sm_pod("hold")
+    first, _ = _sm_pod("first")
+    second, ctr = _sm_pod("second")
+    try:
+        assert h.rt.run_pod_sandbox(hold) is None
+        wait_for(lambda: _ensures(h, hold.uid), what="the worker held")
+        for p in (first, second):
+            assert h.rt.run_pod_sandbox(p) is None
+        assert not isinstance(h.rt.create_container(second, ctr), RpcError)
+    finally:
+        gate.set()
+    assert h.rt.start_container(second, ctr) is None
+    wait_for(lambda: _idle(h), what="the MPS queue to drain")
+    assert [c[1] for c in h.mps.named("ensure_namespace")] == [hold.uid, second.uid, first.uid]
+
+
 def test_settings_mismatch_falls_back_to_its_own_ensure(make_harness):
     """CreateContainer plans other settings than RunPodSandbox did (what a
     container bound to a device-plugin reservation may get; here the pod the
@@ -229,3 +254,8 @@ def test_the_early_table_is_bounded(make_harness, monkeypatch):
         assert h.rt.run_pod_sandbox(p) is None
     assert h.plugin.status()["early_namespaces"]["pending"] == 2
     assert early.EARLY_MAX == 2 and EARLY_MAX == 4096  # the default
+    monkeypatch.setattr(early, "EARLY_MAX", 4096)
+    many = make_pod("many", uid="uid-many", annotations={
+        P + f"c{i:02d}.gpu-memory.request": "1Gi" for i in range(early.EARLY_PER_POD + 4)})
+    assert h.rt.run_pod_sandbox(many) is None
+    assert h.plugin.status()["early_namespaces"]["pending"] == 2 + early.EARLY_PER_POD

@@ -42,8 +42,9 @@ RUN_POD_SANDBOX and REMOVE_POD_SANDBOX: 0x62d, docs/reference/nri-protocol.md
 - Synchronize: early namespaces of pods the runtime no longer reports are
   released the same way (a RemovePodSandbox missed while disconnected).
 
-The table is bounded (``EARLY_MAX`` owners; past it a pod gets no early
-namespace, logged once per pod, and CreateContainer does the work as before).
+The table is bounded (``EARLY_MAX`` owners, ``EARLY_PER_POD`` per pod; past
+them a container gets no early namespace, and CreateContainer does the work
+as before; the first bound is logged).
 
 Concurrency model: as ``nri/plugin.py``; the early table is under
 ``_ns_lock``. RunPodSandbox and RemovePodSandbox never wait (a plan, a
@@ -68,6 +69,12 @@ log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log
 
 EARLY_MAX = 4096
 """Most owners with an early namespace not yet held by a container."""
+
+EARLY_PER_POD = 16
+"""Most containers of one pod that get an early namespace (the first, by
+name): a pod's annotations may name containers it does not have, whose
+namespaces are made for nothing until RemovePodSandbox; the rest wait for
+their CreateContainer as before."""
 
 
 class _Early(_Release):
@@ -102,7 +109,7 @@ class _Early(_Release):
         if not names:
             return []
         annotations, ref, plans = dict(ann), _pod_ref(pod), []
-        for name in names:
+        for name in names[:EARLY_PER_POD]:
             try:
                 p = plan_container(annotations, name, ref, self.node, EmptyLedger(), self.config)
             except FractionError as err:

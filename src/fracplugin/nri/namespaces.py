@@ -76,6 +76,8 @@ class _Namespaces(_PluginState):
                 if early[0] == settings and not _failed(fut):
                     self._early_counts["used"] += 1
                     self._ns_pending[container_id] = (owner, fut)
+                    if not fut.done() and self._ns_queue is not None:
+                        self._ns_queue.promote(("ns", *owner))  # its StartContainer comes next: ahead of early work
                     return
                 self._early_counts["mismatched"] += 1
                 log.info("nri early MPS namespace not reused", extra={
@@ -268,10 +270,12 @@ class _Namespaces(_PluginState):
         the same pod and name, or a Synchronize renewal) is replaced by this
         newer one and its waiters get this one's outcome (the namespace is the
         owner's); a queued release is replaced (desired state: the namespace
-        exists); a job of the owner that runs now finishes first."""
+        exists); a job of the owner that runs now finishes first. The job is
+        urgent (a StartContainer awaits it): it runs before the ensures queued
+        early at RunPodSandbox that no container awaits yet (ADR 0030)."""
         q = self._ns_work()
         key = ("ns", *owner)
-        fut = q.put(key, job, join=q.pending_tag(key) == _ENSURE, tag=_ENSURE)
+        fut = q.put(key, job, join=q.pending_tag(key) == _ENSURE, tag=_ENSURE, urgent=True)
         self._ns_pending[container_id] = (owner, fut)
 
 
