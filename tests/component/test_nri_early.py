@@ -169,6 +169,24 @@ def test_a_pod_removed_before_its_containers_were_created_leaks_nothing(make_har
     assert set(h.plugin._ns_made) == {(b.uid, "app") for b in busy[1:]}
 
 
+def test_a_recreated_sandbox_keeps_the_early_namespace_when_the_old_one_is_removed(make_harness):
+    """kubelet recreates a dead sandbox (same pod UID, new sandbox id), then
+    removes the old one: the early namespace is the new sandbox's."""
+    h = make_harness().start()
+    old, _ = _sm_pod("again")
+    new = make_pod("again", uid=old.uid, pod_id="sandbox-again-2", annotations=dict(old.annotations))
+    ctr = make_container(new, "app", container_id="ctr-again")
+    assert h.rt.run_pod_sandbox(old) is None
+    assert h.rt.run_pod_sandbox(new) is None
+    assert h.rt.remove_pod_sandbox(old) is None
+    wait_for(lambda: _ensures(h, old.uid) and _idle(h), what="the early ensure")
+    assert h.plugin.status()["early_namespaces"]["pending"] == 1 and _releases(h, old.uid) == []
+    before = list(h.mps.calls)
+    assert not isinstance(h.rt.create_container(new, ctr), RpcError)
+    assert h.rt.start_container(new, ctr) is None
+    assert h.mps.calls == before
+
+
 def test_synchronize_releases_early_namespaces_of_pods_the_runtime_no_longer_has(make_harness):
     h = make_harness().start()
     gone, _ = _sm_pod("gone")

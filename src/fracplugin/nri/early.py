@@ -36,11 +36,13 @@ RUN_POD_SANDBOX and REMOVE_POD_SANDBOX: 0x62d, docs/reference/nri-protocol.md
   replaced, MPS re-sets the caps of an existing namespace). Either way the
   owner then leaves the early table: a container holds it, and its
   RemoveContainer releases the namespace as before.
-- RemovePodSandbox: the early namespaces of the pod's owners that no
+- RemovePodSandbox: the early namespaces of the sandbox's owners that no
   container ever held are released (a queued ensure that never started is
-  dropped, nothing to release).
-- Synchronize: early namespaces of pods the runtime no longer reports are
-  released the same way (a RemovePodSandbox missed while disconnected).
+  dropped, nothing to release). An entry is the latest sandbox's: when
+  kubelet recreates a dead sandbox (same pod UID, new sandbox id) the new
+  RunPodSandbox claims the entry, and the old sandbox's removal leaves it.
+- Synchronize: early namespaces of sandboxes the runtime no longer reports
+  are released the same way (a RemovePodSandbox missed while disconnected).
 
 The table is bounded (``EARLY_MAX`` owners, ``EARLY_PER_POD`` per pod; past
 them a container gets no early namespace, and CreateContainer does the work
@@ -130,8 +132,12 @@ class _Early(_Release):
                 made = self._ns_made.get(owner)
                 q = self._ns_work()
                 key = ("ns", *owner)
-                if owner in self._ns_early or self.ledger.find(*owner):
-                    continue  # a RunPodSandbox seen twice, or a container already holds it
+                if owner in self._ns_early:  # a RunPodSandbox seen twice, or the pod's new sandbox
+                    cur = self._ns_early[owner]
+                    self._ns_early[owner] = (cur[0], cur[1], pod.id)  # the old sandbox's removal keeps it
+                    continue
+                if self.ledger.find(*owner):
+                    continue  # a container already holds it
                 if made is not None and made[0] == settings and not q.busy(key):
                     continue  # made with these settings: CreateContainer reuses it as it is
                 if len(self._ns_early) >= EARLY_MAX:
@@ -141,26 +147,28 @@ class _Early(_Release):
                 job = functools.partial(self._ensure_job, owner, p.active_thread_percentage, fields,
                                         p.compute_mode, p.limit_mib)
                 fut = q.put(key, job, join=q.pending_tag(key) == _ENSURE, tag=_ENSURE)
-                self._ns_early[owner] = (settings, fut)
+                self._ns_early[owner] = (settings, fut, pod.id)
                 self._early_counts["queued"] += 1
 
     def remove_pod_sandbox(self, pod: nri_pb2.PodSandbox, ctx: CallContext | None = None) -> None:
-        """RemovePodSandbox: release the pod's early namespaces that no
-        container ever held (in the background; never raises)."""
-        self._release_early(lambda uid: uid == pod.uid)
+        """RemovePodSandbox: release the early namespaces of this sandbox
+        that no container ever held (in the background; never raises). An
+        entry a newer sandbox of the same pod claimed (kubelet recreates a
+        dead sandbox, then removes the old one) stays."""
+        self._release_early(lambda uid, sandbox: uid == pod.uid and sandbox == pod.id)
         return None
 
     def _release_early_gone(self, pods: Iterable[nri_pb2.PodSandbox]) -> None:
-        """Synchronize: release the early namespaces of pods not in ``pods``."""
-        live = {p.uid for p in pods}
-        self._release_early(lambda uid: uid not in live)
+        """Synchronize: release the early namespaces of sandboxes not in ``pods``."""
+        live = {p.id for p in pods}
+        self._release_early(lambda uid, sandbox: sandbox not in live)
 
     def _release_early(self, gone: Any) -> None:
-        """Drop the early entries whose pod UID ``gone(uid)`` is true and
-        release their namespaces (``_release_owners``: a queued ensure that
-        never started is dropped, nothing to release)."""
+        """Drop the early entries for which ``gone(pod UID, sandbox id)`` is
+        true and release their namespaces (``_release_owners``: a queued
+        ensure that never started is dropped, nothing to release)."""
         with self._ns_lock:
-            owners = {o for o in self._ns_early if gone(o[0])}
+            owners = {o for o, e in self._ns_early.items() if gone(o[0], e[2])}
             for o in owners:
                 del self._ns_early[o]
             self._early_counts["released"] += len(owners)

@@ -286,9 +286,9 @@ class FracNriPlugin(_Reconcile, _Early):
         # that outcome instead of queueing another ensure (issue 14: a restart or
         # retry of a container costs no MPS work); None = not known to be made so.
         self._ns_made: dict[Owner, tuple[tuple[Any, ...], Future[Any]] | None] = {}
-        # owner -> (settings, future) of an ensure queued at RunPodSandbox that no
-        # container of the owner has claimed yet (nri/early.py)
-        self._ns_early: dict[Owner, tuple[tuple[Any, ...], Future[Any]]] = {}
+        # owner -> (settings, future, pod sandbox id) of an ensure queued at
+        # RunPodSandbox that no container of the owner has claimed yet (nri/early.py)
+        self._ns_early: dict[Owner, tuple[tuple[Any, ...], Future[Any], str]] = {}
         self._early_counts = {"queued": 0, "used": 0, "mismatched": 0, "released": 0}
         self._stopped_holds: dict[str, list[Tenancy]] = {}  # container id -> holds released at StopContainer
         self._ns_queue: KeyedWorkQueue | None = None
