@@ -30,7 +30,9 @@ is queued behind the keys already waiting when its running job ends. Urgent
 keys (``put(..., urgent=True)``, or ``promote``: work a caller is waiting for
 now) run before the others, FIFO among themselves; the rest keep their order
 behind them (ADR 0030: a namespace queued early, at RunPodSandbox, yields to
-one a StartContainer awaits).
+one a StartContainer awaits). Non-urgent work waits as long as urgent work
+is ready: a burst of creations delays releases and early ensures until it
+drains (a key with a job running is not ready, so it never blocks others).
 
 Concurrency: every method may be called from any thread. Jobs run on up to
 ``workers`` daemon threads, started on demand; a job's exception is set on its
