@@ -457,6 +457,27 @@ def is_fractional(annotations: Mapping[str, str], container: str, *, prefix: str
     return any(k in annotations for k in (KEY_GPU_FRACTION, KEY_GPU_MEMORY, KEY_GPU_FRACTION_LIMIT))
 
 
+def annotated_containers(annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """The containers the pod's per-container memory keys name, sorted:
+    ``<prefix><c>.gpu-memory.request`` / ``.gpu-memory.limit`` and KAI's
+    ``kai.scheduler/container.<c>.gpu-memory.portion.limit`` (the forms that
+    make ``c`` fractional without the pod's spec; docs/reference/design.md
+    section 4). The pod-level KAI forms name no container here: which
+    container they apply to needs the pod's spec. Never raises; a name is
+    not checked against the pod (``parse`` refuses what is wrong)."""
+    kai_head, kai_tail = KAI_PORTION_LIMIT.split("{c}")
+    names: set[str] = set()
+    for key in annotations:
+        if prefix and key.startswith(prefix):
+            rest = key[len(prefix):]
+            for suffix in (SUFFIX_REQUEST, SUFFIX_LIMIT):
+                if rest.endswith(suffix) and len(rest) > len(suffix):
+                    names.add(rest[: -len(suffix)])
+        elif key.startswith(kai_head) and key.endswith(kai_tail) and len(key) > len(kai_head) + len(kai_tail):
+            names.add(key[len(kai_head): -len(kai_tail)])
+    return sorted(names)
+
+
 def stray_container_keys(annotations: Mapping[str, str], prefix: str, names: Sequence[str]) -> list[str]:
     """Per-container annotation keys that name no container of the pod (a typo
     such as ``nvidia.com/container.ap.gpu-memory.request`` for ``app`` leaves

@@ -186,7 +186,7 @@ def test_bound_inference_pod_gets_the_exact_env_and_mount(h):
     # issue 12: the namespace's pinned memory limit is the container's limit per GPU
     assert h.mps.kw[-1] == {"mode": ComputeMode.SM_SHARING, "pinned_limit_mib": 61440}
     assert [d for d, _ in h.metrics.hooks] == ["nri"]
-    assert h.rt.registrations[-1].events == 0x628
+    assert h.rt.registrations[-1].events == 0x62d
 
 
 def test_classic_mps_sm_sharing_needs_no_namespace(make_harness):
@@ -386,7 +386,7 @@ def test_v08_runtime_removes_through_state_change(make_harness):
     assert h.rt.remove_container(pod, ctr) is None
     assert h.rt.calls[-1] == "StateChange:REMOVE_CONTAINER"
     assert h.ledger.tenancies() == []
-    assert h.rt.registrations[-1].events == 0x628
+    assert h.rt.registrations[-1].events == 0x62d
 
 
 def test_container_restart_replaces_its_hold(h):

@@ -11,6 +11,8 @@ bound seed pod examples/pods/inference-sm-sharing-4gpu.bound.yaml.
 from __future__ import annotations
 
 import copy
+import json
+import urllib.request
 
 import pytest
 
@@ -204,3 +206,22 @@ def test_synchronize_with_preexisting_fractional_container(line, sdir, procs):
     assert sync["ok"] and sync["containers"] == 1
     (c,) = creates(events)
     assert not c["ok"], "the ledger rebuilt from Synchronize must hold the running container's memory"
+
+
+@pytest.mark.parametrize("line", LINES)
+def test_namespace_is_made_at_run_pod_sandbox_through_the_adaptation(line, sdir, procs):
+    """ADR 0030: containerd/nri's adaptation delivers RunPodSandbox (v0.12 its
+    RPC, v0.8 StateChange) and RemovePodSandbox to the plugin's 0x62d mask;
+    the pod's namespace is queued at RunPodSandbox and CreateContainer and
+    StartContainer reuse it (no ensure of their own); nothing fails the pod."""
+    events = run_with_daemon(procs, sdir, line, {"pods": [small_pod("early", "uid-early", UUIDS[0])]})
+    (c,) = creates(events)
+    assert c["ok"], c.get("error")
+    lifecycle = [e for e in events if e["event"] in ("run_pod", "start", "stop", "remove", "stop_pod", "remove_pod")]
+    assert len(lifecycle) == 6 and all(e["ok"] for e in lifecycle), lifecycle
+    addr = json.loads(endpoints_file(sdir).read_text())["health"]
+    with urllib.request.urlopen(f"http://{addr}/status", timeout=10) as rsp:
+        nri = json.load(rsp)["nri"]
+    assert nri["events"] == "0x62d"
+    early = nri["early_namespaces"]
+    assert (early["pending"], early["queued"], early["used"], early["mismatched"]) == (0, 1, 1, 0), early

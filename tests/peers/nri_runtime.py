@@ -25,6 +25,11 @@ containerd/nri ``pkg/adaptation``):
 * v0.12 runtimes send the dedicated event RPCs and fall back to StateChange
   for good after one ``UNIMPLEMENTED``; ``nri_version="v0.8.0"`` sends
   StateChange only (1.7);
+* pod and container events (those ``STATE_CHANGE_EVENTS`` names: RunPodSandbox,
+  RemovePodSandbox, StartContainer, RemoveContainer, ...) reach the plugin
+  only when its Configure mask subscribed them (0 = everything): containerd/nri
+  ``pkg/adaptation`` skips a plugin whose ``events`` lacks the event's bit
+  (1.4); the event is then recorded in ``skipped`` and the call returns None;
 * a call that outlives the request timeout is fatal: the connection is
   closed (1.8).
 
@@ -461,6 +466,8 @@ class FakeNriRuntime:
         """UpdateContainersRequests the plugin sent, in order."""
         self.calls: list[str] = []
         """Plugin-service methods called, in order (StateChange as 'StateChange:<event>')."""
+        self.skipped: list[str] = []
+        """Pod and container events not sent: the plugin did not subscribe them (method names, in order)."""
         self.register_refusals: list[str] = []
         """RegisterPlugin requests refused (bad name or index), their messages."""
         self.sync_updates: list[Any] = []
@@ -638,12 +645,14 @@ class FakeNriRuntime:
         return _answer(self._event, "StartContainer", pod, container)
 
     def run_pod_sandbox(self, pod: Any) -> RpcError | None:
+        """RunPodSandbox (dedicated RPC on v0.12, StateChange on v0.8; not sent unless subscribed)."""
         return _answer(self._event, "RunPodSandbox", pod, None)
 
     def stop_pod_sandbox(self, pod: Any) -> RpcError | None:
         return _answer(self._event, "StopPodSandbox", pod, None)
 
     def remove_pod_sandbox(self, pod: Any) -> RpcError | None:
+        """RemovePodSandbox (dedicated RPC on v0.12, StateChange on v0.8; not sent unless subscribed)."""
         return _answer(self._event, "RemovePodSandbox", pod, None)
 
     def synchronize(self, pods: Sequence[Any], containers: Sequence[Any], *, parts: int = 1) -> list[Any]:
@@ -791,6 +800,11 @@ class FakeNriRuntime:
 
     def _event(self, method: str, pod: Any, container: Any) -> None:
         p = self._current()
+        events = p.info.events if p.info is not None else self.valid_events
+        if not events & (1 << (STATE_CHANGE_EVENTS[method] - 1)):
+            with self._cond:
+                self.skipped.append(method)  # not subscribed: the adaptation skips this plugin
+            return
         if not (self.valid_events == VALID_EVENTS_V08 or p.state_change_fallback):
             cls = getattr(nri_pb2, method + "Request")
             req = cls(pod=pod) if container is None else cls(pod=pod, container=container)

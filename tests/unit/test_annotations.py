@@ -199,3 +199,22 @@ def test_long_values_are_cut_in_messages():
     with pytest.raises(FractionError) as ei:
         parse(req(request="x" * 1_000_000), "app")
     assert ei.value.value.endswith("... (1000000 characters)") and len(ei.value.message) < 600
+
+
+def test_annotated_containers_names_the_per_container_memory_forms_only():
+    from fracplugin.annotations import annotated_containers
+
+    p = "nvidia.com/container."
+    ann = {
+        p + "app.gpu-memory.request": "1Gi",
+        p + "side.car.gpu-memory.limit": "2Gi",  # a name may hold dots: the suffix decides
+        p + "mode-only.gpu-compute.mode": "sm-sharing",  # not fractional on its own
+        "kai.scheduler/container.kai.gpu-memory.portion.limit": "0.5",
+        p + ".gpu-memory.request": "1Gi",  # names no container
+        "kai.scheduler/container..gpu-memory.portion.limit": "0.5",
+        "gpu-fraction": "0.5",  # pod-level: the pod's spec decides the container
+        "other.io/app.gpu-memory.request": "1Gi",
+    }
+    assert annotated_containers(ann, p) == ["app", "kai", "side.car"]
+    assert annotated_containers(ann, "") == ["kai"]
+    assert annotated_containers({}, p) == []

@@ -277,3 +277,39 @@ def test_busy_while_a_job_of_the_key_is_pending_or_running(queue):
     gate.release.set()
     assert queued.result(30) == "other"
     wait_for(lambda: not queue.busy("k") and not queue.busy("other"), what="both done")
+
+
+def test_urgent_work_runs_before_early_work_fifo_among_itself(queue):
+    """ADR 0030: ensures queued early (RunPodSandbox) yield to the ones a
+    StartContainer awaits: ``put(urgent=True)`` and ``promote`` move a key
+    ahead of the non-urgent ones, behind the urgent ones already waiting."""
+    gate = _busy(queue)
+    order: list[str] = []
+    futures = {k: queue.put(k, lambda k=k: order.append(k)) for k in ("e1", "e2", "e3", "e4")}
+    futures["u1"] = queue.put("u1", lambda: order.append("u1"), urgent=True)
+    assert queue.promote("e3") and not queue.promote("nothing")
+    futures["u2"] = queue.put("u2", lambda: order.append("u2"), urgent=True)
+    queue.put("e4", lambda: order.append("e4"), join=True, urgent=True)  # a joined put makes it urgent
+    queue.put("e2", lambda: order.append("e2"))  # a replaced job keeps its place (not urgent)
+    gate.release.set()
+    for f in futures.values():
+        if not f.cancelled():
+            f.result(30)
+    wait_for(lambda: len(order) == 6, what="every job")
+    assert order == ["u1", "e3", "u2", "e4", "e1", "e2"]
+
+
+def test_a_promoted_key_that_runs_stays_urgent_for_its_next_job():
+    q = KeyedWorkQueue(workers=1, name="t-queue")
+    try:
+        gate = _busy(q, "k")
+        order: list[str] = []
+        q.put("k", lambda: order.append("k2"))  # waits for k's running job
+        q.put("e", lambda: order.append("e"))
+        assert q.promote("k")
+        gate.release.set()
+        wait_for(lambda: len(order) == 2, what="both jobs")
+        assert order == ["k2", "e"]
+    finally:
+        q.close()
+        assert q.join(30)

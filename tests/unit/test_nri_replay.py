@@ -105,10 +105,10 @@ def test_transcript_replays_and_our_answers_fit_4096_byte_frames(version, plugin
                 assert not ours.HasField("status") and not theirs.HasField("status")
                 if ev.method == "Configure":
                     assert req.registration_timeout == 5000 and req.request_timeout == 2000
-                    # An explicit mask valid for every runtime: Create|Start|Stop|Remove
+                    # An explicit mask valid for every runtime: RunPod|RemovePod|Create|Start|Stop|Remove
                     # (the recording plugin sent Create|Stop|Remove).
                     events = nri_pb2.ConfigureResponse.FromString(ours.payload).events
-                    assert events == plugin.events == 0x628
+                    assert events == plugin.events == 0x62d
                     assert nri_pb2.ConfigureResponse.FromString(theirs.payload).events == 0x608
                 elif ev.method == "Synchronize":
                     assert [p.name for p in req.pods] == ["existing"]

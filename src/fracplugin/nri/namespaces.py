@@ -22,7 +22,8 @@ from ..model import ComputeMode, ContainerPlan, Tenancy
 from .interfaces import CallContext
 from .nsqueue import KeyedWorkQueue
 from .ttrpc import Code, RpcError
-from .pluginbase import _DEFAULT_REQUEST_TIMEOUT_S, _ENSURE, _MARGIN_S, _NS_WORKERS, Owner, _FailOpen, _PluginState
+from .pluginbase import (_DEFAULT_REQUEST_TIMEOUT_S, _ENSURE, _MARGIN_S, _NS_WORKERS, Owner, _FailOpen, _PluginState,
+                         _failed, _ns_settings)
 
 log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
 
@@ -60,11 +61,29 @@ class _Namespaces(_PluginState):
         no job of the owner is queued or running, the container awaits that
         ensure's outcome instead: nothing is queued (issue 14; the MPS layer
         keeps the namespace, and re-applies it after a daemon restart before
-        the daemon counts as healthy again, which CreateContainer waited for)."""
+        the daemon counts as healthy again, which CreateContainer waited for).
+
+        An early ensure of the owner queued at RunPodSandbox (``nri/early.py``)
+        with the same settings that has not failed is awaited the same way;
+        the owner leaves the early table whatever its settings (a container
+        holds it now)."""
         owner = (p.pod.uid, p.container)
+        settings = _ns_settings(p)
         with self._ns_lock:
+            early = self._ns_early.pop(owner, None)
+            if early is not None:
+                fut = early[1]
+                if early[0] == settings and not _failed(fut):
+                    self._early_counts["used"] += 1
+                    self._ns_pending[container_id] = (owner, fut)
+                    if not fut.done() and self._ns_queue is not None:
+                        self._ns_queue.promote(("ns", *owner))  # its StartContainer comes next: ahead of early work
+                    return
+                self._early_counts["mismatched"] += 1
+                log.info("nri early MPS namespace not reused", extra={
+                    **fields, "reason": "settings differ" if early[0] != settings else "its ensure failed"})
             cur = self._ns_made.get(owner)
-            if (cur is not None and cur[0] == (p.compute_mode, p.active_thread_percentage, p.limit_mib)
+            if (cur is not None and cur[0] == settings
                     and self._ns_queue is not None
                     and not self._ns_queue.busy(("ns", *owner))):
                 self._ns_pending[container_id] = (owner, cur[1])
@@ -251,10 +270,12 @@ class _Namespaces(_PluginState):
         the same pod and name, or a Synchronize renewal) is replaced by this
         newer one and its waiters get this one's outcome (the namespace is the
         owner's); a queued release is replaced (desired state: the namespace
-        exists); a job of the owner that runs now finishes first."""
+        exists); a job of the owner that runs now finishes first. The job is
+        urgent (a StartContainer awaits it): it runs before the ensures queued
+        early at RunPodSandbox that no container awaits yet (ADR 0030)."""
         q = self._ns_work()
         key = ("ns", *owner)
-        fut = q.put(key, job, join=q.pending_tag(key) == _ENSURE, tag=_ENSURE)
+        fut = q.put(key, job, join=q.pending_tag(key) == _ENSURE, tag=_ENSURE, urgent=True)
         self._ns_pending[container_id] = (owner, fut)
 
 
@@ -266,8 +287,8 @@ class _Namespaces(_PluginState):
         if not self.defer_namespace:
             return
         seen: set[str] = set()
-        with self._ns_lock:  # owners no container holds any more will not be released by us
-            self._ns_made = {o: v for o, v in self._ns_made.items() if self.ledger.find(*o)}
+        with self._ns_lock:  # owners no container holds any more (nor an early entry) will not be released by us
+            self._ns_made = {o: v for o, v in self._ns_made.items() if o in self._ns_early or self.ledger.find(*o)}
         for t in tenancies:
             if not t.mps_namespace or not t.container_id or t.container_id in seen:
                 continue

@@ -26,7 +26,13 @@ cancelled futures stayed queued until a worker popped them).
 
 Order: keys run in the order their pending entry was first queued (FIFO over
 keys); a key put again while pending keeps its place; a key put while running
-is queued behind the keys already waiting when its running job ends.
+is queued behind the keys already waiting when its running job ends. Urgent
+keys (``put(..., urgent=True)``, or ``promote``: work a caller is waiting for
+now) run before the others, FIFO among themselves; the rest keep their order
+behind them (ADR 0030: a namespace queued early, at RunPodSandbox, yields to
+one a StartContainer awaits). Non-urgent work waits as long as urgent work
+is ready: a burst of creations delays releases and early ensures until it
+drains (a key with a job running is not ready, so it never blocks others).
 
 Concurrency: every method may be called from any thread. Jobs run on up to
 ``workers`` daemon threads, started on demand; a job's exception is set on its
@@ -51,6 +57,7 @@ class _Entry:
     job: Callable[[], Any]
     future: Future[Any]
     tag: str
+    urgent: bool = False
 
 
 class KeyedWorkQueue:
@@ -73,6 +80,7 @@ class KeyedWorkQueue:
         self._idle_cv = threading.Condition(lock)  # wait_idle waits here
         self._pending: dict[Hashable, _Entry] = {}
         self._ready: OrderedDict[Hashable, None] = OrderedDict()  # pending keys not running, FIFO
+        self._urgent: OrderedDict[Hashable, None] = OrderedDict()  # the same, urgent: taken first
         self._running: dict[Hashable, tuple[Future[Any], str]] = {}
         self._threads: list[threading.Thread] = []
         self._idle = 0
@@ -80,9 +88,12 @@ class KeyedWorkQueue:
 
     # ------------------------------------------------------------- putting
 
-    def put(self, key: Hashable, job: Callable[[], Any], *, join: bool = False, tag: str = "") -> Future[Any]:
+    def put(self, key: Hashable, job: Callable[[], Any], *, join: bool = False, tag: str = "",
+            urgent: bool = False) -> Future[Any]:
         """Make ``job`` the pending job of ``key`` and return the future of its
-        outcome.
+        outcome. ``urgent``: a caller waits for it now; it runs before the
+        pending jobs that are not (a pending job of ``key`` it replaces or
+        joins becomes urgent; an urgent one stays so).
 
         A job already pending for ``key`` is replaced: with ``join=False`` its
         future is cancelled and a new one returned; with ``join=True`` its
@@ -98,29 +109,58 @@ class KeyedWorkQueue:
             entry = self._pending.get(key)
             if entry is not None and join:
                 entry.job, entry.tag = job, tag
+                if urgent:
+                    self._promote(key, entry)
                 return entry.future
             if entry is not None:
                 entry.future.cancel()
+                urgent = urgent or entry.urgent
             fut: Future[Any] = Future()
-            self._pending[key] = _Entry(job, fut, tag)
+            self._pending[key] = _Entry(job, fut, tag, urgent)
             if key not in self._running:
-                self._ready[key] = None  # a replaced entry keeps its place
+                if urgent and key not in self._urgent:
+                    self._ready.pop(key, None)
+                    self._urgent[key] = None
+                elif not urgent:
+                    self._ready[key] = None  # a replaced entry keeps its place
                 self._wake()
             return fut
 
-    def share(self, key: Hashable, job: Callable[[], Any], *, tag: str = "") -> Future[Any]:
+    def promote(self, key: Hashable) -> bool:
+        """Make the pending job of ``key`` urgent (it runs before the pending
+        jobs that are not, behind the urgent ones already waiting). Returns
+        whether a pending job was there."""
+        with self._cv:
+            entry = self._pending.get(key)
+            if entry is None:
+                return False
+            self._promote(key, entry)
+            return True
+
+    def _promote(self, key: Hashable, entry: _Entry) -> None:
+        """Caller holds the lock: ``entry`` (pending job of ``key``) becomes urgent."""
+        if entry.urgent:
+            return
+        entry.urgent = True
+        if self._ready.pop(key, 0) is None:  # ready (not running): it moves to the urgent line
+            self._urgent[key] = None
+
+    def share(self, key: Hashable, job: Callable[[], Any], *, tag: str = "", urgent: bool = False) -> Future[Any]:
         """The future of the job of ``key`` that is pending, else of the one
         running, else of ``job``, queued now (for work whose repetition adds
-        nothing, such as a second drain of one container). Raises RuntimeError
+        nothing, such as a second drain of one container); ``urgent`` as
+        ``put`` (a pending job shared is made urgent). Raises RuntimeError
         once the queue is closed."""
         with self._cv:
             entry = self._pending.get(key)
             if entry is not None:
+                if urgent:
+                    self._promote(key, entry)
                 return entry.future
             running = self._running.get(key)
             if running is not None and not self._closed:
                 return running[0]
-        return self.put(key, job, tag=tag)
+        return self.put(key, job, tag=tag, urgent=urgent)
 
     def cancel(self, key: Hashable, *, tag: str | None = None, only_idle: bool = False) -> bool:
         """Drop the pending job of ``key`` (its future is cancelled). With
@@ -134,6 +174,7 @@ class KeyedWorkQueue:
                 return False
             del self._pending[key]
             self._ready.pop(key, None)
+            self._urgent.pop(key, None)
             entry.future.cancel()
             if not self._pending and not self._running:
                 self._idle_cv.notify_all()  # the last pending job was dropped before any worker took it
@@ -188,6 +229,7 @@ class KeyedWorkQueue:
             dropped = list(self._pending.values())
             self._pending.clear()
             self._ready.clear()
+            self._urgent.clear()
             self._cv.notify_all()
             self._idle_cv.notify_all()
         for entry in dropped:
@@ -214,7 +256,7 @@ class KeyedWorkQueue:
         waking worker."""
         if self._idle:
             self._cv.notify()
-        if len(self._ready) <= self._idle:
+        if len(self._ready) + len(self._urgent) <= self._idle:
             return
         self._threads = [t for t in self._threads if t.is_alive()]
         if len(self._threads) < self.workers:
@@ -225,7 +267,7 @@ class KeyedWorkQueue:
     def _work(self) -> None:
         while True:
             with self._cv:
-                while not self._ready and not self._closed:
+                while not self._ready and not self._urgent and not self._closed:
                     self._idle += 1
                     try:
                         self._cv.wait()
@@ -233,7 +275,7 @@ class KeyedWorkQueue:
                         self._idle -= 1
                 if self._closed:
                     return
-                key, _ = self._ready.popitem(last=False)
+                key, _ = (self._urgent or self._ready).popitem(last=False)
                 entry = self._pending.pop(key)
                 self._running[key] = (entry.future, entry.tag)
             try:
@@ -248,7 +290,8 @@ class KeyedWorkQueue:
                 with self._cv:
                     del self._running[key]
                     if key in self._pending and not self._closed:
-                        self._ready[key] = None  # put while it ran: runs after it, behind those waiting
+                        # put while it ran: runs after it, behind those waiting (of its urgency)
+                        (self._urgent if self._pending[key].urgent else self._ready)[key] = None
                     elif not self._pending and not self._running:
                         self._idle_cv.notify_all()
 

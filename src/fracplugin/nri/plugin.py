@@ -52,6 +52,11 @@ Behaviour (docs/reference/design.md sections 2 and 4; issue 3 item 3):
   window fails its StartContainer with UNAVAILABLE and kubelet retries it;
   registering only once MPS is up would instead let every container created
   meanwhile run unfenced (an unregistered plugin is simply not asked).
+- RunPodSandbox / RemovePodSandbox (deferred mode): a pod's MPS namespaces
+  are queued at RunPodSandbox and awaited by CreateContainer/StartContainer
+  when their settings match; those no container held are released at
+  RemovePodSandbox or when Synchronize no longer reports the pod
+  (``nri/early.py``, ADR 0030). RunPodSandbox never fails the sandbox.
 - Synchronize: rebuild the ledger from the containers the runtime reports
   (re-planned against their pod annotations and the devices they actually got,
   never refused on guards: what runs is recorded) and log containers that
@@ -67,7 +72,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from .._proto import nri_pb2
 from .. import allocation as al
@@ -85,6 +90,8 @@ from .interfaces import (
     CreateContainerInterface,
     MayBlockInterface,
     RemoveContainerInterface,
+    RemovePodInterface,
+    RunPodInterface,
     StartContainerInterface,
     StopContainerInterface,
     SynchronizeInterface,
@@ -92,8 +99,8 @@ from .interfaces import (
 )
 from .pluginbase import _MODES, Owner, _FailOpen, _pod_ref
 from .admission import _check_mounts
+from .early import _Early
 from .reconcile import _Reconcile
-from .release import _Release
 
 __all__ = [
     "MpsHooks",
@@ -103,6 +110,7 @@ __all__ = [
     "FracNriPlugin",
     "NRI_EVENTS",
     "NRI_EVENTS_DEFERRED",
+    "NRI_EVENTS_EARLY",
     "build_adjustment",
 ]
 
@@ -113,6 +121,11 @@ NRI_EVENTS = event_mask(nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_CONTAINER, nri_pb
 
 NRI_EVENTS_DEFERRED = NRI_EVENTS | event_mask(nri_pb2.START_CONTAINER)
 """0x628: the above plus StartContainer, where a deferred MPS namespace is awaited."""
+
+NRI_EVENTS_EARLY = NRI_EVENTS_DEFERRED | event_mask(nri_pb2.RUN_POD_SANDBOX, nri_pb2.REMOVE_POD_SANDBOX)
+"""0x62d: the above plus RunPodSandbox and RemovePodSandbox, where a pod's
+MPS namespaces are queued early and those no container held are released
+(``nri/early.py``, ADR 0030; a v0.8 runtime sends both as StateChange)."""
 
 
 MpsHooks = MpsApi
@@ -150,7 +163,7 @@ def _env_adjustment(env: tuple[tuple[str, str], ...]) -> bytes:
 
 
 
-class FracNriPlugin(_Reconcile, _Release):
+class FracNriPlugin(_Reconcile, _Early):
     """The handler object ``NriStub`` drives (see the module docstring).
 
     Args:
@@ -170,7 +183,11 @@ class FracNriPlugin(_Reconcile, _Release):
             creation failed (a namespace still being made lets the container
             start, logged; ADR 0028). The container process cannot reach MPS before it starts, so
             this keeps MPS control commands off CreateContainer's critical
-            path. False: the namespace is created inside CreateContainer.
+            path. RunPodSandbox and RemovePodSandbox are subscribed too
+            (mask 0x62d): a pod's namespaces are queued at RunPodSandbox and
+            CreateContainer awaits them when their settings match
+            (``nri/early.py``, ADR 0030). False: the namespace is created
+            inside CreateContainer.
         namespace_timeout_s: bound of one background namespace creation.
         start_wait_s: most seconds StartContainer waits for a namespace still
             being made (never past its handler budget); then the container
@@ -256,8 +273,8 @@ class FracNriPlugin(_Reconcile, _Release):
         self.drain_timeout_s = drain_timeout_s
         self.start_wait_s = start_wait_s
         limits_on = memory_limits is not None and memory_limits.active
-        self.events = NRI_EVENTS_DEFERRED if defer_namespace or limits_on else NRI_EVENTS
-        """Subscription mask sent in ConfigureResponse (0x628 deferred, 0x608 not)."""
+        self.events = NRI_EVENTS_EARLY if defer_namespace else NRI_EVENTS_DEFERRED if limits_on else NRI_EVENTS
+        """Subscription mask sent in ConfigureResponse (0x62d deferred; else 0x628 with memory limits, 0x608)."""
         self._ns_lock = threading.Lock()
         # container id -> (owner, future of the namespace job StartContainer awaits)
         self._ns_pending: dict[str, tuple[Owner, Future[Any]]] = {}
@@ -269,6 +286,10 @@ class FracNriPlugin(_Reconcile, _Release):
         # that outcome instead of queueing another ensure (issue 14: a restart or
         # retry of a container costs no MPS work); None = not known to be made so.
         self._ns_made: dict[Owner, tuple[tuple[Any, ...], Future[Any]] | None] = {}
+        # owner -> (settings, future, pod sandbox id) of an ensure queued at
+        # RunPodSandbox that no container of the owner has claimed yet (nri/early.py)
+        self._ns_early: dict[Owner, tuple[tuple[Any, ...], Future[Any], str]] = {}
+        self._early_counts = {"queued": 0, "used": 0, "mismatched": 0, "released": 0}
         self._stopped_holds: dict[str, list[Tenancy]] = {}  # container id -> holds released at StopContainer
         self._ns_queue: KeyedWorkQueue | None = None
         self._made_sources: dict[str, None] = {}  # mount sources made before (insertion order: oldest first)
@@ -285,12 +306,15 @@ class FracNriPlugin(_Reconcile, _Release):
 
     def status(self) -> dict[str, Any]:
         """JSON-able state: ``{"ready", "fail_open", "events",
-        "defer_namespace", "pending_namespaces", "mps_jobs", "unadjusted"}``
+        "defer_namespace", "pending_namespaces", "early_namespaces",
+        "mps_jobs", "unadjusted"}``
         where ``pending_namespaces`` counts containers whose background MPS
         namespace job is not done yet, ``mps_jobs`` is the background MPS work
         queue's ``{"queued", "running", "threads"}`` (at most one queued job per
-        namespace owner and per drained container) and ``unadjusted`` lists what
-        the last Synchronize reported."""
+        namespace owner and per drained container), ``early_namespaces`` is
+        ``early_status()`` (namespaces queued at RunPodSandbox: pending, queued,
+        used, mismatched, released) and ``unadjusted`` lists what the last
+        Synchronize reported."""
         with self._ns_lock:
             pending = sum(1 for _, f in self._ns_pending.values() if not f.done())
             q = self._ns_queue
@@ -300,6 +324,7 @@ class FracNriPlugin(_Reconcile, _Release):
             "events": f"0x{self.events:x}",
             "defer_namespace": self.defer_namespace,
             "pending_namespaces": pending,
+            "early_namespaces": self.early_status(),
             "mps_jobs": q.stats() if q is not None else {"queued": 0, "running": 0, "threads": 0},
             "unadjusted": list(self.unadjusted),
         }
@@ -312,13 +337,14 @@ class FracNriPlugin(_Reconcile, _Release):
         CreateContainer waits only when it creates the MPS namespace itself
         (``defer_namespace=False``) or an MPS daemon is not healthy
         (``_require_mode_up`` waits for it to come back); otherwise it plans,
-        admits (a journal append and fdatasync) and answers. RemoveContainer
-        never waits (its MPS work runs in the background). StartContainer
+        admits (a journal append and fdatasync) and answers. RemoveContainer,
+        RunPodSandbox and RemovePodSandbox never wait (their MPS work runs in
+        the background). StartContainer
         (awaits the namespace), StopContainer (awaits the drain), Synchronize
         (the whole node) and StateChange (v0.8 StartContainer) may."""
         if method == "CreateContainer":
             return not self.defer_namespace or not self._mps_healthy_now()
-        return method != "RemoveContainer"
+        return method not in ("RemoveContainer", "RunPodSandbox", "RemovePodSandbox")
 
     def _mps_healthy_now(self) -> bool:
         """Every MPS daemon answers its probe (True when the MPS layer cannot
@@ -404,6 +430,15 @@ class FracNriPlugin(_Reconcile, _Release):
             self.metrics.observe_hook("nri", time.monotonic() - start)
 
 
+    def synchronize(self, pods: Sequence[nri_pb2.PodSandbox], containers: Sequence[nri_pb2.Container],
+                    ctx: CallContext | None = None) -> list[nri_pb2.ContainerUpdate]:
+        """Synchronize (``nri/reconcile.py``), then release the early MPS
+        namespaces of pods the runtime no longer reports (``nri/early.py``).
+        Returns no updates."""
+        updates = super().synchronize(pods, containers, ctx)
+        self._release_early_gone(pods)
+        return updates
+
     def close(self) -> None:
         """Stop the background MPS workers without waiting (queued jobs are
         cancelled; a running one ends within its own budget,
@@ -419,7 +454,8 @@ class FracNriPlugin(_Reconcile, _Release):
 
 NriHandler = tuple[
     CreateContainerInterface, StartContainerInterface, StopContainerInterface, RemoveContainerInterface,
-    SynchronizeInterface, AbandonedInterface, MayBlockInterface, CloseInterface,
+    SynchronizeInterface, AbandonedInterface, MayBlockInterface, CloseInterface, RunPodInterface,
+    RemovePodInterface,
 ]
 """The ``nri.interfaces`` Protocols ``FracNriPlugin`` implements: every NRI
 event it handles and the stub's hooks it offers (a unit test keeps this list
@@ -430,5 +466,5 @@ def as_nri_handler(plugin: FracNriPlugin) -> NriHandler:
     """``plugin`` as each interface of ``NriHandler``: mypy checks here that
     every handler method of ``FracNriPlugin`` takes the protobuf messages and
     returns what ``nri/interfaces.py`` declares (issue 26 item 3); at run time
-    it only returns ``plugin`` eight times."""
-    return (plugin, plugin, plugin, plugin, plugin, plugin, plugin, plugin)
+    it only returns ``plugin`` ten times."""
+    return (plugin, plugin, plugin, plugin, plugin, plugin, plugin, plugin, plugin, plugin)

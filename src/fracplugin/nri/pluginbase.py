@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 from .._proto import nri_pb2
 from ..annotations import KEY_GPU_FRACTION, KEY_GPU_FRACTION_LIMIT, KEY_GPU_MEMORY, KEY_NUM_DEVICES
 from ..ledger import Ledger
-from ..model import ComputeMode, FractionError, NodeInfo, PodRef, Tenancy
+from ..model import ComputeMode, ContainerPlan, FractionError, NodeInfo, PodRef, Tenancy
 from ..mps.api import MpsApi
 from ..ports import HookMetrics
 from ..planner import PlannerConfig
@@ -46,6 +46,17 @@ def _env_map(container: nri_pb2.Container) -> dict[str, str]:
 
 def _pod_ref(pod: nri_pb2.PodSandbox) -> PodRef:
     return PodRef(pod.namespace, pod.name, pod.uid)
+
+
+def _ns_settings(p: ContainerPlan) -> tuple[Any, ...]:
+    """The settings of ``p``'s MPS namespace, what ``ensure_namespace`` is
+    given: (compute mode, active thread percentage, pinned limit MiB)."""
+    return (p.compute_mode, p.active_thread_percentage, p.limit_mib)
+
+
+def _failed(fut: Future[Any]) -> bool:
+    """``fut`` ended without a result (cancelled, or its job raised)."""
+    return fut.done() and (fut.cancelled() or fut.exception() is not None)
 
 
 
@@ -80,6 +91,8 @@ class _PluginState:
     _ns_lock: threading.Lock
     _ns_pending: dict[str, tuple[Owner, Future[Any]]]
     _ns_made: dict[Owner, tuple[tuple[Any, ...], Future[Any]] | None]
+    _ns_early: dict[Owner, tuple[tuple[Any, ...], Future[Any], str]]
+    _early_counts: dict[str, int]
     _stopped_holds: dict[str, list[Tenancy]]
     _ns_queue: KeyedWorkQueue | None
     _made_sources: dict[str, None]

@@ -40,7 +40,8 @@ class _Release(_Namespaces):
         # running one (the MPS layer would skip a concurrent second drain).
         with self._ns_lock:
             fut = self._ns_work().share((_DRAIN, container.id),
-                                        functools.partial(self._drain_job, container.id, modes, fields), tag=_DRAIN)
+                                        functools.partial(self._drain_job, container.id, modes, fields), tag=_DRAIN,
+                                        urgent=True)
         try:
             fut.result(timeout)
         except FutureTimeout:
