@@ -63,9 +63,12 @@ def cluster(cbins, request) -> fc.FullCluster:
     c = fc.FullCluster(cbins, base)
 
     def fin() -> None:
+        shutil.rmtree(LOGS, ignore_errors=True)
         LOGS.mkdir(parents=True, exist_ok=True)
         for log in base.glob("*.log"):
             shutil.copy(log, LOGS / log.name)
+        if (base / "pod-logs").is_dir():  # every container's log, the daemon pods' among them
+            shutil.copytree(base / "pod-logs", LOGS / "pod-logs", dirs_exist_ok=True)
         fc.cleanup_base(base, c)
         lock.close()
     request.addfinalizer(fin)
@@ -106,7 +109,7 @@ def node_values(c: fc.FullCluster) -> dict[str, Any]:
     state, the MPS role's API socket) and the CDI spec directory under the
     test's base directory instead of the host's /run/fracplugin and
     /var/run/nri."""
-    run = c.base / "run"
+    run = c.run_dir
     return {
         "hostPaths": {"nriSocket": str(c.ctrd.nri_sock), "run": str(run), "stateDir": str(run / "state"),
                       "mpsRoot": str(run / "mps"), "cdiSpecDirs": [str(c.base / "cdi")]},

@@ -54,7 +54,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-sys.path.insert(0, str(REPO / "tests" / "kubelet_e2e"))
+sys.path.append(str(REPO / "tests" / "kubelet_e2e"))  # after our own dir: its conftest is not ours
 
 import cluster as k  # noqa: E402  (tests/kubelet_e2e/cluster.py)
 
@@ -166,6 +166,7 @@ class FullCluster(k.Cluster):
         self._apps: Any = None
         self.dnat_rule: list[str] | None = None
         self.created_bridge = False
+        self.run_dir = base / "run"
 
     # ---- start ---------------------------------------------------------------
     def start(self) -> None:
@@ -173,6 +174,10 @@ class FullCluster(k.Cluster):
         DNAT rule, controller-manager, scheduler, kubelet; waits until the
         node is Ready. Raises HarnessError."""
         self._prepare_dirs()
+        # the chart's hostPaths.run lives here: a nosuid,nodev tmpfs like a systemd host's /run
+        # (the ledger's and the MPS pipe directories' filesystem, ADR 0003)
+        self.run_dir.mkdir()
+        h.run(["mount", "-t", "tmpfs", "-o", "nosuid,nodev,mode=0755,size=64m", "fpk8s-run", self.run_dir])
         self._network()
         make_pki(self.pki)
         self._cni_config()

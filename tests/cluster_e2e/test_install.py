@@ -18,8 +18,9 @@ kube-controller-manager, kube-scheduler, kubelet and containerd (CNI), layout
 4. ``helm upgrade`` with a changed value rolls the doors; the
    ``fracplugin-mps`` pod keeps its UID and restart count, the fractional
    pod keeps running;
-5. README's uninstall (``fracplugin mps-quit`` in the MPS pod, then ``helm
-   uninstall``): no fracplugin or MPS process, no socket of ours in the device
+5. README's uninstall (``fracplugin mps-quit`` in the MPS pod, the
+   DaemonSets deleted with foreground cascading, then ``helm uninstall``):
+   no fracplugin or MPS process, no socket of ours in the device
    plugin directory, none in the NRI socket directory, no node condition left
    True.
 
@@ -253,6 +254,11 @@ def test_5_uninstall_leaves_nothing(cluster, helm):
     mps = only_pod(c, MPS_SEL)
     q = c.ctrd.crictl("exec", container_id(mps, "mps"), "fracplugin", "mps-quit", check=False)
     assert q.returncode == 0, f"fracplugin mps-quit: {q.stdout}{q.stderr}\n{diagnose(c)}"
+    # README: kubectl -n fracplugin-system delete daemonset fracplugin fracplugin-mps --cascade=foreground
+    # (the pods end while their RBAC exists, so their last node-condition patch is allowed)
+    for name in ("fracplugin", "fracplugin-mps"):
+        c.apps().delete_namespaced_daemon_set(name, NAMESPACE, propagation_policy="Foreground")
+    wait(c, lambda: not daemonsets(c) and not pods_of(c), 120, "both DaemonSets and their pods deleted (foreground)")
     helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "120s")
     wait(c, lambda: not pods_of(c), 120, "every fracplugin pod gone")
     wait(c, lambda: not _our_processes(), 60, "no fracplugin or MPS process on the host")
@@ -264,6 +270,9 @@ def test_5_uninstall_leaves_nothing(cluster, helm):
     conds = node_conditions(c)
     still = {t: conds[t].status for t in CONDITIONS if t in conds and conds[t].status == "True"}
     assert not still, f"node conditions left True after uninstall: {still}"
+    # the doors' last word (ADR 0005), written while their RBAC still existed
+    assert all(conds[t].status == "Unknown" and conds[t].reason == "ShuttingDown" for t in CONDITIONS), \
+        {t: (conds[t].status, conds[t].reason) for t in CONDITIONS if t in conds}
     mps_root = c.base / "run" / "mps"
     socks = [str(p) for p in mps_root.rglob("*") if p.is_socket()] if mps_root.exists() else []
     assert not socks, f"MPS sockets left: {socks}"

@@ -45,7 +45,7 @@ scratch_build() {  # scratch_build <srcdir> <bindir> <go.mod body> <pkg>...
     { echo "//go:build tools"; echo; echo "package scratch"; echo; echo "import ("
       for p in "$@"; do echo "	_ \"$p\""; done; echo ")"; } > "$src/tools.go"
     (cd "$src" && GOFLAGS="-mod=mod -buildvcs=false" GOTOOLCHAIN=local CGO_ENABLED=0 \
-        nice -n 10 go build -trimpath -tags tools -o "$bindir/" "$@")
+        nice -n 10 go build -trimpath -tags tools -ldflags "${SCRATCH_LDFLAGS:-}" -o "$bindir/" "$@")
 }
 
 mkdir -p "$CACHE"
@@ -95,7 +95,14 @@ for kv in $KUBE_VERSIONS; do
     # Into a temp dir, then renamed: a build killed while linking or writing
     # never leaves a half binary that the cache check above would take.
     tmp="$(mktemp -d "$CACHE/kubernetes-$kv.build.XXXXXX")"
-    scratch_build "$CACHE/src/kubernetes-$kv" "$tmp" "$body" "${pkgs[@]}"
+    # The version the binaries report (what `make` in kubernetes' own tree stamps): without
+    # it the API server says v0.0.0-master and `helm install` refuses the chart's kubeVersion.
+    minor="${kv#v1.}"; minor="${minor%%.*}"
+    ldf=""
+    for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        ldf+=" -X $p.gitVersion=$kv -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+    done
+    SCRATCH_LDFLAGS="$ldf" scratch_build "$CACHE/src/kubernetes-$kv" "$tmp" "$body" "${pkgs[@]}"
     mkdir -p "$bin"
     for b in $bins; do mv -f "$tmp/$b" "$bin/$b"; done
     rm -rf "$tmp"
