@@ -306,6 +306,26 @@ def test_mps_quit_in_either_pod_finds_the_mps_roles_socket(renders, name: str) -
         assert env["FRACPLUGIN_MPS_API_SOCKET"] == "/run/fp/mps/api.sock"
 
 
+def test_readme_uninstall_ends_the_daemonsets_before_their_rbac(renders) -> None:
+    """README's uninstall deletes every DaemonSet of the default rendering with
+    foreground cascading (kubectl waits for the pods) before `helm uninstall`.
+    Found by the cluster e2e (issue 24): `helm uninstall` alone deletes the
+    ServiceAccount, ClusterRole and binding together with the DaemonSets, so
+    the stopping doors' last node-condition patch (Unknown) was refused and the
+    KAI conditions stayed True on a node without fracplugin."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("Uninstall (stopping MPS on purpose)")
+    block = text[text.index("```sh", start) + 5 : text.index("```", text.index("```sh", start) + 5)]
+    lines = [ln.split("#")[0].strip() for ln in block.strip().splitlines()]
+    assert "fracplugin mps-quit" in lines[0], lines
+    delete = lines[1].split()
+    assert delete[:5] == ["kubectl", "-n", "fracplugin-system", "delete", "daemonset"], lines[1]
+    assert "--cascade=foreground" in delete, lines[1]
+    names = {d["metadata"]["name"] for d in _daemonsets(renders["default"])}
+    assert names <= set(delete), (names, lines[1])
+    assert lines[2].startswith("helm uninstall fracplugin"), lines
+
+
 def test_extra_volumes_reach_every_daemon_pod(helm: str) -> None:
     """extraVolumes / extraVolumeMounts (tests and advanced set-ups, e.g.
     tests/cluster_e2e/values-sim.yaml) land in each DaemonSet of both layouts,

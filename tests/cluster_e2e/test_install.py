@@ -1,7 +1,7 @@
 """The shipped install run for real (issue 24): the image from ``make image``
 and the Helm chart, installed as README says on a one-node cluster with
 kube-controller-manager, kube-scheduler, kubelet and containerd (CNI), layout
-``split`` and scheduler ``default`` (the chart's defaults). In order:
+``split`` with scheduler ``default`` (the chart's defaults), then ``kai``. In order:
 
 1. ``helm install`` (namespace created and labelled as README says); every
    DaemonSet rolls out (numberReady == desiredNumberScheduled, polled through
@@ -22,7 +22,11 @@ kube-controller-manager, kube-scheduler, kubelet and containerd (CNI), layout
    DaemonSets deleted with foreground cascading, then ``helm uninstall``):
    no fracplugin or MPS process, no socket of ours in the device
    plugin directory, none in the NRI socket directory, no node condition left
-   True.
+   True (they are ``Unknown``/``ShuttingDown``, the daemon's last word);
+6. ``helm install --set scheduler=kai``: only the NRI door (no device plugin
+   socket); a pod bound as KAI's binder binds it (``nodeName`` and the
+   ``nvidia.com/container.*`` annotations) gets the env and pipe mount through
+   NRI; README's uninstall again.
 
 Each step needs the previous one; a failed step fails the later ones with
 its name rather than with a confusing second failure.
@@ -278,3 +282,56 @@ def test_5_uninstall_leaves_nothing(cluster, helm):
     assert not socks, f"MPS sockets left: {socks}"
     STATE["uninstall"] = {t: (conds[t].status, conds[t].reason) for t in CONDITIONS if t in conds}
     print(f"after uninstall: node conditions {STATE['uninstall']}")
+
+
+def test_6_kai_scheduler_install_goes_through_the_nri_door(cluster, helm):
+    """``scheduler: kai`` (split layout): only the NRI door runs (no device
+    plugin socket). A pod bound the way KAI's binder binds it (``nodeName``
+    and the ``nvidia.com/container.*`` annotations, no extended resource) gets
+    README's env and pipe mount through NRI; then README's uninstall again."""
+    needs("uninstall")
+    c = cluster
+    helm("install", RELEASE, str(CHART), "-n", NAMESPACE, *helm.values_args("--set", "scheduler=kai"))
+    wait(c, lambda: len(daemonsets(c)) == 2 and all(ds_rolled_out(d) for d in daemonsets(c)), ROLLOUT_S,
+         "both DaemonSets rolled out (scheduler=kai)")
+    wait(c, lambda: all(node_conditions(c)[t].status == "True" for t in CONDITIONS), 60,
+         f"node conditions {CONDITIONS} True again")
+    assert not [p.name for p in k.DEVICE_PLUGIN_DIR.iterdir() if p.name.startswith("fracplugin")]
+    gpu = "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a02"
+    ann = {ANN + "gpu-memory.request": "4Gi", ANN + "gpu-memory.limit": "6Gi",
+           ANN + "gpu-compute.mode": "sm-sharing", ANN + "gpu-compute.portion": "0.5",
+           ANN + "gpus.devices": gpu, "gpu-fraction-num-devices": "1"}
+    c.api().create_namespaced_pod("default", {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kai", "namespace": "default", "annotations": ann},
+        "spec": {"nodeName": k.NODE, "automountServiceAccountToken": False, "restartPolicy": "Never",
+                 "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "app", "image": k.h.IMAGE, "imagePullPolicy": "Never",
+                                 "command": ["/bin/sleep", "3600"]}]}})
+
+    def running() -> Any:
+        p = c.api().read_namespaced_pod("kai", "default")
+        if p.status.phase == "Failed":
+            raise k.HarnessError(f"pod kai failed: {p.status.reason}: {p.status.message}")
+        cs = p.status.container_statuses or []
+        return p if cs and cs[0].state.running else None
+    p = wait(c, running, 120, "pod kai running", ns="default")
+    cid = container_id(p, "app")
+    out = c.ctrd.crictl("exec", cid, "env").stdout
+    env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    assert env.get("NVIDIA_VISIBLE_DEVICES") == gpu, env
+    assert (env.get("NVIDIA_GPU_MEMORY_REQUEST"), env.get("NVIDIA_GPU_MEMORY_LIMIT")) == ("4096", "6144"), env
+    assert env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == "50", env
+    assert env.get("CUDA_MPS_PIPE_DIRECTORY") == "/tmp/nvidia-mps", env
+    assert "control" in c.ctrd.crictl("exec", cid, "ls", "/tmp/nvidia-mps").stdout
+    from kubernetes.client import V1DeleteOptions
+
+    c.api().delete_namespaced_pod("kai", "default", body=V1DeleteOptions(grace_period_seconds=0))
+    wait(c, lambda: not pods_of(c, "default"), 60, "pod kai deleted", ns="default")
+    mps = only_pod(c, MPS_SEL)
+    assert c.ctrd.crictl("exec", container_id(mps, "mps"), "fracplugin", "mps-quit", check=False).returncode == 0
+    for name in ("fracplugin", "fracplugin-mps"):
+        c.apps().delete_namespaced_daemon_set(name, NAMESPACE, propagation_policy="Foreground")
+    wait(c, lambda: not daemonsets(c) and not pods_of(c), 120, "both DaemonSets and their pods deleted (foreground)")
+    helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "120s")
+    wait(c, lambda: not _our_processes(), 60, "no fracplugin or MPS process on the host")
+    assert all(node_conditions(c)[t].status == "Unknown" for t in CONDITIONS)
