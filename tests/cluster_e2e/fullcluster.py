@@ -9,8 +9,8 @@ It extends tests/kubelet_e2e/cluster.py (same binaries cache, ``Proc``, lock
 and cleanup) with what a DaemonSet pod needs and that harness leaves out:
 
 * **Pod network.** The reference CNI plugins ``bridge``, ``host-local`` and
-  ``loopback`` (Debian's ``containernetworking-plugins``, which ``.ci/run``
-  installs) on a bridge ``fpk8s0`` that the harness creates with the node's
+  ``loopback`` (github.com/containernetworking/plugins, built by run.sh into
+  the cache) on a bridge ``fpk8s0`` that the harness creates with the node's
   address ``10.244.77.1/24``; pods get ``10.244.77.0/24`` addresses and their
   default route through the bridge. The chart's DaemonSets run without
   ``hostNetwork`` exactly as rendered.
@@ -68,7 +68,7 @@ NODE_IP = "10.244.77.1"
 POD_SUBNET = "10.244.77.0/24"
 SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service: first address of the range
-CNI_PLUGIN_DIRS = ("/usr/lib/cni", "/opt/cni/bin")
+CNI_PLUGINS_VERSION = "v1.10.0"  # run.sh builds them into <cache>/cni-plugins-<version>/bin
 CNI_PLUGINS = ("bridge", "host-local", "loopback")
 DNAT_COMMENT = "fracplugin-cluster-e2e"
 TOKENS = {  # name -> (token, user, groups)
@@ -108,11 +108,10 @@ class Binaries:
             if not os.access(p, os.X_OK):
                 missing.append(f"{p} (KUBE_BINARIES='kubelet kube-apiserver kube-controller-manager "
                                f"kube-scheduler' KUBE_VERSIONS={version} tests/kubelet_e2e/build.sh)")
-        cni = next((Path(d) for d in CNI_PLUGIN_DIRS
-                    if all(os.access(Path(d) / p, os.X_OK) for p in CNI_PLUGINS)), None)
-        if cni is None:
-            missing.append(f"CNI plugins {', '.join(CNI_PLUGINS)} in {' or '.join(CNI_PLUGIN_DIRS)} "
-                           "(apt-get install containernetworking-plugins)")
+        cni = Path(os.environ.get("FRACPLUGIN_CNI_BIN",
+                                  h.cache_dir() / f"cni-plugins-{CNI_PLUGINS_VERSION}" / "bin"))
+        if not all(os.access(cni / p, os.X_OK) for p in CNI_PLUGINS):
+            missing.append(f"CNI plugins {', '.join(CNI_PLUGINS)} in {cni} (tests/cluster_e2e/run.sh builds them)")
         helm = Path(os.environ.get("HELM", "/var/cache/fracplugin-e2e/chart-tools/helm-v3.22.0/bin/helm"))
         if not os.access(helm, os.X_OK):
             missing.append(f"{helm} (bash scripts/chart-tools.sh helm)")
@@ -123,7 +122,7 @@ class Binaries:
             missing.append("iptables (apt-get install iptables)")
         if missing:
             raise HarnessError("cluster e2e prerequisites missing: " + "; ".join(missing))
-        return cls(kube, cm, sched, cni or Path("/"), helm, image)
+        return cls(kube, cm, sched, cni, helm, image)
 
 
 def _openssl(*args: Any) -> None:
