@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup test typecheck unit component proto demo interop e2e kai-e2e kubelet-e2e bench chart manifests chart-tools ci clean gpu-check gpu-check-wheels image image-test admission-e2e
+.PHONY: setup test typecheck unit component proto demo interop e2e kai-e2e kubelet-e2e cluster-e2e bench chart manifests chart-tools ci clean gpu-check gpu-check-wheels image image-test admission-e2e
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,11 @@ admission-e2e: setup
 kubelet-e2e: setup
 	bash tests/kubelet_e2e/run.sh
 
+## cluster-e2e: the shipped install (make image's image + the Helm chart) on a real one-node cluster (etcd,
+## kube-apiserver, kube-controller-manager, kube-scheduler, kubelet v1.37, containerd, CNI bridge); needs root and make image first
+cluster-e2e: setup
+	bash tests/cluster_e2e/run.sh
+
 ## image: build the image from the Dockerfile without an image registry (mmdebstrap bases with Debian's
 ## python3.11, buildah; needs root, mmdebstrap, buildah, runc; ADR 0027). The last line is the OCI archive's path.
 image:
@@ -107,7 +112,7 @@ manifests: setup
 	@set -e; tools=$$(bash scripts/chart-tools.sh helm); eval "$$tools"; export HELM; \
 	$(PY) scripts/render_manifests.py
 
-ci: test chart interop e2e kubelet-e2e admission-e2e image image-test
+ci: test chart interop e2e kubelet-e2e admission-e2e image image-test cluster-e2e
 
 clean:
 	@# make image's private buildah store keeps a bind mount of its overlay directory

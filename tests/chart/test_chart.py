@@ -290,6 +290,84 @@ def test_split_layout_has_the_two_agreed_roles(renders) -> None:
     assert split_problems(renders["split"]) == []
 
 
+@pytest.mark.parametrize("name", ["split", "custom"])
+def test_mps_quit_in_either_pod_finds_the_mps_roles_socket(renders, name: str) -> None:
+    """README's uninstall step runs `fracplugin mps-quit` in the fracplugin-mps
+    pod with no flag; it reads FRACPLUGIN_MPS_API_SOCKET. Found by the cluster
+    e2e (issue 24): with mps.apiSocket not the default (custom-values.yaml:
+    /run/fp/mps/api.sock) the command looked at /run/fracplugin/mps/api.sock and
+    failed "not reachable". Each container's env names its --mps-api-socket."""
+    for ds in _daemonsets(renders[name]):
+        (c,) = ds["spec"]["template"]["spec"]["containers"]
+        args = c["args"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env.get("FRACPLUGIN_MPS_API_SOCKET") == args[args.index("--mps-api-socket") + 1], ds["metadata"]["name"]
+    if name == "custom":
+        assert env["FRACPLUGIN_MPS_API_SOCKET"] == "/run/fp/mps/api.sock"
+
+
+def test_readme_uninstall_ends_the_daemonsets_before_their_rbac(renders) -> None:
+    """README's uninstall deletes every DaemonSet of the default rendering with
+    foreground cascading (kubectl waits for the pods) before `helm uninstall`.
+    Found by the cluster e2e (issue 24): `helm uninstall` alone deletes the
+    ServiceAccount, ClusterRole and binding together with the DaemonSets, so
+    the stopping doors' last node-condition patch (Unknown) was refused and the
+    KAI conditions stayed True on a node without fracplugin."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("Uninstall (stopping MPS on purpose)")
+    block = text[text.index("```sh", start) + 5 : text.index("```", text.index("```sh", start) + 5)]
+    lines = [ln.split("#")[0].strip() for ln in block.strip().splitlines()]
+    assert "fracplugin mps-quit" in lines[0], lines
+    delete = lines[1].split()
+    assert delete[:5] == ["kubectl", "-n", "fracplugin-system", "delete", "daemonset"], lines[1]
+    assert "--cascade=foreground" in delete, lines[1]
+    names = {d["metadata"]["name"] for d in _daemonsets(renders["default"])}
+    assert names <= set(delete), (names, lines[1])
+    assert lines[2].startswith("helm uninstall fracplugin"), lines
+
+
+def test_extra_volumes_reach_every_daemon_pod(helm: str) -> None:
+    """extraVolumes / extraVolumeMounts (tests and advanced set-ups, e.g.
+    tests/cluster_e2e/values-sim.yaml) land in each DaemonSet of both layouts,
+    after the chart's own volumes and mounts, which stay unchanged."""
+    sets = ("extraVolumes[0].name=sim", "extraVolumes[0].hostPath.path=/srv/sim",
+            "extraVolumeMounts[0].name=sim", "extraVolumeMounts[0].mountPath=/opt/sim",
+            "extraVolumeMounts[0].readOnly=true")
+    for layout in ("split", "single"):
+        base = {d["metadata"]["name"]: d for d in _daemonsets(rendered(helm, [], (f"layout={layout}",)))}
+        m = rendered(helm, [], (f"layout={layout}", *sets))
+        dss = _daemonsets(m)
+        assert len(dss) == (2 if layout == "split" else 1)
+        for ds in dss:
+            pod = ds["spec"]["template"]["spec"]
+            (c,) = pod["containers"]
+            pod0 = base[ds["metadata"]["name"]]["spec"]["template"]["spec"]
+            assert pod["volumes"] == pod0["volumes"] + [{"name": "sim", "hostPath": {"path": "/srv/sim"}}]
+            assert c["volumeMounts"] == pod0["containers"][0]["volumeMounts"] + [
+                {"name": "sim", "mountPath": "/opt/sim", "readOnly": True}]
+        for version in K8S_VERSIONS:
+            assert schema_problems(m, version) == [], version
+
+
+def test_cluster_e2e_values_file_renders(helm: str) -> None:
+    """tests/cluster_e2e/values-sim.yaml (with the harness's machine-specific
+    file's shape) renders and the daemon accepts its args: --simulate-node and
+    --mps-control-binary point into the extra mounts."""
+    sim = REPO / "tests" / "cluster_e2e" / "values-sim.yaml"
+    m = rendered(helm, [sim], ("extraVolumes[0].name=fracplugin-test-nodes",
+                               "extraVolumes[0].hostPath.path=/srv/nodes",
+                               "extraVolumes[1].name=fracplugin-test-fakes",
+                               "extraVolumes[1].hostPath.path=/srv/fakes"))
+    for ds in _daemonsets(m):
+        (c,) = ds["spec"]["template"]["spec"]["containers"]
+        assert c["imagePullPolicy"] == "Never"
+        mounts = {x["mountPath"] for x in c["volumeMounts"]}
+        for a in c["args"]:
+            if a.startswith(("--simulate-node=", "--mps-control-binary=")):
+                assert str(Path(a.split("=", 1)[1]).parent) in mounts, (a, mounts)
+        _parse_run_args(c["args"])
+
+
 # ---------------------------------------------------------------- what the daemon accepts
 
 
@@ -428,6 +506,8 @@ BAD_VALUES = [
     ("admissionPolicy.validationActions={Audit}", ["/admissionPolicy/validationActions/0", "Deny", "Warn"]),
     ("admissionPolicy.failurePolicy=Never", ["/admissionPolicy/failurePolicy", "Ignore", "Fail"]),
     ("admissionPolicy.enable=true", ["additional properties", "enable"]),
+    ("extraVolumeMounts[0].name=x", ["/extraVolumeMounts/0", "mountPath"]),
+    ("extraVolumes[0].hostPath.path=/x", ["/extraVolumes/0", "name"]),
 ]
 
 

@@ -2,7 +2,8 @@
 # Build (or reuse) the kubelet e2e binaries from released Go modules through the
 # module proxy, into a cache outside the repository (like tests/e2e/build.sh):
 #   kubelet + kube-apiserver  from k8s.io/kubernetes  $KUBE_VERSIONS (v1.37.2 v1.35.4),
-#                             one `go build` per line so their shared packages compile once
+#                             one `go build` per line so their shared packages compile once;
+#                             v1.37.2 also kube-controller-manager + kube-scheduler (cluster e2e)
 #   etcd                      from go.etcd.io/etcd/server/v3 $ETCD_VERSION (v3.7.3)
 #
 # `go install pkg@version` refuses both modules: their go.mod files carry replace
@@ -22,9 +23,17 @@ set -euo pipefail
 CACHE="${FRACPLUGIN_E2E_CACHE:-/var/cache/fracplugin-e2e}"
 KUBE_VERSIONS="${KUBE_VERSIONS-v1.37.2 v1.35.4}"  # set but empty: etcd only
 ETCD_VERSION="${ETCD_VERSION:-v3.7.3}"
-# What kubelet-e2e, kai-e2e and the admission e2e run. A cluster e2e (issue 24)
-# adds kube-controller-manager and kube-scheduler here: same build, shared packages.
-KUBE_BINARIES="${KUBE_BINARIES:-kubelet kube-apiserver}"
+# Binaries of each line: kubelet + kube-apiserver (what kubelet-e2e, kai-e2e and the
+# admission e2e run); the cluster e2e's line $CLUSTER_KUBE_VERSION (v1.37.2; issue 24,
+# tests/cluster_e2e) adds kube-controller-manager and kube-scheduler to the same
+# `go build`, so their shared packages (client-go, apiserver, the API types) compile
+# once. $KUBE_BINARIES, when set, names the binaries of every line.
+CLUSTER_KUBE_VERSION="${CLUSTER_KUBE_VERSION:-v1.37.2}"
+binaries_of() {  # binaries_of <version>
+    if [[ -n "${KUBE_BINARIES:-}" ]]; then echo "$KUBE_BINARIES"
+    elif [[ "$1" == "$CLUSTER_KUBE_VERSION" ]]; then echo "kubelet kube-apiserver kube-controller-manager kube-scheduler"
+    else echo "kubelet kube-apiserver"; fi
+}
 
 log() { echo "[kubelet-e2e-build $(date -u +%H:%M:%S)] $*" >&2; }
 
@@ -36,7 +45,7 @@ scratch_build() {  # scratch_build <srcdir> <bindir> <go.mod body> <pkg>...
     { echo "//go:build tools"; echo; echo "package scratch"; echo; echo "import ("
       for p in "$@"; do echo "	_ \"$p\""; done; echo ")"; } > "$src/tools.go"
     (cd "$src" && GOFLAGS="-mod=mod -buildvcs=false" GOTOOLCHAIN=local CGO_ENABLED=0 \
-        nice -n 10 go build -trimpath -tags tools -o "$bindir/" "$@")
+        nice -n 10 go build -trimpath -tags tools -ldflags "${SCRATCH_LDFLAGS:-}" -o "$bindir/" "$@")
 }
 
 mkdir -p "$CACHE"
@@ -62,12 +71,13 @@ fi
 
 for kv in $KUBE_VERSIONS; do
     bin="$CACHE/kubernetes-$kv/bin"
+    bins="$(binaries_of "$kv")"
     have=1
-    for b in $KUBE_BINARIES; do [[ -x "$bin/$b" ]] || have=0; done
+    for b in $bins; do [[ -x "$bin/$b" ]] || have=0; done
     if [[ $have == 1 ]]; then
         log "kubernetes $kv: cached in $bin"; continue
     fi
-    log "building $KUBE_BINARIES $kv into $bin"
+    log "building $bins $kv into $bin"
     t0=$(date +%s)
     gomod=$(GOFLAGS=-mod=mod go mod download -json "k8s.io/kubernetes@$kv" \
             | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
@@ -81,13 +91,20 @@ for kv in $KUBE_VERSIONS; do
     # One go build for every binary of the line: the packages they share
     # (client-go, apimachinery, the api types) compile once.
     pkgs=()
-    for b in $KUBE_BINARIES; do pkgs+=("k8s.io/kubernetes/cmd/$b"); done
+    for b in $bins; do pkgs+=("k8s.io/kubernetes/cmd/$b"); done
     # Into a temp dir, then renamed: a build killed while linking or writing
     # never leaves a half binary that the cache check above would take.
     tmp="$(mktemp -d "$CACHE/kubernetes-$kv.build.XXXXXX")"
-    scratch_build "$CACHE/src/kubernetes-$kv" "$tmp" "$body" "${pkgs[@]}"
+    # The version the binaries report (what `make` in kubernetes' own tree stamps): without
+    # it the API server says v0.0.0-master and `helm install` refuses the chart's kubeVersion.
+    minor="${kv#v1.}"; minor="${minor%%.*}"
+    ldf=""
+    for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        ldf+=" -X $p.gitVersion=$kv -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+    done
+    SCRATCH_LDFLAGS="$ldf" scratch_build "$CACHE/src/kubernetes-$kv" "$tmp" "$body" "${pkgs[@]}"
     mkdir -p "$bin"
-    for b in $KUBE_BINARIES; do mv -f "$tmp/$b" "$bin/$b"; done
+    for b in $bins; do mv -f "$tmp/$b" "$bin/$b"; done
     rm -rf "$tmp"
     log "kubernetes $kv built in $(( $(date +%s) - t0 ))s"
 done
