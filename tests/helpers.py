@@ -76,6 +76,24 @@ wait_for = wait_until
 """The same helper under the name older tests import."""
 
 
+def unix_socket_listening(path: str | os.PathLike[str]) -> bool:
+    """True when a stream connect to the unix socket ``path`` succeeds now.
+
+    A daemon's socket file exists from its ``bind()``, but a connect is
+    refused until its ``listen()``: a test that waits for the file alone can
+    talk to it in between (seen under CPU load with the fake MPS daemon)."""
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(os.fspath(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 def kill_leftovers(work: Path) -> None:
     """SIGKILL every process whose command line names ``work`` (the fake MPS
     control daemons started under it outlive the MPS role by design, ADR 0009)."""

@@ -25,7 +25,7 @@ import pytest
 
 from fracplugin.subproc import die_with_parent, with_fd_as_3
 from tests.fakes.mps_client import fake_control_binary
-from tests.helpers import wait_until
+from tests.helpers import scaled, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
@@ -542,7 +542,7 @@ def test_runtime_launched_plugin_exits_when_its_fd_closes(daemon: Callable[..., 
             wait_until(d.ready, what=lambda: f"readiness: {d.get('/readyz')}")
             assert d.endpoints["nri_socket"] == "fd 3"
             rt.close()
-            assert d.proc.wait(20) == 0
+            assert d.proc.wait(scaled(20)) == 0
             assert any("fd 3 ended" in str(r.get("msg")) for r in d.log_records())
         finally:
             d.kill()

@@ -20,7 +20,7 @@ from fracplugin.podsfile import PodsFileWatcher, read_pods_file
 from fracplugin.health import HealthServer
 from fracplugin.kubelet.podlookup import InMemoryPodSource
 from fracplugin.status import render_table, url_for
-from tests.helpers import wait_until
+from tests.helpers import scaled, wait_until
 
 
 def get(addr: tuple[str, int], path: str) -> tuple[int, str]:
@@ -300,7 +300,7 @@ def test_client_gone_before_the_reply_is_debug_without_traceback(caplog: pytest.
         s = socket.create_connection(addr, timeout=5)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
         s.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert entered.wait(5)
+        assert entered.wait(scaled(5))
         s.close()
         release.set()
         wait_until(lambda: h.stats()["active"] == 0, 5, lambda: f"no active connection: {h.stats()}")

@@ -19,7 +19,7 @@ from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource
 from fracplugin.kubelet.devices import parse_device_id
 from fracplugin.ledger import Ledger
 from fracplugin.planner import PlannerConfig
-from tests.helpers import wait_until
+from tests.helpers import scaled, wait_until
 
 R = "fracplugin.io/gpu-memory"
 
@@ -110,7 +110,7 @@ def test_two_concurrent_streams_both_get_every_change_and_end_on_stop(plugin):
             assert st.wait(lambda ls: len(ls) >= 2)
             assert sum(h == "Unhealthy" for h in st.lists[-1].values()) == 79
         s.stop(3.0)
-        assert a.ended.wait(5) and b.ended.wait(5)
+        assert a.ended.wait(scaled(5)) and b.ended.wait(scaled(5))
         assert (a.end_code, b.end_code) == (grpc.StatusCode.OK, grpc.StatusCode.OK)  # ended, not reset
         assert s.active_streams() == 0
     finally:

@@ -19,7 +19,7 @@ import pytest
 
 from fracplugin.mps.control import MpsControl, MpsError, render_config_toml
 from tests.fakes.mps_client import PY_FAKE, build_mps_client
-from tests.helpers import wait_until
+from tests.helpers import scaled, unix_socket_listening, wait_until
 
 FAST_PATH = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
@@ -45,7 +45,7 @@ def _daemon(d: str, procs: list, binary: str, protocol: str = "3") -> subprocess
                          stdout=subprocess.DEVNULL, env=_env(d))
     procs.append(p)
     control = os.path.join(d, "p", "control")
-    wait_until(lambda: os.path.exists(control) or p.poll() is not None, 10, f"the fake daemon's {control}")
+    wait_until(lambda: unix_socket_listening(control) or p.poll() is not None, 10, f"the fake daemon listening on {control}")
     assert p.poll() is None, f"the fake daemon exited {p.returncode}"
     return p
 
@@ -130,7 +130,7 @@ def test_quit_and_a_daemon_that_is_gone(cbin, pipe):
     for binary in (str(PY_FAKE), cbin):
         p = _daemon(d, procs, str(PY_FAKE))
         results.append(_run(binary, ["-q"], env, None))
-        assert p.wait(10) == 0
+        assert p.wait(scaled(10)) == 0
     assert results[0] == results[1] == (0, b"", b"")
     gone = b"Cannot find MPS control daemon process\n"
     assert _both(cbin, ["-q"], env) == (1, b"", gone)
@@ -202,7 +202,7 @@ def test_the_product_drives_mps_through_the_compiled_client(cbin, pipe):
     p = subprocess.Popen([cbin, "-p", "3", "-m", "-a", cfg, "-f"], stdin=subprocess.PIPE,
                          stdout=subprocess.DEVNULL, env=_env(d))
     procs.append(p)
-    wait_until(lambda: os.path.exists(os.path.join(d, "p", "control")) or p.poll() is not None, 10)
+    wait_until(lambda: unix_socket_listening(os.path.join(d, "p", "control")) or p.poll() is not None, 10)
     assert c.probe(5) >= 0
     c.namespace_create("fp_x", "shared", 5)
     c.namespace_set_caps("fp_x", "shared", 25, 1024, 5)
@@ -212,6 +212,6 @@ def test_the_product_drives_mps_through_the_compiled_client(cbin, pipe):
         c.namespace_create("fp_x", "shared", 5)
     c.namespace_delete("fp_x", "shared", 5)
     c.quit(5)
-    assert p.wait(10) == 0
+    assert p.wait(scaled(10)) == 0
     with pytest.raises(MpsError, match="Cannot find MPS control daemon"):
         c.probe(5)

@@ -14,7 +14,7 @@ import pytest
 
 from fracplugin.mps import control as ctl
 from fracplugin.mps.control import MpsControl, MpsError, MpsTimeout, choose_protocol, render_config_toml
-from tests.helpers import wait_until
+from tests.helpers import scaled, unix_socket_listening, wait_until
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fakes" / "nvidia-cuda-mps-control")
 FAST_ENV = {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
@@ -67,7 +67,7 @@ def _start(root: str, procs: list, *args: str, protocol: str = "3") -> MpsContro
     p = subprocess.Popen([FAKE, "-p", protocol, *args, "-f"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
     procs.append(p)
     control = os.path.join(root, "p", "control")
-    wait_until(lambda: os.path.exists(control) or p.poll() is not None, 10, f"the fake daemon's {control}")
+    wait_until(lambda: unix_socket_listening(control) or p.poll() is not None, 10, f"the fake daemon listening on {control}")
     assert p.poll() is None, f"the fake daemon exited {p.returncode}"
     return MpsControl(FAKE, os.path.join(root, "p"), int(protocol), os.path.join(root, "l"), env=FAST_ENV)
 
@@ -93,7 +93,7 @@ def test_v3_commands_and_csv_parsing(pipe):
     with pytest.raises(MpsError, match="clients attached"):
         c.namespace_delete("fp_x", "shared", 5)
     c.client_terminate(sleeper.pid, 10)
-    assert sleeper.wait(5) is not None
+    assert sleeper.wait(scaled(5)) is not None
     assert c.client_list(5) == []
     c.namespace_delete("fp_x", "shared", 5)
     assert c.namespace_list("shared", 5) == []
@@ -116,7 +116,7 @@ def test_v2_stdin_commands(pipe):
         c.run(["server", "list"], 5)  # a v2 daemon does not know v3 modules
     procs[0].stdin.write(b"quit\n")
     procs[0].stdin.flush()
-    assert procs[0].wait(5) == 0
+    assert procs[0].wait(scaled(5)) == 0
     assert not os.path.exists(os.path.join(root, "p", "control"))
     with pytest.raises(MpsError, match="Cannot find MPS control daemon"):
         c.probe(5)
@@ -126,7 +126,7 @@ def test_foreground_daemon_exits_on_stdin_eof(pipe):
     root, procs = pipe
     _start(root, procs, protocol="2")
     procs[0].stdin.close()
-    assert procs[0].wait(5) == 0
+    assert procs[0].wait(scaled(5)) == 0
     assert not os.path.exists(os.path.join(root, "p", "control"))
 
 

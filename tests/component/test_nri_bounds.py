@@ -22,7 +22,7 @@ import threading
 import pytest
 
 
-from tests.helpers import wait_for
+from tests.helpers import scaled, wait_for
 
 from fracplugin._proto import nri_pb2
 from fracplugin.nri.stub import MAX_SYNC_PARTS, MAX_UNANSWERED, PLUGIN_SERVICE, NriStub
@@ -193,7 +193,7 @@ def test_answers_the_runtime_never_reads_are_bounded(plugin_cls, sockpath, clean
     hits: list[str] = []
     plugin = plugin_cls(answer_bytes=4096)
     stub = _stub(plugin, sockpath, cleanup, on_bound=hits.append)
-    assert rt.accepted.wait(10)
+    assert rt.accepted.wait(scaled(10))
     assert rt.transport is not None
     pod = make_pod("web")
     for i in range(MAX_UNANSWERED + 200):

@@ -24,7 +24,7 @@ from fracplugin.nri.plugin import FracNriPlugin
 from fracplugin.nri.stub import NriStub
 from fracplugin.planner import PlannerConfig
 from nri_runtime import FakeNriRuntime, RpcError, make_container, make_pod
-from tests.helpers import wait_for
+from tests.helpers import scaled, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = load_node(REPO / "examples" / "nodes" / "gpu-node-1.yaml")
@@ -49,7 +49,7 @@ class SlowMps:
             self.active[owner] += 1
             self.most_at_once = max(self.most_at_once, self.active[owner])
         try:
-            assert self.gate.wait(30), "the test never opened the MPS gate"
+            assert self.gate.wait(scaled(30)), "the test never opened the MPS gate"
         finally:
             with self.lock:
                 self.active[owner] -= 1

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import scaled, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -490,7 +490,7 @@ def _pods_running(n=3):
 def _assert_recovers(h, old, before, pods, ctrs):
     """The plugin dropped connection ``old``, reconnected and was synchronized
     again; the ledger holds exactly what it held."""
-    assert old.closed.wait(10), "the bad connection was not dropped"
+    assert old.closed.wait(scaled(10)), "the bad connection was not dropped"
     wait_for(lambda: h.rt.connections >= 2 and h.rt.transport is not None and not h.rt.transport.closed.is_set(),
              what="reconnection")
     h.rt.wait_registered()
@@ -629,7 +629,7 @@ def test_any_garbage_then_a_runtime_restart_loses_and_duplicates_nothing(running
     except ConnectionError:
         pass  # the plugin already dropped the connection
     h.rt.disconnect()  # the runtime side dies mid-stream
-    assert old.closed.wait(10)
+    assert old.closed.wait(scaled(10))
     wait_for(lambda: h.rt.transport is not old and h.rt.transport is not None, what="reconnection")
     h.rt.wait_registered()
     h.rt.synchronize(pods, ctrs)

@@ -16,6 +16,7 @@ from fracplugin.gpu.inventory import XidEvent
 from fracplugin.gpu.simulated import SimulatedInventory
 from fracplugin.model import ComputeMode
 from fracplugin.mps.api import NullMps
+from tests.helpers import scaled
 
 
 class ModeMps(NullMps):
@@ -214,7 +215,7 @@ def test_thread_consumes_inventory_events(node_file):
     try:
         inv.inject_xid(uuids[1], 13)  # ignored
         inv.inject_xid(uuids[2], 79)
-        assert flipped.wait(5)
+        assert flipped.wait(scaled(5))
         assert m.unhealthy() == {uuids[2]: ["xid 79"]}
         assert m.events_seen == 2
     finally:

@@ -12,7 +12,7 @@ from fracplugin.kubelet.podlookup import (
     resource_count,
     select_candidates,
 )
-from tests.helpers import wait_until
+from tests.helpers import scaled, wait_until
 
 R = "fracplugin.io/gpu-memory"
 
@@ -241,7 +241,7 @@ def test_kubernetes_source_applies_watch_events():
     src.subscribe_deleted(lambda p: deleted.append(p["metadata"]["name"]))
     src.start()
     try:
-        assert done.wait(5)
+        assert done.wait(scaled(5))
         wait_until(lambda: calls["list"] > 1, 5, "the watch to end and the source to relist")
         assert src.candidates(R, 4) == []  # a is being deleted
         assert [p["metadata"]["name"] for p in src.candidates(R, 2)] == ["b"]

@@ -13,7 +13,7 @@ import pytest
 from fracplugin.nri.interfaces import CallContext
 from fracplugin.nri.serving import _DONE, _Call, _Watchdog, _Workers
 from fracplugin.nri.ttrpc import RequestReceived
-from tests.helpers import wait_until
+from tests.helpers import scaled, wait_until
 
 
 def _call(stream_id: int, in_s: float) -> _Call:
@@ -84,7 +84,7 @@ def test_workers_run_handlers_concurrently_and_refuse_work_after_shutdown() -> N
     try:
         for i in range(3):
             workers.submit(lambda i=i: job(i))
-        assert done.wait(10)
+        assert done.wait(scaled(10))
         assert sorted(ran) == [0, 1, 2]
         def boom() -> None:
             raise ValueError("boom")
@@ -96,7 +96,7 @@ def test_workers_run_handlers_concurrently_and_refuse_work_after_shutdown() -> N
         barrier.reset()
         for i in range(3):
             workers.submit(lambda i=i: job(i))
-        assert done.wait(10)
+        assert done.wait(scaled(10))
     finally:
         workers.shutdown()
     with pytest.raises(RuntimeError):

@@ -11,7 +11,7 @@ from concurrent.futures import CancelledError
 import pytest
 
 from fracplugin.nri.nsqueue import KeyedWorkQueue
-from tests.helpers import wait_for
+from tests.helpers import scaled, wait_for
 
 
 class Gate:
@@ -23,7 +23,7 @@ class Gate:
 
     def __call__(self) -> str:
         self.started.set()
-        assert self.release.wait(30), "gate never opened"
+        assert self.release.wait(scaled(30)), "gate never opened"
         return "gate"
 
 
@@ -39,7 +39,7 @@ def _busy(q: KeyedWorkQueue, key: str = "busy") -> Gate:
     """Hold one worker on ``key`` until the returned gate opens."""
     g = Gate()
     q.put(key, g)
-    assert g.started.wait(30)
+    assert g.started.wait(scaled(30))
     return g
 
 
@@ -87,7 +87,7 @@ def test_a_key_is_never_processed_by_two_workers_at_once():
                 order.append(name)
             try:
                 if name in gates:
-                    assert gates[name].wait(30)
+                    assert gates[name].wait(scaled(30))
                 return name
             finally:
                 with lock:
@@ -121,7 +121,7 @@ def test_ensure_then_release_of_one_owner_run_in_that_order(queue):
     def ensure(n: int) -> str:
         calls.append(f"ensure{n}")
         if n == 1:
-            assert ensure_gate.wait(30)
+            assert ensure_gate.wait(scaled(30))
         return f"ensure{n}"
 
     e1 = queue.put(key, lambda: ensure(1), tag="ensure")
@@ -174,7 +174,7 @@ def test_cancel_drops_only_what_it_is_asked_to(queue):
 def test_share_returns_the_job_queued_or_running(queue):
     gate = Gate()
     running = queue.put(("drain", "c1"), gate)
-    assert gate.started.wait(30)
+    assert gate.started.wait(scaled(30))
     assert queue.share(("drain", "c1"), lambda: "second") is running  # a drain of c1 runs: the same one
     other = queue.share(("drain", "c2"), lambda: "c2")
     assert queue.share(("drain", "c2"), lambda: "again") is other
@@ -197,7 +197,7 @@ def test_close_cancels_what_is_queued_and_lets_the_running_job_finish():
     q = KeyedWorkQueue(workers=2, name="t-queue")
     gate = Gate()
     running = q.put("k", gate)
-    assert gate.started.wait(30)
+    assert gate.started.wait(scaled(30))
     queued = [q.put(f"q{i}", lambda: None) for i in range(3)]
     after = q.put("k", lambda: None)
     wait_for(lambda: all(f.done() for f in queued), what="the other keys")  # the second worker took them
