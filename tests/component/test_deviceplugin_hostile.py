@@ -363,15 +363,19 @@ def test_a_flood_of_frames_whose_answers_are_never_read_is_not_buffered(plugin, 
             progress["error"] = e
 
     def stalled() -> bool:
-        """The flood is not read: the socket is full, and stays full with not
-        one more byte taken while another client is served a whole call."""
+        """The flood is not read: the socket is full, and stays full with less
+        than one batch more taken while another client is served a whole call.
+        (Beside two CPU hogs grpcio was seen to take a trickle, a few hundred
+        bytes per call, while its answers stay unread: 331 KiB of 32 MiB in
+        six minutes. What matters is that the flood does not get through and
+        memory does not follow it: the assertions below.)"""
         if not t.is_alive():
             return True
         if unsent_bytes(c) < sndbuf // 2:
             return False
         before = progress["sent"]
         assert serves(s)
-        return progress["sent"] == before and unsent_bytes(c) >= sndbuf // 2
+        return progress["sent"] - before < len(batch) and unsent_bytes(c) >= sndbuf // 2  # type: ignore[operator]
 
     rss = PeakRss().start()
     t = threading.Thread(target=flood, daemon=True)
