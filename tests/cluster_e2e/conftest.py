@@ -250,13 +250,14 @@ def diagnose_all(c: fc.FullCluster) -> str:
 
 @contextmanager
 def diagnosed(c: fc.FullCluster, what: str) -> Iterator[None]:
-    """Turn an assertion or harness error inside the block into a failure
-    that names the scenario step and carries ``diagnose_all`` (every pod's
-    containers, their states and logs, the events): the pod, container and
-    event that broke."""
+    """Turn any error inside the block (an assertion, a harness or API
+    error) into a failure that names the scenario step and carries
+    ``diagnose_all`` (every pod's containers, their states and logs, the
+    events): the pod, container and event that broke. pytest's own outcomes
+    (``wait``'s failures, which carry their diagnosis) pass through."""
     try:
         yield
-    except (AssertionError, k.HarnessError) as e:
+    except Exception as e:  # noqa: BLE001 - pytest.fail/skip are BaseException, not caught
         pytest.fail(f"{what}: {type(e).__name__}: {e}\n{diagnose_all(c)}", pytrace=False)
 
 

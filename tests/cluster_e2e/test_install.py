@@ -381,7 +381,9 @@ class Scenarios:
             restarts0 = mps0.status.container_statuses[0].restart_count
             pipe = Path(pod["pipe"])
             daemon_dir = mps_daemon_dir(pipe)
-            server, ns = pipe.relative_to(daemon_dir).parts  # <mode dir>/<server>/<namespace>
+            parts = pipe.relative_to(daemon_dir).parts
+            assert len(parts) == 2, f"pipe directory {pipe} is not <MPS daemon dir>/<server>/<namespace>"
+            server, ns = parts
             daemon_pid = int((daemon_dir / "nvidia-cuda-mps-control.pid").read_text())
             # the long-running client: the fractional container's process, started before the upgrade
             client_pid = int(crictl_json(c, "inspect", pod["cid"])["info"]["pid"])
