@@ -255,10 +255,13 @@ def diagnosed(c: fc.FullCluster, what: str) -> Iterator[None]:
     ``diagnose_all`` (every pod's containers, their states and logs, the
     events): the pod, container and event that broke. pytest's own outcomes
     (``wait``'s failures, which carry their diagnosis) pass through."""
+    msg = ""
     try:
         yield
     except Exception as e:  # noqa: BLE001 - pytest.fail/skip are BaseException, not caught
-        pytest.fail(f"{what}: {type(e).__name__}: {e}\n{diagnose_all(c)}", pytrace=False)
+        msg = f"{what}: {type(e).__name__}: {e}\n{diagnose_all(c)}"
+    if msg:  # failed outside the except clause: no "during handling of the above exception" chain
+        pytest.fail(msg, pytrace=False)
 
 
 class Kubectl:
