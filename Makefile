@@ -58,7 +58,7 @@ kubelet-e2e: setup
 	bash tests/kubelet_e2e/run.sh
 
 ## cluster-e2e: the shipped install (make image's image + the Helm chart) on a real one-node cluster (etcd,
-## kube-apiserver, kube-controller-manager, kube-scheduler, kubelet v1.37, containerd, CNI bridge); needs root and make image first
+## kube-apiserver, kube-controller-manager, kube-scheduler, kubelet v1.37 and v1.35, containerd, CNI bridge); needs root and make image first
 cluster-e2e: setup
 	bash tests/cluster_e2e/run.sh
 

@@ -13,7 +13,7 @@
 # the lane stops: the step that needs it fails with this lane's log.
 #
 # Why: on a new 2-core machine the Go builds (helm, promtool, containerd twice,
-# crictl, etcd, two Kubernetes lines, the interop and celeval programs) are most
+# crictl, etcd, two Kubernetes lines, the interop and celeval programs, the CNI plugins) are most
 # of a cold .ci/run, and `make test` keeps about one core busy (docs/e2e.md:
 # cold .ci/run). Builds run at nice 10 (the build scripts' own setting), so the
 # tests keep the CPU they ask for; the tests wait on conditions, never on a
@@ -54,8 +54,12 @@ e2e_binaries() {
     for v in ${FRACPLUGIN_E2E_CONTAINERD_VERSIONS:-v2.3.7 v2.1.9}; do bash tests/e2e/build.sh "$v"; done
 }
 
-kube_binaries() {
+kube_binaries() {  # every line's kubelet, kube-apiserver, kube-controller-manager, kube-scheduler
     KUBE_VERSIONS="${FRACPLUGIN_KUBE_VERSIONS:-v1.37.2 v1.35.4}" bash tests/kubelet_e2e/build.sh
+}
+
+cluster_binaries() {  # what make cluster-e2e needs beyond the kubelet stage (helm: stage chart-tools)
+    bash tests/cluster_e2e/build-cni.sh >/dev/null
 }
 
 case "$lane" in
@@ -65,6 +69,7 @@ case "$lane" in
         stage interop go_modules
         stage e2e e2e_binaries
         stage kubelet kube_binaries
+        stage cluster cluster_binaries
         stage admission celeval
         ;;
     image)

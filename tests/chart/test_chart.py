@@ -326,6 +326,28 @@ def test_readme_uninstall_ends_the_daemonsets_before_their_rbac(renders) -> None
     assert lines[2].startswith("helm uninstall fracplugin"), lines
 
 
+def test_readme_install_blocks_are_what_the_cluster_e2e_runs() -> None:
+    """README's install, upgrade and uninstall blocks (both layouts) are read
+    and run by make cluster-e2e (tests/cluster_e2e/readme.py, issue 24): each
+    exists, each line is a helm command (run as it stands, test-only values
+    files appended) or a kubectl line the test knows how to run through the
+    API. A README edit the cluster e2e could not follow fails here, in the
+    fast suite, naming the line."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cluster_e2e_readme", REPO / "tests" / "cluster_e2e" / "readme.py")
+    assert spec is not None and spec.loader is not None
+    readme = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(readme)
+    blocks = readme.blocks_the_test_runs()
+    install = readme.one(readme.INSTALL, "helm", "install")
+    assert install[2:6] == ["fracplugin", "deploy/helm/fracplugin", "-n", "fracplugin-system"], install
+    upgrade = readme.one(readme.UPGRADE, "helm", "upgrade")
+    assert "--reuse-values" in upgrade and f"image.tag={readme.UPGRADE_TAG}" in upgrade, upgrade
+    single = [a for a in blocks[readme.UNINSTALL_SINGLE] if a[0] == "kubectl"]
+    assert [readme.kubectl_op(a)[0] for a in single] == ["delete-daemonsets-foreground"], single
+
+
 def test_extra_volumes_reach_every_daemon_pod(helm: str) -> None:
     """extraVolumes / extraVolumeMounts (tests and advanced set-ups, e.g.
     tests/cluster_e2e/values-sim.yaml) land in each DaemonSet of both layouts,

@@ -1,6 +1,9 @@
-"""Fixtures of ``make cluster-e2e``: one real cluster for the session
-(fullcluster.py), helm as README runs it, and the diagnostics a failure
-prints (pod phases, container statuses, events, container logs).
+"""Fixtures of ``make cluster-e2e``: one real cluster per Kubernetes line
+(``$FRACPLUGIN_KUBE_VERSIONS``, fullcluster.py; pytest runs every test of one
+line before the next line's cluster starts), helm and README's kubectl lines
+as README runs them (``Kubectl``: the same operations through the API), and
+the diagnostics a failure prints (pod phases, container statuses, events,
+container logs).
 
 Under ``make cluster-e2e`` (``FRACPLUGIN_E2E_REQUIRED=1``) a missing binary,
 image or root FAILS naming what is missing; run by hand without them the tests
@@ -14,13 +17,15 @@ import os
 import shutil
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import yaml
 
 import fullcluster as fc
+import readme
 
 k = fc.k
 REQUIRED = os.environ.get("FRACPLUGIN_E2E_REQUIRED") == "1"
@@ -38,12 +43,13 @@ def unavailable(msg: str) -> None:
     pytest.skip(msg)
 
 
-@pytest.fixture(scope="session")
-def cbins() -> fc.Binaries:
+@pytest.fixture(scope="session", params=k.kube_versions())
+def cbins(request) -> fc.Binaries:
+    """The binaries of one Kubernetes line (each of ``$FRACPLUGIN_KUBE_VERSIONS``)."""
     if os.geteuid() != 0:
         unavailable("the cluster e2e test must run as root (kubelet, containerd, runc, iptables)")
     try:
-        return fc.Binaries.find()
+        return fc.Binaries.find(request.param)
     except fc.HarnessError as e:
         unavailable(str(e))
     raise AssertionError("unreachable")
@@ -51,8 +57,8 @@ def cbins() -> fc.Binaries:
 
 @pytest.fixture(scope="session")
 def cluster(cbins, request) -> fc.FullCluster:
-    """The one-node cluster, node Ready; torn down (and its logs copied to
-    build/cluster-e2e-logs/) after the session."""
+    """The one-node cluster of one Kubernetes line, node Ready; torn down (and
+    its logs copied to build/cluster-e2e-logs/<version>/) after that line's tests."""
     try:
         lock = k.acquire_lock()
     except k.HarnessError as e:
@@ -63,12 +69,13 @@ def cluster(cbins, request) -> fc.FullCluster:
     c = fc.FullCluster(cbins, base)
 
     def fin() -> None:
-        shutil.rmtree(LOGS, ignore_errors=True)
-        LOGS.mkdir(parents=True, exist_ok=True)
+        keep = LOGS / cbins.kube.version
+        shutil.rmtree(keep, ignore_errors=True)
+        keep.mkdir(parents=True, exist_ok=True)
         for log in base.glob("*.log"):
-            shutil.copy(log, LOGS / log.name)
+            shutil.copy(log, keep / log.name)
         if (base / "pod-logs").is_dir():  # every container's log, the daemon pods' among them
-            shutil.copytree(base / "pod-logs", LOGS / "pod-logs", dirs_exist_ok=True)
+            shutil.copytree(base / "pod-logs", keep / "pod-logs", dirs_exist_ok=True)
         fc.cleanup_base(base, c)
         lock.close()
     request.addfinalizer(fin)
@@ -77,7 +84,8 @@ def cluster(cbins, request) -> fc.FullCluster:
         c.start()
     except k.HarnessError as e:
         logs = "\n".join(f"--- {p.name}:\n{p.tail(25)}" for p in c.procs())
-        pytest.fail(f"cluster did not come up: {e}\n{logs}\n--- containerd:\n{c.ctrd.log_tail(25)}",
+        pytest.fail(f"cluster {cbins.kube.version} did not come up: {e}\n{logs}\n"
+                    f"--- containerd:\n{c.ctrd.log_tail(25)}",
                     pytrace=False)
     print(f"cluster {cbins.kube.version} up in {time.monotonic() - t0:.1f}s under {base}")
     return c
@@ -91,16 +99,24 @@ class Helm:
         self.node_values = c.base / "values-node.yaml"
         self.node_values.write_text(yaml.safe_dump(node_values(c)))
 
-    def __call__(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    def __call__(self, *args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
         env = dict(os.environ, KUBECONFIG=str(self.c.kubeconfig), HELM_CACHE_HOME=str(self.c.base / "helm-cache"),
                    HELM_CONFIG_HOME=str(self.c.base / "helm-config"), HELM_DATA_HOME=str(self.c.base / "helm-data"))
-        cp = subprocess.run([str(self.c.fb.helm), *args], capture_output=True, text=True, timeout=timeout, env=env)
+        cp = subprocess.run([str(self.c.fb.helm), *args], capture_output=True, text=True, timeout=timeout, env=env,
+                            cwd=cwd)
         if cp.returncode != 0:
             raise k.HarnessError(f"helm {' '.join(args)} failed ({cp.returncode}):\n{cp.stdout}\n{cp.stderr}")
         return cp
 
     def values_args(self, *extra: str) -> list[str]:
         return ["-f", str(VALUES_SIM), "-f", str(self.node_values), *extra]
+
+    def readme(self, argv: list[str], *extra: str) -> subprocess.CompletedProcess:
+        """README's ``helm ...`` command ``argv`` as it stands, run from the
+        repository root (README's chart path is relative to it), with ``extra``
+        (the test-only values files, ``--set layout=single``, ...) appended."""
+        assert argv[0] == "helm", argv
+        return self(*argv[1:], *extra, cwd=fc.REPO)
 
 
 def node_values(c: fc.FullCluster) -> dict[str, Any]:
@@ -126,6 +142,13 @@ def node_values(c: fc.FullCluster) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def helm(cluster) -> Helm:
     return Helm(cluster)
+
+
+@pytest.fixture(scope="session")
+def steps(cluster) -> dict[str, Any]:
+    """What each scenario of this cluster (Kubernetes line) left for the next
+    ones, keyed ``<layout>/<scheduler>/<step>``."""
+    return {}
 
 
 # ---- what the tests read through the API --------------------------------------------
@@ -217,3 +240,89 @@ def container_id(pod: Any, container: str) -> str:
         if s.name == container and s.container_id:
             return str(s.container_id).split("://", 1)[-1]
     raise k.HarnessError(f"pod {pod.metadata.name} has no running container {container}")
+
+
+def diagnose_all(c: fc.FullCluster) -> str:
+    """``diagnose`` of the chart's namespace and of ``default`` (the test's
+    fractional pods)."""
+    return f"{diagnose(c)}\n--- namespace default:\n{diagnose(c, 'default', log_lines=10)}"
+
+
+@contextmanager
+def diagnosed(c: fc.FullCluster, what: str) -> Iterator[None]:
+    """Turn any error inside the block (an assertion, a harness or API
+    error) into a failure that names the scenario step and carries
+    ``diagnose_all`` (every pod's containers, their states and logs, the
+    events): the pod, container and event that broke. pytest's own outcomes
+    (``wait``'s failures, which carry their diagnosis) pass through."""
+    msg = ""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - pytest.fail/skip are BaseException, not caught
+        msg = f"{what}: {type(e).__name__}: {e}\n{diagnose_all(c)}"
+    if msg:  # failed outside the except clause: no "during handling of the above exception" chain
+        pytest.fail(msg, pytrace=False)
+
+
+class Kubectl:
+    """README's ``kubectl`` lines run through the API (kubectl is not built
+    here), each as kubectl does it; any other kubectl line fails naming it
+    (docs/e2e.md: what the test runs for each of README's lines):
+
+    - ``create namespace N`` / ``label namespace N k=v``: the same create and
+      label patch;
+    - ``exec ds/NAME -- CMD`` / ``exec <fracplugin-mps pod> -- CMD``: ``crictl
+      exec`` (the CRI call kubelet serves ``kubectl exec`` with) in the first
+      container of that DaemonSet's pod on this node; a non-zero exit raises;
+    - ``delete daemonset NAMES --cascade=foreground``: foreground deletion of
+      each, then waiting until the DaemonSets and their pods are gone (what
+      kubectl's default ``--wait`` does with foreground cascading).
+    """
+
+    def __init__(self, c: fc.FullCluster) -> None:
+        self.c = c
+
+    def __call__(self, argv: list[str]) -> str:
+        """Run one README kubectl line; returns an exec's stdout ('' else).
+        Raises HarnessError (exec failed) or readme.ReadmeError (a line
+        ``readme.kubectl_op`` does not know)."""
+        line = " ".join(argv)
+        op, ns, names, cmd = readme.kubectl_op(argv)
+        if op == "create-namespace":
+            from kubernetes import client
+
+            self.c.api().create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=names[0])))
+        elif op == "label-namespace":
+            labels = dict(x.split("=", 1) for x in names[1:])
+            self.c.api().patch_namespace(names[0], {"metadata": {"labels": labels}})
+        elif op == "exec":
+            pod = self.pod_of(ns, names[0])
+            name = pod.spec.containers[0].name
+            cp = self.c.ctrd.crictl("exec", container_id(pod, name), *cmd, check=False, timeout=120)
+            if cp.returncode != 0:
+                raise k.HarnessError(f"`{line}` in pod {pod.metadata.name} container {name} exited "
+                                     f"{cp.returncode}:\n{cp.stdout}{cp.stderr}")
+            return str(cp.stdout)
+        elif op == "delete-daemonsets-foreground":
+            for name in names:
+                self.c.apps().delete_namespaced_daemon_set(name, ns, propagation_policy="Foreground")
+            wait(self.c, lambda: not [d for d in daemonsets(self.c) if d.metadata.name in names]
+                 and not pods_of(self.c, ns), 180, f"`{line}`: the DaemonSets and their pods gone", ns=ns)
+        return ""
+
+    def pod_of(self, ns: str, ds_name: str) -> Any:
+        """The live pod of DaemonSet ``ds_name`` on this node (its selector).
+        Raises HarnessError when there is none."""
+        ds = self.c.apps().read_namespaced_daemon_set(ds_name, ns)
+        sel = ",".join(f"{a}={b}" for a, b in sorted(ds.spec.selector.match_labels.items()))
+        ps = [p for p in pods_of(self.c, ns, sel) if p.metadata.deletion_timestamp is None
+              and p.spec.node_name == k.NODE]
+        if len(ps) != 1:
+            raise k.HarnessError(f"DaemonSet {ds_name} has {len(ps)} live pods on {k.NODE}: "
+                                 f"{[p.metadata.name for p in ps]}")
+        return ps[0]
+
+
+@pytest.fixture(scope="session")
+def kubectl(cluster) -> Kubectl:
+    return Kubectl(cluster)

@@ -57,12 +57,12 @@ REPO = HERE.parent.parent
 sys.path.append(str(REPO / "tests" / "kubelet_e2e"))  # after our own dir: its conftest is not ours
 
 import cluster as k  # noqa: E402  (tests/kubelet_e2e/cluster.py)
+import readme  # noqa: E402  (tests/cluster_e2e/readme.py)
 
 h = k.h
 HarnessError = k.HarnessError
 wait_for = k.wait_for
 
-KUBE_VERSION = "v1.37.2"
 BRIDGE = "fpk8s0"
 NODE_IP = "10.244.77.1"
 POD_SUBNET = "10.244.77.0/24"
@@ -80,6 +80,9 @@ TOKENS = {  # name -> (token, user, groups)
 IMAGE_ARCHIVE = REPO / "build" / "image" / "fracplugin-0.1.0.oci.tar"
 # The chart's default image reference fracplugin:<appVersion>, as the CRI names it.
 DAEMON_IMAGE = "docker.io/library/fracplugin:0.1.0"
+# The same archive under a second tag: the new image of the `helm upgrade` scenario.
+UPGRADE_TAG = readme.UPGRADE_TAG
+DAEMON_IMAGE_UPGRADE = f"docker.io/library/fracplugin:{UPGRADE_TAG}"
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ class Binaries:
     image: Path
 
     @classmethod
-    def find(cls, version: str = KUBE_VERSION) -> "Binaries":
+    def find(cls, version: str) -> "Binaries":
         missing: list[str] = []
         try:
             kube = k.KubeBinaries.find(version)
@@ -106,12 +109,11 @@ class Binaries:
         cm, sched = kbin / "kube-controller-manager", kbin / "kube-scheduler"
         for p in (cm, sched):
             if not os.access(p, os.X_OK):
-                missing.append(f"{p} (KUBE_BINARIES='kubelet kube-apiserver kube-controller-manager "
-                               f"kube-scheduler' KUBE_VERSIONS={version} tests/kubelet_e2e/build.sh)")
+                missing.append(f"{p} (KUBE_VERSIONS={version} tests/kubelet_e2e/build.sh)")
         cni = Path(os.environ.get("FRACPLUGIN_CNI_BIN",
                                   h.cache_dir() / f"cni-plugins-{CNI_PLUGINS_VERSION}" / "bin"))
         if not all(os.access(cni / p, os.X_OK) for p in CNI_PLUGINS):
-            missing.append(f"CNI plugins {', '.join(CNI_PLUGINS)} in {cni} (tests/cluster_e2e/run.sh builds them)")
+            missing.append(f"CNI plugins {', '.join(CNI_PLUGINS)} in {cni} (tests/cluster_e2e/build-cni.sh)")
         helm = Path(os.environ.get("HELM", "/var/cache/fracplugin-e2e/chart-tools/helm-v3.22.0/bin/helm"))
         if not os.access(helm, os.X_OK):
             missing.append(f"{helm} (bash scripts/chart-tools.sh helm)")
@@ -215,7 +217,9 @@ class FullCluster(k.Cluster):
 
     def _import_daemon_image(self) -> None:
         """``make image``'s OCI archive (reference ``fracplugin:0.1.0``) into
-        containerd's k8s.io namespace under the name kubelet asks the CRI for."""
+        containerd's k8s.io namespace under the name kubelet asks the CRI for,
+        and the same image under a second tag (``DAEMON_IMAGE_UPGRADE``, the
+        upgrade scenario's "new" image)."""
         self.ctrd.ctr("images", "import", str(self.fb.image), timeout=300)
         names = self.ctrd.ctr("images", "ls", "-q").stdout.split()
         if DAEMON_IMAGE not in names:
@@ -223,8 +227,10 @@ class FullCluster(k.Cluster):
             if src is None:
                 raise HarnessError(f"import of {self.fb.image} gave no fracplugin image; have {names}")
             self.ctrd.ctr("images", "tag", "--force", src, DAEMON_IMAGE)
-        wait_for(lambda: DAEMON_IMAGE in self.ctrd.crictl("images", "-o", "json").stdout, 60,
-                 "CRI to list the daemon image")
+        self.ctrd.ctr("images", "tag", "--force", DAEMON_IMAGE, DAEMON_IMAGE_UPGRADE)
+        wait_for(lambda: all(i in self.ctrd.crictl("images", "-o", "json").stdout
+                             for i in (DAEMON_IMAGE, DAEMON_IMAGE_UPGRADE)), 60,
+                 "CRI to list the daemon image under both tags")
 
     def _kubeconfig(self, name: str) -> Path:
         token = TOKENS[name][0]

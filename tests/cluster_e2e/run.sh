@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # `make cluster-e2e` (issue 24): the shipped install (image + Helm chart) on a real
 # one-node cluster on this machine: etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubelet (Kubernetes $CLUSTER_KUBE_VERSION, one `go build`:
-# tests/kubelet_e2e/build.sh), containerd + crictl (tests/e2e/build.sh), the reference
-# CNI plugins bridge, host-local, loopback (github.com/containernetworking/plugins
-# $CNI_PLUGINS_VERSION, one `go install`, cached), helm (scripts/chart-tools.sh)
+# kube-scheduler, kubelet (each Kubernetes line of $FRACPLUGIN_KUBE_VERSIONS, one
+# `go build` per line: tests/kubelet_e2e/build.sh), containerd + crictl
+# (tests/e2e/build.sh), the reference CNI plugins bridge, host-local, loopback
+# (github.com/containernetworking/plugins $CNI_PLUGINS_VERSION, one `go install`,
+# cached: build-cni.sh), helm (scripts/chart-tools.sh)
 # and the image archive of `make image` (run it first; .ci/run does).
 # Everything started is stopped and removed on any exit (fullcluster.py cleanup:
 # pods, containerd, kubelet's mounts, the bridge fpk8s0 and the DNAT rule).
 #
 # Env:
 #   FRACPLUGIN_E2E_CACHE       build cache (default /var/cache/fracplugin-e2e)
-#   CLUSTER_KUBE_VERSION       default v1.37.2
+#   FRACPLUGIN_KUBE_VERSIONS   Kubernetes lines, space-separated (default "v1.37.2 v1.35.4"), one
+#                              cluster each, as make kubelet-e2e
 #   CONTAINERD_VERSION         default v2.3.7
 #   CNI_PLUGINS_VERSION        default v1.10.0
 #   FRACPLUGIN_IMAGE_ARCHIVE   default build/image/fracplugin-0.1.0.oci.tar
@@ -21,8 +23,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 py="${PY:-$repo/.venv/bin/python}"
-export CLUSTER_KUBE_VERSION="${CLUSTER_KUBE_VERSION:-v1.37.2}"
-export FRACPLUGIN_KUBE_VERSIONS="$CLUSTER_KUBE_VERSION"
+export FRACPLUGIN_KUBE_VERSIONS="${FRACPLUGIN_KUBE_VERSIONS:-v1.37.2 v1.35.4}"
 export CONTAINERD_VERSION="${CONTAINERD_VERSION:-v2.3.7}"
 CNI_PLUGINS_VERSION="${CNI_PLUGINS_VERSION:-v1.10.0}"
 export FRACPLUGIN_E2E_REQUIRED=1
@@ -45,24 +46,8 @@ trap 'exit 130' INT TERM
 
 t0=$(date +%s)
 "$repo/tests/e2e/build.sh" "$CONTAINERD_VERSION"
-KUBE_VERSIONS="$CLUSTER_KUBE_VERSION" "$repo/tests/kubelet_e2e/build.sh"
-# The reference CNI plugins the pod network needs, one `go install` (the module has no
-# replace directives), into a temp dir renamed into the cache (no half binary is ever cached).
-cache="${FRACPLUGIN_E2E_CACHE:-/var/cache/fracplugin-e2e}"
-cni_bin="$cache/cni-plugins-$CNI_PLUGINS_VERSION/bin"
-if [[ -x "$cni_bin/bridge" && -x "$cni_bin/host-local" && -x "$cni_bin/loopback" ]]; then
-    echo "cluster-e2e: CNI plugins $CNI_PLUGINS_VERSION cached in $cni_bin" >&2
-else
-    c0=$(date +%s)
-    mkdir -p "$cache"
-    tmp="$(mktemp -d "$cache/cni-plugins.build.XXXXXX")"
-    m=github.com/containernetworking/plugins/plugins
-    GOBIN="$tmp" GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false nice -n 10 go install -trimpath \
-        "$m/main/bridge@$CNI_PLUGINS_VERSION" "$m/main/loopback@$CNI_PLUGINS_VERSION" \
-        "$m/ipam/host-local@$CNI_PLUGINS_VERSION"
-    mkdir -p "$(dirname "$cni_bin")"; rm -rf "$cni_bin"; mv "$tmp" "$cni_bin"
-    echo "cluster-e2e: CNI plugins $CNI_PLUGINS_VERSION built in $(( $(date +%s) - c0 ))s" >&2
-fi
+KUBE_VERSIONS="$FRACPLUGIN_KUBE_VERSIONS" "$repo/tests/kubelet_e2e/build.sh"
+cni_bin=$(CNI_PLUGINS_VERSION="$CNI_PLUGINS_VERSION" bash "$here/build-cni.sh")
 export FRACPLUGIN_CNI_BIN="$cni_bin"
 tools=$(bash "$repo/scripts/chart-tools.sh" helm)
 eval "$tools"

@@ -1,51 +1,68 @@
 """The shipped install run for real (issue 24): the image from ``make image``
-and the Helm chart, installed as README says on a one-node cluster with
-kube-controller-manager, kube-scheduler, kubelet and containerd (CNI), layout
-``split`` with scheduler ``default`` (the chart's defaults), then ``kai``. In order:
+and the Helm chart, installed with README's own commands (read from README.md:
+readme.py) on a one-node cluster with kube-controller-manager, kube-scheduler,
+kubelet and containerd (CNI), on each Kubernetes line of
+``$FRACPLUGIN_KUBE_VERSIONS``. Three installs per line, one after the other,
+each a class of the same scenario steps (``Scenarios``) with its layout and
+scheduler:
 
-1. ``helm install`` (namespace created and labelled as README says); every
-   DaemonSet rolls out (numberReady == desiredNumberScheduled, polled through
-   the API) under the chart's exact securityContext, hostPaths, probes,
-   ServiceAccount and RBAC; no ``Forbidden`` in the daemon logs; the node
-   conditions are written (by the doors' ServiceAccount: the test never
-   writes them); README's ``fracplugin status`` answers in the doors pod;
+- ``TestSplit`` (layout ``split``, scheduler ``default``: the chart's defaults);
+- ``TestSingle`` (``--set layout=single``);
+- ``TestSplitKai`` (``--set scheduler=kai``).
+
+The steps:
+
+1. install: README's install block (namespace created and labelled, ``helm
+   install`` with the test-only values files added, ``fracplugin status`` in
+   the daemon pod); every DaemonSet rolls out (numberReady ==
+   desiredNumberScheduled, polled through the API) under the chart's exact
+   securityContext, hostPaths, probes, ServiceAccount and RBAC; no
+   ``Forbidden`` in the daemon logs; the node conditions are written (by the
+   daemon's ServiceAccount: the test never writes them);
 2. a pod requesting ``fracplugin.io/gpu-memory`` without ``nodeName``:
    placed by kube-scheduler, admitted by kubelet through the device plugin
    door, adjusted through the NRI door; its env and the pipe-directory mount
-   are what README says;
-3. ``/metrics`` scraped from the host at the doors pod's IP (outside the
+   are what README says (scheduler ``kai``: a pod bound as KAI's binder binds
+   it, through the NRI door only);
+3. ``/metrics`` scraped from the host at the daemon pod's IP (outside the
    pod's network namespace, as Prometheus would) carries that pod;
-4. ``helm upgrade`` with a changed value rolls the doors; the
-   ``fracplugin-mps`` pod keeps its UID and restart count, the fractional
-   pod keeps running;
-5. README's uninstall (``fracplugin mps-quit`` in the MPS pod, the
-   DaemonSets deleted with foreground cascading, then ``helm uninstall``):
-   no fracplugin or MPS process, no socket of ours in the device
-   plugin directory, none in the NRI socket directory, no node condition left
-   True (they are ``Unknown``/``ShuttingDown``, the daemon's last word);
-6. ``helm install --set scheduler=kai``: only the NRI door (no device plugin
-   socket); a pod bound as KAI's binder binds it (``nodeName`` and the
-   ``nvidia.com/container.*`` annotations) gets the env and pipe mount through
-   NRI; README's uninstall again.
+4. (split) README's ``helm upgrade`` to a new image tag (the same archive
+   under a second tag) while a long-running MPS client started before it (the
+   fractional container's process, registered with the fake MPS daemon in
+   that container's MPS namespace) keeps its MPS server PID and namespace;
+   the doors roll to the new image; the ``fracplugin-mps`` pod keeps its UID
+   and restart count;
+5. README's uninstall block for the layout: no pod, no fracplugin or MPS
+   process, no socket of ours in the device plugin directory, the NRI socket
+   directory or the MPS root, no node condition left True (they are
+   ``Unknown``/``ShuttingDown``, the daemon's last word); then the namespace
+   is deleted so the next install starts from README's first line.
 
-Each step needs the previous one; a failed step fails the later ones with
-its name rather than with a confusing second failure.
+Each step needs the previous one of its install; a failed step fails the
+later ones with its name rather than with a confusing second failure, and the
+next install first removes whatever a failed one left. Every failure carries
+``diagnose_all``: each pod's containers, their states and logs, the events.
 """
 
 from __future__ import annotations
 
+import csv
 import os
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 import fullcluster as fc
-from conftest import (NAMESPACE, RELEASE, CHART, container_id, crictl_json, daemonsets, diagnose,
-                      ds_rolled_out, pod_logs, pods_of, wait)
+import readme
+from conftest import (NAMESPACE, container_id, crictl_json, daemonsets, diagnose_all, diagnosed, ds_rolled_out,
+                      pod_logs, pods_of, wait)
 
 k = fc.k
 pytestmark = [pytest.mark.cluster_e2e, pytest.mark.timeout(900)]
@@ -54,18 +71,15 @@ CONDITIONS = ("gpu-fractioning.nvidia.com/Ready", "gpu-sharing.nvidia.com/Ready"
 DOORS_SEL = "app.kubernetes.io/component=node-daemon"
 MPS_SEL = "app.kubernetes.io/component=mps"
 ANN = "nvidia.com/container.app."
-STATE: dict[str, Any] = {}
 ROLLOUT_S = 300
-
-
-def needs(step: str) -> None:
-    if step not in STATE:
-        pytest.fail(f"step '{step}' did not pass; this one depends on it", pytrace=False)
+RELEASE_NAME = "fracplugin"  # README's release name
+FAKE_MPS = fc.REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"
+NODE_FILE = fc.REPO / "examples" / "nodes" / "gpu-node-1.yaml"
 
 
 def only_pod(c: fc.FullCluster, selector: str) -> Any:
     ps = [p for p in pods_of(c, selector=selector) if p.metadata.deletion_timestamp is None]
-    assert len(ps) == 1, [p.metadata.name for p in ps]
+    assert len(ps) == 1, f"pods {selector}: {[p.metadata.name for p in ps]}"
     return ps[0]
 
 
@@ -73,7 +87,7 @@ def forbidden_lines(c: fc.FullCluster) -> list[str]:
     out = []
     for p in pods_of(c):
         for s in p.status.container_statuses or []:
-            out += [f"{p.metadata.name}/{s.name}: {ln}" for ln in pod_logs(c, p, s.name).splitlines()
+            out += [f"pod {p.metadata.name} container {s.name}: {ln}" for ln in pod_logs(c, p, s.name).splitlines()
                     if re.search("forbidden", ln, re.I)]
     return out
 
@@ -82,144 +96,20 @@ def node_conditions(c: fc.FullCluster) -> dict[str, Any]:
     return {x.type: x for x in c.node().status.conditions or ()}
 
 
-def test_1_helm_install_rolls_out(cluster, helm):
-    c = cluster
-    from kubernetes import client
-
-    # what GPU feature discovery / the GPU Operator labels a GPU node with (the chart's nodeSelector)
-    c.api().patch_node(k.NODE, {"metadata": {"labels": {"nvidia.com/gpu.present": "true"}}})
-    # README: kubectl create namespace + kubectl label namespace ... enforce=privileged
-    c.api().create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
-        name=NAMESPACE, labels={"pod-security.kubernetes.io/enforce": "privileged"})))
-    t0 = time.monotonic()
-    helm("install", RELEASE, str(CHART), "-n", NAMESPACE, *helm.values_args())
-    wait(c, lambda: len(daemonsets(c)) == 2 and all(ds_rolled_out(d) for d in daemonsets(c)), ROLLOUT_S,
-         "both DaemonSets rolled out (numberReady == desiredNumberScheduled)")
-    STATE["rollout_s"] = round(time.monotonic() - t0, 1)
-    print(f"install: both DaemonSets ready {STATE['rollout_s']} s after helm install")
-    assert sorted(d.metadata.name for d in daemonsets(c)) == ["fracplugin", "fracplugin-mps"]
-    doors, mps = only_pod(c, DOORS_SEL), only_pod(c, MPS_SEL)
-    assert doors.spec.node_name == mps.spec.node_name == k.NODE
-    assert not doors.spec.host_network and doors.status.pod_ip.startswith("10.244.77."), doors.status.pod_ip
-    # the node conditions the doors publish with their own ServiceAccount token
-    wait(c, lambda: all(t in node_conditions(c) and node_conditions(c)[t].status == "True" for t in CONDITIONS),
-         60, f"node conditions {CONDITIONS} True")
-    bad = forbidden_lines(c)
-    assert not bad, "the API server refused the daemon (RBAC too narrow?):\n" + "\n".join(bad) + "\n" + diagnose(c)
-    # README / NOTES.txt: kubectl exec ds/fracplugin -- fracplugin status
-    st = c.ctrd.crictl("exec", container_id(doors, "fracplugin"), "fracplugin", "status", check=False)
-    assert st.returncode == 0 and "ready" in st.stdout.lower(), st.stdout + st.stderr
-    STATE["install"] = {"doors": doors.metadata.uid, "mps": mps.metadata.uid}
-
-
-def _advertised(c: fc.FullCluster) -> int:
-    import yaml
-
-    node = yaml.safe_load((fc.REPO / "examples" / "nodes" / "gpu-node-1.yaml").read_text())
-    n = sum(int(g["memory_mib"]) // 1024 for g in node["gpus"])
-    wait(c, lambda: c.capacity() == (n, n), 90, f"{k.RESOURCE} capacity = allocatable = {n}")
-    return n
-
-
-def test_2_scheduled_pod_goes_through_both_doors(cluster):
-    needs("install")
-    c = cluster
-    _advertised(c)
-    # the ServiceAccount admission plugin needs the namespace's default ServiceAccount (controller-manager)
-    wait(c, lambda: c.api().read_namespaced_service_account("default", "default"), 60,
-         "ServiceAccount default/default", ns="default")
-    manifest = {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": "frac", "namespace": "default",
-                             "annotations": {ANN + "gpu-memory.limit": "6Gi"}},
-                "spec": {"automountServiceAccountToken": False, "restartPolicy": "Never",
-                         "terminationGracePeriodSeconds": 1,
-                         "containers": [{"name": "app", "image": k.h.IMAGE, "imagePullPolicy": "Never",
-                                         "command": ["/bin/sleep", "3600"],
-                                         "resources": {"limits": {k.RESOURCE: "4"}}}]}}
-    c.api().create_namespaced_pod("default", manifest)
-
+def running_pod(c: fc.FullCluster, name: str) -> Any:
+    """Wait until pod ``name`` (namespace default) runs its container."""
     def running() -> Any:
-        p = c.api().read_namespaced_pod("frac", "default")
+        p = c.api().read_namespaced_pod(name, "default")
         if p.status.phase == "Failed":
-            raise k.HarnessError(f"pod frac failed: {p.status.reason}: {p.status.message}")
+            raise k.HarnessError(f"pod {name} failed: {p.status.reason}: {p.status.message}")
         cs = p.status.container_statuses or []
         return p if cs and cs[0].state.running else None
-    p = wait(c, running, 120, "pod frac running", ns="default")
-    assert p.spec.node_name == k.NODE  # bound by kube-scheduler: the manifest names no node
+    return wait(c, running, 120, f"pod {name} running", ns="default")
 
-    def scheduled() -> list[str]:
-        return [f"{e.source.component if e.source else ''} {e.reporting_component or ''}"
-                for e in c.api().list_namespaced_event("default").items
-                if e.involved_object.name == "frac" and e.reason == "Scheduled"]
-    by = wait(c, scheduled, 30, "the Scheduled event of pod frac", ns="default")
-    assert "default-scheduler" in by[0], by
-    cid = container_id(p, "app")
+
+def container_env(c: fc.FullCluster, cid: str) -> dict[str, str]:
     out = c.ctrd.crictl("exec", cid, "env").stdout
-    env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    gpus = [line.split(":", 1)[1].strip() for line in
-            (fc.REPO / "examples" / "nodes" / "gpu-node-1.yaml").read_text().splitlines() if "uuid:" in line]
-    # README "What a fractional container gets": one GPU, request = 4 devices x 1 GiB, the annotated limit
-    assert env.get("NVIDIA_VISIBLE_DEVICES") in gpus, env
-    assert env.get("CUDA_VISIBLE_DEVICES") == env["NVIDIA_VISIBLE_DEVICES"], env
-    assert env.get("NVIDIA_GPU_MEMORY_REQUEST") == "4096", env
-    assert env.get("NVIDIA_GPU_MEMORY_LIMIT") == "6144", env
-    assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == "0=6144M", env
-    assert env.get("CUDA_MPS_PIPE_DIRECTORY") == "/tmp/nvidia-mps", env
-    # the pipe directory: a read-only bind of the host's <mpsRoot>/<mode>/... directory at /tmp/nvidia-mps
-    info = crictl_json(c, "inspect", cid)
-    mounts = info.get("info", {}).get("runtimeSpec", {}).get("mounts", [])  # the OCI spec runc got
-    pipe = [m for m in mounts if m.get("destination") == "/tmp/nvidia-mps"]
-    mps_root = str(c.base / "run" / "mps") + "/"
-    assert len(pipe) == 1 and pipe[0]["source"].startswith(mps_root) and "ro" in pipe[0].get("options", []), mounts
-    mountinfo = c.ctrd.crictl("exec", cid, "cat", "/proc/self/mountinfo").stdout
-    fields = [ln.split() for ln in mountinfo.splitlines() if len(ln.split()) > 5 and ln.split()[4] == "/tmp/nvidia-mps"]
-    assert fields and "ro" in fields[0][5].split(","), mountinfo
-    assert "control" in c.ctrd.crictl("exec", cid, "ls", "/tmp/nvidia-mps").stdout
-    STATE["pod"] = {"cid": cid, "gpu": env["NVIDIA_VISIBLE_DEVICES"], "uid": p.metadata.uid}
-
-
-def test_3_metrics_scraped_from_the_host_at_the_pod_ip(cluster):
-    needs("pod")
-    c = cluster
-    doors = only_pod(c, DOORS_SEL)
-    port = next(p.container_port for p in doors.spec.containers[0].ports if p.name == "metrics")
-    assert doors.metadata.annotations.get("prometheus.io/port") == str(port)
-    url = f"http://{doors.status.pod_ip}:{port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        assert r.status == 200
-        text = r.read().decode()
-    series = [ln for ln in text.splitlines() if ln.startswith("fracplugin_container_gpu_memory_request_bytes{")]
-    frac = [ln for ln in series if 'pod="frac"' in ln]
-    assert frac and frac[0].endswith(f" {4096 * 1024 * 1024}.0"), series
-    STATE["metrics"] = True
-
-
-def test_4_helm_upgrade_rolls_the_doors_not_mps(cluster, helm):
-    needs("pod")
-    c = cluster
-    doors0, mps0 = only_pod(c, DOORS_SEL), only_pod(c, MPS_SEL)
-    restarts0 = mps0.status.container_statuses[0].restart_count
-    helm("upgrade", RELEASE, str(CHART), "-n", NAMESPACE, *helm.values_args("--set", "log.level=debug"))
-
-    def rolled() -> bool:
-        ds = c.apps().read_namespaced_daemon_set("fracplugin", NAMESPACE)
-        ps = [p for p in pods_of(c, selector=DOORS_SEL)]
-        return ds_rolled_out(ds) and len(ps) == 1 and ps[0].metadata.uid != doors0.metadata.uid
-    wait(c, rolled, ROLLOUT_S, "the doors DaemonSet rolled to a new pod")
-    mps = only_pod(c, MPS_SEL)
-    assert mps.metadata.uid == mps0.metadata.uid, "helm upgrade replaced the fracplugin-mps pod"
-    assert mps.status.container_statuses[0].restart_count == restarts0, "the MPS container restarted"
-    p = c.api().read_namespaced_pod("frac", "default")
-    assert p.status.phase == "Running" and container_id(p, "app") == STATE["pod"]["cid"]
-    # the OnDelete DaemonSet saw the new template but kept its pod
-    def mps_observed() -> Any:
-        d = c.apps().read_namespaced_daemon_set("fracplugin-mps", NAMESPACE)
-        return d if (d.status.observed_generation or 0) >= d.metadata.generation else None
-    mds = wait(c, mps_observed, 60, "fracplugin-mps DaemonSet observed the upgrade")
-    assert (mds.status.updated_number_scheduled or 0) == 0 and mds.status.number_ready == 1
-    bad = forbidden_lines(c)
-    assert not bad, "\n".join(bad)
-    STATE["upgrade"] = True
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
 def _our_processes() -> list[str]:
@@ -244,94 +134,395 @@ def _our_processes() -> list[str]:
     return out
 
 
-def test_5_uninstall_leaves_nothing(cluster, helm):
-    needs("install")
-    c = cluster
-    from kubernetes.client import V1DeleteOptions
+# ---- the fake MPS daemon, asked from the host (its pipe directories are host paths) ----
+def mps_ctl(mode_dir: Path, *args: str) -> list[list[str]]:
+    """Run the fake ``nvidia-cuda-mps-control`` client against the control
+    daemon of ``mode_dir`` (as root, like the daemon); CSV rows of its answer.
+    Raises HarnessError on a non-zero exit."""
+    cp = subprocess.run([sys.executable, str(FAKE_MPS), *args], capture_output=True, text=True, timeout=30,
+                        env=dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(mode_dir)))
+    if cp.returncode != 0:
+        raise k.HarnessError(f"fake MPS control {' '.join(args)} in {mode_dir}: exit {cp.returncode}: "
+                             f"{cp.stdout}{cp.stderr}")
+    return [r for r in csv.reader(cp.stdout.splitlines()) if r]
 
+
+def mps_daemon_dir(pipe: Path) -> Path:
+    """The MPS control daemon directory above a pipe directory: the first
+    parent holding ``control`` and the daemon's pid file."""
+    for d in pipe.parents:
+        if (d / "control").exists() and (d / "nvidia-cuda-mps-control.pid").exists():
+            return d
+    raise k.HarnessError(f"no MPS control daemon directory above {pipe}")
+
+
+def pid_alive(pid: int) -> bool:
     try:
-        c.api().delete_namespaced_pod("frac", "default", body=V1DeleteOptions(grace_period_seconds=0))
-    except Exception:  # noqa: BLE001 - step 2 may not have created it
-        pass
-    wait(c, lambda: not [p for p in pods_of(c, "default")], 60, "pod frac deleted", ns="default")
-    # README: kubectl -n fracplugin-system exec <fracplugin-mps pod> -- fracplugin mps-quit, then helm uninstall
-    mps = only_pod(c, MPS_SEL)
-    q = c.ctrd.crictl("exec", container_id(mps, "mps"), "fracplugin", "mps-quit", check=False)
-    assert q.returncode == 0, f"fracplugin mps-quit: {q.stdout}{q.stderr}\n{diagnose(c)}"
-    # README: kubectl -n fracplugin-system delete daemonset fracplugin fracplugin-mps --cascade=foreground
-    # (the pods end while their RBAC exists, so their last node-condition patch is allowed)
-    for name in ("fracplugin", "fracplugin-mps"):
-        c.apps().delete_namespaced_daemon_set(name, NAMESPACE, propagation_policy="Foreground")
-    wait(c, lambda: not daemonsets(c) and not pods_of(c), 120, "both DaemonSets and their pods deleted (foreground)")
-    helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "120s")
-    wait(c, lambda: not pods_of(c), 120, "every fracplugin pod gone")
-    wait(c, lambda: not _our_processes(), 60, "no fracplugin or MPS process on the host")
-    ours = [p.name for p in k.DEVICE_PLUGIN_DIR.iterdir() if p.name.startswith("fracplugin")]
-    assert not ours, f"left in {k.DEVICE_PLUGIN_DIR}: {ours}"
-    nri_dir = c.ctrd.nri_sock.parent
-    left = [p.name for p in nri_dir.iterdir() if p.name != "nri.sock" and p.is_socket()]
-    assert not left, f"left in {nri_dir}: {left}"
-    conds = node_conditions(c)
-    still = {t: conds[t].status for t in CONDITIONS if t in conds and conds[t].status == "True"}
-    assert not still, f"node conditions left True after uninstall: {still}"
-    # the doors' last word (ADR 0005), written while their RBAC still existed
-    assert all(conds[t].status == "Unknown" and conds[t].reason == "ShuttingDown" for t in CONDITIONS), \
-        {t: (conds[t].status, conds[t].reason) for t in CONDITIONS if t in conds}
-    mps_root = c.base / "run" / "mps"
-    socks = [str(p) for p in mps_root.rglob("*") if p.is_socket()] if mps_root.exists() else []
-    assert not socks, f"MPS sockets left: {socks}"
-    STATE["uninstall"] = {t: (conds[t].status, conds[t].reason) for t in CONDITIONS if t in conds}
-    print(f"after uninstall: node conditions {STATE['uninstall']}")
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
-def test_6_kai_scheduler_install_goes_through_the_nri_door(cluster, helm):
-    """``scheduler: kai`` (split layout): only the NRI door runs (no device
-    plugin socket). A pod bound the way KAI's binder binds it (``nodeName``
-    and the ``nvidia.com/container.*`` annotations, no extended resource) gets
-    README's env and pipe mount through NRI; then README's uninstall again."""
-    needs("uninstall")
-    c = cluster
-    helm("install", RELEASE, str(CHART), "-n", NAMESPACE, *helm.values_args("--set", "scheduler=kai"))
-    wait(c, lambda: len(daemonsets(c)) == 2 and all(ds_rolled_out(d) for d in daemonsets(c)), ROLLOUT_S,
-         "both DaemonSets rolled out (scheduler=kai)")
-    wait(c, lambda: all(node_conditions(c)[t].status == "True" for t in CONDITIONS), 60,
-         f"node conditions {CONDITIONS} True again")
-    assert not [p.name for p in k.DEVICE_PLUGIN_DIR.iterdir() if p.name.startswith("fracplugin")]
-    gpu = "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a02"
-    ann = {ANN + "gpu-memory.request": "4Gi", ANN + "gpu-memory.limit": "6Gi",
-           ANN + "gpu-compute.mode": "sm-sharing", ANN + "gpu-compute.portion": "0.5",
-           ANN + "gpus.devices": gpu, "gpu-fraction-num-devices": "1"}
-    c.api().create_namespaced_pod("default", {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kai", "namespace": "default", "annotations": ann},
-        "spec": {"nodeName": k.NODE, "automountServiceAccountToken": False, "restartPolicy": "Never",
-                 "terminationGracePeriodSeconds": 1,
-                 "containers": [{"name": "app", "image": k.h.IMAGE, "imagePullPolicy": "Never",
-                                 "command": ["/bin/sleep", "3600"]}]}})
+class Scenarios:
+    """The steps of one install (layout ``LAYOUT``, scheduler ``SCHEDULER``);
+    each concrete class lists the steps it runs, in order, as its tests."""
 
-    def running() -> Any:
-        p = c.api().read_namespaced_pod("kai", "default")
-        if p.status.phase == "Failed":
-            raise k.HarnessError(f"pod kai failed: {p.status.reason}: {p.status.message}")
-        cs = p.status.container_statuses or []
-        return p if cs and cs[0].state.running else None
-    p = wait(c, running, 120, "pod kai running", ns="default")
-    cid = container_id(p, "app")
-    out = c.ctrd.crictl("exec", cid, "env").stdout
-    env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    assert env.get("NVIDIA_VISIBLE_DEVICES") == gpu, env
-    assert (env.get("NVIDIA_GPU_MEMORY_REQUEST"), env.get("NVIDIA_GPU_MEMORY_LIMIT")) == ("4096", "6144"), env
-    assert env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == "50", env
-    assert env.get("CUDA_MPS_PIPE_DIRECTORY") == "/tmp/nvidia-mps", env
-    assert "control" in c.ctrd.crictl("exec", cid, "ls", "/tmp/nvidia-mps").stdout
-    from kubernetes.client import V1DeleteOptions
+    LAYOUT = "split"
+    SCHEDULER = "default"
 
-    c.api().delete_namespaced_pod("kai", "default", body=V1DeleteOptions(grace_period_seconds=0))
-    wait(c, lambda: not pods_of(c, "default"), 60, "pod kai deleted", ns="default")
-    mps = only_pod(c, MPS_SEL)
-    assert c.ctrd.crictl("exec", container_id(mps, "mps"), "fracplugin", "mps-quit", check=False).returncode == 0
-    for name in ("fracplugin", "fracplugin-mps"):
-        c.apps().delete_namespaced_daemon_set(name, NAMESPACE, propagation_policy="Foreground")
-    wait(c, lambda: not daemonsets(c) and not pods_of(c), 120, "both DaemonSets and their pods deleted (foreground)")
-    helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "120s")
-    wait(c, lambda: not _our_processes(), 60, "no fracplugin or MPS process on the host")
-    assert all(node_conditions(c)[t].status == "Unknown" for t in CONDITIONS)
+    @property
+    def daemonsets(self) -> list[str]:
+        return ["fracplugin", "fracplugin-mps"] if self.LAYOUT == "split" else ["fracplugin"]
+
+    def key(self, step: str) -> str:
+        return f"{self.LAYOUT}/{self.SCHEDULER}/{step}"
+
+    def needs(self, steps: dict[str, Any], step: str) -> Any:
+        if self.key(step) not in steps:
+            pytest.fail(f"step '{self.key(step)}' did not pass; this one depends on it", pytrace=False)
+        return steps[self.key(step)]
+
+    def extra_values(self, helm: Any) -> list[str]:
+        """What the test adds to README's ``helm install``: the test-only
+        values files and this install's layout/scheduler (chart values README
+        documents)."""
+        extra = []
+        if self.LAYOUT != "split":
+            extra += ["--set", f"layout={self.LAYOUT}"]
+        if self.SCHEDULER != "default":
+            extra += ["--set", f"scheduler={self.SCHEDULER}"]
+        return helm.values_args(*extra)
+
+    # ---- 1 ------------------------------------------------------------------------
+    def install(self, c: fc.FullCluster, helm: Any, kubectl: Any, steps: dict[str, Any]) -> None:
+        self._leftovers(c, helm)
+        # what GPU feature discovery / the GPU Operator labels a GPU node with (the chart's nodeSelector)
+        c.api().patch_node(k.NODE, {"metadata": {"labels": {"nvidia.com/gpu.present": "true"}}})
+        status = ""
+        with diagnosed(c, f"README's install ({self.LAYOUT}, {self.SCHEDULER})"):
+            for argv in readme.commands(readme.INSTALL):
+                if argv[:2] == ["helm", "install"]:
+                    t0 = time.monotonic()
+                    helm.readme(argv, *self.extra_values(helm))
+                    wait(c, lambda: sorted(d.metadata.name for d in daemonsets(c)) == sorted(self.daemonsets)
+                         and all(ds_rolled_out(d) for d in daemonsets(c)), ROLLOUT_S,
+                         f"DaemonSets {self.daemonsets} rolled out (numberReady == desiredNumberScheduled)")
+                    rollout_s = round(time.monotonic() - t0, 1)
+                    print(f"install {self.key('')}: DaemonSets ready {rollout_s} s after helm install")
+                elif argv[0] == "kubectl":
+                    out = kubectl(argv)
+                    if "status" in argv:
+                        status = out  # README / NOTES.txt: kubectl exec ds/fracplugin -- fracplugin status
+                else:
+                    raise readme.ReadmeError(f"README's install runs {argv}: not a helm or kubectl command")
+            assert "ready" in status.lower(), f"`fracplugin status` in ds/fracplugin: {status}"
+            doors = only_pod(c, DOORS_SEL)
+            pods = [doors] + ([only_pod(c, MPS_SEL)] if self.LAYOUT == "split" else [])
+            for p in pods:
+                assert p.spec.node_name == k.NODE, (p.metadata.name, p.spec.node_name)
+                assert p.spec.containers[0].image == fc.DAEMON_IMAGE, (p.metadata.name, p.spec.containers[0].image)
+            assert not doors.spec.host_network and doors.status.pod_ip.startswith("10.244.77."), doors.status.pod_ip
+        # the node conditions the daemon publishes with its own ServiceAccount token
+        wait(c, lambda: all(t in node_conditions(c) and node_conditions(c)[t].status == "True" for t in CONDITIONS),
+             60, f"node conditions {CONDITIONS} True")
+        with diagnosed(c, f"install ({self.LAYOUT}, {self.SCHEDULER})"):
+            bad = forbidden_lines(c)
+            assert not bad, "the API server refused the daemon (RBAC too narrow?):\n" + "\n".join(bad)
+            ours = [p.name for p in k.DEVICE_PLUGIN_DIR.iterdir() if p.name.startswith("fracplugin")]
+            if self.SCHEDULER == "kai":  # the NRI door only
+                assert not ours, f"scheduler=kai, yet device plugin sockets in {k.DEVICE_PLUGIN_DIR}: {ours}"
+        steps[self.key("install")] = {p.metadata.name: p.metadata.uid for p in pods}
+
+    def _leftovers(self, c: fc.FullCluster, helm: Any) -> None:
+        """Before an install: remove what a failed earlier install left (its
+        own steps failed already; this one should not fail for them)."""
+        if not helm("list", "-n", NAMESPACE, "-q", "-a").stdout.strip() and not daemonsets(c):
+            try:
+                c.api().read_namespace(NAMESPACE)
+            except Exception:  # noqa: BLE001 - absent: a clean slate
+                return
+        print("install: removing what an earlier failed install left")
+        for p in pods_of(c, selector=MPS_SEL):
+            c.ctrd.crictl("exec", container_id(p, "mps"), "fracplugin", "mps-quit", check=False)
+        for d in daemonsets(c):
+            c.apps().delete_namespaced_daemon_set(d.metadata.name, NAMESPACE, propagation_policy="Foreground")
+        wait(c, lambda: not daemonsets(c) and not pods_of(c), 180, "an earlier install's DaemonSets gone")
+        helm("uninstall", RELEASE_NAME, "-n", NAMESPACE, "--ignore-not-found", "--wait")
+        self._delete_namespace(c)
+
+    @staticmethod
+    def _delete_namespace(c: fc.FullCluster) -> None:
+        from kubernetes.client.rest import ApiException
+
+        try:
+            c.api().delete_namespace(NAMESPACE)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+        def gone() -> bool:
+            try:
+                c.api().read_namespace(NAMESPACE)
+                return False
+            except ApiException as e:
+                return e.status == 404
+        wait(c, gone, 120, f"namespace {NAMESPACE} deleted")
+
+    # ---- 2 ------------------------------------------------------------------------
+    def scheduled_pod(self, c: fc.FullCluster, steps: dict[str, Any]) -> None:
+        self.needs(steps, "install")
+        node = yaml.safe_load(NODE_FILE.read_text())
+        n = sum(int(g["memory_mib"]) // 1024 for g in node["gpus"])
+        wait(c, lambda: c.capacity() == (n, n), 90, f"{k.RESOURCE} capacity = allocatable = {n}")
+        # the ServiceAccount admission plugin needs the namespace's default ServiceAccount (controller-manager)
+        wait(c, lambda: c.api().read_namespaced_service_account("default", "default"), 60,
+             "ServiceAccount default/default", ns="default")
+        name = f"frac-{self.LAYOUT}"
+        c.api().create_namespaced_pod("default", {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "annotations": {ANN + "gpu-memory.limit": "6Gi"}},
+            "spec": {"automountServiceAccountToken": False, "restartPolicy": "Never",
+                     "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "app", "image": k.h.IMAGE, "imagePullPolicy": "Never",
+                                     "command": ["/bin/sleep", "3600"],
+                                     "resources": {"limits": {k.RESOURCE: "4"}}}]}})
+        p = running_pod(c, name)
+
+        def scheduled() -> list[str]:
+            return [f"{e.source.component if e.source else ''} {e.reporting_component or ''}"
+                    for e in c.api().list_namespaced_event("default").items
+                    if e.involved_object.name == name and e.reason == "Scheduled"]
+        by = wait(c, scheduled, 30, f"the Scheduled event of pod {name}", ns="default")
+        with diagnosed(c, f"pod {name} container app ({self.LAYOUT})"):
+            assert p.spec.node_name == k.NODE  # bound by kube-scheduler: the manifest names no node
+            assert "default-scheduler" in by[0], by
+            cid = container_id(p, "app")
+            env = container_env(c, cid)
+            gpus = [g["uuid"] for g in node["gpus"]]
+            # README "What a fractional container gets": one GPU, request = 4 devices x 1 GiB, the annotated limit
+            assert env.get("NVIDIA_VISIBLE_DEVICES") in gpus, env
+            assert env.get("CUDA_VISIBLE_DEVICES") == env["NVIDIA_VISIBLE_DEVICES"], env
+            assert env.get("NVIDIA_GPU_MEMORY_REQUEST") == "4096", env
+            assert env.get("NVIDIA_GPU_MEMORY_LIMIT") == "6144", env
+            assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == "0=6144M", env
+            assert env.get("CUDA_MPS_PIPE_DIRECTORY") == "/tmp/nvidia-mps", env
+            pipe = self._pipe_mount(c, cid)
+        steps[self.key("pod")] = {"name": name, "cid": cid, "pipe": pipe, "uid": p.metadata.uid}
+
+    def _pipe_mount(self, c: fc.FullCluster, cid: str) -> str:
+        """The pipe directory: a read-only bind of the host's
+        <mpsRoot>/<mode>/... directory at /tmp/nvidia-mps holding the MPS
+        ``control`` socket; returns its host path."""
+        info = crictl_json(c, "inspect", cid)
+        mounts = info.get("info", {}).get("runtimeSpec", {}).get("mounts", [])  # the OCI spec runc got
+        pipe = [m for m in mounts if m.get("destination") == "/tmp/nvidia-mps"]
+        mps_root = str(c.run_dir / "mps") + "/"
+        assert len(pipe) == 1 and pipe[0]["source"].startswith(mps_root) and "ro" in pipe[0].get("options", []), \
+            mounts
+        mountinfo = c.ctrd.crictl("exec", cid, "cat", "/proc/self/mountinfo").stdout
+        fields = [ln.split() for ln in mountinfo.splitlines()
+                  if len(ln.split()) > 5 and ln.split()[4] == "/tmp/nvidia-mps"]
+        assert fields and "ro" in fields[0][5].split(","), mountinfo
+        assert "control" in c.ctrd.crictl("exec", cid, "ls", "/tmp/nvidia-mps").stdout
+        return str(pipe[0]["source"])
+
+    def kai_pod(self, c: fc.FullCluster, steps: dict[str, Any]) -> None:
+        """A pod bound the way KAI's binder binds it (``nodeName`` and the
+        ``nvidia.com/container.*`` annotations, no extended resource) gets
+        README's env and pipe mount through the NRI door."""
+        self.needs(steps, "install")
+        gpu = "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a02"
+        ann = {ANN + "gpu-memory.request": "4Gi", ANN + "gpu-memory.limit": "6Gi",
+               ANN + "gpu-compute.mode": "sm-sharing", ANN + "gpu-compute.portion": "0.5",
+               ANN + "gpus.devices": gpu, "gpu-fraction-num-devices": "1"}
+        c.api().create_namespaced_pod("default", {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kai", "namespace": "default", "annotations": ann},
+            "spec": {"nodeName": k.NODE, "automountServiceAccountToken": False, "restartPolicy": "Never",
+                     "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "app", "image": k.h.IMAGE, "imagePullPolicy": "Never",
+                                     "command": ["/bin/sleep", "3600"]}]}})
+        p = running_pod(c, "kai")
+        with diagnosed(c, "pod kai container app (scheduler kai)"):
+            cid = container_id(p, "app")
+            env = container_env(c, cid)
+            assert env.get("NVIDIA_VISIBLE_DEVICES") == gpu, env
+            assert (env.get("NVIDIA_GPU_MEMORY_REQUEST"), env.get("NVIDIA_GPU_MEMORY_LIMIT")) == ("4096", "6144"), env
+            assert env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == "50", env
+            assert env.get("CUDA_MPS_PIPE_DIRECTORY") == "/tmp/nvidia-mps", env
+            self._pipe_mount(c, cid)
+        steps[self.key("pod")] = {"name": "kai", "cid": cid}
+
+    # ---- 3 ------------------------------------------------------------------------
+    def metrics(self, c: fc.FullCluster, steps: dict[str, Any]) -> None:
+        pod = self.needs(steps, "pod")
+        doors = only_pod(c, DOORS_SEL)
+        with diagnosed(c, f"/metrics of pod {doors.metadata.name} container {doors.spec.containers[0].name}"):
+            port = next(p.container_port for p in doors.spec.containers[0].ports if p.name == "metrics")
+            assert doors.metadata.annotations.get("prometheus.io/port") == str(port)
+            url = f"http://{doors.status.pod_ip}:{port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as r:
+                assert r.status == 200
+                text = r.read().decode()
+            series = [ln for ln in text.splitlines() if ln.startswith("fracplugin_container_gpu_memory_request_bytes{")]
+            frac = [ln for ln in series if f'pod="{pod["name"]}"' in ln]
+            assert frac and frac[0].endswith(f" {4096 * 1024 * 1024}.0"), series
+        steps[self.key("metrics")] = True
+
+    # ---- 4 ------------------------------------------------------------------------
+    def upgrade_keeps_mps_client(self, c: fc.FullCluster, helm: Any, steps: dict[str, Any]) -> None:
+        """README's ``helm upgrade --reuse-values --set image.tag=<new tag>``
+        while the fractional container's process is an MPS client of its
+        namespace: the doors roll to the new image, the fracplugin-mps pod
+        (UID, restart count, image) stays, and so do the client's MPS server
+        PID, its control daemon, its namespace and the client itself."""
+        pod = self.needs(steps, "pod")
+        with diagnosed(c, f"before helm upgrade: pod {pod['name']} container app as an MPS client"):
+            doors0, mps0 = only_pod(c, DOORS_SEL), only_pod(c, MPS_SEL)
+            restarts0 = mps0.status.container_statuses[0].restart_count
+            pipe = Path(pod["pipe"])
+            daemon_dir = mps_daemon_dir(pipe)
+            parts = pipe.relative_to(daemon_dir).parts
+            assert len(parts) == 2, f"pipe directory {pipe} is not <MPS daemon dir>/<server>/<namespace>"
+            server, ns = parts
+            daemon_pid = int((daemon_dir / "nvidia-cuda-mps-control.pid").read_text())
+            # the long-running client: the fractional container's process, started before the upgrade
+            client_pid = int(crictl_json(c, "inspect", pod["cid"])["info"]["pid"])
+            mps_ctl(daemon_dir, "fake-client", "add", str(client_pid), f"--server={server}", f"--namespace={ns}",
+                    "--cmd=/bin/sleep")
+            before = self._mps_view(daemon_dir, server, ns, client_pid)
+            assert before["server_pid"].isdigit() and pid_alive(int(before["server_pid"])), before
+            assert before["client"][:2] == [str(client_pid), server] and before["client"][3] == ns, before
+        helm.readme(readme.one(readme.UPGRADE, "helm", "upgrade"))
+
+        def rolled() -> bool:
+            ds = c.apps().read_namespaced_daemon_set("fracplugin", NAMESPACE)
+            ps = pods_of(c, selector=DOORS_SEL)
+            return (ds_rolled_out(ds) and len(ps) == 1 and ps[0].metadata.uid != doors0.metadata.uid
+                    and ps[0].spec.containers[0].image == fc.DAEMON_IMAGE_UPGRADE)
+        wait(c, rolled, ROLLOUT_S, f"the doors DaemonSet rolled to a new pod of {fc.DAEMON_IMAGE_UPGRADE}")
+
+        def mps_observed() -> Any:
+            d = c.apps().read_namespaced_daemon_set("fracplugin-mps", NAMESPACE)
+            return d if (d.status.observed_generation or 0) >= d.metadata.generation else None
+        mds = wait(c, mps_observed, 60, "fracplugin-mps DaemonSet observed the upgrade")
+        with diagnosed(c, f"after helm upgrade: pod {mps0.metadata.name} container mps, pod {pod['name']}"):
+            mps = only_pod(c, MPS_SEL)
+            assert mps.metadata.uid == mps0.metadata.uid, f"helm upgrade replaced pod {mps0.metadata.name}"
+            assert mps.status.container_statuses[0].restart_count == restarts0, "container mps restarted"
+            assert mps.spec.containers[0].image == fc.DAEMON_IMAGE, mps.spec.containers[0].image  # OnDelete
+            assert (mds.status.updated_number_scheduled or 0) == 0 and mds.status.number_ready == 1
+            p = c.api().read_namespaced_pod(pod["name"], "default")
+            assert p.status.phase == "Running" and container_id(p, "app") == pod["cid"]
+            assert pid_alive(client_pid), f"the MPS client {client_pid} died"
+            after = self._mps_view(daemon_dir, server, ns, client_pid)
+            assert after == before, f"MPS changed under its client: before {before}, after {after}"
+            assert int((daemon_dir / "nvidia-cuda-mps-control.pid").read_text()) == daemon_pid
+            assert pid_alive(int(after["server_pid"])) and pid_alive(daemon_pid)
+            bad = forbidden_lines(c)
+            assert not bad, "\n".join(bad)
+            mps_ctl(daemon_dir, "fake-client", "remove", str(client_pid))
+        print(f"upgrade: client {client_pid} kept server {before['server_pid']} and namespace {server}/{ns}")
+        steps[self.key("upgrade")] = True
+
+    @staticmethod
+    def _mps_view(daemon_dir: Path, server: str, ns: str, client_pid: int) -> dict[str, Any]:
+        """What MPS says of the client: its server's PID (``server list``),
+        its namespace's row (``namespace list``) and its own row (``client list``)."""
+        fmt = "--format=csv,noheader"
+        servers = {r[0]: r for r in mps_ctl(daemon_dir, "server", "list", fmt)}
+        nss = [r for r in mps_ctl(daemon_dir, "namespace", "list", f"--server={server}", fmt) if r[0] == ns]
+        clients = [r for r in mps_ctl(daemon_dir, "client", "list", fmt) if r[0] == str(client_pid)]
+        return {"server_pid": servers.get(server, ["", "", ""])[2], "namespace": nss[0] if nss else None,
+                "client": clients[0] if clients else None}
+
+    # ---- 5 ------------------------------------------------------------------------
+    def uninstall(self, c: fc.FullCluster, helm: Any, kubectl: Any, steps: dict[str, Any]) -> None:
+        self.needs(steps, "install")
+        from kubernetes.client import V1DeleteOptions
+
+        for p in pods_of(c, "default"):
+            c.api().delete_namespaced_pod(p.metadata.name, "default", body=V1DeleteOptions(grace_period_seconds=0))
+        wait(c, lambda: not pods_of(c, "default"), 60, "the fractional pods deleted", ns="default")
+        block = readme.UNINSTALL if self.LAYOUT == "split" else readme.UNINSTALL_SINGLE
+        with diagnosed(c, f"README's uninstall ({self.LAYOUT}, {self.SCHEDULER})"):
+            for argv in readme.commands(block):
+                if argv[0] == "helm":
+                    helm.readme(argv)
+                else:
+                    kubectl(argv)
+        wait(c, lambda: not pods_of(c) and not daemonsets(c), 120, "every fracplugin pod gone")
+        wait(c, lambda: not _our_processes(), 60, "no fracplugin or MPS process on the host")
+        with diagnosed(c, f"after README's uninstall ({self.LAYOUT}, {self.SCHEDULER})"):
+            ours = [p.name for p in k.DEVICE_PLUGIN_DIR.iterdir() if p.name.startswith("fracplugin")]
+            assert not ours, f"left in {k.DEVICE_PLUGIN_DIR}: {ours}"
+            nri_dir = c.ctrd.nri_sock.parent
+            left = [p.name for p in nri_dir.iterdir() if p.name != "nri.sock" and p.is_socket()]
+            assert not left, f"left in {nri_dir}: {left}"
+            conds = node_conditions(c)
+            still = {t: conds[t].status for t in CONDITIONS if t in conds and conds[t].status == "True"}
+            assert not still, f"node conditions left True after uninstall: {still}"
+            # the daemon's last word (ADR 0005), written while its RBAC still existed
+            last = {t: (conds[t].status, conds[t].reason) for t in CONDITIONS if t in conds}
+            assert all(v == ("Unknown", "ShuttingDown") for v in last.values()) and len(last) == 2, last
+            mps_root = c.run_dir / "mps"
+            socks = [str(p) for p in mps_root.rglob("*") if p.is_socket()] if mps_root.exists() else []
+            assert not socks, f"MPS sockets left: {socks}"
+        print(f"after uninstall ({self.LAYOUT}, {self.SCHEDULER}): node conditions {last}")
+        # not in README (the namespace is the user's): so that the next install starts from README's first line
+        self._delete_namespace(c)
+        steps[self.key("uninstall")] = last
+
+
+
+class TestSplit(Scenarios):
+    """Layout split, scheduler default: the chart's defaults."""
+
+    LAYOUT, SCHEDULER = "split", "default"
+
+    def test_1_readme_install_rolls_out(self, cluster, helm, kubectl, steps):
+        self.install(cluster, helm, kubectl, steps)
+
+    def test_2_scheduled_pod_goes_through_both_doors(self, cluster, steps):
+        self.scheduled_pod(cluster, steps)
+
+    def test_3_metrics_scraped_from_the_host_at_the_pod_ip(self, cluster, steps):
+        self.metrics(cluster, steps)
+
+    def test_4_helm_upgrade_new_image_keeps_the_mps_client(self, cluster, helm, steps):
+        self.upgrade_keeps_mps_client(cluster, helm, steps)
+
+    def test_5_readme_uninstall_leaves_nothing(self, cluster, helm, kubectl, steps):
+        self.uninstall(cluster, helm, kubectl, steps)
+
+
+class TestSingle(Scenarios):
+    """Layout single (one DaemonSet, role all), scheduler default."""
+
+    LAYOUT, SCHEDULER = "single", "default"
+
+    def test_1_readme_install_rolls_out(self, cluster, helm, kubectl, steps):
+        self.install(cluster, helm, kubectl, steps)
+
+    def test_2_scheduled_pod_goes_through_both_doors(self, cluster, steps):
+        self.scheduled_pod(cluster, steps)
+
+    def test_3_metrics_scraped_from_the_host_at_the_pod_ip(self, cluster, steps):
+        self.metrics(cluster, steps)
+
+    def test_5_readme_uninstall_leaves_nothing(self, cluster, helm, kubectl, steps):
+        self.uninstall(cluster, helm, kubectl, steps)
+
+
+class TestSplitKai(Scenarios):
+    """Layout split, scheduler kai: the NRI door only."""
+
+    LAYOUT, SCHEDULER = "split", "kai"
+
+    def test_1_readme_install_rolls_out(self, cluster, helm, kubectl, steps):
+        self.install(cluster, helm, kubectl, steps)
+
+    def test_2_kai_bound_pod_goes_through_the_nri_door(self, cluster, steps):
+        self.kai_pod(cluster, steps)
+
+    def test_5_readme_uninstall_leaves_nothing(self, cluster, helm, kubectl, steps):
+        self.uninstall(cluster, helm, kubectl, steps)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build (or reuse) the kubelet e2e binaries from released Go modules through the
 # module proxy, into a cache outside the repository (like tests/e2e/build.sh):
-#   kubelet + kube-apiserver  from k8s.io/kubernetes  $KUBE_VERSIONS (v1.37.2 v1.35.4),
-#                             one `go build` per line so their shared packages compile once;
-#                             v1.37.2 also kube-controller-manager + kube-scheduler (cluster e2e)
+#   kubelet + kube-apiserver + kube-controller-manager + kube-scheduler
+#                             from k8s.io/kubernetes  $KUBE_VERSIONS (v1.37.2 v1.35.4),
+#                             one `go build` per line so their shared packages compile once
+#                             (the last two for the cluster e2e, tests/cluster_e2e)
 #   etcd                      from go.etcd.io/etcd/server/v3 $ETCD_VERSION (v3.7.3)
 #
 # `go install pkg@version` refuses both modules: their go.mod files carry replace
@@ -24,15 +25,13 @@ CACHE="${FRACPLUGIN_E2E_CACHE:-/var/cache/fracplugin-e2e}"
 KUBE_VERSIONS="${KUBE_VERSIONS-v1.37.2 v1.35.4}"  # set but empty: etcd only
 ETCD_VERSION="${ETCD_VERSION:-v3.7.3}"
 # Binaries of each line: kubelet + kube-apiserver (what kubelet-e2e, kai-e2e and the
-# admission e2e run); the cluster e2e's line $CLUSTER_KUBE_VERSION (v1.37.2; issue 24,
-# tests/cluster_e2e) adds kube-controller-manager and kube-scheduler to the same
-# `go build`, so their shared packages (client-go, apiserver, the API types) compile
-# once. $KUBE_BINARIES, when set, names the binaries of every line.
-CLUSTER_KUBE_VERSION="${CLUSTER_KUBE_VERSION:-v1.37.2}"
+# admission e2e run) and, for the cluster e2e (issue 24, tests/cluster_e2e, both lines),
+# kube-controller-manager + kube-scheduler in the same `go build`, so their shared
+# packages (client-go, apiserver, the API types) compile once. The cache check
+# requires all four: a line cached before with two is rebuilt once (relinks from Go's
+# build cache). $KUBE_BINARIES, when set, names the binaries of every line.
 binaries_of() {  # binaries_of <version>
-    if [[ -n "${KUBE_BINARIES:-}" ]]; then echo "$KUBE_BINARIES"
-    elif [[ "$1" == "$CLUSTER_KUBE_VERSION" ]]; then echo "kubelet kube-apiserver kube-controller-manager kube-scheduler"
-    else echo "kubelet kube-apiserver"; fi
+    echo "${KUBE_BINARIES:-kubelet kube-apiserver kube-controller-manager kube-scheduler}"
 }
 
 log() { echo "[kubelet-e2e-build $(date -u +%H:%M:%S)] $*" >&2; }

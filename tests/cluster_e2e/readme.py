@@ -1,0 +1,135 @@
+"""README's install, upgrade and uninstall commands, read from README.md so
+that ``make cluster-e2e`` runs exactly what a user is told to run (issue 24,
+"README's install section is exactly what the test runs").
+
+``commands(marker)`` returns the commands of the first ```sh block after
+``marker`` in README.md (backslash continuations joined, comments dropped),
+each an argv list with README's placeholders filled in (``PLACEHOLDERS``).
+The harness runs a ``helm`` command with the real helm as README has it,
+adding only the test-only values files (``-f``) at the end; a ``kubectl``
+command is run through the API by ``Kubectl`` in conftest.py (kubectl is not
+built here), which knows exactly the verbs README uses and fails, naming the
+line, on any other: a README edit the test cannot follow fails the test
+instead of being silently skipped.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent.parent / "README.md"
+
+# The markers of README's blocks (the text right before each ```sh block).
+INSTALL = "push it where the nodes can pull it, and install the Helm chart"
+UPGRADE = "Upgrading to a new image with the same values"
+UNINSTALL = "Uninstall (stopping MPS on purpose)"
+UNINSTALL_SINGLE = "With `layout=single` there is no MPS role to ask"
+
+# README's placeholders -> what this cluster has: the image `make image` built,
+# imported into containerd as docker.io/library/fracplugin:<tag>.
+UPGRADE_TAG = "0.1.0-e2e-upgrade"  # the same archive under a second tag (fullcluster.py imports it so)
+PLACEHOLDERS = {"<registry>": "docker.io/library", "<new-tag>": UPGRADE_TAG}
+# Placeholders with a space, made one word before the line is split.
+MPS_POD = "<fracplugin-mps-pod>"
+ONE_WORD = {"<fracplugin-mps pod>": MPS_POD, "<new tag>": "<new-tag>"}
+
+
+class ReadmeError(AssertionError):
+    """README.md lacks a block the test runs, or has a command it cannot run."""
+
+
+def block(marker: str, text: str | None = None) -> str:
+    """The body of the first ```sh block after ``marker`` in README.md.
+    Raises ReadmeError when the marker or the block is missing."""
+    text = README.read_text() if text is None else text
+    at = text.find(marker)
+    if at < 0:
+        raise ReadmeError(f"README.md has no {marker!r}: the cluster e2e runs the sh block after it")
+    start = text.find("```sh\n", at)
+    end = text.find("```", start + 6) if start >= 0 else -1
+    if start < 0 or end < 0:
+        raise ReadmeError(f"README.md has no ```sh block after {marker!r}")
+    return text[start + 6:end]
+
+
+def commands(marker: str, text: str | None = None, fill: bool = True) -> list[list[str]]:
+    """The commands of README's sh block after ``marker``: one argv per
+    command (continuation lines joined, ``# ...`` comments dropped), with
+    ``PLACEHOLDERS`` filled in when ``fill``. Raises ReadmeError."""
+    out: list[list[str]] = []
+    pending = ""
+    for line in block(marker, text).splitlines():
+        line = pending + line
+        pending = ""
+        if line.rstrip().endswith("\\"):
+            pending = line.rstrip()[:-1] + " "
+            continue
+        for k, v in ONE_WORD.items():
+            line = line.replace(k, v)
+        argv = shlex.split(line, comments=True)
+        if not argv:
+            continue
+        if fill:
+            for k, v in PLACEHOLDERS.items():
+                argv = [a.replace(k, v) for a in argv]
+        out.append(argv)
+    return out
+
+
+def one(marker: str, tool: str, verb: str) -> list[str]:
+    """The single ``<tool> <verb> ...`` command of README's block after
+    ``marker`` (e.g. ``helm install``). Raises ReadmeError when there is not
+    exactly one."""
+    found = [c for c in commands(marker) if c[:2] == [tool, verb]]
+    if len(found) != 1:
+        raise ReadmeError(f"README.md's block after {marker!r} has {len(found)} `{tool} {verb}` commands, not 1")
+    return found[0]
+
+
+def kubectl_op(argv: list[str]) -> tuple[str, str, list[str], list[str]]:
+    """What a README ``kubectl`` line does, as ``(op, namespace, names, cmd)``:
+
+    - ``("create-namespace", "", [name], [])``
+    - ``("label-namespace", "", [name, "k=v", ...], [])``
+    - ``("exec", ns, [daemonset], cmd)``: ``exec ds/<name> -- cmd`` or
+      ``exec <fracplugin-mps pod> -- cmd`` (daemonset ``fracplugin-mps``)
+    - ``("delete-daemonsets-foreground", ns, names, [])``
+
+    The only kubectl lines the cluster e2e can run through the API (conftest's
+    ``Kubectl``). Raises ReadmeError naming any other line."""
+    line = " ".join(argv)
+    if argv[:1] != ["kubectl"]:
+        raise ReadmeError(f"not a kubectl line: {line}")
+    rest, ns = list(argv[1:]), "default"
+    if rest[:1] == ["-n"] and len(rest) > 2:
+        ns, rest = rest[1], rest[2:]
+    if rest[:2] == ["create", "namespace"] and len(rest) == 3:
+        return "create-namespace", "", [rest[2]], []
+    if rest[:2] == ["label", "namespace"] and len(rest) >= 4 and all("=" in x for x in rest[3:]):
+        return "label-namespace", "", rest[2:], []
+    if rest[:1] == ["exec"] and len(rest) > 3 and rest[2] == "--":
+        target = rest[1]
+        ds = target[3:] if target.startswith("ds/") else "fracplugin-mps" if target == MPS_POD else ""
+        if ds:
+            return "exec", ns, [ds], rest[3:]
+    if rest[:2] == ["delete", "daemonset"] and len(rest) > 3 and rest[-1] == "--cascade=foreground":
+        return "delete-daemonsets-foreground", ns, rest[2:-1], []
+    raise ReadmeError(f"README's `{line}` is a kubectl line the cluster e2e cannot run through the API: teach "
+                      "tests/cluster_e2e/readme.py kubectl_op and conftest.py Kubectl (and docs/e2e.md) what it does")
+
+
+def blocks_the_test_runs() -> dict[str, list[list[str]]]:
+    """README's four blocks the cluster e2e runs, by marker. Raises
+    ReadmeError when one is missing or holds a command the test cannot run
+    (a ``kubectl`` line ``kubectl_op`` refuses, or neither helm nor kubectl)."""
+    out = {m: commands(m) for m in (INSTALL, UPGRADE, UNINSTALL, UNINSTALL_SINGLE)}
+    for m, cmds in out.items():
+        for argv in cmds:
+            if argv[0] == "kubectl":
+                kubectl_op(argv)
+            elif argv[0] != "helm":
+                raise ReadmeError(f"README's block after {m!r} runs {argv[0]}: the test runs helm and kubectl only")
+    one(INSTALL, "helm", "install")
+    one(UPGRADE, "helm", "upgrade")
+    return out
