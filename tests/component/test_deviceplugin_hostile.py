@@ -13,14 +13,12 @@ before it is read, so a peer cannot make the daemon buffer it."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import select
 import shutil
 import socket
 import struct
 import tempfile
-import termios
 import threading
 import time
 
@@ -154,11 +152,6 @@ class Frames:
                 self.ping_acks.append(payload)
             elif kind == self.GOAWAY:
                 self.goaways.append(int.from_bytes(payload[4:8], "big"))
-
-
-def unsent_bytes(sock: socket.socket) -> int:
-    """Bytes written to ``sock`` that the server has not read yet (SIOCOUTQ)."""
-    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
 
 
 class RawH2:
@@ -349,7 +342,6 @@ def test_a_flood_of_frames_whose_answers_are_never_read_is_not_buffered(plugin, 
     c = socket.socket(socket.AF_UNIX)
     c.connect(s.socket_path)
     c.sendall(_PREFACE)
-    sndbuf = c.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
     total = (32 * MiB // len(frame)) * len(frame)
     batch = frame * 4096
     progress: dict[str, object] = {"sent": 0, "error": None}
@@ -363,19 +355,16 @@ def test_a_flood_of_frames_whose_answers_are_never_read_is_not_buffered(plugin, 
             progress["error"] = e
 
     def stalled() -> bool:
-        """The flood is not read: the socket is full, and stays full with less
-        than one batch more taken while another client is served a whole call.
-        (Beside two CPU hogs grpcio was seen to take a trickle, a few hundred
-        bytes per call, while its answers stay unread: 331 KiB of 32 MiB in
-        six minutes. What matters is that the flood does not get through and
-        memory does not follow it: the assertions below.)"""
+        """The flood is not read: the flood thread has sent something and not
+        one more byte is taken while another client is served a whole call."""
         if not t.is_alive():
             return True
-        if unsent_bytes(c) < sndbuf // 2:
-            return False
         before = progress["sent"]
         assert serves(s)
-        return progress["sent"] - before < len(batch) and unsent_bytes(c) >= sndbuf // 2  # type: ignore[operator]
+        # Not also "SIOCOUTQ >= half the send buffer": with grpcio the flood
+        # thread was seen blocked in send() for minutes with the queue
+        # reading lower (1 run in 5 on an idle machine), the wait never ended.
+        return progress["sent"] == before and before > 0  # type: ignore[operator]
 
     rss = PeakRss().start()
     t = threading.Thread(target=flood, daemon=True)
