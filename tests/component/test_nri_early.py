@@ -14,7 +14,7 @@ from fracplugin.model import ComputeMode
 from fracplugin.nri.early import EARLY_MAX
 
 from nri_runtime import Code, RpcError, make_container, make_pod
-from test_nri_plugin import Harness, _refused_pod
+from test_nri_plugin import _refused_pod, make_harness  # noqa: F401 (make_harness: the fixture)
 
 P = "nvidia.com/container."
 
@@ -26,18 +26,6 @@ def _sm_pod(name: str, *, portion: str = "0.25", extra: dict[str, str] | None = 
     return pod, make_container(pod, "app", container_id=f"ctr-{name}")
 
 
-@pytest.fixture
-def make_harness(sockdir):
-    made = []
-
-    def make(**kwargs):
-        h = Harness(sockdir, **kwargs)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
 
 
 def _idle(h) -> bool:
