@@ -14,7 +14,7 @@ from fracplugin.model import ComputeMode
 from fracplugin.nri.early import EARLY_MAX
 
 from nri_runtime import Code, RpcError, make_container, make_pod
-from test_nri_plugin import _refused_pod, make_harness  # noqa: F401 (make_harness: the fixture)
+from test_nri_plugin import _refused_pod, make_harness  # noqa: F401 (make_harness: the fixture, shared)
 
 P = "nvidia.com/container."
 
