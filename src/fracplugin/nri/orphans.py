@@ -51,9 +51,10 @@ reports nothing (``NullMps``, an unreachable MPS role: ``reachable`` false)
 is not reconciled; the next Synchronize tries again.
 
 Concurrency model: as ``nri/plugin.py``. The decision is made under
-``_ns_lock`` against the ledger read once; no MPS call is made on the
-Synchronize handler's thread (``status()`` reads a polled or locked
-in-memory copy).
+``_ns_lock`` against the ledger read once; the Synchronize handler's thread
+makes no MPS control call (``status()`` reads a polled or locked in-memory
+copy; releases run on the MPS queue, inline only when it is closed, the
+plugin shutting down).
 """
 
 from __future__ import annotations
