@@ -91,20 +91,53 @@ class FakeMetrics:
 
 
 class Harness:
+    """The NRI door (``FracNriPlugin`` + ``NriStub``) and the fake runtime on
+    a real socket under ``tmp``. ``mps``: the MPS layer (default a new
+    ``FakeMps``); ``restart_doors`` replaces the door, keeping the runtime
+    and the MPS layer."""
+
     def __init__(self, tmp: str, *, fail_open=False, runtime_kwargs=None, stub_kwargs=None, plugin_kwargs=None,
-                 planner_config=None):
+                 planner_config=None, mps=None):
         self.path = os.path.join(tmp, "nri.sock")
         self.ledger = Ledger(NODE)
-        self.mps = FakeMps()
+        self.mps = mps if mps is not None else FakeMps()
         self.metrics = FakeMetrics()
         # MPS pipe directories (mount sources the plugin creates) under the test's own directory
         self.layout = MpsLayout(os.path.join(tmp, "mps"))
-        self.plugin = FracNriPlugin(NODE, self.ledger, planner_config or PlannerConfig(layout=self.layout), mps=self.mps,
-                                    metrics=self.metrics, fail_open=fail_open, **(plugin_kwargs or {}))
+        self.config = planner_config or PlannerConfig(layout=self.layout)
+        self.fail_open = fail_open
+        self.plugin_kwargs = plugin_kwargs or {}
+        self.stub_kwargs = stub_kwargs or {}
+        self.plugin = self._plugin()
         self.runtime_kwargs = runtime_kwargs or {}
         self.rt = FakeNriRuntime(self.path, **self.runtime_kwargs)
-        self.stub = NriStub(self.plugin, socket_path=self.path, env={}, reconnect_initial_s=0.02,
-                            reconnect_max_s=0.2, **(stub_kwargs or {}))
+        self.stub = self._stub()
+
+    def _plugin(self):
+        return FracNriPlugin(NODE, self.ledger, self.config, mps=self.mps, metrics=self.metrics,
+                             fail_open=self.fail_open, **self.plugin_kwargs)
+
+    def _stub(self):
+        return NriStub(self.plugin, socket_path=self.path, env={}, reconnect_initial_s=0.02,
+                       reconnect_max_s=0.2, **self.stub_kwargs)
+
+    def restart_doors(self, ledger=None):
+        """The doors restart while the runtime and the MPS layer stay: the
+        plugin goes (its stub stopped, its MPS queue closed, every table it
+        kept in memory lost) and a new one, with ``ledger`` (default: a new,
+        empty one) and the same MPS layer, registers with the same runtime,
+        which synchronizes it with what ``rt.set_sync_state`` gave. Returns
+        self once the new plugin is ready."""
+        n = len(self.rt.registrations)
+        self.stub.stop(5)
+        self.plugin.close()
+        self.ledger = ledger if ledger is not None else Ledger(NODE)
+        self.plugin = self._plugin()
+        self.stub = self._stub()
+        self.stub.start()
+        wait_for(lambda: len(self.rt.registrations) > n, what="the restarted doors registered")
+        assert self.stub.wait_ready(scaled(5))
+        return self
 
     def start(self, pods=(), containers=()):
         self.stub.start()

@@ -43,6 +43,9 @@ RUN_POD_SANDBOX and REMOVE_POD_SANDBOX: 0x62d, docs/reference/nri-protocol.md
   RunPodSandbox claims the entry, and the old sandbox's removal leaves it.
 - Synchronize: early namespaces of sandboxes the runtime no longer reports
   are released the same way (a RemovePodSandbox missed while disconnected).
+  The table itself is lost when the doors restart: ``nri/orphans.py`` then
+  rebuilds it from what the MPS layer holds for live pods, and releases
+  what it holds for pods gone.
 
 The table is bounded (``EARLY_MAX`` owners, ``EARLY_PER_POD`` per pod; past
 them a container gets no early namespace, and CreateContainer does the work
@@ -185,6 +188,11 @@ class _Early(_Release):
         early ensures queued since start, "used": CreateContainers that
         awaited one, "mismatched": CreateContainers whose settings differed
         (or whose early ensure failed) and queued their own, "released":
-        early namespaces released at RemovePodSandbox or Synchronize}``."""
+        early namespaces released at RemovePodSandbox or Synchronize,
+        "adopted": namespaces the MPS layer held for a live pod that nothing
+        here held, taken into the early table at Synchronize, "orphaned":
+        namespaces the MPS layer held for pods the runtime no longer has,
+        released at Synchronize (``nri/orphans.py``)}``; counts since start
+        except ``pending``."""
         with self._ns_lock:
             return {"pending": len(self._ns_early), **self._early_counts}

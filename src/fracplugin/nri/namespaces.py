@@ -66,13 +66,16 @@ class _Namespaces(_PluginState):
         An early ensure of the owner queued at RunPodSandbox (``nri/early.py``)
         with the same settings that has not failed is awaited the same way;
         the owner leaves the early table whatever its settings (a container
-        holds it now)."""
+        holds it now). An entry adopted at Synchronize (``nri/orphans.py``:
+        the MPS layer held it, no ensure of ours made it) leaves it too and
+        the container gets its own ensure."""
         owner = (p.pod.uid, p.container)
         settings = _ns_settings(p)
         with self._ns_lock:
             early = self._ns_early.pop(owner, None)
-            if early is not None:
-                fut = early[1]
+            # fut None: adopted at Synchronize (nri/orphans.py), no ensure of ours to await: one is queued below
+            fut = None if early is None else early[1]
+            if early is not None and fut is not None:
                 if early[0] == settings and not _failed(fut):
                     self._early_counts["used"] += 1
                     self._ns_pending[container_id] = (owner, fut)

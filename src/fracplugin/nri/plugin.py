@@ -62,7 +62,10 @@ Behaviour (docs/reference/design.md sections 2 and 4; issue 3 item 3):
   never refused on guards: what runs is recorded) and log containers that
   should carry our env but do not; sm-sharing namespaces of the recorded
   containers are re-ensured in the background (a restarted daemon's MPS layer
-  knows none). ``ready()`` turns true afterwards.
+  knows none). Then the MPS layer's namespaces are reconciled with the
+  runtime's pods (``nri/orphans.py``): those of pods gone while the doors did
+  not see it are released, a live pod's that nothing holds is adopted into
+  the early table. ``ready()`` turns true afterwards.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ from .interfaces import (
 )
 from .pluginbase import _MODES, Owner, _FailOpen, _pod_ref
 from .admission import _check_mounts
-from .early import _Early
+from .orphans import _Orphans
 from .reconcile import _Reconcile
 
 __all__ = [
@@ -163,7 +166,7 @@ def _env_adjustment(env: tuple[tuple[str, str], ...]) -> bytes:
 
 
 
-class FracNriPlugin(_Reconcile, _Early):
+class FracNriPlugin(_Reconcile, _Orphans):
     """The handler object ``NriStub`` drives (see the module docstring).
 
     Args:
@@ -287,9 +290,12 @@ class FracNriPlugin(_Reconcile, _Early):
         # retry of a container costs no MPS work); None = not known to be made so.
         self._ns_made: dict[Owner, tuple[tuple[Any, ...], Future[Any]] | None] = {}
         # owner -> (settings, future, pod sandbox id) of an ensure queued at
-        # RunPodSandbox that no container of the owner has claimed yet (nri/early.py)
-        self._ns_early: dict[Owner, tuple[tuple[Any, ...], Future[Any], str]] = {}
-        self._early_counts = {"queued": 0, "used": 0, "mismatched": 0, "released": 0}
+        # RunPodSandbox that no container of the owner has claimed yet
+        # (nri/early.py); future None: a namespace the MPS layer held for a live
+        # pod, adopted at Synchronize (nri/orphans.py), no ensure of ours
+        self._ns_early: dict[Owner, tuple[tuple[Any, ...], Future[Any] | None, str]] = {}
+        self._early_counts = {"queued": 0, "used": 0, "mismatched": 0, "released": 0, "adopted": 0,
+                              "orphaned": 0}
         self._stopped_holds: dict[str, list[Tenancy]] = {}  # container id -> holds released at StopContainer
         self._ns_queue: KeyedWorkQueue | None = None
         self._made_sources: dict[str, None] = {}  # mount sources made before (insertion order: oldest first)
@@ -433,10 +439,13 @@ class FracNriPlugin(_Reconcile, _Early):
     def synchronize(self, pods: Sequence[nri_pb2.PodSandbox], containers: Sequence[nri_pb2.Container],
                     ctx: CallContext | None = None) -> list[nri_pb2.ContainerUpdate]:
         """Synchronize (``nri/reconcile.py``), then release the early MPS
-        namespaces of pods the runtime no longer reports (``nri/early.py``).
-        Returns no updates."""
+        namespaces of pods the runtime no longer reports (``nri/early.py``),
+        then reconcile the MPS layer's namespaces with the runtime's pods
+        (``nri/orphans.py``: adopt a live pod's unheld ones, release those of
+        pods gone while the doors did not see it). Returns no updates."""
         updates = super().synchronize(pods, containers, ctx)
         self._release_early_gone(pods)
+        self._reconcile_mps_namespaces(pods)
         return updates
 
     def close(self) -> None:

@@ -91,7 +91,7 @@ class _PluginState:
     _ns_lock: threading.Lock
     _ns_pending: dict[str, tuple[Owner, Future[Any]]]
     _ns_made: dict[Owner, tuple[tuple[Any, ...], Future[Any]] | None]
-    _ns_early: dict[Owner, tuple[tuple[Any, ...], Future[Any], str]]
+    _ns_early: dict[Owner, tuple[tuple[Any, ...], Future[Any] | None, str]]
     _early_counts: dict[str, int]
     _stopped_holds: dict[str, list[Tenancy]]
     _ns_queue: KeyedWorkQueue | None
