@@ -108,8 +108,8 @@ _T = TypeVar("_T")
 # Stop order of the parts before MPS, with each one's share of what is left
 # (``left / weight``; the node condition is capped at 2 s): KAI stops placing
 # pods here before the doors close, the doors close before their helpers.
-_STOP_FIRST: tuple[tuple[str, int], ...] = (("node condition", 5), ("device plugin", 4), ("nri", 3), ("events", 3),
-                                           ("pod source", 3), ("metrics", 1))
+_STOP_FIRST: tuple[tuple[str, int], ...] = (("node condition", 5), ("device plugin", 4), ("dra", 4), ("nri", 3),
+                                           ("events", 3), ("pod source", 3), ("metrics", 1))
 
 
 # ---- the daemon ----------------------------------------------------------------
