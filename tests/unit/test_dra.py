@@ -174,3 +174,31 @@ def test_slice_publisher_creates_updates_on_health_change_and_deletes(tmp_path: 
         assert name not in api.slices
     finally:
         api.close()
+
+
+# ---- explain ------------------------------------------------------------------------
+def test_explain_shows_what_prepare_would_give_a_claim(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    import yaml
+
+    from fracplugin import explain
+
+    node = str(REPO / "examples" / "nodes" / "gpu-node-1.yaml")
+    good = tmp_path / "claim.yaml"
+    good.write_text(yaml.safe_dump(claim_doc("team-a", "infer", "uid-7", memory="20Gi",
+                                             parameters={**HEAD, "gpu-compute.mode": "sm-sharing"})))
+    report = explain.explain(explain.load_pod(str(good)), node)
+    (entry,) = report["containers"]
+    assert report["pod"] == "resourceclaim team-a/infer" and entry["error"] is None
+    assert entry["devices"] == [GPU0] and entry["request_mib"] == 20480 and entry["compute_mode"] == "sm-sharing"
+    assert entry["env"]["FRACPLUGIN_DRA_CLAIM"] == "uid-7"
+    assert entry["cdi_devices"] == ["gpu-memory.fracplugin.io/claim=uid-7"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(claim_doc("team-a", "bad", "uid-8", parameters={**HEAD, "gpu-compute.mode": "x"})))
+    p = argparse.ArgumentParser()
+    explain.add_arguments(p)
+    assert explain.main(p.parse_args([str(bad), "--node", node])) == 1
+    out = capsys.readouterr().out
+    assert "key:    GpuMemoryParameters.gpu-compute.mode\n  value:  'x'\n" in out, out
+    assert 'reason: must be exactly "time-slicing" or "sm-sharing"' in out, out
