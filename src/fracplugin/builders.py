@@ -7,6 +7,8 @@ Split out of ``daemon.py`` (issue 26, ADR 0023), moved as it was.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import signal
@@ -438,14 +440,17 @@ class _Builders:
             raise StartupError("--dra: the DRA door reads ResourceClaims from the API server; give --kubeconfig "
                                "or run in a pod (in-cluster config)")
         api = _api_client(self.cfg)
-        preparer = Preparer(self.node, self.ledger, self.planner_config, ApiClaims(api), self.cfg.dra_cdi_dir,
+        # The pool and the slice's nodeName are the Kubernetes node's name (NODE_NAME / --node-name),
+        # which a simulated node file or NVML's host name need not match.
+        node = dataclasses.replace(self.node, name=self.node_name or self.node.name)
+        preparer = Preparer(node, self.ledger, self.planner_config, ApiClaims(api), self.cfg.dra_cdi_dir,
                             mps=None if self.cfg.no_mps else self.mps,
                             cdi=None if self.cfg.no_cdi_devices else self._cdi(),
                             gpu_healthy=lambda u: self._gpu_healthy().get(u, (True, [])))
         server = DraServer(preparer, self.cfg.dra_plugins_dir, self.cfg.dra_registry_dir)
         slices = None
         if not self.cfg.no_dra_slices:
-            slices = SlicePublisher(api, self.node, reserve_mib=self.cfg.reserve_mib,
+            slices = SlicePublisher(api, node, reserve_mib=self.cfg.reserve_mib,
                                     healthy=lambda: {u: h for u, (h, _r) in self._gpu_healthy().items()})
         try:
             self._add(DraDoor(self.cfg, server, slices))

@@ -208,3 +208,23 @@ def test_without_api_access_dra_does_not_start(root: Path) -> None:  # noqa: F81
                          capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
                                                                            "PYTHONPATH": str(REPO / "src")})
     assert out.returncode != 0 and "--dra" in out.stderr and "--kubeconfig" in out.stderr, out.stderr
+
+
+def test_pool_and_slice_carry_the_kubernetes_node_name(daemon: Callable[..., DaemonProc], root: Path,  # noqa: F811
+                                                       api: ResourceApi) -> None:
+    """The node file says gpu-node-1; the node is registered as worker-7 (NODE_NAME): the slice and the pool
+    Prepare checks are worker-7's, or the scheduler's allocations would never match this node."""
+    d = start(daemon, root, api, "--no-device-plugin", "--node-name", "worker-7")
+    kubelet = DraKubelet(str(root / "registry"))
+    try:
+        kubelet.register()
+        name = f"worker-7-{DRIVER}"
+        assert api.wait_for(lambda a: name in a.slices), api.requests
+        spec = api.slices[name]["spec"]
+        assert spec["nodeName"] == spec["pool"]["name"] == "worker-7"
+        uid = "0b7c1e9a-6666-4a55-9d0e-000000000001"
+        api.claims[("team-d", "w7")] = claim_doc("team-d", "w7", uid, node="worker-7", memory="1Gi")
+        assert kubelet.prepare(("team-d", uid, "w7")).claims[uid].error == ""
+        assert tenants(d)[0]["reservation"] == f"dra:{uid}"
+    finally:
+        kubelet.close()
