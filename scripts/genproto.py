@@ -10,9 +10,9 @@ Usage::
 What it does (deterministic: same protos + same grpcio-tools = same bytes):
 
 1. Runs ``grpc_tools.protoc`` (the one installed in the running interpreter)
-   with ``-I proto`` over the four API files, producing ``*_pb2.py`` and
-   ``*_pb2.pyi`` for all of them and ``*_pb2_grpc.py`` for the two gRPC APIs
-   (device plugin, PodResources). NRI and the ttrpc envelope travel over
+   with ``-I proto`` over the API files, producing ``*_pb2.py`` and
+   ``*_pb2.pyi`` for all of them and ``*_pb2_grpc.py`` for the gRPC APIs
+   (device plugin, PodResources, DRA, plugin registration). NRI and the ttrpc envelope travel over
    ttrpc, not gRPC, so they get no ``_grpc`` module.
 2. Flattens the output into one package with the module names the rest of
    the code imports (``fracplugin._proto.nri_pb2`` etc.) and rewrites the
@@ -50,6 +50,9 @@ PROTOS: dict[str, tuple[str, bool]] = {
     "nri/v1alpha1/api.proto": ("nri", False),
     "deviceplugin/v1beta1/api.proto": ("deviceplugin", True),
     "podresources/v1/api.proto": ("podresources", True),
+    "dra/v1/api.proto": ("dra_v1", True),
+    "dra/v1beta1/api.proto": ("dra_v1beta1", True),
+    "pluginregistration/v1/api.proto": ("pluginregistration", True),
 }
 
 INIT_PY = '''\
@@ -68,6 +71,11 @@ Modules:
   API ``v1beta1``.
 - ``podresources_pb2`` / ``podresources_pb2_grpc``: kubelet PodResources
   API ``v1``.
+- ``dra_v1_pb2`` / ``dra_v1_pb2_grpc`` and ``dra_v1beta1_pb2`` /
+  ``dra_v1beta1_pb2_grpc``: kubelet DRA plugin API
+  ``k8s.io.kubelet.pkg.apis.dra.v1`` and ``.v1beta1``.
+- ``pluginregistration_pb2`` / ``pluginregistration_pb2_grpc``: kubelet
+  plugin registration (``pluginregistration.Registration``).
 """
 '''
 

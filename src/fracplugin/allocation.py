@@ -40,6 +40,8 @@ DOOR_NRI = "nri"
 DOOR_ALLOCATE = "allocate"
 DOOR_OTHER_PLUGIN = "other-plugin"
 DOOR_SYNC = "sync"
+DOOR_DRA = "dra"
+"""A DRA claim's hold (dra/prepare.py, ADR 0031): reservation ``dra:<claim uid>``, released at Unprepare."""
 
 _MAX_KEY = 4096
 

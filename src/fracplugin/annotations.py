@@ -187,6 +187,20 @@ def _mib_hint(key: str, raw: str) -> str:
     return C.MIB_QUANTITY_HINT.format(mib=int((value / MIB).to_integral_value(rounding=ROUND_CEILING)))
 
 
+def parse_mode(key: str, raw: str) -> ComputeMode:
+    """A compute mode value under ``key`` (the contract's ``.gpu-compute.mode``
+    rule, ``contract.MODE``): exactly ``time-slicing`` or ``sm-sharing``.
+    Used by the DRA door's parameters type (dra/params.py) with its own key.
+    Raises FractionError naming ``key`` and ``raw``."""
+    return _parse_mode(key, raw)
+
+
+def parse_portion(key: str, raw: str) -> float:
+    """A compute portion under ``key`` (the contract's ``.gpu-compute.portion``
+    rule): a finite decimal in (0, 1]. Raises FractionError naming ``key`` and ``raw``."""
+    return _parse_fraction(key, raw, allow_one=True)
+
+
 def _parse_devices(key: str, raw: str) -> tuple[str, ...]:
     entries = tuple(e.strip() for e in raw.split(","))
     if any(e == "" for e in entries):

@@ -7,6 +7,8 @@ Split out of ``daemon.py`` (issue 26, ADR 0023), moved as it was.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import signal
@@ -127,6 +129,8 @@ class _Builders:
         def alive(self) -> str | None: ...
 
         def wakeup(self) -> None: ...
+
+        def _gpu_healthy(self) -> dict[str, tuple[bool, list[str]]]: ...
 
     @property
     def planner_config(self) -> PlannerConfig:
@@ -417,6 +421,43 @@ class _Builders:
             raise StartupError(f"device plugin: {exc}") from None
         self.endpoints["device_plugin_socket"] = server.socket_path
         self.endpoints["kubelet_socket"] = self.cfg.effective_kubelet_socket
+
+    def _build_dra(self) -> None:
+        """The DRA door (``--dra``, issue 29, ADR 0031): the Prepare logic
+        over the one ledger, its gRPC servers, and the ResourceSlice publisher
+        (unless ``--no-dra-slices``). Needs API access (claims are read from
+        it): in-cluster or ``--kubeconfig``; a node name is needed for slices."""
+        if not self.cfg.dra:
+            return
+        from .dra.claims import ApiClaims
+        from .dra.prepare import Preparer
+        from .dra.server import DraServer
+        from .dra.slices import SlicePublisher
+        from .parts import DraDoor
+
+        assert self.node is not None and self.ledger is not None
+        if not (self.cfg.kubeconfig or _in_cluster()):
+            raise StartupError("--dra: the DRA door reads ResourceClaims from the API server; give --kubeconfig "
+                               "or run in a pod (in-cluster config)")
+        api = _api_client(self.cfg)
+        # The pool and the slice's nodeName are the Kubernetes node's name (NODE_NAME / --node-name),
+        # which a simulated node file or NVML's host name need not match.
+        node = dataclasses.replace(self.node, name=self.node_name or self.node.name)
+        preparer = Preparer(node, self.ledger, self.planner_config, ApiClaims(api), self.cfg.dra_cdi_dir,
+                            mps=None if self.cfg.no_mps else self.mps,
+                            cdi=None if self.cfg.no_cdi_devices else self._cdi(),
+                            gpu_healthy=lambda u: self._gpu_healthy().get(u, (True, [])))
+        server = DraServer(preparer, self.cfg.dra_plugins_dir, self.cfg.dra_registry_dir)
+        slices = None
+        if not self.cfg.no_dra_slices:
+            slices = SlicePublisher(api, node, reserve_mib=self.cfg.reserve_mib,
+                                    healthy=lambda: {u: h for u, (h, _r) in self._gpu_healthy().items()})
+        try:
+            self._add(DraDoor(self.cfg, server, slices))
+        except OSError as exc:
+            raise StartupError(f"dra: {exc}") from None
+        self.endpoints["dra_socket"] = server.socket_path
+        self.endpoints["dra_registration_socket"] = server.registration_path
 
     def simulate_xid(self, gpu_uuid: str, xid: int) -> None:
         """``POST /simulate/xid``: queue XID ``xid`` on ``gpu_uuid`` in the

@@ -126,6 +126,13 @@ class Config:
     # CDI specs read for GPU injection (issue 23, ADR 0025b): lowest priority first
     cdi_spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
     secure_pipe_mount: bool = False
+    # DRA door (issue 29, ADR 0031; docs/reference/kubelet-dra.md): off until proven on a cluster
+    dra: bool = False
+    dra_plugins_dir: str = "/var/lib/kubelet/plugins"
+    dra_registry_dir: str = "/var/lib/kubelet/plugins_registry"
+    dra_cdi_dir: str = "/var/run/cdi"
+    no_dra_slices: bool = False
+    dra_delete_slices_on_stop: bool = False
     # Kubernetes API
     kubeconfig: str | None = None
     node_name: str = ""
@@ -247,6 +254,16 @@ _HELP = {
     "cdi_spec_dirs": "comma list of CDI spec directories read to request each planned GPU's CDI device (kinds "
                      "k8s.device-plugin.nvidia.com/gpu, nvidia.com/gpu, --cdi-kind) in the NRI adjustment and "
                      "Allocate; re-read when they change; empty = none",
+    "dra": "enable the DRA door (driver gpu-memory.fracplugin.io): serve kubelet's DRA plugin API under "
+           "--dra-plugins-dir, register in --dra-registry-dir, publish a ResourceSlice of this node's GPUs "
+           "(needs API access; off by default, not yet proven on a cluster: ADR 0031)",
+    "dra_plugins_dir": "kubelet's plugins directory; the DRA socket is <dir>/gpu-memory.fracplugin.io/dra.sock",
+    "dra_registry_dir": "kubelet's plugin registration directory (plugins_registry)",
+    "dra_cdi_dir": "directory where the DRA door writes one CDI spec per prepared claim (read by the runtime)",
+    "no_dra_slices": "with --dra, do not publish this node's ResourceSlice (another component publishes it, or "
+                     "a test drives Prepare without the API's scheduler)",
+    "dra_delete_slices_on_stop": "delete this node's ResourceSlice when the daemon stops (uninstall; a restart "
+                                 "keeps it so that allocated claims keep their device)",
     "kubeconfig": "kubeconfig for API access (in-cluster config is used when running in a pod)",
     "node_name": "this node's name (env NODE_NAME)",
     "pods_file": "simulated API access: a YAML file of Pod documents (re-read when it changes)",
@@ -485,7 +502,8 @@ def _validate_names_and_paths(cfg: Config, bad: _Bad) -> None:
     for d in cfg.cdi_spec_dirs:
         if not d.startswith("/"):
             raise bad("cdi_spec_dirs", f"has {d!r}, which is not an absolute path")
-    for name in ("state_dir", "mps_root", "device_plugin_dir", "nri_socket", "pod_resources_socket"):
+    for name in ("state_dir", "mps_root", "device_plugin_dir", "nri_socket", "pod_resources_socket",
+                 "dra_plugins_dir", "dra_registry_dir", "dra_cdi_dir"):
         if not str(getattr(cfg, name)).startswith("/"):
             raise bad(name, "must be an absolute path")
     if cfg.kubelet_socket and not cfg.kubelet_socket.startswith("/"):

@@ -108,8 +108,8 @@ _T = TypeVar("_T")
 # Stop order of the parts before MPS, with each one's share of what is left
 # (``left / weight``; the node condition is capped at 2 s): KAI stops placing
 # pods here before the doors close, the doors close before their helpers.
-_STOP_FIRST: tuple[tuple[str, int], ...] = (("node condition", 5), ("device plugin", 4), ("nri", 3), ("events", 3),
-                                           ("pod source", 3), ("metrics", 1))
+_STOP_FIRST: tuple[tuple[str, int], ...] = (("node condition", 5), ("device plugin", 4), ("dra", 4), ("nri", 3),
+                                           ("events", 3), ("pod source", 3), ("metrics", 1))
 
 
 # ---- the daemon ----------------------------------------------------------------
@@ -131,7 +131,7 @@ class Daemon(_Builders):
     def __init__(self, cfg: Config, sources: Mapping[str, str] | None = None,
                  reload: Callable[[], tuple[Config, dict[str, str]]] | None = None) -> None:
         if cfg.role == "mps":  # the MPS role runs no door (ADR 0009)
-            cfg = dataclasses.replace(cfg, no_nri=True, no_device_plugin=True)
+            cfg = dataclasses.replace(cfg, no_nri=True, no_device_plugin=True, dra=False)
         self.cfg = cfg
         self.sources = dict(sources or {})
         self._reload = reload
@@ -183,13 +183,16 @@ class Daemon(_Builders):
                  ("metrics", self._build_metrics), ("mps", self._build_mps),
                  ("pod source", self._build_pod_source), ("events", self._build_events),
                  ("nri", self._build_nri), ("device plugin", self._build_device_plugin),
-                 ("health", self._build_health), ("node condition", self._build_node_condition)]
+                 ("dra", self._build_dra), ("health", self._build_health),
+                 ("node condition", self._build_node_condition)]
         if self.cfg.role == "mps":  # no ledger (the doors role owns it), no doors
             steps = [s for s in steps if s[0] in ("inventory", "metrics", "mps", "health")]
         elif not self.cfg.no_device_plugin:
             # the door's gRPC library (grpcio, ADR 0021) loads before any part starts a
             # thread or a child process; without the door it never loads (ADR 0016)
             from .kubelet import deviceplugin  # noqa: F401
+        if self.cfg.dra and self.cfg.role != "mps":
+            from .dra import server  # noqa: F401  (grpcio, as above)
         for name, step in steps:
             try:
                 step()
@@ -235,6 +238,7 @@ class Daemon(_Builders):
         for name, check, enabled in (("nri", "nri", not self.cfg.no_nri),
                                      ("device plugin", "device_plugin", not self.cfg.no_device_plugin),
                                      ("mps", "mps", not self.cfg.no_mps),
+                                     ("dra", "dra", self.cfg.dra),
                                      ("memory limits", "memory_limits", False)):
             part = self.parts.get(name)
             if part is not None:
@@ -318,12 +322,13 @@ class Daemon(_Builders):
             "ready": all(c["ready"] for c in checks.values()),
             "checks": checks,
             "doors": {"nri": not self.cfg.no_nri, "device_plugin": not self.cfg.no_device_plugin,
-                      "mps": not self.cfg.no_mps},
+                      "mps": not self.cfg.no_mps, **({"dra": True} if self.cfg.dra else {})},
             "fail_open": self.cfg.fail_open,
             "gpus": gpus,
             "mps": mps,
             "device_plugin": self._status_of("device plugin"),
             "nri": self._status_of("nri"),
+            "dra": self._status_of("dra"),
             "pod_source": self._status_of("pod source"),
             "events": events,
             "node_condition": self._status_of("node condition"),
@@ -355,7 +360,7 @@ class Daemon(_Builders):
             log.exception("SIGHUP: configuration not reloaded: the loader failed")
             return {"error": f"loading the configuration failed: {type(exc).__name__}: {exc}"}
         if new.role == "mps":
-            new = dataclasses.replace(new, no_nri=True, no_device_plugin=True)
+            new = dataclasses.replace(new, no_nri=True, no_device_plugin=True, dra=False)
         applied, ignored = configmod.reloadable_changes(self.cfg, new)
         per_part: dict[str, dict[str, Any]] = {}
         for name, part in list(self.parts.items()):

@@ -102,7 +102,8 @@ def _one_line(text: str) -> str:
 def load_pod(path: str) -> dict[str, Any]:
     """The first ``kind: Pod`` document of a YAML/JSON file (``-``: standard
     input), checked to have the shape of a core/v1 Pod where explain reads it
-    (``pod_shape_problem``); everything else of the document (``status``,
+    (``pod_shape_problem``), or the first ``kind: ResourceClaim`` (the DRA
+    door's Prepare is explained for it, ADR 0031); everything else of the document (``status``,
     ``managedFields``, ``ownerReferences``...) is ignored.
     Raises UsageError naming the file and what is wrong: unreadable, larger
     than ``MAX_POD_FILE_BYTES``, not UTF-8, not YAML, nested too deeply, no
@@ -134,6 +135,8 @@ def load_pod(path: str) -> dict[str, Any]:
     docs = [i for d in docs for i in ((d.get("items") or []) if isinstance(d, dict) and d.get("kind") == "List"
                                       and isinstance(d.get("items"), list) else [d])]
     for d in docs:
+        if isinstance(d, dict) and d.get("kind") == "ResourceClaim" and isinstance(d.get("metadata"), dict):
+            return d  # the DRA door's Prepare is explained instead (explain -> _explain_claim)
         if isinstance(d, dict) and d.get("kind", "Pod") == "Pod" and "metadata" in d:
             problem = pod_shape_problem(d)
             if problem is not None:
@@ -345,25 +348,9 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
         except InventoryError as exc:
             raise UsageError(str(exc)) from None
     cdi = CdiRegistry(cdi_spec_dirs, node.gpus, kind=cdi_kind) if cdi_spec_dirs else None
-    # The pod's containers are placed against each other (issue 10 item 6):
-    # a scratch in-memory ledger starts as the node's tenants (or empty) and
-    # each planned container is admitted into it before the next is planned.
-    ledger = Ledger(node, max_clients_per_gpu=config.max_clients_per_gpu)
-    if tenancies:
-        ledger.replace_all(tenancies)
-    if ledger_path:
-        lp = Path(ledger_path)
-        if not lp.exists() and not lp.parent.is_dir():
-            raise UsageError(f"ledger file {ledger_path} does not exist (nor its directory)")
-        if not lp.exists():  # a daemon with no tenants yet has written no ledger
-            print(f"warning: no ledger at {escape_controls(ledger_path)}: the node has no tenants yet "
-                  "(or this is not the daemon's --state-dir); planning against an empty node", file=sys.stderr)
-        current = Ledger(node, ledger_path, read_only=True)
-        for w in current.load():
-            if "is unreadable" in w:  # not a ledger: planning against an empty node would mislead
-                raise UsageError(_one_line(w.replace("; ignored", "")))
-            print(f"warning: {escape_controls(w)}", file=sys.stderr)
-        ledger.replace_all(current.tenancies())
+    ledger = _scratch_ledger(node, config, tenancies, ledger_path)
+    if pod.get("kind") == "ResourceClaim":
+        return _explain_claim(pod, node, ledger, config, cdi)
     problem = pod_shape_problem(pod)
     if problem is not None:
         raise UsageError(f"pod: {problem}")
@@ -402,6 +389,60 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     # keys not in the contract and forms ignored: the NRI door's words (issue 25 item 3)
     warnings += [x.message for x in lint(annotations, config.annotation_prefix, names, everyone)]
     return {"pod": str(ref), "node": node.name, "containers": out, "warnings": warnings,
+            "cdi": _cdi_report(cdi, warnings)}
+
+
+def _scratch_ledger(node: NodeInfo, config: PlannerConfig, tenancies: Sequence[Tenancy],
+                    ledger_path: str | None) -> Ledger:
+    """An in-memory ledger holding the node's tenants: ``tenancies`` (``--live``)
+    or the ledger file at ``ledger_path``, else empty. Raises UsageError."""
+    # The pod's containers are placed against each other (issue 10 item 6):
+    # a scratch in-memory ledger starts as the node's tenants (or empty) and
+    # each planned container is admitted into it before the next is planned.
+    ledger = Ledger(node, max_clients_per_gpu=config.max_clients_per_gpu)
+    if tenancies:
+        ledger.replace_all(tenancies)
+    if ledger_path:
+        lp = Path(ledger_path)
+        if not lp.exists() and not lp.parent.is_dir():
+            raise UsageError(f"ledger file {ledger_path} does not exist (nor its directory)")
+        if not lp.exists():  # a daemon with no tenants yet has written no ledger
+            print(f"warning: no ledger at {escape_controls(ledger_path)}: the node has no tenants yet "
+                  "(or this is not the daemon's --state-dir); planning against an empty node", file=sys.stderr)
+        current = Ledger(node, ledger_path, read_only=True)
+        for w in current.load():
+            if "is unreadable" in w:  # not a ledger: planning against an empty node would mislead
+                raise UsageError(_one_line(w.replace("; ignored", "")))
+            print(f"warning: {escape_controls(w)}", file=sys.stderr)
+        ledger.replace_all(current.tenancies())
+    return ledger
+
+
+def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: PlannerConfig,
+                   cdi: CdiRegistry | None) -> dict[str, Any]:
+    """What the DRA door's Prepare would give an allocated ResourceClaim
+    (``status.allocation`` filled; issue 29 item 6, ADR 0031): one entry,
+    the claim's plan (env, mount, the CDI devices Prepare answers: the claim's
+    own and each GPU's) or the refusal Prepare would answer."""
+    from .dra import cdispec
+    from .dra import claims as dra_claims
+
+    meta = doc.get("metadata")
+    md: dict[str, Any] = meta if isinstance(meta, dict) else {}
+    name = f"resourceclaim {md.get('namespace', 'default')}/{md.get('name', '')}"
+    entry: dict[str, Any]
+    try:
+        claim = dra_claims.read_claim(doc, node)
+        plan = with_node_cdi_devices(dra_claims.plan_claim(claim, node, ledger, config), cdi)
+    except FractionError as err:
+        entry = {"name": name, "fractional": True, "devices": [], "compute_mode": None,
+                                 "request_mib": None, "limit_mib": None, "env": {}, "mounts": [],
+                                 "cdi_devices": [], "error": err.to_dict()}
+    else:
+        entry = {**plan.to_dict(), "name": name, "env": {**plan.env, cdispec.ENV_CLAIM: claim.uid},
+                 "cdi_devices": [cdispec.device_id(claim.uid), *plan.cdi_devices]}
+    warnings: list[str] = []
+    return {"pod": name, "node": node.name, "containers": [entry], "warnings": warnings,
             "cdi": _cdi_report(cdi, warnings)}
 
 

@@ -80,6 +80,7 @@ PART_REASONS = {
     "device_plugin": "DevicePluginNotReady",
     "mps": "MPSNotHealthy",
     "memory_limits": "MemoryLimitsNotEnforceable",
+    "dra": "DRANotReady",
 }
 MAX_MESSAGE = 1024
 

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from .events import EventRecorder
     from .gpu.inventory import Inventory
     from .health import HealthServer
+    from .dra.server import DraServer
+    from .dra.slices import SlicePublisher
     from .kubelet.deviceplugin import DevicePluginServer
     from .kubelet.podlookup import InMemoryPodSource, KubernetesPodSource
     from .ledger import Ledger
@@ -61,7 +63,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Clock", "Readiness", "Reloaded", "Part", "HookMetrics", "NoMetrics", "PartBase",
     "LogsPart", "InventoryPart", "LedgerPart", "MetricsPart", "MpsPart", "MpsApiPart", "PodSourcePart",
-    "EventsPart", "NriDoor", "DevicePluginPart", "HealthPart", "NodeConditionPart",
+    "EventsPart", "NriDoor", "DevicePluginPart", "DraDoor", "HealthPart", "NodeConditionPart",
     "PLANNER_KEYS",
 ]
 
@@ -419,6 +421,40 @@ class DevicePluginPart(PartBase):
 
     def _apply(self, cfg: Config, keys: Iterable[str]) -> None:
         self.server.fail_open = cfg.fail_open
+
+
+class DraDoor(PartBase):
+    """The DRA door (issue 29, ADR 0031): its gRPC servers and, when given,
+    the ResourceSlice publisher. Readiness: kubelet said the plugin is
+    registered. Stop: the servers first (kubelet deregisters), then the
+    publisher (deleting the slice with ``--dra-delete-slices-on-stop``)."""
+
+    name = "dra"
+    check = "dra"
+    reads = PLANNER_KEYS | {"dra", "dra_plugins_dir", "dra_registry_dir", "dra_cdi_dir", "no_dra_slices",
+                            "dra_delete_slices_on_stop", "kubeconfig", "node_name", "cdi_spec_dirs"}
+
+    def __init__(self, cfg: Config, server: DraServer, slices: SlicePublisher | None) -> None:
+        super().__init__(cfg)
+        self.server = server
+        self.slices = slices
+
+    def start(self) -> None:
+        self.server.start()
+        if self.slices is not None:
+            self.slices.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self.server.stop(timeout_s / 2)
+        if self.slices is not None:
+            self.slices.stop(timeout_s / 2, delete=self.cfg.dra_delete_slices_on_stop)
+
+    def readiness(self) -> Readiness:
+        ok, why = self.server.readiness()
+        return Readiness(ok, why)
+
+    def status(self) -> dict[str, Any]:
+        return {**self.server.status(), "slices": None if self.slices is None else self.slices.status()}
 
 
 class HealthPart(PartBase):

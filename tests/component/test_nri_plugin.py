@@ -782,3 +782,29 @@ def test_a_mount_source_removed_since_the_last_creation_is_made_again(h):
     adj = h.rt.create_container(pod, again)
     assert not isinstance(adj, RpcError) and [m.source for m in adj.mounts] == [src]
     assert os.path.isdir(src) and (os.stat(src).st_mode & 0o777) == 0o755
+
+
+def test_synchronize_keeps_dra_claims_and_does_not_count_their_containers_whole(make_harness):
+    """A DRA claim's hold (ADR 0031) is kubelet's to free (NodeUnprepareResources),
+    not the runtime's: Synchronize keeps it; the claim's container, whose env
+    the claim's CDI spec set (NVIDIA_VISIBLE_DEVICES, FRACPLUGIN_DRA_CLAIM),
+    is not counted as an unfenced user of its GPU."""
+    from fracplugin.dra import claims as dra_claims
+    from tests.peers.resource_api import claim_doc
+
+    h = make_harness()
+    claim = dra_claims.read_claim(claim_doc("team-a", "infer", "claim-uid-1", node=NODE.name, memory="20Gi"), NODE)
+    plan = dra_claims.plan_claim(claim, NODE, h.ledger, PlannerConfig())
+    h.ledger.admit(plan, door="dra", reservation=claim.reservation)
+    pod = make_pod("dra-pod")
+    env = [PATH_ENV, f"NVIDIA_VISIBLE_DEVICES={NODE.gpus[0].uuid}", "FRACPLUGIN_DRA_CLAIM=claim-uid-1"]
+    ctr = make_container(pod, "app", container_id="c-dra", env=env, state=nri_pb2.CONTAINER_RUNNING)
+    h.start([pod], [ctr])
+    assert h.stub.ready()
+    assert [(t.door, t.reservation, t.request_mib) for t in h.ledger.tenancies()] == [("dra", "dra:claim-uid-1", 20480)]
+    # without the claim's hold the same container is a GPU user fracplugin did not fence: counted whole
+    h.ledger.release_reservation(claim.reservation)
+    rt = h.restart_runtime()
+    rt.wait_registered()
+    rt.synchronize([pod], [ctr])
+    wait_for(lambda: [t.door for t in h.ledger.tenancies()] == ["sync"], what="the container counted whole")

@@ -27,6 +27,12 @@ ALLOWED = {
     "fracplugin._proto.deviceplugin_pb2_grpc",
     "fracplugin._proto.podresources_pb2",
     "fracplugin._proto.podresources_pb2_grpc",
+    "fracplugin._proto.dra_v1_pb2",
+    "fracplugin._proto.dra_v1_pb2_grpc",
+    "fracplugin._proto.dra_v1beta1_pb2",
+    "fracplugin._proto.dra_v1beta1_pb2_grpc",
+    "fracplugin._proto.pluginregistration_pb2",
+    "fracplugin._proto.pluginregistration_pb2_grpc",
 }
 
 

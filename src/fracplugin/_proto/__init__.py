@@ -13,4 +13,9 @@ Modules:
   API ``v1beta1``.
 - ``podresources_pb2`` / ``podresources_pb2_grpc``: kubelet PodResources
   API ``v1``.
+- ``dra_v1_pb2`` / ``dra_v1_pb2_grpc`` and ``dra_v1beta1_pb2`` /
+  ``dra_v1beta1_pb2_grpc``: kubelet DRA plugin API
+  ``k8s.io.kubelet.pkg.apis.dra.v1`` and ``.v1beta1``.
+- ``pluginregistration_pb2`` / ``pluginregistration_pb2_grpc``: kubelet
+  plugin registration (``pluginregistration.Registration``).
 """

@@ -17,6 +17,8 @@ from .._proto import nri_pb2
 from .. import allocation as al
 from ..annotations import parse as parse_annotations
 from ..model import ComputeMode, ContainerPlan, FractionError, Tenancy
+from ..dra import RESERVATION_PREFIX as DRA_RESERVATION_PREFIX
+from ..dra.cdispec import ENV_CLAIM as ENV_DRA_CLAIM
 from ..planner import ENV_VISIBLE_DEVICES, EmptyLedger, plan
 from ..reservations import unbind_gone
 from .interfaces import CallContext
@@ -85,12 +87,14 @@ class _Reconcile(_Admission):
             tenancies.extend(al.to_tenancies(p, c.id))
             recorded.add((pod.uid, c.name))
         # Keep kubelet's reservations NRI did not re-derive (bound or not:
-        # kubelet frees them, not the runtime; PodResources reconciles them)
-        # and whole GPUs of other device plugins.
+        # kubelet frees them, not the runtime; PodResources reconciles them),
+        # whole GPUs of other device plugins, and DRA claims (kubelet's
+        # Unprepare frees them, ADR 0031).
         rebuilt = list(tenancies)
         live = {c.id for c in containers}  # a kept reservation's container the runtime no longer runs is unbound
         self.ledger.transform(lambda cur: rebuilt + unbind_gone([
-            t for t in cur if t.door in (al.DOOR_ALLOCATE, al.DOOR_OTHER_PLUGIN) and t.reservation not in reserved],
+            t for t in cur if (t.door in (al.DOOR_ALLOCATE, al.DOOR_OTHER_PLUGIN) and t.reservation not in reserved)
+            or t.door == al.DOOR_DRA],
             live))
         self._renew_namespaces(tenancies)
         self.unadjusted = unadjusted
@@ -111,7 +115,10 @@ class _Reconcile(_Admission):
         StopContainer / RemoveContainer."""
         if c.state not in (nri_pb2.CONTAINER_CREATED, nri_pb2.CONTAINER_RUNNING):
             return []
-        seen = [d.strip() for d in _env_map(c).get(ENV_VISIBLE_DEVICES, "").split(",") if d.strip()]
+        env = _env_map(c)
+        if ENV_DRA_CLAIM in env and self.ledger.reservation(DRA_RESERVATION_PREFIX + env[ENV_DRA_CLAIM]):
+            return []  # a DRA container: its claim's hold counts its GPUs (dra/cdispec.py, ADR 0031)
+        seen = [d.strip() for d in env.get(ENV_VISIBLE_DEVICES, "").split(",") if d.strip()]
         gpus = [self.node.gpu_by_uuid(u) for u in seen]
         if not seen or any(g is None for g in gpus):
             return []

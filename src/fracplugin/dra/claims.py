@@ -1,0 +1,276 @@
+"""A ResourceClaim -> what Prepare gives (pure), and the API read of one claim.
+
+kubelet's NodePrepareResources names a claim only by namespace, name and UID
+(docs/reference/kubelet-dra.md §1); its allocation is in the claim's status
+(§3), so the door reads the claim from the API server (``ApiClaims``) and
+turns it into a ``ClaimRequest`` here (``read_claim``), then into the
+planner's ``FractionRequest`` (``fraction_request``) and a ``ContainerPlan``
+(``plan_claim``): the same planner, guards and env as the other doors.
+
+Rules, each refusal a ``FractionError`` naming key, value and rule:
+
+- the claim's ``metadata.uid`` is the UID kubelet sent (a claim deleted and
+  re-created under the same name is another claim);
+- it has ``status.allocation``, with at least one
+  ``status.allocation.devices.results`` entry whose ``driver`` is ours;
+- each of our results names a device of this node's pool (pool = node name,
+  device ``gpu-<index>``, the names ``slices.py`` publishes) and carries
+  ``consumedCapacity.memory`` (bytes; present only when the device allows
+  multiple allocations, i.e. consumable capacity is on), the same amount on
+  every GPU of the claim (the env carries one number per claim);
+- ``adminAccess`` allocations are refused (no fraction to enforce);
+- the opaque configs for our driver that apply to our results (``requests``
+  empty, or naming the result's request or its parent request) are merged,
+  class configs before claim configs (``params.parse``); the limit, when
+  given, is >= the consumed memory (``contract.LIMIT_BELOW_REQUEST_MIB``).
+
+The request is the consumed memory in MiB (rounded up; the slice's 1 MiB step
+makes it exact); the limit defaults to it. No I/O except in ``ApiClaims``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .. import annotations as ann
+from .. import contract as C
+from ..model import ContainerPlan, FractionError, FractionRequest, GpuInfo, MemorySpec, NodeInfo, PodRef
+from ..planner import LedgerView, PlannerConfig, plan
+from . import CAPACITY_MEMORY, CLAIM_CONTAINER, DRIVER_NAME, params, reservation_of
+
+RESULTS_KEY = "status.allocation.devices.results"
+CONFIG_KEY = "status.allocation.devices.config"
+_DEVICE_RE = re.compile(r"gpu-(0|[1-9][0-9]{0,3})\Z")
+
+NOT_ALLOCATED = "has no status.allocation: the claim is not allocated yet"
+NOT_OURS = "has no device of driver {driver}"
+WRONG_UID = "is not the UID kubelet asked for ({uid}): the claim was deleted and re-created"
+WRONG_POOL = "is not this node's pool ({pool})"
+NO_SUCH_DEVICE = "is not a GPU device of node {node} (devices gpu-<index>: {known})"
+NO_MEMORY = ("has no consumedCapacity.memory: the device was not allocated with consumable capacity "
+             "(resource.k8s.io/v1 allowMultipleAllocations; feature gate DRAConsumableCapacity)")
+UNEVEN = "consumes different memory on the claim's GPUs ({amounts}): one amount per GPU of a claim"
+ADMIN_ACCESS = "is adminAccess: the driver gives no fraction for admin access"
+
+
+def device_name(gpu: GpuInfo) -> str:
+    """The ResourceSlice device name of a GPU: ``gpu-<index>`` (a DNS label)."""
+    return f"gpu-{gpu.index}"
+
+
+def gpu_of_device(node: NodeInfo, name: str) -> GpuInfo | None:
+    """The GPU a device name stands for (``gpu-<index>``), or None."""
+    m = _DEVICE_RE.match(name)
+    return node.gpu_by_index(int(m.group(1))) if m else None
+
+
+@dataclass(frozen=True)
+class AllocatedDevice:
+    """One of our allocation results: the ``request`` it serves, ``pool``,
+    ``device`` name, ``share_id`` (consumable capacity) and the GPU."""
+
+    request: str
+    pool: str
+    device: str
+    share_id: str | None
+    gpu: GpuInfo
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """What one claim asks of this node.
+
+    Attributes:
+        namespace, name, uid: the claim.
+        devices: our allocation results, in allocation order.
+        request_mib: consumed memory per GPU, MiB.
+        memory_raw: the consumed quantity as the API wrote it (e.g. ``20Gi``).
+        memory_key: the key it was read from (for refusals).
+        parameters: the merged, checked opaque parameters.
+    """
+
+    namespace: str
+    name: str
+    uid: str
+    devices: tuple[AllocatedDevice, ...]
+    request_mib: int
+    memory_raw: str
+    memory_key: str
+    parameters: params.GpuMemoryParameters
+
+    @property
+    def pod(self) -> PodRef:
+        """The ledger's identity of the claim: namespace, claim name, claim UID."""
+        return PodRef(self.namespace, self.name, self.uid)
+
+    @property
+    def reservation(self) -> str:
+        return reservation_of(self.uid)
+
+
+def _get(doc: Any, *path: str) -> Any:
+    for p in path:
+        if not isinstance(doc, Mapping):
+            return None
+        doc = doc.get(p)
+    return doc
+
+
+def _applies(config: Mapping[str, Any], requests: set[str]) -> bool:
+    named = config.get("requests") or []
+    if not named:
+        return True
+    return any(r in named or r.split("/", 1)[0] in named for r in requests)
+
+
+def _configs(allocation: Mapping[str, Any], requests: set[str], driver: str) -> list[Any]:
+    """The opaque parameters of ``driver`` that apply to ``requests``, class
+    configs first, then claim configs, each group in written order."""
+    entries = _get(allocation, "devices", "config") or []
+    found: list[tuple[int, int, Any]] = []  # parameters are checked by params.parse
+    for i, c in enumerate(entries if isinstance(entries, list) else []):
+        opaque = _get(c, "opaque")
+        if not isinstance(opaque, Mapping) or opaque.get("driver") != driver or not _applies(c, requests):
+            continue
+        rank = 0 if c.get("source") == "FromClass" else 1
+        found.append((rank, i, opaque.get("parameters")))
+    return [p for _r, _i, p in sorted(found, key=lambda f: (f[0], f[1]))]
+
+
+def _device(node: NodeInfo, i: int, r: Mapping[str, Any]) -> tuple[AllocatedDevice, str, str]:
+    """One result of our driver -> (device, consumed raw quantity, its key)."""
+    key = f"{RESULTS_KEY}[{i}]"
+    if r.get("adminAccess"):
+        raise FractionError(f"{key}.adminAccess", "true", ADMIN_ACCESS, "dra")
+    pool, name = str(r.get("pool") or ""), str(r.get("device") or "")
+    if pool != node.name:
+        raise FractionError(f"{key}.pool", pool, WRONG_POOL.format(pool=node.name), "dra")
+    gpu = gpu_of_device(node, name)
+    if gpu is None:
+        known = ", ".join(device_name(g) for g in node.gpus)
+        raise FractionError(f"{key}.device", name, NO_SUCH_DEVICE.format(node=node.name, known=known), "device")
+    mkey = f"{key}.consumedCapacity.{CAPACITY_MEMORY}"
+    raw = _get(r, "consumedCapacity", CAPACITY_MEMORY)
+    if raw is None:
+        raise FractionError(f"{key}.consumedCapacity", None, NO_MEMORY, "dra")
+    share = r.get("shareID")
+    return (AllocatedDevice(str(r.get("request") or ""), pool, name, None if share is None else str(share), gpu),
+            str(raw), mkey)
+
+
+def read_claim(doc: Mapping[str, Any], node: NodeInfo, *, uid: str = "", driver: str = DRIVER_NAME) -> ClaimRequest:
+    """A ResourceClaim document (the API's JSON as a dict) -> ClaimRequest.
+
+    Args:
+        doc: the claim (``metadata``, ``status.allocation``).
+        node: this node (its name is our pool; device names ``gpu-<index>``).
+        uid: the UID kubelet named (checked when given).
+        driver: our driver name.
+
+    Raises:
+        FractionError: a rule of the module docstring, naming key, value and rule.
+    """
+    meta = _get(doc, "metadata") or {}
+    ns, name, doc_uid = str(meta.get("namespace") or ""), str(meta.get("name") or ""), str(meta.get("uid") or "")
+    if uid and doc_uid != uid:
+        raise FractionError("metadata.uid", doc_uid, WRONG_UID.format(uid=uid), "dra")
+    allocation = _get(doc, "status", "allocation")
+    if not isinstance(allocation, Mapping):
+        raise FractionError(f"resourceclaim {ns}/{name}", None, NOT_ALLOCATED, "dra")
+    results = _get(allocation, "devices", "results") or []
+    ours: list[tuple[AllocatedDevice, str, str]] = []
+    for i, r in enumerate(results if isinstance(results, list) else []):
+        if isinstance(r, Mapping) and r.get("driver") == driver:
+            ours.append(_device(node, i, r))
+    if not ours:
+        raise FractionError(f"resourceclaim {ns}/{name}", None, NOT_OURS.format(driver=driver), "dra")
+    amounts = [ann.parse_quantity_mib(key, raw) for _d, raw, key in ours]
+    if len(set(amounts)) > 1:
+        raise FractionError(RESULTS_KEY, ",".join(raw for _d, raw, _k in ours),
+                            UNEVEN.format(amounts=", ".join(f"{a} MiB" for a in amounts)), "dra")
+    gpus = [d.gpu for d, _r, _k in ours]
+    if len(set(gpus)) != len(gpus):  # two shares of one GPU in one claim: one fraction, counted once
+        raise FractionError(RESULTS_KEY, ",".join(d.device for d, _r, _k in ours),
+                            "names one GPU twice: one share per GPU of a claim", "dra")
+    parameters = params.parse(_configs(allocation, {d.request for d, _r, _k in ours}, driver))
+    _d0, raw0, key0 = ours[0]
+    if parameters.limit_mib is not None and parameters.limit_mib < amounts[0]:
+        raise FractionError(params.field_key(params.FIELD_LIMIT), parameters.limit_raw,
+                            C.LIMIT_BELOW_REQUEST_MIB.format(request_raw=raw0, request_mib=amounts[0]),
+                            "limit_below_request")
+    return ClaimRequest(ns, name, doc_uid or uid, tuple(d for d, _r, _k in ours), amounts[0], raw0, key0, parameters)
+
+
+def fraction_request(claim: ClaimRequest) -> FractionRequest:
+    """The planner's request for a claim: its GPUs named (the scheduler
+    placed it), the consumed memory as the request, the parameters' limit,
+    mode and portion. ``keys`` name where each came from, for refusals."""
+    p = claim.parameters
+    request = MemorySpec(claim.memory_key, claim.memory_raw, mib=claim.request_mib)
+    limit = request if p.limit_mib is None else MemorySpec(params.field_key(params.FIELD_LIMIT), p.limit_raw,
+                                                           mib=p.limit_mib)
+    keys = {"request": claim.memory_key, "limit": limit.key, "devices": RESULTS_KEY,
+            "mode": params.field_key(params.FIELD_MODE), "portion": params.field_key(params.FIELD_PORTION)}
+    return FractionRequest(container=CLAIM_CONTAINER, request=request, limit=limit, compute_mode=p.compute_mode,
+                           portion=p.portion, devices=tuple(d.gpu.uuid for d in claim.devices),
+                           num_devices=len(claim.devices), keys=keys)
+
+
+def plan_claim(claim: ClaimRequest, node: NodeInfo, ledger: LedgerView,
+               config: PlannerConfig) -> ContainerPlan:
+    """The claim's plan: ``planner.plan`` on its GPUs with the claim's own
+    ledger hold not counted against it (reservation ``dra:<uid>``). CDI names
+    from devices are not used (the door adds the GPUs' own CDI devices).
+    Raises FractionError (memory larger than the GPU, limit below request, a
+    guard: compute mode, free memory across all doors, client count)."""
+    return plan(fraction_request(claim), claim.pod, node, ledger, config, reservation=claim.reservation)
+
+
+class ApiClaims:
+    """Reads ResourceClaims from the API server (``resource.k8s.io/v1``).
+
+    Args:
+        api: a ``kubernetes.client.ApiClient`` (from ``--kubeconfig``), or
+            None for the in-cluster config (loaded on first use).
+        timeout_s: per-request timeout, seconds.
+
+    ``get`` returns the claim as the API's JSON (a dict, through
+    ``CustomObjectsApi``, which serves any group's REST path: the
+    client's typed models are not needed for a read). Errors: the client's
+    ``ApiException`` (404, 403) and connection errors propagate; the door turns
+    them into a per-claim error. Thread-safe (the client pools connections).
+    """
+
+    def __init__(self, api: Any = None, timeout_s: float = 5.0) -> None:
+        self._api = api
+        self._objects: Any = None
+        self.timeout_s = timeout_s
+
+    def _client(self) -> Any:
+        if self._objects is None:
+            from kubernetes import client as kclient
+            from kubernetes import config as kconfig
+
+            if self._api is None:
+                kconfig.load_incluster_config()
+                self._api = kclient.ApiClient()
+            self._objects = kclient.CustomObjectsApi(self._api)
+        return self._objects
+
+    def get(self, namespace: str, name: str) -> dict[str, Any]:
+        """``GET /apis/resource.k8s.io/v1/namespaces/<ns>/resourceclaims/<name>`` as a dict."""
+        doc = self._client().get_namespaced_custom_object("resource.k8s.io", "v1", namespace, "resourceclaims",
+                                                          name, _request_timeout=self.timeout_s)
+        return dict(doc)
+
+
+def claim_ref_text(namespace: str, name: str, uid: str) -> str:
+    """``<ns>/<name> (<uid>)`` for logs and errors."""
+    return f"{namespace}/{name} ({uid})"
+
+
+def known_devices(node: NodeInfo) -> Sequence[str]:
+    """Every device name this node publishes (``gpu-<index>``)."""
+    return [device_name(g) for g in node.gpus]

@@ -1,0 +1,261 @@
+"""NodePrepareResources / NodeUnprepareResources without gRPC: ``Preparer``.
+
+Prepare of one claim (namespace, name, UID), in order:
+
+1. read the claim from the API (``claims.ApiClaims``; kubelet sends only the
+   reference, docs/reference/kubelet-dra.md §1) and turn its allocation into a
+   ``ClaimRequest`` (``claims.read_claim``: our results, consumed memory,
+   parameters);
+2. refuse a GPU the health monitor calls Unhealthy;
+3. plan it (``claims.plan_claim``: the planner and its guards, the claim's own
+   hold not counted) and record it in the one ledger
+   (``Ledger.admit(door="dra", reservation="dra:<uid>")``, which re-checks
+   every guard atomically against what the NRI and device plugin doors hold);
+4. make its MPS namespace (owner ``(<claim uid>, "dra")``) before answering,
+   with the plan's active thread percentage and pinned memory limit;
+5. write its CDI spec (``cdispec.write_spec``) and answer, per allocated
+   device, the claim's CDI device (on the first) and the GPU's own CDI device
+   from the node's specs (``cdi.CdiRegistry``).
+
+Every step is idempotent, so a repeated Prepare (kubelet retries a claim
+missing from an answer, and after its own restart) gives the same answer and
+one ledger hold. A refusal (``FractionError``) or a failure after the ledger
+step undoes what was done and becomes the claim's ``error`` string: the
+refusal's message (``<key>="<value>" <rule>``, as ``fracplugin explain``
+says it); kubelet shows it in the pod's events and retries.
+
+Unprepare: release the ledger hold, remove the CDI spec, release the MPS
+namespace; unknown claims are fine (idempotent).
+
+Concurrency: calls for one claim UID are serialised (a lock per UID); calls
+for different claims run in parallel (the ledger has its own lock). The API
+read happens under the claim's lock only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
+
+from ..cdi import CdiRegistry
+from ..ledger import Ledger
+from ..model import ContainerPlan, FractionError, NodeInfo
+from ..mps.api import MpsApi
+from ..planner import PlannerConfig
+from . import CLAIM_CONTAINER, DOOR_DRA, cdispec, claims, reservation_of
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NAMESPACE_TIMEOUT_S = 10.0
+"""Seconds Prepare waits for the claim's MPS namespace (kubelet's Prepare
+call has its own deadline, 45 s in the kubelets we read; inference)."""
+MAX_ERROR = 2048
+"""Longest per-claim error string answered (characters)."""
+
+
+class ClaimSource(Protocol):
+    """Where claims are read from: ``claims.ApiClaims`` or a test's stand-in."""
+
+    def get(self, namespace: str, name: str) -> Mapping[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    """One device of a prepared claim, as the DRA API's ``Device`` carries it."""
+
+    request_names: tuple[str, ...]
+    pool: str
+    device: str
+    cdi_device_ids: tuple[str, ...]
+    share_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The answer for one claim: its devices, or a non-empty ``error``."""
+
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
+    plan: ContainerPlan | None = None
+
+
+@dataclass
+class _Counters:
+    prepared: int = 0
+    refused: int = 0
+    failed: int = 0
+    unprepared: int = 0
+    last_error: str = ""
+    by_uid: dict[str, str] = field(default_factory=dict)  # claim uid -> "<ns>/<name>" while prepared
+
+
+class Preparer:
+    """The DRA door's decisions (module docstring).
+
+    Args:
+        node: this node (pool name = node name).
+        ledger: the one ledger.
+        planner_config: the doors' planner settings.
+        claims_source: reads a claim (``ClaimSource``).
+        cdi_dir: where claim CDI specs are written.
+        mps: the MPS interface (None: no namespaces are made).
+        cdi: the node's CDI specs (None: no GPU CDI device is answered).
+        gpu_healthy: GPU UUID -> (healthy, reasons); None: all healthy.
+        namespace_timeout_s: the MPS namespace budget, seconds.
+    """
+
+    def __init__(self, node: NodeInfo, ledger: Ledger, planner_config: PlannerConfig, claims_source: ClaimSource,
+                 cdi_dir: str, *, mps: MpsApi | None = None, cdi: CdiRegistry | None = None,
+                 gpu_healthy: Callable[[str], tuple[bool, list[str]]] | None = None,
+                 namespace_timeout_s: float = DEFAULT_NAMESPACE_TIMEOUT_S) -> None:
+        self.node = node
+        self.ledger = ledger
+        self.config = planner_config
+        self.claims = claims_source
+        self.cdi_dir = cdi_dir
+        self.mps = mps
+        self.cdi = cdi
+        self.gpu_healthy = gpu_healthy
+        self.namespace_timeout_s = namespace_timeout_s
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._counters = _Counters()
+
+    def _claim_lock(self, uid: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(uid, threading.Lock())
+
+    # ---- Prepare ------------------------------------------------------------
+    def prepare(self, namespace: str, name: str, uid: str) -> Prepared:
+        """Prepare one claim (module docstring). Never raises: failures are
+        the answer's ``error``."""
+        ref = claims.claim_ref_text(namespace, name, uid)
+        fields = {"claim": f"{namespace}/{name}", "claim_uid": uid}
+        with self._claim_lock(uid):
+            try:
+                claim = self._read(namespace, name, uid)
+                self._check_health(claim)
+                plan = claims.plan_claim(claim, self.node, self.ledger, self.config)
+                self.ledger.admit(plan, door=DOOR_DRA, reservation=claim.reservation)
+            except FractionError as err:
+                self._count("refused", err.message)
+                log.warning("dra prepare refused", extra={**fields, "key": err.key, "value": err.value,
+                                                          "rule": err.reason})
+                return Prepared(error=_cut(err.message))
+            except Exception as exc:  # the API read
+                msg = f"resourceclaim {ref}: {_api_error(exc)}"
+                self._count("failed", msg)
+                log.warning("dra prepare failed", extra={**fields, "reason": msg})
+                return Prepared(error=_cut(msg))
+            try:
+                self._ensure_namespace(plan)
+                cdispec.write_spec(self.cdi_dir, uid, plan)
+            except Exception as exc:
+                self._undo(uid)
+                msg = f"resourceclaim {ref}: preparing GPU {','.join(plan.device_uuids)} failed: {exc}"
+                self._count("failed", msg)
+                log.warning("dra prepare failed", extra={**fields, "reason": str(exc)})
+                return Prepared(error=_cut(msg))
+            with self._lock:
+                self._counters.prepared += 1
+                self._counters.by_uid[uid] = f"{namespace}/{name}"
+            log.info("dra claim prepared", extra={**fields, "devices": list(plan.device_uuids),
+                                                  "request_mib": plan.request_mib, "limit_mib": plan.limit_mib,
+                                                  "mode": plan.compute_mode.value})
+            return Prepared(devices=self._devices(claim, plan), plan=plan)
+
+    def _read(self, namespace: str, name: str, uid: str) -> claims.ClaimRequest:
+        doc = self.claims.get(namespace, name)
+        return claims.read_claim(doc, self.node, uid=uid)
+
+    def _check_health(self, claim: claims.ClaimRequest) -> None:
+        if self.gpu_healthy is None:
+            return
+        for d in claim.devices:
+            ok, reasons = self.gpu_healthy(d.gpu.uuid)
+            if not ok:
+                raise FractionError(claims.RESULTS_KEY, d.device,
+                                    f"is GPU {d.gpu.index} ({d.gpu.uuid}), which is Unhealthy "
+                                    f"({', '.join(reasons) or 'health monitor'}): no new fraction on it",
+                                    "unhealthy")
+
+    def _ensure_namespace(self, plan: ContainerPlan) -> None:
+        if self.mps is None or plan.mps.namespace is None:
+            return
+        self.mps.ensure_namespace(plan.pod.uid, CLAIM_CONTAINER, plan.active_thread_percentage,
+                                  self.namespace_timeout_s, mode=plan.compute_mode, pinned_limit_mib=plan.limit_mib)
+
+    def _devices(self, claim: claims.ClaimRequest, plan: ContainerPlan) -> tuple[PreparedDevice, ...]:
+        """One answer device per allocated device: the claim's CDI device on
+        the first, each GPU's own CDI device (when the node's specs list it)."""
+        out = []
+        if self.cdi is not None:
+            self.cdi.refresh()
+        for i, d in enumerate(claim.devices):
+            ids = [cdispec.device_id(claim.uid)] if i == 0 else []
+            own = self.cdi.device_for(d.gpu.uuid, refresh=False) if self.cdi is not None else None
+            if own is not None:
+                ids.append(own.name)
+            out.append(PreparedDevice((d.request,) if d.request else (), d.pool, d.device, tuple(ids), d.share_id))
+        return tuple(out)
+
+    # ---- Unprepare ----------------------------------------------------------
+    def unprepare(self, namespace: str, name: str, uid: str) -> str:
+        """Undo Prepare of one claim; "" on success (also for a claim never
+        prepared), else the error. Never raises."""
+        with self._claim_lock(uid):
+            try:
+                gone = self._undo(uid)
+            except Exception as exc:
+                msg = f"resourceclaim {claims.claim_ref_text(namespace, name, uid)}: unprepare failed: {exc}"
+                self._count("failed", msg)
+                log.warning("dra unprepare failed", extra={"claim": f"{namespace}/{name}", "claim_uid": uid,
+                                                           "reason": str(exc)})
+                return _cut(msg)
+            with self._lock:
+                self._counters.unprepared += 1
+                self._counters.by_uid.pop(uid, None)
+            log.info("dra claim unprepared", extra={"claim": f"{namespace}/{name}", "claim_uid": uid,
+                                                    "released": gone})
+        with self._locks_lock:
+            self._locks.pop(uid, None)
+        return ""
+
+    def _undo(self, uid: str) -> int:
+        """Release the ledger hold, the CDI spec and the MPS namespace of a
+        claim; returns the ledger entries released. Raises OSError/MpsError."""
+        gone = self.ledger.release_reservation(reservation_of(uid))
+        cdispec.remove_spec(self.cdi_dir, uid)
+        if self.mps is not None and any(t.mps_namespace for t in gone):
+            self.mps.release_namespace(uid, CLAIM_CONTAINER, self.namespace_timeout_s)
+        return len(gone)
+
+    # ---- state --------------------------------------------------------------
+    def _count(self, what: str, msg: str) -> None:
+        with self._lock:
+            setattr(self._counters, what, getattr(self._counters, what) + 1)
+            self._counters.last_error = msg
+
+    def status(self) -> dict[str, Any]:
+        """Counters and the claims prepared by this process (uid -> ns/name)."""
+        with self._lock:
+            c = self._counters
+            return {"prepared": c.prepared, "refused": c.refused, "failed": c.failed, "unprepared": c.unprepared,
+                    "last_error": c.last_error, "claims": dict(c.by_uid),
+                    "held": {t.reservation: t.gpu_uuid for t in self.ledger.tenancies() if t.door == DOOR_DRA}}
+
+
+def _cut(msg: str) -> str:
+    return msg if len(msg) <= MAX_ERROR else msg[:MAX_ERROR] + "..."
+
+
+def _api_error(exc: BaseException) -> str:
+    """A short reason for a failed claim read: the API's status code and
+    reason when it answered, else the exception's text."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and status:
+        return f"reading it from the API failed: {status} {getattr(exc, 'reason', '') or ''}".rstrip()
+    return f"reading it from the API failed: {type(exc).__name__}: {exc}"

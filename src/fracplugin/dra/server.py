@@ -1,0 +1,260 @@
+"""The DRA door's gRPC servers (grpcio, as the device plugin door: ADR 0021).
+
+Two unix sockets (docs/reference/kubelet-dra.md §1, §2):
+
+- the DRA service, ``<plugins dir>/gpu-memory.fracplugin.io/dra.sock``:
+  ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` and ``...v1beta1.DRAPlugin``
+  (same handling; v1beta1 has no ``share_id``), each claim handed to
+  ``prepare.Preparer``;
+- the registration socket, ``<plugins_registry>/gpu-memory.fracplugin.io-reg.sock``:
+  ``pluginregistration.Registration``, which kubelet's plugin watcher dials
+  when the file appears: ``GetInfo`` answers type ``DRAPlugin``, the driver
+  name, the DRA socket's path and the supported services
+  (``v1.DRAPlugin``, ``v1beta1.DRAPlugin``); ``NotifyRegistrationStatus``
+  records kubelet's verdict (the door is ready once kubelet said registered).
+
+Each socket is bound under a temporary name in its directory and renamed into
+place once served (kubelet's watcher must never dial a file nobody serves
+yet; grpcio unlinks the temporary name when the server stops). ``stop``
+removes both files: the registration socket going away is how kubelet learns
+the plugin left.
+
+Concurrency: grpcio's thread pool serves calls; each Prepare/Unprepare call
+handles its claims one after another (kubelet sends one pod's claims per
+call); the registration state sits under one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+from typing import Any, Callable
+
+import grpc
+
+from .._proto import dra_v1_pb2 as v1
+from .._proto import dra_v1_pb2_grpc as v1_grpc
+from .._proto import dra_v1beta1_pb2 as v1beta1
+from .._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
+from .._proto import pluginregistration_pb2 as reg
+from .._proto import pluginregistration_pb2_grpc as reg_grpc
+from ..kubelet import grpcopts
+from . import DRIVER_NAME
+from .prepare import Prepared, Preparer
+
+log = logging.getLogger(__name__)
+
+PLUGIN_TYPE = "DRAPlugin"
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+"""The services we serve, as kubelet's registration expects them (dra/v1 and
+dra/v1beta1 ``DRAPluginService``)."""
+SOCKET_NAME = "dra.sock"
+
+
+class _Dra:
+    """Shared body of the v1 and v1beta1 servicers."""
+
+    def __init__(self, door: "DraServer", pb: Any, with_share_id: bool) -> None:
+        self.door = door
+        self.pb = pb
+        self.with_share_id = with_share_id
+
+    def _answer(self, p: Prepared) -> Any:
+        if p.error:
+            return self.pb.NodePrepareResourceResponse(error=p.error)
+        devices = []
+        for d in p.devices:
+            dev = self.pb.Device(request_names=list(d.request_names), pool_name=d.pool, device_name=d.device,
+                                 cdi_device_ids=list(d.cdi_device_ids))
+            if self.with_share_id and d.share_id is not None:
+                dev.share_id = d.share_id
+            devices.append(dev)
+        return self.pb.NodePrepareResourceResponse(devices=devices)
+
+    def prepare(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.door.calls["prepare"] += 1
+        out = self.pb.NodePrepareResourcesResponse()
+        for c in request.claims:
+            out.claims[c.uid].CopyFrom(self._answer(self.door.preparer.prepare(c.namespace, c.name, c.uid)))
+        return out
+
+    def unprepare(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.door.calls["unprepare"] += 1
+        out = self.pb.NodeUnprepareResourcesResponse()
+        for c in request.claims:
+            out.claims[c.uid].CopyFrom(self.pb.NodeUnprepareResourceResponse(
+                error=self.door.preparer.unprepare(c.namespace, c.name, c.uid)))
+        return out
+
+
+class _V1(v1_grpc.DRAPluginServicer):
+    def __init__(self, body: _Dra) -> None:
+        self.body = body
+
+    def NodePrepareResources(self, request: v1.NodePrepareResourcesRequest,  # noqa: N802 (gRPC name)
+                             context: grpc.ServicerContext) -> v1.NodePrepareResourcesResponse:
+        return self.body.prepare(request, context)  # type: ignore[no-any-return]
+
+    def NodeUnprepareResources(self, request: v1.NodeUnprepareResourcesRequest,  # noqa: N802
+                               context: grpc.ServicerContext) -> v1.NodeUnprepareResourcesResponse:
+        return self.body.unprepare(request, context)  # type: ignore[no-any-return]
+
+
+class _V1beta1(v1beta1_grpc.DRAPluginServicer):
+    def __init__(self, body: _Dra) -> None:
+        self.body = body
+
+    def NodePrepareResources(self, request: v1beta1.NodePrepareResourcesRequest,  # noqa: N802
+                             context: grpc.ServicerContext) -> v1beta1.NodePrepareResourcesResponse:
+        return self.body.prepare(request, context)  # type: ignore[no-any-return]
+
+    def NodeUnprepareResources(self, request: v1beta1.NodeUnprepareResourcesRequest,  # noqa: N802
+                               context: grpc.ServicerContext) -> v1beta1.NodeUnprepareResourcesResponse:
+        return self.body.unprepare(request, context)  # type: ignore[no-any-return]
+
+
+class _Registration(reg_grpc.RegistrationServicer):
+    def __init__(self, door: "DraServer") -> None:
+        self.door = door
+
+    def GetInfo(self, request: reg.InfoRequest, context: grpc.ServicerContext) -> reg.PluginInfo:  # noqa: N802
+        self.door.calls["get_info"] += 1
+        return reg.PluginInfo(type=PLUGIN_TYPE, name=self.door.driver_name, endpoint=self.door.socket_path,
+                              supported_versions=list(SUPPORTED_VERSIONS))
+
+    def NotifyRegistrationStatus(self, request: reg.RegistrationStatus,  # noqa: N802
+                                 context: grpc.ServicerContext) -> reg.RegistrationStatusResponse:
+        self.door.registered(request.plugin_registered, request.error)
+        return reg.RegistrationStatusResponse()
+
+
+class DraServer:
+    """The DRA door's two servers (module docstring).
+
+    Args:
+        preparer: the decisions (``prepare.Preparer``).
+        plugins_dir: kubelet's plugins directory (the DRA socket goes in
+            ``<dir>/<driver>/dra.sock``).
+        registry_dir: kubelet's ``plugins_registry`` directory.
+        driver_name: the DRA driver name.
+        max_workers: grpcio worker threads per server.
+
+    ``start`` raises OSError when a socket cannot be bound; ``stop`` is
+    bounded and idempotent.
+    """
+
+    def __init__(self, preparer: Preparer, plugins_dir: str, registry_dir: str, *,
+                 driver_name: str = DRIVER_NAME, max_workers: int = 8,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.preparer = preparer
+        self.driver_name = driver_name
+        self.socket_path = os.path.join(plugins_dir, driver_name, SOCKET_NAME)
+        self.registration_path = os.path.join(registry_dir, f"{driver_name}-reg.sock")
+        self.max_workers = max_workers
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._servers: list[tuple[grpc.Server, futures.ThreadPoolExecutor]] = []
+        self._registered = False
+        self._registration_error = ""
+        self._registered_at: float | None = None
+        self.calls = {"prepare": 0, "unprepare": 0, "get_info": 0}
+
+    # ---- lifecycle ----------------------------------------------------------
+    def start(self) -> "DraServer":
+        """Serve the DRA service, then the registration socket (kubelet may
+        dial the DRA socket as soon as it reads GetInfo). Raises OSError."""
+        body_v1 = _Dra(self, v1, True)
+        body_v1beta1 = _Dra(self, v1beta1, False)
+
+        def dra(server: grpc.Server) -> None:
+            v1_grpc.add_DRAPluginServicer_to_server(_V1(body_v1), server)
+            v1beta1_grpc.add_DRAPluginServicer_to_server(_V1beta1(body_v1beta1), server)
+
+        self._serve(self.socket_path, dra, "fracplugin-dra")
+        self._serve(self.registration_path,
+                    lambda s: reg_grpc.add_RegistrationServicer_to_server(_Registration(self), s), "fracplugin-reg")
+        log.info("dra door serving", extra={"socket": self.socket_path, "registration": self.registration_path,
+                                            "driver": self.driver_name})
+        return self
+
+    def _serve(self, path: str, add: Callable[[grpc.Server], None], prefix: str) -> None:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        try:
+            os.unlink(path)  # a stale socket of an earlier run
+        except FileNotFoundError:
+            pass
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        pool = futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=prefix)
+        server = grpc.server(pool, options=grpcopts.server_options(), maximum_concurrent_rpcs=self.max_workers)
+        add(server)
+        try:
+            bound = server.add_insecure_port("unix:" + tmp)
+        except RuntimeError as e:  # grpcio raises where older versions returned 0
+            bound, why = 0, str(e)
+        else:
+            why = "grpc could not bind it"
+        if bound == 0:
+            server.stop(grace=0)
+            pool.shutdown(wait=False)
+            raise OSError(f"cannot listen on {path}: {why}")
+        server.start()
+        os.rename(tmp, path)
+        with self._lock:
+            self._servers.append((server, pool))
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Remove the registration socket first (kubelet deregisters the
+        plugin), then stop both servers within ``timeout_s`` and remove the
+        DRA socket."""
+        with self._lock:
+            servers, self._servers = self._servers, []
+            self._registered = False
+        for path in (self.registration_path, self.socket_path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        for server, pool in reversed(servers):
+            server.stop(grace=max(timeout_s, 0.0) * 0.5).wait(max(timeout_s, 0.0))
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- registration -------------------------------------------------------
+    def registered(self, ok: bool, error: str) -> None:
+        """kubelet's NotifyRegistrationStatus: remember the verdict."""
+        with self._lock:
+            self._registered = ok
+            self._registration_error = error
+            self._registered_at = self._clock() if ok else None
+        if ok:
+            log.info("dra door registered with kubelet", extra={"driver": self.driver_name})
+        else:
+            log.warning("kubelet refused the dra door's registration", extra={"driver": self.driver_name,
+                                                                              "reason": error})
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why): ready once kubelet said the plugin is registered."""
+        with self._lock:
+            if not self._servers:
+                return False, "not serving"
+            if self._registered:
+                return True, f"registered with kubelet as {self.driver_name}"
+            if self._registration_error:
+                return False, f"kubelet refused the registration: {self._registration_error}"
+            return False, f"waiting for kubelet to dial {self.registration_path}"
+
+    def status(self) -> dict[str, Any]:
+        """Sockets, registration, call counts and the preparer's counters."""
+        with self._lock:
+            reg_state = {"registered": self._registered, "error": self._registration_error,
+                         "registered_at": self._registered_at}
+        return {"driver": self.driver_name, "socket": self.socket_path,
+                "registration_socket": self.registration_path, **reg_state, "calls": dict(self.calls),
+                "claims": self.preparer.status()}

@@ -1,0 +1,268 @@
+"""This node's ResourceSlice for the DRA door: builder (pure) and publisher.
+
+One slice per node (docs/reference/kubelet-dra.md §4), ``resource.k8s.io/v1``,
+named ``<node>-gpu-memory.fracplugin.io``, pool = the node's name, one device
+per healthy GPU::
+
+    name: gpu-<index>
+    allowMultipleAllocations: true          # many claims share one GPU
+    attributes: {uuid, productName, driverVersion, computeCapability: {string: ...}, index: {int: ...}}
+    capacity:
+      memory:
+        value: "<(GPU memory - reserve) x 2^20>"        # bytes
+        requestPolicy:
+          default: "<the same>"                 # a request that names no memory takes the whole GPU
+          validRange: {min: "1048576", step: "1048576"}  # whole MiB
+
+The reserve is the planner's ``--reserve-mib`` (1024 by default: room for the
+MPS server's own context, as KAI's binder holds back, planner.py). An
+Unhealthy GPU (the health the daemon reports per GPU) is withdrawn: its
+device leaves the slice, so the scheduler places no new claim on it; claims
+already allocated keep it (the ledger still holds them).
+
+Publisher: one background thread builds the slice every ``poll_s`` seconds
+and writes it when it differs from what was last written (also every
+``resync_s`` seconds, which restores a slice someone deleted): GET by name,
+then PUT with the read ``resourceVersion`` or, on 404, POST. Each content
+change bumps ``spec.pool.generation`` (the scheduler uses the newest
+generation of a pool); the first write continues from the generation found
+in the API. Errors (connection, 4xx, 5xx) are logged and retried at the next
+poll; nothing here is on the Prepare path. ``stop(delete=True)`` deletes the
+slice (uninstall; a restart keeps it so allocated claims keep their device).
+API access: ``CustomObjectsApi`` with plain dicts (the REST path of a
+built-in group; no typed models needed). RBAC: resourceslices get, create,
+update, delete.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+from ..model import GpuInfo, NodeInfo
+from . import CAPACITY_MEMORY, DRIVER_NAME
+from .claims import device_name
+
+log = logging.getLogger(__name__)
+
+GROUP = "resource.k8s.io"
+VERSION = "v1"
+PLURAL = "resourceslices"
+MIB = 1 << 20
+LABEL_NODE = "fracplugin.io/node"
+LABEL_DRIVER = "fracplugin.io/dra-driver"
+
+
+def slice_name(node_name: str, driver: str = DRIVER_NAME) -> str:
+    """``<node>-<driver>`` (both DNS subdomains, so is the name)."""
+    return f"{node_name}-{driver}"
+
+
+def capacity_bytes(gpu: GpuInfo, reserve_mib: int) -> int:
+    """The ``memory`` capacity of one GPU, bytes: (memory - reserve) MiB, at least 0."""
+    return max(gpu.memory_mib - reserve_mib, 0) * MIB
+
+
+def build_device(gpu: GpuInfo, driver_version: str, reserve_mib: int) -> dict[str, Any]:
+    """One GPU's device entry (module docstring)."""
+    memory = str(capacity_bytes(gpu, reserve_mib))
+    return {
+        "name": device_name(gpu),
+        "allowMultipleAllocations": True,
+        "attributes": {
+            "uuid": {"string": gpu.uuid},
+            "productName": {"string": gpu.name},
+            "driverVersion": {"string": driver_version},
+            "computeCapability": {"string": gpu.compute_capability},
+            "index": {"int": gpu.index},
+        },
+        "capacity": {
+            CAPACITY_MEMORY: {
+                "value": memory,
+                "requestPolicy": {"default": memory, "validRange": {"min": str(MIB), "step": str(MIB)}},
+            },
+        },
+    }
+
+
+def build_slice(node: NodeInfo, *, reserve_mib: int, healthy: Mapping[str, bool] | None = None,
+                generation: int = 1, driver: str = DRIVER_NAME) -> dict[str, Any]:
+    """This node's ResourceSlice (a dict in the API's JSON shape).
+
+    Args:
+        node: the inventory (GPU order = device order).
+        reserve_mib: MiB per GPU kept out of the ``memory`` capacity.
+        healthy: GPU UUID -> healthy; a GPU mapped to False is left out.
+        generation: ``spec.pool.generation``.
+        driver: the driver name.
+
+    MIG-enabled GPUs are left out (a MIG GPU takes no fraction). Pure.
+    """
+    health = healthy or {}
+    devices = [build_device(g, node.driver_version, reserve_mib) for g in node.gpus
+               if health.get(g.uuid, True) and not g.mig_enabled and capacity_bytes(g, reserve_mib) > MIB]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ResourceSlice",
+        "metadata": {"name": slice_name(node.name, driver),
+                     "labels": {LABEL_NODE: node.name, LABEL_DRIVER: driver}},
+        "spec": {"driver": driver, "nodeName": node.name,
+                 "pool": {"name": node.name, "generation": generation, "resourceSliceCount": 1},
+                 "devices": devices},
+    }
+
+
+def _content(doc: Mapping[str, Any]) -> Any:
+    """What a change is measured on: the spec without the generation."""
+    spec = copy.deepcopy(dict(doc.get("spec") or {}))
+    (spec.get("pool") or {}).pop("generation", None)
+    return spec
+
+
+class SlicePublisher:
+    """Keeps this node's ResourceSlice in the API (module docstring).
+
+    Args:
+        api: a ``kubernetes.client.ApiClient`` (``--kubeconfig``), None for
+            the in-cluster config, or an object with the four
+            ``CustomObjectsApi`` cluster methods (tests).
+        node: the inventory.
+        reserve_mib: MiB per GPU kept out of the capacity.
+        healthy: () -> {GPU UUID: healthy}, read at each poll.
+        poll_s: seconds between builds.
+        resync_s: seconds after which an unchanged slice is written again.
+        timeout_s: per-request timeout.
+    """
+
+    def __init__(self, api: Any, node: NodeInfo, *, reserve_mib: int,
+                 healthy: Callable[[], Mapping[str, bool]] | None = None, poll_s: float = 5.0,
+                 resync_s: float = 300.0, timeout_s: float = 5.0, driver: str = DRIVER_NAME,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._api = api
+        self._objects: Any = None
+        self.node = node
+        self.reserve_mib = reserve_mib
+        self.healthy = healthy or (lambda: {})
+        self.poll_s = poll_s
+        self.resync_s = resync_s
+        self.timeout_s = timeout_s
+        self.driver = driver
+        self.name = slice_name(node.name, driver)
+        self._clock = clock
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._written: Any = None
+        self._written_at = 0.0
+        self._generation: int | None = None
+        self.writes = 0
+        self.errors = 0
+        self.last_error = ""
+
+    def _client(self) -> Any:
+        if self._objects is None:
+            from kubernetes import client as kclient
+            from kubernetes import config as kconfig
+
+            if self._api is None:
+                kconfig.load_incluster_config()
+                self._objects = kclient.CustomObjectsApi()
+            elif isinstance(self._api, kclient.ApiClient):
+                self._objects = kclient.CustomObjectsApi(self._api)
+            else:
+                self._objects = self._api
+        return self._objects
+
+    # ---- lifecycle ----------------------------------------------------------
+    def start(self) -> "SlicePublisher":
+        """Start the thread (the first write happens on it, at once)."""
+        self._thread = threading.Thread(target=self._run, name="dra-slices", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 2.0, delete: bool = False) -> None:
+        """End the thread; with ``delete``, delete the slice (one try, within
+        ``timeout_s``; a failure is logged)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if delete:
+            try:
+                self._client().delete_cluster_custom_object(GROUP, VERSION, PLURAL, self.name,
+                                                            _request_timeout=max(timeout_s, 0.1))
+                log.info("dra resource slice deleted", extra={"slice": self.name})
+            except Exception as exc:
+                if getattr(exc, "status", None) != 404:
+                    log.warning("dra resource slice not deleted", extra={"slice": self.name, "reason": str(exc)})
+
+    def poke(self) -> None:
+        """Build and compare now (inventory or health changed)."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sync()
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+
+    # ---- one pass -----------------------------------------------------------
+    def desired(self) -> dict[str, Any]:
+        """The slice as it should be now (generation not decided yet)."""
+        return build_slice(self.node, reserve_mib=self.reserve_mib, healthy=self.healthy(), driver=self.driver)
+
+    def sync(self) -> bool:
+        """Write the slice if it changed or the resync time passed; True when
+        it is as desired in the API after this call. Never raises."""
+        try:
+            want = self.desired()
+            content = _content(want)
+            now = self._clock()
+            with self._lock:
+                fresh = self._written == content and now - self._written_at < self.resync_s
+            if fresh:
+                return True
+            self._write(want, content)
+            with self._lock:
+                self._written, self._written_at = content, now
+                self.writes += 1
+            return True
+        except Exception as exc:
+            with self._lock:
+                self.errors += 1
+                self.last_error = f"{type(exc).__name__}: {getattr(exc, 'status', '')} {exc}"[:500]
+            log.warning("dra resource slice not written", extra={"slice": self.name, "reason": self.last_error})
+            return False
+
+    def _write(self, want: dict[str, Any], content: Any) -> None:
+        api = self._client()
+        try:
+            have = api.get_cluster_custom_object(GROUP, VERSION, PLURAL, self.name, _request_timeout=self.timeout_s)
+        except Exception as exc:
+            if getattr(exc, "status", None) != 404:
+                raise
+            have = None
+        found = int(((have or {}).get("spec") or {}).get("pool", {}).get("generation") or 0) if have else 0
+        gen = max(self._generation or 0, found)
+        if have is None or _content(have) != content:
+            gen += 1
+        gen = max(gen, 1)
+        want["spec"]["pool"]["generation"] = gen
+        if have is None:
+            api.create_cluster_custom_object(GROUP, VERSION, PLURAL, want, _request_timeout=self.timeout_s)
+        else:
+            want["metadata"]["resourceVersion"] = (have.get("metadata") or {}).get("resourceVersion")
+            api.replace_cluster_custom_object(GROUP, VERSION, PLURAL, self.name, want,
+                                              _request_timeout=self.timeout_s)
+        self._generation = gen
+        log.info("dra resource slice written", extra={"slice": self.name, "generation": gen,
+                                                      "devices": [d["name"] for d in want["spec"]["devices"]]})
+
+    def status(self) -> dict[str, Any]:
+        """Name, generation, writes, errors, the last error."""
+        with self._lock:
+            return {"slice": self.name, "generation": self._generation, "writes": self.writes,
+                    "errors": self.errors, "last_error": self.last_error}

@@ -1,0 +1,230 @@
+"""The DRA door (issue 29, ADR 0031) of the real daemon (``fracplugin run
+--dra`` subprocess on the simulated four-GPU node), driven through its real
+sockets by a test kubelet (``tests/peers/dra_kubelet.py``: the registration
+handshake, NodePrepareResources / NodeUnprepareResources), with claims and
+slices served by an HTTP stand-in for the API server
+(``tests/peers/resource_api.py``), the fake MPS control daemon, and the
+kubelet device plugin peer for the other door's holds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from test_daemon import FAKE_MPS, GPU0, NODE, DaemonProc
+from test_daemon import daemon, root  # noqa: F401  pytest fixtures
+
+from tests.helpers import wait_until
+from tests.peers.dra_kubelet import DraKubelet
+from tests.peers.resource_api import ResourceApi, claim_doc
+
+REPO = Path(__file__).resolve().parents[2]
+CDI_WITH_HOOK = REPO / "tests" / "fixtures" / "cdi" / "with-hook"
+DRIVER = "gpu-memory.fracplugin.io"
+SLICE = f"gpu-node-1-{DRIVER}"
+PARAMS = "gpu-memory.fracplugin.io/v1alpha1"
+
+
+@pytest.fixture
+def api(root: Path):  # noqa: F811
+    a = ResourceApi()
+    yield a
+    a.close()
+
+
+def start(daemon: Callable[..., DaemonProc], root: Path, api: ResourceApi, *extra: str) -> DaemonProc:  # noqa: F811
+    kubeconfig = api.serve(root)
+    return daemon("--no-nri", "--mps-control-binary", str(FAKE_MPS), "--dra", "--kubeconfig", str(kubeconfig),
+                  "--dra-plugins-dir", str(root / "plugins"), "--dra-registry-dir", str(root / "registry"),
+                  "--dra-cdi-dir", str(root / "cdi"), "--cdi-spec-dirs", str(CDI_WITH_HOOK),
+                  "--node-condition-types", "", *extra)
+
+
+def tenants(d: DaemonProc, gpu: int = 0) -> list[dict]:
+    return d.get("/status")[1]["gpus"][gpu]["tenants"]
+
+
+def test_registration_prepare_unprepare_and_the_slice(daemon: Callable[..., DaemonProc], root: Path,  # noqa: F811
+                                                      api: ResourceApi) -> None:
+    d = start(daemon, root, api, "--no-device-plugin")
+    kubelet = DraKubelet(str(root / "registry"))
+    try:
+        info = kubelet.register()
+        assert (info.type, info.name, info.version) == ("DRAPlugin", DRIVER, "v1.DRAPlugin")
+        assert info.endpoint == str(root / "plugins" / DRIVER / "dra.sock")
+        assert set(info.versions) == {"v1.DRAPlugin", "v1beta1.DRAPlugin"}
+        wait_until(lambda: d.get("/readyz")[1]["checks"].get("dra", {}).get("ready"),
+                   what=lambda: f"dra readiness: {d.get('/readyz')}")
+
+        # the slice: one device per GPU, memory = (81559 - 1024) MiB in bytes, 1 MiB step
+        assert api.wait_for(lambda a: SLICE in a.slices), api.requests
+        spec = api.slices[SLICE]["spec"]
+        assert spec["driver"] == DRIVER and spec["nodeName"] == "gpu-node-1" and spec["pool"]["name"] == "gpu-node-1"
+        dev0 = spec["devices"][0]
+        assert [x["name"] for x in spec["devices"]] == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+        assert dev0["allowMultipleAllocations"] is True and dev0["attributes"]["uuid"] == {"string": GPU0}
+        assert dev0["capacity"]["memory"]["value"] == str((81559 - 1024) << 20)
+        assert dev0["capacity"]["memory"]["requestPolicy"]["validRange"] == {"min": "1048576", "step": "1048576"}
+
+        # a 20Gi sm-sharing claim on GPU 0
+        uid = "0b7c1e9a-1111-4a55-9d0e-000000000001"
+        api.claims[("team-a", "infer-gpu")] = claim_doc(
+            "team-a", "infer-gpu", uid, memory="20Gi",
+            parameters={"apiVersion": PARAMS, "kind": "GpuMemoryParameters", "gpu-compute.mode": "sm-sharing",
+                        "gpu-memory.limit": "24Gi", "gpu-compute.portion": 0.5})
+        ref = ("team-a", uid, "infer-gpu")
+        r = kubelet.prepare(ref).claims[uid]
+        assert r.error == ""
+        assert len(r.devices) == 1
+        dev = r.devices[0]
+        assert (dev.pool_name, dev.device_name, list(dev.request_names)) == ("gpu-node-1", "gpu-0", ["gpu"])
+        assert list(dev.cdi_device_ids) == [f"{DRIVER}/claim={uid}", f"k8s.device-plugin.nvidia.com/gpu={GPU0}"]
+        assert dev.share_id == f"share-{uid[:8]}"
+        spec_file = root / "cdi" / f"{DRIVER}-claim_{uid}.json"
+        cdi = json.loads(spec_file.read_text())
+        assert cdi["kind"] == f"{DRIVER}/claim" and cdi["devices"][0]["name"] == uid
+        edits = cdi["devices"][0]["containerEdits"]
+        env = dict(e.split("=", 1) for e in edits["env"])
+        assert env["NVIDIA_VISIBLE_DEVICES"] == GPU0 and env["NVIDIA_GPU_MEMORY_REQUEST"] == "20480"
+        assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "24576" and env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=24576M" and env["FRACPLUGIN_DRA_CLAIM"] == uid
+        (mount,) = edits["mounts"]
+        assert mount["containerPath"] == "/tmp/nvidia-mps" and "ro" in mount["options"]
+        assert mount["hostPath"].startswith(str(root / "mps" / "sm" / "shared"))
+        # the ledger holds it, keyed by the claim's UID; the MPS namespace was made before the answer
+        (t,) = tenants(d)
+        assert (t["door"], t["reservation"], t["request_mib"], t["mode"]) == ("dra", f"dra:{uid}", 20480, "sm-sharing")
+        ns = [n for dm in d.get("/status")[1]["mps"]["daemons"] if dm["mode"] == "sm-sharing"
+              for n in dm["namespaces"] if n["pod_uid"] == uid]
+        assert [(n["container"], n["active_thread_percentage"], n["pinned_limit_mib"]) for n in ns] == [
+            ("dra", 50, 24576)], d.get("/status")[1]["mps"]
+        assert mount["hostPath"].endswith(ns[0]["name"])
+
+        # kubelet retries: same answer, one hold
+        again = kubelet.prepare(ref).claims[uid]
+        assert again == r
+        assert len(tenants(d)) == 1
+
+        # unprepare frees it (twice: idempotent)
+        assert kubelet.unprepare(ref).claims[uid].error == ""
+        assert tenants(d) == [] and not spec_file.exists()
+        assert wait_until(lambda: not any(n["pod_uid"] == uid for dm in d.get("/status")[1]["mps"]["daemons"]
+                                          for n in dm["namespaces"]))
+        assert kubelet.unprepare(ref).claims[uid].error == ""
+
+        # an XID-free stop deletes the slice only when asked (not here)
+        assert d.terminate() == 0
+        assert SLICE in api.slices
+        assert not (root / "registry" / f"{DRIVER}-reg.sock").exists()
+    finally:
+        kubelet.close()
+
+
+def test_bad_parameters_are_refused_naming_key_value_and_rule(daemon: Callable[..., DaemonProc],  # noqa: F811
+                                                               root: Path, api: ResourceApi) -> None:
+    d = start(daemon, root, api, "--no-device-plugin", "--no-dra-slices", "--dra-delete-slices-on-stop")
+    kubelet = DraKubelet(str(root / "registry"))
+    try:
+        kubelet.register()
+        cases = {
+            "mode": ({"gpu-compute.mode": "fast"},
+                     'GpuMemoryParameters.gpu-compute.mode="fast" must be exactly "time-slicing" or "sm-sharing"'),
+            "portion": ({"gpu-compute.portion": "1.5"}, 'GpuMemoryParameters.gpu-compute.portion="1.5" is outside (0, 1]'),
+            "limit": ({"gpu-memory.limit": "10Gi"},
+                      'GpuMemoryParameters.gpu-memory.limit="10Gi" is below the request 20Gi (20480 MiB): '
+                      "the limit must be >= the request"),
+            "unknown": ({"gpu-memory.request": "1Gi"},
+                        'GpuMemoryParameters.gpu-memory.request="1Gi" is not a field of GpuMemoryParameters'),
+        }
+        for i, (name, (fields, said)) in enumerate(cases.items()):
+            uid = f"0b7c1e9a-2222-4a55-9d0e-00000000000{i}"
+            api.claims[("team-b", name)] = claim_doc(
+                "team-b", name, uid, parameters={"apiVersion": PARAMS, "kind": "GpuMemoryParameters", **fields})
+            err = kubelet.prepare(("team-b", uid, name)).claims[uid].error
+            assert err.startswith(said), (name, err)
+        # no consumed capacity: consumable capacity is off on the cluster
+        uid = "0b7c1e9a-3333-4a55-9d0e-000000000009"
+        api.claims[("team-b", "nocap")] = claim_doc("team-b", "nocap", uid, memory=None)
+        err = kubelet.prepare(("team-b", uid, "nocap")).claims[uid].error
+        assert "has no consumedCapacity.memory" in err and "DRAConsumableCapacity" in err
+        # a claim the API does not have
+        err = kubelet.prepare(("team-b", "0b7c1e9a-4444", "gone")).claims["0b7c1e9a-4444"].error
+        assert "resourceclaim team-b/gone" in err and "404" in err
+        assert tenants(d) == [] and list((root / "cdi").glob("*.json")) == [] if (root / "cdi").exists() else True
+        assert d.get("/status")[1]["dra"]["claims"]["refused"] == 5
+    finally:
+        kubelet.close()
+
+
+def test_claim_exceeding_what_the_device_plugin_door_holds_is_refused(daemon: Callable[..., DaemonProc],  # noqa: F811
+                                                                       root: Path, api: ResourceApi) -> None:
+    from fake_kubelet import FakeKubelet
+
+    (root / "dp").mkdir()
+    dp_kubelet = FakeKubelet(str(root / "dp")).start()
+    kubelet = DraKubelet(str(root / "registry"))
+    try:
+        d = start(daemon, root, api, "--no-dra-slices", "--device-plugin-dir", str(root / "dp"),
+                  "--pod-resources-socket", str(root / "pr.sock"), "--allocate-deadline", "0.5")
+        kubelet.register()
+        rn = "fracplugin.io/gpu-memory"
+        assert wait_until(lambda: len(dp_kubelet.devices(rn)) > 0)
+        # the device plugin door holds 60 GiB of GPU 0 (time-slicing)
+        dp_kubelet.allocate(rn, [f"{GPU0}::{n}" for n in range(60)])
+        assert sum(t["request_mib"] for t in tenants(d)) == 61440
+        # 20 GiB more does not fit GPU 0's 81559 MiB
+        uid = "0b7c1e9a-5555-4a55-9d0e-000000000001"
+        api.claims[("team-c", "big")] = claim_doc("team-c", "big", uid, memory="20Gi")
+        err = kubelet.prepare(("team-c", uid, "big")).claims[uid].error
+        assert err.startswith(f'status.allocation.devices.results="{GPU0}" GPU 0 ({GPU0}) has 20119 MiB of '
+                              "81559 MiB free; this container requests 20480 MiB"), err
+        # sm-sharing on a GPU the other door uses in time-slicing: one compute mode per GPU
+        uid2 = "0b7c1e9a-5555-4a55-9d0e-000000000002"
+        api.claims[("team-c", "small")] = claim_doc(
+            "team-c", "small", uid2, memory="1Gi",
+            parameters={"apiVersion": PARAMS, "kind": "GpuMemoryParameters", "gpu-compute.mode": "sm-sharing"})
+        err = kubelet.prepare(("team-c", uid2, "small")).claims[uid2].error
+        assert "one compute mode per GPU, this container wants sm-sharing" in err, err
+        # what fits is taken, and the device plugin door then sees it
+        uid3 = "0b7c1e9a-5555-4a55-9d0e-000000000003"
+        api.claims[("team-c", "fits")] = claim_doc("team-c", "fits", uid3, memory="19Gi")
+        assert kubelet.prepare(("team-c", uid3, "fits")).claims[uid3].error == ""
+        assert sum(t["request_mib"] for t in tenants(d)) == 61440 + 19456
+    finally:
+        kubelet.close()
+        dp_kubelet.stop()
+
+
+def test_without_api_access_dra_does_not_start(root: Path) -> None:  # noqa: F811
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "run", "--simulate-node", str(NODE), "--no-nri",
+                          "--no-mps", "--no-device-plugin", "--dra", "--state-dir", str(root / "s"),
+                          "--health-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0"],
+                         capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
+                                                                           "PYTHONPATH": str(REPO / "src")})
+    assert out.returncode != 0 and "--dra" in out.stderr and "--kubeconfig" in out.stderr, out.stderr
+
+
+def test_pool_and_slice_carry_the_kubernetes_node_name(daemon: Callable[..., DaemonProc], root: Path,  # noqa: F811
+                                                       api: ResourceApi) -> None:
+    """The node file says gpu-node-1; the node is registered as worker-7 (NODE_NAME): the slice and the pool
+    Prepare checks are worker-7's, or the scheduler's allocations would never match this node."""
+    d = start(daemon, root, api, "--no-device-plugin", "--node-name", "worker-7")
+    kubelet = DraKubelet(str(root / "registry"))
+    try:
+        kubelet.register()
+        name = f"worker-7-{DRIVER}"
+        assert api.wait_for(lambda a: name in a.slices), api.requests
+        spec = api.slices[name]["spec"]
+        assert spec["nodeName"] == spec["pool"]["name"] == "worker-7"
+        uid = "0b7c1e9a-6666-4a55-9d0e-000000000001"
+        api.claims[("team-d", "w7")] = claim_doc("team-d", "w7", uid, node="worker-7", memory="1Gi")
+        assert kubelet.prepare(("team-d", uid, "w7")).claims[uid].error == ""
+        assert tenants(d)[0]["reservation"] == f"dra:{uid}"
+    finally:
+        kubelet.close()
