@@ -22,7 +22,8 @@ The steps:
    node by the chart's ServiceAccount (``system:serviceaccount:<namespace>:<the
    rendered ServiceAccount's name>``) from the doors pod (the token's
    ``authentication.kubernetes.io/pod-name``), and no writer of the node's
-   status but it, kubelet and the node controller (the test's admin never);
+   status but it, kubelet and kube-controller-manager's controllers (the
+   test's admin never);
 2. a pod requesting ``fracplugin.io/gpu-memory`` without ``nodeName``:
    placed by kube-scheduler, admitted by kubelet through the device plugin
    door, adjusted through the NRI door; its env and the pipe-directory mount
