@@ -71,6 +71,7 @@ from .model import NodeInfo
 from .parts import LogsPart, NriDoor, Part, Readiness
 from .parts import bounded as _bounded
 from .builders import POD_SOURCE_MISSING, _P, StartupError, _Builders
+from .mps.keeper import KEEPER_ENV
 
 if TYPE_CHECKING:
     from .cdi import CdiRegistry
@@ -516,8 +517,8 @@ def main(args: argparse.Namespace) -> int:
     from .limits import raise_nofile_limit
 
     raise_nofile_limit()  # soft -> hard: idle clients must not starve the ledger and MPS of descriptors
-    if cfg.role == "mps" and os.environ.get(_KEEPER_ENV) != "1":
-        return _keep_mps_role()
+    if cfg.role == "mps" and os.environ.get(KEEPER_ENV) != "1":
+        return _keep_mps_role(cfg)
     daemon = Daemon(cfg, sources, reload=lambda: configmod.load(args))
     daemon.install_signal_handlers()
     try:
@@ -532,60 +533,14 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-_KEEPER_ENV = "FRACPLUGIN_MPS_ROLE_CHILD"
+def _keep_mps_role(cfg: Config | None = None) -> int:
+    """``--role mps`` runs as a small keeper process around the real one
+    (ADR 0009; ``mps.keeper``): a crash of the role process restarts it in
+    place, and a SIGTERM/SIGINT of the keeper (pod deletion) first stops MPS
+    on purpose through ``cfg``'s MPS API socket (the daemons get
+    ``cfg.shutdown_timeout_s`` seconds), then forwards the signal. Without
+    ``cfg`` the quit is skipped. Returns the container's exit status."""
+    from .mps.keeper import keep, quit_through_api
 
-
-def _keep_mps_role() -> int:
-    """``--role mps`` runs as a small keeper around the real process (ADR 0009).
-
-    The MPS control daemons live in the container's cgroup: if the container
-    ended because the fracplugin process crashed, every client would lose its
-    server. So the container's main process is this keeper: it runs the same
-    command as a child (``FRACPLUGIN_MPS_ROLE_CHILD=1``), restarts it 1 s after
-    it dies of anything but our own stop (the new child adopts the running
-    daemons), and on SIGTERM/SIGINT forwards the signal, waits for the child
-    and exits with its status (pod deletion: MPS stops on purpose with the
-    container). Returns the exit status."""
-    import subprocess
-
-    argv = [sys.executable, "-m", "fracplugin.cli", *sys.argv[1:]]
-    env = {**os.environ, _KEEPER_ENV: "1"}
-    stopping: list[int] = []  # a list, not an Event: the handlers must take no lock (see Daemon.__init__)
-    child: list[subprocess.Popen[bytes]] = []
-
-    def forward(signum: int, _frame: Any) -> None:
-        stopping.append(signum)
-        if child and child[0].returncode is None:
-            try:
-                os.kill(child[0].pid, signum)  # not Popen.send_signal: that polls, under a lock
-            except ProcessLookupError:
-                pass
-
-    def reload(signum: int, _frame: Any) -> None:
-        if child and child[0].returncode is None:
-            try:
-                os.kill(child[0].pid, signum)
-            except ProcessLookupError:
-                pass
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, forward if sig != signal.SIGHUP else reload)
-    while True:
-        proc = subprocess.Popen(argv, env=env)
-        child[:] = [proc]
-        if stopping:  # a stop that landed while the child was being started was forwarded to no one
-            try:
-                os.kill(proc.pid, stopping[-1])
-            except ProcessLookupError:
-                pass
-        rc = proc.wait()
-        if stopping:
-            return rc if rc >= 0 else 0
-        if rc in (1, 2):  # a bad setting or a part that cannot start: let the pod report it
-            return rc
-        log.error("the MPS role process exited with status %s; restarting it in place (it adopts the running "
-                  "MPS daemons)", rc)
-        time.sleep(1.0)  # a back-off before the restart; a signal meanwhile ends the keeper
-        if stopping:
-            return 0
-
+    quit_mps = quit_through_api(cfg.effective_mps_api_socket, cfg.shutdown_timeout_s) if cfg is not None else None
+    return keep(quit_mps)

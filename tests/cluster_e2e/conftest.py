@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -182,6 +183,41 @@ def pod_logs(c: fc.FullCluster, pod: Any, container: str | None = None, previous
         if not files:
             return f"(no log: {e})"
         return "\n".join(f.read_text(errors="replace") for f in files)
+
+
+class LogFollower:
+    """``kubectl logs -f`` on a thread: one container's log streamed through
+    the API server (kubelet) from its first line until the container ends
+    (kubelet closes the stream), so that the last words of a container whose
+    pod is being deleted (and its log with it) are kept."""
+
+    def __init__(self, c: fc.FullCluster, pod: Any, container: str) -> None:
+        self.what = f"pod {pod.metadata.name} container {container}"
+        self.chunks: list[bytes] = []
+        self.error: Exception | None = None
+        self.thread = threading.Thread(target=self._run, args=(c, pod, container), daemon=True,
+                                       name=f"follow {self.what}")
+        self.thread.start()
+
+    def _run(self, c: fc.FullCluster, pod: Any, container: str) -> None:
+        try:
+            r = c.api().read_namespaced_pod_log(pod.metadata.name, pod.metadata.namespace, container=container,
+                                                follow=True, _preload_content=False)
+            for chunk in r.stream(4096):
+                self.chunks.append(chunk)
+        except Exception as e:  # noqa: BLE001 - reported by text()
+            self.error = e
+
+    def text(self, timeout: float) -> str:
+        """The log streamed so far, after waiting up to ``timeout`` seconds
+        for the stream to end; a note says when it did not, or failed."""
+        self.thread.join(timeout)
+        out = b"".join(self.chunks).decode(errors="replace")
+        if self.thread.is_alive():
+            out += f"\n(log of {self.what} still streaming after {timeout:g} s)"
+        if self.error is not None:
+            out += f"\n(log stream of {self.what} failed: {self.error})"
+        return out
 
 
 def diagnose(c: fc.FullCluster, ns: str = NAMESPACE, log_lines: int = 40) -> str:

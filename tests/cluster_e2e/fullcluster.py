@@ -28,6 +28,13 @@ and cleanup) with what a DaemonSet pod needs and that harness leaves out:
   ``NodeRestriction``), ``system:kube-controller-manager`` (with
   ``--use-service-account-credentials``), ``system:kube-scheduler``; the test
   is ``system:masters``; the daemon runs under only the chart's ClusterRole.
+* **Audit log.** The API server writes an audit log (``<base>/audit.log``,
+  JSON lines, copied with the other logs) of one kind of request only: a
+  ``patch``/``update`` of ``nodes/status`` at level ``Metadata`` (who, which
+  node, the answer; ``AUDIT_POLICY``). It shows who writes the node
+  conditions: the daemon's ServiceAccount (``system:serviceaccount:...``, with
+  the pod's name in the token's ``authentication.kubernetes.io/pod-name``
+  extra) beside kubelet.
 * **kubelet root.** ``--root-dir /var/lib/kubelet`` (the chart's
   ``hostPaths.kubeletRoot`` default: its device plugin directory is that
   path whatever the root, and the chart derives ``pod-resources`` from the
@@ -76,6 +83,15 @@ TOKENS = {  # name -> (token, user, groups)
     "kubelet": ("fp-e2e-kubelet", f"system:node:{k.NODE}", "system:nodes"),
     "controller-manager": ("fp-e2e-kcm", "system:kube-controller-manager", ""),
     "scheduler": ("fp-e2e-sched", "system:kube-scheduler", ""),
+}
+# The API server's audit policy: nodes/status writes at Metadata, nothing else (first match wins;
+# https://kubernetes.io/docs/tasks/debug/debug-cluster/audit/#audit-policy).
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "Metadata", "verbs": ["patch", "update"], "resources": [{"group": "", "resources": ["nodes/status"]}]},
+        {"level": "None"},
+    ],
 }
 IMAGE_ARCHIVE = REPO / "build" / "image" / "fracplugin-0.1.0.oci.tar"
 # The chart's default image reference fracplugin:<appVersion>, as the CRI names it.
@@ -168,6 +184,7 @@ class FullCluster(k.Cluster):
         self.dnat_rule: list[str] | None = None
         self.created_bridge = False
         self.run_dir = base / "run"
+        self.audit_log = base / "audit.log"
 
     # ---- start ---------------------------------------------------------------
     def start(self) -> None:
@@ -249,6 +266,7 @@ class FullCluster(k.Cluster):
         d = self.base / "apiserver"
         d.mkdir()
         (d / "tokens.csv").write_text("".join(f'{t},{u},{u},"{g}"\n' for t, u, g in TOKENS.values()))
+        (d / "audit-policy.json").write_text(json.dumps(AUDIT_POLICY, indent=1))
         self.apiserver = k.Proc("kube-apiserver", [
             self.bins.apiserver,
             "--etcd-servers", self.etcd_url,
@@ -264,6 +282,9 @@ class FullCluster(k.Cluster):
             "--service-account-signing-key-file", self.pki / "sa.key",
             "--service-cluster-ip-range", SERVICE_CIDR,
             "--kubelet-preferred-address-types", "InternalIP",
+            "--audit-policy-file", d / "audit-policy.json",
+            "--audit-log-path", self.audit_log,
+            "--audit-log-mode", "blocking",  # the event is on disk before the request is answered
             "--enable-priority-and-fairness=false",
             "--profiling=false",
             "--v", "1",
@@ -288,6 +309,17 @@ class FullCluster(k.Cluster):
                                      headers={"Authorization": f"Bearer {TOKENS['admin'][0]}"})
         with urllib.request.urlopen(req, timeout=10, context=ctx) as r:
             return r.read().decode()
+
+    def audit_events(self) -> list[dict[str, Any]]:
+        """The API server's audit events so far (``AUDIT_POLICY``: writes of
+        ``nodes/status``), oldest first, each an ``audit.k8s.io/v1`` Event
+        (``user.username``, ``user.extra``, ``verb``, ``objectRef``,
+        ``responseStatus.code``, ``stage``). A line being written (no newline
+        yet) is left for the next call."""
+        if not self.audit_log.exists():
+            return []
+        text = self.audit_log.read_text(errors="replace")
+        return [json.loads(ln) for ln in text[:text.rfind("\n") + 1].splitlines() if ln.strip()]
 
     def _service_dnat(self) -> None:
         """The one rule kube-proxy would write for the `kubernetes` Service."""

@@ -17,8 +17,13 @@ The steps:
    the daemon pod); every DaemonSet rolls out (numberReady ==
    desiredNumberScheduled, polled through the API) under the chart's exact
    securityContext, hostPaths, probes, ServiceAccount and RBAC; no
-   ``Forbidden`` in the daemon logs; the node conditions are written (by the
-   daemon's ServiceAccount: the test never writes them);
+   ``Forbidden`` in the daemon logs; the node conditions are True, and the
+   API server's audit log shows a successful ``nodes/status`` patch of the
+   node by the chart's ServiceAccount (``system:serviceaccount:<namespace>:<the
+   rendered ServiceAccount's name>``) from the doors pod (the token's
+   ``authentication.kubernetes.io/pod-name``), and no writer of the node's
+   status but it, kubelet and kube-controller-manager's controllers (the
+   test's admin never);
 2. a pod requesting ``fracplugin.io/gpu-memory`` without ``nodeName``:
    placed by kube-scheduler, admitted by kubelet through the device plugin
    door, adjusted through the NRI door; its env and the pipe-directory mount
@@ -32,6 +37,16 @@ The steps:
    that container's MPS namespace) keeps its MPS server PID and namespace;
    the doors roll to the new image; the ``fracplugin-mps`` pod keeps its UID
    and restart count;
+4b, 4c. (split, default) a GPU Operator driver upgrade as it reaches our pods:
+   the node label ``nvidia.com/gpu-driver-upgrade-state=pod-deletion-required``
+   (4b; then ``upgrade-done``) or ``nvidia.com/gpu.deploy.client=paused-for-driver-upgrade``
+   (4c; then ``true``) set through the API: the DaemonSet controller deletes
+   both pods (chart affinity ``gpuOperator.driverUpgrade``), the MPS role quits
+   its MPS daemons on purpose before its container ends (its log; each fake
+   control daemon's own ``quit``), no fracplugin or MPS process is left, the
+   node conditions are not True; with the label back both pods are Ready with
+   new MPS daemons and the conditions True again. The labels stay in their
+   "done" values, as on a GPU Operator node;
 5. README's uninstall block for the layout: no pod, no fracplugin or MPS
    process, no socket of ours in the device plugin directory, the NRI socket
    directory or the MPS root, no node condition left True (they are
@@ -61,8 +76,8 @@ import yaml
 
 import fullcluster as fc
 import readme
-from conftest import (NAMESPACE, container_id, crictl_json, daemonsets, diagnose_all, diagnosed, ds_rolled_out,
-                      pod_logs, pods_of, wait)
+from conftest import (NAMESPACE, LogFollower, container_id, crictl_json, daemonsets, diagnose_all, diagnosed,
+                      ds_rolled_out, pod_logs, pods_of, wait)
 
 k = fc.k
 pytestmark = [pytest.mark.cluster_e2e, pytest.mark.timeout(900)]
@@ -163,6 +178,74 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+# ---- who writes the node conditions: the API server's audit log (fullcluster.AUDIT_POLICY) ----
+POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"  # a bound ServiceAccount token's pod, in user.extra
+# kube-controller-manager's controllers (--use-service-account-credentials): the node lifecycle controller
+# marks a silent kubelet's node Unknown, the attach/detach controller writes volumesAttached
+CONTROLLERS = "system:serviceaccount:kube-system:"
+
+
+def status_writes(c: fc.FullCluster) -> list[dict[str, Any]]:
+    """The audit log's completed writes (patch/update) of our node's
+    ``nodes/status``, oldest first."""
+    return [e for e in c.audit_events() if e.get("stage") == "ResponseComplete"
+            and e.get("verb") in ("patch", "update")
+            and (e.get("objectRef") or {}).get("resource") == "nodes"
+            and (e.get("objectRef") or {}).get("subresource") == "status"
+            and (e.get("objectRef") or {}).get("name") == k.NODE]
+
+
+def writers(events: list[dict[str, Any]]) -> dict[str, str]:
+    """user -> a summary of its writes (count, verbs, pods of its token,
+    response codes), for failure messages that show what was seen."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for e in events:
+        by.setdefault(str((e.get("user") or {}).get("username")), []).append(e)
+
+    def pods(e: dict[str, Any]) -> list[str]:
+        return list(((e.get("user") or {}).get("extra") or {}).get(POD_NAME_EXTRA) or [])
+    return {u: (f"{len(es)} writes, verbs {sorted({str(e.get('verb')) for e in es})}, "
+                f"pods {sorted({p for e in es for p in pods(e)})}, "
+                f"codes {sorted({str((e.get('responseStatus') or {}).get('code')) for e in es})}")
+            for u, es in by.items()}
+
+
+def chart_service_account(helm: Any) -> str:
+    """The ServiceAccount name of the release as rendered (``helm get
+    manifest``: the chart's ``fracplugin.serviceAccountName`` helper)."""
+    docs = [d for d in yaml.safe_load_all(helm("get", "manifest", RELEASE_NAME, "-n", NAMESPACE).stdout) if d]
+    names = [d["metadata"]["name"] for d in docs if d.get("kind") == "ServiceAccount"]
+    assert len(names) == 1, f"the release renders {len(names)} ServiceAccounts: {names}"
+    return str(names[0])
+
+
+def assert_conditions_written_by(c: fc.FullCluster, user: str, pod: str) -> None:
+    """The audit log has a successful nodes/status write of our node by
+    ``user`` (the daemon's ServiceAccount) from pod ``pod`` (when the event
+    records the token's pod), and nobody but that ServiceAccount, kubelet and
+    kube-controller-manager's controllers writes our node's status (the
+    admin, the test's identity, never does). At level Metadata the log names
+    the writer, not the patched condition types."""
+    kubelet = fc.TOKENS["kubelet"][1]
+
+    def by_daemon() -> list[dict[str, Any]]:
+        return [e for e in status_writes(c) if (e.get("user") or {}).get("username") == user
+                and pod in ((e["user"].get("extra") or {}).get(POD_NAME_EXTRA) or [pod])
+                and 200 <= int((e.get("responseStatus") or {}).get("code") or 0) < 300]
+    try:
+        k.wait_for(by_daemon, 30, f"an audited nodes/status write by {user}", interval=0.5)
+    except k.HarnessError:
+        pytest.fail(f"expected a successful patch of nodes/status {k.NODE} by {user} from pod {pod} in the "
+                    f"audit log {c.audit_log}; writers seen: {writers(status_writes(c)) or 'none'}\n"
+                    f"{diagnose_all(c)}", pytrace=False)
+    others = {u: w for u, w in writers(status_writes(c)).items()
+              if u not in (user, kubelet) and not u.startswith(CONTROLLERS)}
+    assert not others, (f"expected nodes/status of {k.NODE} written only by the daemon's ServiceAccount {user}, "
+                        f"kubelet {kubelet} and controllers {CONTROLLERS}*; also seen: {others}")
+    seen = writers(by_daemon())[user]
+    print(f"node conditions written by {user}: {seen}")
+
+
 class Scenarios:
     """The steps of one install (layout ``LAYOUT``, scheduler ``SCHEDULER``);
     each concrete class lists the steps it runs, in order, as its tests."""
@@ -225,6 +308,12 @@ class Scenarios:
         # the node conditions the daemon publishes with its own ServiceAccount token
         wait(c, lambda: all(t in node_conditions(c) and node_conditions(c)[t].status == "True" for t in CONDITIONS),
              60, f"node conditions {CONDITIONS} True")
+        with diagnosed(c, f"install ({self.LAYOUT}, {self.SCHEDULER}): the ServiceAccount of pod "
+                          f"{doors.metadata.name}"):
+            sa = chart_service_account(helm)
+            assert doors.spec.service_account_name == sa, \
+                f"pod {doors.metadata.name} runs as ServiceAccount {doors.spec.service_account_name}, the chart's is {sa}"
+        assert_conditions_written_by(c, f"system:serviceaccount:{NAMESPACE}:{sa}", doors.metadata.name)
         with diagnosed(c, f"install ({self.LAYOUT}, {self.SCHEDULER})"):
             bad = forbidden_lines(c)
             assert not bad, "the API server refused the daemon (RBAC too narrow?):\n" + "\n".join(bad)
@@ -435,6 +524,79 @@ class Scenarios:
         return {"server_pid": servers.get(server, ["", "", ""])[2], "namespace": nss[0] if nss else None,
                 "client": clients[0] if clients else None}
 
+    # ---- 4b, 4c -------------------------------------------------------------------
+    def gpu_operator_pause(self, c: fc.FullCluster, steps: dict[str, Any], label: str, pause: str,
+                           done: str) -> None:
+        """A GPU Operator driver upgrade as it reaches our pods (the chart's
+        ``gpuOperator.driverUpgrade`` affinity): node label ``label`` set to
+        ``pause`` through the API. The DaemonSet controller deletes both pods
+        (its ``SuccessfulDelete`` events name them; desiredNumberScheduled 0);
+        the MPS role's keeper quits every MPS control daemon on purpose before
+        its container ends (its streamed log says so, each fake control daemon
+        logged its own ``quit`` and removed its socket and pid file; no
+        fracplugin or fake MPS process is left); the node conditions are not
+        left True. Then ``label`` = ``done``: both pods return Ready, new MPS
+        daemons run and the conditions are True again."""
+        self.needs(steps, "install")
+        what = f"{label}={pause}"
+        mps_root = c.run_dir / "mps"
+        with diagnosed(c, f"before {what}: pods of {self.daemonsets}"):
+            doors0, mps0 = only_pod(c, DOORS_SEL), only_pod(c, MPS_SEL)
+            daemons = {p.parent.name: int(p.read_text().split()[0])
+                       for p in mps_root.glob("*/nvidia-cuda-mps-control.pid")}
+            assert sorted(daemons) == ["sm", "ts"] and all(pid_alive(p) for p in daemons.values()), daemons
+            logs0 = {m: (mps_root / "log" / m / "control.log").stat().st_size for m in daemons}
+            follow = LogFollower(c, mps0, mps0.spec.containers[0].name)
+        t0 = time.monotonic()
+        c.api().patch_node(k.NODE, {"metadata": {"labels": {label: pause}}})
+        wait(c, lambda: not pods_of(c), 120, f"{what}: pods {doors0.metadata.name} and {mps0.metadata.name} "
+                                             "deleted by the DaemonSet controller")
+        gone_s = round(time.monotonic() - t0, 1)
+        with diagnosed(c, f"after {what}: pods {doors0.metadata.name}, {mps0.metadata.name} container mps"):
+            counts = {d.metadata.name: d.status.desired_number_scheduled for d in daemonsets(c)}
+            assert counts == {n: 0 for n in self.daemonsets}, f"desiredNumberScheduled under {what}: {counts}"
+            deleted = {e.message for e in c.api().list_namespaced_event(NAMESPACE).items
+                       if e.reason == "SuccessfulDelete" and e.involved_object.kind == "DaemonSet"}
+            for p in (doors0, mps0):
+                assert f"Deleted pod: {p.metadata.name}" in deleted, \
+                    f"expected the DaemonSet controller's event 'Deleted pod: {p.metadata.name}'; seen: {deleted}"
+            log = follow.text(30)
+            assert "MPS stopped on purpose: every MPS control daemon quit" in log, \
+                ("expected the MPS role's log to say 'MPS stopped on purpose: every MPS control daemon quit'; "
+                 "its last lines:\n" + "\n".join(log.splitlines()[-15:]))
+            for m, size in logs0.items():
+                with open(mps_root / "log" / m / "control.log", "rb") as f:
+                    f.seek(size)
+                    new = f.read().decode(errors="replace")
+                assert "Exiting control daemon (fake)" in new, \
+                    f"expected MPS {m} control daemon pid {daemons[m]} to quit (its control.log); it logged: {new!r}"
+                left = [x.name for x in (mps_root / m / "control", mps_root / m / "nvidia-cuda-mps-control.pid")
+                        if x.exists()]
+                assert not left, f"MPS {m} daemon quit but left {left} in {mps_root / m}"
+        wait(c, lambda: not _our_processes(), 60, f"{what}: no fracplugin or MPS process on the host")
+        with diagnosed(c, f"after {what}: node {k.NODE} conditions"):
+            conds = node_conditions(c)
+            last = {t: (conds[t].status, conds[t].reason) for t in CONDITIONS if t in conds}
+            still = {t: v for t, v in last.items() if v[0] == "True"}
+            assert not still, f"expected node conditions {CONDITIONS} not True under {what}; seen {last}"
+        t1 = time.monotonic()
+        c.api().patch_node(k.NODE, {"metadata": {"labels": {label: done}}})
+        wait(c, lambda: sorted(d.metadata.name for d in daemonsets(c)) == sorted(self.daemonsets)
+             and all(ds_rolled_out(d) for d in daemonsets(c)), ROLLOUT_S,
+             f"{label}={done}: DaemonSets {self.daemonsets} back and rolled out")
+        wait(c, lambda: all(t in node_conditions(c) and node_conditions(c)[t].status == "True" for t in CONDITIONS),
+             60, f"{label}={done}: node conditions {CONDITIONS} True again")
+        back_s = round(time.monotonic() - t1, 1)
+        with diagnosed(c, f"after {label}={done}: the new pods of {self.daemonsets}"):
+            doors, mps = only_pod(c, DOORS_SEL), only_pod(c, MPS_SEL)
+            assert doors.metadata.uid != doors0.metadata.uid and mps.metadata.uid != mps0.metadata.uid
+            now = {p.parent.name: int(p.read_text().split()[0]) for p in mps_root.glob("*/nvidia-cuda-mps-control.pid")}
+            assert sorted(now) == ["sm", "ts"] and all(pid_alive(p) for p in now.values()), now
+            assert not set(now.values()) & set(daemons.values()), (daemons, now)
+        print(f"{what}: pods gone in {gone_s} s, MPS quit on purpose, conditions {last}; "
+              f"{label}={done}: back Ready in {back_s} s")
+        steps[self.key(f"gpu-operator {label}")] = last
+
     # ---- 5 ------------------------------------------------------------------------
     def uninstall(self, c: fc.FullCluster, helm: Any, kubectl: Any, steps: dict[str, Any]) -> None:
         self.needs(steps, "install")
@@ -490,6 +652,15 @@ class TestSplit(Scenarios):
 
     def test_4_helm_upgrade_new_image_keeps_the_mps_client(self, cluster, helm, steps):
         self.upgrade_keeps_mps_client(cluster, helm, steps)
+
+    def test_4b_gpu_operator_driver_upgrade_state_evicts_then_returns(self, cluster, steps):
+        # the upgrade controller's state while it deletes GPU pods; any state but upgrade-done evicts us
+        self.gpu_operator_pause(cluster, steps, "nvidia.com/gpu-driver-upgrade-state", "pod-deletion-required",
+                                "upgrade-done")
+
+    def test_4c_gpu_operator_driver_manager_pause_evicts_then_returns(self, cluster, steps):
+        # k8s-driver-manager's pause of the GPU clients before it unloads the driver, and their return
+        self.gpu_operator_pause(cluster, steps, "nvidia.com/gpu.deploy.client", "paused-for-driver-upgrade", "true")
 
     def test_5_readme_uninstall_leaves_nothing(self, cluster, helm, kubectl, steps):
         self.uninstall(cluster, helm, kubectl, steps)

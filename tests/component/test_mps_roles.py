@@ -83,9 +83,15 @@ class Role:
     def ready(self) -> bool:
         return self.get("/readyz")[0] == 200
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
+    def stop(self, sig: int = signal.SIGTERM, group: bool = True) -> int:
+        """``sig`` to the whole process group (``group``), or to the main
+        process alone (what a container runtime does with a container stop's
+        SIGTERM: the container's main process, here the MPS role's keeper)."""
         assert self.proc is not None
-        os.killpg(self.proc.pid, sig)  # the whole process group, as a container stop would
+        if group:
+            os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
         return self.proc.wait(30)
 
 
@@ -299,7 +305,20 @@ def test_mps_role_restart_and_kill_adopt_the_running_daemons(root: Path) -> None
     wait_for(mps.ready, timeout_s=30, what="MPS role ready after the in-place restart")
     assert mps.proc.poll() is None and mps_pids(root) == pids
     assert all(d["adopted"] for d in mps.get("/status")[1]["mps"]["daemons"])
+    # SIGTERM / SIGKILL of the role process alone: a restart in place (above). SIGKILL of every process of the
+    # role (its keeper too): the daemons outlive it here (their own session, no parent-death signal; in a
+    # container the runtime's cgroup kill would end them). SIGTERM of the keeper: the next test.
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        if sig == signal.SIGTERM:
+            child = json.loads(mps.endpoints_file.read_text())["pid"]
+            os.kill(child, sig)
+            wait_for(lambda: mps.endpoints_file.exists()
+                     and json.loads(mps.endpoints_file.read_text())["pid"] != child,
+                     timeout_s=30, what="the MPS role process restarted in place after its SIGTERM")
+            mps.health = json.loads(mps.endpoints_file.read_text())["health"]
+            wait_for(mps.ready, timeout_s=30, what="MPS role ready after the SIGTERM of its process")
+            assert mps.proc.poll() is None and mps_pids(root) == pids
+            continue
         mps.stop(sig)
         assert mps_pids(root) == pids  # the daemons outlive the role (their own session, no parent-death signal)
         mps = mps_role(root).start()
@@ -314,3 +333,29 @@ def test_mps_role_restart_and_kill_adopt_the_running_daemons(root: Path) -> None
     assert out.returncode == 0, out.stderr
     wait_for(lambda: not any(Path(f"/proc/{p[0]}").exists() for p in pids.values()), what="daemons quit")
     mps.stop()
+
+
+def test_a_sigterm_of_the_keeper_stops_mps_on_purpose(root: Path) -> None:
+    """Pod deletion (kubectl delete pod, a drain, a GPU Operator driver
+    upgrade's affinity flip): the runtime sends SIGTERM to the container's
+    main process, the keeper, and kills what is left in the cgroup after it
+    exits. The keeper first quits every control daemon through the API
+    socket (ADR 0008 decision 13, ADR 0009): the daemons exit through their
+    own ``quit`` path (the fake logs it and removes its pid file and socket),
+    their servers end, the role's log says so, and the keeper exits 0."""
+    mps = mps_role(root).start()
+    wait_for(mps.ready, timeout_s=30, what="MPS role ready")
+    pids = mps_pids(root)
+    servers = [int(s) for _, srv in pids.values() for s in srv]
+    assert servers, pids
+    assert mps.stop(signal.SIGTERM, group=False) == 0, mps.logs()
+    log = mps.logs()
+    assert "MPS stopped on purpose: every MPS control daemon quit" in log, log
+    for mode_dir in ("ts", "sm"):
+        control_log = (root / "mps" / "log" / mode_dir / "control.log").read_text()
+        assert control_log.rstrip().endswith("Exiting control daemon (fake)"), (mode_dir, control_log[-500:])
+        assert not (root / "mps" / mode_dir / "control").exists()
+        assert not (root / "mps" / mode_dir / "nvidia-cuda-mps-control.pid").exists()
+    gone = [p for p in [d for d, _ in pids.values()] + servers if Path(f"/proc/{p}").exists()]
+    wait_for(lambda: not [p for p in gone if Path(f"/proc/{p}").exists()], timeout_s=10,
+             what=f"MPS daemons and servers {gone} gone")

@@ -42,3 +42,47 @@ def test_a_sigterm_while_the_child_starts_is_forwarded_to_it(monkeypatch: pytest
     assert len(started) == 1
     assert started[0].returncode == -signal.SIGTERM  # stopped by the forwarded signal, not slept out
     assert rc == 0
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_sigterm_quits_mps_on_purpose_before_it_is_forwarded(fails: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """``mps.keeper.keep``: the quit runs while the child still lives (the
+    MPS role answers it), then the SIGTERM reaches the child; a quit that
+    cannot be made is logged and the signal is still forwarded."""
+    from fracplugin.mps.api import MpsError
+    from fracplugin.mps.keeper import keep
+
+    seen: list[bool] = []
+    child_pid: list[int] = []
+
+    def quit_mps() -> None:
+        seen.append(os.path.exists(f"/proc/{child_pid[0]}"))  # the child is alive when MPS is asked
+        if fails:
+            raise MpsError("MPS API /run/x/api.sock not reachable")
+
+    argv = [sys.executable, "-c", "import os, sys, time; print(os.getpid(), flush=True); time.sleep(30)"]
+    real_popen = subprocess.Popen
+
+    def popen(a, env=None):  # noqa: ANN001 - the keeper's call shape
+        proc = real_popen(a, env=env)
+        child_pid.append(proc.pid)
+        os.kill(os.getpid(), signal.SIGTERM)  # a container stop while the role runs
+        return proc
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    mp = pytest.MonkeyPatch()
+    mp.setattr(subprocess, "Popen", popen)
+    try:
+        with caplog.at_level("INFO", logger="fracplugin.daemon"):
+            rc = keep(quit_mps, argv)
+    finally:
+        mp.undo()
+        for s, h in old.items():
+            signal.signal(s, h)
+    assert seen == [True] and rc == 0
+    text = caplog.text
+    assert "MPS is stopped on purpose" in text
+    if fails:
+        assert "could not quit MPS on purpose (MPS API /run/x/api.sock not reachable)" in text
+    else:
+        assert "MPS stopped on purpose: every MPS control daemon quit" in text
