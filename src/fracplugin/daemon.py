@@ -57,13 +57,13 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 from . import __version__, logs
+from .atomicfile import write_atomically
 from . import config as configmod
 from .config import Config, ConfigError
 from .ledger import Ledger
@@ -95,13 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ---- helpers -----------------------------------------------------------------
 def _write_json_atomic(path: str, doc: Any) -> None:
-    d = os.path.dirname(path) or "."
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".endpoints.", dir=d)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(doc, indent=1) + "\n", mode=0o600, make_parents=True)
 
 
 _T = TypeVar("_T")

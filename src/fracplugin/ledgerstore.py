@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from .atomicfile import write_atomically
 from .ledgerindex import _LedgerIndex
 from .model import GpuInfo, Tenancy
 
@@ -296,25 +296,7 @@ class _LedgerStore(_LedgerIndex):
 
     @staticmethod
     def _write_atomically(path: Path, data: bytes) -> None:
-        directory = path.parent
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_atomically(path, data, mode=0o600)
 
 
 

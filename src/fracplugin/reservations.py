@@ -41,6 +41,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Container, Mapping, Sequence
 
+from .atomicfile import write_atomically
 from .model import Tenancy
 
 log = logging.getLogger(__name__)
@@ -104,12 +105,8 @@ class ReservationProofs:
     def _save(self) -> None:
         if self.path is None:
             return
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(self._proofs, f)
-            os.replace(tmp, self.path)
+            write_atomically(self.path, json.dumps(self._proofs), mode=0o600)
         except OSError as exc:
             log.warning("reservation proofs not saved", extra={"path": str(self.path), "reason": str(exc)})
 

@@ -26,12 +26,11 @@ Concurrency: one file per claim UID; the door serialises work per claim.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..atomicfile import write_atomically
 from ..model import ContainerPlan
 from . import DRIVER_NAME
 
@@ -70,23 +69,8 @@ def write_spec(cdi_dir: str, claim_uid: str, plan: ContainerPlan) -> Path:
     """Write the claim's spec atomically (0644; the directory is created).
     Returns its path. Raises OSError, ValueError (bad UID)."""
     path = spec_path(cdi_dir, claim_uid)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = json.dumps(spec_document(claim_uid, plan), indent=1, sort_keys=True).encode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
+    return write_atomically(path, data, mode=0o644, make_parents=True)
 
 
 def remove_spec(cdi_dir: str, claim_uid: str) -> bool:

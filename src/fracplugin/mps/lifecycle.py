@@ -24,6 +24,7 @@ import threading
 import time
 from typing import IO, Any
 
+from ..atomicfile import write_atomically
 from ..model import ComputeMode
 from .api import RESOURCE_ERRNOS, MpsError
 from .control import render_config_toml
@@ -61,10 +62,7 @@ class DaemonProcesses:
             cfg = os.path.join(d.log_dir, "mps-control.toml")
             sm = d.mode is ComputeMode.SM_SHARING
             text = render_config_toml(sm_sharing=sm, servers=(SM_SERVER,))
-            tmp = cfg + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, cfg)
+            write_atomically(cfg, text, mode=0o644)
             # -m (multiuser) on both daemons: root-owned named servers that
             # clients of any UID attach to (docs/reference/mps-nvml.md 1.6, 2.3); context-share
             # (config above) is what makes one sm-sharing and the other time-sliced.

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
 import time
 
+from ..atomicfile import write_atomically
 from ..model import ComputeMode
 from .api import MpsError, MpsTimeout
 from .layout import SM_SERVER, namespace_name
@@ -183,20 +182,10 @@ class NamespaceBook:
             return
         with self.c.lock:
             doc = {"version": 1, "namespaces": {n: r.to_dict() for n, r in sorted(self.c.namespaces.items())}}
-        tmp = f"{self.c.state_file}.tmp.{os.getpid()}.{threading.get_ident()}"
         try:
-            os.makedirs(os.path.dirname(self.c.state_file) or ".", exist_ok=True)
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(doc, f, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.c.state_file)
+            write_atomically(self.c.state_file, json.dumps(doc, sort_keys=True), mode=0o644, make_parents=True)
         except OSError as e:
             log.error("cannot write MPS namespace state %s: %s", self.c.state_file, e)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
     def ensure(
         self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float,

@@ -1,0 +1,70 @@
+"""One way to replace a file on disk so that a reader, or the daemon after a
+crash, sees either the old content or the new, never a part (the house rule:
+"state on disk stays consistent: atomic rename or a journal, fsync'd").
+
+Used by every file the daemon writes whole: the ledger's snapshot
+(``ledgerstore``), the MPS role's namespace state (``mps/namespaces``) and
+control daemon config (``mps/lifecycle``), the reservation proofs
+(``reservations``), ``endpoints.json`` (``daemon``) and the DRA door's CDI
+specs (``dra/cdispec``).
+
+The rule it follows is POSIX ``rename(2)``: replacing a name within one
+directory is atomic. The temporary file is made in the target's own
+directory (same filesystem), written and ``fsync``'d before the rename, and
+the directory is ``fsync``'d after it so the new name survives a power loss
+(ext4/xfs semantics; on tmpfs the fsyncs cost nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["write_atomically"]
+
+
+def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644,
+                     make_parents: bool = False, sync: bool = True) -> Path:
+    """Replace ``path`` with ``data`` (bytes, or str written as UTF-8).
+
+    Args:
+        path: the file to replace (or create).
+        data: its whole new content.
+        mode: the new file's permission bits (default 0644; applied before
+            the rename, so the file is never visible with other bits).
+        make_parents: create missing parent directories (mode 0755 less the
+            umask) first.
+        sync: ``fsync`` the file before and the directory after the rename
+            (default). False only for files whose loss at a power cut costs
+            nothing but a rewrite (none of the daemon's state).
+
+    Returns the path. Raises OSError (the temporary file is removed, the old
+    content is untouched).
+    """
+    target = Path(path)
+    if make_parents:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=str(target.parent))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    if sync:
+        dfd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return target
