@@ -192,20 +192,7 @@ class DraServer:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        pool = futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=prefix)
-        server = grpc.server(pool, options=grpcopts.server_options(), maximum_concurrent_rpcs=self.max_workers)
-        add(server)
-        try:
-            bound = server.add_insecure_port("unix:" + tmp)
-        except RuntimeError as e:  # grpcio raises where older versions returned 0
-            bound, why = 0, str(e)
-        else:
-            why = "grpc could not bind it"
-        if bound == 0:
-            server.stop(grace=0)
-            pool.shutdown(wait=False)
-            raise OSError(f"cannot listen on {path}: {why}")
-        server.start()
+        server, pool = grpcopts.serve_unix(tmp, add, self.max_workers, prefix)
         os.rename(tmp, path)
         with self._lock:
             self._servers.append((server, pool))

@@ -14,9 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent import futures
 
-import grpc
 
 from .._proto import deviceplugin_pb2_grpc as pb_grpc
 from . import grpcopts
@@ -103,20 +101,9 @@ class _DoorServing(_DoorAnswers):
         """A started grpcio server for the DevicePlugin service on unix socket
         ``path`` (options: ``grpcopts.server_options``). Raises OSError when
         the socket cannot be bound."""
-        pool = futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="fracplugin-dp")
-        server = grpc.server(pool, options=grpcopts.server_options(), maximum_concurrent_rpcs=self.max_workers)
-        pb_grpc.add_DevicePluginServicer_to_server(_Servicer(self), server)
-        try:
-            bound = server.add_insecure_port("unix:" + path)
-        except RuntimeError as e:  # grpcio raises where older versions returned 0
-            bound, why = 0, str(e)
-        else:
-            why = "grpc could not bind it"
-        if bound == 0:
-            server.stop(grace=0)
-            pool.shutdown(wait=False)
-            raise OSError(f"cannot listen on {path}: {why}")
-        server.start()
+        server, pool = grpcopts.serve_unix(
+            path, lambda s: pb_grpc.add_DevicePluginServicer_to_server(_Servicer(self), s), self.max_workers,
+            "fracplugin-dp")
         return _Served(server, pool)
 
     def socket_identity(self) -> tuple[int, int] | None:

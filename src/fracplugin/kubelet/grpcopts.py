@@ -23,7 +23,8 @@ grpc/grpc (the ``GRPC_ARG_*`` constants).
 
 from __future__ import annotations
 
-from typing import Final
+from concurrent import futures
+from typing import Callable, Final
 
 import grpc
 
@@ -89,6 +90,32 @@ def client_options() -> list[tuple[str, int | str]]:
         ("grpc.max_reconnect_backoff_ms", largest),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ]
+
+
+def serve_unix(path: str, add: Callable[[grpc.Server], None], max_workers: int,
+               thread_name_prefix: str) -> tuple[grpc.Server, futures.ThreadPoolExecutor]:
+    """A started grpcio server on unix socket ``path`` with the door's
+    options (``server_options``), ``max_workers`` handler threads named
+    ``thread_name_prefix`` and at most that many concurrent RPCs; ``add``
+    registers its servicers. Used by the device plugin door and the DRA door.
+    Returns (server, its thread pool). Raises OSError when the socket cannot
+    be bound (grpcio raises RuntimeError or returns port 0: both become
+    OSError naming ``path``); nothing is left running then."""
+    pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+    server = grpc.server(pool, options=server_options(), maximum_concurrent_rpcs=max_workers)
+    add(server)
+    try:
+        bound = server.add_insecure_port("unix:" + path)
+    except RuntimeError as e:  # grpcio raises where older versions returned 0
+        bound, why = 0, str(e)
+    else:
+        why = "grpc could not bind it"
+    if bound == 0:
+        server.stop(grace=0)
+        pool.shutdown(wait=False)
+        raise OSError(f"cannot listen on {path}: {why}")
+    server.start()
+    return server, pool
 
 
 def unix_channel(path: str) -> grpc.Channel:
