@@ -80,6 +80,8 @@ IMAGE_ENV = {"MALLOC_ARENA_MAX": "2"}  # the Dockerfile's ENV that bears on memo
 FAST_PATH = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 P = "nvidia.com/container."
 
+from fracplugin.model import ComputeMode  # noqa: E402
+from fracplugin.mps.layout import MpsLayout  # noqa: E402
 from fracplugin.sim.kubelet import KubeletSim  # noqa: E402
 from fracplugin.sim.nri_runtime import NriRuntimeServer  # noqa: E402
 from benchjson import merge  # noqa: E402
@@ -252,16 +254,23 @@ class Node:
 
 def command_wall_ms(node: Node, n: int = 20) -> float:
     """Median wall time of one control command (``server list``) through the
-    client binary against the sm-sharing daemon, ms."""
-    pipe = node.mps_root / "sm-sharing"
-    env = {**os.environ, "PATH": FAST_PATH, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
+    client binary against the sm-sharing daemon, ms. The pipe directory is
+    the layout's (``MpsLayout.pipe_dir``: ``<root>/sm``). Raises
+    RuntimeError when a command fails: a failed command ("Cannot find MPS
+    control daemon process") costs a fraction of a real one, so its time
+    must never stand for one."""
+    pipe = MpsLayout(str(node.mps_root)).pipe_dir(ComputeMode.SM_SHARING)
+    env = {**os.environ, "PATH": FAST_PATH, "CUDA_MPS_PIPE_DIRECTORY": pipe}
     env.pop("CUDA_MPS_PROTOCOL_VERSION", None)
     walls = []
     for _ in range(n):
         t0 = time.perf_counter()
-        subprocess.run([str(node.client), "server", "list", "--format=csv,noheader"], capture_output=True,
-                       env=env, timeout=20, check=False)
+        proc = subprocess.run([str(node.client), "server", "list", "--format=csv,noheader"], capture_output=True,
+                              env=env, timeout=20, check=False)
         walls.append((time.perf_counter() - t0) * 1000)
+        if proc.returncode != 0:
+            raise RuntimeError(f"server list against {pipe} failed (exit {proc.returncode}): "
+                               f"{(proc.stdout + proc.stderr).decode(errors='replace').strip()}")
     return statistics.median(walls)
 
 
