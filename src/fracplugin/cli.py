@@ -18,7 +18,7 @@ from . import __version__
 
 # subcommand -> (module, help)
 SUBCOMMANDS = {
-    "run": ("fracplugin.daemon", "run the node daemon (NRI plugin, device plugin, MPS supervisor, metrics)"),
+    "run": ("fracplugin.runcmd", "run the node daemon (NRI plugin, device plugin, MPS supervisor, metrics)"),
     "explain": ("fracplugin.explain", "show what each container of a pod would get on a node, or why it is refused"),
     "status": ("fracplugin.status", "show the running daemon's GPUs, tenants, MPS daemons and readiness"),
     "demo": ("fracplugin.demo", "run the daemon on a simulated node and drive it through both doors"),

@@ -1,4 +1,4 @@
-"""``fracplugin run``: build every part, start them, serve, stop them in order.
+"""``fracplugin run``'s daemon (entered from ``runcmd.main``): build every part, start them, serve, stop them in order.
 
 Start order (each part switchable, docs/reference/design.md section 3):
 
@@ -50,7 +50,6 @@ stuck part cannot eat the whole shutdown budget.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -71,7 +70,6 @@ from .model import NodeInfo
 from .parts import LogsPart, NriDoor, Part, Readiness
 from .parts import bounded as _bounded
 from .builders import POD_SOURCE_MISSING, _P, StartupError, _Builders
-from .mps.keeper import KEEPER_ENV
 
 if TYPE_CHECKING:
     from .cdi import CdiRegistry
@@ -86,11 +84,6 @@ if TYPE_CHECKING:
     from .mps.api import MpsApi
 
 log = logging.getLogger("fracplugin.daemon")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of ``fracplugin run`` (see ``config.add_arguments``)."""
-    configmod.add_arguments(p)
 
 
 # ---- helpers -----------------------------------------------------------------
@@ -495,25 +488,13 @@ class Daemon(_Builders):
                 log.error("MPS did not stop in time: killed pid %s", pid, extra={"mode": d.get("mode"), "pid": pid})
 
 
-def main(args: argparse.Namespace) -> int:
-    """``fracplugin run``: exit 0 after an orderly stop, 1 when a part cannot
-    start, 2 for a bad setting."""
-    try:
-        cfg, sources = configmod.load(args)
-        configmod.check_paths(cfg, sources)
-    except ConfigError as exc:
-        print(f"fracplugin run: {exc}", file=sys.stderr)
-        return 2
-    logs.setup(cfg.log_format, cfg.log_level)
-    for key, closest in configmod.unknown_env(os.environ):
-        log.warning("ignored environment variable %s: it names no setting%s", key,
-                    f" (did you mean {closest}?)" if closest else "", extra={"variable": key, "closest": closest})
-    from .limits import raise_nofile_limit
-
-    raise_nofile_limit()  # soft -> hard: idle clients must not starve the ledger and MPS of descriptors
-    if cfg.role == "mps" and os.environ.get(KEEPER_ENV) != "1":
-        return _keep_mps_role(cfg)
-    daemon = Daemon(cfg, sources, reload=lambda: configmod.load(args))
+def serve(cfg: Config, sources: dict[str, str], reload: Callable[[], tuple[Config, dict[str, str]]]) -> int:
+    """Run the daemon with ``cfg`` (``sources``: where each setting came
+    from, ``config.load``; ``reload``: re-reads the settings at SIGHUP) until
+    SIGTERM/SIGINT; ``fracplugin run`` calls it after the settings and
+    logging are set up (``runcmd.main``). Returns 0 after an orderly stop, 1
+    when a part cannot start."""
+    daemon = Daemon(cfg, sources, reload=reload)
     daemon.install_signal_handlers()
     try:
         daemon.start()
@@ -525,16 +506,3 @@ def main(args: argparse.Namespace) -> int:
     daemon.serve_forever()
     daemon.stop()
     return 0
-
-
-def _keep_mps_role(cfg: Config | None = None) -> int:
-    """``--role mps`` runs as a small keeper process around the real one
-    (ADR 0009; ``mps.keeper``): a crash of the role process restarts it in
-    place, and a SIGTERM/SIGINT of the keeper (pod deletion) first stops MPS
-    on purpose through ``cfg``'s MPS API socket (the daemons get
-    ``cfg.shutdown_timeout_s`` seconds), then forwards the signal. Without
-    ``cfg`` the quit is skipped. Returns the container's exit status."""
-    from .mps.keeper import keep, quit_through_api
-
-    quit_mps = quit_through_api(cfg.effective_mps_api_socket, cfg.shutdown_timeout_s) if cfg is not None else None
-    return keep(quit_mps)

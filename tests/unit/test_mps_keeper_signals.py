@@ -1,4 +1,4 @@
-"""The MPS role's keeper (``daemon._keep_mps_role``, ADR 0009): a SIGTERM
+"""The MPS role's keeper (``runcmd.keep_mps_role``, ADR 0009): a SIGTERM
 that lands while the keeper is starting its child (after the previous check,
 before the child is known to the handler) still reaches that child.
 
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from fracplugin import daemon as daemonmod
+from fracplugin import runcmd
 
 
 def test_a_sigterm_while_the_child_starts_is_forwarded_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -31,7 +31,7 @@ def test_a_sigterm_while_the_child_starts_is_forwarded_to_it(monkeypatch: pytest
     monkeypatch.setattr(subprocess, "Popen", popen_then_sigterm)
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        rc = daemonmod._keep_mps_role()
+        rc = runcmd.keep_mps_role()
     finally:
         for s, h in old.items():
             signal.signal(s, h)
