@@ -410,6 +410,12 @@ class TestDra(Scenarios):
         for t in api.list_namespaced_custom_object(GROUP, VERSION, "default", "resourceclaimtemplates")["items"]:
             api.delete_namespaced_custom_object(GROUP, VERSION, "default", "resourceclaimtemplates",
                                                 t["metadata"]["name"])
+        with diagnosed(c, "the ResourceSlice before uninstall"):
+            # written on change only: the empty first write, the four GPUs, nothing since (no rewrite loop
+            # over what the API server stored)
+            gen = [s["spec"]["pool"]["generation"] for s in resource_slices(c)]
+            print(f"dra: ResourceSlice pool generation {gen} before uninstall")
+            assert gen and gen[0] <= 2, gen
         self.uninstall(c, helm, kubectl, steps)
         wait(c, lambda: not resource_slices(c), 60, f"the ResourceSlice of {DRIVER} deleted at uninstall")
         with diagnosed(c, "after README's uninstall with dra.enabled"):
