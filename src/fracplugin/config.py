@@ -256,7 +256,7 @@ _HELP = {
                      "Allocate; re-read when they change; empty = none",
     "dra": "enable the DRA door (driver gpu-memory.fracplugin.io): serve kubelet's DRA plugin API under "
            "--dra-plugins-dir, register in --dra-registry-dir, publish a ResourceSlice of this node's GPUs "
-           "(needs API access; off by default, not yet proven on a cluster: ADR 0031)",
+           "(needs API access; off by default: ADR 0031, README \"DRA\")",
     "dra_plugins_dir": "kubelet's plugins directory; the DRA socket is <dir>/gpu-memory.fracplugin.io/dra.sock",
     "dra_registry_dir": "kubelet's plugin registration directory (plugins_registry)",
     "dra_cdi_dir": "directory where the DRA door writes one CDI spec per prepared claim (read by the runtime)",

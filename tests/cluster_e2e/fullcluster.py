@@ -93,6 +93,31 @@ AUDIT_POLICY = {
         {"level": "None"},
     ],
 }
+
+
+# Feature gates per Kubernetes line, the same on kube-apiserver, kube-controller-manager, kube-scheduler and
+# kubelet (each component checks its own copy): DRA consumable capacity (KEP-5075, the DRA door's
+# allowMultipleAllocations and capacity requests, ADR 0031) is alpha, off by default, in 1.34/1.35 and beta, on
+# by default, from 1.36 (pkg/features/kube_features.go of each line). Without it the API server drops
+# allowMultipleAllocations from our ResourceSlice and capacity.requests from a claim.
+DRA_CONSUMABLE_CAPACITY_ON_BY_DEFAULT = (1, 36)
+
+
+def feature_gates(version: str) -> dict[str, bool]:
+    """The feature gates the cluster of Kubernetes line ``version`` (``v1.35.4``) turns on: what the DRA door
+    needs where it is not on by default (``DRAConsumableCapacity`` below 1.36); {} from 1.36."""
+    if k.version_tuple(version)[:2] < DRA_CONSUMABLE_CAPACITY_ON_BY_DEFAULT:
+        return {"DRAConsumableCapacity": True}
+    return {}
+
+
+def gates_flag(gates: dict[str, bool]) -> list[str]:
+    """``--feature-gates=A=true,B=false`` (none when ``gates`` is empty)."""
+    if not gates:
+        return []
+    return ["--feature-gates=" + ",".join(f"{g}={str(v).lower()}" for g, v in sorted(gates.items()))]
+
+
 IMAGE_ARCHIVE = REPO / "build" / "image" / "fracplugin-0.1.0.oci.tar"
 # The chart's default image reference fracplugin:<appVersion>, as the CRI names it.
 DAEMON_IMAGE = "docker.io/library/fracplugin:0.1.0"
@@ -185,6 +210,7 @@ class FullCluster(k.Cluster):
         self.created_bridge = False
         self.run_dir = base / "run"
         self.audit_log = base / "audit.log"
+        self.gates = feature_gates(bins.kube.version)
 
     # ---- start ---------------------------------------------------------------
     def start(self) -> None:
@@ -287,6 +313,7 @@ class FullCluster(k.Cluster):
             "--audit-log-mode", "blocking",  # the event is on disk before the request is answered
             "--enable-priority-and-fairness=false",
             "--profiling=false",
+            *gates_flag(self.gates),
             "--v", "1",
         ], self.base / "apiserver.log")
         self.kubeconfig = self._kubeconfig("admin")
@@ -341,6 +368,7 @@ class FullCluster(k.Cluster):
             "--root-ca-file", self.pki / "ca.crt",
             "--controllers", "*",
             "--profiling=false",
+            *gates_flag(self.gates),
             "--v", "1",
         ], self.base / "controller-manager.log")
 
@@ -354,7 +382,7 @@ class FullCluster(k.Cluster):
         self.scheduler = k.Proc("kube-scheduler", [
             self.fb.scheduler, "--config", cfg,
             "--bind-address", "127.0.0.1", "--secure-port", str(h.free_port()),
-            "--cert-dir", self.base / "sched-certs", "--profiling=false", "--v", "1",
+            "--cert-dir", self.base / "sched-certs", "--profiling=false", *gates_flag(self.gates), "--v", "1",
         ], self.base / "scheduler.log")
 
     def kubelet_config(self) -> Path:
@@ -362,6 +390,8 @@ class FullCluster(k.Cluster):
         cfg = json.loads(path.read_text())
         cfg.update({"address": NODE_IP, "healthzBindAddress": "127.0.0.1",
                     "rotateCertificates": False, "serverTLSBootstrap": False})
+        if self.gates:
+            cfg["featureGates"] = {**cfg.get("featureGates", {}), **self.gates}
         path.write_text(json.dumps(cfg, indent=1))
         return path
 

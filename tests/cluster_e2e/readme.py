@@ -25,6 +25,9 @@ INSTALL = "push it where the nodes can pull it, and install the Helm chart"
 UPGRADE = "Upgrading to a new image with the same values"
 UNINSTALL = "Uninstall (stopping MPS on purpose)"
 UNINSTALL_SINGLE = "With `layout=single` there is no MPS role to ask"
+# README's DRA example (a ```yaml block: the ResourceClaimTemplate and the pod that uses it), created as it stands
+# by the DRA scenarios of tests/cluster_e2e/test_dra.py (only the pod's image is this cluster's).
+DRA_EXAMPLE = "A claim template asking 20Gi of one GPU"
 
 # README's placeholders -> what this cluster has: the image `make image` built,
 # imported into containerd as docker.io/library/fracplugin:<tag>.
@@ -39,18 +42,39 @@ class ReadmeError(AssertionError):
     """README.md lacks a block the test runs, or has a command it cannot run."""
 
 
-def block(marker: str, text: str | None = None) -> str:
-    """The body of the first ```sh block after ``marker`` in README.md.
+def block(marker: str, text: str | None = None, lang: str = "sh") -> str:
+    """The body of the first ```<lang> block after ``marker`` in README.md.
     Raises ReadmeError when the marker or the block is missing."""
     text = README.read_text() if text is None else text
     at = text.find(marker)
     if at < 0:
-        raise ReadmeError(f"README.md has no {marker!r}: the cluster e2e runs the sh block after it")
-    start = text.find("```sh\n", at)
-    end = text.find("```", start + 6) if start >= 0 else -1
+        raise ReadmeError(f"README.md has no {marker!r}: the cluster e2e runs the {lang} block after it")
+    fence = f"```{lang}\n"
+    start = text.find(fence, at)
+    end = text.find("```", start + len(fence)) if start >= 0 else -1
     if start < 0 or end < 0:
-        raise ReadmeError(f"README.md has no ```sh block after {marker!r}")
-    return text[start + 6:end]
+        raise ReadmeError(f"README.md has no ```{lang} block after {marker!r}")
+    return text[start + len(fence):end]
+
+
+def yaml_docs(marker: str, text: str | None = None) -> dict[str, dict]:
+    """The manifests of README's ```yaml block after ``marker``, by kind
+    (one of each kind). Raises ReadmeError when the block is missing, does
+    not parse, or holds two manifests of one kind."""
+    import yaml
+
+    try:
+        docs = [d for d in yaml.safe_load_all(block(marker, text, lang="yaml")) if d]
+    except yaml.YAMLError as e:
+        raise ReadmeError(f"README.md's yaml block after {marker!r} does not parse: {e}") from None
+    out: dict[str, dict] = {}
+    for d in docs:
+        kind = d.get("kind") if isinstance(d, dict) else None
+        if not kind or kind in out:
+            raise ReadmeError(f"README.md's yaml block after {marker!r}: a manifest without a kind, or two of "
+                              f"kind {kind!r}")
+        out[kind] = d
+    return out
 
 
 def commands(marker: str, text: str | None = None, fill: bool = True) -> list[list[str]]:

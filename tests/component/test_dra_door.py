@@ -228,3 +228,69 @@ def test_pool_and_slice_carry_the_kubernetes_node_name(daemon: Callable[..., Dae
         assert tenants(d)[0]["reservation"] == f"dra:{uid}"
     finally:
         kubelet.close()
+
+
+def _namespaces(d: DaemonProc) -> dict[str, dict]:
+    """The MPS layer's namespaces the daemon reports, by owner pod UID (a claim's: its claim UID)."""
+    return {n["pod_uid"]: n for dm in d.get("/status")[1]["mps"]["daemons"] for n in dm["namespaces"]}
+
+
+def test_nri_synchronize_keeps_a_prepared_claims_namespace(daemon: Callable[..., DaemonProc],  # noqa: F811
+                                                             root: Path, api: ResourceApi) -> None:
+    """Both doors in one daemon. The NRI door's Synchronize reconciles the MPS layer's namespaces with the
+    runtime's pods (nri/orphans.py): a namespace whose owner's pod UID the runtime no longer has is released.
+    A claim's namespace is owned by (claim UID, "dra") and a claim UID is never a pod UID: the claim's is kept
+    (the ledger holds its owner), while an NRI pod's namespace whose pod went is released in the same
+    Synchronize (so the reconciliation did run)."""
+    from nri_runtime import FakeNriRuntime, make_container, make_pod
+
+    rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    kubelet = DraKubelet(str(root / "registry"))
+    try:
+        kubeconfig = api.serve(root)
+        d = daemon("--mps-control-binary", str(FAKE_MPS), "--no-device-plugin", "--nri-socket", str(root / "nri.sock"),
+                   "--dra", "--kubeconfig", str(kubeconfig), "--no-dra-slices",
+                   "--dra-plugins-dir", str(root / "plugins"), "--dra-registry-dir", str(root / "registry"),
+                   "--dra-cdi-dir", str(root / "cdi"), "--cdi-spec-dirs", str(CDI_WITH_HOOK),
+                   "--node-condition-types", "")
+        rt.wait_registered(15)
+        kubelet.register()
+        wait_until(d.ready, what=lambda: f"readiness: {d.get('/readyz')}")
+
+        # an NRI pod with an sm-sharing container on GPU 1: its namespace is made (in the background)
+        p = "nvidia.com/container.app."
+        pod = make_pod("nri-app", uid="7a1d0c3e-0000-4c1e-9d7a-00000000aaaa", annotations={
+            p + "gpu-memory.request": "1Gi", p + "gpu-memory.limit": "2Gi", p + "gpu-compute.mode": "sm-sharing",
+            p + "gpu-compute.portion": "0.25", p + "gpus.devices": GPU0.replace("a01", "a02")})
+        ctr = make_container(pod, "app")
+        assert not hasattr(rt.create_container(pod, ctr), "code")
+        assert rt.start_container(pod, ctr) is None  # StartContainer awaits the namespace
+        wait_until(lambda: pod.uid in _namespaces(d), what=lambda: f"the NRI pod's namespace: {_namespaces(d)}")
+
+        # a prepared sm-sharing claim on GPU 0: its namespace (owner (claim uid, "dra")) is made before the answer
+        uid = "0b7c1e9a-7777-4a55-9d0e-000000000001"
+        api.claims[("team-e", "kept")] = claim_doc(
+            "team-e", "kept", uid, memory="4Gi",
+            parameters={"apiVersion": PARAMS, "kind": "GpuMemoryParameters", "gpu-compute.mode": "sm-sharing"})
+        assert kubelet.prepare(("team-e", uid, "kept")).claims[uid].error == ""
+        ns = _namespaces(d)
+        assert ns[uid]["container"] == "dra", ns
+
+        # the runtime's Synchronize has neither pod: the NRI pod's namespace is an orphan, the claim's is not
+        rt.synchronize([], [])
+        nri_status = lambda: d.get("/status")[1]["nri"]  # noqa: E731
+        wait_until(lambda: pod.uid not in _namespaces(d), what=lambda: f"the orphan released: {_namespaces(d)}")
+        wait_until(lambda: nri_status()["mps_jobs"]["queued"] == 0 and nri_status()["mps_jobs"]["running"] == 0,
+                   what=lambda: f"the MPS queue idle: {nri_status()}")
+        early = nri_status()["early_namespaces"]
+        assert early["orphaned"] == 1, early
+        ns = _namespaces(d)
+        assert uid in ns and ns[uid]["container"] == "dra", f"the claim's namespace was released: {ns}"
+        (t,) = tenants(d)
+        assert t["reservation"] == f"dra:{uid}", tenants(d)
+        # and the claim's Unprepare still frees it
+        assert kubelet.unprepare(("team-e", uid, "kept")).claims[uid].error == ""
+        wait_until(lambda: uid not in _namespaces(d), what=lambda: f"the claim's namespace released: {_namespaces(d)}")
+    finally:
+        kubelet.close()
+        rt.close()
