@@ -294,3 +294,38 @@ def test_nri_synchronize_keeps_a_prepared_claims_namespace(daemon: Callable[...,
     finally:
         kubelet.close()
         rt.close()
+
+
+def test_gpu_filled_through_dra_refuses_the_device_plugin_door(daemon: Callable[..., DaemonProc],  # noqa: F811
+                                                                root: Path, api: ResourceApi) -> None:
+    """The other direction of "the two doors never over-commit a GPU" (issue 29
+    item 5; the cluster e2e checks device plugin first, DRA second): memory a
+    prepared claim holds on GPU 0 is not given out again by Allocate."""
+    import grpc
+    from fake_kubelet import FakeKubelet
+
+    (root / "dp").mkdir()
+    dp_kubelet = FakeKubelet(str(root / "dp")).start()
+    kubelet = DraKubelet(str(root / "registry"))
+    try:
+        d = start(daemon, root, api, "--no-dra-slices", "--device-plugin-dir", str(root / "dp"),
+                  "--pod-resources-socket", str(root / "pr.sock"), "--allocate-deadline", "0.5")
+        kubelet.register()
+        rn = "fracplugin.io/gpu-memory"
+        assert wait_until(lambda: len(dp_kubelet.devices(rn)) > 0)
+        uid = "0b7c1e9a-6666-4a66-9d0e-000000000001"
+        api.claims[("team-d", "big")] = claim_doc("team-d", "big", uid, memory="70Gi")
+        assert kubelet.prepare(("team-d", uid, "big")).claims[uid].error == ""
+        assert sum(t["request_mib"] for t in tenants(d)) == 71680
+        # 20 GiB of GPU 0 through the device plugin door: 81559 - 71680 = 9879 MiB are free
+        with pytest.raises(grpc.RpcError) as refused:
+            dp_kubelet.allocate(rn, [f"{GPU0}::{n}" for n in range(20)])
+        assert "9879 MiB of 81559 MiB free" in (refused.value.details() or ""), refused.value.details()
+        assert sum(t["request_mib"] for t in tenants(d)) == 71680  # nothing more held on GPU 0
+        # once the claim is unprepared the same Allocate fits
+        assert kubelet.unprepare(("team-d", uid, "big")).claims[uid].error == ""
+        dp_kubelet.allocate(rn, [f"{GPU0}::{n}" for n in range(20)])
+        assert sum(t["request_mib"] for t in tenants(d)) == 20480
+    finally:
+        kubelet.close()
+        dp_kubelet.stop()
