@@ -11,6 +11,13 @@ Prepare of one claim (namespace, name, UID), in order:
    hold not counted) and record it in the one ledger
    (``Ledger.admit(door="dra", reservation="dra:<uid>")``, which re-checks
    every guard atomically against what the NRI and device plugin doors hold);
+   with CUDA memory limits on (``memory_limits``, the NRI door's
+   ``enforce.nri.NriMemoryLimits``, ADR 0025/0031) its ``admit`` runs first:
+   under ``--memory-limits-policy refuse`` on a node that cannot enforce the
+   claim is refused with the NRI door's message (key ``node``), and while the
+   toolkit hook would fail the container's start its env
+   (``NVIDIA_GPU_MEMORY_REQUEST`` / ``_LIMIT``) is withheld from the claim's
+   CDI spec;
 4. make its MPS namespace (owner ``(<claim uid>, "dra")``) before answering,
    with the plan's active thread percentage and pinned memory limit;
 5. write its CDI spec (``cdispec.write_spec``) and answer, per allocated
@@ -53,6 +60,13 @@ DEFAULT_NAMESPACE_TIMEOUT_S = 10.0
 call has its own deadline, 45 s in the kubelets we read; inference)."""
 MAX_ERROR = 2048
 """Longest per-claim error string answered (characters)."""
+
+
+class PlanGate(Protocol):
+    """The memory-limit admission (``enforce.nri.NriMemoryLimits.admit``):
+    the plan to answer with; raises ``FractionError`` to refuse it."""
+
+    def admit(self, plan: ContainerPlan) -> ContainerPlan: ...
 
 
 class ClaimSource(Protocol):
@@ -104,12 +118,15 @@ class Preparer:
         cdi: the node's CDI specs (None: no GPU CDI device is answered).
         gpu_healthy: GPU UUID -> (healthy, reasons); None: all healthy.
         namespace_timeout_s: the MPS namespace budget, seconds.
+        memory_limits: the memory-limit admission (``PlanGate``, the NRI
+            door's ``NriMemoryLimits``); None: no refusal, nothing withheld.
     """
 
     def __init__(self, node: NodeInfo, ledger: Ledger, planner_config: PlannerConfig, claims_source: ClaimSource,
                  cdi_dir: str, *, mps: MpsApi | None = None, cdi: CdiRegistry | None = None,
                  gpu_healthy: Callable[[str], tuple[bool, list[str]]] | None = None,
-                 namespace_timeout_s: float = DEFAULT_NAMESPACE_TIMEOUT_S) -> None:
+                 namespace_timeout_s: float = DEFAULT_NAMESPACE_TIMEOUT_S,
+                 memory_limits: PlanGate | None = None) -> None:
         self.node = node
         self.ledger = ledger
         self.config = planner_config
@@ -119,6 +136,7 @@ class Preparer:
         self.cdi = cdi
         self.gpu_healthy = gpu_healthy
         self.namespace_timeout_s = namespace_timeout_s
+        self.memory_limits = memory_limits
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -139,6 +157,8 @@ class Preparer:
                 claim = self._read(namespace, name, uid)
                 self._check_health(claim)
                 plan = claims.plan_claim(claim, self.node, self.ledger, self.config)
+                if self.memory_limits is not None:  # ADR 0025/0031: may refuse, or withhold the hook's env
+                    plan = self.memory_limits.admit(plan)
                 self.ledger.admit(plan, door=DOOR_DRA, reservation=claim.reservation)
             except FractionError as err:
                 self._count("refused", err.message)

@@ -15,7 +15,11 @@
   (Synchronize does not report their absence). ADR 0025.
 * ``start(pod, container, ledger)`` at StartContainer: apply/verify the limits
   of the container's GPUs (from the ledger: soft = request, hard = limit) on
-  its leaf cgroup (NRI ``linux.cgroups_path``). A limit that is not enforced
+  its leaf cgroup (NRI ``linux.cgroups_path``). A DRA container (issue 29
+  item 3, ADR 0031) is not held by container id: its env's
+  ``FRACPLUGIN_DRA_CLAIM=<uid>`` (the claim's CDI spec, dra/cdispec.py) names
+  the ledger reservation ``dra:<uid>`` whose GPUs it gets; every container
+  using a shared claim gets the claim's limits on its own leaf. A limit that is not enforced
   is reported (status, metric, Warning Event ``MemoryLimitNotEnforced``); with
   ``refuse`` the start fails with FAILED_PRECONDITION (the runtime fails the
   start, kubelet retries with back-off).
@@ -31,13 +35,16 @@ import logging
 import time
 from typing import Any, Callable
 
+from ..allocation import DOOR_DRA
+from ..dra import reservation_of
+from ..dra.cdispec import ENV_CLAIM as ENV_DRA_CLAIM
 from ..model import ContainerPlan, FractionError, PodRef
 from ..planner import ENV_MEMORY_LIMIT, ENV_MEMORY_REQUEST
 from .capability import NodeCapabilities
 from ..rpcstatus import StatusCode as Code
 from .memlimits import LIMIT_MAX, MIB, ContainerLimits, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, plan_gpus
 
-__all__ = ["NriMemoryLimits", "REFUSAL_CODE", "HOOK_ENV", "HOOK_FAILS_ON"]
+__all__ = ["NriMemoryLimits", "REFUSAL_CODE", "HOOK_ENV", "HOOK_FAILS_ON", "held_tenancies"]
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +112,12 @@ class NriMemoryLimits:
         return plan
 
     def start(self, pod: Any, container: Any, ledger: Any) -> ContainerLimits | None:
-        """Apply/verify for a container the ledger holds. Raises ``RpcError``
+        """Apply/verify for a container the ledger holds by container id, or
+        whose DRA claim it holds (``held_tenancies``). Raises ``RpcError``
         FAILED_PRECONDITION when not enforced and the policy refuses."""
         if not self.active:
             return None
-        gpus = plan_gpus(ledger.find_container_id(container.id))
+        gpus = plan_gpus(held_tenancies(container, ledger))
         if not gpus:
             return None
         t0 = time.perf_counter()
@@ -154,6 +162,26 @@ class NriMemoryLimits:
         cgroups_path = str(getattr(linux, "cgroups_path", "") or "") if linux is not None else ""
         all_gpus = list(gpus()) if gpus is not None and self.enforcer.result(container.id) is None else []
         self.enforcer.remove(container.id, cgroups_path, all_gpus)
+
+
+def held_tenancies(container: Any, ledger: Any) -> list[Any]:
+    """The ledger tenancies whose limits a container gets: those held under
+    its container id (NRI door); else, when its env (NRI ``env``, ``K=V``
+    strings, the last value wins) carries ``FRACPLUGIN_DRA_CLAIM=<uid>``, the
+    DRA door's tenancies of the reservation ``dra:<uid>`` (ADR 0031: the
+    runtime applied the claim's CDI env before NRI sees the container). Empty
+    when neither holds anything."""
+    held = list(ledger.find_container_id(container.id))
+    if held:
+        return held
+    claim = ""
+    for kv in getattr(container, "env", ()) or ():
+        k, sep, v = str(kv).partition("=")
+        if sep and k == ENV_DRA_CLAIM:
+            claim = v.strip()
+    if not claim:
+        return []
+    return [t for t in ledger.reservation(reservation_of(claim)) if t.door == DOOR_DRA]
 
 
 def _mib(v: int | None) -> str:
