@@ -9,9 +9,10 @@ kubelet device plugin peer for the other door's holds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 from test_daemon import FAKE_MPS, GPU0, NODE, DaemonProc
@@ -26,6 +27,7 @@ CDI_WITH_HOOK = REPO / "tests" / "fixtures" / "cdi" / "with-hook"
 DRIVER = "gpu-memory.fracplugin.io"
 SLICE = f"gpu-node-1-{DRIVER}"
 PARAMS = "gpu-memory.fracplugin.io/v1alpha1"
+RN = "fracplugin.io/gpu-memory"  # the device plugin door's resource
 
 
 @pytest.fixture
@@ -41,6 +43,28 @@ def start(daemon: Callable[..., DaemonProc], root: Path, api: ResourceApi, *extr
                   "--dra-plugins-dir", str(root / "plugins"), "--dra-registry-dir", str(root / "registry"),
                   "--dra-cdi-dir", str(root / "cdi"), "--cdi-spec-dirs", str(CDI_WITH_HOOK),
                   "--node-condition-types", "", *extra)
+
+
+@contextlib.contextmanager
+def both_doors(daemon: Callable[..., DaemonProc], root: Path,  # noqa: F811
+               api: ResourceApi) -> Iterator[tuple[DaemonProc, DraKubelet, Any]]:
+    """The daemon with the DRA door and the device plugin door, registered with
+    a test DRA kubelet and a fake device plugin kubelet (whose devices are
+    listed): yields (daemon, DRA kubelet, device plugin kubelet)."""
+    from fake_kubelet import FakeKubelet
+
+    (root / "dp").mkdir()
+    dp_kubelet = FakeKubelet(str(root / "dp")).start()
+    kubelet = DraKubelet(str(root / "registry"))
+    try:
+        d = start(daemon, root, api, "--no-dra-slices", "--device-plugin-dir", str(root / "dp"),
+                  "--pod-resources-socket", str(root / "pr.sock"), "--allocate-deadline", "0.5")
+        kubelet.register()
+        assert wait_until(lambda: len(dp_kubelet.devices(RN)) > 0)
+        yield d, kubelet, dp_kubelet
+    finally:
+        kubelet.close()
+        dp_kubelet.stop()
 
 
 def tenants(d: DaemonProc, gpu: int = 0) -> list[dict]:
@@ -161,17 +185,8 @@ def test_bad_parameters_are_refused_naming_key_value_and_rule(daemon: Callable[.
 
 def test_claim_exceeding_what_the_device_plugin_door_holds_is_refused(daemon: Callable[..., DaemonProc],  # noqa: F811
                                                                        root: Path, api: ResourceApi) -> None:
-    from fake_kubelet import FakeKubelet
-
-    (root / "dp").mkdir()
-    dp_kubelet = FakeKubelet(str(root / "dp")).start()
-    kubelet = DraKubelet(str(root / "registry"))
-    try:
-        d = start(daemon, root, api, "--no-dra-slices", "--device-plugin-dir", str(root / "dp"),
-                  "--pod-resources-socket", str(root / "pr.sock"), "--allocate-deadline", "0.5")
-        kubelet.register()
-        rn = "fracplugin.io/gpu-memory"
-        assert wait_until(lambda: len(dp_kubelet.devices(rn)) > 0)
+    with both_doors(daemon, root, api) as (d, kubelet, dp_kubelet):
+        rn = RN
         # the device plugin door holds 60 GiB of GPU 0 (time-slicing)
         dp_kubelet.allocate(rn, [f"{GPU0}::{n}" for n in range(60)])
         assert sum(t["request_mib"] for t in tenants(d)) == 61440
@@ -193,9 +208,6 @@ def test_claim_exceeding_what_the_device_plugin_door_holds_is_refused(daemon: Ca
         api.claims[("team-c", "fits")] = claim_doc("team-c", "fits", uid3, memory="19Gi")
         assert kubelet.prepare(("team-c", uid3, "fits")).claims[uid3].error == ""
         assert sum(t["request_mib"] for t in tenants(d)) == 61440 + 19456
-    finally:
-        kubelet.close()
-        dp_kubelet.stop()
 
 
 def test_without_api_access_dra_does_not_start(root: Path) -> None:  # noqa: F811
@@ -302,17 +314,9 @@ def test_gpu_filled_through_dra_refuses_the_device_plugin_door(daemon: Callable[
     item 5; the cluster e2e checks device plugin first, DRA second): memory a
     prepared claim holds on GPU 0 is not given out again by Allocate."""
     import grpc
-    from fake_kubelet import FakeKubelet
 
-    (root / "dp").mkdir()
-    dp_kubelet = FakeKubelet(str(root / "dp")).start()
-    kubelet = DraKubelet(str(root / "registry"))
-    try:
-        d = start(daemon, root, api, "--no-dra-slices", "--device-plugin-dir", str(root / "dp"),
-                  "--pod-resources-socket", str(root / "pr.sock"), "--allocate-deadline", "0.5")
-        kubelet.register()
-        rn = "fracplugin.io/gpu-memory"
-        assert wait_until(lambda: len(dp_kubelet.devices(rn)) > 0)
+    with both_doors(daemon, root, api) as (d, kubelet, dp_kubelet):
+        rn = RN
         uid = "0b7c1e9a-6666-4a66-9d0e-000000000001"
         api.claims[("team-d", "big")] = claim_doc("team-d", "big", uid, memory="70Gi")
         assert kubelet.prepare(("team-d", uid, "big")).claims[uid].error == ""
@@ -326,6 +330,3 @@ def test_gpu_filled_through_dra_refuses_the_device_plugin_door(daemon: Callable[
         assert kubelet.unprepare(("team-d", uid, "big")).claims[uid].error == ""
         dp_kubelet.allocate(rn, [f"{GPU0}::{n}" for n in range(20)])
         assert sum(t["request_mib"] for t in tenants(d)) == 20480
-    finally:
-        kubelet.close()
-        dp_kubelet.stop()
