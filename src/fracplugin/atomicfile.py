@@ -25,7 +25,7 @@ __all__ = ["write_atomically"]
 
 
 def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644,
-                     make_parents: bool = False, sync: bool = True) -> Path:
+                     make_parents: bool = False) -> Path:
     """Replace ``path`` with ``data`` (bytes, or str written as UTF-8).
 
     Args:
@@ -35,9 +35,6 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, mode: i
             the rename, so the file is never visible with other bits).
         make_parents: create missing parent directories (mode 0755 less the
             umask) first.
-        sync: ``fsync`` the file before and the directory after the rename
-            (default). False only for files whose loss at a power cut costs
-            nothing but a rewrite (none of the daemon's state).
 
     Returns the path. Raises OSError (the temporary file is removed, the old
     content is untouched).
@@ -51,8 +48,7 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, mode: i
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
             f.flush()
-            if sync:
-                os.fsync(f.fileno())
+            os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, target)
     except BaseException:
@@ -61,10 +57,9 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, mode: i
         except FileNotFoundError:
             pass
         raise
-    if sync:
-        dfd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+    dfd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
     return target

@@ -75,6 +75,9 @@ MEMORY_LIMIT_HOOK = "apply-cuda-memory-limits"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 """CRI annotations by which kubelet and DRA drivers request CDI devices (value: comma list of names)."""
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+OWN_CLAIM_SPEC_PREFIX = "gpu-memory.fracplugin.io-claim_"
+"""File name prefix of the DRA door's per-claim specs (``dra/cdispec.spec_path``):
+skipped when the node's specs are read (they name no GPU)."""
 MAX_SPEC_BYTES = 4 << 20
 """Largest spec file read (4 MiB); a larger one is named in a warning and ignored."""
 
@@ -272,7 +275,9 @@ class CdiRegistry:
             except OSError:
                 continue
             for e in entries:
-                if not e.name.endswith(SPEC_SUFFIXES):
+                # our DRA door's per-claim specs (dra/cdispec.py) name no GPU: not read, so a
+                # Prepare/Unprepare writing them costs the next refresh one scandir, not a parse
+                if not e.name.endswith(SPEC_SUFFIXES) or e.name.startswith(OWN_CLAIM_SPEC_PREFIX):
                     continue
                 try:
                     st = e.stat()

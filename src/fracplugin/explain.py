@@ -439,7 +439,7 @@ def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: 
                                  "request_mib": None, "limit_mib": None, "env": {}, "mounts": [],
                                  "cdi_devices": [], "error": err.to_dict()}
     else:
-        entry = {**plan.to_dict(), "name": name, "env": {**plan.env, cdispec.ENV_CLAIM: claim.uid},
+        entry = {**plan.to_dict(), "name": name, "env": cdispec.claim_env(claim.uid, plan),
                  "cdi_devices": [cdispec.device_id(claim.uid), *plan.cdi_devices]}
     warnings: list[str] = []
     return {"pod": name, "node": node.name, "containers": [entry], "warnings": warnings,

@@ -278,13 +278,13 @@ class _LedgerStore(_LedgerIndex):
         if not self._dir_ready:
             directory.mkdir(parents=True, exist_ok=True)
             self._dir_ready = True
-        self._write_atomically(self._path, data)
+        write_atomically(self._path, data, mode=0o600)
         # From here the state is durable in the snapshot: a failure to start
         # the journal must not undo the change (the old journal, if any, is
         # of another generation: stale). The next change compacts again.
         header = ('{"journal":%d,"generation":"%s"}\n' % (FORMAT_VERSION, generation)).encode()
         try:
-            self._write_atomically(self._journal_path, header)
+            write_atomically(self._journal_path, header, mode=0o600)
             fd = os.open(self._journal_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         except OSError as exc:
             log.warning("ledger: snapshot written, journal not started (the next change writes a snapshot again): %s",
@@ -294,9 +294,6 @@ class _LedgerStore(_LedgerIndex):
         self._journal_size = len(header)
         self._journal_records = 0
 
-    @staticmethod
-    def _write_atomically(path: Path, data: bytes) -> None:
-        write_atomically(path, data, mode=0o600)
 
 
 

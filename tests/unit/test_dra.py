@@ -112,7 +112,7 @@ def test_claim_guard_counts_the_other_doors_and_not_itself() -> None:
 
 
 # ---- CDI spec -----------------------------------------------------------------------
-def test_cdi_spec_written_atomically_and_removed(tmp_path: Path) -> None:
+def test_cdi_spec_written_and_removed(tmp_path: Path) -> None:
     c = claims.read_claim(claim_doc("ns", "c", "uid-4"), NODE)
     plan = claims.plan_claim(c, NODE, Ledger(NODE), PlannerConfig())
     path = cdispec.write_spec(str(tmp_path), "uid-4", plan)
@@ -202,3 +202,13 @@ def test_explain_shows_what_prepare_would_give_a_claim(tmp_path: Path, capsys: p
     out = capsys.readouterr().out
     assert "key:    GpuMemoryParameters.gpu-compute.mode\n  value:  'x'\n" in out, out
     assert 'reason: must be exactly "time-slicing" or "sm-sharing"' in out, out
+
+
+def test_claim_specs_are_named_so_the_cdi_reader_skips_them(tmp_path) -> None:
+    """``cdi.CdiRegistry`` skips files starting ``OWN_CLAIM_SPEC_PREFIX``
+    (they name no GPU); every claim spec path must start with it."""
+    from fracplugin.cdi import OWN_CLAIM_SPEC_PREFIX
+    from fracplugin.dra import cdispec
+
+    assert cdispec.spec_path(str(tmp_path), "abc-1").name.startswith(OWN_CLAIM_SPEC_PREFIX)
+    assert OWN_CLAIM_SPEC_PREFIX == f"{cdispec.DRIVER_NAME}-{cdispec.CDI_CLASS}_"

@@ -52,11 +52,17 @@ def test_a_sigterm_quits_mps_on_purpose_before_it_is_forwarded(fails: bool, capl
     from fracplugin.mps.api import MpsError
     from fracplugin.mps.keeper import keep
 
-    seen: list[bool] = []
+    events: list[str] = []  # what reached the child, in order: "quit" (MPS asked), "kill <signal>"
     child_pid: list[int] = []
+    real_kill = os.kill
+
+    def kill(pid: int, sig: int) -> None:
+        if child_pid and pid == child_pid[0]:
+            events.append(f"kill {signal.Signals(sig).name}")
+        real_kill(pid, sig)
 
     def quit_mps() -> None:
-        seen.append(os.path.exists(f"/proc/{child_pid[0]}"))  # the child is alive when MPS is asked
+        events.append("quit")
         if fails:
             raise MpsError("MPS API /run/x/api.sock not reachable")
 
@@ -66,12 +72,13 @@ def test_a_sigterm_quits_mps_on_purpose_before_it_is_forwarded(fails: bool, capl
     def popen(a, env=None):  # noqa: ANN001 - the keeper's call shape
         proc = real_popen(a, env=env)
         child_pid.append(proc.pid)
-        os.kill(os.getpid(), signal.SIGTERM)  # a container stop while the role runs
+        real_kill(os.getpid(), signal.SIGTERM)  # a container stop while the role runs
         return proc
 
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     mp = pytest.MonkeyPatch()
     mp.setattr(subprocess, "Popen", popen)
+    mp.setattr(os, "kill", kill)
     try:
         with caplog.at_level("INFO", logger="fracplugin.daemon"):
             rc = keep(quit_mps, argv)
@@ -79,7 +86,7 @@ def test_a_sigterm_quits_mps_on_purpose_before_it_is_forwarded(fails: bool, capl
         mp.undo()
         for s, h in old.items():
             signal.signal(s, h)
-    assert seen == [True] and rc == 0
+    assert events == ["quit", "kill SIGTERM"] and rc == 0  # MPS asked while the child lives, then forwarded
     text = caplog.text
     assert "MPS is stopped on purpose" in text
     if fails:

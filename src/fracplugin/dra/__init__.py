@@ -24,7 +24,10 @@ Facts: docs/reference/kubelet-dra.md.
 
 from __future__ import annotations
 
+from typing import Any, Iterable
+
 from ..allocation import DOOR_DRA
+from ..model import Tenancy
 
 DRIVER_NAME = "gpu-memory.fracplugin.io"
 """The DRA driver name (ResourceSlice ``spec.driver``, allocation results'
@@ -34,7 +37,8 @@ CAPACITY_MEMORY = "memory"
 CLAIM_CONTAINER = "dra"
 """The ``container`` of a claim's ledger owner (claim UID, ``dra``) and MPS
 namespace: one fraction per claim, whichever containers use it (ADR 0031)."""
-__all__ = ["DRIVER_NAME", "CAPACITY_MEMORY", "DOOR_DRA", "CLAIM_CONTAINER", "RESERVATION_PREFIX", "reservation_of"]
+__all__ = ["DRIVER_NAME", "CAPACITY_MEMORY", "DOOR_DRA", "CLAIM_CONTAINER", "RESERVATION_PREFIX", "reservation_of",
+           "ENV_CLAIM", "claim_tenancies", "claim_tenancies_of"]
 
 RESERVATION_PREFIX = "dra:"
 """A claim's hold is the ledger reservation ``dra:<claim uid>``."""
@@ -43,3 +47,33 @@ RESERVATION_PREFIX = "dra:"
 def reservation_of(claim_uid: str) -> str:
     """The ledger reservation key of a claim: ``dra:<claim uid>``."""
     return RESERVATION_PREFIX + claim_uid
+
+
+ENV_CLAIM = "FRACPLUGIN_DRA_CLAIM"
+"""Env var of a DRA container (the claim's CDI spec, ``dra/cdispec.py``): the
+UID of the claim whose fraction it uses."""
+
+
+def claim_tenancies(env: Iterable[str], ledger: Any) -> list[Tenancy]:
+    """The DRA door's ledger tenancies (reservation ``dra:<uid>``) of the claim
+    a container's env names (``env``: NRI ``K=V`` strings, the last
+    ``FRACPLUGIN_DRA_CLAIM`` wins; the runtime applied the claim's CDI env
+    before NRI sees the container, ADR 0031). Empty when the env names no
+    claim or the ledger holds none of it. Used by the NRI door's Synchronize
+    (a DRA container's GPUs are its claim's, not used unfenced) and by the
+    memory limits at StartContainer (``enforce/nri.py``)."""
+    uid = ""
+    for kv in env:
+        k, sep, v = str(kv).partition("=")
+        if sep and k == ENV_CLAIM:
+            uid = v
+    return claim_tenancies_of(uid, ledger)
+
+
+def claim_tenancies_of(claim_uid: str, ledger: Any) -> list[Tenancy]:
+    """The DRA door's ledger tenancies of claim ``claim_uid`` (reservation
+    ``dra:<uid>``); empty for an empty UID or a claim the ledger does not hold."""
+    uid = claim_uid.strip()
+    if not uid:
+        return []
+    return [t for t in ledger.reservation(reservation_of(uid)) if t.door == DOOR_DRA]

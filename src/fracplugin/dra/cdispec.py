@@ -31,14 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from ..atomicfile import write_atomically
+from ..cdi import OWN_CLAIM_SPEC_PREFIX
 from ..model import ContainerPlan
-from . import DRIVER_NAME
+from . import DRIVER_NAME, ENV_CLAIM
 
 CDI_VERSION = "0.6.0"
 CDI_CLASS = "claim"
 CDI_KIND = f"{DRIVER_NAME}/{CDI_CLASS}"
-ENV_CLAIM = "FRACPLUGIN_DRA_CLAIM"
-"""Env var of a DRA container: the UID of the claim whose fraction it uses."""
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*\Z")  # CDI device name syntax
 
 
@@ -52,13 +51,20 @@ def spec_path(cdi_dir: str, claim_uid: str) -> Path:
     for a UID that is not a CDI device name (a path must never come from it)."""
     if not _NAME_RE.match(claim_uid):
         raise ValueError(f"claim uid {claim_uid!r} is not a CDI device name ([A-Za-z0-9][A-Za-z0-9_.:-]*)")
-    return Path(cdi_dir) / f"{DRIVER_NAME}-{CDI_CLASS}_{claim_uid}.json"
+    return Path(cdi_dir) / f"{OWN_CLAIM_SPEC_PREFIX}{claim_uid}.json"
+
+
+def claim_env(claim_uid: str, plan: ContainerPlan) -> dict[str, str]:
+    """The env a claim's containers get: the plan's, plus ``FRACPLUGIN_DRA_CLAIM``
+    naming the claim (``dra.ENV_CLAIM``). What the spec carries and what
+    ``explain`` shows."""
+    return {**plan.env, ENV_CLAIM: claim_uid}
 
 
 def spec_document(claim_uid: str, plan: ContainerPlan) -> dict[str, Any]:
     """The CDI spec of one claim's plan (env sorted by key; mounts read-only,
     nosuid, nodev as ``model.Mount.options``)."""
-    env = [f"{k}={v}" for k, v in sorted({**plan.env, ENV_CLAIM: claim_uid}.items())]
+    env = [f"{k}={v}" for k, v in sorted(claim_env(claim_uid, plan).items())]
     mounts = [{"hostPath": m.source, "containerPath": m.destination, "type": "bind", "options": list(m.options)}
               for m in plan.mounts]
     return {"cdiVersion": CDI_VERSION, "kind": CDI_KIND,

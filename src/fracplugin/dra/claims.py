@@ -149,7 +149,7 @@ def _device(node: NodeInfo, i: int, r: Mapping[str, Any]) -> tuple[AllocatedDevi
         raise FractionError(f"{key}.pool", pool, WRONG_POOL.format(pool=node.name), "dra")
     gpu = gpu_of_device(node, name)
     if gpu is None:
-        known = ", ".join(device_name(g) for g in node.gpus)
+        known = ", ".join(known_devices(node))
         raise FractionError(f"{key}.device", name, NO_SUCH_DEVICE.format(node=node.name, known=known), "device")
     mkey = f"{key}.consumedCapacity.{CAPACITY_MEMORY}"
     raw = _get(r, "consumedCapacity", CAPACITY_MEMORY)
@@ -195,7 +195,7 @@ def read_claim(doc: Mapping[str, Any], node: NodeInfo, *, uid: str = "", driver:
         raise FractionError(RESULTS_KEY, ",".join(d.device for d, _r, _k in ours),
                             "names one GPU twice: one share per GPU of a claim", "dra")
     parameters = params.parse(_configs(allocation, {d.request for d, _r, _k in ours}, driver))
-    _d0, raw0, key0 = ours[0]
+    _, raw0, key0 = ours[0]
     if parameters.limit_mib is not None and parameters.limit_mib < amounts[0]:
         raise FractionError(params.field_key(params.FIELD_LIMIT), parameters.limit_raw,
                             C.LIMIT_BELOW_REQUEST_MIB.format(request_raw=raw0, request_mib=amounts[0]),

@@ -154,7 +154,12 @@ class Preparer:
         fields = {"claim": f"{namespace}/{name}", "claim_uid": uid}
         with self._claim_lock(uid):
             try:
-                claim = self._read(namespace, name, uid)
+                try:
+                    claim = self._read(namespace, name, uid)
+                except FractionError:
+                    raise
+                except Exception as exc:  # the API read
+                    raise _ReadFailed(_api_error(exc)) from exc
                 self._check_health(claim)
                 plan = claims.plan_claim(claim, self.node, self.ledger, self.config)
                 if self.memory_limits is not None:  # ADR 0025/0031: may refuse, or withhold the hook's env
@@ -165,8 +170,9 @@ class Preparer:
                 log.warning("dra prepare refused", extra={**fields, "key": err.key, "value": err.value,
                                                           "rule": err.reason})
                 return Prepared(error=_cut(err.message))
-            except Exception as exc:  # the API read
-                msg = f"resourceclaim {ref}: {_api_error(exc)}"
+            except Exception as exc:  # the API read (_ReadFailed), or the ledger's write
+                why = str(exc) if isinstance(exc, _ReadFailed) else f"preparing it failed: {type(exc).__name__}: {exc}"
+                msg = f"resourceclaim {ref}: {why}"
                 self._count("failed", msg)
                 log.warning("dra prepare failed", extra={**fields, "reason": msg})
                 return Prepared(error=_cut(msg))
@@ -240,8 +246,7 @@ class Preparer:
                 self._counters.by_uid.pop(uid, None)
             log.info("dra claim unprepared", extra={"claim": f"{namespace}/{name}", "claim_uid": uid,
                                                     "released": gone})
-        with self._locks_lock:
-            self._locks.pop(uid, None)
+        # the claim's lock stays: a thread may be waiting on it (one small lock per claim seen)
         return ""
 
     def _undo(self, uid: str) -> int:
@@ -270,6 +275,10 @@ class Preparer:
 
 def _cut(msg: str) -> str:
     return msg if len(msg) <= MAX_ERROR else msg[:MAX_ERROR] + "..."
+
+
+class _ReadFailed(Exception):
+    """The claim could not be read from the API (its message: ``_api_error``)."""
 
 
 def _api_error(exc: BaseException) -> str:

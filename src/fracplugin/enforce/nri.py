@@ -35,9 +35,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from ..allocation import DOOR_DRA
-from ..dra import reservation_of
-from ..dra.cdispec import ENV_CLAIM as ENV_DRA_CLAIM
+from ..dra import claim_tenancies
 from ..model import ContainerPlan, FractionError, PodRef
 from ..planner import ENV_MEMORY_LIMIT, ENV_MEMORY_REQUEST
 from .capability import NodeCapabilities
@@ -172,16 +170,7 @@ def held_tenancies(container: Any, ledger: Any) -> list[Any]:
     runtime applied the claim's CDI env before NRI sees the container). Empty
     when neither holds anything."""
     held = list(ledger.find_container_id(container.id))
-    if held:
-        return held
-    claim = ""
-    for kv in getattr(container, "env", ()) or ():
-        k, sep, v = str(kv).partition("=")
-        if sep and k == ENV_DRA_CLAIM:
-            claim = v.strip()
-    if not claim:
-        return []
-    return [t for t in ledger.reservation(reservation_of(claim)) if t.door == DOOR_DRA]
+    return held or claim_tenancies(getattr(container, "env", ()) or (), ledger)
 
 
 def _mib(v: int | None) -> str:

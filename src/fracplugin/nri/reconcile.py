@@ -17,8 +17,7 @@ from .._proto import nri_pb2
 from .. import allocation as al
 from ..annotations import parse as parse_annotations
 from ..model import ComputeMode, ContainerPlan, FractionError, Tenancy
-from ..dra import RESERVATION_PREFIX as DRA_RESERVATION_PREFIX
-from ..dra.cdispec import ENV_CLAIM as ENV_DRA_CLAIM
+from ..dra import ENV_CLAIM, claim_tenancies_of
 from ..planner import ENV_VISIBLE_DEVICES, EmptyLedger, plan
 from ..reservations import unbind_gone
 from .interfaces import CallContext
@@ -116,8 +115,8 @@ class _Reconcile(_Admission):
         if c.state not in (nri_pb2.CONTAINER_CREATED, nri_pb2.CONTAINER_RUNNING):
             return []
         env = _env_map(c)
-        if ENV_DRA_CLAIM in env and self.ledger.reservation(DRA_RESERVATION_PREFIX + env[ENV_DRA_CLAIM]):
-            return []  # a DRA container: its claim's hold counts its GPUs (dra/cdispec.py, ADR 0031)
+        if claim_tenancies_of(env.get(ENV_CLAIM, ""), self.ledger):
+            return []  # a DRA container: its claim's hold counts its GPUs (dra/cdispec.py, ADR 0031)  # a DRA container: its claim's hold counts its GPUs (dra/cdispec.py, ADR 0031)
         seen = [d.strip() for d in env.get(ENV_VISIBLE_DEVICES, "").split(",") if d.strip()]
         gpus = [self.node.gpu_by_uuid(u) for u in seen]
         if not seen or any(g is None for g in gpus):
