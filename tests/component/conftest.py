@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from fracplugin.nri.stub import NriStub
+from tests.helpers import children_left_since
 
 
 @pytest.fixture
@@ -46,8 +47,8 @@ def pipe():
     """``(root, procs)`` for tests that run the fake ``nvidia-cuda-mps-control``:
     a private /tmp directory and a list the test appends its Popen objects to.
     Teardown closes their stdin (a ``-f`` daemon exits on EOF), kills what is
-    still running after 5 s, kills a ``-d`` daemon left under ``<root>/p``,
-    and fails the test if any child process of the test run is left."""
+    still running after 5 s, kills a ``-d`` daemon left under ``<root>/p``
+    (``no_child_process_left_behind`` then fails the test if a child is left)."""
     root = tempfile.mkdtemp(prefix="fp", dir="/tmp")
     procs: list[subprocess.Popen] = []
     yield root, procs
@@ -65,6 +66,15 @@ def pipe():
     pidfile = os.path.join(root, "p", "nvidia-cuda-mps-control.pid")
     if os.path.exists(pidfile):  # a -d daemon the test did not stop
         os.kill(int(open(pidfile).read()), 9)
-    left = [c.pid for c in psutil.Process().children(recursive=True)]
     shutil.rmtree(root, ignore_errors=True)
-    assert left == []
+
+
+@pytest.fixture(autouse=True)
+def no_child_process_left_behind():
+    """Every test ends with no child process of the test run that it started
+    (alive or a zombie nobody waited for): a leak fails the test that made it,
+    is killed and reaped there, and so cannot fail the tests after it."""
+    before = {c.pid for c in psutil.Process().children()}
+    yield
+    left = children_left_since(before)
+    assert not left, f"child processes this test left behind (now killed and reaped): {left}"

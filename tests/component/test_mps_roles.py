@@ -35,6 +35,7 @@ NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
 FAKE = REPO / "tests" / "fakes" / "nvidia-cuda-mps-control"
 FAST_PATH = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 P = "nvidia.com/container."
+STARTED: list["Role"] = []  # every Role a test started; the root fixture kills and reaps them
 
 
 class Role:
@@ -50,7 +51,22 @@ class Role:
     def endpoints_file(self) -> Path:
         return self.root / f"{self.role}-state" / ("endpoints-mps.json" if self.role == "mps" else "endpoints.json")
 
+    def endpoints(self) -> dict[str, Any] | None:
+        """The role's endpoints file now, or None while there is none: a role
+        process that stops removes it (``daemon.py``), so it may go between
+        any two reads."""
+        try:
+            return json.loads(self.endpoints_file.read_text())  # type: ignore[no-any-return]
+        except FileNotFoundError:
+            return None
+
+    def restarted_since(self, child: int) -> bool:
+        """True once a role process other than ``child`` has written the endpoints file."""
+        ep = self.endpoints()
+        return ep is not None and ep["pid"] != child
+
     def start(self) -> "Role":
+        STARTED.append(self)
         try:
             self.endpoints_file.unlink()
         except FileNotFoundError:
@@ -140,13 +156,16 @@ def root() -> Iterator[Path]:
     d.chmod(0o755)
     (d / "bin").mkdir()
     shutil.copy(shutil.which("sleep"), d / "bin" / "nvidia-cuda-mps-server")  # what the fake spawns as a server
-    roles: list[Role] = []
-    d_roles = roles
+    STARTED.clear()
     yield d
-    for r in d_roles:
-        if r.proc is not None and r.proc.poll() is None:
-            os.killpg(r.proc.pid, signal.SIGKILL)
-            r.proc.wait(10)
+    # every role process the test started is killed and reaped (a killed child never waited for stays a
+    # zombie child of the test run, which the next tests' leftover checks would then find)
+    for r in STARTED:
+        if r.proc is not None:
+            if r.proc.poll() is None:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+            r.proc.wait(30)
+    STARTED.clear()
     for pid in leftover_mps(d):  # the MPS daemons outlive both roles by design
         try:
             os.kill(pid, signal.SIGKILL)
@@ -296,12 +315,11 @@ def test_mps_role_restart_and_kill_adopt_the_running_daemons(root: Path) -> None
     st = mps.get("/status")[1]["mps"]
     assert st["detached"] is True and {d["pid"] for d in st["daemons"]} == {p[0] for p in pids.values()}
     # a crash of the fracplugin process alone: its keeper (the container's main process) restarts it in place
-    child = json.loads(mps.endpoints_file.read_text())["pid"]
+    child = mps.endpoints()["pid"]
     assert child != mps.proc.pid
     os.kill(child, signal.SIGKILL)
-    wait_for(lambda: mps.endpoints_file.exists() and json.loads(mps.endpoints_file.read_text())["pid"] != child,
-             timeout_s=30, what="the MPS role process restarted in place")
-    mps.health = json.loads(mps.endpoints_file.read_text())["health"]
+    wait_for(lambda: mps.restarted_since(child), timeout_s=30, what="the MPS role process restarted in place")
+    mps.health = mps.endpoints()["health"]
     wait_for(mps.ready, timeout_s=30, what="MPS role ready after the in-place restart")
     assert mps.proc.poll() is None and mps_pids(root) == pids
     assert all(d["adopted"] for d in mps.get("/status")[1]["mps"]["daemons"])
@@ -310,12 +328,11 @@ def test_mps_role_restart_and_kill_adopt_the_running_daemons(root: Path) -> None
     # container the runtime's cgroup kill would end them). SIGTERM of the keeper: the next test.
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if sig == signal.SIGTERM:
-            child = json.loads(mps.endpoints_file.read_text())["pid"]
+            child = mps.endpoints()["pid"]
             os.kill(child, sig)
-            wait_for(lambda: mps.endpoints_file.exists()
-                     and json.loads(mps.endpoints_file.read_text())["pid"] != child,
-                     timeout_s=30, what="the MPS role process restarted in place after its SIGTERM")
-            mps.health = json.loads(mps.endpoints_file.read_text())["health"]
+            wait_for(lambda: mps.restarted_since(child), timeout_s=30,
+                     what="the MPS role process restarted in place after its SIGTERM")
+            mps.health = mps.endpoints()["health"]
             wait_for(mps.ready, timeout_s=30, what="MPS role ready after the SIGTERM of its process")
             assert mps.proc.poll() is None and mps_pids(root) == pids
             continue

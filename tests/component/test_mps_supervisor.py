@@ -118,9 +118,11 @@ class Harness:
             p.wait()
 
 
-def leftovers(root: str) -> list[str]:
-    """Our children, and any process whose MPS pipe directory is under ``root``, now."""
-    found = [f"child {c.pid} {_safe(c.cmdline)}" for c in psutil.Process().children(recursive=True)]
+def leftovers(root: str, before: set[int]) -> list[str]:
+    """Our children not in ``before`` (PIDs there when the test began), and any
+    process whose MPS pipe directory is under ``root``, now."""
+    found = [f"child {c.pid} {_safe(c.cmdline)}" for c in psutil.Process().children(recursive=True)
+             if c.pid not in before]
     for p in psutil.process_iter():
         env = _safe(p.environ) or {}
         if env.get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(root):
@@ -139,13 +141,15 @@ def _safe(fn):
 def mps():
     root = tempfile.mkdtemp(prefix="fp", dir="/tmp")
     os.chmod(root, 0o755)
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
     h = Harness(root)
     try:
         yield h
     finally:
         h.close()
         try:
-            wait_until(lambda: not leftovers(root), 5, lambda: f"no process left behind: {leftovers(root)}")
+            wait_until(lambda: not leftovers(root, before), 5,
+                       lambda: f"no process left behind: {leftovers(root, before)}")
         finally:
             shutil.rmtree(root, ignore_errors=True)
 

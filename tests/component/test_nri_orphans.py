@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 
+import psutil
 import pytest
 
 from tests.helpers import wait_for
@@ -270,6 +271,7 @@ def mps_role(sockdir):
     os.makedirs(root)
     os.chmod(sockdir, 0o755)
     os.chmod(root, 0o755)
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
     mh = MpsHarness(root)
     server = None
     try:
@@ -282,7 +284,8 @@ def mps_role(sockdir):
         if server is not None:
             server.stop()
         mh.close()
-        wait_until(lambda: not leftovers(root), 5, lambda: f"no process left behind: {leftovers(root)}")
+        wait_until(lambda: not leftovers(root, before), 5,
+                   lambda: f"no process left behind: {leftovers(root, before)}")
 
 
 def test_through_the_mps_role_api_the_orphan_leaves_the_daemon(make_harness, mps_role):
