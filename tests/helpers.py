@@ -7,7 +7,9 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
+
+import pytest
 
 #: What a wait is for: a phrase, or a function that says it at timeout time
 #: (e.g. one that reads the daemon's log then).
@@ -144,3 +146,17 @@ def children_left_since(before: set[int], timeout_s: float = 5) -> list[str]:
         except ChildProcessError:  # reaped meanwhile by its Popen
             pass
     return left
+
+
+@pytest.fixture(autouse=True)
+def no_child_process_left_behind() -> Iterator[None]:
+    """Autouse where a conftest imports it (unit and component tests): every
+    test ends with no child process of the test run that it started (alive or
+    a zombie nobody waited for). A leak fails the test that made it, is killed
+    and reaped there, and so cannot fail the tests after it."""
+    import psutil
+
+    before = {c.pid for c in psutil.Process().children()}
+    yield
+    left = children_left_since(before)
+    assert not left, f"child processes this test left behind (now killed and reaped): {left}"

@@ -7,11 +7,10 @@ import shutil
 import subprocess
 import tempfile
 
-import psutil
 import pytest
 
 from fracplugin.nri.stub import NriStub
-from tests.helpers import children_left_since
+from tests.helpers import no_child_process_left_behind  # noqa: F401  (autouse: every test here)
 
 
 @pytest.fixture
@@ -67,14 +66,3 @@ def pipe():
     if os.path.exists(pidfile):  # a -d daemon the test did not stop
         os.kill(int(open(pidfile).read()), 9)
     shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture(autouse=True)
-def no_child_process_left_behind():
-    """Every test ends with no child process of the test run that it started
-    (alive or a zombie nobody waited for): a leak fails the test that made it,
-    is killed and reaped there, and so cannot fail the tests after it."""
-    before = {c.pid for c in psutil.Process().children()}
-    yield
-    left = children_left_since(before)
-    assert not left, f"child processes this test left behind (now killed and reaped): {left}"
