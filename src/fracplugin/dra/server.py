@@ -181,19 +181,7 @@ class DraServer:
         return self
 
     def _serve(self, path: str, add: Callable[[grpc.Server], None], prefix: str) -> None:
-        directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        try:
-            os.unlink(path)  # a stale socket of an earlier run
-        except FileNotFoundError:
-            pass
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        server, pool = grpcopts.serve_unix(tmp, add, self.max_workers, prefix)
-        os.rename(tmp, path)
+        server, pool = grpcopts.serve_unix_renamed(path, add, self.max_workers, prefix)
         with self._lock:
             self._servers.append((server, pool))
 

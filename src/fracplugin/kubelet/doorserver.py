@@ -56,14 +56,12 @@ class _DoorServing(_DoorAnswers):
         server.pool.shutdown(wait=False, cancel_futures=True)
 
     def _serve(self) -> None:
-        """Serve on ``self.socket_path``: bind a temporary name in the same
-        directory, then rename it into place. grpcio's core unlinks the path
-        it bound when its server stops; with the rename that is the temporary name, so
-        stopping an old server can never delete a newer socket at the public
-        path (issue 11: the socket deleted again right after it was re-created
-        left the plugin serving on no file). Raises OSError when the socket
+        """Serve on ``self.socket_path`` (``grpcopts.serve_unix_renamed``: bound
+        under a temporary name, renamed into place, so stopping the old server
+        can never delete the new socket; issue 11: the socket deleted again
+        right after it was re-created left the plugin serving on no file),
+        after stopping the server before it. Raises OSError when the socket
         cannot be bound."""
-        os.makedirs(self.plugin_dir, exist_ok=True)
         with self._server_lock:
             old, self._server = self._server, None
             old_id, old_path = self._socket_id, self._bound_path
@@ -74,17 +72,9 @@ class _DoorServing(_DoorAnswers):
                 os.unlink(old_path)  # our previous name; kubelet dials the new one
             except FileNotFoundError:
                 pass
-        try:
-            os.unlink(self.socket_path)  # a stale socket from an earlier run (A.8)
-        except FileNotFoundError:
-            pass
-        tmp = os.path.join(self.plugin_dir, f".{os.path.basename(self.socket_path)}.{os.getpid()}.tmp")
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        server = self._listen(tmp)
-        os.rename(tmp, self.socket_path)
+        server = _Served(*grpcopts.serve_unix_renamed(  # a stale socket of an earlier run goes first (A.8)
+            self.socket_path, lambda s: pb_grpc.add_DevicePluginServicer_to_server(_Servicer(self), s),
+            self.max_workers, "fracplugin-dp"))
         # (-1, -1) when the file is already gone again: never equal to a real
         # identity, so the registrar serves anew.
         sid = socket_identity(self.socket_path) or (-1, -1)
@@ -96,15 +86,6 @@ class _DoorServing(_DoorAnswers):
             self._gen += 1
             self._cond.notify_all()
         log.info("device plugin serving %s on %s", self.resource_name, self.socket_path)
-
-    def _listen(self, path: str) -> "_Served":
-        """A started grpcio server for the DevicePlugin service on unix socket
-        ``path`` (options: ``grpcopts.server_options``). Raises OSError when
-        the socket cannot be bound."""
-        server, pool = grpcopts.serve_unix(
-            path, lambda s: pb_grpc.add_DevicePluginServicer_to_server(_Servicer(self), s), self.max_workers,
-            "fracplugin-dp")
-        return _Served(server, pool)
 
     def socket_identity(self) -> tuple[int, int] | None:
         return self._socket_id

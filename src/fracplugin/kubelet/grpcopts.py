@@ -23,6 +23,7 @@ grpc/grpc (the ``GRPC_ARG_*`` constants).
 
 from __future__ import annotations
 
+import os
 from concurrent import futures
 from typing import Callable, Final
 
@@ -116,6 +117,30 @@ def serve_unix(path: str, add: Callable[[grpc.Server], None], max_workers: int,
         raise OSError(f"cannot listen on {path}: {why}")
     server.start()
     return server, pool
+
+
+def serve_unix_renamed(path: str, add: Callable[[grpc.Server], None], max_workers: int,
+                       thread_name_prefix: str) -> tuple[grpc.Server, futures.ThreadPoolExecutor]:
+    """``serve_unix`` for a socket that kubelet watches (device plugin and
+    DRA sockets, plugin registration sockets): a stale socket at ``path`` (an
+    earlier run's) is removed, the server is bound under a temporary name in
+    the same directory (created if missing) and renamed onto ``path`` once it
+    listens, so kubelet's watcher never sees a socket nobody serves yet.
+    grpcio's core unlinks the path it bound when its server stops; with the
+    rename that is the temporary name, so stopping an old server can never
+    delete a newer socket at ``path`` (issue 11). Returns and raises as
+    ``serve_unix``."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    for stale in (path, tmp):
+        try:
+            os.unlink(stale)
+        except FileNotFoundError:
+            pass
+    served = serve_unix(tmp, add, max_workers, thread_name_prefix)
+    os.rename(tmp, path)
+    return served
 
 
 def unix_channel(path: str) -> grpc.Channel:
