@@ -88,7 +88,7 @@ class Stream:
 
     def wait(self, pred, timeout_s: float = 10.0) -> bool:
         with self.cond:
-            return self.cond.wait_for(lambda: pred(self.lists), timeout=timeout_s)
+            return self.cond.wait_for(lambda: pred(self.lists), timeout=scaled(timeout_s))
 
     def close(self) -> None:
         self.call.cancel()

@@ -34,6 +34,7 @@ from fracplugin._proto import dra_v1beta1_pb2 as v1beta1
 from fracplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
 from fracplugin._proto import pluginregistration_pb2 as reg
 from fracplugin._proto import pluginregistration_pb2_grpc as reg_grpc
+from tests.helpers import scaled
 
 __all__ = ["DraKubelet", "Registered"]
 
@@ -76,8 +77,7 @@ class DraKubelet:
     def register(self, *, speak: tuple[str, ...] = ("v1.DRAPlugin", "v1beta1.DRAPlugin")) -> Registered:
         """The watcher's handshake. Returns what was registered; raises
         AssertionError (after telling the plugin) when a check fails."""
-        deadline = time.monotonic() + self.timeout_s
-        path = self._registration_socket(deadline)
+        path = self._registration_socket(time.monotonic() + scaled(self.timeout_s))  # a test wait
         with grpc.insecure_channel("unix:" + path, options=_OPTIONS) as ch:
             stub = reg_grpc.RegistrationStub(ch)
             info = stub.GetInfo(reg.InfoRequest(), timeout=self.timeout_s)

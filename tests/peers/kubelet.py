@@ -52,6 +52,7 @@ from fracplugin._proto import deviceplugin_pb2 as pb
 from fracplugin._proto import deviceplugin_pb2_grpc as pb_grpc
 from fracplugin._proto import podresources_pb2 as prpb
 from fracplugin._proto import podresources_pb2_grpc as prpb_grpc
+from tests.helpers import scaled
 
 __all__ = ["CHECKPOINT", "FakeKubelet", "FakePodResources", "Registration"]
 
@@ -277,9 +278,9 @@ class FakeKubelet:
     # ---- observing
     def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
         """Wait until ``predicate()`` (evaluated under the lock) is true;
-        False after ``timeout_s`` seconds."""
+        False after ``timeout_s`` seconds (scaled: ``tests.helpers.scaled``)."""
         with self._cond:
-            return self._cond.wait_for(predicate, timeout=timeout_s)
+            return self._cond.wait_for(predicate, timeout=scaled(timeout_s))
 
     def endpoint(self, resource_name: str) -> _Plugin | None:
         """The current endpoint of ``resource_name`` (None when not registered)."""

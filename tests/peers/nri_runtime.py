@@ -72,6 +72,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from google.protobuf.message import DecodeError
 
 from fracplugin._proto import nri_pb2
+from tests.helpers import scaled
 
 from . import ttrpc_wire as w
 
@@ -595,8 +596,8 @@ class FakeNriRuntime:
         ``initial_sync``) synchronized, on a still open connection.
         Raises TimeoutError."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._ready(self._plugin), timeout_s):
-                raise TimeoutError(f"no NRI plugin registered on {self.socket_path} within {timeout_s} s")
+            if not self._cond.wait_for(lambda: self._ready(self._plugin), scaled(timeout_s)):
+                raise TimeoutError(f"no NRI plugin registered on {self.socket_path} within {scaled(timeout_s):g} s")
             p = self._plugin
             assert p is not None and p.info is not None
             return p.info
@@ -607,7 +608,7 @@ class FakeNriRuntime:
         t = self.transport
         if t is None:
             return None
-        if not t.closed.wait(timeout_s):
+        if not t.closed.wait(scaled(timeout_s)):
             raise TimeoutError("plugin connection still open")
         return t.close_reason
 

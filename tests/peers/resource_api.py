@@ -25,6 +25,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
+from tests.helpers import scaled
+
 __all__ = ["ResourceApi", "claim_doc"]
 
 BASE = "/apis/resource.k8s.io/v1"
@@ -63,7 +65,7 @@ class ResourceApi:
         self.server: ThreadingHTTPServer | None = None
 
     def wait_for(self, pred: Callable[["ResourceApi"], bool], timeout_s: float = 20.0) -> bool:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)  # a test wait (tests.helpers.scaled)
         with self.cond:
             while not pred(self):
                 left = deadline - time.monotonic()
