@@ -452,8 +452,12 @@ class _Builders:
         server = DraServer(preparer, self.cfg.dra_plugins_dir, self.cfg.dra_registry_dir)
         slices = None
         if not self.cfg.no_dra_slices:
+            ledger = self.ledger
             slices = SlicePublisher(api, node, reserve_mib=self.cfg.reserve_mib,
-                                    healthy=lambda: {u: h for u, (h, _r) in self._gpu_healthy().items()})
+                                    healthy=lambda: {u: h for u, (h, _r) in self._gpu_healthy().items()},
+                                    # each GPU's computeMode: the ledger's mode of its tenants, all doors
+                                    modes=lambda: {g.uuid: ledger.mode(g.uuid) for g in node.gpus})
+            ledger.subscribe(slices.poke)  # a hold taken or freed is published at once, not at the poll
         try:
             self._add(DraDoor(self.cfg, server, slices))
         except OSError as exc:

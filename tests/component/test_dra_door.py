@@ -71,6 +71,11 @@ def tenants(d: DaemonProc, gpu: int = 0) -> list[dict]:
     return d.get("/status")[1]["gpus"][gpu]["tenants"]
 
 
+def compute_modes(api: ResourceApi) -> list[str]:
+    """The published ``computeMode`` of each device of the slice, in device order."""
+    return [dev["attributes"]["computeMode"]["string"] for dev in api.slices[SLICE]["spec"]["devices"]]
+
+
 def test_registration_prepare_unprepare_and_the_slice(daemon: Callable[..., DaemonProc], root: Path,  # noqa: F811
                                                       api: ResourceApi) -> None:
     d = start(daemon, root, api, "--no-device-plugin")
@@ -92,6 +97,7 @@ def test_registration_prepare_unprepare_and_the_slice(daemon: Callable[..., Daem
         assert dev0["allowMultipleAllocations"] is True and dev0["attributes"]["uuid"] == {"string": GPU0}
         assert dev0["capacity"]["memory"]["value"] == str((81559 - 1024) << 20)
         assert dev0["capacity"]["memory"]["requestPolicy"]["validRange"] == {"min": "1048576", "step": "1048576"}
+        assert compute_modes(api) == ["none"] * 4  # nothing held yet
 
         # a 20Gi sm-sharing claim on GPU 0
         uid = "0b7c1e9a-1111-4a55-9d0e-000000000001"
@@ -127,6 +133,9 @@ def test_registration_prepare_unprepare_and_the_slice(daemon: Callable[..., Daem
             ("dra", 50, 24576)], d.get("/status")[1]["mps"]
         assert mount["hostPath"].endswith(ns[0]["name"])
 
+        # the slice tells the scheduler GPU 0 is in sm-sharing now (per-mode DeviceClasses select on it)
+        assert api.wait_for(lambda a: compute_modes(a) == ["sm-sharing", "none", "none", "none"]), api.slices
+
         # kubelet retries: same answer, one hold
         again = kubelet.prepare(ref).claims[uid]
         assert again == r
@@ -135,6 +144,7 @@ def test_registration_prepare_unprepare_and_the_slice(daemon: Callable[..., Daem
         # unprepare frees it (twice: idempotent)
         assert kubelet.unprepare(ref).claims[uid].error == ""
         assert tenants(d) == [] and not spec_file.exists()
+        assert api.wait_for(lambda a: compute_modes(a) == ["none"] * 4), api.slices  # GPU 0 takes any mode again
         assert wait_until(lambda: not any(n["pod_uid"] == uid for dm in d.get("/status")[1]["mps"]["daemons"]
                                           for n in dm["namespaces"]))
         assert kubelet.unprepare(ref).claims[uid].error == ""

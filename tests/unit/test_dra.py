@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fracplugin.dra import cdispec, claims, params
-from fracplugin.dra.slices import SlicePublisher, build_slice, slice_name
+from fracplugin.dra.slices import ATTR_COMPUTE_MODE, MODE_NONE, SlicePublisher, build_slice, mode_text, slice_name
 from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.model import ComputeMode, FractionError
@@ -77,6 +77,45 @@ def test_claim_on_two_gpus_and_configs_for_other_requests_or_drivers_ignored() -
     assert plan.device_uuids == (GPU0, GPU1) and plan.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M,1=4096M"
 
 
+def _class_config(parameters: object, requests: list[str] | None = None) -> dict:
+    """A ``status.allocation.devices.config`` entry from a DeviceClass (the
+    scheduler copies the class's ``spec.config`` there, ``source: FromClass``)."""
+    return {"source": "FromClass", "requests": requests or ["gpu"],
+            "opaque": {"driver": "gpu-memory.fracplugin.io", "parameters": parameters}}
+
+
+def test_class_config_sets_the_mode_and_the_claims_config_overrides_it() -> None:
+    # the chart's sm-sharing class alone (no claim config): its mode applies
+    doc = claim_doc("ns", "c", "uid-5")
+    doc["status"]["allocation"]["devices"]["config"] = [_class_config({**HEAD, "gpu-compute.mode": "sm-sharing"})]
+    c = claims.read_claim(doc, NODE)
+    assert c.parameters.compute_mode is ComputeMode.SM_SHARING and c.parameters.given == ("gpu-compute.mode",)
+    assert claims.plan_claim(c, NODE, Ledger(NODE), PlannerConfig()).compute_mode is ComputeMode.SM_SHARING
+    # a claim config for the same request wins over the class's, field by field, whatever the list order
+    doc = claim_doc("ns", "c", "uid-5", parameters={**HEAD, "gpu-compute.mode": "time-slicing"})
+    doc["status"]["allocation"]["devices"]["config"].append(
+        _class_config({**HEAD, "gpu-compute.mode": "sm-sharing", "gpu-memory.limit": "22Gi"}))
+    p = claims.read_claim(doc, NODE).parameters
+    assert (p.compute_mode, p.limit_mib) == (ComputeMode.TIME_SLICING, 22528)
+    # a class config of another request (or of a subrequest's parent) applies only to its own
+    doc = claim_doc("ns", "c", "uid-5")
+    doc["status"]["allocation"]["devices"]["config"] = [
+        _class_config({**HEAD, "gpu-compute.mode": "sm-sharing"}, ["other"])]
+    assert claims.read_claim(doc, NODE).parameters.compute_mode is ComputeMode.TIME_SLICING
+    doc["status"]["allocation"]["devices"]["results"][0]["request"] = "gpu/big"
+    doc["status"]["allocation"]["devices"]["config"] = [_class_config({**HEAD, "gpu-compute.mode": "sm-sharing"})]
+    assert claims.read_claim(doc, NODE).parameters.compute_mode is ComputeMode.SM_SHARING
+
+
+def test_bad_class_config_is_refused_naming_key_value_and_rule() -> None:
+    doc = claim_doc("ns", "c", "uid-6")
+    doc["status"]["allocation"]["devices"]["config"] = [_class_config({**HEAD, "gpu-compute.mode": "mps"})]
+    with pytest.raises(FractionError) as e:
+        claims.read_claim(doc, NODE)
+    assert (e.value.key, e.value.value) == ("GpuMemoryParameters.gpu-compute.mode", "mps")
+    assert 'must be exactly "time-slicing" or "sm-sharing"' in e.value.reason
+
+
 @pytest.mark.parametrize("change,key,rule", [
     (lambda d: d["metadata"].update(uid="other"), "metadata.uid", "deleted and re-created"),
     (lambda d: d["status"].pop("allocation"), "resourceclaim ns/c", claims.NOT_ALLOCATED),
@@ -136,7 +175,7 @@ def test_slice_builder_one_device_per_healthy_gpu() -> None:
     assert d0["allowMultipleAllocations"] is True
     assert d0["attributes"] == {"uuid": {"string": GPU0}, "productName": {"string": "NVIDIA H100 80GB HBM3"},
                                 "driverVersion": {"string": "615.71.09"}, "computeCapability": {"string": "9.0"},
-                                "index": {"int": 0}}
+                                "computeMode": {"string": "none"}, "index": {"int": 0}}
     mem = d0["capacity"]["memory"]
     assert mem["value"] == mem["requestPolicy"]["default"] == str(80535 * 2**20)
     assert mem["requestPolicy"]["validRange"] == {"min": "1048576", "step": "1048576"}
@@ -172,6 +211,64 @@ def test_slice_publisher_creates_updates_on_health_change_and_deletes(tmp_path: 
         assert pub.sync() and api.slices[name]["spec"]["pool"]["generation"] == 3
         pub.stop(2.0, delete=True)
         assert name not in api.slices
+    finally:
+        api.close()
+
+
+def _hold(ledger: Ledger, uid: str, device: str, mode: str, door: str = "dra") -> None:
+    """A 4Gi claim of ``mode`` on ``device`` held in ``ledger`` (through ``door``)."""
+    c = claims.read_claim(claim_doc("ns", uid, uid, device=device, memory="4Gi",
+                                    parameters={**HEAD, "gpu-compute.mode": mode}), NODE)
+    ledger.admit(claims.plan_claim(c, NODE, ledger, PlannerConfig()), door=door, reservation=c.reservation)
+
+
+def _modes(doc: dict) -> dict[str, str]:
+    return {d["name"]: d["attributes"][ATTR_COMPUTE_MODE]["string"] for d in doc["spec"]["devices"]}
+
+
+def test_slice_compute_mode_is_the_ledgers_mode_of_each_gpu() -> None:
+    ledger = Ledger(NODE)
+    modes = lambda: {g.uuid: ledger.mode(g.uuid) for g in NODE.gpus}  # noqa: E731  as the daemon wires it
+    assert _modes(build_slice(NODE, reserve_mib=1024, modes=modes())) == {
+        "gpu-0": "none", "gpu-1": "none", "gpu-2": "none", "gpu-3": "none"}
+    assert _modes(build_slice(NODE, reserve_mib=1024)) == _modes(build_slice(NODE, reserve_mib=1024, modes=modes()))
+    _hold(ledger, "a", "gpu-0", "sm-sharing")
+    _hold(ledger, "b", "gpu-0", "sm-sharing")
+    _hold(ledger, "c", "gpu-1", "time-slicing", door="nri")  # another door's hold: the one ledger
+    assert _modes(build_slice(NODE, reserve_mib=1024, modes=modes())) == {
+        "gpu-0": "sm-sharing", "gpu-1": "time-slicing", "gpu-2": "none", "gpu-3": "none"}
+    # the attribute says what the planner's guard enforces: the other mode is refused there
+    with pytest.raises(FractionError) as e:
+        _hold(ledger, "d", "gpu-0", "time-slicing")
+    assert "one compute mode per GPU" in e.value.message
+    ledger.release_reservation("dra:a")
+    assert _modes(build_slice(NODE, reserve_mib=1024, modes=modes()))["gpu-0"] == "sm-sharing"  # b still holds
+    ledger.release_reservation("dra:b")
+    ledger.release_reservation("dra:c")
+    assert set(_modes(build_slice(NODE, reserve_mib=1024, modes=modes())).values()) == {MODE_NONE}
+    assert [mode_text(m) for m in (None, *ComputeMode)] == ["none", "time-slicing", "sm-sharing"]
+
+
+def test_slice_publisher_republishes_on_a_ledger_change_without_waiting_for_the_poll(tmp_path: Path) -> None:
+    from kubernetes import config as kconfig
+
+    api = ResourceApi()
+    ledger = Ledger(NODE)
+    try:
+        client = kconfig.new_client_from_config(config_file=str(api.serve(tmp_path)))
+        pub = SlicePublisher(client, NODE, reserve_mib=1024, poll_s=3600,  # the poll never comes in this test
+                             modes=lambda: {g.uuid: ledger.mode(g.uuid) for g in NODE.gpus})
+        ledger.subscribe(pub.poke)
+        name = slice_name("gpu-node-1")
+        pub.start()
+        assert api.wait_for(lambda a: name in a.slices and _modes(a.slices[name])["gpu-2"] == "none")
+        _hold(ledger, "e", "gpu-2", "sm-sharing")
+        assert api.wait_for(lambda a: _modes(a.slices[name])["gpu-2"] == "sm-sharing"), api.slices[name]
+        assert api.slices[name]["spec"]["pool"]["generation"] == 2
+        ledger.release_reservation("dra:e")
+        assert api.wait_for(lambda a: _modes(a.slices[name])["gpu-2"] == "none"), api.slices[name]
+        assert api.slices[name]["spec"]["pool"]["generation"] == 3
+        pub.stop(2.0)
     finally:
         api.close()
 

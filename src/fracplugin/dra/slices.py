@@ -6,7 +6,8 @@ per healthy GPU::
 
     name: gpu-<index>
     allowMultipleAllocations: true          # many claims share one GPU
-    attributes: {uuid, productName, driverVersion, computeCapability: {string: ...}, index: {int: ...}}
+    attributes: {uuid, productName, driverVersion, computeCapability, computeMode: {string: ...},
+                 index: {int: ...}}
     capacity:
       memory:
         value: "<(GPU memory - reserve) x 2^20>"        # bytes
@@ -14,14 +15,28 @@ per healthy GPU::
           default: "<the same>"                 # a request that names no memory takes the whole GPU
           validRange: {min: "1048576", step: "1048576"}  # whole MiB
 
+``computeMode`` is the compute mode the GPU's held fractions use now, read
+from the one ledger of all three doors (``Ledger.mode``: the mode of the
+GPU's tenants, which the planner's guard "one compute mode per GPU",
+``ledger.admission_problem``, keeps single): ``time-slicing`` or
+``sm-sharing`` (``model.ComputeMode`` values, the contract's spelling), or
+``none`` when nothing is held (CEL: ``device.attributes["gpu-memory.fracplugin.io"].computeMode``;
+an attribute without a domain is in the driver's). The scheduler does not run our node guards;
+this attribute lets a DeviceClass's CEL selector admit only GPUs whose mode
+is ``none`` or the claim's (the chart's per-mode classes, ADR 0031
+addendum), so a claim of the other mode is placed elsewhere instead of being
+refused by Prepare on the same GPU again and again.
+
 The reserve is the planner's ``--reserve-mib`` (1024 by default: room for the
 MPS server's own context, as KAI's binder holds back, planner.py). An
 Unhealthy GPU (the health the daemon reports per GPU) is withdrawn: its
 device leaves the slice, so the scheduler places no new claim on it; claims
 already allocated keep it (the ledger still holds them).
 
-Publisher: one background thread builds the slice every ``poll_s`` seconds
-and writes it when it differs from what was last written (also every
+Publisher: one background thread builds the slice every ``poll_s`` seconds,
+and at once after ``poke`` (the daemon pokes it on every ledger change, so a
+GPU's ``computeMode`` follows its holds without waiting for the poll), and
+writes it when it differs from what was last written (also every
 ``resync_s`` seconds, which restores a slice someone deleted): GET by name,
 then PUT with the read ``resourceVersion`` or, on 404, POST. Each content
 change bumps ``spec.pool.generation`` (the scheduler uses the newest
@@ -42,7 +57,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from ..model import GpuInfo, NodeInfo
+from ..model import ComputeMode, GpuInfo, NodeInfo
 from . import CAPACITY_MEMORY, DRIVER_NAME
 from .claims import device_name
 
@@ -54,6 +69,9 @@ PLURAL = "resourceslices"
 MIB = 1 << 20
 LABEL_NODE = "fracplugin.io/node"
 LABEL_DRIVER = "fracplugin.io/dra-driver"
+ATTR_COMPUTE_MODE = "computeMode"
+MODE_NONE = "none"
+"""``computeMode`` of a GPU no fraction is held on (any mode is admitted there)."""
 
 
 def slice_name(node_name: str, driver: str = DRIVER_NAME) -> str:
@@ -66,8 +84,16 @@ def capacity_bytes(gpu: GpuInfo, reserve_mib: int) -> int:
     return max(gpu.memory_mib - reserve_mib, 0) * MIB
 
 
-def build_device(gpu: GpuInfo, driver_version: str, reserve_mib: int) -> dict[str, Any]:
-    """One GPU's device entry (module docstring)."""
+def mode_text(mode: ComputeMode | None) -> str:
+    """The ``computeMode`` attribute value: the mode's contract spelling
+    (``time-slicing``, ``sm-sharing``), ``none`` for None (nothing held)."""
+    return MODE_NONE if mode is None else mode.value
+
+
+def build_device(gpu: GpuInfo, driver_version: str, reserve_mib: int,
+                 mode: ComputeMode | None = None) -> dict[str, Any]:
+    """One GPU's device entry (module docstring); ``mode``: the compute mode
+    of its held fractions, None when none is held."""
     memory = str(capacity_bytes(gpu, reserve_mib))
     return {
         "name": device_name(gpu),
@@ -77,6 +103,7 @@ def build_device(gpu: GpuInfo, driver_version: str, reserve_mib: int) -> dict[st
             "productName": {"string": gpu.name},
             "driverVersion": {"string": driver_version},
             "computeCapability": {"string": gpu.compute_capability},
+            ATTR_COMPUTE_MODE: {"string": mode_text(mode)},
             "index": {"int": gpu.index},
         },
         "capacity": {
@@ -89,20 +116,24 @@ def build_device(gpu: GpuInfo, driver_version: str, reserve_mib: int) -> dict[st
 
 
 def build_slice(node: NodeInfo, *, reserve_mib: int, healthy: Mapping[str, bool] | None = None,
-                generation: int = 1, driver: str = DRIVER_NAME) -> dict[str, Any]:
+                modes: Mapping[str, ComputeMode | None] | None = None, generation: int = 1,
+                driver: str = DRIVER_NAME) -> dict[str, Any]:
     """This node's ResourceSlice (a dict in the API's JSON shape).
 
     Args:
         node: the inventory (GPU order = device order).
         reserve_mib: MiB per GPU kept out of the ``memory`` capacity.
         healthy: GPU UUID -> healthy; a GPU mapped to False is left out.
+        modes: GPU UUID -> compute mode of its held fractions (None or
+            absent: nothing held, ``computeMode: none``).
         generation: ``spec.pool.generation``.
         driver: the driver name.
 
     MIG-enabled GPUs are left out (a MIG GPU takes no fraction). Pure.
     """
     health = healthy or {}
-    devices = [build_device(g, node.driver_version, reserve_mib) for g in node.gpus
+    held = modes or {}
+    devices = [build_device(g, node.driver_version, reserve_mib, held.get(g.uuid)) for g in node.gpus
                if health.get(g.uuid, True) and not g.mig_enabled and capacity_bytes(g, reserve_mib) > MIB]
     return {
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "ResourceSlice",
@@ -131,13 +162,17 @@ class SlicePublisher:
         node: the inventory.
         reserve_mib: MiB per GPU kept out of the capacity.
         healthy: () -> {GPU UUID: healthy}, read at each poll.
+        modes: () -> {GPU UUID: compute mode of its held fractions, or
+            None}, read at each poll (the daemon gives the ledger's
+            ``mode`` per GPU and calls ``poke`` on every ledger change).
         poll_s: seconds between builds.
         resync_s: seconds after which an unchanged slice is written again.
         timeout_s: per-request timeout.
     """
 
     def __init__(self, api: Any, node: NodeInfo, *, reserve_mib: int,
-                 healthy: Callable[[], Mapping[str, bool]] | None = None, poll_s: float = 5.0,
+                 healthy: Callable[[], Mapping[str, bool]] | None = None,
+                 modes: Callable[[], Mapping[str, ComputeMode | None]] | None = None, poll_s: float = 5.0,
                  resync_s: float = 300.0, timeout_s: float = 5.0, driver: str = DRIVER_NAME,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._api = api
@@ -145,6 +180,7 @@ class SlicePublisher:
         self.node = node
         self.reserve_mib = reserve_mib
         self.healthy = healthy or (lambda: {})
+        self.modes = modes or (lambda: {})
         self.poll_s = poll_s
         self.resync_s = resync_s
         self.timeout_s = timeout_s
@@ -200,19 +236,23 @@ class SlicePublisher:
                     log.warning("dra resource slice not deleted", extra={"slice": self.name, "reason": str(exc)})
 
     def poke(self) -> None:
-        """Build and compare now (inventory or health changed)."""
+        """Build and compare now (inventory, health or the ledger changed).
+        Cheap and non-blocking (sets an event): safe as a ledger subscriber."""
         self._wake.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # before the build: a poke during it is not lost
+            if self._stop.is_set():  # stop() sets _stop before _wake: a wake cleared here was stop's
+                break
             self.sync()
             self._wake.wait(self.poll_s)
-            self._wake.clear()
 
     # ---- one pass -----------------------------------------------------------
     def desired(self) -> dict[str, Any]:
         """The slice as it should be now (generation not decided yet)."""
-        return build_slice(self.node, reserve_mib=self.reserve_mib, healthy=self.healthy(), driver=self.driver)
+        return build_slice(self.node, reserve_mib=self.reserve_mib, healthy=self.healthy(), modes=self.modes(),
+                           driver=self.driver)
 
     def sync(self) -> bool:
         """Write the slice if it changed or the resync time passed; True when
