@@ -9,10 +9,11 @@ at its pod IP.
 
 The steps (class ``TestDra``), each needing the install:
 
-1. install: the DaemonSets roll out; the DeviceClass exists; the node's
-   ResourceSlice (driver ``gpu-memory.fracplugin.io``) lists the four GPUs of
-   the simulated node with ``allowMultipleAllocations`` and a ``memory``
-   capacity, as the API server stored it (the gate kept the fields);
+1. install: the DaemonSets roll out; the DeviceClass and the two per-mode
+   classes exist; the node's ResourceSlice (driver ``gpu-memory.fracplugin.io``)
+   lists the four GPUs of the simulated node with ``allowMultipleAllocations``,
+   a ``memory`` capacity and ``computeMode: none``, as the API server stored it
+   (the gate kept the fields);
 2. README's ResourceClaimTemplate (20Gi, sm-sharing, limit 24Gi, portion 0.5)
    and pod, read from README.md: kube-scheduler allocates 20Gi of one GPU, the
    door prepares it, and the container has README's env, the read-only pipe
@@ -29,6 +30,11 @@ The steps (class ``TestDra``), each needing the install:
    pod takes most of one GPU, a DRA claim pinned to that GPU (CEL selector on
    its ``uuid``) is allocated by the scheduler (which does not see the device
    plugin's hold) and refused at Prepare by the memory rule, naming the GPU;
+6a. the per-mode DeviceClasses (ADR 0031 addendum): an sm-sharing claim through
+   ``sm-sharing.gpu-memory.fracplugin.io`` runs and the slice then says
+   ``computeMode: sm-sharing`` for its GPU; a time-slicing claim through
+   ``time-slicing.gpu-memory.fracplugin.io`` is placed by the scheduler on
+   another GPU and runs (no Prepare refusal); freed, both GPUs are ``none``;
 7. README's uninstall (split): nothing left, and the ResourceSlice deleted
    (``dra.deleteSlicesOnStop=true``).
 
@@ -57,6 +63,7 @@ pytestmark = [pytest.mark.cluster_e2e, pytest.mark.timeout(900)]
 DRIVER = "gpu-memory.fracplugin.io"
 GROUP, VERSION = "resource.k8s.io", "v1"
 MIB = 1 << 20
+MODE_CLASSES = {m: f"{m}.{DRIVER}" for m in ("time-slicing", "sm-sharing")}  # the chart's per-mode classes
 GIB_MIB = 1024
 BAD_MODE_RULE = 'GpuMemoryParameters.gpu-compute.mode="fast" must be exactly "time-slicing" or "sm-sharing"'
 
@@ -152,11 +159,17 @@ def sleeper(name: str, claims: list[dict[str, str]]) -> dict[str, Any]:
                                      "resources": {"claims": [{"name": cl["name"]} for cl in claims]}}]}}
 
 
+def compute_modes(c: fc.FullCluster) -> dict[str, str]:
+    """GPU UUID -> the ``computeMode`` attribute the slice publishes for it."""
+    return {d["attributes"]["uuid"]["string"]: d["attributes"].get("computeMode", {}).get("string", "")
+            for s in resource_slices(c) for d in s["spec"].get("devices") or []}
+
+
 def claim_doc(name: str, memory: str, params: dict[str, Any] | None = None,
-              selector: str = "") -> dict[str, Any]:
-    """A ResourceClaim asking ``memory`` of one GPU of our DeviceClass, with
+              selector: str = "", device_class: str = DRIVER) -> dict[str, Any]:
+    """A ResourceClaim asking ``memory`` of one GPU of ``device_class``, with
     opaque ``params`` (GpuMemoryParameters fields) and a CEL ``selector``."""
-    exactly: dict[str, Any] = {"deviceClassName": DRIVER, "capacity": {"requests": {"memory": memory}}}
+    exactly: dict[str, Any] = {"deviceClassName": device_class, "capacity": {"requests": {"memory": memory}}}
     if selector:
         exactly["selectors"] = [{"cel": {"expression": selector}}]
     spec: dict[str, Any] = {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}
@@ -224,8 +237,9 @@ class TestDra(Scenarios):
         c = cluster
         self.install(c, helm, kubectl, steps)
         self.needs(steps, "install")
-        wait(c, lambda: custom(c).get_cluster_custom_object(GROUP, VERSION, "deviceclasses", DRIVER), 30,
-             f"DeviceClass {DRIVER}")
+        for name in (DRIVER, *MODE_CLASSES.values()):
+            wait(c, lambda: custom(c).get_cluster_custom_object(GROUP, VERSION, "deviceclasses", name), 30,
+                 f"DeviceClass {name}")
         # the first write may list no device: a GPU is Healthy for the door once its MPS daemon answers (the
         # split layout's MPS role starts beside the doors), and the slice is rewritten when that changes
         want = len(gpus())
@@ -241,6 +255,7 @@ class TestDra(Scenarios):
                 # dropped by the API server when DRAConsumableCapacity is off: the gate is on
                 assert d.get("allowMultipleAllocations") is True, d
                 assert quantity_mib(d["capacity"]["memory"]["value"]) == capacity_mib(g), d
+                assert d["attributes"].get("computeMode") == {"string": "none"}, d  # nothing held yet
         steps[self.key("slice")] = True
 
     # ---- 2 ------------------------------------------------------------------------
@@ -295,8 +310,9 @@ class TestDra(Scenarios):
         self.needs(steps, "slice")
         names = [f"big-{i}" for i in range(3)]
         # 40Gi each: any two exceed one GPU's capacity (80535 MiB). sm-sharing like README's claim, which may
-        # still hold 20Gi of a GPU: the scheduler does not see compute modes, and a time-slicing claim allocated
-        # beside it would be refused at Prepare (one compute mode per GPU; what the real cluster showed, ADR 0031)
+        # still hold 20Gi of a GPU: gpu-memory.fracplugin.io does not select on compute modes, and a time-slicing
+        # claim allocated beside it would be refused at Prepare (one compute mode per GPU; what the real cluster
+        # showed, ADR 0031; step 6a covers the per-mode classes)
         for n in names:
             create_claim(c, claim_doc(n, "40Gi", {"gpu-compute.mode": "sm-sharing"}))
             c.api().create_namespaced_pod("default", sleeper(n, [{"name": "gpu", "resourceClaimName": n}]))
@@ -397,6 +413,41 @@ class TestDra(Scenarios):
         delete_claims(c, [n])
         steps[self.key("doors")] = ev[0]
 
+    # ---- 6a -----------------------------------------------------------------------
+    def test_6a_per_mode_classes_place_the_other_mode_on_another_gpu(self, cluster, steps):
+        c = cluster
+        self.needs(steps, "slice")
+        sm, ts = "mode-sm", "mode-ts"
+        # no parameters: each class's config sets the mode (the door reads FromClass configs)
+        create_claim(c, claim_doc(sm, "10Gi", device_class=MODE_CLASSES["sm-sharing"]))
+        c.api().create_namespaced_pod("default", sleeper(sm, [{"name": "gpu", "resourceClaimName": sm}]))
+        running_pod(c, sm)
+        with diagnosed(c, f"pod {sm} container app: events {pod_events(c, sm)}"):
+            (r,) = allocated_devices(claim(c, sm))
+            sm_gpu = gpu_of_device(r["device"])["uuid"]
+        # the slice tells the scheduler before the second claim exists (the door republishes on the hold)
+        wait(c, lambda: compute_modes(c).get(sm_gpu) == "sm-sharing", 60,
+             f"computeMode sm-sharing published for GPU {sm_gpu} (claim {sm})", ns="default")
+        # the real cluster put a time-slicing claim through gpu-memory.fracplugin.io on this very GPU (the
+        # allocator does not see compute modes) and Prepare refused it forever; through its class it goes elsewhere
+        create_claim(c, claim_doc(ts, "10Gi", device_class=MODE_CLASSES["time-slicing"]))
+        c.api().create_namespaced_pod("default", sleeper(ts, [{"name": "gpu", "resourceClaimName": ts}]))
+        p = running_pod(c, ts)
+        with diagnosed(c, f"pod {ts} container app: events {pod_events(c, ts)}; modes {compute_modes(c)}"):
+            (r,) = allocated_devices(claim(c, ts))
+            ts_gpu = gpu_of_device(r["device"])["uuid"]
+            assert ts_gpu != sm_gpu, (ts_gpu, sm_gpu)
+            assert container_env(c, container_id(p, "app")).get("NVIDIA_VISIBLE_DEVICES") == ts_gpu
+            assert not prepare_refused(c, ts, "one compute mode per GPU"), pod_events(c, ts)
+        wait(c, lambda: compute_modes(c).get(ts_gpu) == "time-slicing", 60,
+             f"computeMode time-slicing published for GPU {ts_gpu} (claim {ts})", ns="default")
+        print(f"per-mode classes: sm-sharing on {sm_gpu}, time-slicing on {ts_gpu}")
+        delete_pods(c, [sm, ts])
+        delete_claims(c, [sm, ts])
+        wait(c, lambda: compute_modes(c).get(sm_gpu) == compute_modes(c).get(ts_gpu) == "none", 60,
+             f"computeMode none again on GPUs {sm_gpu} and {ts_gpu}", ns="default")
+        steps[self.key("modes")] = {"sm-sharing": sm_gpu, "time-slicing": ts_gpu}
+
     # ---- 7 ------------------------------------------------------------------------
     def test_7_readme_uninstall_deletes_the_resource_slice(self, cluster, helm, kubectl, steps):
         c = cluster
@@ -411,11 +462,14 @@ class TestDra(Scenarios):
             api.delete_namespaced_custom_object(GROUP, VERSION, "default", "resourceclaimtemplates",
                                                 t["metadata"]["name"])
         with diagnosed(c, "the ResourceSlice before uninstall"):
-            # written on change only: the empty first write, the four GPUs, nothing since (no rewrite loop
-            # over what the API server stored)
+            # written on change only: the empty first write, the four GPUs, then each GPU's computeMode as
+            # holds come and go (steps 2, 3, 6 and 6a take 7 holds; each may change its GPU's mode when taken
+            # and when freed, a device plugin reservation once more when bound) - no rewrite loop over what
+            # the API server stored, which would add one generation per poll (5 s) over the whole run
+            holds = 7
             gen = [s["spec"]["pool"]["generation"] for s in resource_slices(c)]
             print(f"dra: ResourceSlice pool generation {gen} before uninstall")
-            assert gen and gen[0] <= 2, gen
+            assert gen and gen[0] <= 2 + 3 * holds, gen
         self.uninstall(c, helm, kubectl, steps)
         wait(c, lambda: not resource_slices(c), 60, f"the ResourceSlice of {DRIVER} deleted at uninstall")
         with diagnosed(c, "after README's uninstall with dra.enabled"):
