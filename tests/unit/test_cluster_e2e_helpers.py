@@ -23,11 +23,11 @@ def test_readme_dra_example_is_a_claim_template_and_its_pod():
     assert sorted(docs) == ["Pod", "ResourceClaimTemplate"]
     tmpl, pod = docs["ResourceClaimTemplate"], docs["Pod"]
     req = tmpl["spec"]["spec"]["devices"]["requests"][0]
-    assert req["exactly"]["deviceClassName"] == "gpu-memory.fracplugin.io"
+    assert req["exactly"]["deviceClassName"] == "sm-sharing.gpu-memory.fracplugin.io"  # the class sets the mode
     assert req["exactly"]["capacity"]["requests"]["memory"] == "20Gi"
     params = tmpl["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"]
-    assert (params["gpu-compute.mode"], params["gpu-memory.limit"], params["gpu-compute.portion"]) == \
-        ("sm-sharing", "24Gi", "0.5")
+    assert params == {"apiVersion": "gpu-memory.fracplugin.io/v1alpha1", "kind": "GpuMemoryParameters",
+                      "gpu-memory.limit": "24Gi", "gpu-compute.portion": "0.5"}
     assert pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == tmpl["metadata"]["name"]
     assert pod["spec"]["containers"][0]["resources"]["claims"] == [{"name": "gpu"}]
 
