@@ -121,8 +121,10 @@ def test_condition_true_when_ready_false_when_mps_down_unknown_at_shutdown(
         assert fake.condition("Ready")["reason"] == "KubeletReady"  # kubelet's condition untouched
         assert all(ct == SMP for ct, _ in fake.patches)
         assert set(c) >= {"type", "status", "reason", "message", "lastHeartbeatTime", "lastTransitionTime"}
-        st = d.get("/status")[1]["node_condition"]
-        assert st["types"] == [KAI, KAI_OLD] and st["published"]["status"] == "True" and st["failures"] == 0
+        # the fake records the patch before it answers; the daemon counts it published once the answer is read
+        st = wait_until(lambda: (lambda nc: nc if (nc.get("published") or {}).get("status") == "True" else None)(
+            d.get("/status")[1]["node_condition"]), 20, lambda: f"published in /status: {d.get('/status')[1]}")
+        assert st["types"] == [KAI, KAI_OLD] and st["failures"] == 0
 
         # MPS down: the time-slicing control daemon crashes and cannot start again
         (root / "mps" / "ts" / "fake-control.json").write_text(json.dumps({"crash": True, "fail_start": True}))
