@@ -136,17 +136,12 @@ class _Orphans(_Early):
                          extra={"reason": str(doc.get("error", ""))})
             return counts
         live = {p.uid: p.id for p in pods}  # the last sandbox listed of each pod UID
-        tenancies = self.ledger.tenancies()
-        held_names = {t.mps_namespace for t in tenancies if t.mps_namespace}
-        held_owners = {t.owner for t in tenancies}
+        names, owners = self._ledger_holds()
         orphans: list[HeldNamespace] = []
         with self._ns_lock:
-            awaited = {o for o, _f in self._ns_pending.values()}
-            q = self._ns_queue
             for ns in found:
                 o = ns.owner
-                if (ns.name in held_names or namespace_name(*o) in held_names or o in held_owners
-                        or o in self._ns_early or o in awaited or (q is not None and q.busy(("ns", *o)))):
+                if self._held_locked(ns, names, owners, queued=True):
                     counts["held"] += 1
                 elif o[0] not in live:
                     orphans.append(ns)
@@ -194,13 +189,29 @@ class _Orphans(_Early):
         self._release_job(ns.owner)
 
     def _holds(self, ns: HeldNamespace) -> bool:
-        """Whether anything of the doors holds ``ns`` now (the ledger by owner
-        or by namespace name, the early table, a container awaiting it)."""
-        if self.ledger.find(*ns.owner):
-            return True
-        names = {ns.name, namespace_name(*ns.owner)}
-        if any(t.mps_namespace in names for t in self.ledger.tenancies()):
-            return True
+        """Whether anything of the doors holds ``ns`` now (``_held_locked``,
+        from inside the owner's own queued job: the queue is not asked)."""
+        names, owners = self._ledger_holds()
         with self._ns_lock:
-            return ns.owner in self._ns_early or any(o == ns.owner for o, _f in self._ns_pending.values())
+            return self._held_locked(ns, names, owners, queued=False)
 
+    def _ledger_holds(self) -> tuple[set[str], set[tuple[str, str]]]:
+        """One scan of the ledger: (the MPS namespace names its entries name,
+        the owners (pod UID, container) it holds)."""
+        tenancies = self.ledger.tenancies()
+        return {t.mps_namespace for t in tenancies if t.mps_namespace}, {t.owner for t in tenancies}
+
+    def _held_locked(self, ns: HeldNamespace, names: set[str], owners: set[tuple[str, str]], *,
+                     queued: bool) -> bool:
+        """The one "held" rule (module docstring): the ledger holds the
+        owner (``owners``) or names the namespace (``names``, by its name or
+        the owner's derived name), the early table has the owner, a container
+        awaits it, or (``queued``) a job of the owner is queued or running.
+        The caller holds ``_ns_lock``."""
+        o = ns.owner
+        if ns.name in names or namespace_name(*o) in names or o in owners or o in self._ns_early:
+            return True
+        if any(p == o for p, _f in self._ns_pending.values()):
+            return True
+        q = self._ns_queue
+        return queued and q is not None and q.busy(("ns", *o))
