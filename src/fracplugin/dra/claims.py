@@ -228,6 +228,24 @@ def plan_claim(claim: ClaimRequest, node: NodeInfo, ledger: LedgerView,
     return plan(fraction_request(claim), claim.pod, node, ledger, config, reservation=claim.reservation)
 
 
+def custom_objects(api: Any) -> Any:
+    """A ``kubernetes.client.CustomObjectsApi`` for the DRA door's API reads
+    and writes (claims, ResourceSlices), which serves any group's REST path
+    as JSON dicts. ``api``: an ``ApiClient`` (``--kubeconfig``), None for the
+    in-cluster config (loaded now, on the caller's thread), or an object that
+    already has the ``CustomObjectsApi`` methods (returned as is; tests).
+    Raises the client's ``ConfigException`` when None is given outside a pod."""
+    from kubernetes import client as kclient
+    from kubernetes import config as kconfig
+
+    if api is None:
+        kconfig.load_incluster_config()
+        return kclient.CustomObjectsApi(kclient.ApiClient())
+    if isinstance(api, kclient.ApiClient):
+        return kclient.CustomObjectsApi(api)
+    return api
+
+
 class ApiClaims:
     """Reads ResourceClaims from the API server (``resource.k8s.io/v1``).
 
@@ -250,13 +268,7 @@ class ApiClaims:
 
     def _client(self) -> Any:
         if self._objects is None:
-            from kubernetes import client as kclient
-            from kubernetes import config as kconfig
-
-            if self._api is None:
-                kconfig.load_incluster_config()
-                self._api = kclient.ApiClient()
-            self._objects = kclient.CustomObjectsApi(self._api)
+            self._objects = custom_objects(self._api)
         return self._objects
 
     def get(self, namespace: str, name: str) -> dict[str, Any]:

@@ -59,7 +59,7 @@ from typing import Any, Callable, Mapping
 
 from ..model import ComputeMode, GpuInfo, NodeInfo
 from . import CAPACITY_MEMORY, DRIVER_NAME
-from .claims import device_name
+from .claims import custom_objects, device_name
 
 log = logging.getLogger(__name__)
 
@@ -200,16 +200,7 @@ class SlicePublisher:
 
     def _client(self) -> Any:
         if self._objects is None:
-            from kubernetes import client as kclient
-            from kubernetes import config as kconfig
-
-            if self._api is None:
-                kconfig.load_incluster_config()
-                self._objects = kclient.CustomObjectsApi()
-            elif isinstance(self._api, kclient.ApiClient):
-                self._objects = kclient.CustomObjectsApi(self._api)
-            else:
-                self._objects = self._api
+            self._objects = custom_objects(self._api)
         return self._objects
 
     # ---- lifecycle ----------------------------------------------------------
