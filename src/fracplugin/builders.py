@@ -132,6 +132,8 @@ class _Builders:
 
         def _gpu_healthy(self) -> dict[str, tuple[bool, list[str]]]: ...
 
+        def _gpu_state(self, uuid: str) -> tuple[bool, list[str]]: ...
+
     @property
     def planner_config(self) -> PlannerConfig:
         """Planner settings; per-container MPS namespaces only with MPS v3
@@ -446,7 +448,7 @@ class _Builders:
         preparer = Preparer(node, self.ledger, self.planner_config, ApiClaims(api), self.cfg.dra_cdi_dir,
                             mps=None if self.cfg.no_mps else self.mps,
                             cdi=None if self.cfg.no_cdi_devices else self._cdi(),
-                            gpu_healthy=lambda u: self._gpu_healthy().get(u, (True, [])),
+                            gpu_healthy=self._gpu_state,  # the claim's GPU only
                             # the NRI door's memory-limit admission (built with it; ADR 0031)
                             memory_limits=self.memory_limits.nri if self.memory_limits is not None else None)
         server = DraServer(preparer, self.cfg.dra_plugins_dir, self.cfg.dra_registry_dir)

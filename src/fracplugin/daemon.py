@@ -242,23 +242,27 @@ class Daemon(_Builders):
         return out
 
     def _gpu_healthy(self) -> dict[str, tuple[bool, list[str]]]:
-        """Per GPU (healthy, reasons): the device plugin door's XID + MPS
-        monitor, or without that door the MPS daemon of the GPU's tenants' mode."""
-        out: dict[str, tuple[bool, list[str]]] = {}
+        """Per GPU UUID (healthy, reasons): ``_gpu_state`` of every GPU."""
         if self.node is None or self.ledger is None:
-            return out
-        for g in self.node.gpus:
-            if self.device_plugin is not None:
-                h = self.device_plugin.health.health(g.uuid)
-                out[g.uuid] = (bool(h.healthy), list(h.reasons))
-                continue
-            mode = self.ledger.mode(g.uuid)
-            try:
-                ok = mode is None or self.cfg.no_mps or self.mps is None or bool(self.mps.healthy(mode))
-            except Exception:
-                ok = False
-            out[g.uuid] = (ok, [] if ok else ["mps down"])
-        return out
+            return {}
+        return {g.uuid: self._gpu_state(g.uuid) for g in self.node.gpus}
+
+    def _gpu_state(self, uuid: str) -> tuple[bool, list[str]]:
+        """One GPU's (healthy, reasons): the device plugin door's XID + MPS
+        monitor, or without that door the MPS daemon of the GPU's tenants'
+        mode (one question to the MPS layer, remote in the split layout).
+        (True, []) when there is no inventory yet."""
+        if self.node is None or self.ledger is None:
+            return True, []
+        if self.device_plugin is not None:
+            h = self.device_plugin.health.health(uuid)
+            return bool(h.healthy), list(h.reasons)
+        mode = self.ledger.mode(uuid)
+        try:
+            ok = mode is None or self.cfg.no_mps or self.mps is None or bool(self.mps.healthy(mode))
+        except Exception:
+            ok = False
+        return ok, [] if ok else ["mps down"]
 
     def metric_state(self) -> dict[str, Any]:
         """What ``Metrics.attach_state`` exports at scrape time: NRI connected /
