@@ -7,9 +7,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Union
-
-import pytest
+from typing import Any, Callable, Union
 
 #: What a wait is for: a phrase, or a function that says it at timeout time
 #: (e.g. one that reads the daemon's log then).
@@ -108,55 +106,3 @@ def kill_leftovers(work: Path) -> None:
                 os.kill(int(p.name), signal.SIGKILL)
         except (OSError, ValueError):
             continue
-
-
-def children_left_since(before: set[int], timeout_s: float = 5) -> list[str]:
-    """The test run's own child processes that were not there in ``before``
-    (a set of PIDs) and are still there, zombies included, once each has had
-    up to ``timeout_s`` seconds (scaled, as every wait) to exit and be reaped
-    by whoever started it. Those left are killed and reaped here, so that one
-    test's leak fails that test and no other (a zombie child counts in every
-    later leftover check). Returns ``"PID status cmdline"`` per process left,
-    ``[]`` when none."""
-    import psutil
-
-    me = psutil.Process()
-
-    def new() -> list[psutil.Process]:
-        return [c for c in me.children() if c.pid not in before]
-
-    deadline = time.monotonic() + scaled(timeout_s)
-    while new() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    left = []
-    for c in new():
-        said = []
-        for part in (c.status, lambda: " ".join(c.cmdline())[:120]):
-            try:
-                said.append(part())
-            except psutil.Error:  # a zombie has no command line
-                pass
-        left.append(" ".join([str(c.pid), *said]))
-        try:
-            c.kill()
-        except psutil.Error:
-            pass
-        try:
-            os.waitpid(c.pid, 0)
-        except ChildProcessError:  # reaped meanwhile by its Popen
-            pass
-    return left
-
-
-@pytest.fixture(autouse=True)
-def no_child_process_left_behind() -> Iterator[None]:
-    """Autouse where a conftest imports it (unit and component tests): every
-    test ends with no child process of the test run that it started (alive or
-    a zombie nobody waited for). A leak fails the test that made it, is killed
-    and reaped there, and so cannot fail the tests after it."""
-    import psutil
-
-    before = {c.pid for c in psutil.Process().children()}
-    yield
-    left = children_left_since(before)
-    assert not left, f"child processes this test left behind (now killed and reaped): {left}"

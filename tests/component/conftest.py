@@ -10,7 +10,7 @@ import tempfile
 import pytest
 
 from fracplugin.nri.stub import NriStub
-from tests.helpers import no_child_process_left_behind  # noqa: F401  (autouse: every test here)
+from tests.leakguard import no_child_process_left_behind  # noqa: F401  (autouse: every test here)
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ from fracplugin.kubelet.deviceplugin import ALLOCATE_UNADJUSTED, ANNOTATION_ALLO
 from fracplugin.nri.ttrpc import RpcError
 from fracplugin.parts import PartBase
 from tests.helpers import wait_until
+from tests.leakguard import LONG_LIVED_ROOTS
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
@@ -80,6 +81,7 @@ def rig() -> Iterator[Rig]:
     root = Path(tempfile.mkdtemp(prefix="fprl", dir="/tmp"))  # short: unix socket paths
     root.chmod(0o755)  # the MPS root must be traversable (containers reach their pipe directories)
     r = Rig(root)
+    LONG_LIVED_ROOTS.add(str(root))  # its MPS daemons may restart during any test of the module
     r.daemon.start()
     try:
         wait_until(lambda: r.daemon.checks()["mps"]["ready"], what="the MPS daemons to be ready")
@@ -91,6 +93,7 @@ def rig() -> Iterator[Rig]:
             if h.get_name() == logs._HANDLER_NAME:
                 root_logger.removeHandler(h)
         root_logger.setLevel(logging.WARNING)
+        LONG_LIVED_ROOTS.discard(str(root))
         shutil.rmtree(root, ignore_errors=True)
 
 

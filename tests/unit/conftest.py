@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-from tests.helpers import no_child_process_left_behind  # noqa: F401  (autouse: every test here)
+from tests.leakguard import no_child_process_left_behind  # noqa: F401  (autouse: every test here)

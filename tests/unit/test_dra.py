@@ -186,6 +186,7 @@ def test_slice_publisher_creates_updates_on_health_change_and_deletes(tmp_path: 
 
     api = ResourceApi()
     health = {GPU0: True}
+    pub = None
     try:
         client = kconfig.new_client_from_config(config_file=str(api.serve(tmp_path)))
         pub = SlicePublisher(client, NODE, reserve_mib=1024, healthy=lambda: dict(health), poll_s=60)
@@ -212,6 +213,8 @@ def test_slice_publisher_creates_updates_on_health_change_and_deletes(tmp_path: 
         pub.stop(2.0, delete=True)
         assert name not in api.slices
     finally:
+        if pub is not None:
+            pub.stop(2.0)  # no thread left writing to the closed API into later tests (idempotent)
         api.close()
 
 
@@ -254,6 +257,7 @@ def test_slice_publisher_republishes_on_a_ledger_change_without_waiting_for_the_
 
     api = ResourceApi()
     ledger = Ledger(NODE)
+    pub = None
     try:
         client = kconfig.new_client_from_config(config_file=str(api.serve(tmp_path)))
         pub = SlicePublisher(client, NODE, reserve_mib=1024, poll_s=3600,  # the poll never comes in this test
@@ -268,8 +272,9 @@ def test_slice_publisher_republishes_on_a_ledger_change_without_waiting_for_the_
         ledger.release_reservation("dra:e")
         assert api.wait_for(lambda a: _modes(a.slices[name])["gpu-2"] == "none"), api.slices[name]
         assert api.slices[name]["spec"]["pool"]["generation"] == 3
-        pub.stop(2.0)
     finally:
+        if pub is not None:
+            pub.stop(2.0)
         api.close()
 
 
