@@ -129,7 +129,8 @@ def serve_unix_renamed(path: str, add: Callable[[grpc.Server], None], max_worker
     grpcio's core unlinks the path it bound when its server stops; with the
     rename that is the temporary name, so stopping an old server can never
     delete a newer socket at ``path`` (issue 11). Returns and raises as
-    ``serve_unix``."""
+    ``serve_unix`` (OSError also when the rename fails; nothing is left
+    running then)."""
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
@@ -138,9 +139,14 @@ def serve_unix_renamed(path: str, add: Callable[[grpc.Server], None], max_worker
             os.unlink(stale)
         except FileNotFoundError:
             pass
-    served = serve_unix(tmp, add, max_workers, thread_name_prefix)
-    os.rename(tmp, path)
-    return served
+    server, pool = serve_unix(tmp, add, max_workers, thread_name_prefix)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        server.stop(grace=0)  # nothing is left serving under the temporary name
+        pool.shutdown(wait=False)
+        raise
+    return server, pool
 
 
 def unix_channel(path: str) -> grpc.Channel:
