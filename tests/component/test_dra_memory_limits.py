@@ -118,6 +118,17 @@ def test_dra_container_of_an_unknown_claim_gets_nothing(started: Any, root: Path
         api.close()
 
 
+def _prepare_on_cgroup_v1(started: Any, root: Path, api: ResourceApi, policy: str) -> tuple[Any, Any]:
+    """A daemon on a cgroup v1 node (``--memory-limits auto``, ``policy``)
+    and a test kubelet's Prepare of the claim ``UID``: (daemon, the claim's
+    NodePrepareResources result)."""
+    d, _rt, _cg = started(["--memory-limits", "auto", "--memory-limits-policy", policy, *_dra_args(api, root)],
+                          v2=False)
+    kubelet = DraKubelet(str(root / "registry"))
+    kubelet.register()
+    return d, kubelet.prepare(_claim(api, "infer-gpu", UID)).claims[UID]
+
+
 def test_dra_prepare_refused_under_policy_refuse_on_a_node_that_cannot_enforce(started: Any,  # noqa: F811
                                                                                root: Path) -> None:
     """cgroup v1 node, --memory-limits-policy refuse: Prepare answers the
@@ -125,11 +136,7 @@ def test_dra_prepare_refused_under_policy_refuse_on_a_node_that_cannot_enforce(s
     ledger holds nothing and no CDI spec is written."""
     api = ResourceApi()
     try:
-        d, _rt, _cg = started(["--memory-limits", "auto", "--memory-limits-policy", "refuse",
-                               *_dra_args(api, root)], v2=False)
-        kubelet = DraKubelet(str(root / "registry"))
-        kubelet.register()
-        r = kubelet.prepare(_claim(api, "infer-gpu", UID)).claims[UID]
+        d, r = _prepare_on_cgroup_v1(started, root, api, "refuse")
         assert "cgroup_v2" in r.error and "--memory-limits-policy refuse" in r.error, r.error
         assert r.error.startswith("node: "), r.error
         assert d.get("/status")[1]["gpus"][0]["tenants"] == []
@@ -144,11 +151,7 @@ def test_dra_prepare_under_policy_warn_withholds_the_toolkit_hook_env(started: A
     container's start); the rest of the env is there."""
     api = ResourceApi()
     try:
-        _d, _rt, _cg = started(["--memory-limits", "auto", "--memory-limits-policy", "warn",
-                                *_dra_args(api, root)], v2=False)
-        kubelet = DraKubelet(str(root / "registry"))
-        kubelet.register()
-        r = kubelet.prepare(_claim(api, "infer-gpu", UID)).claims[UID]
+        _d, r = _prepare_on_cgroup_v1(started, root, api, "warn")
         assert r.error == "", r.error
         cdi = json.loads((root / "cdi" / f"{DRIVER}-claim_{UID}.json").read_text())
         env = dict(e.split("=", 1) for e in cdi["devices"][0]["containerEdits"]["env"])
