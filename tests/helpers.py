@@ -106,3 +106,23 @@ def kill_leftovers(work: Path) -> None:
                 os.kill(int(p.name), signal.SIGKILL)
         except (OSError, ValueError):
             continue
+
+
+def node_rules(node: Any, ledger: Any = None, config: Any = None, inventory: Any = None, *,
+               mps_health: Any = None, limits: Any = None) -> Any:
+    """The node's rules a door under test admits through (``noderules.NodeRules``):
+    ``ledger`` (default a new in-memory one), ``config`` (default ``PlannerConfig()``),
+    the node's health monitor over ``inventory`` (XIDs) and ``mps_health``,
+    started (polling every 0.05 s) when either is given, as the daemon
+    starts it; its owner stops it (``rules.health.stop()``)."""
+    from fracplugin.gpu.health import HealthMonitor
+    from fracplugin.ledger import Ledger
+    from fracplugin.noderules import NodeRules
+    from fracplugin.planner import PlannerConfig
+
+    ledger = ledger if ledger is not None else Ledger(node)
+    health = HealthMonitor(inventory, [g.uuid for g in node.gpus], mps_health=mps_health, mode_of=ledger.mode,
+                           poll_s=0.05)
+    if inventory is not None or mps_health is not None:
+        health.start()
+    return NodeRules(node, ledger, config if config is not None else PlannerConfig(), health=health, limits=limits)

@@ -22,6 +22,7 @@ from .mps.layout import MpsLayout
 from .parts import (
     DevicePluginPart,
     EventsPart,
+    GpuHealthPart,
     HealthPart,
     InventoryPart,
     LedgerPart,
@@ -41,13 +42,13 @@ if TYPE_CHECKING:
     from .cdi import CdiRegistry
     from .enforce.wiring import MemoryLimits
     from .events import EventRecorder, NullEventRecorder
-    from .gpu.health import GpuHealth
     from .gpu.inventory import Inventory
     from .gpu.simulated import SimulatedInventory
     from .kubelet.deviceplugin import DevicePluginServer
     from .kubelet.podlookup import PodSource
     from .metrics import Metrics
     from .mps.api import MpsApi
+    from .noderules import NodeRules
 
 log = logging.getLogger("fracplugin.daemon")  # the daemon's log, as before the split
 
@@ -109,11 +110,11 @@ class _Builders:
     nri: NriDoor | None
     device_plugin: DevicePluginServer | None
     memory_limits: MemoryLimits | None
+    rules: NodeRules | None
     cdi_hook_of: Callable[[str], bool | None] | None
     cdi: CdiRegistry | None
     endpoints: dict[str, str]
     ledger_warnings: list[str]
-    _healthy_gpus: dict[str, GpuHealth]
     _stopping: threading.Event
     pending_signals: list[int]
 
@@ -359,20 +360,35 @@ class _Builders:
             self.cdi.refresh()
         return self.cdi
 
+    def _build_rules(self) -> None:
+        """The node's rules (``noderules.NodeRules``, issue 33): the one GPU
+        health monitor (XIDs from the inventory, MPS health per mode), the
+        memory-limit gate and the ledger, built once whichever doors are on;
+        every door admits through them."""
+        from .gpu.health import HealthMonitor
+        from .noderules import NodeRules
+
+        assert self.node is not None and self.ledger is not None
+        monitor = HealthMonitor(self.inventory, [g.uuid for g in self.node.gpus],
+                                ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
+                                mps_health=None if self.cfg.no_mps else self.mps, mode_of=self.ledger.mode, poll_s=0.1)
+        self._add(GpuHealthPart(self.cfg, monitor))
+        limits = self._build_memory_limits()
+        self.rules = NodeRules(self.node, self.ledger, self.planner_config, health=monitor,
+                               limits=limits.nri if limits is not None else None)
+
     def _build_nri(self) -> None:
         if self.cfg.no_nri:
             return
         from .nri.plugin import FracNriPlugin
         from .nri.stub import NriStub
 
-        assert self.node is not None and self.ledger is not None
-        limits = self._build_memory_limits()
-        plugin = FracNriPlugin(self.node, self.ledger, self.planner_config, mps=self.mps,
+        assert self.rules is not None
+        plugin = FracNriPlugin(self.rules, mps=self.mps,
                                metrics=self.metrics, fail_open=self.cfg.fail_open,
                                on_refusal=self._refused_nri, on_warning=self._warned_nri,
                                pod_lookup=self.pod_source.get if self.pod_source is not None else None,
                                unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name,
-                               gpu_health=self._gpu_health, memory_limits=limits.nri if limits else None,
                                cdi=None if self.cfg.no_cdi_devices else self._cdi(),
                                start_wait_s=self.cfg.nri_start_wait_s)
         stub = NriStub(plugin, socket_path=self.cfg.nri_socket,
@@ -400,16 +416,14 @@ class _Builders:
         from .kubelet.deviceplugin import DevicePluginServer
         from .kubelet.devices import DeviceTableTooLarge
 
-        assert self.node is not None and self.ledger is not None
+        assert self.rules is not None
         try:
             server = DevicePluginServer(
-                self.node, self.ledger, self.planner_config, self.inventory,
-                pod_source=self.pod_source, resource_name=self.cfg.resource_name, unit_mib=self.cfg.device_unit_mib,
+                self.rules, pod_source=self.pod_source, resource_name=self.cfg.resource_name, unit_mib=self.cfg.device_unit_mib,
                 plugin_dir=self.cfg.device_plugin_dir, kubelet_socket=self.cfg.effective_kubelet_socket,
-                allocate_deadline_s=self.cfg.allocate_deadline_s, mps_health=None if self.cfg.no_mps else self.mps,
+                allocate_deadline_s=self.cfg.allocate_deadline_s,
                 podresources_interval_s=self.cfg.pod_resources_interval_s,
                 metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket,
-                ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
                 policy=self.cfg.allocation_policy, device_specs=self.cfg.device_specs, cdi_kind=self.cfg.cdi_kind,
                 cdi=self._cdi(),
                 secure_pipe_mount=self.cfg.secure_pipe_mount, fail_open=self.cfg.fail_open)
@@ -460,6 +474,8 @@ class _Builders:
                                     # each GPU's computeMode: the ledger's mode of its tenants, all doors
                                     modes=lambda: {g.uuid: ledger.mode(g.uuid) for g in node.gpus})
             ledger.subscribe(slices.poke)  # a hold taken or freed is published at once, not at the poll
+            if self.rules is not None and self.rules.health is not None:
+                self.rules.health.subscribe(slices.poke)  # so is a GPU's health
         try:
             self._add(DraDoor(self.cfg, server, slices))
         except OSError as exc:
@@ -469,8 +485,8 @@ class _Builders:
 
     def simulate_xid(self, gpu_uuid: str, xid: int) -> None:
         """``POST /simulate/xid``: queue XID ``xid`` on ``gpu_uuid`` in the
-        simulated inventory (``SimulatedInventory.inject_xid``); the device
-        plugin's health monitor then sees it as NVML would deliver it.
+        simulated inventory (``SimulatedInventory.inject_xid``); the node's
+        health monitor (``NodeRules.health``) then sees it as NVML would deliver it.
         Raises LookupError for a GPU this node does not have; RuntimeError
         when the inventory is not simulated (the route is never offered then)."""
         from .gpu.inventory import InventoryError
@@ -485,20 +501,6 @@ class _Builders:
             self.simulated.inject_xid(gpu_uuid, xid)
         except InventoryError as exc:
             raise LookupError(str(exc)) from None
-
-    def _gpu_health(self, uuid: str) -> GpuHealth:
-        """The device plugin door's health of one GPU (XID + MPS); healthy
-        when that door is not running (no monitor)."""
-        if self.device_plugin is not None:
-            return self.device_plugin.health.health(uuid)
-        # Called per GPU on every CreateContainer (issue 14): one frozen
-        # GpuHealth per UUID, made once, not an import and a build per call.
-        healthy = self._healthy_gpus.get(uuid)
-        if healthy is None:
-            from .gpu.health import GpuHealth
-
-            healthy = self._healthy_gpus[uuid] = GpuHealth(uuid, True)
-        return healthy
 
     def _build_health(self) -> None:
         from .health import HealthServer

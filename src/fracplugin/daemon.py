@@ -15,7 +15,10 @@ Start order (each part switchable, docs/reference/design.md section 3):
    on, else a ``NullEventRecorder``; the NRI plugin hands it every refusal
    (door ``nri``). The device plugin door reports refusals only as a metrics
    code (no pod in hand), so it writes no Events;
-7. NRI plugin + stub (``--no-nri`` to disable);
+7. the node's rules (``noderules.NodeRules``): the one GPU health monitor
+   (XIDs, MPS health) and the memory-limit gate, whichever doors are on;
+   every door admits through them (issue 33);
+7b. NRI plugin + stub (``--no-nri`` to disable);
 8. device plugin server + registration (``--no-device-plugin`` to disable);
    it reads kubelet's PodResources API (``--pod-resources-socket``) at start
    to rebuild the ledger for containers allocated before a restart;
@@ -75,13 +78,13 @@ if TYPE_CHECKING:
     from .cdi import CdiRegistry
     from .enforce.wiring import MemoryLimits
     from .events import EventRecorder, NullEventRecorder
-    from .gpu.health import GpuHealth
     from .gpu.inventory import Inventory
     from .gpu.simulated import SimulatedInventory
     from .kubelet.deviceplugin import DevicePluginServer
     from .kubelet.podlookup import PodSource
     from .metrics import Metrics
     from .mps.api import MpsApi
+    from .noderules import NodeRules
 
 log = logging.getLogger("fracplugin.daemon")
 
@@ -142,7 +145,7 @@ class Daemon(_Builders):
         self.endpoints: dict[str, str] = {}
         self.ledger_warnings: list[str] = []
         self.startup_ms: float | None = None
-        self._healthy_gpus: dict[str, GpuHealth] = {}  # _gpu_health without the device plugin door
+        self.rules: NodeRules | None = None  # the node's rules, every door admits through them (issue 33)
         self._stopping = threading.Event()
         self._stopped = False
         self._stop_lock = threading.Lock()
@@ -170,10 +173,10 @@ class Daemon(_Builders):
         steps = [("inventory", self._build_inventory), ("ledger", self._build_ledger),
                  ("metrics", self._build_metrics), ("mps", self._build_mps),
                  ("pod source", self._build_pod_source), ("events", self._build_events),
-                 ("nri", self._build_nri), ("device plugin", self._build_device_plugin),
+                 ("rules", self._build_rules), ("nri", self._build_nri), ("device plugin", self._build_device_plugin),
                  ("dra", self._build_dra), ("health", self._build_health),
                  ("node condition", self._build_node_condition)]
-        if self.cfg.role == "mps":  # no ledger (the doors role owns it), no doors
+        if self.cfg.role == "mps":  # no ledger (the doors role owns it), no doors, no rules
             steps = [s for s in steps if s[0] in ("inventory", "metrics", "mps", "health")]
         elif not self.cfg.no_device_plugin:
             # the door's gRPC library (grpcio, ADR 0021) loads before any part starts a
@@ -248,21 +251,13 @@ class Daemon(_Builders):
         return {g.uuid: self._gpu_state(g.uuid) for g in self.node.gpus}
 
     def _gpu_state(self, uuid: str) -> tuple[bool, list[str]]:
-        """One GPU's (healthy, reasons): the device plugin door's XID + MPS
-        monitor, or without that door the MPS daemon of the GPU's tenants'
-        mode (one question to the MPS layer, remote in the split layout).
-        (True, []) when there is no inventory yet."""
-        if self.node is None or self.ledger is None:
+        """One GPU's (healthy, reasons) from the node's health monitor (XID
+        marks, the MPS daemon of its tenants' mode), whichever doors are on.
+        (True, []) before the monitor is built."""
+        if self.rules is None or self.rules.health is None:
             return True, []
-        if self.device_plugin is not None:
-            h = self.device_plugin.health.health(uuid)
-            return bool(h.healthy), list(h.reasons)
-        mode = self.ledger.mode(uuid)
-        try:
-            ok = mode is None or self.cfg.no_mps or self.mps is None or bool(self.mps.healthy(mode))
-        except Exception:
-            ok = False
-        return ok, [] if ok else ["mps down"]
+        h = self.rules.health.health(uuid)
+        return h.healthy, list(h.reasons)
 
     def metric_state(self) -> dict[str, Any]:
         """What ``Metrics.attach_state`` exports at scrape time: NRI connected /

@@ -35,14 +35,15 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from .annotation_lint import lint
-from .annotations import DEFAULT_PREFIX, stray_container_keys  # noqa: F401 (stray_container_keys: re-exported)
+from .annotations import DEFAULT_PREFIX, parse, stray_container_keys  # noqa: F401 (stray_container_keys: re-exported)
 from .cdi import DEFAULT_SPEC_DIRS, CdiRegistry, with_node_cdi_devices
 from .gpu.inventory import InventoryError
 from .gpu.simulated import MAX_MEMORY_MIB, load_node
 from .ledger import DEFAULT_MAX_CLIENTS_PER_GPU, Ledger
 from .model import FractionError, GpuInfo, NodeInfo, PodRef, Tenancy
 from .mps.layout import MpsLayout
-from .planner import DEFAULT_RESERVE_MIB, PlannerConfig, plan_container
+from .noderules import NodeRules
+from .planner import DEFAULT_RESERVE_MIB, PlannerConfig
 from .safetext import escape_controls, quote
 
 
@@ -363,11 +364,13 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
         raise UsageError(f"pod has no container {container!r} (it has: {', '.join(names) or 'none'})")
     ref = PodRef(str(md.get("namespace", "default")), str(md.get("name", "")), str(md.get("uid", "")))
     out = []
+    rules = NodeRules(node, ledger, config)  # the doors' rules (MIG GPUs excluded); no health monitor here
     for name in names:
         if container is not None and name != container:
             continue
         try:
-            plan = plan_container(annotations, name, ref, node, ledger, config, containers=names)
+            req = parse(annotations, name, prefix=config.annotation_prefix, containers=names)
+            plan = rules.plan(req, ref) if req is not None else None
         except FractionError as err:
             out.append({"name": name, "fractional": True, "devices": [], "compute_mode": None,
                         "request_mib": None, "limit_mib": None, "env": {}, "mounts": [], "cdi_devices": [],

@@ -46,6 +46,7 @@ from .ports import Clock, HookMetrics, NoMetrics
 if TYPE_CHECKING:
     from .config import Config
     from .events import EventRecorder
+    from .gpu.health import HealthMonitor
     from .gpu.inventory import Inventory
     from .health import HealthServer
     from .dra.server import DraServer
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Clock", "Readiness", "Reloaded", "Part", "HookMetrics", "NoMetrics", "PartBase",
     "LogsPart", "InventoryPart", "LedgerPart", "MetricsPart", "MpsPart", "MpsApiPart", "PodSourcePart",
-    "EventsPart", "NriDoor", "DevicePluginPart", "DraDoor", "HealthPart", "NodeConditionPart",
+    "EventsPart", "GpuHealthPart", "NriDoor", "DevicePluginPart", "DraDoor", "HealthPart", "NodeConditionPart",
     "PLANNER_KEYS",
 ]
 
@@ -397,7 +398,7 @@ class DevicePluginPart(PartBase):
     check = "device_plugin"
     reads = PLANNER_KEYS | {"resource_name", "device_unit_mib", "device_plugin_dir", "kubelet_socket",
                             "allocate_deadline_s", "pod_resources_interval_s", "pod_resources_socket",
-                            "ignored_xids", "allocation_policy", "device_specs", "cdi_kind", "secure_pipe_mount",
+                            "allocation_policy", "device_specs", "cdi_kind", "secure_pipe_mount",
                             "fail_open"}
     reloads = frozenset({"fail_open"})
 
@@ -455,6 +456,25 @@ class DraDoor(PartBase):
 
     def status(self) -> dict[str, Any]:
         return {**self.server.status(), "slices": None if self.slices is None else self.slices.status()}
+
+
+class GpuHealthPart(PartBase):
+    """The node's one GPU health monitor (``gpu.health.HealthMonitor``: XID
+    events, MPS health per mode, recovery), started whichever doors are on
+    (issue 33: no door owns it)."""
+
+    name = "gpu health"
+    reads = frozenset({"ignored_xids", "simulate_node"})
+
+    def __init__(self, cfg: Config, monitor: HealthMonitor) -> None:
+        super().__init__(cfg)
+        self.monitor = monitor
+
+    def start(self) -> None:
+        self.monitor.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self.monitor.stop(timeout_s)
 
 
 class HealthPart(PartBase):

@@ -32,7 +32,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, NamedTuple, Protocol, Sequence
 
 from . import annotations as ann
 from .ledger import DEFAULT_MAX_CLIENTS_PER_GPU, admission_problem, same_hold
@@ -72,6 +72,19 @@ _INDEX_RE = re.compile(r"(0|[1-9][0-9]{0,3})\Z")
 #: ``reservedGpuMemoryMiB``, shipped default 1Gi), so a fraction resolved on
 #: the node gets the MiB KAI's binder would have written.
 DEFAULT_RESERVE_MIB = 1024
+
+
+class Unusable(NamedTuple):
+    """Why a GPU takes no new fraction now (``NodeRules.unusable``): ``why``
+    completes "GPU <index> (<uuid>) ..." (``is Unhealthy (xid 79)``, ``is in
+    MIG mode``) and ``code`` is the refusal's code (``unhealthy``, ``mig``)."""
+
+    why: str
+    code: str
+
+
+NO_UNUSABLE: Mapping[str, Unusable] = {}
+UNUSABLE_RULE = "no new fraction on an Unhealthy GPU or a GPU in MIG mode"
 
 
 class LedgerView(Protocol):
@@ -177,11 +190,12 @@ def resolve_device(node: NodeInfo, entry: str) -> GpuInfo | None:
     return node.gpu_by_uuid(entry)
 
 
-def _resolve_devices(request: FractionRequest, node: NodeInfo) -> tuple[GpuInfo, ...]:
+def _resolve_devices(request: FractionRequest, node: NodeInfo,
+                     unusable: Mapping[str, Unusable]) -> tuple[GpuInfo, ...]:
     key = request.keys.get("devices", "devices")
     raw = ",".join(request.devices)
     if request.devices == ("all",):
-        return node.gpus
+        return _usable(node.gpus, unusable, key, raw)
     if len(request.devices) > len(node.gpus):
         raise FractionError(key, raw, f"names {len(request.devices)} devices, node {node.name} has {len(node.gpus)} GPUs", "device")
     gpus = []
@@ -193,6 +207,16 @@ def _resolve_devices(request: FractionRequest, node: NodeInfo) -> tuple[GpuInfo,
         if gpu in gpus:
             raise FractionError(key, raw, f"names GPU {gpu.index} ({gpu.uuid}) twice", "device")
         gpus.append(gpu)
+    return _usable(gpus, unusable, key, raw)
+
+
+def _usable(gpus: Sequence[GpuInfo], unusable: Mapping[str, Unusable], key: str, raw: str) -> tuple[GpuInfo, ...]:
+    """``gpus`` when none is unusable; else the refusal naming the first one."""
+    for g in gpus:
+        bad = unusable.get(g.uuid)
+        if bad is not None:
+            raise FractionError(key, raw, f"names GPU {g.index} ({g.uuid}), which {bad.why}: {UNUSABLE_RULE}",
+                                bad.code)
     return tuple(gpus)
 
 
@@ -224,7 +248,7 @@ def _memory(request: FractionRequest, gpus: Sequence[GpuInfo], reserve_mib: int)
 
 
 def _place(request: FractionRequest, pod: PodRef, node: NodeInfo, ledger: LedgerView, config: PlannerConfig,
-           reservation: str = "") -> tuple[GpuInfo, ...]:
+           reservation: str, unusable: Mapping[str, Unusable]) -> tuple[GpuInfo, ...]:
     owner = (pod.uid, request.container)
     key = request.keys.get("request", "request")
     if request.num_devices > len(node.gpus):
@@ -237,6 +261,12 @@ def _place(request: FractionRequest, pod: PodRef, node: NodeInfo, ledger: Ledger
     facts: list[str] = []
     rules: list[str] = []
     for g in node.gpus:
+        bad = unusable.get(g.uuid)
+        if bad is not None:
+            facts.append(f"GPU {g.index} ({g.uuid}) {bad.why}")
+            if UNUSABLE_RULE not in rules:
+                rules.append(UNUSABLE_RULE)
+            continue
         req = request.request.resolve_mib(g.memory_mib, config.reserve_mib)
         tenants = ledger.tenants(g.uuid)
         problem = admission_problem(g, tenants, owner, request.compute_mode, req, config.max_clients_per_gpu,
@@ -266,22 +296,28 @@ def plan(
     config: PlannerConfig = PlannerConfig(),
     *,
     reservation: str = "",
+    unusable: Mapping[str, Unusable] = NO_UNUSABLE,
 ) -> ContainerPlan:
     """Decide what ``request`` gets on ``node`` given who holds what.
 
     ``reservation``: the kubelet reservation key this plan is for (its own
     ledger entries do not count against it: ``ledger.same_hold``).
+    ``unusable``: GPU UUID -> why it takes no new fraction (``Unusable``;
+    the node's rules, ``noderules.NodeRules.unusable``): node placement skips
+    it, naming it refuses with its code.
 
     Returns:
         The ContainerPlan (env values are strings; MiB integers).
 
     Raises:
         FractionError: a device does not exist, the memory does not fit a GPU,
-            the limit is below the request, or a guard (compute mode, free
-            memory, client count) refuses; the message names key, value, rule.
+            the limit is below the request, a named GPU is unusable (code
+            ``unhealthy`` or ``mig``), or a guard (compute mode, free memory,
+            client count) refuses; the message names key, value, rule.
     """
     placed = not request.devices
-    gpus = _place(request, pod, node, ledger, config, reservation) if placed else _resolve_devices(request, node)
+    gpus = (_place(request, pod, node, ledger, config, reservation, unusable) if placed
+            else _resolve_devices(request, node, unusable))
     request_mib, limit_mib = _memory(request, gpus, config.reserve_mib)
     if not placed:
         owner = (pod.uid, request.container)

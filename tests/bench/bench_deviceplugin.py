@@ -55,6 +55,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "component"))
 
 from fake_kubelet import FakeKubelet  # noqa: E402
@@ -64,6 +65,7 @@ from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource  # noqa: E4
 from fracplugin.ledger import Ledger  # noqa: E402
 from fracplugin.planner import PlannerConfig  # noqa: E402
 from benchjson import merge  # noqa: E402
+from tests.helpers import node_rules  # noqa: E402
 
 REPORT = REPO / "build" / "bench.json"
 R = "fracplugin.io/gpu-memory"
@@ -191,9 +193,8 @@ def run(ledger_dir: str | None, *, reregister: bool, cache: int = CACHE) -> dict
     node = inv.node()
     src = InMemoryPodSource(node.name)
     ledger = Ledger(node, os.path.join(ldir, "ledger.json") if ldir else None)
-    server = DevicePluginServer(
-        node, ledger, PlannerConfig(), inv, pod_source=src, plugin_dir=plugin_dir, podresources_socket=None
-    )
+    server = DevicePluginServer(node_rules(node, ledger), pod_source=src, plugin_dir=plugin_dir,
+                                podresources_socket=None)
     try:
         server.start()
         if not kubelet.wait_for(lambda: kubelet.updates(R) >= 1, 10.0):

@@ -43,6 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchjson  # noqa: E402
@@ -54,6 +55,7 @@ from fracplugin.model import NodeInfo, PodRef  # noqa: E402
 from fracplugin.mps.layout import MpsLayout  # noqa: E402
 from fracplugin.nri.plugin import FracNriPlugin  # noqa: E402
 from fracplugin.planner import PlannerConfig, plan_container  # noqa: E402
+from tests.helpers import node_rules  # noqa: E402
 
 TMPFS = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 GPUS = 16
@@ -88,7 +90,7 @@ def make_plugin(node: NodeInfo, n: int, state: Path) -> FracNriPlugin:
         p = plan_container(annotations(gpu), "app", PodRef("fill", f"fill-{i}", f"fill-{i}"), node, ledger, config)
         ledger.admit(p, container_id=f"fill-{i}")
     assert len(ledger.tenancies()) == n - 1, (n, len(ledger.tenancies()))
-    return FracNriPlugin(node, ledger, config)
+    return FracNriPlugin(node_rules(node, ledger, config))
 
 
 def run_round(plugin: FracNriPlugin, calls: int, seq: list[int]) -> float:

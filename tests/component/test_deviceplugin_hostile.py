@@ -36,7 +36,7 @@ from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource
 from fracplugin.kubelet import grpcopts
 from fracplugin.ledger import Ledger
 from fracplugin.planner import PlannerConfig
-from tests.helpers import wait_until
+from tests.helpers import node_rules, wait_until
 
 MiB = 1024 * 1024
 _GUARD_S = 60.0  # only bounds a test that would otherwise hang on a silent server
@@ -49,7 +49,7 @@ def plugin(node_file):
     d = tempfile.mkdtemp(prefix="fp", dir="/tmp")
     inv = SimulatedInventory(node_file)
     node = inv.node()
-    s = DevicePluginServer(node, Ledger(node), PlannerConfig(), inv, pod_source=InMemoryPodSource(node.name),
+    s = DevicePluginServer(node_rules(node), pod_source=InMemoryPodSource(node.name),
                            plugin_dir=d, podresources_socket=None, allocate_deadline_s=0.2)
     s.start()
     yield s

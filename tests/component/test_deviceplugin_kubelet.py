@@ -27,7 +27,7 @@ from fracplugin.kubelet.podresources import PodResourcesClient, PodResourcesErro
 from fracplugin.ledger import Ledger
 from fracplugin.mps.api import NullMps
 from fracplugin.planner import PlannerConfig
-from tests.helpers import wait_until
+from tests.helpers import node_rules, wait_until
 
 R = "fracplugin.io/gpu-memory"
 WAIT = 10.0  # generous upper bound for events on a loaded 2-core CI box
@@ -60,20 +60,20 @@ class Rig:
         self.podresources: FakePodResources | None = None
         self.servers: list[DevicePluginServer] = []
 
-    def server(self, **kw) -> DevicePluginServer:
+    def server(self, mps_health=None, config=None, **kw) -> DevicePluginServer:
         ledger = Ledger(self.node, self.ledger_path)
         ledger.load()
         kw.setdefault("pod_source", self.src)
         kw.setdefault("podresources_socket", None)
-        s = DevicePluginServer(
-            self.node, ledger, PlannerConfig(), self.inv, plugin_dir=self.plugin_dir, allocate_deadline_s=1.0, **kw
-        )
+        rules = node_rules(self.node, ledger, config, self.inv, mps_health=mps_health)
+        s = DevicePluginServer(rules, plugin_dir=self.plugin_dir, allocate_deadline_s=1.0, **kw)
         self.servers.append(s)
         return s
 
     def close(self) -> None:
         for s in self.servers:
             s.stop(2.0)
+            s.health.stop(2.0)
         self.kubelet.stop()
         if self.podresources:
             self.podresources.stop()

@@ -17,6 +17,7 @@ from fracplugin.kubelet import grpcopts
 from fracplugin.kubelet.podresources import PodResourcesClient, PodResourcesError
 from fracplugin.kubelet.registration import RegistrationError, register
 from tests.peers.kubelet import FakePodResources
+from tests.helpers import node_rules
 
 
 class RawServer:
@@ -136,7 +137,7 @@ def test_stop_abandons_a_register_that_kubelet_never_answers(sockdir, node_file)
     srv = RawServer(os.path.join(sockdir, "kubelet.sock"), "silent")
     inv = SimulatedInventory(node_file)
     node = inv.node()
-    s = DevicePluginServer(node, Ledger(node), PlannerConfig(), inv, plugin_dir=sockdir, podresources_socket=None)
+    s = DevicePluginServer(node_rules(node), plugin_dir=sockdir, podresources_socket=None)
     s.registrar.register_timeout_s = 60.0
     try:
         s.start()
@@ -175,7 +176,7 @@ def test_reconcile_against_a_podresources_that_refuses_list_leaks_no_connection(
     good = Refusing(pr).start()
     inv = SimulatedInventory(node_file)
     node = inv.node()
-    s = DevicePluginServer(node, Ledger(node), PlannerConfig(), inv, plugin_dir=sockdir, podresources_socket=pr,
+    s = DevicePluginServer(node_rules(node), plugin_dir=sockdir, podresources_socket=pr,
                            podresources_interval_s=0.01)
     caplog.set_level(logging.WARNING, logger="fracplugin.kubelet.deviceplugin")
 

@@ -24,7 +24,7 @@ from fracplugin.nri.plugin import FracNriPlugin
 from fracplugin.nri.stub import NriStub
 from fracplugin.planner import PlannerConfig
 from nri_runtime import FakeNriRuntime, RpcError, make_container, make_pod
-from tests.helpers import scaled, wait_for
+from tests.helpers import node_rules, scaled, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = load_node(REPO / "examples" / "nodes" / "gpu-node-1.yaml")
@@ -79,7 +79,8 @@ def node():
     tmp = tempfile.mkdtemp(prefix="fpq", dir="/tmp")
     ledger = Ledger(NODE)
     mps = SlowMps()
-    plugin = FracNriPlugin(NODE, ledger, PlannerConfig(layout=MpsLayout(os.path.join(tmp, "mps"))), mps=mps)
+    plugin = FracNriPlugin(node_rules(NODE, ledger, PlannerConfig(layout=MpsLayout(os.path.join(tmp, "mps")))),
+                           mps=mps)
     rt = FakeNriRuntime(os.path.join(tmp, "nri.sock"))
     stub = NriStub(plugin, socket_path=os.path.join(tmp, "nri.sock"), env={}, reconnect_initial_s=0.02,
                    reconnect_max_s=0.2)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import scaled, wait_for
+from tests.helpers import node_rules, scaled, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -97,7 +97,7 @@ class Harness:
     and the MPS layer."""
 
     def __init__(self, tmp: str, *, fail_open=False, runtime_kwargs=None, stub_kwargs=None, plugin_kwargs=None,
-                 planner_config=None, mps=None):
+                 planner_config=None, mps=None, rules_kwargs=None):
         self.path = os.path.join(tmp, "nri.sock")
         self.ledger = Ledger(NODE)
         self.mps = mps if mps is not None else FakeMps()
@@ -107,6 +107,7 @@ class Harness:
         self.config = planner_config or PlannerConfig(layout=self.layout)
         self.fail_open = fail_open
         self.plugin_kwargs = plugin_kwargs or {}
+        self.rules_kwargs = rules_kwargs or {}
         self.stub_kwargs = stub_kwargs or {}
         self.plugin = self._plugin()
         self.runtime_kwargs = runtime_kwargs or {}
@@ -114,7 +115,8 @@ class Harness:
         self.stub = self._stub()
 
     def _plugin(self):
-        return FracNriPlugin(NODE, self.ledger, self.config, mps=self.mps, metrics=self.metrics,
+        return FracNriPlugin(node_rules(NODE, self.ledger, self.config, **self.rules_kwargs), mps=self.mps,
+                             metrics=self.metrics,
                              fail_open=self.fail_open, **self.plugin_kwargs)
 
     def _stub(self):
@@ -724,16 +726,16 @@ def test_container_of_a_mode_whose_daemon_is_down_gets_unavailable(h):
 
 
 def test_no_fraction_is_placed_on_an_unhealthy_gpu(make_harness):
-    from fracplugin.gpu.health import GpuHealth
+    from fracplugin.gpu.inventory import XidEvent
 
-    sick = {UUIDS[0]: ("xid 79",)}
-    h = make_harness(plugin_kwargs={"gpu_health": lambda u: GpuHealth(u, u not in sick, sick.get(u, ()))}).start()
-    # bound to the unhealthy GPU: UNAVAILABLE naming it and why
+    h = make_harness().start()
+    h.plugin.rules.health.record_xid(XidEvent(UUIDS[0], 79))  # the node's health monitor (issue 33)
+    # bound to the unhealthy GPU: UNAVAILABLE (it may recover: noderules.status_of) naming it and why
     bound, (bctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
     err = h.rt.create_container(bound, bctr)
     assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE
-    assert f"GPU 0 ({UUIDS[0]}): xid 79" in err.message
-    assert h.metrics.refusals == ["gpu_unhealthy"] and h.ledger.tenancies() == []
+    assert f"GPU 0 ({UUIDS[0]}), which is Unhealthy (xid 79)" in err.message
+    assert h.metrics.refusals == ["unhealthy"] and h.ledger.tenancies() == []
     # node-placed: planned on healthy GPUs only
     pod, (ctr,) = _manifest("notebook-time-slicing-2gpu.yaml")
     adj = h.rt.create_container(pod, ctr)

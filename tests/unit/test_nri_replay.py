@@ -26,6 +26,7 @@ from fracplugin.nri.plugin import FracNriPlugin
 from fracplugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Dispatcher
 from fracplugin.nri.ttrpc import MessageType, RequestReceived, ResponseReceived, Role, TtrpcConnection, encode_message
 from fracplugin.planner import PlannerConfig
+from tests.helpers import node_rules
 
 REPO = Path(__file__).resolve().parents[2]
 GO_FRAME = 16406  # a frame size the Go runtime was seen sending
@@ -50,7 +51,7 @@ def _frame_sizes(stream: bytes) -> list[int]:
 @pytest.fixture
 def plugin() -> FracNriPlugin:
     node = load_node(REPO / "examples" / "nodes" / "gpu-node-1.yaml")
-    return FracNriPlugin(node, Ledger(node), PlannerConfig())
+    return FracNriPlugin(node_rules(node))
 
 
 def _runtime_stream(records: list[dict]) -> bytes:

@@ -26,6 +26,7 @@ from fracplugin.ledger import Ledger
 from fracplugin.model import PodRef
 from fracplugin.nri.plugin import FracNriPlugin, build_adjustment
 from fracplugin.planner import ENFORCED_ENV_KEYS, PlannerConfig, plan_container
+from tests.helpers import node_rules
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "fracplugin"
 R = "fracplugin.io/gpu-memory"
@@ -48,7 +49,7 @@ def test_both_doors_answer_the_same_env_block_for_one_allocation(node_file: Path
                            "creationTimestamp": "2026-01-01T00:00:00Z"},
               "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "app", "resources": {"limits": {R: "8"}}}]},
               "status": {"phase": "Pending"}})
-    server = DevicePluginServer(node, ledger, config, inv, plugin_dir=str(tmp_path), podresources_socket=None,
+    server = DevicePluginServer(node_rules(node, ledger, config), plugin_dir=str(tmp_path), podresources_socket=None,
                                 pod_source=pods, allocate_deadline_s=0.3)
     resp = server.allocate(pb.AllocateRequest(container_requests=[
         pb.ContainerAllocateRequest(devices_ids=[f"{gpu}::{n}" for n in range(8)])]))
@@ -56,7 +57,7 @@ def test_both_doors_answer_the_same_env_block_for_one_allocation(node_file: Path
     key = allocate_env.pop(ENV_RESERVATION)
     proof = allocate_env.pop(ENV_RESERVATION_PROOF)  # kubelet passes Allocate's whole env on (ADR 0024)
 
-    nri = FracNriPlugin(node, ledger, config)
+    nri = FracNriPlugin(node_rules(node, ledger, config))
     sandbox = nri_pb2.PodSandbox(id="sandbox-inf", name="inf", namespace="default", uid="uid-inf",
                                  annotations=ANNOTATIONS)
     container = nri_pb2.Container(id="ctr-app", pod_sandbox_id="sandbox-inf", name="app",

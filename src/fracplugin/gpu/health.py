@@ -159,6 +159,12 @@ class HealthMonitor:
     def healthy(self, uuid: str) -> bool:
         return self.health(uuid).healthy
 
+    def xid_marks(self) -> dict[str, int]:
+        """GPU UUID -> its last critical XID, for every GPU an XID marked
+        (the GPU's own fault; MPS health is per compute mode and not in it)."""
+        with self._lock:
+            return {u: x for u, (x, _t) in self._xid.items()} if self._xid else {}
+
     def unhealthy(self) -> dict[str, list[str]]:
         """GPU UUID -> reasons, for every unhealthy GPU."""
         out: dict[str, list[str]] = {}

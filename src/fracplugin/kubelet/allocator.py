@@ -51,7 +51,8 @@ from .. import allocation as al
 from .. import planner as planner_mod
 from .. import annotation_lint, reservations
 from ..model import ComputeMode, ContainerPlan, FractionError, FractionRequest, MemorySpec, Mount, NodeInfo, PodRef, Tenancy
-from ..ledger import Ledger, holder_text
+from ..ledger import holder_text
+from ..noderules import NodeRules, status_of
 from ..mps.layout import CONTAINER_PIPE_DIR
 from . import podlookup
 from ..rpcstatus import StatusCode
@@ -69,7 +70,9 @@ class Allocator(_Lifetimes, _Preferred):
     """Allocate / GetPreferredAllocation / PodResources decisions.
 
     Args:
-        node, ledger, planner_config: the node, the shared ledger, planner settings.
+        rules: the node's rules (``noderules.NodeRules``): its GPUs, the shared
+            ledger, the planner settings, the memory-limit gate; every plan is
+            made, gated and recorded through them.
         table: the advertised devices (``devices.DeviceTable``).
         resource_name: the extended resource.
         pod_source: the watch cache (None: every Allocate is a fallback).
@@ -85,9 +88,7 @@ class Allocator(_Lifetimes, _Preferred):
 
     def __init__(
         self,
-        node: NodeInfo,
-        ledger: Ledger,
-        planner_config: planner_mod.PlannerConfig,
+        rules: NodeRules,
         table: DeviceTable,
         resource_name: str,
         pod_source: podlookup.PodSource | None,
@@ -98,9 +99,10 @@ class Allocator(_Lifetimes, _Preferred):
         recent_deleted_s: float = 60.0,
         podresources_grace_s: float = 30.0,
     ) -> None:
-        self.node = node
-        self.ledger = ledger
-        self.planner_config = planner_config
+        self.rules = rules
+        self.node = rules.node
+        ledger = self.ledger = rules.ledger
+        self.planner_config = rules.config
         self.table = table
         self.unit_mib = table.unit_mib
         self.resource_name = resource_name
@@ -164,7 +166,7 @@ class Allocator(_Lifetimes, _Preferred):
         sick = {u: r for u, r in self.unhealthy().items() if u in by_gpu}
         if sick:
             detail = "; ".join(f"{u} ({', '.join(r)})" for u, r in sick.items())
-            raise Refusal(StatusCode.FAILED_PRECONDITION,
+            raise Refusal(status_of("unhealthy"),
                           f"Allocate of {self.resource_name}: devices on Unhealthy GPU(s) {detail}", "unhealthy")
         return by_gpu, next(iter(counts.values()))
 
@@ -238,7 +240,8 @@ class Allocator(_Lifetimes, _Preferred):
         return phase not in ("Succeeded", "Failed") and not (pod.get("metadata") or {}).get("deletionTimestamp")
 
     def _stored(self, existing: Sequence[Tenancy], key: str, why: str) -> Answer:
-        plan = planner_mod.plan_from_tenancies(existing, self.node, self.planner_config)
+        plan = self._gated(planner_mod.plan_from_tenancies(existing, self.node, self.planner_config),
+                           f"reservation {key}")
         self._bump("reserved")
         log.info("Allocate %s: %s, answered as recorded (%s)", self.resource_name, key, why)
         return Answer(dict(plan.env), plan.mounts, plan.device_uuids, key, "reserved")
@@ -301,7 +304,7 @@ class Allocator(_Lifetimes, _Preferred):
                                               inits + apps) + annotation_lint.ignored_forms(
                 dict(md.get("annotations") or {}), self.planner_config.annotation_prefix, cand.container, apps):
             log.warning("Allocate: pod %s container %s: %s", podlookup.pod_key(cand.pod), cand.container, x.message)
-        return planner_mod.plan(req, pod, self.node, self.ledger, self.planner_config, reservation=key)
+        return self.rules.plan(req, pod, reservation=key)
 
     def _allocate_for(self, cands: list[podlookup.Candidate], uuids: tuple[str, ...], key: str,
                       request_mib: int, count: int) -> Answer:
@@ -338,10 +341,8 @@ class Allocator(_Lifetimes, _Preferred):
         if len(everyone) == 1:
             self._served.add(cand.key)  # a hint for the next Allocate; the ledger records no holder
         if isinstance(outcome, FractionError):
-            code = (StatusCode.FAILED_PRECONDITION if outcome.code in ("guard", "no_fit")
-                    else StatusCode.INVALID_ARGUMENT)
-            raise Refusal(code, f"{who}: {outcome.message}", outcome.code)
-        self._record(outcome, key, who, {c.uid for c in cands})
+            raise Refusal(status_of(outcome.code), f"{who}: {outcome.message}", outcome.code)
+        outcome = self._record(outcome, key, who, {c.uid for c in cands})
         self._bump("planned")
         log.info("Allocate %s: %s on %s, request %d MiB, limit %d MiB, %s (reservation %s, holder confirmed by NRI)",
                  self.resource_name, who, ",".join(uuids), outcome.request_mib, outcome.limit_mib,
@@ -381,15 +382,28 @@ class Allocator(_Lifetimes, _Preferred):
                     "CreateContainer for as long as that tenant runs. Devices of a GPU with no other tenant "
                     "(GetPreferredAllocation proposes them) avoid this", "mode_ambiguous")
 
-    def _record(self, plan: ContainerPlan, key: str, who: str, hints: set[str]) -> None:
+    def _gated(self, plan: ContainerPlan, who: str) -> ContainerPlan:
+        """``NodeRules.gate``: the plan Allocate may answer with (the
+        toolkit hook's env withheld where the hook would fail the start: the
+        NRI door cannot take Allocate's env back, issue 33). Raises Refusal."""
         try:
-            self.ledger.admit(plan, door=al.DOOR_ALLOCATE, reservation=key, bound=False)
+            return self.rules.gate(plan)
         except FractionError as e:
-            raise Refusal(StatusCode.FAILED_PRECONDITION, f"{who}: {e.message}", e.code) from None
+            raise Refusal(status_of(e.code), f"{who}: {e.message}", e.code) from None
+
+    def _record(self, plan: ContainerPlan, key: str, who: str, hints: set[str]) -> ContainerPlan:
+        """Gate and record ``plan`` as an unbound reservation; returns the
+        plan to answer with. Raises Refusal."""
+        plan = self._gated(plan, who)
+        try:
+            self.rules.record(plan, door=al.DOOR_ALLOCATE, reservation=key, bound=False)
+        except FractionError as e:
+            raise Refusal(status_of(e.code), f"{who}: {e.message}", e.code) from None
         except OSError as e:
-            raise Refusal(StatusCode.UNAVAILABLE, f"{who}: cannot persist the ledger: {e}", "ledger_io") from None
+            raise Refusal(status_of("ledger_io"), f"{who}: cannot persist the ledger: {e}", "ledger_io") from None
         self._hints[key] = set(hints)
         self._made[key] = time.monotonic()
+        return plan
 
     def _fallback(self, uuids: Sequence[str], key: str, request_mib: int, pipe_dir: bool, reason: str,
                   hints: set[str] | None = None) -> Answer:
@@ -404,11 +418,10 @@ class Allocator(_Lifetimes, _Preferred):
                               num_devices=len(uuids), keys={"request": spec.key, "devices": spec.key})
         who = f"reservation {key} (pod not known)"
         try:
-            plan = planner_mod.plan(req, PodRef("", "", ""), self.node, self.ledger, self.planner_config,
-                                    reservation=key)
+            plan = self.rules.plan(req, PodRef("", "", ""), reservation=key)
         except FractionError as e:
-            raise Refusal(StatusCode.FAILED_PRECONDITION, f"{who}: {e.message}", e.code) from None
-        self._record(plan, key, who, set(hints or ()))
+            raise Refusal(status_of(e.code), f"{who}: {e.message}", e.code) from None
+        plan = self._record(plan, key, who, set(hints or ()))
         self._bump("fallbacks", last_fallback=reason)
         log.warning("Allocate fallback for %s on %s: %s", self.resource_name, ",".join(uuids), reason)
         env = {k: v for k, v in plan.env.items()

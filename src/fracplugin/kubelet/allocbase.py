@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from .. import allocation as al
 from .. import planner as planner_mod
 from ..ledger import Ledger
+from ..noderules import NodeRules
 from ..model import FractionRequest, Mount, NodeInfo
 from ..rpcstatus import StatusCode
 from . import podlookup
@@ -73,6 +74,7 @@ class _AllocatorState:
     declared once for the mixins that implement its parts, and the methods
     of ``Allocator`` they call (declared for the type checker only)."""
 
+    rules: NodeRules
     node: NodeInfo
     ledger: Ledger
     planner_config: planner_mod.PlannerConfig

@@ -16,12 +16,12 @@ replaced, or the RPC ends (``context.add_callback``). Allocate and
 GetPreferredAllocation run on workers; the part of Allocate that chooses a
 pod and writes the ledger runs under one lock (kubelet may call it
 concurrently, A.5); waiting for the watch cache happens outside that lock.
-Helper threads: the registrar (``registration.Registrar``), the health
-monitor (``gpu.health.HealthMonitor``), the PodResources reconciler and,
+Helper threads: the registrar (``registration.Registrar``), the
+PodResources reconciler and,
 when the daemon passes one, the pod watch (owned by the pod source).
 
 What this module decides: nothing about GPUs. The gRPC server, the
-registrar and ListAndWatch (device health from ``gpu.health.HealthMonitor``)
+registrar and ListAndWatch (device health from the node's ``gpu.health.HealthMonitor``)
 live here; Allocate, GetPreferredAllocation and the PodResources
 reconciliation are decided by ``allocator.Allocator`` (ADR 0007: one
 allocation for both doors), whose answer this module turns into an
@@ -45,17 +45,13 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any
 
 from .. import mountflags
-from .. import planner as planner_mod
 from ..cdi import CdiRegistry
-from ..gpu.health import DEFAULT_IGNORED_XIDS, DEFAULT_XID_RECOVERY_S, HealthMonitor
-from ..gpu.inventory import Inventory
-from ..ledger import Ledger
-from ..mps.api import MpsApi
+from ..gpu.health import HealthMonitor
+from ..noderules import NodeRules
 from ..ports import HookMetrics
-from ..model import NodeInfo
 from . import podlookup
 from .devices import (
     DEFAULT_RESOURCE_NAME,
@@ -84,10 +80,9 @@ class DevicePluginServer(_DoorServing):
     """The device plugin: gRPC server, registration, health, Allocate.
 
     Args:
-        node: the node and its GPUs.
-        ledger: the shared ``fracplugin.ledger.Ledger``.
-        planner_config: ``fracplugin.planner.PlannerConfig`` (layout, prefix, reserve).
-        inventory: the GPU backend; its ``events`` feed XID health (None: no XIDs).
+        rules: the node's rules (``noderules.NodeRules``: GPUs, the shared
+            ledger, planner settings, the node's health monitor, the memory-limit
+            gate); Allocate admits through them.
         pod_source: a ``podlookup.PodSource`` (watch cache); None = no API access
             (every Allocate answers the fallback).
         resource_name: the extended resource (validated: kubelet's rule, A.3).
@@ -96,15 +91,10 @@ class DevicePluginServer(_DoorServing):
         socket_name: our socket's file name in ``plugin_dir``.
         kubelet_socket: kubelet's registration socket (default ``<plugin_dir>/kubelet.sock``).
         allocate_deadline_s: the longest an Allocate may wait for the watch cache.
-        mps_health: the MPS port whose ``healthy(mode)`` marks GPUs Unhealthy
-            (``gpu.health.MpsHealth``; None: not supervised).
         metrics: optional ``ports.HookMetrics``: ``observe_hook(door, seconds)`` (doors
             ``allocate`` and ``preferred``) and ``refusal(code)`` (every gRPC
             error Allocate answers, labelled with the FractionError code or
             ``invalid`` / ``unhealthy`` / ``internal``).
-        ignored_xids: XIDs that do not make a GPU Unhealthy.
-        xid_recovery_s: quiet seconds before an XID-marked GPU is Healthy again
-            (None: only ``clear_xid``).
         policy: GetPreferredAllocation policy, ``pack`` (default) or ``spread``.
         device_specs: also answer DeviceSpecs for ``/dev/nvidia<minor>``,
             ``/dev/nvidiactl`` and ``/dev/nvidia-uvm``.
@@ -119,7 +109,7 @@ class DevicePluginServer(_DoorServing):
         max_workers: grpcio worker threads, and the most RPCs served at once
             (each open ListAndWatch stream holds one; at least 2: one stream
             and one call). An RPC over the limit is answered RESOURCE_EXHAUSTED.
-        poll_s: registrar and health polling period in seconds.
+        poll_s: registrar polling period in seconds.
         secure_pipe_mount: at ``start``, make the MPS root (the layout's
             ``root``) a ``nosuid,nodev`` mount when its filesystem lacks the
             flags (``fracplugin.mountflags``), undone at ``stop``. Kubelet's
@@ -149,10 +139,7 @@ class DevicePluginServer(_DoorServing):
 
     def __init__(
         self,
-        node: NodeInfo,
-        ledger: Ledger,
-        planner_config: planner_mod.PlannerConfig | None = None,
-        inventory: Inventory | None = None,
+        rules: NodeRules,
         pod_source: podlookup.PodSource | None = None,
         resource_name: str = DEFAULT_RESOURCE_NAME,
         unit_mib: int = DEFAULT_UNIT_MIB,
@@ -160,11 +147,8 @@ class DevicePluginServer(_DoorServing):
         socket_name: str = DEFAULT_SOCKET_NAME,
         kubelet_socket: str | None = None,
         allocate_deadline_s: float = 5.0,
-        mps_health: MpsApi | None = None,
         metrics: HookMetrics | None = None,
-        ignored_xids: Iterable[int] = DEFAULT_IGNORED_XIDS,
         *,
-        xid_recovery_s: float | None = DEFAULT_XID_RECOVERY_S,
         policy: str = "pack",
         device_specs: bool = False,
         cdi_kind: str | None = None,
@@ -182,10 +166,9 @@ class DevicePluginServer(_DoorServing):
             raise ValueError(f"max_workers {max_workers} must be at least 2 (one ListAndWatch stream and one call)")
         if "/" in socket_name:
             raise ValueError(f"socket name {socket_name!r} must be a file name (kubelet joins it with its dir)")
-        self.node = node
-        self.ledger = ledger
-        self.planner_config = planner_config or planner_mod.PlannerConfig()
-        self.inventory = inventory
+        node = self.node = rules.node
+        self.ledger = rules.ledger
+        self.planner_config = rules.config
         self.pod_source = pod_source
         self.resource_name = validate_resource_name(resource_name)
         self.unit_mib = unit_mib
@@ -210,31 +193,27 @@ class DevicePluginServer(_DoorServing):
         self.secure_pipe_mount = secure_pipe_mount
         self.fail_open = fail_open
         self._secured_root: str | None = None
-        self.health = HealthMonitor(inventory, [g.uuid for g in node.gpus], ignored_xids=ignored_xids,
-                                    xid_recovery_s=xid_recovery_s, mps_health=mps_health, mode_of=self._mode_of,
-                                    poll_s=max(poll_s, 0.05))
+        # the node's health monitor (started by the daemon, issue 33); without one nothing is Unhealthy
+        self.health = rules.health or HealthMonitor(None, [g.uuid for g in node.gpus])
         self.health.subscribe(self._devices_changed)
         self.registrar = Registrar(
             self, self.kubelet_socket, self.resource_name, poll_s=poll_s, on_registered=self._on_registered,
         )
         self._init_serving()
-        self.allocator = Allocator(
-            node, ledger, self.planner_config, self.table, self.resource_name, pod_source, allocate_deadline_s,
-            self.health.unhealthy, policy=policy,
-        )
+        self.allocator = Allocator(rules, self.table, self.resource_name, pod_source, allocate_deadline_s,
+                                   self.health.unhealthy, policy=policy)
         self.counters = self.allocator.counters
         self.reregister_ms: list[float] = []
         self.startup_warnings: list[str] = []
 
     # ---- lifecycle -----------------------------------------------------------
     def start(self) -> None:
-        """Health first, then serve on the socket, rebuild the ledger from
+        """Serve on the socket, rebuild the ledger from
         PodResources (best effort), then register (in the background, with
         retries; ``registered()`` turns True when kubelet accepted us).
         Raises OSError / RuntimeError when the socket cannot be served."""
         self._stopping = False
         self._check_pipe_mount()
-        self.health.start()
         self._devices_changed()
         self._serve()
         if self.podresources_socket and os.path.exists(self.podresources_socket):
@@ -257,8 +236,7 @@ class DevicePluginServer(_DoorServing):
         """Stop advertising first (end every ListAndWatch stream, so kubelet
         sees the resource go away), then stop registering, stop the gRPC server
         (in-flight calls get what is left of ``timeout_s``, then are cancelled
-        and their connections closed), remove our socket and stop the health
-        monitor."""
+        and their connections closed), remove our socket (the node's health monitor is the daemon's)."""
         deadline = time.monotonic() + timeout_s
         self._reconcile_stop.set()
         self.registrar.signal_stop()  # no re-registration while we wind down
@@ -280,7 +258,6 @@ class DevicePluginServer(_DoorServing):
                 os.unlink(self._bound_path)
             except FileNotFoundError:
                 pass
-        self.health.stop(max(deadline - time.monotonic(), 0.1))
         if self._secured_root is not None:
             mountflags.release(self._secured_root)
             self._secured_root = None

@@ -18,7 +18,6 @@ from .. import planner as planner_mod
 from .._proto import deviceplugin_pb2 as pb
 from ..cdi import CdiRegistry
 from ..gpu.health import HealthMonitor
-from ..gpu.inventory import Inventory
 from ..ledger import Ledger
 from ..model import NodeInfo
 from ..ports import HookMetrics
@@ -36,7 +35,6 @@ class _DoorState:
     node: NodeInfo
     ledger: Ledger
     planner_config: planner_mod.PlannerConfig
-    inventory: Inventory | None
     pod_source: podlookup.PodSource | None
     resource_name: str
     unit_mib: int

@@ -161,8 +161,7 @@ class _Lifetimes(_AllocatorState):
             cand = podlookup.Candidate(pod, container, False, ("", 0, 0, ""))
             try:
                 req, _ = self.request_for(cand, uuids, per * self.unit_mib, count)
-                plan = planner_mod.plan(req, ref, self.node, planner_mod.EmptyLedger(), self.planner_config,
-                                        reservation=key)
+                plan = self.rules.replan(req, ref, reservation=key)
             except FractionError as e:
                 warnings.append(f"{p.namespace}/{p.name}/{container}: {e.message}; recorded request-sized")
         if plan is None:
@@ -171,7 +170,7 @@ class _Lifetimes(_AllocatorState):
             req = FractionRequest(container=container, request=spec, limit=spec,
                                   compute_mode=modes.pop() if len(modes) == 1 else ComputeMode.TIME_SLICING,
                                   devices=uuids, num_devices=len(uuids), keys={"request": spec.key})
-            plan = planner_mod.plan(req, ref, self.node, planner_mod.EmptyLedger(), self.planner_config)
+            plan = self.rules.replan(req, ref)
         # What runs is recorded, never refused (replace_all logs guard breaks).
         cid = existing[0].container_id if existing else ""
         new = al.to_tenancies(plan, cid, door=al.DOOR_ALLOCATE, reservation=key)

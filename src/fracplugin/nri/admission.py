@@ -1,6 +1,6 @@
 """The NRI door's CreateContainer checks and planning helpers: kubelet's
 reservation key (ADR 0007), the pod's spec names and stray annotations,
-Unhealthy GPUs, the MPS daemon of the container's mode, mount sources and
+the MPS daemon of the container's mode, mount sources and
 mount conflicts, refusals and warnings.
 
 Split out of ``nri/plugin.py`` (issue 26, ADR 0023), moved as it was: the
@@ -10,7 +10,6 @@ concurrency model; ``FracNriPlugin`` is the one class to use.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import stat
@@ -20,10 +19,11 @@ from .._proto import nri_pb2
 from .. import allocation as al
 from ..annotations import KEY_CONTAINER_NAME
 from ..annotations import stray_container_keys
-from ..model import ContainerPlan, FractionError, PodRef
+from ..model import ContainerPlan, FractionError, FractionRequest, PodRef
 from ..mps.layout import CONTAINER_PIPE_DIR
 from ..mps.supervisor import make_dir
-from ..planner import ENFORCED_ENV_KEYS, EmptyLedger, plan, plan_container
+from ..noderules import status_of
+from ..planner import ENFORCED_ENV_KEYS
 from ..reservations import claim_problem, proof_of
 from .pod_checks import lint_pod, spec_unknown
 from .ttrpc import Code, RpcError
@@ -163,13 +163,15 @@ class _Admission(_Namespaces):
         once per pod and container."""
         lint_pod(self, pod, ref, container, apps, everyone, fields)
 
-    def _plan_reserved(self, pod: nri_pb2.PodSandbox, container: str, ref: PodRef, key: str,
-                       apps: Sequence[str] | None, ledger: Any = None) -> tuple[ContainerPlan, list[Any]]:
-        """Plan a container under kubelet's reservation ``key``. Raises
-        FractionError for annotations that break the contract or a guard
-        (the reservation's own hold does not count against it)."""
+    def _reserved_request(self, pod: nri_pb2.PodSandbox, container: str, ref: PodRef, key: str,
+                          apps: Sequence[str] | None, *, running: bool = False) -> tuple[FractionRequest, list[Any]]:
+        """The request of a container under kubelet's reservation ``key``
+        (its GPUs and count; the limit, mode and portion its annotations add)
+        and the annotations not applied. Raises FractionError for annotations
+        that break the contract, or (unless ``running``: a Synchronize
+        records what runs) a reservation another running container holds."""
         by_gpu = al.parse_reservation_key(key)
-        if ledger is None:
+        if not running:
             held = self.ledger.reservation(key)
             if held and held[0].bound and held[0].pod_uid != ref.uid and held[0].container_id:
                 t = held[0]
@@ -183,16 +185,17 @@ class _Admission(_Namespaces):
         count = sum(len(v) for v in by_gpu.values())
         parsed = al.parse_for_kubelet(dict(pod.annotations), container, per, prefix=self.config.annotation_prefix,
                                       containers=apps)
-        req, ignored = al.kubelet_request(
+        return al.kubelet_request(
             container, uuids, per, count, parsed, f"resources.limits[{self.resource_name}]",
             gpu_memory_mib=min(g.memory_mib for g in gpus), reserve_mib=self.config.reserve_mib)  # type: ignore[union-attr]
-        return plan(req, ref, self.node, self.ledger if ledger is None else ledger, self.config,
-                    reservation=key), ignored
 
     def _plan_reserved_unguarded(self, pod: nri_pb2.PodSandbox, container: str, key: str) -> tuple[ContainerPlan, list[Any]]:
-        """``_plan_reserved`` against an empty ledger (what runs is recorded)."""
+        """The plan of a running container under reservation ``key`` (what
+        runs is recorded: ``NodeRules.replan``)."""
         apps, _ = self._containers_of(pod)
-        return self._plan_reserved(pod, container, _pod_ref(pod), key, apps, ledger=EmptyLedger())
+        ref = _pod_ref(pod)
+        req, ignored = self._reserved_request(pod, container, ref, key, apps, running=True)
+        return self.rules.replan(req, ref, reservation=key), ignored
 
     def _warn(self, ref: PodRef, container: str, message: str, fields: Mapping[str, Any], **extra: Any) -> None:
         log.warning("nri annotation not applied", extra={**fields, **extra, "reason": message})
@@ -201,33 +204,6 @@ class _Admission(_Namespaces):
                 self.on_warning(ref, container, message)
             except Exception:
                 log.exception("nri on_warning callback failed", extra=dict(fields))
-    def _avoid_unhealthy(self, p: ContainerPlan, pod: nri_pb2.PodSandbox, name: str, ref: PodRef,
-                         fields: Mapping[str, Any]) -> ContainerPlan:
-        """No fraction on an Unhealthy GPU (issue 12): a node-placed container is
-        planned again on the healthy GPUs only; a container bound to an
-        Unhealthy GPU is refused with UNAVAILABLE naming the GPU and why."""
-        if self.gpu_health is None:
-            return p
-        bad = {g.uuid: h for g in p.devices if not (h := self.gpu_health(g.uuid)).healthy}
-        if not bad:
-            return p
-        if p.placed_by_node:
-            healthy = tuple(g for g in self.node.gpus if self.gpu_health(g.uuid).healthy)
-            view = dataclasses.replace(self.node, gpus=healthy)
-            try:
-                again = plan_container(dict(pod.annotations), name, ref, view, self.ledger, self.config)
-            except FractionError:
-                again = None  # no healthy GPU fits now: transient, UNAVAILABLE below (issue 25 item 7)
-            if again is not None:
-                return again
-        what = "; ".join(f"GPU {self.node.gpu_by_uuid(u).index} ({u}): {', '.join(h.reasons)}"  # type: ignore[union-attr]
-                         for u, h in bad.items())
-        self.metrics.refusal("gpu_unhealthy")
-        log.warning("nri container bound to an Unhealthy GPU", extra={**fields, "gpus": what})
-        if self.fail_open:
-            raise _FailOpen()
-        raise RpcError(Code.UNAVAILABLE, f"fracplugin: {ref}/{name} is bound to Unhealthy GPU(s) {what}")
-
     def _ensure_mount_sources(self, p: ContainerPlan, fields: Mapping[str, Any]) -> None:
         """Create every bind-mount source of ``p`` (mode 0755) before answering.
 
@@ -284,7 +260,7 @@ class _Admission(_Namespaces):
             log.warning("nri refusal ignored (fail-open): container runs unfenced", extra=extra)
             return None
         log.warning("nri container refused", extra=extra)
-        raise RpcError(Code.INVALID_ARGUMENT, err.message)
+        raise RpcError(status_of(err.code), err.message)
 
     def _warn_unenforced(self, p: ContainerPlan, container: nri_pb2.Container, fields: Mapping[str, Any]) -> None:
         """Pod-authored values of keys we own but do not set in this plan

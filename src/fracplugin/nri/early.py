@@ -9,7 +9,7 @@ RUN_POD_SANDBOX and REMOVE_POD_SANDBOX: 0x62d, docs/reference/nri-protocol.md
 
 - RunPodSandbox: each container the pod's per-container memory keys name
   (``annotations.annotated_containers``) is planned as CreateContainer would
-  plan it (``planner.plan_container``) against an empty ledger: the GPU
+  plan it (``NodeRules.replan``) against an empty ledger: the GPU
   placement does not matter for the namespace, only its settings (compute
   mode, active thread percentage, pinned limit), which come from the
   annotations and the GPUs' size. Each plan with an MPS namespace (every
@@ -63,9 +63,9 @@ import logging
 from typing import Any, Iterable, Sequence
 
 from .._proto import nri_pb2
-from ..annotations import KEY_CONTAINER_NAME, KEY_NUM_DEVICES, SUFFIX_DEVICES, annotated_containers, container_key
+from ..annotations import (KEY_CONTAINER_NAME, KEY_NUM_DEVICES, SUFFIX_DEVICES, annotated_containers, container_key,
+                           parse)
 from ..model import ContainerPlan, FractionError
-from ..planner import EmptyLedger, plan_container
 from .interfaces import CallContext
 from .pluginbase import _ENSURE, _POD_LEVEL_KEYS, _ns_settings, _pod_ref
 from .release import _Release
@@ -116,7 +116,8 @@ class _Early(_Release):
         annotations, ref, plans = dict(ann), _pod_ref(pod), []
         for name in names[:EARLY_PER_POD]:
             try:
-                p = plan_container(annotations, name, ref, self.node, EmptyLedger(), self.config)
+                req = parse(annotations, name, prefix=prefix)
+                p = self.rules.replan(req, ref) if req is not None else None
             except FractionError as err:
                 log.debug("nri RunPodSandbox: container refused; CreateContainer will say so",
                           extra={"pod": str(ref), "container": name, "key": err.key, "rule": err.reason})

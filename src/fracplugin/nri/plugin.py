@@ -80,11 +80,11 @@ from typing import Any, Callable, Mapping, Sequence
 from .._proto import nri_pb2
 from .. import allocation as al
 from ..cdi import CdiRegistry, container_cdi_devices, with_node_cdi_devices
-from ..ledger import Ledger
-from ..model import ContainerPlan, FractionError, NodeInfo, PodRef, Tenancy
+from ..annotations import parse
+from ..model import ContainerPlan, FractionError, FractionRequest, PodRef, Tenancy
 from ..mps.api import MpsApi, NullMps
 from ..ports import HookMetrics, NoMetrics
-from ..planner import PlannerConfig, plan_container
+from ..noderules import NodeRules
 from .nsqueue import KeyedWorkQueue
 from .interfaces import (
     AbandonedInterface,
@@ -170,9 +170,9 @@ class FracNriPlugin(_Reconcile, _Orphans):
     """The handler object ``NriStub`` drives (see the module docstring).
 
     Args:
-        node: this node's GPUs.
-        ledger: the node's ledger (thread-safe; shared with the device plugin).
-        config: planner settings (prefix, reserve, MPS layout, client limit).
+        rules: the node's rules (``noderules.NodeRules``: its GPUs, the one
+            ledger, the planner settings, GPU health, the memory-limit gate);
+            CreateContainer admits through ``rules.admit``.
         mps: the MPS layer (``ensure_namespace``/``release_namespace``/``drain``);
             None = ``NoMps``.
         metrics: ``observe_hook("nri", seconds)`` per CreateContainer and
@@ -218,12 +218,6 @@ class FracNriPlugin(_Reconcile, _Orphans):
         unit_mib: MiB per device of the device plugin door (``--device-unit-mib``),
             to read a reservation key (ADR 0007).
         resource_name: the extended resource (named in messages).
-        gpu_health: ``uuid -> GpuHealth`` (``.healthy``, ``.reasons``; the device
-            plugin door's XID + MPS monitor): no fraction is placed on an
-            Unhealthy GPU (node placement skips it; a container bound to one
-            gets UNAVAILABLE, the runtime retries). None: every GPU healthy.
-        memory_limits: CUDA memory limits per container (``enforce.nri.NriMemoryLimits``);
-            subscribes StartContainer when active. None: not enforced here.
         cdi: the node's CDI specs (``cdi.CdiRegistry``): the adjustment also
             requests each planned GPU's CDI device, unless the container
             already has one for that GPU (``cdi.with_node_cdi_devices``;
@@ -232,9 +226,7 @@ class FracNriPlugin(_Reconcile, _Orphans):
 
     def __init__(
         self,
-        node: NodeInfo,
-        ledger: Ledger,
-        config: PlannerConfig,
+        rules: NodeRules,
         mps: MpsHooks | None = None,
         metrics: HookMetrics | None = None,
         fail_open: bool = False,
@@ -247,27 +239,25 @@ class FracNriPlugin(_Reconcile, _Orphans):
         pod_lookup: Callable[[str, str], Mapping[str, Any] | None] | None = None,
         unit_mib: int = 1024,
         resource_name: str = "fracplugin.io/gpu-memory",
-        gpu_health: Callable[[str], Any] | None = None,
-        memory_limits: Any = None,
         cdi: CdiRegistry | None = None,
         start_wait_s: float = 1.0,
     ) -> None:
-        self.node = node
-        self.memory_limits = memory_limits
-        """``enforce.nri.NriMemoryLimits`` (issue 23, ADR 0025) or None: admit
-        at CreateContainer, apply/verify at StartContainer, zero the soft
-        limit at RemoveContainer."""
+        self.rules = rules
+        self.node = rules.node
+        self.memory_limits = rules.limits
+        """``enforce.nri.NriMemoryLimits`` (issue 23, ADR 0025) or None: the
+        gate runs in ``rules.admit``; here apply/verify at StartContainer and
+        zero the soft limit at RemoveContainer."""
         self.cdi = cdi
         """Each planned GPU's CDI device joins the adjustment (ADR 0025b); None: not."""
-        self.gpu_health = gpu_health
         self.on_refusal = on_refusal
         self.on_warning = on_warning
         self.pod_lookup = pod_lookup
         self.unit_mib = unit_mib
         self.resource_name = resource_name
         self._warned_pods: dict[str, None] = {}
-        self.ledger = ledger
-        self.config = config
+        self.ledger = rules.ledger
+        self.config = rules.config
         self.mps: MpsHooks = mps if mps is not None else NoMps()
         self.metrics: HookMetrics = metrics if metrics is not None else NoMetrics()
         self.fail_open = fail_open
@@ -275,7 +265,7 @@ class FracNriPlugin(_Reconcile, _Orphans):
         self.namespace_timeout_s = namespace_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.start_wait_s = start_wait_s
-        limits_on = memory_limits is not None and memory_limits.active
+        limits_on = self.memory_limits is not None and self.memory_limits.active
         self.events = NRI_EVENTS_EARLY if defer_namespace else NRI_EVENTS_DEFERRED if limits_on else NRI_EVENTS
         """Subscription mask sent in ConfigureResponse (0x62d deferred; else 0x628 with memory limits, 0x608)."""
         self._ns_lock = threading.Lock()
@@ -379,31 +369,24 @@ class FracNriPlugin(_Reconcile, _Orphans):
             try:
                 key, apps = self._claim_and_read(pod, container, ref, fields)
                 ignored: list[Any] = []
-                p: ContainerPlan | None
+                req: FractionRequest | None
                 if key:
-                    p, ignored = self._plan_reserved(pod, container.name, ref, key, apps)
+                    req, ignored = self._reserved_request(pod, container.name, ref, key, apps)
                 else:
-                    p = plan_container(dict(pod.annotations), container.name, ref, self.node, self.ledger,
-                                       self.config, containers=apps)
-                if p is None:
+                    req = parse(dict(pod.annotations), container.name, prefix=self.config.annotation_prefix,
+                                containers=apps)
+                if req is None:
                     log.debug("nri container not fractional; untouched", extra=fields)
                     return None
-                # the mode's MPS daemon first: while it is down every GPU may read
-                # Unhealthy, and that is transient (issue 25 item 7)
-                self._require_mode_up(p, ctx, fields)
-                p = self._avoid_unhealthy(p, pod, container.name, ref, fields)
-                _check_mounts(p, container, self.config.layout.root)
-                if self.memory_limits is not None:  # ADR 0025: may refuse, or withhold the toolkit hook's env
-                    p = self.memory_limits.admit(p)
-                sm = p.mps.namespace is not None  # MPS v3 namespace to create (none with classic v2)
-                self._ensure_mount_sources(p, fields)
-                if sm and not self.defer_namespace:
-                    self._ensure_namespace(p, ctx, fields)
-                if key:
-                    self.ledger.admit(p, container.id, door=al.DOOR_ALLOCATE, reservation=key)
-                else:
-                    self.ledger.admit(p, container.id)
-                if sm and self.defer_namespace:
+
+                def check(plan: ContainerPlan) -> None:  # this door's own look at the plan, before the gate
+                    self._require_mode_up(plan, ctx, fields)
+                    _check_mounts(plan, container, self.config.layout.root)
+                    self._ensure_mount_sources(plan, fields)
+
+                p = self.rules.admit(req, ref, door=al.DOOR_ALLOCATE if key else al.DOOR_NRI,
+                                     container_id=container.id, reservation=key, check=check)
+                if p.mps.namespace is not None:  # MPS v3: made in the background, StartContainer waits
                     self._start_namespace(p, container.id, fields)
             except FractionError as err:
                 self._refuse(err, fields, ref, container.name)  # raises unless fail_open

@@ -20,6 +20,8 @@ from ..model import ComputeMode, ContainerPlan, FractionError, NodeInfo, PodRef,
 from ..mps.api import MpsApi
 from ..ports import HookMetrics
 from ..planner import PlannerConfig
+from ..noderules import NodeRules
+from ..enforce.nri import NriMemoryLimits
 from .nsqueue import KeyedWorkQueue
 
 
@@ -68,9 +70,9 @@ class _PluginState:
     """The attributes ``FracNriPlugin.__init__`` sets (see its docstring),
     declared once for the mixins that implement its handlers."""
 
+    rules: NodeRules
     node: NodeInfo
-    gpu_health: Callable[[str], Any] | None
-    memory_limits: Any
+    memory_limits: NriMemoryLimits | None
     cdi: Any
     on_refusal: Callable[[PodRef, str, FractionError], None] | None
     on_warning: Callable[[PodRef, str, str], None] | None

@@ -18,7 +18,7 @@ from .. import allocation as al
 from ..annotations import parse as parse_annotations
 from ..model import ComputeMode, ContainerPlan, FractionError, Tenancy
 from ..dra import ENV_CLAIM, claim_tenancies_of
-from ..planner import ENV_VISIBLE_DEVICES, EmptyLedger, plan
+from ..planner import ENV_VISIBLE_DEVICES
 from ..reservations import unbind_gone
 from .interfaces import CallContext
 from .pluginbase import _env_map, _pod_ref
@@ -141,5 +141,5 @@ class _Reconcile(_Admission):
         known = bool(seen) and all(self.node.gpu_by_uuid(u) is not None for u in seen)
         if known:
             request = dataclasses.replace(request, devices=tuple(seen), num_devices=len(seen))
-        p = plan(request, _pod_ref(pod), self.node, EmptyLedger(), self.config)
+        p = self.rules.replan(request, _pod_ref(pod))
         return p, known or not p.placed_by_node

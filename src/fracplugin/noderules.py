@@ -1,0 +1,152 @@
+"""The node's rules, in one place every door calls (issue 33, ADR 0032).
+
+A door decodes its wire request into a ``FractionRequest`` (NRI: the pod's
+annotations or Allocate's reservation; kubelet: the device IDs and the
+candidate pod; DRA: the claim's allocation), makes one call down here, and
+encodes what comes back. ``NodeRules.admit`` runs each step once, in one
+order, whichever door asks:
+
+1. **health**: ``unusable()``, the GPUs that take no new fraction: an XID
+   mark of the node's one ``gpu.health.HealthMonitor`` (started by the daemon
+   whichever doors are on, never by a door) and MIG mode (a MIG GPU takes no
+   fraction: NVML rejects MIG handles for the memory limits and MPS pins
+   memory per device, docs/reference/mps-nvml.md);
+2. **plan**: ``planner.plan`` with those GPUs unusable (node placement skips
+   them, naming one refuses, code ``unhealthy`` / ``mig``);
+3. the door's ``check`` of the plan (the NRI door: its mode's MPS daemon up,
+   the container's own mounts, the pipe directory made);
+4. **the memory-limit gate** (``enforce.nri.NriMemoryLimits.admit``): under
+   ``--memory-limits-policy refuse`` on a node that cannot enforce, refused
+   (code ``memory_limits_unenforceable``); under ``warn`` the toolkit hook's
+   env is withheld while the hook would fail the container's start;
+5. **the ledger** (``Ledger.admit``, which re-checks every guard atomically).
+
+The door then adds what only it can (the MPS namespace intent, CDI devices)
+and answers. A refusal is a ``FractionError`` whose ``code`` says its kind;
+``status_of(code)`` is the one mapping from that kind to the status code each
+door answers with (NRI's ttrpc status, kubelet's gRPC status, the DRA
+answer's log and counters), so the same refusal reads the same at every door.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Mapping
+
+from .allocation import DOOR_NRI
+from .ledger import Ledger
+from .model import ContainerPlan, FractionRequest, NodeInfo, PodRef, Tenancy
+from .planner import NO_UNUSABLE, EmptyLedger, PlannerConfig, Unusable, plan
+from .rpcstatus import StatusCode
+
+if TYPE_CHECKING:
+    from .enforce.nri import NriMemoryLimits
+    from .gpu.health import HealthMonitor
+
+__all__ = ["NodeRules", "status_of", "TRANSIENT", "PRECONDITION"]
+
+TRANSIENT = frozenset({"unhealthy", "mps_unavailable", "ledger_io"})
+"""Refusal codes that may pass on their own (a GPU recovers, a daemon comes
+back, the state directory is writable again): UNAVAILABLE, the caller retries."""
+
+PRECONDITION = frozenset({"guard", "no_fit", "mig", "memory_limits_unenforceable", "mode_ambiguous"})
+"""Refusal codes of a request that is well formed but the node cannot take
+now (other tenants, the GPU's mode, what the node can enforce): FAILED_PRECONDITION."""
+
+
+def status_of(code: str) -> StatusCode:
+    """The status code every door answers a refusal of kind ``code`` with
+    (``FractionError.code``): ``TRANSIENT`` -> UNAVAILABLE, ``PRECONDITION``
+    -> FAILED_PRECONDITION, anything else (the request breaks the contract:
+    a bad quantity, an unknown device, a forged reservation) ->
+    INVALID_ARGUMENT. gRPC's own guide to the codes (grpc/grpc
+    doc/statuscodes.md) draws the same lines."""
+    if code in TRANSIENT:
+        return StatusCode.UNAVAILABLE
+    if code in PRECONDITION:
+        return StatusCode.FAILED_PRECONDITION
+    return StatusCode.INVALID_ARGUMENT
+
+
+class NodeRules:
+    """The node's admission: what every door calls (module docstring).
+
+    Args:
+        node: the node's GPUs (``mig_enabled`` read once: MIG mode is set
+            while no process uses the GPU, and NVML reports it at start).
+        ledger: the one ledger (thread-safe).
+        config: the planner settings.
+        health: the node's one GPU health monitor (XID marks); None: no XIDs
+            are watched (explain, unit tests).
+        limits: the memory-limit admission; None: ``--memory-limits off``.
+
+    Thread-safe: it keeps no state of its own beyond the MIG table.
+    """
+
+    def __init__(self, node: NodeInfo, ledger: Ledger, config: PlannerConfig, *,
+                 health: HealthMonitor | None = None, limits: NriMemoryLimits | None = None) -> None:
+        self.node = node
+        self.ledger = ledger
+        self.config = config
+        self.health = health
+        self.limits = limits
+        self._mig: dict[str, Unusable] = {g.uuid: Unusable("is in MIG mode", "mig")
+                                          for g in node.gpus if g.mig_enabled}
+
+    def unusable(self) -> Mapping[str, Unusable]:
+        """GPU UUID -> why it takes no new fraction now (MIG mode, an XID
+        mark). Cheap: a dict lookup on the common path (no MIG, no mark)."""
+        marks = self.health.xid_marks() if self.health is not None else {}
+        if not marks:
+            return self._mig or NO_UNUSABLE
+        out = dict(self._mig)
+        for uuid, xid in marks.items():
+            out.setdefault(uuid, Unusable(f"is Unhealthy (xid {xid})", "unhealthy"))
+        return out
+
+    def excluded(self) -> str:
+        """The GPUs excluded for good (MIG), as one phrase for readiness and
+        the node condition; "" when none."""
+        if not self._mig:
+            return ""
+        gpus = ", ".join(f"GPU {g.index} ({g.uuid})" for g in self.node.gpus if g.uuid in self._mig)
+        return f"{gpus} in MIG mode: no fraction placed on {'it' if len(self._mig) == 1 else 'them'}"
+
+    def plan(self, request: FractionRequest, pod: PodRef, *, reservation: str = "") -> ContainerPlan:
+        """Steps 1-2: ``planner.plan`` against the ledger with ``unusable()``.
+        Raises FractionError."""
+        return plan(request, pod, self.node, self.ledger, self.config, reservation=reservation,
+                    unusable=self.unusable())
+
+    def replan(self, request: FractionRequest, pod: PodRef, *, reservation: str = "") -> ContainerPlan:
+        """The plan of something that already runs or is about to (a
+        Synchronize rebuild, a pod's namespaces at RunPodSandbox, a
+        PodResources reconcile): against an empty ledger and with no GPU
+        unusable, since what runs is recorded, not admitted. Raises
+        FractionError for a request that breaks the contract."""
+        return plan(request, pod, self.node, EmptyLedger(), self.config, reservation=reservation)
+
+    def gate(self, p: ContainerPlan) -> ContainerPlan:
+        """Step 4: the plan to answer with (the toolkit hook's env withheld
+        while the hook would fail). Raises FractionError
+        (``memory_limits_unenforceable``) under policy refuse."""
+        return p if self.limits is None else self.limits.admit(p)
+
+    def record(self, p: ContainerPlan, *, door: str = DOOR_NRI, container_id: str = "", reservation: str = "",
+               bound: bool = True) -> list[Tenancy]:
+        """Step 5: ``Ledger.admit`` (every guard re-checked atomically).
+        Raises FractionError (``guard``) or OSError (the ledger's file)."""
+        return self.ledger.admit(p, container_id, door=door, reservation=reservation, bound=bound)
+
+    def admit(self, request: FractionRequest, pod: PodRef, *, door: str = DOOR_NRI, container_id: str = "",
+              reservation: str = "", bound: bool = True,
+              check: Callable[[ContainerPlan], None] | None = None) -> ContainerPlan:
+        """Steps 1-5 for one request: plan, the door's ``check``, gate,
+        ledger. Returns the plan recorded (what the door answers). Raises
+        FractionError (a refusal: ``status_of(err.code)``), OSError (the
+        ledger's file), and whatever ``check`` raises."""
+        p = self.plan(request, pod, reservation=reservation)
+        if check is not None:
+            check(p)
+        p = self.gate(p)
+        self.record(p, door=door, container_id=container_id, reservation=reservation, bound=bound)
+        return p
