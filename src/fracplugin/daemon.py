@@ -240,6 +240,8 @@ class Daemon(_Builders):
         if "nri" in out and (self.pod_source is None or not self.pod_source.ready()):  # said, not gated on (issue 25 item 1)
             why = "no API access" if self.pod_source is None else "pod watch not synced"
             out["nri"]["detail"] = f"{out['nri']['detail']}; {why}: {POD_SOURCE_MISSING}"
+        if self.rules is not None and (excluded := self.rules.excluded()):
+            out["gpus"] = {"ready": True, "detail": excluded}  # the rest of the node serves (issue 33)
         if self._stopping.is_set():
             out["daemon"] = {"ready": False, "detail": "shutting down"}
         return out

@@ -74,7 +74,7 @@ def ctr(name: str, units: int | None = None, env: Mapping[str, str] | None = Non
 class Node:
     """The daemon with both doors, its peers and helpers."""
 
-    def __init__(self, root: Path, *extra: str) -> None:
+    def __init__(self, root: Path, *extra: str, ready: tuple[str, ...] = ()) -> None:
         from fake_kubelet import FakeKubelet, FakePodResources
         from nri_runtime import FakeNriRuntime
 
@@ -94,7 +94,9 @@ class Node:
         self.pr = FakePodResources(str(root / "pr.sock")).start()
         self.rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
         self.rt.wait_registered(15)
-        wait_until(self.d.ready, 20, what=lambda: f"readiness: {self.d.get('/readyz')}")
+        # ready: every check, or those named (a node that cannot enforce is not ready, its doors serve)
+        wait_until(lambda: all(self.d.get("/readyz")[1]["checks"][c]["ready"] for c in ready) if ready
+                   else self.d.ready(), 20, what=lambda: f"readiness: {self.d.get('/readyz')}")
 
     def close(self) -> None:
         self.d.kill()
@@ -192,8 +194,8 @@ class Node:
 def node(root: Path) -> Iterator[Callable[..., Node]]:
     made: list[Node] = []
 
-    def make(*extra: str) -> Node:
-        n = Node(root, *extra)
+    def make(*extra: str, ready: tuple[str, ...] = ()) -> Node:
+        n = Node(root, *extra, ready=ready)
         made.append(n)
         return n
 

@@ -12,7 +12,10 @@ Inputs (issue 23 item 2; facts: docs/reference/mps-nvml.md section 3, docs/refer
   (``nvidia/<pci bdf>/vidmem`` lines; kernel dmem backend), or NVML answers
   ``nvmlDeviceGetMemoryLimits_v1`` on the root cgroup for every GPU (the
   driver's internal ``misc`` backend).
-* ``mig_off``: no GPU is in MIG mode (NVML rejects MIG handles).
+* ``mig_off``: some GPU is not in MIG mode (NVML rejects MIG handles). A
+  GPU in MIG mode takes no fraction at any door (``noderules.NodeRules``),
+  so it is left out of the other inputs and the rest of the node enforces;
+  only a node whose every GPU is in MIG mode cannot (issue 33).
 * ``cdi_hook`` (reported, not required): whether the CDI spec of each GPU
   carries the toolkit's ``apply-cuda-memory-limits`` hook; given by the CDI
   reader as a callable ``uuid -> bool | None``. It chooses apply or verify in
@@ -27,7 +30,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from ..model import GpuInfo
 
@@ -167,10 +170,13 @@ def _accounting(root: str, gpus: Sequence[GpuInfo], nvml_probe: Callable[[str], 
     return Capability("memory_accounting", False, f"{root}/dmem.capacity does not list {', '.join(lacking)}")
 
 
-def _mig(gpus: Iterable[GpuInfo]) -> Capability:
+def _mig(gpus: Sequence[GpuInfo]) -> Capability:
     on = [g.uuid for g in gpus if g.mig_enabled]
+    if on and len(on) == len(gpus):
+        return Capability("mig_off", False, f"MIG mode is on for every GPU ({', '.join(on)})")
     if on:
-        return Capability("mig_off", False, f"MIG mode is on for {', '.join(on)}")
+        return Capability("mig_off", True, f"MIG mode is on for {', '.join(on)}: excluded, no fraction is placed "
+                                           "there; the other GPUs enforce")
     return Capability("mig_off", True, "no GPU in MIG mode")
 
 
@@ -217,9 +223,10 @@ def check_capabilities(
         hook_of: ``uuid -> True/False/None`` whether the GPU's CDI spec
             carries the memory-limit hook (None: CDI not read).
     Never raises for a missing file or a failing callable: it becomes a reason."""
-    hook_cap, hook = _hook(gpus, hook_of)
+    usable = [g for g in gpus if not g.mig_enabled] or list(gpus)  # a MIG GPU takes no fraction (_mig)
+    hook_cap, hook = _hook(usable, hook_of)
     items = (_driver(driver_version), _mps(mps_protocol), _cgroup_v2(cgroup_root),
-             _accounting(cgroup_root, gpus, nvml_probe), _mig(gpus), hook_cap)
+             _accounting(cgroup_root, usable, nvml_probe), _mig(gpus), hook_cap)
     return NodeCapabilities(items=items, hook=hook)
 
 
