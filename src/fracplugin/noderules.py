@@ -30,12 +30,12 @@ answer's log and counters), so the same refusal reads the same at every door.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from .allocation import DOOR_NRI
 from .ledger import Ledger
 from .model import ContainerPlan, FractionRequest, NodeInfo, PodRef, Tenancy
-from .planner import NO_UNUSABLE, EmptyLedger, PlannerConfig, Unusable, plan
+from .planner import NO_UNUSABLE, EmptyLedger, PlannerConfig, Unusable, plan, plan_from_tenancies
 from .rpcstatus import StatusCode
 
 if TYPE_CHECKING:
@@ -124,6 +124,12 @@ class NodeRules:
         unusable, since what runs is recorded, not admitted. Raises
         FractionError for a request that breaks the contract."""
         return plan(request, pod, self.node, EmptyLedger(), self.config, reservation=reservation)
+
+    def recorded(self, tenancies: Sequence[Tenancy], pod: PodRef | None = None,
+                 container: str | None = None) -> ContainerPlan:
+        """The plan a recorded hold stands for (``planner.plan_from_tenancies``:
+        a re-Allocate is answered from the record). Raises ValueError."""
+        return plan_from_tenancies(tenancies, self.node, self.config, pod=pod, container=container)
 
     def gate(self, p: ContainerPlan) -> ContainerPlan:
         """Step 4: the plan to answer with (the toolkit hook's env withheld

@@ -235,19 +235,24 @@ def test_cgroup_v1_node_not_ready_and_refuses_naming_the_capability(started: Any
     assert [v for lbl, v in _samples(text, "fracplugin_node_capability") if lbl["capability"] == "cgroup_v2"] == [0.0]
 
 
-def test_mig_gpu_from_nvml_refuses_naming_the_capability(started: Any) -> None:
-    """Small failing input 3 (MIG): the daemon's inventory is the real
-    NvmlInventory on the fake library with GPU 0 in MIG mode: not ready,
-    mig_off named, the container refused."""
-    d, rt, _cg = started(["--memory-limits", "apply", "--memory-limits-policy", "refuse"], mig=(0,), simulate=False)
-    code, body = d.get("/readyz")
-    assert code == 503 and "mig_off" in body["checks"]["memory_limits"]["detail"], body
-    assert GPUS[0] in body["checks"]["memory_limits"]["detail"]
-    from nri_runtime import pod_from_manifest
+def test_a_mig_gpu_from_nvml_is_excluded_and_the_other_gpus_enforce(started: Any) -> None:
+    """Issue 33 input 3 (refines issue 23's MIG input): the daemon's inventory is the real NvmlInventory
+    on the fake library with GPU 0 in MIG mode, ``auto`` + ``refuse``: the node stays ready, ``/readyz``
+    names the excluded GPU, a pod naming GPU 0 is refused naming MIG, a node-placed one lands past it."""
+    d, rt, _cg = started(["--memory-limits", "auto", "--memory-limits-policy", "refuse"], mig=(0,), simulate=False)
+    wait_until(lambda: d.get("/readyz")[0] == 200, 15, lambda: f"ready: {d.get('/readyz')}")
+    checks = d.get("/readyz")[1]["checks"]
+    assert checks["memory_limits"]["ready"] and GPUS[0] in checks["gpus"]["detail"], checks
+    assert "MIG mode" in checks["gpus"]["detail"]
+    from nri_runtime import make_container, make_pod, pod_from_manifest
 
-    pod, ctrs = pod_from_manifest(INFERENCE)
+    pod, ctrs = pod_from_manifest(INFERENCE)  # names all four GPUs
     err = rt.create_container(pod, ctrs[0])
-    assert getattr(err, "code", None) is not None and "mig_off" in err.message, err
+    assert getattr(err, "code", None) == 9 and f"GPU 0 ({GPUS[0]}), which is in MIG mode" in err.message, err
+    placed = make_pod("placed", "team", "uid-placed", {"nvidia.com/container.app.gpu-memory.request": "8Gi"})
+    adj = rt.create_container(placed, make_container(placed, "app"))
+    env = {e.key: e.value for e in adj.env if not e.key.startswith("-")}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == GPUS[1] and env["NVIDIA_GPU_MEMORY_REQUEST"] == "8192", adj
 
 
 def test_off_changes_nothing(started: Any, root: Path) -> None:

@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .. import allocation as al
 from .. import planner as planner_mod
 from .. import annotation_lint, reservations
-from ..model import ComputeMode, ContainerPlan, FractionError, FractionRequest, MemorySpec, Mount, NodeInfo, PodRef, Tenancy
+from ..model import ComputeMode, ContainerPlan, FractionError, FractionRequest, MemorySpec, Mount, PodRef, Tenancy
 from ..ledger import holder_text
 from ..noderules import NodeRules, status_of
 from ..mps.layout import CONTAINER_PIPE_DIR
@@ -240,8 +240,7 @@ class Allocator(_Lifetimes, _Preferred):
         return phase not in ("Succeeded", "Failed") and not (pod.get("metadata") or {}).get("deletionTimestamp")
 
     def _stored(self, existing: Sequence[Tenancy], key: str, why: str) -> Answer:
-        plan = self._gated(planner_mod.plan_from_tenancies(existing, self.node, self.planner_config),
-                           f"reservation {key}")
+        plan = self._gated(self.rules.recorded(existing), f"reservation {key}")
         self._bump("reserved")
         log.info("Allocate %s: %s, answered as recorded (%s)", self.resource_name, key, why)
         return Answer(dict(plan.env), plan.mounts, plan.device_uuids, key, "reserved")

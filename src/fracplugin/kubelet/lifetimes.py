@@ -16,7 +16,6 @@ import time
 from typing import Any, Mapping, Sequence
 
 from .. import allocation as al
-from .. import planner as planner_mod
 from ..model import ComputeMode, ContainerPlan, FractionError, FractionRequest, MemorySpec, PodRef, Tenancy
 from . import podlookup
 from .allocbase import _AllocatorState
@@ -156,7 +155,7 @@ class _Lifetimes(_AllocatorState):
         plan: ContainerPlan | None = None
         warnings: list[str] = []
         if existing:
-            plan = planner_mod.plan_from_tenancies(existing, self.node, self.planner_config, pod=ref, container=container)
+            plan = self.rules.recorded(existing, pod=ref, container=container)
         elif pod is not None:
             cand = podlookup.Candidate(pod, container, False, ("", 0, 0, ""))
             try:
