@@ -411,8 +411,7 @@ class _Builders:
                 metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket,
                 ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
                 policy=self.cfg.allocation_policy, device_specs=self.cfg.device_specs, cdi_kind=self.cfg.cdi_kind,
-                cdi=self._cdi(),
-                secure_pipe_mount=self.cfg.secure_pipe_mount, fail_open=self.cfg.fail_open)
+                cdi=self._cdi(), fail_open=self.cfg.fail_open)
         except DeviceTableTooLarge as exc:
             # Kubelet could never receive the device list (devices.py): refuse to start.
             raise StartupError(f"--device-unit-mib {self.cfg.device_unit_mib}: {exc}") from None
