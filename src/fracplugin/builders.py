@@ -425,8 +425,7 @@ class _Builders:
                 podresources_interval_s=self.cfg.pod_resources_interval_s,
                 metrics=self.metrics, podresources_socket=self.cfg.pod_resources_socket,
                 policy=self.cfg.allocation_policy, device_specs=self.cfg.device_specs, cdi_kind=self.cfg.cdi_kind,
-                cdi=self._cdi(),
-                secure_pipe_mount=self.cfg.secure_pipe_mount, fail_open=self.cfg.fail_open)
+                cdi=self._cdi(), fail_open=self.cfg.fail_open)
         except DeviceTableTooLarge as exc:
             # Kubelet could never receive the device list (devices.py): refuse to start.
             raise StartupError(f"--device-unit-mib {self.cfg.device_unit_mib}: {exc}") from None

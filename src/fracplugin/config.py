@@ -125,7 +125,6 @@ class Config:
     cdi_kind: str | None = None
     # CDI specs read for GPU injection (issue 23, ADR 0025b): lowest priority first
     cdi_spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
-    secure_pipe_mount: bool = False
     # DRA door (issue 29, ADR 0031; docs/reference/kubelet-dra.md): off until proven on a cluster
     dra: bool = False
     dra_plugins_dir: str = "/var/lib/kubelet/plugins"
@@ -245,10 +244,6 @@ _HELP = {
     "allocation_policy": "GetPreferredAllocation policy: pack (fill used GPUs first) or spread",
     "ignored_xids": "comma list of XIDs that do not make a GPU Unhealthy (application errors)",
     "device_specs": "also answer Allocate with DeviceSpecs for /dev/nvidia<minor>, /dev/nvidiactl, /dev/nvidia-uvm",
-    "secure_pipe_mount": "make the MPS root a nosuid,nodev bind mount when its filesystem lacks those flags (the "
-                         "device plugin API has no mount options: kubelet's bind mount from Allocate inherits the "
-                         "source's flags; /run usually has them already). Needs CAP_SYS_ADMIN in the host mount "
-                         "namespace: for a daemon run on the host, not the chart's DaemonSet",
     "cdi_kind": "an operator-named CDI kind (e.g. nvidia.com/gpu), looked up first in the CDI specs; Allocate "
                 "answers <kind>=<GPU-UUID> for a GPU no spec lists",
     "cdi_spec_dirs": "comma list of CDI spec directories read to request each planned GPU's CDI device (kinds "

@@ -398,8 +398,7 @@ class DevicePluginPart(PartBase):
     check = "device_plugin"
     reads = PLANNER_KEYS | {"resource_name", "device_unit_mib", "device_plugin_dir", "kubelet_socket",
                             "allocate_deadline_s", "pod_resources_interval_s", "pod_resources_socket",
-                            "allocation_policy", "device_specs", "cdi_kind", "secure_pipe_mount",
-                            "fail_open"}
+                            "allocation_policy", "device_specs", "cdi_kind", "fail_open"}
     reloads = frozenset({"fail_open"})
 
     def __init__(self, cfg: Config, server: DevicePluginServer) -> None:

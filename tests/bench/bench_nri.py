@@ -344,9 +344,10 @@ def serve_noop_plugin(socket_path: str) -> int:
     from fracplugin.nri.stub import NriStub
 
     class Noop:
-        """CreateContainer | StopContainer | RemoveContainer (mask 0x608), as
-        fracplugin; nothing of it waits, so the stub serves it on its reader
-        thread (``may_block``), as it serves fracplugin's CreateContainer."""
+        """CreateContainer | StopContainer | RemoveContainer (mask 0x608;
+        fracplugin's 0x62d adds StartContainer and the pod sandbox events);
+        nothing of it waits, so the stub serves it on its reader thread
+        (``may_block``), as it serves fracplugin's CreateContainer."""
 
         def create_container(self, pod, container, ctx):
             return None

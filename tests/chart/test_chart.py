@@ -517,13 +517,6 @@ BAD_VALUES = [
     ("nri.enabled=false,scheduler=kai", ["nri.enabled=false", "kai", "leaves no door"]),
     ("extraConfig.mps_root=/x", ["extraConfig.mps_root", "set it there"]),
     ("layout=split,mps.apiSocket=/tmp/api.sock", ["mps.apiSocket", "/tmp/api.sock", "hostPaths.run"]),
-    # --secure-pipe-mount needs SYS_ADMIN and Bidirectional propagation (ADR 0008 decision 7)
-    ("extraArgs={--secure-pipe-mount}", ['extraArgs "--secure-pipe-mount"', "CAP_SYS_ADMIN", "Bidirectional",
-                                         "nosuid,nodev"]),
-    ("extraArgs={--secure-pipe-mount=true}", ['extraArgs "--secure-pipe-mount=true"', "Bidirectional"]),
-    ("extraConfig.secure_pipe_mount=true", ["extraConfig.secure_pipe_mount=true", "CAP_SYS_ADMIN"]),
-    ("extraEnv[0].name=FRACPLUGIN_SECURE_PIPE_MOUNT,extraEnv[0].value=true",
-     ["extraEnv FRACPLUGIN_SECURE_PIPE_MOUNT=true", "Bidirectional"]),
     ("gpuOperator.driverUpgrade=sometimes", ["/gpuOperator/driverUpgrade"]),
     ("admissionPolicy.validationActions={Audit}", ["/admissionPolicy/validationActions/0", "Deny", "Warn"]),
     ("admissionPolicy.failurePolicy=Never", ["/admissionPolicy/failurePolicy", "Ignore", "Fail"]),

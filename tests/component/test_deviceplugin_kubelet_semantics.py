@@ -221,35 +221,3 @@ def test_pick_passes_must_include_to_get_preferred_allocation(node_file):
         assert len({i.split("::")[0] for i in ids}) == 1  # pack: on the init container's GPU
     finally:
         r.close()
-
-
-def test_secure_pipe_mount_makes_the_allocate_mount_source_nosuid_nodev(node_file):
-    """D9: the device plugin API has no mount options; with
-    ``secure_pipe_mount`` the pipe directory Allocate names sits on a
-    nosuid,nodev mount, which kubelet's bind mount inherits. Undone at stop."""
-    from fracplugin import mountflags
-    from fracplugin.kubelet import DevicePluginServer
-    from fracplugin.ledger import Ledger
-    from fracplugin.mps.layout import MpsLayout
-    from fracplugin.planner import PlannerConfig
-
-    r = Rig(node_file)
-    try:
-        r.kubelet.start()
-        root = os.path.join(r.dir, "mps")
-        ledger = Ledger(r.node, r.ledger_path)
-        ledger.load()
-        s = DevicePluginServer(r.node, ledger, PlannerConfig(layout=MpsLayout(root)), r.inv, pod_source=None,
-                               plugin_dir=r.plugin_dir, podresources_socket=None, secure_pipe_mount=True)
-        r.servers.append(s)
-        s.start()
-        assert r.kubelet.wait_for(lambda: r.kubelet.updates(R) >= 1, WAIT)
-        from fracplugin.model import ComputeMode
-
-        pipe = MpsLayout(root).pipe_dir(ComputeMode.TIME_SLICING)  # what Allocate's mount names
-        os.makedirs(pipe, exist_ok=True)
-        assert {"nosuid", "nodev"} <= mountflags.flags(pipe)
-        s.stop(3.0)
-        assert not {"nosuid", "nodev"} <= mountflags.flags(pipe)
-    finally:
-        r.close()

@@ -236,15 +236,6 @@ def test_a_mode_whose_daemon_is_down_gets_no_early_namespace(make_harness):
     assert h.mps.kw[-1]["mode"] is ComputeMode.TIME_SLICING
 
 
-def test_not_subscribed_without_deferred_namespaces(make_harness):
-    h = make_harness(plugin_kwargs={"defer_namespace": False}).start()
-    assert h.rt.registrations[-1].events == 0x608
-    pod, _ = _sm_pod("sync")
-    assert h.rt.run_pod_sandbox(pod) is None and h.rt.remove_pod_sandbox(pod) is None
-    assert h.rt.skipped == ["RunPodSandbox", "RemovePodSandbox"]  # as containerd: only subscribed events
-    assert h.mps.calls == []
-
-
 def test_pod_events_are_served_on_the_reader_thread(make_harness):
     h = make_harness().start()
     assert [h.plugin.may_block(m) for m in ("RunPodSandbox", "RemovePodSandbox")] == [False, False]

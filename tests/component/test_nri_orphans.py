@@ -231,21 +231,6 @@ def test_an_mps_role_it_cannot_reach_is_not_reconciled_until_it_can(make_harness
     wait_for(lambda: not role.holds(pod.uid), what="the orphan released once the MPS role answers")
 
 
-def test_without_deferred_namespaces_orphans_go_and_live_pods_are_not_adopted(make_harness):
-    """RemovePodSandbox is not subscribed then: a live pod's unheld namespace
-    is left to the Synchronize that no longer has the pod."""
-    role = RoleMps()
-    h = make_harness(mps=role, plugin_kwargs={"defer_namespace": False}).start()
-    live, gone = _sm_pod("live"), _sm_pod("gone2")
-    for p in (live, gone):
-        role.ensure_namespace(p.uid, "app", 25, 1.0, mode=SM, pinned_limit_mib=2048)
-    h.rt.set_sync_state([live], [])
-    h.restart_doors()
-    wait_for(lambda: not role.holds(gone.uid) and _idle(h), what="the orphan released")
-    early = h.plugin.status()["early_namespaces"]
-    assert role.holds(live.uid) and (early["adopted"], early["pending"]) == (0, 0)
-
-
 def test_status_documents_it_cannot_vouch_for_are_not_read():
     assert mps_namespaces({"enabled": False, "daemons": []}) is None  # NullMps
     assert mps_namespaces({"reachable": False, "daemons": [{"mode": "sm-sharing", "namespaces": [

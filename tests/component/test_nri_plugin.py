@@ -388,16 +388,6 @@ def test_start_after_a_failed_namespace_is_refused_even_when_slow_ones_start(h):
     assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "namespace create refused" in err.message
 
 
-def test_synchronous_namespace_mode_refuses_creation_on_mps_failure(make_harness):
-    h = make_harness(plugin_kwargs={"defer_namespace": False}).start()
-    h.mps.fail = RuntimeError("control daemon down")
-    pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
-    err = h.rt.create_container(pod, ctr)
-    assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "control daemon down" in err.message
-    assert h.ledger.tenancies() == []
-    assert h.rt.registrations[-1].events == 0x608
-
-
 def test_stop_drains_within_half_the_request_timeout_and_remove_releases(h):
     pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
     h.rt.create_container(pod, ctr)
@@ -608,38 +598,55 @@ def test_unknown_methods_and_services_are_unimplemented(running):
     assert h.stub.connected() and _ledger_view(h.ledger) == before
 
 
-def test_slow_mps_is_cut_at_the_budget_and_its_admission_undone(make_harness):
-    h = make_harness(runtime_kwargs={"request_timeout_ms": 1000}, plugin_kwargs={"defer_namespace": False}).start()
-    h.mps.block = threading.Event()
+def test_a_slow_creation_is_cut_at_the_budget_and_its_admission_undone(make_harness, caplog):
+    """A CreateContainer that overruns its budget (here its pod lookup hangs)
+    is answered UNAVAILABLE by the stub; its late admission is undone."""
+    gate, asked = threading.Event(), threading.Event()
     pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
-    err = h.rt.create_container(pod, ctr)  # answered by the stub (0.75 s budget) before the runtime gives up (1 s)
-    assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "budget" in err.message
-    assert h.rt.transport is not None and not h.rt.transport.closed.is_set()
-    h.mps.block.set()
-    wait_for(lambda: h.mps.done.is_set(), what="the slow MPS call")
-    wait_for(lambda: h.ledger.tenancies() == [], what="admission undone")
+
+    def slow_lookup(namespace, name):
+        asked.set()
+        gate.wait(10)
+        return {"metadata": {"uid": pod.uid}, "spec": {"containers": [{"name": "app"}]}}
+
+    h = make_harness(runtime_kwargs={"request_timeout_ms": 1000}, plugin_kwargs={"pod_lookup": slow_lookup}).start()
+    try:
+        err = h.rt.create_container(pod, ctr)  # answered by the stub (0.75 s budget) before the runtime gives up (1 s)
+        assert isinstance(err, RpcError) and err.code == Code.UNAVAILABLE and "budget" in err.message
+        assert asked.is_set() and h.rt.transport is not None and not h.rt.transport.closed.is_set()
+    finally:
+        gate.set()
+    wait_for(lambda: _records(caplog, "admission undone"), what="the late result dropped")
+    (undone,) = _records(caplog, "admission undone")
+    assert undone.gpus == 4 and h.ledger.tenancies() == []  # admitted late, then undone
 
 
 def test_requests_are_served_concurrently(make_harness):
-    h = make_harness(plugin_kwargs={"defer_namespace": False}).start()
+    """A StartContainer awaiting its MPS namespace (on a handler thread) holds
+    up no other call: another pod's CreateContainer and StartContainer are
+    served meanwhile."""
+    h = make_harness(runtime_kwargs={"request_timeout_ms": 10000}, plugin_kwargs={"start_wait_s": 8.0}).start()
     gate = threading.Event()
     h.mps.block = gate
     slow_pod, (slow_ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
+    assert not isinstance(h.rt.create_container(slow_pod, slow_ctr), RpcError)
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("slow", h.rt.create_container(slow_pod, slow_ctr)))
-    t.start()
+    t = threading.Thread(target=lambda: result.setdefault("slow", h.rt.start_container(slow_pod, slow_ctr)))
     try:
-        wait_for(lambda: h.mps.named("ensure_namespace"), what="the slow create to reach MPS")
+        wait_for(lambda: h.mps.named("ensure_namespace"), what="the slow namespace to reach MPS")
         h.mps.block = None
+        t.start()
         fast = make_pod("fast", uid="uid-fast", annotations={"nvidia.com/container.c.gpu-memory.request": "1Gi",
                                                              "nvidia.com/container.c.gpu-compute.mode": "sm-sharing",
                                                              "nvidia.com/container.c.gpus.devices": "0"})
-        assert not isinstance(h.rt.create_container(fast, make_container(fast, "c")), RpcError)
-        assert "slow" not in result  # served while the first one is still blocked
+        fast_ctr = make_container(fast, "c")
+        assert not isinstance(h.rt.create_container(fast, fast_ctr), RpcError)
+        assert h.rt.start_container(fast, fast_ctr) is None
+        assert "slow" not in result  # served while the first one still waits
     finally:
         gate.set()
         t.join(10)
-    assert not isinstance(result["slow"], RpcError)
+    assert result["slow"] is None
     assert len(h.ledger.tenancies()) == 5
 
 
@@ -765,8 +772,6 @@ def test_create_is_served_on_the_reader_thread_unless_it_may_wait_on_mps(make_ha
     pod, (ctr,) = _manifest("inference-sm-sharing-4gpu.bound.yaml")
     assert not isinstance(h.rt.create_container(pod, ctr), RpcError)
     assert h.metrics.threads[-1].endswith("-reader")
-    sync = make_harness(plugin_kwargs={"defer_namespace": False})
-    assert sync.plugin.may_block("CreateContainer")
 
 
 def test_a_mount_source_removed_since_the_last_creation_is_made_again(h):

@@ -1553,7 +1553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     used = unpack_wheels(Path(a.wheels), site)
     paths = [str(REPO / "src"), str(site)]
     sys.path[:0] = paths
-    missing = [m for m in ("grpc", "google.protobuf", "kubernetes", "pynvml", "psutil", "tenacity",
+    missing = [m for m in ("grpc", "google.protobuf", "kubernetes", "pynvml", "tenacity",
                            "prometheus_client", "yaml", "fracplugin._proto.nri_pb2", "fracplugin.daemon")
                if not _importable(m)]
     if missing:

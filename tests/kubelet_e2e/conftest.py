@@ -72,7 +72,7 @@ class Daemon(k.Proc):
                 "--kubeconfig", c.kubeconfig, "--node-name", k.NODE,
                 "--state-dir", base / "fp-state",
                 "--mps-control-binary", k.REPO / "tests" / "fakes" / "nvidia-cuda-mps-control",
-                "--mps-root", base / "mps", "--secure-pipe-mount",
+                "--mps-root", base / "mps",
                 "--health-address", self.health, "--metrics-address", "127.0.0.1:0",
                 "--log-format", "text"]
         super().__init__("fracplugin", argv, base / "fracplugin.log")

@@ -256,6 +256,15 @@ def test_every_setting_variable_is_known() -> None:
     assert c.unknown_env(env) == []
 
 
+def test_a_removed_setting_is_an_unknown_key(tmp_path: Path) -> None:
+    """secure_pipe_mount went in issue 33 (nothing shipped could use it): a
+    file still naming it fails as any unknown key does."""
+    old = tmp_path / "old.yaml"
+    old.write_text("secure_pipe_mount: true\n")
+    with pytest.raises(ConfigError, match=rf"unknown setting 'secure_pipe_mount' \(from file {old} line 1\)"):
+        c.load(None, {"FRACPLUGIN_CONFIG": str(old)})
+
+
 def test_config_file_errors_name_the_line(tmp_path: Path) -> None:
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("reserve_mib: 1024\nfail_open: [true\nlog_level: info\n")

@@ -20,8 +20,7 @@ that the negative tests below can show each one failing on a mutated copy):
   (docs/adr/0008-least-privilege-daemonset.md): not privileged, no privilege
   escalation, read-only root filesystem, RuntimeDefault seccomp, all
   capabilities dropped and exactly ``ALLOWED_CAPABILITIES`` added back, no host
-  network or IPC, no ``--secure-pipe-mount`` without SYS_ADMIN and Bidirectional
-  propagation;
+  network or IPC;
 - GPU Operator driver upgrades: every DaemonSet leaves a node whose
   ``nvidia.com/gpu.deploy.client`` is paused or whose
   ``nvidia.com/gpu-driver-upgrade-state`` is in progress, and runs where the
@@ -385,35 +384,7 @@ def security_problems(m: Manifests) -> list[str]:
             if missing:
                 problems.append(f"{where}: capabilities.add lacks {missing} "
                                 f"({'; '.join(ALLOWED_CAPABILITIES[c] for c in missing)})")
-            problems += _secure_pipe_mount_problems(where, c, sc, pod, _config_or_empty(m))
     return problems
-
-
-def _config_or_empty(m: Manifests) -> dict[str, Any]:
-    cms = [d for d in objects(m) if d.get("kind") == "ConfigMap"]
-    return yaml.safe_load(cms[0]["data"]["config.yaml"]) or {} if cms else {}
-
-
-def _secure_pipe_mount_problems(where: str, c: dict[str, Any], sc: dict[str, Any], pod: dict[str, Any],
-                                cfg: dict[str, Any]) -> list[str]:
-    """``--secure-pipe-mount`` (flag, config key or FRACPLUGIN_ env) in a
-    container that cannot mount: mount(2) needs SYS_ADMIN, and the host's
-    kubelet sees the mount only through a Bidirectional mount of the MPS
-    root's volume (ADR 0008 decision 7)."""
-    args = [str(a) for a in c.get("args") or []]
-    env = {e.get("name"): str(e.get("value", "")).lower() for e in c.get("env") or []}
-    asked = (any(a == "--secure-pipe-mount" or a.startswith("--secure-pipe-mount=") and
-                 a.split("=", 1)[1].lower() in ("1", "true", "yes", "on") for a in args)
-             or cfg.get("secure_pipe_mount") is True
-             or env.get("FRACPLUGIN_SECURE_PIPE_MOUNT") in ("1", "true", "yes", "on"))
-    if not asked:
-        return []
-    caps = {str(x).upper().removeprefix("CAP_") for x in (sc.get("capabilities") or {}).get("add") or []}
-    bidirectional = any(vm.get("mountPropagation") == "Bidirectional" for vm in c.get("volumeMounts") or [])
-    if "SYS_ADMIN" in caps and bidirectional:
-        return []
-    return [f"{where}: --secure-pipe-mount cannot work here: mount(2) needs SYS_ADMIN (added: {sorted(caps)}) and "
-            f"kubelet sees the mount only through Bidirectional mount propagation (present: {bidirectional})"]
 
 
 def _term_matches(term: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -827,14 +798,6 @@ def _drop_cap(cap: str, role: str = "doors") -> Callable[[Manifests], None]:
     return mutate
 
 
-def _all(*mutations: Callable[[Manifests], None]) -> Callable[[Manifests], None]:
-    def mutate(m: Manifests) -> None:
-        for f in mutations:
-            f(m)
-
-    return mutate
-
-
 def _drop_affinity_key(role: str, key: str) -> Callable[[Manifests], None]:
     """Remove every expression on ``key`` from the role's required terms."""
 
@@ -892,15 +855,6 @@ MUTATIONS: list[tuple[str, Callable[[Manifests], None], Callable[[Manifests], li
     ("DAC_READ_SEARCH dropped", _drop_cap("DAC_READ_SEARCH"), security_problems, "lacks ['DAC_READ_SEARCH']"),
     ("MPS role without SYS_PTRACE", _drop_cap("SYS_PTRACE", "mps"), security_problems,
      "fracplugin-mps container mps: capabilities.add lacks ['SYS_PTRACE']"),
-    ("secure pipe mount flag", lambda m: _container(m)["args"].append("--secure-pipe-mount"), security_problems,
-     "--secure-pipe-mount cannot work"),
-    ("secure pipe mount in config", _set_config("secure_pipe_mount", True), security_problems,
-     "--secure-pipe-mount cannot work"),
-    ("secure pipe mount by env", lambda m: _container(m, "mps")["env"].append(
-        {"name": "FRACPLUGIN_SECURE_PIPE_MOUNT", "value": "true"}), security_problems, "--secure-pipe-mount cannot work"),
-    ("secure pipe mount with SYS_ADMIN only", _all(_add_cap("SYS_ADMIN"),
-                                                   lambda m: _container(m)["args"].append("--secure-pipe-mount")),
-     lambda m: [p for p in security_problems(m) if "secure-pipe-mount" in p], "Bidirectional mount propagation"),
     ("no driver-upgrade affinity", lambda m: _pod(m).pop("affinity"), driver_upgrade_problems,
      "paused-for-driver-upgrade"),
     ("MPS role ignores the upgrade state", _drop_affinity_key("mps", DRIVER_UPGRADE_STATE), driver_upgrade_problems,

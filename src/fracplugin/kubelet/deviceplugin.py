@@ -110,15 +110,6 @@ class DevicePluginServer(_DoorServing):
             (each open ListAndWatch stream holds one; at least 2: one stream
             and one call). An RPC over the limit is answered RESOURCE_EXHAUSTED.
         poll_s: registrar polling period in seconds.
-        secure_pipe_mount: at ``start``, make the MPS root (the layout's
-            ``root``) a ``nosuid,nodev`` mount when its filesystem lacks the
-            flags (``fracplugin.mountflags``), undone at ``stop``. Kubelet's
-            bind mount of the pipe directory from Allocate inherits the
-            source mount's flags; the API has no mount options (issue 11, D9).
-            Needs CAP_SYS_ADMIN in the host mount namespace: a daemon run on
-            the host, never the chart's DaemonSet (no SYS_ADMIN, no
-            Bidirectional propagation; ADR 0008). Off: only a startup warning
-            when the flags are missing.
         fail_open: an Allocate refused for the pod's fraction (a contract or
             node guard refusal, an Unhealthy GPU) is answered with an
             unadjusted container (no env, no mounts, annotation
@@ -157,7 +148,6 @@ class DevicePluginServer(_DoorServing):
         podresources_interval_s: float = 10.0,
         max_workers: int = 16,
         poll_s: float = 0.1,
-        secure_pipe_mount: bool = False,
         fail_open: bool = False,
     ) -> None:
         if policy not in POLICIES:
@@ -190,9 +180,7 @@ class DevicePluginServer(_DoorServing):
         self._reconciler: threading.Thread | None = None
         self._reconcile_stop = threading.Event()
         self.max_workers = max_workers
-        self.secure_pipe_mount = secure_pipe_mount
         self.fail_open = fail_open
-        self._secured_root: str | None = None
         # the node's health monitor (started by the daemon, issue 33); without one nothing is Unhealthy
         self.health = rules.health or HealthMonitor(None, [g.uuid for g in node.gpus])
         self.health.subscribe(self._devices_changed)
@@ -258,44 +246,25 @@ class DevicePluginServer(_DoorServing):
                 os.unlink(self._bound_path)
             except FileNotFoundError:
                 pass
-        if self._secured_root is not None:
-            mountflags.release(self._secured_root)
-            self._secured_root = None
 
     def _check_pipe_mount(self) -> None:
-        """See ``secure_pipe_mount``: a failure to secure is a startup
-        warning; flags missing while not asked to secure are logged. The
-        remedy each message names is one that can work where the flag failed:
-        mount(2) needs CAP_SYS_ADMIN in the host mount namespace, and a mount
-        made inside a pod reaches the host's kubelet only through
-        Bidirectional mount propagation, neither of which the chart's
-        DaemonSet has (ADR 0008), so ``--secure-pipe-mount`` is for a daemon
-        run on the host; in the DaemonSet the MPS root's filesystem itself
-        must be nosuid,nodev (``/run`` on systemd hosts is)."""
+        """Warn when the MPS root's filesystem lacks nosuid,nodev: kubelet's
+        bind mount of the pipe directory from Allocate inherits the source
+        mount's flags, the device plugin API has no mount options (issue 11,
+        D9); the NRI door's copy sets them itself. The remedy is the host
+        filesystem's (``/run`` on systemd hosts is nosuid,nodev): the chart's
+        DaemonSet can mount nothing on the host (no CAP_SYS_ADMIN, no
+        Bidirectional propagation; ADR 0008)."""
         root = self.planner_config.layout.root
         remedy = ("mount the MPS root's host filesystem nosuid,nodev (a tmpfs such as /run on systemd hosts is), or "
                   "choose an MPS root on one")
         try:
-            if self.secure_pipe_mount:
-                if mountflags.secure(root):
-                    self._secured_root = root
-                    log.info("MPS root %s is now a nosuid,nodev bind mount (for Allocate's pipe mount)", root)
-                return
             if os.path.isdir(root) and not {"nosuid", "nodev"} <= mountflags.flags(root):
                 log.warning("MPS root %s is on a filesystem without nosuid,nodev: the pipe directory kubelet mounts "
-                            "from Allocate inherits that (the NRI door's copy sets them); %s (--secure-pipe-mount "
-                            "works only for a daemon run on the host with CAP_SYS_ADMIN, not in the chart's "
-                            "DaemonSet)", root, remedy)
+                            "from Allocate inherits that (the NRI door's copy sets them); %s", root, remedy)
         except OSError as e:
-            if self.secure_pipe_mount:
-                msg = (f"MPS root {root}: --secure-pipe-mount could not make it a nosuid,nodev mount: {e}; the pipe "
-                       "directory kubelet mounts from Allocate is then not nosuid,nodev (the NRI door's copy is). "
-                       "mount(2) needs CAP_SYS_ADMIN in the host mount namespace, and from a pod the host's kubelet "
-                       "sees the mount only with Bidirectional mount propagation; the chart's DaemonSet has neither, "
-                       f"so drop --secure-pipe-mount there and {remedy}")
-            else:
-                msg = (f"MPS root {root}: {e}; the pipe directory kubelet mounts from Allocate is then not "
-                       f"nosuid,nodev (the NRI door's copy is); {remedy}")
+            msg = (f"MPS root {root}: {e}; the pipe directory kubelet mounts from Allocate is then not "
+                   f"nosuid,nodev (the NRI door's copy is); {remedy}")
             self.startup_warnings.append(msg)
             log.warning("%s", msg)
 

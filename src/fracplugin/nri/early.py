@@ -3,9 +3,9 @@ queued at RunPodSandbox, seconds of image pull before its CreateContainer,
 so that StartContainer (which containerd serves under its NRI lock) finds
 them made instead of waiting for two control commands per pod (issue 28).
 
-Behaviour (deferred mode only, ``defer_namespace=True``; the mask then adds
-RUN_POD_SANDBOX and REMOVE_POD_SANDBOX: 0x62d, docs/reference/nri-protocol.md
-1.4; a v0.8 runtime delivers both as StateChange, 1.7):
+Behaviour (the mask has RUN_POD_SANDBOX and REMOVE_POD_SANDBOX: 0x62d,
+docs/reference/nri-protocol.md 1.4; a v0.8 runtime delivers both as
+StateChange, 1.7):
 
 - RunPodSandbox: each container the pod's per-container memory keys name
   (``annotations.annotated_containers``) is planned as CreateContainer would
@@ -89,8 +89,6 @@ class _Early(_Release):
     def run_pod_sandbox(self, pod: nri_pb2.PodSandbox, ctx: CallContext | None = None) -> None:
         """RunPodSandbox: queue the pod's early namespace ensures (module
         docstring). Never raises: errors are logged, the sandbox goes on."""
-        if not self.defer_namespace:
-            return None
         try:
             self._queue_early(pod, self._early_plans(pod))
         except Exception:

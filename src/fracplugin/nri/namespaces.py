@@ -1,5 +1,5 @@
 """The NRI door's MPS namespace work: create a container's namespace
-(inside CreateContainer or in the background, awaited at StartContainer),
+in the background, awaited at StartContainer,
 the keyed background queue, re-ensuring after a Synchronize, waiting for a
 healthy MPS daemon.
 
@@ -31,30 +31,8 @@ log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as befor
 class _Namespaces(_PluginState):
     """MPS namespace ensure (a mixin of ``FracNriPlugin``)."""
 
-    def _ensure_namespace(self, p: ContainerPlan, ctx: CallContext | None, fields: Mapping[str, Any]) -> None:
-        # The namespace must exist before the container starts: give MPS all
-        # the budget that is left (minus a margin to answer in time).
-        timeout = self._mps_timeout(ctx, share=1.0)
-        deadline = time.monotonic() + timeout
-        try:
-            self._wait_mps_healthy(deadline, p.compute_mode)
-            self.mps.ensure_namespace(
-                p.pod.uid, p.container, p.active_thread_percentage, max(0.01, deadline - time.monotonic()),
-                mode=p.compute_mode, pinned_limit_mib=p.limit_mib,
-            )
-        except Exception as exc:
-            log.warning("nri MPS namespace not ready", extra={**fields, "reason": str(exc), "timeout_s": timeout})
-            self.metrics.refusal("mps_unavailable")
-            if self.fail_open:
-                log.warning("nri fail-open: container runs unfenced", extra={**fields, "reason": str(exc)})
-                raise _FailOpen() from None
-            raise RpcError(
-                Code.UNAVAILABLE,
-                f"fracplugin: MPS namespace for {p.pod}/{p.container} is not ready: {exc}",
-            ) from None
-
     def _start_namespace(self, p: ContainerPlan, container_id: str, fields: Mapping[str, Any]) -> None:
-        """Create the namespace of ``p`` in the background (deferred mode):
+        """Create the namespace of ``p`` in the background:
         one queued ensure per owner (``_queue_ensure``). When an ensure of the
         owner already made it with the same settings (compute mode, active
         thread percentage, pinned limit), no release of the owner ran since and
@@ -99,7 +77,7 @@ class _Namespaces(_PluginState):
 
     def start_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
                         ctx: CallContext | None = None) -> None:
-        """StartContainer (deferred mode): wait for the container's MPS
+        """StartContainer: wait for the container's MPS
         namespace job at most ``_start_wait(ctx)`` seconds (``start_wait_s``,
         never past the handler budget: the runtime's request timeout, 2 s by
         default, docs/reference/nri-protocol.md 1.5, is kept). ADR 0028 tells slow from failed:
@@ -119,8 +97,6 @@ class _Namespaces(_PluginState):
         applied/verified first (``NriMemoryLimits.start``)."""
         if self.memory_limits is not None:
             self.memory_limits.start(pod, container, self.ledger)
-        if not self.defer_namespace:
-            return None
         fields = {"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": container.name,
                   "container_id": container.id}
         who = f"{pod.namespace}/{pod.name}/{container.name}"
@@ -287,8 +263,6 @@ class _Namespaces(_PluginState):
         sm-sharing container's MPS namespace exists again: a restarted daemon's
         MPS layer only re-creates the namespaces it was told about. A container
         created but not yet started awaits its job at StartContainer."""
-        if not self.defer_namespace:
-            return
         seen: set[str] = set()
         with self._ns_lock:  # owners no container holds any more (nor an early entry) will not be released by us
             self._ns_made = {o: v for o, v in self._ns_made.items() if o in self._ns_early or self.ledger.find(*o)}

@@ -26,14 +26,13 @@ its caps; the MPS role's records, ADR 0022) is one of:
   owner exists here. Left alone.
 - **of a live pod**: the runtime still reports a sandbox with the owner's
   pod UID, and nothing holds it (its containers are not created yet, or
-  none of them is recorded). Deferred mode: adopted into the early table
+  none of them is recorded). Adopted into the early table
   under the pod's sandbox (the last one Synchronize lists with that UID),
   with no ensure of ours to await; RemovePodSandbox (or a later
   Synchronize without the pod) then releases it like an early namespace,
   and a CreateContainer of the owner takes it over with its own ensure
   (the MPS layer answers an ensure of a namespace it applied with the same
-  caps without a control command). Not deferred (RemovePodSandbox is not
-  subscribed): left to the next Synchronize that no longer has the pod.
+  caps without a control command).
 - **orphaned**: no sandbox of its pod UID is left in the runtime and
   nothing holds it: released in the background, on the keyed MPS queue as
   RemoveContainer's releases; the job checks again that nothing holds it
@@ -118,7 +117,7 @@ class _Orphans(_Early):
     def _reconcile_mps_namespaces(self, pods: Iterable[nri_pb2.PodSandbox]) -> dict[str, int]:
         """Compare the MPS layer's namespaces with ``pods`` (Synchronize's
         sandboxes) and the ledger: adopt those of live pods nothing holds
-        into the early table (deferred mode), queue the release of those of
+        into the early table, queue the release of those of
         pods the runtime no longer has (module docstring). Returns
         ``{"held", "adopted", "orphaned"}`` (counts of this call). Never
         raises: an error is logged, nothing is released."""
@@ -145,11 +144,10 @@ class _Orphans(_Early):
                     counts["held"] += 1
                 elif o[0] not in live:
                     orphans.append(ns)
-                elif self.defer_namespace:
-                    if len(self._ns_early) >= early.EARLY_MAX:  # the early table's bound
-                        log.info("nri sync: too many early MPS namespaces; a live pod's namespace not adopted",
-                                 extra={"pod_uid": o[0], "container": o[1], "early_max": early.EARLY_MAX})
-                        continue
+                elif len(self._ns_early) >= early.EARLY_MAX:  # the early table's bound
+                    log.info("nri sync: too many early MPS namespaces; a live pod's namespace not adopted",
+                             extra={"pod_uid": o[0], "container": o[1], "early_max": early.EARLY_MAX})
+                else:
                     self._ns_early[o] = (ns.settings, None, live[o[0]])
                     self._ns_made.setdefault(o, None)  # may exist: a release of the owner must run
                     counts["adopted"] += 1

@@ -2,8 +2,7 @@
 
 Concurrency model: threads. ``NriStub`` calls these handlers from its
 reader thread when ``may_block(method)`` says the call cannot wait
-(CreateContainer while every MPS daemon is healthy and the namespace is
-deferred; RemoveContainer), else from its worker pool, several at once (ADR
+(CreateContainer while every MPS daemon is healthy; RemoveContainer), else from its worker pool, several at once (ADR
 nri-reader-thread-serving). Its own mutable state is the background MPS work
 (a keyed work queue, ``nsqueue.KeyedWorkQueue``, 4 workers: one pending job
 per MPS namespace owner and per drained container, so its memory is bounded
@@ -22,8 +21,7 @@ Behaviour (docs/reference/design.md sections 2 and 4; issue 3 item 3):
   PodRef, node, ledger, config)``. ``None`` -> empty response (untouched). A
   plan -> ``ledger.admit(plan, container_id)``; for sm-sharing,
   ``mps.ensure_namespace`` runs in the background and StartContainer waits
-  for it (``defer_namespace=True``, the default) or runs before the admission
-  (``defer_namespace=False``); the answer is a ContainerAdjustment
+  for it; the answer is a ContainerAdjustment
   with every env var of the plan set *by value* (a removal marker ``-KEY``
   precedes each, which clears an earlier plugin's claim on the key so our
   value wins the runtime's merge; ``-KEY`` alone would not remove a value the
@@ -52,7 +50,7 @@ Behaviour (docs/reference/design.md sections 2 and 4; issue 3 item 3):
   window fails its StartContainer with UNAVAILABLE and kubelet retries it;
   registering only once MPS is up would instead let every container created
   meanwhile run unfenced (an unregistered plugin is simply not asked).
-- RunPodSandbox / RemovePodSandbox (deferred mode): a pod's MPS namespaces
+- RunPodSandbox / RemovePodSandbox: a pod's MPS namespaces
   are queued at RunPodSandbox and awaited by CreateContainer/StartContainer
   when their settings match; those no container held are released at
   RemovePodSandbox or when Synchronize no longer reports the pod
@@ -111,24 +109,20 @@ __all__ = [
     "NoMps",
     "NoMetrics",
     "FracNriPlugin",
-    "NRI_EVENTS",
-    "NRI_EVENTS_DEFERRED",
     "NRI_EVENTS_EARLY",
     "build_adjustment",
 ]
 
 log = logging.getLogger(__name__)
 
-NRI_EVENTS = event_mask(nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_CONTAINER, nri_pb2.REMOVE_CONTAINER)
-"""0x608: CreateContainer | StopContainer | RemoveContainer (docs/reference/nri-protocol.md 1.4)."""
-
-NRI_EVENTS_DEFERRED = NRI_EVENTS | event_mask(nri_pb2.START_CONTAINER)
-"""0x628: the above plus StartContainer, where a deferred MPS namespace is awaited."""
-
-NRI_EVENTS_EARLY = NRI_EVENTS_DEFERRED | event_mask(nri_pb2.RUN_POD_SANDBOX, nri_pb2.REMOVE_POD_SANDBOX)
-"""0x62d: the above plus RunPodSandbox and RemovePodSandbox, where a pod's
-MPS namespaces are queued early and those no container held are released
-(``nri/early.py``, ADR 0030; a v0.8 runtime sends both as StateChange)."""
+NRI_EVENTS_EARLY = event_mask(nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_CONTAINER, nri_pb2.REMOVE_CONTAINER,
+                              nri_pb2.START_CONTAINER, nri_pb2.RUN_POD_SANDBOX, nri_pb2.REMOVE_POD_SANDBOX)
+"""0x62d, the subscription mask (docs/reference/nri-protocol.md 1.4):
+CreateContainer | StopContainer | RemoveContainer (0x608), StartContainer,
+where the container's MPS namespace is awaited (0x20), and RunPodSandbox and
+RemovePodSandbox, where a pod's MPS namespaces are queued early and those no
+container held are released (``nri/early.py``, ADR 0030; a v0.8 runtime
+sends both as StateChange)."""
 
 
 MpsHooks = MpsApi
@@ -179,18 +173,6 @@ class FracNriPlugin(_Reconcile, _Orphans):
             ``refusal(code)`` per refusal; None = ``NoMetrics``.
         fail_open: refusals and MPS failures leave the container unadjusted
             (warning logged, refusal still counted) instead of failing it.
-        defer_namespace: True (default): CreateContainer admits and answers at
-            once and creates the sm-sharing MPS namespace in the background;
-            StartContainer (subscribed then: mask 0x628) waits for it within
-            ``start_wait_s`` and fails the start with UNAVAILABLE only when its
-            creation failed (a namespace still being made lets the container
-            start, logged; ADR 0028). The container process cannot reach MPS before it starts, so
-            this keeps MPS control commands off CreateContainer's critical
-            path. RunPodSandbox and RemovePodSandbox are subscribed too
-            (mask 0x62d): a pod's namespaces are queued at RunPodSandbox and
-            CreateContainer awaits them when their settings match
-            (``nri/early.py``, ADR 0030). False: the namespace is created
-            inside CreateContainer.
         namespace_timeout_s: bound of one background namespace creation.
         start_wait_s: most seconds StartContainer waits for a namespace still
             being made (never past its handler budget); then the container
@@ -231,7 +213,6 @@ class FracNriPlugin(_Reconcile, _Orphans):
         metrics: HookMetrics | None = None,
         fail_open: bool = False,
         *,
-        defer_namespace: bool = True,
         namespace_timeout_s: float = 5.0,
         drain_timeout_s: float = 30.0,
         on_refusal: Callable[[PodRef, str, FractionError], None] | None = None,
@@ -261,13 +242,11 @@ class FracNriPlugin(_Reconcile, _Orphans):
         self.mps: MpsHooks = mps if mps is not None else NoMps()
         self.metrics: HookMetrics = metrics if metrics is not None else NoMetrics()
         self.fail_open = fail_open
-        self.defer_namespace = defer_namespace
         self.namespace_timeout_s = namespace_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.start_wait_s = start_wait_s
-        limits_on = self.memory_limits is not None and self.memory_limits.active
-        self.events = NRI_EVENTS_EARLY if defer_namespace else NRI_EVENTS_DEFERRED if limits_on else NRI_EVENTS
-        """Subscription mask sent in ConfigureResponse (0x62d deferred; else 0x628 with memory limits, 0x608)."""
+        self.events = NRI_EVENTS_EARLY
+        """Subscription mask sent in ConfigureResponse (0x62d)."""
         self._ns_lock = threading.Lock()
         # container id -> (owner, future of the namespace job StartContainer awaits)
         self._ns_pending: dict[str, tuple[Owner, Future[Any]]] = {}
@@ -302,8 +281,7 @@ class FracNriPlugin(_Reconcile, _Orphans):
 
     def status(self) -> dict[str, Any]:
         """JSON-able state: ``{"ready", "fail_open", "events",
-        "defer_namespace", "pending_namespaces", "early_namespaces",
-        "mps_jobs", "unadjusted"}``
+        "pending_namespaces", "early_namespaces", "mps_jobs", "unadjusted"}``
         where ``pending_namespaces`` counts containers whose background MPS
         namespace job is not done yet, ``mps_jobs`` is the background MPS work
         queue's ``{"queued", "running", "threads"}`` (at most one queued job per
@@ -318,7 +296,6 @@ class FracNriPlugin(_Reconcile, _Orphans):
             "ready": self.ready(),
             "fail_open": self.fail_open,
             "events": f"0x{self.events:x}",
-            "defer_namespace": self.defer_namespace,
             "pending_namespaces": pending,
             "early_namespaces": self.early_status(),
             "mps_jobs": q.stats() if q is not None else {"queued": 0, "running": 0, "threads": 0},
@@ -330,8 +307,7 @@ class FracNriPlugin(_Reconcile, _Orphans):
         calls that cannot on its reader thread, the others on its handler
         threads; ``interfaces.MayBlockInterface``).
 
-        CreateContainer waits only when it creates the MPS namespace itself
-        (``defer_namespace=False``) or an MPS daemon is not healthy
+        CreateContainer waits only when an MPS daemon is not healthy
         (``_require_mode_up`` waits for it to come back); otherwise it plans,
         admits (a journal append and fdatasync) and answers. RemoveContainer,
         RunPodSandbox and RemovePodSandbox never wait (their MPS work runs in
@@ -339,7 +315,7 @@ class FracNriPlugin(_Reconcile, _Orphans):
         (awaits the namespace), StopContainer (awaits the drain), Synchronize
         (the whole node) and StateChange (v0.8 StartContainer) may."""
         if method == "CreateContainer":
-            return not self.defer_namespace or not self._mps_healthy_now()
+            return not self._mps_healthy_now()
         return method not in ("RemoveContainer", "RunPodSandbox", "RemovePodSandbox")
 
     def _mps_healthy_now(self) -> bool:

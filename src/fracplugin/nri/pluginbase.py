@@ -85,7 +85,6 @@ class _PluginState:
     mps: MpsApi
     metrics: HookMetrics
     fail_open: bool
-    defer_namespace: bool
     namespace_timeout_s: float
     drain_timeout_s: float
     start_wait_s: float

@@ -86,23 +86,6 @@ names the keys, the values and the rule.
 {{- if and (not .Values.nri.enabled) (not (include "fracplugin.devicePluginOn" .)) -}}
 {{- fail (printf "nri.enabled=false with scheduler=%q and devicePlugin.enabled=%v leaves no door: nothing would enforce fractions" .Values.scheduler .Values.devicePlugin.enabled) -}}
 {{- end -}}
-{{- /* --secure-pipe-mount (ADR 0008, 0011): mount(2) needs CAP_SYS_ADMIN and a pod's mount reaches the host's kubelet only with Bidirectional propagation; the DaemonSet has neither. */ -}}
-{{- $spm := "mount(2) needs CAP_SYS_ADMIN in the host mount namespace and the host's kubelet sees a pod's mount only with Bidirectional mount propagation, neither of which this chart grants (ADR 0008); keep hostPaths.mpsRoot on a nosuid,nodev filesystem instead (/run is one on systemd hosts)" -}}
-{{- range .Values.extraArgs -}}
-{{- if or (eq . "--secure-pipe-mount") (hasPrefix "--secure-pipe-mount=" .) -}}
-{{- fail (printf "extraArgs %q: --secure-pipe-mount cannot work in the DaemonSet: %s" . $spm) -}}
-{{- end -}}
-{{- end -}}
-{{- range $k, $v := (.Values.extraConfig | default dict) -}}
-{{- if and (eq (replace "-" "_" $k) "secure_pipe_mount") $v -}}
-{{- fail (printf "extraConfig.%s=%v: --secure-pipe-mount cannot work in the DaemonSet: %s" $k $v $spm) -}}
-{{- end -}}
-{{- end -}}
-{{- range .Values.extraEnv -}}
-{{- if and (eq (toString .name) "FRACPLUGIN_SECURE_PIPE_MOUNT") (has (lower (toString .value)) (list "1" "true" "yes" "on")) -}}
-{{- fail (printf "extraEnv FRACPLUGIN_SECURE_PIPE_MOUNT=%v: --secure-pipe-mount cannot work in the DaemonSet: %s" .value $spm) -}}
-{{- end -}}
-{{- end -}}
 {{- end -}}
 
 {{/*
