@@ -20,6 +20,7 @@ from fracplugin.kubelet import DevicePluginServer
 from fracplugin.ledger import Ledger
 from fracplugin.mps.layout import MpsLayout
 from fracplugin.planner import PlannerConfig
+from tests.helpers import node_rules
 
 
 @pytest.fixture
@@ -33,12 +34,10 @@ def short() -> Iterator[Path]:
 
 
 def _server(node_file: Path, base: Path) -> DevicePluginServer:
-    inv = SimulatedInventory(node_file)
-    node = inv.node()
+    node = SimulatedInventory(node_file).node()
     (base / "mps").mkdir()
-    return DevicePluginServer(node, Ledger(node, str(base / "ledger.json")),
-                              PlannerConfig(layout=MpsLayout(str(base / "mps"))), inv, pod_source=None,
-                              plugin_dir=str(base), podresources_socket=None)
+    rules = node_rules(node, Ledger(node, str(base / "ledger.json")), PlannerConfig(layout=MpsLayout(str(base / "mps"))))
+    return DevicePluginServer(rules, pod_source=None, plugin_dir=str(base), podresources_socket=None)
 
 
 def test_flags_are_those_of_the_mount_holding_the_path(tmp_path: Path) -> None:

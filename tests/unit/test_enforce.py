@@ -100,7 +100,11 @@ def test_gate_cgroup_v1_and_mig_name_the_capability(tmp_path):
     v2_tree(v2, "x")
     (v2 / "dmem.capacity").write_text("".join(f"nvidia/{g.pci_bus_id[4:].lower()}/vidmem {g.memory_mib * MIB}\n"
                                               for g in node.gpus))
+    # one GPU in MIG mode is excluded (it takes no fraction, issue 33): the rest of the node enforces
     caps = check_capabilities(gpus, node.driver_version, cgroup_root=str(v2), mps_protocol=3)
+    assert caps.can_enforce and gpus[0].uuid in caps.get("mig_off").detail and "excluded" in caps.get("mig_off").detail
+    every = tuple(dataclasses.replace(g, mig_enabled=True) for g in node.gpus)
+    caps = check_capabilities(every, node.driver_version, cgroup_root=str(v2), mps_protocol=3)
     assert [c.name for c in caps.missing] == ["mig_off"] and gpus[0].uuid in caps.reason
     ok = check_capabilities(node.gpus, node.driver_version, cgroup_root=str(v2), mps_protocol=3)
     assert ok.can_enforce and ok.get("memory_accounting").ok
