@@ -24,27 +24,35 @@ Prepare of one claim (namespace, name, UID), in order:
    device, the claim's CDI device (on the first) and the GPU's own CDI device
    from the node's specs (``cdi.CdiRegistry``).
 
-Every step is idempotent, so a repeated Prepare (kubelet retries a claim
-missing from an answer, and after its own restart) gives the same answer and
-one ledger hold. A refusal (``FractionError``) or a failure after the ledger
-step undoes what was done and becomes the claim's ``error`` string: the
-refusal's message (``<key>="<value>" <rule>``, as ``fracplugin explain``
-says it); kubelet shows it in the pod's events and retries.
+A repeated Prepare (kubelet retries a claim missing from an answer, and after
+its own restart) is answered from the record, as NVIDIA's DRA driver answers
+from its checkpoint: the ``Prepared`` of the claim's first Prepare in this
+process, kept in memory until its Unprepare (no API read, admission,
+namespace or spec write again). It is trusted only while the ledger holds the
+claim (``Ledger.reservation``); else (a restart, a rebuilt ledger) the steps
+above run again, each idempotent: the same answer, one ledger hold. A refusal
+(``FractionError``) or a failure after the ledger step undoes what was done,
+drops the record and becomes the claim's ``error`` string: the refusal's
+message (``<key>="<value>" <rule>``, as ``fracplugin explain`` says it);
+kubelet shows it in the pod's events and retries.
 
-Unprepare: release the ledger hold, remove the CDI spec, release the MPS
-namespace; unknown claims are fine (idempotent).
+Unprepare: drop the record, release the ledger hold, remove the CDI spec,
+release the MPS namespace; unknown claims are fine (idempotent).
 
-Concurrency: calls for one claim UID are serialised (a lock per UID); calls
-for different claims run in parallel (the ledger has its own lock). The API
-read happens under the claim's lock only.
+Concurrency: calls for one claim UID are serialised (the UIDs being worked
+on are a set, a call waits until its UID leaves it); calls for different
+claims run in parallel (the ledger has its own lock). The API read happens
+under the claim's lock only. One lock (``_lock``) guards that set, the
+record and the counters; it is never held while calling out.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 from ..cdi import CdiRegistry
 from ..ledger import Ledger
@@ -95,16 +103,6 @@ class Prepared:
     plan: ContainerPlan | None = None
 
 
-@dataclass
-class _Counters:
-    prepared: int = 0
-    refused: int = 0
-    failed: int = 0
-    unprepared: int = 0
-    last_error: str = ""
-    by_uid: dict[str, str] = field(default_factory=dict)  # claim uid -> "<ns>/<name>" while prepared
-
-
 class Preparer:
     """The DRA door's decisions (module docstring).
 
@@ -137,14 +135,25 @@ class Preparer:
         self.gpu_healthy = gpu_healthy
         self.namespace_timeout_s = namespace_timeout_s
         self.memory_limits = memory_limits
-        self._locks: dict[str, threading.Lock] = {}
-        self._locks_lock = threading.Lock()
-        self._lock = threading.Lock()
-        self._counters = _Counters()
+        self._lock = threading.Lock()  # guards the four below
+        self._busy: set[str] = set()  # claim uids a call is working on (``_free`` is notified when one ends)
+        self._record: dict[str, Prepared] = {}  # claim uid -> its Prepare's answer, until its Unprepare
+        self._counts = {"prepared": 0, "refused": 0, "failed": 0, "unprepared": 0}
+        self._last_error = ""
+        self._free = threading.Condition(self._lock)
 
-    def _claim_lock(self, uid: str) -> threading.Lock:
-        with self._locks_lock:
-            return self._locks.setdefault(uid, threading.Lock())
+    @contextmanager
+    def _claim_lock(self, uid: str) -> Iterator[None]:
+        """Serialise the calls for claim ``uid`` (nothing is kept once they end)."""
+        with self._free:
+            self._free.wait_for(lambda: uid not in self._busy)
+            self._busy.add(uid)
+        try:
+            yield
+        finally:
+            with self._free:
+                self._busy.discard(uid)
+                self._free.notify_all()
 
     # ---- Prepare ------------------------------------------------------------
     def prepare(self, namespace: str, name: str, uid: str) -> Prepared:
@@ -153,6 +162,10 @@ class Preparer:
         ref = claims.claim_ref_text(namespace, name, uid)
         fields = {"claim": f"{namespace}/{name}", "claim_uid": uid}
         with self._claim_lock(uid):
+            with self._lock:
+                done = self._record.get(uid)
+            if done is not None and self.ledger.reservation(reservation_of(uid)):
+                return done
             try:
                 try:
                     claim = self._read(namespace, name, uid)
@@ -166,14 +179,14 @@ class Preparer:
                     plan = self.memory_limits.admit(plan)
                 self.ledger.admit(plan, door=DOOR_DRA, reservation=claim.reservation)
             except FractionError as err:
-                self._count("refused", err.message)
+                self._count("refused", uid, error=err.message)
                 log.warning("dra prepare refused", extra={**fields, "key": err.key, "value": err.value,
                                                           "rule": err.reason})
                 return Prepared(error=_cut(err.message))
             except Exception as exc:  # the API read (_ReadFailed), or the ledger's write
                 why = str(exc) if isinstance(exc, _ReadFailed) else f"preparing it failed: {type(exc).__name__}: {exc}"
                 msg = f"resourceclaim {ref}: {why}"
-                self._count("failed", msg)
+                self._count("failed", uid, error=msg)
                 log.warning("dra prepare failed", extra={**fields, "reason": msg})
                 return Prepared(error=_cut(msg))
             try:
@@ -182,16 +195,15 @@ class Preparer:
             except Exception as exc:
                 self._undo(uid)
                 msg = f"resourceclaim {ref}: preparing GPU {','.join(plan.device_uuids)} failed: {exc}"
-                self._count("failed", msg)
+                self._count("failed", uid, error=msg)
                 log.warning("dra prepare failed", extra={**fields, "reason": str(exc)})
                 return Prepared(error=_cut(msg))
-            with self._lock:
-                self._counters.prepared += 1
-                self._counters.by_uid[uid] = f"{namespace}/{name}"
+            done = Prepared(devices=self._devices(claim, plan), plan=plan)
+            self._count("prepared", uid, done)
             log.info("dra claim prepared", extra={**fields, "devices": list(plan.device_uuids),
                                                   "request_mib": plan.request_mib, "limit_mib": plan.limit_mib,
                                                   "mode": plan.compute_mode.value})
-            return Prepared(devices=self._devices(claim, plan), plan=plan)
+            return done
 
     def _read(self, namespace: str, name: str, uid: str) -> claims.ClaimRequest:
         doc = self.claims.get(namespace, name)
@@ -237,16 +249,13 @@ class Preparer:
                 gone = self._undo(uid)
             except Exception as exc:
                 msg = f"resourceclaim {claims.claim_ref_text(namespace, name, uid)}: unprepare failed: {exc}"
-                self._count("failed", msg)
+                self._count("failed", uid, error=msg)
                 log.warning("dra unprepare failed", extra={"claim": f"{namespace}/{name}", "claim_uid": uid,
                                                            "reason": str(exc)})
                 return _cut(msg)
-            with self._lock:
-                self._counters.unprepared += 1
-                self._counters.by_uid.pop(uid, None)
+            self._count("unprepared", uid)
             log.info("dra claim unprepared", extra={"claim": f"{namespace}/{name}", "claim_uid": uid,
                                                     "released": gone})
-        # the claim's lock stays: a thread may be waiting on it (one small lock per claim seen)
         return ""
 
     def _undo(self, uid: str) -> int:
@@ -259,18 +268,24 @@ class Preparer:
         return len(gone)
 
     # ---- state --------------------------------------------------------------
-    def _count(self, what: str, msg: str) -> None:
+    def _count(self, what: str, uid: str, done: Prepared | None = None, error: str = "") -> None:
+        """Count ``what`` and record claim ``uid``'s answer ``done`` (None:
+        drop its record), under the one lock."""
         with self._lock:
-            setattr(self._counters, what, getattr(self._counters, what) + 1)
-            self._counters.last_error = msg
+            self._counts[what] += 1
+            self._last_error = error or self._last_error
+            if done is None:
+                self._record.pop(uid, None)
+            else:
+                self._record[uid] = done
 
     def status(self) -> dict[str, Any]:
-        """Counters and the claims prepared by this process (uid -> ns/name)."""
+        """Counters, the claims recorded by this process (uid -> ns/name) and
+        the ledger's DRA holds."""
+        held = {t.reservation: t.gpu_uuid for t in self.ledger.tenancies() if t.door == DOOR_DRA}
         with self._lock:
-            c = self._counters
-            return {"prepared": c.prepared, "refused": c.refused, "failed": c.failed, "unprepared": c.unprepared,
-                    "last_error": c.last_error, "claims": dict(c.by_uid),
-                    "held": {t.reservation: t.gpu_uuid for t in self.ledger.tenancies() if t.door == DOOR_DRA}}
+            mine = {uid: str(p.plan.pod) for uid, p in self._record.items() if p.plan}
+            return {**self._counts, "last_error": self._last_error, "claims": mine, "held": held}
 
 
 def _cut(msg: str) -> str:

@@ -21,7 +21,7 @@ the plugin left.
 
 Concurrency: grpcio's thread pool serves calls; each Prepare/Unprepare call
 handles its claims one after another (kubelet sends one pod's claims per
-call); the registration state sits under one lock.
+call); the registration state and the call counts sit under one lock.
 """
 
 from __future__ import annotations
@@ -75,14 +75,14 @@ class _Dra:
         return self.pb.NodePrepareResourceResponse(devices=devices)
 
     def prepare(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self.door.calls["prepare"] += 1
+        self.door.count("prepare")
         out = self.pb.NodePrepareResourcesResponse()
         for c in request.claims:
             out.claims[c.uid].CopyFrom(self._answer(self.door.preparer.prepare(c.namespace, c.name, c.uid)))
         return out
 
     def unprepare(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self.door.calls["unprepare"] += 1
+        self.door.count("unprepare")
         out = self.pb.NodeUnprepareResourcesResponse()
         for c in request.claims:
             out.claims[c.uid].CopyFrom(self.pb.NodeUnprepareResourceResponse(
@@ -121,7 +121,7 @@ class _Registration(reg_grpc.RegistrationServicer):
         self.door = door
 
     def GetInfo(self, request: reg.InfoRequest, context: grpc.ServicerContext) -> reg.PluginInfo:  # noqa: N802
-        self.door.calls["get_info"] += 1
+        self.door.count("get_info")
         return reg.PluginInfo(type=PLUGIN_TYPE, name=self.door.driver_name, endpoint=self.door.socket_path,
                               supported_versions=list(SUPPORTED_VERSIONS))
 
@@ -202,6 +202,11 @@ class DraServer:
             pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- registration -------------------------------------------------------
+    def count(self, call: str) -> None:
+        """One more ``call`` served (``status``'s ``calls``)."""
+        with self._lock:
+            self.calls[call] += 1
+
     def registered(self, ok: bool, error: str) -> None:
         """kubelet's NotifyRegistrationStatus: remember the verdict."""
         with self._lock:
@@ -229,7 +234,6 @@ class DraServer:
         """Sockets, registration, call counts and the preparer's counters."""
         with self._lock:
             reg_state = {"registered": self._registered, "error": self._registration_error,
-                         "registered_at": self._registered_at}
+                         "registered_at": self._registered_at, "calls": dict(self.calls)}
         return {"driver": self.driver_name, "socket": self.socket_path,
-                "registration_socket": self.registration_path, **reg_state, "calls": dict(self.calls),
-                "claims": self.preparer.status()}
+                "registration_socket": self.registration_path, **reg_state, "claims": self.preparer.status()}

@@ -1,0 +1,121 @@
+"""The DRA door's ``Preparer`` in process (issue 33 item 5): a repeated
+Prepare answers from the record, a stale record or a restart takes the full
+path, the claim lock table empties, two concurrent Prepares of one claim make
+one hold. Claims come from a stand-in ``ClaimSource``."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from fracplugin.dra import cdispec, params
+from fracplugin.dra.prepare import Preparer
+from fracplugin.gpu.simulated import load_node
+from fracplugin.ledger import Ledger
+from fracplugin.mps.api import NullMps
+from fracplugin.planner import PlannerConfig
+from tests.helpers import wait_until
+from tests.peers.resource_api import claim_doc
+
+REPO = Path(__file__).resolve().parents[2]
+NODE = load_node(str(REPO / "examples" / "nodes" / "gpu-node-1.yaml"))
+SM = {"apiVersion": params.API_VERSION, "kind": params.KIND, "gpu-compute.mode": "sm-sharing"}
+
+
+class Claims:
+    """A ``ClaimSource`` over a dict; counts reads; ``gate`` (when set) holds
+    every read until it is set."""
+
+    def __init__(self, *docs: dict[str, Any]) -> None:
+        self.docs = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for d in docs}
+        self.reads = 0
+        self.gate: threading.Event | None = None
+
+    def get(self, namespace: str, name: str) -> dict[str, Any]:
+        self.reads += 1
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        return self.docs[(namespace, name)]
+
+
+class CountingMps(NullMps):
+    def __init__(self) -> None:
+        self.ensured = 0
+
+    def ensure_namespace(self, *args: Any, **kwargs: Any) -> str:
+        self.ensured += 1
+        return "ns"
+
+
+def _preparer(tmp_path: Path, source: Claims, ledger: Ledger | None = None) -> tuple[Preparer, CountingMps]:
+    mps = CountingMps()
+    return Preparer(NODE, ledger or Ledger(NODE), PlannerConfig(), source, str(tmp_path), mps=mps), mps  # type: ignore[arg-type]
+
+
+def test_a_repeated_prepare_answers_from_the_record(tmp_path: Path) -> None:
+    source = Claims(claim_doc("ns", "c", "uid-1", memory="20Gi", parameters=SM))
+    p, mps = _preparer(tmp_path, source)
+    first = p.prepare("ns", "c", "uid-1")
+    assert first.error == "" and first.plan is not None and len(first.devices) == 1
+    spec = cdispec.spec_path(str(tmp_path), "uid-1").stat().st_ino
+    again = p.prepare("ns", "c", "uid-1")
+    assert again is first
+    assert (source.reads, mps.ensured, len(p.ledger.reservation("dra:uid-1"))) == (1, 1, 1)
+    assert cdispec.spec_path(str(tmp_path), "uid-1").stat().st_ino == spec  # not rewritten (temp + rename)
+    st = p.status()
+    assert (st["prepared"], st["claims"], st["held"]) == (1, {"uid-1": "ns/c"}, {"dra:uid-1": NODE.gpus[0].uuid})
+    assert p.unprepare("ns", "c", "uid-1") == "" and p.status()["claims"] == {}
+    # after Unprepare the full path runs again
+    assert p.prepare("ns", "c", "uid-1").devices == first.devices and source.reads == 2
+
+
+def test_a_stale_record_or_a_restart_takes_the_full_path(tmp_path: Path) -> None:
+    source = Claims(claim_doc("ns", "c", "uid-1", memory="20Gi", parameters=SM))
+    p, mps = _preparer(tmp_path, source)
+    first = p.prepare("ns", "c", "uid-1")
+    p.ledger.release_reservation("dra:uid-1")  # the ledger no longer holds it (e.g. rebuilt)
+    again = p.prepare("ns", "c", "uid-1")
+    assert again == first and (source.reads, mps.ensured, len(p.ledger.reservation("dra:uid-1"))) == (2, 2, 1)
+    # a restarted daemon: an empty record, the persisted ledger still holding the claim
+    restarted, _ = _preparer(tmp_path, source, p.ledger)
+    assert restarted.prepare("ns", "c", "uid-1") == first
+    assert source.reads == 3 and len(p.ledger.reservation("dra:uid-1")) == 1
+
+
+def test_a_refused_claim_is_not_recorded(tmp_path: Path) -> None:
+    source = Claims(claim_doc("ns", "big", "uid-1", memory="90Gi"))
+    p, _ = _preparer(tmp_path, source)
+    assert p.prepare("ns", "big", "uid-1").error and p.prepare("ns", "big", "uid-1").error
+    assert source.reads == 2 and p.status()["claims"] == {} and p.status()["refused"] == 2
+
+
+def test_the_claim_lock_table_is_empty_after_prepare_and_unprepare(tmp_path: Path) -> None:
+    uids = [f"uid-{i}" for i in range(32)]
+    source = Claims(*(claim_doc("ns", u, u, memory="1Gi", device=f"gpu-{i % 4}") for i, u in enumerate(uids)))
+    p, _ = _preparer(tmp_path, source)
+    for u in uids:
+        assert p.prepare("ns", u, u).error == ""
+    assert len(p.status()["claims"]) == 32 and not p._busy
+    for u in uids:
+        assert p.unprepare("ns", u, u) == ""
+    assert not p._busy and not p._record and p.ledger.tenancies() == []
+    assert p.status()["unprepared"] == 32
+
+
+def test_two_concurrent_prepares_of_one_claim_make_one_hold_and_the_same_answer(tmp_path: Path) -> None:
+    source = Claims(claim_doc("ns", "c", "uid-1", memory="20Gi", parameters=SM))
+    source.gate = threading.Event()
+    p, mps = _preparer(tmp_path, source)
+    answers: list[Any] = []
+    threads = [threading.Thread(target=lambda: answers.append(p.prepare("ns", "c", "uid-1"))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    # one call reads the claim (held at the gate), the other waits for the claim's lock
+    wait_until(lambda: source.reads == 1 and len(p._free._waiters) == 1)  # type: ignore[attr-defined]
+    source.gate.set()
+    for t in threads:
+        t.join(30)
+    assert len(answers) == 2 and answers[0] == answers[1] and answers[0].error == ""
+    assert (source.reads, mps.ensured, len(p.ledger.reservation("dra:uid-1"))) == (1, 1, 1)
+    assert not p._busy
