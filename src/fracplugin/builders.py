@@ -133,7 +133,6 @@ class _Builders:
 
         def _gpu_healthy(self) -> dict[str, tuple[bool, list[str]]]: ...
 
-        def _gpu_state(self, uuid: str) -> tuple[bool, list[str]]: ...
 
     @property
     def planner_config(self) -> PlannerConfig:
@@ -458,12 +457,10 @@ class _Builders:
         # The pool and the slice's nodeName are the Kubernetes node's name (NODE_NAME / --node-name),
         # which a simulated node file or NVML's host name need not match.
         node = dataclasses.replace(self.node, name=self.node_name or self.node.name)
-        preparer = Preparer(node, self.ledger, self.planner_config, ApiClaims(api), self.cfg.dra_cdi_dir,
+        assert self.rules is not None
+        preparer = Preparer(self.rules, ApiClaims(api), self.cfg.dra_cdi_dir, node=node,
                             mps=None if self.cfg.no_mps else self.mps,
-                            cdi=None if self.cfg.no_cdi_devices else self._cdi(),
-                            gpu_healthy=self._gpu_state,  # the claim's GPU only
-                            # the NRI door's memory-limit admission (built with it; ADR 0031)
-                            memory_limits=self.memory_limits.nri if self.memory_limits is not None else None)
+                            cdi=None if self.cfg.no_cdi_devices else self._cdi())
         server = DraServer(preparer, self.cfg.dra_plugins_dir, self.cfg.dra_registry_dir)
         slices = None
         if not self.cfg.no_dra_slices:

@@ -436,7 +436,7 @@ def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: 
     entry: dict[str, Any]
     try:
         claim = dra_claims.read_claim(doc, node)
-        plan = with_node_cdi_devices(dra_claims.plan_claim(claim, node, ledger, config), cdi)
+        plan = with_node_cdi_devices(dra_claims.plan_claim(claim, NodeRules(node, ledger, config)), cdi)
     except FractionError as err:
         entry = {"name": name, "fractional": True, "devices": [], "compute_mode": None,
                                  "request_mib": None, "limit_mib": None, "env": {}, "mounts": [],

@@ -37,7 +37,8 @@ sys.path.insert(0, str(REPO))
 from benchjson import merge  # noqa: E402
 
 from fracplugin.cdi import CdiRegistry  # noqa: E402
-from fracplugin.dra.prepare import Preparer  # noqa: E402
+from fracplugin.dra.prepare import Preparer
+from fracplugin.noderules import NodeRules  # noqa: E402
 from fracplugin.gpu.simulated import load_node  # noqa: E402
 from fracplugin.ledger import Ledger  # noqa: E402
 from fracplugin.planner import PlannerConfig  # noqa: E402
@@ -65,7 +66,7 @@ def main() -> int:
     try:
         ledger = Ledger(node, work / "ledger.json")
         cdi = CdiRegistry([str(REPO / "tests" / "fixtures" / "cdi" / "with-hook")], node.gpus)
-        p = Preparer(node, ledger, PlannerConfig(), Claims(), str(work / "cdi"), cdi=cdi)
+        p = Preparer(NodeRules(node, ledger, PlannerConfig()), Claims(), str(work / "cdi"), cdi=cdi)
         first_ms: list[float] = []
         repeat_ms: list[float] = []
         for _ in range(ROUNDS):

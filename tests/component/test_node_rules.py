@@ -81,6 +81,34 @@ def test_an_xid_on_a_kai_shaped_node_keeps_new_fractions_off_that_gpu(daemon: Ca
         rt.close()
 
 
+def test_an_xid_on_a_dra_only_node_refuses_the_claim_and_leaves_the_gpu_out_of_the_slice(  # noqa: F811
+        daemon: Callable[..., DaemonProc], root: Path) -> None:  # noqa: F811
+    """Input 2: DRA only; XID 79 on GPU 0 -> a 10Gi claim allocated on gpu-0 is refused naming it,
+    nothing is held, and the next ResourceSlice leaves gpu-0 out."""
+    from test_dra_door import SLICE, start
+
+    from tests.peers.dra_kubelet import DraKubelet
+    from tests.peers.resource_api import ResourceApi, claim_doc
+
+    api = ResourceApi()
+    kubelet = DraKubelet(str(root / "registry"))
+    try:
+        d = start(daemon, root, api, "--no-device-plugin")
+        kubelet.register()
+        assert api.wait_for(lambda a: SLICE in a.slices and len(a.slices[SLICE]["spec"]["devices"]) == 4)
+        post_xid(d, UUIDS[0], 79)
+        assert api.wait_for(lambda a: [x["name"] for x in a.slices[SLICE]["spec"]["devices"]] ==
+                            ["gpu-1", "gpu-2", "gpu-3"]), api.slices
+        uid = "0b7c1e9a-7979-4a55-9d0e-000000000079"
+        api.claims[("team", "sick")] = claim_doc("team", "sick", uid, memory="10Gi")
+        err = kubelet.prepare(("team", uid, "sick")).claims[uid].error
+        assert f"GPU 0 ({UUIDS[0]}), which is Unhealthy (xid 79)" in err, err
+        assert gpu_status(d, 0)["tenants"] == [] and gpu_status(d, 0)["unhealthy_reasons"] == ["xid 79"]
+    finally:
+        kubelet.close()
+        api.close()
+
+
 def mig_node(root: Path) -> Path:
     doc = yaml.safe_load(NODE.read_text())
     doc["gpus"][0]["mig_enabled"] = True

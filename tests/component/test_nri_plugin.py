@@ -801,7 +801,7 @@ def test_synchronize_keeps_dra_claims_and_does_not_count_their_containers_whole(
 
     h = make_harness()
     claim = dra_claims.read_claim(claim_doc("team-a", "infer", "claim-uid-1", node=NODE.name, memory="20Gi"), NODE)
-    plan = dra_claims.plan_claim(claim, NODE, h.ledger, PlannerConfig())
+    plan = dra_claims.plan_claim(claim, node_rules(NODE, h.ledger))
     h.ledger.admit(plan, door="dra", reservation=claim.reservation)
     pod = make_pod("dra-pod")
     env = [PATH_ENV, f"NVIDIA_VISIBLE_DEVICES={NODE.gpus[0].uuid}", "FRACPLUGIN_DRA_CLAIM=claim-uid-1"]

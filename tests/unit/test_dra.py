@@ -15,9 +15,9 @@ from fracplugin.dra.slices import ATTR_COMPUTE_MODE, MODE_NONE, SlicePublisher, 
 from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.model import ComputeMode, FractionError
-from fracplugin.planner import PlannerConfig
 from tests.helpers import wait_until
 from tests.peers.resource_api import ResourceApi, claim_doc
+from tests.helpers import node_rules
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = load_node(str(REPO / "examples" / "nodes" / "gpu-node-1.yaml"))
@@ -56,7 +56,7 @@ def test_claim_to_request_and_plan() -> None:
                     parameters={**HEAD, "gpu-compute.mode": "sm-sharing", "gpu-memory.limit": "22Gi"})
     c = claims.read_claim(doc, NODE, uid="uid-1")
     assert (c.request_mib, [d.gpu.uuid for d in c.devices], c.reservation) == (20480, [GPU0], "dra:uid-1")
-    plan = claims.plan_claim(c, NODE, Ledger(NODE), PlannerConfig())
+    plan = claims.plan_claim(c, node_rules(NODE, Ledger(NODE)))
     assert plan.device_uuids == (GPU0,) and (plan.request_mib, plan.limit_mib) == (20480, 22528)
     assert plan.compute_mode is ComputeMode.SM_SHARING and plan.active_thread_percentage == 26  # KAI's portion 0.26
     assert plan.mps.namespace is not None and plan.pod.uid == "uid-1"
@@ -73,7 +73,7 @@ def test_claim_on_two_gpus_and_configs_for_other_requests_or_drivers_ignored() -
         {"source": "FromClaim", "opaque": {"driver": "other.example.com", "parameters": {"bad": 1}}}]
     c = claims.read_claim(doc, NODE)
     assert [d.device for d in c.devices] == ["gpu-0", "gpu-1"]
-    plan = claims.plan_claim(c, NODE, Ledger(NODE), PlannerConfig())
+    plan = claims.plan_claim(c, node_rules(NODE, Ledger(NODE)))
     assert plan.device_uuids == (GPU0, GPU1) and plan.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M,1=4096M"
 
 
@@ -90,7 +90,7 @@ def test_class_config_sets_the_mode_and_the_claims_config_overrides_it() -> None
     doc["status"]["allocation"]["devices"]["config"] = [_class_config({**HEAD, "gpu-compute.mode": "sm-sharing"})]
     c = claims.read_claim(doc, NODE)
     assert c.parameters.compute_mode is ComputeMode.SM_SHARING and c.parameters.given == ("gpu-compute.mode",)
-    assert claims.plan_claim(c, NODE, Ledger(NODE), PlannerConfig()).compute_mode is ComputeMode.SM_SHARING
+    assert claims.plan_claim(c, node_rules(NODE, Ledger(NODE))).compute_mode is ComputeMode.SM_SHARING
     # a claim config for the same request wins over the class's, field by field, whatever the list order
     doc = claim_doc("ns", "c", "uid-5", parameters={**HEAD, "gpu-compute.mode": "time-slicing"})
     doc["status"]["allocation"]["devices"]["config"].append(
@@ -141,19 +141,19 @@ def test_claim_refusals(change, key: str, rule: str) -> None:
 def test_claim_guard_counts_the_other_doors_and_not_itself() -> None:
     ledger = Ledger(NODE)
     big = claims.read_claim(claim_doc("ns", "a", "uid-a", memory="70Gi"), NODE)
-    ledger.admit(claims.plan_claim(big, NODE, ledger, PlannerConfig()), door="dra", reservation=big.reservation)
+    ledger.admit(claims.plan_claim(big, node_rules(NODE, ledger)), door="dra", reservation=big.reservation)
     # re-planning the same claim does not count its own hold
-    claims.plan_claim(big, NODE, ledger, PlannerConfig())
+    claims.plan_claim(big, node_rules(NODE, ledger))
     more = claims.read_claim(claim_doc("ns", "b", "uid-b", memory="20Gi"), NODE)
     with pytest.raises(FractionError) as e:
-        claims.plan_claim(more, NODE, ledger, PlannerConfig())
+        claims.plan_claim(more, node_rules(NODE, ledger))
     assert "has 9879 MiB of 81559 MiB free; this container requests 20480 MiB" in e.value.message
 
 
 # ---- CDI spec -----------------------------------------------------------------------
 def test_cdi_spec_written_and_removed(tmp_path: Path) -> None:
     c = claims.read_claim(claim_doc("ns", "c", "uid-4"), NODE)
-    plan = claims.plan_claim(c, NODE, Ledger(NODE), PlannerConfig())
+    plan = claims.plan_claim(c, node_rules(NODE, Ledger(NODE)))
     path = cdispec.write_spec(str(tmp_path), "uid-4", plan)
     doc = json.loads(path.read_text())
     assert doc["kind"] == "gpu-memory.fracplugin.io/claim" and doc["devices"][0]["name"] == "uid-4"
@@ -222,7 +222,7 @@ def _hold(ledger: Ledger, uid: str, device: str, mode: str, door: str = "dra") -
     """A 4Gi claim of ``mode`` on ``device`` held in ``ledger`` (through ``door``)."""
     c = claims.read_claim(claim_doc("ns", uid, uid, device=device, memory="4Gi",
                                     parameters={**HEAD, "gpu-compute.mode": mode}), NODE)
-    ledger.admit(claims.plan_claim(c, NODE, ledger, PlannerConfig()), door=door, reservation=c.reservation)
+    ledger.admit(claims.plan_claim(c, node_rules(NODE, ledger)), door=door, reservation=c.reservation)
 
 
 def _modes(doc: dict) -> dict[str, str]:

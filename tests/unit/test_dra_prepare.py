@@ -14,9 +14,9 @@ from fracplugin.dra.prepare import Preparer
 from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.mps.api import NullMps
-from fracplugin.planner import PlannerConfig
 from tests.helpers import wait_until
 from tests.peers.resource_api import claim_doc
+from tests.helpers import node_rules
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = load_node(str(REPO / "examples" / "nodes" / "gpu-node-1.yaml"))
@@ -50,7 +50,7 @@ class CountingMps(NullMps):
 
 def _preparer(tmp_path: Path, source: Claims, ledger: Ledger | None = None) -> tuple[Preparer, CountingMps]:
     mps = CountingMps()
-    return Preparer(NODE, ledger or Ledger(NODE), PlannerConfig(), source, str(tmp_path), mps=mps), mps  # type: ignore[arg-type]
+    return Preparer(node_rules(NODE, ledger), source, str(tmp_path), mps=mps), mps  # type: ignore[arg-type]
 
 
 def test_a_repeated_prepare_answers_from_the_record(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ kubelet's NodePrepareResources names a claim only by namespace, name and UID
 (§3), so the door reads the claim from the API server (``ApiClaims``) and
 turns it into a ``ClaimRequest`` here (``read_claim``), then into the
 planner's ``FractionRequest`` (``fraction_request``) and a ``ContainerPlan``
-(``plan_claim``): the same planner, guards and env as the other doors.
+(``plan_claim``, through the node's rules): the same planner, guards and env as the other doors.
 
 Rules, each refusal a ``FractionError`` naming key, value and rule:
 
@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 from .. import annotations as ann
 from .. import contract as C
 from ..model import ContainerPlan, FractionError, FractionRequest, GpuInfo, MemorySpec, NodeInfo, PodRef
-from ..planner import LedgerView, PlannerConfig, plan
+from ..noderules import NodeRules
 from . import CAPACITY_MEMORY, CLAIM_CONTAINER, DRIVER_NAME, params, reservation_of
 
 RESULTS_KEY = "status.allocation.devices.results"
@@ -218,14 +218,14 @@ def fraction_request(claim: ClaimRequest) -> FractionRequest:
                            num_devices=len(claim.devices), keys=keys)
 
 
-def plan_claim(claim: ClaimRequest, node: NodeInfo, ledger: LedgerView,
-               config: PlannerConfig) -> ContainerPlan:
-    """The claim's plan: ``planner.plan`` on its GPUs with the claim's own
-    ledger hold not counted against it (reservation ``dra:<uid>``). CDI names
-    from devices are not used (the door adds the GPUs' own CDI devices).
-    Raises FractionError (memory larger than the GPU, limit below request, a
-    guard: compute mode, free memory across all doors, client count)."""
-    return plan(fraction_request(claim), claim.pod, node, ledger, config, reservation=claim.reservation)
+def plan_claim(claim: ClaimRequest, rules: NodeRules) -> ContainerPlan:
+    """The claim's plan through the node's rules (``NodeRules.plan``) on its
+    GPUs, with the claim's own ledger hold not counted against it
+    (reservation ``dra:<uid>``). CDI names from devices are not used (the door
+    adds the GPUs' own CDI devices). Raises FractionError (an Unhealthy or MIG
+    GPU, memory larger than the GPU, limit below request, a guard: compute
+    mode, free memory across all doors, client count)."""
+    return rules.plan(fraction_request(claim), claim.pod, reservation=claim.reservation)
 
 
 def custom_objects(api: Any) -> Any:

@@ -6,21 +6,19 @@ Prepare of one claim (namespace, name, UID), in order:
    reference, docs/reference/kubelet-dra.md §1) and turn its allocation into a
    ``ClaimRequest`` (``claims.read_claim``: our results, consumed memory,
    parameters);
-2. refuse a GPU the health monitor calls Unhealthy;
-3. plan it (``claims.plan_claim``: the planner and its guards, the claim's own
-   hold not counted) and record it in the one ledger
-   (``Ledger.admit(door="dra", reservation="dra:<uid>")``, which re-checks
-   every guard atomically against what the NRI and device plugin doors hold);
-   with CUDA memory limits on (``memory_limits``, the NRI door's
-   ``enforce.nri.NriMemoryLimits``, ADR 0025/0031) its ``admit`` runs first:
-   under ``--memory-limits-policy refuse`` on a node that cannot enforce the
-   claim is refused with the NRI door's message (key ``node``), and while the
-   toolkit hook would fail the container's start its env
-   (``NVIDIA_GPU_MEMORY_REQUEST`` / ``_LIMIT``) is withheld from the claim's
-   CDI spec;
-4. make its MPS namespace (owner ``(<claim uid>, "dra")``) before answering,
+2. admit it through the node's rules (``NodeRules.admit``, ADR 0032), as
+   every door does: no new fraction on an Unhealthy or MIG GPU, the planner
+   and its guards (the claim's own hold not counted), the memory-limit gate
+   (under ``--memory-limits-policy refuse`` on a node that cannot enforce,
+   refused in the NRI door's words; while the toolkit hook would fail the
+   container's start its env, ``NVIDIA_GPU_MEMORY_REQUEST`` / ``_LIMIT``, is
+   withheld from the claim's CDI spec), and the one ledger
+   (``door="dra", reservation="dra:<uid>"``, every guard re-checked
+   atomically against what the NRI and device plugin doors hold); a
+   refusal's log carries its status (``noderules.status_of``);
+3. make its MPS namespace (owner ``(<claim uid>, "dra")``) before answering,
    with the plan's active thread percentage and pinned memory limit;
-5. write its CDI spec (``cdispec.write_spec``) and answer, per allocated
+4. write its CDI spec (``cdispec.write_spec``) and answer, per allocated
    device, the claim's CDI device (on the first) and the GPU's own CDI device
    from the node's specs (``cdi.CdiRegistry``).
 
@@ -52,13 +50,12 @@ import logging
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Protocol
+from typing import Any, Iterator, Mapping, Protocol
 
 from ..cdi import CdiRegistry
-from ..ledger import Ledger
 from ..model import ContainerPlan, FractionError, NodeInfo
 from ..mps.api import MpsApi
-from ..planner import PlannerConfig
+from ..noderules import NodeRules, status_of
 from . import CLAIM_CONTAINER, DOOR_DRA, cdispec, claims, reservation_of
 
 log = logging.getLogger(__name__)
@@ -68,13 +65,6 @@ DEFAULT_NAMESPACE_TIMEOUT_S = 10.0
 call has its own deadline, 45 s in the kubelets we read; inference)."""
 MAX_ERROR = 2048
 """Longest per-claim error string answered (characters)."""
-
-
-class PlanGate(Protocol):
-    """The memory-limit admission (``enforce.nri.NriMemoryLimits.admit``):
-    the plan to answer with; raises ``FractionError`` to refuse it."""
-
-    def admit(self, plan: ContainerPlan) -> ContainerPlan: ...
 
 
 class ClaimSource(Protocol):
@@ -107,34 +97,28 @@ class Preparer:
     """The DRA door's decisions (module docstring).
 
     Args:
-        node: this node (pool name = node name).
-        ledger: the one ledger.
-        planner_config: the doors' planner settings.
+        rules: the node's rules (``noderules.NodeRules``: GPUs, the one
+            ledger, planner settings, GPU health, the memory-limit gate); a
+            claim is admitted through ``rules.admit``.
         claims_source: reads a claim (``ClaimSource``).
         cdi_dir: where claim CDI specs are written.
+        node: this node as the API names it (pool name = node name; default ``rules.node``).
         mps: the MPS interface (None: no namespaces are made).
         cdi: the node's CDI specs (None: no GPU CDI device is answered).
-        gpu_healthy: GPU UUID -> (healthy, reasons); None: all healthy.
         namespace_timeout_s: the MPS namespace budget, seconds.
-        memory_limits: the memory-limit admission (``PlanGate``, the NRI
-            door's ``NriMemoryLimits``); None: no refusal, nothing withheld.
     """
 
-    def __init__(self, node: NodeInfo, ledger: Ledger, planner_config: PlannerConfig, claims_source: ClaimSource,
-                 cdi_dir: str, *, mps: MpsApi | None = None, cdi: CdiRegistry | None = None,
-                 gpu_healthy: Callable[[str], tuple[bool, list[str]]] | None = None,
-                 namespace_timeout_s: float = DEFAULT_NAMESPACE_TIMEOUT_S,
-                 memory_limits: PlanGate | None = None) -> None:
-        self.node = node
-        self.ledger = ledger
-        self.config = planner_config
+    def __init__(self, rules: NodeRules, claims_source: ClaimSource, cdi_dir: str, *, node: NodeInfo | None = None,
+                 mps: MpsApi | None = None, cdi: CdiRegistry | None = None,
+                 namespace_timeout_s: float = DEFAULT_NAMESPACE_TIMEOUT_S) -> None:
+        self.rules = rules
+        self.node = node or rules.node
+        self.ledger = rules.ledger
         self.claims = claims_source
         self.cdi_dir = cdi_dir
         self.mps = mps
         self.cdi = cdi
-        self.gpu_healthy = gpu_healthy
         self.namespace_timeout_s = namespace_timeout_s
-        self.memory_limits = memory_limits
         self._lock = threading.Lock()  # guards the four below
         self._busy: set[str] = set()  # claim uids a call is working on (``_free`` is notified when one ends)
         self._record: dict[str, Prepared] = {}  # claim uid -> its Prepare's answer, until its Unprepare
@@ -173,15 +157,13 @@ class Preparer:
                     raise
                 except Exception as exc:  # the API read
                     raise _ReadFailed(_api_error(exc)) from exc
-                self._check_health(claim)
-                plan = claims.plan_claim(claim, self.node, self.ledger, self.config)
-                if self.memory_limits is not None:  # ADR 0025/0031: may refuse, or withhold the hook's env
-                    plan = self.memory_limits.admit(plan)
-                self.ledger.admit(plan, door=DOOR_DRA, reservation=claim.reservation)
+                # health, plan, the memory-limit gate, the ledger: the node's one admission (ADR 0032)
+                plan = self.rules.admit(claims.fraction_request(claim), claim.pod, door=DOOR_DRA,
+                                        reservation=claim.reservation)
             except FractionError as err:
                 self._count("refused", uid, error=err.message)
                 log.warning("dra prepare refused", extra={**fields, "key": err.key, "value": err.value,
-                                                          "rule": err.reason})
+                                                          "rule": err.reason, "status": status_of(err.code).name})
                 return Prepared(error=_cut(err.message))
             except Exception as exc:  # the API read (_ReadFailed), or the ledger's write
                 why = str(exc) if isinstance(exc, _ReadFailed) else f"preparing it failed: {type(exc).__name__}: {exc}"
@@ -208,17 +190,6 @@ class Preparer:
     def _read(self, namespace: str, name: str, uid: str) -> claims.ClaimRequest:
         doc = self.claims.get(namespace, name)
         return claims.read_claim(doc, self.node, uid=uid)
-
-    def _check_health(self, claim: claims.ClaimRequest) -> None:
-        if self.gpu_healthy is None:
-            return
-        for d in claim.devices:
-            ok, reasons = self.gpu_healthy(d.gpu.uuid)
-            if not ok:
-                raise FractionError(claims.RESULTS_KEY, d.device,
-                                    f"is GPU {d.gpu.index} ({d.gpu.uuid}), which is Unhealthy "
-                                    f"({', '.join(reasons) or 'health monitor'}): no new fraction on it",
-                                    "unhealthy")
 
     def _ensure_namespace(self, plan: ContainerPlan) -> None:
         if self.mps is None or plan.mps.namespace is None:
