@@ -27,7 +27,7 @@ from tests.helpers import wait_until
 REPO = Path(__file__).resolve().parents[2]
 NODE_FILE = REPO / "examples" / "nodes" / "gpu-node-1.yaml"
 KAI = "--no-device-plugin"
-UNAVAILABLE, INVALID_ARGUMENT = 14, 3
+UNAVAILABLE, INVALID_ARGUMENT, FAILED_PRECONDITION = 14, 3, 9
 
 
 def code(out: Any) -> int | None:
@@ -251,7 +251,7 @@ def test_5_a_force_deleted_pods_hold_lasts_until_the_runtime_stops_it(node: Call
                                                            P + "app.gpu-memory.request": "40Gi"})
     n.put(kai)
     err, _ = n.create(kai, "app")
-    assert code(err) == INVALID_ARGUMENT and "MiB free" in err.message, err
+    assert code(err) == FAILED_PRECONDITION and "MiB free" in err.message, err  # a node guard (noderules.status_of)
     assert n.held(0) == 61440
     n.stop(big, "app")  # the runtime says it stopped
     assert wait_until(lambda: n.held(0) == 0, 10, lambda: f"released: {n.tenants()}")
@@ -311,7 +311,7 @@ def test_6_a_refusal_names_an_unclaimed_reservation_as_holder_not_known_yet(node
                                                          P + "app.gpu-memory.request": "1Gi",
                                                          P + "app.gpu-compute.mode": "sm-sharing"})
     err, _ = n.create(sm, "app")
-    assert code(err) == INVALID_ARGUMENT
+    assert code(err) == FAILED_PRECONDITION  # one compute mode per GPU: a node guard
     assert f"reservation {UUIDS[0]}::0-3 (holder not known yet)" in err.message and "//" not in err.message
 
 

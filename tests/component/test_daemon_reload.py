@@ -112,8 +112,8 @@ def test_every_reloadable_setting_is_reloaded_by_some_part(rig: Rig) -> None:
         assert isinstance(part, PartBase)
         assert part.reloads <= part.reads, part.name
         assert part.reads <= set(configmod.Config.__dataclass_fields__), part.name
-    assert set(rig.daemon.parts) == {"logs", "inventory", "ledger", "metrics", "mps", "pod source", "nri",
-                                     "device plugin", "health"}
+    assert set(rig.daemon.parts) == {"logs", "inventory", "ledger", "metrics", "mps", "pod source", "gpu health",
+                                     "nri", "device plugin", "health"}
 
 
 def test_logs_reload_level(fresh: Rig) -> None:
@@ -166,7 +166,7 @@ def test_device_plugin_reloads_fail_open_and_reports_its_restart_settings(fresh:
     try:
         with pytest.raises(Refusal) as refused:
             _allocate_gpu0(d)
-        assert refused.value.code == StatusCode.FAILED_PRECONDITION
+        assert refused.value.code == StatusCode.UNAVAILABLE  # it may recover (noderules.status_of)
         refusals = dp.counters.refusals
         res = fresh.reload(fail_open=True, device_unit_mib=2048)
         assert res["parts"]["device plugin"] == {"applied": ["fail_open"], "needs_restart": ["device_unit_mib"]}

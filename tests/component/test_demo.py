@@ -75,7 +75,7 @@ def test_demo_notebook_refused_then_placed(demo_run: subprocess.CompletedProcess
     rm = out.index("== NRI StopContainer + RemoveContainer + RemovePodSandbox default/inference")
     assert len(nb) == 2 and nb[0] < rm < nb[1]
     first, second = out[nb[0]:rm], out[nb[1]:]
-    assert "container research/notebook/app: REFUSED (INVALID_ARGUMENT)" in first
+    assert "container research/notebook/app: REFUSED (FAILED_PRECONDITION)" in first  # a node guard
     reason = re.search(r"reason: (.*)", first).group(1)
     assert f"GPU 0 ({UUIDS[0]}) is in sm-sharing mode for default/inference/app" in reason
     assert "this container wants time-slicing" in reason

@@ -17,17 +17,19 @@ from it, background jobs ``namespace_timeout_s``.
 
 Behaviour (docs/reference/design.md sections 2 and 4; issue 3 item 3):
 
-- CreateContainer: ``planner.plan_container(pod annotations, container name,
-  PodRef, node, ledger, config)``. ``None`` -> empty response (untouched). A
-  plan -> ``ledger.admit(plan, container_id)``; for sm-sharing,
+- CreateContainer: the pod's annotations -> a ``FractionRequest``
+  (``annotations.parse``); ``None`` -> empty response (untouched). A request
+  -> one call down, ``NodeRules.admit`` (unusable GPUs, plan, this door's
+  check: its mode's MPS daemon, mounts; the memory-limit gate; the ledger,
+  ADR 0032); for sm-sharing,
   ``mps.ensure_namespace`` runs in the background and StartContainer waits
   for it; the answer is a ContainerAdjustment
   with every env var of the plan set *by value* (a removal marker ``-KEY``
   precedes each, which clears an earlier plugin's claim on the key so our
   value wins the runtime's merge; ``-KEY`` alone would not remove a value the
   pod spec set, docs/reference/nri-protocol.md section 1.8) and the plan's bind mounts.
-  A ``FractionError`` becomes INVALID_ARGUMENT with ``err.message`` (key,
-  value, rule), shown by ``kubectl describe pod``; with ``fail_open`` the
+  A ``FractionError`` becomes the status of its kind
+  (``noderules.status_of``) with ``err.message`` (key, value, rule), shown by ``kubectl describe pod``; with ``fail_open`` the
   container is left unadjusted and a warning is logged. Either way every
   refusal is also handed to ``on_refusal(pod, container, err)`` (for a
   Kubernetes Event, ``fracplugin.events.EventRecorder``), which only
@@ -330,7 +332,8 @@ class FracNriPlugin(_Reconcile, _Orphans):
                          ctx: CallContext | None = None) -> nri_pb2.CreateContainerResponse | None:
         """CreateContainer: a ``CreateContainerResponse`` (empty when the
         container is not fractional or ``fail_open`` swallowed a refusal).
-        Raises ``RpcError`` INVALID_ARGUMENT (refusal) or UNAVAILABLE (MPS).
+        Raises ``RpcError``: a refusal with its kind's status
+        (``noderules.status_of``), or UNAVAILABLE (MPS).
 
         A container whose env (or annotations) carries a reservation key from
         Allocate (``allocation.ENV_RESERVATION``) gets kubelet's allocation:
