@@ -372,7 +372,8 @@ class _Builders:
                                 ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
                                 mps_health=None if self.cfg.no_mps else self.mps, mode_of=self.ledger.mode, poll_s=0.1)
         self._add(GpuHealthPart(self.cfg, monitor))
-        limits = self._build_memory_limits()
+        any_door = not (self.cfg.no_nri and self.cfg.no_device_plugin) or self.cfg.dra
+        limits = self._build_memory_limits() if any_door else None
         self.rules = NodeRules(self.node, self.ledger, self.planner_config, health=monitor,
                                limits=limits.nri if limits is not None else None)
 
