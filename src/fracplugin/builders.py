@@ -388,6 +388,7 @@ class _Builders:
                                metrics=self.metrics, fail_open=self.cfg.fail_open,
                                on_refusal=self._refused_nri, on_warning=self._warned_nri,
                                pod_lookup=self.pod_source.get if self.pod_source is not None else None,
+                               pod_ready=self.pod_source.ready if self.pod_source is not None else None,
                                unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name,
                                cdi=None if self.cfg.no_cdi_devices else self._cdi(),
                                start_wait_s=self.cfg.nri_start_wait_s)

@@ -387,7 +387,7 @@ class NriDoor(PartBase):
         return len(self.plugin.status().get("unadjusted") or ())
 
     def _apply(self, cfg: Config, keys: Iterable[str]) -> None:
-        self.plugin.fail_open = cfg.fail_open
+        self.plugin.settings.fail_open = cfg.fail_open
 
 
 class DevicePluginPart(PartBase):

@@ -77,7 +77,7 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ledger journal", ("fracplugin/ledger", "ledgerstore.py", "ledgerindex.py")),
     ("annotations", ("fracplugin/annotations", "annotation_lint.py", "quantity.py")),
     ("planner", ("fracplugin/planner.py", "fracplugin/placement", "fracplugin/allocation.py", "fracplugin/model.py")),
-    ("MPS", ("fracplugin/mps/", "nri/nsqueue.py", "nri/namespaces.py", "nri/release.py", "nri/early.py",
+    ("MPS", ("fracplugin/mps/", "nri/nsqueue.py", "nri/namespaces.py", "nri/mpscalls.py", "nri/release.py", "nri/early.py",
              "nri/orphans.py")),
     ("plugin (handler)", ("nri/plugin.py", "nri/admission.py", "nri/reconcile.py", "nri/pluginbase.py",
                           "fracplugin/cdi.py", "fracplugin/enforce/")),

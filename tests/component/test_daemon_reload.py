@@ -143,7 +143,7 @@ def test_nri_door_reloads_fail_open_and_reports_its_restart_settings(fresh: Rig)
         d.nri.plugin.create_container(pod, container)
     res = fresh.reload(fail_open=True, nri_plugin_idx="60")
     assert res["parts"]["nri"] == {"applied": ["fail_open"], "needs_restart": ["nri_plugin_idx"]}
-    assert d.nri.plugin.fail_open is True
+    assert d.nri.plugin.settings.fail_open is True
     assert d.nri.plugin.create_container(pod, container) is None  # unadjusted: the stub answers an empty response
     assert d.ledger is not None and d.ledger.tenancies() == []
     assert d.status()["nri"]["fail_open"] is True

@@ -154,7 +154,7 @@ def test_a_pod_removed_before_its_containers_were_created_leaks_nothing(make_har
     assert len(_releases(h, busy[0].uid)) == 1
     st = h.plugin.status()["early_namespaces"]
     assert (st["pending"], st["released"]) == (3, 3)
-    assert set(h.plugin._ns_made) == {(b.uid, "app") for b in busy[1:]}
+    assert set(h.plugin.namespaces._made) == {(b.uid, "app") for b in busy[1:]}
 
 
 def test_a_recreated_sandbox_keeps_the_early_namespace_when_the_old_one_is_removed(make_harness):

@@ -394,7 +394,7 @@ def test_stop_drains_within_half_the_request_timeout_and_remove_releases(h):
     assert h.rt.stop_container(pod, ctr) == []
     ((_, cid, timeout),) = h.mps.named("drain")
     # issue 12: only the daemon of the container's mode, with the drain's own budget (in the background)
-    assert cid == ctr.id and timeout == h.plugin.drain_timeout_s
+    assert cid == ctr.id and timeout == h.plugin.settings.drain_timeout_s
     assert {"modes": [ComputeMode.SM_SHARING]} in h.mps.kw
     assert h.ledger.tenancies() == []  # a stopped container holds no memory (issue 10 item 4)
     assert h.mps.named("release_namespace") == []  # its namespace goes at removal (StopContainer's budget)
@@ -461,7 +461,7 @@ def test_synchronize_rebuilds_the_ledger_and_reports_unadjusted_containers(make_
     assert len(view) == 6 and len(set(view)) == 6
     nb_gpus = {gpu for uid, _, gpu, _, _, _ in view if uid == notebook.uid}
     assert nb_gpus == set(dict(kv.split("=", 1) for kv in nb_ctr.env)["NVIDIA_VISIBLE_DEVICES"].split(","))
-    assert h.plugin.unadjusted == []
+    assert h.plugin.reconciler.unadjusted == []
     # A restarted daemon's MPS layer is told again about the running sm-sharing namespace.
     wait_for(lambda: len(h.mps.named("ensure_namespace")) == 2, what="namespace renewal")
     # both modes have namespaces under MPS v3 (issue 12)
@@ -479,7 +479,7 @@ def test_synchronize_records_unadjusted_bound_container_and_reports_it(make_harn
     # The node-placed one never got devices from us: reported, not invented.
     assert {t.container_id for t in h.ledger.tenancies()} == {"c-bound"}
     assert len(h.ledger.tenancies()) == 4
-    report = {u["container_id"]: u for u in h.plugin.unadjusted}
+    report = {u["container_id"]: u for u in h.plugin.reconciler.unadjusted}
     assert set(report) == {"c-bound", "c-nb"}
     assert "NVIDIA_GPU_MEMORY_LIMIT" in report["c-bound"]["missing"]
 

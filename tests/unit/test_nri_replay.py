@@ -138,7 +138,7 @@ def _recorded_create(version: str) -> tuple[int, nri_pb2.CreateContainerRequest]
 @pytest.mark.parametrize("version", ["v0.12.2", "v0.8.0"])
 def test_recorded_create_with_our_annotations_gets_the_adjustment_in_small_frames(version, plugin):
     sid, req = _recorded_create(version)
-    uuids = [g.uuid for g in plugin.node.gpus[:4]]
+    uuids = [g.uuid for g in plugin.rules.node.gpus[:4]]
     req.pod.annotations.update(
         {
             "nvidia.com/container.cuda.gpu-memory.request": "40Gi",
@@ -169,4 +169,4 @@ def test_recorded_create_with_our_annotations_gets_the_adjustment_in_small_frame
     env = {kv.key: kv.value for kv in resp.adjust.env if not kv.key.startswith("-")}
     assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(uuids)
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=61440M,1=61440M,2=61440M,3=61440M"
-    assert [t.container_id for t in plugin.ledger.tenancies()] == [req.container.id] * 4
+    assert [t.container_id for t in plugin.rules.ledger.tenancies()] == [req.container.id] * 4

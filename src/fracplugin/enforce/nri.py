@@ -33,10 +33,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from typing import Callable, Iterable, Protocol, Sequence
 
 from ..dra import claim_tenancies
-from ..model import ContainerPlan, FractionError, PodRef
+from ..model import ContainerPlan, FractionError, PodRef, Tenancy
 from ..planner import ENV_MEMORY_LIMIT, ENV_MEMORY_REQUEST
 from .capability import NodeCapabilities
 from ..rpcstatus import StatusCode as Code
@@ -53,6 +53,39 @@ HOOK_ENV = (ENV_MEMORY_REQUEST, ENV_MEMORY_LIMIT)
 
 HOOK_FAILS_ON = ("driver", "cgroup_v2", "memory_accounting", "mig_off")
 """Capabilities whose absence makes the toolkit hook fail the container's start."""
+
+
+class PodNames(Protocol):
+    """What the gate reads of the NRI pod sandbox (``nri_pb2.PodSandbox``)."""
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def uid(self) -> str: ...
+
+
+class ContainerIds(Protocol):
+    """What the gate reads of the NRI container (``nri_pb2.Container``): its
+    id and name; its ``env`` and ``linux.cgroups_path`` when it has them."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+
+class HoldsContainers(Protocol):
+    """What the gate reads of the ledger (``ledger.Ledger``): a container's
+    holds, and a DRA claim's reservation."""
+
+    def find_container_id(self, container_id: str) -> Sequence[Tenancy]: ...
+
+    def reservation(self, key: str) -> Sequence[Tenancy]: ...
 
 
 class NriMemoryLimits:
@@ -109,7 +142,7 @@ class NriMemoryLimits:
             return dataclasses.replace(plan, env={k: v for k, v in plan.env.items() if k not in withheld})
         return plan
 
-    def start(self, pod: Any, container: Any, ledger: Any) -> ContainerLimits | None:
+    def start(self, pod: PodNames, container: ContainerIds, ledger: HoldsContainers) -> ContainerLimits | None:
         """Apply/verify for a container the ledger holds by container id, or
         whose DRA claim it holds (``held_tenancies``). Raises ``RpcError``
         FAILED_PRECONDITION when not enforced and the policy refuses."""
@@ -140,7 +173,7 @@ class NriMemoryLimits:
         log.warning("memory limit not enforced: container starts (policy warn)", extra=fields)
         return res
 
-    def _report(self, pod: Any, res: ContainerLimits) -> None:
+    def _report(self, pod: PodNames, res: ContainerLimits) -> None:
         if self.on_not_enforced is None:
             return
         try:
@@ -149,7 +182,7 @@ class NriMemoryLimits:
         except Exception:
             log.exception("memory limits: on_not_enforced failed")
 
-    def remove(self, container: Any, gpus: Callable[[], Any] | None = None) -> None:
+    def remove(self, container: ContainerIds, gpus: Callable[[], Iterable[str]] | None = None) -> None:
         """Zero the soft limit of a removed container (never raises). Without
         a result kept from its start (started before this daemon), its leaf
         from ``linux.cgroups_path`` is checked on every GPU of ``gpus()``
@@ -162,7 +195,7 @@ class NriMemoryLimits:
         self.enforcer.remove(container.id, cgroups_path, all_gpus)
 
 
-def held_tenancies(container: Any, ledger: Any) -> list[Any]:
+def held_tenancies(container: ContainerIds, ledger: HoldsContainers) -> list[Tenancy]:
     """The ledger tenancies whose limits a container gets: those held under
     its container id (NRI door); else, when its env (NRI ``env``, ``K=V``
     strings, the last value wins) carries ``FRACPLUGIN_DRA_CLAIM=<uid>``, the

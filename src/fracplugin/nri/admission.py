@@ -1,10 +1,11 @@
-"""The NRI door's CreateContainer checks and planning helpers: kubelet's
-reservation key (ADR 0007), the pod's spec names and stray annotations,
-the MPS daemon of the container's mode, mount sources and
-mount conflicts, refusals and warnings.
+"""CreateContainer's reading of the pod (``PodReader``): kubelet's
+reservation key (ADR 0007) and whether this container may claim it, the
+pod's spec names, stray and unread annotations (warned once, the lint
+memory is the reader's), the request under a reservation; and the plan's
+mounts (``MountSources``: the pipe directories made; ``_check_mounts``:
+conflicts with the container's own mounts).
 
-Split out of ``nri/plugin.py`` (issue 26, ADR 0023), moved as it was: the
-module docstring of ``nri/plugin.py`` describes the behaviour and the
+The module docstring of ``nri/plugin.py`` describes the behaviour and the
 concurrency model; ``FracNriPlugin`` is the one class to use.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .._proto import nri_pb2
 from .. import allocation as al
@@ -22,22 +23,42 @@ from ..annotations import stray_container_keys
 from ..model import ContainerPlan, FractionError, FractionRequest, PodRef
 from ..mps.layout import CONTAINER_PIPE_DIR
 from ..mps.supervisor import make_dir
-from ..noderules import status_of
+from ..noderules import NodeRules
 from ..planner import ENFORCED_ENV_KEYS
+from ..ports import HookMetrics
 from ..reservations import claim_problem, proof_of
 from .pod_checks import lint_pod, spec_unknown
 from .ttrpc import Code, RpcError
-from .pluginbase import _POD_LEVEL_KEYS, _env_map, _FailOpen, _pod_ref
-from .namespaces import _Namespaces
+from .pluginbase import _POD_LEVEL_KEYS, DoorSettings, _env_map, _FailOpen, _pod_ref
 
 log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
 
 
 
-class _Admission(_Namespaces):
-    """CreateContainer's checks (a mixin of ``FracNriPlugin``)."""
+class PodReader:
+    """CreateContainer's reading of the pod (module docstring). Args as
+    ``FracNriPlugin``'s of the same names; ``pod_ready`` says whether the
+    pod watch behind ``pod_lookup`` is synced (None: it is taken as synced)."""
 
-    def _reservation_key(self, container: nri_pb2.Container, fields: Mapping[str, Any], strict: bool = False) -> str:
+    def __init__(self, rules: NodeRules, settings: DoorSettings, *,
+                 pod_lookup: Callable[[str, str], Mapping[str, Any] | None] | None = None,
+                 pod_ready: Callable[[], bool] | None = None,
+                 on_warning: Callable[[PodRef, str, str], None] | None = None,
+                 unit_mib: int = 1024, resource_name: str = "fracplugin.io/gpu-memory") -> None:
+        self.rules = rules
+        self.node = rules.node
+        self.ledger = rules.ledger
+        self.config = rules.config
+        self.settings = settings
+        self.pod_lookup = pod_lookup
+        self.pod_ready = pod_ready
+        self.on_warning = on_warning
+        self.unit_mib = unit_mib
+        self.resource_name = resource_name
+        self._warned_pods: dict[str, None] = {}  # pods whose stray annotations were checked
+        self._linted: dict[Any, None] = {}  # pods and (pod, container)s linted (pod_checks.lint_pod)
+
+    def reservation_key(self, container: nri_pb2.Container, fields: Mapping[str, Any], strict: bool = False) -> str:
         """The reservation key Allocate answered for this container, or "".
         The container annotation is preferred (kubelet copies Allocate's
         annotations into the CRI config; runtimes may not pass them on), then
@@ -89,7 +110,7 @@ class _Admission(_Namespaces):
             return None, None
         got = self._containers_of(pod)
         if pod_level and got[0] is None:
-            spec_unknown(self, pod)
+            spec_unknown(pod, pod_ready=self.pod_ready, fail_open=self.settings.fail_open)
         return got
 
     def _containers_of(self, pod: nri_pb2.PodSandbox) -> tuple[list[str] | None, list[str] | None]:
@@ -125,11 +146,11 @@ class _Admission(_Namespaces):
         if not stray:
             return
         for k in stray:
-            self._warn(ref, container, f'{k}="{pod.annotations[k]}" names no container of this pod '
+            self.warn(ref, container, f'{k}="{pod.annotations[k]}" names no container of this pod '
                        f"(containers: {', '.join(everyone)}); it has no effect", fields, key=k,
                        value=pod.annotations[k])
 
-    def _claim_and_read(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container, ref: PodRef,
+    def read(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container, ref: PodRef,
                         fields: Mapping[str, Any]) -> tuple[str, list[str] | None]:
         """CreateContainer's reading of the pod: (the reservation key this
         container claims, "" for none; the pod's app container names, None
@@ -137,16 +158,19 @@ class _Admission(_Namespaces):
         claim (forged, unknown, another's, no proof; ADR 0024) and RpcError
         UNAVAILABLE while a needed spec is not known (``pod_checks.spec_unknown``).
         Stray and unread annotations are warned about once (issue 25 item 3)."""
-        key = self._reservation_key(container, fields, strict=True)
+        key = self.reservation_key(container, fields, strict=True)
         if key:
-            self._check_claim(pod, container, key, ref)
+            self._check_claim(container, key, ref)
         apps, everyone = self._spec_names(pod, container.name)
         if everyone is not None:
             self._warn_stray(pod, ref, container.name, everyone, fields)
-        self._lint(pod, ref, container.name, apps, everyone, fields)
+        # keys fracplugin does not read and forms it ignores (annotation_lint; issue 25 item 3), once per
+        # pod and container
+        lint_pod(self._linted, self.warn, self.config.annotation_prefix, pod, ref, container.name, apps,
+                 everyone, fields)
         return key, apps
 
-    def _check_claim(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container, key: str, ref: PodRef) -> None:
+    def _check_claim(self, container: nri_pb2.Container, key: str, ref: PodRef) -> None:
         """Raise FractionError when this container may not claim reservation
         ``key`` (``reservations.claim_problem``: forged, unknown, held by
         another running container, or without the proof Allocate answered;
@@ -156,14 +180,7 @@ class _Admission(_Namespaces):
         if why is not None:
             raise FractionError(al.ENV_RESERVATION, key, why, "reservation")
 
-    def _lint(self, pod: nri_pb2.PodSandbox, ref: PodRef, container: str, apps: Sequence[str] | None,
-              everyone: Sequence[str] | None, fields: Mapping[str, Any]) -> None:
-        """Warn (log + ``on_warning``) about annotation keys fracplugin does
-        not read and forms it ignores (``annotation_lint``; issue 25 item 3),
-        once per pod and container."""
-        lint_pod(self, pod, ref, container, apps, everyone, fields)
-
-    def _reserved_request(self, pod: nri_pb2.PodSandbox, container: str, ref: PodRef, key: str,
+    def reserved_request(self, pod: nri_pb2.PodSandbox, container: str, ref: PodRef, key: str,
                           apps: Sequence[str] | None, *, running: bool = False) -> tuple[FractionRequest, list[Any]]:
         """The request of a container under kubelet's reservation ``key``
         (its GPUs and count; the limit, mode and portion its annotations add)
@@ -189,22 +206,36 @@ class _Admission(_Namespaces):
             container, uuids, per, count, parsed, f"resources.limits[{self.resource_name}]",
             gpu_memory_mib=min(g.memory_mib for g in gpus), reserve_mib=self.config.reserve_mib)  # type: ignore[union-attr]
 
-    def _plan_reserved_unguarded(self, pod: nri_pb2.PodSandbox, container: str, key: str) -> tuple[ContainerPlan, list[Any]]:
+    def plan_running_reserved(self, pod: nri_pb2.PodSandbox, container: str, key: str) -> tuple[ContainerPlan, list[Any]]:
         """The plan of a running container under reservation ``key`` (what
         runs is recorded: ``NodeRules.replan``)."""
         apps, _ = self._containers_of(pod)
         ref = _pod_ref(pod)
-        req, ignored = self._reserved_request(pod, container, ref, key, apps, running=True)
+        req, ignored = self.reserved_request(pod, container, ref, key, apps, running=True)
         return self.rules.replan(req, ref, reservation=key), ignored
 
-    def _warn(self, ref: PodRef, container: str, message: str, fields: Mapping[str, Any], **extra: Any) -> None:
+    def warn(self, ref: PodRef, container: str, message: str, fields: Mapping[str, Any], **extra: Any) -> None:
+        """Log ``nri annotation not applied`` and hand the message to ``on_warning``."""
         log.warning("nri annotation not applied", extra={**fields, **extra, "reason": message})
         if self.on_warning is not None:
             try:
                 self.on_warning(ref, container, message)
             except Exception:
                 log.exception("nri on_warning callback failed", extra=dict(fields))
-    def _ensure_mount_sources(self, p: ContainerPlan, fields: Mapping[str, Any]) -> None:
+
+
+class MountSources:
+    """The bind-mount sources (MPS pipe directories) this door made, so that
+    a later plan with the same source costs one ``stat`` (``_made_before``);
+    owns that memory (insertion order: oldest first, at most 4096)."""
+
+    def __init__(self, mps_root: str, metrics: HookMetrics, settings: DoorSettings) -> None:
+        self.mps_root = mps_root
+        self.metrics = metrics
+        self.settings = settings
+        self._made_sources: dict[str, None] = {}
+
+    def ensure(self, p: ContainerPlan, fields: Mapping[str, Any]) -> None:
         """Create every bind-mount source of ``p`` (mode 0755) before answering.
 
         The runtime bind-mounts them when it creates the task (runc create),
@@ -219,14 +250,14 @@ class _Admission(_Namespaces):
             if self._made_before(m.source):
                 continue
             try:
-                make_dir(m.source, self.config.layout.root)  # 0755 whatever the umask (issue 12)
+                make_dir(m.source, self.mps_root)  # 0755 whatever the umask (issue 12)
                 self._made_sources[m.source] = None
                 while len(self._made_sources) > 4096:
                     self._made_sources.pop(next(iter(self._made_sources)), None)
             except OSError as exc:
                 self.metrics.refusal("mps_unavailable")
                 log.warning("nri cannot create a mount source", extra={**fields, "path": m.source, "reason": str(exc)})
-                if self.fail_open:
+                if self.settings.fail_open:
                     raise _FailOpen() from None
                 raise RpcError(
                     Code.UNAVAILABLE,
@@ -248,28 +279,14 @@ class _Admission(_Namespaces):
         return stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o755
 
 
-    def _refuse(self, err: FractionError, fields: Mapping[str, Any], pod: PodRef, container: str) -> None:
-        self.metrics.refusal(err.code)
-        if self.on_refusal is not None:
-            try:
-                self.on_refusal(pod, container, err)
-            except Exception:
-                log.exception("nri on_refusal callback failed", extra=dict(fields))
-        extra = {**fields, "key": err.key, "value": err.value, "rule": err.reason, "code": err.code}
-        if self.fail_open:
-            log.warning("nri refusal ignored (fail-open): container runs unfenced", extra=extra)
-            return None
-        log.warning("nri container refused", extra=extra)
-        raise RpcError(status_of(err.code), err.message)
-
-    def _warn_unenforced(self, p: ContainerPlan, container: nri_pb2.Container, fields: Mapping[str, Any]) -> None:
-        """Pod-authored values of keys we own but do not set in this plan
-        (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE without a portion) stay: NRI
-        cannot remove env the pod spec set. Say so."""
-        env = _env_map(container)
-        left = [k for k in ENFORCED_ENV_KEYS if k in env and k not in p.env]
-        if left:
-            log.warning("nri pod sets env that fracplugin owns but does not set here", extra={**fields, "keys": left})
+def warn_unenforced(p: ContainerPlan, container: nri_pb2.Container, fields: Mapping[str, Any]) -> None:
+    """Pod-authored values of keys we own but do not set in this plan
+    (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE without a portion) stay: NRI
+    cannot remove env the pod spec set. Say so."""
+    env = _env_map(container)
+    left = [k for k in ENFORCED_ENV_KEYS if k in env and k not in p.env]
+    if left:
+        log.warning("nri pod sets env that fracplugin owns but does not set here", extra={**fields, "keys": left})
 
 
 

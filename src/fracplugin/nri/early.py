@@ -28,7 +28,7 @@ StateChange, 1.7):
   other error is logged (DEBUG for a refused annotation: CreateContainer
   refuses it, with the Event, as before) and the refusal stays
   CreateContainer's.
-- CreateContainer (``_Namespaces._start_namespace``): an early ensure of the
+- CreateContainer (``Namespaces.start``, ``nri/namespaces.py``): an early ensure of the
   owner with the same settings that has not failed is what StartContainer
   awaits: no second ensure is queued (Create and Start then issue no MPS
   command). Different settings, or a failed or cancelled early ensure:
@@ -51,24 +51,26 @@ The table is bounded (``EARLY_MAX`` owners, ``EARLY_PER_POD`` per pod; past
 them a container gets no early namespace, and CreateContainer does the work
 as before; the first bound is logged).
 
+Where it is done: ``early_plans`` here plans a pod's containers; the
+early table and its ensures are the namespace table's (``Namespaces.queue_early``,
+``release_early``, ``early_status`` in ``nri/namespaces.py``).
+
 Concurrency model: as ``nri/plugin.py``; the early table is under
-``_ns_lock``. RunPodSandbox and RemovePodSandbox never wait (a plan, a
+the namespace table's lock. RunPodSandbox and RemovePodSandbox never wait (a plan, a
 dict update and a queue put): the stub serves them on its reader thread.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Callable
 
 from .._proto import nri_pb2
 from ..annotations import (KEY_CONTAINER_NAME, KEY_NUM_DEVICES, SUFFIX_DEVICES, annotated_containers, container_key,
                            parse)
-from ..model import ContainerPlan, FractionError
-from .interfaces import CallContext
-from .pluginbase import _ENSURE, _POD_LEVEL_KEYS, _ns_settings, _pod_ref
-from .release import _Release
+from ..model import ComputeMode, ContainerPlan, FractionError
+from ..noderules import NodeRules
+from .pluginbase import _POD_LEVEL_KEYS, _pod_ref
 
 log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log
 
@@ -82,116 +84,32 @@ namespaces are made for nothing until RemovePodSandbox; the rest wait for
 their CreateContainer as before."""
 
 
-class _Early(_Release):
-    """RunPodSandbox and RemovePodSandbox (a mixin of ``FracNriPlugin``; the
-    module docstring says what they do)."""
-
-    def run_pod_sandbox(self, pod: nri_pb2.PodSandbox, ctx: CallContext | None = None) -> None:
-        """RunPodSandbox: queue the pod's early namespace ensures (module
-        docstring). Never raises: errors are logged, the sandbox goes on."""
+def early_plans(rules: NodeRules, pod: nri_pb2.PodSandbox, mode_up: Callable[[ComputeMode], bool]) -> list[ContainerPlan]:
+    """The plans, against an empty ledger, of the containers the pod's
+    per-container keys name that get an MPS namespace (none for a pod
+    whose forms need its spec, none whose mode's daemon is not ``mode_up``).
+    A refused annotation is skipped (DEBUG). ``Namespaces.queue_early``
+    queues their ensures."""
+    ann = pod.annotations
+    if KEY_CONTAINER_NAME in ann or any(k in ann for k in _POD_LEVEL_KEYS if k != KEY_NUM_DEVICES):
+        return []
+    prefix = rules.config.annotation_prefix
+    names = annotated_containers(ann, prefix)
+    if KEY_NUM_DEVICES in ann:
+        # the count applies to one container the spec names; it changes nothing (or refuses) where the
+        # container names its devices, else it decides how many GPUs the node places: not known here
+        names = [n for n in names if ann.get(container_key(prefix, n, SUFFIX_DEVICES), "").strip()]
+    if not names:
+        return []
+    annotations, ref, plans = dict(ann), _pod_ref(pod), []
+    for name in names[:EARLY_PER_POD]:
         try:
-            self._queue_early(pod, self._early_plans(pod))
-        except Exception:
-            log.exception("nri RunPodSandbox: early MPS namespaces not queued",
-                          extra={"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid})
-        return None
-
-    def _early_plans(self, pod: nri_pb2.PodSandbox) -> list[ContainerPlan]:
-        """The plans, against an empty ledger, of the containers the pod's
-        per-container keys name that get an MPS namespace (none for a pod
-        whose forms need its spec). A refused annotation is skipped (DEBUG)."""
-        ann = pod.annotations
-        if KEY_CONTAINER_NAME in ann or any(k in ann for k in _POD_LEVEL_KEYS if k != KEY_NUM_DEVICES):
-            return []
-        prefix = self.config.annotation_prefix
-        names = annotated_containers(ann, prefix)
-        if KEY_NUM_DEVICES in ann:
-            # the count applies to one container the spec names; it changes nothing (or refuses) where the
-            # container names its devices, else it decides how many GPUs the node places: not known here
-            names = [n for n in names if ann.get(container_key(prefix, n, SUFFIX_DEVICES), "").strip()]
-        if not names:
-            return []
-        annotations, ref, plans = dict(ann), _pod_ref(pod), []
-        for name in names[:EARLY_PER_POD]:
-            try:
-                req = parse(annotations, name, prefix=prefix)
-                p = self.rules.replan(req, ref) if req is not None else None
-            except FractionError as err:
-                log.debug("nri RunPodSandbox: container refused; CreateContainer will say so",
-                          extra={"pod": str(ref), "container": name, "key": err.key, "rule": err.reason})
-                continue
-            if p is not None and p.mps.namespace is not None and self._mps_up(p.compute_mode):
-                plans.append(p)
-        return plans
-
-    def _queue_early(self, pod: nri_pb2.PodSandbox, plans: Sequence[ContainerPlan]) -> None:
-        """One ensure per owner of ``plans`` (module docstring)."""
-        for p in plans:
-            owner = (p.pod.uid, p.container)
-            settings = _ns_settings(p)
-            fields = {"pod": str(p.pod), "pod_uid": p.pod.uid, "container": p.container, "early": True}
-            with self._ns_lock:
-                made = self._ns_made.get(owner)
-                q = self._ns_work()
-                key = ("ns", *owner)
-                if owner in self._ns_early:  # a RunPodSandbox seen twice, or the pod's new sandbox
-                    cur = self._ns_early[owner]
-                    self._ns_early[owner] = (cur[0], cur[1], pod.id)  # the old sandbox's removal keeps it
-                    continue
-                if self.ledger.find(*owner):
-                    continue  # a container already holds it
-                if made is not None and made[0] == settings and not q.busy(key):
-                    continue  # made with these settings: CreateContainer reuses it as it is
-                if len(self._ns_early) >= EARLY_MAX:
-                    log.info("nri RunPodSandbox: too many early MPS namespaces; made at CreateContainer",
-                             extra={**fields, "early_max": EARLY_MAX})
-                    return
-                job = functools.partial(self._ensure_job, owner, p.active_thread_percentage, fields,
-                                        p.compute_mode, p.limit_mib)
-                fut = q.put(key, job, join=q.pending_tag(key) == _ENSURE, tag=_ENSURE)
-                self._ns_early[owner] = (settings, fut, pod.id)
-                self._early_counts["queued"] += 1
-
-    def remove_pod_sandbox(self, pod: nri_pb2.PodSandbox, ctx: CallContext | None = None) -> None:
-        """RemovePodSandbox: release the early namespaces of this sandbox
-        that no container ever held (in the background; never raises). An
-        entry a newer sandbox of the same pod claimed (kubelet recreates a
-        dead sandbox, then removes the old one) stays."""
-        self._release_early(lambda uid, sandbox: uid == pod.uid and sandbox == pod.id)
-        return None
-
-    def _release_early_gone(self, pods: Iterable[nri_pb2.PodSandbox]) -> None:
-        """Synchronize: release the early namespaces of sandboxes not in ``pods``."""
-        live = {p.id for p in pods}
-        self._release_early(lambda uid, sandbox: sandbox not in live)
-
-    def _release_early(self, gone: Any) -> None:
-        """Drop the early entries for which ``gone(pod UID, sandbox id)`` is
-        true and release their namespaces (``_release_owners``: a queued
-        ensure that never started is dropped, nothing to release)."""
-        with self._ns_lock:
-            owners = {o for o, e in self._ns_early.items() if gone(o[0], e[2])}
-            for o in owners:
-                del self._ns_early[o]
-            self._early_counts["released"] += len(owners)
-        if owners:
-            log.info("nri early MPS namespaces released: no container of the pod held them",
-                     extra={"owners": len(owners), "pod_uid": ",".join(sorted({o[0] for o in owners}))})
-            try:
-                self._release_owners(owners)
-            except Exception:
-                log.exception("nri early MPS namespace release failed")
-
-    def early_status(self) -> dict[str, int]:
-        """``{"pending": early namespaces no container holds yet, "queued":
-        early ensures queued since start, "used": CreateContainers that
-        awaited one, "mismatched": CreateContainers whose settings differed
-        (or whose early ensure failed) and queued their own, "released":
-        early namespaces released at RemovePodSandbox or Synchronize,
-        "adopted": namespaces the MPS layer held for a live pod that nothing
-        here held, taken into the early table at Synchronize, "orphaned":
-        namespaces the MPS layer held for pods the runtime no longer has,
-        released at Synchronize (``nri/orphans.py``)}``; counts since start
-        except ``pending``."""
-        with self._ns_lock:
-            return {"pending": len(self._ns_early), **self._early_counts}
+            req = parse(annotations, name, prefix=prefix)
+            p = rules.replan(req, ref) if req is not None else None
+        except FractionError as err:
+            log.debug("nri RunPodSandbox: container refused; CreateContainer will say so",
+                      extra={"pod": str(ref), "container": name, "key": err.key, "rule": err.reason})
+            continue
+        if p is not None and p.mps.namespace is not None and mode_up(p.compute_mode):
+            plans.append(p)
+    return plans

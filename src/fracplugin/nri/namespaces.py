@@ -1,37 +1,85 @@
-"""The NRI door's MPS namespace work: create a container's namespace
-in the background, awaited at StartContainer,
-the keyed background queue, re-ensuring after a Synchronize, waiting for a
-healthy MPS daemon.
+"""The NRI door's MPS namespace table (``Namespaces``): one object owning
+the background MPS work queue, the maps of namespace jobs and owners, and
+the one lock over them. Its API is what the handler needs:
 
-Split out of ``nri/plugin.py`` (issue 26, ADR 0023), moved as it was: the
-module docstring of ``nri/plugin.py`` describes the behaviour and the
-concurrency model; ``FracNriPlugin`` is the one class to use.
+- ``start`` (CreateContainer: queue, or reuse, the owner's ensure) and
+  ``await_start`` (StartContainer: wait for it within the budget, ADR 0028);
+- ``queue_early`` / ``release_early`` (RunPodSandbox, RemovePodSandbox and
+  Synchronize: the early table, ``nri/early.py``, ADR 0030);
+- ``forget`` / ``release`` (StopContainer, RemoveContainer, ``abandoned``:
+  the owners nothing holds lose their namespace in the background) and
+  ``drain`` / ``cancel_drain`` (StopContainer's drain on the same queue);
+- ``renew`` (after Synchronize), ``adopt`` / ``release_orphan``
+  (Synchronize's reconcile of the MPS layer's namespaces, ``nri/orphans.py``);
+- ``status``, ``early_status``, ``close``.
+
+How each MPS call is made is ``nri/mpscalls.py``'s. The module docstring of
+``nri/plugin.py`` describes the behaviour and the concurrency model.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .._proto import nri_pb2
+from ..ledger import Ledger
 from ..model import ComputeMode, ContainerPlan, Tenancy
+from ..mps.layout import namespace_name
+from . import early
 from .interfaces import CallContext
+from .mpscalls import MpsCalls
 from .nsqueue import KeyedWorkQueue
-from .ttrpc import Code, RpcError
-from .pluginbase import (_DEFAULT_REQUEST_TIMEOUT_S, _ENSURE, _MARGIN_S, _NS_WORKERS, Owner, _FailOpen, _PluginState,
-                         _failed, _ns_settings)
+from .orphans import HeldNamespace, ledger_holds
+from .pluginbase import (_DEFAULT_REQUEST_TIMEOUT_S, _DRAIN, _ENSURE, _MARGIN_S, _NS_WORKERS, _RELEASE, DoorSettings,
+                         Owner, _failed, _ns_settings)
 
-log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
+log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log
 
 
-class _Namespaces(_PluginState):
-    """MPS namespace ensure (a mixin of ``FracNriPlugin``)."""
+def start_wait(ctx: CallContext | None, start_wait_s: float) -> float:
+    """Seconds StartContainer may wait for a namespace: ``start_wait_s``,
+    never past the handler's budget minus ``_MARGIN_S`` (0 when none is left)."""
+    if ctx is None:
+        return max(0.0, min(start_wait_s, _DEFAULT_REQUEST_TIMEOUT_S * 0.75 - _MARGIN_S))
+    return max(0.0, min(start_wait_s, ctx.remaining() - _MARGIN_S))
 
-    def _start_namespace(self, p: ContainerPlan, container_id: str, fields: Mapping[str, Any]) -> None:
+
+class Namespaces:
+    """The MPS namespace table and its background work (module docstring)."""
+
+    def __init__(self, ledger: Ledger, calls: MpsCalls, settings: DoorSettings) -> None:
+        self.ledger = ledger
+        self.calls = calls
+        self.settings = settings
+        self._lock = threading.Lock()
+        # container id -> (owner, future of the namespace job StartContainer awaits)
+        self._pending: dict[str, tuple[Owner, Future[Any]]] = {}
+        # owners whose namespace may exist: an ensure for them started (or a
+        # Synchronize found them) since their last release ran. The value, once
+        # an ensure of the queue made it, is (its settings: mode, portion, pinned
+        # limit; that ensure's done future): while no job of the owner is queued
+        # or running, a new container of the owner with the same settings awaits
+        # that outcome instead of queueing another ensure (issue 14: a restart or
+        # retry of a container costs no MPS work); None = not known to be made so.
+        self._made: dict[Owner, tuple[tuple[Any, ...], Future[Any]] | None] = {}
+        # owner -> (settings, future, pod sandbox id) of an ensure queued at
+        # RunPodSandbox that no container of the owner has claimed yet
+        # (nri/early.py); future None: a namespace the MPS layer held for a live
+        # pod, adopted at Synchronize (nri/orphans.py), no ensure of ours
+        self._early: dict[Owner, tuple[tuple[Any, ...], Future[Any] | None, str]] = {}
+        self._early_counts = {"queued": 0, "used": 0, "mismatched": 0, "released": 0, "adopted": 0,
+                              "orphaned": 0}
+        self._queue: KeyedWorkQueue | None = None
+
+    # ------------------------------------------------- CreateContainer, StartContainer
+
+    def start(self, p: ContainerPlan, container_id: str, fields: Mapping[str, Any]) -> None:
         """Create the namespace of ``p`` in the background:
         one queued ensure per owner (``_queue_ensure``). When an ensure of the
         owner already made it with the same settings (compute mode, active
@@ -49,38 +97,35 @@ class _Namespaces(_PluginState):
         the container gets its own ensure."""
         owner = (p.pod.uid, p.container)
         settings = _ns_settings(p)
-        with self._ns_lock:
-            early = self._ns_early.pop(owner, None)
+        with self._lock:
+            early_entry = self._early.pop(owner, None)
             # fut None: adopted at Synchronize (nri/orphans.py), no ensure of ours to await: one is queued below
-            fut = None if early is None else early[1]
-            if early is not None and fut is not None:
-                if early[0] == settings and not _failed(fut):
+            fut = None if early_entry is None else early_entry[1]
+            if early_entry is not None and fut is not None:
+                if early_entry[0] == settings and not _failed(fut):
                     self._early_counts["used"] += 1
-                    self._ns_pending[container_id] = (owner, fut)
-                    if not fut.done() and self._ns_queue is not None:
-                        self._ns_queue.promote(("ns", *owner))  # its StartContainer comes next: ahead of early work
+                    self._pending[container_id] = (owner, fut)
+                    if not fut.done() and self._queue is not None:
+                        self._queue.promote(("ns", *owner))  # its StartContainer comes next: ahead of early work
                     return
                 self._early_counts["mismatched"] += 1
                 log.info("nri early MPS namespace not reused", extra={
-                    **fields, "reason": "settings differ" if early[0] != settings else "its ensure failed"})
-            cur = self._ns_made.get(owner)
+                    **fields, "reason": "settings differ" if early_entry[0] != settings else "its ensure failed"})
+            cur = self._made.get(owner)
             if (cur is not None and cur[0] == settings
-                    and self._ns_queue is not None
-                    and not self._ns_queue.busy(("ns", *owner))):
-                self._ns_pending[container_id] = (owner, cur[1])
+                    and self._queue is not None
+                    and not self._queue.busy(("ns", *owner))):
+                self._pending[container_id] = (owner, cur[1])
                 return
-            self._queue_ensure(container_id, owner, functools.partial(self._namespace_job, p, dict(fields)))
+            self._queue_ensure(container_id, owner, functools.partial(
+                self._ensure_job, owner, p.active_thread_percentage, dict(fields), p.compute_mode, p.limit_mib))
 
-    def _namespace_job(self, p: ContainerPlan, fields: Mapping[str, Any]) -> str:
-        return self._ensure_job((p.pod.uid, p.container), p.active_thread_percentage, fields,
-                                p.compute_mode, p.limit_mib)
-
-    def start_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
-                        ctx: CallContext | None = None) -> None:
-        """StartContainer: wait for the container's MPS
-        namespace job at most ``_start_wait(ctx)`` seconds (``start_wait_s``,
-        never past the handler budget: the runtime's request timeout, 2 s by
-        default, docs/reference/nri-protocol.md 1.5, is kept). ADR 0028 tells slow from failed:
+    def await_start(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
+                    ctx: CallContext | None = None) -> None:
+        """StartContainer's wait for the container's MPS namespace job, at
+        most ``start_wait(ctx)`` seconds (``start_wait_s``, never past the
+        handler budget: the runtime's request timeout, 2 s by default,
+        docs/reference/nri-protocol.md 1.5, is kept). ADR 0028 tells slow from failed:
 
         - done: the container starts;
         - failed (the ensure raised, or was cancelled): ``RpcError``
@@ -89,19 +134,16 @@ class _Namespaces(_PluginState):
         - not done when the wait is spent (queued or running, merely slow): the
           container starts, a warning says the budget was spent and a second
           line says when the job ended; unless the mode's MPS daemon is down
-          (not slow: UNAVAILABLE, as CreateContainer's ``_require_mode_up``).
+          (not slow: UNAVAILABLE, as CreateContainer's ``MpsCalls.require_up``).
 
         A container created before a daemon restart (nothing pending, the
         ledger holds its namespace) gets an ensure queued now, awaited the same
-        way. With ``memory_limits`` the container's CUDA memory limits are
-        applied/verified first (``NriMemoryLimits.start``)."""
-        if self.memory_limits is not None:
-            self.memory_limits.start(pod, container, self.ledger)
+        way."""
         fields = {"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": container.name,
                   "container_id": container.id}
         who = f"{pod.namespace}/{pod.name}/{container.name}"
-        with self._ns_lock:
-            job = self._ns_pending.get(container.id)
+        with self._lock:
+            job = self._pending.get(container.id)
         if job is None:
             # Nothing pending: not ours, already awaited, or the daemon restarted
             # between create and start; then queue an ensure and await it.
@@ -109,33 +151,26 @@ class _Namespaces(_PluginState):
             if not held:
                 return None
             t = held[0]
-            with self._ns_lock:
-                self._ns_made.setdefault(t.owner, None)
+            with self._lock:
+                self._made.setdefault(t.owner, None)
                 self._queue_ensure(container.id, t.owner, functools.partial(
                     self._ensure_job, t.owner, t.active_thread_percentage, dict(fields), t.mode, t.limit_mib))
-                job = self._ns_pending[container.id]
+                job = self._pending[container.id]
         owner, fut = job
-        wait = self._start_wait(ctx)
+        wait = start_wait(ctx, self.settings.start_wait_s)
         began = time.monotonic()
         try:
             fut.result(wait)
         except FutureTimeout:
-            return self._start_before_namespace(owner, container.id, fut, fields, who, time.monotonic() - began)
+            return self._start_late(owner, container.id, fut, fields, who, time.monotonic() - began)
         except Exception as exc:
-            self._forget_namespace_job(container.id, fut)
-            return self._mps_failed(exc, fields, who)
-        self._forget_namespace_job(container.id, fut)
+            self.forget(container.id, fut)
+            return self.calls.failed(exc, fields, who)
+        self.forget(container.id, fut)
         return None
 
-    def _start_wait(self, ctx: CallContext | None) -> float:
-        """Seconds StartContainer may wait for a namespace: ``start_wait_s``,
-        never past the handler's budget minus ``_MARGIN_S`` (0 when none is left)."""
-        if ctx is None:
-            return max(0.0, min(self.start_wait_s, _DEFAULT_REQUEST_TIMEOUT_S * 0.75 - _MARGIN_S))
-        return max(0.0, min(self.start_wait_s, ctx.remaining() - _MARGIN_S))
-
-    def _start_before_namespace(self, owner: Owner, container_id: str, fut: Future[Any],
-                                fields: Mapping[str, Any], who: str, waited_s: float) -> None:
+    def _start_late(self, owner: Owner, container_id: str, fut: Future[Any],
+                    fields: Mapping[str, Any], who: str, waited_s: float) -> None:
         """The wait of StartContainer is spent and the namespace job of
         ``owner`` is not done (ADR 0028). A job still queued or running on a
         healthy daemon is slow, not failed: the container starts and the log
@@ -145,16 +180,15 @@ class _Namespaces(_PluginState):
         end in time."""
         held = self.ledger.find(*owner)
         mode = held[0].mode if held else ComputeMode.SM_SHARING
-        if not self._mps_up(mode):
-            why_fn = getattr(self.mps, "unhealthy_reason", None)
-            why = why_fn(mode) if callable(why_fn) else "not healthy"
-            self._forget_namespace_job(container_id, fut)
-            return self._mps_failed(RuntimeError(f"the {mode.value} MPS daemon is down ({why})"), fields, who)
-        q = self._ns_queue
+        if not self.calls.up(mode):
+            why = self.calls.why_down(mode)
+            self.forget(container_id, fut)
+            return self.calls.failed(RuntimeError(f"the {mode.value} MPS daemon is down ({why})"), fields, who)
+        q = self._queue
         state = "running" if q is not None and q.running(("ns", *owner)) else "queued"
-        self._forget_namespace_job(container_id, fut)
+        self.forget(container_id, fut)
         log.warning("nri StartContainer wait spent: container starts before its MPS namespace exists",
-                    extra={**fields, "waited_s": round(waited_s, 3), "start_wait_s": self.start_wait_s,
+                    extra={**fields, "waited_s": round(waited_s, 3), "start_wait_s": self.settings.start_wait_s,
                            "namespace_job": state})
         spent_at = time.monotonic()
 
@@ -171,143 +205,285 @@ class _Namespaces(_PluginState):
         fut.add_done_callback(ended)
         return None
 
-    def _mps_up(self, mode: ComputeMode) -> bool:
-        """The daemon of ``mode`` answers its probe now (True when the MPS
-        layer cannot tell)."""
-        healthy = getattr(self.mps, "healthy", None)
-        return not callable(healthy) or bool(healthy(mode))
-
-    def _forget_namespace_job(self, container_id: str, fut: Future[Any] | None = None) -> set[Owner]:
+    def forget(self, container_id: str, fut: Future[Any] | None = None) -> set[Owner]:
         """Stop tracking the namespace job of ``container_id`` (only if it is
         ``fut``, when given). Returns its owner (empty set when none was
         tracked). The job itself is not cancelled here: other containers of
-        the same owner may await it; ``_release_owners`` drops it when nothing
+        the same owner may await it; ``release`` drops it when nothing
         holds the owner."""
-        with self._ns_lock:
-            cur = self._ns_pending.get(container_id)
+        with self._lock:
+            cur = self._pending.get(container_id)
             if cur is not None and (fut is None or cur[1] is fut):
-                del self._ns_pending[container_id]
+                del self._pending[container_id]
                 return {cur[0]}
         return set()
 
-    def _mps_failed(self, exc: Exception, fields: Mapping[str, Any], who: str) -> None:
-        self.metrics.refusal("mps_unavailable")
-        if self.fail_open:
-            log.warning("nri fail-open: container runs without its MPS namespace", extra={**fields, "reason": str(exc)})
-            return None
-        raise RpcError(Code.UNAVAILABLE, f"fracplugin: MPS namespace for {who} is not ready: {exc}")
+    # ------------------------------------------------------------ the queue
 
-
-    def _wait_mps_healthy(self, deadline: float, mode: ComputeMode = ComputeMode.SM_SHARING) -> bool:
-        """Absorb a short window where the daemon of ``mode`` is (re)starting:
-        when the MPS layer offers ``healthy(mode)``, poll it until ``deadline``
-        (the MPS time share of this call). Returns the last answer (True when
-        the layer cannot tell); the namespace call reports whatever is still wrong."""
-        healthy = getattr(self.mps, "healthy", None)
-        if not callable(healthy):
-            return True
-        pause = 0.01
-        while not (ok := bool(healthy(mode))) and time.monotonic() + pause < deadline:
-            time.sleep(pause)
-            pause = min(pause * 2, 0.1)
-        return ok
-
-    def _require_mode_up(self, p: ContainerPlan, ctx: CallContext | None, fields: Mapping[str, Any]) -> None:
-        """Refuse (UNAVAILABLE: the runtime retries) a container whose mode's MPS
-        daemon is down or crash-looping, after waiting up to half the budget for
-        it to come back: without its daemon CUDA runs without MPS and without a
-        limit (issue 12). Not with ``fail_open`` (the container runs, warned)."""
-        if self._wait_mps_healthy(time.monotonic() + self._mps_timeout(ctx, share=0.5), p.compute_mode):
-            return
-        why_fn = getattr(self.mps, "unhealthy_reason", None)
-        why = why_fn(p.compute_mode) if callable(why_fn) else "not healthy"
-        self.metrics.refusal("mps_unavailable")
-        log.warning("nri MPS daemon of the container's mode is down", extra={**fields, "mode": p.compute_mode.value,
-                                                                           "reason": why})
-        if self.fail_open:
-            log.warning("nri fail-open: container runs without MPS", extra=dict(fields))
-            raise _FailOpen()
-        raise RpcError(Code.UNAVAILABLE,
-                       f"fracplugin: the {p.compute_mode.value} MPS daemon is down ({why}); "
-                       f"{p.pod}/{p.container} is refused until it is back")
-
-
-    def _ns_work(self) -> KeyedWorkQueue:
+    def _work(self) -> KeyedWorkQueue:
         """The background MPS work queue (namespace creations and releases,
         keyed by owner; drains, keyed by container id), made on first use (and
-        again after ``close``); the caller holds ``_ns_lock``. Its threads keep
+        again after ``close``); the caller holds ``_lock``. Its threads keep
         the daemon's CPU priority: StartContainer awaits their namespace jobs
         within its own budget (ADR 0015 says why not lower)."""
-        if self._ns_queue is None:
-            self._ns_queue = KeyedWorkQueue(workers=_NS_WORKERS, name="nri-mps-ns")
-        return self._ns_queue
+        if self._queue is None:
+            self._queue = KeyedWorkQueue(workers=_NS_WORKERS, name="nri-mps-ns")
+        return self._queue
 
     def _queue_ensure(self, container_id: str, owner: Owner, job: Callable[[], Any]) -> None:
         """Queue ``job`` (an ensure of ``owner``'s namespace) as the job
         StartContainer of ``container_id`` awaits; the caller holds
-        ``_ns_lock``. An ensure of the owner still queued (another container of
+        ``_lock``. An ensure of the owner still queued (another container of
         the same pod and name, or a Synchronize renewal) is replaced by this
         newer one and its waiters get this one's outcome (the namespace is the
         owner's); a queued release is replaced (desired state: the namespace
         exists); a job of the owner that runs now finishes first. The job is
         urgent (a StartContainer awaits it): it runs before the ensures queued
         early at RunPodSandbox that no container awaits yet (ADR 0030)."""
-        q = self._ns_work()
+        q = self._work()
         key = ("ns", *owner)
         fut = q.put(key, job, join=q.pending_tag(key) == _ENSURE, tag=_ENSURE, urgent=True)
-        self._ns_pending[container_id] = (owner, fut)
-
-
-    def _renew_namespaces(self, tenancies: Sequence[Tenancy]) -> None:
-        """After a (re)synchronization, make sure (in the background) that every
-        sm-sharing container's MPS namespace exists again: a restarted daemon's
-        MPS layer only re-creates the namespaces it was told about. A container
-        created but not yet started awaits its job at StartContainer."""
-        seen: set[str] = set()
-        with self._ns_lock:  # owners no container holds any more (nor an early entry) will not be released by us
-            self._ns_made = {o: v for o, v in self._ns_made.items() if o in self._ns_early or self.ledger.find(*o)}
-        for t in tenancies:
-            if not t.mps_namespace or not t.container_id or t.container_id in seen:
-                continue
-            seen.add(t.container_id)
-            with self._ns_lock:
-                if t.container_id in self._ns_pending:
-                    continue
-                fields = {"pod_uid": t.pod_uid, "container": t.container, "container_id": t.container_id}
-                self._ns_made.setdefault(t.owner, None)  # the MPS layer (a split MPS role) may hold it from before
-                self._queue_ensure(t.container_id, t.owner, functools.partial(
-                    self._ensure_job, t.owner, t.active_thread_percentage, fields, t.mode, t.limit_mib))
+        self._pending[container_id] = (owner, fut)
 
     def _ensure_job(self, owner: Owner, atp: int | None, fields: Mapping[str, Any],
                     mode: ComputeMode, limit_mib: int | None) -> str:
         """A queued namespace creation: from its start the namespace may
         exist (a later release of the owner must then run)."""
-        with self._ns_lock:
-            self._ns_made[owner] = None  # not known to be made until this ensure succeeds
-        path = self._renew_job(owner[0], owner[1], atp, fields, mode, limit_mib)
+        with self._lock:
+            self._made[owner] = None  # not known to be made until this ensure succeeds
+        path = self.calls.ensure(owner, atp, fields, mode, limit_mib)
         done: Future[Any] = Future()
         done.set_result(path)
-        with self._ns_lock:
-            if owner in self._ns_made:  # not released meanwhile
-                self._ns_made[owner] = ((mode, atp, limit_mib), done)
+        with self._lock:
+            if owner in self._made:  # not released meanwhile
+                self._made[owner] = ((mode, atp, limit_mib), done)
         return path
 
-    def _renew_job(self, pod_uid: str, container: str, atp: int | None, fields: Mapping[str, Any],
-                   mode: ComputeMode = ComputeMode.SM_SHARING, limit_mib: int | None = None) -> str:
-        deadline = time.monotonic() + self.namespace_timeout_s
-        try:
-            self._wait_mps_healthy(deadline, mode)
-            return self.mps.ensure_namespace(pod_uid, container, atp, max(0.01, deadline - time.monotonic()),
-                                             mode=mode, pinned_limit_mib=limit_mib)
-        except Exception as exc:
-            log.warning("nri MPS namespace creation failed", extra={**fields, "reason": str(exc)})
-            raise
+    def renew(self, tenancies: Sequence[Tenancy]) -> None:
+        """After a (re)synchronization, make sure (in the background) that every
+        sm-sharing container's MPS namespace exists again: a restarted daemon's
+        MPS layer only re-creates the namespaces it was told about. A container
+        created but not yet started awaits its job at StartContainer."""
+        seen: set[str] = set()
+        with self._lock:  # owners no container holds any more (nor an early entry) will not be released by us
+            self._made = {o: v for o, v in self._made.items() if o in self._early or self.ledger.find(*o)}
+        for t in tenancies:
+            if not t.mps_namespace or not t.container_id or t.container_id in seen:
+                continue
+            seen.add(t.container_id)
+            with self._lock:
+                if t.container_id in self._pending:
+                    continue
+                fields = {"pod_uid": t.pod_uid, "container": t.container, "container_id": t.container_id}
+                self._made.setdefault(t.owner, None)  # the MPS layer (a split MPS role) may hold it from before
+                self._queue_ensure(t.container_id, t.owner, functools.partial(
+                    self._ensure_job, t.owner, t.active_thread_percentage, fields, t.mode, t.limit_mib))
 
+    def drain(self, container_id: str, job: Callable[[], Any]) -> Future[Any]:
+        """Queue (or share: one drain per container, a second StopContainer
+        shares the queued or running one) ``job``, the drain of ``container_id``."""
+        with self._lock:
+            return self._work().share((_DRAIN, container_id), job, tag=_DRAIN, urgent=True)
 
-    @staticmethod
-    def _mps_timeout(ctx: CallContext | None, share: float) -> float:
-        """Seconds an MPS call may take: ``share`` of the request timeout,
-        never past the handler's budget (minus a margin)."""
-        if ctx is None:
-            return _DEFAULT_REQUEST_TIMEOUT_S * share
-        return max(0.05, min(ctx.request_timeout_s * share, ctx.remaining() - _MARGIN_S))
+    def cancel_drain(self, container_id: str) -> None:
+        """Drop a drain of ``container_id`` still queued (its processes are gone)."""
+        with self._lock:
+            if self._queue is not None:
+                self._queue.cancel((_DRAIN, container_id))
+
+    # ------------------------------------------------------------ release
+
+    def release(self, owners: set[Owner]) -> None:
+        """For each owner nothing in the ledger holds any more: drop its
+        queued namespace creation and queue the release of its namespace,
+        unless that creation was all there was (it never started, and no other
+        ensure started since the owner's last release: there is nothing to
+        release). A queued release of an owner that a newer container then
+        holds is replaced by that container's ensure (``_queue_ensure``) or, if
+        it already started waiting, skipped when it runs (``_release_job``)."""
+        inline: list[Owner] = []
+        for owner in owners:
+            with self._lock:
+                if self.ledger.find(*owner):
+                    continue  # a newer container of the same pod/name holds it
+                q = self._work()
+                key = ("ns", *owner)
+                if q.cancel(key, tag=_ENSURE, only_idle=True) and owner not in self._made:
+                    continue  # created and removed before MPS got to it
+                try:
+                    q.put(key, functools.partial(self._release_job, owner), tag=_RELEASE)
+                except RuntimeError:  # queue closed meanwhile: release inline
+                    inline.append(owner)
+        for owner in inline:
+            self._release_job(owner)
+
+    def _release_job(self, owner: Owner) -> None:
+        """Release ``owner``'s namespace unless a newer container of the same
+        pod and name holds it now (MPS errors are logged, never raised)."""
+        if self.ledger.find(*owner):
+            return
+        with self._lock:
+            self._made.pop(owner, None)
+        self.calls.release(owner)
+
+    # ------------------------------------------------------------ early (nri/early.py)
+
+    def queue_early(self, sandbox_id: str, plans: Sequence[ContainerPlan]) -> None:
+        """RunPodSandbox: one ensure per owner of ``plans`` (``nri/early.py``'s
+        module docstring), not for an owner a container holds or whose
+        namespace an ensure made with the same settings; at most
+        ``early.EARLY_MAX`` owners in the early table."""
+        for p in plans:
+            owner = (p.pod.uid, p.container)
+            settings = _ns_settings(p)
+            fields = {"pod": str(p.pod), "pod_uid": p.pod.uid, "container": p.container, "early": True}
+            with self._lock:
+                made = self._made.get(owner)
+                q = self._work()
+                key = ("ns", *owner)
+                if owner in self._early:  # a RunPodSandbox seen twice, or the pod's new sandbox
+                    cur = self._early[owner]
+                    self._early[owner] = (cur[0], cur[1], sandbox_id)  # the old sandbox's removal keeps it
+                    continue
+                if self.ledger.find(*owner):
+                    continue  # a container already holds it
+                if made is not None and made[0] == settings and not q.busy(key):
+                    continue  # made with these settings: CreateContainer reuses it as it is
+                if len(self._early) >= early.EARLY_MAX:
+                    log.info("nri RunPodSandbox: too many early MPS namespaces; made at CreateContainer",
+                             extra={**fields, "early_max": early.EARLY_MAX})
+                    return
+                job = functools.partial(self._ensure_job, owner, p.active_thread_percentage, fields,
+                                        p.compute_mode, p.limit_mib)
+                fut = q.put(key, job, join=q.pending_tag(key) == _ENSURE, tag=_ENSURE)
+                self._early[owner] = (settings, fut, sandbox_id)
+                self._early_counts["queued"] += 1
+
+    def release_early(self, gone: Callable[[str, str], bool]) -> None:
+        """Drop the early entries for which ``gone(pod UID, sandbox id)`` is
+        true and release their namespaces (``release``: a queued
+        ensure that never started is dropped, nothing to release)."""
+        with self._lock:
+            owners = {o for o, e in self._early.items() if gone(o[0], e[2])}
+            for o in owners:
+                del self._early[o]
+            self._early_counts["released"] += len(owners)
+        if owners:
+            log.info("nri early MPS namespaces released: no container of the pod held them",
+                     extra={"owners": len(owners), "pod_uid": ",".join(sorted({o[0] for o in owners}))})
+            try:
+                self.release(owners)
+            except Exception:
+                log.exception("nri early MPS namespace release failed")
+
+    def early_status(self) -> dict[str, int]:
+        """``{"pending": early namespaces no container holds yet, "queued":
+        early ensures queued since start, "used": CreateContainers that
+        awaited one, "mismatched": CreateContainers whose settings differed
+        (or whose early ensure failed) and queued their own, "released":
+        early namespaces released at RemovePodSandbox or Synchronize,
+        "adopted": namespaces the MPS layer held for a live pod that nothing
+        here held, taken into the early table at Synchronize, "orphaned":
+        namespaces the MPS layer held for pods the runtime no longer has,
+        released at Synchronize (``nri/orphans.py``)}``; counts since start
+        except ``pending``."""
+        with self._lock:
+            return {"pending": len(self._early), **self._early_counts}
+
+    # ------------------------------------------------------------ orphans (nri/orphans.py)
+
+    def adopt(self, found: Iterable[HeldNamespace], live: Mapping[str, str]) -> tuple[dict[str, int],
+                                                                                     list[HeldNamespace]]:
+        """Sort the MPS layer's namespaces ``found`` against the ledger (read
+        once) and ``live`` (pod UID -> its last sandbox id): a held one is
+        left, a live pod's that nothing holds is adopted into the early table
+        (no ensure of ours to await), the rest are returned as orphans
+        (``nri/orphans.py``). Returns (``{"held", "adopted", "orphaned"}``, the orphans)."""
+        counts = {"held": 0, "adopted": 0, "orphaned": 0}
+        names, owners = ledger_holds(self.ledger)
+        orphans: list[HeldNamespace] = []
+        with self._lock:
+            for ns in found:
+                o = ns.owner
+                if self._held_locked(ns, names, owners, queued=True):
+                    counts["held"] += 1
+                elif o[0] not in live:
+                    orphans.append(ns)
+                elif len(self._early) >= early.EARLY_MAX:  # the early table's bound
+                    log.info("nri sync: too many early MPS namespaces; a live pod's namespace not adopted",
+                             extra={"pod_uid": o[0], "container": o[1], "early_max": early.EARLY_MAX})
+                else:
+                    self._early[o] = (ns.settings, None, live[o[0]])
+                    self._made.setdefault(o, None)  # may exist: a release of the owner must run
+                    counts["adopted"] += 1
+            counts["orphaned"] = len(orphans)
+            self._early_counts["adopted"] += counts["adopted"]
+            self._early_counts["orphaned"] += counts["orphaned"]
+        return counts, orphans
+
+    def release_orphan(self, ns: HeldNamespace) -> None:
+        """Queue the release of an orphaned namespace on the keyed MPS queue
+        (key of its owner, tag ``release``: a later ensure of the owner
+        replaces it). Inline when the queue is closed."""
+        job = functools.partial(self._orphan_job, ns)
+        with self._lock:
+            try:
+                self._work().put(("ns", *ns.owner), job, tag=_RELEASE)
+                return
+            except RuntimeError:
+                pass  # closed meanwhile
+        job()
+
+    def _orphan_job(self, ns: HeldNamespace) -> None:
+        """Release ``ns`` unless something here holds it now (a container of
+        its owner, a ledger entry naming it, an early entry, an awaited job;
+        from inside the owner's own queued job: the queue is not asked); MPS
+        errors are logged by ``_release_job``."""
+        names, owners = ledger_holds(self.ledger)
+        with self._lock:
+            held = self._held_locked(ns, names, owners, queued=False)
+        if held:
+            log.info("nri sync: an orphaned MPS namespace is held again; kept",
+                     extra={"pod_uid": ns.owner[0], "container": ns.owner[1]})
+            return
+        log.info("nri sync: releasing an MPS namespace whose pod the runtime no longer has",
+                 extra={"pod_uid": ns.owner[0], "container": ns.owner[1], "mps_namespace": ns.name})
+        self._release_job(ns.owner)
+
+    def _held_locked(self, ns: HeldNamespace, names: set[str], owners: set[tuple[str, str]], *,
+                     queued: bool) -> bool:
+        """The one "held" rule (``nri/orphans.py``): the ledger holds the
+        owner (``owners``) or names the namespace (``names``, by its name or
+        the owner's derived name), the early table has the owner, a container
+        awaits it, or (``queued``) a job of the owner is queued or running.
+        The caller holds ``_lock``."""
+        o = ns.owner
+        if ns.name in names or namespace_name(*o) in names or o in owners or o in self._early:
+            return True
+        if any(p == o for p, _f in self._pending.values()):
+            return True
+        q = self._queue
+        return queued and q is not None and q.busy(("ns", *o))
+
+    # ------------------------------------------------------------ status, close
+
+    def status(self) -> dict[str, Any]:
+        """``{"pending": containers whose namespace job is not done yet,
+        "jobs": the queue's {"queued", "running", "threads"}}``."""
+        with self._lock:
+            pending = sum(1 for _, f in self._pending.values() if not f.done())
+            q = self._queue
+        return {"pending": pending,
+                "jobs": q.stats() if q is not None else {"queued": 0, "running": 0, "threads": 0}}
+
+    def close(self) -> None:
+        """Stop the background MPS workers without waiting (queued jobs are
+        cancelled; a running one ends within its own budget,
+        ``namespace_timeout_s`` or ``drain_timeout_s``). A later call queues on
+        a new queue."""
+        with self._lock:
+            q, self._queue = self._queue, None
+            self._pending.clear()
+            self._made = dict.fromkeys(self._made)  # no queue to have made them any more
+        if q is not None:
+            q.close()

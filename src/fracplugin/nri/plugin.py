@@ -3,13 +3,16 @@
 Concurrency model: threads. ``NriStub`` calls these handlers from its
 reader thread when ``may_block(method)`` says the call cannot wait
 (CreateContainer while every MPS daemon is healthy; RemoveContainer), else from its worker pool, several at once (ADR
-nri-reader-thread-serving). Its own mutable state is the background MPS work
-(a keyed work queue, ``nsqueue.KeyedWorkQueue``, 4 workers: one pending job
-per MPS namespace owner and per drained container, so its memory is bounded
-by the owners with work, not by the runtime's event rate; issue 14), the
-table of namespace jobs StartContainer awaits and the owners whose namespace
-may exist (dicts under ``_ns_lock``), the mount sources made before, and the
-last Synchronize report; the ledger is thread-safe and ``Ledger.admit``
+nri-reader-thread-serving). The handler holds no mutable state of its own;
+each part it holds owns its own, under its own lock: ``Namespaces`` the
+background MPS work (a keyed work queue, ``nsqueue.KeyedWorkQueue``, 4
+workers: one pending job per MPS namespace owner and per drained container,
+so its memory is bounded by the owners with work, not by the runtime's event
+rate; issue 14), the table of namespace jobs StartContainer awaits, the
+owners whose namespace may exist and the early table (dicts under its one
+lock); ``MountSources`` the mount sources made before; ``PodReader`` the
+pods already warned about; ``Releases`` the holds released at StopContainer;
+``Reconciler`` the last Synchronize report. The ledger is thread-safe and ``Ledger.admit``
 re-checks every guard atomically, so two concurrent creations cannot both take
 the last MiB of a GPU. Handlers finish within the stub's budget
 (``ctx.remaining()``); MPS calls made inside a handler get a timeout derived
@@ -72,20 +75,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
-from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Sequence
 
 from .._proto import nri_pb2
 from .. import allocation as al
 from ..cdi import CdiRegistry, container_cdi_devices, with_node_cdi_devices
 from ..annotations import parse
-from ..model import ContainerPlan, FractionError, FractionRequest, PodRef, Tenancy
+from ..model import ContainerPlan, FractionError, FractionRequest, PodRef
 from ..mps.api import MpsApi, NullMps
 from ..ports import HookMetrics, NoMetrics
-from ..noderules import NodeRules
-from .nsqueue import KeyedWorkQueue
+from ..noderules import NodeRules, status_of
 from .interfaces import (
     AbandonedInterface,
     CallContext,
@@ -100,10 +100,14 @@ from .interfaces import (
     SynchronizeInterface,
     event_mask,
 )
-from .pluginbase import _MODES, Owner, _FailOpen, _pod_ref
-from .admission import _check_mounts
-from .orphans import _Orphans
-from .reconcile import _Reconcile
+from .admission import MountSources, PodReader, _check_mounts, warn_unenforced
+from .early import early_plans
+from .mpscalls import MpsCalls
+from .namespaces import Namespaces
+from .pluginbase import DoorSettings, _FailOpen, _pod_ref
+from .reconcile import Reconciler
+from .release import Releases
+from .ttrpc import RpcError
 
 __all__ = [
     "MpsHooks",
@@ -162,8 +166,25 @@ def _env_adjustment(env: tuple[tuple[str, str], ...]) -> bytes:
 
 
 
-class FracNriPlugin(_Reconcile, _Orphans):
-    """The handler object ``NriStub`` drives (see the module docstring).
+class FracNriPlugin:
+    """The handler object ``NriStub`` drives (see the module docstring): the
+    NRI interface methods, each delegating to the part that owns the work
+    (issue 33 item 3, composition instead of mixins):
+
+    - ``reader`` (``admission.PodReader``): CreateContainer's reading of the
+      pod (reservation key and claim, spec names, stray and lint warnings);
+    - ``mounts`` (``admission.MountSources``): the pipe directories made;
+    - ``calls`` (``mpscalls.MpsCalls``): the MPS layer's health and calls;
+    - ``namespaces`` (``namespaces.Namespaces``): the MPS namespace table,
+      its lock and its background queue (CreateContainer, StartContainer,
+      the early table, releases, status);
+    - ``releases`` (``release.Releases``): StopContainer, RemoveContainer,
+      ``abandoned``;
+    - ``reconciler`` (``reconcile.Reconciler``): Synchronize and the MPS
+      layer's namespaces against the runtime's pods.
+
+    They share ``settings`` (``pluginbase.DoorSettings``: ``fail_open``,
+    which a reload sets there, and the timeouts).
 
     Args:
         rules: the node's rules (``noderules.NodeRules``: its GPUs, the one
@@ -199,6 +220,10 @@ class FracNriPlugin(_Reconcile, _Orphans):
             named or first app container only and annotations naming no
             container are reported, exactly as ``fracplugin explain`` does.
             None: one container at a time (ADR 0001 item 6).
+        pod_ready: ``f() -> bool``, whether the pod watch behind
+            ``pod_lookup`` is synced (the pod source's ``ready``): while it
+            is not, a pod whose spec is needed and unknown is planned alone
+            instead of refused (``pod_checks.spec_unknown``). None: synced.
         unit_mib: MiB per device of the device plugin door (``--device-unit-mib``),
             to read a reservation key (ADR 0007).
         resource_name: the extended resource (named in messages).
@@ -220,66 +245,34 @@ class FracNriPlugin(_Reconcile, _Orphans):
         on_refusal: Callable[[PodRef, str, FractionError], None] | None = None,
         on_warning: Callable[[PodRef, str, str], None] | None = None,
         pod_lookup: Callable[[str, str], Mapping[str, Any] | None] | None = None,
+        pod_ready: Callable[[], bool] | None = None,
         unit_mib: int = 1024,
         resource_name: str = "fracplugin.io/gpu-memory",
         cdi: CdiRegistry | None = None,
         start_wait_s: float = 1.0,
     ) -> None:
         self.rules = rules
-        self.node = rules.node
-        self.memory_limits = rules.limits
-        """``enforce.nri.NriMemoryLimits`` (issue 23, ADR 0025) or None: the
-        gate runs in ``rules.admit``; here apply/verify at StartContainer and
-        zero the soft limit at RemoveContainer."""
+        self.settings = DoorSettings(fail_open=fail_open, namespace_timeout_s=namespace_timeout_s,
+                                     drain_timeout_s=drain_timeout_s, start_wait_s=start_wait_s)
         self.cdi = cdi
         """Each planned GPU's CDI device joins the adjustment (ADR 0025b); None: not."""
         self.on_refusal = on_refusal
-        self.on_warning = on_warning
-        self.pod_lookup = pod_lookup
-        self.unit_mib = unit_mib
-        self.resource_name = resource_name
-        self._warned_pods: dict[str, None] = {}
-        self.ledger = rules.ledger
-        self.config = rules.config
-        self.mps: MpsHooks = mps if mps is not None else NoMps()
         self.metrics: HookMetrics = metrics if metrics is not None else NoMetrics()
-        self.fail_open = fail_open
-        self.namespace_timeout_s = namespace_timeout_s
-        self.drain_timeout_s = drain_timeout_s
-        self.start_wait_s = start_wait_s
         self.events = NRI_EVENTS_EARLY
         """Subscription mask sent in ConfigureResponse (0x62d)."""
-        self._ns_lock = threading.Lock()
-        # container id -> (owner, future of the namespace job StartContainer awaits)
-        self._ns_pending: dict[str, tuple[Owner, Future[Any]]] = {}
-        # owners whose namespace may exist: an ensure for them started (or a
-        # Synchronize found them) since their last release ran. The value, once
-        # an ensure of the queue made it, is (its settings: mode, portion, pinned
-        # limit; that ensure's done future): while no job of the owner is queued
-        # or running, a new container of the owner with the same settings awaits
-        # that outcome instead of queueing another ensure (issue 14: a restart or
-        # retry of a container costs no MPS work); None = not known to be made so.
-        self._ns_made: dict[Owner, tuple[tuple[Any, ...], Future[Any]] | None] = {}
-        # owner -> (settings, future, pod sandbox id) of an ensure queued at
-        # RunPodSandbox that no container of the owner has claimed yet
-        # (nri/early.py); future None: a namespace the MPS layer held for a live
-        # pod, adopted at Synchronize (nri/orphans.py), no ensure of ours
-        self._ns_early: dict[Owner, tuple[tuple[Any, ...], Future[Any] | None, str]] = {}
-        self._early_counts = {"queued": 0, "used": 0, "mismatched": 0, "released": 0, "adopted": 0,
-                              "orphaned": 0}
-        self._stopped_holds: dict[str, list[Tenancy]] = {}  # container id -> holds released at StopContainer
-        self._ns_queue: KeyedWorkQueue | None = None
-        self._made_sources: dict[str, None] = {}  # mount sources made before (insertion order: oldest first)
-        self._synced = threading.Event()
-        self.unadjusted: list[dict[str, Any]] = []
-        """Containers found by the last Synchronize that lack our env (dicts
-        with pod, container, container_id, missing, different)."""
+        self.calls = MpsCalls(mps if mps is not None else NoMps(), self.metrics, self.settings)
+        self.namespaces = Namespaces(rules.ledger, self.calls, self.settings)
+        self.reader = PodReader(rules, self.settings, pod_lookup=pod_lookup, pod_ready=pod_ready,
+                                on_warning=on_warning, unit_mib=unit_mib, resource_name=resource_name)
+        self.mounts = MountSources(rules.config.layout.root, self.metrics, self.settings)
+        self.releases = Releases(rules, self.namespaces, self.calls)
+        self.reconciler = Reconciler(rules, self.reader, self.namespaces, self.calls.mps)
 
     # -------------------------------------------------------------- status
 
     def ready(self) -> bool:
         """True after the first Synchronize rebuilt the ledger."""
-        return self._synced.is_set()
+        return self.reconciler.ready()
 
     def status(self) -> dict[str, Any]:
         """JSON-able state: ``{"ready", "fail_open", "events",
@@ -288,20 +281,18 @@ class FracNriPlugin(_Reconcile, _Orphans):
         namespace job is not done yet, ``mps_jobs`` is the background MPS work
         queue's ``{"queued", "running", "threads"}`` (at most one queued job per
         namespace owner and per drained container), ``early_namespaces`` is
-        ``early_status()`` (namespaces queued at RunPodSandbox: pending, queued,
-        used, mismatched, released) and ``unadjusted`` lists what the last
-        Synchronize reported."""
-        with self._ns_lock:
-            pending = sum(1 for _, f in self._ns_pending.values() if not f.done())
-            q = self._ns_queue
+        ``Namespaces.early_status()`` (namespaces queued at RunPodSandbox:
+        pending, queued, used, mismatched, released, adopted, orphaned) and
+        ``unadjusted`` lists what the last Synchronize reported."""
+        ns = self.namespaces.status()
         return {
             "ready": self.ready(),
-            "fail_open": self.fail_open,
+            "fail_open": self.settings.fail_open,
             "events": f"0x{self.events:x}",
-            "pending_namespaces": pending,
-            "early_namespaces": self.early_status(),
-            "mps_jobs": q.stats() if q is not None else {"queued": 0, "running": 0, "threads": 0},
-            "unadjusted": list(self.unadjusted),
+            "pending_namespaces": ns["pending"],
+            "early_namespaces": self.namespaces.early_status(),
+            "mps_jobs": ns["jobs"],
+            "unadjusted": list(self.reconciler.unadjusted),
         }
 
     def may_block(self, method: str) -> bool:
@@ -310,21 +301,15 @@ class FracNriPlugin(_Reconcile, _Orphans):
         threads; ``interfaces.MayBlockInterface``).
 
         CreateContainer waits only when an MPS daemon is not healthy
-        (``_require_mode_up`` waits for it to come back); otherwise it plans,
+        (``MpsCalls.require_up`` waits for it to come back); otherwise it plans,
         admits (a journal append and fdatasync) and answers. RemoveContainer,
         RunPodSandbox and RemovePodSandbox never wait (their MPS work runs in
         the background). StartContainer
         (awaits the namespace), StopContainer (awaits the drain), Synchronize
         (the whole node) and StateChange (v0.8 StartContainer) may."""
         if method == "CreateContainer":
-            return not self._mps_healthy_now()
+            return not self.calls.all_up()
         return method not in ("RemoveContainer", "RunPodSandbox", "RemovePodSandbox")
-
-    def _mps_healthy_now(self) -> bool:
-        """Every MPS daemon answers its probe (True when the MPS layer cannot
-        tell, as ``_wait_mps_healthy``)."""
-        healthy = getattr(self.mps, "healthy", None)
-        return not callable(healthy) or all(healthy(mode) for mode in _MODES)
 
     # ------------------------------------------------------------ handlers
 
@@ -344,37 +329,38 @@ class FracNriPlugin(_Reconcile, _Orphans):
         start = time.monotonic()
         ref = _pod_ref(pod)
         fields = {"pod": str(ref), "pod_uid": ref.uid, "container": container.name, "container_id": container.id}
+        config = self.rules.config
         try:
             try:
-                key, apps = self._claim_and_read(pod, container, ref, fields)
+                key, apps = self.reader.read(pod, container, ref, fields)
                 ignored: list[Any] = []
                 req: FractionRequest | None
                 if key:
-                    req, ignored = self._reserved_request(pod, container.name, ref, key, apps)
+                    req, ignored = self.reader.reserved_request(pod, container.name, ref, key, apps)
                 else:
-                    req = parse(dict(pod.annotations), container.name, prefix=self.config.annotation_prefix,
+                    req = parse(dict(pod.annotations), container.name, prefix=config.annotation_prefix,
                                 containers=apps)
                 if req is None:
                     log.debug("nri container not fractional; untouched", extra=fields)
                     return None
 
                 def check(plan: ContainerPlan) -> None:  # this door's own look at the plan, before the gate
-                    self._require_mode_up(plan, ctx, fields)
-                    _check_mounts(plan, container, self.config.layout.root)
-                    self._ensure_mount_sources(plan, fields)
+                    self.calls.require_up(plan, ctx, fields)
+                    _check_mounts(plan, container, config.layout.root)
+                    self.mounts.ensure(plan, fields)
 
                 p = self.rules.admit(req, ref, door=al.DOOR_ALLOCATE if key else al.DOOR_NRI,
                                      container_id=container.id, reservation=key, check=check)
                 if p.mps.namespace is not None:  # MPS v3: made in the background, StartContainer waits
-                    self._start_namespace(p, container.id, fields)
+                    self.namespaces.start(p, container.id, fields)
             except FractionError as err:
                 self._refuse(err, fields, ref, container.name)  # raises unless fail_open
                 return None
             except _FailOpen:
                 return None
             for i in ignored:
-                self._warn(ref, container.name, i.message, fields, key=i.key, value=i.value)
-            self._warn_unenforced(p, container, fields)
+                self.reader.warn(ref, container.name, i.message, fields, key=i.key, value=i.value)
+            warn_unenforced(p, container, fields)
             if self.cdi is not None:  # the node's CDI device of each GPU, never twice (ADR 0025b)
                 p = with_node_cdi_devices(p, self.cdi, container_cdi_devices(container))
             # DEBUG, not INFO: this runs on every creation, inside the runtime's
@@ -397,30 +383,78 @@ class FracNriPlugin(_Reconcile, _Orphans):
         finally:
             self.metrics.observe_hook("nri", time.monotonic() - start)
 
+    def _refuse(self, err: FractionError, fields: Mapping[str, Any], pod: PodRef, container: str) -> None:
+        """Count and report a refusal (``on_refusal``); raise its status
+        (``noderules.status_of``) unless ``fail_open``."""
+        self.metrics.refusal(err.code)
+        if self.on_refusal is not None:
+            try:
+                self.on_refusal(pod, container, err)
+            except Exception:
+                log.exception("nri on_refusal callback failed", extra=dict(fields))
+        extra = {**fields, "key": err.key, "value": err.value, "rule": err.reason, "code": err.code}
+        if self.settings.fail_open:
+            log.warning("nri refusal ignored (fail-open): container runs unfenced", extra=extra)
+            return None
+        log.warning("nri container refused", extra=extra)
+        raise RpcError(status_of(err.code), err.message)
+
+    def start_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
+                        ctx: CallContext | None = None) -> None:
+        """StartContainer: with the memory-limit gate the container's CUDA
+        memory limits are applied/verified first (``NriMemoryLimits.start``);
+        then the wait for its MPS namespace job (``Namespaces.await_start``,
+        ADR 0028)."""
+        if self.rules.limits is not None:
+            self.rules.limits.start(pod, container, self.rules.ledger)
+        return self.namespaces.await_start(pod, container, ctx)
+
+    def stop_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
+                       ctx: CallContext | None = None) -> None:
+        """StopContainer: drain, then release the container's holds (``Releases.stop``)."""
+        return self.releases.stop(pod, container, ctx)
+
+    def remove_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
+                         ctx: CallContext | None = None) -> None:
+        """RemoveContainer: release the container and, in the background, the
+        MPS namespaces nothing holds any more (``Releases.remove``)."""
+        return self.releases.remove(pod, container)
+
+    def abandoned(self, method: str, request: Any, response: Any) -> None:
+        """The stub dropped our late CreateContainer answer: undo its
+        admission (``Releases.abandoned``)."""
+        return self.releases.abandoned(method, request, response)
 
     def synchronize(self, pods: Sequence[nri_pb2.PodSandbox], containers: Sequence[nri_pb2.Container],
                     ctx: CallContext | None = None) -> list[nri_pb2.ContainerUpdate]:
-        """Synchronize (``nri/reconcile.py``), then release the early MPS
-        namespaces of pods the runtime no longer reports (``nri/early.py``),
-        then reconcile the MPS layer's namespaces with the runtime's pods
-        (``nri/orphans.py``: adopt a live pod's unheld ones, release those of
-        pods gone while the doors did not see it). Returns no updates."""
-        updates = super().synchronize(pods, containers, ctx)
-        self._release_early_gone(pods)
-        self._reconcile_mps_namespaces(pods)
-        return updates
+        """Synchronize (``Reconciler.synchronize``: the ledger rebuilt, the
+        early namespaces of pods gone released, the MPS layer's namespaces
+        reconciled). Returns no updates."""
+        self.reconciler.synchronize(pods, containers)
+        return []
+
+    def run_pod_sandbox(self, pod: nri_pb2.PodSandbox, ctx: CallContext | None = None) -> None:
+        """RunPodSandbox: queue the pod's early namespace ensures
+        (``nri/early.py``). Never raises: errors are logged, the sandbox goes on."""
+        try:
+            self.namespaces.queue_early(pod.id, early_plans(self.rules, pod, self.calls.up))
+        except Exception:
+            log.exception("nri RunPodSandbox: early MPS namespaces not queued",
+                          extra={"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid})
+        return None
+
+    def remove_pod_sandbox(self, pod: nri_pb2.PodSandbox, ctx: CallContext | None = None) -> None:
+        """RemovePodSandbox: release the early namespaces of this sandbox
+        that no container ever held (in the background; never raises). An
+        entry a newer sandbox of the same pod claimed (kubelet recreates a
+        dead sandbox, then removes the old one) stays."""
+        self.namespaces.release_early(lambda uid, sandbox: uid == pod.uid and sandbox == pod.id)
+        return None
 
     def close(self) -> None:
-        """Stop the background MPS workers without waiting (queued jobs are
-        cancelled; a running one ends within its own budget,
-        ``namespace_timeout_s`` or ``drain_timeout_s``). A later call queues on
-        a new queue."""
-        with self._ns_lock:
-            q, self._ns_queue = self._ns_queue, None
-            self._ns_pending.clear()
-            self._ns_made = dict.fromkeys(self._ns_made)  # no queue to have made them any more
-        if q is not None:
-            q.close()
+        """Stop the background MPS workers without waiting
+        (``Namespaces.close``). A later call queues on a new queue."""
+        self.namespaces.close()
 
 
 NriHandler = tuple[

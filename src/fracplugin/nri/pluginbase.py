@@ -1,28 +1,23 @@
-"""What the NRI door's handler parts share: the state ``FracNriPlugin``
-sets up (``_PluginState``: attribute types for the mixins), the constants
-and the small helpers (``_env_map``, ``_pod_ref``, ``_FailOpen``).
+"""What the NRI door's parts share: their settings (``DoorSettings``, one
+object ``FracNriPlugin`` hands each part, so a reload of ``fail_open`` reaches
+all of them), the constants and the small helpers (``_env_map``,
+``_pod_ref``, ``mps_timeout``, ``_FailOpen``).
 
-Split out of ``nri/plugin.py`` (issue 26, ADR 0023), moved as it was: the
-module docstring of ``nri/plugin.py`` describes the behaviour and the
-concurrency model; ``FracNriPlugin`` is the one class to use.
+The module docstring of ``nri/plugin.py`` describes the behaviour and the
+concurrency model; ``FracNriPlugin`` is the one class to use, its parts are
+objects it holds (issue 33 item 3).
 """
 
 from __future__ import annotations
 
-import threading
+import dataclasses
 from concurrent.futures import Future
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from .._proto import nri_pb2
 from ..annotations import KEY_GPU_FRACTION, KEY_GPU_FRACTION_LIMIT, KEY_GPU_MEMORY, KEY_NUM_DEVICES
-from ..ledger import Ledger
-from ..model import ComputeMode, ContainerPlan, FractionError, NodeInfo, PodRef, Tenancy
-from ..mps.api import MpsApi
-from ..ports import HookMetrics
-from ..planner import PlannerConfig
-from ..noderules import NodeRules
-from ..enforce.nri import NriMemoryLimits
-from .nsqueue import KeyedWorkQueue
+from ..model import ComputeMode, ContainerPlan, PodRef
+from .interfaces import CallContext
 
 
 _DEFAULT_REQUEST_TIMEOUT_S = 2.0
@@ -56,6 +51,14 @@ def _ns_settings(p: ContainerPlan) -> tuple[Any, ...]:
     return (p.compute_mode, p.active_thread_percentage, p.limit_mib)
 
 
+def mps_timeout(ctx: CallContext | None, share: float) -> float:
+    """Seconds an MPS call may take: ``share`` of the request timeout,
+    never past the handler's budget (minus a margin)."""
+    if ctx is None:
+        return _DEFAULT_REQUEST_TIMEOUT_S * share
+    return max(0.05, min(ctx.request_timeout_s * share, ctx.remaining() - _MARGIN_S))
+
+
 def _failed(fut: Future[Any]) -> bool:
     """``fut`` ended without a result (cancelled, or its job raised)."""
     return fut.done() and (fut.cancelled() or fut.exception() is not None)
@@ -66,36 +69,13 @@ class _FailOpen(Exception):
     pass
 
 
-class _PluginState:
-    """The attributes ``FracNriPlugin.__init__`` sets (see its docstring),
-    declared once for the mixins that implement its handlers."""
+@dataclasses.dataclass
+class DoorSettings:
+    """The NRI door's settings, one object its parts share
+    (``FracNriPlugin``'s arguments of the same names). ``fail_open`` is
+    reloaded (``parts.NriDoor``) by setting it here."""
 
-    rules: NodeRules
-    node: NodeInfo
-    memory_limits: NriMemoryLimits | None
-    cdi: Any
-    on_refusal: Callable[[PodRef, str, FractionError], None] | None
-    on_warning: Callable[[PodRef, str, str], None] | None
-    pod_lookup: Callable[[str, str], Mapping[str, Any] | None] | None
-    unit_mib: int
-    resource_name: str
-    _warned_pods: dict[str, None]
-    ledger: Ledger
-    config: PlannerConfig
-    mps: MpsApi
-    metrics: HookMetrics
-    fail_open: bool
-    namespace_timeout_s: float
-    drain_timeout_s: float
-    start_wait_s: float
-    events: int
-    _ns_lock: threading.Lock
-    _ns_pending: dict[str, tuple[Owner, Future[Any]]]
-    _ns_made: dict[Owner, tuple[tuple[Any, ...], Future[Any]] | None]
-    _ns_early: dict[Owner, tuple[tuple[Any, ...], Future[Any] | None, str]]
-    _early_counts: dict[str, int]
-    _stopped_holds: dict[str, list[Tenancy]]
-    _ns_queue: KeyedWorkQueue | None
-    _made_sources: dict[str, None]
-    _synced: threading.Event
-    unadjusted: list[dict[str, Any]]
+    fail_open: bool = False
+    namespace_timeout_s: float = 5.0
+    drain_timeout_s: float = 30.0
+    start_wait_s: float = 1.0

@@ -9,8 +9,9 @@ does not know the pod yet.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from .._proto import nri_pb2
 from ..annotation_lint import ignored_forms, unknown_keys
 from ..model import PodRef
 from .ttrpc import Code, RpcError
@@ -20,20 +21,21 @@ log = logging.getLogger(__name__)
 _MAX_LINTED = 4096
 
 
-def lint_pod(plugin: Any, pod: Any, ref: PodRef, container: str, apps: Sequence[str] | None,
-             everyone: Sequence[str] | None, fields: Mapping[str, Any]) -> None:
-    """Warn through ``plugin._warn`` (log ``nri annotation not applied`` and a
-    Warning Event) about the pod's annotation keys fracplugin does not read
-    (once per pod) and the forms it ignores for ``container`` (once per pod
-    and container). ``plugin._linted`` (a dict made here) remembers what was
-    reported, the oldest of 4096 entries dropped first."""
-    done: dict[Any, None] | None = getattr(plugin, "_linted", None)
-    if done is None:
-        done = plugin._linted = {}
+Warn = Callable[..., None]
+"""``warn(ref, container, message, fields, key=..., value=...)``: log ``nri
+annotation not applied`` and hand a Warning Event on (``PodReader.warn``)."""
+
+
+def lint_pod(done: dict[Any, None], warn: Warn, prefix: str, pod: nri_pb2.PodSandbox, ref: PodRef, container: str,
+             apps: Sequence[str] | None, everyone: Sequence[str] | None, fields: Mapping[str, Any]) -> None:
+    """Warn through ``warn`` about the pod's annotation keys fracplugin does
+    not read (once per pod) and the forms it ignores for ``container`` (once
+    per pod and container). ``done``, the caller's memory of what was
+    reported (pod UIDs and (pod UID, container) pairs), keeps at most 4096
+    entries, the oldest dropped first."""
     annotations = pod.annotations
     if not annotations:
         return
-    prefix = plugin.config.annotation_prefix
     found = []
     if pod.uid not in done:
         done[pod.uid] = None
@@ -44,27 +46,26 @@ def lint_pod(plugin: Any, pod: Any, ref: PodRef, container: str, apps: Sequence[
     while len(done) > _MAX_LINTED:
         done.pop(next(iter(done)))
     for x in found:
-        plugin._warn(ref, container, x.message, fields, key=x.key, value=x.value)
+        warn(ref, container, x.message, fields, key=x.key, value=x.value)
 
 
-def spec_unknown(plugin: Any, pod: Any) -> None:
+def spec_unknown(pod: nri_pb2.PodSandbox, *, pod_ready: Callable[[], bool] | None, fail_open: bool) -> None:
     """The pod carries forms whose target depends on its spec (pod-level KAI
     forms: the first or named app container) and the pod watch does not know
     the pod (yet): raise ``RpcError`` UNAVAILABLE (the runtime fails the
     creation, kubelet retries; the watch has it by then) rather than fence a
     sidecar. With ``fail_open``, or while the watch itself is not synced (the
     API server is unreachable: as without API access), the container is
-    planned alone (logged; ``/readyz`` says the watch is not synced)."""
+    planned alone (logged; ``/readyz`` says the watch is not synced).
+    ``pod_ready``: whether the pod watch is synced (None: taken as synced)."""
     what = f"{pod.namespace}/{pod.name}"
-    source = getattr(plugin.pod_lookup, "__self__", None)  # the pod source whose ``get`` is the lookup
-    ready = getattr(source, "ready", None)
-    if callable(ready) and not ready():
+    if pod_ready is not None and not pod_ready():
         # the watch itself is not synced (API server unreachable): as without
         # API access, the container is planned alone; /readyz says so
         log.warning("nri pod watch not synced; pod-level forms read for this container alone",
                     extra={"pod": what, "pod_uid": pod.uid})
         return
-    if plugin.fail_open:
+    if fail_open:
         log.warning("nri pod spec not known; pod-level forms read for this container alone (fail-open)",
                     extra={"pod": what, "pod_uid": pod.uid})
         return

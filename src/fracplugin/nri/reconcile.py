@@ -1,9 +1,11 @@
-"""The NRI door's Synchronize: rebuild the ledger from the containers the
-runtime reports, re-planned against their annotations and the devices they
-got, and report containers that lack fracplugin's adjustment.
+"""The NRI door's Synchronize (``Reconciler``): rebuild the ledger from the
+containers the runtime reports, re-planned against their annotations and
+the devices they got, and report containers that lack fracplugin's
+adjustment; re-ensure their MPS namespaces, release the early namespaces of
+pods gone, and reconcile the MPS layer's namespaces with the runtime's pods
+(``nri/orphans.py``). ``ready()`` is true after the first.
 
-Split out of ``nri/plugin.py`` (issue 26, ADR 0023), moved as it was: the
-module docstring of ``nri/plugin.py`` describes the behaviour and the
+The module docstring of ``nri/plugin.py`` describes the behaviour and the
 concurrency model; ``FracNriPlugin`` is the one class to use.
 """
 
@@ -11,29 +13,61 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Mapping, Sequence
+import threading
+from typing import Any, Iterable, Mapping, Sequence
 
 from .._proto import nri_pb2
 from .. import allocation as al
 from ..annotations import parse as parse_annotations
 from ..model import ComputeMode, ContainerPlan, FractionError, Tenancy
 from ..dra import ENV_CLAIM, claim_tenancies_of
+from ..mps.api import MpsApi
+from ..noderules import NodeRules
 from ..planner import ENV_VISIBLE_DEVICES
 from ..reservations import unbind_gone
-from .interfaces import CallContext
+from .admission import PodReader
+from .namespaces import Namespaces
+from .orphans import mps_namespaces
 from .pluginbase import _env_map, _pod_ref
-from .admission import _Admission
 
 log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
 
 
 
-class _Reconcile(_Admission):
-    """Synchronize (a mixin of ``FracNriPlugin``)."""
+class Reconciler:
+    """Synchronize (module docstring); owns the last report (``unadjusted``)
+    and whether one ran (``ready``)."""
 
-    def synchronize(self, pods: Sequence[nri_pb2.PodSandbox], containers: Sequence[nri_pb2.Container],
-                    ctx: CallContext | None = None) -> list[nri_pb2.ContainerUpdate]:
-        """Rebuild the ledger from what runs. Returns no updates."""
+    def __init__(self, rules: NodeRules, reader: PodReader, namespaces: Namespaces, mps: MpsApi) -> None:
+        self.rules = rules
+        self.node = rules.node
+        self.ledger = rules.ledger
+        self.config = rules.config
+        self.reader = reader
+        self.namespaces = namespaces
+        self.mps = mps
+        self._synced = threading.Event()
+        self.unadjusted: list[dict[str, Any]] = []
+        """Containers found by the last Synchronize that lack our env (dicts
+        with pod, container, container_id, missing, different)."""
+
+    def ready(self) -> bool:
+        """True after the first Synchronize rebuilt the ledger."""
+        return self._synced.is_set()
+
+    def synchronize(self, pods: Sequence[nri_pb2.PodSandbox], containers: Sequence[nri_pb2.Container]) -> None:
+        """Rebuild the ledger from what runs, then release the early MPS
+        namespaces of pods the runtime no longer reports (``nri/early.py``),
+        then reconcile the MPS layer's namespaces with the runtime's pods
+        (``nri/orphans.py``: adopt a live pod's unheld ones, release those of
+        pods gone while the doors did not see it)."""
+        self._rebuild(pods, containers)
+        live = {p.id for p in pods}
+        self.namespaces.release_early(lambda uid, sandbox: sandbox not in live)
+        self._reconcile_mps_namespaces(pods)
+
+    def _rebuild(self, pods: Sequence[nri_pb2.PodSandbox], containers: Sequence[nri_pb2.Container]) -> None:
+        """Rebuild the ledger from what runs and re-ensure its namespaces."""
         pods_by_id = {p.id: p for p in pods}
         tenancies: list[Tenancy] = []
         recorded: set[tuple[str, str]] = set()
@@ -45,11 +79,11 @@ class _Reconcile(_Admission):
                 log.warning("nri sync: container without its pod", extra={"container_id": c.id, "container": c.name})
                 continue
             fields = {"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": c.name, "container_id": c.id}
-            key = self._reservation_key(c, fields)
+            key = self.reader.reservation_key(c, fields)
             if key:
                 # kubelet's allocation: recorded as it runs, never refused.
                 try:
-                    p, _ignored = self._plan_reserved_unguarded(pod, c.name, key)
+                    p, _ignored = self.reader.plan_running_reserved(pod, c.name, key)
                 except FractionError as err:
                     log.warning("nri sync: running container's annotations are refused; recorded request-sized",
                                 extra={**fields, "key": err.key, "value": err.value, "rule": err.reason})
@@ -71,7 +105,8 @@ class _Reconcile(_Admission):
                 tenancies.extend(self._unadjusted_gpu_user(pod, c, fields))
                 continue
             env = _env_map(c)
-            withheld = self.memory_limits.withheld_keys() if self.memory_limits is not None else ()
+            limits = self.rules.limits
+            withheld = limits.withheld_keys() if limits is not None else ()
             missing = sorted(k for k in p.env if k not in env and k not in withheld)
             different = sorted(k for k in p.env if k in env and env[k] != p.env[k])
             if missing or different:
@@ -95,14 +130,13 @@ class _Reconcile(_Admission):
             t for t in cur if (t.door in (al.DOOR_ALLOCATE, al.DOOR_OTHER_PLUGIN) and t.reservation not in reserved)
             or t.door == al.DOOR_DRA],
             live))
-        self._renew_namespaces(tenancies)
+        self.namespaces.renew(tenancies)
         self.unadjusted = unadjusted
         self._synced.set()
         log.info(
             "nri synchronized",
             extra={"pods": len(pods), "containers": len(containers), "tenancies": len(tenancies), "unadjusted": len(unadjusted)},
         )
-        return []
 
 
     def _unadjusted_gpu_user(self, pod: nri_pb2.PodSandbox, c: nri_pb2.Container, fields: Mapping[str, Any]) -> list[Tenancy]:
@@ -143,3 +177,32 @@ class _Reconcile(_Admission):
             request = dataclasses.replace(request, devices=tuple(seen), num_devices=len(seen))
         p = self.rules.replan(request, _pod_ref(pod))
         return p, known or not p.placed_by_node
+
+    def _reconcile_mps_namespaces(self, pods: Iterable[nri_pb2.PodSandbox]) -> dict[str, int]:
+        """Compare the MPS layer's namespaces with ``pods`` (Synchronize's
+        sandboxes) and the ledger: adopt those of live pods nothing holds
+        into the early table, queue the release of those of
+        pods the runtime no longer has (``nri/orphans.py``). Returns
+        ``{"held", "adopted", "orphaned"}`` (counts of this call). Never
+        raises: an error is logged, nothing is released."""
+        counts = {"held": 0, "adopted": 0, "orphaned": 0}
+        try:
+            status = getattr(self.mps, "status", None)
+            doc = status() if callable(status) else None
+            found = mps_namespaces(doc)
+        except Exception:
+            log.exception("nri sync: the MPS layer's namespaces could not be read; not reconciled")
+            return counts
+        if not found:
+            if isinstance(doc, dict) and doc.get("reachable") is False:
+                log.info("nri sync: the MPS role is not reachable; its namespaces are not reconciled",
+                         extra={"reason": str(doc.get("error", ""))})
+            return counts
+        live = {p.uid: p.id for p in pods}  # the last sandbox listed of each pod UID
+        counts, orphans = self.namespaces.adopt(found, live)
+        if counts["adopted"] or orphans:
+            log.info("nri sync: MPS namespaces reconciled with the runtime",
+                     extra={**counts, "pod_uid": ",".join(sorted({ns.owner[0] for ns in orphans}))})
+        for ns in orphans:
+            self.namespaces.release_orphan(ns)
+        return counts

@@ -1,7 +1,7 @@
 """How the NRI stub serves one request in flight: the call record
 (``_Call``), the watchdog that answers a handler that overran its budget
 (``_Watchdog``), the handler threads (``_Workers``), one connection's state
-(``_Session``) and the stub's serving path (``_Serving``: count, route to the
+(``_Session``) and the stub's serving path (``_Server``: count, route to the
 reader thread or a handler thread, run the handler, write the answer without
 blocking the reader).
 
@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..safetext import escape_controls
 from .dispatch import Dispatcher
@@ -180,23 +180,32 @@ class _Session:
 
 
 
-class _Serving:
-    """The serving path of ``NriStub`` (a mixin: ``NriStub`` sets these
-    attributes in its ``__init__``; see there for their meaning)."""
+class _Server:
+    """The serving path of ``NriStub``: count a request, route it to the
+    reader thread or the handler threads, answer it (or let the watchdog
+    answer it when its budget is spent). Owns the handler threads and the
+    watchdog; made by ``NriStub.start``. ``on_bound(name)``: a bound was hit
+    (``unanswered``); ``on_synchronized()``: a Synchronize exchange completed
+    (called before its answer leaves)."""
 
-    handler: object
-    plugin_name: str
-    budget_fraction: float
-    max_unanswered: int
-    synchronize_count: int
-    _synced: threading.Event
-    _pool: _Workers | None
-    _watchdog: _Watchdog | None
+    def __init__(self, handler: object, plugin_name: str, budget_fraction: float, max_unanswered: int,
+                 max_workers: int, *, on_bound: Callable[[str], None], on_synchronized: Callable[[], None]) -> None:
+        self.handler = handler
+        self.plugin_name = plugin_name
+        self.budget_fraction = budget_fraction
+        self.max_unanswered = max_unanswered
+        self._on_bound = on_bound
+        self._on_synchronized = on_synchronized
+        self._pool = _Workers(max_workers, "nri-handler")
+        self._watchdog = _Watchdog(self._expired)
 
-    if TYPE_CHECKING:  # NriStub's own
-        def _bound_hit(self, bound: str) -> None: ...
+    def stop(self, pool: bool = True) -> None:
+        """Stop the watchdog and (``pool``) the handler threads."""
+        self._watchdog.stop()
+        if pool:
+            self._pool.shutdown()
 
-    def _dispatch(self, session: _Session, ev: RequestReceived) -> None:
+    def dispatch(self, session: _Session, ev: RequestReceived) -> None:
         """Reader thread: route one request. Served here when nothing in it
         can wait (``Dispatcher.inline``), else handed to the pool; never
         blocks on the socket either way."""
@@ -211,7 +220,6 @@ class _Serving:
         if not self._count_unanswered(session, transport):
             return
         call = _Call(session, ev, dispatcher.context(ev, self.budget_fraction))
-        assert self._watchdog is not None and self._pool is not None
         self._watchdog.add(call)
         if dispatcher.inline(ev.method):
             self._serve(call, inline=True)
@@ -235,7 +243,7 @@ class _Serving:
             log.error("nri runtime does not read the plugin's answers: %d requests unanswered (bound %d); "
                       "closing the connection", session.unanswered, self.max_unanswered,
                       extra={"session": session.number, "bound": "unanswered"})
-            self._bound_hit("unanswered")
+            self._on_bound("unanswered")
             transport.close(f"{session.unanswered} requests unanswered: the runtime does not read the answers "
                             f"(bound {self.max_unanswered})")
             return False
@@ -292,7 +300,6 @@ class _Serving:
     def _hand_over(self, job: Callable[[], None]) -> bool:
         """Run ``job`` on a handler thread; False when the pool is shut down."""
         try:
-            assert self._pool is not None
             self._pool.submit(job)
         except RuntimeError:
             return False
@@ -341,8 +348,7 @@ class _Serving:
             if method == "Synchronize" and error is None and not response.more:
                 # Counted before the answer leaves: the runtime proceeds on it.
                 call.session.synchronized = True
-                self.synchronize_count += 1
-                self._synced.set()
+                self._on_synchronized()
             self._send(call, payload, error, inline)
             return
         log.warning("nri handler result arrived after its budget and was dropped", extra={"method": method})

@@ -94,7 +94,7 @@ from .dispatch import (
 )
 from .interfaces import CallContext, event_mask
 from .mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
-from .serving import _Serving, _Session, _Watchdog, _Workers
+from .serving import _Server, _Session
 from .transport import ConnectionClosed, NriTransport
 from .ttrpc import RpcError
 
@@ -118,7 +118,7 @@ _NAME_RE = re.compile(r"^[a-zA-Z0-9_.+-]+$")
 _IDX_RE = re.compile(r"^[0-9]{2}$")
 
 
-class NriStub(_Serving):
+class NriStub:
     """Runs one NRI plugin (``handler``) against a runtime, for its whole life.
 
     Args:
@@ -214,8 +214,7 @@ class NriStub(_Serving):
         self._session: _Session | None = None
         self._session_lock = threading.Lock()
         self._sessions = itertools.count(1)
-        self._pool: _Workers | None = None
-        self._watchdog: _Watchdog | None = None
+        self._server: _Server | None = None  # the serving path, made by start()
         self._thread: threading.Thread | None = None
         self.sessions_started = 0
         """Connections that reached RegisterPlugin, since start."""
@@ -234,8 +233,8 @@ class NriStub(_Serving):
         already started."""
         if self._thread is not None:
             raise RuntimeError("NriStub already started")
-        self._pool = _Workers(self._max_workers, "nri-handler")
-        self._watchdog = _Watchdog(self._expired)
+        self._server = _Server(self.handler, self.plugin_name, self.budget_fraction, self.max_unanswered,
+                               self._max_workers, on_bound=self._bound_hit, on_synchronized=self._synchronized)
         self._thread = threading.Thread(target=self._run, name="nri-stub", daemon=True)
         self._thread.start()
         return self
@@ -253,10 +252,8 @@ class NriStub(_Serving):
         if self._thread is not None:
             self._thread.join(timeout_s)
             ended = not self._thread.is_alive()
-        if self._watchdog is not None:
-            self._watchdog.stop()
-        if self._pool is not None:
-            self._pool.shutdown()
+        if self._server is not None:
+            self._server.stop()
         closer = getattr(self.handler, "close", None)
         if callable(closer):
             try:
@@ -278,6 +275,12 @@ class NriStub(_Serving):
     def ever_synchronized(self) -> bool:
         """True once any connection completed a Synchronize since start."""
         return self._synced.is_set()
+
+    def _synchronized(self) -> None:
+        """A Synchronize exchange completed (counted before its answer leaves:
+        the runtime proceeds on it)."""
+        self.synchronize_count += 1
+        self._synced.set()
 
     def _bound_hit(self, bound: str) -> None:
         self.bounds_exceeded[bound] = self.bounds_exceeded.get(bound, 0) + 1
@@ -390,8 +393,8 @@ class NriStub(_Serving):
             log.exception("nri stub run loop failed")
         finally:
             self._stop_ev.set()
-            if self._watchdog is not None:
-                self._watchdog.stop()
+            if self._server is not None:
+                self._server.stop(pool=False)
             self._exited.set()
 
     def _open_session(self) -> _Session | None:
@@ -445,6 +448,8 @@ class NriStub(_Serving):
         return self._register(sock)
 
     def _register(self, sock: socket.socket) -> _Session:
+        server = self._server
+        assert server is not None  # made by start(), before the run thread
         session = _Session(next(self._sessions), Dispatcher(
             self.handler, self.events, self.plugin_name, max_sync_parts=self.max_sync_parts,
             max_sync_bytes=self.max_sync_bytes, on_bound=self._bound_hit))
@@ -452,7 +457,7 @@ class NriStub(_Serving):
             sock,
             serve_conn=PLUGIN_SERVICE_CONN,
             call_conn=RUNTIME_SERVICE_CONN,
-            on_request=lambda ev: self._dispatch(session, ev),
+            on_request=lambda ev: server.dispatch(session, ev),
             label=f"nri-{session.number}",
         )
         session.transport = transport
