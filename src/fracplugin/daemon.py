@@ -1,4 +1,5 @@
-"""``fracplugin run``'s daemon (entered from ``runcmd.main``): build every part, start them, serve, stop them in order.
+"""``fracplugin run``'s daemon (entered from ``runcmd.main``): build every part (``builders.Builder``), start
+them, serve, stop them in order. ``Daemon`` keeps the lifecycle and the read side (``checks``, ``status``).
 
 Start order (each part switchable, docs/reference/design.md section 3):
 
