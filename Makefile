@@ -18,9 +18,9 @@ setup: $(VENV)/.installed
 test: setup typecheck
 	$(PY) -m pytest tests/unit tests/component -q
 
-## typecheck: mypy --strict src/fracplugin, zero errors (config and the reasoned exceptions in pyproject.toml [tool.mypy])
+## typecheck: mypy --strict over src/fracplugin and the demo's src/fracplugin_demo, zero errors (config and the reasoned exceptions in pyproject.toml [tool.mypy])
 typecheck: setup
-	$(PY) -m mypy --strict src/fracplugin
+	$(PY) -m mypy --strict src/fracplugin src/fracplugin_demo
 
 unit: setup
 	$(PY) -m pytest tests/unit -q

@@ -33,7 +33,7 @@ def capture() -> str:
 
     Raises RuntimeError when a demo step fails (its output names the step)."""
     sys.path.insert(0, str(REPO / "src"))
-    from fracplugin.demo import Demo, find_examples, find_fake_mps
+    from fracplugin_demo.demo import Demo, find_examples, find_fake_mps
 
     captured: dict[str, str] = {}
 

@@ -1,17 +1,19 @@
-"""How ``fracplugin run`` builds each part (``Daemon``'s construction: the
-``_build_*`` steps ``Daemon.start`` runs in order, see ``daemon.py``), and
-the small helpers they share (``StartupError``, API client, addresses).
+"""How ``fracplugin run`` builds its parts: ``Builder`` runs the build steps
+in order from the configuration (inventory, ledger, metrics, MPS, pod source,
+events, the node's rules, the doors, health, node condition), registers and
+starts each part in the daemon's ``parts``, and holds what it built for the
+daemon's read side (``Daemon.checks``, ``Daemon.status``). What the built
+parts call back into the daemon (readiness, ``/status``, liveness, the
+metrics' door state, a stop request) comes in as ``Hooks``.
 
-Split out of ``daemon.py`` (issue 26, ADR 0023), moved as it was.
+Also the small helpers the steps share (``StartupError``, API client, addresses).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import os
-import signal
 import threading
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -92,47 +94,78 @@ def _api_client(cfg: Config) -> Any:
 _P = TypeVar("_P", bound=PartBase)
 
 
-class _Builders:
-    """The construction steps of ``Daemon`` (a mixin: ``Daemon.__init__``
-    sets these attributes; see ``Daemon``)."""
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """What the built parts call back into the daemon: the health server's
+    ``checks``, ``status`` and ``alive``, the node condition's ``checks``,
+    the metrics' ``metric_state``, and ``request_stop(why)`` (stop as at
+    SIGTERM; the NRI stub's fd-3 connection ended)."""
 
-    cfg: Config
-    parts: dict[str, Part]
-    inventory: Inventory | None
-    simulated: SimulatedInventory | None
-    node: NodeInfo | None
-    node_name: str
-    ledger: Ledger | None
-    metrics: Metrics | None
-    mps: MpsApi | None
-    pod_source: PodSource | None
-    events: EventRecorder | NullEventRecorder | None
-    nri: NriDoor | None
-    device_plugin: DevicePluginServer | None
-    memory_limits: MemoryLimits | None
-    rules: NodeRules | None
-    cdi_hook_of: Callable[[str], bool | None] | None
-    cdi: CdiRegistry | None
-    endpoints: dict[str, str]
-    ledger_warnings: list[str]
-    _stopping: threading.Event
-    pending_signals: list[int]
+    checks: Callable[[], dict[str, dict[str, Any]]]
+    status: Callable[[], dict[str, Any]]
+    alive: Callable[[], str | None]
+    metric_state: Callable[[], dict[str, Any]]
+    request_stop: Callable[[str], None]
 
-    if TYPE_CHECKING:  # Daemon's own methods the steps use
-        def _add(self, part: _P) -> _P: ...
 
-        def metric_state(self) -> dict[str, Any]: ...
+class Builder:
+    """Builds the daemon's parts from ``cfg`` (``build``), registering and
+    starting each in ``parts`` (a failed start then stops what started), and
+    keeps what it built; ``None`` for what is off or not built yet."""
 
-        def checks(self) -> dict[str, dict[str, Any]]: ...
+    def __init__(self, cfg: Config, parts: dict[str, Part], hooks: Hooks) -> None:
+        self.cfg = cfg
+        self.parts = parts
+        self.hooks = hooks
+        self.inventory: Inventory | None = None
+        self.simulated: SimulatedInventory | None = None
+        self.node: NodeInfo | None = None
+        self.node_name = ""
+        self.ledger: Ledger | None = None
+        self.ledger_warnings: list[str] = []
+        self.metrics: Metrics | None = None
+        self.mps: MpsApi | None = None
+        self.pod_source: PodSource | None = None
+        self.events: EventRecorder | NullEventRecorder | None = None
+        self.rules: NodeRules | None = None  # the node's rules, every door admits through them (issue 33)
+        self.nri: NriDoor | None = None
+        self.device_plugin: DevicePluginServer | None = None
+        self.memory_limits: MemoryLimits | None = None  # enforce.wiring.MemoryLimits (issue 23), None with --memory-limits off
+        self.cdi_hook_of: Callable[[str], bool | None] | None = None  # the CDI reader's "spec carries the hook"
+        self.cdi: CdiRegistry | None = None  # once a door needs it (ADR 0025b)
+        self.endpoints: dict[str, str] = {}
 
-        def status(self) -> dict[str, Any]: ...
+    def build(self) -> None:
+        """Build and start every enabled part, in order. Raises StartupError
+        (the caller stops what already started)."""
+        steps = [("inventory", self._build_inventory), ("ledger", self._build_ledger),
+                 ("metrics", self._build_metrics), ("mps", self._build_mps),
+                 ("pod source", self._build_pod_source), ("events", self._build_events),
+                 ("rules", self._build_rules), ("nri", self._build_nri), ("device plugin", self._build_device_plugin),
+                 ("dra", self._build_dra), ("health", self._build_health),
+                 ("node condition", self._build_node_condition)]
+        if self.cfg.role == "mps":  # no ledger (the doors role owns it), no doors, no rules
+            steps = [s for s in steps if s[0] in ("inventory", "metrics", "mps", "health")]
+        elif not self.cfg.no_device_plugin:
+            # the door's gRPC library (grpcio, ADR 0021) loads before any part starts a
+            # thread or a child process; without the door it never loads (ADR 0016)
+            from .kubelet import deviceplugin  # noqa: F401
+        if self.cfg.dra and self.cfg.role != "mps":
+            from .dra import server  # noqa: F401  (grpcio, as above)
+        for name, step in steps:
+            try:
+                step()
+            except StartupError:
+                raise
+            except Exception as exc:
+                log.exception("starting %s failed", name)
+                raise StartupError(f"{name}: {exc}") from exc
 
-        def alive(self) -> str | None: ...
-
-        def wakeup(self) -> None: ...
-
-        def _gpu_healthy(self) -> dict[str, tuple[bool, list[str]]]: ...
-
+    def _add(self, part: _P) -> _P:
+        """Register ``part`` (so that a failed start stops it) and start it."""
+        self.parts[part.name] = part
+        part.start()
+        return part
 
     @property
     def planner_config(self) -> PlannerConfig:
@@ -196,7 +229,7 @@ class _Builders:
             return
         metrics = self.metrics = Metrics(ledger=self.ledger, inventory=self.inventory, node=self.node,
                                          node_name=self.node_name)
-        metrics.attach_state(self.metric_state)
+        metrics.attach_state(self.hooks.metric_state)
         try:
             part = self._add(MetricsPart(self.cfg, metrics))
         except OSError as exc:
@@ -298,19 +331,9 @@ class _Builders:
             log.info("node condition not published (no API access or no node name)", extra={"types": list(types)})
             return
         publisher = NodeConditionPublisher(
-            _api_client(self.cfg), self.node_name, lambda: condition_from_checks(self.checks()), types)
+            _api_client(self.cfg), self.node_name, lambda: condition_from_checks(self.hooks.checks()), types)
         self._add(NodeConditionPart(self.cfg, publisher))
         log.info("publishing the node condition KAI gates on", extra={"types": list(types), "node": self.node_name})
-
-    def _refused_nri(self, pod: Any, container: str, err: Any) -> None:
-        """``FracNriPlugin.on_refusal``: queue the refusal's Event (never blocks)."""
-        if self.events is not None:
-            self.events.refused(pod, container, err, "nri")
-
-    def _warned_nri(self, pod: Any, container: str, message: str) -> None:
-        """``FracNriPlugin.on_warning``: queue an AnnotationNotApplied Event (never blocks)."""
-        if self.events is not None:
-            self.events.warned(pod, container, message, "nri")
 
     def _build_memory_limits(self) -> MemoryLimits | None:
         """CUDA memory limits per container (issue 23, ADR 0025): None with
@@ -321,7 +344,7 @@ class _Builders:
         from .enforce.memlimits import NvmlLimits
         from .enforce.wiring import MemoryLimits, MemoryLimitsPart
 
-        if self.cfg.memory_limits == "auto" and self.simulate_node_without_nvml(NvmlLimits.loadable):
+        if self.cfg.memory_limits == "auto" and self.cfg.simulate_node and not NvmlLimits.loadable():
             # A simulated node with no NVML library has nothing to set or read limits with:
             # auto means off there (ADR 0025); apply/verify chosen explicitly still run.
             log.info("memory limits: off (auto on a simulated node without NVML)")
@@ -344,10 +367,6 @@ class _Builders:
             ml.attach_metrics(self.metrics.registry, self.metrics.node_name())
         self._add(MemoryLimitsPart(self.cfg, ml))
         return ml
-
-    def simulate_node_without_nvml(self, loadable: Callable[[], bool]) -> bool:
-        """True on a ``--simulate-node`` daemon where NVML does not initialise."""
-        return bool(self.cfg.simulate_node) and not loadable()
 
     def _cdi(self) -> CdiRegistry | None:
         """The node's CDI specs (``cdi.CdiRegistry`` over ``--cdi-spec-dirs``,
@@ -383,10 +402,12 @@ class _Builders:
         from .nri.plugin import FracNriPlugin
         from .nri.stub import NriStub
 
-        assert self.rules is not None
+        assert self.rules is not None and self.events is not None
+        events = self.events  # refusals and warnings queue an Event (never blocks)
         plugin = FracNriPlugin(self.rules, mps=self.mps,
                                metrics=self.metrics, fail_open=self.cfg.fail_open,
-                               on_refusal=self._refused_nri, on_warning=self._warned_nri,
+                               on_refusal=lambda pod, c, err: events.refused(pod, c, err, "nri"),
+                               on_warning=lambda pod, c, message: events.warned(pod, c, message, "nri"),
                                pod_lookup=self.pod_source.get if self.pod_source is not None else None,
                                pod_ready=self.pod_source.ready if self.pod_source is not None else None,
                                unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name,
@@ -404,10 +425,7 @@ class _Builders:
 
             def watch_exit() -> None:
                 stub.wait_exit()
-                if not self._stopping.is_set():
-                    log.info("NRI connection on fd %s ended (runtime-launched plugin): shutting down", stub.fd)
-                    self.pending_signals.append(signal.SIGTERM)
-                    self.wakeup()
+                self.hooks.request_stop(f"NRI connection on fd {stub.fd} ended (runtime-launched plugin)")
 
             threading.Thread(target=watch_exit, name="nri-fd-exit", daemon=True).start()
 
@@ -459,7 +477,8 @@ class _Builders:
         # The pool and the slice's nodeName are the Kubernetes node's name (NODE_NAME / --node-name),
         # which a simulated node file or NVML's host name need not match.
         node = dataclasses.replace(self.node, name=self.node_name or self.node.name)
-        assert self.rules is not None
+        assert self.rules is not None and self.rules.health is not None
+        health = self.rules.health
         preparer = Preparer(self.rules, ApiClaims(api), self.cfg.dra_cdi_dir, node=node,
                             mps=None if self.cfg.no_mps else self.mps,
                             cdi=None if self.cfg.no_cdi_devices else self._cdi())
@@ -468,12 +487,11 @@ class _Builders:
         if not self.cfg.no_dra_slices:
             ledger = self.ledger
             slices = SlicePublisher(api, node, reserve_mib=self.cfg.reserve_mib,
-                                    healthy=lambda: {u: h for u, (h, _r) in self._gpu_healthy().items()},
+                                    healthy=lambda: {g.uuid: health.health(g.uuid).healthy for g in node.gpus},
                                     # each GPU's computeMode: the ledger's mode of its tenants, all doors
                                     modes=lambda: {g.uuid: ledger.mode(g.uuid) for g in node.gpus})
             ledger.subscribe(slices.poke)  # a hold taken or freed is published at once, not at the poll
-            if self.rules is not None and self.rules.health is not None:
-                self.rules.health.subscribe(slices.poke)  # so is a GPU's health
+            health.subscribe(slices.poke)  # so is a GPU's health
         try:
             self._add(DraDoor(self.cfg, server, slices))
         except OSError as exc:
@@ -503,7 +521,7 @@ class _Builders:
     def _build_health(self) -> None:
         from .health import HealthServer
 
-        server = HealthServer(self.cfg.health_address, self.checks, self.status, alive=self.alive,
+        server = HealthServer(self.cfg.health_address, self.hooks.checks, self.hooks.status, alive=self.hooks.alive,
                               simulate_xid=self.simulate_xid if self.simulated is not None else None)
         try:
             part = self._add(HealthPart(self.cfg, server))

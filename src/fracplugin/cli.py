@@ -4,7 +4,7 @@ Each subcommand lives in its own module with ``add_arguments(parser)`` and
 ``main(args) -> int``; this file only dispatches, so ``fracplugin explain``
 does not import the door's gRPC library (grpcio, loaded only where the
 device plugin door runs: ADR 0016, 0021) and ``fracplugin run`` does not
-import the demo.
+import the demo (``fracplugin_demo``, a sibling package: a tool, not a door).
 Exit status: 0 success, 1 refusal/failure, 2 usage error (argparse's own).
 """
 
@@ -21,7 +21,7 @@ SUBCOMMANDS = {
     "run": ("fracplugin.runcmd", "run the node daemon (NRI plugin, device plugin, MPS supervisor, metrics)"),
     "explain": ("fracplugin.explain", "show what each container of a pod would get on a node, or why it is refused"),
     "status": ("fracplugin.status", "show the running daemon's GPUs, tenants, MPS daemons and readiness"),
-    "demo": ("fracplugin.demo", "run the daemon on a simulated node and drive it through both doors"),
+    "demo": ("fracplugin_demo.demo", "run the daemon on a simulated node and drive it through both doors"),
     "mps-quit": ("fracplugin.mps.quitcmd", "stop the MPS control daemons on purpose, through the MPS role (uninstall)"),
 }
 

@@ -1,4 +1,5 @@
-"""``fracplugin run``'s daemon (entered from ``runcmd.main``): build every part, start them, serve, stop them in order.
+"""``fracplugin run``'s daemon (entered from ``runcmd.main``): build every part (``builders.Builder``), start
+them, serve, stop them in order. ``Daemon`` keeps the lifecycle and the read side (``checks``, ``status``).
 
 Start order (each part switchable, docs/reference/design.md section 3):
 
@@ -62,29 +63,15 @@ import sys
 import threading
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 from . import __version__, logs
 from .atomicfile import write_atomically
 from . import config as configmod
 from .config import Config, ConfigError
-from .ledger import Ledger
-from .model import NodeInfo
-from .parts import LogsPart, NriDoor, Part, Readiness
+from .parts import LogsPart, Part, Readiness
 from .parts import bounded as _bounded
-from .builders import POD_SOURCE_MISSING, _P, StartupError, _Builders
-
-if TYPE_CHECKING:
-    from .cdi import CdiRegistry
-    from .enforce.wiring import MemoryLimits
-    from .events import EventRecorder, NullEventRecorder
-    from .gpu.inventory import Inventory
-    from .gpu.simulated import SimulatedInventory
-    from .kubelet.deviceplugin import DevicePluginServer
-    from .kubelet.podlookup import PodSource
-    from .metrics import Metrics
-    from .mps.api import MpsApi
-    from .noderules import NodeRules
+from .builders import POD_SOURCE_MISSING, Builder, Hooks, StartupError
 
 log = logging.getLogger("fracplugin.daemon")
 
@@ -104,7 +91,7 @@ _STOP_FIRST: tuple[tuple[str, int], ...] = (("node condition", 5), ("device plug
 
 
 # ---- the daemon ----------------------------------------------------------------
-class Daemon(_Builders):
+class Daemon:
     """All parts of the node daemon, with their lifecycle.
 
     Args:
@@ -115,7 +102,8 @@ class Daemon(_Builders):
 
     Every part is driven through ``parts.Part`` (start, stop with a timeout,
     readiness with a reason, status, reload); ``self.parts`` holds them by
-    name in start order. ``start()`` raises StartupError (after stopping what
+    name in start order. ``self.built`` (``builders.Builder``) builds them at
+    ``start()`` and holds what it built (node, ledger, doors, rules, ...). ``start()`` raises StartupError (after stopping what
     had started); ``stop()`` is idempotent and bounded by ``cfg.shutdown_timeout_s``.
     """
 
@@ -128,24 +116,9 @@ class Daemon(_Builders):
         self._reload = reload
         self.started_at = time.time()
         self.parts: dict[str, Part] = {"logs": LogsPart(cfg)}
-        self.inventory: Inventory | None = None
-        self.simulated: SimulatedInventory | None = None
-        self.node: NodeInfo | None = None
-        self.node_name = ""
-        self.ledger: Ledger | None = None
-        self.metrics: Metrics | None = None
-        self.mps: MpsApi | None = None
-        self.pod_source: PodSource | None = None
-        self.events: EventRecorder | NullEventRecorder | None = None
-        self.nri: NriDoor | None = None
-        self.device_plugin: DevicePluginServer | None = None
-        self.memory_limits: MemoryLimits | None = None  # enforce.wiring.MemoryLimits (issue 23), None with --memory-limits off
-        self.cdi_hook_of: Callable[[str], bool | None] | None = None  # the CDI reader's "spec carries the hook"
-        self.cdi: CdiRegistry | None = None  # once a door needs it (ADR 0025b)
-        self.endpoints: dict[str, str] = {}
-        self.ledger_warnings: list[str] = []
+        self.built = Builder(cfg, self.parts, Hooks(checks=self.checks, status=self.status, alive=self.alive,
+                                                    metric_state=self.metric_state, request_stop=self.request_stop))
         self.startup_ms: float | None = None
-        self.rules: NodeRules | None = None  # the node's rules, every door admits through them (issue 33)
         self._stopping = threading.Event()
         self._stopped = False
         self._stop_lock = threading.Lock()
@@ -158,47 +131,23 @@ class Daemon(_Builders):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
 
-    def _add(self, part: _P) -> _P:
-        """Register ``part`` (so that a failed start stops it) and start it."""
-        self.parts[part.name] = part
-        part.start()
-        return part
-
     def start(self) -> None:
         """Build and start every enabled part, in order. Raises StartupError
         (having stopped whatever already started)."""
         t0 = time.monotonic()
         log.info("fracplugin %s starting", __version__, extra={
             "config": self.cfg.to_dict(), "sources": self.sources, "pid": os.getpid()})
-        steps = [("inventory", self._build_inventory), ("ledger", self._build_ledger),
-                 ("metrics", self._build_metrics), ("mps", self._build_mps),
-                 ("pod source", self._build_pod_source), ("events", self._build_events),
-                 ("rules", self._build_rules), ("nri", self._build_nri), ("device plugin", self._build_device_plugin),
-                 ("dra", self._build_dra), ("health", self._build_health),
-                 ("node condition", self._build_node_condition)]
-        if self.cfg.role == "mps":  # no ledger (the doors role owns it), no doors, no rules
-            steps = [s for s in steps if s[0] in ("inventory", "metrics", "mps", "health")]
-        elif not self.cfg.no_device_plugin:
-            # the door's gRPC library (grpcio, ADR 0021) loads before any part starts a
-            # thread or a child process; without the door it never loads (ADR 0016)
-            from .kubelet import deviceplugin  # noqa: F401
-        if self.cfg.dra and self.cfg.role != "mps":
-            from .dra import server  # noqa: F401  (grpcio, as above)
-        for name, step in steps:
-            try:
-                step()
-            except StartupError:
-                self.stop()
-                raise
-            except Exception as exc:
-                log.exception("starting %s failed", name)
-                self.stop()
-                raise StartupError(f"{name}: {exc}") from exc
+        try:
+            self.built.build()
+        except StartupError:
+            self.stop()
+            raise
         self.startup_ms = round((time.monotonic() - t0) * 1000, 1)
-        doc = {**self.endpoints, "pid": os.getpid(), "node": self.node_name, "started_at": self.started_at,
+        endpoints = self.built.endpoints
+        doc = {**endpoints, "pid": os.getpid(), "node": self.built.node_name, "started_at": self.started_at,
                "startup_ms": self.startup_ms}
         _write_json_atomic(self.cfg.endpoints_path, doc)
-        log.info("fracplugin started", extra={"endpoints": self.endpoints, "startup_ms": self.startup_ms,
+        log.info("fracplugin started", extra={"endpoints": endpoints, "startup_ms": self.startup_ms,
                                                "endpoints_file": self.cfg.endpoints_path})
 
     # ---- state -------------------------------------------------------------
@@ -208,7 +157,7 @@ class Daemon(_Builders):
         reconnects forever in external mode, so that is a bug worth a restart)."""
         if self._stopping.is_set():
             return "shutting down"
-        if self.nri is not None and self.nri.exited():
+        if self.built.nri is not None and self.built.nri.exited():
             return "the NRI plugin stub stopped"
         return None
 
@@ -237,29 +186,26 @@ class Daemon(_Builders):
                 out[check] = {"ready": r.ok, "detail": r.reason}
             elif enabled:
                 out[check] = {"ready": False, "detail": "not started"}
-        if "nri" in out and (self.pod_source is None or not self.pod_source.ready()):  # said, not gated on (issue 25 item 1)
-            why = "no API access" if self.pod_source is None else "pod watch not synced"
+        pods, rules = self.built.pod_source, self.built.rules
+        if "nri" in out and (pods is None or not pods.ready()):  # said, not gated on (issue 25 item 1)
+            why = "no API access" if pods is None else "pod watch not synced"
             out["nri"]["detail"] = f"{out['nri']['detail']}; {why}: {POD_SOURCE_MISSING}"
-        if self.rules is not None and (excluded := self.rules.excluded()):
+        if rules is not None and (excluded := rules.excluded()):
             out["gpus"] = {"ready": True, "detail": excluded}  # the rest of the node serves (issue 33)
         if self._stopping.is_set():
             out["daemon"] = {"ready": False, "detail": "shutting down"}
         return out
 
     def _gpu_healthy(self) -> dict[str, tuple[bool, list[str]]]:
-        """Per GPU UUID (healthy, reasons): ``_gpu_state`` of every GPU."""
-        if self.node is None or self.ledger is None:
+        """Per GPU UUID (healthy, reasons) from the node's health monitor (XID
+        marks, the MPS daemon of its tenants' mode), whichever doors are on;
+        (True, []) before the monitor is built, {} before the ledger."""
+        node, rules = self.built.node, self.built.rules
+        if node is None or self.built.ledger is None:
             return {}
-        return {g.uuid: self._gpu_state(g.uuid) for g in self.node.gpus}
-
-    def _gpu_state(self, uuid: str) -> tuple[bool, list[str]]:
-        """One GPU's (healthy, reasons) from the node's health monitor (XID
-        marks, the MPS daemon of its tenants' mode), whichever doors are on.
-        (True, []) before the monitor is built."""
-        if self.rules is None or self.rules.health is None:
-            return True, []
-        h = self.rules.health.health(uuid)
-        return h.healthy, list(h.reasons)
+        if rules is None or rules.health is None:
+            return {g.uuid: (True, []) for g in node.gpus}
+        return {g.uuid: (h.healthy, list(h.reasons)) for g in node.gpus for h in [rules.health.health(g.uuid)]}
 
     def metric_state(self) -> dict[str, Any]:
         """What ``Metrics.attach_state`` exports at scrape time: NRI connected /
@@ -267,10 +213,9 @@ class Daemon(_Builders):
         started), device plugin registered (likewise), and per GPU whether the
         device plugin reports it Healthy (critical XID or its mode's MPS daemon
         down; without the device plugin door: its mode's MPS daemon)."""
-        nri = None
-        if self.nri is not None:
-            nri = {"connected": self.nri.connected(), "synchronized": self.nri.synchronized(),
-                   "unadjusted": self.nri.unadjusted()}
+        nri, door = None, self.built.nri
+        if door is not None:
+            nri = {"connected": door.connected(), "synchronized": door.synchronized(), "unadjusted": door.unadjusted()}
         dp = self.parts.get("device plugin")
         return {"nri": nri, "device_plugin": None if dp is None else {"registered": dp.readiness().ok},
                 "gpu_healthy": {u: h for u, (h, _r) in self._gpu_healthy().items()}}
@@ -285,9 +230,10 @@ class Daemon(_Builders):
         checks = self.checks()
         gpus = []
         health = self._gpu_healthy()
-        if self.node is not None and self.ledger is not None:
-            for g in self.node.gpus:
-                tenants = self.ledger.tenants(g.uuid)
+        b = self.built
+        if b.node is not None and b.ledger is not None:
+            for g in b.node.gpus:
+                tenants = b.ledger.tenants(g.uuid)
                 held = sum(t.request_mib for t in tenants)
                 mode = tenants[0].mode if tenants else None
                 healthy, reasons = health.get(g.uuid, (True, []))
@@ -298,13 +244,13 @@ class Daemon(_Builders):
                     "tenants": [t.to_dict() for t in tenants],
                 })
         events = self._status_of("events")
-        if events is None and self.events is not None:
-            events = {"enabled": False, **self.events.stats()}
+        if events is None and b.events is not None:
+            events = {"enabled": False, **b.events.stats()}
         mps = self._status_of("mps")
         if mps is None:
-            mps = self.mps.status() if self.mps is not None else {"enabled": False, "daemons": []}
+            mps = b.mps.status() if b.mps is not None else {"enabled": False, "daemons": []}
         return {
-            "node": self.node_name,
+            "node": b.node_name,
             "version": __version__,
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started_at, 3),
@@ -322,9 +268,9 @@ class Daemon(_Builders):
             "events": events,
             "node_condition": self._status_of("node condition"),
             "memory_limits": self._status_of("memory limits"),
-            "cdi": self.cdi.status() if self.cdi is not None else None,
-            "endpoints": dict(self.endpoints),
-            "ledger": {"path": self.cfg.ledger_path, "warnings": self.ledger_warnings},
+            "cdi": b.cdi.status() if b.cdi is not None else None,
+            "endpoints": dict(b.endpoints),
+            "ledger": {"path": self.cfg.ledger_path, "warnings": b.ledger_warnings},
             "config": self.cfg.to_dict(),
         }
 
@@ -375,6 +321,14 @@ class Daemon(_Builders):
             os.write(self._wake_w, b"\0")
         except BlockingIOError:  # the pipe is full: the main thread has wake-ups queued already
             pass
+
+    def request_stop(self, why: str) -> None:
+        """Stop as at SIGTERM (from any thread; nothing once stopping): the NRI
+        stub's fd-3 connection ended (``Builder``'s watch)."""
+        if not self._stopping.is_set():
+            log.info("%s: shutting down", why)
+            self.pending_signals.append(signal.SIGTERM)
+            self.wakeup()
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT -> stop; SIGHUP -> reload (main thread only). The
@@ -461,10 +415,11 @@ class Daemon(_Builders):
         ledger = self.parts.get("ledger")
         if ledger is not None:
             ledger.stop(1.0)  # journal folded into the snapshot: a clean stop leaves one file
-        problems = self.ledger.check_invariants() if self.ledger is not None else []
+        book = self.built.ledger
+        problems = book.check_invariants() if book is not None else []
         log.info("fracplugin stopped", extra={
             "elapsed_ms": round((time.monotonic() - t0) * 1000, 1),
-            "tenancies": len(self.ledger.tenancies()) if self.ledger is not None else 0,
+            "tenancies": len(book.tenancies()) if book is not None else 0,
             "ledger_consistent": not problems})
 
     def _kill_mps_leftovers(self) -> None:
@@ -472,8 +427,8 @@ class Daemon(_Builders):
         process group of every MPS control daemon it reported (each runs in its
         own session) and their servers, so that no MPS process outlives us."""
         try:
-            assert self.mps is not None
-            daemons = self.mps.status().get("daemons") or []
+            assert self.built.mps is not None
+            daemons = self.built.mps.status().get("daemons") or []
         except Exception:
             log.exception("MPS status unavailable; cannot kill leftover MPS processes")
             return
@@ -503,7 +458,7 @@ def serve(cfg: Config, sources: dict[str, str], reload: Callable[[], tuple[Confi
         log.error("fracplugin could not start: %s", exc)
         print(f"fracplugin run: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps({"event": "started", **daemon.endpoints, "pid": os.getpid()}), flush=True)
+    print(json.dumps({"event": "started", **daemon.built.endpoints, "pid": os.getpid()}), flush=True)
     daemon.serve_forever()
     daemon.stop()
     return 0

@@ -117,7 +117,7 @@ class Part(Protocol):
 
 PLANNER_KEYS = frozenset({"reserve_mib", "max_clients_per_gpu", "mps_root", "annotation_prefix", "mps_protocol",
                           "no_cdi_devices"})
-"""Config keys of ``Daemon.planner_config`` (read by both doors at start)."""
+"""Config keys of ``builders.Builder.planner_config`` (read by both doors at start)."""
 
 
 class PartBase:

@@ -58,8 +58,8 @@ REPORT = REPO / "build" / "bench.json"
 REPEAT = int(os.environ.get("BENCH_DAEMON_REPEAT", "3"))
 IMAGE_ENV = {"MALLOC_ARENA_MAX": "2"}  # the Dockerfile's ENV that bears on memory
 
-from fracplugin.sim.kubelet import KubeletSim  # noqa: E402
-from fracplugin.sim.nri_runtime import NriRuntimeServer  # noqa: E402
+from fracplugin_demo.kubelet import KubeletSim  # noqa: E402
+from fracplugin_demo.nri_runtime import NriRuntimeServer  # noqa: E402
 from benchjson import merge  # noqa: E402
 from tests.helpers import kill_leftovers  # noqa: E402
 

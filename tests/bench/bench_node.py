@@ -82,8 +82,8 @@ P = "nvidia.com/container."
 
 from fracplugin.model import ComputeMode  # noqa: E402
 from fracplugin.mps.layout import MpsLayout  # noqa: E402
-from fracplugin.sim.kubelet import KubeletSim  # noqa: E402
-from fracplugin.sim.nri_runtime import NriRuntimeServer  # noqa: E402
+from fracplugin_demo.kubelet import KubeletSim  # noqa: E402
+from fracplugin_demo.nri_runtime import NriRuntimeServer  # noqa: E402
 from benchjson import merge  # noqa: E402
 from tests.fakes.mps_client import build_mps_client  # noqa: E402
 from tests.helpers import kill_leftovers  # noqa: E402

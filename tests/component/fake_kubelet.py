@@ -1,6 +1,6 @@
 """The component tests' kubelet: ``tests/peers/kubelet.py`` (its own gRPC
 servers and registration handling, nothing from ``fracplugin.kubelet`` or
-``fracplugin.sim``), under the module name the tests import
+``fracplugin_demo``), under the module name the tests import
 (``from fake_kubelet import FakeKubelet, FakePodResources``)."""
 
 from __future__ import annotations

@@ -137,31 +137,31 @@ def _refused_container() -> tuple[Any, Any]:
 
 def test_nri_door_reloads_fail_open_and_reports_its_restart_settings(fresh: Rig) -> None:
     d = fresh.daemon
-    assert d.nri is not None
+    assert d.built.nri is not None
     pod, container = _refused_container()
     with pytest.raises(RpcError):
-        d.nri.plugin.create_container(pod, container)
+        d.built.nri.plugin.create_container(pod, container)
     res = fresh.reload(fail_open=True, nri_plugin_idx="60")
     assert res["parts"]["nri"] == {"applied": ["fail_open"], "needs_restart": ["nri_plugin_idx"]}
-    assert d.nri.plugin.settings.fail_open is True
-    assert d.nri.plugin.create_container(pod, container) is None  # unadjusted: the stub answers an empty response
-    assert d.ledger is not None and d.ledger.tenancies() == []
+    assert d.built.nri.plugin.settings.fail_open is True
+    assert d.built.nri.plugin.create_container(pod, container) is None  # unadjusted: the stub answers an empty response
+    assert d.built.ledger is not None and d.built.ledger.tenancies() == []
     assert d.status()["nri"]["fail_open"] is True
-    assert d.cfg.nri_plugin_idx == "50" and d.nri.cfg.nri_plugin_idx == "50"
+    assert d.cfg.nri_plugin_idx == "50" and d.built.nri.cfg.nri_plugin_idx == "50"
 
 
 def _allocate_gpu0(d: Daemon) -> pb.AllocateResponse:
-    assert d.device_plugin is not None
-    ids = d.device_plugin.table.ids(GPU0)[:2]
-    return d.device_plugin.allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(
+    assert d.built.device_plugin is not None
+    ids = d.built.device_plugin.table.ids(GPU0)[:2]
+    return d.built.device_plugin.allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(
         devices_ids=ids)]))
 
 
 def test_device_plugin_reloads_fail_open_and_reports_its_restart_settings(fresh: Rig) -> None:
     d = fresh.daemon
-    dp = d.device_plugin
+    dp = d.built.device_plugin
     assert dp is not None
-    d.simulate_xid(GPU0, 79)  # a critical XID: GPU0 Unhealthy, Allocate on it refused
+    d.built.simulate_xid(GPU0, 79)  # a critical XID: GPU0 Unhealthy, Allocate on it refused
     wait_until(lambda: dp.health.unhealthy().get(GPU0) == ["xid 79"], what="the XID to mark GPU0 Unhealthy")
     try:
         with pytest.raises(Refusal) as refused:
@@ -274,6 +274,6 @@ def test_mps_role_parts_report_their_restart_settings() -> None:
         assert r.daemon.cfg.mps_api_socket == "" and Path(r.daemon.cfg.effective_mps_api_socket).exists()
     finally:
         r.daemon.stop()
-        if r.daemon.mps is not None:
-            r.daemon.mps.quit_daemons(5.0)  # role mps leaves its daemons running on stop (ADR 0009)
+        if r.daemon.built.mps is not None:
+            r.daemon.built.mps.quit_daemons(5.0)  # role mps leaves its daemons running on stop (ADR 0009)
         shutil.rmtree(root, ignore_errors=True)

@@ -205,7 +205,7 @@ def test_pick_passes_must_include_to_get_preferred_allocation(node_file):
     """D6: kubelet reuses an init container's devices for the next container
     and passes them as must_include; the simulation's ``pick`` does the same
     and the plugin's preference keeps them."""
-    from fracplugin.sim.kubelet import KubeletSim
+    from fracplugin_demo.kubelet import KubeletSim
 
     r = Rig(node_file)
     r.kubelet = KubeletSim(r.plugin_dir)

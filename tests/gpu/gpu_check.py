@@ -49,7 +49,7 @@ passed or skipped, 1 a failure (or a setup problem: the line says which),
 2 no NVIDIA GPU here (one line, nothing else done).
 
 Concurrency: sequential on the main thread; the NRI runtime driver runs its
-own I/O threads (``fracplugin.sim.nri_runtime``).
+own I/O threads (``fracplugin_demo.nri_runtime``).
 """
 
 from __future__ import annotations
@@ -659,7 +659,7 @@ class Nri:
     """Acts as containerd towards the daemon's NRI plugin (``NriRuntimeServer``)."""
 
     def __init__(self, socket_path: Path, request_timeout_s: float = 10.0) -> None:
-        from fracplugin.sim.nri_runtime import NriRuntimeServer
+        from fracplugin_demo.nri_runtime import NriRuntimeServer
 
         self.server = NriRuntimeServer(str(socket_path), request_timeout_s=request_timeout_s,
                                        runtime_name="fracplugin-gpu-check").start()
@@ -674,7 +674,7 @@ class Nri:
         RpcError when the plugin refuses. ``cgroups_path``: the container's
         ``linux.cgroups_path`` as the runtime sends it (cgroupfs form
         ``/<dir>/<leaf>``), so the daemon can find its leaf cgroup."""
-        from fracplugin.sim.nri_runtime import container_msg, effective_env, pod_sandbox
+        from fracplugin_demo.nri_runtime import container_msg, effective_env, pod_sandbox
 
         pod = pod_sandbox(manifest)
         ctr = container_msg(pod, manifest["spec"]["containers"][0], container_id=container_id or secrets.token_hex(32))

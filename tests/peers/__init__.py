@@ -15,6 +15,6 @@ They may use the generated protobuf messages (``fracplugin._proto.nri_pb2``,
 ``deviceplugin_pb2``, ``podresources_pb2``): that is the schema, not the
 transport. ``tests/unit/test_peers_independent.py`` checks that nothing here
 imports ``fracplugin.nri.{mux,ttrpc,transport,stub,plugin}``,
-``fracplugin.kubelet.*`` or ``fracplugin.sim``, so a framing or registration
+``fracplugin.kubelet.*`` or ``fracplugin_demo``, so a framing or registration
 bug in the product cannot hide on both sides of a test.
 """

@@ -1,6 +1,6 @@
 """An in-process kubelet for the device plugin tests: its own gRPC servers
 (grpcio) and registration handling, nothing from ``fracplugin.kubelet`` or
-``fracplugin.sim``, so a registration bug in the product cannot be mirrored
+``fracplugin_demo``, so a registration bug in the product cannot be mirrored
 here and pass.
 
 What it copies from kubelet (docs/reference/kubelet-device-plugin.md A.5, A.8; and what a

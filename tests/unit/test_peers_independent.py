@@ -3,7 +3,7 @@
 transport and registration (issue 15 item 4): from ``fracplugin`` they may
 import only the generated message schemas, never ``fracplugin.nri`` (mux,
 ttrpc, transport, stub), ``fracplugin.kubelet`` (registration, device plugin
-server) or ``fracplugin.sim`` (the demo's players, built on the product's
+server) or ``fracplugin_demo`` (the demo's players, built on the product's
 transport). The ttrpc envelope is encoded by the peers themselves, so
 ``ttrpc_pb2`` is off limits too."""
 
@@ -36,14 +36,18 @@ ALLOWED = {
 }
 
 
+PRODUCT = ("fracplugin", "fracplugin_demo")
+"""The product package and the demo's (its players use the product's transport)."""
+
+
 def _product_imports(path: Path) -> list[str]:
     """Every ``fracplugin...`` module (or ``module.name``) a file imports, at any depth in the file."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found += [a.name for a in node.names if a.name.split(".")[0] == "fracplugin"]
+            found += [a.name for a in node.names if a.name.split(".")[0] in PRODUCT]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.split(".")[0] == "fracplugin":
+            if node.module.split(".")[0] in PRODUCT:
                 # "from fracplugin._proto import nri_pb2" names the module nri_pb2
                 found += [f"{node.module}.{a.name}" if node.module in ("fracplugin", "fracplugin._proto")
                           else node.module for a in node.names]
@@ -64,10 +68,10 @@ def test_peers_import_only_message_schemas_from_the_product(path: Path) -> None:
 def test_the_checker_sees_product_imports(tmp_path: Path) -> None:
     f = tmp_path / "x.py"
     f.write_text("import fracplugin.nri.ttrpc\nfrom fracplugin.kubelet import registration\n"
-                 "from fracplugin._proto import ttrpc_pb2, nri_pb2\nfrom fracplugin.sim.kubelet import Kubelet\n"
+                 "from fracplugin._proto import ttrpc_pb2, nri_pb2\nfrom fracplugin_demo.kubelet import Kubelet\n"
                  "def f():\n    from fracplugin.nri.transport import NriTransport\n")
     assert [m for m in _product_imports(f) if m not in ALLOWED] == [
-        "fracplugin.nri.ttrpc", "fracplugin.kubelet", "fracplugin._proto.ttrpc_pb2", "fracplugin.sim.kubelet",
+        "fracplugin.nri.ttrpc", "fracplugin.kubelet", "fracplugin._proto.ttrpc_pb2", "fracplugin_demo.kubelet",
         "fracplugin.nri.transport"]
 
 
@@ -98,15 +102,14 @@ def _absolute_imports(path: Path, package: str) -> list[str]:
     return out
 
 
-def test_only_the_demo_uses_the_simulation_package() -> None:
-    # fracplugin.sim holds the demo's players; what `fracplugin run` loads never imports it.
+def test_the_product_never_imports_the_demo() -> None:
+    # fracplugin_demo holds the demo and its players (tools, not doors); fracplugin.cli names it as a
+    # string and imports it only for `fracplugin demo`, so no module of fracplugin imports it.
     src = REPO / "src" / "fracplugin"
     users = []
     for path in sorted(src.rglob("*.py")):
         rel = path.relative_to(src.parent)
-        if rel.parts[1] == "sim":
-            continue
         package = ".".join(rel.with_suffix("").parts[:-1]) if path.name != "__init__.py" else ".".join(rel.parts[:-1])
-        if any(m == "fracplugin.sim" or m.startswith("fracplugin.sim.") for m in _absolute_imports(path, package)):
+        if any(m.split(".")[0] == "fracplugin_demo" for m in _absolute_imports(path, package)):
             users.append(str(rel))
-    assert users == ["fracplugin/demo.py"]
+    assert users == []

@@ -1,4 +1,4 @@
-"""``mypy --strict`` over ``src/fracplugin`` (issue 26 item 3) stays the rule:
+"""``mypy --strict`` over ``src/fracplugin`` and the demo's ``src/fracplugin_demo`` (issue 26 item 3) stays the rule:
 ``make typecheck`` (the first step of ``make test``) runs mypy with
 ``--strict``, pyproject's ``[tool.mypy]`` says ``strict = true`` too (so a bare
 ``mypy`` in an editor checks the same), and the exceptions stay the short,
@@ -34,7 +34,8 @@ def test_make_typecheck_runs_mypy_strict() -> None:
     text = (ROOT / "Makefile").read_text()
     recipe = re.search(r"^typecheck:.*\n((?:\t.*\n)+)", text, re.MULTILINE)
     assert recipe is not None, "Makefile has no typecheck target"
-    assert "-m mypy --strict src/fracplugin" in recipe.group(1)
+    assert "-m mypy --strict src/fracplugin src/fracplugin_demo" in recipe.group(1)
+    assert _mypy_config().get("files") == ["src/fracplugin", "src/fracplugin_demo"]
     assert re.search(r"^test:.*\btypecheck\b", text, re.MULTILINE), "make test must run typecheck first"
 
 

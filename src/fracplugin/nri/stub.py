@@ -4,7 +4,7 @@ reconnect. Knows nothing about GPUs; the behaviour lives in a handler object.
 Concurrency model: threads.
 
 - one *run* thread (``NriStub.start``) connects, registers and waits for the
-  connection to end, then reconnects with backoff (tenacity);
+  connection to end, then reconnects with backoff (``_Reconnect``, tenacity);
 - one *reader* thread per connection (``transport.NriTransport``) parses
   frames and routes each request through the dispatch table. It serves a
   request itself when nothing in it can wait: a method the handler does not
@@ -118,6 +118,83 @@ _NAME_RE = re.compile(r"^[a-zA-Z0-9_.+-]+$")
 _IDX_RE = re.compile(r"^[0-9]{2}$")
 
 
+class _Reconnect:
+    """How the stub reaches the runtime, and its backoff. In fd mode: the
+    launched socket on ``fd``, once (section 1.5). Else ``socket_path``,
+    retried with exponential backoff and jitter (``initial_s`` .. ``max_s``)
+    until ``stop`` is set; after a session that never synchronized (a rejected
+    registration, an immediate close) the next try waits a doubling penalty,
+    so such a runtime cannot turn the run loop into a busy loop (section 1.9)."""
+
+    def __init__(self, socket_path: str, fd: int | None, connect_timeout_s: float, initial_s: float,
+                 max_s: float, stop: threading.Event) -> None:
+        self.socket_path = socket_path
+        self.fd = fd
+        self.connect_timeout_s = connect_timeout_s
+        self.initial_s = initial_s
+        self.max_s = max_s
+        self._stop = stop
+        self._penalty = initial_s
+
+    def open(self, register: Callable[[socket.socket], _Session]) -> _Session | None:
+        """Connect and ``register``, retrying with backoff; None when stopping
+        (or, in fd mode, when the launched socket cannot be used)."""
+        if self.fd is not None:
+            try:
+                sock = socket.socket(fileno=self.fd)
+            except OSError as exc:
+                log.error("nri: cannot use the runtime's socket fd", extra={"fd": self.fd, "reason": str(exc)})
+                return None
+            try:
+                return register(sock)
+            except (ConnectionError, TimeoutError, RpcError) as exc:
+                log.error("nri registration failed on the launched socket", extra={"reason": str(exc)})
+                return None
+        retrying = Retrying(
+            retry=retry_if_exception_type((OSError, TimeoutError, RpcError)),
+            wait=wait_exponential(multiplier=self.initial_s, max=self.max_s) + wait_random(0, self.initial_s),
+            stop=stop_when_event_set(self._stop),
+            sleep=self._pause,
+            before_sleep=self._log_retry,
+            reraise=True,
+        )
+        try:
+            return retrying(self._connect, register)
+        except (OSError, TimeoutError, RpcError):
+            return None  # stopped while retrying
+
+    def ended(self, synchronized: bool) -> None:
+        """A session ended (external mode): pause before the next try unless it synchronized."""
+        if synchronized:
+            self._penalty = self.initial_s
+        else:
+            self._stop.wait(self._penalty)
+            self._penalty = min(self._penalty * 2, self.max_s)
+
+    def _pause(self, seconds: float) -> None:
+        """tenacity's sleep: the backoff pause, cut short by ``stop()``."""
+        self._stop.wait(seconds)
+
+    def _log_retry(self, state: Any) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        log.info(
+            "nri runtime not reachable, retrying",
+            extra={"socket": self.socket_path, "attempt": state.attempt_number, "reason": str(exc)},
+        )
+
+    def _connect(self, register: Callable[[socket.socket], _Session]) -> _Session:
+        if self._stop.is_set():
+            raise ConnectionAbortedError("stopping")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.connect_timeout_s)
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        return register(sock)
+
+
 class NriStub:
     """Runs one NRI plugin (``handler``) against a runtime, for its whole life.
 
@@ -196,9 +273,6 @@ class NriStub:
             raise ValueError("budget_fraction must be in (0, 1)")
         self.budget_fraction = budget_fraction
         self.registration_timeout_s = registration_timeout_s
-        self.reconnect_initial_s = reconnect_initial_s
-        self.reconnect_max_s = reconnect_max_s
-        self.connect_timeout_s = connect_timeout_s
         self._max_workers = max_workers
         if min(max_sync_parts, max_sync_bytes, max_unanswered) < 1:
             raise ValueError("max_sync_parts, max_sync_bytes and max_unanswered must be >= 1")
@@ -209,6 +283,8 @@ class NriStub:
         self.bounds_exceeded: dict[str, int] = {"sync_parts": 0, "sync_bytes": 0, "unanswered": 0}
         """How often each bound was hit, since start."""
         self._stop_ev = threading.Event()
+        self._reconnect = _Reconnect(socket_path, self.fd, connect_timeout_s, reconnect_initial_s, reconnect_max_s,
+                                     self._stop_ev)
         self._exited = threading.Event()
         self._synced = threading.Event()
         self._session: _Session | None = None
@@ -353,10 +429,9 @@ class NriStub:
     # ------------------------------------------------------------- run loop
 
     def _run(self) -> None:
-        penalty = self.reconnect_initial_s
         try:
             while not self._stop_ev.is_set():
-                session = self._open_session()
+                session = self._reconnect.open(self._register)
                 if session is None:
                     break
                 assert session.transport is not None
@@ -382,13 +457,7 @@ class NriStub:
                     break
                 if self._stop_ev.is_set():
                     break
-                # A session that never synchronized (rejected registration,
-                # immediate close) must not turn into a busy loop.
-                if session.synchronized:
-                    penalty = self.reconnect_initial_s
-                else:
-                    self._stop_ev.wait(penalty)
-                    penalty = min(penalty * 2, self.reconnect_max_s)
+                self._reconnect.ended(session.synchronized)
         except Exception:
             log.exception("nri stub run loop failed")
         finally:
@@ -396,56 +465,6 @@ class NriStub:
             if self._server is not None:
                 self._server.stop(pool=False)
             self._exited.set()
-
-    def _open_session(self) -> _Session | None:
-        """Connect and register, retrying with backoff; None when stopping."""
-        if self.fd_mode:
-            try:
-                sock = socket.socket(fileno=self.fd)
-            except OSError as exc:
-                log.error("nri: cannot use the runtime's socket fd", extra={"fd": self.fd, "reason": str(exc)})
-                return None
-            try:
-                return self._register(sock)
-            except (ConnectionError, TimeoutError, RpcError) as exc:
-                log.error("nri registration failed on the launched socket", extra={"reason": str(exc)})
-                return None
-        retrying = Retrying(
-            retry=retry_if_exception_type((OSError, TimeoutError, RpcError)),
-            wait=wait_exponential(multiplier=self.reconnect_initial_s, max=self.reconnect_max_s)
-            + wait_random(0, self.reconnect_initial_s),
-            stop=stop_when_event_set(self._stop_ev),
-            sleep=self._pause,
-            before_sleep=self._log_retry,
-            reraise=True,
-        )
-        try:
-            return retrying(self._connect_and_register)
-        except (OSError, TimeoutError, RpcError):
-            return None  # stopped while retrying
-
-    def _pause(self, seconds: float) -> None:
-        """tenacity's sleep: the backoff pause, cut short by ``stop()``."""
-        self._stop_ev.wait(seconds)
-
-    def _log_retry(self, state: Any) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        log.info(
-            "nri runtime not reachable, retrying",
-            extra={"socket": self.socket_path, "attempt": state.attempt_number, "reason": str(exc)},
-        )
-
-    def _connect_and_register(self) -> _Session:
-        if self._stop_ev.is_set():
-            raise ConnectionAbortedError("stopping")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self.connect_timeout_s)
-            sock.connect(self.socket_path)
-        except OSError:
-            sock.close()
-            raise
-        return self._register(sock)
 
     def _register(self, sock: socket.socket) -> _Session:
         server = self._server

@@ -17,7 +17,7 @@ Two locks:
   writing the socket), so the reader keeps reading while a writer blocks.
 
 Lock order is always write -> state. The plugin side serves conn 1 and calls
-on conn 2; a runtime-side peer (the demo's ``fracplugin.sim.nri_runtime``) does the opposite
+on conn 2; a runtime-side peer (the demo's ``fracplugin_demo.nri_runtime``) does the opposite
 (docs/reference/nri-protocol.md section 1.1).
 
 Failures (mux/ttrpc protocol errors, truncated streams, EOF, socket errors)

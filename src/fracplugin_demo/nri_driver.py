@@ -1,7 +1,7 @@
 """The calls the demo's simulated runtime makes on the plugin it drives
 (CreateContainer, StopContainer, the pod and container events).
 
-Split out of ``sim/nri_runtime.py`` (issue 26, ADR 0023), moved as they
+Split out of ``nri_runtime.py`` (issue 26, ADR 0023), moved as they
 were; ``NriRuntimeServer`` there is the one class to use.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .._proto import nri_pb2
+from fracplugin._proto import nri_pb2
 
 
 class _PluginDriver:

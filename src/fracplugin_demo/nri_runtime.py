@@ -36,11 +36,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .. import __version__
-from .._proto import nri_pb2
-from ..nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
-from ..nri.transport import ConnectionClosed, NriTransport
-from ..nri.ttrpc import Code, RequestReceived, RpcError
+from fracplugin import __version__
+from fracplugin._proto import nri_pb2
+from fracplugin.nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from fracplugin.nri.transport import ConnectionClosed, NriTransport
+from fracplugin.nri.ttrpc import Code, RequestReceived, RpcError
 from .nri_driver import _PluginDriver
 
 log = logging.getLogger(__name__)

@@ -56,9 +56,9 @@ from typing import Any, Callable, NoReturn
 
 import grpc
 
-from .._proto import deviceplugin_pb2 as pb
-from .._proto import deviceplugin_pb2_grpc as pb_grpc
-from ..kubelet import grpcopts
+from fracplugin._proto import deviceplugin_pb2 as pb
+from fracplugin._proto import deviceplugin_pb2_grpc as pb_grpc
+from fracplugin.kubelet import grpcopts
 
 log = logging.getLogger(__name__)
 

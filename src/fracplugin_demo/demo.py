@@ -6,9 +6,9 @@ What it does, in one command (issue 6 item 2):
    fracplugin.cli run``) on ``examples/nodes/gpu-node-1.yaml`` with
    the fake ``nvidia-cuda-mps-control`` (``tests/fakes/``), every socket,
    pipe directory and state file in one temporary directory;
-2. acts as the container runtime (``sim.nri_runtime.NriRuntimeServer``:
+2. acts as the container runtime (``fracplugin_demo.nri_runtime.NriRuntimeServer``:
    mux + ttrpc + NRI protobufs on a real unix socket) and as kubelet
-   (``sim.kubelet.KubeletSim``: Registration server + device
+   (``fracplugin_demo.kubelet.KubeletSim``: Registration server + device
    plugin client over gRPC), and gives the daemon a simulated API server
    (``--pods-file``) for the device plugin door;
 3. plays the seed pods of ``examples/pods/``: the inference pod
@@ -43,14 +43,14 @@ import subprocess
 import sys
 import tempfile
 import time
-
-from .subproc import die_with_parent
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
+
+from fracplugin.subproc import die_with_parent
 
 PKG_DIR = Path(__file__).resolve().parent
 RESOURCE = "fracplugin.io/gpu-memory"
@@ -89,7 +89,7 @@ def find_examples(explicit: str | None = None) -> Path:
     if explicit:
         cands.append(Path(explicit))
     else:
-        repo = PKG_DIR.parents[1]  # src/fracplugin -> repo
+        repo = PKG_DIR.parents[1]  # src/fracplugin_demo -> repo
         cands += [repo / "examples", Path.cwd() / "examples"]
     for c in cands:
         if (c / NODE_FILE).is_file():
@@ -240,8 +240,8 @@ class Demo:
         }
 
     def start(self) -> None:
-        from .sim.kubelet import KubeletSim
-        from .sim.nri_runtime import NriRuntimeServer
+        from .kubelet import KubeletSim
+        from .nri_runtime import NriRuntimeServer
 
         self.work = tempfile.mkdtemp(prefix="fpdemo", dir="/tmp")
         os.chmod(self.work, 0o755)  # the MPS root must be reachable by other users
@@ -310,7 +310,7 @@ class Demo:
 
     # ---- printing ------------------------------------------------------------------
     def tenancy(self) -> dict[str, Any]:
-        from .status import render_gpus
+        from fracplugin.status import render_gpus
 
         code, body = _http(self.endpoints["health"], "/status")
         doc: dict[str, Any] = json.loads(body)
@@ -342,8 +342,8 @@ class Demo:
     def nri_create(self, manifest: dict[str, Any], expect: str, source: str) -> dict[str, Any]:
         """CreateContainer for every container of ``manifest``; ``expect`` is
         ``placed`` or ``refused``. Returns the result record of the (last) container."""
-        from .sim.nri_runtime import container_msg, effective_env, pod_sandbox
-        from .nri.ttrpc import Code, RpcError
+        from .nri_runtime import container_msg, effective_env, pod_sandbox
+        from fracplugin.nri.ttrpc import Code, RpcError
 
         pod = pod_sandbox(manifest)
         md = manifest["metadata"]
@@ -387,7 +387,7 @@ class Demo:
         """CreateContainer; an UNAVAILABLE answer (transient: e.g. the MPS
         namespace not ready in time) is retried as kubelet retries a failed
         container creation. Raises the last RpcError."""
-        from .nri.ttrpc import Code, RpcError
+        from fracplugin.nri.ttrpc import Code, RpcError
 
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:
@@ -407,7 +407,7 @@ class Demo:
         container's namespace ``control`` socket (in its pipe directory, one
         of ``sources``) is awaited before the demo goes on. Raises
         StepFailed when it never starts."""
-        from .nri.ttrpc import Code, RpcError
+        from fracplugin.nri.ttrpc import Code, RpcError
 
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:
