@@ -39,10 +39,15 @@ def api(root: Path):  # noqa: F811
 
 def start(daemon: Callable[..., DaemonProc], root: Path, api: ResourceApi, *extra: str) -> DaemonProc:  # noqa: F811
     kubeconfig = api.serve(root)
-    return daemon("--no-nri", "--mps-control-binary", str(FAKE_MPS), "--dra", "--kubeconfig", str(kubeconfig),
-                  "--dra-plugins-dir", str(root / "plugins"), "--dra-registry-dir", str(root / "registry"),
-                  "--dra-cdi-dir", str(root / "cdi"), "--cdi-spec-dirs", str(CDI_WITH_HOOK),
-                  "--node-condition-types", "", *extra)
+    d = daemon("--no-nri", "--mps-control-binary", str(FAKE_MPS), "--dra", "--kubeconfig", str(kubeconfig),
+               "--dra-plugins-dir", str(root / "plugins"), "--dra-registry-dir", str(root / "registry"),
+               "--dra-cdi-dir", str(root / "cdi"), "--cdi-spec-dirs", str(CDI_WITH_HOOK),
+               "--node-condition-types", "", *extra)
+    # Prepare makes the claim's MPS namespace: until the (fake) MPS daemons answer it is refused, and the slice
+    # lists no GPU (kubelet retries; a test waits instead of racing the daemons' start)
+    wait_until(lambda: d.get("/readyz")[1]["checks"].get("mps", {}).get("ready"),
+               what=lambda: f"the MPS daemons: {d.get('/readyz')}")
+    return d
 
 
 @contextlib.contextmanager
@@ -89,7 +94,8 @@ def test_registration_prepare_unprepare_and_the_slice(daemon: Callable[..., Daem
                    what=lambda: f"dra readiness: {d.get('/readyz')}")
 
         # the slice: one device per GPU, memory = (81559 - 1024) MiB in bytes, 1 MiB step
-        assert api.wait_for(lambda a: SLICE in a.slices), api.requests
+        # the first slice may list no GPU: until an MPS daemon is up no GPU can take a fraction (the node's health)
+        assert api.wait_for(lambda a: SLICE in a.slices and len(a.slices[SLICE]["spec"]["devices"]) == 4), api.requests
         spec = api.slices[SLICE]["spec"]
         assert spec["driver"] == DRIVER and spec["nodeName"] == "gpu-node-1" and spec["pool"]["name"] == "gpu-node-1"
         dev0 = spec["devices"][0]
