@@ -39,10 +39,13 @@ import secrets
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Container, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Container, Mapping, Sequence
 
 from .atomicfile import write_atomically
 from .model import Tenancy
+
+if TYPE_CHECKING:
+    from .ledger import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -111,18 +114,18 @@ class ReservationProofs:
             log.warning("reservation proofs not saved", extra={"path": str(self.path), "reason": str(exc)})
 
 
-_BY_LEDGER: "weakref.WeakKeyDictionary[Any, ReservationProofs]" = weakref.WeakKeyDictionary()
+_BY_LEDGER: "weakref.WeakKeyDictionary[Ledger, ReservationProofs]" = weakref.WeakKeyDictionary()
 _BY_LEDGER_LOCK = threading.Lock()
 
 
-def proofs_of(ledger: Any) -> ReservationProofs:
+def proofs_of(ledger: Ledger) -> ReservationProofs:
     """The one ``ReservationProofs`` of a ledger (both doors share the
     ledger, so they share its proofs), kept beside the ledger file."""
     with _BY_LEDGER_LOCK:
         got = _BY_LEDGER.get(ledger)
         if got is None:
-            path = getattr(ledger, "path", None)
-            got = ReservationProofs(Path(path).with_name(PROOFS_FILE) if path is not None else None)
+            path = ledger.path
+            got = ReservationProofs(path.with_name(PROOFS_FILE) if path is not None else None)
             _BY_LEDGER[ledger] = got
         return got
 
@@ -139,7 +142,7 @@ def proof_of(annotations: Mapping[str, str] | None, env: Any) -> str:
     return ""
 
 
-def claim_problem(ledger: Any, key: str, pod_uid: str, proof: str, node_name: str) -> str | None:
+def claim_problem(ledger: Ledger, key: str, pod_uid: str, proof: str, node_name: str) -> str | None:
     """Why the container of pod ``pod_uid`` showing ``proof`` may not claim
     reservation ``key`` (module docstring, rules 1-4), or None. The message
     names the key and the rule."""

@@ -58,7 +58,7 @@ class _Preferred(_AllocatorState):
     def _free_mib_of(self, uuid: str) -> int | None:
         gpu = self.node.gpu_by_uuid(uuid)
         try:
-            return None if gpu is None else gpu.memory_mib - int(self.ledger.held_mib(uuid))
+            return None if gpu is None else gpu.memory_mib - sum(t.request_mib for t in self.ledger.tenants(uuid))
         except Exception:
             return None
 
