@@ -39,11 +39,12 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .allocation import DOOR_ALLOCATE, DOOR_NRI, DOOR_OTHER_PLUGIN, DOOR_SYNC, to_tenancies
 from .model import ComputeMode, ContainerPlan, FractionError, GpuInfo, NodeInfo, Tenancy
-from .ledgerstore import JOURNAL_SUFFIX, _LedgerStore
+from .ledgerindex import LedgerIndex, invariant_problems
+from .ledgerstore import LedgerStore
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def admission_problem(
 
 
 
-class Ledger(_LedgerStore):
+class Ledger:
     """Per-GPU tenancy of this node.
 
     Args:
@@ -163,40 +164,66 @@ class Ledger(_LedgerStore):
     concerned (per-GPU, per-owner, per-reservation and per-container-id
     indexes) and appends one journal line: O(1) in the node's tenancies
     (issue 14, ``nri.create.service_growth_1_to_768_tenancies``).
+
+    Parts (issue 33 item 3): ``_index`` (``ledgerindex.LedgerIndex``: the
+    entries and their indexes) and ``_store`` (``ledgerstore.LedgerStore``:
+    snapshot + journal), both called under the ledger's one lock.
     """
 
     def __init__(self, node: NodeInfo, path: str | os.PathLike[str] | None = None,
                  max_clients_per_gpu: int = DEFAULT_MAX_CLIENTS_PER_GPU, *, read_only: bool = False,
                  compact_min_records: int = DEFAULT_COMPACT_MIN_RECORDS) -> None:
-        self._read_only = read_only
         self._node = node
         self._gpus = {g.uuid: g for g in node.gpus}
-        self._path = Path(path) if path is not None else None
-        self._journal_path = self._path.with_name(self._path.name + JOURNAL_SUFFIX) if self._path else None
         self._max_clients = max_clients_per_gpu
-        self._compact_min = max(1, compact_min_records)
         self._lock = threading.RLock()
-        # Insertion-ordered sets (dict keys) of tenancies: all, and indexes.
-        self._entries: dict[Tenancy, None] = {}
-        self._by_gpu: dict[str, dict[Tenancy, None]] = {}
-        self._by_owner: dict[tuple[str, str], dict[Tenancy, None]] = {}
-        self._by_reservation: dict[str, dict[Tenancy, None]] = {}
-        self._by_container_id: dict[str, dict[Tenancy, None]] = {}
+        self._index = LedgerIndex()
+        self._store = LedgerStore(node.name, path, read_only=read_only, compact_min_records=compact_min_records)
         self._subscribers: list[Callable[[], None]] = []
-        # Serialised form of each tenancy (frozen, hashable): a change encodes
-        # only what is new (the NRI hot path).
-        self._fragments: dict[Tenancy, str] = {}
-        self._dir_ready = False
-        self._journal_fd: int | None = None  # open (O_APPEND) journal of the current generation
-        self._journal_size = 0
-        self._journal_records = 0
-        self._replayed = False  # load() replayed journal lines: close() folds them into the snapshot
+
+    @property
+    def node(self) -> NodeInfo:
+        return self._node
+
+    @property
+    def path(self) -> Path | None:
+        """The snapshot file (None in memory); its journal is ``<path>.journal``."""
+        return self._store.path
 
     def subscribe(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` after every change (outside the lock)."""
         with self._lock:
             self._subscribers.append(callback)
 
+    # ---- persistence -------------------------------------------------------
+    def load(self) -> list[str]:
+        """Read the snapshot and replay its journal (``LedgerStore.load``:
+        a corrupt file is moved aside and the ledger starts empty); returns
+        warnings for the operator. Records on GPUs this node does not have
+        are dropped with a warning; guard breaks are reported, not refused."""
+        with self._lock:
+            loaded, warnings = self._store.load()
+            if loaded is None:
+                return warnings
+            kept = []
+            for t in loaded:
+                if t.gpu_uuid not in self._gpus:
+                    warnings.append(f"ledger record for {t.namespace}/{t.pod_name}/{t.container} names GPU "
+                                    f"{t.gpu_uuid}, which this node does not have; dropped")
+                    continue
+                kept.append(t)
+            self._index.set_all(kept)
+            warnings.extend(f"ledger file breaks a guard: {problem}" for problem in self.check_invariants())
+        for w in warnings:
+            log.warning(w)
+        self._notify()
+        return warnings
+
+    def close(self) -> None:
+        """Compact the journal into the snapshot (a clean stop leaves one
+        file) and close it. Errors are logged, never raised."""
+        with self._lock:
+            self._store.close(self._index.entries)
 
     # ---- changing ----------------------------------------------------------
     def admit(self, plan: ContainerPlan, container_id: str = "", *, door: str = DOOR_NRI,
@@ -220,35 +247,30 @@ class Ledger(_LedgerStore):
                 if gpu is None:
                     raise FractionError("node", t.gpu_uuid, f"is not a GPU of node {self._node.name}", "device")
                 problem = admission_problem(
-                    gpu, list(self._by_gpu.get(gpu.uuid, ())), owner,
+                    gpu, list(self._index.by_gpu.get(gpu.uuid, ())), owner,
                     t.mode, t.request_mib, self._max_clients, reservation,
                 )
                 if problem:
                     raise FractionError("node", str(plan.pod) + "/" + plan.container, str(problem), "guard")
-            self._change(self._held_by(owner, reservation), new)
+            self._change(self._index.held_by(owner, reservation), new)
         self._notify()
         return new
 
     def release(self, pod_uid: str, container: str) -> list[Tenancy]:
         """Drop one container's tenancies; returns what was dropped."""
-        return self._release_from(self._by_owner, (pod_uid, container))
+        return self._drop(lambda: self._index.by_owner.get((pod_uid, container), ()))
 
     def release_container_id(self, container_id: str) -> list[Tenancy]:
         """Drop the tenancies recorded under a runtime container id."""
-        return self._release_from(self._by_container_id, container_id) if container_id else []
+        return self._drop(lambda: self._index.by_container_id.get(container_id, ())) if container_id else []
 
     def release_reservation(self, key: str) -> list[Tenancy]:
         """Drop one kubelet reservation (kubelet freed its devices)."""
-        return self._release_from(self._by_reservation, key) if key else []
+        return self._drop(lambda: self._index.by_reservation.get(key, ())) if key else []
 
-    def _release_from(self, index: Mapping[Any, Any], key: Any) -> list[Tenancy]:
-        """Drop what ``index[key]`` names (one of the ledger's indexes), under
-        the lock, and notify the watchers when something went."""
-        with self._lock:
-            gone = self._drop(list(index.get(key, ())))
-        if gone:
-            self._notify()
-        return gone
+    def release_pod(self, pod_uid: str) -> list[Tenancy]:
+        """Drop every tenancy of a pod."""
+        return self._drop(lambda: [t for t in self._index.entries if t.pod_uid == pod_uid])
 
     def release_stopped(self, container_id: str) -> list[Tenancy]:
         """A container stopped: drop what it holds through the NRI door, and
@@ -258,7 +280,7 @@ class Ledger(_LedgerStore):
         if not container_id:
             return []
         with self._lock:
-            mine = list(self._by_container_id.get(container_id, ()))
+            mine = list(self._index.by_container_id.get(container_id, ()))
             if not mine:
                 return []
             gone = [t for t in mine if t.door != DOOR_ALLOCATE]
@@ -267,31 +289,14 @@ class Ledger(_LedgerStore):
         self._notify()
         return gone
 
-    def release_pod(self, pod_uid: str) -> list[Tenancy]:
-        """Drop every tenancy of a pod."""
-        return self._remove(lambda t: t.pod_uid == pod_uid)
-
     def transform(self, fn: Callable[[list[Tenancy]], Iterable[Tenancy]]) -> None:
         """Replace the state with ``fn(current entries)`` atomically (under the
         lock, so a concurrent admission is never lost), with ``replace_all``'s
         rules (unknown GPUs dropped, guard breaks logged, never refused)."""
-        self._replace(fn)
-
-    def replace_all(self, tenancies: Iterable[Tenancy]) -> None:
-        """Replace the whole state (rebuild after a runtime Synchronize).
-
-        Records what is there without refusing: entries on unknown GPUs are
-        dropped with a warning; guard violations are logged, since the
-        containers already run.
-        """
-        items = list(tenancies)
-        self._replace(lambda _cur: items)
-
-    def _replace(self, fn: Callable[[list[Tenancy]], Iterable[Tenancy]]) -> None:
         with self._lock:
             kept: list[Tenancy] = []
             seen: set[tuple[str, str, str]] = set()
-            for t in fn(list(self._entries)):
+            for t in fn(list(self._index.entries)):
                 if t.gpu_uuid not in self._gpus:
                     log.warning("ledger: dropping tenancy on unknown GPU",
                                 extra={"gpu_uuid": t.gpu_uuid, "pod_uid": t.pod_uid})
@@ -301,39 +306,46 @@ class Ledger(_LedgerStore):
                     continue
                 seen.add(key)
                 kept.append(t)
-            before = list(self._entries)
-            self._set_all(kept)
+            before = list(self._index.entries)
+            self._index.set_all(kept)
             try:
-                self._compact()  # a whole new state: one snapshot, not a journal of it
+                self._store.compact(self._index.entries)  # a whole new state: one snapshot, not a journal of it
             except OSError:
-                self._set_all(before)
+                self._index.set_all(before)
                 raise
             for problem in self.check_invariants():
                 log.warning("ledger: running containers break a guard: %s", problem)
         self._notify()
 
-    def _remove(self, match: Callable[[Tenancy], bool]) -> list[Tenancy]:
+    def replace_all(self, tenancies: Iterable[Tenancy]) -> None:
+        """Replace the whole state (rebuild after a runtime Synchronize).
+
+        Records what is there without refusing: entries on unknown GPUs are
+        dropped with a warning; guard violations are logged, since the
+        containers already run.
+        """
+        items = list(tenancies)
+        self.transform(lambda _cur: items)
+
+    def _drop(self, pick: Callable[[], Iterable[Tenancy]]) -> list[Tenancy]:
+        """Drop the entries ``pick()`` names (called under the lock),
+        persisted, and notify the watchers when something went."""
         with self._lock:
-            gone = self._drop([t for t in self._entries if match(t)])
+            gone = list(pick())
+            if gone:
+                self._change(gone, [])
         if gone:
             self._notify()
-        return gone
-
-    def _drop(self, gone: list[Tenancy]) -> list[Tenancy]:
-        """Remove ``gone`` (persisted); the caller holds the lock and
-        notifies after releasing it."""
-        if gone:
-            self._change(gone, [])
         return gone
 
     def _change(self, removed: Sequence[Tenancy], added: Sequence[Tenancy]) -> None:
         """Apply one change in memory and persist it; on OSError memory is
         rolled back and the error raised (the caller holds the lock)."""
-        self._apply(removed, added)
+        self._index.apply(removed, added)
         try:
-            self._persist(removed, added)
+            self._store.persist(removed, added, self._index.entries)
         except OSError:
-            self._apply(added, removed)
+            self._index.apply(added, removed)
             raise
 
     def _notify(self) -> None:
@@ -344,3 +356,49 @@ class Ledger(_LedgerStore):
                 cb()
             except Exception:  # a subscriber never breaks the ledger
                 log.exception("ledger subscriber failed")
+
+    # ---- reading -----------------------------------------------------------
+    def tenancies(self) -> list[Tenancy]:
+        """All tenancies, in admission order."""
+        with self._lock:
+            return list(self._index.entries)
+
+    def tenants(self, gpu_uuid: str) -> list[Tenancy]:
+        """Tenancies on one GPU (O(tenants of that GPU))."""
+        with self._lock:
+            return list(self._index.by_gpu.get(gpu_uuid, ()))
+
+    def mode(self, gpu_uuid: str) -> ComputeMode | None:
+        """The compute mode of a GPU's tenants, None when it has none."""
+        tenants = self.tenants(gpu_uuid)
+        return tenants[0].mode if tenants else None
+
+    def find(self, pod_uid: str, container: str) -> list[Tenancy]:
+        """The tenancies of one container (one per GPU)."""
+        with self._lock:
+            return list(self._index.by_owner.get((pod_uid, container), ()))
+
+    def find_container_id(self, container_id: str) -> list[Tenancy]:
+        """The tenancies recorded under a runtime container id."""
+        if not container_id:
+            return []
+        with self._lock:
+            return list(self._index.by_container_id.get(container_id, ()))
+
+    def reservation(self, key: str) -> list[Tenancy]:
+        """The tenancies of one kubelet reservation (one per GPU; empty when none)."""
+        if not key:
+            return []
+        with self._lock:
+            return list(self._index.by_reservation.get(key, ()))
+
+    def reservations(self) -> dict[str, list[Tenancy]]:
+        """Every reservation of the ``allocate`` door: key -> its tenancies."""
+        with self._lock:
+            return self._index.reservations()
+
+    def check_invariants(self) -> list[str]:
+        """Every broken invariant, as a sentence (empty when all hold)."""
+        with self._lock:
+            entries = list(self._index.entries)
+        return invariant_problems(entries, self._node, self._max_clients)

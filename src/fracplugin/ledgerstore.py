@@ -2,9 +2,9 @@
 append-only journal (load, replay, append, compact, close), the record
 encoding, and the checks of the state directory (tmpfs, crash leftovers).
 
-Split out of ``ledger.py`` (issue 26, ADR 0023), moved as it was; the module
-docstring of ``ledger.py`` gives the file formats (``Ledger`` is the one
-class to use).
+``LedgerStore`` is a member of ``Ledger`` (issue 33 item 3: composition,
+not a mixin); the module docstring of ``ledger.py`` gives the file formats
+(``Ledger`` is the one class to use).
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Collection, Sequence
 
 from .atomicfile import write_atomically
-from .ledgerindex import _LedgerIndex
-from .model import GpuInfo, Tenancy
+from .model import Tenancy
 
 log = logging.getLogger("fracplugin.ledger")  # the ledger's log, as before the split
 
@@ -56,45 +55,50 @@ class _Corrupt(ValueError):
 
 
 
-class _LedgerStore(_LedgerIndex):
-    """Persistence of ``Ledger`` (a mixin: ``Ledger.__init__`` sets these
-    attributes)."""
+class LedgerStore:
+    """The persistence of one ``Ledger`` (a member of it, issue 33 item 3):
+    ``load``, ``persist`` one change, ``compact``, ``close``. ``path`` None
+    keeps nothing; ``read_only`` reads ``path`` but never writes or moves
+    it. Not thread-safe: the ledger calls it under its lock, and hands it
+    ``live``, its current entries (what a compaction writes)."""
 
-    _read_only: bool
-    _gpus: dict[str, GpuInfo]
-    _compact_min: int
-    _fragments: dict[Tenancy, str]
-    _dir_ready: bool
-    _journal_fd: int | None
-    _journal_size: int
-    _journal_records: int
-    _replayed: bool
+    def __init__(self, node_name: str, path: str | os.PathLike[str] | None, *, read_only: bool = False,
+                 compact_min_records: int = 1024) -> None:
+        self._node_name = node_name
+        self.path = Path(path) if path is not None else None
+        self.journal_path = self.path.with_name(self.path.name + JOURNAL_SUFFIX) if self.path else None
+        self._read_only = read_only
+        self._compact_min = max(1, compact_min_records)
+        # Serialised form of each tenancy (frozen, hashable): a change encodes
+        # only what is new (the NRI hot path).
+        self._fragments: dict[Tenancy, str] = {}
+        self._dir_ready = False
+        self._journal_fd: int | None = None  # open (O_APPEND) journal of the current generation
+        self._journal_size = 0
+        self._journal_records = 0
+        self._replayed = False  # load() replayed journal lines: close() folds them into the snapshot
 
-    if TYPE_CHECKING:  # Ledger's own
-        def _notify(self) -> None: ...
-
-    # ---- persistence -------------------------------------------------------
-    def load(self) -> list[str]:
-        """Read the snapshot and replay its journal (if any) into memory;
-        returns warnings for the operator.
+    def load(self) -> tuple[list[Tenancy] | None, list[str]]:
+        """Read the snapshot and replay its journal (if any); returns the
+        entries (None: nothing to load, or nothing trusted) and warnings for
+        the operator.
 
         A snapshot that is not valid JSON of our format, or a journal with a
         bad record before its last line, is moved aside to
         ``<path>.corrupt-<unix seconds>`` (the journal to
-        ``<path>.journal.corrupt-<unix seconds>``) and the ledger starts
-        empty. A torn last journal line (a change whose append a crash cut:
+        ``<path>.journal.corrupt-<unix seconds>``) and logged (the ledger
+        starts empty). A torn last journal line (a change whose append a crash cut:
         it was never acknowledged, since the append's fsync comes before the
         answer) is dropped with a warning. A journal of another generation
         than the snapshot (a compaction that crashed between its two renames)
-        is stale: every change in it is already in the snapshot. Records on
-        GPUs this node does not have are dropped with a warning. Writes
+        is stale: every change in it is already in the snapshot. Writes
         nothing: the first change after ``load`` compacts.
         """
-        if self._path is None or not self._path.exists():
-            return []
+        if self.path is None or not self.path.exists():
+            return None, []
         warnings: list[str] = []
         try:
-            doc = json.loads(self._path.read_text())
+            doc = json.loads(self.path.read_text())
             if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION:
                 raise ValueError(f"unsupported format (version {doc.get('version') if isinstance(doc, dict) else None!r})")
             records = doc["tenancies"]
@@ -106,7 +110,7 @@ class _LedgerStore(_LedgerIndex):
                 entries, torn, replayed = self._replay(entries, generation)
                 self._replayed = replayed or bool(torn)
                 if torn:
-                    warnings.append(f"ledger journal {self._journal_path}: {torn}; dropped")
+                    warnings.append(f"ledger journal {self.journal_path}: {torn}; dropped")
             for t in entries:
                 if not 1 <= t.request_mib <= t.limit_mib:
                     raise ValueError(f"record {t.namespace}/{t.pod_name}/{t.container} has request {t.request_mib} MiB "
@@ -114,41 +118,27 @@ class _LedgerStore(_LedgerIndex):
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             what = "journal" if isinstance(exc, _Corrupt) else "file"
             if self._read_only:
-                return [f"ledger {what} {self._path} is unreadable ({exc}); ignored"]
+                return None, [f"ledger {what} {self.path} is unreadable ({exc}); ignored"]
             stamp = int(time.time())
-            aside = self._path.with_name(f"{self._path.name}.corrupt-{stamp}")
-            os.replace(self._path, aside)
-            assert self._journal_path is not None
-            if self._journal_path.exists():
-                os.replace(self._journal_path, self._journal_path.with_name(f"{self._journal_path.name}.corrupt-{stamp}"))
-            msg = f"ledger {what} {self._path} is corrupt ({exc}); moved aside to {aside}, starting empty"
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+            os.replace(self.path, aside)
+            assert self.journal_path is not None
+            if self.journal_path.exists():
+                os.replace(self.journal_path, self.journal_path.with_name(f"{self.journal_path.name}.corrupt-{stamp}"))
+            msg = f"ledger {what} {self.path} is corrupt ({exc}); moved aside to {aside}, starting empty"
             log.error(msg)
-            return [msg]
-        kept = []
-        for t in entries:
-            if t.gpu_uuid not in self._gpus:
-                warnings.append(f"ledger record for {t.namespace}/{t.pod_name}/{t.container} names GPU {t.gpu_uuid}, "
-                                f"which this node does not have; dropped")
-                continue
-            kept.append(t)
-        with self._lock:
-            self._close_journal()  # the next change compacts: a new generation
-            self._set_all(kept)
-            for problem in self.check_invariants():
-                warnings.append(f"ledger file breaks a guard: {problem}")
-        for w in warnings:
-            log.warning(w)
-        self._notify()
-        return warnings
+            return None, [msg]
+        self._close_journal()  # the next change compacts: a new generation
+        return list(entries), warnings
 
     def _replay(self, entries: dict[Tenancy, None], generation: str) -> tuple[dict[Tenancy, None], str, bool]:
         """Apply the journal of ``generation`` to the snapshot's ``entries``.
         Returns the entries, why a torn tail was dropped ('' when none) and
         whether any change was replayed.
         Raises _Corrupt for a bad record that is not the last line."""
-        assert self._journal_path is not None
+        assert self.journal_path is not None
         try:
-            raw = self._journal_path.read_bytes()
+            raw = self.journal_path.read_bytes()
         except FileNotFoundError:
             return entries, "", False
         lines = raw.split(b"\n")
@@ -189,17 +179,16 @@ class _LedgerStore(_LedgerIndex):
             replayed = True
         return order, torn, replayed
 
-    def close(self) -> None:
+    def close(self, live: Collection[Tenancy]) -> None:
         """Compact the journal into the snapshot (a clean stop leaves one
         file) and close it. Errors are logged, never raised: every change is
         already durable in the journal."""
-        with self._lock:
-            if not self._read_only and ((self._journal_fd is not None and self._journal_records) or self._replayed):
-                try:
-                    self._compact()
-                except OSError as exc:
-                    log.warning("ledger: compaction at close failed: %s", exc)
-            self._close_journal()
+        if not self._read_only and ((self._journal_fd is not None and self._journal_records) or self._replayed):
+            try:
+                self.compact(live)
+            except OSError as exc:
+                log.warning("ledger: compaction at close failed: %s", exc)
+        self._close_journal()
 
     def _close_journal(self) -> None:
         if self._journal_fd is not None:
@@ -217,14 +206,16 @@ class _LedgerStore(_LedgerIndex):
             frag = self._fragments[t] = encode_tenancy(t)
         return frag
 
-    def _persist(self, removed: Sequence[Tenancy], added: Sequence[Tenancy]) -> None:
+    def persist(self, removed: Sequence[Tenancy], added: Sequence[Tenancy], live: Collection[Tenancy]) -> None:
         """Make one change durable: one journal line appended and fsynced
         (O(size of the change)); the first change after a load, and every
-        ``max(compact_min_records, 2 x tenancies)`` changes, compact instead."""
-        if self._path is None or self._read_only:
+        ``max(compact_min_records, 2 x tenancies)`` changes, compact instead
+        (``live``: the entries with the change applied). Raises OSError with
+        nothing of the change left in the journal."""
+        if self.path is None or self._read_only:
             return
         if self._journal_fd is None:
-            self._compact()
+            self.compact(live)
             return
         line = ('{"del":[%s],"add":[%s]}\n' % (
             ",".join(self._fragment(t) for t in removed), ",".join(self._fragment(t) for t in added))).encode()
@@ -246,46 +237,45 @@ class _LedgerStore(_LedgerIndex):
             raise
         self._journal_size += len(line)
         self._journal_records += 1
-        if self._journal_records > max(self._compact_min, 2 * len(self._entries)):
+        if self._journal_records > max(self._compact_min, 2 * len(live)):
             try:
-                self._compact()
+                self.compact(live)
             except OSError as exc:  # the change is durable in the journal already
                 log.warning("ledger: compaction failed (the journal keeps every change): %s", exc)
                 self._close_journal()
 
-    def _compact(self) -> None:
-        """Write the whole state as a new snapshot generation, then start an
+    def compact(self, live: Collection[Tenancy]) -> None:
+        """Write ``live`` as a new snapshot generation, then start an
         empty journal of that generation. Order (crash-safe at every step):
         snapshot temp, fsync, rename, fsync dir; journal temp (header line),
         fsync, rename, fsync dir. A crash between the two renames leaves the
         old journal, whose generation no longer matches: it is ignored, and
         the snapshot already holds all of its changes."""
-        if self._path is None or self._read_only:
+        if self.path is None or self._read_only:
             return
-        assert self._journal_path is not None
+        assert self.journal_path is not None
         self._close_journal()
         self._replayed = False
-        if len(self._fragments) > 2 * len(self._entries) + 64:
-            live = self._entries
+        if len(self._fragments) > 2 * len(live) + 64:
             self._fragments = {t: f for t, f in self._fragments.items() if t in live}
         generation = os.urandom(8).hex()
         # The document in compact JSON, one tenancy per line so the file stays
         # readable with `less`.
         data = ('{"node":%s,"version":%d,"generation":"%s","tenancies":[\n%s\n]}\n' % (
-            json.dumps(self._node.name), FORMAT_VERSION, generation,
-            ",\n".join(self._fragment(t) for t in self._entries))).encode()
-        directory = self._path.parent
+            json.dumps(self._node_name), FORMAT_VERSION, generation,
+            ",\n".join(self._fragment(t) for t in live))).encode()
+        directory = self.path.parent
         if not self._dir_ready:
             directory.mkdir(parents=True, exist_ok=True)
             self._dir_ready = True
-        write_atomically(self._path, data, mode=0o600)
+        write_atomically(self.path, data, mode=0o600)
         # From here the state is durable in the snapshot: a failure to start
         # the journal must not undo the change (the old journal, if any, is
         # of another generation: stale). The next change compacts again.
         header = ('{"journal":%d,"generation":"%s"}\n' % (FORMAT_VERSION, generation)).encode()
         try:
-            write_atomically(self._journal_path, header, mode=0o600)
-            fd = os.open(self._journal_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            write_atomically(self.journal_path, header, mode=0o600)
+            fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         except OSError as exc:
             log.warning("ledger: snapshot written, journal not started (the next change writes a snapshot again): %s",
                         exc)
@@ -293,8 +283,6 @@ class _LedgerStore(_LedgerIndex):
         self._journal_fd = fd
         self._journal_size = len(header)
         self._journal_records = 0
-
-
 
 
 TMPFS_MAGIC = 0x01021994
@@ -341,7 +329,7 @@ def remove_crash_leftovers(path: str | os.PathLike[str]) -> list[str]:
     """Remove what crashes leave next to the ledger file ``path`` (issue 13
     item 5), and return one message per action for the log:
 
-    - ``.<name>.*``: temporary files of an atomic write (``_persist``:
+    - ``.<name>.*``: temporary files of an atomic write (``LedgerStore.compact``:
       mkstemp, fsync, rename) that a kill -9 interrupted before the rename;
       ``.endpoints.*`` temps of the daemon's endpoints file likewise;
     - ``<name>.corrupt-<unix seconds>``: copies of corrupt ledgers moved aside

@@ -132,8 +132,8 @@ class Metrics:
     """fracplugin's metrics registry.
 
     Args:
-        ledger: the ``Ledger`` (or anything with ``tenancies()``, ``held_mib(uuid)``,
-            ``mode(uuid)``); None = no tenancy series.
+        ledger: the ``Ledger`` (or anything with ``tenancies()``); None = no
+            tenancy series.
         inventory: the ``Inventory`` (``node()``, ``processes()``); None = no usage.
         node: the node (default: ``inventory.node()`` on first scrape).
         mps: the MPS supervisor (anything with ``status()``); may be attached later.

@@ -39,7 +39,7 @@ import secrets
 import threading
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Container, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping, Sequence
 
 from .atomicfile import write_atomically
 from .model import Tenancy
@@ -124,8 +124,8 @@ def proofs_of(ledger: Ledger) -> ReservationProofs:
     with _BY_LEDGER_LOCK:
         got = _BY_LEDGER.get(ledger)
         if got is None:
-            path = getattr(ledger, "path", None)
-            got = ReservationProofs(Path(path).with_name(PROOFS_FILE) if path is not None else None)
+            path = ledger.path
+            got = ReservationProofs(path.with_name(PROOFS_FILE) if path is not None else None)
             _BY_LEDGER[ledger] = got
         return got
 

@@ -5,9 +5,9 @@ into build/bench.json (benchjson.merge).
 
 Variants, all the real ``Ledger`` (same guards, same in-memory indexes):
 
-- ``journal``: the product, ``ledgerstore._LedgerStore`` (journal line
+- ``journal``: the product, ``ledgerstore.LedgerStore`` (journal line
   appended and ``fdatasync``ed before a change is acknowledged);
-- ``sqlite_full``: ``SqliteLedger`` below, WAL, ``synchronous=FULL`` (the WAL
+- ``sqlite_full``: ``SqliteStore`` below (the ledger's ``_store``), WAL, ``synchronous=FULL`` (the WAL
   is fsynced at every commit: the same promise as ours, on a power loss too);
 - ``sqlite_normal``: the same with ``synchronous=NORMAL`` (WAL not fsynced at
   commit: survives a process crash, not an OS crash or power loss on a disk);
@@ -69,7 +69,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
@@ -88,32 +88,27 @@ VARIANTS = ("memory", "journal", "sqlite_full", "sqlite_normal")
 STORES = ("journal", "sqlite_full", "sqlite_normal")
 
 
-class SqliteLedger(Ledger):
-    """The prototype: ``Ledger`` with its persistence on one SQLite table in
-    WAL mode. One row per tenancy (its ledger record, ``encode_tenancy``),
-    in insertion order (``id``); a change is one transaction (``BEGIN
-    IMMEDIATE``, the deletes, the inserts, ``COMMIT``), committed before
-    ``admit``/``release`` return, as the journal's append + fdatasync is. A
-    whole new state (``replace_all``) is one transaction too. SQLite errors
-    are raised as OSError (what ``Ledger`` rolls back on)."""
+class SqliteStore:
+    """The prototype: the ledger's store (``ledgerstore.LedgerStore``'s
+    narrow API: ``load``, ``persist``, ``compact``, ``close``) on one SQLite
+    table in WAL mode. One row per tenancy (its ledger record,
+    ``encode_tenancy``), in insertion order (``id``); a change is one
+    transaction (``BEGIN IMMEDIATE``, the deletes, the inserts, ``COMMIT``),
+    committed before ``admit``/``release`` return, as the journal's append +
+    fdatasync is. A whole new state (``replace_all``) is one transaction too.
+    SQLite errors are raised as OSError (what ``Ledger`` rolls back on)."""
 
-    def __init__(self, node: NodeInfo, path: Path, synchronous: str = "FULL",
-                 autocheckpoint_pages: int = 1000, **kw: Any) -> None:
-        super().__init__(node, path, **kw)
+    def __init__(self, path: Path, synchronous: str = "FULL", autocheckpoint_pages: int = 1000) -> None:
+        self.path: Path | None = path
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={synchronous}")
         self._db.execute(f"PRAGMA wal_autocheckpoint={autocheckpoint_pages}")
         self._db.execute("CREATE TABLE IF NOT EXISTS tenancy(id INTEGER PRIMARY KEY, rec TEXT NOT NULL UNIQUE)")
 
-    def load(self) -> list[str]:
+    def load(self) -> tuple[list[Tenancy] | None, list[str]]:
         rows = self._db.execute("SELECT rec FROM tenancy ORDER BY id").fetchall()
-        entries = [Tenancy.from_dict(json.loads(r)) for (r,) in rows]
-        with self._lock:
-            self._set_all(entries)
-            problems = self.check_invariants()
-        self._notify()
-        return [f"ledger file breaks a guard: {p}" for p in problems]
+        return [Tenancy.from_dict(json.loads(r)) for (r,) in rows], []
 
     def _txn(self, removed: Sequence[Tenancy], added: Sequence[Tenancy], wipe: bool = False) -> None:
         db = self._db
@@ -123,8 +118,8 @@ class SqliteLedger(Ledger):
                 if wipe:
                     db.execute("DELETE FROM tenancy")
                 else:
-                    db.executemany("DELETE FROM tenancy WHERE rec=?", [(self._fragment(t),) for t in removed])
-                db.executemany("INSERT INTO tenancy(rec) VALUES (?)", [(self._fragment(t),) for t in added])
+                    db.executemany("DELETE FROM tenancy WHERE rec=?", [(encode_tenancy(t),) for t in removed])
+                db.executemany("INSERT INTO tenancy(rec) VALUES (?)", [(encode_tenancy(t),) for t in added])
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
@@ -132,13 +127,13 @@ class SqliteLedger(Ledger):
         except sqlite3.Error as exc:
             raise OSError(f"sqlite: {exc}") from exc
 
-    def _persist(self, removed: Sequence[Tenancy], added: Sequence[Tenancy]) -> None:
+    def persist(self, removed: Sequence[Tenancy], added: Sequence[Tenancy], live: Collection[Tenancy]) -> None:
         self._txn(removed, added)
 
-    def _compact(self) -> None:  # replace_all / transform: a whole new state
-        self._txn((), list(self._entries), wipe=True)
+    def compact(self, live: Collection[Tenancy]) -> None:  # replace_all / transform: a whole new state
+        self._txn((), list(live), wipe=True)
 
-    def close(self) -> None:
+    def close(self, live: Collection[Tenancy]) -> None:
         self._db.close()
 
 
@@ -155,7 +150,10 @@ def open_ledger(variant: str, node: NodeInfo, d: Path, **kw: Any) -> Ledger:
     if variant == "journal":
         return Ledger(node, d / "ledger.json", **kw)
     sync = "FULL" if variant == "sqlite_full" else "NORMAL"
-    return SqliteLedger(node, d / "ledger.db", synchronous=sync, **kw)
+    pages = kw.pop("autocheckpoint_pages", 1000)
+    ledger = Ledger(node, None, **kw)
+    ledger._store = SqliteStore(d / "ledger.db", synchronous=sync, autocheckpoint_pages=pages)  # type: ignore[assignment]  # noqa: SLF001
+    return ledger
 
 
 def tenancy(i: int, gpu: int) -> Tenancy:
@@ -235,7 +233,7 @@ def timing(node: NodeInfo, base: Path, rounds: int, calls: int) -> dict[str, flo
         reps = []
         for _ in range(5):
             t0 = time.perf_counter()
-            j._compact()  # noqa: SLF001 (the bench measures the store's own step)
+            j._store.compact(j._index.entries)  # noqa: SLF001 (the bench measures the store's own step)
             reps.append(time.perf_counter() - t0)
         out[f"ledger.journal.compact_ms_{n}"] = statistics.median(reps) * 1e3
         out[f"ledger.journal.compact_amortised_us_{n}"] = statistics.median(reps) * 1e6 / max(1024, 2 * n)
@@ -364,14 +362,15 @@ def kill_rounds(variant: str, base: Path, kills: int, seed: int) -> dict[str, fl
         have = {t.pod_uid for t in reopened.tenancies()}
         problems = [w for w in warnings if "torn" not in w] + reopened.check_invariants()
         if variant.startswith("sqlite"):
-            check = reopened._db.execute("PRAGMA integrity_check").fetchone()[0]  # type: ignore[attr-defined]
+            check = reopened._store._db.execute("PRAGMA integrity_check").fetchone()[0]  # type: ignore[attr-defined]
             if check != "ok":
                 problems.append(f"integrity_check: {check}")
         # Close without writing: the next child must find what the kill left.
-        if isinstance(reopened, SqliteLedger):
-            reopened._db.close()
+        store = reopened._store  # noqa: SLF001
+        if isinstance(store, SqliteStore):
+            store._db.close()
         else:
-            reopened._close_journal()
+            store._close_journal()
         allowed = [expected]
         if inflight is not None:
             inflight_kills += 1

@@ -102,7 +102,7 @@ def test_two_concurrent_streams_both_get_every_change_and_end_on_stop(plugin):
     try:
         assert all(st.wait(lambda ls: len(ls) >= 1) for st in (a, b, c))
         c.close()
-        assert wait_until(lambda: s.active_streams() == 2)
+        assert wait_until(lambda: s.devices.active_streams() == 2)
         inv.inject_xid(s.node.gpus[3].uuid, 48)
         for st in (a, b):
             assert st.wait(lambda ls: len(ls) >= 2)
@@ -110,7 +110,7 @@ def test_two_concurrent_streams_both_get_every_change_and_end_on_stop(plugin):
         s.stop(3.0)
         assert a.ended.wait(scaled(5)) and b.ended.wait(scaled(5))
         assert (a.end_code, b.end_code) == (grpc.StatusCode.OK, grpc.StatusCode.OK)  # ended, not reset
-        assert s.active_streams() == 0
+        assert s.devices.active_streams() == 0
     finally:
         for st in (a, b, c):
             st.close()
@@ -121,10 +121,10 @@ def test_a_cancelled_stream_frees_its_worker(plugin):
     streams = [Stream(s.socket_path) for _ in range(3)]
     try:
         assert all(st.wait(lambda ls: len(ls) >= 1) for st in streams)
-        assert wait_until(lambda: s.active_streams() == 3)
+        assert wait_until(lambda: s.devices.active_streams() == 3)
         for st in streams:
             st.close()
-        assert wait_until(lambda: s.active_streams() == 0)
+        assert wait_until(lambda: s.devices.active_streams() == 0)
     finally:
         for st in streams:
             st.close()
@@ -224,7 +224,7 @@ def test_calls_over_the_worker_limit_are_refused_at_once_not_queued(plugin):
     streams = [Stream(s.socket_path, own_connection=True) for _ in range(s.max_workers)]
     try:
         assert all(st.wait(lambda ls: len(ls) >= 1) for st in streams)
-        assert wait_until(lambda: s.active_streams() == s.max_workers)
+        assert wait_until(lambda: s.devices.active_streams() == s.max_workers)
         with channel(s.socket_path, own_connection=True) as ch:
             with pytest.raises(grpc.RpcError) as full:
                 pb_grpc.DevicePluginStub(ch).GetDevicePluginOptions(pb.Empty(), timeout=60)

@@ -471,7 +471,7 @@ def test_stop_stays_within_its_budget_with_hostile_peers_connected(plugin):
     try:
         for _ch, _call, it in streams:
             next(it)  # each stream is open and got its list
-        wait_until(lambda: s.active_streams() == 3)
+        wait_until(lambda: s.devices.active_streams() == 3)
         t0 = time.monotonic()
         s.stop(3.0)
         took = time.monotonic() - t0

@@ -252,7 +252,7 @@ def test_stream_dropped_by_kubelet_leads_to_reregistration(running):
     assert s.status()["last_registration_trigger"] == "ListAndWatch closed"
     # The dropped stream freed its worker: one stream open, the new one.
     assert rig.kubelet.wait_for(lambda: rig.kubelet.stream_open(R), WAIT)
-    assert wait_until(lambda: s.active_streams() == 1)
+    assert wait_until(lambda: s.devices.active_streams() == 1)
 
 
 def test_stop_ends_the_stream_first_and_removes_the_socket(running):
@@ -261,7 +261,7 @@ def test_stop_ends_the_stream_first_and_removes_the_socket(running):
     assert rig.kubelet.wait_for(lambda: not rig.kubelet.stream_open(R), WAIT)
     assert not os.path.exists(s.socket_path)
     assert not s.registered()
-    assert s.active_streams() == 0
+    assert s.devices.active_streams() == 0
 
 
 # ---- health -------------------------------------------------------------------

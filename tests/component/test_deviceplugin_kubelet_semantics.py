@@ -44,7 +44,7 @@ def running(rig):
     s = rig.server()
     s.start()
     assert rig.kubelet.wait_for(lambda: rig.kubelet.updates(R) >= 1 and rig.kubelet.stream_open(R), WAIT)
-    assert wait_until(lambda: s.active_streams() == 1)
+    assert wait_until(lambda: s.devices.active_streams() == 1)
     return rig, s
 
 
@@ -81,7 +81,7 @@ def test_socket_deleted_again_right_after_recreation_registers_at_the_end(runnin
     assert rig.kubelet.wait_for(lambda: len(rig.kubelet.registrations) >= 2, WAIT)
     assert wait_until(lambda: s.registered() and os.path.exists(s.socket_path))
     assert rig.kubelet.wait_for(lambda: rig.kubelet.stream_open(R) and all_healthy(rig.kubelet.devices(R)), WAIT)
-    assert wait_until(lambda: s.active_streams() == 1)
+    assert wait_until(lambda: s.devices.active_streams() == 1)
     assert rig.kubelet.refusals == []
     assert rig.kubelet.registrations[-1].endpoint == os.path.basename(s.socket_path)
 
@@ -183,7 +183,7 @@ def test_first_register_waits_until_devices_can_be_served_healthy(rig):
     rig.kubelet.start()
     s = rig.server(mps_health=EventMps(up))
     answers: list[bool] = []  # what ready() told the registrar's thread
-    real_ready = s.ready
+    real_ready = s.serving.ready
 
     def ready() -> bool:
         r = real_ready()
@@ -191,7 +191,7 @@ def test_first_register_waits_until_devices_can_be_served_healthy(rig):
             answers.append(r)
         return r
 
-    s.ready = ready  # the registrar looks it up on its target at each wait (getattr)
+    s.serving.ready = ready  # the registrar looks it up on its target (the door's server) at each wait (getattr)
     s.start()
     assert wait_until(lambda: answers.count(False) >= 2, what="the registrar to find the devices not ready twice")
     assert rig.kubelet.registrations == []

@@ -398,7 +398,7 @@ def test_rebuild_from_podresources_plans_known_pods_and_keeps_unknown_ones(make,
             PodDevices("default", "cpu-only", (ContainerDevices("c", {}),)),
         ]
     )
-    warnings = s.rebuild_from_podresources(pr)
+    warnings = s.podresources.rebuild(pr)
     assert warnings == []
     by = {(t.pod_name, t.container): t for t in s.ledger.tenancies()}
     assert by[("known", "app")].limit_mib == 6144 and by[("known", "app")].pod_uid == "uid-known"
@@ -414,7 +414,7 @@ def test_rebuild_releases_allocate_door_entries_kubelet_no_longer_lists(make, no
     src.add(pod("old", 2))
     s = make()
     s.allocate(areq(ids(node, 0, 2)))
-    warnings = s.rebuild_from_podresources(FakePodResourcesClient([]))
+    warnings = s.podresources.rebuild(FakePodResourcesClient([]))
     assert s.ledger.tenancies() == []
     assert "released" in warnings[0]
 

@@ -73,7 +73,7 @@ def test_admit_is_atomic_across_gpus(node):
     plan = mkplan(node, Ledger(node), "two", request="20Gi", devices="0,1")
     with pytest.raises(FractionError):
         led.admit(plan)
-    assert led.find("two", "app") == [] and led.held_mib(node.gpus[0].uuid) == 0
+    assert led.find("two", "app") == [] and led.tenants(node.gpus[0].uuid) == []
 
 
 def test_one_mode_per_gpu_enforced_by_admit(node):

@@ -152,7 +152,7 @@ def test_per_gpu_and_ledger_series(setup):
     s = scrape(metrics)
     assert s[("fracplugin_gpu_tenants", gl(GPU0, 0))] == 2
     assert s[("fracplugin_gpu_tenants", gl(GPU1, 1))] == 2
-    assert s[("fracplugin_gpu_memory_held_bytes", gl(GPU0, 0))] == ledger.held_mib(GPU0) * MIB == (10240 + 1024) * MIB
+    assert s[("fracplugin_gpu_memory_held_bytes", gl(GPU0, 0))] == sum(t.request_mib for t in ledger.tenants(GPU0)) * MIB == (10240 + 1024) * MIB
     assert s[("fracplugin_gpu_compute_mode_info", gl(GPU0, 0, mode="time-slicing"))] == 1
     assert s[("fracplugin_gpu_compute_mode_info", gl(GPU1, 1, mode="sm-sharing"))] == 1
     gpu2 = ledger.node.gpus[2]

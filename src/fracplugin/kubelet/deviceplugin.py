@@ -17,7 +17,7 @@ GetPreferredAllocation run on workers; the part of Allocate that chooses a
 pod and writes the ledger runs under one lock (kubelet may call it
 concurrently, A.5); waiting for the watch cache happens outside that lock.
 Helper threads: the registrar (``registration.Registrar``), the
-PodResources reconciler and,
+PodResources reconciler (``podresources.Reconciler``) and,
 when the daemon passes one, the pod watch (owned by the pod source).
 
 What this module decides: nothing about GPUs. The gRPC server, the
@@ -30,29 +30,35 @@ reservation key the NRI door binds at CreateContainer), mounts, optional
 DeviceSpecs / CDI devices, and annotations ``fracplugin.io/allocate``
 (``planned`` | ``reserved`` | ``fallback``) and ``fracplugin.io/reservation``.
 
-Where the parts are (issue 26, ADR 0023: one public class, its methods in
-mixins by responsibility): this module holds ``DevicePluginServer``'s
-construction, ``start`` / ``stop``, status and readiness, and the
-PodResources upkeep; ``servicer.py`` the gRPC servicer, ListAndWatch and
-the Allocate / GetPreferredAllocation responses; ``doorserver.py`` the gRPC
-server, its socket and the registrar's target methods; ``doorbase.py`` the
-state they share.
+Its parts (issue 33 item 3: objects that own their state, not mixins):
+this module holds ``DevicePluginServer`` (construction, ``start`` / ``stop``,
+status and readiness, the Allocate / GetPreferredAllocation responses) and
+``_Servicer`` (the gRPC handlers); it holds ``devices``
+(``devicelist.DeviceList``: ListAndWatch), ``serving``
+(``doorserver.DoorServer``: the gRPC server, its socket, the registrar's
+target), ``podresources`` (``podresources.Reconciler``) and ``allocator``
+(``allocator.Allocator``: the decisions).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from typing import Any
+from typing import Any, Iterator, Mapping, Sequence
 
+import grpc
+
+from .. import allocation as al
 from .. import mountflags
+from .._proto import deviceplugin_pb2 as pb
+from .._proto import deviceplugin_pb2_grpc as pb_grpc
 from ..cdi import CdiRegistry
 from ..gpu.health import HealthMonitor
 from ..noderules import NodeRules
 from ..ports import HookMetrics
-from . import podlookup
+from ..rpcstatus import StatusCode
+from . import grpcopts, podlookup
 from .devices import (
     DEFAULT_RESOURCE_NAME,
     DEFAULT_UNIT_MIB,
@@ -61,10 +67,10 @@ from .devices import (
     validate_resource_name,
 )
 from .allocator import Allocator, Refusal
-from .doorserver import _DoorServing
-from .podresources import DEFAULT_PODRESOURCES_SOCKET, PodResourcesClient, PodResourcesError
-from .registration import DEFAULT_PLUGIN_DIR, KUBELET_SOCKET_NAME, Registrar, socket_identity
-from .servicer import ALLOCATE_UNADJUSTED, ANNOTATION_ALLOCATE, HEALTHY, UNHEALTHY
+from .devicelist import HEALTHY, UNHEALTHY, DeviceList
+from .doorserver import DoorServer
+from .podresources import DEFAULT_PODRESOURCES_SOCKET, PodResourcesClient, Reconciler
+from .registration import DEFAULT_PLUGIN_DIR, KUBELET_SOCKET_NAME, Registrar
 
 __all__ = [
     "ALLOCATE_UNADJUSTED", "ANNOTATION_ALLOCATE", "DEFAULT_SOCKET_NAME", "HEALTHY", "UNHEALTHY",
@@ -74,9 +80,63 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET_NAME = "fracplugin.sock"
+ANNOTATION_ALLOCATE = "fracplugin.io/allocate"
+ALLOCATE_UNADJUSTED = "unadjusted"
+"""``fracplugin.io/allocate`` of a refusal answered under ``fail_open``."""
+_NEVER_FAIL_OPEN = ("invalid", "internal")  # kubelet's request is malformed, or a bug of ours: refused either way
 
 
-class DevicePluginServer(_DoorServing):
+class _Servicer(pb_grpc.DevicePluginServicer):
+    """The DevicePlugin service's handlers, run on grpcio's worker threads;
+    they only move bytes to and from the door."""
+
+    def __init__(self, door: DevicePluginServer) -> None:
+        self._door = door
+
+    def GetDevicePluginOptions(  # noqa: N802 (the service's method names)
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> pb.DevicePluginOptions:
+        return DoorServer.options()
+
+    def ListAndWatch(  # noqa: N802
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> Iterator[pb.ListAndWatchResponse]:
+        yield from self._door.devices.stream(context)
+
+    def GetPreferredAllocation(  # noqa: N802
+        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
+        try:
+            return self._door.preferred(request)
+        except Refusal as r:
+            context.abort(grpcopts.grpc_code(r.code), r.message)
+        except Exception as e:  # never crash the plugin on bad input
+            log.exception("GetPreferredAllocation failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"GetPreferredAllocation failed: {e}")
+        raise AssertionError("unreachable: context.abort raises")
+
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:  # noqa: N802
+        t0 = time.monotonic()
+        try:
+            return self._door.allocate(request)
+        except Refusal as r:
+            self._door._refused(r)
+            context.abort(grpcopts.grpc_code(r.code), r.message)
+        except Exception as e:
+            log.exception("Allocate failed")
+            self._door._refused(Refusal(StatusCode.INTERNAL, str(e), "internal"))
+            context.abort(grpc.StatusCode.INTERNAL, f"Allocate failed: {e}")
+        finally:
+            self._door._observe("allocate", time.monotonic() - t0)
+        raise AssertionError("unreachable: context.abort raises")
+
+    def PreStartContainer(  # noqa: N802
+        self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()
+
+
+class DevicePluginServer:
     """The device plugin: gRPC server, registration, health, Allocate.
 
     Args:
@@ -163,11 +223,6 @@ class DevicePluginServer(_DoorServing):
         self.resource_name = validate_resource_name(resource_name)
         self.unit_mib = unit_mib
         self.table = DeviceTable.build(node, unit_mib)
-        self.plugin_dir = plugin_dir
-        self.socket_name = socket_name
-        self.socket_path = os.path.join(plugin_dir, socket_name)
-        self._name_gen = 0
-        self._bound_path = ""
         self.kubelet_socket = kubelet_socket or os.path.join(plugin_dir, KUBELET_SOCKET_NAME)
         self.allocate_deadline_s = allocate_deadline_s
         self.metrics = metrics
@@ -175,24 +230,29 @@ class DevicePluginServer(_DoorServing):
         self.device_specs = device_specs
         self.cdi_kind = cdi_kind
         self.cdi = cdi
-        self.podresources_socket = podresources_socket
-        self.podresources_interval_s = podresources_interval_s
-        self._reconciler: threading.Thread | None = None
-        self._reconcile_stop = threading.Event()
         self.max_workers = max_workers
         self.fail_open = fail_open
         # the node's health monitor (started by the daemon, issue 33); without one nothing is Unhealthy
         self.health = rules.health or HealthMonitor(None, [g.uuid for g in node.gpus])
-        self.health.subscribe(self._devices_changed)
+        self.devices = DeviceList(node, self.table, self.health)
+        self.health.subscribe(self.devices.changed)
+        self.serving = DoorServer(plugin_dir, socket_name, max_workers, self.resource_name, _Servicer(self),
+                                  self.devices, self.ready)
         self.registrar = Registrar(
-            self, self.kubelet_socket, self.resource_name, poll_s=poll_s, on_registered=self._on_registered,
+            self.serving, self.kubelet_socket, self.resource_name, poll_s=poll_s, on_registered=self._on_registered,
         )
-        self._init_serving()
         self.allocator = Allocator(rules, self.table, self.resource_name, pod_source, allocate_deadline_s,
                                    self.health.unhealthy, policy=policy)
+        self.podresources = Reconciler(self.allocator, podresources_socket, podresources_interval_s)
         self.counters = self.allocator.counters
         self.reregister_ms: list[float] = []
         self.startup_warnings: list[str] = []
+
+    @property
+    def socket_path(self) -> str:
+        """The socket served now (``<plugin_dir>/<socket_name>``, or a new name
+        after kubelet refused the old one: ``DoorServer.rebind_as_new``)."""
+        return self.serving.socket_path
 
     # ---- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -200,24 +260,11 @@ class DevicePluginServer(_DoorServing):
         PodResources (best effort), then register (in the background, with
         retries; ``registered()`` turns True when kubelet accepted us).
         Raises OSError / RuntimeError when the socket cannot be served."""
-        self._stopping = False
+        self.devices.start()
         self._check_pipe_mount()
-        self._devices_changed()
-        self._serve()
-        if self.podresources_socket and os.path.exists(self.podresources_socket):
-            client = PodResourcesClient(self.podresources_socket)
-            try:
-                self.startup_warnings.extend(self.rebuild_from_podresources(client))
-            except PodResourcesError as e:
-                self.startup_warnings.append(str(e))
-                log.warning("ledger rebuild from PodResources skipped: %s", e)
-            finally:
-                client.close()
-        if self.podresources_socket:
-            self._reconcile_stop.clear()
-            self._reconciler = threading.Thread(target=self._reconcile_loop, name="fracplugin-podresources",
-                                                daemon=True)
-            self._reconciler.start()
+        self.devices.changed()
+        self.serving.serve()
+        self.podresources.start(self.startup_warnings)
         self.registrar.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -226,26 +273,12 @@ class DevicePluginServer(_DoorServing):
         (in-flight calls get what is left of ``timeout_s``, then are cancelled
         and their connections closed), remove our socket (the node's health monitor is the daemon's)."""
         deadline = time.monotonic() + timeout_s
-        self._reconcile_stop.set()
+        self.podresources.stop()
         self.registrar.signal_stop()  # no re-registration while we wind down
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-            self._cond.wait_for(lambda: self._streams == 0, timeout=max(timeout_s / 2, 0.0))
+        self.devices.stop(timeout_s / 2)
         self.registrar.stop(max(deadline - time.monotonic(), 0.1))
-        with self._server_lock:
-            server, self._server = self._server, None
-            sid, self._socket_id = self._socket_id, None
-        if server is not None:
-            self._close_server(server, max(deadline - time.monotonic(), 0.1))
-        rec, self._reconciler = self._reconciler, None
-        if rec is not None:
-            rec.join(max(deadline - time.monotonic(), 0.1))
-        if sid is not None and socket_identity(self._bound_path) == sid:
-            try:
-                os.unlink(self._bound_path)
-            except FileNotFoundError:
-                pass
+        self.serving.close(max(deadline - time.monotonic(), 0.1))
+        self.podresources.join(max(deadline - time.monotonic(), 0.1))
 
     def _check_pipe_mount(self) -> None:
         """Warn when the MPS root's filesystem lacks nosuid,nodev: kubelet's
@@ -279,14 +312,14 @@ class DevicePluginServer(_DoorServing):
         return {
             "resource_name": self.resource_name,
             "unit_mib": self.unit_mib,
-            "socket": self.socket_path,
+            "socket": self.serving.socket_path,
             "kubelet_socket": self.kubelet_socket,
             "registered": self.registered(),
             "registrations": self.registrar.stats.count,
             "last_registration_ms": round(self.registrar.stats.last_s * 1000, 1),
             "last_registration_trigger": self.registrar.stats.last_trigger,
             "last_registration_error": self.registrar.stats.last_error,
-            "list_and_watch_streams": self._streams,
+            "list_and_watch_streams": self.devices.active_streams(),
             "devices": len(self.table),
             "devices_per_gpu": dict(self.table.per_gpu),
             "healthy_devices": sum(n for u, n in self.table.per_gpu.items() if u not in unhealthy),
@@ -320,38 +353,74 @@ class DevicePluginServer(_DoorServing):
             return False
         return self.pod_source is None or bool(self.pod_source.ready())
 
-    def _reconcile_loop(self) -> None:
-        """Every ``podresources_interval_s``: ``Allocator.reconcile`` with
-        kubelet's PodResources List (whole GPUs of other plugins, reservations
-        kubelet freed or that were never bound). Errors are logged, never fatal."""
-        client: PodResourcesClient | None = None
-        try:
-            while not self._reconcile_stop.wait(self.podresources_interval_s):
-                if not self.podresources_socket or not os.path.exists(self.podresources_socket):
-                    continue
-                try:
-                    client = client or PodResourcesClient(self.podresources_socket)
-                    for w in self.allocator.reconcile(client.list()):
-                        log.info("PodResources reconcile: %s", w)
-                except PodResourcesError as e:
-                    if self._reconcile_stop.is_set():
-                        break
-                    log.warning("PodResources reconcile skipped: %s", e)
-                    # a fresh client next round; this one's connection is closed, not
-                    # left open (an error such as UNIMPLEMENTED keeps the channel)
-                    if client is not None:
-                        client.close()
-                    client = None
-                except Exception:
-                    log.exception("PodResources reconcile failed")
-        finally:
-            if client is not None:
-                client.close()
+    def _on_registered(self, seconds: float) -> None:
+        self.reregister_ms.append(seconds * 1000.0)
+        del self.reregister_ms[:-100]
 
-    # ---- restart recovery ----------------------------------------------------
-    def rebuild_from_podresources(self, client: PodResourcesClient) -> list[str]:
-        """Make the ledger agree with kubelet's PodResources List at start
-        (``Allocator.reconcile(initial=True)``: kubelet never calls Allocate
-        again for running containers, A.5). Returns warnings. Raises
-        PodResourcesError when kubelet cannot be asked."""
-        return self.allocator.reconcile(client.list(), initial=True)
+    # ---- GetPreferredAllocation / Allocate (decisions: allocator.py) -----------
+    def preferred(self, request: pb.PreferredAllocationRequest) -> pb.PreferredAllocationResponse:
+        """Answer GetPreferredAllocation (``Allocator.preferred``). Raises Refusal."""
+        t0 = time.monotonic()
+        out = pb.PreferredAllocationResponse()
+        for creq in request.container_requests:
+            ids = self.allocator.preferred.devices(list(creq.available_deviceIDs),
+                                                   list(creq.must_include_deviceIDs), int(creq.allocation_size))
+            out.container_responses.add(deviceIDs=ids)
+        self._observe("preferred", time.monotonic() - t0)
+        return out
+
+    def allocate(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
+        """Answer Allocate (``Allocator.allocate``). Raises Refusal; with
+        ``fail_open``, a refusal of the pod's fraction is counted, logged and
+        answered with an unadjusted container instead (``fail_open``)."""
+        try:
+            a = self.allocator.allocate([list(c.devices_ids) for c in request.container_requests])
+        except Refusal as r:
+            if not self.fail_open or r.label in _NEVER_FAIL_OPEN:
+                raise
+            self._refused(r)
+            log.warning("Allocate fail-open: the container runs unadjusted (no GPU env, no MPS): %s", r.message)
+            resp = pb.AllocateResponse()
+            resp.container_responses.add().annotations[ANNOTATION_ALLOCATE] = ALLOCATE_UNADJUSTED
+            return resp
+        return self._response_for(a.env, a.mounts, a.uuids, a.kind, a.key)
+
+    def _response_for(
+        self, env: Mapping[str, str], mounts: Sequence[Any], uuids: Sequence[str], kind: str, key: str
+    ) -> pb.AllocateResponse:
+        resp = pb.AllocateResponse()
+        c = resp.container_responses.add()
+        c.envs.update(env)
+        c.envs[al.ENV_RESERVATION] = key
+        for m in mounts:
+            c.mounts.add(container_path=m.destination, host_path=m.source, read_only=m.read_only)
+        if self.device_specs:
+            paths = [f"/dev/nvidia{self.node.gpu_by_uuid(u).minor}" for u in uuids]  # type: ignore[union-attr]
+            for p in paths + ["/dev/nvidiactl", "/dev/nvidia-uvm"]:
+                c.devices.add(container_path=p, host_path=p, permissions="rw")
+        for u in uuids:  # the node's CDI device of each GPU (ADR 0025b), else the operator's kind
+            dev = self.cdi.device_for(u) if self.cdi is not None else None
+            if dev is not None:
+                c.cdi_devices.add(name=dev.name)
+            elif self.cdi_kind:
+                c.cdi_devices.add(name=f"{self.cdi_kind}={u}")
+        c.annotations[ANNOTATION_ALLOCATE] = kind
+        c.annotations[al.ANNOTATION_RESERVATION] = key
+        return resp
+
+    # ---- bookkeeping ---------------------------------------------------------
+    def _refused(self, r: Refusal) -> None:
+        self.counters.bump("refusals", last_refusal=r.message)
+        log.warning("Allocate refused (%s): %s", r.code.name, r.message)
+        if self.metrics is not None:
+            try:
+                self.metrics.refusal(r.label)
+            except Exception:
+                log.exception("metrics.refusal failed")
+
+    def _observe(self, door: str, seconds: float) -> None:
+        if self.metrics is not None:
+            try:
+                self.metrics.observe_hook(door, seconds)
+            except Exception:
+                log.exception("metrics.observe_hook failed")

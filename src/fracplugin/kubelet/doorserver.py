@@ -4,9 +4,10 @@ place), close a server within a budget, and what the registrar asks of its
 target (``registration.RegistrationTarget``: the socket's identity, rebind
 on a fresh socket or under a new name, the stream counters).
 
-Split out of ``kubelet/deviceplugin.py`` (issue 26, ADR 0023), moved as it
-was: the module docstring of ``kubelet/deviceplugin.py`` describes the door
-and its concurrency model; ``DevicePluginServer`` is the one class to use.
+``DoorServer`` is a member of ``deviceplugin.DevicePluginServer`` (issue 33
+item 3) and the target its ``registration.Registrar`` drives; the module
+docstring of ``kubelet/deviceplugin.py`` describes the door and its
+concurrency model.
 """
 
 from __future__ import annotations
@@ -14,35 +15,63 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent import futures
+from typing import Callable
 
+import grpc
 
+from .._proto import deviceplugin_pb2 as pb
 from .._proto import deviceplugin_pb2_grpc as pb_grpc
 from . import grpcopts
-from .doorbase import _Served
+from .devicelist import DeviceList
 from .registration import socket_identity
-from .servicer import _DoorAnswers, _Servicer
 
 log = logging.getLogger("fracplugin.kubelet.deviceplugin")  # the door's log, as before the split
 
 
-class _DoorServing(_DoorAnswers):
-    """The gRPC server and its socket (a mixin of ``DevicePluginServer``)."""
+class _Served:
+    """One running grpcio server of the door and the worker pool it owns."""
 
-    def _init_serving(self) -> None:
-        """The ListAndWatch condition and the gRPC server slots (nothing served yet)."""
-        self._cond = threading.Condition()
-        self._version = 0
-        self._response = self._build_response()
-        self._stopping = False
-        self._gen = 0
-        self._streams = 0
-        self._last_stream_end = 0.0
+    __slots__ = ("server", "pool")
+
+    def __init__(self, server: grpc.Server, pool: futures.ThreadPoolExecutor) -> None:
+        self.server = server
+        self.pool = pool
+
+
+class DoorServer:
+    """The gRPC server of the door and its socket ``<plugin_dir>/<socket_name>``
+    (``socket_path``: the name served now).
+
+    Args:
+        plugin_dir: kubelet's device plugin directory.
+        socket_name: our socket's file name in it.
+        max_workers: grpcio worker threads, and the most RPCs served at once.
+        resource_name: the extended resource (for the log).
+        servicer: the DevicePlugin service's handlers.
+        devices: the ListAndWatch list (its streams end when a new server
+            serves; none is served while it is stopping).
+        ready: ``() -> bool``, the registrar waits for it before the first Register.
+    """
+
+    def __init__(self, plugin_dir: str, socket_name: str, max_workers: int, resource_name: str,
+                 servicer: pb_grpc.DevicePluginServicer, devices: DeviceList, ready: Callable[[], bool]) -> None:
+        self.plugin_dir = plugin_dir
+        self.socket_name = socket_name
+        self.socket_path = os.path.join(plugin_dir, socket_name)
+        self.max_workers = max_workers
+        self._resource_name = resource_name
+        self._servicer = servicer
+        self._devices = devices
+        self.ready = ready
+        self._name_gen = 0
+        self._bound_path = ""
         self._server: _Served | None = None
         self._socket_id: tuple[int, int] | None = None
         self._server_lock = threading.Lock()
 
-    # ---- gRPC server (RegistrationTarget) ------------------------------------
-    def _close_server(self, server: "_Served", budget_s: float) -> None:
+    @staticmethod
+    def _close_server(server: _Served, budget_s: float) -> None:
         """Stop ``server`` within ``budget_s`` seconds: stop listening, let
         in-flight calls finish for three quarters of it, then cancel them and
         close every connection (grpcio's ``stop(grace)``), and wait for that
@@ -55,7 +84,7 @@ class _DoorServing(_DoorAnswers):
             log.warning("device plugin server: calls still being cancelled %.1f s after stop", budget_s)
         server.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _serve(self) -> None:
+    def serve(self) -> None:
         """Serve on ``self.socket_path`` (``grpcopts.serve_unix_renamed``: bound
         under a temporary name, renamed into place, so stopping the old server
         can never delete the new socket; issue 11: the socket deleted again
@@ -73,7 +102,7 @@ class _DoorServing(_DoorAnswers):
             except FileNotFoundError:
                 pass
         server = _Served(*grpcopts.serve_unix_renamed(  # a stale socket of an earlier run goes first (A.8)
-            self.socket_path, lambda s: pb_grpc.add_DevicePluginServicer_to_server(_Servicer(self), s),
+            self.socket_path, lambda s: pb_grpc.add_DevicePluginServicer_to_server(self._servicer, s),
             self.max_workers, "fracplugin-dp"))
         # (-1, -1) when the file is already gone again: never equal to a real
         # identity, so the registrar serves anew.
@@ -82,30 +111,43 @@ class _DoorServing(_DoorAnswers):
             self._server = server
             self._socket_id = sid
             self._bound_path = self.socket_path
-        with self._cond:
-            self._gen += 1
-            self._cond.notify_all()
-        log.info("device plugin serving %s on %s", self.resource_name, self.socket_path)
+        self._devices.new_server()
+        log.info("device plugin serving %s on %s", self._resource_name, self.socket_path)
 
+    def close(self, budget_s: float) -> None:
+        """Stop the server (in-flight calls get ``budget_s``) and remove our
+        socket if it is still the one we bound."""
+        with self._server_lock:
+            server, self._server = self._server, None
+            sid, self._socket_id = self._socket_id, None
+        if server is not None:
+            self._close_server(server, budget_s)
+        if sid is not None and socket_identity(self._bound_path) == sid:
+            try:
+                os.unlink(self._bound_path)
+            except FileNotFoundError:
+                pass
+
+    # ---- registration.RegistrationTarget -------------------------------------
     def socket_identity(self) -> tuple[int, int] | None:
         return self._socket_id
 
     def rebind(self) -> None:
         """Serve on a fresh socket (kubelet wiped ours on restart)."""
-        if self._stopping:
+        if self._devices.stopping:
             raise RuntimeError("device plugin is stopping")
-        self._serve()
+        self.serve()
 
     def rebind_as_new(self) -> None:
         """Serve on a socket with a new file name ``<stem>-<n>.sock`` (the same
         kubelet may hold, or be stuck on, the old path: kubelet 1.37 refuses a
         second Register on a path it considers connected)."""
-        if self._stopping:
+        if self._devices.stopping:
             raise RuntimeError("device plugin is stopping")
         self._name_gen += 1
         stem, ext = os.path.splitext(self.socket_name)
         self.socket_path = os.path.join(self.plugin_dir, f"{stem}-{self._name_gen}{ext}")
-        self._serve()
+        self.serve()
 
     def reset_name(self) -> None:
         """The next ``rebind`` uses the configured socket name (a new kubelet)."""
@@ -113,11 +155,12 @@ class _DoorServing(_DoorAnswers):
         self.socket_path = os.path.join(self.plugin_dir, self.socket_name)
 
     def active_streams(self) -> int:
-        return self._streams
+        return self._devices.active_streams()
 
     def last_stream_end(self) -> float:
-        return self._last_stream_end
+        return self._devices.last_stream_end()
 
-    def _on_registered(self, seconds: float) -> None:
-        self.reregister_ms.append(seconds * 1000.0)
-        del self.reregister_ms[:-100]
+    @staticmethod
+    def options() -> pb.DevicePluginOptions:
+        """Same answer in RegisterRequest.options and GetDevicePluginOptions (A.5)."""
+        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)

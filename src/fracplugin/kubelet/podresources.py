@@ -8,7 +8,9 @@ and namespace but no pod UID.
 
 Uses: the NRI door confirms at CreateContainer which device IDs kubelet gave a
 container (``devices_for``); the device plugin rebuilds its ledger at startup
-for containers allocated before a restart (kubelet never re-Allocates, A.5).
+for containers allocated before a restart (kubelet never re-Allocates, A.5)
+and then reconciles it periodically (``Reconciler``, a member of
+``deviceplugin.DevicePluginServer``, on thread ``fracplugin-podresources``).
 
 Concurrency model: a ``PodResourcesClient`` holds one grpcio channel (ADR
 0021; options in ``grpcopts``), which is thread-safe, so one client may be
@@ -21,9 +23,11 @@ a kubelet restart (new socket file) is picked up on the next call.
 from __future__ import annotations
 
 import builtins
+import logging
+import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import grpc
 
@@ -31,6 +35,11 @@ from .._proto import podresources_pb2 as pb
 from .._proto import podresources_pb2_grpc as pb_grpc
 from . import grpcopts
 from ..rpcstatus import StatusCode
+
+if TYPE_CHECKING:
+    from .allocator import Allocator
+
+log = logging.getLogger("fracplugin.kubelet.deviceplugin")  # the door's log (the reconciler is the door's)
 
 DEFAULT_PODRESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
@@ -188,3 +197,75 @@ def devices_for(
         return client.devices_for(pod_namespace, pod_name, container, resource_name)
     finally:
         client.close()
+
+
+class Reconciler:
+    """The device plugin door's PodResources upkeep: at start the ledger is
+    rebuilt from kubelet's List (``rebuild``), then ``Allocator.reconcile``
+    runs every ``interval_s`` seconds on a thread. ``socket`` None: neither.
+    Errors are logged, never fatal."""
+
+    def __init__(self, allocator: Allocator, socket: str | None, interval_s: float) -> None:
+        self._allocator = allocator
+        self.socket = socket
+        self.interval_s = interval_s
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def rebuild(self, client: PodResourcesClient) -> builtins.list[str]:
+        """Make the ledger agree with kubelet's PodResources List at start
+        (``Allocator.reconcile(initial=True)``: kubelet never calls Allocate
+        again for running containers, A.5). Returns warnings. Raises
+        PodResourcesError when kubelet cannot be asked."""
+        return self._allocator.reconcile(client.list(), initial=True)
+
+    def start(self, warnings: builtins.list[str]) -> None:
+        """Rebuild from the socket when it is there (best effort: what went
+        wrong is appended to ``warnings``), then start the periodic thread."""
+        if self.socket and os.path.exists(self.socket):
+            client = PodResourcesClient(self.socket)
+            try:
+                warnings.extend(self.rebuild(client))
+            except PodResourcesError as e:
+                warnings.append(str(e))
+                log.warning("ledger rebuild from PodResources skipped: %s", e)
+            finally:
+                client.close()
+        if self.socket:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="fracplugin-podresources", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Signal the thread to end (``join`` waits for it)."""
+        self._stop.set()
+
+    def join(self, timeout_s: float) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        client: PodResourcesClient | None = None
+        try:
+            while not self._stop.wait(self.interval_s):
+                if not self.socket or not os.path.exists(self.socket):
+                    continue
+                try:
+                    client = client or PodResourcesClient(self.socket)
+                    for w in self._allocator.reconcile(client.list()):
+                        log.info("PodResources reconcile: %s", w)
+                except PodResourcesError as e:
+                    if self._stop.is_set():
+                        break
+                    log.warning("PodResources reconcile skipped: %s", e)
+                    # a fresh client next round; this one's connection is closed, not
+                    # left open (an error such as UNIMPLEMENTED keeps the channel)
+                    if client is not None:
+                        client.close()
+                    client = None
+                except Exception:
+                    log.exception("PodResources reconcile failed")
+        finally:
+            if client is not None:
+                client.close()

@@ -3,9 +3,10 @@ A.5): the device IDs to propose for one container, never a GPU at its tenant
 limit or held whole, never an uneven split, and the compute modes the
 pending candidates want.
 
-Split out of ``kubelet/allocator.py`` (issue 26, ADR 0023), moved as it was:
-the module docstring of ``kubelet/allocator.py`` describes the decisions;
-``Allocator`` is the one class to use.
+``PreferredAllocation`` is a member of ``allocator.Allocator`` (issue 33
+item 3: composition, not a mixin), given the device table, the node's rules
+(ledger, planner settings) and the allocator's pending candidates; the
+module docstring of ``kubelet/allocator.py`` describes the decisions.
 """
 
 from __future__ import annotations
@@ -14,18 +15,39 @@ from typing import Callable, Sequence
 
 from .. import allocation as al
 from ..model import ComputeMode, FractionError, Tenancy
+from ..noderules import NodeRules
 from ..rpcstatus import StatusCode
-from .allocbase import Refusal, _AllocatorState
-from .devices import preferred_allocation
+from . import podlookup
+from .allocbase import Counters, Refusal
+from .devices import DeviceTable, preferred_allocation
 
 
-class _Preferred(_AllocatorState):
-    """GetPreferredAllocation (a mixin of ``Allocator``)."""
+class PreferredAllocation:
+    """GetPreferredAllocation.
 
-    # ---- GetPreferredAllocation ------------------------------------------------
-    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+    Args:
+        rules: the node's rules (its GPUs, the ledger, the planner settings).
+        table: the advertised devices.
+        policy: ``pack`` | ``spread``.
+        candidates: ``count -> pods`` that may be the next one admitted with
+            ``count`` devices (``Allocator.candidates``); None without a pod source.
+        counters: the door's counters (``preferred`` counts each call).
+    """
+
+    def __init__(self, rules: NodeRules, table: DeviceTable, policy: str,
+                 candidates: Callable[[int], list[podlookup.Candidate]] | None, counters: Counters) -> None:
+        self.node = rules.node
+        self.ledger = rules.ledger
+        self.planner_config = rules.config
+        self.table = table
+        self.policy = policy
+        self._candidates = candidates
+        self._counters = counters
+
+    def devices(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
         """Device IDs for one container (``devices.preferred_allocation``),
-        never a GPU at its tenant limit, never an uneven split (issue 10 item 7)."""
+        never a GPU at its tenant limit, never an uneven split (issue 10 item 7).
+        Raises Refusal for a negative size."""
         if size < 0:
             raise Refusal(StatusCode.INVALID_ARGUMENT, f"allocation_size {size} is negative", "invalid")
         modes = self._modes_for(size)
@@ -39,7 +61,7 @@ class _Preferred(_AllocatorState):
             pod_mode=modes.pop() if len(modes) == 1 else None, policy=self.policy, free_mib_of=self._free_mib_of,
             full_of=full_of,
         )
-        self._bump("preferred")
+        self._counters.bump("preferred")
         return out
 
     def _mode_of(self, uuid: str) -> ComputeMode | None:
@@ -58,7 +80,7 @@ class _Preferred(_AllocatorState):
     def _free_mib_of(self, uuid: str) -> int | None:
         gpu = self.node.gpu_by_uuid(uuid)
         try:
-            return None if gpu is None else gpu.memory_mib - int(self.ledger.held_mib(uuid))
+            return None if gpu is None else gpu.memory_mib - sum(t.request_mib for t in self.ledger.tenants(uuid))
         except Exception:
             return None
 
@@ -70,16 +92,14 @@ class _Preferred(_AllocatorState):
 
     def _modes_for(self, count: int) -> set[ComputeMode]:
         """The compute modes the pending candidates for ``count`` devices want."""
-        if self.pod_source is None:
+        if self._candidates is None:
             return set()
         modes: set[ComputeMode] = set()
-        with self._lock:
-            cands = self._candidates(count)
         prefix = self.planner_config.annotation_prefix
-        for c in cands:
+        for c in self._candidates(count):
             annotations = (c.pod.get("metadata") or {}).get("annotations") or {}
             try:
-                parsed = al.parse_for_kubelet(annotations, c.container, self.unit_mib * count, prefix=prefix)
+                parsed = al.parse_for_kubelet(annotations, c.container, self.table.unit_mib * count, prefix=prefix)
             except FractionError:
                 continue
             modes.add(parsed.compute_mode if parsed is not None else ComputeMode.TIME_SLICING)
