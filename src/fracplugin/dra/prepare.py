@@ -145,6 +145,13 @@ class Preparer:
         the answer's ``error``."""
         ref = claims.claim_ref_text(namespace, name, uid)
         fields = {"claim": f"{namespace}/{name}", "claim_uid": uid}
+        missing = [k for k, v in (("uid", uid), ("namespace", namespace), ("name", name)) if not v]
+        if missing:  # a broken peer: refused before any work (issue 34 input 9), nothing to undo
+            msg = (f"resourceclaim {ref}: claim {', '.join(missing)} is empty; kubelet names every claim by "
+                   "namespace, name and UID (NodePrepareResourcesRequest.claims)")
+            self._count("refused", uid, error=msg)
+            log.warning("dra prepare refused", extra={**fields, "reason": msg})
+            return Prepared(error=msg)
         with self._claim_lock(uid):
             with self._lock:
                 done = self._record.get(uid)
