@@ -20,6 +20,7 @@ from .ledger import Ledger
 from .model import ComputeMode, NodeInfo
 from .mps.layout import MpsLayout
 from .parts import (
+    CdiPart,
     DevicePluginPart,
     EventsPart,
     GpuHealthPart,
@@ -356,7 +357,7 @@ class _Builders:
             from .cdi import CdiRegistry
 
             self.cdi = CdiRegistry(self.cfg.cdi_spec_dirs, self.node.gpus, kind=self.cfg.cdi_kind)
-            self.cdi.refresh()
+            self._add(CdiPart(self.cfg, self.cdi))  # read now, then re-read in the background
         return self.cdi
 
     def _build_rules(self) -> None:

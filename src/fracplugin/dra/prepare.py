@@ -208,11 +208,9 @@ class Preparer:
         """One answer device per allocated device: the claim's CDI device on
         the first, each GPU's own CDI device (when the node's specs list it)."""
         out = []
-        if self.cdi is not None:
-            self.cdi.refresh()
         for i, d in enumerate(claim.devices):
             ids = [cdispec.device_id(claim.uid)] if i == 0 else []
-            own = self.cdi.device_for(d.gpu.uuid, refresh=False) if self.cdi is not None else None
+            own = self.cdi.device_for(d.gpu.uuid) if self.cdi is not None else None
             if own is not None:
                 ids.append(own.name)
             out.append(PreparedDevice((d.request,) if d.request else (), d.pool, d.device, tuple(ids), d.share_id))

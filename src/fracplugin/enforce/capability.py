@@ -30,10 +30,10 @@ from __future__ import annotations
 import errno
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from ..atomicfile import read_regular
 from ..model import GpuInfo
 
 __all__ = ["Capability", "NodeCapabilities", "check_capabilities", "REQUIRED", "CAPABILITIES", "MIN_DRIVER_MAJOR"]
@@ -137,22 +137,10 @@ MAX_KERNEL_FILE = 1 << 20
 
 
 def read_kernel_file(path: str, max_bytes: int = MAX_KERNEL_FILE) -> str:
-    """The text of a small regular file, read without ever blocking: opened
-    ``O_NONBLOCK``, refused unless ``fstat`` says it is a regular file (a FIFO
-    or a device at the path would block a request path for ever; issue 34
-    input 8), at most ``max_bytes``. Raises OSError (the reason names the path
-    and why: absent, not a regular file, too large)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"{path} is not a regular file")
-        data = os.read(fd, max_bytes + 1)
-        if len(data) > max_bytes:
-            raise OSError(errno.EFBIG, f"{path} is larger than {max_bytes} bytes")
-        return data.decode("utf-8", errors="replace")
-    finally:
-        os.close(fd)
+    """The text of a small cgroup interface file, never blocking
+    (``atomicfile.read_regular``: a FIFO or a device at the path would block
+    a request path for ever, issue 34 input 8). Raises OSError naming why."""
+    return read_regular(path, max_bytes).decode("utf-8", errors="replace")
 
 
 def dmem_regions(root: str) -> dict[str, int] | str:
