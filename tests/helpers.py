@@ -126,3 +126,24 @@ def node_rules(node: Any, ledger: Any = None, config: Any = None, inventory: Any
     if inventory is not None or mps_health is not None:
         health.start()
     return NodeRules(node, ledger, config if config is not None else PlannerConfig(), health=health, limits=limits)
+
+
+_PORTS_GIVEN: set[int] = set()
+_PORTS_LOCK = __import__("threading").Lock()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now and that this process has
+    never handed out before (issue 34 input 10: binding port 0 and closing
+    can give the same port twice in a row, and etcd's peer and metrics URLs
+    once got the same one). The one way every harness picks a port."""
+    import socket
+
+    with _PORTS_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if port not in _PORTS_GIVEN:
+                _PORTS_GIVEN.add(port)
+                return port

@@ -1,6 +1,8 @@
 """One way to replace a file on disk so that a reader, or the daemon after a
 crash, sees either the old content or the new, never a part (the house rule:
-"state on disk stays consistent: atomic rename or a journal, fsync'd").
+"state on disk stays consistent: atomic rename or a journal, fsync'd"), and
+one way to read a file someone else writes without ever blocking on it
+(``read_regular``: cgroup interface files, CDI specs).
 
 Used by every file the daemon writes whole: the ledger's snapshot
 (``ledgerstore``), the MPS role's namespace state (``mps/namespaces``) and
@@ -17,11 +19,31 @@ the directory is ``fsync``'d after it so the new name survives a power loss
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["write_atomically"]
+__all__ = ["read_regular", "write_atomically"]
+
+
+def read_regular(path: str, max_bytes: int, *, whole: bool = True) -> bytes:
+    """At most ``max_bytes`` of a regular file, never blocking: opened
+    ``O_NONBLOCK``, refused unless ``fstat`` says regular (a FIFO or a device
+    would block a reader for ever, issue 34 items 5, 8). ``whole``: a larger file is an
+    error; else its first ``max_bytes``. Raises OSError naming the path and why."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        data = os.read(fd, max_bytes + 1 if whole else max_bytes)
+    finally:
+        os.close(fd)
+    if whole and len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"{path} is larger than {max_bytes} bytes")
+    return data
+
 
 
 def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644,

@@ -22,6 +22,7 @@ from .ledger import Ledger
 from .model import ComputeMode, NodeInfo
 from .mps.layout import MpsLayout
 from .parts import (
+    CdiPart,
     DevicePluginPart,
     EventsPart,
     GpuHealthPart,
@@ -375,7 +376,7 @@ class Builder:
             from .cdi import CdiRegistry
 
             self.cdi = CdiRegistry(self.cfg.cdi_spec_dirs, self.node.gpus, kind=self.cfg.cdi_kind)
-            self.cdi.refresh()
+            self._add(CdiPart(self.cfg, self.cdi))  # read now, then re-read in the background
         return self.cdi
 
     def _build_rules(self) -> None:

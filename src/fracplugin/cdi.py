@@ -24,10 +24,16 @@ The memory-limit hook is the toolkit's ``apply-cuda-memory-limits``
 it, in the device's own ``containerEdits`` or in the spec's. A hook that names
 GPU UUIDs in its arguments counts for those GPUs only.
 
-Re-reading: every lookup stats the spec directories (two ``stat`` calls: a file
-added, removed or renamed into place changes a directory's mtime) and, at most
-every ``file_check_s`` seconds, every spec file (an edit in place); anything
-changed -> the specs are read again. A spec that does not parse is named in one
+Re-reading happens off every request path (issue 34 item 5): the daemon's
+watcher (``start``) stats the spec directories (a file added, removed or
+renamed into place changes a directory's mtime) and every spec file (an edit in
+place) every ``file_check_s`` seconds; anything changed -> the specs are read
+again and the parsed snapshot swapped. Lookups only read the snapshot (the
+first lookup of a registry never read reads it once: explain, tests). Only
+specs of a GPU kind are parsed (the ``kind`` is sniffed from the file's first
+lines; other vendors' specs are skipped unparsed), with libyaml's loader where
+present; only regular files are read, never blocking. A spec that does not
+parse, or a device whose identities name different GPUs, is named in one
 warning (per file version) and ignored; the rest still count.
 
 Concurrency: lookups read an immutable snapshot; a re-read is done under one
@@ -40,6 +46,7 @@ import copy
 import json
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +54,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import yaml
 
+from .atomicfile import read_regular
 from .model import ContainerPlan, GpuInfo
 
 __all__ = [
@@ -80,6 +88,7 @@ OWN_CLAIM_SPEC_PREFIX = "gpu-memory.fracplugin.io-claim_"
 skipped when the node's specs are read (they name no GPU)."""
 MAX_SPEC_BYTES = 4 << 20
 """Largest spec file read (4 MiB); a larger one is named in a warning and ignored."""
+
 
 
 @dataclass(frozen=True)
@@ -159,18 +168,20 @@ def _limit_hook_gpus(edits: Mapping[str, Any], uuids: Mapping[str, GpuInfo]) -> 
 
 def _device_uuid(dev: Mapping[str, Any], gpus: Mapping[str, GpuInfo],
                  by_minor: Mapping[int, GpuInfo]) -> str | None:
-    """The GPU UUID a spec device stands for (module docstring), or None."""
+    """The GPU UUID a spec device stands for (module docstring), or None.
+    Every identity the device carries must name the same GPU: its name (a
+    UUID), the UUIDs its hooks' arguments and ``NVIDIA_VISIBLE_DEVICES`` name,
+    its one ``/dev/nvidia<minor>`` node. Raises ValueError when they disagree
+    (issue 34 item 4: such a device matches no GPU)."""
     name = str(dev.get("name", ""))
-    if name in gpus:
-        return name
-    if name == "all" or ":" in name or name.upper().startswith(("MIG-", "GPU-")):
+    if name == "all" or ":" in name or (name.upper().startswith(("MIG-", "GPU-")) and name not in gpus):
         return None  # not a whole GPU, or a GPU UUID this node does not have (a stale spec)
     edits = _edits(dev)
     named = _words_naming([a for h in _hooks(edits) if isinstance(h, Mapping) for a in h.get("args") or ()], gpus)
     env = [e for e in edits.get("env") or () if isinstance(e, str) and e.startswith("NVIDIA_VISIBLE_DEVICES=")]
     named |= _words_naming(env, gpus)
-    if len(named) == 1:
-        return next(iter(named))
+    if name in gpus:
+        named.add(name)
     minors = set()
     for node in edits.get("deviceNodes") or ():
         path = str(node.get("path", "")) if isinstance(node, Mapping) else ""
@@ -178,25 +189,44 @@ def _device_uuid(dev: Mapping[str, Any], gpus: Mapping[str, GpuInfo],
         if path.startswith("/dev/nvidia") and tail.isdigit():
             minors.add(int(tail))
     if len(minors) == 1 and next(iter(minors)) in by_minor:
-        return by_minor[next(iter(minors))].uuid
-    return None
+        by_node = by_minor[next(iter(minors))].uuid
+        if named and by_node not in named:
+            raise ValueError(f"device {name!r} names GPU {', '.join(sorted(named))} but its device node "
+                             f"/dev/nvidia{next(iter(minors))} is GPU {by_node}: it matches no GPU")
+        named.add(by_node)
+    if len(named) > 1:
+        raise ValueError(f"device {name!r} names several GPUs ({', '.join(sorted(named))}): it matches no GPU")
+    return next(iter(named)) if named else None
+
+
+_YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's where present: ~10x faster
+_KIND = re.compile(rb"""^\s*["']?kind["']?\s*:\s*["']?([^"'\s,#}]+)""", re.M)
+
+
+def _sniff_kind(path: str) -> str | None:
+    """The spec's ``kind`` read from its first lines without parsing it (a
+    regular file only, never blocking), or None when not found there: specs
+    of other vendors' kinds are skipped unparsed (issue 34 item 5)."""
+    try:
+        head = read_regular(path, 4096, whole=False)
+    except OSError:
+        return None
+    m = _KIND.search(head)
+    return m.group(1).decode("utf-8", "replace") if m else None
 
 
 def _load(path: str) -> Any:
     """The parsed spec document. Raises ValueError naming what is wrong."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_SPEC_BYTES + 1)
+        raw = read_regular(path, MAX_SPEC_BYTES)
     except OSError as exc:
         raise ValueError(f"cannot be read: {exc.strerror or exc}") from None
-    if len(raw) > MAX_SPEC_BYTES:
-        raise ValueError(f"is larger than {MAX_SPEC_BYTES} bytes")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"is not UTF-8 text (byte {exc.start})") from None
     try:
-        return json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        return json.loads(text) if path.endswith(".json") else yaml.load(text, Loader=_YAML_LOADER)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -245,6 +275,7 @@ class CdiRegistry:
         self.kinds = tuple(dict.fromkeys(([kind] if kind else []) + list(DEFAULT_KINDS)))
         self._gpus = {g.uuid: g for g in gpus}
         self._by_minor = {g.minor: g for g in gpus}
+        self._by_index = {str(g.index): g.uuid for g in gpus}
         self.file_check_s = file_check_s
         self._lock = threading.Lock()
         self._snap = _Snapshot()
@@ -254,6 +285,39 @@ class CdiRegistry:
         self._warned: dict[tuple[str, Any], None] = {}
         self.reads = 0
         """How many times the specs were (re-)read."""
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    # ---- the watcher (off the request path) ---------------------------------
+    def start(self) -> None:
+        """Read the specs now, then re-read them in the background whenever
+        they change (checked every ``file_check_s`` seconds). Idempotent."""
+        self.refresh()
+        if self._watcher is not None:
+            return
+        self._stop.clear()
+        self._watcher = threading.Thread(target=self._watch, name="fracplugin-cdi", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.file_check_s):
+            try:
+                self.refresh()
+            except Exception:  # a reader bug must not end the watcher
+                log.exception("CDI spec re-read failed")
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the watcher (within ``timeout_s``)."""
+        self._stop.set()
+        t, self._watcher = self._watcher, None
+        if t is not None:
+            t.join(timeout_s)
+
+    def _current(self) -> _Snapshot:
+        """The parsed snapshot; read once here when nothing has read it yet."""
+        if self.reads == 0:
+            self.refresh()
+        return self._snap
 
     # ---- change detection ---------------------------------------------------
     def _dir_stats(self) -> tuple[Any, ...]:
@@ -314,21 +378,28 @@ class CdiRegistry:
         specs: list[str] = []
         invalid: dict[str, str] = {}
         for order, (path, version) in enumerate(files):
+            sniffed = _sniff_kind(path)
+            if sniffed is not None and sniffed.count("/") == 1 and sniffed not in self.kinds:
+                specs.append(path)  # another vendor's kind: not parsed
+                continue
             try:
                 doc = _load(path)
                 kind = _check_spec(doc)
             except ValueError as exc:
                 invalid[path] = str(exc)
-                if (path, version) not in self._warned:
-                    self._warned[(path, version)] = None
-                    log.warning("CDI spec %s ignored: %s", path, exc, extra={"cdi_spec": path, "reason": str(exc)})
+                self._warn(path, version, str(exc))
                 continue
             specs.append(path)
             if kind not in self.kinds:
                 continue
             spec_general, spec_named = _limit_hook_gpus(_edits(doc), self._gpus)
             for dev in doc["devices"]:
-                uuid = _device_uuid(dev, self._gpus, self._by_minor)
+                try:
+                    uuid = _device_uuid(dev, self._gpus, self._by_minor)
+                except ValueError as exc:
+                    invalid[f"{path}#{dev['name']}"] = str(exc)
+                    self._warn(path, (version, dev["name"]), str(exc))
+                    continue
                 if uuid is None:
                     continue
                 general, named = _limit_hook_gpus(_edits(dev), self._gpus)
@@ -341,32 +412,37 @@ class CdiRegistry:
                     best[uuid] = (rank, CdiDevice(qualified, kind, path, hook))
         return _Snapshot({u: d for u, (_r, d) in best.items()}, names, tuple(specs), invalid)
 
-    # ---- lookups ------------------------------------------------------------
-    def device_for(self, uuid: str, *, refresh: bool = True) -> CdiDevice | None:
+    def _warn(self, path: str, version: Any, reason: str) -> None:
+        if (path, version) not in self._warned:
+            self._warned[(path, version)] = None
+            log.warning("CDI spec %s ignored: %s", path, reason, extra={"cdi_spec": path, "reason": reason})
+
+    # ---- lookups (the snapshot only: never a read on a request path) ----------
+    def device_for(self, uuid: str) -> CdiDevice | None:
         """The CDI device this node's specs define for GPU ``uuid`` (preferred
         kind first, a device named by the UUID before one named otherwise), or
-        None when no spec of a GPU kind lists it. Checks the specs for changes
-        first unless ``refresh`` is False (cheap: two stats, module docstring)."""
-        if refresh:
-            self.refresh()
-        return self._snap.by_uuid.get(uuid)
+        None when no spec of a GPU kind lists it."""
+        return self._current().by_uuid.get(uuid)
+
+    def listed(self, name: str) -> bool:
+        """Whether a spec this registry read defines the fully qualified CDI ``name``."""
+        return name in self._current().name_to_uuid
 
     def gpu_of(self, name: str) -> str | None:
         """The GPU UUID a fully qualified CDI name stands for: a device of a
         spec this registry read, or a name whose device part is one of the
-        node's GPU UUIDs; None otherwise."""
-        uuid = self._snap.name_to_uuid.get(name)
+        node's GPU UUIDs or indices; None otherwise."""
+        uuid = self._current().name_to_uuid.get(name)
         if uuid is not None:
             return uuid
         dev = name.partition("=")[2]
-        return dev if dev in self._gpus else None
+        return dev if dev in self._gpus else self._by_index.get(dev)
 
     def status(self) -> dict[str, Any]:
         """``{"spec_dirs", "kinds", "specs", "invalid_specs": [{path, reason}],
         "devices": {uuid: CdiDevice.to_dict()}, "gpus_without_spec": [uuid]}``
         for ``/status`` (section ``cdi``)."""
-        self.refresh()
-        snap = self._snap
+        snap = self._current()
         return {
             "spec_dirs": list(self.dirs),
             "kinds": list(self.kinds),
@@ -398,26 +474,38 @@ def container_cdi_devices(container: Any) -> tuple[str, ...]:
 
 def with_node_cdi_devices(plan: ContainerPlan, registry: CdiRegistry | None,
                           present: Sequence[str] = ()) -> ContainerPlan:
-    """``plan`` whose ``cdi_devices`` also name the node's CDI device of each
-    planned GPU (issue 23 item 1), never twice and never a GPU the container
-    already gets by CDI.
+    """``plan`` whose ``cdi_devices`` name one CDI device per planned GPU
+    (issue 23 item 1, issue 34 item 4): never twice, never a GPU the container
+    already gets by CDI, and never a name the node's specs do not list where
+    they list one for that GPU.
 
     ``present`` are the CDI devices the container requests itself
     (``container_cdi_devices``): a name there is not requested again, and a
     GPU one of them stands for (``CdiRegistry.gpu_of``) gets no second device.
-    The scheduler-written names of the plan come first, then one device per
-    remaining GPU in plan order; a GPU with no spec gets none (its env still
-    names it). ``registry`` None: ``plan`` unchanged."""
+    A scheduler-written name of the plan is kept when the node's specs list it
+    (or when they list nothing for its GPU: the runtime resolves it or says
+    why); one they do not list is replaced by the node's own device for that
+    GPU (``nvidia.com/gpu=0`` on a node whose specs have only
+    ``k8s.device-plugin.nvidia.com/gpu``). Then one device per remaining GPU in
+    plan order; a GPU with no spec gets none (its env still names it).
+    ``registry`` None: ``plan`` unchanged. Reads the registry's snapshot only."""
     if registry is None:
         return plan
-    registry.refresh()
     have = set(present)
-    covered = {u for u in (registry.gpu_of(n) for n in list(have) + list(plan.cdi_devices)) if u}
-    names: dict[str, None] = {n: None for n in plan.cdi_devices if n not in have}
+    covered = {u for u in (registry.gpu_of(n) for n in have) if u}
+    names: dict[str, None] = {}
+    for n in plan.cdi_devices:
+        uuid = registry.gpu_of(n)
+        own = registry.device_for(uuid) if uuid is not None and not registry.listed(n) else None
+        name = own.name if own is not None else n
+        if uuid not in covered and name not in have:
+            names[name] = None
+        if uuid is not None:
+            covered.add(uuid)
     for uuid in plan.device_uuids:
         if uuid in covered:
             continue
-        dev = registry.device_for(uuid, refresh=False)
+        dev = registry.device_for(uuid)
         if dev is not None and dev.name not in have:
             names[dev.name] = None
     out = tuple(names)

@@ -44,6 +44,7 @@ from . import logs
 from .ports import Clock, HookMetrics, NoMetrics
 
 if TYPE_CHECKING:
+    from .cdi import CdiRegistry
     from .config import Config
     from .events import EventRecorder
     from .gpu.health import HealthMonitor
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Clock", "Readiness", "Reloaded", "Part", "HookMetrics", "NoMetrics", "PartBase",
     "LogsPart", "InventoryPart", "LedgerPart", "MetricsPart", "MpsPart", "MpsApiPart", "PodSourcePart",
-    "EventsPart", "GpuHealthPart", "NriDoor", "DevicePluginPart", "DraDoor", "HealthPart", "NodeConditionPart",
+    "EventsPart", "GpuHealthPart", "CdiPart", "NriDoor", "DevicePluginPart", "DraDoor", "HealthPart", "NodeConditionPart",
     "PLANNER_KEYS",
 ]
 
@@ -474,6 +475,25 @@ class GpuHealthPart(PartBase):
 
     def stop(self, timeout_s: float) -> None:
         self.monitor.stop(timeout_s)
+
+
+class CdiPart(PartBase):
+    """The node's CDI specs (``cdi.CdiRegistry``): read at start, then
+    re-read in the background when they change, so no request path ever
+    parses a spec (issue 34 item 5)."""
+
+    name = "cdi"
+    reads = frozenset({"cdi_spec_dirs", "cdi_kind"})
+
+    def __init__(self, cfg: Config, registry: CdiRegistry) -> None:
+        super().__init__(cfg)
+        self.registry = registry
+
+    def start(self) -> None:
+        self.registry.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self.registry.stop(timeout_s)
 
 
 class HealthPart(PartBase):

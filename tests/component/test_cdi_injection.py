@@ -124,7 +124,7 @@ def test_gpu_without_spec_keeps_env_and_status_names_it(daemon: Callable[..., Da
         out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "status", "--state-dir", str(d.state)],
                              capture_output=True, text=True, timeout=30)
         assert "GPUs without a CDI spec (env only, no CDI device): " + ", ".join(UUIDS) in out.stdout, out.stdout
-        # the device plugin writes its spec while we run (atomically, as it does): read on the next lookup
+        # the device plugin writes its spec while we run (atomically, as it does): the watcher reads it
         tmp = etc / ".k8s.device-plugin.nvidia.com-gpu.tmp"
         shutil.copy(FIX / "with-hook" / "k8s.device-plugin.nvidia.com-gpu.yaml", tmp)
         tmp.rename(etc / "k8s.device-plugin.nvidia.com-gpu.yaml")
@@ -174,3 +174,27 @@ def test_explain_json_lists_each_containers_cdi_devices(root: Path) -> None:
                           "--cdi-spec-dirs", str(etc)], capture_output=True, text=True, timeout=60)
     report = json.loads(out.stdout)
     assert report["containers"][0]["cdi_devices"] == [] and report["cdi"]["gpus_without_spec"] == UUIDS
+
+
+def test_one_cdi_device_per_gpu_and_only_one_the_node_lists(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    """Issue 34 input 6: specs of ``k8s.device-plugin.nvidia.com/gpu`` only; ``gpus.devices: nvidia.com/gpu=0``
+    gets one CDI device for GPU 0, the node's own (it got that and ``nvidia.com/gpu=0``, which nothing on the
+    node resolves); 300 other vendors' specs beside it are not parsed (``/status`` lists them, none invalid)."""
+    from nri_runtime import FakeNriRuntime, make_container, make_pod
+
+    etc, run = spec_tree(root, "with-hook")
+    filler = "\n".join(f"  - name: dev{i}\n    containerEdits: {{env: [X_{i}={'y' * 100}]}}" for i in range(80))
+    for i in range(300):  # ~12 KB each, as a node with many vendors' devices has them
+        (etc / f"vendor{i}.yaml").write_text(f'cdiVersion: "0.6.0"\nkind: vendor{i}.example/fpga\ndevices:\n{filler}\n')
+    rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    try:
+        d = nri_daemon(daemon, root, etc, run)
+        rt.wait_registered(15)
+        sandbox = make_pod("one", "team", "uid-one", {"nvidia.com/container.app.gpu-memory.request": "8Gi",
+                                                       "nvidia.com/container.app.gpus.devices": "nvidia.com/gpu=0"})
+        adj = rt.create_container(sandbox, make_container(sandbox, "app"))
+        assert [c.name for c in adj.CDI_devices] == [f"{DP}={UUIDS[0]}"], adj
+        cdi = d.get("/status")[1]["cdi"]
+        assert len(cdi["specs"]) == 301 and cdi["invalid_specs"] == [], cdi["invalid_specs"]
+    finally:
+        rt.close()

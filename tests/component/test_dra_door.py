@@ -346,3 +346,22 @@ def test_gpu_filled_through_dra_refuses_the_device_plugin_door(daemon: Callable[
         assert kubelet.unprepare(("team-d", uid, "big")).claims[uid].error == ""
         dp_kubelet.allocate(rn, [f"{GPU0}::{n}" for n in range(20)])
         assert sum(t["request_mib"] for t in tenants(d)) == 20480
+
+
+def test_a_claim_with_an_empty_uid_is_refused_up_front(daemon: Callable[..., DaemonProc], root: Path,  # noqa: F811
+                                                       api: ResourceApi) -> None:
+    """Issue 34 input 9: NodePrepareResources for an existing claim with ``uid: ""`` is refused naming the
+    empty UID (not UNKNOWN with a traceback), and nothing is held; the same claim by its UID prepares."""
+    d = start(daemon, root, api, "--no-device-plugin", "--no-dra-slices")
+    kubelet = DraKubelet(str(root / "registry"))
+    try:
+        kubelet.register()
+        uid = "0b7c1e9a-9999-4a55-9d0e-000000000009"
+        api.claims[("team-e", "c")] = claim_doc("team-e", "c", uid)
+        err = kubelet.prepare(("team-e", "", "c")).claims[""].error
+        assert "claim uid is empty" in err, err
+        assert tenants(d) == [] and d.get("/status")[1]["dra"]["claims"]["refused"] == 1
+        assert kubelet.prepare(("team-e", uid, "c")).claims[uid].error == ""
+        assert [t["request_mib"] for t in tenants(d)] == [20480]
+    finally:
+        kubelet.close()

@@ -92,7 +92,7 @@ def started(root: Path) -> Iterator[Any]:
     procs: list[Daemon] = []
     runtimes: list[Any] = []
 
-    def start(args: list[str], *, v2: bool = True, mig: tuple[int, ...] = (), dmem: bool = True,
+    def start(args: list[str], *, v2: bool = True, mig: tuple[int, ...] = (), dmem: bool | str = True,
               simulate: bool = True, fail: tuple[tuple[str, str, int], ...] = ()) -> tuple[Daemon, Any, Path]:
         from nri_runtime import FakeNriRuntime
 
@@ -101,7 +101,9 @@ def started(root: Path) -> Iterator[Any]:
         node = yaml.safe_load(NODE.read_text())
         if v2:
             (cg / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids rdma misc dmem\n")
-            if dmem:
+            if dmem == "fifo":
+                os.mkfifo(cg / "dmem.capacity")  # nobody writes it: a blocking open would wait for ever
+            elif dmem:
                 (cg / "dmem.capacity").write_text("".join(
                     f"nvidia/{g['pci_bus_id'][4:].lower()}/vidmem {g['memory_mib'] * MIB}\n" for g in node["gpus"]))
         else:
@@ -330,3 +332,18 @@ def test_not_enforced_becomes_a_warning_event(started: Any, root: Path) -> None:
         assert "verify mode" in msg
     finally:
         api.shutdown()
+
+
+def test_a_fifo_at_dmem_capacity_blocks_nothing(started: Any) -> None:
+    """Issue 34 input 8: a FIFO at ``<cgroup-root>/dmem.capacity`` (nobody writes it) blocks neither
+    ``/readyz`` nor CreateContainer: the gate skips the file (not a regular file) and asks NVML (the fake
+    library answers), so the node is ready and the container admitted. Before, both waited for ever."""
+    from nri_runtime import pod_from_manifest
+
+    d, rt, cg = started(["--memory-limits", "apply", "--memory-limits-policy", "refuse"], dmem="fifo")
+    wait_until(lambda: d.get("/readyz")[0] == 200, 15, lambda: f"readyz: {d.get('/readyz')}")
+    acc = [c for c in d.get("/status")[1]["memory_limits"]["node"]["capabilities"] if c["name"] == "memory_accounting"]
+    assert acc and acc[0]["ok"] and "NVML" in acc[0]["detail"], acc
+    pod, ctrs = pod_from_manifest(INFERENCE)
+    adj = rt.create_container(pod, ctrs[0])
+    assert getattr(adj, "code", None) is None and adj.env, adj

@@ -158,3 +158,19 @@ def test_unreachable_mps_role_means_every_mode_down_with_the_reason(tmp_path: Pa
     with pytest.raises(MpsError, match="not reachable"):
         remote.ensure_namespace("p", "c", None, 1.0)
     assert remote.drain("c1", 1.0).errors and changes == []  # never healthy: no change to report
+
+
+def test_every_op_leaves_a_line_naming_its_peer(served, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 34 item 6: ``quit_daemons`` (it stops every tenant's server) and every other op are logged with
+    the peer's pid and uid (``SO_PEERCRED``); the doors' status polls at debug only."""
+    import logging
+
+    _, _, remote = served
+    with caplog.at_level(logging.DEBUG, logger="fracplugin.mps.rpc"):
+        remote.quit_daemons(3.0)
+        remote.status()
+    ops = [r for r in caplog.records if r.getMessage().startswith("MPS API op ")]
+    quit_ = [r for r in ops if r.op == "quit_daemons"]  # type: ignore[attr-defined]
+    assert quit_ and quit_[0].levelno == logging.INFO, [r.getMessage() for r in ops]
+    assert quit_[0].peer_pid == os.getpid() and quit_[0].peer_uid == os.geteuid()  # type: ignore[attr-defined]
+    assert all(r.levelno == logging.DEBUG for r in ops if r.op == "status")  # type: ignore[attr-defined]

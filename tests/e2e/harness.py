@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import string
 import subprocess
 import sys
@@ -33,6 +32,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from tests.helpers import free_port  # noqa: E402,F401  (the one port chooser, issue 34 input 10; h.free_port)
 MARKER = ".fracplugin-e2e"
 DEFAULT_CACHE = "/var/cache/fracplugin-e2e"
 DEFAULT_CONTAINERD_VERSIONS = "v2.3.7 v2.1.9"
@@ -138,11 +140,6 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def new_base() -> Path:

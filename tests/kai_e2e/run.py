@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from tests.helpers import free_port  # noqa: E402  (the one port chooser, issue 34 input 10)
 CACHE = Path(os.environ.get("FRACPLUGIN_E2E_CACHE", "/var/cache/fracplugin-e2e"))
 TOKEN = "kai-e2e-admin"
 
@@ -35,12 +36,6 @@ def newest(pattern: str) -> Path | None:
     found = sorted(CACHE.glob(pattern), key=lambda p: [int(x) if x.isdigit() else x for x in
                                                        p.parts[-3].split("-v")[-1].replace(".", " ").split()])
     return found[-1] if found else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait(pred, timeout_s: float, what: str) -> None:

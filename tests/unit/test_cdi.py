@@ -113,6 +113,8 @@ def test_reread_on_new_file_and_on_edit_in_place(tmp_path: Path) -> None:
     assert reg.device_for(UUIDS[0]) is None
     assert reg.status()["gpus_without_spec"] == UUIDS
     shutil.copy(FIX / "no-hook" / "k8s.device-plugin.nvidia.com-gpu.yaml", d / "dp.yaml")
+    assert reg.device_for(UUIDS[0]) is None  # lookups read the snapshot only (issue 34 item 5)
+    assert reg.refresh()  # what the watcher does
     assert not reg.device_for(UUIDS[0]).has_memory_limit_hook  # type: ignore[union-attr]
     # edit in place (same directory mtime possible): the file's own stat changes
     text = (FIX / "with-hook" / "k8s.device-plugin.nvidia.com-gpu.yaml").read_text()
@@ -120,10 +122,9 @@ def test_reread_on_new_file_and_on_edit_in_place(tmp_path: Path) -> None:
         f.write(text)
     st = os.stat(d / "dp.yaml")
     os.utime(d / "dp.yaml", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
-    assert reg.device_for(UUIDS[0]).has_memory_limit_hook  # type: ignore[union-attr]
+    assert reg.refresh() and reg.device_for(UUIDS[0]).has_memory_limit_hook  # type: ignore[union-attr]
     reads = reg.reads
-    reg.device_for(UUIDS[0])
-    assert reg.reads == reads  # unchanged: not read again
+    assert not reg.refresh() and reg.reads == reads  # unchanged: not read again
 
 
 def plan_for(devices: str) -> object:
@@ -166,3 +167,80 @@ def test_gpu_without_spec_gets_none(tmp_path: Path) -> None:
     p = with_node_cdi_devices(plan_for(",".join(UUIDS)), reg)  # type: ignore[arg-type]
     assert p.cdi_devices == tuple(f"{DP}={u}" for u in UUIDS[:3])
     assert reg.status()["gpus_without_spec"] == [UUIDS[3]]
+
+
+# ---- issue 34 items 4 and 5 ------------------------------------------------------------------------
+
+
+def test_a_cdi_name_the_node_does_not_list_becomes_the_nodes_own_device_for_that_gpu(tmp_path: Path) -> None:
+    """Input 6: specs of ``k8s.device-plugin.nvidia.com/gpu`` only, ``gpus.devices: nvidia.com/gpu=0``: one CDI
+    device for GPU 0, the one the node lists (it gave two, one of which nothing on the node resolves)."""
+    reg = CdiRegistry([str(tree(tmp_path, "with-hook"))], NODE.gpus)
+    p = with_node_cdi_devices(plan_for("nvidia.com/gpu=0"), reg)  # type: ignore[arg-type]
+    assert p.cdi_devices == (f"{DP}={UUIDS[0]}",)
+    # a listed name is kept as written, and counts for its GPU
+    both = CdiRegistry([str(tree(tmp_path, "toolkit"))], NODE.gpus)
+    assert with_node_cdi_devices(plan_for("nvidia.com/gpu=0"), both).cdi_devices == ("nvidia.com/gpu=0",)  # type: ignore[arg-type]
+
+
+def test_a_device_whose_identities_disagree_matches_no_gpu_with_one_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    d = tmp_path / "cdi"
+    d.mkdir()
+    (d / "dp.yaml").write_text(  # named GPU 0's UUID, its device node GPU 1's
+        f'cdiVersion: "0.6.0"\nkind: {DP}\ndevices:\n  - name: {UUIDS[0]}\n    containerEdits:\n'
+        f'      deviceNodes:\n        - path: /dev/nvidia{NODE.gpus[1].minor}\n')
+    reg = CdiRegistry([str(d)], NODE.gpus, file_check_s=0.0)
+    with caplog.at_level(logging.WARNING, logger="fracplugin.cdi"):
+        assert reg.device_for(UUIDS[0]) is None and reg.device_for(UUIDS[1]) is None
+        reg.refresh(force=True)
+    warned = [r.getMessage() for r in caplog.records if str(d / "dp.yaml") in r.getMessage()]
+    assert len(warned) == 1 and "matches no GPU" in warned[0], warned
+
+
+def test_specs_of_other_kinds_are_not_parsed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    d = tree(tmp_path, "with-hook")
+    (d / "other.yaml").write_text('cdiVersion: "0.6.0"\nkind: vendor.example/fpga\ndevices: [ {name: x\n')
+    reg = CdiRegistry([str(d)], NODE.gpus)
+    with caplog.at_level(logging.WARNING, logger="fracplugin.cdi"):
+        st = reg.status()
+    assert str(d / "other.yaml") in st["specs"] and st["invalid_specs"] == [] and not caplog.records
+    assert reg.device_for(UUIDS[0]) is not None
+
+
+class _SlowRegistry(CdiRegistry):
+    """A registry whose re-read waits until ``release`` is set (a spec directory of thousands of files)."""
+
+    def __init__(self, *a: object, **kw: object) -> None:
+        super().__init__(*a, **kw)  # type: ignore[arg-type]
+        self.release = __import__("threading").Event()
+        self.reading = __import__("threading").Event()
+
+    def _read(self, files):  # type: ignore[no-untyped-def]
+        if self.reads:
+            self.reading.set()
+            assert self.release.wait(60)
+        return super()._read(files)
+
+
+def test_lookups_never_wait_for_a_reread(tmp_path: Path) -> None:
+    """Input 7, in process: while the watcher re-reads (held here until released), every lookup and
+    ``with_node_cdi_devices`` answers from the last snapshot at once; the new spec counts once the re-read
+    ends."""
+    from tests.helpers import wait_until
+
+    d = tree(tmp_path, "no-hook")
+    reg = _SlowRegistry([str(d)], NODE.gpus, file_check_s=0.05)
+    reg.start()
+    try:
+        assert not reg.device_for(UUIDS[0]).has_memory_limit_hook  # type: ignore[union-attr]
+        shutil.copy(FIX / "with-hook" / "k8s.device-plugin.nvidia.com-gpu.yaml", d / "zz-hook.yaml")
+        assert wait_until(reg.reading.is_set, what="the watcher to start a re-read")
+        p = with_node_cdi_devices(plan_for(UUIDS[0]), reg)  # type: ignore[arg-type]
+        assert p.cdi_devices == (f"{DP}={UUIDS[0]}",) and not reg.device_for(UUIDS[0]).has_memory_limit_hook  # type: ignore[union-attr]
+        reg.release.set()
+        assert wait_until(lambda: reg.device_for(UUIDS[0]).has_memory_limit_hook,  # type: ignore[union-attr]
+                          what="the re-read to swap the snapshot")
+    finally:
+        reg.release.set()
+        reg.stop()

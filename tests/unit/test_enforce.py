@@ -292,3 +292,22 @@ def test_gate_names_gpus_without_cdi_spec_and_those_without_the_hook(tmp_path):
     c = caps.get("cdi_hook")
     assert c.ok is None and all(g.uuid in c.detail for g in node.gpus) and "no CDI spec" in c.detail
     assert caps.hook == {g.uuid: None for g in node.gpus}
+
+
+def test_a_fifo_or_a_huge_file_at_dmem_capacity_is_unusable_at_once(tmp_path):
+    """Issue 34 input 8: the gate reads regular files only, non-blocking, with a size cap."""
+    import os
+
+    from fracplugin.enforce.capability import MAX_KERNEL_FILE
+
+    node = load_node(str(NODE_YAML))
+    v2 = tmp_path / "v2"
+    v2_tree(v2, "x")
+    os.mkfifo(v2 / "dmem.capacity")  # nobody writes: a blocking open or read would wait for ever
+    caps = check_capabilities(node.gpus, node.driver_version, cgroup_root=str(v2), mps_protocol=3)
+    acc = caps.get("memory_accounting")
+    assert acc.ok is False and "dmem.capacity is not a regular file" in acc.detail
+    (v2 / "dmem.capacity").unlink()
+    (v2 / "dmem.capacity").write_bytes(b"x" * (MAX_KERNEL_FILE + 1))
+    acc = check_capabilities(node.gpus, node.driver_version, cgroup_root=str(v2), mps_protocol=3).get("memory_accounting")
+    assert acc.ok is False and "is larger than" in acc.detail

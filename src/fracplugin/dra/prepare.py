@@ -145,6 +145,13 @@ class Preparer:
         the answer's ``error``."""
         ref = claims.claim_ref_text(namespace, name, uid)
         fields = {"claim": f"{namespace}/{name}", "claim_uid": uid}
+        missing = [k for k, v in (("uid", uid), ("namespace", namespace), ("name", name)) if not v]
+        if missing:  # a broken peer: refused before any work (issue 34 input 9), nothing to undo
+            msg = (f"resourceclaim {ref}: claim {', '.join(missing)} is empty; kubelet names every claim by "
+                   "namespace, name and UID (NodePrepareResourcesRequest.claims)")
+            self._count("refused", uid, error=msg)
+            log.warning("dra prepare refused", extra={**fields, "reason": msg})
+            return Prepared(error=msg)
         with self._claim_lock(uid):
             with self._lock:
                 done = self._record.get(uid)
@@ -201,11 +208,9 @@ class Preparer:
         """One answer device per allocated device: the claim's CDI device on
         the first, each GPU's own CDI device (when the node's specs list it)."""
         out = []
-        if self.cdi is not None:
-            self.cdi.refresh()
         for i, d in enumerate(claim.devices):
             ids = [cdispec.device_id(claim.uid)] if i == 0 else []
-            own = self.cdi.device_for(d.gpu.uuid, refresh=False) if self.cdi is not None else None
+            own = self.cdi.device_for(d.gpu.uuid) if self.cdi is not None else None
             if own is not None:
                 ids.append(own.name)
             out.append(PreparedDevice((d.request,) if d.request else (), d.pool, d.device, tuple(ids), d.share_id))

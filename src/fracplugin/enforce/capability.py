@@ -27,11 +27,13 @@ or callable; nothing here raises on a missing file: it becomes a reason.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from ..atomicfile import read_regular
 from ..model import GpuInfo
 
 __all__ = ["Capability", "NodeCapabilities", "check_capabilities", "REQUIRED", "CAPABILITIES", "MIN_DRIVER_MAJOR"]
@@ -129,14 +131,27 @@ def _sysfs_bdf(pci_bus_id: str) -> str:
     return bdf
 
 
-def dmem_regions(root: str) -> dict[str, int] | None:
-    """``<root>/dmem.capacity`` as ``{region: bytes}`` (None when absent or
-    unreadable). Lines: ``<region> <bytes>`` (cgroup-v2.rst, DMEM)."""
+MAX_KERNEL_FILE = 1 << 20
+"""Most bytes read from a cgroup interface file (``dmem.capacity``,
+``dmem.current``): a few lines per GPU; anything larger is not the kernel's."""
+
+
+def read_kernel_file(path: str, max_bytes: int = MAX_KERNEL_FILE) -> str:
+    """The text of a small cgroup interface file, never blocking
+    (``atomicfile.read_regular``: a FIFO or a device at the path would block
+    a request path for ever, issue 34 input 8). Raises OSError naming why."""
+    return read_regular(path, max_bytes).decode("utf-8", errors="replace")
+
+
+def dmem_regions(root: str) -> dict[str, int] | str:
+    """``<root>/dmem.capacity`` as ``{region: bytes}``, or why it cannot be
+    used (absent, unreadable, not a regular file, too large:
+    ``read_kernel_file``). Lines: ``<region> <bytes>`` (cgroup-v2.rst, DMEM)."""
+    path = os.path.join(root, "dmem.capacity")
     try:
-        with open(os.path.join(root, "dmem.capacity"), encoding="utf-8") as f:
-            text = f.read()
-    except OSError:
-        return None
+        text = read_kernel_file(path)
+    except OSError as exc:
+        return f"no {path}" if exc.errno == errno.ENOENT else (exc.strerror or str(exc))
     out: dict[str, int] = {}
     for line in text.splitlines():
         parts = line.split()
@@ -152,7 +167,7 @@ def gpu_region(gpu: GpuInfo) -> str:
 
 def _accounting(root: str, gpus: Sequence[GpuInfo], nvml_probe: Callable[[str], str | None] | None) -> Capability:
     regions = dmem_regions(root)
-    if regions is not None and gpus:
+    if isinstance(regions, dict) and gpus:
         lacking = [g.uuid for g in gpus if gpu_region(g) not in regions]
         if not lacking:
             return Capability("memory_accounting", True, f"{root}/dmem.capacity lists every GPU (dmem backend)")
@@ -165,8 +180,8 @@ def _accounting(root: str, gpus: Sequence[GpuInfo], nvml_probe: Callable[[str], 
         first = next(iter(errors.items()))
         return Capability("memory_accounting", False,
                           f"NVML nvmlDeviceGetMemoryLimits_v1 failed on {len(errors)} GPU(s), {first[0]}: {first[1]}")
-    if regions is None:
-        return Capability("memory_accounting", False, f"no {root}/dmem.capacity and no NVML to ask")
+    if isinstance(regions, str):
+        return Capability("memory_accounting", False, f"{regions} and no NVML to ask")
     return Capability("memory_accounting", False, f"{root}/dmem.capacity does not list {', '.join(lacking)}")
 
 

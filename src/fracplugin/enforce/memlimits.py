@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from .cgroups import DEFAULT_CGROUP_ROOT, CgroupNotFound, resolve_leaf
+from .capability import read_kernel_file
 
 __all__ = [
     "MemoryLimitMode", "LimitPolicy", "LimitError", "LimitsBackend", "NvmlLimits", "GpuLimits",
@@ -321,13 +322,13 @@ class ContainerLimits:
 def read_dmem_current(leaf: str, region: str) -> int | None:
     """The ``region`` line of ``<leaf>/dmem.current`` in bytes (None when absent)."""
     try:
-        with open(os.path.join(leaf, "dmem.current"), encoding="utf-8") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) == 2 and parts[0] == region and parts[1].isdigit():
-                    return int(parts[1])
+        text = read_kernel_file(os.path.join(leaf, "dmem.current"))
     except OSError:
         return None
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == region and parts[1].isdigit():
+            return int(parts[1])
     return None
 
 

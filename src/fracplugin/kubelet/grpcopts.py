@@ -46,6 +46,18 @@ kubelet holds one ListAndWatch stream and makes one unary call at a time per
 pod admission; 16 leaves room and keeps one connection from taking every
 worker thread."""
 
+MAX_CONNECTIONS: Final = 64
+"""Connections a door's server accepts at once (``grpc.max_allowed_incoming_connections``;
+grpcio's default is unlimited): a connection past it is closed before its
+handshake. kubelet holds one or two per server (issue 34 item 6: 10,000 idle
+connections grew the daemon by ~250 MiB, never returned)."""
+
+MAX_CONNECTION_IDLE_MS: Final = 120_000
+"""A connection with no RPC for this long is closed with GOAWAY
+(``grpc.max_connection_idle_ms``; grpcio's default is never). An open
+ListAndWatch stream is an RPC, so kubelet's device plugin connection stays;
+its clients (grpc-go) dial again on their next call."""
+
 RECONNECT_BACKOFF_MS: Final = (100, 1000)
 """(first, largest) pause between connection attempts of the door's clients,
 ms (``grpc.initial_reconnect_backoff_ms`` / ``grpc.max_reconnect_backoff_ms``;
@@ -60,11 +72,14 @@ def server_options() -> list[tuple[str, int]]:
     ``grpc.so_reuseport`` 0: a second server can never share our socket
     path (grpcio enables SO_REUSEPORT by default; it only matters for TCP, but
     we bind a per-process temporary name and want a clash to fail, not to
-    share). The receive limit and the stream limit: see the constants."""
+    share). The receive limit, the stream limit, the connection cap and the
+    idle timeout: see the constants."""
     return [
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+        ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
+        ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
     ]
 
 

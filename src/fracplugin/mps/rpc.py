@@ -102,6 +102,7 @@ class _Conn:
 
     sock: socket.socket
     pid: int | None
+    uid: int | None
     accepted_at: float
     deadline: float
     buf: bytearray = field(default_factory=bytearray)
@@ -274,7 +275,7 @@ class MpsApiServer:
             sock.setblocking(False)
             pid, uid = _peer_cred(sock)
             now = self._clock()
-            c = _Conn(sock, pid, now, now + REQUEST_DEADLINE_S)
+            c = _Conn(sock, pid, uid, now, now + REQUEST_DEADLINE_S)
             if len(self._conns) >= MAX_CONNECTIONS and not self._evict_one():
                 self._drop(c, _error("busy", f"the MPS API has {MAX_CONNECTIONS} connections with ops running; "
                                              "try again"))
@@ -330,8 +331,13 @@ class MpsApiServer:
         try:
             op, args = parse_request(raw)
         except RequestError as e:
+            log.warning("MPS API request refused", extra={"peer_pid": c.pid, "peer_uid": c.uid, "reason": str(e)})
             self._reply(c, _error(e.kind, str(e)))
             return
+        # every op leaves a line naming its peer (issue 34 item 6: quit_daemons, which stops every
+        # tenant's server, left none); the doors' status polls at debug
+        log.log(logging.DEBUG if op in INLINE_OPS else logging.INFO, "MPS API op %s", op,
+                extra={"op": op, "peer_pid": c.pid, "peer_uid": c.uid, "op_args": args})
         if op in INLINE_OPS:
             self._reply(c, self._run_op(op, args))
             return
