@@ -291,13 +291,29 @@ class CdiRegistry:
     # ---- the watcher (off the request path) ---------------------------------
     def start(self) -> None:
         """Read the specs now, then re-read them in the background whenever
-        they change (checked every ``file_check_s`` seconds). Idempotent."""
+        they change (checked every ``file_check_s`` seconds). A spec directory
+        that is missing or unreadable is one warning here and a line in
+        ``status`` (``unreadable_dirs``; issue 36 item 2). Idempotent."""
         self.refresh()
+        for d, why in self.unreadable_dirs().items():
+            log.warning("CDI spec directory %s: %s; no spec is read from it", d, why,
+                        extra={"cdi_spec_dir": d, "reason": why})
         if self._watcher is not None:
             return
         self._stop.clear()
         self._watcher = threading.Thread(target=self._watch, name="fracplugin-cdi", daemon=True)
         self._watcher.start()
+
+    def unreadable_dirs(self) -> dict[str, str]:
+        """Spec directory -> why no spec can be read from it (missing, not a
+        directory, no permission)."""
+        out = {}
+        for d in self.dirs:
+            if not os.path.isdir(d):
+                out[d] = "does not exist" if not os.path.exists(d) else "is not a directory"
+            elif not os.access(d, os.R_OK | os.X_OK):
+                out[d] = "cannot be read (permission)"
+        return out
 
     def _watch(self) -> None:
         while not self._stop.wait(self.file_check_s):
@@ -445,6 +461,7 @@ class CdiRegistry:
         snap = self._current()
         return {
             "spec_dirs": list(self.dirs),
+            "unreadable_dirs": self.unreadable_dirs(),
             "kinds": list(self.kinds),
             "specs": list(snap.specs),
             "invalid_specs": [{"path": p, "reason": r} for p, r in snap.invalid.items()],

@@ -142,6 +142,8 @@ def render_cdi(cdi: Mapping[str, Any]) -> str:
     directories, each GPU's CDI device and memory-limit hook, the GPUs no spec
     lists (their containers get the env only) and the specs ignored."""
     out = [f"CDI specs in {','.join(cdi.get('spec_dirs') or []) or '-'}: {len(cdi.get('specs') or [])} read"]
+    for d, why in (cdi.get("unreadable_dirs") or {}).items():
+        out.append(f"  spec directory {d} {why}: no spec read from it")
     for uuid, d in (cdi.get("devices") or {}).items():
         hook = "memory-limit hook" if d.get("memory_limit_hook") else "NO memory-limit hook"
         out.append(f"  {uuid}  {d.get('name')}  {hook}")

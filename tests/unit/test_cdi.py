@@ -244,3 +244,20 @@ def test_lookups_never_wait_for_a_reread(tmp_path: Path) -> None:
     finally:
         reg.release.set()
         reg.stop()
+
+
+def test_a_missing_spec_directory_is_one_warning_and_a_status_line(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 36 item 2: a ``--cdi-spec-dirs`` entry that does not exist is said once at start and in status."""
+    from fracplugin.status import render_cdi
+
+    gone = tmp_path / "nope"
+    reg = CdiRegistry([str(gone), str(tree(tmp_path, "with-hook"))], NODE.gpus, file_check_s=60)
+    with caplog.at_level(logging.WARNING, logger="fracplugin.cdi"):
+        reg.start()
+        reg.stop()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"CDI spec directory {gone}: does not exist; no spec is read from it"]
+    st = reg.status()
+    assert st["unreadable_dirs"] == {str(gone): "does not exist"}
+    assert f"spec directory {gone} does not exist: no spec read from it" in render_cdi(st)
