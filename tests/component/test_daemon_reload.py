@@ -113,7 +113,7 @@ def test_every_reloadable_setting_is_reloaded_by_some_part(rig: Rig) -> None:
         assert part.reloads <= part.reads, part.name
         assert part.reads <= set(configmod.Config.__dataclass_fields__), part.name
     assert set(rig.daemon.parts) == {"logs", "inventory", "ledger", "metrics", "mps", "pod source", "gpu health",
-                                     "nri", "device plugin", "health"}
+                                     "cdi", "nri", "device plugin", "health"}
 
 
 def test_logs_reload_level(fresh: Rig) -> None:
