@@ -217,7 +217,9 @@ class FracNriPlugin:
         pod_lookup: ``f(namespace, name) -> pod dict | None`` (the watch cache
             of the device plugin door): with the pod's spec the NRI door knows
             its init and app containers, so pod-level KAI forms apply to the
-            named or first app container only and annotations naming no
+            named container (an app container or a native sidecar, an init
+            container with ``restartPolicy: Always``) or the first app
+            container only, and annotations naming no
             container are reported, exactly as ``fracplugin explain`` does.
             None: one container at a time (ADR 0001 item 6).
         pod_ready: ``f() -> bool``, whether the pod watch behind
