@@ -62,7 +62,9 @@ Behaviour (docs/reference/design.md sections 2 and 4; issue 3 item 3):
   (``nri/early.py``, ADR 0030). RunPodSandbox never fails the sandbox.
 - Synchronize: rebuild the ledger from the containers the runtime reports
   (re-planned against their pod annotations and the devices they actually got,
-  never refused on guards: what runs is recorded) and log containers that
+  never refused on guards: what runs is recorded; of several containers of
+  one pod and container name, the running one holds, whatever the list's
+  order, so a hold ends only with its own container) and log containers that
   should carry our env but do not; sm-sharing namespaces of the recorded
   containers are re-ensured in the background (a restarted daemon's MPS layer
   knows none). Then the MPS layer's namespaces are reconciled with the
