@@ -241,7 +241,7 @@ def container_elements() -> list[str]:
     """CEL string expressions, one per key (or cross-key rule) that
     ``annotations.parse_uncached`` checks for container ``n`` (a CEL variable
     bound by ``problems_expression``) with the pod's app container names
-    ``variables.names``, in the order it checks them: each is the refusal of
+    then native sidecars ``variables.names`` (``NAMES_EXPRESSION``), in the order it checks them: each is the refusal of
     that key, or ``''``. The first non-empty one is the refusal Python raises
     (it stops there; each element here evaluates only what it can, so a later
     one may be non-empty too, and is not reported). A cross-key rule reads
@@ -307,11 +307,26 @@ def container_elements() -> list[str]:
     return out
 
 
+SIDECARS_EXPRESSION = ("(has(object.spec.initContainers) ? object.spec.initContainers.filter(c, "
+                       "has(c.restartPolicy) && c.restartPolicy == 'Always').map(c, c.name) : [])")
+"""CEL list(string): the pod's native sidecars (``annotations.native_sidecars``)."""
+
+NAMES_EXPRESSION = f"object.spec.containers.map(c, c.name) + {SIDECARS_EXPRESSION}"
+"""CEL list(string), the policy's ``variables.names``: the containers the
+pod-level forms may apply to, as ``annotations.form_targets`` lists them
+(the app containers in spec order, then the native sidecars: init containers
+with ``restartPolicy: Always``). ``variables.names[0]`` is the first app
+container."""
+
+
 def problems_expression() -> str:
-    """CEL list(list(string)): per app container with a refusal, the non-empty
+    """CEL list(list(string)): per native sidecar, then app container, with a refusal, the non-empty
     ``container_elements``; the first string of the first list is the message."""
     items = ",\n  ".join(container_elements())
-    return f"variables.names.map(n, [\n  {items}\n].filter(m, m != '')).filter(l, size(l) > 0)"
+    # in the order the containers start (native sidecars first), as explain lists them: the first refusal is
+    # the one explain reports first
+    order = f"{SIDECARS_EXPRESSION} + object.spec.containers.map(c, c.name)"
+    return f"({order}).map(n, [\n  {items}\n].filter(m, m != '')).filter(l, size(l) > 0)"
 
 
 def policy_objects(*, prefix_expression: str, validation_actions: list[str] | str,
@@ -345,7 +360,7 @@ def policy_objects(*, prefix_expression: str, validation_actions: list[str] | st
                 {"name": "prefix", "expression": prefix_expression},
                 {"name": "ann", "expression":
                     "has(object.metadata.annotations) ? object.metadata.annotations : {'': ''}"},
-                {"name": "names", "expression": "object.spec.containers.map(c, c.name)"},
+                {"name": "names", "expression": NAMES_EXPRESSION},
                 {"name": "problems", "expression": problems_expression()},
             ],
             "validations": [{

@@ -28,7 +28,7 @@ import functools
 import math
 import re
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from . import contract as C
 from .contract import MAX_DEVICES, MAX_QUANTITY_BYTES, MIB  # noqa: F401 (re-exported)
@@ -287,10 +287,13 @@ def parse_uncached(
         annotations: the pod's annotations (key -> string value).
         container: the container name (exact match).
         prefix: the per-container key prefix (may be empty).
-        containers: the pod's app container names in spec order, when known.
-            Pod-level KAI forms without ``gpu-fraction-container-name`` apply to
-            the first of them (KAI's rule); when unknown (the NRI door sees one
-            container at a time) they apply to ``container``.
+        containers: the containers the pod-level KAI forms may apply to,
+            when known (``form_targets`` of the pod's spec: its app containers
+            in spec order, then its native sidecars). Without
+            ``gpu-fraction-container-name`` they apply to the first, the first
+            app container (KAI's rule); the name must be one of them. When
+            unknown (the NRI door sees one container at a time) they apply to
+            ``container``.
 
     Returns:
         A FractionRequest, or None when the container has no memory annotation
@@ -454,6 +457,32 @@ def _pod_level_applies(annotations: Mapping[str, str], container: str, container
     if containers:
         return containers[0] == container
     return True
+
+
+def native_sidecars(spec: Mapping[str, Any]) -> list[str]:
+    """The pod's native sidecars, in spec order: its init containers with
+    ``restartPolicy: Always`` (Kubernetes 1.29+ SidecarContainers), which
+    start before the app containers and run beside them for the pod's life.
+    ``spec``: the pod's ``spec`` (a dict in the API's JSON shape); entries
+    of the wrong type are skipped. Never raises."""
+    inits = spec.get("initContainers") if isinstance(spec, Mapping) else None
+    if not isinstance(inits, (list, tuple)):
+        return []
+    return [str(c.get("name")) for c in inits
+            if isinstance(c, Mapping) and c.get("restartPolicy") == "Always" and c.get("name")]
+
+
+def form_targets(spec: Mapping[str, Any]) -> list[str]:
+    """The containers a pod-level KAI form (``gpu-fraction``, ``gpu-memory``,
+    ...) may apply to, as ``parse``'s ``containers`` takes them: the app
+    containers in spec order, then the native sidecars (``native_sidecars``).
+    Without ``gpu-fraction-container-name`` the forms apply to the first
+    (the first app container, KAI's rule); the name may be any of them. A
+    plain init container runs to completion before the app starts: it is
+    not one. Every door and ``fracplugin explain`` use this one list."""
+    raw = spec.get("containers") if isinstance(spec, Mapping) else None
+    apps = [str(c.get("name")) for c in raw if isinstance(c, Mapping)] if isinstance(raw, (list, tuple)) else []
+    return apps + [n for n in native_sidecars(spec) if n not in apps]
 
 
 def is_fractional(annotations: Mapping[str, str], container: str, *, prefix: str = DEFAULT_PREFIX) -> bool:

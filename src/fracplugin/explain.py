@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from .annotation_lint import lint
-from .annotations import DEFAULT_PREFIX, parse, stray_container_keys  # noqa: F401 (stray_container_keys: re-exported)
+from .annotations import DEFAULT_PREFIX, form_targets, native_sidecars, parse, stray_container_keys  # noqa: F401 (stray_container_keys: re-exported)
 from .cdi import DEFAULT_SPEC_DIRS, CdiRegistry, with_node_cdi_devices
 from .gpu.inventory import InventoryError
 from .gpu.simulated import MAX_MEMORY_MIB, load_node
@@ -360,16 +360,21 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     spec = pod.get("spec") or {}
     names = [c.get("name", "") for c in spec.get("containers") or [] if isinstance(c, dict)]
     init_names = [c.get("name", "") for c in spec.get("initContainers") or [] if isinstance(c, dict)]
-    if container is not None and container not in names:
-        raise UsageError(f"pod has no container {container!r} (it has: {', '.join(names) or 'none'})")
+    # native sidecars (init containers with restartPolicy Always) run beside the app containers: listed
+    # too, first (they start first); the pod-level forms may name them (annotations.form_targets)
+    sidecars = [n for n in native_sidecars(spec) if n not in names]
+    targets = form_targets(spec)
+    listed = sidecars + names
+    if container is not None and container not in listed:
+        raise UsageError(f"pod has no container {container!r} (it has: {', '.join(listed) or 'none'})")
     ref = PodRef(str(md.get("namespace", "default")), str(md.get("name", "")), str(md.get("uid", "")))
     out = []
     rules = NodeRules(node, ledger, config)  # the doors' rules (MIG GPUs excluded); no health monitor here
-    for name in names:
+    for name in listed:
         if container is not None and name != container:
             continue
         try:
-            req = parse(annotations, name, prefix=config.annotation_prefix, containers=names)
+            req = parse(annotations, name, prefix=config.annotation_prefix, containers=targets)
             plan = rules.plan(req, ref) if req is not None else None
         except FractionError as err:
             out.append({"name": name, "fractional": True, "devices": [], "compute_mode": None,
@@ -390,7 +395,7 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     warnings = [f"annotation {k} names no container of this pod (containers: {', '.join(everyone)}); it has no effect"
                 for k in stray_container_keys(annotations, config.annotation_prefix, everyone)]
     # keys not in the contract and forms ignored: the NRI door's words (issue 25 item 3)
-    warnings += [x.message for x in lint(annotations, config.annotation_prefix, names, everyone)]
+    warnings += [x.message for x in lint(annotations, config.annotation_prefix, targets, everyone)]
     return {"pod": str(ref), "node": node.name, "containers": out, "warnings": warnings,
             "cdi": _cdi_report(cdi, warnings)}
 

@@ -199,6 +199,19 @@ def test_good_pod_admitted(apiserver: ApiServer, case: str, annotations: dict[st
     assert warnings == []
 
 
+def test_a_pod_naming_its_native_sidecar_is_admitted_and_a_plain_init_container_refused(apiserver: ApiServer) -> None:
+    """Issue 34 item 3: gpu-fraction-container-name may name a native sidecar
+    (an init container with restartPolicy Always), as at the NRI door and in explain."""
+    ann = {"gpu-fraction": "0.25", "gpu-fraction-container-name": "side"}
+    for name, restart, want in (("sidecar-named", {"restartPolicy": "Always"}, 201), ("init-named", {}, 422)):
+        manifest = pod(name, ann, ["app"])
+        manifest["spec"]["initContainers"] = [{"name": "side", "image": "busybox:1.37", **restart}]
+        code, doc, _ = apiserver.create_pod(manifest)
+        assert code == want, (name, doc)
+        if want == 422:
+            assert 'gpu-fraction-container-name="side" names no container of this pod' in str(doc), doc
+
+
 def test_seed_pods_admitted(apiserver: ApiServer) -> None:
     for name, manifest in seed_pods().items():
         code, doc, _ = apiserver.create_pod(manifest)

@@ -30,7 +30,8 @@ class CelEval:
 
     def problems(self, manifest: dict[str, Any]) -> list[list[str]]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"prefix": self.prefix, "problems": self.expr, "pod": manifest}) + "\n")
+        self.proc.stdin.write(json.dumps({"prefix": self.prefix, "names": admission.NAMES_EXPRESSION,
+                                          "problems": self.expr, "pod": manifest}) + "\n")
         self.proc.stdin.flush()
         answer = json.loads(self.proc.stdout.readline())
         assert "error" not in answer, answer["error"][:2000]
@@ -77,6 +78,30 @@ def test_a_pod_without_annotations_has_no_refusal(cel: CelEval) -> None:
     manifest = pod("bare", {}, ["app"])
     del manifest["metadata"]["annotations"]
     assert cel.problems(manifest) == []
+
+
+def _with_sidecar(manifest: dict[str, Any], name: str, restart: str | None = "Always") -> dict[str, Any]:
+    init: dict[str, Any] = {"name": name, "image": "busybox:1.37"}
+    if restart is not None:
+        init["restartPolicy"] = restart
+    manifest["spec"]["initContainers"] = [init]
+    return manifest
+
+
+def test_a_named_native_sidecar_is_a_container_of_the_pod(cel: CelEval) -> None:
+    """Issue 34 item 3: the pod-level forms may name a native sidecar (an init
+    container with restartPolicy Always), not a plain init container; per
+    container keys of the sidecar are checked, the sidecar's refusal first
+    (it starts first), as explain reports."""
+    ann = {"gpu-fraction": "0.25", "gpu-fraction-container-name": "side"}
+    good = _with_sidecar(pod("sidecar-good", ann, ["app"]), "side")
+    assert expected_message(good) is None and cel.problems(good) == []
+    plain = _with_sidecar(pod("sidecar-plain", ann, ["app"]), "side", None)
+    assert cel.message(plain) == expected_message(plain) == 'gpu-fraction-container-name="side" names no container of this pod'
+    both = _with_sidecar(pod("sidecar-both", {"nvidia.com/container.app.gpu-memory.request": "lots",
+                                              "nvidia.com/container.side.gpu-memory.request": "0"}, ["app"]), "side")
+    want = expected_message(both)
+    assert want is not None and want.startswith('nvidia.com/container.side.') and cel.message(both) == want
 
 
 # ---- generated: every key of the contract with good and bad values, in any combination

@@ -1,7 +1,9 @@
 """Issue 25 "done when": ``fracplugin explain`` and the NRI door give the
 same answer for every pod (hypothesis over the annotation contract, its
 typos and its bad values), on the same node, in the default configuration
-(both doors) and the KAI one (``--no-device-plugin``).
+(both doors) and the KAI one (``--no-device-plugin``), and in the KAI one
+with ``sidecar`` a native sidecar (an init container with restartPolicy
+Always, issue 34 item 3).
 
 Each example is one pod with containers ``app`` and ``sidecar`` (spec
 order), written to the pods file (the API server) before containerd creates
@@ -12,7 +14,7 @@ limit. The lint warnings (keys not read, forms ignored) are the same words
 at both. Every container is stopped afterwards, so each pod starts on an
 empty node (stopped NRI-door holds hold nothing).
 
-``EXAMPLES`` pods per configuration (2 x 60 = 120 pods in all).
+``EXAMPLES`` pods per configuration (3 x 60 = 180 pods in all).
 """
 
 from __future__ import annotations
@@ -79,9 +81,10 @@ def explained(p: dict[str, Any]) -> tuple[dict[str, tuple[Any, ...]], set[str]]:
     return out, {w for w in rep["warnings"] if "did you mean" in w or "is ignored for" in w}
 
 
-def at_the_nri_door(n: Node, p: dict[str, Any]) -> tuple[dict[str, tuple[Any, ...]], set[str]]:
+def at_the_nri_door(n: Node, p: dict[str, Any],
+                    order: tuple[str, ...] = CONTAINERS) -> tuple[dict[str, tuple[Any, ...]], set[str]]:
     out: dict[str, tuple[Any, ...]] = {}
-    for c in CONTAINERS:
+    for c in order:
         adj, env = n.create(p, c)
         if getattr(adj, "code", None) is not None and not hasattr(adj, "env"):
             out[c] = ("refused", adj.message)
@@ -103,9 +106,15 @@ def same(ex: tuple[Any, ...], nri: tuple[Any, ...]) -> bool:
     return ex == nri
 
 
-@pytest.mark.parametrize("extra", [(), ("--no-device-plugin",)], ids=["both-doors", "kai"])
-def test_explain_and_the_nri_door_agree_on_every_pod(node: Callable[..., Node], extra: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("extra, native_sidecar", [((), False), (("--no-device-plugin",), False),
+                                                   (("--no-device-plugin",), True)],
+                         ids=["both-doors", "kai", "kai-native-sidecar"])
+def test_explain_and_the_nri_door_agree_on_every_pod(node: Callable[..., Node], extra: tuple[str, ...],
+                                                     native_sidecar: bool) -> None:
+    """``native_sidecar``: ``sidecar`` is an init container with restartPolicy
+    Always (issue 34 item 3), created first, as kubelet starts it."""
     n = node(*extra)
+    order = ("sidecar", "app") if native_sidecar else CONTAINERS
     counter = itertools.count()
     ran: list[int] = []
     kinds: set[str] = set()
@@ -116,10 +125,15 @@ def test_explain_and_the_nri_door_agree_on_every_pod(node: Callable[..., Node], 
     @given(ann=annotations())
     def check(ann: dict[str, str]) -> None:
         name = f"fz{next(counter)}"
-        p = pod(name, containers=[ctr(c) for c in CONTAINERS], annotations=ann)
+        if native_sidecar:
+            p = pod(name, containers=[ctr("app")], init=[{**ctr("sidecar"), "restartPolicy": "Always"}],
+                    annotations=ann)
+        else:
+            p = pod(name, containers=[ctr(c) for c in CONTAINERS], annotations=ann)
         n.put(p)
         ex, ex_warn = explained(p)
-        nri, nri_warn = at_the_nri_door(n, p)
+        assert [c for c in ex] == list(order)  # explain lists both, in the order they start
+        nri, nri_warn = at_the_nri_door(n, p, order)
         ran.append(1)
         kinds.update(x[0] for x in nri.values())
         warned.extend(nri_warn)

@@ -487,6 +487,32 @@ def test_15_pod_level_fraction_applies_to_the_first_app_container_only(node: Cal
     assert [c["name"] for c in rep["containers"] if c["fractional"]] == ["app"]
 
 
+def test_15b_a_pod_level_fraction_naming_a_native_sidecar_fences_it_and_leaves_the_app(
+        node: Callable[..., Node]) -> None:
+    """Issue 34, input 5: a native sidecar (an init container with restartPolicy
+    Always) named by gpu-fraction-container-name gets the fraction; the app is
+    untouched (not refused), at the NRI door and in explain alike."""
+    n = node()
+    p = pod("kai-sidecar", containers=[ctr("app")], init=[{**ctr("sidecar"), "restartPolicy": "Always"}],
+            annotations={"gpu-fraction": "0.25", "gpu-fraction-container-name": "sidecar"})
+    n.put(p)
+    got = {}
+    for c in ("sidecar", "app"):
+        adj, env = n.create(p, c)
+        assert getattr(adj, "code", None) is None, adj  # neither is refused
+        got[c] = env.get("NVIDIA_GPU_MEMORY_REQUEST")
+    assert got == {"sidecar": "20133", "app": None}  # floor((81559 - 1024 reserve) x 0.25)
+    assert [(t["container"], t["request_mib"]) for t in n.tenants()] == [("sidecar", 20133)]
+    assert n.warnings() == []
+    out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "explain", str(n.pods_path),
+                          "--node", str(Path(__file__).resolve().parents[2] / "examples/nodes/gpu-node-1.yaml"),
+                          "-o", "json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert [(c["name"], c["fractional"], c["request_mib"], c["error"]) for c in rep["containers"]] == [
+        ("sidecar", True, 20133, None), ("app", False, None, None)]
+
+
 def test_16_an_existing_mount_at_the_pipe_directory_is_refused_naming_it(node: Callable[..., Node]) -> None:
     n = node()
     p = pod("mnt", containers=[ctr("app")], annotations={P + "app.gpu-memory.request": "1Gi"})

@@ -165,6 +165,28 @@ def test_container_name_selects_who_gets_pod_level_forms():
     assert parse({"gpu-fraction": "0.25"}, "sidecar", containers=["app", "sidecar"]) is None
 
 
+def test_form_targets_are_the_app_containers_then_the_native_sidecars():
+    from fracplugin.annotations import form_targets, native_sidecars
+
+    spec = {"initContainers": [{"name": "setup"}, {"name": "proxy", "restartPolicy": "Always"},
+                               {"name": "odd", "restartPolicy": "OnFailure"}, "junk"],
+            "containers": [{"name": "app"}, {"name": "worker"}]}
+    assert native_sidecars(spec) == ["proxy"]
+    assert form_targets(spec) == ["app", "worker", "proxy"]
+    assert form_targets({"containers": "junk", "initContainers": None}) == [] == native_sidecars({})
+    ann = {"gpu-fraction": "0.25", "gpu-fraction-container-name": "proxy"}
+    # a named native sidecar gets the form; the app is untouched, not refused
+    assert parse(ann, "proxy", containers=form_targets(spec)).request.fraction == 0.25
+    assert parse(ann, "app", containers=form_targets(spec)) is None
+    # a plain init container runs to completion before the app: not a target
+    with pytest.raises(FractionError) as ei:
+        parse({**ann, "gpu-fraction-container-name": "setup"}, "app", containers=form_targets(spec))
+    assert ei.value.key == "gpu-fraction-container-name"
+    # without a name the forms still go to the first app container
+    assert parse({"gpu-fraction": "0.25"}, "proxy", containers=form_targets(spec)) is None
+    assert parse({"gpu-fraction": "0.25"}, "app", containers=form_targets(spec)) is not None
+
+
 def test_kai_portion_limit_for_one_container():
     ann = {**req(request="10Gi"), "kai.scheduler/container.app.gpu-memory.portion.limit": "0.5"}
     r = parse(ann, "app")

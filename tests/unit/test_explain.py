@@ -138,3 +138,35 @@ spec:
     assert a["error"] is None and a["devices"] == ["GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01"]
     assert b["error"] is not None and "30359 MiB of 81559 MiB free" in b["error"]["reason"]
     assert c["devices"] != d["devices"] and a["devices"][0] not in c["devices"] + d["devices"]
+
+
+def test_a_named_native_sidecar_is_listed_fractional_and_the_app_untouched(tmp_path, node_file):
+    """Issue 34, input 5: the sidecar (an init container with restartPolicy
+    Always) gets the pod-level fraction, the app is not fractional, nothing is
+    refused; a plain init container is not listed."""
+    pod = tmp_path / "pod.yaml"
+    pod.write_text("""
+apiVersion: v1
+kind: Pod
+metadata:
+  name: kai-sidecar
+  annotations:
+    gpu-fraction: "0.25"
+    gpu-fraction-container-name: sidecar
+spec:
+  initContainers:
+  - name: setup
+  - name: sidecar
+    restartPolicy: Always
+  containers:
+  - name: app
+""")
+    r = run(str(pod), "--node", str(node_file), "-o", "json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert [(c["name"], c["fractional"], c["request_mib"], c["error"]) for c in report["containers"]] == [
+        ("sidecar", True, 20133, None), ("app", False, None, None)]  # floor((81559 - 1024) x 0.25)
+    assert report["warnings"] == []
+    r = run(str(pod), "--node", str(node_file), "--container", "sidecar")
+    assert r.returncode == 0 and "container sidecar: time-slicing, 20133 MiB request" in r.stdout, r.stdout
+    assert "container app" not in r.stdout

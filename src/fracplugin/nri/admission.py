@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .._proto import nri_pb2
 from .. import allocation as al
 from ..annotations import KEY_CONTAINER_NAME
-from ..annotations import stray_container_keys
+from ..annotations import form_targets, stray_container_keys
 from ..model import ContainerPlan, FractionError, FractionRequest, PodRef
 from ..mps.layout import CONTAINER_PIPE_DIR
 from ..mps.supervisor import make_dir
@@ -114,8 +114,9 @@ class PodReader:
         return got
 
     def _containers_of(self, pod: nri_pb2.PodSandbox) -> tuple[list[str] | None, list[str] | None]:
-        """(app container names, init + app names) from the pod's spec when
-        ``pod_lookup`` knows the pod, else (None, None)."""
+        """(the containers the pod-level forms may apply to: app containers,
+        then native sidecars, ``annotations.form_targets``; init + app names)
+        from the pod's spec when ``pod_lookup`` knows the pod, else (None, None)."""
         if self.pod_lookup is None:
             return None, None
         try:
@@ -131,7 +132,7 @@ class PodReader:
         spec = spec_pod.get("spec") or {}
         apps = [str(c.get("name")) for c in spec.get("containers") or () if isinstance(c, Mapping)]
         inits = [str(c.get("name")) for c in spec.get("initContainers") or () if isinstance(c, Mapping)]
-        return apps, inits + apps
+        return form_targets(spec), inits + apps
 
     def _warn_stray(self, pod: nri_pb2.PodSandbox, ref: PodRef, container: str, everyone: Sequence[str],
                     fields: Mapping[str, Any]) -> None:
@@ -153,8 +154,9 @@ class PodReader:
     def read(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container, ref: PodRef,
                         fields: Mapping[str, Any]) -> tuple[str, list[str] | None]:
         """CreateContainer's reading of the pod: (the reservation key this
-        container claims, "" for none; the pod's app container names, None
-        when its spec is not read). Raises FractionError for a key it may not
+        container claims, "" for none; the containers the pod-level forms may
+        apply to, app containers then native sidecars, None when its spec is
+        not read). Raises FractionError for a key it may not
         claim (forged, unknown, another's, no proof; ADR 0024) and RpcError
         UNAVAILABLE while a needed spec is not known (``pod_checks.spec_unknown``).
         Stray and unread annotations are warned about once (issue 25 item 3)."""

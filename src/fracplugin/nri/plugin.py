@@ -62,7 +62,9 @@ Behaviour (docs/reference/design.md sections 2 and 4; issue 3 item 3):
   (``nri/early.py``, ADR 0030). RunPodSandbox never fails the sandbox.
 - Synchronize: rebuild the ledger from the containers the runtime reports
   (re-planned against their pod annotations and the devices they actually got,
-  never refused on guards: what runs is recorded) and log containers that
+  never refused on guards: what runs is recorded; of several containers of
+  one pod and container name, the running one holds, whatever the list's
+  order, so a hold ends only with its own container) and log containers that
   should carry our env but do not; sm-sharing namespaces of the recorded
   containers are re-ensured in the background (a restarted daemon's MPS layer
   knows none). Then the MPS layer's namespaces are reconciled with the
@@ -217,7 +219,9 @@ class FracNriPlugin:
         pod_lookup: ``f(namespace, name) -> pod dict | None`` (the watch cache
             of the device plugin door): with the pod's spec the NRI door knows
             its init and app containers, so pod-level KAI forms apply to the
-            named or first app container only and annotations naming no
+            named container (an app container or a native sidecar, an init
+            container with ``restartPolicy: Always``) or the first app
+            container only, and annotations naming no
             container are reported, exactly as ``fracplugin explain`` does.
             None: one container at a time (ADR 0001 item 6).
         pod_ready: ``f() -> bool``, whether the pod watch behind

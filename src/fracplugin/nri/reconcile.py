@@ -32,6 +32,12 @@ from .pluginbase import _env_map, _pod_ref
 
 log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
 
+_HOLD_RANK = {nri_pb2.CONTAINER_RUNNING: 4, nri_pb2.CONTAINER_PAUSED: 3, nri_pb2.CONTAINER_CREATED: 2,
+              nri_pb2.CONTAINER_UNKNOWN: 1, nri_pb2.CONTAINER_STOPPED: 0}
+"""Which of several containers of one (pod, container name) a Synchronize
+lists holds (``Reconciler._holders``): the running one before a paused,
+created, unknown (what older runtimes report) or stopped one."""
+
 
 
 class Reconciler:
@@ -73,11 +79,8 @@ class Reconciler:
         recorded: set[tuple[str, str]] = set()
         reserved: set[str] = set()
         unadjusted: list[dict[str, Any]] = []
-        for c in containers:
-            pod = pods_by_id.get(c.pod_sandbox_id)
-            if pod is None:
-                log.warning("nri sync: container without its pod", extra={"container_id": c.id, "container": c.name})
-                continue
+        for c in self._holders(pods_by_id, containers):
+            pod = pods_by_id[c.pod_sandbox_id]
             fields = {"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": c.name, "container_id": c.id}
             key = self.reader.reservation_key(c, fields)
             if key:
@@ -138,6 +141,38 @@ class Reconciler:
             extra={"pods": len(pods), "containers": len(containers), "tenancies": len(tenancies), "unadjusted": len(unadjusted)},
         )
 
+
+    def _holders(self, pods_by_id: Mapping[str, nri_pb2.PodSandbox],
+                 containers: Sequence[nri_pb2.Container]) -> list[nri_pb2.Container]:
+        """The containers that hold, in list order: one per (pod UID,
+        container name). When the runtime lists several of one (a restart:
+        the old container, created or exited, beside the new one), the one
+        that runs holds and the others hold nothing, whatever the list's
+        order (issue 34): ``_HOLD_RANK`` of its state first, then the newest
+        (``created_at``, NRI v0.10+), then the one the ledger binds now,
+        then the later in the list. A container's hold then ends only by its
+        own StopContainer / RemoveContainer, or a Synchronize that no longer
+        lists it (README, "What each door decides")."""
+        best: dict[tuple[str, str], tuple[tuple[int, int, int, int], nri_pb2.Container]] = {}
+        for i, c in enumerate(containers):
+            pod = pods_by_id.get(c.pod_sandbox_id)
+            if pod is None:
+                log.warning("nri sync: container without its pod", extra={"container_id": c.id, "container": c.name})
+                continue
+            held = 1 if c.id and self.ledger.find_container_id(c.id) else 0
+            rank = (_HOLD_RANK.get(c.state, 0), c.created_at, held, i)
+            key = (pod.uid, c.name)
+            cur = best.get(key)
+            if cur is not None:
+                loser = cur[1] if rank > cur[0] else c
+                winner = c if loser is cur[1] else cur[1]
+                log.info("nri sync: an older container of the same pod and name holds nothing; the newer one holds",
+                         extra={"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": c.name,
+                                "container_id": loser.id, "holder_id": winner.id})
+            if cur is None or rank > cur[0]:
+                best[key] = (rank, c)
+        chosen = {id(c) for _rank, c in best.values()}
+        return [c for c in containers if id(c) in chosen]
 
     def _unadjusted_gpu_user(self, pod: nri_pb2.PodSandbox, c: nri_pb2.Container, fields: Mapping[str, Any]) -> list[Tenancy]:
         """A created or running container that fracplugin did not adjust

@@ -4,7 +4,7 @@
 // server: tests/admission_e2e/test_cel_eval.py compares its messages with
 // fracplugin explain's on the contract's table and on generated annotations.
 //
-// stdin: one JSON object per line {"prefix": CEL, "problems": CEL, "pod": {...}};
+// stdin: one JSON object per line {"prefix": CEL, "names": CEL, "problems": CEL, "pod": {...}};
 // stdout: one JSON object per line {"problems": [[...], ...]} or {"error": "..."}.
 // The variables are bound as the policy binds them (ann, names, prefix), in Go.
 package main
@@ -26,6 +26,7 @@ var jsonListType = reflect.TypeOf([][]string{})
 type request struct {
 	Prefix   string         `json:"prefix"`
 	Problems string         `json:"problems"`
+	Names    string         `json:"names"`
 	Pod      map[string]any `json:"pod"`
 }
 
@@ -81,6 +82,10 @@ func main() {
 
 func eval(compile func(string) (cel.Program, error), req request) (any, error) {
 	vars := map[string]any{}
+	names := req.Names // the policy's own variables.names (admission.NAMES_EXPRESSION)
+	if names == "" {
+		names = "object.spec.containers.map(c, c.name)"
+	}
 	run := func(expr string) (any, error) {
 		p, err := compile(expr)
 		if err != nil {
@@ -95,7 +100,7 @@ func eval(compile func(string) (cel.Program, error), req request) (any, error) {
 	for _, kv := range [][2]string{
 		{"prefix", req.Prefix},
 		{"ann", "has(object.metadata.annotations) ? object.metadata.annotations : {'': ''}"},
-		{"names", "object.spec.containers.map(c, c.name)"},
+		{"names", names},
 	} {
 		v, err := run(kv[1])
 		if err != nil {

@@ -1,0 +1,75 @@
+"""A container's hold ends with that container (issue 34, small failing
+input 3), through the real NRI socket with the fake runtime: when a
+Synchronize lists an old container of a (pod, container name) beside its
+running restart, the running one keeps the hold whatever the list's order,
+and the old one's RemoveContainer releases nothing of it. Every wait is on a
+condition."""
+
+from __future__ import annotations
+
+import pytest
+
+from fracplugin._proto import nri_pb2
+
+from nri_runtime import Code, RpcError, effective_env, make_container, make_pod
+from test_nri_plugin import NODE, make_harness  # noqa: F401 (make_harness: the fixture, shared)
+
+P = "nvidia.com/container."
+GPU0 = NODE.gpus[0].uuid
+
+
+def _kai_pod(name: str, memory: str):
+    return make_pod(name, uid=f"uid-{name}", annotations={P + "app.gpu-memory.request": memory,
+                                                          P + "app.gpus.devices": "0"})
+
+
+def _listed(pod, created, adj, state):
+    """``created`` as the runtime lists it at Synchronize: its env with our
+    adjustment, in ``state``."""
+    env = [f"{k}={v}" for k, v in effective_env(created, adj).items()]
+    return make_container(pod, created.name, container_id=created.id, env=env, state=state)
+
+
+def _holds(h):
+    return sorted((t.container_id, t.gpu_uuid, t.request_mib) for t in h.ledger.tenancies())
+
+
+@pytest.mark.parametrize("order", ["old first", "new first"])
+@pytest.mark.parametrize("who_restarts", ["runtime", "doors"])
+def test_a_running_restart_keeps_its_hold_through_synchronize_and_the_old_ones_remove(
+        make_harness, order, who_restarts):  # noqa: F811
+    h = make_harness().start()
+    pod = _kai_pod("web", "50Gi")
+    old = make_container(pod, "app", container_id="ctr-old")
+    new = make_container(pod, "app", container_id="ctr-new")
+    adj_old = h.rt.create_container(pod, old)  # created, never started (kubelet restarts it)
+    assert not isinstance(adj_old, RpcError), adj_old
+    adj_new = h.rt.create_container(pod, new)
+    assert not isinstance(adj_new, RpcError), adj_new
+    assert h.rt.start_container(pod, new) is None
+    assert _holds(h) == [("ctr-new", GPU0, 51200)]
+
+    listed = [_listed(pod, old, adj_old, nri_pb2.CONTAINER_CREATED),
+              _listed(pod, new, adj_new, nri_pb2.CONTAINER_RUNNING)]
+    if order == "new first":
+        listed.reverse()
+    if who_restarts == "runtime":  # containerd restarts: the plugin reconnects and is synchronized again
+        rt = h.restart_runtime(initial_sync=([pod], listed))
+        rt.wait_registered()
+    else:  # the daemon restarts with an empty ledger: Synchronize alone rebuilds it
+        h.rt.set_sync_state([pod], listed)
+        h.restart_doors()
+    assert _holds(h) == [("ctr-new", GPU0, 51200)]
+
+    assert h.rt.remove_container(pod, old) is None
+    assert _holds(h) == [("ctr-new", GPU0, 51200)]  # the old container's Remove releases nothing of the new one
+
+    other = _kai_pod("other", "40Gi")
+    got = h.rt.create_container(other, make_container(other, "app", container_id="ctr-other"))
+    assert isinstance(got, RpcError) and got.code == Code.FAILED_PRECONDITION, got
+    assert "GPU 0" in got.message and "40960 MiB" in got.message, got.message
+    assert _holds(h) == [("ctr-new", GPU0, 51200)]
+
+    # the running container's own Remove ends its hold
+    assert h.rt.remove_container(pod, new) is None
+    assert _holds(h) == []
