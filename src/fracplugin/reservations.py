@@ -1,31 +1,49 @@
-"""Who may claim a kubelet reservation at the NRI door (issue 25 item 4, ADR 0024).
+"""Who may claim a kubelet reservation at the NRI door (issue 25 item 4, ADR 0024;
+issue 34 items 1-2, ADR 0033).
 
 The reservation key (``FRACPLUGIN_RESERVATION``, ``<uuid>::<ranges>``) is
 readable: any pod can write it into its own spec env, and kubelet puts the
 pod-spec env after the device plugin's (docs/reference/kubelet-device-plugin.md A.5). So a
 key alone proves nothing. Each Allocate answer therefore also carries a
 *proof*: 128 random bits (``secrets.token_hex(16)``) made for that Allocate,
-in env ``FRACPLUGIN_RESERVATION_PROOF`` and container annotation
-``fracplugin.io/reservation-proof``. Only the container kubelet gave the
-devices to sees it (Allocate answers are not part of the pod object, nor of
-``/status``, the ledger or the logs); a new Allocate of the same device IDs
-makes a new proof (the old holder's stops counting); a re-Allocate of a
-reservation (kubelet restart, an init container's IDs reused by the app
-container) answers the same one.
+in the answer's env ``FRACPLUGIN_RESERVATION_PROOF`` (Allocate does not put
+it in an annotation; a container annotation
+``fracplugin.io/reservation-proof`` is still read when a runtime or an older
+answer carries one). Only the container kubelet gave the devices to sees it
+(Allocate answers are not part of the pod object, nor of ``/status``, the
+ledger or the logs); a new Allocate of the same device IDs makes a new proof
+(the old holder's stops counting); a re-Allocate of a reservation (kubelet
+restart, an init container's IDs reused by the app container) answers the
+same one. Once checked, the NRI door takes the proof out of the container's
+environment (``-FRACPLUGIN_RESERVATION_PROOF``, then the key set empty:
+containerd does not forward a removal of a variable kubelet added,
+docs/reference/nri-protocol.md "Env removal caveat"), and once bound a
+reservation belongs to its pod whatever proof another pod shows (rule 3).
 
-The proofs are kept in memory and in ``<state-dir>/reservation-proofs.json``
-(mode 0600, beside the ledger; a restarted daemon still knows the proofs of
-running containers, whose cached Allocate answer kubelet reuses at every
-restart of the container).
+*Aliases* (issue 34 item 1): kubelet hands an init container's devices again
+to a later container of the same pod, plus or minus some (init ``::0-1``,
+app ``::0-2``). The app's Allocate does not end the init's reservation: both
+keys become one hold, recorded under the union of their devices (memory
+counted once), and each key that is not the union is an alias of it. A
+container claims with its own key (its own size, its own proof); the ledger
+records it under the hold (``hold_of``).
 
-``claim_problem`` is the rule the NRI door applies at CreateContainer:
+The proofs and aliases are kept in memory and in
+``<state-dir>/reservation-proofs.json`` (mode 0600, beside the ledger; a
+restarted daemon still knows the proofs of running containers, whose cached
+Allocate answer kubelet reuses at every restart of the container).
+
+``claim_problem`` is the rule the NRI door applies at CreateContainer (on the
+hold the key names, itself or through its alias):
 
 1. no reservation with that key in the ledger: refused (a key no Allocate of
    this node made, or one already released);
 2. the reservation is bound to this pod (PodResources or an earlier
    container of the pod bound it): accepted, proof or not;
-3. held by a running container of another pod: refused;
-4. otherwise the container must show the reservation's current proof.
+3. bound to another pod (PodResources or a container of that pod bound it):
+   refused naming that pod and, when one runs, its running container,
+   whatever proof the container shows;
+4. otherwise (no pod bound yet) the container must show its key's current proof.
 """
 
 from __future__ import annotations
@@ -69,10 +87,14 @@ class ReservationProofs:
         self.path = Path(path) if path is not None else None
         self._lock = threading.Lock()
         self._proofs: dict[str, str] = {}
+        self._aliases: dict[str, str] = {}  # a key kubelet gave again in part -> the hold that covers it
         if self.path is not None and self.path.exists():
             try:
                 doc = json.loads(self.path.read_text())
-                if isinstance(doc, dict):
+                if isinstance(doc, dict) and isinstance(doc.get("proofs"), dict):
+                    self._proofs = {str(k): str(v) for k, v in doc["proofs"].items()}
+                    self._aliases = {str(k): str(v) for k, v in (doc.get("aliases") or {}).items()}
+                elif isinstance(doc, dict):  # the file before issue 34: proofs only
                     self._proofs = {str(k): str(v) for k, v in doc.items()}
             except (OSError, ValueError) as exc:
                 log.warning("reservation proofs unreadable; starting empty", extra={"path": str(self.path),
@@ -105,11 +127,42 @@ class ReservationProofs:
         cur = self.current(key)
         return cur is not None and bool(proof) and hmac.compare_digest(cur, proof)
 
+    def alias(self, keys: Iterable[str], hold: str) -> None:
+        """Make each of ``keys`` (and every alias of one of them) an alias of
+        ``hold``: one hold under the union of their devices (module docstring)."""
+        with self._lock:
+            moved = set(keys) - {hold}
+            for a, target in list(self._aliases.items()):
+                if target in moved:
+                    self._aliases[a] = hold
+            for k in moved:
+                self._aliases[k] = hold
+            self._aliases.pop(hold, None)
+            while len(self._aliases) > MAX_PROOFS:
+                self._aliases.pop(next(iter(self._aliases)))
+            self._save()
+
+    def unalias(self, key: str) -> None:
+        """``key`` is a reservation of its own again (a new Allocate of it)."""
+        with self._lock:
+            if self._aliases.pop(key, None) is not None:
+                self._save()
+
+    def alias_of(self, key: str) -> str | None:
+        """The hold ``key`` is an alias of, or None."""
+        with self._lock:
+            return self._aliases.get(key)
+
+    def aliases_to(self, hold: str) -> list[str]:
+        """The keys that are aliases of ``hold``."""
+        with self._lock:
+            return [a for a, t in self._aliases.items() if t == hold]
+
     def _save(self) -> None:
         if self.path is None:
             return
         try:
-            write_atomically(self.path, json.dumps(self._proofs), mode=0o600)
+            write_atomically(self.path, json.dumps({"proofs": self._proofs, "aliases": self._aliases}), mode=0o600)
         except OSError as exc:
             log.warning("reservation proofs not saved", extra={"path": str(self.path), "reason": str(exc)})
 
@@ -142,21 +195,38 @@ def proof_of(annotations: Mapping[str, str] | None, env: Iterable[str]) -> str:
     return ""
 
 
-def claim_problem(ledger: Ledger, key: str, pod_uid: str, proof: str, node_name: str) -> str | None:
-    """Why the container of pod ``pod_uid`` showing ``proof`` may not claim
-    reservation ``key`` (module docstring, rules 1-4), or None. The message
-    names the key and the rule."""
-    held = ledger.reservation(key)
+def hold_of(ledger: Ledger, key: str) -> str:
+    """The reservation ``key`` is recorded under: ``key`` itself when the
+    ledger has it, else the hold it is an alias of when the ledger has that
+    (module docstring, aliases), else ``key``."""
+    if not key or ledger.reservation(key):
+        return key
+    target = proofs_of(ledger).alias_of(key)
+    return target if target and ledger.reservation(target) else key
+
+
+def claim_problem(ledger: Ledger, key: str, pod_uid: str, proof: str, node_name: str, *,
+                  pod_name: str = "") -> str | None:
+    """Why the container of pod ``pod_uid`` (``pod_name``: namespace/name)
+    showing ``proof`` may not claim reservation ``key`` (module docstring,
+    rules 1-4), or None. The message names the key's holder and the rule."""
+    held = ledger.reservation(hold_of(ledger, key))
     if not held:
         return (f"names no reservation of node {node_name}: no Allocate of this node answered it (a key copied "
                 "or made up, or one already released); only the container kubelet allocated those devices to "
                 "can claim them")
-    if any(t.pod_uid == pod_uid for t in held):
+    if any(t.pod_uid == pod_uid or (pod_name and t.pod_uid == f"podresources:{pod_name}") for t in held):
         return None
     running = next((t for t in held if t.bound and t.container_id), None)
     if running is not None:
         return (f"is held by running container {running.namespace}/{running.pod_name}/{running.container}; kubelet "
-                "gives a device to one pod at a time, so this container cannot claim it")
+                "gives a device to one pod at a time, so this container cannot claim it until that container "
+                "stops and kubelet allocates the devices again")
+    owner = next((t for t in held if t.bound), None)
+    if owner is not None:
+        return (f"belongs to pod {owner.namespace}/{owner.pod_name} (uid {owner.pod_uid}), which PodResources or "
+                "one of its containers bound it to; a reservation belongs to one pod, so another pod cannot claim "
+                "it whatever it shows")
     if proofs_of(ledger).matches(key, proof):
         return None
     what = "carries no" if not proof else "carries a wrong"

@@ -1,4 +1,4 @@
-"""reservations: who may claim a kubelet reservation (issue 25 item 4, ADR 0024)."""
+"""reservations: who may claim a kubelet reservation (issue 25 item 4, ADR 0024; issue 34, ADR 0033)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.model import ComputeMode, Tenancy
-from fracplugin.reservations import ReservationProofs, claim_problem, proof_of, proofs_of, unbind_gone
+from fracplugin.reservations import ReservationProofs, claim_problem, hold_of, proof_of, proofs_of, unbind_gone
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01::0-3"
@@ -45,6 +45,34 @@ def test_claim_rules(tmp_path: Path) -> None:
     _held(ledger, "uid-owner", "c1")
     assert claim_problem(ledger, KEY, "uid-owner", "", node.name) is None  # bound to this pod
     assert "held by running container default/owner/app" in str(claim_problem(ledger, KEY, "uid-x", proof, node.name))
+    _held(ledger, "uid-owner")  # bound to its pod, no container runs: still the pod's (issue 34 item 2)
+    assert "belongs to pod default/owner" in str(claim_problem(ledger, KEY, "uid-x", proof, node.name))
+    assert claim_problem(ledger, KEY, "uid-owner", "", node.name) is None
+    _held(ledger, "podresources:default/owner")  # PodResources bound it, the pod source did not know the uid
+    assert claim_problem(ledger, KEY, "uid-owner", "", node.name, pod_name="default/owner") is None
+    assert "belongs to pod" in str(claim_problem(ledger, KEY, "uid-x", proof, node.name, pod_name="default/x"))
+
+
+def test_an_alias_claims_its_hold_with_its_own_proof(tmp_path: Path) -> None:
+    """An init container's key given again in part to the app container:
+    one hold under the union, each key claims it with its own proof."""
+    node = load_node(str(REPO / "examples" / "nodes" / "gpu-node-1.yaml"))
+    ledger = Ledger(node, tmp_path / "ledger.json")
+    small = KEY.split("::")[0] + "::0-1"
+    _held(ledger)  # the union, KEY (::0-3), holder not known yet
+    proofs = proofs_of(ledger)
+    own = proofs.issue(small)
+    assert hold_of(ledger, small) == small  # not an alias yet
+    proofs.alias([small], KEY)
+    assert hold_of(ledger, small) == KEY and hold_of(ledger, KEY) == KEY
+    assert claim_problem(ledger, small, "uid-x", own, node.name) is None
+    assert "carries no" in str(claim_problem(ledger, small, "uid-x", "", node.name))
+    assert ReservationProofs(tmp_path / "reservation-proofs.json").alias_of(small) == KEY  # kept on disk
+    ledger.replace_all([])  # the hold released: the alias names nothing
+    assert hold_of(ledger, small) == small and "names no reservation" in str(
+        claim_problem(ledger, small, "uid-x", own, node.name))
+    proofs.unalias(small)
+    assert proofs.alias_of(small) is None
 
 
 def test_proof_of_reads_the_annotation_then_the_last_env_value() -> None:

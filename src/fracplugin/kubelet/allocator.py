@@ -9,9 +9,12 @@ Allocate (docs/reference/kubelet-device-plugin.md A.5, A.6; issue 10):
 * the request is checked (one container request, canonical IDs of this
   node, the same count on every GPU, no Unhealthy GPU);
 * the reservation key is the device IDs (``allocation.reservation_key``);
-  reservations that share a device with it are released first: kubelet
-  hands a device to one container at a time, so giving it again means kubelet
-  freed the old holder (a finished Job, an init container's devices reused);
+  devices a running container holds are refused, naming it (its hold ends
+  only with that container, ADR 0033); a reservation of a pod no container
+  of which runs that shares a device with it is released (kubelet freed it:
+  a finished Job); one no container claimed yet is kept as one hold with the
+  new key, under the union of their devices (an init container's devices
+  reused by the app container, plus or minus some; ``reservations``: aliases);
 * an existing reservation with the same key whose holder is known (a
   re-Allocate after a kubelet restart) gets its recorded answer at once;
 * otherwise the pending pods that may be the one being admitted are the
@@ -117,6 +120,7 @@ class Allocator:
         self._served: set[tuple[str, str]] = set()  # hints only: never recorded as a holder
         self._hints: dict[str, set[str]] = {}  # reservation key -> live candidate pod uids
         self._made: dict[str, float] = {}  # reservation key -> monotonic time of its Allocate
+        self._holds: dict[str, str] = {}  # this Allocate's key -> the union hold it is recorded under
         self._deleted: list[tuple[float, Mapping[str, Any]]] = []
         # reservation key -> pod (ns/name) gone from the API while the runtime
         # still ran its container: released once no container holds it (issue 25 item 5)
@@ -196,14 +200,18 @@ class Allocator:
         request_mib = per_gpu * self.unit_mib
         self.counters.bump("allocations")
         with self._lock:
-            self._release_overlapping(key)
-            existing = self.ledger.reservation(key)
+            hold = reservations.hold_of(self.ledger, key)  # the key, or the union hold it is an alias of
+            existing = self.ledger.reservation(hold)
             if existing and existing[0].bound:
                 if self._holder_live(existing[0]):
                     return self._stored(existing, key, "a re-Allocate of a reservation whose holder is known")
-                # The holder ended (its end not seen yet): kubelet gives the devices to another pod.
+            existing = self.ledger.reservation(key)
+            self._refuse_running(key)  # a running container's hold ends only with that container (ADR 0033)
+            if existing and existing[0].bound:
+                # The holder ended and no container of it runs: kubelet gives the devices to another pod.
                 self.ledger.release_reservation(key)
                 self._forget(key)
+            self._absorb_overlapping(key)
         if self.pod_source is None:
             with self._lock:
                 return self._fallback(uuids, key, request_mib, True, "no API access configured (no pod source)")
@@ -246,14 +254,59 @@ class Allocator:
         log.info("Allocate %s: %s, answered as recorded (%s)", self.resource_name, key, why)
         return Answer(dict(plan.env), plan.mounts, plan.device_uuids, key, "reserved")
 
-    def _release_overlapping(self, key: str) -> None:
+    def _refuse_running(self, key: str) -> None:
+        """Raise Refusal (FAILED_PRECONDITION) when a running container holds
+        a reservation that shares a device with ``key``: a running container's
+        hold ends only with its own Stop/Remove (or a Synchronize that no
+        longer lists it), never with another Allocate (issue 34 item 1, ADR
+        0033). kubelet fails this pod's admission; its next try, once that
+        container stopped, is answered. Nothing is over-committed."""
+        for other, held in self.ledger.reservations().items():
+            running = next((t for t in held if t.bound and t.container_id), None)
+            if running is None or not (other == key or al.overlaps(other, key)):
+                continue
+            g = self.node.gpu_by_uuid(running.gpu_uuid)
+            raise Refusal(
+                StatusCode.FAILED_PRECONDITION,
+                f"Allocate of {self.resource_name} {key}: devices of reservation {other} are held by running "
+                f"container {holder_text(running)} (pod uid {running.pod_uid}) on GPU "
+                f"{g.index if g else '?'}; a running container's hold ends only when the runtime stops it, "
+                "so these devices cannot go to another pod before (retry once it stopped)", "guard")
+
+    def _absorb_overlapping(self, key: str) -> None:
+        """Reservations sharing a device with ``key`` (no running container
+        holds them: ``_refuse_running`` came first). One bound to a pod:
+        kubelet freed its devices (the pod ended), released. One not bound
+        yet: kubelet handing an init container's devices again to a later
+        container of the same pod (its device manager reuses them), or to the
+        next pod of a deleted one; it stays one hold with ``key``, recorded
+        under the union of their devices (memory counted once), every key an
+        alias of it (``reservations``; issue 34 item 1)."""
+        self._holds.pop(key, None)
         keys = {t.reservation for t in self.ledger.tenancies() if t.door == al.DOOR_ALLOCATE and t.reservation != key}
+        absorbed: list[str] = []
         for other in keys:
-            if al.overlaps(other, key):
-                gone = self.ledger.release_reservation(other)
-                self._forget(other)
+            if not al.overlaps(other, key):
+                continue
+            gone = self.ledger.release_reservation(other)
+            self._forget(other)
+            if gone and not gone[0].bound:
+                absorbed.append(other)
+                log.info("reservation %s (holder not known yet) shares devices with %s: one hold (kubelet reuses "
+                         "an init container's devices)", other, key)
+            else:
                 who = _holder(gone[0]) if gone else "?"
                 log.info("reservation %s (%s) released: kubelet allocated its devices again (%s)", other, who, key)
+        proofs = reservations.proofs_of(self.ledger)
+        proofs.unalias(key)
+        if absorbed:
+            by: dict[str, set[int]] = {}
+            for k in [key, *absorbed]:
+                for u, nums in al.parse_reservation_key(k).items():
+                    by.setdefault(u, set()).update(nums)
+            union = al.reservation_key(by)
+            self._holds[key] = union
+            proofs.alias([key, *absorbed], union)
 
     def _forget(self, key: str) -> None:
         self._hints.pop(key, None)
@@ -401,14 +454,20 @@ class Allocator:
         """Gate and record ``plan`` as an unbound reservation; returns the
         plan to answer with. Raises Refusal."""
         plan = self._gated(plan, who)
+        hold = self._holds.pop(key, key)
+        charged = plan
+        if hold != key:  # one hold with an init container's devices: the union of both, counted once
+            mib = max(len(v) for v in al.parse_reservation_key(hold).values()) * self.unit_mib
+            charged = dataclasses.replace(plan, request_mib=max(plan.request_mib, mib),
+                                          limit_mib=max(plan.limit_mib, mib))
         try:
-            self.rules.record(plan, door=al.DOOR_ALLOCATE, reservation=key, bound=False)
+            self.rules.record(charged, door=al.DOOR_ALLOCATE, reservation=hold, bound=False)
         except FractionError as e:
             raise Refusal(status_of(e.code), f"{who}: {e.message}", e.code) from None
         except OSError as e:
             raise Refusal(status_of("ledger_io"), f"{who}: cannot persist the ledger: {e}", "ledger_io") from None
-        self._hints[key] = set(hints)
-        self._made[key] = time.monotonic()
+        self._hints[hold] = set(hints)
+        self._made[hold] = time.monotonic()
         return plan
 
     def _fallback(self, uuids: Sequence[str], key: str, request_mib: int, pipe_dir: bool, reason: str,
@@ -537,8 +596,9 @@ class Allocator:
                             warnings.append(f"PodResources lists {p.namespace}/{p.name}/{c.name} with {e}; skipped")
                             continue
                         key = al.reservation_key({u: [parse_device_id(d)[1] for d in v] for u, v in by_gpu.items()})
-                        listed.add(key)
-                        warnings.extend(self._bind_listed(p, c.name, by_gpu, key))
+                        hold = reservations.hold_of(self.ledger, key)  # an alias: the union hold (ADR 0033)
+                        listed.add(hold)
+                        warnings.extend(self._bind_listed(p, c.name, by_gpu, hold))
             current = self.ledger.tenancies()
             running = {t.reservation for t in current if t.door == al.DOOR_ALLOCATE and t.container_id}
             stale = [t for t in current if t.door == al.DOOR_ALLOCATE and t.reservation not in listed

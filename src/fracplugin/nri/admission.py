@@ -26,7 +26,7 @@ from ..mps.supervisor import make_dir
 from ..noderules import NodeRules
 from ..planner import ENFORCED_ENV_KEYS
 from ..ports import HookMetrics
-from ..reservations import claim_problem, proof_of
+from ..reservations import claim_problem, hold_of, proof_of
 from .pod_checks import lint_pod, spec_unknown
 from .ttrpc import Code, RpcError
 from .pluginbase import _POD_LEVEL_KEYS, DoorSettings, _env_map, _FailOpen, _pod_ref
@@ -178,9 +178,16 @@ class PodReader:
         another running container, or without the proof Allocate answered;
         issue 25 item 4)."""
         proof = proof_of(container.annotations, container.env)
-        why = claim_problem(self.ledger, key, ref.uid, proof, self.node.name)
+        why = claim_problem(self.ledger, key, ref.uid, proof, self.node.name, pod_name=f"{ref.namespace}/{ref.name}")
         if why is not None:
             raise FractionError(al.ENV_RESERVATION, key, why, "reservation")
+
+    def hold(self, key: str) -> str:
+        """The reservation the ledger records ``key``'s container under: the
+        key, or the hold it is an alias of (an init container's devices given
+        again with more or fewer to the app container: one hold, memory counted
+        once; ``reservations.hold_of``, ADR 0033)."""
+        return hold_of(self.ledger, key)
 
     def reserved_request(self, pod: nri_pb2.PodSandbox, container: str, ref: PodRef, key: str,
                           apps: Sequence[str] | None, *, running: bool = False) -> tuple[FractionRequest, list[Any]]:
@@ -191,7 +198,7 @@ class PodReader:
         records what runs) a reservation another running container holds."""
         by_gpu = al.parse_reservation_key(key)
         if not running:
-            held = self.ledger.reservation(key)
+            held = self.ledger.reservation(hold_of(self.ledger, key))
             if held and held[0].bound and held[0].pod_uid != ref.uid and held[0].container_id:
                 t = held[0]
                 raise FractionError(

@@ -87,6 +87,7 @@ from ..annotations import parse
 from ..model import ContainerPlan, FractionError, FractionRequest, PodRef
 from ..mps.api import MpsApi, NullMps
 from ..ports import HookMetrics, NoMetrics
+from ..reservations import ENV_RESERVATION_PROOF
 from ..noderules import NodeRules, status_of
 from .interfaces import (
     AbandonedInterface,
@@ -152,6 +153,14 @@ def build_adjustment(plan_: ContainerPlan) -> nri_pb2.ContainerAdjustment:
     for name in plan_.cdi_devices:
         adj.CDI_devices.add(name=name)
     return adj
+
+
+_PROOF_REMOVAL = (nri_pb2.KeyValue(key="-" + ENV_RESERVATION_PROOF), nri_pb2.KeyValue(key=ENV_RESERVATION_PROOF, value=""))
+"""The reservation proof taken out of a container's env once checked: the
+removal, which containerd does not forward for a variable kubelet added
+(docs/reference/nri-protocol.md, "Env removal caveat"), then the key set to
+an empty value, which it does forward; the container never sees the proof
+(ADR 0033). A bound reservation no longer needs it (reservations rule 3)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -354,7 +363,7 @@ class FracNriPlugin:
                     self.mounts.ensure(plan, fields)
 
                 p = self.rules.admit(req, ref, door=al.DOOR_ALLOCATE if key else al.DOOR_NRI,
-                                     container_id=container.id, reservation=key, check=check)
+                                     container_id=container.id, reservation=self.reader.hold(key), check=check)
                 if p.mps.namespace is not None:  # MPS v3: made in the background, StartContainer waits
                     self.namespaces.start(p, container.id, fields)
             except FractionError as err:
@@ -383,7 +392,10 @@ class FracNriPlugin:
                         "reservation": key,
                     },
                 )
-            return nri_pb2.CreateContainerResponse(adjust=build_adjustment(p))
+            adjust = build_adjustment(p)
+            if key:  # the proof was checked: out of the container's env (ADR 0033)
+                adjust.env.extend(_PROOF_REMOVAL)
+            return nri_pb2.CreateContainerResponse(adjust=adjust)
         finally:
             self.metrics.observe_hook("nri", time.monotonic() - start)
 
