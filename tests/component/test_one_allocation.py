@@ -529,6 +529,21 @@ def test_15b_a_pod_level_fraction_naming_a_native_sidecar_fences_it_and_leaves_t
         ("sidecar", True, 20133, None), ("app", False, None, None)]
 
 
+def test_15c_the_kubelet_door_lets_a_pod_level_limit_name_a_native_sidecar(node: Callable[..., Node]) -> None:
+    """Issue 34 input 5 at Allocate: the native sidecar asks for 8 units of the extended resource and the
+    pod-level ``gpu-fraction.limit`` names it through ``gpu-fraction-container-name``: Allocate answers it
+    with the limit (the form's target list is the app containers and the native sidecars at every door),
+    and nothing is refused for naming no container."""
+    n = node()
+    p = pod("dp-sidecar", containers=[ctr("app")], init=[{**ctr("sidecar", 8), "restartPolicy": "Always"}],
+            annotations={"gpu-fraction": "0.1", "gpu-fraction.limit": "0.5", "gpu-fraction-container-name": "sidecar"})
+    n.put(p)
+    env, _ = n.allocate(ids(0, 8))
+    assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "8192" and env["NVIDIA_GPU_MEMORY_LIMIT"] == "40267", env
+    adj, got = n.create(p, "sidecar", env)
+    assert getattr(adj, "code", None) is None and got["NVIDIA_GPU_MEMORY_LIMIT"] == "40267", adj
+
+
 def test_16_an_existing_mount_at_the_pipe_directory_is_refused_naming_it(node: Callable[..., Node]) -> None:
     n = node()
     p = pod("mnt", containers=[ctr("app")], annotations={P + "app.gpu-memory.request": "1Gi"})

@@ -54,6 +54,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .. import allocation as al
 from .. import planner as planner_mod
 from .. import annotation_lint, reservations
+from ..annotations import form_targets
 from ..model import ComputeMode, ContainerPlan, FractionError, FractionRequest, MemorySpec, Mount, PodRef, Tenancy
 from ..ledger import holder_text
 from ..noderules import NodeRules, status_of
@@ -341,7 +342,7 @@ class Allocator:
         annotation that breaks the contract."""
         md = cand.pod.get("metadata") or {}
         annotations = dict(md.get("annotations") or {})
-        apps = [str(c.get("name")) for c in (cand.pod.get("spec") or {}).get("containers") or ()]
+        apps = form_targets(cand.pod.get("spec") or {})  # the app containers, then native sidecars
         prefix = self.planner_config.annotation_prefix
         parsed = al.parse_for_kubelet(annotations, cand.container, request_mib, prefix=prefix, containers=apps)
         smallest = min(g.memory_mib for g in self.node.gpus if g.uuid in uuids)
@@ -357,8 +358,8 @@ class Allocator:
         for i in ignored:
             log.info("Allocate: pod %s container %s: %s", podlookup.pod_key(cand.pod), cand.container, i.message)
         spec = cand.pod.get("spec") or {}
-        apps = [str(c.get("name")) for c in spec.get("containers") or ()]
-        inits = [str(c.get("name")) for c in spec.get("initContainers") or ()]
+        apps = form_targets(spec)
+        inits = [str(c.get("name")) for c in spec.get("initContainers") or () if str(c.get("name")) not in apps]
         for x in annotation_lint.unknown_keys(dict(md.get("annotations") or {}), self.planner_config.annotation_prefix,
                                               inits + apps) + annotation_lint.ignored_forms(
                 dict(md.get("annotations") or {}), self.planner_config.annotation_prefix, cand.container, apps):

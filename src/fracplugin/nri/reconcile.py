@@ -92,9 +92,10 @@ class Reconciler:
                                 extra={**fields, "key": err.key, "value": err.value, "rule": err.reason})
                     p = None
                 if p is not None:
-                    tenancies.extend(al.to_tenancies(p, c.id, door=al.DOOR_ALLOCATE, reservation=key))
+                    hold = self.reader.hold(key)  # an init's devices reused by the app: one hold (ADR 0033)
+                    tenancies.extend(al.to_tenancies(p, c.id, door=al.DOOR_ALLOCATE, reservation=hold))
                     recorded.add((pod.uid, c.name))
-                    reserved.add(key)
+                    reserved.add(hold)
                     continue
             try:
                 p, adjusted = self._replan(pod, c)
