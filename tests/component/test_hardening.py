@@ -228,13 +228,22 @@ wait(lambda: sup.healthy(TS), "the daemon to be healthy")
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
 held = []
-try:
-    while True:
-        held.append(os.open("/dev/null", os.O_RDONLY))
-except OSError as exc:
-    assert exc.errno == errno.EMFILE, exc
+
+
+def exhaust():
+    """Take every free descriptor; again on each wait turn: a probe in flight when the limit was reached
+    frees its pipes when it ends, and the next probe would run on them (seen under load)."""
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError as exc:
+        assert exc.errno == errno.EMFILE, exc
+    return True
+
+
+exhaust()
 # 1. probes cannot run: neither a probe failure nor a restart
-wait(lambda: daemon()["resource_errors"] >= 3, "probes hitting EMFILE")
+wait(lambda: exhaust() and daemon()["resource_errors"] >= 3, "probes hitting EMFILE")
 # a drain that cannot run its commands is incomplete, never a wedge (no hard restart)
 dr = sup.drain("c" * 64, 2.0)
 drain = {"wedged": dr.wedged, "restarted": [m.value for m in dr.restarted], "errors": list(dr.errors)}
@@ -242,7 +251,7 @@ probing = daemon()
 # 2. the daemon dies while descriptors are exhausted: its starts fail with EMFILE
 os.kill(probing["pid"], signal.SIGKILL)
 n = probing["resource_errors"]
-wait(lambda: daemon()["resource_errors"] >= n + 3, "starts hitting EMFILE")
+wait(lambda: exhaust() and daemon()["resource_errors"] >= n + 3, "starts hitting EMFILE")
 starving = daemon()
 for fd in held:
     os.close(fd)

@@ -64,6 +64,7 @@ def test_both_doors_answer_the_same_env_block_for_one_allocation(node_file: Path
                                   env=[f"{ENV_RESERVATION}={key}", f"{ENV_RESERVATION_PROOF}={proof}",
                                        "NVIDIA_VISIBLE_DEVICES=all"])
     nri_env = _adjusted_env(nri.create_container(sandbox, container).adjust)
+    assert nri_env.pop(ENV_RESERVATION_PROOF) == ""  # checked, then blanked in the container's env (ADR 0033)
 
     expected = {
         "NVIDIA_VISIBLE_DEVICES": gpu,
