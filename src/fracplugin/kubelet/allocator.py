@@ -9,10 +9,10 @@ Allocate (docs/reference/kubelet-device-plugin.md A.5, A.6; issue 10):
 * the request is checked (one container request, canonical IDs of this
   node, the same count on every GPU, no Unhealthy GPU);
 * the reservation key is the device IDs (``allocation.reservation_key``);
-  devices a running container holds are refused, naming it (its hold ends
-  only with that container, ADR 0033); a reservation of a pod no container
-  of which runs that shares a device with it is released (kubelet freed it:
-  a finished Job); one no container claimed yet is kept as one hold with the
+  a reservation bound to a pod that shares a device with it is released
+  (kubelet freed it: a finished Job, or a force-deleted pod whose container
+  the runtime has not stopped yet: ADR 0033 decision 2, open); one no
+  container claimed yet is kept as one hold with the
   new key, under the union of their devices (an init container's devices
   reused by the app container, plus or minus some; ``reservations``: aliases);
 * an existing reservation with the same key whose holder is known (a
@@ -207,7 +207,6 @@ class Allocator:
                 if self._holder_live(existing[0]):
                     return self._stored(existing, key, "a re-Allocate of a reservation whose holder is known")
             existing = self.ledger.reservation(key)
-            self._refuse_running(key)  # a running container's hold ends only with that container (ADR 0033)
             if existing and existing[0].bound:
                 # The holder ended and no container of it runs: kubelet gives the devices to another pod.
                 self.ledger.release_reservation(key)
@@ -255,29 +254,10 @@ class Allocator:
         log.info("Allocate %s: %s, answered as recorded (%s)", self.resource_name, key, why)
         return Answer(dict(plan.env), plan.mounts, plan.device_uuids, key, "reserved")
 
-    def _refuse_running(self, key: str) -> None:
-        """Raise Refusal (FAILED_PRECONDITION) when a running container holds
-        a reservation that shares a device with ``key``: a running container's
-        hold ends only with its own Stop/Remove (or a Synchronize that no
-        longer lists it), never with another Allocate (issue 34 item 1, ADR
-        0033). kubelet fails this pod's admission; its next try, once that
-        container stopped, is answered. Nothing is over-committed."""
-        for other, held in self.ledger.reservations().items():
-            running = next((t for t in held if t.bound and t.container_id), None)
-            if running is None or not (other == key or al.overlaps(other, key)):
-                continue
-            g = self.node.gpu_by_uuid(running.gpu_uuid)
-            raise Refusal(
-                StatusCode.FAILED_PRECONDITION,
-                f"Allocate of {self.resource_name} {key}: devices of reservation {other} are held by running "
-                f"container {holder_text(running)} (pod uid {running.pod_uid}) on GPU "
-                f"{g.index if g else '?'}; a running container's hold ends only when the runtime stops it, "
-                "so these devices cannot go to another pod before (retry once it stopped)", "guard")
-
     def _absorb_overlapping(self, key: str) -> None:
-        """Reservations sharing a device with ``key`` (no running container
-        holds them: ``_refuse_running`` came first). One bound to a pod:
-        kubelet freed its devices (the pod ended), released. One not bound
+        """Reservations sharing a device with ``key``. One bound to a pod:
+        kubelet freed its devices (the pod ended, or was force-deleted while
+        its container still runs: ADR 0033, "What is left"), released. One not bound
         yet: kubelet handing an init container's devices again to a later
         container of the same pod (its device manager reuses them), or to the
         next pod of a deleted one; it stays one hold with ``key``, recorded
