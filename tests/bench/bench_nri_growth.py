@@ -107,7 +107,7 @@ def run_round(plugin: FracNriPlugin, calls: int, seq: list[int]) -> float:
         resp = plugin.create_container(pod, ctr)
         total += time.perf_counter() - t0
         if resp is None or not resp.HasField("adjust"):
-            raise SystemExit(f"bench_nri_growth: create_container gave no adjustment ({len(plugin.ledger.tenancies())})")
+            raise SystemExit(f"bench_nri_growth: create_container gave no adjustment ({len(plugin.rules.ledger.tenancies())})")
         plugin.remove_container(pod, ctr)
     return total / calls
 
@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
             for n in SIZES[r % len(SIZES):] + SIZES[:r % len(SIZES)]:  # rotated: no size always first
                 per[n].append(run_round(plugins[n], a.calls, seq))
         for p in plugins.values():
-            p.ledger.close()
+            p.rules.ledger.close()
     med = {n: statistics.median(v) * 1e6 for n, v in per.items()}
     values = {
         "nri.create.service_us_1_tenancy": med[1],
