@@ -178,11 +178,9 @@ def test_api_errors_are_counted_and_logged_not_raised(api, recorders, caplog):
 
 def test_unreachable_api_is_a_counted_failure(recorders):
     # A port nothing listens on: connection refused.
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    from tests.helpers import free_port
+
+    port = free_port()  # the harnesses' one port chooser (never the same port twice)
     r = _recorder(recorders, _core(f"http://127.0.0.1:{port}"), request_timeout_s=2.0)
     r.refused(POD, "app", ERR, door="nri")
     assert _wait_stats(r, "failed", 1)["sent"] == 0
