@@ -5,9 +5,10 @@ Starts ``fracplugin run`` on the simulated four-GPU node with every door on (NRI
 ``NriRuntimeServer``, the device plugin registered with ``KubeletSim``, MPS with the fake control binary),
 as the image runs it (bytecode compiled beforehand, the Dockerfile's ``MALLOC_ARENA_MAX=2``), waits for
 ``/readyz`` 200 and then, ``BENCH_GRPC_IDLE_WAVES`` times (default 8, the waves of issue 34's report),
-opens ``BENCH_GRPC_IDLE_CONNECTIONS`` (default 10,000) unix connections to the device plugin socket (``<device-plugin-dir>/fracplugin.sock``), each sending the HTTP/2
-client preface and an empty SETTINGS frame (what a gRPC channel sends before its first call) and nothing
-more, keeps every one open on the client side until the wave is opened, then closes them all and waits
+opens ``BENCH_GRPC_IDLE_CONNECTIONS`` (default 10,000) unix connections to the device plugin socket
+(``<device-plugin-dir>/fracplugin.sock``), each sending the HTTP/2 client preface and an empty SETTINGS
+frame (what a gRPC channel sends before its first call) and nothing more, keeps every one open on the
+client side until the whole wave is open, then closes them all and waits
 until the daemon holds no more descriptors than when it was idle (its server has seen every close).
 Memory is VmRSS of the daemon (/proc/<pid>/status), MiB. Merged into build/bench.json:
 
