@@ -322,17 +322,20 @@ def pod_config(base: Path, name: str, uid: str, annotations: dict[str, str],
 
 
 def container_config(base: Path, pod: str, name: str, env: dict[str, str] | None = None,
-                     command: list[str] | None = None) -> Path:
-    """Write a CRI ContainerConfig running busybox ``sleep 3600``; return its path."""
+                     command: list[str] | None = None, attempt: int = 0) -> Path:
+    """Write a CRI ContainerConfig running busybox ``sleep 3600``; return its path.
+    ``attempt``: the CRI metadata's attempt (kubelet's restart count; containerd
+    reserves a container's name with it, so a pod may hold several containers of
+    one name with different attempts, as it does after a restart)."""
     cfg = {
-        "metadata": {"name": name, "attempt": 0},
+        "metadata": {"name": name, "attempt": attempt},
         "image": {"image": IMAGE},
         "command": command or ["/bin/sleep", "3600"],
         "envs": [{"key": k, "value": v} for k, v in (env or {}).items()],
         "log_path": f"{name}.log",
         "linux": {},
     }
-    p = base / "pods" / pod / f"{name}.json"
+    p = base / "pods" / pod / (f"{name}.json" if attempt == 0 else f"{name}.{attempt}.json")
     p.write_text(json.dumps(cfg, indent=1))
     return p
 

@@ -100,8 +100,10 @@ class Pods:
         return pid, cfg
 
     def create(self, pod_id: str, pod_cfg: Path, name: str = "app",
-               env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+               env: dict[str, str] | None = None, check: bool = True,
+               attempt: int = 0) -> subprocess.CompletedProcess:
         """``crictl create`` a busybox ``sleep 3600`` container; return the crictl result.
+        ``attempt``: its CRI metadata's attempt (h.container_config).
 
         Like kubelet, retries (up to UNAVAILABLE_RETRIES times, 1 s apart)
         when the runtime answers ``code = Unavailable``: fracplugin's answer
@@ -109,7 +111,7 @@ class Pods:
         request budget on a loaded machine).  Each retry is reported as a
         warning, so it shows in the test summary instead of passing silently.
         """
-        ccfg = h.container_config(self.ctrd.base, pod_cfg.parent.name, name, env)
+        ccfg = h.container_config(self.ctrd.base, pod_cfg.parent.name, name, env, attempt=attempt)
         for attempt in range(UNAVAILABLE_RETRIES + 1):
             res = self.ctrd.crictl("create", pod_id, str(ccfg), str(pod_cfg), check=False,
                                    timeout=120)
@@ -125,9 +127,9 @@ class Pods:
         return res
 
     def create_and_start(self, pod_id: str, pod_cfg: Path, name: str = "app",
-                         env: dict[str, str] | None = None) -> str:
+                         env: dict[str, str] | None = None, attempt: int = 0) -> str:
         """Create and start the container; return its id once it is running."""
-        cid = self.create(pod_id, pod_cfg, name, env).stdout.strip()
+        cid = self.create(pod_id, pod_cfg, name, env, attempt=attempt).stdout.strip()
         self.ctrd.crictl("start", cid, timeout=120)
         h.wait_for(lambda: json.loads(self.ctrd.crictl("inspect", cid).stdout)
                    ["status"]["state"] == "CONTAINER_RUNNING", 30, f"container {cid} running")
