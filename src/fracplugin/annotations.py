@@ -485,21 +485,6 @@ def form_targets(spec: Mapping[str, Any]) -> list[str]:
     return apps + [n for n in native_sidecars(spec) if n not in apps]
 
 
-def is_fractional(annotations: Mapping[str, str], container: str, *, prefix: str = DEFAULT_PREFIX) -> bool:
-    """True when ``container`` carries any memory annotation (per-container or
-    pod-level), whether or not it is valid. Cheap; never raises."""
-    if container_key(prefix, container, SUFFIX_REQUEST) in annotations:
-        return True
-    if container_key(prefix, container, SUFFIX_LIMIT) in annotations:
-        return True
-    if KAI_PORTION_LIMIT.format(c=container) in annotations:
-        return True
-    named = annotations.get(KEY_CONTAINER_NAME)
-    if named is not None and named != container:
-        return False
-    return any(k in annotations for k in (KEY_GPU_FRACTION, KEY_GPU_MEMORY, KEY_GPU_FRACTION_LIMIT))
-
-
 def annotated_containers(annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX) -> list[str]:
     """The containers the pod's per-container memory keys name, sorted:
     ``<prefix><c>.gpu-memory.request`` / ``.gpu-memory.limit`` and KAI's

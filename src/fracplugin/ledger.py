@@ -268,10 +268,6 @@ class Ledger:
         """Drop one kubelet reservation (kubelet freed its devices)."""
         return self._drop(lambda: self._index.by_reservation.get(key, ())) if key else []
 
-    def release_pod(self, pod_uid: str) -> list[Tenancy]:
-        """Drop every tenancy of a pod."""
-        return self._drop(lambda: [t for t in self._index.entries if t.pod_uid == pod_uid])
-
     def release_stopped(self, container_id: str) -> list[Tenancy]:
         """A container stopped: drop what it holds through the NRI door, and
         unbind it from a kubelet reservation (the reservation stays held for

@@ -284,18 +284,6 @@ class Metrics:
             self._servers.append(server)
         return server
 
-    def server_stats(self) -> dict[str, int]:
-        """Connection counters of the metrics servers, summed: ``active``,
-        ``peak``, ``evicted``, ``refused``, ``accept_errors`` (health.py)."""
-        out = {"active": 0, "peak": 0, "evicted": 0, "refused": 0, "accept_errors": 0}
-        with self._lock:
-            servers = list(self._servers)
-        for srv in servers:
-            with srv.httpd.lock:
-                for k in out:
-                    out[k] += int(getattr(srv.httpd, k, 0))
-        return out
-
     def stop(self, timeout_s: float = 5.0) -> None:
         """Close every server started by ``serve``."""
         with self._lock:

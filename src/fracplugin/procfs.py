@@ -211,16 +211,6 @@ class ProcFs:
         """PIDs whose ``exe`` basename equals ``basename``."""
         return [p for p in self.pids() if self.exe_basename(p) == basename]
 
-    def pids_of_container(self, container_id: str) -> list[int]:
-        """PIDs whose cgroup names ``container_id`` (see ``container_id_matches``)."""
-        out = []
-        for pid in self.pids():
-            ref = self.container_of(pid)
-            if ref is not None and container_id_matches(ref.container_id, container_id):
-                out.append(pid)
-        return out
-
-
 class CachedProcFs(ProcFs):
     """``ProcFs`` whose ``container_of`` and ``exe_basename`` answers are
     cached per PID, for the metrics scrape (issue 14: every scrape used to

@@ -315,7 +315,7 @@ def child_writer(variant: str, d: Path, seed: int) -> None:
             uid = rng.choice(held)
             out.write(f"- {uid}\n")
             out.flush()
-            ledger.release_pod(uid)
+            ledger.release(uid, "app")
         else:
             k += 1
             uid = f"p{seed}-{k}"

@@ -21,7 +21,8 @@ import pytest
 
 from fake_kubelet import FakeKubelet, FakePodResources
 from fracplugin.gpu.simulated import SimulatedInventory
-from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource
+from fracplugin.kubelet.deviceplugin import DevicePluginServer
+from fracplugin.kubelet.podlookup import InMemoryPodSource
 from fracplugin.kubelet.devices import MAX_DEVICE_ID_LEN, parse_device_id
 from fracplugin.kubelet.podresources import PodResourcesClient, PodResourcesError, devices_for
 from fracplugin.ledger import Ledger

@@ -261,7 +261,7 @@ def mps_role(sockdir):
     server = None
     try:
         sup = mh.supervisor(probe_interval_s=0.5)
-        assert sup.wait_ready(30)
+        wait_until(sup.ready, 30)
         server = MpsApiServer(sup, os.path.join(root, "api", "api.sock"))
         server.start()
         yield mh, server.path

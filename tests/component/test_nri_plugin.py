@@ -138,14 +138,14 @@ class Harness:
         self.stub = self._stub()
         self.stub.start()
         wait_for(lambda: len(self.rt.registrations) > n, what="the restarted doors registered")
-        assert self.stub.wait_ready(scaled(5))
+        wait_for(self.stub.ever_synchronized, 5)
         return self
 
     def start(self, pods=(), containers=()):
         self.stub.start()
         self.rt.wait_registered()
         self.rt.synchronize(list(pods), list(containers))
-        assert self.stub.wait_ready(5)
+        wait_for(self.stub.ever_synchronized, 5)
         return self
 
     def restart_runtime(self, **kwargs):
@@ -495,7 +495,7 @@ def test_split_synchronize_is_honoured(make_harness):
         pods.append(pod)
         ctrs.append(_running(pod, "c", adjusted=True, container_id=f"c{i}"))
     assert h.rt.synchronize(pods, ctrs, parts=3) == []
-    assert h.stub.wait_ready(5)
+    wait_for(h.stub.ever_synchronized, 5)
     assert sorted(t.container_id for t in h.ledger.tenancies()) == [f"c{i}" for i in range(6)]
 
 

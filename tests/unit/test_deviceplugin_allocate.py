@@ -366,7 +366,7 @@ def test_preferred_follows_the_pending_pods_mode(make, node, src):
     s.allocate(areq(ids(node, 0, 1)))
     s.allocate(areq(ids(node, 2, 2)))
     src.add(pod("new-sm", 5, {P + "app.gpu-compute.mode": "sm-sharing"}, created="2026-01-03T00:00:00Z"))
-    avail = [d for d in s.table.all_ids() if d not in ids(node, 0, 1) + ids(node, 2, 2)]
+    avail = [d for d in list(s.table.lookup) if d not in ids(node, 0, 1) + ids(node, 2, 2)]
     got = list(s.preferred(preq(avail, [], 5)).container_responses[0].deviceIDs)
     assert {parse_device_id(d)[0] for d in got} == {node.gpus[2].uuid}
 

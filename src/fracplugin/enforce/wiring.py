@@ -80,13 +80,6 @@ class MemoryLimits:
         return cls(MemoryLimitMode.parse(cfg.memory_limits), LimitPolicy.parse(cfg.memory_limits_policy),
                    cfg.cgroup_root, node, **kw)
 
-    def set_hook_of(self, hook_of: Callable[[str], bool | None] | None) -> None:
-        """Plug in the CDI reader's ``uuid -> hook present`` later (the gate
-        and auto mode read it from then on)."""
-        self.gate.hook_of = hook_of
-        self.enforcer.hook_of = hook_of
-        self.gate.invalidate()
-
     def _observe(self, seconds: float) -> None:
         if self._hist is not None:
             self._hist.observe(seconds)
@@ -110,10 +103,6 @@ class MemoryLimits:
             out["node"] = self.gate.current().to_dict()
             out["containers"] = [r.to_dict() for r in self.enforcer.results()]
         return out
-
-    def enforced_of(self) -> dict[str, tuple[str, str]]:
-        """container id -> (yes|no|unknown, reason): the ENFORCED column."""
-        return {r.container_id: (r.enforced, r.why) for r in self.enforcer.results()}
 
     def attach_metrics(self, registry: Any, hostname: str = "") -> None:
         """Register the collector and the StartContainer histogram on a

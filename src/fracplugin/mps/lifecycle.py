@@ -400,11 +400,3 @@ class DaemonProcesses:
             with self.c.lock:
                 d.state = "stopped"
 
-    def request_restart(self, d: DaemonState, reason: str) -> None:
-        """Ask the supervisor thread to hard-restart ``d`` (SIGKILL daemon and servers) at its next step."""
-        with self.c.lock:
-            d.wedges += 1
-            d.restart_request = reason
-            d.last_error = reason
-        log.warning("MPS %s daemon %s; hard restart", d.mode.value, reason)
-        self.c.wake.set()

@@ -678,6 +678,3 @@ class RemoteMps:
                     cb(m, health[m])
                 except Exception:
                     log.exception("MPS health callback failed")
-
-
-Callback = Callable[[ComputeMode, bool], None]

@@ -116,7 +116,6 @@ class DaemonState:
     last_probe_at: float | None = None
     next_probe_at: float = 0.0
     next_start_at: float = 0.0
-    restart_request: str | None = None
     last_error: str = ""
     server_pids: set[int] = field(default_factory=set)
     restore_pending: set[str] = field(default_factory=set)

@@ -270,15 +270,6 @@ class MpsSupervisor:
         self.book.save_state()
         self.procs.shutdown_all(timeout_s)
 
-    def wait_ready(self, timeout_s: float) -> bool:
-        """Block until ``ready()`` or ``timeout_s`` elapsed (real time); returns ``ready()``."""
-        deadline = time.monotonic() + timeout_s
-        while not self.ready():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
-        return True
-
     def healthy(self, mode: ComputeMode) -> bool:
         """True when the daemon serving ``mode`` is running, answered its last
         probe and has every recorded namespace in place. False for a mode that
@@ -421,7 +412,7 @@ class MpsSupervisor:
         waits = [0.5]
         with self._lock:
             for d in self._daemons.values():
-                if d.state == "starting" or d.restart_request:
+                if d.state == "starting":
                     waits.append(0.02)
                 elif d.state in ("backoff", "failed"):
                     waits.append(d.next_start_at - now)
@@ -446,16 +437,7 @@ class MpsSupervisor:
             self.procs.kill_servers(d, scan=False)
             self.procs.schedule_restart(d, reason, consume_budget=True)
             return
-        if d.restart_request and proc is not None:
-            reason = d.restart_request
-            self.procs.hard_kill(d)
-            with self._lock:
-                d.restart_request = None
-            self.procs.schedule_restart(d, reason, consume_budget=False)
-            return
         if d.proc is None and d.state in ("stopped", "backoff", "failed") and now >= d.next_start_at:
-            with self._lock:
-                d.restart_request = None
             self.procs.start_daemon(d)
             return
         if d.state == "starting":

@@ -75,7 +75,7 @@ import os
 import re
 import socket
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from tenacity import Retrying, retry_if_exception_type, stop_when_event_set, wait_exponential, wait_random
 
@@ -95,7 +95,7 @@ from .dispatch import (
 from .interfaces import CallContext, event_mask
 from .mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from .serving import _Server, _Session
-from .transport import ConnectionClosed, NriTransport
+from .transport import NriTransport
 from .ttrpc import RpcError
 
 __all__ = [
@@ -372,11 +372,6 @@ class NriStub:
             s = self._session
         return bool(s and s.transport and not s.transport.closed.is_set() and s.registered.is_set())
 
-    def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """Block until a Synchronize completed (``ever_synchronized()``) or
-        ``timeout_s``; returns ``ever_synchronized()``."""
-        return self._synced.wait(timeout_s)
-
     def wait_exit(self, timeout_s: float | None = None) -> bool:
         """Block until the stub has ended (``stop()``, or EOF in fd mode)."""
         return self._exited.wait(timeout_s)
@@ -385,21 +380,6 @@ class NriStub:
     def exited(self) -> bool:
         """True once the stub has ended."""
         return self._exited.is_set()
-
-    def update_containers(
-        self, updates: Sequence[Any] = (), evictions: Sequence[Any] = (), timeout_s: float = 2.0
-    ) -> list[Any]:
-        """Unsolicited ``Runtime/UpdateContainers`` (docs/reference/nri-protocol.md 1.6 step 7):
-        ``updates`` are ``ContainerUpdate``s, ``evictions`` ``ContainerEviction``s.
-        Returns the updates the runtime reports as failed. Raises
-        ``ConnectionClosed`` when not connected, ``RpcError``, ``TimeoutError``."""
-        with self._session_lock:
-            s = self._session
-        if s is None or s.transport is None or not s.registered.is_set():
-            raise ConnectionClosed("not registered with a runtime")
-        req = nri_pb2.UpdateContainersRequest(update=list(updates), evict=list(evictions))
-        payload = s.transport.call(RUNTIME_SERVICE, "UpdateContainers", req.SerializeToString(), timeout_s)
-        return list(nri_pb2.UpdateContainersResponse.FromString(payload).failed)
 
     def status(self) -> dict[str, Any]:
         """JSON-able state for ``fracplugin status`` / ``/status``:

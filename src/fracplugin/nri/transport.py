@@ -43,7 +43,6 @@ from .ttrpc import (
     RequestRejected,
     ResponseReceived,
     Role,
-    RpcError,
     TtrpcConnection,
     TtrpcError,
 )
@@ -404,6 +403,3 @@ class NriTransport:
             )
 
 
-def rpc_error_from(resp: ResponseReceived) -> RpcError:
-    """The ``RpcError`` of an error response (helper for callers)."""
-    return RpcError(resp.code, resp.message)
