@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from fracplugin.subproc import die_with_parent
+from fracplugin_demo.subproc import die_with_parent
 from test_daemon import FAKE_MPS, INFERENCE, NODE, DaemonProc, root  # noqa: F401 (root: fixture)
 from tests.helpers import wait_until
 

@@ -43,7 +43,7 @@ def test_same_bytes_as_field_by_field(annotations):
         got, want = build_adjustment(p), field_by_field(p)
         assert got == want
         assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
-        assert got.mounts[0].source.endswith(p.mps.namespace or "")  # the pod's own pipe directory
+        assert got.mounts[0].source.endswith(p.mps_namespace or "")  # the pod's own pipe directory
 
 
 def test_answers_do_not_share_state():

@@ -199,7 +199,7 @@ class Preparer:
         return claims.read_claim(doc, self.node, uid=uid)
 
     def _ensure_namespace(self, plan: ContainerPlan) -> None:
-        if self.mps is None or plan.mps.namespace is None:
+        if self.mps is None or plan.mps_namespace is None:
             return
         self.mps.ensure_namespace(plan.pod.uid, CLAIM_CONTAINER, plan.active_thread_percentage,
                                   self.namespace_timeout_s, mode=plan.compute_mode, pinned_limit_mib=plan.limit_mib)

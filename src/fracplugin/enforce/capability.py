@@ -291,11 +291,6 @@ class CapabilityGate:
             self._last, self._at = caps, now
         return caps
 
-    def invalidate(self) -> None:
-        """Re-evaluate at the next ``current()`` (an input changed)."""
-        with self._lock:
-            self._at = -1.0e18
-
     def reason(self) -> str:
         """``""`` when the node can enforce, else the reason (``NodeCapabilities.reason``)."""
         return self.current().reason

@@ -119,7 +119,8 @@ def make_dir(path: str, root: str | None = None, mode: int = 0o755) -> None:
     """``mkdir -p path`` and chmod ``mode`` on each directory it created and on
     ``path`` itself, whatever the process umask (``os.makedirs(mode=)`` is
     masked by it: under ``umask 077`` it makes 0700 directories that a
-    non-root container cannot enter). Directories above ``root`` are left alone.
+    non-root container cannot enter; containers run as any UID and must traverse
+    to the socket). Directories above ``root`` are left alone.
     Raises OSError."""
     path = os.path.normpath(path)
     todo = []

@@ -110,6 +110,6 @@ def early_plans(rules: NodeRules, pod: nri_pb2.PodSandbox, mode_up: Callable[[Co
             log.debug("nri RunPodSandbox: container refused; CreateContainer will say so",
                       extra={"pod": str(ref), "container": name, "key": err.key, "rule": err.reason})
             continue
-        if p is not None and p.mps.namespace is not None and mode_up(p.compute_mode):
+        if p is not None and p.mps_namespace is not None and mode_up(p.compute_mode):
             plans.append(p)
     return plans

@@ -364,7 +364,7 @@ class FracNriPlugin:
 
                 p = self.rules.admit(req, ref, door=al.DOOR_ALLOCATE if key else al.DOOR_NRI,
                                      container_id=container.id, reservation=self.reader.hold(key), check=check)
-                if p.mps.namespace is not None:  # MPS v3: made in the background, StartContainer waits
+                if p.mps_namespace is not None:  # MPS v3: made in the background, StartContainer waits
                     self.namespaces.start(p, container.id, fields)
             except FractionError as err:
                 self._refuse(err, fields, ref, container.name)  # raises unless fail_open
