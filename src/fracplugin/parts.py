@@ -44,10 +44,7 @@ from . import logs
 from .ports import Clock, HookMetrics, NoMetrics
 
 if TYPE_CHECKING:
-    from .cdi import CdiRegistry
     from .config import Config
-    from .events import EventRecorder
-    from .gpu.health import HealthMonitor
     from .gpu.inventory import Inventory
     from .health import HealthServer
     from .dra.server import DraServer
@@ -57,20 +54,17 @@ if TYPE_CHECKING:
     from .ledger import Ledger
     from .metrics import Metrics
     from .mps.api import MpsApi
-    from .mps.rpc import MpsApiServer
-    from .nodecondition import NodeConditionPublisher
     from .nri.plugin import FracNriPlugin
     from .nri.stub import NriStub
 
 __all__ = [
     "Clock", "Readiness", "Reloaded", "Part", "HookMetrics", "NoMetrics", "PartBase",
-    "LogsPart", "InventoryPart", "LedgerPart", "MetricsPart", "MpsPart", "MpsApiPart", "PodSourcePart",
-    "EventsPart", "GpuHealthPart", "CdiPart", "NriDoor", "DevicePluginPart", "DraDoor", "HealthPart", "NodeConditionPart",
+    "LogsPart", "ServicePart", "InventoryPart", "LedgerPart", "MetricsPart", "MpsPart", "PodSourcePart",
+    "NriDoor", "DevicePluginPart", "DraDoor", "HealthPart",
     "PLANNER_KEYS",
 ]
 
 log = logging.getLogger("fracplugin.daemon")
-
 
 
 @dataclass(frozen=True)
@@ -172,6 +166,35 @@ class LogsPart(PartBase):
         logs.setup(cfg.log_format, cfg.log_level)
 
 
+class Service(Protocol):
+    """A component a ``ServicePart`` starts and stops."""
+
+    def start(self) -> object: ...
+
+    def stop(self, timeout_s: float) -> object: ...
+
+
+class ServicePart(PartBase):
+    """A part that only starts and stops one component (``service``: the MPS
+    role's API socket, refusal Events, the node condition KAI gates on, the
+    CDI registry, the GPU health monitor), named ``name``, reading the config
+    keys ``reads``; its ``status`` is ``status_of()`` ({} when not given)."""
+
+    def __init__(self, cfg: Config, name: str, reads: Iterable[str], service: Service,
+                 status_of: Callable[[], dict[str, Any]] | None = None) -> None:
+        super().__init__(cfg)
+        self.name, self.reads, self.service, self._status_of = name, frozenset(reads), service, status_of
+
+    def start(self) -> None:
+        self.service.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self.service.stop(timeout_s)
+
+    def status(self) -> dict[str, Any]:
+        return self._status_of() if self._status_of is not None else {}
+
+
 class InventoryPart(PartBase):
     """The GPU inventory (NVML or simulated): opened at construction, closed at stop."""
 
@@ -269,23 +292,6 @@ class MpsPart(PartBase):
         return self.mps.status()
 
 
-class MpsApiPart(PartBase):
-    """The MPS role's API socket (``mps.rpc.MpsApiServer``)."""
-
-    name = "mps api"
-    reads = frozenset({"mps_api_socket", "mps_root"})
-
-    def __init__(self, cfg: Config, server: MpsApiServer) -> None:
-        super().__init__(cfg)
-        self.server = server
-
-    def start(self) -> None:
-        self.server.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.server.stop(timeout_s)
-
-
 class PodSourcePart(PartBase):
     """The pods the device plugin door looks up: a ``--pods-file`` watched
     into an ``InMemoryPodSource``, or the API watch (``KubernetesPodSource``)."""
@@ -312,26 +318,6 @@ class PodSourcePart(PartBase):
 
     def status(self) -> dict[str, Any]:
         return {"kind": type(self.source).__name__, "ready": bool(self.source.ready()), "pods": len(self.source)}
-
-
-class EventsPart(PartBase):
-    """Refusal Events (``events.EventRecorder``; only built with API access)."""
-
-    name = "events"
-    reads = frozenset({"kubeconfig", "no_nri"})
-
-    def __init__(self, cfg: Config, recorder: EventRecorder) -> None:
-        super().__init__(cfg)
-        self.recorder = recorder
-
-    def start(self) -> None:
-        self.recorder.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.recorder.stop(timeout_s)
-
-    def status(self) -> dict[str, Any]:
-        return {"enabled": True, **self.recorder.stats()}
 
 
 class NriDoor(PartBase):
@@ -458,44 +444,6 @@ class DraDoor(PartBase):
         return {**self.server.status(), "slices": None if self.slices is None else self.slices.status()}
 
 
-class GpuHealthPart(PartBase):
-    """The node's one GPU health monitor (``gpu.health.HealthMonitor``: XID
-    events, MPS health per mode, recovery), started whichever doors are on
-    (issue 33: no door owns it)."""
-
-    name = "gpu health"
-    reads = frozenset({"ignored_xids", "simulate_node"})
-
-    def __init__(self, cfg: Config, monitor: HealthMonitor) -> None:
-        super().__init__(cfg)
-        self.monitor = monitor
-
-    def start(self) -> None:
-        self.monitor.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.monitor.stop(timeout_s)
-
-
-class CdiPart(PartBase):
-    """The node's CDI specs (``cdi.CdiRegistry``): read at start, then
-    re-read in the background when they change, so no request path ever
-    parses a spec (issue 34 item 5)."""
-
-    name = "cdi"
-    reads = frozenset({"cdi_spec_dirs", "cdi_kind"})
-
-    def __init__(self, cfg: Config, registry: CdiRegistry) -> None:
-        super().__init__(cfg)
-        self.registry = registry
-
-    def start(self) -> None:
-        self.registry.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.registry.stop(timeout_s)
-
-
 class HealthPart(PartBase):
     """``/healthz``, ``/readyz``, ``/status``; ``bound`` after start."""
 
@@ -513,26 +461,6 @@ class HealthPart(PartBase):
 
     def stop(self, timeout_s: float) -> None:
         self.server.stop(timeout_s)
-
-
-class NodeConditionPart(PartBase):
-    """KAI's readiness gate (ADR 0005)."""
-
-    name = "node condition"
-    reads = frozenset({"node_condition_types", "kubeconfig", "node_name"})
-
-    def __init__(self, cfg: Config, publisher: NodeConditionPublisher) -> None:
-        super().__init__(cfg)
-        self.publisher = publisher
-
-    def start(self) -> None:
-        self.publisher.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.publisher.stop(timeout_s)
-
-    def status(self) -> dict[str, Any]:
-        return self.publisher.status()
 
 
 def bounded(name: str, fn: Callable[[], Any], timeout_s: float, clock: Clock = time.monotonic) -> bool:
