@@ -25,9 +25,6 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["read_regular", "write_atomically"]
-
-
 def read_regular(path: str, max_bytes: int, *, whole: bool = True) -> bytes:
     """At most ``max_bytes`` of a regular file, never blocking: opened
     ``O_NONBLOCK``, refused unless ``fstat`` says regular (a FIFO or a device

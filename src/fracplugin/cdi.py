@@ -57,18 +57,6 @@ import yaml
 from .atomicfile import read_regular
 from .model import ContainerPlan, GpuInfo
 
-__all__ = [
-    "DEFAULT_SPEC_DIRS",
-    "KIND_DEVICE_PLUGIN",
-    "KIND_TOOLKIT",
-    "MEMORY_LIMIT_HOOK",
-    "CDI_ANNOTATION_PREFIX",
-    "CdiDevice",
-    "CdiRegistry",
-    "container_cdi_devices",
-    "with_node_cdi_devices",
-]
-
 log = logging.getLogger(__name__)
 
 DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")

@@ -49,8 +49,6 @@ from typing import Any
 
 from .model import FractionError, PodRef
 
-__all__ = ["EventRecorder", "NullEventRecorder", "REASON_REFUSED"]
-
 log = logging.getLogger(__name__)
 
 REASON_REFUSED = "FractionRefused"

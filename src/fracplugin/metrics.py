@@ -84,9 +84,6 @@ from . import __version__
 from .model import GpuInfo, NodeInfo, Tenancy
 from .procfs import CachedProcFs, ContainerRef, container_id_matches
 
-__all__ = ["Metrics", "MetricsServer", "render_text", "CONTAINER_LABELS", "GPU_LABELS", "GPU_INFO_LABELS",
-           "DCGM_GPU_LABELS", "NODE_LABEL", "HOOK_BUCKETS", "MIB"]
-
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20

@@ -53,15 +53,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import tenacity
 
-__all__ = [
-    "DEFAULT_CONDITION_TYPE",
-    "LEGACY_CONDITION_TYPE",
-    "DEFAULT_CONDITION_TYPES",
-    "ConditionState",
-    "NodeConditionPublisher",
-    "condition_from_checks",
-]
-
 log = logging.getLogger(__name__)
 
 DEFAULT_CONDITION_TYPE = "gpu-fractioning.nvidia.com/Ready"

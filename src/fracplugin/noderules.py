@@ -42,8 +42,6 @@ if TYPE_CHECKING:
     from .enforce.nri import NriMemoryLimits
     from .gpu.health import HealthMonitor
 
-__all__ = ["NodeRules", "status_of", "TRANSIENT", "PRECONDITION"]
-
 TRANSIENT = frozenset({"unhealthy", "mps_unavailable", "ledger_io"})
 """Refusal codes that may pass on their own (a GPU recovers, a daemon comes
 back, the state directory is writable again): UNAVAILABLE, the caller retries."""

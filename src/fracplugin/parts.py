@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from . import logs
-from .ports import Clock, HookMetrics, NoMetrics
+from .ports import Clock
 
 if TYPE_CHECKING:
     from .config import Config
@@ -56,13 +56,6 @@ if TYPE_CHECKING:
     from .mps.api import MpsApi
     from .nri.plugin import FracNriPlugin
     from .nri.stub import NriStub
-
-__all__ = [
-    "Clock", "Readiness", "Reloaded", "Part", "HookMetrics", "NoMetrics", "PartBase",
-    "LogsPart", "ServicePart", "InventoryPart", "LedgerPart", "MetricsPart", "MpsPart", "PodSourcePart",
-    "NriDoor", "DevicePluginPart", "DraDoor", "HealthPart",
-    "PLANNER_KEYS",
-]
 
 log = logging.getLogger("fracplugin.daemon")
 

@@ -31,8 +31,6 @@ from typing import Iterable
 import re
 from dataclasses import dataclass
 
-__all__ = ["ContainerRef", "ProcFs", "parse_cgroup", "container_id_matches"]
-
 # <prefix>-<64 hex>.scope (systemd driver) or a bare 64-hex leaf (cgroupfs driver).
 _SCOPE_RE = re.compile(r"^(?:(?P<rt>cri-containerd|crio|docker|containerd)-)?(?P<id>[0-9a-f]{64})(?:\.scope)?$")
 _POD_RE = re.compile(r"pod(?P<uid>[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})(?:\.slice)?$")

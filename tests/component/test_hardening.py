@@ -358,7 +358,7 @@ def test_runtime_bounds_through_the_daemon(limited: Callable[..., LimitedDaemon]
     is refused and counted in /metrics; an empty container id is refused and
     never reaches the ledger."""
     from fracplugin._proto import nri_pb2
-    from fracplugin.nri.stub import MAX_SYNC_PARTS, PLUGIN_SERVICE
+    from fracplugin.nri.dispatch import MAX_SYNC_PARTS, PLUGIN_SERVICE
     from nri_runtime import FakeNriRuntime, make_pod, pod_from_manifest
 
     rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))

@@ -13,7 +13,8 @@ import psutil
 import pytest
 
 from fracplugin.mps import control as ctl
-from fracplugin.mps.control import MpsControl, MpsError, MpsTimeout, choose_protocol, render_config_toml
+from fracplugin.mps.api import MpsError, MpsTimeout
+from fracplugin.mps.control import MpsControl, choose_protocol, render_config_toml
 from tests.helpers import scaled, unix_socket_listening, wait_until
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fakes" / "nvidia-cuda-mps-control")

@@ -22,7 +22,8 @@ from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.mps.layout import MpsLayout, namespace_name
 from fracplugin.nri.plugin import FracNriPlugin, build_adjustment
-from fracplugin.nri.stub import PLUGIN_SERVICE, NriStub
+from fracplugin.nri.dispatch import PLUGIN_SERVICE
+from fracplugin.nri.stub import NriStub
 from fracplugin.planner import PlannerConfig, plan_container
 from fracplugin.model import ComputeMode, PodRef
 

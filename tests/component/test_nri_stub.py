@@ -13,7 +13,8 @@ import pytest
 from tests.helpers import wait_for, wait_until
 
 from fracplugin._proto import nri_pb2
-from fracplugin.nri.stub import NriStub, event_mask
+from fracplugin.nri.interfaces import event_mask
+from fracplugin.nri.stub import NriStub
 from fracplugin.nri.ttrpc import Code, RpcError
 
 from nri_runtime import FakeNriRuntime, make_container, make_pod
@@ -242,7 +243,7 @@ def test_fd_mode_uses_the_inherited_socket_and_ends_with_it(cleanup):
 
 
 def test_dispatcher_without_sockets():
-    from fracplugin.nri.stub import Dispatcher, PLUGIN_SERVICE
+    from fracplugin.nri.dispatch import Dispatcher, PLUGIN_SERVICE
     from fracplugin.nri.ttrpc import RequestReceived
 
     rec = Recorder()
@@ -347,7 +348,7 @@ def test_a_reader_thread_call_that_overruns_is_answered_by_the_watchdog_and_aban
 
 def test_the_dispatch_table_and_the_mask_follow_the_implemented_interfaces():
     from fracplugin.nri.interfaces import EVENTS, CreateContainerInterface, handler_mask
-    from fracplugin.nri.stub import Dispatcher
+    from fracplugin.nri.dispatch import Dispatcher
 
     rec = Recorder()
     d = Dispatcher(rec, handler_mask(rec))

@@ -816,7 +816,8 @@ class Client:
 def mps_client_pids(binary: str, pipe_dir: str, protocol: int, timeout_s: float = 5.0) -> list[int] | None:
     """The client PIDs the control daemon at ``pipe_dir`` knows (v3 ``client
     list``; v2 ``get_server_list`` + ``get_client_list``); None when it cannot be asked."""
-    from fracplugin.mps.control import MpsControl, MpsError
+    from fracplugin.mps.api import MpsError
+    from fracplugin.mps.control import MpsControl
 
     c = MpsControl(binary, pipe_dir, protocol)
     try:

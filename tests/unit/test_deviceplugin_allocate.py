@@ -11,7 +11,8 @@ from fracplugin._proto import deviceplugin_pb2 as pb
 from fracplugin.gpu.inventory import XidEvent
 from fracplugin.gpu.simulated import SimulatedInventory
 from fracplugin.rpcstatus import StatusCode
-from fracplugin.kubelet.deviceplugin import ANNOTATION_ALLOCATE, DevicePluginServer, Refusal
+from fracplugin.kubelet.allocbase import Refusal
+from fracplugin.kubelet.deviceplugin import ANNOTATION_ALLOCATE, DevicePluginServer
 from fracplugin.kubelet.devices import parse_device_id
 from fracplugin.kubelet.podlookup import InMemoryPodSource
 from fracplugin.kubelet.podresources import ContainerDevices, PodDevices

@@ -37,8 +37,6 @@ CAPACITY_MEMORY = "memory"
 CLAIM_CONTAINER = "dra"
 """The ``container`` of a claim's ledger owner (claim UID, ``dra``) and MPS
 namespace: one fraction per claim, whichever containers use it (ADR 0031)."""
-__all__ = ["DRIVER_NAME", "CAPACITY_MEMORY", "DOOR_DRA", "CLAIM_CONTAINER", "RESERVATION_PREFIX", "reservation_of",
-           "ENV_CLAIM", "claim_tenancies", "claim_tenancies_of"]
 
 RESERVATION_PREFIX = "dra:"
 """A claim's hold is the ledger reservation ``dra:<claim uid>``."""

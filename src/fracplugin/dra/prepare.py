@@ -56,7 +56,8 @@ from ..cdi import CdiRegistry
 from ..model import ContainerPlan, FractionError, NodeInfo
 from ..mps.api import MpsApi
 from ..noderules import NodeRules, status_of
-from . import CLAIM_CONTAINER, DOOR_DRA, cdispec, claims, reservation_of
+from ..allocation import DOOR_DRA
+from . import CLAIM_CONTAINER, cdispec, claims, reservation_of
 
 log = logging.getLogger(__name__)
 

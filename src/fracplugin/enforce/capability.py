@@ -36,8 +36,6 @@ from typing import Callable, Mapping, Sequence
 from ..atomicfile import read_regular
 from ..model import GpuInfo
 
-__all__ = ["Capability", "NodeCapabilities", "check_capabilities", "REQUIRED", "CAPABILITIES", "MIN_DRIVER_MAJOR"]
-
 MIN_DRIVER_MAJOR = 615
 """Memory partitioning needs driver r615+ (CUDA 13.4)."""
 

@@ -33,11 +33,6 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 from .cgroups import DEFAULT_CGROUP_ROOT, CgroupNotFound, resolve_leaf
 from .capability import read_kernel_file
 
-__all__ = [
-    "MemoryLimitMode", "LimitPolicy", "LimitError", "LimitsBackend", "NvmlLimits", "GpuLimits",
-    "GpuLimitResult", "ContainerLimits", "MemoryLimitEnforcer", "LIMIT_MAX", "MIB",
-]
-
 log = logging.getLogger(__name__)
 
 LIMIT_MAX = 0xFFFFFFFFFFFFFFFF

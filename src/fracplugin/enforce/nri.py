@@ -42,8 +42,6 @@ from .capability import NodeCapabilities
 from ..rpcstatus import StatusCode as Code
 from .memlimits import LIMIT_MAX, MIB, ContainerLimits, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, plan_gpus
 
-__all__ = ["NriMemoryLimits", "REFUSAL_CODE", "HOOK_ENV", "HOOK_FAILS_ON", "held_tenancies"]
-
 log = logging.getLogger(__name__)
 
 REFUSAL_CODE = "memory_limits_unenforceable"

@@ -20,8 +20,6 @@ from .capability import CAPABILITIES, CapabilityGate, gpu_region
 from .memlimits import LimitError, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, NvmlLimits, metrics_rows
 from .nri import NriMemoryLimits
 
-__all__ = ["MemoryLimits", "MemoryLimitsCollector", "MemoryLimitsPart"]
-
 log = logging.getLogger(__name__)
 
 START_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)

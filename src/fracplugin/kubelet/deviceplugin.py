@@ -66,16 +66,12 @@ from .devices import (
     DeviceTable,
     validate_resource_name,
 )
-from .allocator import Allocator, Refusal
-from .devicelist import HEALTHY, UNHEALTHY, DeviceList
+from .allocator import Allocator
+from .allocbase import Refusal
+from .devicelist import DeviceList
 from .doorserver import DoorServer
-from .podresources import DEFAULT_PODRESOURCES_SOCKET, PodResourcesClient, Reconciler
+from .podresources import DEFAULT_PODRESOURCES_SOCKET, Reconciler
 from .registration import DEFAULT_PLUGIN_DIR, KUBELET_SOCKET_NAME, Registrar
-
-__all__ = [
-    "ALLOCATE_UNADJUSTED", "ANNOTATION_ALLOCATE", "DEFAULT_SOCKET_NAME", "HEALTHY", "UNHEALTHY",
-    "DevicePluginServer", "Refusal",
-]
 
 log = logging.getLogger(__name__)
 

@@ -19,16 +19,6 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from ..model import ComputeMode
 from .layout import MpsLayout, namespace_name
 
-__all__ = [
-    "MpsError",
-    "MpsTimeout",
-    "DrainResult",
-    "HealthCallback",
-    "MpsApi",
-    "NullMps",
-]
-
-
 class MpsError(RuntimeError):
     """An MPS control operation failed (daemon down, command refused, bad reply).
 

@@ -29,22 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from .api import RESOURCE_ERRNOS, DrainResult, MpsError, MpsResourceError, MpsTimeout, NullMps  # re-exported for callers
-
-__all__ = [
-    "MpsControl",
-    "ServerRow",
-    "NamespaceRow",
-    "ClientRow",
-    "MpsError",
-    "MpsTimeout",
-    "DrainResult",
-    "NullMps",
-    "render_config_toml",
-    "choose_protocol",
-    "set_exclusive_process",
-    "NAME_RE",
-]
+from .api import RESOURCE_ERRNOS, MpsError, MpsResourceError, MpsTimeout
 
 log = logging.getLogger(__name__)
 

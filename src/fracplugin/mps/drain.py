@@ -20,8 +20,6 @@ from ..procfs import container_id_matches
 from .api import DrainResult, MpsError, MpsResourceError, MpsTimeout
 from .state import DaemonState, SupervisorCore
 
-__all__ = ["Drainer"]
-
 log = logging.getLogger("fracplugin.mps.supervisor")
 
 

@@ -43,8 +43,6 @@ from typing import Any, Callable
 
 log = logging.getLogger("fracplugin.daemon")
 
-__all__ = ["KEEPER_ENV", "keep"]
-
 #: set in the child's environment: that process is the MPS role itself, not a keeper
 KEEPER_ENV = "FRACPLUGIN_MPS_ROLE_CHILD"
 

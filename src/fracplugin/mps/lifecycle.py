@@ -32,8 +32,6 @@ from .layout import SM_SERVER
 from .procs import DetachedProc, is_control_daemon, make_dir, pid_alive, root_problem
 from .state import DaemonState, SupervisorCore, control_log_size
 
-__all__ = ["DaemonProcesses"]
-
 log = logging.getLogger("fracplugin.mps.supervisor")
 
 

@@ -52,9 +52,6 @@ from .namespaces import NamespaceBook
 from .procs import DetachedProc, is_control_daemon, pid_alive
 from .state import SERVER_EXIT_RE, DaemonState, SupervisorCore, control_log_size
 
-__all__ = ["DaemonProber", "probe_timeout_for", "cpu_pressure_pct", "MAX_TIMEOUT_DOUBLINGS",
-           "STARVED_CPU_PRESSURE_PCT"]
-
 log = logging.getLogger("fracplugin.mps.supervisor")
 
 MAX_TIMEOUT_DOUBLINGS = 3

@@ -14,9 +14,6 @@ import stat
 import subprocess
 import time
 
-__all__ = ["SERVER_EXE", "DetachedProc", "pid_alive", "is_control_daemon", "make_dir",
-           "root_problem"]
-
 SERVER_EXE = "nvidia-cuda-mps-server"
 """Basename of the MPS server binary (``/proc/<pid>/exe``), for leftover-server cleanup."""
 

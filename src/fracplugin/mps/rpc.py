@@ -55,9 +55,6 @@ from .api import DrainResult, HealthCallback, MpsApi, MpsError, MpsTimeout
 from .layout import MpsLayout, namespace_name
 from .rpcwire import API_VERSION, RequestError, parse_request
 
-__all__ = ["API_VERSION", "MpsApiServer", "RemoteMps", "MAX_REQUEST_BYTES", "REQUEST_DEADLINE_S", "MAX_CONNECTIONS",
-           "MAX_RUNNING_PER_PEER"]
-
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 64 * 1024

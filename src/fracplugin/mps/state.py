@@ -30,8 +30,6 @@ from .control import MpsControl, choose_protocol
 from .layout import MpsLayout
 from .procs import SERVER_EXE, DetachedProc
 
-__all__ = ["STATES", "NsRecord", "DaemonState", "SERVER_EXIT_RE", "parse_mib", "control_log_size", "SupervisorCore"]
-
 log = logging.getLogger("fracplugin.mps.supervisor")  # every part logs as the supervisor
 
 _SHARED_PIPE_EXPOSURE = (

@@ -87,10 +87,8 @@ from .layout import MpsLayout
 from .lifecycle import DaemonProcesses
 from .namespaces import NamespaceBook
 from .probing import DaemonProber
-from .procs import SERVER_EXE, make_dir, root_problem
-from .state import STATES, DaemonState, SupervisorCore
-
-__all__ = ["MpsSupervisor", "SERVER_EXE", "STATES", "DaemonState", "make_dir", "root_problem"]
+from .procs import SERVER_EXE, root_problem
+from .state import DaemonState, SupervisorCore
 
 log = logging.getLogger(__name__)
 

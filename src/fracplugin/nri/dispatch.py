@@ -22,19 +22,6 @@ from ..safetext import quote
 from .interfaces import EVENTS, CallContext, EventSpec, check_handler, handler_mask, implements
 from .ttrpc import Code, RequestReceived, RpcError, unimplemented_method, unimplemented_service
 
-__all__ = [
-    "DEFAULT_REGISTRATION_TIMEOUT_S",
-    "DEFAULT_REQUEST_TIMEOUT_S",
-    "DEFAULT_SOCKET_PATH",
-    "MAX_SYNC_BYTES",
-    "MAX_SYNC_PARTS",
-    "MAX_UNANSWERED",
-    "PLUGIN_SERVICE",
-    "RUNTIME_SERVICE",
-    "VALID_EVENTS_MASK",
-    "Dispatcher",
-]
-
 log = logging.getLogger("fracplugin.nri.stub")  # the stub's log, as before the split
 
 DEFAULT_SOCKET_PATH = "/var/run/nri/nri.sock"

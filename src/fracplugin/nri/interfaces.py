@@ -34,37 +34,6 @@ from typing import Any, Protocol, Sequence, Union
 
 from .._proto import nri_pb2 as E
 
-__all__ = [
-    "EVENTS",
-    "AbandonedInterface",
-    "CallContext",
-    "CloseInterface",
-    "ConfigureInterface",
-    "CreateContainerInterface",
-    "EventSpec",
-    "MayBlockInterface",
-    "PostCreateContainerInterface",
-    "PostStartContainerInterface",
-    "PostUpdateContainerInterface",
-    "PostUpdatePodInterface",
-    "RemoveContainerInterface",
-    "RemovePodInterface",
-    "RunPodInterface",
-    "ShutdownInterface",
-    "StartContainerInterface",
-    "StopContainerInterface",
-    "StopPodInterface",
-    "SynchronizeInterface",
-    "UpdateContainerInterface",
-    "UpdatePodInterface",
-    "ValidateContainerAdjustmentInterface",
-    "check_handler",
-    "event_mask",
-    "handler_mask",
-    "implements",
-]
-
-
 @dataclass
 class CallContext:
     """What a handler knows about the call it serves.

@@ -49,9 +49,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
-__all__ = ["KeyedWorkQueue"]
-
-
 @dataclass
 class _Entry:
     job: Callable[[], Any]

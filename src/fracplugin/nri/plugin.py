@@ -112,16 +112,6 @@ from .reconcile import Reconciler
 from .release import Releases
 from .ttrpc import RpcError
 
-__all__ = [
-    "MpsHooks",
-    "HookMetrics",
-    "NoMps",
-    "NoMetrics",
-    "FracNriPlugin",
-    "NRI_EVENTS_EARLY",
-    "build_adjustment",
-]
-
 log = logging.getLogger(__name__)
 
 NRI_EVENTS_EARLY = event_mask(nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_CONTAINER, nri_pb2.REMOVE_CONTAINER,

@@ -86,31 +86,14 @@ from .dispatch import (
     MAX_SYNC_BYTES,
     MAX_SYNC_PARTS,
     MAX_UNANSWERED,
-    PLUGIN_SERVICE,
     RUNTIME_SERVICE,
-    VALID_EVENTS_MASK,
     Dispatcher,
     _subscription,
 )
-from .interfaces import CallContext, event_mask
 from .mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from .serving import _Server, _Session
 from .transport import NriTransport
 from .ttrpc import RpcError
-
-__all__ = [
-    "DEFAULT_SOCKET_PATH",
-    "MAX_SYNC_BYTES",
-    "MAX_SYNC_PARTS",
-    "MAX_UNANSWERED",
-    "PLUGIN_SERVICE",
-    "RUNTIME_SERVICE",
-    "VALID_EVENTS_MASK",
-    "CallContext",
-    "Dispatcher",
-    "NriStub",
-    "event_mask",
-]
 
 log = logging.getLogger(__name__)
 

@@ -47,8 +47,6 @@ from .ttrpc import (
     TtrpcError,
 )
 
-__all__ = ["BUSY", "SENT", "SPILLED", "ConnectionClosed", "NriTransport"]
-
 log = logging.getLogger(__name__)
 
 _READ_SIZE = 65536
