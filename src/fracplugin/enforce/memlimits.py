@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from .cgroups import DEFAULT_CGROUP_ROOT, CgroupNotFound, resolve_leaf
-from .capability import read_kernel_file
+from ..atomicfile import read_regular
+from .capability import MAX_KERNEL_FILE
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +318,7 @@ class ContainerLimits:
 def read_dmem_current(leaf: str, region: str) -> int | None:
     """The ``region`` line of ``<leaf>/dmem.current`` in bytes (None when absent)."""
     try:
-        text = read_kernel_file(os.path.join(leaf, "dmem.current"))
+        text = read_regular(os.path.join(leaf, "dmem.current"), MAX_KERNEL_FILE).decode(errors="replace")
     except OSError:
         return None
     for line in text.splitlines():
