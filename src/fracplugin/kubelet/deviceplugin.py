@@ -29,15 +29,8 @@ allocation for both doors), whose answer this module turns into an
 reservation key the NRI door binds at CreateContainer), mounts, optional
 DeviceSpecs / CDI devices, and annotations ``fracplugin.io/allocate``
 (``planned`` | ``reserved`` | ``fallback``) and ``fracplugin.io/reservation``.
-
-Its parts (issue 33 item 3: objects that own their state, not mixins):
-this module holds ``DevicePluginServer`` (construction, ``start`` / ``stop``,
-status and readiness, the Allocate / GetPreferredAllocation responses) and
-``_Servicer`` (the gRPC handlers); it holds ``devices``
-(``devicelist.DeviceList``: ListAndWatch), ``serving``
-(``doorserver.DoorServer``: the gRPC server, its socket, the registrar's
-target), ``podresources`` (``podresources.Reconciler``) and ``allocator``
-(``allocator.Allocator``: the decisions).
+Its parts (ADR 0032, item 3): ``devices`` (ListAndWatch), ``serving`` (the gRPC
+server), ``podresources`` and ``allocator``; ``_Servicer`` holds the gRPC handlers.
 """
 
 from __future__ import annotations

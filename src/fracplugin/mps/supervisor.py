@@ -1,21 +1,10 @@
 """The MPS supervisor: owns one ``nvidia-cuda-mps-control`` per compute mode.
 
 ``MpsSupervisor`` is the one interface (``MpsApi``) the rest of the daemon
-uses; it runs the supervisor thread and hands each job to one part
-(ADR 0022):
-
-* ``state.SupervisorCore``: settings, the lock, per-daemon ``DaemonState``,
-  the recorded namespaces; the health bit and the backoff schedule;
-* ``lifecycle.DaemonProcesses``: start, restart with backoff, hard kill,
-  leftover servers, shutdown;
-* ``probing.DaemonProber``: readiness, active probes, adoption, crash loops;
-* ``namespaces.NamespaceBook``: create/cap/release/restore namespaces and
-  their record on disk;
-* ``drain.Drainer``: terminate a stopping container's clients;
-* ``procs``: process and directory primitives (no state).
-
-Imports go one way: procs <- state <- lifecycle, namespaces, drain <-
-probing <- supervisor.
+uses; it runs the supervisor thread and hands each job to one part: state,
+lifecycle, probing, namespaces, drain, procs (ADR 0022; docs/architecture.md
+section 3 lists what each holds). Imports go one way: procs <- state <-
+lifecycle, namespaces, drain <- probing <- supervisor.
 
 Concurrency model
 -----------------
@@ -46,15 +35,8 @@ docs/reference/gpu-fractioning-reference.md section 4):
   when configured. ``-f`` (role all: a child, stdin kept open, quit on stop)
   or ``-d`` (``detached``, role mps: its own session, adopted by the next
   supervisor, left running on stop; ADR 0009);
-* ready when the ``control`` socket exists and a real command answers;
-* an active probe every ``probe_interval_s`` (v3 ``server list``, v2
-  ``get_default_active_thread_percentage``) with ``probe_timeout_s``; a hung
-  daemon fails it and is killed and restarted (a late answer alone, as on a
-  starved host, reports nothing until ``probe_failure_threshold`` confirm it);
-* the probe first checks that ``<pipe>/control`` is still the socket the
-  daemon created (owner, inode, directory writable by us only): a replaced
-  socket is never talked to; server crash loops (non-zero server exits in
-  ``control.log``) make the daemon unhealthy;
+* ready, active probes, a replaced ``control`` socket, server crash loops:
+  ``probing.py``;
 * restarts with exponential backoff (tenacity ``wait_chain(wait_none(),
   wait_exponential)``: the first retry is immediate) capped at
   ``backoff_max_s`` and retried forever; ``max_restarts`` consecutive

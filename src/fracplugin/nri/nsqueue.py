@@ -19,10 +19,7 @@ job's waiters the newer job's outcome (``join=True``).
 
 Memory: at most one pending entry and one running job per key, so what the
 queue holds is bounded by the number of distinct keys with work, not by the
-rate at which work is put (the unbounded ``ThreadPoolExecutor`` queue this
-replaces grew by one work item per CreateContainer and per RemoveContainer
-for as long as the runtime created containers faster than MPS answered, and
-cancelled futures stayed queued until a worker popped them).
+rate at which work is put.
 
 Order: keys run in the order their pending entry was first queued (FIFO over
 keys); a key put again while pending keeps its place; a key put while running

@@ -28,12 +28,8 @@ Concurrency model: threads.
   late reply would otherwise make the runtime drop the whole plugin (section
   1.8, "Errors and timeouts").
 
-Why the reader serves (issue 14, ADR "nri-reader-thread-serving"): handing a
-request from the reader to a pool thread costs two thread wake-ups and a GIL
-hand-off per call (90-170 us end to end on the 2-core bench machine, a third
-of a CreateContainer), and containerd's NRI adaptation sends one
-CreateContainer at a time anyway. A handler that may wait keeps the pool:
-while the reader runs a handler no other request of that connection is read.
+Why the reader serves: ADR 0015 (a hand-off costs two thread wake-ups and a
+GIL hand-off per call; containerd sends one CreateContainer at a time).
 
 Protocol rules followed (docs/reference/nri-protocol.md):
 
