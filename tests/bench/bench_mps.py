@@ -99,7 +99,7 @@ def bench_mps() -> dict[str, float]:
             # first crash (immediate retry), not a crash loop under backoff
             while next(d["restart_budget_used"] for d in sup.status()["daemons"]):
                 time.sleep(0.05)
-        control = sup._daemons[SM].control  # the same client the probe uses
+        control = sup.daemons[SM].control  # the same client the probe uses
         for _ in range(20):
             probes.append(control.probe(2.0) * 1000)
     finally:

@@ -690,8 +690,8 @@ def test_failed_daemon_is_retried_forever_and_comes_back_when_the_fault_clears(m
 
 def test_server_crash_loop_in_the_control_log_makes_the_daemon_unhealthy(mps):
     metrics = Metrics()
-    sup = mps.supervisor(modes=(TS,), probe_interval_s=0.2, crash_loop_exits=3, crash_loop_window_s=2.0,
-                         metrics=metrics)
+    sup = mps.supervisor(modes=(TS,), probe_interval_s=0.2, crash_loop_exits=3, crash_loop_window_s=2.0)
+    metrics.attach_mps(sup)
     wait_until(sup.ready, 15)
     log_path = os.path.join(mps.layout.log_dir(TS), "control.log")
     with open(log_path, "a") as f:

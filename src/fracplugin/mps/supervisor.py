@@ -17,7 +17,7 @@ Concurrency model
   also reaps it) and wakes the supervisor thread the moment the daemon exits.
 * Public methods (``ensure_namespace``, ``release_namespace``, ``drain``,
   ``healthy``, ``ready``, ``status``) are called from any thread (the NRI and
-  device-plugin handlers). They read shared state under ``self._lock`` (held
+  device-plugin handlers). They read shared state under ``self.lock`` (held
   for microseconds, never across a subprocess) and run their own control
   commands bounded by the ``timeout_s`` they are given. Namespace changes on
   one daemon are serialised by a per-daemon lock acquired with a timeout.
@@ -59,29 +59,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Iterable
 
 from ..model import ComputeMode
 from .api import DrainResult, HealthCallback
 from .control import set_exclusive_process
 from .drain import Drainer
-from .layout import MpsLayout
 from .lifecycle import DaemonProcesses
 from .namespaces import NamespaceBook
 from .probing import DaemonProber
-from .procs import SERVER_EXE, root_problem
+from .procs import root_problem
 from .state import DaemonState, SupervisorCore
 
 log = logging.getLogger(__name__)
 
 
-class _AttachMps(Protocol):
-    """What the supervisor asks of a metrics object: ``attach_mps(self)``."""
-
-    def attach_mps(self, mps: Any) -> None: ...
-
-
-class MpsSupervisor:
+class MpsSupervisor(SupervisorCore):
     """Owns the MPS control daemons of this node (one per compute mode in ``modes``).
 
     Args:
@@ -110,8 +103,6 @@ class MpsSupervisor:
             ``set_default_device_pinned_mem_limit`` after each start of every daemon.
         exclusive_process_gpus: GPU UUIDs put in EXCLUSIVE_PROCESS compute mode via
             NVML at ``start()`` (errors are logged, never fatal).
-        metrics: a ``fracplugin.metrics.Metrics``; when given, the supervisor
-            attaches itself (``metrics.attach_mps(self)``) so scrapes read ``status()``.
         detached: the MPS role (``fracplugin run --role mps``, ADR 0009): daemons
             are started with ``-d`` (they daemonize into their own session, not
             our children, no parent-death signal), a daemon found running at
@@ -128,73 +119,23 @@ class MpsSupervisor:
     Raises ValueError for an empty ``modes`` or a bad protocol.
     """
 
-    def __init__(
-        self,
-        layout: MpsLayout,
-        control_binary: str,
-        protocol: int | None,
-        driver_version: str,
-        modes: Iterable[ComputeMode],
-        probe_interval_s: float = 5.0,
-        probe_timeout_s: float = 2.0,
-        max_restarts: int = 5,
-        stable_uptime_s: float = 300.0,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        proc_root: str = "/proc",
-        env: Mapping[str, str] | None = None,
-        start_timeout_s: float = 30.0,
-        probe_failure_threshold: int = 2,
-        backoff_base_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        server_exe: str = SERVER_EXE,
-        default_active_thread_percentage: int | None = None,
-        default_pinned_mem_limits_mib: Mapping[str, int] | None = None,
-        exclusive_process_gpus: Sequence[str] = (),
-        metrics: _AttachMps | None = None,
-        detached: bool = False,
-        state_file: str | None = None,
-        crash_loop_exits: int = 3,
-        crash_loop_window_s: float = 60.0,
-    ) -> None:
-        c = self.c = SupervisorCore(
-            layout, control_binary, protocol, driver_version, modes,
-            probe_interval_s=probe_interval_s, probe_timeout_s=probe_timeout_s, max_restarts=max_restarts,
-            stable_uptime_s=stable_uptime_s, clock=clock, proc_root=proc_root, env=env,
-            start_timeout_s=start_timeout_s, probe_failure_threshold=probe_failure_threshold,
-            backoff_base_s=backoff_base_s, backoff_max_s=backoff_max_s, server_exe=server_exe,
-            default_active_thread_percentage=default_active_thread_percentage,
-            default_pinned_mem_limits_mib=default_pinned_mem_limits_mib,
-            exclusive_process_gpus=exclusive_process_gpus, detached=detached, state_file=state_file,
-            crash_loop_exits=crash_loop_exits, crash_loop_window_s=crash_loop_window_s)
-        # Settings, read-only after construction (the parts read them from ``c``).
-        self.layout, self.control_binary, self.driver_version = c.layout, c.control_binary, c.driver_version
-        self.protocol, self.modes, self.detached, self.state_file = c.protocol, c.modes, c.detached, c.state_file
-        self.probe_interval_s, self.probe_timeout_s = c.probe_interval_s, c.probe_timeout_s
-        self.stable_uptime_s, self.exclusive_process_gpus = c.stable_uptime_s, c.exclusive_process_gpus
-        self.shared_pipe_exposure = c.shared_pipe_exposure
-        # Shared state, the same objects as ``c``'s (never rebound).
-        self._lock, self._wake, self._stopping, self._clock = c.lock, c.wake, c.stopping, c.clock
-        self._daemons, self._namespaces, self._pending_delete = c.daemons, c.namespaces, c.pending_delete
-        self._subscribers = c.subscribers
+    def _build(self) -> None:
         self._thread: threading.Thread | None = None
         # The parts (one responsibility each; see the module docstring).
-        self.procs = DaemonProcesses(c)
-        self.book = NamespaceBook(c)
-        self.prober = DaemonProber(c, self.procs, self.book)
-        self.drainer = Drainer(c)
-        if metrics is not None:
-            metrics.attach_mps(self)
+        self.procs = DaemonProcesses(self)
+        self.book = NamespaceBook(self)
+        self.prober = DaemonProber(self, self.procs, self.book)
+        self.drainer = Drainer(self)
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         """Start the supervisor thread; it starts the daemons at once. Idempotent.
-        Returns immediately (use ``ready()`` / ``wait_ready()`` to wait)."""
-        with self._lock:
+        Returns immediately (``ready()`` says when the daemons are up)."""
+        with self.lock:
             if self._thread is not None:
                 return
-            self._stopping.clear()
+            self.stopping.clear()
             self._thread = threading.Thread(target=self._run, name="fracplugin-mps-supervisor", daemon=True)
         self.book.load_state()
         if self.shared_pipe_exposure:
@@ -214,15 +155,15 @@ class MpsSupervisor:
         timeout_s = max(0.0, float(timeout_s))
         deadline = time.monotonic() + timeout_s
         thread = self._thread
-        self._stopping.set()
-        self._wake.set()
+        self.stopping.set()
+        self.wake.set()
         if self.detached:
             # The MPS role: daemons and servers outlive us (ADR 0009); the next
             # MPS role adopts them. Only quit_daemons() stops MPS on purpose.
             if thread is not None and thread.is_alive():
                 thread.join(max(0.5, deadline - time.monotonic()))
             self.procs.release_all()
-            with self._lock:
+            with self.lock:
                 self._thread = None
             return
         # Shut down from the caller's thread: the supervisor thread may be in
@@ -231,7 +172,7 @@ class MpsSupervisor:
         self.procs.shutdown_all(timeout_s)
         if thread is not None and thread.is_alive():
             thread.join(max(0.5, deadline - time.monotonic()))
-        with self._lock:
+        with self.lock:
             self._thread = None
 
     def quit_daemons(self, timeout_s: float = 10.0) -> None:
@@ -239,14 +180,14 @@ class MpsSupervisor:
         ends, every daemon gets ``quit`` (through its control socket), what is
         left after ``timeout_s`` is SIGKILLed with its servers, and the recorded
         namespaces are forgotten. Running clients lose their server."""
-        self._stopping.set()
-        self._wake.set()
+        self.stopping.set()
+        self.wake.set()
         thread = self._thread
         if thread is not None and thread.is_alive():
             thread.join(max(0.5, self.probe_timeout_s + 1.0))
-        with self._lock:
+        with self.lock:
             self._thread = None
-            self._namespaces.clear()
+            self.namespaces.clear()
         self.book.save_state()
         self.procs.shutdown_all(timeout_s)
 
@@ -254,7 +195,7 @@ class MpsSupervisor:
         """True when the daemon serving ``mode`` is running, answered its last
         probe and has every recorded namespace in place. False for a mode that
         is not supervised."""
-        d = self._daemons.get(mode)  # ComputeMode is a str enum: its value finds it too
+        d = self.daemons.get(mode)  # ComputeMode is a str enum: its value finds it too
         if d is None:
             ComputeMode(mode)  # ValueError for a value that names no mode, as before
             return False
@@ -262,14 +203,14 @@ class MpsSupervisor:
 
     def ready(self) -> bool:
         """Every supervised daemon is healthy."""
-        with self._lock:
-            return all(d.healthy for d in self._daemons.values())
+        with self.lock:
+            return all(d.healthy for d in self.daemons.values())
 
     def subscribe(self, callback: HealthCallback) -> None:
         """``callback(mode, healthy)`` on every health change of a daemon (from
         the supervisor thread; exceptions are logged and ignored)."""
-        with self._lock:
-            self._subscribers.append(callback)
+        with self.lock:
+            self.subscribers.append(callback)
 
     def status(self) -> dict[str, Any]:
         """JSON-able state for ``fracplugin status``, metrics and device health::
@@ -287,16 +228,16 @@ class MpsSupervisor:
         ``restarts`` counts every restart (crash, hang, wedge); ``wedges`` the
         drains that timed out; ``last_probe_s`` is the last probe's duration.
         """
-        now = self._clock()
-        with self._lock:
+        now = self.clock()
+        with self.lock:
             daemons = []
-            for d in self._daemons.values():
+            for d in self.daemons.values():
                 running = d.proc is not None and d.proc.returncode is None
                 ns = [
                     {"name": n, "pod_uid": r.pod_uid, "container": r.container,
                      "active_thread_percentage": r.active_thread_percentage,
                      "pinned_limit_mib": r.pinned_limit_mib}
-                    for n, r in sorted(self._namespaces.items()) if r.mode is d.mode
+                    for n, r in sorted(self.namespaces.items()) if r.mode is d.mode
                 ]
                 daemons.append({
                     "mode": d.mode.value,
@@ -320,7 +261,7 @@ class MpsSupervisor:
                     "crash_loop": d.crash_loop,
                     "server_exits_recent": len(d.server_exits),
                     "slow": d.slow,
-                    "reason": self.c.reason(d),
+                    "reason": self.reason(d),
                 })
             return {
                 "enabled": True,
@@ -328,18 +269,18 @@ class MpsSupervisor:
                 "exposure": self.shared_pipe_exposure,
                 "protocol": self.protocol,
                 "driver_version": self.driver_version,
-                "ready": all(d.healthy for d in self._daemons.values()),
+                "ready": all(d.healthy for d in self.daemons.values()),
                 "daemons": daemons,
             }
 
     def unhealthy_reason(self, mode: ComputeMode) -> str:
         """Why the daemon of ``mode`` is not healthy ("" when it is, or "not
         supervised" for a mode without a daemon)."""
-        d = self._daemons.get(ComputeMode(mode))
+        d = self.daemons.get(ComputeMode(mode))
         if d is None:
             return f"no {ComputeMode(mode).value} MPS daemon is supervised"
-        with self._lock:
-            return self.c.reason(d)
+        with self.lock:
+            return self.reason(d)
 
     def root_problem(self) -> str:
         """"" when containers can reach the MPS root, else why not (naming the directory)."""
@@ -375,35 +316,35 @@ class MpsSupervisor:
 
     def _run(self) -> None:
         try:
-            while not self._stopping.is_set():
-                for d in self._daemons.values():
+            while not self.stopping.is_set():
+                for d in self.daemons.values():
                     try:
                         self._step(d)
                     except Exception:  # keep supervising whatever happens
                         log.exception("MPS supervisor step failed for %s", d.mode.value)
-                self._wake.wait(self._next_wait())
-                self._wake.clear()
+                self.wake.wait(self._next_wait())
+                self.wake.clear()
         finally:
             if not self.detached:
                 self.procs.shutdown_all(0.0)  # anything started while stop() was running
 
     def _next_wait(self) -> float:
-        now = self._clock()
+        now = self.clock()
         waits = [0.5]
-        with self._lock:
-            for d in self._daemons.values():
+        with self.lock:
+            for d in self.daemons.values():
                 if d.state == "starting":
                     waits.append(0.02)
                 elif d.state in ("backoff", "failed"):
                     waits.append(d.next_start_at - now)
                 elif d.state in ("ready", "unhealthy"):
                     waits.append(d.next_probe_at - now)
-                    if self._pending_delete:
+                    if self.pending_delete:
                         waits.append(self.probe_interval_s)
         return min(max(w, 0.005) for w in waits)
 
     def _step(self, d: DaemonState) -> None:
-        now = self._clock()
+        now = self.clock()
         if self.detached and not d.adopt_tried and d.proc is None:
             d.adopt_tried = True
             if self.prober.try_adopt(d):
@@ -425,7 +366,7 @@ class MpsSupervisor:
             return
         if d.state in ("ready", "unhealthy"):
             if d.ready_at is not None and d.budget_used and now - d.ready_at >= self.stable_uptime_s and d.healthy:
-                with self._lock:
+                with self.lock:
                     d.budget_used = 0
             if now >= d.next_probe_at:
                 self.prober.probe(d, now)
