@@ -42,7 +42,6 @@ def read_regular(path: str, max_bytes: int, *, whole: bool = True) -> bytes:
     return data
 
 
-
 def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644,
                      make_parents: bool = False) -> Path:
     """Replace ``path`` with ``data`` (bytes, or str written as UTF-8).

@@ -64,7 +64,6 @@ class StartupError(RuntimeError):
     """A part could not start (bad inventory, address in use, ...): exit 1."""
 
 
-
 def _fmt_addr(host: str, port: int) -> str:
     host = host or "0.0.0.0"
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -85,7 +84,6 @@ def _api_client(cfg: Config) -> Any:
         return kconfig.new_client_from_config(config_file=cfg.kubeconfig)
     except Exception as exc:
         raise StartupError(f"--kubeconfig {cfg.kubeconfig}: {exc}") from None
-
 
 
 _P = TypeVar("_P", bound=PartBase)

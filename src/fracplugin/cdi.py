@@ -78,7 +78,6 @@ MAX_SPEC_BYTES = 4 << 20
 """Largest spec file read (4 MiB); a larger one is named in a warning and ignored."""
 
 
-
 @dataclass(frozen=True)
 class CdiDevice:
     """One GPU's CDI device on this node.

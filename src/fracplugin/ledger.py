@@ -146,7 +146,6 @@ def admission_problem(
     return None
 
 
-
 class Ledger:
     """Per-GPU tenancy of this node.
 

@@ -54,7 +54,6 @@ class _Corrupt(ValueError):
     """The snapshot or the journal cannot be trusted (the message says why)."""
 
 
-
 class LedgerStore:
     """The persistence of one ``Ledger`` (a member of it, issue 33 item 3):
     ``load``, ``persist`` one change, ``compact``, ``close``. ``path`` None

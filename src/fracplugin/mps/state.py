@@ -75,7 +75,6 @@ def parse_mib(value: str) -> int | None:
     return {"K": n // 1024, "M": n, "G": n * 1024}[unit]
 
 
-
 def control_log_size(d: "DaemonState") -> int:
     """Bytes in ``<log dir>/control.log`` (0 when absent): where the crash-loop
     reader starts after a (re)start."""

@@ -39,7 +39,6 @@ lists holds (``Reconciler._holders``): the running one before a paused,
 created, unknown (what older runtimes report) or stopped one."""
 
 
-
 class Reconciler:
     """Synchronize (module docstring); owns the last report (``unadjusted``)
     and whether one ran (``ready``)."""
