@@ -22,17 +22,13 @@ Prepare of one claim (namespace, name, UID), in order:
    device, the claim's CDI device (on the first) and the GPU's own CDI device
    from the node's specs (``cdi.CdiRegistry``).
 
-A repeated Prepare (kubelet retries a claim missing from an answer, and after
-its own restart) is answered from the record, as NVIDIA's DRA driver answers
-from its checkpoint: the ``Prepared`` of the claim's first Prepare in this
-process, kept in memory until its Unprepare (no API read, admission,
-namespace or spec write again). It is trusted only while the ledger holds the
-claim (``Ledger.reservation``); else (a restart, a rebuilt ledger) the steps
-above run again, each idempotent: the same answer, one ledger hold. A refusal
-(``FractionError``) or a failure after the ledger step undoes what was done,
-drops the record and becomes the claim's ``error`` string: the refusal's
-message (``<key>="<value>" <rule>``, as ``fracplugin explain`` says it);
-kubelet shows it in the pod's events and retries.
+A repeated Prepare is answered from the record of the claim's first Prepare
+in this process, while the ledger holds the claim (ADR 0031, addendum
+"Prepare answers from a record"); else the steps above run again, each
+idempotent. A refusal (``FractionError``) or a failure after the ledger step
+undoes what was done, drops the record and becomes the claim's ``error``
+string: the refusal's message (``<key>="<value>" <rule>``, as ``fracplugin
+explain`` says it); kubelet shows it in the pod's events and retries.
 
 Unprepare: drop the record, release the ledger hold, remove the CDI spec,
 release the MPS namespace; unknown claims are fine (idempotent).
