@@ -3,8 +3,8 @@ append-only journal (load, replay, append, compact, close), the record
 encoding, and the checks of the state directory (tmpfs, crash leftovers).
 
 ``LedgerStore`` is a member of ``Ledger`` (issue 33 item 3: composition,
-not a mixin); the module docstring of ``ledger.py`` gives the file formats
-(``Ledger`` is the one class to use).
+not a mixin); ADR 0010 gives the file formats (``Ledger`` is the one
+class to use).
 """
 
 from __future__ import annotations

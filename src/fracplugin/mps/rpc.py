@@ -24,17 +24,12 @@ many ops of this peer running; transient). Ops and their arguments:
 ``release_namespace``, ``drain``, ``quit_daemons``); requests are checked by
 ``rpcwire.parse_request`` before anything runs.
 
-Defences (issue 25 item 8, ADR 0022): no thread per connection (one
-selector thread reads and writes all of them), a whole-request deadline
-(``REQUEST_DEADLINE_S`` from accept), the oldest connection still sending
-its request evicted at ``MAX_CONNECTIONS``, ``hello``/``status`` answered
-without waiting behind other ops, at most ``MAX_RUNNING_PER_PEER`` running
-ops per peer process.
+Defences (issue 25 item 8, ADR 0022): ``MpsApiServer``.
 
 Security: the socket is created mode 0600 (never mounted into a container:
 containers get only their namespace leaf directories), and every
 connection's peer is checked with ``SO_PEERCRED`` (uid 0 or the server's own
-euid); the path is never mounted into a container.
+euid).
 """
 
 from __future__ import annotations

@@ -162,7 +162,6 @@ class Dispatcher:
         self.registration_timeout_s = DEFAULT_REGISTRATION_TIMEOUT_S
         self.runtime_name = ""
         self.runtime_version = ""
-        self.configured = False
         self._sync_pods: list[Any] = []
         self._sync_containers: list[Any] = []
         self._lock = threading.Lock()
@@ -254,7 +253,6 @@ class Dispatcher:
             if req.registration_timeout > 0:
                 self.registration_timeout_s = req.registration_timeout / 1000.0
             self.runtime_name, self.runtime_version = req.runtime_name, req.runtime_version
-            self.configured = True
         ctx.request_timeout_s = self.request_timeout_s
         ctx.runtime_name, ctx.runtime_version = self.runtime_name, self.runtime_version
         log.info("nri configured", extra={
