@@ -506,11 +506,7 @@ class _Collector(Collector):
             used_s.append(Sample(used.name, lab, used_b))
             sm_s.append(Sample(sm.name, lab, sm_pct))
             share_s.append(Sample(share.name, lab, _share_percent(sm_pct, t, gpu.memory_mib if gpu is not None else 0)))
-        yield used
-        yield req
-        yield lim
-        yield sm
-        yield share
+        yield from (used, req, lim, sm, share)
 
     def _gpus(self, node: NodeInfo | None, tenancies: list[Tenancy], host: str) -> Iterator[Metric]:
         """Per GPU: tenants, held bytes, total bytes, compute mode info."""
@@ -531,10 +527,7 @@ class _Collector(Collector):
             held.add_metric(labels, float(sum(t.request_mib for t in ts) * MIB))
             mode.add_metric([*labels, ts[0].mode.value if ts else "none"], 1.0)
             total.add_metric(labels, float(g.memory_mib * MIB))
-        yield tenants
-        yield held
-        yield total
-        yield mode
+        yield from (tenants, held, total, mode)
 
     def _identity(self, node: NodeInfo | None, host: str) -> Iterator[Metric]:
         """``fracplugin_build_info`` and ``fracplugin_gpu_info`` (value 1;
@@ -599,10 +592,7 @@ class _Collector(Collector):
             wedges.add_metric(lbl, float(d.get("wedges") or 0))
             if d.get("last_probe_s") is not None:
                 probe.add_metric(lbl, float(d["last_probe_s"]))
-        yield up
-        yield restarts
-        yield wedges
-        yield probe
+        yield from (up, restarts, wedges, probe)
 
     def _usage(self, tenancies: list[Tenancy], server_pids: set[int]) -> dict[tuple[str, str, str], _Usage] | None:
         """(pod_uid, container, gpu_uuid) -> summed usage; None when NVML failed."""
