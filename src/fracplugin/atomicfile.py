@@ -19,6 +19,7 @@ the directory is ``fsync``'d after it so the new name survives a power loss
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -70,10 +71,8 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, mode: i
         os.chmod(tmp, mode)
         os.replace(tmp, target)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     dfd = os.open(target.parent, os.O_RDONLY)
     try:

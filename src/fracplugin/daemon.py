@@ -38,6 +38,7 @@ stuck part cannot eat the whole shutdown budget.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -392,10 +393,8 @@ class Daemon:
         health = self.parts.get("health")
         if health is not None:
             health.stop(2.0)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.cfg.endpoints_path)
-        except OSError:
-            pass
         ledger = self.parts.get("ledger")
         if ledger is not None:
             ledger.stop(1.0)  # journal folded into the snapshot: a clean stop leaves one file
@@ -421,10 +420,8 @@ class Daemon:
                 if not pid:
                     continue
                 for kill in (os.killpg, os.kill):
-                    try:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
                         kill(int(pid), signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
                 log.error("MPS did not stop in time: killed pid %s", pid, extra={"mode": d.get("mode"), "pid": pid})
 
 

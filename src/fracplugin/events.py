@@ -40,6 +40,7 @@ them out.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import logging
 import queue
@@ -202,10 +203,8 @@ class EventRecorder:
         when the thread ended in time. Idempotent."""
         self._deadline = time.monotonic() + timeout_s
         self._stop.set()
-        try:
+        with contextlib.suppress(queue.Full):
             self._q.put_nowait(None)  # wake the thread; a full queue wakes it anyway
-        except queue.Full:
-            pass
         if self._thread is None:
             return True
         self._thread.join(timeout_s + 0.5)

@@ -9,6 +9,7 @@ class to use).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -191,10 +192,8 @@ class LedgerStore:
 
     def _close_journal(self) -> None:
         if self._journal_fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self._journal_fd)
-            except OSError:
-                pass
         self._journal_fd = None
         self._journal_records = 0
         self._journal_size = 0
@@ -228,10 +227,8 @@ class LedgerStore:
         except OSError:
             # Cut what may have reached the file, so a rolled-back change is
             # not replayed; the next change compacts from memory either way.
-            try:
+            with contextlib.suppress(OSError):
                 os.ftruncate(fd, self._journal_size)
-            except OSError:
-                pass
             self._close_journal()
             raise
         self._journal_size += len(line)

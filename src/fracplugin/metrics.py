@@ -68,6 +68,7 @@ When the NVML query fails the usage series are missing for that scrape (request
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import platform
@@ -649,10 +650,8 @@ def _server_pids(status: Mapping[str, Any]) -> set[int]:
     never a tenant. Malformed entries are skipped."""
     out: set[int] = set()
     for d in status.get("daemons") or ():
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             out.update(int(p) for p in d.get("server_pids") or ())
-        except (TypeError, ValueError):
-            pass
     return out
 
 

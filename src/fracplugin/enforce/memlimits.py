@@ -23,6 +23,7 @@ exception out of ``start``/``remove``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -156,10 +157,8 @@ class NvmlLimits:
                 return
             self._open = False
             self._handles.clear()
-            try:
+            with contextlib.suppress(Exception):
                 self._pynvml.nvmlShutdown()
-            except Exception:
-                pass
 
     def _handle(self, uuid: str) -> Any:
         self.open()

@@ -41,6 +41,7 @@ the registrar thread, each on a channel of its own with a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -192,18 +193,14 @@ class DirWatch:
                 pass
 
     def kick(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._w, b"k")
-        except (BlockingIOError, OSError):
-            pass
 
     def close(self) -> None:
         for fd in (self._fd, self._r, self._w):
             if fd >= 0:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
         self._fd = self._r = self._w = -1
 
 

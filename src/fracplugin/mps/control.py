@@ -19,6 +19,7 @@ of its own flags, so the client carries only ``CUDA_MPS_PIPE_DIRECTORY``.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import logging
@@ -347,9 +348,7 @@ def set_exclusive_process(gpu_uuids: Iterable[str]) -> dict[str, str]:
                 log.warning("cannot set EXCLUSIVE_PROCESS on %s: %s", uuid, e)
                 result[uuid] = str(e) or type(e).__name__
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
     return result
 

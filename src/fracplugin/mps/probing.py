@@ -39,6 +39,7 @@ Runs on the supervisor thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -196,10 +197,8 @@ class DaemonProber:
                     os.unlink(os.path.join(leaf, "control"))
             except OSError:
                 pass
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(leaf)
-            except OSError:
-                pass
         d.control_id = self.control_identity(d)
         if d.log_offset is None:
             d.log_offset = control_log_size(d)

@@ -7,6 +7,7 @@ Used by ``lifecycle`` (start, adopt, kill), ``probing`` (adoption) and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -43,10 +44,8 @@ class DetachedProc:
 
     def kill(self) -> None:
         """SIGKILL it (nothing when it is gone)."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until it is gone (pidfd, else polling /proc) or ``timeout`` seconds; returns -1. Raises
@@ -69,10 +68,8 @@ class DetachedProc:
     def _close(self) -> None:
         fd, self._pidfd = self._pidfd, None
         if fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def pid_alive(pid: int) -> bool:

@@ -34,6 +34,7 @@ euid).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -152,10 +153,8 @@ class MpsApiServer:
         d = os.path.dirname(self.path)
         if not os.path.isdir(d):
             os.makedirs(d, mode=0o700, exist_ok=True)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -190,10 +189,8 @@ class MpsApiServer:
         for fd in fds:
             if fd >= 0:
                 os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.path)
-        except OSError:
-            pass
 
     def connections(self) -> dict[str, int]:
         """Open connections by state (``reading``, ``running``, ``writing``): a
@@ -222,10 +219,8 @@ class MpsApiServer:
                     if key.data == "listen":
                         self._accept()
                     elif key.data == "wake":
-                        try:
+                        with contextlib.suppress(OSError):
                             os.read(self._wake_r, 4096)
-                        except OSError:
-                            pass
                     else:
                         self._event(key.data, events)
                 self._collect_done()
@@ -400,10 +395,8 @@ class MpsApiServer:
 
     def _drop(self, c: _Conn, doc: Mapping[str, Any]) -> None:
         """Answer (best effort, never blocking) and close a connection not registered."""
-        try:
+        with contextlib.suppress(OSError):
             c.sock.send(_encode(doc))
-        except OSError:
-            pass
         c.sock.close()
 
     def _close(self, c: _Conn, doc: Mapping[str, Any] | None = None) -> None:
@@ -412,10 +405,8 @@ class MpsApiServer:
             return
         self._conns.pop(c.sock.fileno(), None)
         if self._sel is not None:
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 self._sel.unregister(c.sock)
-            except (KeyError, ValueError):
-                pass
         c.state = "closed"
         if doc is not None:
             self._drop(c, doc)

@@ -68,7 +68,7 @@ from .drain import Drainer
 from .lifecycle import DaemonProcesses
 from .namespaces import NamespaceBook
 from .probing import DaemonProber
-from .procs import root_problem
+from .procs import make_dir as make_dir, root_problem  # make_dir: re-exported (tests/unit/test_mps_rooms.py)
 from .state import DaemonState, SupervisorCore
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from ..annotations import KEY_CONTAINER_NAME
 from ..annotations import form_targets, stray_container_keys
 from ..model import ContainerPlan, FractionError, FractionRequest, PodRef
 from ..mps.layout import CONTAINER_PIPE_DIR
-from ..mps.procs import make_dir
+from ..mps.supervisor import make_dir
 from ..noderules import NodeRules
 from ..planner import ENFORCED_ENV_KEYS
 from ..ports import HookMetrics
