@@ -143,42 +143,27 @@ class EventRecorder:
         """Queue a ``FractionRefused`` Event for ``container`` of ``pod``.
         Never blocks and never raises: a full queue (or a stopped recorder)
         drops the event and counts it in ``dropped``."""
-        if self._stop.is_set():
-            with self._lock:
-                self._dropped += 1
-            return
-        try:
-            self._q.put_nowait((pod, container, err.message, door, time.time(), REASON_REFUSED))
-        except queue.Full:
-            with self._lock:
-                self._dropped += 1
+        self._put(pod, container, err.message, door, REASON_REFUSED)
 
     def limit_not_enforced(self, pod: PodRef, container: str, message: str) -> None:
         """Queue a ``MemoryLimitNotEnforced`` Warning Event (action
         StartContainer; ``message`` names the GPU, the planned and read limits
         and the missing capability). Never blocks, never raises."""
-        if self._stop.is_set():
-            with self._lock:
-                self._dropped += 1
-            return
-        try:
-            self._q.put_nowait((pod, container, message, "StartContainer", time.time(), REASON_LIMIT_NOT_ENFORCED))
-        except queue.Full:
-            with self._lock:
-                self._dropped += 1
+        self._put(pod, container, message, "StartContainer", REASON_LIMIT_NOT_ENFORCED)
 
     def warned(self, pod: PodRef, container: str, message: str, door: str) -> None:
         """Queue an ``AnnotationNotApplied`` Warning Event (an annotation the
         door did not apply, and why: ADR 0007). Never blocks, never raises."""
-        if self._stop.is_set():
-            with self._lock:
-                self._dropped += 1
-            return
-        try:
-            self._q.put_nowait((pod, container, message, door, time.time(), REASON_NOT_APPLIED))
-        except queue.Full:
-            with self._lock:
-                self._dropped += 1
+        self._put(pod, container, message, door, REASON_NOT_APPLIED)
+
+    def _put(self, pod: PodRef, container: str, message: str, action: str, reason: str) -> None:
+        """Queue one Event now; a full queue or a stopped recorder drops it (``dropped``)."""
+        if not self._stop.is_set():
+            with contextlib.suppress(queue.Full):
+                self._q.put_nowait((pod, container, message, action, time.time(), reason))
+                return
+        with self._lock:
+            self._dropped += 1
 
     def stats(self) -> dict[str, int]:
         """``{"queued", "sent", "failed", "dropped", "suppressed"}`` counts since
