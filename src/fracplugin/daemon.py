@@ -50,7 +50,7 @@ import time
 from functools import partial
 from typing import Any, Callable, Mapping, TypeVar
 
-from . import __version__, logs
+from . import __version__
 from .atomicfile import write_atomically
 from . import config as configmod
 from .config import Config, ConfigError

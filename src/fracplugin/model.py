@@ -108,16 +108,10 @@ class NodeInfo:
     gpus: tuple[GpuInfo, ...]
 
     def gpu_by_uuid(self, uuid: str) -> GpuInfo | None:
-        for gpu in self.gpus:
-            if gpu.uuid == uuid:
-                return gpu
-        return None
+        return next((g for g in self.gpus if g.uuid == uuid), None)
 
     def gpu_by_index(self, index: int) -> GpuInfo | None:
-        for gpu in self.gpus:
-            if gpu.index == index:
-                return gpu
-        return None
+        return next((g for g in self.gpus if g.index == index), None)
 
 
 @dataclass(frozen=True)
