@@ -412,18 +412,3 @@ def _finish(pod: PodRef, container: str, gpus: tuple[GpuInfo, ...], request_mib:
     )
 
 
-def plan_container(
-    annotations: Mapping[str, str],
-    container: str,
-    pod: PodRef,
-    node: NodeInfo,
-    ledger: LedgerView,
-    config: PlannerConfig = PlannerConfig(),
-    containers: Sequence[str] | None = None,
-) -> ContainerPlan | None:
-    """``annotations.parse`` then ``plan``: None when the container is not
-    fractional. Raises FractionError like both."""
-    request = ann.parse(annotations, container, prefix=config.annotation_prefix, containers=containers)
-    if request is None:
-        return None
-    return plan(request, pod, node, ledger, config)

@@ -24,7 +24,8 @@ from fracplugin.mps.layout import MpsLayout, namespace_name
 from fracplugin.nri.plugin import FracNriPlugin, build_adjustment
 from fracplugin.nri.dispatch import PLUGIN_SERVICE
 from fracplugin.nri.stub import NriStub
-from fracplugin.planner import PlannerConfig, plan_container
+from fracplugin.planner import PlannerConfig
+from tests.helpers import plan_container
 from fracplugin.model import ComputeMode, PodRef
 
 from nri_runtime import Code, FakeNriRuntime, RpcError, effective_env, make_container, make_pod, pod_from_manifest

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.model import FractionError, PodRef
-from fracplugin.planner import plan_container
+from tests.helpers import plan_container
 
 
 @pytest.fixture

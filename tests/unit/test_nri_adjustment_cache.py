@@ -11,7 +11,8 @@ from fracplugin._proto import nri_pb2
 from fracplugin.gpu.simulated import load_node
 from fracplugin.model import PodRef
 from fracplugin.nri.plugin import build_adjustment
-from fracplugin.planner import EmptyLedger, PlannerConfig, plan_container
+from fracplugin.planner import EmptyLedger, PlannerConfig
+from tests.helpers import plan_container
 
 NODE = load_node(str(Path(__file__).resolve().parents[2] / "examples" / "nodes" / "gpu-node-1.yaml"))
 P = "nvidia.com/container.app."

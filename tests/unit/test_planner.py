@@ -8,7 +8,8 @@ from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.model import ComputeMode, FractionError, PodRef
 from fracplugin.mps.layout import MpsLayout, namespace_name
-from fracplugin.planner import EmptyLedger, PlannerConfig, plan_container
+from fracplugin.planner import EmptyLedger, PlannerConfig
+from tests.helpers import plan_container
 
 UUIDS = [f"GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a0{i}" for i in range(1, 5)]
 
