@@ -162,12 +162,9 @@ class DevicePluginServer:
         fail_open: an Allocate refused for the pod's fraction (a contract or
             node guard refusal, an Unhealthy GPU) is answered with an
             unadjusted container (no env, no mounts, annotation
-            ``fracplugin.io/allocate: unadjusted``; nothing recorded in the
-            ledger) instead of the gRPC error, with a warning; the refusal is
-            still counted. A malformed request (``invalid``) or an internal
-            error is refused either way. The NRI door's ``fail_open`` does the
-            same at CreateContainer (``nri.plugin``). Reloadable: the daemon
-            sets the attribute on SIGHUP.
+            ``fracplugin.io/allocate: unadjusted``, nothing in the ledger) and a
+            warning, the refusal still counted; a malformed request or an
+            internal error is refused either way. Reloadable (SIGHUP).
 
     Raises:
         ValueError: bad resource name, unit, policy, ``max_workers`` < 2, or a
