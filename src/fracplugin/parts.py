@@ -1,30 +1,21 @@
 """The lifecycle contract of the daemon's parts, and the typed ports between them.
 
-Every part ``fracplugin run`` composes (inventory, ledger, metrics, MPS, pod
-source, event recorder, the NRI door, the device plugin door, the health
-server, the node condition publisher, the logging setup) is driven through one
-contract, ``Part`` (ADR "one lifecycle contract for the daemon's parts"):
-
-* ``start() -> None``: begin serving; raises on failure (the daemon turns it
-  into a ``StartupError``). Whatever a component's own ``start`` returns (the
-  bound address, ``self``) is read by its adapter, never by the daemon.
-* ``stop(timeout_s: float) -> None``: stop within ``timeout_s`` seconds (the
-  daemon also bounds the call on a helper thread).
-* ``readiness() -> Readiness``: ``ok`` and a human ``reason``; the parts whose
-  ``check`` is set are the ``/readyz`` checks (``nri``, ``device_plugin``, ``mps``).
-* ``status() -> dict``: the part's JSON-able section of ``/status``.
-* ``reload(cfg) -> Reloaded``: SIGHUP. A part declares the settings it reads
-  (``reads``) and those it can change while running (``reloads``); a changed
-  setting it reads but cannot reload is reported ``needs_restart``.
-
-The components keep their own APIs (tests and the other modules use them);
-the adapters here are thin, typed against their component (no reflection),
+Every part ``fracplugin run`` composes is driven through one contract,
+``Part`` (ADR 0014, which gives the rules): ``start() -> None`` (raises on
+failure; whatever a component's own ``start`` returns is read by its adapter,
+never by the daemon), ``stop(timeout_s: float) -> None`` (the daemon also
+bounds it on a helper thread), ``readiness() -> Readiness`` (the parts whose
+``check`` is set are the ``/readyz`` checks), ``status() -> dict`` (the part's
+section of ``/status``) and ``reload(cfg) -> Reloaded`` (SIGHUP: ``reads``
+and ``reloads`` declare the settings it reads and those it can change while
+running; a changed setting it reads but cannot reload is ``needs_restart``).
+The adapters here are thin, typed against their component (no reflection),
 and hold the config keys each one reads.
 
-Ports (what one part needs of another): ``MpsApi`` (mps/api.py, one MPS
-interface, null object ``NullMps``), ``HookMetrics`` (ports.py, null object
-``NoMetrics``), ``gpu.inventory.Inventory``, ``kubelet.podlookup.PodSource``,
-``ledger.Ledger`` and ``Clock``.
+Ports (what one part needs of another): ``MpsApi`` (mps/api.py, null object
+``NullMps``), ``HookMetrics`` (ports.py, null object ``NoMetrics``),
+``gpu.inventory.Inventory``, ``kubelet.podlookup.PodSource``, ``ledger.Ledger``
+and ``Clock``.
 
 Concurrency: ``start``/``stop``/``reload`` are called from the daemon's main
 thread (``stop`` on a helper thread); ``readiness``/``status`` from health

@@ -25,16 +25,9 @@ Concurrency model
 
 What it does (issue 5; docs/reference/mps-nvml.md sections 1.2-1.8, 2.7;
 docs/reference/gpu-fractioning-reference.md section 4):
-* start: pipe/log directories from ``MpsLayout``, 0755 whatever the umask
-  (an MPS root under a directory others cannot traverse is a start failure
-  naming it), stale ``control`` socket removed; v3: ``-p 3 -m -f|-d -a
-  <log dir>/mps-control.toml`` (memacct on; both daemons with a
-  ``[servers.shared]`` whose namespaces are the tenants' leaf pipe
-  directories; context-share on for sm-sharing only); v2: ``-f|-d`` plus
-  ``set_default_active_thread_percentage`` / ``set_default_device_pinned_mem_limit``
-  when configured. ``-f`` (role all: a child, stdin kept open, quit on stop)
-  or ``-d`` (``detached``, role mps: its own session, adopted by the next
-  supervisor, left running on stop; ADR 0009);
+* start: ``lifecycle.py`` (pipe and log directories 0755 whatever the umask;
+  v3 ``-p 3 -m -f|-d -a <log dir>/mps-control.toml``, ``control.render_config_toml``;
+  v2 ``-f|-d`` plus the configured defaults; ``-d`` is the MPS role's, ADR 0009);
 * ready, active probes, a replaced ``control`` socket, server crash loops:
   ``probing.py``;
 * restarts with exponential backoff (tenacity ``wait_chain(wait_none(),
@@ -44,14 +37,8 @@ docs/reference/gpu-fractioning-reference.md section 4):
   when the daemon is reported ``failed`` (issue 12);
 * recorded namespaces (both modes, with active thread percentage and pinned
   memory limit) are re-created and re-capped after every restart;
-* drain: only the daemons of the container's mode; a container's clients (v3
-  ``client list`` / v2 ``get_client_list``) joined with ``/proc/<pid>/cgroup``
-  are terminated within the caller's budget, per daemon; a timeout marks the
-  daemon slow (unhealthy) and probes it at once: only failed probes (a
-  confirmed hang) hard-restart it (SIGKILL daemon + its servers);
-* stop (role all): ``quit`` on stdin, wait, SIGKILL, then SIGKILL every
-  leftover ``nvidia-cuda-mps-server`` found by ``/proc/<pid>/exe`` basename;
-  ``quit_daemons()`` does the same on purpose in role mps.
+* drain: ``drain.Drainer.drain`` (only the daemons of the container's mode);
+* stop (role all) and ``quit_daemons()`` (role mps, on purpose): ``stop``.
 """
 
 from __future__ import annotations
@@ -104,11 +91,9 @@ class MpsSupervisor(SupervisorCore):
         exclusive_process_gpus: GPU UUIDs put in EXCLUSIVE_PROCESS compute mode via
             NVML at ``start()`` (errors are logged, never fatal).
         detached: the MPS role (``fracplugin run --role mps``, ADR 0009): daemons
-            are started with ``-d`` (they daemonize into their own session, not
-            our children, no parent-death signal), a daemon found running at
-            start (pid file + live process + answered probe) is adopted instead
-            of replaced, and ``stop()`` leaves them running; only
-            ``quit_daemons()`` stops MPS on purpose.
+            started with ``-d`` (their own session), a running one adopted at
+            start (pid file + live process + answered probe), left running by
+            ``stop()``; only ``quit_daemons()`` stops MPS on purpose.
         state_file: where the recorded namespaces are kept (JSON, atomic rename
             + fsync) so that a restarted MPS role knows whose they are; default
             ``<root>/namespaces.json`` when ``detached``, none otherwise.
