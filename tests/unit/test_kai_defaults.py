@@ -28,8 +28,8 @@ from fracplugin.planner import (
     EmptyLedger,
     PlannerConfig,
     is_cdi_name,
-    plan_container,
 )
+from tests.helpers import plan_container
 
 P = "nvidia.com/container.app."
 POD = PodRef("default", "p", "uid-1")
