@@ -5,7 +5,7 @@
     .venv/bin/python scripts/render_admission_policy.py --check   exit 1 when it is stale
 
 Writes deploy/helm/fracplugin/templates/admissionpolicy.yaml from
-fracplugin.admission.helm_template() (the CEL generated from contract.py and
+fracplugin_demo.admission.helm_template() (the CEL generated from contract.py and
 annotations.py, ADR 0026). tests/unit/test_admission_policy.py fails when the
 committed file differs from this output.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from fracplugin.admission import helm_template  # noqa: E402
+from fracplugin_demo.admission import helm_template  # noqa: E402
 
 TEMPLATE = REPO / "deploy" / "helm" / "fracplugin" / "templates" / "admissionpolicy.yaml"
 

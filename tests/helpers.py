@@ -128,6 +128,18 @@ def node_rules(node: Any, ledger: Any = None, config: Any = None, inventory: Any
     return NodeRules(node, ledger, config if config is not None else PlannerConfig(), health=health, limits=limits)
 
 
+
+def plan_container(annotations: Any, container: str, pod: Any, node: Any, ledger: Any, config: Any = None,
+                   containers: Any = None) -> Any:
+    """``annotations.parse`` then ``planner.plan``, as the doors run them: None
+    when the container is not fractional. Raises FractionError like both."""
+    from fracplugin.annotations import parse
+    from fracplugin.planner import PlannerConfig, plan
+
+    config = config if config is not None else PlannerConfig()
+    request = parse(annotations, container, prefix=config.annotation_prefix, containers=containers)
+    return None if request is None else plan(request, pod, node, ledger, config)
+
 _PORTS_GIVEN: set[int] = set()
 _PORTS_LOCK = __import__("threading").Lock()
 

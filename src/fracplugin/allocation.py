@@ -136,7 +136,7 @@ def to_tenancies(
             limit_mib=plan.limit_mib,
             mode=plan.compute_mode,
             container_id=container_id,
-            mps_namespace=plan.mps.namespace,
+            mps_namespace=plan.mps_namespace,
             active_thread_percentage=plan.active_thread_percentage,
             door=door,
             reservation=reservation,

@@ -34,8 +34,6 @@ from .annotations import (KAI_PORTION_LIMIT, KEY_CONTAINER_NAME, KEY_GPU_FRACTIO
                           KEY_GPU_MEMORY, KEY_NUM_DEVICES, KEY_POD_COMPUTE_MODE, SUFFIX_DEVICES, SUFFIX_LIMIT,
                           SUFFIX_MODE, SUFFIX_PORTION, SUFFIX_REQUEST, container_key)
 
-__all__ = ["Lint", "lint", "unknown_keys", "ignored_forms", "SUFFIXES", "POD_LEVEL_KEYS"]
-
 SUFFIXES = (SUFFIX_REQUEST, SUFFIX_LIMIT, SUFFIX_MODE, SUFFIX_PORTION, SUFFIX_DEVICES)
 """The per-container suffixes of the contract."""
 

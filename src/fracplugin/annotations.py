@@ -132,8 +132,11 @@ def parse_quantity_mib(key: str, raw: str) -> int:
     return int((value / MIB).to_integral_value(rounding=ROUND_CEILING))
 
 
-def _parse_fraction(key: str, raw: str, *, allow_one: bool) -> float:
-    """A decimal fraction in (0, 1] (``allow_one``) or (0, 1)."""
+def parse_fraction(key: str, raw: str, *, allow_one: bool) -> float:
+    """A decimal fraction under ``key`` in (0, 1] (``allow_one``: the
+    contract's ``.gpu-compute.portion`` rule) or (0, 1). The DRA door's
+    parameters type (dra/params.py) uses it with its own key. Raises
+    FractionError naming ``key`` and ``raw``."""
     _no_padding(key, raw)
     if not _DECIMAL_RE.match(raw):
         raise FractionError(key, raw, C.FRACTION_SYNTAX, "fraction")
@@ -146,7 +149,11 @@ def _parse_fraction(key: str, raw: str, *, allow_one: bool) -> float:
     return value
 
 
-def _parse_mode(key: str, raw: str) -> ComputeMode:
+def parse_mode(key: str, raw: str) -> ComputeMode:
+    """A compute mode value under ``key`` (the contract's ``.gpu-compute.mode``
+    rule, ``contract.MODE``): exactly ``time-slicing`` or ``sm-sharing``.
+    Used by the DRA door's parameters type (dra/params.py) with its own key.
+    Raises FractionError naming ``key`` and ``raw``."""
     for mode in ComputeMode:
         if raw == mode.value:
             return mode
@@ -185,20 +192,6 @@ def _mib_hint(key: str, raw: str) -> str:
     if not value.is_finite() or not MIB <= value <= MAX_QUANTITY_BYTES:
         return ""
     return C.MIB_QUANTITY_HINT.format(mib=int((value / MIB).to_integral_value(rounding=ROUND_CEILING)))
-
-
-def parse_mode(key: str, raw: str) -> ComputeMode:
-    """A compute mode value under ``key`` (the contract's ``.gpu-compute.mode``
-    rule, ``contract.MODE``): exactly ``time-slicing`` or ``sm-sharing``.
-    Used by the DRA door's parameters type (dra/params.py) with its own key.
-    Raises FractionError naming ``key`` and ``raw``."""
-    return _parse_mode(key, raw)
-
-
-def parse_portion(key: str, raw: str) -> float:
-    """A compute portion under ``key`` (the contract's ``.gpu-compute.portion``
-    rule): a finite decimal in (0, 1]. Raises FractionError naming ``key`` and ``raw``."""
-    return _parse_fraction(key, raw, allow_one=True)
 
 
 def _parse_devices(key: str, raw: str) -> tuple[str, ...]:
@@ -311,7 +304,7 @@ def parse_uncached(
         request, limit = _pod_level_memory(annotations, request, limit, keys)
     k = KAI_PORTION_LIMIT.format(c=container)
     if limit is None and k in annotations:
-        limit = MemorySpec(k, annotations[k], fraction=_parse_fraction(k, annotations[k], allow_one=True))
+        limit = MemorySpec(k, annotations[k], fraction=parse_fraction(k, annotations[k], allow_one=True))
         keys["limit"] = k
     # Mode, portion and devices are validated even before we know the container
     # is fractional, so a typo never goes unnoticed (reference: portion errors
@@ -357,7 +350,7 @@ def _pod_level_memory(annotations: Mapping[str, str], request: MemorySpec | None
     (strictly above ``gpu-fraction``) for the limit."""
     if request is None and KEY_GPU_FRACTION in annotations:
         raw = annotations[KEY_GPU_FRACTION]
-        request = MemorySpec(KEY_GPU_FRACTION, raw, fraction=_parse_fraction(KEY_GPU_FRACTION, raw, allow_one=False))
+        request = MemorySpec(KEY_GPU_FRACTION, raw, fraction=parse_fraction(KEY_GPU_FRACTION, raw, allow_one=False))
         keys["request"] = KEY_GPU_FRACTION
     elif request is None and KEY_GPU_MEMORY in annotations:
         raw = annotations[KEY_GPU_MEMORY]
@@ -366,7 +359,7 @@ def _pod_level_memory(annotations: Mapping[str, str], request: MemorySpec | None
         keys["request"] = KEY_GPU_MEMORY
     if limit is None and KEY_GPU_FRACTION_LIMIT in annotations:
         raw = annotations[KEY_GPU_FRACTION_LIMIT]
-        frac = _parse_fraction(KEY_GPU_FRACTION_LIMIT, raw, allow_one=True)
+        frac = parse_fraction(KEY_GPU_FRACTION_LIMIT, raw, allow_one=True)
         if request is not None and request.fraction is not None and frac <= request.fraction:
             raise FractionError(
                 KEY_GPU_FRACTION_LIMIT, raw,
@@ -386,15 +379,15 @@ def _compute_and_devices(annotations: Mapping[str, str], prefix: str, container:
     mode = ComputeMode.TIME_SLICING
     k = container_key(prefix, container, SUFFIX_MODE)
     if k in annotations:
-        mode = _parse_mode(k, annotations[k])
+        mode = parse_mode(k, annotations[k])
         keys["mode"] = k
     elif KEY_POD_COMPUTE_MODE in annotations:
-        mode = _parse_mode(KEY_POD_COMPUTE_MODE, annotations[KEY_POD_COMPUTE_MODE])
+        mode = parse_mode(KEY_POD_COMPUTE_MODE, annotations[KEY_POD_COMPUTE_MODE])
         keys["mode"] = KEY_POD_COMPUTE_MODE
     portion: float | None = None
     k = container_key(prefix, container, SUFFIX_PORTION)
     if k in annotations:
-        portion = _parse_fraction(k, annotations[k], allow_one=True)
+        portion = parse_fraction(k, annotations[k], allow_one=True)
         keys["portion"] = k
     devices: tuple[str, ...] = ()
     k = container_key(prefix, container, SUFFIX_DEVICES)
@@ -483,21 +476,6 @@ def form_targets(spec: Mapping[str, Any]) -> list[str]:
     raw = spec.get("containers") if isinstance(spec, Mapping) else None
     apps = [str(c.get("name")) for c in raw if isinstance(c, Mapping)] if isinstance(raw, (list, tuple)) else []
     return apps + [n for n in native_sidecars(spec) if n not in apps]
-
-
-def is_fractional(annotations: Mapping[str, str], container: str, *, prefix: str = DEFAULT_PREFIX) -> bool:
-    """True when ``container`` carries any memory annotation (per-container or
-    pod-level), whether or not it is valid. Cheap; never raises."""
-    if container_key(prefix, container, SUFFIX_REQUEST) in annotations:
-        return True
-    if container_key(prefix, container, SUFFIX_LIMIT) in annotations:
-        return True
-    if KAI_PORTION_LIMIT.format(c=container) in annotations:
-        return True
-    named = annotations.get(KEY_CONTAINER_NAME)
-    if named is not None and named != container:
-        return False
-    return any(k in annotations for k in (KEY_GPU_FRACTION, KEY_GPU_MEMORY, KEY_GPU_FRACTION_LIMIT))
 
 
 def annotated_containers(annotations: Mapping[str, str], prefix: str = DEFAULT_PREFIX) -> list[str]:

@@ -19,14 +19,12 @@ the directory is ``fsync``'d after it so the new name survives a power loss
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
 import tempfile
 from pathlib import Path
-
-__all__ = ["read_regular", "write_atomically"]
-
 
 def read_regular(path: str, max_bytes: int, *, whole: bool = True) -> bytes:
     """At most ``max_bytes`` of a regular file, never blocking: opened
@@ -43,7 +41,6 @@ def read_regular(path: str, max_bytes: int, *, whole: bool = True) -> bytes:
     if whole and len(data) > max_bytes:
         raise OSError(errno.EFBIG, f"{path} is larger than {max_bytes} bytes")
     return data
-
 
 
 def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644,
@@ -74,10 +71,8 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, mode: i
         os.chmod(tmp, mode)
         os.replace(tmp, target)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     dfd = os.open(target.parent, os.O_RDONLY)
     try:

@@ -22,21 +22,17 @@ from .ledger import Ledger
 from .model import ComputeMode, NodeInfo
 from .mps.layout import MpsLayout
 from .parts import (
-    CdiPart,
     DevicePluginPart,
-    EventsPart,
-    GpuHealthPart,
     HealthPart,
     InventoryPart,
     LedgerPart,
     MetricsPart,
-    MpsApiPart,
     MpsPart,
-    NodeConditionPart,
     NriDoor,
     Part,
     PartBase,
     PodSourcePart,
+    ServicePart,
 )
 from .planner import PlannerConfig
 from .podsfile import PodsFileWatcher
@@ -69,7 +65,6 @@ class StartupError(RuntimeError):
     """A part could not start (bad inventory, address in use, ...): exit 1."""
 
 
-
 def _fmt_addr(host: str, port: int) -> str:
     host = host or "0.0.0.0"
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -90,7 +85,6 @@ def _api_client(cfg: Config) -> Any:
         return kconfig.new_client_from_config(config_file=cfg.kubeconfig)
     except Exception as exc:
         raise StartupError(f"--kubeconfig {cfg.kubeconfig}: {exc}") from None
-
 
 
 _P = TypeVar("_P", bound=PartBase)
@@ -284,7 +278,8 @@ class Builder:
             from .mps.rpc import MpsApiServer
 
             try:
-                self._add(MpsApiPart(self.cfg, MpsApiServer(sup, self.cfg.effective_mps_api_socket)))
+                self._add(ServicePart(self.cfg, "mps api", {"mps_api_socket", "mps_root"},
+                                      MpsApiServer(sup, self.cfg.effective_mps_api_socket)))
             except OSError as exc:
                 raise StartupError(f"--mps-api-socket {self.cfg.effective_mps_api_socket}: {exc.strerror or exc}") from None
             self.endpoints["mps_api"] = self.cfg.effective_mps_api_socket
@@ -319,7 +314,8 @@ class Builder:
             return
         recorder = EventRecorder(_api_client(self.cfg), self.node_name)
         self.events = recorder
-        self._add(EventsPart(self.cfg, recorder))
+        self._add(ServicePart(self.cfg, "events", {"kubeconfig", "no_nri"}, recorder,
+                              lambda: {"enabled": True, **recorder.stats()}))
         log.info("refusals become Kubernetes Events", extra={
             "via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster", "doors": "nri"})
 
@@ -336,7 +332,8 @@ class Builder:
             return
         publisher = NodeConditionPublisher(
             _api_client(self.cfg), self.node_name, lambda: condition_from_checks(self.hooks.checks()), types)
-        self._add(NodeConditionPart(self.cfg, publisher))
+        self._add(ServicePart(self.cfg, "node condition", {"node_condition_types", "kubeconfig", "node_name"},
+                              publisher, publisher.status))
         log.info("publishing the node condition KAI gates on", extra={"types": list(types), "node": self.node_name})
 
     def _build_memory_limits(self) -> MemoryLimits | None:
@@ -379,7 +376,8 @@ class Builder:
             from .cdi import CdiRegistry
 
             self.cdi = CdiRegistry(self.cfg.cdi_spec_dirs, self.node.gpus, kind=self.cfg.cdi_kind)
-            self._add(CdiPart(self.cfg, self.cdi))  # read now, then re-read in the background
+            # read now, then re-read in the background: no request path parses a spec (issue 34 item 5)
+            self._add(ServicePart(self.cfg, "cdi", {"cdi_spec_dirs", "cdi_kind"}, self.cdi))
         return self.cdi
 
     def _build_rules(self) -> None:
@@ -394,7 +392,7 @@ class Builder:
         monitor = HealthMonitor(self.inventory, [g.uuid for g in self.node.gpus],
                                 ignored_xids=[int(x) for x in self.cfg.ignored_xids.split(",") if x.strip()],
                                 mps_health=None if self.cfg.no_mps else self.mps, mode_of=self.ledger.mode, poll_s=0.1)
-        self._add(GpuHealthPart(self.cfg, monitor))
+        self._add(ServicePart(self.cfg, "gpu health", {"ignored_xids", "simulate_node"}, monitor))
         any_door = not (self.cfg.no_nri and self.cfg.no_device_plugin) or self.cfg.dra
         limits = self._build_memory_limits() if any_door else None
         self.rules = NodeRules(self.node, self.ledger, self.planner_config, health=monitor,

@@ -11,18 +11,13 @@ NVIDIA device plugin's, KAI's binder with ``cdiEnabled``), ``nvidia.com/gpu``
 an operator-named kind (``--cdi-kind``), which is preferred when given
 (docs/reference/enforcement-cdi-dra.md "CDI on GPU Operator nodes").
 
-A device is matched to a GPU by UUID: its name is the UUID (the device
-plugin's default ``deviceIDStrategy``), or its edits name the UUID (a hook
-argument such as ``--gpu-id=GPU-...``, or ``NVIDIA_VISIBLE_DEVICES=GPU-...``),
-or, for devices named otherwise (toolkit index names ``0``, ``1``), its one
-``/dev/nvidia<minor>`` device node is the GPU's minor. MIG devices (``0:1``,
-``MIG-...``) and ``all`` are not GPUs and are skipped, as is a device named by
-a GPU UUID this node does not have (a stale spec: never matched by minor).
-
-The memory-limit hook is the toolkit's ``apply-cuda-memory-limits``
-``createRuntime`` hook (toolkit v1.20.1+): a hook whose path or arguments name
-it, in the device's own ``containerEdits`` or in the spec's. A hook that names
-GPU UUIDs in its arguments counts for those GPUs only.
+A device is matched to a GPU by UUID (its name, or a UUID its edits name),
+or, for index-named devices, by its one ``/dev/nvidia<minor>`` node; MIG
+devices, ``all`` and devices of a UUID this node does not have are skipped
+(ADR 0025b decision 1). The memory-limit hook is the toolkit's
+``apply-cuda-memory-limits`` ``createRuntime`` hook (toolkit v1.20.1+), in the
+device's own ``containerEdits`` or the spec's; one that names GPU UUIDs counts
+for those GPUs only (decision 2).
 
 Re-reading happens off every request path (issue 34 item 5): the daemon's
 watcher (``start``) stats the spec directories (a file added, removed or
@@ -57,18 +52,6 @@ import yaml
 from .atomicfile import read_regular
 from .model import ContainerPlan, GpuInfo
 
-__all__ = [
-    "DEFAULT_SPEC_DIRS",
-    "KIND_DEVICE_PLUGIN",
-    "KIND_TOOLKIT",
-    "MEMORY_LIMIT_HOOK",
-    "CDI_ANNOTATION_PREFIX",
-    "CdiDevice",
-    "CdiRegistry",
-    "container_cdi_devices",
-    "with_node_cdi_devices",
-]
-
 log = logging.getLogger(__name__)
 
 DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
@@ -88,7 +71,6 @@ OWN_CLAIM_SPEC_PREFIX = "gpu-memory.fracplugin.io-claim_"
 skipped when the node's specs are read (they name no GPU)."""
 MAX_SPEC_BYTES = 4 << 20
 """Largest spec file read (4 MiB); a larger one is named in a warning and ignored."""
-
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The annotation contract's value rules, written once for both checkers.
 
 ``annotations.py`` (the node daemon and ``fracplugin explain``) and
-``admission.py`` (the CEL of the chart's ValidatingAdmissionPolicy, ADR 0026)
+``fracplugin_demo/admission.py`` (the CEL of the chart's ValidatingAdmissionPolicy, ADR 0026)
 build every refusal from the patterns, bounds and reasons here, so the
 message ``kubectl apply`` shows and the one ``explain`` prints cannot drift.
 

@@ -2,33 +2,17 @@
 them, serve, stop them in order. ``Daemon`` keeps the lifecycle and the read side (``checks``, ``status``).
 
 Start order (each part switchable, docs/reference/design.md section 3):
-
-1. inventory: NVML, or ``SimulatedInventory`` with ``--simulate-node``;
-2. ledger: ``<state-dir>/ledger.json``, loaded (warnings logged, a corrupt
-   file moved aside by the ledger);
-3. metrics (``--metrics-address``);
-4. MPS supervisor for the configured compute modes (``NullMps`` with ``--no-mps``);
-5. pod source for the device plugin: ``--pods-file`` (simulated API),
-   else the API watch when in-cluster or ``--kubeconfig`` is given;
-6. Kubernetes Events for refusals (events.py): an ``EventRecorder`` (one
-   background thread) when API access is configured (in-cluster or
-   ``--kubeconfig``; a ``--pods-file`` is not API access) and the NRI door is
-   on, else a ``NullEventRecorder``; the NRI plugin hands it every refusal
-   (door ``nri``). The device plugin door reports refusals only as a metrics
-   code (no pod in hand), so it writes no Events;
-7. the node's rules (``noderules.NodeRules``): the one GPU health monitor
-   (XIDs, MPS health) and the memory-limit gate, whichever doors are on;
-   every door admits through them (issue 33);
-7a. the over-limit watch (overlimit.py), fed by the metrics' usage poll
-   every ``--usage-poll-interval`` seconds (ADR 0035);
-7b. NRI plugin + stub (``--no-nri`` to disable);
-8. device plugin server + registration (``--no-device-plugin`` to disable);
-   it reads kubelet's PodResources API (``--pod-resources-socket``) at start
-   to rebuild the ledger for containers allocated before a restart;
-9. health server (``/healthz``, ``/readyz``, ``/status``, and with
-   ``--simulate-node`` only ``POST /simulate/xid``, which injects an XID into
-   the simulated inventory: health.py); the bound addresses are logged and
-   written to ``<state-dir>/endpoints.json``.
+``builders.Builder.build``'s steps: inventory, ledger (loaded; a corrupt file
+moved aside), metrics, MPS (``NullMps`` with ``--no-mps``), pod source
+(``--pods-file`` or the API watch), refusal Events (with API access and the
+NRI door; the device plugin door has no pod in hand and writes none), the
+node's rules (``noderules.NodeRules``: GPU health and the memory-limit gate,
+whichever doors are on; issue 33), the over-limit watch (overlimit.py, fed by the
+metrics' usage poll every ``--usage-poll-interval`` seconds: ADR 0035), the NRI door, the device plugin door (it
+reads kubelet's PodResources at start to rebuild the ledger), the DRA door,
+the health server (``/healthz``, ``/readyz``, ``/status``; with
+``--simulate-node`` also ``POST /simulate/xid``) and the node condition. The
+bound addresses are logged and written to ``<state-dir>/endpoints.json``.
 
 Stop order (SIGTERM/SIGINT), within ``--shutdown-timeout`` seconds in all:
 health turns not-alive, the device plugin stops advertising (its socket goes,
@@ -44,8 +28,7 @@ run time (``config.RELOADABLE``: log level and format in ``logs``, fail-open
 in both doors) and reports the changed settings it reads that need a
 restart; the daemon logs both, per part.
 
-Every part is driven through one contract (``parts.Part``: start, stop with a
-timeout, readiness with a reason, status, reload; ADR 0014).
+Every part is driven through one contract (``parts.Part``, ADR 0014).
 
 Concurrency model: the main thread owns the lifecycle: it starts the parts,
 then sleeps on an event that the signal handlers set (handlers only set
@@ -56,6 +39,7 @@ stuck part cannot eat the whole shutdown budget.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -67,7 +51,7 @@ import time
 from functools import partial
 from typing import Any, Callable, Mapping, TypeVar
 
-from . import __version__, logs
+from . import __version__
 from .atomicfile import write_atomically
 from . import config as configmod
 from .config import Config, ConfigError
@@ -411,10 +395,8 @@ class Daemon:
         health = self.parts.get("health")
         if health is not None:
             health.stop(2.0)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.cfg.endpoints_path)
-        except OSError:
-            pass
         ledger = self.parts.get("ledger")
         if ledger is not None:
             ledger.stop(1.0)  # journal folded into the snapshot: a clean stop leaves one file
@@ -440,10 +422,8 @@ class Daemon:
                 if not pid:
                     continue
                 for kill in (os.killpg, os.kill):
-                    try:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
                         kill(int(pid), signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
                 log.error("MPS did not stop in time: killed pid %s", pid, extra={"mode": d.get("mode"), "pid": pid})
 
 

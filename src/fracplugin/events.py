@@ -40,6 +40,7 @@ them out.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import logging
 import queue
@@ -48,8 +49,6 @@ import time
 from typing import Any
 
 from .model import FractionError, PodRef
-
-__all__ = ["EventRecorder", "NullEventRecorder", "REASON_REFUSED", "REASON_OVER_LIMIT"]
 
 log = logging.getLogger(__name__)
 
@@ -169,13 +168,12 @@ class EventRecorder:
         ``Restart``). Never blocks, never raises."""
         self._put(pod, container, message, action, REASON_OVER_LIMIT)
 
-    def _put(self, pod: PodRef, container: str, message: str, door: str, reason: str) -> None:
+    def _put(self, pod: PodRef, container: str, message: str, action: str, reason: str) -> None:
+        """Queue one Event now; a full queue or a stopped recorder drops it (``dropped``)."""
         if not self._stop.is_set():
-            try:
-                self._q.put_nowait((pod, container, message, door, time.time(), reason))
+            with contextlib.suppress(queue.Full):
+                self._q.put_nowait((pod, container, message, action, time.time(), reason))
                 return
-            except queue.Full:
-                pass
         with self._lock:
             self._dropped += 1
 
@@ -202,10 +200,8 @@ class EventRecorder:
         when the thread ended in time. Idempotent."""
         self._deadline = time.monotonic() + timeout_s
         self._stop.set()
-        try:
+        with contextlib.suppress(queue.Full):
             self._q.put_nowait(None)  # wake the thread; a full queue wakes it anyway
-        except queue.Full:
-            pass
         if self._thread is None:
             return True
         self._thread.join(timeout_s + 0.5)

@@ -373,18 +373,16 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     for name in listed:
         if container is not None and name != container:
             continue
+        unplanned = {"name": name, "fractional": False, "devices": [], "compute_mode": None, "request_mib": None,
+                     "limit_mib": None, "env": {}, "mounts": [], "cdi_devices": [], "error": None}
         try:
             req = parse(annotations, name, prefix=config.annotation_prefix, containers=targets)
             plan = rules.plan(req, ref) if req is not None else None
         except FractionError as err:
-            out.append({"name": name, "fractional": True, "devices": [], "compute_mode": None,
-                        "request_mib": None, "limit_mib": None, "env": {}, "mounts": [], "cdi_devices": [],
-                        "error": err.to_dict()})
+            out.append({**unplanned, "fractional": True, "error": err.to_dict()})
             continue
         if plan is None:
-            out.append({"name": name, "fractional": False, "devices": [], "compute_mode": None,
-                        "request_mib": None, "limit_mib": None, "env": {}, "mounts": [], "cdi_devices": [],
-                        "error": None})
+            out.append(unplanned)
         else:
             out.append(with_node_cdi_devices(plan, cdi).to_dict())
             try:

@@ -35,6 +35,7 @@ are called from the handler threads and must be thread-safe and quick.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import ipaddress
@@ -161,10 +162,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             del self._reading[conn]
             self._evicted.add(conn)
             self.evicted += 1
-            try:
+            with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         log.debug("%s: all %d handler slots busy; dropped the request waiting longest", self.label, self.max_handlers)
 
     def get_request(self) -> Any:

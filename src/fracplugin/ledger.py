@@ -12,23 +12,14 @@ Invariants (checked by ``check_invariants`` and by property tests):
   Volta and later: docs/reference/kubelet-device-plugin.md B.4);
 - an owner (pod uid, container) appears at most once per GPU.
 
-Persistence (issue 14, ADR 0010): a snapshot plus an
-append-only journal, so a change costs O(1) in the node's tenancies.
-
-- snapshot ``<path>``: ``{"version": 1, "node": ..., "generation": G,
-  "tenancies": [...]}``, written to a temp file in the same directory,
-  fsynced, renamed over the old file, and the directory fsynced;
-- journal ``<path>.journal``: a header line ``{"journal": 1, "generation": G}``
-  then one line per change ``{"del": [tenancy...], "add": [tenancy...]}``,
-  appended and fdatasynced before the change is acknowledged (fsync is
-  nearly free on tmpfs, where production keeps the state directory);
-- compaction writes a new snapshot generation and a fresh journal (first
-  change after ``load``, every ``max(1024, 2 x tenancies)`` changes, and
-  ``close``); a journal whose generation is not the snapshot's is stale.
-
-A snapshot that cannot be read back is moved aside to
-``<path>.corrupt-<unix seconds>`` and reported; it is never trusted. A torn
-last journal line (cut by a crash during its append) is dropped.
+Persistence (issue 14, ADR 0010, which gives the file formats and the
+recovery rules): a snapshot ``<path>`` (``{"version": 1, "node": ...,
+"generation": G, "tenancies": [...]}``) plus an append-only journal
+``<path>.journal`` (a header line, then ``{"del": [...], "add": [...]}`` per change), so a change costs O(1) in the node's tenancies; each
+change is appended and fdatasynced before it is acknowledged, compaction
+writes a new snapshot generation (``ledgerstore.LedgerStore``). A snapshot
+that cannot be read back is moved aside to ``<path>.corrupt-<unix seconds>``
+and reported, never trusted; a torn last journal line is dropped.
 """
 
 from __future__ import annotations
@@ -144,7 +135,6 @@ def admission_problem(
         return Problem(f"GPU {gpu.index} ({gpu.uuid}) already has {len(others)} tenants",
                        f"the MPS client limit is {max_clients} per GPU")
     return None
-
 
 
 class Ledger:
@@ -267,10 +257,6 @@ class Ledger:
     def release_reservation(self, key: str) -> list[Tenancy]:
         """Drop one kubelet reservation (kubelet freed its devices)."""
         return self._drop(lambda: self._index.by_reservation.get(key, ())) if key else []
-
-    def release_pod(self, pod_uid: str) -> list[Tenancy]:
-        """Drop every tenancy of a pod."""
-        return self._drop(lambda: [t for t in self._index.entries if t.pod_uid == pod_uid])
 
     def release_stopped(self, container_id: str) -> list[Tenancy]:
         """A container stopped: drop what it holds through the NRI door, and

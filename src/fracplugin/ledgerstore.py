@@ -3,12 +3,13 @@ append-only journal (load, replay, append, compact, close), the record
 encoding, and the checks of the state directory (tmpfs, crash leftovers).
 
 ``LedgerStore`` is a member of ``Ledger`` (issue 33 item 3: composition,
-not a mixin); the module docstring of ``ledger.py`` gives the file formats
-(``Ledger`` is the one class to use).
+not a mixin); ADR 0010 gives the file formats (``Ledger`` is the one
+class to use).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -52,7 +53,6 @@ def encode_tenancy(t: Tenancy) -> str:
 
 class _Corrupt(ValueError):
     """The snapshot or the journal cannot be trusted (the message says why)."""
-
 
 
 class LedgerStore:
@@ -192,10 +192,8 @@ class LedgerStore:
 
     def _close_journal(self) -> None:
         if self._journal_fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self._journal_fd)
-            except OSError:
-                pass
         self._journal_fd = None
         self._journal_records = 0
         self._journal_size = 0
@@ -229,10 +227,8 @@ class LedgerStore:
         except OSError:
             # Cut what may have reached the file, so a rolled-back change is
             # not replayed; the next change compacts from memory either way.
-            try:
+            with contextlib.suppress(OSError):
                 os.ftruncate(fd, self._journal_size)
-            except OSError:
-                pass
             self._close_journal()
             raise
         self._journal_size += len(line)

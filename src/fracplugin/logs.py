@@ -23,8 +23,6 @@ from typing import Any, TextIO
 
 from .safetext import escape_controls
 
-__all__ = ["JsonFormatter", "TextFormatter", "setup", "set_level"]
-
 # Attributes every LogRecord has; anything else came in through ``extra``.
 _STANDARD = frozenset(vars(logging.LogRecord("x", 0, "x", 0, "x", None, None)).keys()) | {"message", "asctime", "taskName"}
 _HANDLER_NAME = "fracplugin"

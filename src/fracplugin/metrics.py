@@ -75,6 +75,7 @@ When the NVML query fails the usage series are missing until a sample succeeds (
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import platform
@@ -90,9 +91,6 @@ from .health import REQUEST_DEADLINE_S, BoundedHandler, BoundedHTTPServer, make_
 from . import __version__
 from .model import GpuInfo, NodeInfo, Tenancy
 from .procfs import CachedProcFs, ContainerRef, container_id_matches
-
-__all__ = ["Metrics", "MetricsServer", "render_text", "CONTAINER_LABELS", "GPU_LABELS", "GPU_INFO_LABELS",
-           "DCGM_GPU_LABELS", "NODE_LABEL", "HOOK_BUCKETS", "MIB"]
 
 log = logging.getLogger(__name__)
 
@@ -332,18 +330,6 @@ class Metrics:
         with self._lock:
             self._servers.append(server)
         return server
-
-    def server_stats(self) -> dict[str, int]:
-        """Connection counters of the metrics servers, summed: ``active``,
-        ``peak``, ``evicted``, ``refused``, ``accept_errors`` (health.py)."""
-        out = {"active": 0, "peak": 0, "evicted": 0, "refused": 0, "accept_errors": 0}
-        with self._lock:
-            servers = list(self._servers)
-        for srv in servers:
-            with srv.httpd.lock:
-                for k in out:
-                    out[k] += int(getattr(srv.httpd, k, 0))
-        return out
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the usage poll and close every server started by ``serve``."""
@@ -586,11 +572,7 @@ class _Collector(Collector):
             used_s.append(Sample(used.name, lab, used_b))
             sm_s.append(Sample(sm.name, lab, sm_pct))
             share_s.append(Sample(share.name, lab, _share_percent(sm_pct, t, gpu.memory_mib if gpu is not None else 0)))
-        yield used
-        yield req
-        yield lim
-        yield sm
-        yield share
+        yield from (used, req, lim, sm, share)
         if over_keys is not None:
             yield over
 
@@ -613,10 +595,7 @@ class _Collector(Collector):
             held.add_metric(labels, float(sum(t.request_mib for t in ts) * MIB))
             mode.add_metric([*labels, ts[0].mode.value if ts else "none"], 1.0)
             total.add_metric(labels, float(g.memory_mib * MIB))
-        yield tenants
-        yield held
-        yield total
-        yield mode
+        yield from (tenants, held, total, mode)
 
     def _identity(self, node: NodeInfo | None, host: str) -> Iterator[Metric]:
         """``fracplugin_build_info`` and ``fracplugin_gpu_info`` (value 1;
@@ -681,10 +660,7 @@ class _Collector(Collector):
             wedges.add_metric(lbl, float(d.get("wedges") or 0))
             if d.get("last_probe_s") is not None:
                 probe.add_metric(lbl, float(d["last_probe_s"]))
-        yield up
-        yield restarts
-        yield wedges
-        yield probe
+        yield from (up, restarts, wedges, probe)
 
     def _usage(self, tenancies: list[Tenancy], server_pids: set[int]) -> dict[tuple[str, str, str], _Usage] | None:
         """(pod_uid, container, gpu_uuid) -> summed usage; None when NVML failed."""
@@ -741,10 +717,8 @@ def _server_pids(status: Mapping[str, Any]) -> set[int]:
     never a tenant. Malformed entries are skipped."""
     out: set[int] = set()
     for d in status.get("daemons") or ():
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             out.update(int(p) for p in d.get("server_pids") or ())
-        except (TypeError, ValueError):
-            pass
     return out
 
 

@@ -108,16 +108,10 @@ class NodeInfo:
     gpus: tuple[GpuInfo, ...]
 
     def gpu_by_uuid(self, uuid: str) -> GpuInfo | None:
-        for gpu in self.gpus:
-            if gpu.uuid == uuid:
-                return gpu
-        return None
+        return next((g for g in self.gpus if g.uuid == uuid), None)
 
     def gpu_by_index(self, index: int) -> GpuInfo | None:
-        for gpu in self.gpus:
-            if gpu.index == index:
-                return gpu
-        return None
+        return next((g for g in self.gpus if g.index == index), None)
 
 
 @dataclass(frozen=True)
@@ -211,34 +205,14 @@ class Mount:
 
 
 @dataclass(frozen=True)
-class MpsTarget:
-    """Which MPS control daemon (one per compute mode) a container connects to.
-
-    Attributes:
-        mode: the daemon's compute mode.
-        host_pipe_dir: the pipe directory on the host that is mounted in.
-        container_pipe_dir: where it appears in the container (CUDA_MPS_PIPE_DIRECTORY).
-        namespace: the MPS v3 namespace of an sm-sharing container (None otherwise).
-        active_thread_percentage: the cap to put on that namespace (None = 100).
-        pinned_mem_limit_mib: per-GPU pinned device memory limit (the limit).
-    """
-
-    mode: ComputeMode
-    host_pipe_dir: str
-    container_pipe_dir: str
-    namespace: str | None = None
-    active_thread_percentage: int | None = None
-    pinned_mem_limit_mib: int = 0
-
-
-@dataclass(frozen=True)
 class ContainerPlan:
     """Exactly what one fractional container gets (docs/reference/design.md section 4).
 
     ``devices`` are the assigned GPUs in container-ordinal order (ordinal i in
     ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` is ``devices[i]``). ``request_mib`` and
     ``limit_mib`` are per GPU. ``env`` holds every injected variable (values are
-    strings); ``mounts`` the bind mounts; ``mps`` the daemon to connect to.
+    strings); ``mounts`` the bind mounts (the MPS pipe directory);
+    ``mps_namespace`` the container's MPS v3 namespace (None with classic v2).
     ``cdi_devices`` are the fully qualified CDI device names the scheduler
     wrote in ``.gpus.devices`` (e.g. ``k8s.device-plugin.nvidia.com/gpu=GPU-...``),
     verbatim, for the NRI adjustment's ``CDI_devices`` (empty for UUIDs or
@@ -256,7 +230,7 @@ class ContainerPlan:
     active_thread_percentage: int | None
     env: Mapping[str, str]
     mounts: tuple[Mount, ...]
-    mps: MpsTarget
+    mps_namespace: str | None
     placed_by_node: bool = False
     cdi_devices: tuple[str, ...] = ()
     portion: float | None = None

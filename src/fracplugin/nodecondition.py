@@ -21,25 +21,19 @@ readiness:
   runs, as the reference node stack does (``markNodesUnknownOnShutdown``).
   KAI places fractional pods only on True, so Unknown keeps them away too.
 
-How it is written: a strategic merge patch of the node's ``status`` subresource
-(``PATCH /api/v1/nodes/<node>/status``, ``application/strategic-merge-patch+json``);
-``NodeStatus.conditions`` merges on ``type``, so kubelet's own conditions and
-other components' are untouched. ``lastTransitionTime`` changes only when the
-status does (API conventions); at the first publish the node is read once
-(``GET /api/v1/nodes/<node>``) to keep an unchanged condition's transition
-time across daemon restarts (a 403 there is tolerated). ``lastHeartbeatTime``
-is refreshed every ``heartbeat_s`` even without a change. RBAC: nodes/status
-patch, nodes get (daemonset/rbac.yaml).
+How it is written (ADR 0005 decision 1): a strategic merge patch of the
+node's ``status`` subresource (``PATCH /api/v1/nodes/<node>/status``;
+conditions merge on ``type``, so kubelet's are untouched);
+``lastTransitionTime`` changes only with the status (read once from the node
+at the first publish, a 403 there tolerated); ``lastHeartbeatTime`` is
+refreshed every ``heartbeat_s``. RBAC: nodes/status patch, nodes get.
 
-Concurrency model: one background thread. The daemon's readiness function is
-polled every ``poll_s``; a new state is published once it has held for
-``debounce_s`` (a flapping probe does not turn into a patch storm); each patch
-is retried with tenacity (exponential backoff, ``retry_attempts`` tries) on
-connection errors, 5xx, 409 and 429, not on other 4xx (a missing RBAC rule is
-logged once per change and retried at the next heartbeat). Nothing here is on
-the container start path: the doors never wait for the API server.
+Concurrency model: one background thread polls the readiness function every
+``poll_s`` and publishes a new state once it has held for ``debounce_s``;
+tenacity retries a patch (``retry_attempts`` tries) on connection errors,
+5xx, 409 and 429, not on other 4xx. The doors never wait for the API server.
 ``stop`` publishes a last ``Unknown`` (reason ``ShuttingDown``) on every type
-within its time bound, then ends the thread. Counters are guarded by one lock.
+within its time bound. Counters are guarded by one lock.
 """
 
 from __future__ import annotations
@@ -52,15 +46,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import tenacity
-
-__all__ = [
-    "DEFAULT_CONDITION_TYPE",
-    "LEGACY_CONDITION_TYPE",
-    "DEFAULT_CONDITION_TYPES",
-    "ConditionState",
-    "NodeConditionPublisher",
-    "condition_from_checks",
-]
 
 log = logging.getLogger(__name__)
 

@@ -4,22 +4,15 @@ A door decodes its wire request into a ``FractionRequest`` (NRI: the pod's
 annotations or Allocate's reservation; kubelet: the device IDs and the
 candidate pod; DRA: the claim's allocation), makes one call down here, and
 encodes what comes back. ``NodeRules.admit`` runs each step once, in one
-order, whichever door asks:
-
-1. **health**: ``unusable()``, the GPUs that take no new fraction: an XID
-   mark of the node's one ``gpu.health.HealthMonitor`` (started by the daemon
-   whichever doors are on, never by a door) and MIG mode (a MIG GPU takes no
-   fraction: NVML rejects MIG handles for the memory limits and MPS pins
-   memory per device, docs/reference/mps-nvml.md);
-2. **plan**: ``planner.plan`` with those GPUs unusable (node placement skips
-   them, naming one refuses, code ``unhealthy`` / ``mig``);
-3. the door's ``check`` of the plan (the NRI door: its mode's MPS daemon up,
-   the container's own mounts, the pipe directory made);
-4. **the memory-limit gate** (``enforce.nri.NriMemoryLimits.admit``): under
-   ``--memory-limits-policy refuse`` on a node that cannot enforce, refused
-   (code ``memory_limits_unenforceable``); under ``warn`` the toolkit hook's
-   env is withheld while the hook would fail the container's start;
-5. **the ledger** (``Ledger.admit``, which re-checks every guard atomically).
+order, whichever door asks (ADR 0032 decision 2): **health** (``unusable()``:
+an XID mark of the node's one ``gpu.health.HealthMonitor``, or MIG mode: NVML
+rejects MIG handles for the memory limits and MPS pins memory per device,
+docs/reference/mps-nvml.md) -> **plan** (``planner.plan`` with those GPUs
+unusable; naming one refuses, code ``unhealthy`` / ``mig``) -> the door's
+``check`` of the plan -> **the memory-limit gate**
+(``enforce.nri.NriMemoryLimits.admit``: code ``memory_limits_unenforceable``
+under ``--memory-limits-policy refuse``) -> **the ledger** (``Ledger.admit``,
+which re-checks every guard atomically).
 
 The door then adds what only it can (the MPS namespace intent, CDI devices)
 and answers. A refusal is a ``FractionError`` whose ``code`` says its kind;
@@ -41,8 +34,6 @@ from .rpcstatus import StatusCode
 if TYPE_CHECKING:
     from .enforce.nri import NriMemoryLimits
     from .gpu.health import HealthMonitor
-
-__all__ = ["NodeRules", "status_of", "TRANSIENT", "PRECONDITION"]
 
 TRANSIENT = frozenset({"unhealthy", "mps_unavailable", "ledger_io"})
 """Refusal codes that may pass on their own (a GPU recovers, a daemon comes

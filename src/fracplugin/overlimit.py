@@ -26,8 +26,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .model import PodRef, Tenancy
 
-__all__ = ["OverLimitWatch"]
-
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20

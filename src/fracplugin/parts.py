@@ -1,30 +1,21 @@
 """The lifecycle contract of the daemon's parts, and the typed ports between them.
 
-Every part ``fracplugin run`` composes (inventory, ledger, metrics, MPS, pod
-source, event recorder, the NRI door, the device plugin door, the health
-server, the node condition publisher, the logging setup) is driven through one
-contract, ``Part`` (ADR "one lifecycle contract for the daemon's parts"):
-
-* ``start() -> None``: begin serving; raises on failure (the daemon turns it
-  into a ``StartupError``). Whatever a component's own ``start`` returns (the
-  bound address, ``self``) is read by its adapter, never by the daemon.
-* ``stop(timeout_s: float) -> None``: stop within ``timeout_s`` seconds (the
-  daemon also bounds the call on a helper thread).
-* ``readiness() -> Readiness``: ``ok`` and a human ``reason``; the parts whose
-  ``check`` is set are the ``/readyz`` checks (``nri``, ``device_plugin``, ``mps``).
-* ``status() -> dict``: the part's JSON-able section of ``/status``.
-* ``reload(cfg) -> Reloaded``: SIGHUP. A part declares the settings it reads
-  (``reads``) and those it can change while running (``reloads``); a changed
-  setting it reads but cannot reload is reported ``needs_restart``.
-
-The components keep their own APIs (tests and the other modules use them);
-the adapters here are thin, typed against their component (no reflection),
+Every part ``fracplugin run`` composes is driven through one contract,
+``Part`` (ADR 0014, which gives the rules): ``start() -> None`` (raises on
+failure; whatever a component's own ``start`` returns is read by its adapter,
+never by the daemon), ``stop(timeout_s: float) -> None`` (the daemon also
+bounds it on a helper thread), ``readiness() -> Readiness`` (the parts whose
+``check`` is set are the ``/readyz`` checks), ``status() -> dict`` (the part's
+section of ``/status``) and ``reload(cfg) -> Reloaded`` (SIGHUP: ``reads``
+and ``reloads`` declare the settings it reads and those it can change while
+running; a changed setting it reads but cannot reload is ``needs_restart``).
+The adapters here are thin, typed against their component (no reflection),
 and hold the config keys each one reads.
 
-Ports (what one part needs of another): ``MpsApi`` (mps/api.py, one MPS
-interface, null object ``NullMps``), ``HookMetrics`` (ports.py, null object
-``NoMetrics``), ``gpu.inventory.Inventory``, ``kubelet.podlookup.PodSource``,
-``ledger.Ledger`` and ``Clock``.
+Ports (what one part needs of another): ``MpsApi`` (mps/api.py, null object
+``NullMps``), ``HookMetrics`` (ports.py, null object ``NoMetrics``),
+``gpu.inventory.Inventory``, ``kubelet.podlookup.PodSource``, ``ledger.Ledger``
+and ``Clock``.
 
 Concurrency: ``start``/``stop``/``reload`` are called from the daemon's main
 thread (``stop`` on a helper thread); ``readiness``/``status`` from health
@@ -41,13 +32,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from . import logs
-from .ports import Clock, HookMetrics, NoMetrics
+from .ports import Clock
 
 if TYPE_CHECKING:
-    from .cdi import CdiRegistry
     from .config import Config
-    from .events import EventRecorder
-    from .gpu.health import HealthMonitor
     from .gpu.inventory import Inventory
     from .health import HealthServer
     from .dra.server import DraServer
@@ -57,20 +45,10 @@ if TYPE_CHECKING:
     from .ledger import Ledger
     from .metrics import Metrics
     from .mps.api import MpsApi
-    from .mps.rpc import MpsApiServer
-    from .nodecondition import NodeConditionPublisher
     from .nri.plugin import FracNriPlugin
     from .nri.stub import NriStub
 
-__all__ = [
-    "Clock", "Readiness", "Reloaded", "Part", "HookMetrics", "NoMetrics", "PartBase",
-    "LogsPart", "InventoryPart", "LedgerPart", "MetricsPart", "MpsPart", "MpsApiPart", "PodSourcePart",
-    "EventsPart", "GpuHealthPart", "CdiPart", "NriDoor", "DevicePluginPart", "DraDoor", "HealthPart", "NodeConditionPart",
-    "PLANNER_KEYS",
-]
-
 log = logging.getLogger("fracplugin.daemon")
-
 
 
 @dataclass(frozen=True)
@@ -170,6 +148,35 @@ class LogsPart(PartBase):
 
     def _apply(self, cfg: Config, keys: Iterable[str]) -> None:
         logs.setup(cfg.log_format, cfg.log_level)
+
+
+class Service(Protocol):
+    """A component a ``ServicePart`` starts and stops."""
+
+    def start(self) -> object: ...
+
+    def stop(self, timeout_s: float) -> object: ...
+
+
+class ServicePart(PartBase):
+    """A part that only starts and stops one component (``service``: the MPS
+    role's API socket, refusal Events, the node condition KAI gates on, the
+    CDI registry, the GPU health monitor), named ``name``, reading the config
+    keys ``reads``; its ``status`` is ``status_of()`` ({} when not given)."""
+
+    def __init__(self, cfg: Config, name: str, reads: Iterable[str], service: Service,
+                 status_of: Callable[[], dict[str, Any]] | None = None) -> None:
+        super().__init__(cfg)
+        self.name, self.reads, self.service, self._status_of = name, frozenset(reads), service, status_of
+
+    def start(self) -> None:
+        self.service.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self.service.stop(timeout_s)
+
+    def status(self) -> dict[str, Any]:
+        return self._status_of() if self._status_of is not None else {}
 
 
 class InventoryPart(PartBase):
@@ -272,23 +279,6 @@ class MpsPart(PartBase):
         return self.mps.status()
 
 
-class MpsApiPart(PartBase):
-    """The MPS role's API socket (``mps.rpc.MpsApiServer``)."""
-
-    name = "mps api"
-    reads = frozenset({"mps_api_socket", "mps_root"})
-
-    def __init__(self, cfg: Config, server: MpsApiServer) -> None:
-        super().__init__(cfg)
-        self.server = server
-
-    def start(self) -> None:
-        self.server.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.server.stop(timeout_s)
-
-
 class PodSourcePart(PartBase):
     """The pods the device plugin door looks up: a ``--pods-file`` watched
     into an ``InMemoryPodSource``, or the API watch (``KubernetesPodSource``)."""
@@ -315,26 +305,6 @@ class PodSourcePart(PartBase):
 
     def status(self) -> dict[str, Any]:
         return {"kind": type(self.source).__name__, "ready": bool(self.source.ready()), "pods": len(self.source)}
-
-
-class EventsPart(PartBase):
-    """Refusal Events (``events.EventRecorder``; only built with API access)."""
-
-    name = "events"
-    reads = frozenset({"kubeconfig", "no_nri"})
-
-    def __init__(self, cfg: Config, recorder: EventRecorder) -> None:
-        super().__init__(cfg)
-        self.recorder = recorder
-
-    def start(self) -> None:
-        self.recorder.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.recorder.stop(timeout_s)
-
-    def status(self) -> dict[str, Any]:
-        return {"enabled": True, **self.recorder.stats()}
 
 
 class NriDoor(PartBase):
@@ -461,44 +431,6 @@ class DraDoor(PartBase):
         return {**self.server.status(), "slices": None if self.slices is None else self.slices.status()}
 
 
-class GpuHealthPart(PartBase):
-    """The node's one GPU health monitor (``gpu.health.HealthMonitor``: XID
-    events, MPS health per mode, recovery), started whichever doors are on
-    (issue 33: no door owns it)."""
-
-    name = "gpu health"
-    reads = frozenset({"ignored_xids", "simulate_node"})
-
-    def __init__(self, cfg: Config, monitor: HealthMonitor) -> None:
-        super().__init__(cfg)
-        self.monitor = monitor
-
-    def start(self) -> None:
-        self.monitor.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.monitor.stop(timeout_s)
-
-
-class CdiPart(PartBase):
-    """The node's CDI specs (``cdi.CdiRegistry``): read at start, then
-    re-read in the background when they change, so no request path ever
-    parses a spec (issue 34 item 5)."""
-
-    name = "cdi"
-    reads = frozenset({"cdi_spec_dirs", "cdi_kind"})
-
-    def __init__(self, cfg: Config, registry: CdiRegistry) -> None:
-        super().__init__(cfg)
-        self.registry = registry
-
-    def start(self) -> None:
-        self.registry.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.registry.stop(timeout_s)
-
-
 class HealthPart(PartBase):
     """``/healthz``, ``/readyz``, ``/status``; ``bound`` after start."""
 
@@ -516,26 +448,6 @@ class HealthPart(PartBase):
 
     def stop(self, timeout_s: float) -> None:
         self.server.stop(timeout_s)
-
-
-class NodeConditionPart(PartBase):
-    """KAI's readiness gate (ADR 0005)."""
-
-    name = "node condition"
-    reads = frozenset({"node_condition_types", "kubeconfig", "node_name"})
-
-    def __init__(self, cfg: Config, publisher: NodeConditionPublisher) -> None:
-        super().__init__(cfg)
-        self.publisher = publisher
-
-    def start(self) -> None:
-        self.publisher.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.publisher.stop(timeout_s)
-
-    def status(self) -> dict[str, Any]:
-        return self.publisher.status()
 
 
 def bounded(name: str, fn: Callable[[], Any], timeout_s: float, clock: Clock = time.monotonic) -> bool:

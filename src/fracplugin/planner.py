@@ -43,7 +43,6 @@ from .model import (
     FractionRequest,
     GpuInfo,
     Mount,
-    MpsTarget,
     NodeInfo,
     PodRef,
     Tenancy,
@@ -371,12 +370,6 @@ def _pinned_limit(n_gpus: int, limit_mib: int) -> str:
 
 
 @functools.lru_cache(maxsize=4096)  # frozen values, shared between plans (issue 14)
-def _mps_target(mode: ComputeMode, host_pipe: str, ns: str | None, atp: int | None, limit_mib: int) -> MpsTarget:
-    return MpsTarget(mode=mode, host_pipe_dir=host_pipe, container_pipe_dir=CONTAINER_PIPE_DIR,
-                     namespace=ns, active_thread_percentage=atp, pinned_mem_limit_mib=limit_mib)
-
-
-@functools.lru_cache(maxsize=4096)  # frozen values, shared between plans (issue 14)
 def _pipe_mounts(host_pipe: str) -> tuple[Mount, ...]:
     """The one bind mount of a plan: the pipe directory, read-only:
     connecting to a unix socket works on a read-only mount, unlinking or
@@ -387,14 +380,13 @@ def _pipe_mounts(host_pipe: str) -> tuple[Mount, ...]:
 def _finish(pod: PodRef, container: str, gpus: tuple[GpuInfo, ...], request_mib: int, limit_mib: int,
             mode: ComputeMode, atp: int | None, ns: str | None, config: PlannerConfig,
             placed: bool, *, cdi: tuple[str, ...] = (), portion: float | None = None) -> ContainerPlan:
-    """Env, mounts and MPS target of a decided placement."""
+    """Env, mounts and MPS namespace of a decided placement."""
     layout = config.layout
     # MPS v3: every container, in every mode, gets its own namespace leaf; no
     # container ever sees a daemon's control socket (issue 12). Classic v2 has
     # no namespaces: the mode's daemon pipe directory, read-only (the
     # supervisor reports this exposure).
     host_pipe = layout.namespace_pipe_dir(ns, mode) if ns else layout.pipe_dir(mode)
-    mps = _mps_target(mode, host_pipe, ns, atp, limit_mib)
     uuids = gpus[0].uuid if len(gpus) == 1 else ",".join([g.uuid for g in gpus])
     env: dict[str, str] = {
         ENV_VISIBLE_DEVICES: uuids,
@@ -416,22 +408,7 @@ def _finish(pod: PodRef, container: str, gpus: tuple[GpuInfo, ...], request_mib:
         # read-only: connecting to a unix socket works on a read-only mount,
         # unlinking or replacing it does not (issue 12)
         mounts=_pipe_mounts(host_pipe),
-        mps=mps, placed_by_node=placed, cdi_devices=cdi, portion=portion,
+        mps_namespace=ns, placed_by_node=placed, cdi_devices=cdi, portion=portion,
     )
 
 
-def plan_container(
-    annotations: Mapping[str, str],
-    container: str,
-    pod: PodRef,
-    node: NodeInfo,
-    ledger: LedgerView,
-    config: PlannerConfig = PlannerConfig(),
-    containers: Sequence[str] | None = None,
-) -> ContainerPlan | None:
-    """``annotations.parse`` then ``plan``: None when the container is not
-    fractional. Raises FractionError like both."""
-    request = ann.parse(annotations, container, prefix=config.annotation_prefix, containers=containers)
-    if request is None:
-        return None
-    return plan(request, pod, node, ledger, config)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-__all__ = ["Clock", "HookMetrics", "NoMetrics"]
-
 Clock = Callable[[], float]
 """Monotonic seconds (``time.monotonic``); injectable where a part measures time."""
 

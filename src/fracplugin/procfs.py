@@ -31,8 +31,6 @@ from typing import Iterable
 import re
 from dataclasses import dataclass
 
-__all__ = ["ContainerRef", "ProcFs", "parse_cgroup", "container_id_matches"]
-
 # <prefix>-<64 hex>.scope (systemd driver) or a bare 64-hex leaf (cgroupfs driver).
 _SCOPE_RE = re.compile(r"^(?:(?P<rt>cri-containerd|crio|docker|containerd)-)?(?P<id>[0-9a-f]{64})(?:\.scope)?$")
 _POD_RE = re.compile(r"pod(?P<uid>[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})(?:\.slice)?$")
@@ -210,16 +208,6 @@ class ProcFs:
     def pids_by_exe(self, basename: str) -> list[int]:
         """PIDs whose ``exe`` basename equals ``basename``."""
         return [p for p in self.pids() if self.exe_basename(p) == basename]
-
-    def pids_of_container(self, container_id: str) -> list[int]:
-        """PIDs whose cgroup names ``container_id`` (see ``container_id_matches``)."""
-        out = []
-        for pid in self.pids():
-            ref = self.container_of(pid)
-            if ref is not None and container_id_matches(ref.container_id, container_id):
-                out.append(pid)
-        return out
-
 
 class CachedProcFs(ProcFs):
     """``ProcFs`` whose ``container_of`` and ``exe_basename`` answers are

@@ -153,11 +153,6 @@ class ReservationProofs:
         with self._lock:
             return self._aliases.get(key)
 
-    def aliases_to(self, hold: str) -> list[str]:
-        """The keys that are aliases of ``hold``."""
-        with self._lock:
-            return [a for a, t in self._aliases.items() if t == hold]
-
     def _save(self) -> None:
         if self.path is None:
             return

@@ -24,8 +24,6 @@ from typing import Any
 
 from .model import PodRef
 
-__all__ = ["Restarter", "MAX_IN_FLIGHT"]
-
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 16

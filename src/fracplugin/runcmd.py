@@ -29,9 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fracplugin.daemon")  # the daemon's log, as before the split
 
-__all__ = ["add_arguments", "main", "keep_mps_role"]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``fracplugin run`` (see ``config.add_arguments``)."""
     configmod.add_arguments(p)

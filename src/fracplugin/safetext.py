@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["escape_controls", "quote"]
-
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 

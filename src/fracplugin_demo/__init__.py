@@ -18,5 +18,9 @@ simulated node) and then plays the two peers it talks to on a real node:
 * ``fracplugin_demo.kubelet``: the kubelet side of the device plugin API
   (Registration server + device plugin client over gRPC).
 
-Also used by ``tests/bench/`` and ``tests/gpu/gpu_check.py``.
+Also used by ``tests/bench/`` and ``tests/gpu/gpu_check.py``. The package
+also holds two tools that are not the daemon either: ``admission`` (the
+chart's ValidatingAdmissionPolicy generated from the annotation contract,
+ADR 0026; ``scripts/render_admission_policy.py``) and ``subproc`` (children
+that die with their parent, for the demo and the tests).
 """

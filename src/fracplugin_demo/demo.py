@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import yaml
 
-from fracplugin.subproc import die_with_parent
+from fracplugin_demo.subproc import die_with_parent
 
 PKG_DIR = Path(__file__).resolve().parent
 RESOURCE = "fracplugin.io/gpu-memory"

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from fracplugin import admission
+from fracplugin_demo import admission
 from tests.admission_e2e.cases import BAD, GOOD, expected_message, pod, seed_pods
 
 REPO = Path(__file__).resolve().parents[2]

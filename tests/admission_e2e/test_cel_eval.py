@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fracplugin import admission
+from fracplugin_demo import admission
 from tests.admission_e2e.cases import (BAD, DEVICES, GOOD, GPU, KAI_LIMIT, LIM, MODE, PORTION, REQ, expected_message,
                                        parse_message, pod, seed_pods)
 

@@ -35,7 +35,8 @@ from benchjson import merge  # noqa: E402
 from fracplugin.cdi import CdiRegistry, with_node_cdi_devices  # noqa: E402
 from fracplugin.gpu.simulated import load_node  # noqa: E402
 from fracplugin.model import PodRef  # noqa: E402
-from fracplugin.planner import EmptyLedger, plan_container  # noqa: E402
+from fracplugin.planner import EmptyLedger  # noqa: E402
+from tests.helpers import plan_container  # noqa: E402
 
 SPECS = 300
 RUN_S = 6.0

@@ -61,7 +61,8 @@ sys.path.insert(0, str(REPO / "tests" / "component"))
 from fake_kubelet import FakeKubelet  # noqa: E402
 
 from fracplugin.gpu.simulated import SimulatedInventory  # noqa: E402
-from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource  # noqa: E402
+from fracplugin.kubelet.deviceplugin import DevicePluginServer  # noqa: E402
+from fracplugin.kubelet.podlookup import InMemoryPodSource  # noqa: E402
 from fracplugin.ledger import Ledger  # noqa: E402
 from fracplugin.planner import PlannerConfig  # noqa: E402
 from benchjson import merge  # noqa: E402

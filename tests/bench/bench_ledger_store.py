@@ -73,13 +73,14 @@ from typing import Any, Collection, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fracplugin.gpu.simulated import load_node  # noqa: E402
 from fracplugin.ledger import Ledger  # noqa: E402
 from fracplugin.ledgerstore import encode_tenancy  # noqa: E402
 from fracplugin.model import ComputeMode, NodeInfo, PodRef, Tenancy  # noqa: E402
-from fracplugin.planner import plan_container  # noqa: E402
+from tests.helpers import plan_container  # noqa: E402
 
 TMPFS = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 GPUS = 256  # 256 x 48 = 12,288 MPS clients: room for 10k tenancies
@@ -315,7 +316,7 @@ def child_writer(variant: str, d: Path, seed: int) -> None:
             uid = rng.choice(held)
             out.write(f"- {uid}\n")
             out.flush()
-            ledger.release_pod(uid)
+            ledger.release(uid, "app")
         else:
             k += 1
             uid = f"p{seed}-{k}"

@@ -76,8 +76,11 @@ def bench_mps() -> dict[str, float]:
     probes: list[float] = []
     try:
         sup.start()
-        if not sup.wait_ready(30):
-            raise RuntimeError(f"supervisor not ready: {sup.status()}")
+        deadline = time.monotonic() + 30
+        while not sup.ready():
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"supervisor not ready: {sup.status()}")
+            time.sleep(0.02)
         ns_dir = sup.ensure_namespace("bench-pod", "bench", 50, timeout_s=10)
         for _ in range(REPEAT):
             old = _pid(sup)
@@ -96,7 +99,7 @@ def bench_mps() -> dict[str, float]:
             # first crash (immediate retry), not a crash loop under backoff
             while next(d["restart_budget_used"] for d in sup.status()["daemons"]):
                 time.sleep(0.05)
-        control = sup._daemons[SM].control  # the same client the probe uses
+        control = sup.daemons[SM].control  # the same client the probe uses
         for _ in range(20):
             probes.append(control.probe(2.0) * 1000)
     finally:

@@ -54,7 +54,8 @@ from fracplugin.ledger import Ledger  # noqa: E402
 from fracplugin.model import NodeInfo, PodRef  # noqa: E402
 from fracplugin.mps.layout import MpsLayout  # noqa: E402
 from fracplugin.nri.plugin import FracNriPlugin  # noqa: E402
-from fracplugin.planner import PlannerConfig, plan_container  # noqa: E402
+from fracplugin.planner import PlannerConfig  # noqa: E402
+from tests.helpers import plan_container  # noqa: E402
 from tests.helpers import node_rules  # noqa: E402
 
 TMPFS = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"

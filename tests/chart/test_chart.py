@@ -105,9 +105,9 @@ def test_service_monitor_brings_its_service_and_needs_no_relabelling(helm: str) 
 
 def test_admission_set_renders_the_generated_policy(renders) -> None:
     """ci/admission-values.yaml: the ValidatingAdmissionPolicy and its binding,
-    whose CEL is the generator's (fracplugin.admission, ADR 0026) with the
+    whose CEL is the generator's (fracplugin_demo.admission, ADR 0026) with the
     set's annotation prefix, and whose actions and failure policy are the set's."""
-    from fracplugin import admission
+    from fracplugin_demo import admission
 
     m = renders["admission"]
     (policy,) = [d for d in objects(m) if d["kind"] == "ValidatingAdmissionPolicy"]

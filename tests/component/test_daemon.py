@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from fracplugin.subproc import die_with_parent, with_fd_as_3
+from fracplugin_demo.subproc import die_with_parent, with_fd_as_3
 from tests.fakes.mps_client import fake_control_binary
 from tests.helpers import scaled, wait_until
 

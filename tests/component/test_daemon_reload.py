@@ -28,7 +28,7 @@ from fracplugin import logs
 from fracplugin._proto import deviceplugin_pb2 as pb
 from fracplugin._proto import nri_pb2
 from fracplugin.daemon import Daemon
-from fracplugin.kubelet.allocator import Refusal
+from fracplugin.kubelet.allocbase import Refusal
 from fracplugin.rpcstatus import StatusCode
 from fracplugin.kubelet.deviceplugin import ALLOCATE_UNADJUSTED, ANNOTATION_ALLOCATE
 from fracplugin.nri.ttrpc import RpcError

@@ -15,7 +15,8 @@ import pytest
 from fracplugin._proto import deviceplugin_pb2 as pb
 from fracplugin._proto import deviceplugin_pb2_grpc as pb_grpc
 from fracplugin.gpu.simulated import SimulatedInventory
-from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource
+from fracplugin.kubelet.deviceplugin import DevicePluginServer
+from fracplugin.kubelet.podlookup import InMemoryPodSource
 from fracplugin.kubelet.devices import parse_device_id
 from fracplugin.ledger import Ledger
 from fracplugin.planner import PlannerConfig
@@ -168,7 +169,7 @@ def test_prestart_and_preferred_with_must_include_over_grpc(plugin):
             pb.PreferredAllocationRequest(
                 container_requests=[
                     pb.ContainerPreferredAllocationRequest(
-                        available_deviceIDs=s.table.all_ids(), must_include_deviceIDs=[f"{g2}::7"], allocation_size=4
+                        available_deviceIDs=list(s.table.lookup), must_include_deviceIDs=[f"{g2}::7"], allocation_size=4
                     )
                 ]
             ),

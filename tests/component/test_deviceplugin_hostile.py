@@ -32,7 +32,8 @@ import pytest
 from fracplugin._proto import deviceplugin_pb2 as pb
 from fracplugin._proto import deviceplugin_pb2_grpc as pb_grpc
 from fracplugin.gpu.simulated import SimulatedInventory
-from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource
+from fracplugin.kubelet.deviceplugin import DevicePluginServer
+from fracplugin.kubelet.podlookup import InMemoryPodSource
 from fracplugin.kubelet import grpcopts
 from fracplugin.ledger import Ledger
 from fracplugin.planner import PlannerConfig

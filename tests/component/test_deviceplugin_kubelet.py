@@ -21,9 +21,10 @@ import pytest
 
 from fake_kubelet import FakeKubelet, FakePodResources
 from fracplugin.gpu.simulated import SimulatedInventory
-from fracplugin.kubelet import DevicePluginServer, InMemoryPodSource
+from fracplugin.kubelet.deviceplugin import DevicePluginServer
+from fracplugin.kubelet.podlookup import InMemoryPodSource
 from fracplugin.kubelet.devices import MAX_DEVICE_ID_LEN, parse_device_id
-from fracplugin.kubelet.podresources import PodResourcesClient, PodResourcesError, devices_for
+from fracplugin.kubelet.podresources import PodResourcesClient, PodResourcesError
 from fracplugin.ledger import Ledger
 from fracplugin.mps.api import NullMps
 from fracplugin.planner import PlannerConfig
@@ -386,27 +387,13 @@ def podresources(rig):
     return rig.podresources
 
 
-def test_podresources_list_get_and_devices_for(podresources):
+def test_podresources_list(podresources):
     c = PodResourcesClient(podresources.socket_path)
     try:
         (p,) = c.list()
         assert (p.namespace, p.name) == ("ns", "p")
-        assert c.get("ns", "p").container("app").devices[R] == ("GPU-a::1", "GPU-a::2")
-        assert c.get("ns", "missing") is None
-        assert c.devices_for("ns", "p", "app", R) == ["GPU-a::1", "GPU-a::2"]
-        assert c.devices_for("ns", "p", "side", R) == []
-        assert c.devices_for("ns", "p", "nope", R) == []
-    finally:
-        c.close()
-    assert devices_for("ns", "p", "app", R, socket_path=podresources.socket_path) == ["GPU-a::1", "GPU-a::2"]
-
-
-def test_podresources_without_get_falls_back_to_list(podresources):
-    podresources.get_implemented = False
-    c = PodResourcesClient(podresources.socket_path)
-    try:
-        assert c.devices_for("ns", "p", "app", R) == ["GPU-a::1", "GPU-a::2"]
-        assert c.get("ns", "missing") is None
+        assert {x.name: dict(x.devices) for x in p.containers} == {
+            "app": {R: ("GPU-a::1", "GPU-a::2"), "other/res": ("x",)}, "side": {}}
     finally:
         c.close()
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fracplugin.mps.control import MpsControl, MpsError, render_config_toml
+from fracplugin.mps.api import MpsError
+from fracplugin.mps.control import MpsControl, render_config_toml
 from tests.fakes.mps_client import PY_FAKE, build_mps_client
 from tests.helpers import scaled, unix_socket_listening, wait_until
 

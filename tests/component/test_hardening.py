@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from fracplugin.subproc import die_with_parent
+from fracplugin_demo.subproc import die_with_parent
 from test_daemon import FAKE_MPS, INFERENCE, NODE, DaemonProc, root  # noqa: F401 (root: fixture)
 from tests.helpers import wait_until
 
@@ -358,7 +358,7 @@ def test_runtime_bounds_through_the_daemon(limited: Callable[..., LimitedDaemon]
     is refused and counted in /metrics; an empty container id is refused and
     never reaches the ledger."""
     from fracplugin._proto import nri_pb2
-    from fracplugin.nri.stub import MAX_SYNC_PARTS, PLUGIN_SERVICE
+    from fracplugin.nri.dispatch import MAX_SYNC_PARTS, PLUGIN_SERVICE
     from nri_runtime import FakeNriRuntime, make_pod, pod_from_manifest
 
     rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))

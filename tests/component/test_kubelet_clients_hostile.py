@@ -129,7 +129,7 @@ def test_stop_abandons_a_register_that_kubelet_never_answers(sockdir, node_file)
     cancels the call instead of waiting for its deadline (60 s here), so the
     daemon's shutdown budget is not spent on a wedged kubelet."""
     from fracplugin.gpu.simulated import SimulatedInventory
-    from fracplugin.kubelet import DevicePluginServer
+    from fracplugin.kubelet.deviceplugin import DevicePluginServer
     from fracplugin.ledger import Ledger
     from fracplugin.planner import PlannerConfig
     from tests.helpers import wait_until
@@ -163,7 +163,7 @@ def test_reconcile_against_a_podresources_that_refuses_list_leaks_no_connection(
     import grpc
 
     from fracplugin.gpu.simulated import SimulatedInventory
-    from fracplugin.kubelet import DevicePluginServer
+    from fracplugin.kubelet.deviceplugin import DevicePluginServer
     from fracplugin.ledger import Ledger
     from fracplugin.planner import PlannerConfig
     from tests.helpers import wait_until

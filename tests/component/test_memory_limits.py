@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from fracplugin.subproc import die_with_parent
+from fracplugin_demo.subproc import die_with_parent
 from tests.fakes import nvml as fake
 from tests.helpers import wait_until
 

@@ -13,7 +13,8 @@ import psutil
 import pytest
 
 from fracplugin.mps import control as ctl
-from fracplugin.mps.control import MpsControl, MpsError, MpsTimeout, choose_protocol, render_config_toml
+from fracplugin.mps.api import MpsError, MpsTimeout
+from fracplugin.mps.control import MpsControl, choose_protocol, render_config_toml
 from tests.helpers import scaled, unix_socket_listening, wait_until
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fakes" / "nvidia-cuda-mps-control")
@@ -81,7 +82,7 @@ def test_v3_commands_and_csv_parsing(pipe):
     servers = c.server_list(5)
     assert [s.name for s in servers] == ["shared"] and servers[0].status == "Ready"
     c.namespace_create("fp_x", "shared", 5)
-    c.namespace_set_atp("fp_x", "shared", 25, 5)
+    c.namespace_set_caps("fp_x", "shared", 25, None, 5)
     rows = c.namespace_list("shared", 5)
     assert [(r.name, r.server, r.active_thread_percentage) for r in rows] == [("fp_x", "shared", 25)]
     assert rows[0].pipe_directory == os.path.join(root, "p", "shared", "fp_x")
@@ -100,7 +101,7 @@ def test_v3_commands_and_csv_parsing(pipe):
     with pytest.raises(ValueError):
         c.namespace_create("Bad", "shared", 5)
     with pytest.raises(ValueError):
-        c.namespace_set_atp("fp_x", "shared", 0, 5)
+        c.namespace_set_caps("fp_x", "shared", 0, None, 5)
 
 
 def test_v2_stdin_commands(pipe):

@@ -17,7 +17,8 @@ import pytest
 
 from fracplugin.model import ComputeMode
 from fracplugin.mps.api import DrainResult, MpsError, MpsTimeout
-from fracplugin.mps.rpc import API_VERSION, MAX_REQUEST_BYTES, MpsApiServer, RemoteMps
+from fracplugin.mps.rpc import MAX_REQUEST_BYTES, MpsApiServer, RemoteMps
+from fracplugin.mps.rpcwire import API_VERSION
 
 TS, SM = ComputeMode.TIME_SLICING, ComputeMode.SM_SHARING
 

@@ -34,7 +34,8 @@ from tests.helpers import wait_until
 
 from fracplugin.model import ComputeMode
 from fracplugin.mps.api import DrainResult, MpsError
-from fracplugin.mps.rpc import (API_VERSION, MAX_CONNECTIONS, MAX_RUNNING_PER_PEER, REQUEST_DEADLINE_S,
+from fracplugin.mps.rpcwire import API_VERSION
+from fracplugin.mps.rpc import (MAX_CONNECTIONS, MAX_RUNNING_PER_PEER, REQUEST_DEADLINE_S,
                                 MpsApiServer, RemoteMps)
 
 TS, SM = ComputeMode.TIME_SLICING, ComputeMode.SM_SHARING

@@ -164,7 +164,7 @@ def daemon(sup: MpsSupervisor, mode: ComputeMode) -> dict:
 def test_v3_daemons_start_ready_with_expected_flags_and_stop_cleanly(mps):
     sup = mps.supervisor()
     assert sup.protocol == 3
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     assert isinstance(sup, MpsApi)
     for mode in (TS, SM):
         assert os.path.exists(os.path.join(mps.layout.pipe_dir(mode), "control"))
@@ -202,7 +202,7 @@ def test_stale_control_socket_is_removed_before_start(mps):
     s.bind(os.path.join(pipe, "control"))
     s.close()  # a socket file nobody listens on: what a killed daemon leaves
     sup = mps.supervisor(modes=(TS,))
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     assert daemon(sup, TS)["restarts"] == 0
 
 
@@ -211,7 +211,7 @@ def test_stale_control_socket_is_removed_before_start(mps):
 
 def test_crash_is_restarted_and_healthy_again(mps):
     sup = mps.supervisor(modes=(SM,))
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     old = daemon(sup, SM)["pid"]
     mps.faults(SM, crash=True, pid=old)
     wait_for(lambda: daemon(sup, SM)["pid"] not in (None, old) and sup.healthy(SM), what="restart")
@@ -228,7 +228,7 @@ def test_crash_is_restarted_and_healthy_again(mps):
 
 def test_hung_daemon_is_caught_by_the_probe_and_restarted(mps):
     sup = mps.supervisor(modes=(TS,), probe_timeout_s=0.5)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     old = daemon(sup, TS)["pid"]
     mps.faults(TS, hang=True, pid=old)
     # the process stays alive while hung: only the active probe can notice
@@ -244,7 +244,7 @@ def test_a_late_answer_alone_does_not_report_a_live_daemon_down(mps):
     # host. The timed-out probe doubles the next one's timeout (1 s), which gets the answer; one late
     # answer is no verdict (threshold 2), so health never drops and nothing is restarted.
     sup = mps.supervisor(modes=(TS,), probe_interval_s=0.2, probe_timeout_s=0.5)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     pid = daemon(sup, TS)["pid"]
     mps.events.clear()
     mps.faults(TS, slow={"server list": 0.8})
@@ -259,7 +259,7 @@ def test_a_late_answer_alone_does_not_report_a_live_daemon_down(mps):
 def test_a_refused_probe_reports_the_daemon_down_at_once(mps):
     # refused (the daemon answers an error): no waiting for a threshold (set high here: no restart)
     sup = mps.supervisor(modes=(TS,), probe_interval_s=0.2, probe_failure_threshold=100)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     mps.faults(TS, refuse=["server list"])
     wait_for(lambda: not sup.healthy(TS), what="unhealthy after a refused probe")
     d = daemon(sup, TS)
@@ -277,7 +277,7 @@ def test_on_a_cpu_starved_host_timeouts_count_only_at_the_longest_probe_timeout(
         f.write("some avg10=99.00 avg60=98.00 avg300=97.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
     sup = mps.supervisor(modes=(TS,), proc_root=mps.proc_root, probe_interval_s=0.2, probe_timeout_s=0.2,
                          probe_failure_threshold=1, max_restarts=0)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     old = daemon(sup, TS)["pid"]
     mps.events.clear()
     mps.faults(TS, hang=True, pid=old)
@@ -293,7 +293,7 @@ def test_on_a_cpu_starved_host_timeouts_count_only_at_the_longest_probe_timeout(
 
 def test_slow_answers_within_the_timeout_keep_the_daemon_healthy(mps):
     sup = mps.supervisor(modes=(SM,), probe_timeout_s=3.0)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     pid = daemon(sup, SM)["pid"]
     mps.faults(SM, slow_s=0.3)
     # a probe that went through the slowed daemon (it cannot answer in under 0.3 s)
@@ -305,7 +305,7 @@ def test_slow_answers_within_the_timeout_keep_the_daemon_healthy(mps):
 
 def test_slow_answer_beyond_the_budget_raises_timeout_and_forgets_the_request(mps):
     sup = mps.supervisor(modes=(SM,))
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     mps.faults(SM, slow={"namespace create": 5.0})
     with pytest.raises(MpsTimeout):
         sup.ensure_namespace(POD_A, "app", 50, timeout_s=0.5)
@@ -316,7 +316,7 @@ def test_slow_answer_beyond_the_budget_raises_timeout_and_forgets_the_request(mp
 
 def test_refused_command_raises_and_daemon_stays_healthy(mps):
     sup = mps.supervisor(modes=(SM,))
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     mps.faults(SM, refuse=["namespace create"])
     with pytest.raises(MpsError, match="refused"):
         sup.ensure_namespace(POD_A, "app", 25, timeout_s=5)
@@ -326,7 +326,7 @@ def test_refused_command_raises_and_daemon_stays_healthy(mps):
 
 def test_refused_cap_leaves_no_uncapped_namespace(mps):
     sup = mps.supervisor(modes=(SM,))
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     mps.faults(SM, refuse=["namespace set"])
     with pytest.raises(MpsError):
         sup.ensure_namespace(POD_A, "app", 25, timeout_s=5)
@@ -350,7 +350,7 @@ def test_budget_resets_after_stable_uptime(mps):
             return now[0]
 
     sup = mps.supervisor(modes=(TS,), clock=clock, stable_uptime_s=60, probe_interval_s=1e9)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     old = daemon(sup, TS)["pid"]
     mps.faults(TS, crash=True, pid=old)
     wait_for(lambda: daemon(sup, TS)["pid"] not in (None, old) and sup.healthy(TS), what="restart")
@@ -366,7 +366,7 @@ def test_budget_resets_after_stable_uptime(mps):
 
 def test_namespace_created_capped_idempotent_and_restored_after_restart(mps):
     sup = mps.supervisor(modes=(SM,))
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     name = namespace_name(POD_A, "app")
     path = sup.ensure_namespace(POD_A, "app", 30, timeout_s=5)
     assert path == mps.layout.namespace_pipe_dir(name)
@@ -390,7 +390,7 @@ def test_namespace_created_capped_idempotent_and_restored_after_restart(mps):
 
 def test_recap_refused_while_a_client_is_attached(mps):
     sup = mps.supervisor(modes=(SM,))
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     sup.ensure_namespace(POD_A, "app", 30, timeout_s=5)
     mps.client(CID_A, POD_A, namespace=namespace_name(POD_A, "app"))
     with pytest.raises(MpsError, match="clients attached"):
@@ -402,7 +402,7 @@ def test_ensure_of_a_namespace_applied_on_this_daemon_asks_mps_nothing(mps):
     # issue 14: every new container of the same pod and name (restarts, the
     # runtime's retries, bench_nri) used to cost a `namespace list` per ensure.
     sup = mps.supervisor(modes=(SM,))
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     key = f"{SM_SERVER}/{namespace_name(POD_A, 'app')}"
     path = sup.ensure_namespace(POD_A, "app", 30, timeout_s=5, pinned_limit_mib=2048)
     mps.faults(SM, refuse=["namespace"])  # from now on MPS refuses every namespace command
@@ -433,7 +433,7 @@ def test_ensure_of_a_namespace_applied_on_this_daemon_asks_mps_nothing(mps):
 
 def test_release_deletes_namespace_or_retries_until_clients_leave(mps):
     sup = mps.supervisor(modes=(SM,))
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     sup.ensure_namespace(POD_A, "app", 30, timeout_s=5)
     sup.ensure_namespace(POD_B, "b", 30, timeout_s=5)
     assert sup.release_namespace(POD_B, "b") is True
@@ -449,7 +449,7 @@ def test_release_deletes_namespace_or_retries_until_clients_leave(mps):
 
 def test_namespaces_need_v3_and_an_sm_daemon(mps):
     sup = mps.supervisor(modes=(TS,))
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     with pytest.raises(MpsError, match="sm-sharing"):
         sup.ensure_namespace(POD_A, "app", 30, timeout_s=2)
     with pytest.raises(ValueError):
@@ -461,7 +461,7 @@ def test_namespaces_need_v3_and_an_sm_daemon(mps):
 
 def test_drain_terminates_only_the_containers_clients(mps):
     sup = mps.supervisor(modes=(TS, SM), proc_root=mps.proc_root)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     ns = namespace_name(POD_A, "app")
     sup.ensure_namespace(POD_A, "app", 30, timeout_s=5)
     a1 = mps.client(CID_A, POD_A, namespace=ns)
@@ -480,7 +480,7 @@ def test_drain_terminates_only_the_containers_clients(mps):
 def test_slow_drain_makes_the_daemon_unhealthy_but_restarts_nothing(mps):
     # issue 12: a 1.2 s answer used to SIGKILL the daemon (every client's work lost).
     sup = mps.supervisor(modes=(SM,), proc_root=mps.proc_root)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     sup.ensure_namespace(POD_A, "app", 30, timeout_s=5)
     mps.client(CID_A, POD_A, namespace=namespace_name(POD_A, "app"))
     old = daemon(sup, SM)["pid"]
@@ -500,7 +500,7 @@ def test_slow_drain_makes_the_daemon_unhealthy_but_restarts_nothing(mps):
 def test_one_slow_daemon_does_not_touch_the_other(mps):
     # issue 12: the ts daemon answering in 1.2 s made the healthy sm daemon be killed too.
     sup = mps.supervisor(modes=(TS, SM), proc_root=mps.proc_root)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     pids = {m: daemon(sup, m)["pid"] for m in (TS, SM)}
     mps.client(CID_A, POD_A, mode=TS)
     mps.faults(TS, slow_s=1.2)
@@ -515,7 +515,7 @@ def test_one_slow_daemon_does_not_touch_the_other(mps):
 
 def test_drain_of_a_hung_daemon_restarts_it_only_after_the_probe_confirms(mps):
     sup = mps.supervisor(modes=(TS,), proc_root=mps.proc_root, probe_interval_s=1e9, probe_timeout_s=0.5)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     old = daemon(sup, TS)["pid"]
     mps.client(CID_A, POD_A, mode=TS)
     mps.faults(TS, hang=True)
@@ -543,7 +543,7 @@ def test_v2_daemon_defaults_probe_and_drain(mps):
                          default_active_thread_percentage=50,
                          default_pinned_mem_limits_mib={"0": 1024})
     assert sup.protocol == 2
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     st = mps.state(SM)
     assert st["protocol"] == 2 and st["default_active_thread_percentage"] == 50.0 and st["pinned"] == {"0": "1024M"}
     assert mps.state(TS)["default_active_thread_percentage"] == 100.0
@@ -561,7 +561,7 @@ def test_v2_daemon_defaults_probe_and_drain(mps):
 
 def test_protocol_override_beats_driver_version(mps):
     sup = mps.supervisor(modes=(TS,), driver="615.71.09", protocol=2)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     assert mps.state(TS)["protocol"] == 2
 
 
@@ -590,7 +590,7 @@ def _servers(path: str) -> list[int]:
 def test_stop_kills_daemons_that_ignore_quit_and_leftover_servers(mps):
     srv = _server_copy(mps.root)
     sup = mps.supervisor(modes=(TS, SM), env={"FAKE_MPS_SERVER_BIN": srv}, probe_interval_s=1e9)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     wait_for(lambda: len(_servers(srv)) == 2, what="two fake servers")
     old = daemon(sup, SM)["pid"]
     mps.faults(SM, crash=True, pid=old)  # its server outlives it
@@ -607,7 +607,7 @@ def test_stop_spares_mps_servers_of_other_stacks(mps):
     foreign = subprocess.Popen([srv, "60"], env={"CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia/mps/other/pipe"})
     try:
         sup = mps.supervisor(modes=(TS,), env={"FAKE_MPS_SERVER_BIN": srv}, probe_interval_s=1e9)
-        assert sup.wait_ready(15)
+        wait_until(sup.ready, 15)
         wait_for(lambda: len(_servers(srv)) == 2, what="our fake server next to the foreign one")
         sup.stop(timeout_s=2.0)
         assert _servers(srv) == [foreign.pid]  # ours killed, the other stack's kept
@@ -651,7 +651,7 @@ def test_a_failing_health_callback_does_not_stop_supervision(mps):
 
     sup = mps.supervisor(modes=(TS,))
     sup.subscribe(boom)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     old = daemon(sup, TS)["pid"]
     mps.faults(TS, crash=True, pid=old)
     wait_for(lambda: daemon(sup, TS)["pid"] not in (None, old) and sup.healthy(TS), what="restart")
@@ -659,7 +659,7 @@ def test_a_failing_health_callback_does_not_stop_supervision(mps):
 
 def test_refused_terminate_of_a_live_client_is_reported_not_restarted(mps):
     sup = mps.supervisor(modes=(TS,), proc_root=mps.proc_root, probe_interval_s=1e9)
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     old = daemon(sup, TS)["pid"]
     a = mps.client(CID_A, POD_A, mode=TS)
     mps.faults(TS, refuse=["client terminate"])
@@ -690,9 +690,9 @@ def test_failed_daemon_is_retried_forever_and_comes_back_when_the_fault_clears(m
 
 def test_server_crash_loop_in_the_control_log_makes_the_daemon_unhealthy(mps):
     metrics = Metrics()
-    sup = mps.supervisor(modes=(TS,), probe_interval_s=0.2, crash_loop_exits=3, crash_loop_window_s=2.0,
-                         metrics=metrics)
-    assert sup.wait_ready(15)
+    sup = mps.supervisor(modes=(TS,), probe_interval_s=0.2, crash_loop_exits=3, crash_loop_window_s=2.0)
+    metrics.attach_mps(sup)
+    wait_until(sup.ready, 15)
     log_path = os.path.join(mps.layout.log_dir(TS), "control.log")
     with open(log_path, "a") as f:
         f.write("[2026-11-30 19:00:00.000 Control 123] Server 456 exited with status 0\n")  # a clean exit
@@ -714,7 +714,7 @@ def test_dirs_are_0755_under_umask_077(mps):
     old = os.umask(0o077)
     try:
         sup = mps.supervisor(modes=(TS, SM))
-        assert sup.wait_ready(15)
+        wait_until(sup.ready, 15)
         leaf = sup.ensure_namespace(POD_A, "app", 30, timeout_s=5, mode=SM, pinned_limit_mib=12288)
         ts_leaf = sup.ensure_namespace(POD_B, "app", None, timeout_s=5, mode=TS, pinned_limit_mib=4096)
     finally:
@@ -746,7 +746,7 @@ def test_root_under_an_untraversable_parent_is_not_ready_and_says_which(mps):
 
 def test_namespace_pinned_limit_is_the_containers_limit_and_restored(mps):
     sup = mps.supervisor(modes=(SM,))
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     sup.ensure_namespace(POD_A, "app", 30, timeout_s=5, mode=SM, pinned_limit_mib=12288)
     ns = mps.state(SM)["namespaces"][f"{SM_SERVER}/{namespace_name(POD_A, 'app')}"]
     assert ns["pinned_memory_limit"] == "12288M" and ns["active_thread_percentage"] == 30
@@ -760,7 +760,7 @@ def test_namespace_pinned_limit_is_the_containers_limit_and_restored(mps):
 
 def test_restart_cleans_what_the_dead_daemon_left_and_keeps_tenant_dirs(mps):
     sup = mps.supervisor(modes=(TS,))
-    assert sup.wait_ready(15)
+    wait_until(sup.ready, 15)
     keep = sup.ensure_namespace(POD_A, "app", None, timeout_s=5, mode=TS, pinned_limit_mib=2048)
     gone = sup.ensure_namespace(POD_B, "app", None, timeout_s=5, mode=TS, pinned_limit_mib=2048)
     ino = os.stat(keep).st_ino  # a running container's bind mount holds this directory

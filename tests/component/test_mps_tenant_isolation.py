@@ -47,7 +47,7 @@ def sup():
                       env={"PATH": FAST_PATH})
     s.start()
     try:
-        assert s.wait_ready(20)
+        wait_for(s.ready, 20)
         yield s
     finally:
         s.stop(timeout_s=2.0)
@@ -196,7 +196,7 @@ def test_protocol_2_shares_the_directory_says_so_and_non_root_tenants_cannot_cha
                       probe_interval_s=0.3, backoff_base_s=0.05, env={"PATH": FAST_PATH})
     s.start()
     try:
-        assert s.wait_ready(20)
+        wait_for(s.ready, 20)
         st = s.status()
         assert st["protocol"] == 2 and "share that daemon's pipe directory" in st["exposure"]
         shared = s.layout.pipe_dir(TS)

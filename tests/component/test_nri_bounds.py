@@ -25,7 +25,8 @@ import pytest
 from tests.helpers import scaled, wait_for
 
 from fracplugin._proto import nri_pb2
-from fracplugin.nri.stub import MAX_SYNC_PARTS, MAX_UNANSWERED, PLUGIN_SERVICE, NriStub
+from fracplugin.nri.dispatch import MAX_SYNC_PARTS, MAX_UNANSWERED, PLUGIN_SERVICE
+from fracplugin.nri.stub import NriStub
 
 from nri_runtime import Code, FakeNriRuntime, make_container, make_pod
 from tests.peers.nri_runtime import PeerConnection

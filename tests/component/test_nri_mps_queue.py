@@ -87,7 +87,7 @@ def node():
     stub.start()
     rt.wait_registered()
     rt.synchronize([], [])
-    assert stub.wait_ready(5)
+    wait_for(stub.ever_synchronized, 5)
     yield plugin, ledger, mps, rt
     mps.gate.set()
     stub.stop(5)

@@ -27,7 +27,8 @@ from fracplugin.model import ComputeMode, PodRef
 from fracplugin.mps.layout import namespace_name
 from fracplugin.mps.rpc import MpsApiServer, RemoteMps
 from fracplugin.nri.orphans import mps_namespaces
-from fracplugin.planner import PlannerConfig, plan_container
+from fracplugin.planner import PlannerConfig
+from tests.helpers import plan_container
 
 from nri_runtime import RpcError, effective_env, make_container, make_pod
 from test_nri_plugin import NODE, FakeMps, make_harness  # noqa: F401 (make_harness: the fixture, shared)
@@ -261,7 +262,7 @@ def mps_role(sockdir):
     server = None
     try:
         sup = mh.supervisor(probe_interval_s=0.5)
-        assert sup.wait_ready(30)
+        wait_until(sup.ready, 30)
         server = MpsApiServer(sup, os.path.join(root, "api", "api.sock"))
         server.start()
         yield mh, server.path

@@ -22,8 +22,10 @@ from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.mps.layout import MpsLayout, namespace_name
 from fracplugin.nri.plugin import FracNriPlugin, build_adjustment
-from fracplugin.nri.stub import PLUGIN_SERVICE, NriStub
-from fracplugin.planner import PlannerConfig, plan_container
+from fracplugin.nri.dispatch import PLUGIN_SERVICE
+from fracplugin.nri.stub import NriStub
+from fracplugin.planner import PlannerConfig
+from tests.helpers import plan_container
 from fracplugin.model import ComputeMode, PodRef
 
 from nri_runtime import Code, FakeNriRuntime, RpcError, effective_env, make_container, make_pod, pod_from_manifest
@@ -138,14 +140,14 @@ class Harness:
         self.stub = self._stub()
         self.stub.start()
         wait_for(lambda: len(self.rt.registrations) > n, what="the restarted doors registered")
-        assert self.stub.wait_ready(scaled(5))
+        wait_for(self.stub.ever_synchronized, 5)
         return self
 
     def start(self, pods=(), containers=()):
         self.stub.start()
         self.rt.wait_registered()
         self.rt.synchronize(list(pods), list(containers))
-        assert self.stub.wait_ready(5)
+        wait_for(self.stub.ever_synchronized, 5)
         return self
 
     def restart_runtime(self, **kwargs):
@@ -495,7 +497,7 @@ def test_split_synchronize_is_honoured(make_harness):
         pods.append(pod)
         ctrs.append(_running(pod, "c", adjusted=True, container_id=f"c{i}"))
     assert h.rt.synchronize(pods, ctrs, parts=3) == []
-    assert h.stub.wait_ready(5)
+    wait_for(h.stub.ever_synchronized, 5)
     assert sorted(t.container_id for t in h.ledger.tenancies()) == [f"c{i}" for i in range(6)]
 
 

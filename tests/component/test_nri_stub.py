@@ -13,7 +13,8 @@ import pytest
 from tests.helpers import wait_for, wait_until
 
 from fracplugin._proto import nri_pb2
-from fracplugin.nri.stub import NriStub, event_mask
+from fracplugin.nri.interfaces import event_mask
+from fracplugin.nri.stub import NriStub
 from fracplugin.nri.ttrpc import Code, RpcError
 
 from nri_runtime import FakeNriRuntime, make_container, make_pod
@@ -141,7 +142,7 @@ def test_configure_before_the_register_reply_does_not_deadlock(sockpath, cleanup
     rt.wait_registered()
     wait_for(stub.connected, what="registration")
     rt.synchronize([], [])
-    assert stub.wait_ready(5)
+    wait_for(stub.ever_synchronized, 5)
 
 
 def test_handler_errors_become_statuses(sockpath, cleanup):
@@ -179,20 +180,6 @@ def test_large_answers_travel_in_frames_the_go_reader_accepts(sockpath, cleanup)
     pod = make_pod("p", annotations={f"a{i}": "x" * 100 for i in range(300)})  # ~30 KB request
     got = rt.create_container(pod, make_container(pod, "c"))
     assert got == adj and adj.ByteSize() > 16000
-
-
-def test_unsolicited_update_containers(sockpath, cleanup):
-    rt = FakeNriRuntime(sockpath)
-    cleanup(rt)
-    stub = _stub(Recorder(), sockpath, cleanup)
-    with pytest.raises(ConnectionError):
-        stub.update_containers(evictions=[nri_pb2.ContainerEviction(container_id="x", reason="r")])
-    stub.start()
-    rt.wait_registered()
-    wait_for(stub.connected, what="registration")
-    assert stub.update_containers(evictions=[nri_pb2.ContainerEviction(container_id="c1", reason="mps wedged")]) == []
-    ((req,),) = [rt.unsolicited]
-    assert [(e.container_id, e.reason) for e in req.evict] == [("c1", "mps wedged")]
 
 
 def test_shutdown_is_answered(sockpath, cleanup):
@@ -249,14 +236,14 @@ def test_fd_mode_uses_the_inherited_socket_and_ends_with_it(cleanup):
     info = rt.wait_registered()
     assert (info.name, info.idx) == ("frac", "10")
     rt.synchronize([], [])
-    assert stub.wait_ready(5)
+    wait_for(stub.ever_synchronized, 5)
     rt.disconnect()  # the runtime closes its end: the launched plugin ends
     assert stub.wait_exit(10)
     assert not stub.connected()
 
 
 def test_dispatcher_without_sockets():
-    from fracplugin.nri.stub import Dispatcher, PLUGIN_SERVICE
+    from fracplugin.nri.dispatch import Dispatcher, PLUGIN_SERVICE
     from fracplugin.nri.ttrpc import RequestReceived
 
     rec = Recorder()
@@ -361,7 +348,7 @@ def test_a_reader_thread_call_that_overruns_is_answered_by_the_watchdog_and_aban
 
 def test_the_dispatch_table_and_the_mask_follow_the_implemented_interfaces():
     from fracplugin.nri.interfaces import EVENTS, CreateContainerInterface, handler_mask
-    from fracplugin.nri.stub import Dispatcher
+    from fracplugin.nri.dispatch import Dispatcher
 
     rec = Recorder()
     d = Dispatcher(rec, handler_mask(rec))

@@ -16,7 +16,7 @@ import pytest
 
 from fracplugin import mountflags
 from fracplugin.gpu.simulated import SimulatedInventory
-from fracplugin.kubelet import DevicePluginServer
+from fracplugin.kubelet.deviceplugin import DevicePluginServer
 from fracplugin.ledger import Ledger
 from fracplugin.mps.layout import MpsLayout
 from fracplugin.planner import PlannerConfig

@@ -25,7 +25,7 @@ import re
 import subprocess
 import time
 
-from fracplugin.subproc import die_with_parent
+from fracplugin_demo.subproc import die_with_parent
 import urllib.request
 import uuid
 import warnings

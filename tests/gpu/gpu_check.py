@@ -573,9 +573,9 @@ class Daemon:
         """Start it and wait for ``endpoints.json``. Raises RuntimeError when it exits or never writes it."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("FRACPLUGIN_", "CUDA_MPS_"))}
         env["PYTHONPATH"] = os.pathsep.join(self.pythonpath)
-        from fracplugin.subproc import die_with_parent
+        from fracplugin_demo.subproc import die_with_parent
 
-        with open(self.log_path, "wb") as log:  # no preexec_fn: see fracplugin.subproc
+        with open(self.log_path, "wb") as log:  # no preexec_fn: see fracplugin_demo.subproc
             self.proc = subprocess.Popen(die_with_parent(self.command()), stdout=log, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
         ep = self.work / "state" / "endpoints.json"
@@ -762,7 +762,7 @@ class Client:
         cmd = [python, str(CLIENT), "--step-mib", str(step_mib), "--cap-mib", str(cap_mib), "--lib", lib]
         if cgroup:
             cmd += ["--cgroup", cgroup]
-        from fracplugin.subproc import die_with_parent  # exec wrapper: the PID stays the client's
+        from fracplugin_demo.subproc import die_with_parent  # exec wrapper: the PID stays the client's
 
         self.proc = subprocess.Popen(die_with_parent(cmd), env=dict(env), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -816,7 +816,8 @@ class Client:
 def mps_client_pids(binary: str, pipe_dir: str, protocol: int, timeout_s: float = 5.0) -> list[int] | None:
     """The client PIDs the control daemon at ``pipe_dir`` knows (v3 ``client
     list``; v2 ``get_server_list`` + ``get_client_list``); None when it cannot be asked."""
-    from fracplugin.mps.control import MpsControl, MpsError
+    from fracplugin.mps.api import MpsError
+    from fracplugin.mps.control import MpsControl
 
     c = MpsControl(binary, pipe_dir, protocol)
     try:

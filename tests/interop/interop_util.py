@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import pytest
 
-from fracplugin.subproc import die_with_parent
+from fracplugin_demo.subproc import die_with_parent
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
 import harness as h  # noqa: E402  (tests/e2e/harness.py: containerd, crictl, run, wait_for)
 
-from fracplugin.subproc import die_with_parent  # noqa: E402
+from fracplugin_demo.subproc import die_with_parent  # noqa: E402
 
 MARKER = ".fracplugin-k8s"
 DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")

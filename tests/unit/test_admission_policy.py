@@ -16,7 +16,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from fracplugin import admission, contract
+from fracplugin import contract
+from fracplugin_demo import admission
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "deploy" / "helm" / "fracplugin" / "templates" / "admissionpolicy.yaml"

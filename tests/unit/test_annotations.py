@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fracplugin.annotations import parse, parse_quantity_mib, is_fractional
+from fracplugin.annotations import parse, parse_quantity_mib
 from fracplugin.model import ComputeMode, FractionError
 
 P = "nvidia.com/container."
@@ -72,7 +72,6 @@ def test_request_and_limit_default_to_each_other():
 def test_not_fractional_without_memory_annotations():
     assert parse({}, "app") is None
     assert parse({"unrelated": "x"}, "app") is None
-    assert not is_fractional({}, "app")
 
 
 def test_exact_key_lookup_never_matches_a_prefix_container():

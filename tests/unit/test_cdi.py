@@ -15,7 +15,8 @@ import pytest
 from fracplugin.cdi import CdiRegistry, container_cdi_devices, with_node_cdi_devices
 from fracplugin.gpu.simulated import load_node
 from fracplugin.model import PodRef
-from fracplugin.planner import EmptyLedger, plan_container
+from fracplugin.planner import EmptyLedger
+from tests.helpers import plan_container
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures" / "cdi"

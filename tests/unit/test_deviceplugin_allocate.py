@@ -11,7 +11,8 @@ from fracplugin._proto import deviceplugin_pb2 as pb
 from fracplugin.gpu.inventory import XidEvent
 from fracplugin.gpu.simulated import SimulatedInventory
 from fracplugin.rpcstatus import StatusCode
-from fracplugin.kubelet.deviceplugin import ANNOTATION_ALLOCATE, DevicePluginServer, Refusal
+from fracplugin.kubelet.allocbase import Refusal
+from fracplugin.kubelet.deviceplugin import ANNOTATION_ALLOCATE, DevicePluginServer
 from fracplugin.kubelet.devices import parse_device_id
 from fracplugin.kubelet.podlookup import InMemoryPodSource
 from fracplugin.kubelet.podresources import ContainerDevices, PodDevices
@@ -366,7 +367,7 @@ def test_preferred_follows_the_pending_pods_mode(make, node, src):
     s.allocate(areq(ids(node, 0, 1)))
     s.allocate(areq(ids(node, 2, 2)))
     src.add(pod("new-sm", 5, {P + "app.gpu-compute.mode": "sm-sharing"}, created="2026-01-03T00:00:00Z"))
-    avail = [d for d in s.table.all_ids() if d not in ids(node, 0, 1) + ids(node, 2, 2)]
+    avail = [d for d in list(s.table.lookup) if d not in ids(node, 0, 1) + ids(node, 2, 2)]
     got = list(s.preferred(preq(avail, [], 5)).container_responses[0].deviceIDs)
     assert {parse_device_id(d)[0] for d in got} == {node.gpus[2].uuid}
 

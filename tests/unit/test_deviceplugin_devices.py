@@ -41,7 +41,7 @@ def test_gpu_node_1_has_79_devices_per_gpu(node, table):
     # 81559 MiB // 1024 = 79 whole GiB per H100 80GB.
     assert dict(table.per_gpu) == {u: 79 for u in uuids(node)}
     assert len(table) == 316
-    ids = table.all_ids()
+    ids = list(table.lookup)
     assert len(ids) == len(set(ids)) == 316
     assert ids[0] == f"{node.gpus[0].uuid}::0"
     assert ids[-1] == f"{node.gpus[3].uuid}::78"
@@ -172,7 +172,7 @@ def test_resource_names_kubelet_rejects(name, rule):
 
 
 def test_request_that_fits_one_gpu_lands_on_one_gpu(table, node):
-    got = preferred_allocation(table, table.all_ids(), [], 20)
+    got = preferred_allocation(table, list(table.lookup), [], 20)
     assert len(got) == 20
     assert {parse_device_id(d)[0] for d in got} == {node.gpus[0].uuid}
 
@@ -180,7 +180,7 @@ def test_request_that_fits_one_gpu_lands_on_one_gpu(table, node):
 def test_pack_prefers_the_fuller_gpu_spread_the_emptier(table, node):
     g0, g1 = node.gpus[0].uuid, node.gpus[1].uuid
     # GPU 1 already has 60 of 79 devices taken: 19 available; others all free.
-    avail = [d for d in table.all_ids() if not (d.startswith(g1) and parse_device_id(d)[1] < 60)]
+    avail = [d for d in list(table.lookup) if not (d.startswith(g1) and parse_device_id(d)[1] < 60)]
     packed = preferred_allocation(table, avail, [], 10, policy="pack")
     assert {parse_device_id(d)[0] for d in packed} == {g1}
     spread = preferred_allocation(table, avail, [], 10, policy="spread")
@@ -195,12 +195,12 @@ def test_mode_of_tenants_steers_the_choice(table, node):
     g2 = node.gpus[2].uuid
     modes = {node.gpus[0].uuid: ComputeMode.TIME_SLICING, g2: ComputeMode.SM_SHARING}
     got = preferred_allocation(
-        table, table.all_ids(), [], 8, mode_of=modes.get, pod_mode=ComputeMode.SM_SHARING
+        table, list(table.lookup), [], 8, mode_of=modes.get, pod_mode=ComputeMode.SM_SHARING
     )
     assert {parse_device_id(d)[0] for d in got} == {g2}
     # A time-slicing pod avoids the sm-sharing GPU and joins the time-slicing one.
     got = preferred_allocation(
-        table, table.all_ids(), [], 8, mode_of=modes.get, pod_mode=ComputeMode.TIME_SLICING
+        table, list(table.lookup), [], 8, mode_of=modes.get, pod_mode=ComputeMode.TIME_SLICING
     )
     assert {parse_device_id(d)[0] for d in got} == {node.gpus[0].uuid}
 
@@ -208,19 +208,19 @@ def test_mode_of_tenants_steers_the_choice(table, node):
 def test_must_include_is_honoured_and_completed_on_its_gpu(table, node):
     g3 = node.gpus[3].uuid
     must = [f"{g3}::40", f"{g3}::41"]
-    got = preferred_allocation(table, table.all_ids(), must, 6)
+    got = preferred_allocation(table, list(table.lookup), must, 6)
     assert got[:2] == must
     assert len(got) == len(set(got)) == 6
     assert {parse_device_id(d)[0] for d in got} == {g3}
 
 
 def test_request_larger_than_a_gpu_splits_evenly(table, node):
-    got = preferred_allocation(table, table.all_ids(), [], 160)
+    got = preferred_allocation(table, list(table.lookup), [], 160)
     per = {}
     for d in got:
         per[parse_device_id(d)[0]] = per.get(parse_device_id(d)[0], 0) + 1
     assert per == {u: 40 for u in uuids(node)}  # 160 = 4 x 40 (2 x 80 does not fit 79)
-    got = preferred_allocation(table, table.all_ids(), [], 100)
+    got = preferred_allocation(table, list(table.lookup), [], 100)
     per = {}
     for d in got:
         per[parse_device_id(d)[0]] = per.get(parse_device_id(d)[0], 0) + 1
@@ -228,14 +228,14 @@ def test_request_larger_than_a_gpu_splits_evenly(table, node):
 
 
 def test_unknown_ids_are_never_returned(table):
-    avail = ["GPU-nope::1", "junk"] + table.all_ids()[:3]
+    avail = ["GPU-nope::1", "junk"] + list(table.lookup)[:3]
     got = preferred_allocation(table, avail, ["GPU-nope::2"], 3)
-    assert got == table.all_ids()[:3]
+    assert got == list(table.lookup)[:3]
 
 
 def test_bad_policy_is_refused(table):
     with pytest.raises(ValueError, match="pack, spread"):
-        preferred_allocation(table, table.all_ids(), [], 1, policy="random")
+        preferred_allocation(table, list(table.lookup), [], 1, policy="random")
 
 
 @settings(max_examples=60, deadline=None)
@@ -252,7 +252,7 @@ def test_preferred_allocation_properties(data, size, policy):
         tuple(GpuInfo(i, f"GPU-{i}", "x", 16 * 1024, i) for i in range(4)),
     )
     table = DeviceTable.build(node, 1024)
-    all_ids = table.all_ids()
+    all_ids = list(table.lookup)
     avail = data.draw(st.lists(st.sampled_from(all_ids), unique=True, max_size=64))
     must = data.draw(st.lists(st.sampled_from(avail), unique=True, max_size=4)) if avail else []
     got = preferred_allocation(table, avail, must, size, policy=policy)
@@ -274,8 +274,8 @@ def test_preferred_allocation_properties(data, size, policy):
 def test_gpu_without_free_memory_by_the_ledger_is_avoided(table, node):
     # GPU 0 looks empty to kubelet, but NRI-door tenants hold 78 GiB of it.
     room = {node.gpus[0].uuid: 81559 - 78 * 1024}
-    got = preferred_allocation(table, table.all_ids(), [], 4, free_mib_of=room.get)
+    got = preferred_allocation(table, list(table.lookup), [], 4, free_mib_of=room.get)
     assert {parse_device_id(d)[0] for d in got} == {node.gpus[1].uuid}
     # When every GPU is short, the answer still has the requested size.
     short = {g.uuid: 0 for g in node.gpus}
-    assert len(preferred_allocation(table, table.all_ids(), [], 4, free_mib_of=short.get)) == 4
+    assert len(preferred_allocation(table, list(table.lookup), [], 4, free_mib_of=short.get)) == 4

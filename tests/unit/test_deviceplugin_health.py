@@ -10,7 +10,6 @@ from fracplugin.gpu.health import (
     DEFAULT_IGNORED_XIDS,
     HealthMonitor,
     gpu_health_fn,
-    parse_xid_list,
 )
 from fracplugin.gpu.inventory import XidEvent
 from fracplugin.gpu.simulated import SimulatedInventory
@@ -139,7 +138,7 @@ def test_without_timed_recovery_only_clear_recovers():
 
 
 def test_configured_ignore_list_replaces_the_default():
-    m, _, _ = monitor(ignored_xids=parse_xid_list("79, 48"))
+    m, _, _ = monitor(ignored_xids=frozenset({79, 48}))
     m.record_xid(XidEvent("GPU-a", 79))
     assert m.healthy("GPU-a")
     m.record_xid(XidEvent("GPU-a", 13))
@@ -150,13 +149,6 @@ def test_xid_for_unknown_gpu_is_ignored():
     m, _, changes = monitor()
     assert m.record_xid(XidEvent("GPU-zzz", 79)) is False
     assert m.unhealthy() == {} and changes == []
-
-
-def test_parse_xid_list_rejects_garbage():
-    assert parse_xid_list("") == frozenset()
-    assert parse_xid_list([1, 2]) == {1, 2}
-    with pytest.raises(ValueError, match="comma-separated"):
-        parse_xid_list("13,x")
 
 
 def test_mps_down_marks_every_gpu_and_recovers():

@@ -59,7 +59,7 @@ def test_claim_to_request_and_plan() -> None:
     plan = claims.plan_claim(c, node_rules(NODE, Ledger(NODE)))
     assert plan.device_uuids == (GPU0,) and (plan.request_mib, plan.limit_mib) == (20480, 22528)
     assert plan.compute_mode is ComputeMode.SM_SHARING and plan.active_thread_percentage == 26  # KAI's portion 0.26
-    assert plan.mps.namespace is not None and plan.pod.uid == "uid-1"
+    assert plan.mps_namespace is not None and plan.pod.uid == "uid-1"
 
 
 def test_claim_on_two_gpus_and_configs_for_other_requests_or_drivers_ignored() -> None:

@@ -102,7 +102,7 @@ def test_explain_against_a_ledger_shows_the_mode_guard(tmp_path, examples, node_
     from fracplugin.gpu.simulated import load_node
     from fracplugin.ledger import Ledger
     from fracplugin.model import PodRef
-    from fracplugin.planner import plan_container
+    from tests.helpers import plan_container
     import yaml
     node = load_node(node_file)
     led = Ledger(node, tmp_path / "ledger.json")

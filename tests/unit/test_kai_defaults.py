@@ -28,8 +28,8 @@ from fracplugin.planner import (
     EmptyLedger,
     PlannerConfig,
     is_cdi_name,
-    plan_container,
 )
+from tests.helpers import plan_container
 
 P = "nvidia.com/container.app."
 POD = PodRef("default", "p", "uid-1")
@@ -100,7 +100,7 @@ def test_portion_without_annotation_is_kais(node, ann, portion, atp) -> None:
     p = plan({**ann, P + "gpu-compute.mode": "sm-sharing"}, node)
     assert p.portion == portion
     assert p.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(atp)
-    assert p.mps.active_thread_percentage == atp
+    assert p.active_thread_percentage == atp
 
 
 def test_written_portion_wins_over_the_derived_one(node) -> None:
@@ -112,7 +112,7 @@ def test_written_portion_wins_over_the_derived_one(node) -> None:
 def test_time_slicing_gets_no_cap_from_the_derived_portion(node) -> None:
     p = plan({P + "gpu-memory.request": "40Gi"}, node)
     assert p.portion == 0.51 and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in p.env
-    assert p.mps.active_thread_percentage is None
+    assert p.active_thread_percentage is None
 
 
 # ---- pod-level compute mode -------------------------------------------------------

@@ -16,7 +16,8 @@ from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.model import FractionError, PodRef
 from fracplugin.nri.plugin import build_adjustment
-from fracplugin.planner import EmptyLedger, PlannerConfig, plan_container
+from fracplugin.planner import EmptyLedger, PlannerConfig
+from tests.helpers import plan_container
 
 HERE = Path(__file__).resolve().parents[1]
 FIXTURE = yaml.safe_load((HERE / "fixtures" / "kai" / "nvfractions-binder.yaml").read_text())

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.model import FractionError, PodRef
-from fracplugin.planner import plan_container
+from tests.helpers import plan_container
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_readmit_replaces_and_subscribers_hear_changes(node):
     led.admit(mkplan(node, led, "a", devices="0"))
     led.admit(mkplan(node, led, "a", devices="1"))
     assert [t.gpu_uuid for t in led.tenancies()] == [node.gpus[1].uuid]
-    led.release_pod("a")
+    led.release("a", "app")
     assert seen == [1, 1, 0]
 
 
@@ -249,7 +249,7 @@ def test_compaction_bounds_the_journal(node, tmp_path):
     for i in range(40):
         led.admit(mkplan(node, led, f"u{i % 6}", request="1Gi", devices=str(i % 4)), container_id=f"c{i}")
         if i % 3 == 0:
-            led.release_pod(f"u{(i + 2) % 6}")
+            led.release(f"u{(i + 2) % 6}", "app")
         lines = path.with_name("ledger.json.journal").read_bytes().count(b"\n")
         assert lines <= 1 + max(4, 2 * len(led.tenancies())) + 1
     again = Ledger(node, path)
@@ -287,7 +287,8 @@ def test_no_sequence_of_operations_breaks_the_invariants(tmp_path_factory, ops):
         elif op == "release":
             led.release(uid, c)
         elif op == "release_pod":
-            led.release_pod(uid)
+            led.release(uid, "app")
+            led.release(uid, "side")
         else:
             before = led.tenancies()
             led = Ledger(node, path, max_clients_per_gpu=3)

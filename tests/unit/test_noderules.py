@@ -13,7 +13,7 @@ import pytest
 
 from fracplugin.allocation import DOOR_ALLOCATE, DOOR_NRI
 from fracplugin.annotations import parse
-from fracplugin.dra import DOOR_DRA
+from fracplugin.allocation import DOOR_DRA
 from fracplugin.gpu.health import HealthMonitor
 from fracplugin.gpu.inventory import XidEvent
 from fracplugin.gpu.simulated import load_node

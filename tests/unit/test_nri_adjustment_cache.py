@@ -11,7 +11,8 @@ from fracplugin._proto import nri_pb2
 from fracplugin.gpu.simulated import load_node
 from fracplugin.model import PodRef
 from fracplugin.nri.plugin import build_adjustment
-from fracplugin.planner import EmptyLedger, PlannerConfig, plan_container
+from fracplugin.planner import EmptyLedger, PlannerConfig
+from tests.helpers import plan_container
 
 NODE = load_node(str(Path(__file__).resolve().parents[2] / "examples" / "nodes" / "gpu-node-1.yaml"))
 P = "nvidia.com/container.app."
@@ -43,7 +44,7 @@ def test_same_bytes_as_field_by_field(annotations):
         got, want = build_adjustment(p), field_by_field(p)
         assert got == want
         assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
-        assert got.mounts[0].source.endswith(p.mps.namespace or "")  # the pod's own pipe directory
+        assert got.mounts[0].source.endswith(p.mps_namespace or "")  # the pod's own pipe directory
 
 
 def test_answers_do_not_share_state():

@@ -23,7 +23,7 @@ from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.nri.mux import MAX_WRITE_FRAME, MuxDecoder, encode_frames
 from fracplugin.nri.plugin import FracNriPlugin
-from fracplugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Dispatcher
+from fracplugin.nri.dispatch import PLUGIN_SERVICE, RUNTIME_SERVICE, Dispatcher
 from fracplugin.nri.ttrpc import MessageType, RequestReceived, ResponseReceived, Role, TtrpcConnection, encode_message
 from fracplugin.planner import PlannerConfig
 from tests.helpers import node_rules

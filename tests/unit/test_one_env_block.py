@@ -25,7 +25,8 @@ from fracplugin.kubelet.podlookup import InMemoryPodSource
 from fracplugin.ledger import Ledger
 from fracplugin.model import PodRef
 from fracplugin.nri.plugin import FracNriPlugin, build_adjustment
-from fracplugin.planner import ENFORCED_ENV_KEYS, PlannerConfig, plan_container
+from fracplugin.planner import ENFORCED_ENV_KEYS, PlannerConfig
+from tests.helpers import plan_container
 from tests.helpers import node_rules
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "fracplugin"

@@ -8,7 +8,8 @@ from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.model import ComputeMode, FractionError, PodRef
 from fracplugin.mps.layout import MpsLayout, namespace_name
-from fracplugin.planner import EmptyLedger, PlannerConfig, plan_container
+from fracplugin.planner import EmptyLedger, PlannerConfig
+from tests.helpers import plan_container
 
 UUIDS = [f"GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a0{i}" for i in range(1, 5)]
 
@@ -44,7 +45,7 @@ def test_bound_inference_pod_gets_the_contract(seed_pods, node):
     assert [(m.source, m.destination, m.read_only) for m in p.mounts] == [
         (MpsLayout().namespace_pipe_dir(ns), "/tmp/nvidia-mps", True)]
     assert p.mounts[0].options == ("rbind", "ro", "nosuid", "nodev")
-    assert p.mps.namespace == ns and p.mps.active_thread_percentage == 50
+    assert p.mps_namespace == ns and p.active_thread_percentage == 50
     assert not p.placed_by_node
 
 
@@ -55,10 +56,10 @@ def test_mps_namespace_name_and_pipe_directory_are_pinned_to_literals(seed_pods,
     assert namespace_name("6f1c2a0e-4b7d-4e59-9a51-0c7f3d2b9e11", "app") == "fp_3c21d1bd17f0535bc1c74a69"
     assert namespace_name("0b9d7e35-2f1a-4c88-8e0d-5a6b7c8d9e22", "app") == "fp_a5c3171f934d21e3985f1b8b"
     sm = plan_seed(seed_pods["inference-sm-sharing-4gpu.bound"], node)
-    assert sm.mps.namespace == "fp_3c21d1bd17f0535bc1c74a69"
+    assert sm.mps_namespace == "fp_3c21d1bd17f0535bc1c74a69"
     assert sm.mounts[0].source == "/run/fracplugin/mps/sm/shared/fp_3c21d1bd17f0535bc1c74a69"
     ts = plan_seed(seed_pods["notebook-time-slicing-2gpu"], node)
-    assert ts.mps.namespace == "fp_a5c3171f934d21e3985f1b8b"
+    assert ts.mps_namespace == "fp_a5c3171f934d21e3985f1b8b"
     assert ts.mounts[0].source == "/run/fracplugin/mps/ts/shared/fp_a5c3171f934d21e3985f1b8b"
 
 
@@ -70,7 +71,7 @@ def test_unbound_inference_pod_is_placed_on_all_four(seed_pods, node):
     # no portion written: the one KAI's scheduler would hand its binder,
     # ceil(40960 / 81559 x 100) / 100 = 0.51, caps the sm-sharing namespace
     assert p.portion == 0.51 and p.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "51"
-    assert p.mps.active_thread_percentage == 51
+    assert p.active_thread_percentage == 51
     assert p.placed_by_node
 
 
@@ -86,7 +87,7 @@ def test_notebook_is_placed_on_two_gpus_time_slicing(seed_pods, node):
     assert p.portion == 0.5
     # issue 12: its own namespace leaf on the time-slicing daemon, read-only; never <root>/ts itself
     ns = namespace_name(ref(seed_pods["notebook-time-slicing-2gpu"]).uid, "app")
-    assert p.mps.namespace == ns
+    assert p.mps_namespace == ns
     assert p.mounts[0].source == MpsLayout().namespace_pipe_dir(ns, ComputeMode.TIME_SLICING) == \
         f"/run/fracplugin/mps/ts/shared/{ns}"
     assert p.mounts[0].read_only
@@ -97,7 +98,7 @@ def test_notebook_is_placed_on_two_gpus_time_slicing(seed_pods, node):
 
 def test_classic_mps_has_no_namespaces(seed_pods, node):
     p = plan_seed(seed_pods["inference-sm-sharing-4gpu.bound"], node, config=PlannerConfig(mps_namespaces=False))
-    assert p.mps.namespace is None
+    assert p.mps_namespace is None
     assert p.mounts[0].source == MpsLayout().pipe_dir(ComputeMode.SM_SHARING)
     assert p.mounts[0].read_only  # the shared v2 directory: tenants cannot unlink or replace the socket
     assert p.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"

@@ -107,7 +107,6 @@ def test_procfs_reads_an_injected_root(tmp_path):
     assert fs.exe_basename(10) is None
     assert fs.ppid(12) == 7
     assert fs.pids_by_exe("nvidia-cuda-mps-server") == [12]
-    assert fs.pids_of_container(CID[:12]) == [10]
 
 
 def test_procfs_real_proc_for_this_process():

@@ -28,7 +28,8 @@ from fracplugin.annotations import parse, parse_quantity_mib
 from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
 from fracplugin.model import ComputeMode, ContainerPlan, FractionError, FractionRequest, PodRef
-from fracplugin.planner import DEFAULT_RESERVE_MIB, plan_container
+from fracplugin.planner import DEFAULT_RESERVE_MIB
+from tests.helpers import plan_container
 from tests.conftest import NODE_FILE
 
 NODE = load_node(NODE_FILE)

@@ -9,12 +9,12 @@ import subprocess
 import sys
 import psutil
 
-from fracplugin.subproc import die_with_parent, with_fd_as_3
+from fracplugin_demo.subproc import die_with_parent, with_fd_as_3
 from tests.helpers import wait_until
 
 PARENT = """
 import subprocess, sys, time
-from fracplugin.subproc import die_with_parent
+from fracplugin_demo.subproc import die_with_parent
 argv = ["sleep", "60"]
 child = subprocess.Popen({wrap}(argv))
 print(child.pid, flush=True)

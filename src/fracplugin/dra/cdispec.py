@@ -89,11 +89,3 @@ def remove_spec(cdi_dir: str, claim_uid: str) -> bool:
         return False
 
 
-def read_spec(cdi_dir: str, claim_uid: str) -> dict[str, Any] | None:
-    """The claim's spec as written, or None when there is none (or it does
-    not parse). Raises ValueError (bad UID)."""
-    try:
-        doc = json.loads(spec_path(cdi_dir, claim_uid).read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None

@@ -41,7 +41,6 @@ from ..noderules import NodeRules
 from . import CAPACITY_MEMORY, CLAIM_CONTAINER, DRIVER_NAME, params, reservation_of
 
 RESULTS_KEY = "status.allocation.devices.results"
-CONFIG_KEY = "status.allocation.devices.config"
 _DEVICE_RE = re.compile(r"gpu-(0|[1-9][0-9]{0,3})\Z")
 
 NOT_ALLOCATED = "has no status.allocation: the claim is not allocated yet"

@@ -13,7 +13,7 @@ with ``driver: gpu-memory.fracplugin.io``; the allocation copies it into
 The field names are the contract's per-container annotation suffixes
 (docs/reference/design.md section 4) and every value is checked by the same
 functions the annotation parser uses (``annotations.parse_quantity_mib``,
-``parse_mode``, ``parse_portion``: the rule texts of ``contract.py``), so a
+``parse_mode``, ``parse_fraction``: the rule texts of ``contract.py``), so a
 refusal reads as ``fracplugin explain`` says it for the annotation:
 ``GpuMemoryParameters.gpu-compute.mode="fast" must be exactly "time-slicing"
 or "sm-sharing"``. The memory *request* is not a parameter: it is the
@@ -138,6 +138,7 @@ def parse(docs: Sequence[Any]) -> GpuMemoryParameters:
         mode = ann.parse_mode(field_key(FIELD_MODE), _text(FIELD_MODE, fields[FIELD_MODE]))
     portion: float | None = None
     if FIELD_PORTION in fields:
-        portion = ann.parse_portion(field_key(FIELD_PORTION), _text(FIELD_PORTION, fields[FIELD_PORTION]))
+        portion = ann.parse_fraction(field_key(FIELD_PORTION), _text(FIELD_PORTION, fields[FIELD_PORTION]),
+                                     allow_one=True)
     return GpuMemoryParameters(limit_mib=limit_mib, limit_raw=limit_raw, compute_mode=mode, portion=portion,
                                given=tuple(f for f in FIELDS if f in fields))

@@ -22,17 +22,13 @@ Prepare of one claim (namespace, name, UID), in order:
    device, the claim's CDI device (on the first) and the GPU's own CDI device
    from the node's specs (``cdi.CdiRegistry``).
 
-A repeated Prepare (kubelet retries a claim missing from an answer, and after
-its own restart) is answered from the record, as NVIDIA's DRA driver answers
-from its checkpoint: the ``Prepared`` of the claim's first Prepare in this
-process, kept in memory until its Unprepare (no API read, admission,
-namespace or spec write again). It is trusted only while the ledger holds the
-claim (``Ledger.reservation``); else (a restart, a rebuilt ledger) the steps
-above run again, each idempotent: the same answer, one ledger hold. A refusal
-(``FractionError``) or a failure after the ledger step undoes what was done,
-drops the record and becomes the claim's ``error`` string: the refusal's
-message (``<key>="<value>" <rule>``, as ``fracplugin explain`` says it);
-kubelet shows it in the pod's events and retries.
+A repeated Prepare is answered from the record of the claim's first Prepare
+in this process, while the ledger holds the claim (ADR 0031, addendum
+"Prepare answers from a record"); else the steps above run again, each
+idempotent. A refusal (``FractionError``) or a failure after the ledger step
+undoes what was done, drops the record and becomes the claim's ``error``
+string: the refusal's message (``<key>="<value>" <rule>``, as ``fracplugin
+explain`` says it); kubelet shows it in the pod's events and retries.
 
 Unprepare: drop the record, release the ledger hold, remove the CDI spec,
 release the MPS namespace; unknown claims are fine (idempotent).
@@ -56,7 +52,8 @@ from ..cdi import CdiRegistry
 from ..model import ContainerPlan, FractionError, NodeInfo
 from ..mps.api import MpsApi
 from ..noderules import NodeRules, status_of
-from . import CLAIM_CONTAINER, DOOR_DRA, cdispec, claims, reservation_of
+from ..allocation import DOOR_DRA
+from . import CLAIM_CONTAINER, cdispec, claims, reservation_of
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +196,7 @@ class Preparer:
         return claims.read_claim(doc, self.node, uid=uid)
 
     def _ensure_namespace(self, plan: ContainerPlan) -> None:
-        if self.mps is None or plan.mps.namespace is None:
+        if self.mps is None or plan.mps_namespace is None:
             return
         self.mps.ensure_namespace(plan.pod.uid, CLAIM_CONTAINER, plan.active_thread_percentage,
                                   self.namespace_timeout_s, mode=plan.compute_mode, pinned_limit_mib=plan.limit_mib)

@@ -26,6 +26,7 @@ call); the registration state and the call counts sit under one lock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -193,10 +194,8 @@ class DraServer:
             servers, self._servers = self._servers, []
             self._registered = False
         for path in (self.registration_path, self.socket_path):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
         for server, pool in reversed(servers):
             server.stop(grace=max(timeout_s, 0.0) * 0.5).wait(max(timeout_s, 0.0))
             pool.shutdown(wait=False, cancel_futures=True)

@@ -15,38 +15,22 @@ per healthy GPU::
           default: "<the same>"                 # a request that names no memory takes the whole GPU
           validRange: {min: "1048576", step: "1048576"}  # whole MiB
 
-``computeMode`` is the compute mode the GPU's held fractions use now, read
-from the one ledger of all three doors (``Ledger.mode``: the mode of the
-GPU's tenants, which the planner's guard "one compute mode per GPU",
-``ledger.admission_problem``, keeps single): ``time-slicing`` or
-``sm-sharing`` (``model.ComputeMode`` values, the contract's spelling), or
-``none`` when nothing is held (CEL: ``device.attributes["gpu-memory.fracplugin.io"].computeMode``;
-an attribute without a domain is in the driver's). The scheduler does not run our node guards;
-this attribute lets a DeviceClass's CEL selector admit only GPUs whose mode
-is ``none`` or the claim's (the chart's per-mode classes, ADR 0031
-addendum), so a claim of the other mode is placed elsewhere instead of being
-refused by Prepare on the same GPU again and again.
+``computeMode`` is the compute mode the GPU's held fractions use now
+(``Ledger.mode``: ``time-slicing``, ``sm-sharing`` or ``none`` when nothing is
+held), so a DeviceClass's CEL selector can keep a claim of the other mode off
+the GPU (ADR 0031, addendum "the compute mode in the slice"). The reserve is
+the planner's ``--reserve-mib``. An Unhealthy GPU's device leaves the slice;
+claims already allocated keep it (the ledger still holds them).
 
-The reserve is the planner's ``--reserve-mib`` (1024 by default: room for the
-MPS server's own context, as KAI's binder holds back, planner.py). An
-Unhealthy GPU (the health the daemon reports per GPU) is withdrawn: its
-device leaves the slice, so the scheduler places no new claim on it; claims
-already allocated keep it (the ledger still holds them).
-
-Publisher: one background thread builds the slice every ``poll_s`` seconds,
-and at once after ``poke`` (the daemon pokes it on every ledger change, so a
-GPU's ``computeMode`` follows its holds without waiting for the poll), and
-writes it when it differs from what was last written (also every
-``resync_s`` seconds, which restores a slice someone deleted): GET by name,
-then PUT with the read ``resourceVersion`` or, on 404, POST. Each content
-change bumps ``spec.pool.generation`` (the scheduler uses the newest
-generation of a pool); the first write continues from the generation found
-in the API. Errors (connection, 4xx, 5xx) are logged and retried at the next
-poll; nothing here is on the Prepare path. ``stop(delete=True)`` deletes the
-slice (uninstall; a restart keeps it so allocated claims keep their device).
-API access: ``CustomObjectsApi`` with plain dicts (the REST path of a
-built-in group; no typed models needed). RBAC: resourceslices get, create,
-update, delete.
+Publisher (ADR 0031 item 7): one background thread builds the slice every
+``poll_s`` seconds and at once after ``poke`` (every ledger change), and
+writes it when it differs from what was last written, or every ``resync_s``
+(restoring a deleted slice): GET by name, then PUT with the read
+``resourceVersion`` or, on 404, POST; each content change bumps
+``spec.pool.generation``. Errors are logged and retried at the next poll;
+nothing here is on the Prepare path. ``stop(delete=True)`` deletes the slice.
+API access: ``CustomObjectsApi`` with plain dicts. RBAC: resourceslices get,
+create, update, delete.
 """
 
 from __future__ import annotations

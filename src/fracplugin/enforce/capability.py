@@ -36,8 +36,6 @@ from typing import Callable, Mapping, Sequence
 from ..atomicfile import read_regular
 from ..model import GpuInfo
 
-__all__ = ["Capability", "NodeCapabilities", "check_capabilities", "REQUIRED", "CAPABILITIES", "MIN_DRIVER_MAJOR"]
-
 MIN_DRIVER_MAJOR = 615
 """Memory partitioning needs driver r615+ (CUDA 13.4)."""
 
@@ -133,23 +131,18 @@ def _sysfs_bdf(pci_bus_id: str) -> str:
 
 MAX_KERNEL_FILE = 1 << 20
 """Most bytes read from a cgroup interface file (``dmem.capacity``,
-``dmem.current``): a few lines per GPU; anything larger is not the kernel's."""
-
-
-def read_kernel_file(path: str, max_bytes: int = MAX_KERNEL_FILE) -> str:
-    """The text of a small cgroup interface file, never blocking
-    (``atomicfile.read_regular``: a FIFO or a device at the path would block
-    a request path for ever, issue 34 input 8). Raises OSError naming why."""
-    return read_regular(path, max_bytes).decode("utf-8", errors="replace")
+``dmem.current``): a few lines per GPU; anything larger is not the kernel's.
+Read with ``atomicfile.read_regular``: a FIFO or a device at the path would
+block a request path for ever (issue 34 input 8)."""
 
 
 def dmem_regions(root: str) -> dict[str, int] | str:
     """``<root>/dmem.capacity`` as ``{region: bytes}``, or why it cannot be
     used (absent, unreadable, not a regular file, too large:
-    ``read_kernel_file``). Lines: ``<region> <bytes>`` (cgroup-v2.rst, DMEM)."""
+    ``MAX_KERNEL_FILE``). Lines: ``<region> <bytes>`` (cgroup-v2.rst, DMEM)."""
     path = os.path.join(root, "dmem.capacity")
     try:
-        text = read_kernel_file(path)
+        text = read_regular(path, MAX_KERNEL_FILE).decode(errors="replace")
     except OSError as exc:
         return f"no {path}" if exc.errno == errno.ENOENT else (exc.strerror or str(exc))
     out: dict[str, int] = {}
@@ -290,11 +283,6 @@ class CapabilityGate:
         with self._lock:
             self._last, self._at = caps, now
         return caps
-
-    def invalidate(self) -> None:
-        """Re-evaluate at the next ``current()`` (an input changed)."""
-        with self._lock:
-            self._at = -1.0e18
 
     def reason(self) -> str:
         """``""`` when the node can enforce, else the reason (``NodeCapabilities.reason``)."""

@@ -26,8 +26,6 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["CgroupNotFound", "leaf_relpath", "resolve_leaf", "DEFAULT_CGROUP_ROOT"]
-
 DEFAULT_CGROUP_ROOT = "/sys/fs/cgroup"
 
 _SLICE_RE = re.compile(r"^[A-Za-z0-9_.\-@:\\]+\.slice$")

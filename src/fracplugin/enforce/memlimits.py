@@ -23,6 +23,7 @@ exception out of ``start``/``remove``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -31,12 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from .cgroups import DEFAULT_CGROUP_ROOT, CgroupNotFound, resolve_leaf
-from .capability import read_kernel_file
-
-__all__ = [
-    "MemoryLimitMode", "LimitPolicy", "LimitError", "LimitsBackend", "NvmlLimits", "GpuLimits",
-    "GpuLimitResult", "ContainerLimits", "MemoryLimitEnforcer", "LIMIT_MAX", "MIB",
-]
+from ..atomicfile import read_regular
+from .capability import MAX_KERNEL_FILE
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +157,8 @@ class NvmlLimits:
                 return
             self._open = False
             self._handles.clear()
-            try:
+            with contextlib.suppress(Exception):
                 self._pynvml.nvmlShutdown()
-            except Exception:
-                pass
 
     def _handle(self, uuid: str) -> Any:
         self.open()
@@ -322,7 +317,7 @@ class ContainerLimits:
 def read_dmem_current(leaf: str, region: str) -> int | None:
     """The ``region`` line of ``<leaf>/dmem.current`` in bytes (None when absent)."""
     try:
-        text = read_kernel_file(os.path.join(leaf, "dmem.current"))
+        text = read_regular(os.path.join(leaf, "dmem.current"), MAX_KERNEL_FILE).decode(errors="replace")
     except OSError:
         return None
     for line in text.splitlines():

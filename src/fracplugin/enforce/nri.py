@@ -1,28 +1,22 @@
 """The NRI door's side of memory-limit enforcement (issue 23 item 3, ADR 0025).
 
-``NriMemoryLimits`` is what ``FracNriPlugin`` calls (three one-line hooks):
+``NriMemoryLimits`` is what ``FracNriPlugin`` calls (three one-line hooks;
+ADR 0025 decisions 2-3 give the rules, ADR 0031 item 7 the DRA case):
 
 * ``admit(plan) -> plan`` at CreateContainer: with ``--memory-limits-policy
-  refuse`` and a node that cannot enforce (the capability gate), the
-  container is refused with a ``FractionError`` naming the missing capability
-  (key ``node``, code ``memory_limits_unenforceable``). With ``warn`` it
-  passes, but while the node lacks what the toolkit's
+  refuse`` and a node that cannot enforce, a ``FractionError`` naming the
+  missing capability (key ``node``, code ``memory_limits_unenforceable``).
+  With ``warn`` it passes, but while the node lacks what the toolkit's
   ``apply-cuda-memory-limits`` hook fails on (driver r615+, cgroup v2, memory
-  accounting, MIG off) the plan's ``NVIDIA_GPU_MEMORY_REQUEST`` /
-  ``NVIDIA_GPU_MEMORY_LIMIT`` are withheld: the hook does nothing unless both
-  are set, and when it runs on such a node it fails the container's start
-  (an OCI hook error; docs/reference/enforcement-cdi-dra.md). ``withheld_keys()`` names them
-  (Synchronize does not report their absence). ADR 0025.
-* ``start(pod, container, ledger)`` at StartContainer: apply/verify the limits
-  of the container's GPUs (from the ledger: soft = request, hard = limit) on
-  its leaf cgroup (NRI ``linux.cgroups_path``). A DRA container (issue 29
-  item 3, ADR 0031) is not held by container id: its env's
-  ``FRACPLUGIN_DRA_CLAIM=<uid>`` (the claim's CDI spec, dra/cdispec.py) names
-  the ledger reservation ``dra:<uid>`` whose GPUs it gets; every container
-  using a shared claim gets the claim's limits on its own leaf. A limit that is not enforced
-  is reported (status, metric, Warning Event ``MemoryLimitNotEnforced``); with
-  ``refuse`` the start fails with FAILED_PRECONDITION (the runtime fails the
-  start, kubelet retries with back-off).
+  accounting, MIG off) ``NVIDIA_GPU_MEMORY_REQUEST`` / ``_LIMIT`` are withheld
+  (``withheld_keys()``): the hook would fail the container's start.
+* ``start(pod, container, ledger)`` at StartContainer: apply/verify the
+  limits of the container's GPUs (soft = request, hard = limit) on its leaf
+  cgroup (NRI ``linux.cgroups_path``); a DRA container's GPUs come from its
+  env's ``FRACPLUGIN_DRA_CLAIM=<uid>`` (reservation ``dra:<uid>``). A limit not
+  enforced is reported (status, metric, Warning Event
+  ``MemoryLimitNotEnforced``); with ``refuse`` the start fails with
+  FAILED_PRECONDITION.
 * ``remove(container_id)`` at RemoveContainer: zero the soft limit.
 
 Nothing here lets an exception other than the refusals out.
@@ -41,8 +35,6 @@ from ..planner import ENV_MEMORY_LIMIT, ENV_MEMORY_REQUEST
 from .capability import NodeCapabilities
 from ..rpcstatus import StatusCode as Code
 from .memlimits import LIMIT_MAX, MIB, ContainerLimits, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, plan_gpus
-
-__all__ = ["NriMemoryLimits", "REFUSAL_CODE", "HOOK_ENV", "HOOK_FAILS_ON", "held_tenancies"]
 
 log = logging.getLogger(__name__)
 

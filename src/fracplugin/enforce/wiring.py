@@ -21,8 +21,6 @@ from .memlimits import (LimitError, LimitPolicy, MemoryLimitEnforcer, MemoryLimi
                         read_dmem_current)
 from .nri import NriMemoryLimits
 
-__all__ = ["MemoryLimits", "MemoryLimitsCollector", "MemoryLimitsPart"]
-
 log = logging.getLogger(__name__)
 
 START_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -81,13 +79,6 @@ class MemoryLimits:
         return cls(MemoryLimitMode.parse(cfg.memory_limits), LimitPolicy.parse(cfg.memory_limits_policy),
                    cfg.cgroup_root, node, **kw)
 
-    def set_hook_of(self, hook_of: Callable[[str], bool | None] | None) -> None:
-        """Plug in the CDI reader's ``uuid -> hook present`` later (the gate
-        and auto mode read it from then on)."""
-        self.gate.hook_of = hook_of
-        self.enforcer.hook_of = hook_of
-        self.gate.invalidate()
-
     def _observe(self, seconds: float) -> None:
         if self._hist is not None:
             self._hist.observe(seconds)
@@ -111,10 +102,6 @@ class MemoryLimits:
             out["node"] = self.gate.current().to_dict()
             out["containers"] = [r.to_dict() for r in self.enforcer.results()]
         return out
-
-    def enforced_of(self) -> dict[str, tuple[str, str]]:
-        """container id -> (yes|no|unknown, reason): the ENFORCED column."""
-        return {r.container_id: (r.enforced, r.why) for r in self.enforcer.results()}
 
     def dmem_used(self, container_id: str, uuid: str) -> int | None:
         """Bytes the ``dmem.current`` of the container's leaf cgroup lists for

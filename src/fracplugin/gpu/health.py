@@ -54,17 +54,6 @@ supervised: always healthy). A GPU is healthy when the daemon of its tenants'
 mode is up (``mode_of(uuid)``), and a GPU with no tenants when any daemon is up."""
 
 
-def parse_xid_list(text: str | Iterable[int]) -> frozenset[int]:
-    """``"13,31, 43"`` or an iterable of ints -> frozenset. Raises ValueError."""
-    if isinstance(text, str):
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        try:
-            return frozenset(int(t) for t in items)
-        except ValueError:
-            raise ValueError(f"XID list {text!r} must be comma-separated integers") from None
-    return frozenset(int(x) for x in text)
-
-
 def gpu_health_fn(
     mps_health: MpsHealth, mode_of: Callable[[str], ComputeMode | None] = lambda _u: None
 ) -> Callable[[str], bool]:

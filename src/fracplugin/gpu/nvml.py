@@ -10,6 +10,7 @@ Facts: docs/reference/mps-nvml.md section 4 (pynvml 13.615.71 behaviour, events,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -201,12 +202,8 @@ class NvmlInventory:
     def close(self) -> None:
         with self._lock:
             if self._event_set is not None:
-                try:
+                with contextlib.suppress(pynvml.NVMLError):
                     pynvml.nvmlEventSetFree(self._event_set)
-                except pynvml.NVMLError:
-                    pass
                 self._event_set = None
-        try:
+        with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            pass

@@ -108,7 +108,6 @@ class SimulatedInventory:
         self._lock = threading.Lock()
         self._processes: list[ProcessSample] = []
         self._events: "queue.Queue[XidEvent]" = queue.Queue()
-        self._lost: set[str] = set()
 
     def node(self) -> NodeInfo:
         return self._node
@@ -122,18 +121,9 @@ class SimulatedInventory:
         with self._lock:
             self._processes = list(samples)
 
-    def set_lost(self, gpu_uuid: str, lost: bool = True) -> None:
-        """Make ``probe_gpu`` fail (a GPU fallen off the bus) or succeed again."""
-        with self._lock:
-            if lost:
-                self._lost.add(gpu_uuid)
-            else:
-                self._lost.discard(gpu_uuid)
-
     def probe_gpu(self, uuid: str) -> bool:
-        """The simulated NVML re-probe: the GPU exists and is not lost."""
-        with self._lock:
-            return self._node.gpu_by_uuid(uuid) is not None and uuid not in self._lost
+        """The simulated NVML re-probe: the GPU exists."""
+        return self._node.gpu_by_uuid(uuid) is not None
 
     def inject_xid(self, gpu_uuid: str, xid: int) -> None:
         """Queue an XID event on a GPU (raises InventoryError for an unknown GPU)."""

@@ -65,8 +65,6 @@ from .allocbase import Answer, Counters, Refusal
 from .devices import DeviceIdError, DeviceTable, parse_device_id
 from .preferred import PreferredAllocation
 
-__all__ = ["Allocator", "Answer", "Counters", "Refusal"]
-
 log = logging.getLogger(__name__)
 
 

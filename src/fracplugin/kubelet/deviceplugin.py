@@ -29,15 +29,8 @@ allocation for both doors), whose answer this module turns into an
 reservation key the NRI door binds at CreateContainer), mounts, optional
 DeviceSpecs / CDI devices, and annotations ``fracplugin.io/allocate``
 (``planned`` | ``reserved`` | ``fallback``) and ``fracplugin.io/reservation``.
-
-Its parts (issue 33 item 3: objects that own their state, not mixins):
-this module holds ``DevicePluginServer`` (construction, ``start`` / ``stop``,
-status and readiness, the Allocate / GetPreferredAllocation responses) and
-``_Servicer`` (the gRPC handlers); it holds ``devices``
-(``devicelist.DeviceList``: ListAndWatch), ``serving``
-(``doorserver.DoorServer``: the gRPC server, its socket, the registrar's
-target), ``podresources`` (``podresources.Reconciler``) and ``allocator``
-(``allocator.Allocator``: the decisions).
+Its parts (ADR 0032, item 3): ``devices`` (ListAndWatch), ``serving`` (the gRPC
+server), ``podresources`` and ``allocator``; ``_Servicer`` holds the gRPC handlers.
 """
 
 from __future__ import annotations
@@ -66,16 +59,12 @@ from .devices import (
     DeviceTable,
     validate_resource_name,
 )
-from .allocator import Allocator, Refusal
-from .devicelist import HEALTHY, UNHEALTHY, DeviceList
+from .allocator import Allocator
+from .allocbase import Refusal
+from .devicelist import DeviceList
 from .doorserver import DoorServer
-from .podresources import DEFAULT_PODRESOURCES_SOCKET, PodResourcesClient, Reconciler
+from .podresources import DEFAULT_PODRESOURCES_SOCKET, Reconciler
 from .registration import DEFAULT_PLUGIN_DIR, KUBELET_SOCKET_NAME, Registrar
-
-__all__ = [
-    "ALLOCATE_UNADJUSTED", "ANNOTATION_ALLOCATE", "DEFAULT_SOCKET_NAME", "HEALTHY", "UNHEALTHY",
-    "DevicePluginServer", "Refusal",
-]
 
 log = logging.getLogger(__name__)
 
@@ -173,12 +162,9 @@ class DevicePluginServer:
         fail_open: an Allocate refused for the pod's fraction (a contract or
             node guard refusal, an Unhealthy GPU) is answered with an
             unadjusted container (no env, no mounts, annotation
-            ``fracplugin.io/allocate: unadjusted``; nothing recorded in the
-            ledger) instead of the gRPC error, with a warning; the refusal is
-            still counted. A malformed request (``invalid``) or an internal
-            error is refused either way. The NRI door's ``fail_open`` does the
-            same at CreateContainer (``nri.plugin``). Reloadable: the daemon
-            sets the attribute on SIGHUP.
+            ``fracplugin.io/allocate: unadjusted``, nothing in the ledger) and a
+            warning, the refusal still counted; a malformed request or an
+            internal error is refused either way. Reloadable (SIGHUP).
 
     Raises:
         ValueError: bad resource name, unit, policy, ``max_workers`` < 2, or a

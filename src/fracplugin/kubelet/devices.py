@@ -239,13 +239,6 @@ class DeviceTable:
         """All device IDs of one GPU, n ascending."""
         return [device_id(gpu_uuid, n) for n in range(self.per_gpu.get(gpu_uuid, 0))]
 
-    def all_ids(self) -> list[str]:
-        """All device IDs, GPUs in index order, n ascending."""
-        out: list[str] = []
-        for gpu in self.node.gpus:
-            out.extend(self.ids(gpu.uuid))
-        return out
-
     def __len__(self) -> int:
         return sum(self.per_gpu.values())
 
@@ -286,20 +279,6 @@ class DeviceTable:
             by_gpu.setdefault(gpu.uuid, []).append(d)
         order = {g.uuid: g.index for g in self.node.gpus}
         return dict(sorted(by_gpu.items(), key=lambda kv: order[kv[0]]))
-
-
-@dataclass(frozen=True)
-class GpuView:
-    """What GetPreferredAllocation knows about one GPU.
-
-    ``mode`` is the compute mode of its current tenants (ledger), None when it
-    has none.
-    """
-
-    uuid: str
-    index: int
-    total: int
-    mode: ComputeMode | None = None
 
 
 def preferred_allocation(

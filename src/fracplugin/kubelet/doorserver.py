@@ -12,6 +12,7 @@ concurrency model.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -97,10 +98,8 @@ class DoorServer:
         if old is not None:
             self._close_server(old, 2.0)
         if old_path and old_path != self.socket_path and old_id is not None and socket_identity(old_path) == old_id:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(old_path)  # our previous name; kubelet dials the new one
-            except FileNotFoundError:
-                pass
         server = _Served(*grpcopts.serve_unix_renamed(  # a stale socket of an earlier run goes first (A.8)
             self.socket_path, lambda s: pb_grpc.add_DevicePluginServicer_to_server(self._servicer, s),
             self.max_workers, "fracplugin-dp"))
@@ -123,10 +122,8 @@ class DoorServer:
         if server is not None:
             self._close_server(server, budget_s)
         if sid is not None and socket_identity(self._bound_path) == sid:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._bound_path)
-            except FileNotFoundError:
-                pass
 
     # ---- registration.RegistrationTarget -------------------------------------
     def socket_identity(self) -> tuple[int, int] | None:

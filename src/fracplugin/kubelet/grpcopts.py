@@ -23,6 +23,7 @@ grpc/grpc (the ``GRPC_ARG_*`` constants).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent import futures
 from typing import Callable, Final
@@ -150,10 +151,8 @@ def serve_unix_renamed(path: str, add: Callable[[grpc.Server], None], max_worker
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     for stale in (path, tmp):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(stale)
-        except FileNotFoundError:
-            pass
     server, pool = serve_unix(tmp, add, max_workers, thread_name_prefix)
     try:
         os.rename(tmp, path)

@@ -539,7 +539,6 @@ class KubernetesPodSource(_StoreBackedSource):
         self.last_error: str | None = None
 
 
-
     def __len__(self) -> int:
         return len(self._store)
 

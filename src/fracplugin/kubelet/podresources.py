@@ -1,15 +1,12 @@
 """PodResources v1 client: which devices kubelet gave which container.
 
 docs/reference/kubelet-device-plugin.md A.7: service ``v1.PodResourcesLister`` on
-``/var/lib/kubelet/pod-resources/kubelet.sock`` with ``List`` (GA 1.28) and
-``Get`` (1.27+, feature gate ``KubeletPodResourcesGet``; older kubelets answer
-UNIMPLEMENTED, then we fall back to ``List``). PodResources carries pod name
-and namespace but no pod UID.
+``/var/lib/kubelet/pod-resources/kubelet.sock``; we call ``List`` (GA 1.28).
+PodResources carries pod name and namespace but no pod UID.
 
-Uses: the NRI door confirms at CreateContainer which device IDs kubelet gave a
-container (``devices_for``); the device plugin rebuilds its ledger at startup
-for containers allocated before a restart (kubelet never re-Allocates, A.5)
-and then reconciles it periodically (``Reconciler``, a member of
+Use: the device plugin rebuilds its ledger at startup for containers
+allocated before a restart (kubelet never re-Allocates, A.5) and then
+reconciles it periodically (``Reconciler``, a member of
 ``deviceplugin.DevicePluginServer``, on thread ``fracplugin-podresources``).
 
 Concurrency model: a ``PodResourcesClient`` holds one grpcio channel (ADR
@@ -22,7 +19,6 @@ a kubelet restart (new socket file) is picked up on the next call.
 
 from __future__ import annotations
 
-import builtins
 import logging
 import os
 import threading
@@ -64,13 +60,6 @@ class PodDevices:
     name: str
     containers: tuple[ContainerDevices, ...]
 
-    def container(self, name: str) -> ContainerDevices | None:
-        for c in self.containers:
-            if c.name == name:
-                return c
-        return None
-
-
 def _convert(p: pb.PodResources) -> PodDevices:
     conts = []
     for c in p.containers:
@@ -104,7 +93,6 @@ class PodResourcesClient:
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.PodResourcesListerStub | None = None
-        self._get_unimplemented = False
 
     def _get_stub(self) -> pb_grpc.PodResourcesListerStub:
         with self._lock:
@@ -141,62 +129,9 @@ class PodResourcesClient:
             ) from None
         return [_convert(p) for p in resp.pod_resources]
 
-    def get(self, namespace: str, name: str) -> PodDevices | None:
-        """One pod (``Get``; falls back to ``List`` on kubelets without ``Get``).
-        None when kubelet does not know the pod. Raises PodResourcesError."""
-        if not self._get_unimplemented:
-            try:
-                request = pb.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace)
-                resp = self._call(lambda stub: stub.Get(request, timeout=self.timeout_s))
-                return _convert(resp.pod_resources)
-            except _CallFailed as e:
-                code = e.code
-                if code == StatusCode.UNIMPLEMENTED:
-                    self._get_unimplemented = True
-                elif code == StatusCode.NOT_FOUND or "not found" in (e.message or "").lower():
-                    return None
-                else:
-                    raise PodResourcesError(
-                        f"PodResources Get {namespace}/{name} on {self.socket_path} failed: "
-                        f"{code.name}: {e.message}"
-                    ) from None
-        for p in self.list():
-            if p.namespace == namespace and p.name == name:
-                return p
-        return None
-
-    def devices_for(self, pod_namespace: str, pod_name: str, container: str, resource_name: str) -> builtins.list[str]:
-        """Device IDs of ``resource_name`` kubelet gave one container ([] when
-        none or unknown). Raises PodResourcesError when kubelet cannot be asked."""
-        pod = self.get(pod_namespace, pod_name)
-        if pod is None:
-            return []
-        c = pod.container(container)
-        if c is None:
-            return []
-        return list(c.devices.get(resource_name, ()))
-
     def close(self) -> None:
         """Close the channel (a later call dials again)."""
         self._drop_channel()
-
-
-def devices_for(
-    pod_namespace: str,
-    pod_name: str,
-    container: str,
-    resource_name: str,
-    *,
-    socket_path: str = DEFAULT_PODRESOURCES_SOCKET,
-    timeout_s: float = 2.0,
-) -> list[str]:
-    """One-shot form of ``PodResourcesClient.devices_for`` (opens and closes a
-    channel). Raises PodResourcesError."""
-    client = PodResourcesClient(socket_path, timeout_s)
-    try:
-        return client.devices_for(pod_namespace, pod_name, container, resource_name)
-    finally:
-        client.close()
 
 
 class Reconciler:
@@ -212,14 +147,14 @@ class Reconciler:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def rebuild(self, client: PodResourcesClient) -> builtins.list[str]:
+    def rebuild(self, client: PodResourcesClient) -> list[str]:
         """Make the ledger agree with kubelet's PodResources List at start
         (``Allocator.reconcile(initial=True)``: kubelet never calls Allocate
         again for running containers, A.5). Returns warnings. Raises
         PodResourcesError when kubelet cannot be asked."""
         return self._allocator.reconcile(client.list(), initial=True)
 
-    def start(self, warnings: builtins.list[str]) -> None:
+    def start(self, warnings: list[str]) -> None:
         """Rebuild from the socket when it is there (best effort: what went
         wrong is appended to ``warnings``), then start the periodic thread."""
         if self.socket and os.path.exists(self.socket):

@@ -36,9 +36,7 @@ class PreferredAllocation:
 
     def __init__(self, rules: NodeRules, table: DeviceTable, policy: str,
                  candidates: Callable[[int], list[podlookup.Candidate]] | None, counters: Counters) -> None:
-        self.node = rules.node
-        self.ledger = rules.ledger
-        self.planner_config = rules.config
+        self.rules = rules
         self.table = table
         self.policy = policy
         self._candidates = candidates
@@ -66,27 +64,27 @@ class PreferredAllocation:
 
     def _mode_of(self, uuid: str) -> ComputeMode | None:
         try:
-            return self.ledger.mode(uuid)
+            return self.rules.ledger.mode(uuid)
         except Exception:
             return None
 
     def _full(self, uuid: str) -> bool:
         try:
-            return len(self.ledger.tenants(uuid)) >= self.planner_config.max_clients_per_gpu or any(
-                t.door in (al.DOOR_OTHER_PLUGIN, al.DOOR_SYNC) for t in self.ledger.tenants(uuid))
+            return len(self.rules.ledger.tenants(uuid)) >= self.rules.config.max_clients_per_gpu or any(
+                t.door in (al.DOOR_OTHER_PLUGIN, al.DOOR_SYNC) for t in self.rules.ledger.tenants(uuid))
         except Exception:
             return False
 
     def _free_mib_of(self, uuid: str) -> int | None:
-        gpu = self.node.gpu_by_uuid(uuid)
+        gpu = self.rules.node.gpu_by_uuid(uuid)
         try:
-            return None if gpu is None else gpu.memory_mib - sum(t.request_mib for t in self.ledger.tenants(uuid))
+            return None if gpu is None else gpu.memory_mib - sum(t.request_mib for t in self.rules.ledger.tenants(uuid))
         except Exception:
             return None
 
     def _tenants_of(self, uuid: str) -> list[Tenancy]:
         try:
-            return self.ledger.tenants(uuid)
+            return self.rules.ledger.tenants(uuid)
         except Exception:
             return []
 
@@ -95,7 +93,7 @@ class PreferredAllocation:
         if self._candidates is None:
             return set()
         modes: set[ComputeMode] = set()
-        prefix = self.planner_config.annotation_prefix
+        prefix = self.rules.config.annotation_prefix
         for c in self._candidates(count):
             annotations = (c.pod.get("metadata") or {}).get("annotations") or {}
             try:

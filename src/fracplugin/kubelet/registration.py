@@ -20,28 +20,18 @@ Rules (docs/reference/kubelet-device-plugin.md A.5, A.8, D.7-D.9):
   new socket first), or no ListAndWatch stream open for ``stream_grace_s``
   after one ended (``register_grace_s`` after a Register).
 
-Rules learnt from a real kubelet (issue 11, ``docs/e2e.md``; kubelet
-``pkg/kubelet/cm/devicemanager`` v1.35.4 and v1.37.2):
-
-* kubelet 1.37 keys its endpoints by socket *path*: a second Register on a
-  path whose connection kubelet still holds is refused ("device plugin already
-  connected", gRPC UNKNOWN) and, because the failed attempt also drops
-  kubelet's client of the first connection, every later Register on that path
-  is refused until kubelet restarts. So: never Register while a ListAndWatch
-  stream of ours is open (the kubelet holds a live connection); when we serve
-  again for the *same* kubelet (our socket was deleted, kubelet.sock was not
-  re-created) use a new socket file name (``fracplugin-<n>.sock``), and do the
-  same after an "already connected" refusal; a new kubelet (kubelet.sock
-  re-created) starts from the configured name;
-* a socket deleted right after it was created must still be noticed: "our
-  socket is missing" always means serve again (see ``_socket_gone``);
-* the first Register waits until the target says its devices can be served
-  Healthy (``ready()``, e.g. the MPS daemons are up), at most
-  ``ready_timeout_s``, so kubelet is not first told every device is Unhealthy;
-* ``last_registration_ms`` counts from the trigger or from when the current
-  kubelet.sock appeared, whichever is later (not the time kubelet was down);
-* while kubelet is down the failures are logged once as a WARNING, then at
-  most one WARNING per ``warn_every_s`` (default 60 s) with the attempt count.
+Rules learnt from a real kubelet (issue 11, ADR 0011 decisions 1-5, which
+give kubelet 1.37's "device plugin already connected" failure they answer):
+never Register while a ListAndWatch stream of ours is open; serving again for
+the *same* kubelet (our socket deleted, kubelet.sock not re-created) or after
+an "already connected" refusal uses a new socket file name
+(``fracplugin-<n>.sock``), a new kubelet starts from the configured name; "our
+socket is missing" always means serve again (``_socket_gone``); the first
+Register waits until the target says its devices can be served Healthy
+(``ready()``), at most ``ready_timeout_s``; ``last_registration_ms`` counts
+from the trigger or from when the current kubelet.sock appeared, whichever is
+later; while kubelet is down the failures are logged once as a WARNING, then
+at most one WARNING per ``warn_every_s`` (default 60 s).
 
 Concurrency model: one daemon thread (``Registrar``) owns the whole cycle; the
 device plugin server is driven through the narrow ``RegistrationTarget``
@@ -51,6 +41,7 @@ the registrar thread, each on a channel of its own with a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -202,18 +193,14 @@ class DirWatch:
                 pass
 
     def kick(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._w, b"k")
-        except (BlockingIOError, OSError):
-            pass
 
     def close(self) -> None:
         for fd in (self._fd, self._r, self._w):
             if fd >= 0:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
         self._fd = self._r = self._w = -1
 
 

@@ -19,16 +19,6 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from ..model import ComputeMode
 from .layout import MpsLayout, namespace_name
 
-__all__ = [
-    "MpsError",
-    "MpsTimeout",
-    "DrainResult",
-    "HealthCallback",
-    "MpsApi",
-    "NullMps",
-]
-
-
 class MpsError(RuntimeError):
     """An MPS control operation failed (daemon down, command refused, bad reply).
 
@@ -67,12 +57,11 @@ class DrainResult:
         clients: host PIDs of the container's MPS clients found (all daemons).
         terminated: PIDs whose ``client terminate`` / ``terminate_client`` answered in time.
         wedged: True when a terminate (or the client listing) ran out of time or
-            failed: the daemon it belongs to is considered wedged and is being
-            hard-restarted (gpu-fractioning ``drain.go``: a client killed
-            mid-kernel wedges the server; docs/reference/mps-nvml.md section 2.7).
-        restarted: compute modes whose daemon was scheduled for a hard restart
-            (always empty now: a drain step that times out only marks the daemon
-            slow/unhealthy; the probe decides about a restart, issue 12).
+            failed (a client killed mid-kernel wedges the server: gpu-fractioning
+            ``drain.go``, docs/reference/mps-nvml.md section 2.7); the daemon is
+            marked slow and probed at once (``drain.Drainer.drain``).
+        restarted: always empty (the probe decides about a restart, issue 12);
+            kept on the MPS role's wire, which older doors read.
         skipped: True when nothing was attempted (no daemon running, or a drain
             of the same container was already in flight).
         errors: human-readable notes (one per failed step).

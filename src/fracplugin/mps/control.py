@@ -19,6 +19,7 @@ of its own flags, so the client carries only ``CUDA_MPS_PIPE_DIRECTORY``.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import logging
@@ -29,22 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from .api import RESOURCE_ERRNOS, DrainResult, MpsError, MpsResourceError, MpsTimeout, NullMps  # re-exported for callers
-
-__all__ = [
-    "MpsControl",
-    "ServerRow",
-    "NamespaceRow",
-    "ClientRow",
-    "MpsError",
-    "MpsTimeout",
-    "DrainResult",
-    "NullMps",
-    "render_config_toml",
-    "choose_protocol",
-    "set_exclusive_process",
-    "NAME_RE",
-]
+from .api import RESOURCE_ERRNOS, MpsError, MpsResourceError, MpsTimeout
 
 log = logging.getLogger(__name__)
 
@@ -255,13 +241,6 @@ class MpsControl:
         _check_name(name)
         self.run(["namespace", "create", name, f"--server={server}"], timeout_s)
 
-    def namespace_set_atp(self, name: str, server: str, percentage: int, timeout_s: float) -> None:
-        """``namespace set <name> --server=<s> --active-thread-percentage=<1..100>``.
-        Fails while a client is attached (measured on r615, docs/reference/mps-nvml.md 1.6)."""
-        if not 1 <= int(percentage) <= 100:
-            raise ValueError(f"active thread percentage must be 1..100, got {percentage!r}")
-        self.run(["namespace", "set", name, f"--server={server}", f"--active-thread-percentage={int(percentage)}"], timeout_s)
-
     def namespace_set_caps(self, name: str, server: str, percentage: int | None, pinned_mib: int | None,
                            timeout_s: float) -> None:
         """One ``namespace set <name> --server=<s> [--active-thread-percentage=<1..100>]
@@ -278,14 +257,6 @@ class MpsControl:
             args.append(f"--pinned-memory-limit={int(pinned_mib)}M")
         if len(args) > 4:
             self.run(args, timeout_s)
-
-    def namespace_set_pinned(self, name: str, server: str, mib: int, timeout_s: float) -> None:
-        """``namespace set <name> --server=<s> --pinned-memory-limit=<MiB>M``: the
-        per-client pinned device memory limit of the namespace, on each device
-        (docs/reference/mps-nvml.md 1.6; values ``<n>M``). Fails while a client is attached."""
-        if int(mib) < 1:
-            raise ValueError(f"pinned memory limit must be >= 1 MiB, got {mib!r}")
-        self.run(["namespace", "set", name, f"--server={server}", f"--pinned-memory-limit={int(mib)}M"], timeout_s)
 
     def quit(self, timeout_s: float) -> None:
         """Stop the daemon on purpose (and its servers): v3 ``-q``, v2 ``quit`` on
@@ -377,9 +348,7 @@ def set_exclusive_process(gpu_uuids: Iterable[str]) -> dict[str, str]:
                 log.warning("cannot set EXCLUSIVE_PROCESS on %s: %s", uuid, e)
                 result[uuid] = str(e) or type(e).__name__
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
     return result
 

@@ -20,8 +20,6 @@ from ..procfs import container_id_matches
 from .api import DrainResult, MpsError, MpsResourceError, MpsTimeout
 from .state import DaemonState, SupervisorCore
 
-__all__ = ["Drainer"]
-
 log = logging.getLogger("fracplugin.mps.supervisor")
 
 
@@ -118,13 +116,10 @@ class Drainer:
         joined with ``/proc/<pid>/cgroup`` (procfs.container_id_matches); each is
         terminated (v3 ``client terminate <pid>``, v2 ``terminate_client``).
 
-        Slowness is not a hang: a command that runs out of time marks that
-        daemon unhealthy ("slow") and asks for a probe at once; only the probe
-        (``probe_failure_threshold`` consecutive failures) confirms a hang and
-        hard-restarts the daemon (issue 12: one slow answer killed every
-        client's work). ``wedged`` in the result then means "a drain step timed
-        out or failed"; ``restarted`` stays empty (the restart, if any, is the
-        probe's decision).
+        Slowness is not a hang (issue 12): a command that runs out of time marks
+        that daemon unhealthy ("slow") and asks for a probe at once; only the
+        probe confirms a hang and hard-restarts the daemon. ``wedged`` then
+        means "a drain step timed out or failed".
 
         Never blocks past ``timeout_s`` (plus process start jitter); never raises
         for MPS errors (they are in ``DrainResult.errors``). A second drain of the

@@ -32,6 +32,7 @@ wakeup fd, so a signal wakes it and the quit runs on the main thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -42,8 +43,6 @@ import time
 from typing import Any, Callable
 
 log = logging.getLogger("fracplugin.daemon")
-
-__all__ = ["KEEPER_ENV", "keep"]
 
 #: set in the child's environment: that process is the MPS role itself, not a keeper
 KEEPER_ENV = "FRACPLUGIN_MPS_ROLE_CHILD"
@@ -84,10 +83,8 @@ def keep(quit_mps: Callable[[], None] | None = None, argv: list[str] | None = No
 
     def reload(signum: int, _frame: Any) -> None:
         if child and child[0].returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(child[0].pid, signum)
-            except ProcessLookupError:
-                pass
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, record)
@@ -126,10 +123,8 @@ def _supervise(proc: subprocess.Popen[bytes], stopping: list[int], wake_r: int,
                 name = signal.Signals(stopping[-1]).name
                 if quit_mps is not None and proc.poll() is None:
                     _quit_on_purpose(quit_mps, name)
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, stopping[-1])
-                except ProcessLookupError:
-                    pass
             ready, _, _ = select.select([pidfd, wake_r], [], [])
             if wake_r in ready:
                 try:

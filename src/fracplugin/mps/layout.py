@@ -34,10 +34,6 @@ from ..model import ComputeMode
 
 CONTAINER_PIPE_DIR = "/tmp/nvidia-mps"
 DEFAULT_ROOT = "/run/fracplugin/mps"
-DEFAULT_API_SOCKET = "/run/fracplugin/mps/api.sock"
-DIR_MODE = 0o755
-"""Mode of every pipe, namespace and log directory, set explicitly (chmod)
-whatever the umask: containers run as any UID and must traverse to the socket."""
 SM_SERVER = "shared"
 MAX_PIPE_DIR_LEN = 83
 _MODE_DIR = {ComputeMode.TIME_SLICING: "ts", ComputeMode.SM_SHARING: "sm"}

@@ -15,6 +15,7 @@ from the caller's thread for the shutdown.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -31,8 +32,6 @@ from .control import render_config_toml
 from .layout import SM_SERVER
 from .procs import DetachedProc, is_control_daemon, make_dir, pid_alive, root_problem
 from .state import DaemonState, SupervisorCore, control_log_size
-
-__all__ = ["DaemonProcesses"]
 
 log = logging.getLogger("fracplugin.mps.supervisor")
 
@@ -81,10 +80,8 @@ class DaemonProcesses:
                 self.kill_unanswering(d)
             self.clean_stale_leaves(d)
             for leaf in ("control", "nvidia-cuda-mps-control.pid"):
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(d.pipe_dir, leaf))  # stale socket of a dead daemon
-                except FileNotFoundError:
-                    pass
             self.kill_servers(d, scan=False)
             argv = self.command_line(d)
             env = dict(self.c.env)
@@ -164,10 +161,8 @@ class DaemonProcesses:
             except OSError:
                 pass
             if leaf != server_dir and os.path.basename(leaf) not in keep:
-                try:
+                with contextlib.suppress(OSError):
                     os.rmdir(leaf)
-                except OSError:
-                    pass
 
     def kill_unanswering(self, d: DaemonState) -> None:
         """Before a detached start: a control daemon of ours still alive (it
@@ -228,10 +223,8 @@ class DaemonProcesses:
             d.stdout = None
             d.state = "stopped"
         if proc is not None and proc.stdin is not None:
-            try:
+            with contextlib.suppress(OSError):
                 proc.stdin.close()
-            except OSError:
-                pass
         if out is not None:
             out.close()
         self.c.set_health(d, False)
@@ -258,10 +251,8 @@ class DaemonProcesses:
         if proc is not None:
             with self.c.lock:
                 d.server_pids |= self.child_servers(proc.pid)
-            try:
+            with contextlib.suppress(OSError):
                 proc.kill()
-            except OSError:
-                pass
             try:
                 proc.wait(5.0)
             except subprocess.TimeoutExpired:
@@ -388,10 +379,8 @@ class DaemonProcesses:
             self.kill_servers(d, scan=False)
         self.kill_servers(None, scan=True)
         for d in daemons:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(d.pipe_dir, "control"))
-            except OSError:
-                pass
             proc = procs[d.mode]
             if proc is None or proc.poll() is not None:
                 # A daemon that died uncleanly (SIGKILLed here, or hard-killed by a confirmed hang and
@@ -400,11 +389,3 @@ class DaemonProcesses:
             with self.c.lock:
                 d.state = "stopped"
 
-    def request_restart(self, d: DaemonState, reason: str) -> None:
-        """Ask the supervisor thread to hard-restart ``d`` (SIGKILL daemon and servers) at its next step."""
-        with self.c.lock:
-            d.wedges += 1
-            d.restart_request = reason
-            d.last_error = reason
-        log.warning("MPS %s daemon %s; hard restart", d.mode.value, reason)
-        self.c.wake.set()

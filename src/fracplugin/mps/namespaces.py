@@ -26,8 +26,6 @@ from .layout import SM_SERVER, namespace_name
 from .procs import make_dir
 from .state import DaemonState, NsRecord, SupervisorCore, parse_mib
 
-__all__ = ["NamespaceBook"]
-
 log = logging.getLogger("fracplugin.mps.supervisor")
 
 

@@ -39,6 +39,7 @@ Runs on the supervisor thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -51,9 +52,6 @@ from .lifecycle import DaemonProcesses
 from .namespaces import NamespaceBook
 from .procs import DetachedProc, is_control_daemon, pid_alive
 from .state import SERVER_EXIT_RE, DaemonState, SupervisorCore, control_log_size
-
-__all__ = ["DaemonProber", "probe_timeout_for", "cpu_pressure_pct", "MAX_TIMEOUT_DOUBLINGS",
-           "STARVED_CPU_PRESSURE_PCT"]
 
 log = logging.getLogger("fracplugin.mps.supervisor")
 
@@ -199,10 +197,8 @@ class DaemonProber:
                     os.unlink(os.path.join(leaf, "control"))
             except OSError:
                 pass
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(leaf)
-            except OSError:
-                pass
         d.control_id = self.control_identity(d)
         if d.log_offset is None:
             d.log_offset = control_log_size(d)

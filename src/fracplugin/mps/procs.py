@@ -7,15 +7,13 @@ Used by ``lifecycle`` (start, adopt, kill), ``probing`` (adoption) and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
 import stat
 import subprocess
 import time
-
-__all__ = ["SERVER_EXE", "DetachedProc", "pid_alive", "is_control_daemon", "make_dir",
-           "root_problem"]
 
 SERVER_EXE = "nvidia-cuda-mps-server"
 """Basename of the MPS server binary (``/proc/<pid>/exe``), for leftover-server cleanup."""
@@ -46,10 +44,8 @@ class DetachedProc:
 
     def kill(self) -> None:
         """SIGKILL it (nothing when it is gone)."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until it is gone (pidfd, else polling /proc) or ``timeout`` seconds; returns -1. Raises
@@ -72,10 +68,8 @@ class DetachedProc:
     def _close(self) -> None:
         fd, self._pidfd = self._pidfd, None
         if fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def pid_alive(pid: int) -> bool:
@@ -119,7 +113,8 @@ def make_dir(path: str, root: str | None = None, mode: int = 0o755) -> None:
     """``mkdir -p path`` and chmod ``mode`` on each directory it created and on
     ``path`` itself, whatever the process umask (``os.makedirs(mode=)`` is
     masked by it: under ``umask 077`` it makes 0700 directories that a
-    non-root container cannot enter). Directories above ``root`` are left alone.
+    non-root container cannot enter; containers run as any UID and must traverse
+    to the socket). Directories above ``root`` are left alone.
     Raises OSError."""
     path = os.path.normpath(path)
     todo = []

@@ -17,9 +17,6 @@ import sys
 from .api import MpsError
 from .layout import DEFAULT_ROOT
 
-__all__ = ["add_arguments", "main"]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mps-api-socket", metavar="PATH", default=None,
                    help="the MPS role's API socket (default <mps-root>/api.sock)")

@@ -24,21 +24,17 @@ many ops of this peer running; transient). Ops and their arguments:
 ``release_namespace``, ``drain``, ``quit_daemons``); requests are checked by
 ``rpcwire.parse_request`` before anything runs.
 
-Defences (issue 25 item 8, ADR 0022): no thread per connection (one
-selector thread reads and writes all of them), a whole-request deadline
-(``REQUEST_DEADLINE_S`` from accept), the oldest connection still sending
-its request evicted at ``MAX_CONNECTIONS``, ``hello``/``status`` answered
-without waiting behind other ops, at most ``MAX_RUNNING_PER_PEER`` running
-ops per peer process.
+Defences (issue 25 item 8, ADR 0022): ``MpsApiServer``.
 
 Security: the socket is created mode 0600 (never mounted into a container:
 containers get only their namespace leaf directories), and every
 connection's peer is checked with ``SO_PEERCRED`` (uid 0 or the server's own
-euid); the path is never mounted into a container.
+euid).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -54,9 +50,6 @@ from ..model import ComputeMode
 from .api import DrainResult, HealthCallback, MpsApi, MpsError, MpsTimeout
 from .layout import MpsLayout, namespace_name
 from .rpcwire import API_VERSION, RequestError, parse_request
-
-__all__ = ["API_VERSION", "MpsApiServer", "RemoteMps", "MAX_REQUEST_BYTES", "REQUEST_DEADLINE_S", "MAX_CONNECTIONS",
-           "MAX_RUNNING_PER_PEER"]
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +153,8 @@ class MpsApiServer:
         d = os.path.dirname(self.path)
         if not os.path.isdir(d):
             os.makedirs(d, mode=0o700, exist_ok=True)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -198,10 +189,8 @@ class MpsApiServer:
         for fd in fds:
             if fd >= 0:
                 os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.path)
-        except OSError:
-            pass
 
     def connections(self) -> dict[str, int]:
         """Open connections by state (``reading``, ``running``, ``writing``): a
@@ -230,10 +219,8 @@ class MpsApiServer:
                     if key.data == "listen":
                         self._accept()
                     elif key.data == "wake":
-                        try:
+                        with contextlib.suppress(OSError):
                             os.read(self._wake_r, 4096)
-                        except OSError:
-                            pass
                     else:
                         self._event(key.data, events)
                 self._collect_done()
@@ -408,10 +395,8 @@ class MpsApiServer:
 
     def _drop(self, c: _Conn, doc: Mapping[str, Any]) -> None:
         """Answer (best effort, never blocking) and close a connection not registered."""
-        try:
+        with contextlib.suppress(OSError):
             c.sock.send(_encode(doc))
-        except OSError:
-            pass
         c.sock.close()
 
     def _close(self, c: _Conn, doc: Mapping[str, Any] | None = None) -> None:
@@ -420,10 +405,8 @@ class MpsApiServer:
             return
         self._conns.pop(c.sock.fileno(), None)
         if self._sel is not None:
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 self._sel.unregister(c.sock)
-            except (KeyError, ValueError):
-                pass
         c.state = "closed"
         if doc is not None:
             self._drop(c, doc)
@@ -678,6 +661,3 @@ class RemoteMps:
                     cb(m, health[m])
                 except Exception:
                     log.exception("MPS health callback failed")
-
-
-Callback = Callable[[ComputeMode, bool], None]

@@ -32,9 +32,6 @@ from typing import Any, Callable
 
 from ..model import ComputeMode
 
-__all__ = ["API_VERSION", "MAX_DEPTH", "MAX_TEXT", "MAX_TIMEOUT_S", "OPS", "RequestError", "parse_request",
-           "nesting_depth"]
-
 API_VERSION = 1
 MAX_DEPTH = 8
 """Most ``[``/``{`` levels a request may nest (the deepest valid one nests 3)."""

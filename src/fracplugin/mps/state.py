@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Iterable, Mapping
 
@@ -29,8 +30,6 @@ from .api import HealthCallback
 from .control import MpsControl, choose_protocol
 from .layout import MpsLayout
 from .procs import SERVER_EXE, DetachedProc
-
-__all__ = ["STATES", "NsRecord", "DaemonState", "SERVER_EXIT_RE", "parse_mib", "control_log_size", "SupervisorCore"]
 
 log = logging.getLogger("fracplugin.mps.supervisor")  # every part logs as the supervisor
 
@@ -76,7 +75,6 @@ def parse_mib(value: str) -> int | None:
     return {"K": n // 1024, "M": n, "G": n * 1024}[unit]
 
 
-
 def control_log_size(d: "DaemonState") -> int:
     """Bytes in ``<log dir>/control.log`` (0 when absent): where the crash-loop
     reader starts after a (re)start."""
@@ -116,7 +114,6 @@ class DaemonState:
     last_probe_at: float | None = None
     next_probe_at: float = 0.0
     next_start_at: float = 0.0
-    restart_request: str | None = None
     last_error: str = ""
     server_pids: set[int] = field(default_factory=set)
     restore_pending: set[str] = field(default_factory=set)
@@ -137,9 +134,9 @@ class DaemonState:
 
 
 class SupervisorCore:
-    """Settings and shared mutable state of one ``MpsSupervisor`` (arguments:
-    see ``MpsSupervisor``; they are normalised here). Raises ValueError for an
-    empty ``modes`` or a bad protocol."""
+    """Settings and shared mutable state of one ``MpsSupervisor`` (its base;
+    the arguments are ``MpsSupervisor``'s, normalised here; the parts get it as
+    ``c``). Raises ValueError for an empty ``modes`` or a bad protocol."""
 
     def __init__(
         self,
@@ -148,26 +145,26 @@ class SupervisorCore:
         protocol: int | None,
         driver_version: str,
         modes: Iterable[ComputeMode],
+        probe_interval_s: float = 5.0,
+        probe_timeout_s: float = 2.0,
+        max_restarts: int = 5,
+        stable_uptime_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
         *,
-        probe_interval_s: float,
-        probe_timeout_s: float,
-        max_restarts: int,
-        stable_uptime_s: float,
-        clock: Callable[[], float],
-        proc_root: str,
-        env: Mapping[str, str] | None,
-        start_timeout_s: float,
-        probe_failure_threshold: int,
-        backoff_base_s: float,
-        backoff_max_s: float,
+        proc_root: str = "/proc",
+        env: Mapping[str, str] | None = None,
+        start_timeout_s: float = 30.0,
+        probe_failure_threshold: int = 2,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 30.0,
         server_exe: str = SERVER_EXE,
-        default_active_thread_percentage: int | None,
-        default_pinned_mem_limits_mib: Mapping[str, int] | None,
-        exclusive_process_gpus: Iterable[str],
-        detached: bool,
-        state_file: str | None,
-        crash_loop_exits: int,
-        crash_loop_window_s: float,
+        default_active_thread_percentage: int | None = None,
+        default_pinned_mem_limits_mib: Mapping[str, int] | None = None,
+        exclusive_process_gpus: Iterable[str] = (),
+        detached: bool = False,
+        state_file: str | None = None,
+        crash_loop_exits: int = 3,
+        crash_loop_window_s: float = 60.0,
     ) -> None:
         modes = frozenset(ComputeMode(m) for m in modes)
         if not modes:
@@ -212,6 +209,10 @@ class SupervisorCore:
         self.pending_delete: dict[str, ComputeMode] = {}
         self.draining: set[str] = set()
         self.daemons = self.make_daemons(env)
+        self._build()
+
+    def _build(self) -> None:
+        """Called last by ``__init__``: ``MpsSupervisor`` builds its parts here."""
 
     def set_health(self, d: DaemonState, healthy: bool) -> None:
         """Set ``d``'s health bit; on a change, run every subscriber (exceptions logged). Never reports healthy

@@ -1,21 +1,10 @@
 """The MPS supervisor: owns one ``nvidia-cuda-mps-control`` per compute mode.
 
 ``MpsSupervisor`` is the one interface (``MpsApi``) the rest of the daemon
-uses; it runs the supervisor thread and hands each job to one part
-(ADR 0022):
-
-* ``state.SupervisorCore``: settings, the lock, per-daemon ``DaemonState``,
-  the recorded namespaces; the health bit and the backoff schedule;
-* ``lifecycle.DaemonProcesses``: start, restart with backoff, hard kill,
-  leftover servers, shutdown;
-* ``probing.DaemonProber``: readiness, active probes, adoption, crash loops;
-* ``namespaces.NamespaceBook``: create/cap/release/restore namespaces and
-  their record on disk;
-* ``drain.Drainer``: terminate a stopping container's clients;
-* ``procs``: process and directory primitives (no state).
-
-Imports go one way: procs <- state <- lifecycle, namespaces, drain <-
-probing <- supervisor.
+uses; it runs the supervisor thread and hands each job to one part: state,
+lifecycle, probing, namespaces, drain, procs (ADR 0022; docs/architecture.md
+section 3 lists what each holds). Imports go one way: procs <- state <-
+lifecycle, namespaces, drain <- probing <- supervisor.
 
 Concurrency model
 -----------------
@@ -28,7 +17,7 @@ Concurrency model
   also reaps it) and wakes the supervisor thread the moment the daemon exits.
 * Public methods (``ensure_namespace``, ``release_namespace``, ``drain``,
   ``healthy``, ``ready``, ``status``) are called from any thread (the NRI and
-  device-plugin handlers). They read shared state under ``self._lock`` (held
+  device-plugin handlers). They read shared state under ``self.lock`` (held
   for microseconds, never across a subprocess) and run their own control
   commands bounded by the ``timeout_s`` they are given. Namespace changes on
   one daemon are serialised by a per-daemon lock acquired with a timeout.
@@ -36,25 +25,11 @@ Concurrency model
 
 What it does (issue 5; docs/reference/mps-nvml.md sections 1.2-1.8, 2.7;
 docs/reference/gpu-fractioning-reference.md section 4):
-* start: pipe/log directories from ``MpsLayout``, 0755 whatever the umask
-  (an MPS root under a directory others cannot traverse is a start failure
-  naming it), stale ``control`` socket removed; v3: ``-p 3 -m -f|-d -a
-  <log dir>/mps-control.toml`` (memacct on; both daemons with a
-  ``[servers.shared]`` whose namespaces are the tenants' leaf pipe
-  directories; context-share on for sm-sharing only); v2: ``-f|-d`` plus
-  ``set_default_active_thread_percentage`` / ``set_default_device_pinned_mem_limit``
-  when configured. ``-f`` (role all: a child, stdin kept open, quit on stop)
-  or ``-d`` (``detached``, role mps: its own session, adopted by the next
-  supervisor, left running on stop; ADR 0009);
-* ready when the ``control`` socket exists and a real command answers;
-* an active probe every ``probe_interval_s`` (v3 ``server list``, v2
-  ``get_default_active_thread_percentage``) with ``probe_timeout_s``; a hung
-  daemon fails it and is killed and restarted (a late answer alone, as on a
-  starved host, reports nothing until ``probe_failure_threshold`` confirm it);
-* the probe first checks that ``<pipe>/control`` is still the socket the
-  daemon created (owner, inode, directory writable by us only): a replaced
-  socket is never talked to; server crash loops (non-zero server exits in
-  ``control.log``) make the daemon unhealthy;
+* start: ``lifecycle.py`` (pipe and log directories 0755 whatever the umask;
+  v3 ``-p 3 -m -f|-d -a <log dir>/mps-control.toml``, ``control.render_config_toml``;
+  v2 ``-f|-d`` plus the configured defaults; ``-d`` is the MPS role's, ADR 0009);
+* ready, active probes, a replaced ``control`` socket, server crash loops:
+  ``probing.py``;
 * restarts with exponential backoff (tenacity ``wait_chain(wait_none(),
   wait_exponential)``: the first retry is immediate) capped at
   ``backoff_max_s`` and retried forever; ``max_restarts`` consecutive
@@ -62,14 +37,8 @@ docs/reference/gpu-fractioning-reference.md section 4):
   when the daemon is reported ``failed`` (issue 12);
 * recorded namespaces (both modes, with active thread percentage and pinned
   memory limit) are re-created and re-capped after every restart;
-* drain: only the daemons of the container's mode; a container's clients (v3
-  ``client list`` / v2 ``get_client_list``) joined with ``/proc/<pid>/cgroup``
-  are terminated within the caller's budget, per daemon; a timeout marks the
-  daemon slow (unhealthy) and probes it at once: only failed probes (a
-  confirmed hang) hard-restart it (SIGKILL daemon + its servers);
-* stop (role all): ``quit`` on stdin, wait, SIGKILL, then SIGKILL every
-  leftover ``nvidia-cuda-mps-server`` found by ``/proc/<pid>/exe`` basename;
-  ``quit_daemons()`` does the same on purpose in role mps.
+* drain: ``drain.Drainer.drain`` (only the daemons of the container's mode);
+* stop (role all) and ``quit_daemons()`` (role mps, on purpose): ``stop``.
 """
 
 from __future__ import annotations
@@ -77,31 +46,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Iterable
 
 from ..model import ComputeMode
 from .api import DrainResult, HealthCallback
 from .control import set_exclusive_process
 from .drain import Drainer
-from .layout import MpsLayout
 from .lifecycle import DaemonProcesses
 from .namespaces import NamespaceBook
 from .probing import DaemonProber
-from .procs import SERVER_EXE, make_dir, root_problem
-from .state import STATES, DaemonState, SupervisorCore
-
-__all__ = ["MpsSupervisor", "SERVER_EXE", "STATES", "DaemonState", "make_dir", "root_problem"]
+from .procs import make_dir as make_dir, root_problem  # make_dir: re-exported (tests/unit/test_mps_rooms.py)
+from .state import DaemonState, SupervisorCore
 
 log = logging.getLogger(__name__)
 
 
-class _AttachMps(Protocol):
-    """What the supervisor asks of a metrics object: ``attach_mps(self)``."""
-
-    def attach_mps(self, mps: Any) -> None: ...
-
-
-class MpsSupervisor:
+class MpsSupervisor(SupervisorCore):
     """Owns the MPS control daemons of this node (one per compute mode in ``modes``).
 
     Args:
@@ -130,14 +90,10 @@ class MpsSupervisor:
             ``set_default_device_pinned_mem_limit`` after each start of every daemon.
         exclusive_process_gpus: GPU UUIDs put in EXCLUSIVE_PROCESS compute mode via
             NVML at ``start()`` (errors are logged, never fatal).
-        metrics: a ``fracplugin.metrics.Metrics``; when given, the supervisor
-            attaches itself (``metrics.attach_mps(self)``) so scrapes read ``status()``.
         detached: the MPS role (``fracplugin run --role mps``, ADR 0009): daemons
-            are started with ``-d`` (they daemonize into their own session, not
-            our children, no parent-death signal), a daemon found running at
-            start (pid file + live process + answered probe) is adopted instead
-            of replaced, and ``stop()`` leaves them running; only
-            ``quit_daemons()`` stops MPS on purpose.
+            started with ``-d`` (their own session), a running one adopted at
+            start (pid file + live process + answered probe), left running by
+            ``stop()``; only ``quit_daemons()`` stops MPS on purpose.
         state_file: where the recorded namespaces are kept (JSON, atomic rename
             + fsync) so that a restarted MPS role knows whose they are; default
             ``<root>/namespaces.json`` when ``detached``, none otherwise.
@@ -148,73 +104,23 @@ class MpsSupervisor:
     Raises ValueError for an empty ``modes`` or a bad protocol.
     """
 
-    def __init__(
-        self,
-        layout: MpsLayout,
-        control_binary: str,
-        protocol: int | None,
-        driver_version: str,
-        modes: Iterable[ComputeMode],
-        probe_interval_s: float = 5.0,
-        probe_timeout_s: float = 2.0,
-        max_restarts: int = 5,
-        stable_uptime_s: float = 300.0,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        proc_root: str = "/proc",
-        env: Mapping[str, str] | None = None,
-        start_timeout_s: float = 30.0,
-        probe_failure_threshold: int = 2,
-        backoff_base_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        server_exe: str = SERVER_EXE,
-        default_active_thread_percentage: int | None = None,
-        default_pinned_mem_limits_mib: Mapping[str, int] | None = None,
-        exclusive_process_gpus: Sequence[str] = (),
-        metrics: _AttachMps | None = None,
-        detached: bool = False,
-        state_file: str | None = None,
-        crash_loop_exits: int = 3,
-        crash_loop_window_s: float = 60.0,
-    ) -> None:
-        c = self.c = SupervisorCore(
-            layout, control_binary, protocol, driver_version, modes,
-            probe_interval_s=probe_interval_s, probe_timeout_s=probe_timeout_s, max_restarts=max_restarts,
-            stable_uptime_s=stable_uptime_s, clock=clock, proc_root=proc_root, env=env,
-            start_timeout_s=start_timeout_s, probe_failure_threshold=probe_failure_threshold,
-            backoff_base_s=backoff_base_s, backoff_max_s=backoff_max_s, server_exe=server_exe,
-            default_active_thread_percentage=default_active_thread_percentage,
-            default_pinned_mem_limits_mib=default_pinned_mem_limits_mib,
-            exclusive_process_gpus=exclusive_process_gpus, detached=detached, state_file=state_file,
-            crash_loop_exits=crash_loop_exits, crash_loop_window_s=crash_loop_window_s)
-        # Settings, read-only after construction (the parts read them from ``c``).
-        self.layout, self.control_binary, self.driver_version = c.layout, c.control_binary, c.driver_version
-        self.protocol, self.modes, self.detached, self.state_file = c.protocol, c.modes, c.detached, c.state_file
-        self.probe_interval_s, self.probe_timeout_s = c.probe_interval_s, c.probe_timeout_s
-        self.stable_uptime_s, self.exclusive_process_gpus = c.stable_uptime_s, c.exclusive_process_gpus
-        self.shared_pipe_exposure = c.shared_pipe_exposure
-        # Shared state, the same objects as ``c``'s (never rebound).
-        self._lock, self._wake, self._stopping, self._clock = c.lock, c.wake, c.stopping, c.clock
-        self._daemons, self._namespaces, self._pending_delete = c.daemons, c.namespaces, c.pending_delete
-        self._subscribers = c.subscribers
+    def _build(self) -> None:
         self._thread: threading.Thread | None = None
         # The parts (one responsibility each; see the module docstring).
-        self.procs = DaemonProcesses(c)
-        self.book = NamespaceBook(c)
-        self.prober = DaemonProber(c, self.procs, self.book)
-        self.drainer = Drainer(c)
-        if metrics is not None:
-            metrics.attach_mps(self)
+        self.procs = DaemonProcesses(self)
+        self.book = NamespaceBook(self)
+        self.prober = DaemonProber(self, self.procs, self.book)
+        self.drainer = Drainer(self)
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         """Start the supervisor thread; it starts the daemons at once. Idempotent.
-        Returns immediately (use ``ready()`` / ``wait_ready()`` to wait)."""
-        with self._lock:
+        Returns immediately (``ready()`` says when the daemons are up)."""
+        with self.lock:
             if self._thread is not None:
                 return
-            self._stopping.clear()
+            self.stopping.clear()
             self._thread = threading.Thread(target=self._run, name="fracplugin-mps-supervisor", daemon=True)
         self.book.load_state()
         if self.shared_pipe_exposure:
@@ -234,15 +140,15 @@ class MpsSupervisor:
         timeout_s = max(0.0, float(timeout_s))
         deadline = time.monotonic() + timeout_s
         thread = self._thread
-        self._stopping.set()
-        self._wake.set()
+        self.stopping.set()
+        self.wake.set()
         if self.detached:
             # The MPS role: daemons and servers outlive us (ADR 0009); the next
             # MPS role adopts them. Only quit_daemons() stops MPS on purpose.
             if thread is not None and thread.is_alive():
                 thread.join(max(0.5, deadline - time.monotonic()))
             self.procs.release_all()
-            with self._lock:
+            with self.lock:
                 self._thread = None
             return
         # Shut down from the caller's thread: the supervisor thread may be in
@@ -251,7 +157,7 @@ class MpsSupervisor:
         self.procs.shutdown_all(timeout_s)
         if thread is not None and thread.is_alive():
             thread.join(max(0.5, deadline - time.monotonic()))
-        with self._lock:
+        with self.lock:
             self._thread = None
 
     def quit_daemons(self, timeout_s: float = 10.0) -> None:
@@ -259,31 +165,22 @@ class MpsSupervisor:
         ends, every daemon gets ``quit`` (through its control socket), what is
         left after ``timeout_s`` is SIGKILLed with its servers, and the recorded
         namespaces are forgotten. Running clients lose their server."""
-        self._stopping.set()
-        self._wake.set()
+        self.stopping.set()
+        self.wake.set()
         thread = self._thread
         if thread is not None and thread.is_alive():
             thread.join(max(0.5, self.probe_timeout_s + 1.0))
-        with self._lock:
+        with self.lock:
             self._thread = None
-            self._namespaces.clear()
+            self.namespaces.clear()
         self.book.save_state()
         self.procs.shutdown_all(timeout_s)
-
-    def wait_ready(self, timeout_s: float) -> bool:
-        """Block until ``ready()`` or ``timeout_s`` elapsed (real time); returns ``ready()``."""
-        deadline = time.monotonic() + timeout_s
-        while not self.ready():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
-        return True
 
     def healthy(self, mode: ComputeMode) -> bool:
         """True when the daemon serving ``mode`` is running, answered its last
         probe and has every recorded namespace in place. False for a mode that
         is not supervised."""
-        d = self._daemons.get(mode)  # ComputeMode is a str enum: its value finds it too
+        d = self.daemons.get(mode)  # ComputeMode is a str enum: its value finds it too
         if d is None:
             ComputeMode(mode)  # ValueError for a value that names no mode, as before
             return False
@@ -291,14 +188,14 @@ class MpsSupervisor:
 
     def ready(self) -> bool:
         """Every supervised daemon is healthy."""
-        with self._lock:
-            return all(d.healthy for d in self._daemons.values())
+        with self.lock:
+            return all(d.healthy for d in self.daemons.values())
 
     def subscribe(self, callback: HealthCallback) -> None:
         """``callback(mode, healthy)`` on every health change of a daemon (from
         the supervisor thread; exceptions are logged and ignored)."""
-        with self._lock:
-            self._subscribers.append(callback)
+        with self.lock:
+            self.subscribers.append(callback)
 
     def status(self) -> dict[str, Any]:
         """JSON-able state for ``fracplugin status``, metrics and device health::
@@ -316,16 +213,16 @@ class MpsSupervisor:
         ``restarts`` counts every restart (crash, hang, wedge); ``wedges`` the
         drains that timed out; ``last_probe_s`` is the last probe's duration.
         """
-        now = self._clock()
-        with self._lock:
+        now = self.clock()
+        with self.lock:
             daemons = []
-            for d in self._daemons.values():
+            for d in self.daemons.values():
                 running = d.proc is not None and d.proc.returncode is None
                 ns = [
                     {"name": n, "pod_uid": r.pod_uid, "container": r.container,
                      "active_thread_percentage": r.active_thread_percentage,
                      "pinned_limit_mib": r.pinned_limit_mib}
-                    for n, r in sorted(self._namespaces.items()) if r.mode is d.mode
+                    for n, r in sorted(self.namespaces.items()) if r.mode is d.mode
                 ]
                 daemons.append({
                     "mode": d.mode.value,
@@ -349,7 +246,7 @@ class MpsSupervisor:
                     "crash_loop": d.crash_loop,
                     "server_exits_recent": len(d.server_exits),
                     "slow": d.slow,
-                    "reason": self.c.reason(d),
+                    "reason": self.reason(d),
                 })
             return {
                 "enabled": True,
@@ -357,18 +254,18 @@ class MpsSupervisor:
                 "exposure": self.shared_pipe_exposure,
                 "protocol": self.protocol,
                 "driver_version": self.driver_version,
-                "ready": all(d.healthy for d in self._daemons.values()),
+                "ready": all(d.healthy for d in self.daemons.values()),
                 "daemons": daemons,
             }
 
     def unhealthy_reason(self, mode: ComputeMode) -> str:
         """Why the daemon of ``mode`` is not healthy ("" when it is, or "not
         supervised" for a mode without a daemon)."""
-        d = self._daemons.get(ComputeMode(mode))
+        d = self.daemons.get(ComputeMode(mode))
         if d is None:
             return f"no {ComputeMode(mode).value} MPS daemon is supervised"
-        with self._lock:
-            return self.c.reason(d)
+        with self.lock:
+            return self.reason(d)
 
     def root_problem(self) -> str:
         """"" when containers can reach the MPS root, else why not (naming the directory)."""
@@ -404,35 +301,35 @@ class MpsSupervisor:
 
     def _run(self) -> None:
         try:
-            while not self._stopping.is_set():
-                for d in self._daemons.values():
+            while not self.stopping.is_set():
+                for d in self.daemons.values():
                     try:
                         self._step(d)
                     except Exception:  # keep supervising whatever happens
                         log.exception("MPS supervisor step failed for %s", d.mode.value)
-                self._wake.wait(self._next_wait())
-                self._wake.clear()
+                self.wake.wait(self._next_wait())
+                self.wake.clear()
         finally:
             if not self.detached:
                 self.procs.shutdown_all(0.0)  # anything started while stop() was running
 
     def _next_wait(self) -> float:
-        now = self._clock()
+        now = self.clock()
         waits = [0.5]
-        with self._lock:
-            for d in self._daemons.values():
-                if d.state == "starting" or d.restart_request:
+        with self.lock:
+            for d in self.daemons.values():
+                if d.state == "starting":
                     waits.append(0.02)
                 elif d.state in ("backoff", "failed"):
                     waits.append(d.next_start_at - now)
                 elif d.state in ("ready", "unhealthy"):
                     waits.append(d.next_probe_at - now)
-                    if self._pending_delete:
+                    if self.pending_delete:
                         waits.append(self.probe_interval_s)
         return min(max(w, 0.005) for w in waits)
 
     def _step(self, d: DaemonState) -> None:
-        now = self._clock()
+        now = self.clock()
         if self.detached and not d.adopt_tried and d.proc is None:
             d.adopt_tried = True
             if self.prober.try_adopt(d):
@@ -446,16 +343,7 @@ class MpsSupervisor:
             self.procs.kill_servers(d, scan=False)
             self.procs.schedule_restart(d, reason, consume_budget=True)
             return
-        if d.restart_request and proc is not None:
-            reason = d.restart_request
-            self.procs.hard_kill(d)
-            with self._lock:
-                d.restart_request = None
-            self.procs.schedule_restart(d, reason, consume_budget=False)
-            return
         if d.proc is None and d.state in ("stopped", "backoff", "failed") and now >= d.next_start_at:
-            with self._lock:
-                d.restart_request = None
             self.procs.start_daemon(d)
             return
         if d.state == "starting":
@@ -463,7 +351,7 @@ class MpsSupervisor:
             return
         if d.state in ("ready", "unhealthy"):
             if d.ready_at is not None and d.budget_used and now - d.ready_at >= self.stable_uptime_s and d.healthy:
-                with self._lock:
+                with self.lock:
                     d.budget_used = 0
             if now >= d.next_probe_at:
                 self.prober.probe(d, now)

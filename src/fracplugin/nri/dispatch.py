@@ -22,19 +22,6 @@ from ..safetext import quote
 from .interfaces import EVENTS, CallContext, EventSpec, check_handler, handler_mask, implements
 from .ttrpc import Code, RequestReceived, RpcError, unimplemented_method, unimplemented_service
 
-__all__ = [
-    "DEFAULT_REGISTRATION_TIMEOUT_S",
-    "DEFAULT_REQUEST_TIMEOUT_S",
-    "DEFAULT_SOCKET_PATH",
-    "MAX_SYNC_BYTES",
-    "MAX_SYNC_PARTS",
-    "MAX_UNANSWERED",
-    "PLUGIN_SERVICE",
-    "RUNTIME_SERVICE",
-    "VALID_EVENTS_MASK",
-    "Dispatcher",
-]
-
 log = logging.getLogger("fracplugin.nri.stub")  # the stub's log, as before the split
 
 DEFAULT_SOCKET_PATH = "/var/run/nri/nri.sock"
@@ -175,7 +162,6 @@ class Dispatcher:
         self.registration_timeout_s = DEFAULT_REGISTRATION_TIMEOUT_S
         self.runtime_name = ""
         self.runtime_version = ""
-        self.configured = False
         self._sync_pods: list[Any] = []
         self._sync_containers: list[Any] = []
         self._lock = threading.Lock()
@@ -267,7 +253,6 @@ class Dispatcher:
             if req.registration_timeout > 0:
                 self.registration_timeout_s = req.registration_timeout / 1000.0
             self.runtime_name, self.runtime_version = req.runtime_name, req.runtime_version
-            self.configured = True
         ctx.request_timeout_s = self.request_timeout_s
         ctx.runtime_name, ctx.runtime_version = self.runtime_name, self.runtime_version
         log.info("nri configured", extra={

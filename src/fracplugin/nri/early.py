@@ -1,63 +1,31 @@
-"""The NRI door's early MPS namespaces (ADR 0030): a pod's namespaces are
-queued at RunPodSandbox, seconds of image pull before its CreateContainer,
-so that StartContainer (which containerd serves under its NRI lock) finds
-them made instead of waiting for two control commands per pod (issue 28).
+"""The NRI door's early MPS namespaces (ADR 0030, decisions 1-4, which this
+module implements): a pod's namespaces are queued at RunPodSandbox, seconds
+of image pull before its CreateContainer, so that StartContainer (which
+containerd serves under its NRI lock) finds them made instead of waiting for
+two control commands per pod (issue 28). The mask has RUN_POD_SANDBOX and
+REMOVE_POD_SANDBOX: 0x62d (docs/reference/nri-protocol.md 1.4; a v0.8
+runtime delivers both as StateChange, 1.7).
 
-Behaviour (the mask has RUN_POD_SANDBOX and REMOVE_POD_SANDBOX: 0x62d,
-docs/reference/nri-protocol.md 1.4; a v0.8 runtime delivers both as
-StateChange, 1.7):
-
-- RunPodSandbox: each container the pod's per-container memory keys name
-  (``annotations.annotated_containers``) is planned as CreateContainer would
-  plan it (``NodeRules.replan``) against an empty ledger: the GPU
-  placement does not matter for the namespace, only its settings (compute
-  mode, active thread percentage, pinned limit), which come from the
-  annotations and the GPUs' size. Each plan with an MPS namespace (every
-  mode with MPS v3, as at CreateContainer) queues one ensure of its owner (pod UID, container name) on the
-  keyed MPS work queue, tagged with those settings. Not for a pod with
-  pod-level KAI memory forms or ``gpu-fraction-container-name`` (which
-  container they apply to needs the pod's spec), nor, with
-  ``gpu-fraction-num-devices``, for a container that names no devices (the
-  count would decide how many GPUs it gets), nor while the mode's daemon is down
-  (CreateContainer refuses then), nor for an owner whose namespace an
-  ensure already made with the same settings. A container that kubelet
-  binds to a device-plugin reservation is only known at CreateContainer: its
-  plan there may differ, and then takes the mismatch path below. Nothing
-  here fails the sandbox: RunPodSandbox carries no adjustment, and
-  containerd fails the pod on a plugin's error, so a bad annotation or any
-  other error is logged (DEBUG for a refused annotation: CreateContainer
-  refuses it, with the Event, as before) and the refusal stays
-  CreateContainer's.
-- CreateContainer (``Namespaces.start``, ``nri/namespaces.py``): an early ensure of the
-  owner with the same settings that has not failed is what StartContainer
-  awaits: no second ensure is queued (Create and Start then issue no MPS
-  command). Different settings, or a failed or cancelled early ensure:
-  today's path (a new ensure of the owner; a still-queued early one is
-  replaced, MPS re-sets the caps of an existing namespace). Either way the
-  owner then leaves the early table: a container holds it, and its
-  RemoveContainer releases the namespace as before.
-- RemovePodSandbox: the early namespaces of the sandbox's owners that no
-  container ever held are released (a queued ensure that never started is
-  dropped, nothing to release). An entry is the latest sandbox's: when
-  kubelet recreates a dead sandbox (same pod UID, new sandbox id) the new
-  RunPodSandbox claims the entry, and the old sandbox's removal leaves it.
-- Synchronize: early namespaces of sandboxes the runtime no longer reports
-  are released the same way (a RemovePodSandbox missed while disconnected).
-  The table itself is lost when the doors restart: ``nri/orphans.py`` then
-  rebuilds it from what the MPS layer holds for live pods, and releases
-  what it holds for pods gone.
+RunPodSandbox plans each container the pod's per-container memory keys name
+(``annotations.annotated_containers``) as CreateContainer would
+(``NodeRules.replan``) against an empty ledger: only the namespace's
+settings (compute mode, active thread percentage, pinned limit) matter, and
+they come from the annotations and the GPUs' size. Nothing here fails the
+sandbox (RunPodSandbox carries no adjustment, and containerd fails the pod
+on a plugin's error): a refused annotation is logged at DEBUG and the
+refusal stays CreateContainer's. CreateContainer (``Namespaces.start``) then
+awaits an early ensure with the same settings or queues its own;
+RemovePodSandbox and Synchronize release early namespaces no container held;
+after a doors restart ``nri/orphans.py`` rebuilds the table from what the
+MPS layer holds.
 
 The table is bounded (``EARLY_MAX`` owners, ``EARLY_PER_POD`` per pod; past
-them a container gets no early namespace, and CreateContainer does the work
-as before; the first bound is logged).
-
-Where it is done: ``early_plans`` here plans a pod's containers; the
-early table and its ensures are the namespace table's (``Namespaces.queue_early``,
-``release_early``, ``early_status`` in ``nri/namespaces.py``).
-
-Concurrency model: as ``nri/plugin.py``; the early table is under
-the namespace table's lock. RunPodSandbox and RemovePodSandbox never wait (a plan, a
-dict update and a queue put): the stub serves them on its reader thread.
+them CreateContainer does the work; the first bound is logged). ``early_plans``
+here plans a pod's containers; the early table and its ensures are the
+namespace table's (``Namespaces.queue_early``, ``release_early``,
+``early_status`` in ``nri/namespaces.py``), under its lock. RunPodSandbox and
+RemovePodSandbox never wait (a plan, a dict update and a queue put): the stub
+serves them on its reader thread.
 """
 
 from __future__ import annotations
@@ -110,6 +78,6 @@ def early_plans(rules: NodeRules, pod: nri_pb2.PodSandbox, mode_up: Callable[[Co
             log.debug("nri RunPodSandbox: container refused; CreateContainer will say so",
                       extra={"pod": str(ref), "container": name, "key": err.key, "rule": err.reason})
             continue
-        if p is not None and p.mps.namespace is not None and mode_up(p.compute_mode):
+        if p is not None and p.mps_namespace is not None and mode_up(p.compute_mode):
             plans.append(p)
     return plans

@@ -2,14 +2,8 @@
 request or event, and the table that ties each to its ttrpc method.
 
 Shape (containerd/nri ``pkg/stub/stub.go``, v0.12): a plugin implements any
-subset of ``ConfigureInterface``, ``SynchronizeInterface``,
-``ShutdownInterface``, ``RunPodInterface``, ``UpdatePodInterface``,
-``StopPodInterface``, ``RemovePodInterface``, ``PostUpdatePodInterface``,
-``CreateContainerInterface``, ``StartContainerInterface``,
-``UpdateContainerInterface``, ``StopContainerInterface``,
-``RemoveContainerInterface``, ``PostCreateContainerInterface``,
-``PostStartContainerInterface``, ``PostUpdateContainerInterface`` and
-``ValidateContainerAdjustmentInterface``; the stub (``stub.NriStub``) builds
+subset of the ``*Interface`` Protocols below (``EVENTS`` lists them with their
+ttrpc methods); the stub (``stub.NriStub``) builds
 its dispatch table from the ones implemented and subscribes to the events of
 exactly those (``handler_mask``), unless a mask is configured explicitly.
 Python spells the Go methods in snake case (``CreateContainer`` ->
@@ -33,37 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, Union
 
 from .._proto import nri_pb2 as E
-
-__all__ = [
-    "EVENTS",
-    "AbandonedInterface",
-    "CallContext",
-    "CloseInterface",
-    "ConfigureInterface",
-    "CreateContainerInterface",
-    "EventSpec",
-    "MayBlockInterface",
-    "PostCreateContainerInterface",
-    "PostStartContainerInterface",
-    "PostUpdateContainerInterface",
-    "PostUpdatePodInterface",
-    "RemoveContainerInterface",
-    "RemovePodInterface",
-    "RunPodInterface",
-    "ShutdownInterface",
-    "StartContainerInterface",
-    "StopContainerInterface",
-    "StopPodInterface",
-    "SynchronizeInterface",
-    "UpdateContainerInterface",
-    "UpdatePodInterface",
-    "ValidateContainerAdjustmentInterface",
-    "check_handler",
-    "event_mask",
-    "handler_mask",
-    "implements",
-]
-
 
 @dataclass
 class CallContext:

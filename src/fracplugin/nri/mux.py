@@ -28,18 +28,6 @@ import struct
 from dataclasses import dataclass
 from typing import Iterable
 
-__all__ = [
-    "HEADER_SIZE",
-    "MAX_PAYLOAD",
-    "MAX_WRITE_FRAME",
-    "PLUGIN_SERVICE_CONN",
-    "RUNTIME_SERVICE_CONN",
-    "MuxError",
-    "MuxFrame",
-    "MuxDecoder",
-    "encode_frames",
-]
-
 HEADER_SIZE = 8
 """Bytes in a mux frame header (conn id u32 BE + length u32 BE)."""
 

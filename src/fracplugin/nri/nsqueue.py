@@ -19,10 +19,7 @@ job's waiters the newer job's outcome (``join=True``).
 
 Memory: at most one pending entry and one running job per key, so what the
 queue holds is bounded by the number of distinct keys with work, not by the
-rate at which work is put (the unbounded ``ThreadPoolExecutor`` queue this
-replaces grew by one work item per CreateContainer and per RemoveContainer
-for as long as the runtime created containers faster than MPS answered, and
-cancelled futures stayed queued until a worker popped them).
+rate at which work is put.
 
 Order: keys run in the order their pending entry was first queued (FIFO over
 keys); a key put again while pending keeps its place; a key put while running
@@ -49,9 +46,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
-__all__ = ["KeyedWorkQueue"]
-
-
 @dataclass
 class _Entry:
     job: Callable[[], Any]
@@ -75,9 +69,7 @@ class KeyedWorkQueue:
             raise ValueError(f"workers must be >= 1, got {workers!r}")
         self.workers = workers
         self.name = name
-        lock = threading.Lock()
-        self._cv = threading.Condition(lock)  # workers wait here for a ready key
-        self._idle_cv = threading.Condition(lock)  # wait_idle waits here
+        self._cv = threading.Condition(threading.Lock())  # workers wait here for a ready key
         self._pending: dict[Hashable, _Entry] = {}
         self._ready: OrderedDict[Hashable, None] = OrderedDict()  # pending keys not running, FIFO
         self._urgent: OrderedDict[Hashable, None] = OrderedDict()  # the same, urgent: taken first
@@ -176,8 +168,6 @@ class KeyedWorkQueue:
             self._ready.pop(key, None)
             self._urgent.pop(key, None)
             entry.future.cancel()
-            if not self._pending and not self._running:
-                self._idle_cv.notify_all()  # the last pending job was dropped before any worker took it
             return True
 
     # ------------------------------------------------------------ looking
@@ -212,12 +202,6 @@ class KeyedWorkQueue:
         with self._cv:
             return len(self._pending)
 
-    def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Block until nothing is pending or running, at most ``timeout_s``
-        seconds (None: no bound). Returns whether the queue is idle."""
-        with self._idle_cv:
-            return self._idle_cv.wait_for(lambda: not self._pending and not self._running, timeout_s)
-
     # ------------------------------------------------------------ closing
 
     def close(self) -> None:
@@ -231,7 +215,6 @@ class KeyedWorkQueue:
             self._ready.clear()
             self._urgent.clear()
             self._cv.notify_all()
-            self._idle_cv.notify_all()
         for entry in dropped:
             entry.future.cancel()
 
@@ -292,6 +275,4 @@ class KeyedWorkQueue:
                     if key in self._pending and not self._closed:
                         # put while it ran: runs after it, behind those waiting (of its urgency)
                         (self._urgent if self._pending[key].urgent else self._ready)[key] = None
-                    elif not self._pending and not self._running:
-                        self._idle_cv.notify_all()
 

@@ -112,16 +112,6 @@ from .reconcile import Reconciler
 from .release import Releases
 from .ttrpc import RpcError
 
-__all__ = [
-    "MpsHooks",
-    "HookMetrics",
-    "NoMps",
-    "NoMetrics",
-    "FracNriPlugin",
-    "NRI_EVENTS_EARLY",
-    "build_adjustment",
-]
-
 log = logging.getLogger(__name__)
 
 NRI_EVENTS_EARLY = event_mask(nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_CONTAINER, nri_pb2.REMOVE_CONTAINER,
@@ -364,7 +354,7 @@ class FracNriPlugin:
 
                 p = self.rules.admit(req, ref, door=al.DOOR_ALLOCATE if key else al.DOOR_NRI,
                                      container_id=container.id, reservation=self.reader.hold(key), check=check)
-                if p.mps.namespace is not None:  # MPS v3: made in the background, StartContainer waits
+                if p.mps_namespace is not None:  # MPS v3: made in the background, StartContainer waits
                     self.namespaces.start(p, container.id, fields)
             except FractionError as err:
                 self._refuse(err, fields, ref, container.name)  # raises unless fail_open

@@ -64,7 +64,6 @@ def _failed(fut: Future[Any]) -> bool:
     return fut.done() and (fut.cancelled() or fut.exception() is not None)
 
 
-
 class _FailOpen(Exception):
     pass
 

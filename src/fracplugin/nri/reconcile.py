@@ -39,16 +39,12 @@ lists holds (``Reconciler._holders``): the running one before a paused,
 created, unknown (what older runtimes report) or stopped one."""
 
 
-
 class Reconciler:
     """Synchronize (module docstring); owns the last report (``unadjusted``)
     and whether one ran (``ready``)."""
 
     def __init__(self, rules: NodeRules, reader: PodReader, namespaces: Namespaces, mps: MpsApi) -> None:
         self.rules = rules
-        self.node = rules.node
-        self.ledger = rules.ledger
-        self.config = rules.config
         self.reader = reader
         self.namespaces = namespaces
         self.mps = mps
@@ -130,7 +126,7 @@ class Reconciler:
         # Unprepare frees them, ADR 0031).
         rebuilt = list(tenancies)
         live = {c.id for c in containers}  # a kept reservation's container the runtime no longer runs is unbound
-        self.ledger.transform(lambda cur: rebuilt + unbind_gone([
+        self.rules.ledger.transform(lambda cur: rebuilt + unbind_gone([
             t for t in cur if (t.door in (al.DOOR_ALLOCATE, al.DOOR_OTHER_PLUGIN) and t.reservation not in reserved)
             or t.door == al.DOOR_DRA],
             live))
@@ -160,7 +156,7 @@ class Reconciler:
             if pod is None:
                 log.warning("nri sync: container without its pod", extra={"container_id": c.id, "container": c.name})
                 continue
-            held = 1 if c.id and self.ledger.find_container_id(c.id) else 0
+            held = 1 if c.id and self.rules.ledger.find_container_id(c.id) else 0
             rank = (_HOLD_RANK.get(c.state, 0), c.created_at, held, i)
             key = (pod.uid, c.name)
             cur = best.get(key)
@@ -185,10 +181,10 @@ class Reconciler:
         if c.state not in (nri_pb2.CONTAINER_CREATED, nri_pb2.CONTAINER_RUNNING):
             return []
         env = _env_map(c)
-        if claim_tenancies_of(env.get(ENV_CLAIM, ""), self.ledger):
-            return []  # a DRA container: its claim's hold counts its GPUs (dra/cdispec.py, ADR 0031)  # a DRA container: its claim's hold counts its GPUs (dra/cdispec.py, ADR 0031)
+        if claim_tenancies_of(env.get(ENV_CLAIM, ""), self.rules.ledger):
+            return []  # a DRA container: its claim's hold counts its GPUs (dra/cdispec.py, ADR 0031)
         seen = [d.strip() for d in env.get(ENV_VISIBLE_DEVICES, "").split(",") if d.strip()]
-        gpus = [self.node.gpu_by_uuid(u) for u in seen]
+        gpus = [self.rules.node.gpu_by_uuid(u) for u in seen]
         if not seen or any(g is None for g in gpus):
             return []
         log.warning("nri sync: container uses GPUs fracplugin did not give it; counted as holding them whole",
@@ -203,12 +199,12 @@ class Reconciler:
         """Plan a running container against an empty ledger (no guard refusals),
         on the devices its env says it got when that is our
         ``NVIDIA_VISIBLE_DEVICES``. Returns (plan or None, devices known)."""
-        request = parse_annotations(dict(pod.annotations), c.name, prefix=self.config.annotation_prefix)
+        request = parse_annotations(dict(pod.annotations), c.name, prefix=self.rules.config.annotation_prefix)
         if request is None:
             return None, False
         env = _env_map(c)
         seen = [d.strip() for d in env.get(ENV_VISIBLE_DEVICES, "").split(",") if d.strip()]
-        known = bool(seen) and all(self.node.gpu_by_uuid(u) is not None for u in seen)
+        known = bool(seen) and all(self.rules.node.gpu_by_uuid(u) is not None for u in seen)
         if known:
             request = dataclasses.replace(request, devices=tuple(seen), num_devices=len(seen))
         p = self.rules.replan(request, _pod_ref(pod))

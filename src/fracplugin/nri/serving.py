@@ -164,7 +164,6 @@ class _Workers:
                 log.exception("nri handler thread: unexpected error")
 
 
-
 class _Session:
     """One connection to the runtime."""
 
@@ -177,7 +176,6 @@ class _Session:
         self.unanswered = 0  # requests read, answer not written yet
         self.closing = False  # a bound closed this connection: later requests on it are dropped
         self.lock = threading.Lock()
-
 
 
 class _Server:

@@ -28,12 +28,8 @@ Concurrency model: threads.
   late reply would otherwise make the runtime drop the whole plugin (section
   1.8, "Errors and timeouts").
 
-Why the reader serves (issue 14, ADR "nri-reader-thread-serving"): handing a
-request from the reader to a pool thread costs two thread wake-ups and a GIL
-hand-off per call (90-170 us end to end on the 2-core bench machine, a third
-of a CreateContainer), and containerd's NRI adaptation sends one
-CreateContainer at a time anyway. A handler that may wait keeps the pool:
-while the reader runs a handler no other request of that connection is read.
+Why the reader serves: ADR 0015 (a hand-off costs two thread wake-ups and a
+GIL hand-off per call; containerd sends one CreateContainer at a time).
 
 Protocol rules followed (docs/reference/nri-protocol.md):
 
@@ -75,7 +71,7 @@ import os
 import re
 import socket
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from tenacity import Retrying, retry_if_exception_type, stop_when_event_set, wait_exponential, wait_random
 
@@ -86,31 +82,14 @@ from .dispatch import (
     MAX_SYNC_BYTES,
     MAX_SYNC_PARTS,
     MAX_UNANSWERED,
-    PLUGIN_SERVICE,
     RUNTIME_SERVICE,
-    VALID_EVENTS_MASK,
     Dispatcher,
     _subscription,
 )
-from .interfaces import CallContext, event_mask
 from .mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from .serving import _Server, _Session
-from .transport import ConnectionClosed, NriTransport
+from .transport import NriTransport
 from .ttrpc import RpcError
-
-__all__ = [
-    "DEFAULT_SOCKET_PATH",
-    "MAX_SYNC_BYTES",
-    "MAX_SYNC_PARTS",
-    "MAX_UNANSWERED",
-    "PLUGIN_SERVICE",
-    "RUNTIME_SERVICE",
-    "VALID_EVENTS_MASK",
-    "CallContext",
-    "Dispatcher",
-    "NriStub",
-    "event_mask",
-]
 
 log = logging.getLogger(__name__)
 
@@ -372,11 +351,6 @@ class NriStub:
             s = self._session
         return bool(s and s.transport and not s.transport.closed.is_set() and s.registered.is_set())
 
-    def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """Block until a Synchronize completed (``ever_synchronized()``) or
-        ``timeout_s``; returns ``ever_synchronized()``."""
-        return self._synced.wait(timeout_s)
-
     def wait_exit(self, timeout_s: float | None = None) -> bool:
         """Block until the stub has ended (``stop()``, or EOF in fd mode)."""
         return self._exited.wait(timeout_s)
@@ -385,21 +359,6 @@ class NriStub:
     def exited(self) -> bool:
         """True once the stub has ended."""
         return self._exited.is_set()
-
-    def update_containers(
-        self, updates: Sequence[Any] = (), evictions: Sequence[Any] = (), timeout_s: float = 2.0
-    ) -> list[Any]:
-        """Unsolicited ``Runtime/UpdateContainers`` (docs/reference/nri-protocol.md 1.6 step 7):
-        ``updates`` are ``ContainerUpdate``s, ``evictions`` ``ContainerEviction``s.
-        Returns the updates the runtime reports as failed. Raises
-        ``ConnectionClosed`` when not connected, ``RpcError``, ``TimeoutError``."""
-        with self._session_lock:
-            s = self._session
-        if s is None or s.transport is None or not s.registered.is_set():
-            raise ConnectionClosed("not registered with a runtime")
-        req = nri_pb2.UpdateContainersRequest(update=list(updates), evict=list(evictions))
-        payload = s.transport.call(RUNTIME_SERVICE, "UpdateContainers", req.SerializeToString(), timeout_s)
-        return list(nri_pb2.UpdateContainersResponse.FromString(payload).failed)
 
     def status(self) -> dict[str, Any]:
         """JSON-able state for ``fracplugin status`` / ``/status``:

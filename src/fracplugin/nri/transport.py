@@ -28,6 +28,7 @@ is shut down, ``on_closed(reason)`` runs once in the closing thread, and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import socket
@@ -43,12 +44,9 @@ from .ttrpc import (
     RequestRejected,
     ResponseReceived,
     Role,
-    RpcError,
     TtrpcConnection,
     TtrpcError,
 )
-
-__all__ = ["BUSY", "SENT", "SPILLED", "ConnectionClosed", "NriTransport"]
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +136,8 @@ class NriTransport:
                 return
             self.close_reason = reason
             self._closed.set()
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         with self._state_lock:
             pending, self._pending = self._pending, {}
         for fut in pending.values():
@@ -161,10 +157,8 @@ class NriTransport:
             self._reader.join(timeout_s)
 
     def _release_socket(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._sock.close()
-        except OSError:
-            pass
 
     # -------------------------------------------------------------- writing
 
@@ -383,10 +377,8 @@ class NriTransport:
                     "nri request dispatch failed",
                     extra={"transport": self.label, "method": ev.method, "stream_id": ev.stream_id},
                 )
-                try:
+                with contextlib.suppress(ConnectionClosed, ValueError):
                     self.respond_error(ev.stream_id, Code.INTERNAL, f"dispatch failed: {exc!r}")
-                except (ConnectionClosed, ValueError):
-                    pass
         elif isinstance(ev, ResponseReceived):
             with self._state_lock:
                 fut = self._pending.pop(ev.stream_id, None)
@@ -404,6 +396,3 @@ class NriTransport:
             )
 
 
-def rpc_error_from(resp: ResponseReceived) -> RpcError:
-    """The ``RpcError`` of an error response (helper for callers)."""
-    return RpcError(resp.code, resp.message)

@@ -44,26 +44,6 @@ from typing import Iterable, Union
 from .._proto import ttrpc_pb2
 from ..rpcstatus import StatusCode
 
-__all__ = [
-    "HEADER_SIZE",
-    "MAX_MESSAGE",
-    "MessageType",
-    "Code",
-    "Role",
-    "TtrpcError",
-    "MessageTooLarge",
-    "RpcError",
-    "RequestReceived",
-    "ResponseReceived",
-    "RequestRejected",
-    "MessageIgnored",
-    "Event",
-    "TtrpcConnection",
-    "encode_message",
-    "unimplemented_service",
-    "unimplemented_method",
-]
-
 HEADER_SIZE = 10
 MAX_MESSAGE = 4 << 20
 """Largest ttrpc data length, bytes (ttrpc ``messageLengthMax``)."""

@@ -42,9 +42,9 @@ import json
 import re
 from typing import Any
 
-from . import annotations as A
-from . import contract as C
-from .model import ComputeMode, FractionError
+from fracplugin import annotations as A
+from fracplugin import contract as C
+from fracplugin.model import ComputeMode, FractionError
 
 POLICY_NAME = "fracplugin-annotations"
 STATIC_MESSAGE = ("a fracplugin annotation of this pod breaks the contract (README \"Annotations\"); "
@@ -149,7 +149,7 @@ _MAX_DOUBLE = "1.7976931348623157e308"
 
 
 def fraction_checks(key: str, *, allow_one: bool) -> list[Check]:
-    """annotations._parse_fraction: a decimal in (0, 1] or (0, 1)."""
+    """annotations.parse_fraction: a decimal in (0, 1] or (0, 1)."""
     upper = "1]" if allow_one else "1)"
     outside = "double($v) <= 0.0 || double($v) > 1.0" + ("" if allow_one else " || double($v) == 1.0")
     return _refusals(key, _padding() + [
@@ -160,7 +160,7 @@ def fraction_checks(key: str, *, allow_one: bool) -> list[Check]:
 
 
 def mode_checks(key: str) -> list[Check]:
-    """annotations._parse_mode: exactly one of the compute modes."""
+    """annotations.parse_mode: exactly one of the compute modes."""
     modes = " && ".join(f"$v != {lit(m.value)}" for m in ComputeMode)
     return _refusals(key, [(modes, lit(C.MODE))])
 
