@@ -80,14 +80,14 @@ import logging
 import math
 import platform
 import threading
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from .health import REQUEST_DEADLINE_S, BoundedHandler, BoundedHTTPServer, make_bounded_server
+from .health import REQUEST_DEADLINE_S, BoundedHandler, BoundedHTTPServer, serve
 from . import __version__
 from .model import GpuInfo, NodeInfo, Tenancy
 from .procfs import CachedProcFs, ContainerRef, container_id_matches
@@ -114,23 +114,6 @@ SERVER_EXE = "nvidia-cuda-mps-server"
 MAX_HANDLERS = 8
 """Most concurrent handler threads of the /metrics server (a scrape takes
 milliseconds; Prometheus scrapes one target at a time)."""
-
-
-class MetricsServer(NamedTuple):
-    """A running ``/metrics`` HTTP server: ``(host, port, httpd, thread)``.
-
-    It is a tuple so ``host, port = server[:2]`` works; ``close()`` stops it."""
-
-    host: str
-    port: int
-    httpd: BoundedHTTPServer
-    thread: threading.Thread
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop serving and close the listening socket."""
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout_s)
 
 
 class Metrics:
@@ -195,7 +178,7 @@ class Metrics:
         self._stop_poll = threading.Event()
         self._collector = _Collector(self)
         self.registry.register(self._collector)
-        self._servers: list[MetricsServer] = []
+        self._servers: list[BoundedHTTPServer] = []
 
     # -- events from the doors --------------------------------------------------
     def observe_hook(self, door: str, seconds: float) -> None:
@@ -285,11 +268,11 @@ class Metrics:
         return node.name if node is not None else ""
 
     def serve(self, address: str = ":2112", *, max_handlers: int = MAX_HANDLERS,
-              request_deadline_s: float = REQUEST_DEADLINE_S) -> MetricsServer:
+              request_deadline_s: float = REQUEST_DEADLINE_S) -> BoundedHTTPServer:
         """Serve the metrics (any path, ``/metrics`` by convention; ``GET`` and
         ``HEAD``) on ``HOST:PORT`` (``:PORT`` = all interfaces; port 0 = any free
         port) from a serving thread in the background. Returns the running
-        ``MetricsServer`` (``host, port`` are the bound ones). Raises OSError
+        server (``bound``: the (host, port) bound). Raises OSError
         (address in use) and ValueError (bad address or bounds).
 
         Bounded like the health server (health.py ``BoundedHTTPServer``,
@@ -300,10 +283,6 @@ class Metrics:
         most ``max_handlers`` file descriptors and threads, however many a pod
         opens (prometheus-client's own server started a thread per connection
         and never timed a read out)."""
-        if max_handlers < 1 or request_deadline_s <= 0:
-            raise ValueError(f"max_handlers {max_handlers} must be >= 1 and request_deadline_s "
-                             f"{request_deadline_s} > 0")
-        host, port = _parse_address(address)
         outer = self
 
         class Handler(BoundedHandler):
@@ -320,13 +299,8 @@ class Metrics:
 
             do_HEAD = do_GET
 
-        httpd = make_bounded_server((host or "0.0.0.0", port), Handler, max_handlers=max_handlers,
-                                    request_deadline_s=request_deadline_s, label="metrics http")
-        thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                  name="fracplugin-metrics", daemon=True)
-        thread.start()
-        bound = httpd.server_address
-        server = MetricsServer(str(bound[0]), int(bound[1]), httpd, thread)
+        server = serve(address, Handler, max_handlers=max_handlers, request_deadline_s=request_deadline_s,
+                       label="metrics http", thread_name="fracplugin-metrics")
         with self._lock:
             self._servers.append(server)
         return server
@@ -426,16 +400,6 @@ def render_text(registry: CollectorRegistry, const_labels: Mapping[str, str] | N
             else:
                 out.append(f"{smp.name} {_fmt_value(smp.value)}\n")
     return "".join(out).encode("utf-8")
-
-
-def _parse_address(value: str) -> tuple[str, int]:
-    if value.startswith("["):
-        host, sep, port = value[1:].partition("]:")
-    else:
-        host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"metrics address {value!r} is not HOST:PORT (e.g. :2112 or 127.0.0.1:0)")
-    return host, int(port)
 
 
 class _Usage:

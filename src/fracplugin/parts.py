@@ -232,8 +232,7 @@ class MetricsPart(PartBase):
     def start(self) -> None:
         """Serve on ``metrics_address``; ``bound`` is the (host, port) bound;
         with a ledger, poll usage every ``usage_poll_interval_s``. Raises OSError."""
-        srv = self.metrics.serve(self.cfg.metrics_address)
-        self.bound = (str(srv.host), int(srv.port))
+        self.bound = self.metrics.serve(self.cfg.metrics_address).bound
         if self.metrics.ledger is not None:
             self.metrics.start_polling(self.cfg.usage_poll_interval_s)
 
