@@ -91,6 +91,7 @@ from .health import REQUEST_DEADLINE_S, BoundedHandler, BoundedHTTPServer, serve
 from . import __version__
 from .model import GpuInfo, NodeInfo, Tenancy
 from .procfs import CachedProcFs, ContainerRef, container_id_matches
+from .logs import guarded
 
 log = logging.getLogger(__name__)
 
@@ -313,10 +314,7 @@ class Metrics:
         with self._lock:
             servers, self._servers = self._servers, []
         for s in servers:
-            try:
-                s.close(timeout_s)
-            except Exception:
-                log.exception("metrics server close failed")
+            guarded(log, "metrics server close", s.close, timeout_s)
 
     # -- for the collector -----------------------------------------------------------
     def node(self) -> NodeInfo | None:

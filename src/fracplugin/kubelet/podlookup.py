@@ -32,6 +32,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
+from ..logs import guarded
+
 log = logging.getLogger(__name__)
 
 Pod = Mapping[str, Any]
@@ -365,10 +367,7 @@ class _Store:
             # kubelet frees a finished pod's devices (Succeeded / Failed): the
             # same callbacks as a deletion (ADR 0007, lifetimes).
             for cb in list(self.on_delete):
-                try:
-                    cb(pod)
-                except Exception:
-                    log.exception("pod finished callback failed")
+                guarded(log, "pod finished callback", cb, pod)
 
     def remove(self, pod: Pod) -> None:
         if not isinstance(pod, Mapping) or not isinstance(pod.get("metadata") or {}, Mapping):
@@ -384,10 +383,7 @@ class _Store:
             self._cond.notify_all()
         if old is not None:
             for cb in list(self.on_delete):
-                try:
-                    cb(old)
-                except Exception:
-                    log.exception("pod delete callback failed")
+                guarded(log, "pod delete callback", cb, old)
 
     def replace(self, pods: Iterable[Pod]) -> None:
         new = {}
@@ -410,10 +406,7 @@ class _Store:
             self._cond.notify_all()
         for old in gone:
             for cb in list(self.on_delete):
-                try:
-                    cb(old)
-                except Exception:
-                    log.exception("pod delete callback failed")
+                guarded(log, "pod delete callback", cb, old)
 
     def candidates(self, resource_name: str, count: int) -> list[Pod]:
         with self._cond:

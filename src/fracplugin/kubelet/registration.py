@@ -55,6 +55,7 @@ import tenacity
 from .._proto import deviceplugin_pb2 as pb
 from .._proto import deviceplugin_pb2_grpc as pb_grpc
 from . import grpcopts
+from ..logs import guarded
 
 log = logging.getLogger(__name__)
 
@@ -478,10 +479,7 @@ class Registrar:
         log.info("registered %s with kubelet (%s) in %.0f ms on %s", self.resource_name, trigger, took * 1000,
                  os.path.basename(self.target.socket_path))
         if self.on_registered is not None:
-            try:
-                self.on_registered(took)
-            except Exception:
-                log.exception("on_registered callback failed")
+            guarded(log, "on_registered callback", self.on_registered, took)
         return True
 
     def _wait_ready(self) -> None:

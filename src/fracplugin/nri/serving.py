@@ -25,6 +25,7 @@ from .dispatch import Dispatcher
 from .interfaces import CallContext
 from .transport import BUSY, SPILLED, ConnectionClosed, NriTransport
 from .ttrpc import Code, RequestReceived, RpcError
+from ..logs import guarded
 
 log = logging.getLogger("fracplugin.nri.stub")  # the stub's log, as before the split
 
@@ -352,7 +353,5 @@ class _Server:
         log.warning("nri handler result arrived after its budget and was dropped", extra={"method": method})
         abandoned = getattr(self.handler, "abandoned", None)
         if callable(abandoned):
-            try:
-                abandoned(method, call.request, response if error is None else error)
-            except Exception:
-                log.exception("nri abandoned() hook failed", extra={"method": method})
+            guarded(log, "nri abandoned() hook", abandoned, method, call.request,
+                    response if error is None else error, extra={"method": method})

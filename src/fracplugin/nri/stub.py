@@ -90,6 +90,7 @@ from .mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from .serving import _Server, _Session
 from .transport import NriTransport
 from .ttrpc import RpcError
+from ..logs import guarded
 
 log = logging.getLogger(__name__)
 
@@ -311,10 +312,7 @@ class NriStub:
             self._server.stop()
         closer = getattr(self.handler, "close", None)
         if callable(closer):
-            try:
-                closer()
-            except Exception:
-                log.exception("nri handler close() failed")
+            guarded(log, "nri handler close()", closer)
         self._exited.set()
         return ended
 
@@ -340,10 +338,7 @@ class NriStub:
     def _bound_hit(self, bound: str) -> None:
         self.bounds_exceeded[bound] = self.bounds_exceeded.get(bound, 0) + 1
         if self._on_bound is not None:
-            try:
-                self._on_bound(bound)
-            except Exception:
-                log.exception("nri on_bound callback failed")
+            guarded(log, "nri on_bound callback", self._on_bound, bound)
 
     def connected(self) -> bool:
         """True while a connection is open and RegisterPlugin succeeded."""

@@ -47,6 +47,7 @@ from .ttrpc import (
     TtrpcConnection,
     TtrpcError,
 )
+from ..logs import guarded
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +147,7 @@ class NriTransport:
         if not self._reader.is_alive() or threading.current_thread() is self._reader:
             self._release_socket()
         if self._on_closed is not None:
-            try:
-                self._on_closed(reason)
-            except Exception:
-                log.exception("on_closed callback failed", extra={"transport": self.label})
+            guarded(log, "on_closed callback", self._on_closed, reason, extra={"transport": self.label})
 
     def join(self, timeout_s: float | None = None) -> None:
         """Wait for the reader thread to end (after ``close`` or EOF)."""
