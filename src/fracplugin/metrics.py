@@ -13,55 +13,12 @@ reads the ledger (thread-safe), the inventory (thread-safe reads) and the MPS
 supervisor's ``status()``; a scrape holds no lock of its own. Own
 ``CollectorRegistry`` (no global default registry, no process/GC metrics).
 
-Metrics (names and labels are the contract; README lists them and a test
-compares that list with ``/metrics``):
-
-every series, label ``node``: the node's name (``--node-name``/``NODE_NAME``,
-else the inventory's), added by ``render`` (``NODE_LABEL``)
-identity (issue 27 item 3):
-  fracplugin_build_info                            1, labels ``version`` (the package's), ``python_version``
-  fracplugin_gpu_info                              1 per GPU, labels ``UUID, gpu, modelName, Hostname, device``
-                                                   (``nvidia<minor>``), ``pci_bus_id``: dcgm-exporter's names
-per container and GPU, labels ``namespace, pod, pod_uid, container`` and the GPU's
-``gpu_uuid, gpu_index`` (deprecated) and ``UUID, gpu, modelName, Hostname`` (dcgm-exporter's):
-  fracplugin_container_gpu_memory_used_bytes       sum of NVML usedGpuMemory of the container's processes
-  fracplugin_container_gpu_memory_request_bytes    the ledger's request (MiB x 2^20)
-  fracplugin_container_gpu_memory_limit_bytes      the ledger's limit (MiB x 2^20)
-  fracplugin_container_sm_utilization_percent      sum of per-process SM % since the last sample, clamped to 100
-  fracplugin_container_sm_utilization_share_percent  SM % / the container's share, clamped to 100; share =
-                                                   active thread percentage / 100 when set (sm-sharing),
-                                                   else limit / GPU memory (gpu-fractioning metricsd's
-                                                   normalisation, docs/reference/gpu-fractioning-reference.md section 5)
-  fracplugin_container_gpu_memory_over_limit       1 while an over-limit episode lasts (used > limit at the
-                                                   last poll, overlimit.py), else 0; only with a watch
-per GPU, labels ``gpu_uuid, gpu_index`` (deprecated), ``UUID, gpu, modelName, Hostname``:
-  fracplugin_gpu_tenants                           ledger tenancies on the GPU
-  fracplugin_gpu_memory_held_bytes                 ledger held MiB x 2^20
-  fracplugin_gpu_memory_total_bytes                the GPU's memory (inventory MiB x 2^20)
-  fracplugin_gpu_compute_mode_info                 1, label ``mode`` = time-slicing | sm-sharing | none
-  fracplugin_gpu_healthy                           1 Healthy, 0 Unhealthy (what the device plugin tells
-                                                   kubelet: critical XID or the MPS daemon of its mode
-                                                   down); only with ``attach_state``
-doors (only with ``attach_state``; a series is absent while its door is off):
-  fracplugin_nri_connected                         1 while the NRI plugin is connected to the runtime
-  fracplugin_nri_synchronized                      1 once the runtime's Synchronize rebuilt the ledger
-  fracplugin_nri_unadjusted_containers             running containers that the last Synchronize found
-                                                   without the env the ledger's plan gives them (the
-                                                   ledger and the runtime disagree)
-  fracplugin_device_plugin_registered              1 while registered with kubelet
-per MPS daemon, label ``mode``:
-  fracplugin_mps_daemon_up                         1 when healthy (probe answered), else 0
-  fracplugin_mps_daemon_restarts_total             restarts since fracplugin started (counter)
-  fracplugin_mps_daemon_wedges_total               drains that found the daemon wedged (counter)
-  fracplugin_mps_probe_duration_seconds            duration of the last active probe
-doors and node:
-  fracplugin_hook_duration_seconds                 histogram, label ``door`` (``nri``, ``allocate``, ...)
-  fracplugin_refusals_total                        counter, label ``reason`` (FractionError.code)
-  fracplugin_ledger_entries                        number of tenancies in the ledger
-  fracplugin_nvml_failures_total                   usage samples whose NVML process query failed (counter)
-  fracplugin_gpu_memory_over_limit_episodes_total  over-limit episodes started (counter; only with a watch)
-  fracplugin_nri_bounds_exceeded_total             counter, label ``bound`` (``sync_parts``, ``sync_bytes``,
-                                                   ``unanswered``): a runtime hit a bound of nri/stub.py
+Metrics: names, types, labels and meaning are the contract, listed in
+README.md "## Metrics" (``tests/unit/test_metrics_readme.py`` checks that
+table against a capture of ``/metrics``). Every series carries ``node``
+(``NODE_LABEL``, added by ``render``); per-GPU series carry dcgm-exporter's
+``DCGM_GPU_LABELS`` and, until they go, ``DEPRECATED_GPU_LABELS``. The door
+and GPU health series need ``attach_state``, the over-limit ones a watch.
 
 Attribution (docs/reference/mps-nvml.md sections 4.3, 4.6): each ``ProcessSample`` PID is
 joined to a container through ``/proc/<pid>/cgroup`` (procfs.py, cached per
@@ -708,6 +665,9 @@ def _match(ref: ContainerRef, gpu_uuid: str, by_cid: dict[str, list[Tenancy]],
 
 
 def _share_percent(sm_pct: float, t: Tenancy, gpu_memory_mib: int) -> float:
+    """SM % / the container's share, clamped to 100: share = active thread
+    percentage / 100 when set (sm-sharing), else limit / GPU memory
+    (gpu-fractioning metricsd's normalisation, docs/reference/gpu-fractioning-reference.md section 5)."""
     if t.active_thread_percentage:
         frac = t.active_thread_percentage / 100.0
     elif gpu_memory_mib > 0:
