@@ -56,7 +56,9 @@ SOCKET_NAME = "dra.sock"
 
 
 class _Dra:
-    """Shared body of the v1 and v1beta1 servicers."""
+    """The DRAPlugin service of one API version: ``pb`` its messages
+    (``dra_v1_pb2`` with ``share_id``, ``dra_v1beta1_pb2`` without), each
+    claim handed to the door's ``Preparer``."""
 
     def __init__(self, door: "DraServer", pb: Any, with_share_id: bool) -> None:
         self.door = door
@@ -75,46 +77,20 @@ class _Dra:
             devices.append(dev)
         return self.pb.NodePrepareResourceResponse(devices=devices)
 
-    def prepare(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 (gRPC name)
         self.door.count("prepare")
         out = self.pb.NodePrepareResourcesResponse()
         for c in request.claims:
             out.claims[c.uid].CopyFrom(self._answer(self.door.preparer.prepare(c.namespace, c.name, c.uid)))
         return out
 
-    def unprepare(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         self.door.count("unprepare")
         out = self.pb.NodeUnprepareResourcesResponse()
         for c in request.claims:
             out.claims[c.uid].CopyFrom(self.pb.NodeUnprepareResourceResponse(
                 error=self.door.preparer.unprepare(c.namespace, c.name, c.uid)))
         return out
-
-
-class _V1(v1_grpc.DRAPluginServicer):
-    def __init__(self, body: _Dra) -> None:
-        self.body = body
-
-    def NodePrepareResources(self, request: v1.NodePrepareResourcesRequest,  # noqa: N802 (gRPC name)
-                             context: grpc.ServicerContext) -> v1.NodePrepareResourcesResponse:
-        return self.body.prepare(request, context)  # type: ignore[no-any-return]
-
-    def NodeUnprepareResources(self, request: v1.NodeUnprepareResourcesRequest,  # noqa: N802
-                               context: grpc.ServicerContext) -> v1.NodeUnprepareResourcesResponse:
-        return self.body.unprepare(request, context)  # type: ignore[no-any-return]
-
-
-class _V1beta1(v1beta1_grpc.DRAPluginServicer):
-    def __init__(self, body: _Dra) -> None:
-        self.body = body
-
-    def NodePrepareResources(self, request: v1beta1.NodePrepareResourcesRequest,  # noqa: N802
-                             context: grpc.ServicerContext) -> v1beta1.NodePrepareResourcesResponse:
-        return self.body.prepare(request, context)  # type: ignore[no-any-return]
-
-    def NodeUnprepareResources(self, request: v1beta1.NodeUnprepareResourcesRequest,  # noqa: N802
-                               context: grpc.ServicerContext) -> v1beta1.NodeUnprepareResourcesResponse:
-        return self.body.unprepare(request, context)  # type: ignore[no-any-return]
 
 
 class _Registration(reg_grpc.RegistrationServicer):
@@ -167,12 +143,9 @@ class DraServer:
     def start(self) -> "DraServer":
         """Serve the DRA service, then the registration socket (kubelet may
         dial the DRA socket as soon as it reads GetInfo). Raises OSError."""
-        body_v1 = _Dra(self, v1, True)
-        body_v1beta1 = _Dra(self, v1beta1, False)
-
         def dra(server: grpc.Server) -> None:
-            v1_grpc.add_DRAPluginServicer_to_server(_V1(body_v1), server)
-            v1beta1_grpc.add_DRAPluginServicer_to_server(_V1beta1(body_v1beta1), server)
+            v1_grpc.add_DRAPluginServicer_to_server(_Dra(self, v1, True), server)
+            v1beta1_grpc.add_DRAPluginServicer_to_server(_Dra(self, v1beta1, False), server)
 
         self._serve(self.socket_path, dra, "fracplugin-dra")
         self._serve(self.registration_path,
