@@ -23,7 +23,6 @@ from .model import ComputeMode, NodeInfo
 from .mps.layout import MpsLayout
 from .parts import (
     DevicePluginPart,
-    HealthPart,
     InventoryPart,
     LedgerPart,
     MetricsPart,
@@ -545,9 +544,8 @@ class Builder:
         server = HealthServer(self.cfg.health_address, self.hooks.checks, self.hooks.status, alive=self.hooks.alive,
                               simulate_xid=self.simulate_xid if self.simulated is not None else None)
         try:
-            part = self._add(HealthPart(self.cfg, server))
+            self._add(ServicePart(self.cfg, "health", {"health_address"}, server))
         except OSError as exc:
             raise StartupError(f"--health-address {self.cfg.health_address}: {exc.strerror or exc}") from None
-        assert part.bound is not None
-        self.endpoints["health"] = _fmt_addr(*part.bound)
+        self.endpoints["health"] = _fmt_addr(*server.bound)
 
