@@ -373,16 +373,14 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     for name in listed:
         if container is not None and name != container:
             continue
-        unplanned = {"name": name, "fractional": False, "devices": [], "compute_mode": None, "request_mib": None,
-                     "limit_mib": None, "env": {}, "mounts": [], "cdi_devices": [], "error": None}
         try:
             req = parse(annotations, name, prefix=config.annotation_prefix, containers=targets)
             plan = rules.plan(req, ref) if req is not None else None
         except FractionError as err:
-            out.append({**unplanned, "fractional": True, "error": err.to_dict()})
+            out.append(_unplanned(name, err))
             continue
         if plan is None:
-            out.append(unplanned)
+            out.append(_unplanned(name))
         else:
             out.append(with_node_cdi_devices(plan, cdi).to_dict())
             try:
@@ -396,6 +394,13 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     warnings += [x.message for x in lint(annotations, config.annotation_prefix, targets, everyone)]
     return {"pod": str(ref), "node": node.name, "containers": out, "warnings": warnings,
             "cdi": _cdi_report(cdi, warnings)}
+
+
+def _unplanned(name: str, err: FractionError | None = None) -> dict[str, Any]:
+    """The report entry of a container that gets nothing: not fractional, or
+    (``err``) refused with the refusal's ``{"key","value","reason"}``."""
+    return {"name": name, "fractional": err is not None, "devices": [], "compute_mode": None, "request_mib": None,
+            "limit_mib": None, "env": {}, "mounts": [], "cdi_devices": [], "error": None if err is None else err.to_dict()}
 
 
 def _scratch_ledger(node: NodeInfo, config: PlannerConfig, tenancies: Sequence[Tenancy],
@@ -441,9 +446,7 @@ def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: 
         claim = dra_claims.read_claim(doc, node)
         plan = with_node_cdi_devices(dra_claims.plan_claim(claim, NodeRules(node, ledger, config)), cdi)
     except FractionError as err:
-        entry = {"name": name, "fractional": True, "devices": [], "compute_mode": None,
-                                 "request_mib": None, "limit_mib": None, "env": {}, "mounts": [],
-                                 "cdi_devices": [], "error": err.to_dict()}
+        entry = _unplanned(name, err)
     else:
         entry = {**plan.to_dict(), "name": name, "env": cdispec.claim_env(claim.uid, plan),
                  "cdi_devices": [cdispec.device_id(claim.uid), *plan.cdi_devices]}
