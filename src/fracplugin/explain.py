@@ -400,7 +400,8 @@ def _unplanned(name: str, err: FractionError | None = None) -> dict[str, Any]:
     """The report entry of a container that gets nothing: not fractional, or
     (``err``) refused with the refusal's ``{"key","value","reason"}``."""
     return {"name": name, "fractional": err is not None, "devices": [], "compute_mode": None, "request_mib": None,
-            "limit_mib": None, "env": {}, "mounts": [], "cdi_devices": [], "error": None if err is None else err.to_dict()}
+            "limit_mib": None, "env": {}, "mounts": [], "cdi_devices": [],
+            "error": None if err is None else err.to_dict()}
 
 
 def _scratch_ledger(node: NodeInfo, config: PlannerConfig, tenancies: Sequence[Tenancy],
