@@ -229,10 +229,17 @@ class RegistrationTarget(Protocol):
     def options(self) -> pb.DevicePluginOptions:
         ...
 
-    # Optional (checked with getattr):
-    # def rebind_as_new(self) -> None: serve on a socket with a new file name.
-    # def reset_name(self) -> None: next rebind uses the configured file name.
-    # def ready(self) -> bool: devices can be served Healthy now.
+    def rebind_as_new(self) -> None:
+        """Serve on a socket with a new file name."""
+        ...
+
+    def reset_name(self) -> None:
+        """The next ``rebind`` uses the configured file name."""
+        ...
+
+    def ready(self) -> bool:
+        """Devices can be served Healthy now."""
+        ...
 
 
 def _socket_gone(current: tuple[int, int] | None, ours: tuple[int, int] | None) -> bool:
@@ -375,13 +382,10 @@ class Registrar:
         same_kubelet = self._registered_with is not None and self._registered_with == self._seen_ks
         rotate = self._rotate_next or same_kubelet
         self._rotate_next = False
-        new_name = getattr(self.target, "rebind_as_new", None)
-        reset = getattr(self.target, "reset_name", None)
-        if rotate and callable(new_name):
-            new_name()
+        if rotate:
+            self.target.rebind_as_new()
         else:
-            if callable(reset):
-                reset()
+            self.target.reset_name()
             self.target.rebind()
         log.info("%s; serving on %s", why, self.target.socket_path)
 
@@ -485,11 +489,10 @@ class Registrar:
     def _wait_ready(self) -> None:
         """Before the first Register: wait (at most ``ready_timeout_s``) until
         the target says its devices can be served Healthy."""
-        ready = getattr(self.target, "ready", None)
-        if self._ever_registered or not callable(ready):
+        if self._ever_registered:
             return
         deadline = time.monotonic() + self.ready_timeout_s
-        while not self._stop.is_set() and not ready():
+        while not self._stop.is_set() and not self.target.ready():
             if time.monotonic() >= deadline:
                 log.warning("devices not all Healthy after %.0f s; registering anyway (kubelet sees them as they are)",
                             self.ready_timeout_s)
