@@ -99,7 +99,7 @@ class _Registration(reg_grpc.RegistrationServicer):
 
     def GetInfo(self, request: reg.InfoRequest, context: grpc.ServicerContext) -> reg.PluginInfo:  # noqa: N802
         self.door.count("get_info")
-        return reg.PluginInfo(type=PLUGIN_TYPE, name=self.door.driver_name, endpoint=self.door.socket_path,
+        return reg.PluginInfo(type=PLUGIN_TYPE, name=DRIVER_NAME, endpoint=self.door.socket_path,
                               supported_versions=list(SUPPORTED_VERSIONS))
 
     def NotifyRegistrationStatus(self, request: reg.RegistrationStatus,  # noqa: N802
@@ -116,7 +116,6 @@ class DraServer:
         plugins_dir: kubelet's plugins directory (the DRA socket goes in
             ``<dir>/<driver>/dra.sock``).
         registry_dir: kubelet's ``plugins_registry`` directory.
-        driver_name: the DRA driver name.
         max_workers: grpcio worker threads per server.
 
     ``start`` raises OSError when a socket cannot be bound; ``stop`` is
@@ -124,12 +123,11 @@ class DraServer:
     """
 
     def __init__(self, preparer: Preparer, plugins_dir: str, registry_dir: str, *,
-                 driver_name: str = DRIVER_NAME, max_workers: int = 8,
+                 max_workers: int = 8,
                  clock: Callable[[], float] = time.time) -> None:
         self.preparer = preparer
-        self.driver_name = driver_name
-        self.socket_path = os.path.join(plugins_dir, driver_name, SOCKET_NAME)
-        self.registration_path = os.path.join(registry_dir, f"{driver_name}-reg.sock")
+        self.socket_path = os.path.join(plugins_dir, DRIVER_NAME, SOCKET_NAME)
+        self.registration_path = os.path.join(registry_dir, f"{DRIVER_NAME}-reg.sock")
         self.max_workers = max_workers
         self._clock = clock
         self._lock = threading.Lock()
@@ -151,7 +149,7 @@ class DraServer:
         self._serve(self.registration_path,
                     lambda s: reg_grpc.add_RegistrationServicer_to_server(_Registration(self), s), "fracplugin-reg")
         log.info("dra door serving", extra={"socket": self.socket_path, "registration": self.registration_path,
-                                            "driver": self.driver_name})
+                                            "driver": DRIVER_NAME})
         return self
 
     def _serve(self, path: str, add: Callable[[grpc.Server], None], prefix: str) -> None:
@@ -186,9 +184,9 @@ class DraServer:
             self._registration_error = error
             self._registered_at = self._clock() if ok else None
         if ok:
-            log.info("dra door registered with kubelet", extra={"driver": self.driver_name})
+            log.info("dra door registered with kubelet", extra={"driver": DRIVER_NAME})
         else:
-            log.warning("kubelet refused the dra door's registration", extra={"driver": self.driver_name,
+            log.warning("kubelet refused the dra door's registration", extra={"driver": DRIVER_NAME,
                                                                               "reason": error})
 
     def readiness(self) -> tuple[bool, str]:
@@ -197,7 +195,7 @@ class DraServer:
             if not self._servers:
                 return False, "not serving"
             if self._registered:
-                return True, f"registered with kubelet as {self.driver_name}"
+                return True, f"registered with kubelet as {DRIVER_NAME}"
             if self._registration_error:
                 return False, f"kubelet refused the registration: {self._registration_error}"
             return False, f"waiting for kubelet to dial {self.registration_path}"
@@ -207,5 +205,5 @@ class DraServer:
         with self._lock:
             reg_state = {"registered": self._registered, "error": self._registration_error,
                          "registered_at": self._registered_at, "calls": dict(self.calls)}
-        return {"driver": self.driver_name, "socket": self.socket_path,
+        return {"driver": DRIVER_NAME, "socket": self.socket_path,
                 "registration_socket": self.registration_path, **reg_state, "claims": self.preparer.status()}

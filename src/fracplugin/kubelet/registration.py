@@ -270,17 +270,10 @@ class Registrar:
         kubelet_socket: path of kubelet.sock.
         resource_name: the extended resource.
         poll_s: watch period in seconds.
-        register_timeout_s: deadline of one Register call.
-        stream_grace_s: seconds with no open ListAndWatch (after one ended)
-            before re-registering.
-        register_grace_s: seconds after a Register for kubelet to open
-            ListAndWatch before re-registering.
         on_registered: called with the seconds from trigger to completed
             registration (bench/metrics).
         ready_timeout_s: longest wait (seconds) for ``target.ready()`` before
             the first Register of this process; then it registers anyway.
-        warn_every_s: at most one WARNING per this many seconds while
-            registration keeps failing (the first failure is always logged).
     """
 
     def __init__(
@@ -290,23 +283,19 @@ class Registrar:
         resource_name: str,
         *,
         poll_s: float = 0.1,
-        register_timeout_s: float = 10.0,
-        stream_grace_s: float = 0.5,
-        register_grace_s: float = 5.0,
         on_registered: Callable[[float], None] | None = None,
         ready_timeout_s: float = 30.0,
-        warn_every_s: float = 60.0,
     ) -> None:
         self.target = target
         self.kubelet_socket = kubelet_socket
         self.resource_name = resource_name
         self.poll_s = poll_s
-        self.register_timeout_s = register_timeout_s
-        self.stream_grace_s = stream_grace_s
-        self.register_grace_s = register_grace_s
+        self.register_timeout_s = 10.0  # deadline of one Register call, seconds
+        self.stream_grace_s = 0.5  # seconds with no open ListAndWatch (after one ended) before re-registering
+        self.register_grace_s = 5.0  # seconds after a Register for kubelet to open ListAndWatch
+        self.warn_every_s = 60.0  # at most one WARNING per this many seconds while registration keeps failing
         self.on_registered = on_registered
         self.ready_timeout_s = ready_timeout_s
-        self.warn_every_s = warn_every_s
         self.stats = RegistrationStats()
         self._ever_registered = False
         self._rotate_next = False
