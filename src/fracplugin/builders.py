@@ -39,7 +39,7 @@ from .podsfile import PodsFileWatcher
 if TYPE_CHECKING:
     from .cdi import CdiRegistry
     from .enforce.wiring import MemoryLimits
-    from .events import EventRecorder, NullEventRecorder
+    from .events import EventRecorder
     from .gpu.inventory import Inventory
     from .gpu.simulated import SimulatedInventory
     from .kubelet.deviceplugin import DevicePluginServer
@@ -121,7 +121,7 @@ class Builder:
         self.metrics: Metrics | None = None
         self.mps: MpsApi | None = None
         self.pod_source: PodSource | None = None
-        self.events: EventRecorder | NullEventRecorder | None = None
+        self.events: EventRecorder | None = None
         self.rules: NodeRules | None = None  # the node's rules, every door admits through them (issue 33)
         self.nri: NriDoor | None = None
         self.device_plugin: DevicePluginServer | None = None
