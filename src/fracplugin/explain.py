@@ -513,9 +513,7 @@ def _live_status(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    for name, default in (("node_from_status", None), ("live", False), ("health_address", None), ("timeout", 5.0)):
-        if not hasattr(args, name):  # a Namespace built by a caller that knows only --node
-            setattr(args, name, default)
+    """``fracplugin explain`` with ``args`` as ``add_arguments`` parses them; returns the exit status."""
     try:
         if args.health_address and not args.live:
             raise UsageError("--health-address is for --live (give --node-from-status a URL)")
@@ -539,10 +537,9 @@ def main(args: argparse.Namespace) -> int:
             if args.live:
                 tenancies = tenancies_from_status(doc, source)
             config = config_from_status(doc, reserve_mib=args.reserve_mib, annotation_prefix=args.annotation_prefix)
-        raw_dirs = getattr(args, "cdi_spec_dirs", ",".join(DEFAULT_SPEC_DIRS))  # callers that build args by hand
-        dirs = [d.strip() for d in (raw_dirs or "").split(",") if d.strip()]
+        dirs = [d.strip() for d in (args.cdi_spec_dirs or "").split(",") if d.strip()]
         report = explain(pod, node, container=args.container, ledger_path=args.ledger, config=config,
-                         tenancies=tenancies, cdi_spec_dirs=dirs, cdi_kind=getattr(args, "cdi_kind", None))
+                         tenancies=tenancies, cdi_spec_dirs=dirs, cdi_kind=args.cdi_kind)
     except UsageError as exc:
         print(f"fracplugin explain: {exc}", file=sys.stderr)
         return 2
