@@ -332,6 +332,7 @@ class DevicePluginServer:
             "planned": c.planned,
             "reserved": c.reserved,
             "fallbacks": c.fallbacks,
+            "pending": c.pending,
             "refusals": c.refusals,
             "last_fallback": c.last_fallback,
             "last_refusal": c.last_refusal,

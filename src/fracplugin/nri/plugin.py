@@ -349,7 +349,7 @@ class FracNriPlugin:
                 ignored: list[Any] = []
                 req: FractionRequest | None
                 if key:
-                    req, ignored = self.reader.reserved_request(pod, container.name, ref, key, apps)
+                    req, ignored = self.reader.reserved_request(pod, container.name, key, apps)
                 else:
                     req = parse(dict(pod.annotations), container.name, prefix=config.annotation_prefix,
                                 containers=apps)
