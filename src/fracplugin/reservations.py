@@ -18,7 +18,7 @@ same one. Once checked, the NRI door takes the proof out of the container's
 environment (``-FRACPLUGIN_RESERVATION_PROOF``, then the key set empty:
 containerd does not forward a removal of a variable kubelet added,
 docs/reference/nri-protocol.md "Env removal caveat"), and once bound a
-reservation belongs to its pod whatever proof another pod shows (rule 3).
+reservation belongs to its pod whatever proof another pod shows (rule 4).
 
 *Aliases* (issue 34 item 1): kubelet hands an init container's devices again
 to a later container of the same pod, plus or minus some (init ``::0-1``,
@@ -108,7 +108,7 @@ class ReservationProofs:
     Args:
         path: the JSON file to keep them in (None: memory only). An unreadable
             file is logged and ignored (the owners are then accepted through
-            rule 2 once PodResources binds their reservations).
+            rule 1 once PodResources binds their reservations).
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:

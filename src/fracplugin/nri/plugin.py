@@ -160,7 +160,7 @@ _PROOF_REMOVAL = (nri_pb2.KeyValue(key="-" + ENV_RESERVATION_PROOF), nri_pb2.Key
 removal, which containerd does not forward for a variable kubelet added
 (docs/reference/nri-protocol.md, "Env removal caveat"), then the key set to
 an empty value, which it does forward; the container never sees the proof
-(ADR 0033). A bound reservation no longer needs it (reservations rule 3)."""
+(ADR 0033). A bound reservation no longer needs it (reservations rule 1)."""
 
 
 @functools.lru_cache(maxsize=1024)
