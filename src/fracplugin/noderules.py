@@ -39,7 +39,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Collection, Mapping, Sequence
 
 from . import reservations
-from .allocation import DOOR_NRI
+from .allocation import DOOR_ALLOCATE, DOOR_NRI
 from .ledger import Ledger
 from .model import ContainerPlan, FractionRequest, NodeInfo, PodRef, Tenancy
 from .planner import NO_UNUSABLE, EmptyLedger, PlannerConfig, Unusable, plan, plan_from_tenancies
@@ -164,7 +164,8 @@ class NodeRules:
         (module docstring). Returns the plan recorded (what the door
         answers). Raises FractionError (a refusal: ``status_of(err.code)``),
         OSError (the ledger's file), and whatever ``check`` raises."""
-        pending = bool(reservation) and bound and reservations.proofs_of(self.ledger).is_pending(reservation)
+        pending = (door == DOOR_ALLOCATE and bool(reservation) and bound
+                   and reservations.proofs_of(self.ledger).is_pending(reservation))
         if pending:
             reservations.take_over(self.ledger, reservation, pod.uid)
         p = self.plan(request, pod, reservation=reservation)

@@ -28,7 +28,7 @@ allocation for both doors), whose answer this module turns into an
 ``AllocateResponse``: env (including ``FRACPLUGIN_RESERVATION``, the
 reservation key the NRI door binds at CreateContainer), mounts, optional
 DeviceSpecs / CDI devices, and annotations ``fracplugin.io/allocate``
-(``planned`` | ``reserved`` | ``fallback``) and ``fracplugin.io/reservation``.
+(``planned`` | ``reserved`` | ``fallback`` | ``pending``, ADR 0033) and ``fracplugin.io/reservation``.
 
 Its parts (issue 33 item 3: objects that own their state, not mixins):
 this module holds ``DevicePluginServer`` (construction, ``start`` / ``stop``,
