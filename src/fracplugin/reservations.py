@@ -209,6 +209,11 @@ class ReservationProofs:
         with self._lock:
             return list(self._pending)
 
+    def pending_items(self) -> list[tuple[str, float]]:
+        """(pending key, unix seconds of the Allocate that left it pending), oldest first."""
+        with self._lock:
+            return list(self._pending.items())
+
     def settle(self, key: str) -> None:
         """``key`` is pending no more: its container was admitted, or a new
         Allocate of it was answered with nothing in its way."""

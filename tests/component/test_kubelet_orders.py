@@ -118,6 +118,7 @@ def test_2_an_allocate_of_a_running_containers_devices_waits_for_it(node: Callab
     old, new, _got, env_old = _web_running_then_recreated(n)
     seen = [n.held(0)]
     env_new, ann = n.allocate(ids(0, 60))  # answered: a refused Allocate is terminal for the pod
+    n.record("web", "app", ids(0, 60))  # kubelet records the new pod's allocation (PodResources)
     assert ann["fracplugin.io/allocate"] == "pending"
     assert env_new["FRACPLUGIN_RESERVATION"] == env_old["FRACPLUGIN_RESERVATION"]
     assert env_new[PROOF] != env_old[PROOF]  # a new proof: the devices go to another holder
@@ -193,6 +194,7 @@ def test_2_a_pending_reservation_survives_a_daemon_restart(node: Callable[..., N
     _old, new, got_old, _env_old = _web_running_then_recreated(n)
     env_new, ann = n.allocate(ids(0, 60))
     assert ann["fracplugin.io/allocate"] == "pending"
+    n.record("web", "app", ids(0, 60))  # kubelet lists the new pod: the restarted daemon keeps the pending key
     sandbox_old = make_pod("web", "default", "uid-old")
     running = make_container(sandbox_old, "app", env=got_old, state=nri_pb2.CONTAINER_RUNNING)
     n.rt.set_sync_state([sandbox_old], [running])  # what the runtime reports to the restarted daemon
@@ -213,6 +215,35 @@ def test_2_a_pending_reservation_survives_a_daemon_restart(node: Callable[..., N
     assert got["NVIDIA_GPU_MEMORY_REQUEST"] == "61440"
     assert _held_by(n) == [("uid-new", "ctr-uid-new-app", 61440)]
     assert n.held(0) == 61440 and pending(n) == []
+
+
+def test_2_a_pending_key_whose_pod_is_gone_is_dropped(node: Callable[..., Node]) -> None:
+    """The recreated pod is deleted before its container was ever created:
+    its pending key goes (its pod is gone from the API, and PodResources
+    does not list it at the restarted daemon's first pass), and the old
+    container keeps its hold throughout."""
+    from fracplugin._proto import nri_pb2
+    from nri_runtime import make_container, make_pod
+
+    n = node()
+    _old, _new, got_old, _env_old = _web_running_then_recreated(n)
+    _env_new, ann = n.allocate(ids(0, 60))
+    assert ann["fracplugin.io/allocate"] == "pending" and pending(n) == [key_of(ids(0, 60))]
+    n.delete("web")
+    assert wait_until(lambda: pending(n) == [], 10, lambda: pending(n))  # every pod it may be for is gone
+    n.put(pod("other", 60))
+    _env_new, ann = n.allocate(ids(0, 60))  # another pod: pending again
+    assert ann["fracplugin.io/allocate"] == "pending" and pending(n) == [key_of(ids(0, 60))]
+    sandbox_old = make_pod("web", "default", "uid-old")
+    n.rt.set_sync_state([sandbox_old], [make_container(sandbox_old, "app", env=got_old,
+                                                       state=nri_pb2.CONTAINER_RUNNING)])
+
+    def delete_other() -> None:  # while the daemon is down: no deletion seen
+        del n.pods["other"]
+        n._write()
+    n.restart_daemon(delete_other)  # nothing lists the key at the first PodResources pass: dropped
+    assert wait_until(lambda: pending(n) == [], 10, lambda: pending(n))
+    assert _held_by(n) == [("uid-old", "ctr-uid-old-app", 61440)]
 
 
 # ---- input 4: a reservation belongs to one pod --------------------------------------------------

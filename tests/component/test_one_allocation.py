@@ -104,13 +104,15 @@ class Node:
         self.kubelet.stop()
         self.pr.stop()
 
-    def restart_daemon(self) -> None:
-        """SIGKILL the daemon and start it again on the same state directory
-        (ledger, reservation proofs): waits until it registered with the
-        kubelet again, the runtime synchronized it (what
+    def restart_daemon(self, while_down: Callable[[], None] | None = None) -> None:
+        """SIGKILL the daemon, call ``while_down()``, start it again on the
+        same state directory (ledger, reservation proofs): waits until it
+        registered with the kubelet again, the runtime synchronized it (what
         ``rt.set_sync_state`` says runs) and it is ready."""
         self.d.kill()
         (self.d.state / "endpoints.json").unlink()  # the killed daemon's: wait for the new one's
+        if while_down is not None:
+            while_down()
         self.d.start()
         self.rt.wait_registered(15)
         wait_until(lambda: self.d.ready() and self.status()["device_plugin"]["registered"]

@@ -613,7 +613,9 @@ class Allocator:
           UUIDs of this node holds that GPU whole (door ``other-plugin``);
         * reservations (and whole-GPU holds) not listed are released, except
           reservations younger than ``podresources_grace_s`` (kubelet records
-          an allocation only after Allocate returned) unless ``initial``.
+          an allocation only after Allocate returned) unless ``initial``;
+          pending keys (ADR 0033) not listed are dropped on the same terms
+          (the pod they were for is gone).
         """
         warnings: list[str] = []
         listed: set[str] = set()
@@ -658,6 +660,13 @@ class Allocator:
             for key in {t.reservation for t in stale}:
                 self._forget(key)
                 warnings.append(f"reservation {key} is not in PodResources; released")
+            proofs = reservations.proofs_of(self.ledger)
+            wall = time.time()
+            for key, at in proofs.pending_items():  # kubelet lists a pending key's pod once Allocate returned
+                if key not in listed and (initial or wall - at > self.podresources_grace_s):
+                    proofs.settle(key)
+                    self._pending_hints.pop(key, None)
+                    warnings.append(f"pending reservation {key} is not in PodResources; dropped")
         return warnings
 
     def _uid_of(self, p: Any) -> str:
