@@ -175,12 +175,14 @@ class PodReader:
     def _check_claim(self, container: nri_pb2.Container, key: str, ref: PodRef) -> None:
         """Raise FractionError when this container may not claim reservation
         ``key`` (``reservations.claim_problem``: forged, unknown, held by
-        another running container, or without the proof Allocate answered;
-        issue 25 item 4)."""
+        another running container, or without the proof Allocate answered,
+        code ``reservation``; issue 25 item 4; a pending reservation whose
+        devices a running container of another pod still holds, code
+        ``reservation_pending``: transient, ADR 0033)."""
         proof = proof_of(container.annotations, container.env)
-        why = claim_problem(self.ledger, key, ref.uid, proof, self.node.name, pod_name=f"{ref.namespace}/{ref.name}")
-        if why is not None:
-            raise FractionError(al.ENV_RESERVATION, key, why, "reservation")
+        err = claim_problem(self.ledger, key, ref.uid, proof, self.node.name, pod_name=f"{ref.namespace}/{ref.name}")
+        if err is not None:
+            raise err
 
     def hold(self, key: str) -> str:
         """The reservation the ledger records ``key``'s container under: the
@@ -189,22 +191,13 @@ class PodReader:
         once; ``reservations.hold_of``, ADR 0033)."""
         return hold_of(self.ledger, key)
 
-    def reserved_request(self, pod: nri_pb2.PodSandbox, container: str, ref: PodRef, key: str,
-                          apps: Sequence[str] | None, *, running: bool = False) -> tuple[FractionRequest, list[Any]]:
+    def reserved_request(self, pod: nri_pb2.PodSandbox, container: str, key: str,
+                         apps: Sequence[str] | None) -> tuple[FractionRequest, list[Any]]:
         """The request of a container under kubelet's reservation ``key``
         (its GPUs and count; the limit, mode and portion its annotations add)
         and the annotations not applied. Raises FractionError for annotations
-        that break the contract, or (unless ``running``: a Synchronize
-        records what runs) a reservation another running container holds."""
+        that break the contract (who may claim ``key`` is ``read``'s check)."""
         by_gpu = al.parse_reservation_key(key)
-        if not running:
-            held = self.ledger.reservation(hold_of(self.ledger, key))
-            if held and held[0].bound and held[0].pod_uid != ref.uid and held[0].container_id:
-                t = held[0]
-                raise FractionError(
-                    al.ENV_RESERVATION, key,
-                    f"is held by running container {t.namespace}/{t.pod_name}/{t.container}; kubelet gives a "
-                    "device to one pod at a time, so this container cannot claim it", "reservation")
         gpus = sorted((self.node.gpu_by_uuid(u) for u in by_gpu), key=lambda g: g.index)  # type: ignore[union-attr]
         uuids = [g.uuid for g in gpus]  # type: ignore[union-attr]
         per = len(next(iter(by_gpu.values()))) * self.unit_mib
@@ -220,7 +213,7 @@ class PodReader:
         runs is recorded: ``NodeRules.replan``)."""
         apps, _ = self._containers_of(pod)
         ref = _pod_ref(pod)
-        req, ignored = self.reserved_request(pod, container, ref, key, apps, running=True)
+        req, ignored = self.reserved_request(pod, container, key, apps)
         return self.rules.replan(req, ref, reservation=key), ignored
 
     def warn(self, ref: PodRef, container: str, message: str, fields: Mapping[str, Any], **extra: Any) -> None:

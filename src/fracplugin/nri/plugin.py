@@ -150,7 +150,7 @@ _PROOF_REMOVAL = (nri_pb2.KeyValue(key="-" + ENV_RESERVATION_PROOF), nri_pb2.Key
 removal, which containerd does not forward for a variable kubelet added
 (docs/reference/nri-protocol.md, "Env removal caveat"), then the key set to
 an empty value, which it does forward; the container never sees the proof
-(ADR 0033). A bound reservation no longer needs it (reservations rule 3)."""
+(ADR 0033). A bound reservation no longer needs it (reservations rule 1)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -339,7 +339,7 @@ class FracNriPlugin:
                 ignored: list[Any] = []
                 req: FractionRequest | None
                 if key:
-                    req, ignored = self.reader.reserved_request(pod, container.name, ref, key, apps)
+                    req, ignored = self.reader.reserved_request(pod, container.name, key, apps)
                 else:
                     req = parse(dict(pod.annotations), container.name, prefix=config.annotation_prefix,
                                 containers=apps)

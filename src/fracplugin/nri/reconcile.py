@@ -73,7 +73,7 @@ class Reconciler:
         pods_by_id = {p.id: p for p in pods}
         tenancies: list[Tenancy] = []
         recorded: set[tuple[str, str]] = set()
-        reserved: set[str] = set()
+        shared: dict[str, tuple[int, list[Tenancy]]] = {}  # kubelet hold -> (its holder's rank, its entries)
         unadjusted: list[dict[str, Any]] = []
         for c in self._holders(pods_by_id, containers):
             pod = pods_by_id[c.pod_sandbox_id]
@@ -88,10 +88,15 @@ class Reconciler:
                                 extra={**fields, "key": err.key, "value": err.value, "rule": err.reason})
                     p = None
                 if p is not None:
-                    hold = self.reader.hold(key)  # an init's devices reused by the app: one hold (ADR 0033)
-                    tenancies.extend(al.to_tenancies(p, c.id, door=al.DOOR_ALLOCATE, reservation=hold))
+                    # an init's devices reused by the app: one hold (ADR 0033), held by the container
+                    # that runs (an exited init listed beside its running app holds nothing); an exited
+                    # container leaves the reservation with its pod, unbound from it (as at its Stop)
+                    hold = self.reader.hold(key)
+                    rank = _HOLD_RANK.get(c.state, 0)
+                    if hold not in shared or rank > shared[hold][0]:
+                        cid = "" if c.state == nri_pb2.CONTAINER_STOPPED else c.id
+                        shared[hold] = (rank, al.to_tenancies(p, cid, door=al.DOOR_ALLOCATE, reservation=hold))
                     recorded.add((pod.uid, c.name))
-                    reserved.add(hold)
                     continue
             try:
                 p, adjusted = self._replan(pod, c)
@@ -124,6 +129,8 @@ class Reconciler:
         # kubelet frees them, not the runtime; PodResources reconciles them),
         # whole GPUs of other device plugins, and DRA claims (kubelet's
         # Unprepare frees them, ADR 0031).
+        tenancies.extend(t for _rank, held in shared.values() for t in held)
+        reserved = set(shared)
         rebuilt = list(tenancies)
         live = {c.id for c in containers}  # a kept reservation's container the runtime no longer runs is unbound
         self.rules.ledger.transform(lambda cur: rebuilt + unbind_gone([
