@@ -148,9 +148,7 @@ class Reconciler:
                     "nri sync: container should carry fracplugin's adjustment but does not",
                     extra={**fields, "missing": missing, "different": different},
                 )
-                if c.state in (nri_pb2.CONTAINER_CREATED, nri_pb2.CONTAINER_RUNNING) and not any(
-                        k in env for k in FENCE_KEYS):
-                    unfenced.append((pod, c))
+                unfenced.append((pod, c))  # maybe: _decide says
             if not adjusted and p.placed_by_node:
                 # Unknown placement: it never got our devices; do not invent one.
                 continue
@@ -184,12 +182,15 @@ class Reconciler:
                 self._thread.start()
 
     def _decide(self, pod: nri_pb2.PodSandbox, c: nri_pb2.Container, when: str) -> bool | None:
-        """The one decision of issue 35 item 1, for a container found carrying
-        none of ``FENCE_KEYS``: does its pod ask for a fraction for *this*
-        container? True: handed to ``Unfenced.act``. False: no (a container
-        its pod-level forms do not target, refused annotations): left alone.
-        None: the pod's spec decides (``needs_spec``) and the pod watch does
-        not know it yet: it waits."""
+        """The one decision of issue 35 item 1: is ``c`` (created or running)
+        unfenced (its env has none of ``FENCE_KEYS``) and does its pod ask for
+        a fraction for *this* container? True: handed to ``Unfenced.act``.
+        False: no (adjusted, stopped, a container its pod-level forms do not
+        target, refused annotations): left alone. None: the pod's spec
+        decides (``needs_spec``) and the pod watch does not know it yet: it waits."""
+        env = _env_map(c)
+        if c.state not in (nri_pb2.CONTAINER_CREATED, nri_pb2.CONTAINER_RUNNING) or any(k in env for k in FENCE_KEYS):
+            return False
         apps = None
         if needs_spec(pod.annotations, c.name):
             apps, _ = self.reader._containers_of(pod)
