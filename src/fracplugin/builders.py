@@ -309,10 +309,8 @@ class Builder:
             log.warning("no API access (no --kubeconfig, not in a cluster, no --pods-file): " + POD_SOURCE_MISSING)
 
     def _build_events(self) -> None:
-        """The node's API writers, built once whichever doors are on: the
-        event recorder (refusals, warnings, over-limit and unfenced Events)
-        and the one ``restart.Restarter`` (pod evictions, ADR 0035); without
-        API access a null recorder and no restarter."""
+        """With API access, whichever doors are on: the event recorder and the
+        one ``restart.Restarter`` (ADR 0035); else a null recorder, no restarter."""
         from .events import EventRecorder, NullEventRecorder
         from .restart import Restarter
 

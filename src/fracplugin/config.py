@@ -294,10 +294,8 @@ _HELP = {
     "over_limit": "a container above its GPU memory limit at a usage poll: report (Warning Event "
                   "GpuMemoryLimitExceeded once per episode, metric, alert) or restart (the same, then its pod is "
                   "evicted through the Kubernetes Eviction API; ADR 0035)",
-    "unfenced_containers": "a container found running without fracplugin's adjustment although its pod asks for a "
-                           "GPU fraction (started while fracplugin was away): restart (Warning Event "
-                           "ContainerRestartedUnfenced, its pod evicted so that it comes back fenced, with backoff) "
-                           "or report (the Event only; ADR 0035)",
+    "unfenced_containers": "a fractional container found running without fracplugin's adjustment: restart (evict "
+                           "its pod, with backoff) or report; Event ContainerRestartedUnfenced either way (ADR 0035)",
     "proc_root": "the proc filesystem where the PIDs NVML reports are joined to containers (the host's: hostPID)",
     "log_format": "log format: json or text",
     "log_level": "log level: debug, info, warning or error",

@@ -203,7 +203,7 @@ class Daemon:
         nri, door = None, self.built.nri
         if door is not None:
             nri = {"connected": door.connected(), "synchronized": door.synchronized(), "unadjusted": door.unadjusted(),
-                   "unfenced": door.unfenced()}
+                   "unfenced": door.plugin.reconciler.unfenced_status()}
         dp = self.parts.get("device plugin")
         return {"nri": nri, "device_plugin": None if dp is None else {"registered": dp.readiness().ok},
                 "gpu_healthy": {u: h for u, (h, _r) in self._gpu_healthy().items()}}

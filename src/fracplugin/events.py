@@ -61,8 +61,7 @@ REASON_LIMIT_NOT_ENFORCED = "MemoryLimitNotEnforced"
 REASON_OVER_LIMIT = "GpuMemoryLimitExceeded"
 """``reason`` of the Event written when a container uses more GPU memory than its limit (issue 35 item 3)."""
 REASON_UNFENCED = "ContainerRestartedUnfenced"
-"""``reason`` of the Event written for a fractional container found running without fracplugin's adjustment,
-restarted or (``--unfenced-containers report``, backoff, no API access) not (issue 35 item 1, ADR 0035)."""
+"""``reason`` of the Event for a container found running unfenced, restarted or not (issue 35 item 1)."""
 
 MAX_MESSAGE = 1024
 """Characters of the refusal message kept in the Event (longer ones are cut)."""
@@ -176,9 +175,8 @@ class EventRecorder:
         self._put(pod, container, message, action, REASON_OVER_LIMIT)
 
     def unfenced(self, pod: PodRef, container: str, message: str, action: str) -> None:
-        """Queue a ``ContainerRestartedUnfenced`` Warning Event (issue 35 item 1:
-        ``message`` says why the container is unfenced and what was done;
-        ``action`` ``Restart``, ``Report`` or ``Backoff``). Never blocks, never raises."""
+        """Queue a ``ContainerRestartedUnfenced`` Warning Event (``action``
+        ``Restart``, ``Report`` or ``Backoff``). Never blocks, never raises."""
         self._put(pod, container, message, action, REASON_UNFENCED)
 
     def _put(self, pod: PodRef, container: str, message: str, action: str, reason: str) -> None:

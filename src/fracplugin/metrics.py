@@ -48,10 +48,8 @@ doors (only with ``attach_state``; a series is absent while its door is off):
   fracplugin_nri_unadjusted_containers             running containers that the last Synchronize found
                                                    without the env the ledger's plan gives them (the
                                                    ledger and the runtime disagree)
-  fracplugin_unfenced_containers_total             fractional containers found running without any
-                                                   adjustment, label ``action`` (restarted, reported,
-                                                   backed_off; issue 35 item 1)
-  fracplugin_unfenced_containers_waiting           such containers whose pod's spec is not known yet
+  fracplugin_unfenced_containers_total             unfenced containers found, label ``action`` (ADR 0035)
+  fracplugin_unfenced_containers_waiting           those waiting for their pod's spec
   fracplugin_device_plugin_registered              1 while registered with kubelet
 per MPS daemon, label ``mode``:
   fracplugin_mps_daemon_up                         1 when healthy (probe answered), else 0

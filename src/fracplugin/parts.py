@@ -360,10 +360,6 @@ class NriDoor(PartBase):
     def unadjusted(self) -> int:
         return len(self.plugin.status().get("unadjusted") or ())
 
-    def unfenced(self) -> dict[str, Any]:
-        """``Reconciler.unfenced_status()`` (issue 35 item 1)."""
-        return self.plugin.reconciler.unfenced_status()
-
     def _apply(self, cfg: Config, keys: Iterable[str]) -> None:
         self.plugin.settings.fail_open = cfg.fail_open
 

@@ -206,9 +206,8 @@ def render_table(doc: Mapping[str, Any]) -> str:
             out.append(f"  {len(unadjusted)} running container(s) lack fracplugin's settings (see /status)")
         uf = nri.get("unfenced") or {}
         if any(uf.get(k) for k in ("restarted", "reported", "backed_off", "waiting")):
-            out.append(f"  unfenced fractional containers ({uf.get('mode')}): restarted {uf.get('restarted', 0)}, "
-                       f"reported {uf.get('reported', 0)}, backed off {uf.get('backed_off', 0)}, waiting for their "
-                       f"pod's spec {len(uf.get('waiting') or ())}")
+            out.append(f"  unfenced containers ({uf['mode']}): restarted {uf['restarted']}, reported {uf['reported']}, "
+                       f"backed off {uf['backed_off']}, waiting {len(uf['waiting'])} (see /status)")
     dp = doc.get("device_plugin")
     if isinstance(dp, dict):
         out.append("")

@@ -70,9 +70,8 @@ Behaviour (docs/reference/design.md sections 2 and 4; issue 3 item 3):
   knows none). Then the MPS layer's namespaces are reconciled with the
   runtime's pods (``nri/orphans.py``): those of pods gone while the doors did
   not see it are released, a live pod's that nothing holds is adopted into
-  the early table. ``ready()`` turns true afterwards. A fractional container
-  found without any adjustment is restarted or reported (``reconcile.Unfenced``,
-  issue 35 item 1, ADR 0035), never from CreateContainer.
+  the early table. ``ready()`` turns true afterwards. Unfenced containers:
+  ``reconcile.Unfenced`` (ADR 0035).
 """
 
 from __future__ import annotations
@@ -236,9 +235,7 @@ class FracNriPlugin:
             requests each planned GPU's CDI device, unless the container
             already has one for that GPU (``cdi.with_node_cdi_devices``;
             ADR 0025b). None: only the CDI names the scheduler wrote.
-        unfenced: what Synchronize does with a fractional container found
-            without any adjustment (``reconcile.Unfenced``: restart or
-            report); None: report, without Events.
+        unfenced: ``reconcile.Unfenced`` (None: report, no Events).
     """
 
     def __init__(

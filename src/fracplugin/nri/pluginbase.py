@@ -43,8 +43,7 @@ def _env_map(container: nri_pb2.Container) -> dict[str, str]:
 
 def needs_spec(annotations: Any, container: str) -> bool:
     """Whether the pod's spec decides if ``container`` is the target of its
-    pod-level KAI forms (the first or named app container; issue 25 items 1,
-    2): the forms are there without a container name, or name another one."""
+    pod-level KAI forms (unnamed, or naming another container; issue 25)."""
     named = annotations.get(KEY_CONTAINER_NAME)
     return (named is None and any(k in annotations for k in _POD_LEVEL_KEYS)) or (
         named is not None and named != container)

@@ -5,18 +5,10 @@ adjustment; re-ensure their MPS namespaces, release the early namespaces of
 pods gone, and reconcile the MPS layer's namespaces with the runtime's pods
 (``nri/orphans.py``). ``ready()`` is true after the first.
 
-Retroactive enforcement (issue 35 item 1, ADR 0035): a created or running
-container that carries none of ``FENCE_KEYS`` (it was created while
-fracplugin was not attached: a rollout, a crash, a node boot) although its
-pod asks for a fraction *for this container* is unfenced. ``Reconciler._decide``
-is the one place that says so, at Synchronize (every connection, so also at
-reconnect) and, for a pod whose spec it needs (pod-level KAI forms) while the
-pod watch does not know it yet, again every ``RECHECK_S`` until the watch
-learns it (``/status`` ``nri.unfenced.waiting`` meanwhile). ``Unfenced`` acts:
-restart (evict its pod through ``restart.Restarter``, one restart per pod per
-backoff window, the window doubling) or report, with a Warning Event
-``ContainerRestartedUnfenced`` and a counter either way. None of this runs in
-CreateContainer.
+Containers found running unfenced (issue 35 item 1, ADR 0035 decisions 5-9):
+``Reconciler._decide`` says which, at Synchronize and, while their pod's spec
+is unknown, every ``RECHECK_S``; ``Unfenced`` restarts or reports them. None
+of it runs in CreateContainer.
 
 The module docstring of ``nri/plugin.py`` describes the behaviour and the
 concurrency model; ``FracNriPlugin`` is the one class to use.
@@ -53,12 +45,9 @@ lists holds (``Reconciler._holders``): the running one before a paused,
 created, unknown (what older runtimes report) or stopped one."""
 
 FENCE_KEYS = (ENV_MEMORY_REQUEST, ENV_MEMORY_LIMIT, ENV_PINNED_LIMIT)
-"""Env keys only fracplugin's adjustment gives a fractional container. One
-carrying none of them was created without it: unfenced. One carrying any, even
-with another value (an earlier version's plan, a changed setting), has an
-adjustment: listed in ``unadjusted``, never restarted."""
-RECHECK_S = 1.0
-"""Seconds between decisions on the containers waiting for their pod's spec."""
+"""Only an adjustment gives these: a container with none is unfenced, one with
+any (whatever the value) has an adjustment (ADR 0035 decision 5)."""
+RECHECK_S = 1.0  # seconds between decisions on the containers waiting for their pod's spec
 
 class Reconciler:
     """Synchronize (module docstring); owns the last report (``unadjusted``)
@@ -182,12 +171,10 @@ class Reconciler:
                 self._thread.start()
 
     def _decide(self, pod: nri_pb2.PodSandbox, c: nri_pb2.Container, when: str) -> bool | None:
-        """The one decision of issue 35 item 1: is ``c`` (created or running)
-        unfenced (its env has none of ``FENCE_KEYS``) and does its pod ask for
-        a fraction for *this* container? True: handed to ``Unfenced.act``.
-        False: no (adjusted, stopped, a container its pod-level forms do not
-        target, refused annotations): left alone. None: the pod's spec
-        decides (``needs_spec``) and the pod watch does not know it yet: it waits."""
+        """The one decision of issue 35 item 1: is ``c`` created or running,
+        without any of ``FENCE_KEYS``, and does its pod ask a fraction for it?
+        True: handed to ``Unfenced.act``; False: left alone; None: the pod's
+        spec decides (``needs_spec``) and the pod watch lacks it: it waits."""
         env = _env_map(c)
         if c.state not in (nri_pb2.CONTAINER_CREATED, nri_pb2.CONTAINER_RUNNING) or any(k in env for k in FENCE_KEYS):
             return False
@@ -208,8 +195,7 @@ class Reconciler:
         return True
 
     def _recheck(self) -> None:
-        """Decide the waiting containers again every ``RECHECK_S`` (the pod
-        watch learns pods in the background) until none waits."""
+        """Decide the waiting containers every ``RECHECK_S`` until none waits."""
         while not self._closed.wait(RECHECK_S):
             with self._lock:
                 items = list(self._waiting.items())
@@ -223,12 +209,11 @@ class Reconciler:
             self._thread = None
 
     def unfenced_status(self) -> dict[str, Any]:
-        """``Unfenced.status()`` plus ``waiting``: the containers whose pod's
-        spec is not known yet, never restarted meanwhile (issue 35 item 1)."""
+        """``Unfenced.status()`` plus ``waiting``: containers not restarted
+        while their pod's spec is unknown (issue 35 item 1)."""
         with self._lock:
             waiting = [{"pod": f"{p.namespace}/{p.name}", "pod_uid": p.uid, "container": c.name, "container_id": cid,
-                        "why": "its pod-level GPU fraction annotations target the first or named app container and "
-                               "the pod watch does not know the pod's spec yet"}
+                        "why": "the pod watch does not know the pod's spec yet (pod-level fraction annotations)"}
                        for cid, (p, c) in self._waiting.items()]
         return {**self.unfenced.status(), "waiting": waiting}
 
@@ -339,28 +324,13 @@ class Reconciler:
 
 
 class Unfenced:
-    """What is done with a fractional container that runs unfenced
-    (``Reconciler._decide``; issue 35 item 1, ADR 0035).
-
-    ``restart``: its pod is evicted (``restart.Restarter``: the Kubernetes
-    Eviction API; its controller recreates it and CreateContainer fences it),
-    at most once per pod (namespace/name) per backoff window: ``BACKOFF_S``
-    after the first restart, doubling with each, at most ``BACKOFF_MAX_S``,
-    forgotten after ``2 * BACKOFF_MAX_S`` without one. A pod of that name
-    found unfenced again inside its window (a new UID: it came back unfenced)
-    is backed off; the same pod (UID) again inside it (still terminating, a
-    second container, a 429) is left to the request already made. ``report``,
-    or no API access (no restarter): reported once per container. Each of
-    these writes a Warning Event ``ContainerRestartedUnfenced`` naming the
-    pod, the container, why and what was done, and counts (``status``).
-
-    Args:
-        mode: ``restart`` or ``report`` (``--unfenced-containers``).
-        restarter: ``restart.Restarter``, or None (no API access).
-        events: the event recorder (``unfenced(pod, container, message, action)``), or None.
-        clock: monotonic seconds (tests give their own).
-
-    Concurrency: ``act`` and ``status`` may be called from any thread (one lock)."""
+    """What is done with a container ``Reconciler._decide`` found unfenced
+    (ADR 0035 decisions 7-9): ``restart`` evicts its pod (``restarter``) at
+    most once per pod name per window (``window``; a new UID inside it is
+    backed off, the same UID left to the request made), ``report`` or no
+    restarter report once per container; each with a Warning Event
+    ``ContainerRestartedUnfenced`` (``events.unfenced``) and a count.
+    ``clock``: monotonic seconds. Thread-safe (one lock)."""
 
     BACKOFF_S = 300.0
     BACKOFF_MAX_S = 3600.0
@@ -374,14 +344,12 @@ class Unfenced:
         self.counts = {"restarted": 0, "reported": 0, "backed_off": 0}
 
     def window(self, restarts: int) -> float:
-        """Seconds after a pod's ``restarts``-th restart before the next may be made."""
+        """Seconds after a pod's ``restarts``-th restart before the next (0 for none)."""
         return min(self.BACKOFF_S * 2 ** (restarts - 1), self.BACKOFF_MAX_S) if restarts else 0.0
 
     def act(self, pod: nri_pb2.PodSandbox, c: nri_pb2.Container, why: str) -> str:
-        """Restart, back off or report ``c`` of ``pod`` (class docstring).
-        Returns ``restarted``, ``backed_off``, ``reported`` or ``asked``
-        (nothing new: reported before, or this pod's restart already asked).
-        Never blocks (the eviction runs on the restarter's thread)."""
+        """Returns ``restarted``, ``backed_off``, ``reported`` or ``asked``
+        (nothing new). Never blocks (the restarter evicts on its thread)."""
         ref, key, now = _pod_ref(pod), (pod.namespace, pod.name), self.clock()
         restart = self.mode == "restart" and self.restarter is not None
         with self._lock:
@@ -424,8 +392,7 @@ class Unfenced:
         return action
 
     def status(self) -> dict[str, Any]:
-        """``{"mode", "restarted", "reported", "backed_off", "backoff": [{"pod",
-        "restarts", "next_restart_in_s"}], "restarts": Restarter.stats() | None}``."""
+        """``{mode, restarted, reported, backed_off, backoff: [{pod, restarts, next_restart_in_s}], restarts}``."""
         now = self.clock()
         with self._lock:
             backoff = [{"pod": f"{k[0]}/{k[1]}", "restarts": n, "next_restart_in_s": round(last + self.window(n) - now, 1)}
