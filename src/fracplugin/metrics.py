@@ -48,6 +48,8 @@ doors (only with ``attach_state``; a series is absent while its door is off):
   fracplugin_nri_unadjusted_containers             running containers that the last Synchronize found
                                                    without the env the ledger's plan gives them (the
                                                    ledger and the runtime disagree)
+  fracplugin_unfenced_containers_total             unfenced containers found, label ``action`` (ADR 0035)
+  fracplugin_unfenced_containers_waiting           those waiting for their pod's spec
   fracplugin_device_plugin_registered              1 while registered with kubelet
 per MPS daemon, label ``mode``:
   fracplugin_mps_daemon_up                         1 when healthy (probe answered), else 0
@@ -639,6 +641,16 @@ class _Collector(Collector):
                 fam = GaugeMetricFamily(name, doc)
                 fam.add_metric([], float(nri.get(key) or 0))
                 yield fam
+            uf = nri.get("unfenced") or {}
+            acted = CounterMetricFamily("fracplugin_unfenced_containers", "Fractional containers found running "
+                                        "without fracplugin's adjustment, by what was done.", labels=("action",))
+            for action in ("restarted", "reported", "backed_off"):
+                acted.add_metric([action], float(uf.get(action) or 0))
+            yield acted
+            fam = GaugeMetricFamily("fracplugin_unfenced_containers_waiting",
+                                    "Unfenced containers not restarted yet: their pod's spec is not known.")
+            fam.add_metric([], float(len(uf.get("waiting") or ())))
+            yield fam
         dp = st.get("device_plugin")
         if dp is not None:
             fam = GaugeMetricFamily("fracplugin_device_plugin_registered", "1 while the device plugin is registered with kubelet.")

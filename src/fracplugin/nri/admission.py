@@ -18,7 +18,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .._proto import nri_pb2
 from .. import allocation as al
-from ..annotations import KEY_CONTAINER_NAME
 from ..annotations import form_targets, stray_container_keys
 from ..model import ContainerPlan, FractionError, FractionRequest, PodRef
 from ..mps.layout import CONTAINER_PIPE_DIR
@@ -29,7 +28,7 @@ from ..ports import HookMetrics
 from ..reservations import claim_problem, hold_of, proof_of
 from .pod_checks import lint_pod, spec_unknown
 from .ttrpc import Code, RpcError
-from .pluginbase import _POD_LEVEL_KEYS, DoorSettings, _env_map, _FailOpen, _pod_ref
+from .pluginbase import DoorSettings, _env_map, _FailOpen, _pod_ref, needs_spec
 
 log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
 
@@ -100,10 +99,8 @@ class PodReader:
         if self.pod_lookup is None:
             return None, None
         annotations = pod.annotations
-        named = annotations.get(KEY_CONTAINER_NAME)
         # the spec decides: which container is first, or whether the named one exists (issue 25 items 1, 2)
-        pod_level = (named is None and any(k in annotations for k in _POD_LEVEL_KEYS)) or (
-            named is not None and named != container)
+        pod_level = needs_spec(annotations, container)
         unchecked = pod.uid not in self._warned_pods and any(
             k.startswith(self.config.annotation_prefix) for k in annotations) if self.config.annotation_prefix else False
         if not (pod_level or unchecked):

@@ -70,7 +70,8 @@ Behaviour (docs/reference/design.md sections 2 and 4; issue 3 item 3):
   knows none). Then the MPS layer's namespaces are reconciled with the
   runtime's pods (``nri/orphans.py``): those of pods gone while the doors did
   not see it are released, a live pod's that nothing holds is adopted into
-  the early table. ``ready()`` turns true afterwards.
+  the early table. ``ready()`` turns true afterwards. Unfenced containers:
+  ``reconcile.Unfenced`` (ADR 0035).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ from .early import early_plans
 from .mpscalls import MpsCalls
 from .namespaces import Namespaces
 from .pluginbase import DoorSettings, _FailOpen, _pod_ref
-from .reconcile import Reconciler
+from .reconcile import Reconciler, Unfenced
 from .release import Releases
 from .ttrpc import RpcError
 
@@ -234,6 +235,7 @@ class FracNriPlugin:
             requests each planned GPU's CDI device, unless the container
             already has one for that GPU (``cdi.with_node_cdi_devices``;
             ADR 0025b). None: only the CDI names the scheduler wrote.
+        unfenced: ``reconcile.Unfenced`` (None: report, no Events).
     """
 
     def __init__(
@@ -253,6 +255,7 @@ class FracNriPlugin:
         resource_name: str = "fracplugin.io/gpu-memory",
         cdi: CdiRegistry | None = None,
         start_wait_s: float = 1.0,
+        unfenced: Unfenced | None = None,
     ) -> None:
         self.rules = rules
         self.settings = DoorSettings(fail_open=fail_open, namespace_timeout_s=namespace_timeout_s,
@@ -269,7 +272,7 @@ class FracNriPlugin:
                                 on_warning=on_warning, unit_mib=unit_mib, resource_name=resource_name)
         self.mounts = MountSources(rules.config.layout.root, self.metrics, self.settings)
         self.releases = Releases(rules, self.namespaces, self.calls)
-        self.reconciler = Reconciler(rules, self.reader, self.namespaces, self.calls.mps)
+        self.reconciler = Reconciler(rules, self.reader, self.namespaces, self.calls.mps, unfenced)
 
     # -------------------------------------------------------------- status
 
@@ -279,14 +282,15 @@ class FracNriPlugin:
 
     def status(self) -> dict[str, Any]:
         """JSON-able state: ``{"ready", "fail_open", "events",
-        "pending_namespaces", "early_namespaces", "mps_jobs", "unadjusted"}``
+        "pending_namespaces", "early_namespaces", "mps_jobs", "unadjusted", "unfenced"}``
         where ``pending_namespaces`` counts containers whose background MPS
         namespace job is not done yet, ``mps_jobs`` is the background MPS work
         queue's ``{"queued", "running", "threads"}`` (at most one queued job per
         namespace owner and per drained container), ``early_namespaces`` is
         ``Namespaces.early_status()`` (namespaces queued at RunPodSandbox:
         pending, queued, used, mismatched, released, adopted, orphaned) and
-        ``unadjusted`` lists what the last Synchronize reported."""
+        ``unadjusted`` lists what the last Synchronize reported, ``unfenced``
+        is ``Reconciler.unfenced_status()``."""
         ns = self.namespaces.status()
         return {
             "ready": self.ready(),
@@ -296,6 +300,7 @@ class FracNriPlugin:
             "early_namespaces": self.namespaces.early_status(),
             "mps_jobs": ns["jobs"],
             "unadjusted": list(self.reconciler.unadjusted),
+            "unfenced": self.reconciler.unfenced_status(),
         }
 
     def may_block(self, method: str) -> bool:
@@ -459,8 +464,10 @@ class FracNriPlugin:
 
     def close(self) -> None:
         """Stop the background MPS workers without waiting
-        (``Namespaces.close``). A later call queues on a new queue."""
+        (``Namespaces.close``; a later call queues on a new queue) and the
+        unfenced containers' re-check (``Reconciler.close``)."""
         self.namespaces.close()
+        self.reconciler.close()
 
 
 NriHandler = tuple[
