@@ -84,7 +84,7 @@ from .._proto import nri_pb2
 from .. import allocation as al
 from ..cdi import CdiRegistry, container_cdi_devices, with_node_cdi_devices
 from ..annotations import parse
-from ..model import ContainerPlan, FractionError, FractionRequest, PodRef
+from ..model import ContainerPlan, FractionError, FractionRequest, Mount, PodRef
 from ..mps.api import MpsApi, NullMps
 from ..ports import HookMetrics, NoMetrics
 from ..reservations import ENV_RESERVATION_PROOF
@@ -137,12 +137,7 @@ def build_adjustment(plan_: ContainerPlan) -> nri_pb2.ContainerAdjustment:
     ``Mount.options`` (``rbind``, ``rw``/``ro``, ``nosuid``, ``nodev``), and
     each of the plan's CDI device names as ``CDI_devices`` (field 8, NRI
     v0.7+; the runtime resolves it from its CDI spec dirs, ADR 0005)."""
-    adj = nri_pb2.ContainerAdjustment.FromString(_env_adjustment(tuple(plan_.env.items())))
-    for m in plan_.mounts:
-        adj.mounts.add(destination=m.destination, type="bind", source=m.source, options=list(m.options))
-    for name in plan_.cdi_devices:
-        adj.CDI_devices.add(name=name)
-    return adj
+    return nri_pb2.ContainerAdjustment.FromString(_adjustment(tuple(plan_.env.items()), plan_.mounts, plan_.cdi_devices))
 
 
 _PROOF_REMOVAL = (nri_pb2.KeyValue(key="-" + ENV_RESERVATION_PROOF), nri_pb2.KeyValue(key=ENV_RESERVATION_PROOF, value=""))
@@ -154,15 +149,19 @@ an empty value, which it does forward; the container never sees the proof
 
 
 @functools.lru_cache(maxsize=1024)
-def _env_adjustment(env: tuple[tuple[str, str], ...]) -> bytes:
-    """The serialized ``ContainerAdjustment`` holding only ``build_adjustment``'s
-    env part for ``env`` (issue 14: 13 ``env.add`` calls cost ~5 us per
-    CreateContainer; the env depends on the GPUs, the MiB and the portion,
-    not on the pod, so plans share it; parsing it back costs ~1 us)."""
+def _adjustment(env: tuple[tuple[str, str], ...], mounts: tuple[Mount, ...], cdi: tuple[str, ...]) -> bytes:
+    """``build_adjustment``'s answer, serialized (issue 14: 13 ``env.add`` calls
+    cost ~5 us per CreateContainer; the answer depends on the GPUs, the MiB,
+    the portion and the owner's pipe directory, so a restarted or retried
+    container shares it; parsing it back costs ~1 us)."""
     adj = nri_pb2.ContainerAdjustment()
     for key, value in env:
         adj.env.add(key="-" + key)
         adj.env.add(key=key, value=str(value))
+    for m in mounts:
+        adj.mounts.add(destination=m.destination, type="bind", source=m.source, options=list(m.options))
+    for name in cdi:
+        adj.CDI_devices.add(name=name)
     return adj.SerializeToString()
 
 
@@ -341,8 +340,7 @@ class FracNriPlugin:
                 if key:
                     req, ignored = self.reader.reserved_request(pod, container.name, key, apps)
                 else:
-                    req = parse(dict(pod.annotations), container.name, prefix=config.annotation_prefix,
-                                containers=apps)
+                    req = parse(pod.annotations, container.name, prefix=config.annotation_prefix, containers=apps)
                 if req is None:
                     log.debug("nri container not fractional; untouched", extra=fields)
                     return None
@@ -382,10 +380,11 @@ class FracNriPlugin:
                         "reservation": key,
                     },
                 )
-            adjust = build_adjustment(p)
+            resp = nri_pb2.CreateContainerResponse()  # build_adjustment's answer, parsed in place
+            resp.adjust.MergeFromString(_adjustment(tuple(p.env.items()), p.mounts, p.cdi_devices))
             if key:  # the proof was checked: out of the container's env (ADR 0033)
-                adjust.env.extend(_PROOF_REMOVAL)
-            return nri_pb2.CreateContainerResponse(adjust=adjust)
+                resp.adjust.env.extend(_PROOF_REMOVAL)
+            return resp
         finally:
             self.metrics.observe_hook("nri", time.monotonic() - start)
 
