@@ -179,8 +179,8 @@ class Ledger:
 
     def subscribe(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` after every change (outside the lock)."""
-        with self._lock:
-            self._subscribers.append(callback)
+        with self._lock:  # a new list: _notify reads the current one without the lock
+            self._subscribers = [*self._subscribers, callback]
 
     # ---- persistence -------------------------------------------------------
     def load(self) -> list[str]:
@@ -332,9 +332,7 @@ class Ledger:
             raise
 
     def _notify(self) -> None:
-        with self._lock:
-            subscribers = list(self._subscribers)
-        for cb in subscribers:
+        for cb in self._subscribers:
             try:
                 cb()
             except Exception:  # a subscriber never breaks the ledger
