@@ -84,7 +84,7 @@ from .._proto import nri_pb2
 from .. import allocation as al
 from ..cdi import CdiRegistry, container_cdi_devices, with_node_cdi_devices
 from ..annotations import parse
-from ..model import ContainerPlan, FractionError, FractionRequest, Mount, PodRef
+from ..model import ContainerPlan, FractionError, FractionRequest, PodRef
 from ..mps.api import MpsApi, NullMps
 from ..ports import HookMetrics, NoMetrics
 from ..reservations import ENV_RESERVATION_PROOF
@@ -131,13 +131,22 @@ NoMps = NullMps
 """No MPS: the one null object (``mps.api.NullMps``)."""
 
 
-def build_adjustment(plan_: ContainerPlan) -> nri_pb2.ContainerAdjustment:
+def build_adjustment(plan_: ContainerPlan,
+                     adj: nri_pb2.ContainerAdjustment | None = None) -> nri_pb2.ContainerAdjustment:
     """The ``ContainerAdjustment`` of a plan: for each env key ``-KEY`` then
     ``KEY=value`` (plan order), and each mount as ``type: bind`` with
     ``Mount.options`` (``rbind``, ``rw``/``ro``, ``nosuid``, ``nodev``), and
     each of the plan's CDI device names as ``CDI_devices`` (field 8, NRI
-    v0.7+; the runtime resolves it from its CDI spec dirs, ADR 0005)."""
-    return nri_pb2.ContainerAdjustment.FromString(_adjustment(tuple(plan_.env.items()), plan_.mounts, plan_.cdi_devices))
+    v0.7+; the runtime resolves it from its CDI spec dirs, ADR 0005).
+    ``adj``: the message to fill (a response's ``adjust``: filled in place,
+    not copied into it); default a new one."""
+    adj = nri_pb2.ContainerAdjustment() if adj is None else adj
+    adj.MergeFromString(_env_adjustment(tuple(plan_.env.items())))
+    for m in plan_.mounts:
+        adj.mounts.add(destination=m.destination, type="bind", source=m.source, options=list(m.options))
+    for name in plan_.cdi_devices:
+        adj.CDI_devices.add(name=name)
+    return adj
 
 
 _PROOF_REMOVAL = (nri_pb2.KeyValue(key="-" + ENV_RESERVATION_PROOF), nri_pb2.KeyValue(key=ENV_RESERVATION_PROOF, value=""))
@@ -149,19 +158,15 @@ an empty value, which it does forward; the container never sees the proof
 
 
 @functools.lru_cache(maxsize=1024)
-def _adjustment(env: tuple[tuple[str, str], ...], mounts: tuple[Mount, ...], cdi: tuple[str, ...]) -> bytes:
-    """``build_adjustment``'s answer, serialized (issue 14: 13 ``env.add`` calls
-    cost ~5 us per CreateContainer; the answer depends on the GPUs, the MiB,
-    the portion and the owner's pipe directory, so a restarted or retried
-    container shares it; parsing it back costs ~1 us)."""
+def _env_adjustment(env: tuple[tuple[str, str], ...]) -> bytes:
+    """The serialized ``ContainerAdjustment`` holding only ``build_adjustment``'s
+    env part for ``env`` (issue 14: 13 ``env.add`` calls cost ~5 us per
+    CreateContainer; the env depends on the GPUs, the MiB and the portion,
+    not on the pod, so plans share it; parsing it back costs ~1 us)."""
     adj = nri_pb2.ContainerAdjustment()
     for key, value in env:
         adj.env.add(key="-" + key)
         adj.env.add(key=key, value=str(value))
-    for m in mounts:
-        adj.mounts.add(destination=m.destination, type="bind", source=m.source, options=list(m.options))
-    for name in cdi:
-        adj.CDI_devices.add(name=name)
     return adj.SerializeToString()
 
 
@@ -380,8 +385,8 @@ class FracNriPlugin:
                         "reservation": key,
                     },
                 )
-            resp = nri_pb2.CreateContainerResponse()  # build_adjustment's answer, parsed in place
-            resp.adjust.MergeFromString(_adjustment(tuple(p.env.items()), p.mounts, p.cdi_devices))
+            resp = nri_pb2.CreateContainerResponse()
+            build_adjustment(p, resp.adjust)
             if key:  # the proof was checked: out of the container's env (ADR 0033)
                 resp.adjust.env.extend(_PROOF_REMOVAL)
             return resp
