@@ -28,7 +28,7 @@ from ..ports import HookMetrics
 from ..reservations import claim_problem, hold_of, proof_of
 from .pod_checks import lint_pod, spec_unknown
 from .ttrpc import Code, RpcError
-from .pluginbase import DoorSettings, _env_map, _FailOpen, _pod_ref, needs_spec
+from .pluginbase import DoorSettings, _FailOpen, _pod_ref, needs_spec
 
 log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
 
@@ -282,8 +282,9 @@ def warn_unenforced(p: ContainerPlan, container: nri_pb2.Container, fields: Mapp
     """Pod-authored values of keys we own but do not set in this plan
     (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE without a portion) stay: NRI
     cannot remove env the pod spec set. Say so."""
-    env = _env_map(container)
-    left = [k for k in ENFORCED_ENV_KEYS if k in env and k not in p.env]
+    missing = [k for k in ENFORCED_ENV_KEYS if k not in p.env]
+    env = {kv.partition("=")[0] for kv in container.env} if missing else ()
+    left = [k for k in missing if k in env]
     if left:
         log.warning("nri pod sets env that fracplugin owns but does not set here", extra={**fields, "keys": left})
 
@@ -300,6 +301,8 @@ def _check_mounts(p: ContainerPlan, container: nri_pb2.Container, mps_root: str)
     runtime in the CRI request (issue 11: with both doors on, every container
     with devices of our resource has it); the adjustment replaces it with the
     plan's (same pipe directory, plus ``nosuid,nodev``)."""
+    if not container.mounts:
+        return
     ours = {m.destination.rstrip("/") for m in p.mounts}
     root = mps_root.rstrip("/") + "/"
     for m in container.mounts:

@@ -132,13 +132,17 @@ NoMps = NullMps
 """No MPS: the one null object (``mps.api.NullMps``)."""
 
 
-def build_adjustment(plan_: ContainerPlan) -> nri_pb2.ContainerAdjustment:
+def build_adjustment(plan_: ContainerPlan,
+                     adj: nri_pb2.ContainerAdjustment | None = None) -> nri_pb2.ContainerAdjustment:
     """The ``ContainerAdjustment`` of a plan: for each env key ``-KEY`` then
     ``KEY=value`` (plan order), and each mount as ``type: bind`` with
     ``Mount.options`` (``rbind``, ``rw``/``ro``, ``nosuid``, ``nodev``), and
     each of the plan's CDI device names as ``CDI_devices`` (field 8, NRI
-    v0.7+; the runtime resolves it from its CDI spec dirs, ADR 0005)."""
-    adj = nri_pb2.ContainerAdjustment.FromString(_env_adjustment(tuple(plan_.env.items())))
+    v0.7+; the runtime resolves it from its CDI spec dirs, ADR 0005).
+    ``adj``: the message to fill (a response's ``adjust``: filled in place,
+    not copied into it); default a new one."""
+    adj = nri_pb2.ContainerAdjustment() if adj is None else adj
+    adj.MergeFromString(_env_adjustment(tuple(plan_.env.items())))
     for m in plan_.mounts:
         adj.mounts.add(destination=m.destination, type="bind", source=m.source, options=list(m.options))
     for name in plan_.cdi_devices:
@@ -346,8 +350,7 @@ class FracNriPlugin:
                 if key:
                     req, ignored = self.reader.reserved_request(pod, container.name, key, apps)
                 else:
-                    req = parse(dict(pod.annotations), container.name, prefix=config.annotation_prefix,
-                                containers=apps)
+                    req = parse(pod.annotations, container.name, prefix=config.annotation_prefix, containers=apps)
                 if req is None:
                     log.debug("nri container not fractional; untouched", extra=fields)
                     return None
@@ -387,10 +390,11 @@ class FracNriPlugin:
                         "reservation": key,
                     },
                 )
-            adjust = build_adjustment(p)
+            resp = nri_pb2.CreateContainerResponse()
+            build_adjustment(p, resp.adjust)
             if key:  # the proof was checked: out of the container's env (ADR 0033)
-                adjust.env.extend(_PROOF_REMOVAL)
-            return nri_pb2.CreateContainerResponse(adjust=adjust)
+                resp.adjust.env.extend(_PROOF_REMOVAL)
+            return resp
         finally:
             self.metrics.observe_hook("nri", time.monotonic() - start)
 
