@@ -19,6 +19,7 @@ from ..parts import PartBase, Readiness
 from .capability import CAPABILITIES, CapabilityGate, gpu_region
 from .memlimits import LimitError, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, NvmlLimits, metrics_rows
 from .nri import NriMemoryLimits
+from .softlimits import reservation_drift
 
 __all__ = ["MemoryLimits", "MemoryLimitsCollector", "MemoryLimitsPart"]
 
@@ -109,7 +110,25 @@ class MemoryLimits:
         if self.mode is not MemoryLimitMode.OFF:
             out["node"] = self.gate.current().to_dict()
             out["containers"] = [r.to_dict() for r in self.enforcer.results()]
+            out["soft_zeroing"] = dict(self.enforcer.zeroing)
+            out["soft_reservations"] = [r for r in self.drift() if r["drift"]]
         return out
+
+    def drift(self) -> list[dict[str, Any]]:
+        """``softlimits.reservation_drift`` over the parents of the leaves seen,
+        on every GPU NVML answers for ([] with mode off or no NVML). Costs
+        one NVML read per (parent or child cgroup, GPU)."""
+        backend = self.backend
+        if backend is None or self.mode is MemoryLimitMode.OFF:
+            return []
+
+        def soft_of(gpu: str, cgroup: str) -> int | None:
+            try:
+                return int(backend.get(gpu, cgroup).soft)
+            except LimitError:
+                return None
+        return reservation_drift(soft_of, [g.uuid for g in self.node.gpus if not g.mig_enabled],
+                                 self.enforcer.parents())
 
     def enforced_of(self) -> dict[str, tuple[str, str]]:
         """container id -> (yes|no|unknown, reason): the ENFORCED column."""
@@ -128,6 +147,7 @@ class MemoryLimits:
         registry.register(MemoryLimitsCollector(self, hostname or self.node.name))
 
     def close(self) -> None:
+        self.enforcer.close()
         if self.nvml is not None:
             self.nvml.close()
 
@@ -142,7 +162,10 @@ class MemoryLimitsCollector:
     item 3; index and model "" for a GPU the inventory lacks; kind soft|hard|used; source
     planned|enforced|dmem|nvml; named apart from the ledger's
     ``fracplugin_container_gpu_memory_limit_bytes``, which has other labels)
-    and ``fracplugin_container_cuda_memory_limit_enforced{namespace, pod, container}``."""
+    and ``fracplugin_container_cuda_memory_limit_enforced{namespace, pod, container}``;
+    ``fracplugin_memory_limits_soft_zeroed_total{outcome}`` and
+    ``fracplugin_memory_limits_reservation_drift_bytes{UUID, gpu, modelName,
+    Hostname}`` (ADR 0036)."""
 
     def __init__(self, limits: MemoryLimits, hostname: str) -> None:
         self.limits = limits
@@ -152,7 +175,7 @@ class MemoryLimitsCollector:
         return []
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
 
         if self.limits.mode is MemoryLimitMode.OFF:
             return
@@ -191,6 +214,27 @@ class MemoryLimitsCollector:
                     ns, _, name = r.pod.partition("/")
                     ne.add_metric([ns, name, r.container], 1.0 if r.enforced == "yes" else 0.0)
             yield ne
+            zc = CounterMetricFamily("fracplugin_memory_limits_soft_zeroed",
+                                     "Soft limits (container x GPU) zeroed when their leaf cgroup emptied or at "
+                                     "RemoveContainer (zeroed), found deleted first (leaf_gone: the driver keeps them "
+                                     "reserved on the parent cgroups), or refused by NVML (failed).",
+                                     labels=("outcome",))
+            for outcome, n in sorted(self.limits.enforcer.zeroing.items()):
+                zc.add_metric([outcome], float(n))
+            yield zc
+            drift = GaugeMetricFamily("fracplugin_memory_limits_reservation_drift_bytes",
+                                      "Soft-limit reservation NVML reads on the parent cgroups (pod, QoS, kubepods) "
+                                      "of containers' leaves minus what their child cgroups carry, summed per GPU: "
+                                      "reservations of cgroups deleted without zeroing (ADR 0036).",
+                                      labels=("UUID", "gpu", "modelName", "Hostname"))
+            per_gpu: dict[str, int] = {}
+            for row in self.limits.drift():
+                per_gpu[str(row["gpu"])] = per_gpu.get(str(row["gpu"]), 0) + int(row["drift"])
+            for uuid, value in sorted(per_gpu.items()):
+                gpu = self.limits.node.gpu_by_uuid(uuid)
+                drift.add_metric([uuid, str(gpu.index) if gpu else "", gpu.name if gpu else "", self.hostname],
+                                 float(value))
+            yield drift
         except Exception:
             log.exception("metrics: memory limits collection failed")
 
