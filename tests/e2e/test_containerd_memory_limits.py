@@ -170,8 +170,8 @@ def test_apply_sets_the_containers_leaf_cgroup_limits_and_reads_them_back(ctrd, 
     # StopContainer only asynchronously from that deletion (internal/nri NotifyContainerExit) or after it
     # (CRI StopContainer), so by RemoveContainer the leaf is gone and the daemon's "zero the soft limit
     # while the leaf still exists" (enforce/memlimits.py remove()) has nothing to act on: it sets nothing
-    # on a path that no longer exists. The reference (docs/reference/mps-nvml.md 3: "deleting the cgroup
-    # clears limits") says the driver drops the limits with the cgroup; the fake does not model that.
+    # on a path that no longer exists; this leaf (v1 memory hierarchy) has no cgroup.events to watch, so the
+    # soft limit stays reserved on the parents (NVIDIA; the fake models it). ADR 0036 and the last test here.
     assert not os.path.exists(leaf) and not os.path.exists(os.path.realpath(leaf)), leaf
     assert fake.read_limits(limits) == {(u, leaf): (SOFT, HARD) for u in EXPECTED_UUIDS}, \
         "the daemon called NVML on a deleted leaf cgroup"

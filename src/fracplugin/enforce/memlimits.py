@@ -380,6 +380,7 @@ class MemoryLimitEnforcer:
         self._handled: set[str] = set()  # containers whose leaf emptied (zeroed, or found gone)
         self._parents: set[str] = set()
         self.zeroing = {"zeroed": 0, "leaf_gone": 0, "failed": 0}
+        self.generation = 0  # bumped whenever a soft limit may have changed (drift is cached on it)
 
     def _applies(self, uuid: str) -> bool:
         if self.mode is MemoryLimitMode.APPLY:
@@ -414,6 +415,7 @@ class MemoryLimitEnforcer:
             res.reason = f"unexpected error: {exc}"
         with self._lock:
             self._results[container_id] = res
+            self.generation += 1
             if res.cgroup is not None:
                 self._parents.update(ancestors(res.cgroup, self.cgroup_root))
         if res.cgroup is not None and any(g.read_soft for g in res.gpus):
@@ -497,6 +499,7 @@ class MemoryLimitEnforcer:
     def _count(self, outcome: str, n: int = 1) -> None:
         with self._lock:
             self.zeroing[outcome] += n
+            self.generation += 1
 
     def _zero(self, container_id: str, leaf: str, todo: Sequence[tuple[str, int | None]],
               res: ContainerLimits | None = None) -> None:
@@ -537,6 +540,7 @@ class MemoryLimitEnforcer:
             self._watch.unwatch(container_id)
         with self._lock:
             res = self._results.pop(container_id, None)
+            self.generation += 1
             handled = container_id in self._handled
             self._handled.discard(container_id)
         if self.backend is None or self.mode is MemoryLimitMode.OFF or handled:

@@ -12,6 +12,7 @@ capability is missing.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 from ..model import NodeInfo, PodRef
@@ -72,6 +73,7 @@ class MemoryLimits:
         self.enforcer = MemoryLimitEnforcer(mode, backend, cgroup_root=cgroup_root, hook_of=hook_of,
                                             region_of=regions.get, can_enforce=self.gate.reason)
         self._hist: Any = None
+        self._drift: tuple[Any, list[dict[str, Any]]] = (None, [])
         self.nri = NriMemoryLimits(self.enforcer, policy, self.gate.reason, observe=self._observe,
                                    on_not_enforced=on_not_enforced, capabilities=self.gate.current)
 
@@ -117,18 +119,24 @@ class MemoryLimits:
     def drift(self) -> list[dict[str, Any]]:
         """``softlimits.reservation_drift`` over the parents of the leaves seen,
         on every GPU NVML answers for ([] with mode off or no NVML). Costs
-        one NVML read per (parent or child cgroup, GPU)."""
+        one NVML read per (parent or child cgroup, GPU); kept until a soft
+        limit may have changed (the enforcer's ``generation``), at most 60 s."""
         backend = self.backend
         if backend is None or self.mode is MemoryLimitMode.OFF:
             return []
+        key = (self.enforcer.generation, int(time.monotonic() // 60))
+        if self._drift[0] == key:
+            return self._drift[1]
 
         def soft_of(gpu: str, cgroup: str) -> int | None:
             try:
                 return int(backend.get(gpu, cgroup).soft)
             except LimitError:
                 return None
-        return reservation_drift(soft_of, [g.uuid for g in self.node.gpus if not g.mig_enabled],
+        rows = reservation_drift(soft_of, [g.uuid for g in self.node.gpus if not g.mig_enabled],
                                  self.enforcer.parents())
+        self._drift = (key, rows)
+        return rows
 
     def enforced_of(self) -> dict[str, tuple[str, str]]:
         """container id -> (yes|no|unknown, reason): the ENFORCED column."""
