@@ -1,6 +1,6 @@
 """How ``fracplugin run`` builds its parts: ``Builder`` runs the build steps
 in order from the configuration (inventory, ledger, metrics, MPS, pod source,
-events, the node's rules, the doors, health, node condition), registers and
+events, the node's rules, the over-limit watch, the doors, health, node condition), registers and
 starts each part in the daemon's ``parts``, and holds what it built for the
 daemon's read side (``Daemon.checks``, ``Daemon.status``). What the built
 parts call back into the daemon (readiness, ``/status``, liveness, the
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from .metrics import Metrics
     from .mps.api import MpsApi
     from .noderules import NodeRules
+    from .overlimit import OverLimitWatch
 
 log = logging.getLogger("fracplugin.daemon")  # the daemon's log, as before the split
 
@@ -131,6 +132,7 @@ class Builder:
         self.rules: NodeRules | None = None  # the node's rules, every door admits through them (issue 33)
         self.nri: NriDoor | None = None
         self.device_plugin: DevicePluginServer | None = None
+        self.over_limit: OverLimitWatch | None = None  # checks every usage poll (issue 35 item 3)
         self.memory_limits: MemoryLimits | None = None  # enforce.wiring.MemoryLimits (issue 23), None with --memory-limits off
         self.cdi_hook_of: Callable[[str], bool | None] | None = None  # the CDI reader's "spec carries the hook"
         self.cdi: CdiRegistry | None = None  # once a door needs it (ADR 0025b)
@@ -142,7 +144,8 @@ class Builder:
         steps = [("inventory", self._build_inventory), ("ledger", self._build_ledger),
                  ("metrics", self._build_metrics), ("mps", self._build_mps),
                  ("pod source", self._build_pod_source), ("events", self._build_events),
-                 ("rules", self._build_rules), ("nri", self._build_nri), ("device plugin", self._build_device_plugin),
+                 ("rules", self._build_rules), ("over limit", self._build_over_limit), ("nri", self._build_nri),
+                 ("device plugin", self._build_device_plugin),
                  ("dra", self._build_dra), ("health", self._build_health),
                  ("node condition", self._build_node_condition)]
         if self.cfg.role == "mps":  # no ledger (the doors role owns it), no doors, no rules
@@ -229,7 +232,7 @@ class Builder:
             log.warning("metrics unavailable: %s", exc)
             return
         metrics = self.metrics = Metrics(ledger=self.ledger, inventory=self.inventory, node=self.node,
-                                         node_name=self.node_name)
+                                         node_name=self.node_name, proc_root=self.cfg.proc_root)
         metrics.attach_state(self.hooks.metric_state)
         try:
             part = self._add(MetricsPart(self.cfg, metrics))
@@ -396,6 +399,25 @@ class Builder:
         limits = self._build_memory_limits() if any_door else None
         self.rules = NodeRules(self.node, self.ledger, self.planner_config, health=monitor,
                                limits=limits.nri if limits is not None else None)
+
+    def _build_over_limit(self) -> None:
+        """The over-limit watch the usage poll feeds (issue 35 item 3, ADR
+        0035): Events through the event recorder; with ``--over-limit
+        restart`` pod evictions through the API client (restart.py)."""
+        from .overlimit import OverLimitWatch
+        from .restart import Restarter
+
+        if self.metrics is None:
+            return
+        restarter = None
+        if self.cfg.over_limit == "restart" and (self.cfg.kubeconfig or _in_cluster()):
+            restarter = Restarter(_api_client(self.cfg))
+        elif self.cfg.over_limit == "restart":
+            log.warning("--over-limit restart without API access (no --kubeconfig, not in a cluster): containers "
+                        "above their GPU memory limit are reported, not restarted")
+        ml = self.memory_limits
+        self.over_limit = self.metrics.watch = OverLimitWatch(
+            self.cfg.over_limit, self.events, restarter, dmem_used=ml.dmem_used if ml is not None else None)
 
     def _build_nri(self) -> None:
         if self.cfg.no_nri:

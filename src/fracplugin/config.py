@@ -37,6 +37,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 MPS_PROTOCOLS = ("auto", "2", "3")
 MEMORY_LIMIT_MODES = ("auto", "apply", "verify", "off")
 MEMORY_LIMIT_POLICIES = ("warn", "refuse")
+OVER_LIMIT_MODES = ("report", "restart")
 ROLES = ("all", "doors", "mps")
 MPS_MODES = ("time-slicing", "sm-sharing")
 _NRI_NAME = re.compile(r"^[a-zA-Z0-9_.+-]+$")  # docs/reference/nri-protocol.md 1.5 (v0.12+ rule)
@@ -152,6 +153,10 @@ class Config:
     memory_limits: str = "auto"  # auto on a simulated node without NVML: off (builders._build_memory_limits)
     memory_limits_policy: str = "refuse"
     cgroup_root: str = "/sys/fs/cgroup"
+    # usage poll: each container's GPU memory against its limit (issue 35 item 3, ADR 0035)
+    usage_poll_interval_s: float = 5.0
+    over_limit: str = "report"
+    proc_root: str = "/proc"  # the host's (hostPID): where NVML's PIDs are joined to containers
     # process
     log_format: str = "json"
     log_level: str = "info"
@@ -191,7 +196,8 @@ host path must be mounted by the DaemonSet)."""
 
 #: setting -> flag name. ``shutdown_timeout_s`` is ``--shutdown-timeout`` (seconds).
 _FLAG_OVERRIDES = {"shutdown_timeout_s": "shutdown-timeout", "allocate_deadline_s": "allocate-deadline",
-                   "pod_resources_interval_s": "pod-resources-interval", "mps_probe_timeout_s": "mps-probe-timeout"}
+                   "pod_resources_interval_s": "pod-resources-interval", "mps_probe_timeout_s": "mps-probe-timeout",
+                   "usage_poll_interval_s": "usage-poll-interval"}
 
 
 def flag_name(setting: str) -> str:
@@ -282,6 +288,12 @@ _HELP = {
                             "MemoryLimitNotEnforced) or refuse (fail its start; refuse fractional containers while "
                             "the node cannot enforce)",
     "cgroup_root": "the cgroup v2 mount where container leaf cgroups and dmem.capacity are read",
+    "usage_poll_interval_s": "seconds between usage polls: NVML's per-process memory (or dmem.current) per "
+                             "container and GPU, compared with its limit and served on /metrics",
+    "over_limit": "a container above its GPU memory limit at a usage poll: report (Warning Event "
+                  "GpuMemoryLimitExceeded once per episode, metric, alert) or restart (the same, then its pod is "
+                  "evicted through the Kubernetes Eviction API; ADR 0035)",
+    "proc_root": "the proc filesystem where the PIDs NVML reports are joined to containers (the host's: hostPID)",
     "log_format": "log format: json or text",
     "log_level": "log level: debug, info, warning or error",
     "shutdown_timeout_s": "seconds allowed for an orderly shutdown",
@@ -316,6 +328,7 @@ _METAVARS = {"allocation_policy": "pack|spread", "ignored_xids": "XIDS", "cdi_ki
              "nri_plugin_name": "NAME", "nri_plugin_idx": "NN", "resource_name": "NAME", "node_name": "NAME",
              "annotation_prefix": "PREFIX", "max_clients_per_gpu": "N", "node_condition_types": "TYPES",
              "memory_limits": "auto|apply|verify|off", "memory_limits_policy": "warn|refuse", "cgroup_root": "DIR",
+             "over_limit": "report|restart",
              "cdi_spec_dirs": "DIR[,DIR]"}
 
 
@@ -439,8 +452,11 @@ def _validate_role_and_mps(cfg: Config, bad: _Bad) -> None:
         raise bad("memory_limits", f"must be one of {', '.join(MEMORY_LIMIT_MODES)}")
     if cfg.memory_limits_policy not in MEMORY_LIMIT_POLICIES:
         raise bad("memory_limits_policy", f"must be one of {', '.join(MEMORY_LIMIT_POLICIES)}")
-    if not cfg.cgroup_root.startswith("/"):
-        raise bad("cgroup_root", "must be an absolute path")
+    if cfg.over_limit not in OVER_LIMIT_MODES:
+        raise bad("over_limit", f"must be one of {', '.join(OVER_LIMIT_MODES)}")
+    for name in ("cgroup_root", "proc_root"):
+        if not str(getattr(cfg, name)).startswith("/"):
+            raise bad(name, "must be an absolute path")
     for m in cfg.mps_modes:
         if m not in MPS_MODES:
             raise bad("mps_modes", f"has the unknown mode {m!r}; modes are {', '.join(MPS_MODES)}")
@@ -473,8 +489,9 @@ def _validate_numbers(cfg: Config, bad: _Bad) -> None:
         raise bad("shutdown_timeout_s", "must be a positive number of seconds, at most 3600")
     if not 0 < cfg.allocate_deadline_s <= 3600:
         raise bad("allocate_deadline_s", "must be a positive number of seconds, at most 3600")
-    if not 0 < cfg.pod_resources_interval_s <= 86400:
-        raise bad("pod_resources_interval_s", "must be a positive number of seconds, at most 86400")
+    for name in ("pod_resources_interval_s", "usage_poll_interval_s"):
+        if not 0 < getattr(cfg, name) <= 86400:
+            raise bad(name, "must be a positive number of seconds, at most 86400")
     if not 0 <= cfg.nri_start_wait_s <= 60:  # the handler budget bounds it anyway (ADR 0028)
         raise bad("nri_start_wait_s", "must be 0 to 60 seconds (the wait never exceeds StartContainer's budget)")
 

@@ -19,6 +19,8 @@ Start order (each part switchable, docs/reference/design.md section 3):
 7. the node's rules (``noderules.NodeRules``): the one GPU health monitor
    (XIDs, MPS health) and the memory-limit gate, whichever doors are on;
    every door admits through them (issue 33);
+7a. the over-limit watch (overlimit.py), fed by the metrics' usage poll
+   every ``--usage-poll-interval`` seconds (ADR 0035);
 7b. NRI plugin + stub (``--no-nri`` to disable);
 8. device plugin server + registration (``--no-device-plugin`` to disable);
    it reads kubelet's PodResources API (``--pod-resources-socket``) at start
@@ -268,6 +270,7 @@ class Daemon:
             "events": events,
             "node_condition": self._status_of("node condition"),
             "memory_limits": self._status_of("memory limits"),
+            "over_limit": b.over_limit.status() if b.over_limit is not None else None,
             "cdi": b.cdi.status() if b.cdi is not None else None,
             "endpoints": dict(b.endpoints),
             "ledger": {"path": self.cfg.ledger_path, "warnings": b.ledger_warnings},

@@ -49,7 +49,7 @@ from typing import Any
 
 from .model import FractionError, PodRef
 
-__all__ = ["EventRecorder", "NullEventRecorder", "REASON_REFUSED"]
+__all__ = ["EventRecorder", "NullEventRecorder", "REASON_REFUSED", "REASON_OVER_LIMIT"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ REASON_NOT_APPLIED = "AnnotationNotApplied"
 """``reason`` of the Event written for an annotation a door did not apply (ADR 0007)."""
 REASON_LIMIT_NOT_ENFORCED = "MemoryLimitNotEnforced"
 """``reason`` of the Event written when a container's CUDA memory limit is not in force (issue 23, ADR 0025)."""
+REASON_OVER_LIMIT = "GpuMemoryLimitExceeded"
+"""``reason`` of the Event written when a container uses more GPU memory than its limit (issue 35 item 3)."""
 
 MAX_MESSAGE = 1024
 """Characters of the refusal message kept in the Event (longer ones are cut)."""
@@ -82,6 +84,10 @@ class NullEventRecorder:
         return None
 
     def limit_not_enforced(self, pod: PodRef, container: str, message: str) -> None:
+        """Ignore it (still logged, in status and metrics)."""
+        return None
+
+    def over_limit(self, pod: PodRef, container: str, message: str, action: str) -> None:
         """Ignore it (still logged, in status and metrics)."""
         return None
 
@@ -144,42 +150,34 @@ class EventRecorder:
         """Queue a ``FractionRefused`` Event for ``container`` of ``pod``.
         Never blocks and never raises: a full queue (or a stopped recorder)
         drops the event and counts it in ``dropped``."""
-        if self._stop.is_set():
-            with self._lock:
-                self._dropped += 1
-            return
-        try:
-            self._q.put_nowait((pod, container, err.message, door, time.time(), REASON_REFUSED))
-        except queue.Full:
-            with self._lock:
-                self._dropped += 1
+        self._put(pod, container, err.message, door, REASON_REFUSED)
 
     def limit_not_enforced(self, pod: PodRef, container: str, message: str) -> None:
         """Queue a ``MemoryLimitNotEnforced`` Warning Event (action
         StartContainer; ``message`` names the GPU, the planned and read limits
         and the missing capability). Never blocks, never raises."""
-        if self._stop.is_set():
-            with self._lock:
-                self._dropped += 1
-            return
-        try:
-            self._q.put_nowait((pod, container, message, "StartContainer", time.time(), REASON_LIMIT_NOT_ENFORCED))
-        except queue.Full:
-            with self._lock:
-                self._dropped += 1
+        self._put(pod, container, message, "StartContainer", REASON_LIMIT_NOT_ENFORCED)
 
     def warned(self, pod: PodRef, container: str, message: str, door: str) -> None:
         """Queue an ``AnnotationNotApplied`` Warning Event (an annotation the
         door did not apply, and why: ADR 0007). Never blocks, never raises."""
-        if self._stop.is_set():
-            with self._lock:
-                self._dropped += 1
-            return
-        try:
-            self._q.put_nowait((pod, container, message, door, time.time(), REASON_NOT_APPLIED))
-        except queue.Full:
-            with self._lock:
-                self._dropped += 1
+        self._put(pod, container, message, door, REASON_NOT_APPLIED)
+
+    def over_limit(self, pod: PodRef, container: str, message: str, action: str) -> None:
+        """Queue a ``GpuMemoryLimitExceeded`` Warning Event (issue 35 item 3:
+        ``message`` names the GPU, used and limit; ``action`` ``Report`` or
+        ``Restart``). Never blocks, never raises."""
+        self._put(pod, container, message, action, REASON_OVER_LIMIT)
+
+    def _put(self, pod: PodRef, container: str, message: str, door: str, reason: str) -> None:
+        if not self._stop.is_set():
+            try:
+                self._q.put_nowait((pod, container, message, door, time.time(), reason))
+                return
+            except queue.Full:
+                pass
+        with self._lock:
+            self._dropped += 1
 
     def stats(self) -> dict[str, int]:
         """``{"queued", "sent", "failed", "dropped", "suppressed"}`` counts since

@@ -1,7 +1,11 @@
 """Prometheus metrics: per container and GPU, per GPU, per MPS daemon, per door.
 
 Concurrency: ``observe_hook`` and ``refusal`` are called from any thread
-(prometheus-client metrics are thread-safe). Everything else is computed at
+(prometheus-client metrics are thread-safe). Per-process usage is sampled by
+the usage poll (``poll``: every ``--usage-poll-interval`` seconds on its own
+thread, ``start_polling``; it also hands each sample to the over-limit watch,
+overlimit.py) and scrapes serve the last poll's; without a poll thread a
+scrape samples itself. Everything else is computed at
 scrape time, on the HTTP server's request thread (health.py's
 ``BoundedHTTPServer``: at most ``MAX_HANDLERS`` handler threads, a whole-request
 deadline, idle connections evicted), by a custom collector that
@@ -28,6 +32,8 @@ per container and GPU, labels ``namespace, pod, pod_uid, container`` and the GPU
                                                    active thread percentage / 100 when set (sm-sharing),
                                                    else limit / GPU memory (gpu-fractioning metricsd's
                                                    normalisation, docs/reference/gpu-fractioning-reference.md section 5)
+  fracplugin_container_gpu_memory_over_limit       1 while an over-limit episode lasts (used > limit at the
+                                                   last poll, overlimit.py), else 0; only with a watch
 per GPU, labels ``gpu_uuid, gpu_index`` (deprecated), ``UUID, gpu, modelName, Hostname``:
   fracplugin_gpu_tenants                           ledger tenancies on the GPU
   fracplugin_gpu_memory_held_bytes                 ledger held MiB x 2^20
@@ -52,7 +58,8 @@ doors and node:
   fracplugin_hook_duration_seconds                 histogram, label ``door`` (``nri``, ``allocate``, ...)
   fracplugin_refusals_total                        counter, label ``reason`` (FractionError.code)
   fracplugin_ledger_entries                        number of tenancies in the ledger
-  fracplugin_nvml_failures_total                   scrapes whose NVML process query failed (counter)
+  fracplugin_nvml_failures_total                   usage samples whose NVML process query failed (counter)
+  fracplugin_gpu_memory_over_limit_episodes_total  over-limit episodes started (counter; only with a watch)
   fracplugin_nri_bounds_exceeded_total             counter, label ``bound`` (``sync_parts``, ``sync_bytes``,
                                                    ``unanswered``): a runtime hit a bound of nri/stub.py
 
@@ -62,7 +69,7 @@ scrape), then to a ledger tenancy on the same GPU by container id, or, for
 tenancies recorded without one (device-plugin door), by pod UID when exactly
 one container of that pod holds the GPU. The MPS server's own PID
 (``/proc/<pid>/exe`` basename ``nvidia-cuda-mps-server``) is never a tenant.
-When the NVML query fails the usage series are missing for that scrape (request
+When the NVML query fails the usage series are missing until a sample succeeds (request
 /limit/GPU series stay) and the failure counter grows; a scrape never raises.
 """
 
@@ -184,6 +191,10 @@ class Metrics:
         for bound in ("sync_parts", "sync_bytes", "unanswered"):
             self._nri_bounds.labels(bound=bound)
         self._nvml_failures = 0  # exposed by the collector, counted during the same scrape
+        self.watch: Any = None  # overlimit.OverLimitWatch: checks every poll's usage
+        self._polled: dict[tuple[str, str, str], _Usage] | None = None  # the last poll's usage
+        self._poller: threading.Thread | None = None
+        self._stop_poll = threading.Event()
         self._collector = _Collector(self)
         self.registry.register(self._collector)
         self._servers: list[MetricsServer] = []
@@ -217,6 +228,44 @@ class Metrics:
         "gpu_healthy": {gpu_uuid: bool}}``; a None door emits no series (door
         off). An exception skips these series for that scrape only."""
         self.state = state
+
+    # -- the usage poll (issue 35 item 3) ----------------------------------------------
+    def poll(self) -> dict[tuple[str, str, str], _Usage] | None:
+        """One usage poll: NVML's per-process usage attributed to the ledger's
+        tenancies (module docstring, Attribution), kept for the scrapes, then
+        handed to ``watch.check``. Returns ``{(pod UID, container, GPU UUID):
+        usage}`` (``used`` bytes, ``sm`` percent), None when NVML failed.
+        Never raises (a failing watch is logged)."""
+        tenancies = self._collector.tenancies()
+        usage = self._collector._usage(tenancies, _server_pids(self._collector._mps_status()))
+        with self._lock:
+            self._polled = usage
+        if self.watch is not None:
+            try:
+                self.watch.check(tenancies, usage)
+            except Exception:
+                log.exception("metrics: over-limit check failed")
+        return usage
+
+    def start_polling(self, interval_s: float) -> None:
+        """Poll now and then every ``interval_s`` seconds on a daemon thread
+        until ``stop``; scrapes then serve the last poll's usage."""
+        def run() -> None:
+            while True:
+                try:
+                    self.poll()
+                except Exception:  # never let the thread die
+                    log.exception("metrics: usage poll failed")
+                if self._stop_poll.wait(interval_s):
+                    return
+
+        self._poller = threading.Thread(target=run, name="fracplugin-usage-poll", daemon=True)
+        self._poller.start()
+
+    def polled(self) -> dict[tuple[str, str, str], _Usage] | None:
+        """The last poll's usage (None before the first or when NVML failed)."""
+        with self._lock:
+            return self._polled
 
     # -- exposition ------------------------------------------------------------------
     def render(self) -> bytes:
@@ -297,7 +346,10 @@ class Metrics:
         return out
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Close every server started by ``serve``."""
+        """Stop the usage poll and close every server started by ``serve``."""
+        self._stop_poll.set()
+        if self._poller is not None:
+            self._poller.join(timeout_s)
         with self._lock:
             servers, self._servers = self._servers, []
         for s in servers:
@@ -451,14 +503,9 @@ class _Collector(Collector):
         state, ledger entries, NVML failures, MPS daemons."""
         m = self.m
         node = m.node()
-        tenancies: list[Tenancy] = []
-        if m.ledger is not None:
-            try:
-                tenancies = list(m.ledger.tenancies())
-            except Exception as e:
-                log.warning("metrics: ledger read failed: %s", e)
+        tenancies = self.tenancies()
         status = self._mps_status()
-        usage = self._usage(tenancies, _server_pids(status))
+        usage = m.polled() if m._poller is not None else self._usage(tenancies, _server_pids(status))
         host = m.node_name()
         yield from self._containers(node, tenancies, usage, host)
         yield from self._gpus(node, tenancies, host)
@@ -470,11 +517,22 @@ class _Collector(Collector):
         yield entries
 
         fails = CounterMetricFamily("fracplugin_nvml_failures",
-                                    "Scrapes whose NVML per-process query failed (usage series missing).")
+                                    "Usage samples whose NVML per-process query failed (usage series missing).")
         fails.add_metric([], float(m.nvml_failures))
         yield fails
+        if m.watch is not None:
+            yield CounterMetricFamily("fracplugin_gpu_memory_over_limit_episodes",
+                                      "Episodes of a container above its GPU memory limit.", value=m.watch.episodes)
 
         yield from self._daemons(status)
+
+    def tenancies(self) -> list[Tenancy]:
+        """The ledger's tenancies ([] without a ledger or when it fails)."""
+        try:
+            return list(self.m.ledger.tenancies()) if self.m.ledger is not None else []
+        except Exception as e:
+            log.warning("metrics: ledger read failed: %s", e)
+            return []
 
     def _mps_status(self) -> dict[str, Any]:
         """The MPS supervisor's ``status()`` ({} without one or when it fails)."""
@@ -489,7 +547,8 @@ class _Collector(Collector):
     def _containers(self, node: NodeInfo | None, tenancies: list[Tenancy],
                     usage: dict[tuple[str, str, str], _Usage] | None, host: str) -> Iterator[Metric]:
         """Per container and GPU: used, request, limit, SM % and SM share %
-        (bytes, percent 0-100); no usage series when ``usage`` is None (NVML failed)."""
+        (bytes, percent 0-100), over limit (0/1, with a watch); no usage series
+        when ``usage`` is None (NVML failed)."""
         gpus = {g.uuid: g for g in node.gpus} if node is not None else {}
         used = GaugeMetricFamily("fracplugin_container_gpu_memory_used_bytes",
                                  "GPU memory used by the container's processes on this GPU (NVML).", labels=CONTAINER_LABELS)
@@ -503,16 +562,22 @@ class _Collector(Collector):
         share = GaugeMetricFamily("fracplugin_container_sm_utilization_share_percent",
                                   "SM utilisation relative to the container's share of the GPU (0-100).",
                                   labels=CONTAINER_LABELS)
+        over = GaugeMetricFamily("fracplugin_container_gpu_memory_over_limit",
+                                 "1 while the container uses more GPU memory than its limit on this GPU.",
+                                 labels=CONTAINER_LABELS)
         if len(self._labels) > 2 * len(tenancies) + 64:  # tenancies gone: their labels go too
             self._labels = {}
         # Samples appended directly with the cached label dicts (what
         # add_metric does, without a dict(zip()) per series per scrape).
         req_s, lim_s, used_s, sm_s, share_s = req.samples, lim.samples, used.samples, sm.samples, share.samples
+        over_keys = self.m.watch.over() if self.m.watch is not None else None
         for t in tenancies:
             gpu = gpus.get(t.gpu_uuid)
             lab = self._tenancy_labels(t, gpu, host)
             req_s.append(Sample(req.name, lab, float(t.request_mib * MIB)))
             lim_s.append(Sample(lim.name, lab, float(t.limit_mib * MIB)))
+            if over_keys is not None:
+                over.samples.append(Sample(over.name, lab, float((t.pod_uid, t.container, t.gpu_uuid) in over_keys)))
             if usage is None:
                 continue
             u = usage.get((t.pod_uid, t.container, t.gpu_uuid))
@@ -526,6 +591,8 @@ class _Collector(Collector):
         yield lim
         yield sm
         yield share
+        if over_keys is not None:
+            yield over
 
     def _gpus(self, node: NodeInfo | None, tenancies: list[Tenancy], host: str) -> Iterator[Metric]:
         """Per GPU: tenants, held bytes, total bytes, compute mode info."""

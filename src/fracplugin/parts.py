@@ -215,7 +215,7 @@ class MetricsPart(PartBase):
     """The Prometheus endpoint."""
 
     name = "metrics"
-    reads = frozenset({"metrics_address"})
+    reads = frozenset({"metrics_address", "usage_poll_interval_s", "proc_root"})
 
     def __init__(self, cfg: Config, metrics: Metrics) -> None:
         super().__init__(cfg)
@@ -223,9 +223,12 @@ class MetricsPart(PartBase):
         self.bound: tuple[str, int] | None = None
 
     def start(self) -> None:
-        """Serve on ``metrics_address``; ``bound`` is the (host, port) bound. Raises OSError."""
+        """Serve on ``metrics_address``; ``bound`` is the (host, port) bound;
+        with a ledger, poll usage every ``usage_poll_interval_s``. Raises OSError."""
         srv = self.metrics.serve(self.cfg.metrics_address)
         self.bound = (str(srv.host), int(srv.port))
+        if self.metrics.ledger is not None:
+            self.metrics.start_polling(self.cfg.usage_poll_interval_s)
 
     def stop(self, timeout_s: float) -> None:
         self.metrics.stop(timeout_s)

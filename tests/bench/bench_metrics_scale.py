@@ -6,6 +6,12 @@ build/bench.json (benchjson.merge):
   (median), plus the same for 4x48 and 8x48 (the growth table of
   docs/benchmarks.md): N GPUs x 48 MPS clients, one tenancy and one client
   process per client, one MPS server process per GPU.
+- ``metrics.over_limit_poll_ms`` (median, target <= 20) and
+  ``metrics.over_limit_poll_p99_ms`` at 16x48: one usage poll
+  (``Metrics.poll``: the NVML sample attributed to the tenancies, then the
+  over-limit watch's comparison, issue 35 item 3) with every 8th client
+  above its limit (its episode started at the unmeasured first poll, so no
+  Event is queued in the measured ones), 60 polls.
 
 How it measures: ``Metrics.render()`` (the body /metrics serves: every
 family collected and rendered to text format 0.0.4) in this process, on a
@@ -25,6 +31,7 @@ No assertions on the figures: targets are read by people.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -40,9 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchjson  # noqa: E402
 
 from fracplugin.gpu.inventory import ProcessSample  # noqa: E402
+from fracplugin.events import NullEventRecorder  # noqa: E402
 from fracplugin.ledger import Ledger  # noqa: E402
 from fracplugin.metrics import MIB, Metrics  # noqa: E402
 from fracplugin.model import ComputeMode, GpuInfo, NodeInfo, Tenancy  # noqa: E402
+from fracplugin.overlimit import OverLimitWatch  # noqa: E402
 
 CLIENTS = 48
 SCRAPES = 60
@@ -81,7 +90,7 @@ def scenario(root: Path, n_gpus: int) -> Metrics:
                                      active_thread_percentage=2 if mode is ComputeMode.SM_SHARING else None))
             add_proc(pid, f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid.replace('-', '_')}"
                           f".slice/cri-containerd-{cid}.scope\n", "python3")
-            samples.append(ProcessSample(g.uuid, pid, 700 * MIB, 1.5))
+            samples.append(ProcessSample(g.uuid, pid, (2048 if c % 8 == 0 else 700) * MIB, 1.5))
         pid += 1
         add_proc(pid, "0::/system.slice/fracplugin.service\n", "nvidia-cuda-mps", exe="/usr/bin/nvidia-cuda-mps-server")
         samples.append(ProcessSample(g.uuid, pid, 2048 * MIB, 70.0))
@@ -117,12 +126,36 @@ def bench(n_gpus: int) -> tuple[float, float]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def bench_poll(n_gpus: int) -> tuple[float, float]:
+    """Median and worst of ``Metrics.poll`` with the over-limit watch (module docstring)."""
+    root = Path(tempfile.mkdtemp(prefix="fpm", dir="/tmp"))
+    try:
+        metrics = scenario(root, n_gpus)
+        metrics.watch = watch = OverLimitWatch("report", NullEventRecorder())
+        logging.getLogger("fracplugin.overlimit").setLevel(logging.ERROR)  # one warning per episode started
+        metrics.poll()
+        if len(watch.over()) != n_gpus * CLIENTS // 8:
+            raise SystemExit(f"bench_metrics_scale: {len(watch.over())} over limit, expected {n_gpus * CLIENTS // 8}")
+        times = []
+        for _ in range(SCRAPES):
+            t0 = time.perf_counter()
+            metrics.poll()
+            times.append((time.perf_counter() - t0) * 1000)
+        if watch.episodes != n_gpus * CLIENTS // 8:
+            raise SystemExit(f"bench_metrics_scale: {watch.episodes} episodes, expected one per container over")
+        times.sort()
+        return statistics.median(times), times[-1]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> int:
     values: dict[str, float] = {}
     for n in (4, 8, 16):
         med, p99 = bench(n)
         values[f"metrics.scrape_ms_{n}x{CLIENTS}"] = med
         values[f"metrics.scrape_p99_ms_{n}x{CLIENTS}"] = p99
+    values["metrics.over_limit_poll_ms"], values["metrics.over_limit_poll_p99_ms"] = bench_poll(16)
     benchjson.merge(values)
     print(json.dumps({k: round(v, 3) for k, v in values.items()}, indent=1, sort_keys=True))
     return 0

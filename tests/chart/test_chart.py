@@ -470,6 +470,7 @@ def defaults_problems(values: dict[str, Any]) -> list[str]:
         ("nodeConditionTypes",): list(d.node_condition_types),
         ("maxClientsPerGpu",): d.max_clients_per_gpu,
         ("failOpen",): d.fail_open,
+        ("overLimit",): d.over_limit,
         ("log", "format"): d.log_format,
         ("log", "level"): d.log_level,
     }

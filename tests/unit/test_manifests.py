@@ -79,6 +79,8 @@ RBAC_NEEDED: dict[tuple[str, str], set[str]] = {
     # node to keep its transition time across restarts
     ("", "nodes"): {"get"},
     ("", "nodes/status"): {"patch"},
+    # --over-limit restart (ADR 0035): a running container is restarted by evicting its pod
+    ("", "pods/eviction"): {"create"},
 }
 SRC = REPO / "src" / "fracplugin"
 
@@ -465,7 +467,8 @@ def api_verbs_used(src: Path = SRC) -> dict[tuple[str, str], set[str]]:
             if verb not in verbs_of:
                 continue
             rest = rest.removeprefix("namespaced_").removesuffix("_for_all_namespaces")
-            rest, sub = (rest.removesuffix("_status"), "/status") if rest.endswith("_status") else (rest, "")
+            base, _, sub = rest.partition("_")  # a subresource: pod_status, pod_eviction
+            rest, sub = (base, "/" + sub) if sub in ("status", "eviction") else (rest, "")
             resource = (rest if rest.endswith("s") else rest + "s") + sub
             found = used.setdefault(("", resource), set())
             found.add(verbs_of[verb])

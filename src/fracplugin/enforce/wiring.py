@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable, Iterator
 from ..model import NodeInfo, PodRef
 from ..parts import PartBase, Readiness
 from .capability import CAPABILITIES, CapabilityGate, gpu_region
-from .memlimits import LimitError, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, NvmlLimits, metrics_rows
+from .memlimits import (LimitError, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, NvmlLimits, metrics_rows,
+                        read_dmem_current)
 from .nri import NriMemoryLimits
 from .softlimits import reservation_drift
 
@@ -69,9 +70,9 @@ class MemoryLimits:
         self.gate = CapabilityGate(
             lambda: node.gpus, node.driver_version, cgroup_root=cgroup_root, mps_protocol=mps_protocol,
             nvml_probe=(lambda u: probe(u, cgroup_root)) if callable(probe) else None, hook_of=hook_of)
-        regions = {g.uuid: gpu_region(g) for g in node.gpus}
+        self.regions = {g.uuid: gpu_region(g) for g in node.gpus}
         self.enforcer = MemoryLimitEnforcer(mode, backend, cgroup_root=cgroup_root, hook_of=hook_of,
-                                            region_of=regions.get, can_enforce=self.gate.reason)
+                                            region_of=self.regions.get, can_enforce=self.gate.reason)
         self._hist: Any = None
         self._drift: tuple[Any, list[dict[str, Any]]] = (None, [])
         self.nri = NriMemoryLimits(self.enforcer, policy, self.gate.reason, observe=self._observe,
@@ -141,6 +142,14 @@ class MemoryLimits:
     def enforced_of(self) -> dict[str, tuple[str, str]]:
         """container id -> (yes|no|unknown, reason): the ENFORCED column."""
         return {r.container_id: (r.enforced, r.why) for r in self.enforcer.results()}
+
+    def dmem_used(self, container_id: str, uuid: str) -> int | None:
+        """Bytes the ``dmem.current`` of the container's leaf cgroup lists for
+        GPU ``uuid``; None when the leaf (a container started before the
+        daemon, mode off) or the kernel's dmem file is unknown (the usage poll
+        then counts NVML's per-process usage: overlimit.py)."""
+        r, region = self.enforcer.result(container_id), self.regions.get(uuid)
+        return read_dmem_current(r.cgroup, region) if r is not None and r.cgroup and region else None
 
     def attach_metrics(self, registry: Any, hostname: str = "") -> None:
         """Register the collector and the StartContainer histogram on a

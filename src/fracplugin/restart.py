@@ -1,0 +1,95 @@
+"""Restart a running container: the one action behind ``--over-limit restart``
+(issue 35 item 3) and, later, ``--unfenced-containers restart`` (item 1).
+
+Route (ADR 0035): the Kubernetes Eviction API, ``POST
+/api/v1/namespaces/<ns>/pods/<name>/eviction`` (``policy/v1`` Eviction, with
+a UID precondition so a new pod of the same name is never hit), through the
+API client the daemon already has for Events and the pod watch. containerd
+carries out an NRI eviction only in a CreateContainer/UpdateContainer
+*response* (docs/reference/nri-protocol.md "Evictions"), and the daemon holds
+no CRI socket, so neither can stop a container that is already running.
+The pod's controller recreates it; a PodDisruptionBudget that forbids the
+eviction makes the API answer 429, which is logged and counted, not retried.
+
+Concurrency: ``restart`` returns at once; each request runs on its own short
+daemon thread, bounded by ``request_timeout_s``, at most ``MAX_IN_FLIGHT``
+at a time and one per pod (a second request for a pod in flight is dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from .model import PodRef
+
+__all__ = ["Restarter", "MAX_IN_FLIGHT"]
+
+log = logging.getLogger(__name__)
+
+MAX_IN_FLIGHT = 16
+"""Eviction requests in flight at once; more are dropped (counted ``failed``)."""
+
+
+class Restarter:
+    """Evicts pods so their containers come back (module docstring).
+
+    Args:
+        api: a ``kubernetes.client.CoreV1Api`` or ``ApiClient``, or None to
+            load the in-cluster configuration on first use.
+        request_timeout_s: bound of one API request, seconds.
+
+    ``stats()``: ``{"requested", "evicted", "failed", "last_error"}`` counts
+    since construction."""
+
+    def __init__(self, api: Any, request_timeout_s: float = 5.0) -> None:
+        self._api = api
+        self.request_timeout_s = request_timeout_s
+        self._lock = threading.Lock()
+        self._busy: set[str] = set()  # pod UIDs with a request in flight
+        self._counts = {"requested": 0, "evicted": 0, "failed": 0}
+        self._last_error = ""
+
+    def restart(self, pod: PodRef, container: str, why: str) -> bool:
+        """Ask for ``container`` of ``pod`` to be restarted because ``why``
+        (logged). Never blocks, never raises. Returns False when dropped (a
+        request for the pod is in flight, or ``MAX_IN_FLIGHT`` are)."""
+        with self._lock:
+            if pod.uid in self._busy or len(self._busy) >= MAX_IN_FLIGHT:
+                self._counts["failed"] += pod.uid not in self._busy
+                return False
+            self._busy.add(pod.uid)
+            self._counts["requested"] += 1
+        log.warning("restarting a container: evicting its pod", extra={"pod": str(pod), "container": container,
+                                                                      "reason": why})
+        threading.Thread(target=self._evict, args=(pod, container), name="fracplugin-restart", daemon=True).start()
+        return True
+
+    def _evict(self, pod: PodRef, container: str) -> None:
+        try:
+            from kubernetes import client, config
+
+            api = self._api
+            if api is None:
+                config.load_incluster_config()
+                api = self._api = client.ApiClient()
+            core = api if hasattr(api, "create_namespaced_pod_eviction") else client.CoreV1Api(api)
+            body = client.V1Eviction(metadata=client.V1ObjectMeta(name=pod.name, namespace=pod.namespace),
+                                     delete_options=client.V1DeleteOptions(
+                                         preconditions=client.V1Preconditions(uid=pod.uid)))
+            core.create_namespaced_pod_eviction(pod.name, pod.namespace, body, _request_timeout=self.request_timeout_s)
+            ok, err = True, ""
+        except Exception as exc:  # ApiException (429 PDB, 404 gone), connection errors, config errors
+            status = getattr(exc, "status", None)
+            ok, err = False, f"HTTP {status} {getattr(exc, 'reason', '')}".strip() if status else f"{exc}"[:300]
+            log.warning("pod eviction failed", extra={"pod": str(pod), "container": container, "error": err})
+        with self._lock:
+            self._busy.discard(pod.uid)
+            self._counts["evicted" if ok else "failed"] += 1
+            self._last_error = err or self._last_error
+
+    def stats(self) -> dict[str, Any]:
+        """Counts since construction and the last error (module docstring)."""
+        with self._lock:
+            return {**self._counts, "in_flight": len(self._busy), "last_error": self._last_error}
