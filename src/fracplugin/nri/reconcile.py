@@ -80,6 +80,8 @@ class Reconciler:
         (``nri/orphans.py``: adopt a live pod's unheld ones, release those of
         pods gone while the doors did not see it)."""
         self._rebuild(pods, containers)
+        if self.rules.limits is not None:  # watch the leaves of running containers started before us (ADR 0036)
+            self.rules.limits.adopt(pods, containers, self.rules.ledger)
         live = {p.id for p in pods}
         self.namespaces.release_early(lambda uid, sandbox: sandbox not in live)
         self._reconcile_mps_namespaces(pods)
