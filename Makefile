@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup test typecheck unit component proto demo interop e2e kai-e2e kubelet-e2e cluster-e2e bench chart manifests chart-tools ci clean gpu-check gpu-check-wheels image image-test admission-e2e
+.PHONY: sbom actionlint setup test typecheck unit component proto demo interop e2e kai-e2e kubelet-e2e cluster-e2e bench chart manifests chart-tools ci clean gpu-check gpu-check-wheels image image-test admission-e2e
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,14 +62,31 @@ kubelet-e2e: setup
 cluster-e2e: setup
 	bash tests/cluster_e2e/run.sh
 
-## image: build the image from the Dockerfile without an image registry (mmdebstrap bases with Debian's
-## python3.11, buildah; needs root, mmdebstrap, buildah, runc; ADR 0027). The last line is the OCI archive's path.
+## image: build the image for linux/amd64 and linux/arm64 from the Dockerfile without an image registry
+## (mmdebstrap bases with Debian's python3.11, buildah; the foreign one under qemu-user-static; needs root,
+## mmdebstrap, buildah, runc, qemu-user-static, arch-test; ADR 0027). One OCI index in an OCI archive: the last line is its path.
 image:
 	@bash scripts/build-image.sh
 
-## image-test: check the archive make image wrote (contents, size) and run `fracplugin version` in it under runc
+## image-test: check both images of the archive make image wrote (config, every ELF file's architecture, contents,
+## size, SBOM) and run the native one under runc, the other by chroot under qemu
 image-test: setup
 	$(PY) -m pytest tests/image -q -p no:cacheprovider
+
+## sbom: an SPDX SBOM per architecture of make image's archive (Debian packages + the virtualenv's
+## distributions; scripts/image_sbom.py) -> build/image/fracplugin-<version>-linux-<arch>.spdx.json
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml | head -1)
+sbom: setup
+	$(PY) scripts/image_sbom.py build/image/fracplugin-$(VERSION).oci.tar build/image
+
+## actionlint: check .github/workflows (the release workflow) with actionlint, built from its Go module
+## (cached, scripts/chart-tools.sh), with shellcheck on every run: step (apt-get install shellcheck)
+actionlint:
+	@set -e; tools=$$(bash scripts/chart-tools.sh actionlint); eval "$$tools"; \
+	sc=$$(command -v shellcheck) || { echo "actionlint: shellcheck not found: apt-get install -y shellcheck" >&2; exit 1; }; \
+	echo "actionlint: $$("$$ACTIONLINT" -version | head -1) at $$ACTIONLINT, shellcheck $$("$$sc" --version | sed -n 's/^version: //p')"; \
+	"$$ACTIONLINT" -shellcheck "$$sc" -pyflakes= -no-color; \
+	echo "actionlint: $$(ls .github/workflows/*.y*ml | wc -l) workflow(s), no problem found"
 
 ## bench: benchmarks; writes build/bench.json
 bench: setup
@@ -112,7 +129,7 @@ manifests: setup
 	@set -e; tools=$$(bash scripts/chart-tools.sh helm); eval "$$tools"; export HELM; \
 	$(PY) scripts/render_manifests.py
 
-ci: test chart interop e2e kubelet-e2e admission-e2e image image-test cluster-e2e
+ci: test chart actionlint interop e2e kubelet-e2e admission-e2e image image-test cluster-e2e
 
 clean:
 	@# make image's private buildah store keeps a bind mount of its overlay directory

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Build (or reuse) the Go tools `make chart` needs and print their paths.
+# Build (or reuse) the Go tools `make chart` and `make actionlint` need and print their paths.
 #
-#   bash scripts/chart-tools.sh            -> prints "HELM=<path>" and "PROMTOOL=<path>"
+#   bash scripts/chart-tools.sh            -> prints "HELM=<path>", "PROMTOOL=<path>" and "ACTIONLINT=<path>"
+#   bash scripts/chart-tools.sh <tool>     -> only that one (helm, promtool, actionlint)
 #
 # Both are built from their released Go modules through the Go module proxy
 # (no binary downloads), with `go install <pkg>@<version>`:
 #   helm      helm.sh/helm/<major>/cmd/helm                  HELM_VERSION (v3.22.0; for v4.3.x set HELM_VERSION, not tried here)
 #   promtool  github.com/prometheus/prometheus/cmd/promtool  PROMTOOL_MODULE_VERSION
 #             (v0.316.0 = Prometheus 3.16.0; Prometheus tags its Go module v0.3xx.y for release 3.xx.y)
+#   actionlint  github.com/rhysd/actionlint/cmd/actionlint   ACTIONLINT_VERSION (v1.7.12; checks .github/workflows)
 # Cache: $FRACPLUGIN_TOOLS_CACHE (default /var/cache/fracplugin-e2e/chart-tools),
 # one directory per tool and version, like the containerd/kubernetes builds of
 # the e2e suites. A present binary is reused; a missing Go toolchain is a failure.
@@ -15,6 +17,7 @@
 set -euo pipefail
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 PROMTOOL_MODULE_VERSION="${PROMTOOL_MODULE_VERSION:-v0.316.0}"
+ACTIONLINT_VERSION="${ACTIONLINT_VERSION:-v1.7.12}"
 CACHE="${FRACPLUGIN_TOOLS_CACHE:-/var/cache/fracplugin-e2e/chart-tools}"
 HELM_MAJOR="${HELM_VERSION%%.*}"           # v3 or v4: the module path carries the major version
 HELM_PKG="helm.sh/helm/$HELM_MAJOR/cmd/helm"
@@ -60,11 +63,19 @@ helm_ldflags() {
   echo "-X $v/internal/version.version=$HELM_VERSION -X $v/pkg/chartutil.k8sVersionMajor=1 -X $v/pkg/chartutil.k8sVersionMinor=$minor -X $v/pkg/lint/rules.k8sVersionMajor=1 -X $v/pkg/lint/rules.k8sVersionMinor=$minor"
 }
 
+# actionlint's release builds stamp its version the same way (its Makefile).
+actionlint() {
+  echo "ACTIONLINT=$(build actionlint github.com/rhysd/actionlint/cmd/actionlint "$ACTIONLINT_VERSION" \
+    "-X github.com/rhysd/actionlint.version=$ACTIONLINT_VERSION")"
+}
+
 case "${1:-all}" in
   helm)     echo "HELM=$(build helm "$HELM_PKG" "$HELM_VERSION" "$(helm_ldflags)")" ;;
   promtool) echo "PROMTOOL=$(build promtool github.com/prometheus/prometheus/cmd/promtool "$PROMTOOL_MODULE_VERSION")" ;;
+  actionlint) actionlint ;;
   all)
     echo "HELM=$(build helm "$HELM_PKG" "$HELM_VERSION" "$(helm_ldflags)")"
-    echo "PROMTOOL=$(build promtool github.com/prometheus/prometheus/cmd/promtool "$PROMTOOL_MODULE_VERSION")" ;;
-  *) echo "usage: $0 [helm|promtool|all]" >&2; exit 2 ;;
+    echo "PROMTOOL=$(build promtool github.com/prometheus/prometheus/cmd/promtool "$PROMTOOL_MODULE_VERSION")"
+    actionlint ;;
+  *) echo "usage: $0 [helm|promtool|actionlint|all]" >&2; exit 2 ;;
 esac

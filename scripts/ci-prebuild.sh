@@ -3,8 +3,9 @@
 # that the cold builds run beside `make test` instead of after it.
 #
 #   bash scripts/ci-prebuild.sh go    <marker-dir>   the Go builds, one after another
-#   bash scripts/ci-prebuild.sh image <marker-dir>   make image (mostly Debian downloads
-#                                                     and dpkg: little CPU)
+#   bash scripts/ci-prebuild.sh image <marker-dir>   make image, amd64 + arm64 (Debian
+#                                                     downloads and dpkg; the arm64 half
+#                                                     under qemu: ~6.5 min of CPU cold)
 #
 # Each stage runs the very script its make target runs (each skips what is
 # already cached: /var/cache/fracplugin-e2e, Go's caches, build/image), then

@@ -156,6 +156,7 @@ class Config:
     # usage poll: each container's GPU memory against its limit (issue 35 item 3, ADR 0035)
     usage_poll_interval_s: float = 5.0
     over_limit: str = "report"
+    unfenced_containers: str = "restart"  # a fractional container found running unadjusted (issue 35 item 1)
     proc_root: str = "/proc"  # the host's (hostPID): where NVML's PIDs are joined to containers
     # process
     log_format: str = "json"
@@ -293,6 +294,8 @@ _HELP = {
     "over_limit": "a container above its GPU memory limit at a usage poll: report (Warning Event "
                   "GpuMemoryLimitExceeded once per episode, metric, alert) or restart (the same, then its pod is "
                   "evicted through the Kubernetes Eviction API; ADR 0035)",
+    "unfenced_containers": "a fractional container found running without fracplugin's adjustment: restart (evict "
+                           "its pod, with backoff) or report; Event ContainerRestartedUnfenced either way (ADR 0035)",
     "proc_root": "the proc filesystem where the PIDs NVML reports are joined to containers (the host's: hostPID)",
     "log_format": "log format: json or text",
     "log_level": "log level: debug, info, warning or error",
@@ -326,14 +329,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _METAVARS = {"allocation_policy": "pack|spread", "ignored_xids": "XIDS", "cdi_kind": "KIND", "log_level": "LEVEL",
              "mps_modes": "MODES", "nri_plugin_name": "NAME", "nri_plugin_idx": "NN", "resource_name": "NAME",
              "node_name": "NAME", "annotation_prefix": "PREFIX", "max_clients_per_gpu": "N",
-             "node_condition_types": "TYPES", "cdi_spec_dirs": "DIR[,DIR]"}
+             "node_condition_types": "TYPES", "cdi_spec_dirs": "DIR[,DIR]", "unfenced_containers": "restart|report"}
 
 
 def _metavar(name: str) -> str:
-    if name in _CHOICES:
-        return "|".join(_CHOICES[name])
     if name in _METAVARS:
         return _METAVARS[name]
+    if name in _CHOICES:
+        return "|".join(_CHOICES[name])
     if name.endswith(("_dir", "_root")):
         return "DIR"
     if name.endswith("_address"):
@@ -434,7 +437,7 @@ _Bad = Callable[[str, str], ConfigError]
 
 _CHOICES = {"log_format": LOG_FORMATS, "role": ROLES, "mps_protocol": MPS_PROTOCOLS,
             "memory_limits": MEMORY_LIMIT_MODES, "memory_limits_policy": MEMORY_LIMIT_POLICIES,
-            "over_limit": OVER_LIMIT_MODES}
+            "over_limit": OVER_LIMIT_MODES, "unfenced_containers": OVER_LIMIT_MODES}
 """Settings that take one of a few words (``must be one of ...``)."""
 
 _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {

@@ -4,8 +4,9 @@ them, serve, stop them in order. ``Daemon`` keeps the lifecycle and the read sid
 Start order (each part switchable, docs/reference/design.md section 3):
 ``builders.Builder.build``'s steps: inventory, ledger (loaded; a corrupt file
 moved aside), metrics, MPS (``NullMps`` with ``--no-mps``), pod source
-(``--pods-file`` or the API watch), refusal Events (with API access and the
-NRI door; the device plugin door has no pod in hand and writes none), the
+(``--pods-file`` or the API watch), Events and the one pod evicter
+(restart.py; with API access, whichever doors are on: the device plugin door
+has no pod in hand and writes no refusal Events), the
 node's rules (``noderules.NodeRules``: GPU health and the memory-limit gate,
 whichever doors are on; issue 33), the over-limit watch (overlimit.py, fed by the
 metrics' usage poll every ``--usage-poll-interval`` seconds: ADR 0035), the NRI door, the device plugin door (it
@@ -195,13 +196,14 @@ class Daemon:
 
     def metric_state(self) -> dict[str, Any]:
         """What ``Metrics.attach_state`` exports at scrape time: NRI connected /
-        synchronized / unadjusted containers (None when the door is off or not
+        synchronized / unadjusted containers / unfenced counts (None when the door is off or not
         started), device plugin registered (likewise), and per GPU whether the
         device plugin reports it Healthy (critical XID or its mode's MPS daemon
         down; without the device plugin door: its mode's MPS daemon)."""
         nri, door = None, self.built.nri
         if door is not None:
-            nri = {"connected": door.connected(), "synchronized": door.synchronized(), "unadjusted": door.unadjusted()}
+            nri = {"connected": door.connected(), "synchronized": door.synchronized(), "unadjusted": door.unadjusted(),
+                   "unfenced": door.plugin.reconciler.unfenced_status()}
         dp = self.parts.get("device plugin")
         return {"nri": nri, "device_plugin": None if dp is None else {"registered": dp.readiness().ok},
                 "gpu_healthy": {u: h for u, (h, _r) in self._gpu_healthy().items()}}

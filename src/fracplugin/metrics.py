@@ -558,6 +558,16 @@ class _Collector(Collector):
                 fam = GaugeMetricFamily(name, doc)
                 fam.add_metric([], float(nri.get(key) or 0))
                 yield fam
+            uf = nri.get("unfenced") or {}
+            acted = CounterMetricFamily("fracplugin_unfenced_containers", "Fractional containers found running "
+                                        "without fracplugin's adjustment, by what was done.", labels=("action",))
+            for action in ("restarted", "reported", "backed_off"):
+                acted.add_metric([action], float(uf.get(action) or 0))
+            yield acted
+            fam = GaugeMetricFamily("fracplugin_unfenced_containers_waiting",
+                                    "Unfenced containers not restarted yet: their pod's spec is not known.")
+            fam.add_metric([], float(len(uf.get("waiting") or ())))
+            yield fam
         dp = st.get("device_plugin")
         if dp is not None:
             fam = GaugeMetricFamily("fracplugin_device_plugin_registered", "1 while the device plugin is registered with kubelet.")

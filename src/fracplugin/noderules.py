@@ -14,6 +14,12 @@ unusable; naming one refuses, code ``unhealthy`` / ``mig``) -> the door's
 under ``--memory-limits-policy refuse``) -> **the ledger** (``Ledger.admit``,
 which re-checks every guard atomically).
 
+A kubelet reservation that is *pending* (Allocate answered while a running
+container still held its devices: ``reservations``, ADR 0033 decision 2)
+first takes over those devices (``reservations.take_over``: refused
+transiently while their holder runs, else the holds it waited on are
+released), then goes through steps 1-5 like any other.
+
 The door then adds what only it can (the MPS namespace intent, CDI devices)
 and answers. A refusal is a ``FractionError`` whose ``code`` says its kind;
 ``status_of(code)`` is the one mapping from that kind to the status code each
@@ -23,9 +29,10 @@ answer's log and counters), so the same refusal reads the same at every door.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Mapping, Sequence
 
-from .allocation import DOOR_NRI
+from . import reservations
+from .allocation import DOOR_ALLOCATE, DOOR_NRI
 from .ledger import Ledger
 from .model import ContainerPlan, FractionRequest, NodeInfo, PodRef, Tenancy
 from .planner import NO_UNUSABLE, EmptyLedger, PlannerConfig, Unusable, plan, plan_from_tenancies
@@ -35,9 +42,10 @@ if TYPE_CHECKING:
     from .enforce.nri import NriMemoryLimits
     from .gpu.health import HealthMonitor
 
-TRANSIENT = frozenset({"unhealthy", "mps_unavailable", "ledger_io"})
+TRANSIENT = frozenset({"unhealthy", "mps_unavailable", "ledger_io", reservations.CODE_PENDING})
 """Refusal codes that may pass on their own (a GPU recovers, a daemon comes
-back, the state directory is writable again): UNAVAILABLE, the caller retries."""
+back, the state directory is writable again, the running container a
+pending reservation waits on stops): UNAVAILABLE, the caller retries."""
 
 PRECONDITION = frozenset({"guard", "no_fit", "mig", "memory_limits_unenforceable", "mode_ambiguous"})
 """Refusal codes of a request that is well formed but the node cannot take
@@ -102,10 +110,15 @@ class NodeRules:
         gpus = ", ".join(f"GPU {g.index} ({g.uuid})" for g in self.node.gpus if g.uuid in self._mig)
         return f"{gpus} in MIG mode: no fraction placed on {'it' if len(self._mig) == 1 else 'them'}"
 
-    def plan(self, request: FractionRequest, pod: PodRef, *, reservation: str = "") -> ContainerPlan:
+    def plan(self, request: FractionRequest, pod: PodRef, *, reservation: str = "",
+             without: Collection[str] = ()) -> ContainerPlan:
         """Steps 1-2: ``planner.plan`` against the ledger with ``unusable()``.
+        ``without``: reservation keys whose entries do not count (the
+        running holds a pending Allocate waits on: its answer is what the
+        container gets once they are gone; nothing is recorded then).
         Raises FractionError."""
-        return plan(request, pod, self.node, self.ledger, self.config, reservation=reservation,
+        view = _Without(self.ledger, frozenset(without)) if without else self.ledger
+        return plan(request, pod, self.node, view, self.config, reservation=reservation,
                     unusable=self.unusable())
 
     def replan(self, request: FractionRequest, pod: PodRef, *, reservation: str = "") -> ContainerPlan:
@@ -138,12 +151,31 @@ class NodeRules:
               reservation: str = "", bound: bool = True,
               check: Callable[[ContainerPlan], None] | None = None) -> ContainerPlan:
         """Steps 1-5 for one request: plan, the door's ``check``, gate,
-        ledger. Returns the plan recorded (what the door answers). Raises
-        FractionError (a refusal: ``status_of(err.code)``), OSError (the
-        ledger's file), and whatever ``check`` raises."""
+        ledger; a pending kubelet reservation takes over its devices first
+        (module docstring). Returns the plan recorded (what the door
+        answers). Raises FractionError (a refusal: ``status_of(err.code)``),
+        OSError (the ledger's file), and whatever ``check`` raises."""
+        pending = (door == DOOR_ALLOCATE and bool(reservation) and bound
+                   and reservations.proofs_of(self.ledger).is_pending(reservation))
+        if pending:
+            reservations.take_over(self.ledger, reservation, pod.uid)
         p = self.plan(request, pod, reservation=reservation)
         if check is not None:
             check(p)
         p = self.gate(p)
         self.record(p, door=door, container_id=container_id, reservation=reservation, bound=bound)
+        if pending:
+            reservations.proofs_of(self.ledger).settle(reservation)
         return p
+
+
+class _Without:
+    """The ledger as the planner sees it with the entries of ``keys``
+    (reservation keys) left out (``NodeRules.plan``'s ``without``)."""
+
+    def __init__(self, ledger: Ledger, keys: frozenset[str]) -> None:
+        self.ledger = ledger
+        self.keys = keys
+
+    def tenants(self, gpu_uuid: str) -> Sequence[Tenancy]:
+        return [t for t in self.ledger.tenants(gpu_uuid) if t.reservation not in self.keys]

@@ -313,7 +313,7 @@ class NriDoor(PartBase):
     name = "nri"
     check = "nri"
     reads = PLANNER_KEYS | {"nri_socket", "nri_plugin_name", "nri_plugin_idx", "fail_open", "device_unit_mib",
-                            "resource_name", "nri_start_wait_s"}
+                            "resource_name", "nri_start_wait_s", "unfenced_containers"}
     reloads = frozenset({"fail_open"})
 
     def __init__(self, cfg: Config, stub: NriStub, plugin: FracNriPlugin) -> None:

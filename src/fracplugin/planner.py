@@ -150,7 +150,7 @@ def kai_compute_portion(request: FractionRequest, gpus: Sequence[GpuInfo], reque
     reserve-adjusted). The binder writes that value, capped at 1, as
     ``.gpu-compute.portion``; when it parses to 0 it falls back to request MiB
     / (GPU memory - reserve) (nv_fractions.go, ``resolveComputePortion``).
-    Python's ``%.2f`` rounds the exact binary value as Go's does.
+    Python's ``round(x, 2)`` (the correctly rounded ``%.2f``) rounds the exact binary value as Go's does.
 
     Args:
         request: the parsed request (fraction or absolute MiB).
@@ -168,7 +168,7 @@ def kai_compute_portion(request: FractionRequest, gpus: Sequence[GpuInfo], reque
         exact = request.request.fraction
     else:
         exact = math.ceil(request_mib / memory * 100) / 100
-    portion = min(float(f"{exact:.2f}"), 1.0)
+    portion = min(round(exact, 2), 1.0)
     if portion > 0:
         return portion
     usable = memory - reserve_mib

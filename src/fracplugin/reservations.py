@@ -18,7 +18,7 @@ same one. Once checked, the NRI door takes the proof out of the container's
 environment (``-FRACPLUGIN_RESERVATION_PROOF``, then the key set empty:
 containerd does not forward a removal of a variable kubelet added,
 docs/reference/nri-protocol.md "Env removal caveat"), and once bound a
-reservation belongs to its pod whatever proof another pod shows (rule 3).
+reservation belongs to its pod whatever proof another pod shows (rule 4).
 
 *Aliases* (issue 34 item 1): kubelet hands an init container's devices again
 to a later container of the same pod, plus or minus some (init ``::0-1``,
@@ -33,17 +33,36 @@ The proofs and aliases are kept in memory and in
 restarted daemon still knows the proofs of running containers, whose cached
 Allocate answer kubelet reuses at every restart of the container).
 
+*Pending reservations* (issue 34 input 2, ADR 0033 decision 2): kubelet may
+Allocate device IDs a running container still holds (a force-deleted pod
+whose container the runtime has not stopped yet; its devices go to the next
+pod at once). A running container's hold ends only with that container, and
+a refused Allocate is terminal for the pod, so the Allocate is answered
+(its proof issued) without recording anything: the key is *pending* on the
+release of those devices (``ReservationProofs.pend``, kept in the proofs
+file, so it survives a daemon restart). Its container is refused
+TRANSIENTLY (code ``reservation_pending``: UNAVAILABLE, kubelet retries
+CreateContainer) while a container of another pod holding one of its
+devices runs (``running_overlaps``); once none does (its own
+StopContainer / RemoveContainer, or a Synchronize that no longer lists it)
+it is admitted through the node's rules: ``NodeRules.admit`` calls
+``take_over``, which releases the reservations it waited on (their holders
+stopped) before planning, so the GPU never holds both.
+
 ``claim_problem`` is the rule the NRI door applies at CreateContainer (on the
 hold the key names, itself or through its alias):
 
-1. no reservation with that key in the ledger: refused (a key no Allocate of
-   this node made, or one already released);
-2. the reservation is bound to this pod (PodResources or an earlier
+1. the reservation is bound to this pod (PodResources or an earlier
    container of the pod bound it): accepted, proof or not;
-3. bound to another pod (PodResources or a container of that pod bound it):
+2. the key is pending and the container shows its current proof: refused
+   TRANSIENTLY naming the running container while one of another pod holds
+   one of its devices, accepted once none does;
+3. no reservation with that key in the ledger: refused (a key no Allocate of
+   this node made, or one already released);
+4. bound to another pod (PodResources or a container of that pod bound it):
    refused naming that pod and, when one runs, its running container,
    whatever proof the container shows;
-4. otherwise (no pod bound yet) the container must show its key's current proof.
+5. otherwise (no pod bound yet) the container must show its key's current proof.
 """
 
 from __future__ import annotations
@@ -55,12 +74,14 @@ import logging
 import os
 import secrets
 import threading
+import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Container, Iterable, Mapping, Sequence
 
+from . import allocation as al
 from .atomicfile import write_atomically
-from .model import Tenancy
+from .model import FractionError, Tenancy
 
 if TYPE_CHECKING:
     from .ledger import Ledger
@@ -68,6 +89,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENV_RESERVATION_PROOF = "FRACPLUGIN_RESERVATION_PROOF"
+CODE_CLAIM = "reservation"
+"""Refusal code of a claim that breaks the rules (INVALID_ARGUMENT: ``noderules.status_of``)."""
+CODE_PENDING = "reservation_pending"
+"""Refusal code of a pending reservation's container while the devices'
+running holder runs (UNAVAILABLE: ``noderules.TRANSIENT``; kubelet retries)."""
 ANNOTATION_RESERVATION_PROOF = "fracplugin.io/reservation-proof"
 PROOFS_FILE = "reservation-proofs.json"
 MAX_PROOFS = 8192
@@ -75,12 +101,14 @@ MAX_PROOFS = 8192
 
 
 class ReservationProofs:
-    """Reservation key -> the proof of its latest Allocate (thread-safe).
+    """Reservation key -> the proof of its latest Allocate (thread-safe),
+    the aliases (module docstring) and the pending keys (key -> unix seconds
+    of the Allocate that left it pending).
 
     Args:
         path: the JSON file to keep them in (None: memory only). An unreadable
             file is logged and ignored (the owners are then accepted through
-            rule 2 once PodResources binds their reservations).
+            rule 1 once PodResources binds their reservations).
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
@@ -88,12 +116,14 @@ class ReservationProofs:
         self._lock = threading.Lock()
         self._proofs: dict[str, str] = {}
         self._aliases: dict[str, str] = {}  # a key kubelet gave again in part -> the hold that covers it
+        self._pending: dict[str, float] = {}  # a key answered while a running container held its devices
         if self.path is not None and self.path.exists():
             try:
                 doc = json.loads(self.path.read_text())
                 if isinstance(doc, dict) and isinstance(doc.get("proofs"), dict):
                     self._proofs = {str(k): str(v) for k, v in doc["proofs"].items()}
                     self._aliases = {str(k): str(v) for k, v in (doc.get("aliases") or {}).items()}
+                    self._pending = {str(k): float(v) for k, v in (doc.get("pending") or {}).items()}
                 elif isinstance(doc, dict):  # the file before issue 34: proofs only
                     self._proofs = {str(k): str(v) for k, v in doc.items()}
             except (OSError, ValueError) as exc:
@@ -153,11 +183,45 @@ class ReservationProofs:
         with self._lock:
             return self._aliases.get(key)
 
+    def pend(self, key: str) -> None:
+        """``key``'s latest Allocate was answered while a running container
+        held one of its devices: its container waits for their release
+        (module docstring, pending reservations)."""
+        with self._lock:
+            self._pending.pop(key, None)
+            self._pending[key] = time.time()
+            while len(self._pending) > MAX_PROOFS:
+                self._pending.pop(next(iter(self._pending)))
+            self._save()
+
+    def is_pending(self, key: str) -> bool:
+        """True while ``key`` is pending (``pend``, not ``settle``d yet)."""
+        with self._lock:
+            return key in self._pending
+
+    def pending_keys(self) -> list[str]:
+        """The pending keys, oldest first."""
+        with self._lock:
+            return list(self._pending)
+
+    def pending_items(self) -> list[tuple[str, float]]:
+        """(pending key, unix seconds of the Allocate that left it pending), oldest first."""
+        with self._lock:
+            return list(self._pending.items())
+
+    def settle(self, key: str) -> None:
+        """``key`` is pending no more: its container was admitted, or a new
+        Allocate of it was answered with nothing in its way."""
+        with self._lock:
+            if self._pending.pop(key, None) is not None:
+                self._save()
+
     def _save(self) -> None:
         if self.path is None:
             return
         try:
-            write_atomically(self.path, json.dumps({"proofs": self._proofs, "aliases": self._aliases}), mode=0o600)
+            write_atomically(self.path, json.dumps({"proofs": self._proofs, "aliases": self._aliases,
+                                                    "pending": self._pending}), mode=0o600)
         except OSError as exc:
             log.warning("reservation proofs not saved", extra={"path": str(self.path), "reason": str(exc)})
 
@@ -200,33 +264,104 @@ def hold_of(ledger: Ledger, key: str) -> str:
     return target if target and ledger.reservation(target) else key
 
 
+def running_overlaps(ledger: Ledger, key: str, pod_uid: str = "") -> list[Tenancy]:
+    """The holds that stand in the way of ``key`` (a canonical reservation
+    key): one tenancy per kubelet reservation, ``key`` itself or one sharing
+    a device with it, that a running container (bound, with a container id)
+    of a pod other than ``pod_uid`` holds. A running container's hold ends
+    only with that container (ADR 0033 decision 1)."""
+    out: list[Tenancy] = []
+    for other, held in ledger.reservations().items():
+        running = next((t for t in held if t.bound and t.container_id and t.pod_uid != pod_uid), None)
+        if running is not None and (other == key or _overlaps(other, key)):
+            out.append(running)
+    return out
+
+
+def _overlaps(a: str, b: str) -> bool:
+    try:
+        return al.overlaps(a, b)
+    except al.ReservationKeyError:  # a whole GPU of another plugin, a sync hold: not device IDs
+        return False
+
+
+def waiting_text(t: Tenancy) -> str:
+    """The running container a pending reservation waits on, in words."""
+    return f"running container {t.namespace}/{t.pod_name}/{t.container} (pod uid {t.pod_uid}, container id " \
+           f"{t.container_id}, reservation {t.reservation})"
+
+
 def claim_problem(ledger: Ledger, key: str, pod_uid: str, proof: str, node_name: str, *,
-                  pod_name: str = "") -> str | None:
+                  pod_name: str = "") -> FractionError | None:
     """Why the container of pod ``pod_uid`` (``pod_name``: namespace/name)
     showing ``proof`` may not claim reservation ``key`` (module docstring,
-    rules 1-4), or None. The message names the key's holder and the rule."""
+    rules 1-5), or None. The refusal's key is ``FRACPLUGIN_RESERVATION``,
+    its value ``key``, its message names the key's holder and the rule; its
+    code is ``CODE_PENDING`` (transient) for a pending key whose devices a
+    running container holds, else ``CODE_CLAIM``."""
     held = ledger.reservation(hold_of(ledger, key))
-    if not held:
-        return (f"names no reservation of node {node_name}: no Allocate of this node answered it (a key copied "
-                "or made up, or one already released); only the container kubelet allocated those devices to "
-                "can claim them")
     if any(t.pod_uid == pod_uid or (pod_name and t.pod_uid == f"podresources:{pod_name}") for t in held):
         return None
+    proofs = proofs_of(ledger)
+    if proofs.is_pending(key) and proofs.matches(key, proof):
+        waits = running_overlaps(ledger, key, pod_uid)
+        if not waits:
+            return None
+        return FractionError(
+            al.ENV_RESERVATION, key,
+            f"was allocated by kubelet while {waiting_text(waits[0])} still holds its devices; a running "
+            "container's hold ends only when the runtime stops it, so this container waits (retried) until it "
+            "stopped", CODE_PENDING)
+    if not held:
+        return _refused(key, f"names no reservation of node {node_name}: no Allocate of this node answered it (a "
+                        "key copied or made up, or one already released); only the container kubelet allocated "
+                        "those devices to can claim them")
     running = next((t for t in held if t.bound and t.container_id), None)
     if running is not None:
-        return (f"is held by running container {running.namespace}/{running.pod_name}/{running.container}; kubelet "
-                "gives a device to one pod at a time, so this container cannot claim it until that container "
-                "stops and kubelet allocates the devices again")
+        return _refused(key, f"is held by running container {running.namespace}/{running.pod_name}/"
+                        f"{running.container}; kubelet gives a device to one pod at a time, so this container "
+                        "cannot claim it until that container stops and kubelet allocates the devices again")
     owner = next((t for t in held if t.bound), None)
     if owner is not None:
-        return (f"belongs to pod {owner.namespace}/{owner.pod_name} (uid {owner.pod_uid}), which PodResources or "
-                "one of its containers bound it to; a reservation belongs to one pod, so another pod cannot claim "
-                "it whatever it shows")
-    if proofs_of(ledger).matches(key, proof):
+        return _refused(key, f"belongs to pod {owner.namespace}/{owner.pod_name} (uid {owner.pod_uid}), which "
+                        "PodResources or one of its containers bound it to; a reservation belongs to one pod, so "
+                        "another pod cannot claim it whatever it shows")
+    if proofs.matches(key, proof):
         return None
     what = "carries no" if not proof else "carries a wrong"
-    return (f"{what} {ENV_RESERVATION_PROOF}: the reservation was allocated by kubelet to another container "
-            "(its Allocate answer holds the proof); a pod cannot claim another pod's devices")
+    return _refused(key, f"{what} {ENV_RESERVATION_PROOF}: the reservation was allocated by kubelet to another "
+                    "container (its Allocate answer holds the proof); a pod cannot claim another pod's devices")
+
+
+def _refused(key: str, why: str) -> FractionError:
+    return FractionError(al.ENV_RESERVATION, key, why, CODE_CLAIM)
+
+
+def take_over(ledger: Ledger, key: str, pod_uid: str) -> list[Tenancy]:
+    """Before a pending ``key``'s container of pod ``pod_uid`` is admitted
+    (``NodeRules.admit``): release every other reservation sharing a device
+    with it that no running container holds (the holds it waited on, their
+    containers stopped: kubelet gave their devices to this pod). ``key``'s
+    own earlier entries are replaced by the admission (``Ledger.admit``).
+    Returns what was released; nothing for a key that is not pending.
+
+    Raises:
+        FractionError: (code ``reservation_pending``) a running container of
+            another pod still holds one of its devices (``claim_problem``
+            rule 2; checked again here, so no door can admit around it).
+    """
+    if not proofs_of(ledger).is_pending(key):
+        return []
+    waits = running_overlaps(ledger, key, pod_uid)
+    if waits:
+        raise FractionError(al.ENV_RESERVATION, key, f"waits for {waiting_text(waits[0])} to stop", CODE_PENDING)
+    gone: list[Tenancy] = []
+    for other, held in ledger.reservations().items():
+        if other != key and _overlaps(other, key) and not any(t.container_id for t in held):
+            gone += ledger.release_reservation(other)
+            log.info("reservation %s released: kubelet gave its devices to pending reservation %s (pod uid %s) and "
+                     "its holder stopped", other, key, pod_uid)
+    return gone
 
 
 def unbind_gone(tenancies: Sequence[Tenancy], live_container_ids: Container[str]) -> list[Tenancy]:

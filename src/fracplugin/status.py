@@ -204,6 +204,10 @@ def render_table(doc: Mapping[str, Any]) -> str:
         unadjusted = nri.get("unadjusted") or []
         if unadjusted:
             out.append(f"  {len(unadjusted)} running container(s) lack fracplugin's settings (see /status)")
+        uf = nri.get("unfenced") or {}
+        if any(uf.get(k) for k in ("restarted", "reported", "backed_off", "waiting")):
+            out.append(f"  unfenced containers ({uf['mode']}): restarted {uf['restarted']}, reported {uf['reported']}, "
+                       f"backed off {uf['backed_off']}, waiting {len(uf['waiting'])} (see /status)")
     dp = doc.get("device_plugin")
     if isinstance(dp, dict):
         out.append("")

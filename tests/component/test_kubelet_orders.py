@@ -1,6 +1,6 @@
 """Issue 34 items 1-2: holds follow what kubelet really does with device
 IDs, and a reservation belongs to one pod (ADR 0033). Small failing inputs
-1 and 4 of the issue (input 2 is open: ADR 0033), through the daemon's real sockets
+1, 2 and 4 of the issue, through the daemon's real sockets
 (``test_one_allocation.Node``: the fake kubelet's Allocate, PodResources,
 the NRI runtime, a pods file as the API server).
 
@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import json
+
 import pytest
 from test_daemon import root  # noqa: F401 (fixture)
-from test_one_allocation import UUIDS, Node, ctr, ids, node, pod  # noqa: F401 (node: fixture)
+from test_one_allocation import UUIDS, Node, ctr, ids, key_of, node, pod  # noqa: F401 (node: fixture)
 from tests.helpers import wait_until
 
 INVALID_ARGUMENT = 3
+UNAVAILABLE = 14
 PROOF = "FRACPLUGIN_RESERVATION_PROOF"
 
 
@@ -73,6 +76,174 @@ def test_1_init_and_app_of_different_sizes_share_their_devices(node: Callable[..
     adj, _ = n.create(p, "app", env_app)
     assert code(adj) is None, adj
     assert n.held(0) <= most
+
+
+# ---- input 2: a recreated pod's Allocate of devices a running container holds --------------------
+
+
+def pending(n: Node) -> list[str]:
+    """The pending reservation keys, as the proofs file beside the ledger keeps them."""
+    return list(json.loads((n.d.state / "reservation-proofs.json").read_text()).get("pending") or {})
+
+
+def _web_running_then_recreated(n: Node) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, str]]:
+    """Pod ``web`` (uid-old, 60 units) Allocated ``GPU0::0-59``, created and
+    started; force-deleted (the runtime still runs its container) and
+    recreated with the same name (uid-new, Pending). Returns (old pod, new
+    pod, the old container's env, its Allocate env)."""
+    from nri_runtime import make_container, make_pod
+
+    old = pod("web", 60)
+    old["metadata"]["uid"] = "uid-old"
+    n.put(old)
+    env_old, _ = n.allocate(ids(0, 60))
+    adj, got = n.create(old, "app", env_old)
+    assert code(adj) is None, adj
+    sandbox = make_pod("web", "default", "uid-old")
+    assert n.rt.start_container(sandbox, make_container(sandbox, "app")) is None
+    assert n.held(0) == 61440
+    n.delete("web")  # force delete: the API object goes, the runtime still runs ctr-uid-old-app
+    new = pod("web", 60)  # recreated with the same name and a new UID
+    new["metadata"]["uid"] = "uid-new"
+    n.put(new)
+    return old, new, got, env_old
+
+
+def _held_by(n: Node) -> list[tuple[str, str, int]]:
+    return [(t["pod_uid"], t["container_id"], t["request_mib"]) for t in n.tenants()]
+
+
+def test_2_an_allocate_of_a_running_containers_devices_waits_for_it(node: Callable[..., Node]) -> None:
+    n = node()
+    old, new, _got, env_old = _web_running_then_recreated(n)
+    seen = [n.held(0)]
+    env_new, ann = n.allocate(ids(0, 60))  # answered: a refused Allocate is terminal for the pod
+    n.record("web", "app", ids(0, 60))  # kubelet records the new pod's allocation (PodResources)
+    assert ann["fracplugin.io/allocate"] == "pending"
+    assert env_new["FRACPLUGIN_RESERVATION"] == env_old["FRACPLUGIN_RESERVATION"]
+    assert env_new[PROOF] != env_old[PROOF]  # a new proof: the devices go to another holder
+    assert env_new["NVIDIA_GPU_MEMORY_REQUEST"] == "61440"
+    assert pending(n) == [key_of(ids(0, 60))]  # kept beside the ledger
+    # was: ledger ('', '', '01', 61440, ..., 'allocate', '..::0-59'), ctr-old no longer held
+    assert _held_by(n) == [("uid-old", "ctr-uid-old-app", 61440)]
+    seen.append(n.held(0))
+    err, _ = n.create(new, "app", env_new)
+    assert code(err) == UNAVAILABLE, err  # transient: kubelet retries CreateContainer
+    assert "running container default/web/app" in err.message and "uid-old" in err.message, err.message
+    assert "ctr-uid-old-app" in err.message, err.message
+    err, _ = n.create(new, "app", env_new)  # kubelet's retry, the old container still runs
+    assert code(err) == UNAVAILABLE, err
+    seen.append(n.held(0))
+    # a copy of the old answer's key and proof does not get in either
+    thief = dict(new, spec={**new["spec"], "containers": [ctr("app", 60, env={
+        "FRACPLUGIN_RESERVATION": env_old["FRACPLUGIN_RESERVATION"], PROOF: env_old[PROOF]})]})
+    err, _ = n.create(thief, "app")
+    assert code(err) == INVALID_ARGUMENT and "running container default/web/app" in err.message, err
+    assert _held_by(n) == [("uid-old", "ctr-uid-old-app", 61440)]
+    n.stop(old, "app")  # the runtime stops ctr-old: its own StopContainer ends its hold
+    seen.append(n.held(0))
+    adj, got = n.create(new, "app", env_new)
+    assert code(adj) is None, adj
+    assert got["NVIDIA_GPU_MEMORY_REQUEST"] == "61440" and got["NVIDIA_VISIBLE_DEVICES"] == UUIDS[0]
+    assert got[PROOF] == ""  # checked, then out of the env
+    assert _held_by(n) == [("uid-new", "ctr-uid-new-app", 61440)]
+    seen.append(n.held(0))
+    assert max(seen) == 61440, seen  # never 2 x 60 GiB on GPU 0
+    assert pending(n) == []
+    assert n.status()["device_plugin"]["pending"] == 1
+
+
+def test_2_an_allocate_overlapping_a_running_hold_waits_and_podresources_records_nothing_before(
+        node: Callable[..., Node]) -> None:
+    """Other IDs sharing devices with the running hold (``::10-69`` against
+    ``::0-59``): the same wait; PodResources listing the new pod meanwhile
+    records nothing over the running container; once it stopped, the new
+    container takes the devices over (the stopped pod's reservation goes)."""
+    n = node()
+    job = pod("job3", 60)
+    n.put(job)
+    env, _ = n.allocate(ids(0, 60))
+    assert code(n.create(job, "app", env)[0]) is None
+    nxt = pod("next3", 60)
+    n.put(nxt)
+    env2, ann = n.allocate(ids(0, 60, start=10))
+    assert ann["fracplugin.io/allocate"] == "pending"
+    n.record("next3", "app", ids(0, 60, start=10))  # kubelet records the allocation (PodResources)
+    err, _ = n.create(nxt, "app", env2)
+    assert code(err) == UNAVAILABLE and "running container default/job3/app" in err.message, err
+    seen = n.pr.lists
+    assert wait_until(lambda: n.pr.lists >= seen + 2, 10)  # a whole PodResources pass after the record
+    assert [t["pod_name"] for t in n.tenants()] == ["job3"] and n.held(0) == 61440
+    n.stop(job, "app")
+    assert n.held(0) <= 61440
+    adj, got = n.create(nxt, "app", env2)
+    assert code(adj) is None, adj
+    assert [(t["pod_name"], t["reservation"]) for t in n.tenants()] == [("next3", key_of(ids(0, 60, start=10)))]
+    assert n.held(0) == 61440
+
+
+def test_2_a_pending_reservation_survives_a_daemon_restart(node: Callable[..., Node]) -> None:
+    """The daemon restarts while the reservation is pending: the proofs file
+    keeps it (and its proof); the new container still waits while the
+    runtime reports the old one running, and is admitted once a Synchronize
+    no longer lists it."""
+    from fracplugin._proto import nri_pb2
+    from nri_runtime import make_container, make_pod
+
+    n = node()
+    _old, new, got_old, _env_old = _web_running_then_recreated(n)
+    env_new, ann = n.allocate(ids(0, 60))
+    assert ann["fracplugin.io/allocate"] == "pending"
+    n.record("web", "app", ids(0, 60))  # kubelet lists the new pod: the restarted daemon keeps the pending key
+    sandbox_old = make_pod("web", "default", "uid-old")
+    running = make_container(sandbox_old, "app", env=got_old, state=nri_pb2.CONTAINER_RUNNING)
+    n.rt.set_sync_state([sandbox_old], [running])  # what the runtime reports to the restarted daemon
+    n.restart_daemon()
+    assert pending(n) == [key_of(ids(0, 60))]
+    assert _held_by(n) == [("uid-old", "ctr-uid-old-app", 61440)]
+    err, _ = n.create(new, "app", env_new)
+    assert code(err) == UNAVAILABLE and "running container default/web/app" in err.message, err
+    assert n.held(0) == 61440
+    # the runtime reconnects and its Synchronize no longer lists ctr-old (it stopped while nobody listened)
+    sandbox_new = make_pod("web", "default", "uid-new")
+    n.rt.set_sync_state([sandbox_new], [])
+    n.rt.disconnect()
+    n.rt.wait_registered(15)
+    assert wait_until(lambda: not any(t["container_id"] for t in n.tenants()), 10, lambda: n.tenants())
+    adj, got = n.create(new, "app", env_new)
+    assert code(adj) is None, adj
+    assert got["NVIDIA_GPU_MEMORY_REQUEST"] == "61440"
+    assert _held_by(n) == [("uid-new", "ctr-uid-new-app", 61440)]
+    assert n.held(0) == 61440 and pending(n) == []
+
+
+def test_2_a_pending_key_whose_pod_is_gone_is_dropped(node: Callable[..., Node]) -> None:
+    """The recreated pod is deleted before its container was ever created:
+    its pending key goes (its pod is gone from the API, and PodResources
+    does not list it at the restarted daemon's first pass), and the old
+    container keeps its hold throughout."""
+    from fracplugin._proto import nri_pb2
+    from nri_runtime import make_container, make_pod
+
+    n = node()
+    _old, _new, got_old, _env_old = _web_running_then_recreated(n)
+    _env_new, ann = n.allocate(ids(0, 60))
+    assert ann["fracplugin.io/allocate"] == "pending" and pending(n) == [key_of(ids(0, 60))]
+    n.delete("web")
+    assert wait_until(lambda: pending(n) == [], 10, lambda: pending(n))  # every pod it may be for is gone
+    n.put(pod("other", 60))
+    _env_new, ann = n.allocate(ids(0, 60))  # another pod: pending again
+    assert ann["fracplugin.io/allocate"] == "pending" and pending(n) == [key_of(ids(0, 60))]
+    sandbox_old = make_pod("web", "default", "uid-old")
+    n.rt.set_sync_state([sandbox_old], [make_container(sandbox_old, "app", env=got_old,
+                                                       state=nri_pb2.CONTAINER_RUNNING)])
+
+    def delete_other() -> None:  # while the daemon is down: no deletion seen
+        del n.pods["other"]
+        n._write()
+    n.restart_daemon(delete_other)  # nothing lists the key at the first PodResources pass: dropped
+    assert wait_until(lambda: pending(n) == [], 10, lambda: pending(n))
+    assert _held_by(n) == [("uid-old", "ctr-uid-old-app", 61440)]
 
 
 # ---- input 4: a reservation belongs to one pod --------------------------------------------------

@@ -104,6 +104,20 @@ class Node:
         self.kubelet.stop()
         self.pr.stop()
 
+    def restart_daemon(self, while_down: Callable[[], None] | None = None) -> None:
+        """SIGKILL the daemon, call ``while_down()``, start it again on the
+        same state directory (ledger, reservation proofs): waits until it
+        registered with the kubelet again, the runtime synchronized it (what
+        ``rt.set_sync_state`` says runs) and it is ready."""
+        self.d.kill()
+        (self.d.state / "endpoints.json").unlink()  # the killed daemon's: wait for the new one's
+        if while_down is not None:
+            while_down()
+        self.d.start()
+        self.rt.wait_registered(15)
+        wait_until(lambda: self.d.ready() and self.status()["device_plugin"]["registered"]
+                   and self.kubelet.stream_open(R), 20, what=lambda: f"readiness: {self.d.get('/readyz')}")
+
     # ---- the API server (pods file) -------------------------------------------
     def _write(self) -> None:
         tmp = self.pods_path.with_suffix(".tmp")
@@ -353,12 +367,16 @@ def test_8_a_finished_jobs_devices_go_to_the_next_pod(node: Callable[..., Node])
 
 def test_8b_devices_allocated_again_free_the_old_reservation(node: Callable[..., Node]) -> None:
     """kubelet frees a pod's devices when it ends; it hands the same IDs on.
-    Even when the pod's end was not seen, the old reservation is released."""
+    Even when the pod's end was not seen, the old reservation is released,
+    once no container of it runs (while one runs, the Allocate is answered
+    pending and nothing is released: ADR 0033 decision 2,
+    ``test_kubelet_orders.py`` input 2)."""
     n = node()
     job = pod("job2", 60)
     n.put(job)
     env, _ = n.allocate(ids(0, 60))
     n.create(job, "app", env)
+    n.stop(job, "app")
     nxt = pod("next2", 60)
     n.put(nxt)
     _env2, ann2 = n.allocate(ids(0, 60, start=10))
@@ -368,7 +386,9 @@ def test_8b_devices_allocated_again_free_the_old_reservation(node: Callable[...,
 
 def test_8c_the_same_ids_for_a_new_pod_after_the_holder_is_gone(node: Callable[..., Node]) -> None:
     """The exact device IDs of a deleted pod go to the next pod: it gets its
-    own settings, not the recorded ones."""
+    own settings, not the recorded ones (while the old container runs the
+    answer is pending, and the new container is admitted with those
+    settings once it stopped: ADR 0033 decision 2)."""
     n = node()
     old = pod("old", 4, {P + "app.gpu-memory.limit": "16Gi"})
     n.put(old)
@@ -380,8 +400,14 @@ def test_8c_the_same_ids_for_a_new_pod_after_the_holder_is_gone(node: Callable[.
     new = pod("new", 4, {P + "app.gpu-memory.limit": "6Gi"})
     n.put(new)
     env2, ann2 = n.allocate(ids(0, 4))
-    assert ann2["fracplugin.io/allocate"] == "planned" and env2["NVIDIA_GPU_MEMORY_LIMIT"] == "6144"
-    assert [(t["pod_name"], t["limit_mib"]) for t in n.tenants()] == [("", 6144)]
+    assert ann2["fracplugin.io/allocate"] == "pending" and env2["NVIDIA_GPU_MEMORY_LIMIT"] == "6144"
+    assert [(t["pod_name"], t["limit_mib"]) for t in n.tenants()] == [("old", 16384)]
+    err, _ = n.create(new, "app", env2)
+    assert getattr(err, "code", None) == 14 and "running container default/old/app" in err.message, err
+    n.stop(old, "app")
+    adj, got = n.create(new, "app", env2)
+    assert not hasattr(adj, "code") and got["NVIDIA_GPU_MEMORY_LIMIT"] == "6144", adj
+    assert [(t["pod_name"], t["limit_mib"]) for t in n.tenants()] == [("new", 6144)]
 
 
 def test_9_re_allocate_after_kubelet_restart_gets_the_same_answer(node: Callable[..., Node]) -> None:

@@ -2,36 +2,51 @@
 
 ``make image-test`` (after ``make image``; needs root and runc, as ``.ci/run``
 has them) reads the OCI archive that ``make image`` wrote under
-``build/image/`` (or ``$FRACPLUGIN_IMAGE_ARCHIVE``), unpacks its layers in
-order with ``tarfile`` (OCI whiteouts applied) into a root filesystem, and
-checks:
+``build/image/`` (or ``$FRACPLUGIN_IMAGE_ARCHIVE``): one OCI image index with
+an image for linux/amd64 and one for linux/arm64 (``scripts/image_sbom.py``
+``read_index``, the reader the release's SBOM uses). For each image it unpacks
+the layers in order with ``tarfile`` (OCI whiteouts applied) into a root
+filesystem, and checks:
 
 - the image config: ENTRYPOINT ``["fracplugin", "run"]``, ``/opt/venv/bin``
-  first on PATH, the Dockerfile's ENV (MALLOC_ARENA_MAX, NVIDIA_*), root user;
+  first on PATH, the Dockerfile's ENV (MALLOC_ARENA_MAX, NVIDIA_*), root user,
+  the index's architecture;
+- every ELF file (programs, shared libraries, the wheels' native modules) is
+  for that architecture: ``e_machine`` of its ELF header (62 x86-64, 183
+  AArch64; System V ABI, ELF header), read with Python, no ``file`` needed;
 - the contents: the ``fracplugin`` entry point in the virtualenv, no
   compiler, no pip, no uv, nothing under ``/var/lib/apt/lists``, no NVML or
   MPS binaries (they come from the host driver through the NVIDIA container
   toolkit: ADR 0002, 0027);
-- the size of the archive (printed; bounded so that a build that drags in a
+- the size of each image (printed; bounded so that a build that drags in a
   toolchain fails);
-- ``fracplugin version`` and an import of every module the daemon loads, run
-  in the unpacked root filesystem under runc with the DaemonSet's settings
-  (read-only root, every capability dropped and the chart's set added back,
-  no new privileges), and once by chroot;
-- ``fracplugin run`` on the simulated node in the same container: /healthz,
-  /readyz, /metrics and ``fracplugin status`` answer, SIGTERM ends it with 0.
+- the SBOM ``scripts/image_sbom.py`` writes for it lists the image's Debian
+  packages and Python distributions with their architecture and versions.
 
-Nothing is skipped: a missing archive, runc or root is a failure naming what
-to run (ADR 0027).
+The image of the machine's own architecture runs: ``fracplugin version`` and
+an import of every module the daemon loads in the unpacked root filesystem
+under runc with the DaemonSet's settings (read-only root, every capability
+dropped and the chart's set added back, no new privileges), and once by
+chroot; ``fracplugin run`` on the simulated node in the same container:
+/healthz, /readyz, /metrics and ``fracplugin status`` answer, SIGTERM ends it
+with 0. The other architecture's image runs ``fracplugin version`` and the
+same imports by chroot under qemu-user-static (binfmt_misc; ``make image``
+registers the handler it needs).
+
+Nothing is skipped: a missing archive, architecture, runc, emulation or root
+is a failure naming what to run (ADR 0027).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import tomllib
 import uuid
@@ -45,10 +60,15 @@ REPO = Path(__file__).resolve().parents[2]
 IMAGE_DIR = REPO / "build" / "image"
 VALUES = REPO / "deploy" / "helm" / "fracplugin" / "values.yaml"
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-# The archive measured 73 MB with Debian bookworm's python3.11 (docs/e2e.md);
-# a compiler (gcc alone: ~40 MB compressed) or a second interpreter would
-# pass this bound.
-MAX_ARCHIVE_BYTES = 100 * 1024 * 1024
+# One image's gzip layers measured 73 MB with Debian bookworm's python3.11
+# (docs/e2e.md); a compiler (gcc alone: ~40 MB compressed) or a second
+# interpreter would pass this bound.
+MAX_IMAGE_BYTES = 100 * 1024 * 1024
+# What make image builds, and each one's ELF e_machine (System V ABI: EM_X86_64, EM_AARCH64).
+ARCHES = ("amd64", "arm64")
+E_MACHINE = {"amd64": 62, "arm64": 183}
+NATIVE_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}[platform.machine()]
+PYTHON_VERSION = re.search(r"^ARG PYTHON_VERSION=(\S+)$", (REPO / "Dockerfile").read_text(), re.M).group(1)  # type: ignore[union-attr]
 RUN_TIMEOUT_S = 120  # a bound on a hung runc, not a wait: each command returns when it exits
 
 COMPILER = re.compile(r"^(usr/)?(local/)?bin/((x86_64|aarch64)-linux-gnu-)?(gcc|g\+\+|cc|c\+\+|clang|clang\+\+|cpp|ld|as)(-[0-9.]+)?$")
@@ -64,28 +84,16 @@ def archive_path() -> Path:
     return path
 
 
-def read_oci(path: Path) -> tuple[dict[str, Any], list[bytes]]:
-    """(image config, layer blobs in order) of an OCI archive (OCI image
-    layout in a tar: index.json -> manifest [-> nested index] -> config and
-    layers, blobs at blobs/<alg>/<hex>). Raises AssertionError on a layout that
-    is not one image for linux/amd64."""
-    with tarfile.open(path) as t:
-        def blob(digest: str) -> bytes:
-            alg, _, hexd = digest.partition(":")
-            f = t.extractfile(f"blobs/{alg}/{hexd}")
-            assert f is not None, f"{path}: blob {digest} missing"
-            return f.read()
+def _load_sbom_module() -> Any:
+    spec = importlib.util.spec_from_file_location("image_sbom", REPO / "scripts" / "image_sbom.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["image_sbom"] = mod  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
 
-        index = json.loads(t.extractfile("index.json").read())  # type: ignore[union-attr]
-        descs = index["manifests"]
-        assert len(descs) == 1, f"{path}: want one image in index.json, found {len(descs)}"
-        doc = json.loads(blob(descs[0]["digest"]))
-        while "manifests" in doc:  # a nested index: pick linux/amd64
-            picks = [d for d in doc["manifests"] if d.get("platform", {}).get("architecture") in (None, "amd64")]
-            doc = json.loads(blob(picks[0]["digest"]))
-        config = json.loads(blob(doc["config"]["digest"]))
-        layers = [blob(d["digest"]) for d in doc["layers"]]
-    return config, layers
+
+image_sbom = _load_sbom_module()
 
 
 def unpack(layers: list[bytes], root: Path) -> None:
@@ -140,13 +148,64 @@ def files_of(root: Path) -> list[str]:
     return sorted(out)
 
 
+def elf_machine(head: bytes) -> int | None:
+    """``e_machine`` of an ELF header (its first 20 bytes or more), in the
+    byte order EI_DATA names (1 little, 2 big endian); None if ``head`` is not
+    ELF (no ``\\x7fELF`` magic). System V ABI, "ELF Header"."""
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return None
+    return int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+
+
+def elf_files(root: Path, files: list[str]) -> dict[str, int]:
+    """Every regular file of the tree that is ELF, with its ``e_machine``."""
+    out = {}
+    for f in files:
+        p = root / f
+        if p.is_file() and not p.is_symlink():
+            with open(p, "rb") as fh:
+                m = elf_machine(fh.read(20))
+            if m is not None:
+                out[f] = m
+    return out
+
+
+_unpacked: dict[str, dict[str, Any]] = {}
+
+
+def load_image(arch: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The ``arch`` image of the archive, unpacked once per test session:
+    path, config, root, files, layer count, layer bytes, manifest digest."""
+    if arch not in _unpacked:
+        path = archive_path()
+        images = image_sbom.read_index(path)
+        assert arch in images, f"{path}: no linux/{arch} image in the index (has {sorted(images)}): run `make image`"
+        img = images[arch]
+        root = tmp_path_factory.mktemp(f"image-{arch}") / "rootfs"
+        unpack(img.layers, root)
+        _unpacked[arch] = {"path": path, "arch": arch, "config": img.config, "root": root, "files": files_of(root),
+                           "layers": len(img.layers), "layer_bytes": sum(len(x) for x in img.layers), "oci": img}
+    return _unpacked[arch]
+
+
+@pytest.fixture(scope="module", params=ARCHES)
+def image(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Each architecture's image in turn."""
+    return load_image(request.param, tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def native(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The image of this machine's architecture (the one runc runs)."""
+    return load_image(NATIVE_ARCH, tmp_path_factory)
+
+
+def test_archive_is_one_index_of_both_architectures() -> None:
     path = archive_path()
-    config, layers = read_oci(path)
-    root = tmp_path_factory.mktemp("image") / "rootfs"
-    unpack(layers, root)
-    return {"path": path, "config": config, "root": root, "files": files_of(root), "layers": len(layers)}
+    images = image_sbom.read_index(path)
+    assert sorted(images) == sorted(ARCHES), f"{path}: index has {sorted(images)}, want {sorted(ARCHES)}"
+    print(f"{path}: {path.stat().st_size / 1e6:.1f} MB, " + ", ".join(
+        f"linux/{a} {images[a].manifest_digest[:19]}" for a in images))
 
 
 def test_image_config(image: dict[str, Any]) -> None:
@@ -158,7 +217,32 @@ def test_image_config(image: dict[str, Any]) -> None:
     assert env.get("MALLOC_ARENA_MAX") == "2"
     assert env.get("NVIDIA_DRIVER_CAPABILITIES") == "compute,utility"
     assert cfg.get("User") in ("0:0", "0")
-    assert image["config"]["architecture"] == "amd64" and image["config"]["os"] == "linux"
+    assert image["config"]["architecture"] == image["arch"] and image["config"]["os"] == "linux"
+
+
+def test_every_binary_is_for_the_image_architecture(image: dict[str, Any]) -> None:
+    elves = elf_files(image["root"], image["files"])
+    want = E_MACHINE[image["arch"]]
+    wrong = {f: m for f, m in elves.items() if m != want}
+    print(f"linux/{image['arch']}: {len(elves)} ELF files, all e_machine {want}" if not wrong else "")
+    assert not wrong, f"linux/{image['arch']}: {len(wrong)} of {len(elves)} ELF files are not e_machine {want}: " + \
+        ", ".join(f"/{f} ({m})" for f, m in sorted(wrong.items())[:20])
+    # the interpreter, the C library and a wheel's native module are among those checked
+    native_modules = [f for f in elves if f.startswith("opt/venv/") and f.endswith(".so")]
+    assert f"usr/bin/python{PYTHON_VERSION}" in elves and native_modules, sorted(elves)[:40]
+    assert any(re.search(r"(^|/)libc\.so\.6$", f) for f in elves), "no libc.so.6 among the ELF files"
+    assert any("/grpc/" in f for f in native_modules), native_modules
+
+
+def test_elf_machine_reads_the_header() -> None:
+    """The header reader on made-up headers: both byte orders, both machines
+    the images are built for, and files that are not ELF."""
+    def header(machine: int, data: int) -> bytes:
+        order = "little" if data == 1 else "big"
+        return b"\x7fELF" + bytes([2, data, 1, 0]) + bytes(8) + (2).to_bytes(2, order) + machine.to_bytes(2, order)
+    assert elf_machine(header(62, 1)) == 62 and elf_machine(header(183, 1)) == 183
+    assert elf_machine(header(183, 2)) == 183
+    assert elf_machine(b"#!/bin/sh\n" + bytes(20)) is None and elf_machine(b"\x7fELF") is None
 
 
 def content_problems(root: Path, files: list[str]) -> list[str]:
@@ -227,9 +311,31 @@ def test_unpack_applies_whiteouts_and_the_checks_see_what_is_left(tmp_path: Path
 
 
 def test_image_size(image: dict[str, Any]) -> None:
-    size = image["path"].stat().st_size
-    print(f"{image['path']}: {size / 1e6:.1f} MB, {image['layers']} layers, {len(image['files'])} paths")
-    assert size <= MAX_ARCHIVE_BYTES, f"{image['path']} is {size / 1e6:.1f} MB, over {MAX_ARCHIVE_BYTES / 1e6:.0f} MB"
+    size = image["layer_bytes"]
+    print(f"linux/{image['arch']}: {size / 1e6:.1f} MB of gzip layers, {image['layers']} layers,"
+          f" {len(image['files'])} paths")
+    assert size <= MAX_IMAGE_BYTES, f"linux/{image['arch']} is {size / 1e6:.1f} MB, over {MAX_IMAGE_BYTES / 1e6:.0f} MB"
+
+
+def test_sbom_lists_the_image_packages(image: dict[str, Any]) -> None:
+    """scripts/image_sbom.py on this image: every Debian package dpkg lists as
+    installed and every distribution in the virtualenv, with the image's
+    architecture and the versions the image holds."""
+    doc = image_sbom.sbom(image["oci"], VERSION)
+    arch, root = image["arch"], image["root"]
+    purls = {p["name"]: p["externalRefs"][0]["referenceLocator"] for p in doc["packages"]}
+    assert doc["spdxVersion"] == "SPDX-2.3" and doc["name"] == f"fracplugin-{VERSION}-linux-{arch}"
+    status = (root / "var/lib/dpkg/status").read_text()
+    installed = re.findall(r"^Package: (\S+)\n(?:.+\n)*?Status: install ok installed", status, re.M)
+    debs = {n for n, u in purls.items() if u.startswith("pkg:deb/")}
+    assert debs == set(installed), set(installed) ^ debs
+    py = re.search(rf"^Package: python{PYTHON_VERSION}\n(?:.+\n)*?Version: (\S+)", status, re.M)
+    assert py and purls[f"python{PYTHON_VERSION}"].endswith(f"?arch={arch}"), purls[f"python{PYTHON_VERSION}"]
+    dists = sorted(p.name for p in root.glob("opt/venv/lib/python*/site-packages/*.dist-info"))
+    pypi = [u for u in purls.values() if u.startswith("pkg:pypi/")]
+    assert len(pypi) == len(dists) and f"pkg:pypi/fracplugin@{VERSION}" in pypi, (pypi, dists)
+    assert any(u.startswith("pkg:pypi/grpcio@") for u in pypi), pypi
+    assert len(doc["relationships"]) == len(doc["packages"]) - 1
 
 
 def chart_capabilities() -> list[str]:
@@ -273,21 +379,24 @@ def runc_run(image: dict[str, Any], args: list[str], bundle: Path,
         subprocess.run([runc, "delete", "--force", cid], capture_output=True)
 
 
-def test_fracplugin_version_under_runc(image: dict[str, Any], tmp_path: Path) -> None:
-    r = runc_run(image, ["fracplugin", "version"], tmp_path / "bundle")
+def test_fracplugin_version_under_runc(native: dict[str, Any], tmp_path: Path) -> None:
+    r = runc_run(native, ["fracplugin", "version"], tmp_path / "bundle")
     assert r.returncode == 0, f"fracplugin version under runc: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
     assert VERSION in r.stdout, r.stdout
 
 
-def test_daemon_modules_import_under_runc(image: dict[str, Any], tmp_path: Path) -> None:
+# Every module `fracplugin run` loads.
+IMPORTS = ("import importlib\n"
+           "for m in ('fracplugin.cli', 'fracplugin.daemon', 'grpc', 'google.protobuf', 'kubernetes', 'pynvml',"
+           " 'prometheus_client', 'yaml', 'tenacity', 'ssl'):\n"
+           "    importlib.import_module(m)\n"
+           "print('ok')\n")
+
+
+def test_daemon_modules_import_under_runc(native: dict[str, Any], tmp_path: Path) -> None:
     """Every module ``fracplugin run`` loads imports in the image (the
     wheels' native parts match the base's glibc and Python)."""
-    code = ("import importlib\n"
-            "for m in ('fracplugin.cli', 'fracplugin.daemon', 'grpc', 'google.protobuf', 'kubernetes', 'pynvml',"
-            " 'prometheus_client', 'yaml', 'tenacity', 'ssl'):\n"
-            "    importlib.import_module(m)\n"
-            "print('ok')\n")
-    r = runc_run(image, ["python", "-c", code], tmp_path / "bundle")
+    r = runc_run(native, ["python", "-c", IMPORTS], tmp_path / "bundle")
     assert r.returncode == 0 and r.stdout.strip() == "ok", f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
 
 
@@ -324,11 +433,11 @@ print(json.dumps(out))
 """
 
 
-def test_daemon_serves_under_runc_with_the_daemonset_settings(image: dict[str, Any], tmp_path: Path) -> None:
+def test_daemon_serves_under_runc_with_the_daemonset_settings(native: dict[str, Any], tmp_path: Path) -> None:
     """``fracplugin run`` in the image under the chart's capabilities and a
     read-only root: health, readiness, /metrics and ``fracplugin status``
     answer, and SIGTERM ends it cleanly."""
-    r = runc_run(image, ["python", "-c", DAEMON_PROBE], tmp_path / "bundle",
+    r = runc_run(native, ["python", "-c", DAEMON_PROBE], tmp_path / "bundle",
                  binds={"/sim": REPO / "examples" / "nodes"})
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -342,12 +451,35 @@ def test_daemon_serves_under_runc_with_the_daemonset_settings(image: dict[str, A
     assert out["exit"] == 0, r.stderr[-4000:]
 
 
-def test_fracplugin_version_by_chroot(image: dict[str, Any]) -> None:
-    """The same without a runtime: chroot into the unpacked tree (root), with
-    the image's environment."""
+def chroot_run(image: dict[str, Any], args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``args`` run by chroot into the unpacked tree (root), with the image's environment."""
     assert os.geteuid() == 0, "make image-test chroots into the image as root"
     env = dict(e.split("=", 1) for e in image["config"]["config"].get("Env", []))
-    r = subprocess.run(["chroot", str(image["root"]), "/opt/venv/bin/fracplugin", "version"], capture_output=True,
-                       text=True, env=env, timeout=RUN_TIMEOUT_S)
+    return subprocess.run(["chroot", str(image["root"]), *args], capture_output=True, text=True, env=env,
+                          timeout=RUN_TIMEOUT_S)
+
+
+def test_fracplugin_version_by_chroot(native: dict[str, Any]) -> None:
+    """The same without a runtime: chroot into the unpacked tree (root), with
+    the image's environment."""
+    r = chroot_run(native, ["/opt/venv/bin/fracplugin", "version"])
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
     assert VERSION in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHES if a != NATIVE_ARCH])
+def test_foreign_image_runs_under_emulation(arch: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The other architecture's image, by chroot under qemu-user-static
+    (binfmt_misc, the handler ``make image`` registered): its interpreter,
+    ``fracplugin version`` and an import of every module the daemon loads,
+    so its wheels' native modules load on its own glibc."""
+    machine = {"amd64": "x86_64", "arm64": "aarch64"}[arch]
+    handler = Path(f"/proc/sys/fs/binfmt_misc/qemu-{machine}")
+    assert handler.is_file() and handler.read_text().startswith("enabled"), (
+        f"no enabled binfmt_misc handler {handler}: apt-get install -y qemu-user-static arch-test, then"
+        " `make image` registers it")
+    image = load_image(arch, tmp_path_factory)
+    r = chroot_run(image, ["/opt/venv/bin/fracplugin", "version"])
+    assert r.returncode == 0 and VERSION in r.stdout, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    r = chroot_run(image, ["/opt/venv/bin/python", "-c", IMPORTS + "import platform; print(platform.machine())\n"])
+    assert r.returncode == 0 and r.stdout.split() == ["ok", machine], f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"

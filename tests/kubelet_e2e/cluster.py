@@ -414,14 +414,18 @@ class Cluster:
 
 def pod_manifest(name: str, *, gib: int | None = None, annotations: dict[str, str] | None = None,
                  init: bool = False, command: list[str] | None = None,
-                 restart: str = "Never") -> dict[str, Any]:
+                 restart: str = "Never", init_gib: int | None = None) -> dict[str, Any]:
     """A bare pod for our node: host network, no service account token,
     ``spec.nodeName`` set (no scheduler), the imported busybox image (never
-    pulled), requesting ``gib`` devices of our resource (1 device = 1 GiB)."""
-    res = {"limits": {RESOURCE: str(gib)}} if gib else {}
+    pulled), requesting ``gib`` devices of our resource (1 device = 1 GiB).
+    ``init``: an init container (``/bin/true``) requesting ``init_gib``
+    devices (default ``gib``)."""
+    def res_of(n: int | None) -> dict[str, Any]:
+        return {"limits": {RESOURCE: str(n)}} if n else {}
 
-    def container(cname: str, cmd: list[str]) -> dict[str, Any]:
-        return {"name": cname, "image": h.IMAGE, "imagePullPolicy": "Never", "command": cmd, "resources": res}
+    def container(cname: str, cmd: list[str], n: int | None = gib) -> dict[str, Any]:
+        return {"name": cname, "image": h.IMAGE, "imagePullPolicy": "Never", "command": cmd,
+                "resources": res_of(n)}
 
     spec: dict[str, Any] = {
         "nodeName": NODE,
@@ -432,7 +436,7 @@ def pod_manifest(name: str, *, gib: int | None = None, annotations: dict[str, st
         "containers": [container("app", command or ["/bin/sleep", "3600"])],
     }
     if init:
-        spec["initContainers"] = [container("init", ["/bin/true"])]
+        spec["initContainers"] = [container("init", ["/bin/true"], gib if init_gib is None else init_gib)]
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "default", "annotations": annotations or {}},
             "spec": spec}

@@ -11,7 +11,12 @@ i10): written to assert the RIGHT behaviour, kept apart from
   plan, given at once (a planned answer, not the fallback after the deadline);
 * 7: an init container and an app container requesting the resource: kubelet
   hands the app the init container's devices (D6); one reservation, and
-  kubelet's PodResources List agrees with fracplugin's /status after each step.
+  kubelet's PodResources List agrees with fracplugin's /status after each step;
+* issue 34 input 1: an init container and an app container of different
+  sizes (device plugin shape, no annotations; init 2 / app 3 and init 3 /
+  app 2): kubelet gives the app the init's devices plus or minus some; the
+  pod reaches Running (init completed) and the ledger never holds more than
+  the larger for it (ADR 0033 decision 3).
 """
 
 from __future__ import annotations
@@ -118,3 +123,51 @@ def test_init_and_app_container_one_reservation_podresources_agrees(cluster, dae
     pods.delete_all()
     k.wait_for(lambda: not [t for t in ledger(daemon) if t["pod_name"] == "b7"], 60, "b7's reservation released")
     assert ("b7", "app") not in podresources(c)
+
+
+@pytest.mark.parametrize(("init_gib", "app_gib"), [(2, 3), (3, 2)], ids=["init2-app3", "init3-app2"])
+def test_init_and_app_of_different_sizes_run(cluster, daemon, pods, init_gib, app_gib):
+    """Issue 34 input 1 on the real kubelet: the init container's devices
+    go again to the app container, plus or minus some (``devicesToReuse``);
+    both keys are one hold on the union of their devices. The pod reaches
+    Running with its init completed, each container got its own size, and
+    the ledger never held more than the larger for this pod (sampled while
+    it started: its own entries and those no container claimed yet)."""
+    c = cluster
+    _advertised(c)
+    name = f"i34-init{init_gib}-app{app_gib}"
+    most = max(init_gib, app_gib) * 1024
+    seen: list[int] = []
+
+    def held() -> int:  # this pod's, and reservations whose holder is not known yet (they may be its)
+        mib = sum(t["request_mib"] for t in ledger(daemon) if t["pod_name"] in (name, ""))
+        seen.append(mib)
+        return mib
+
+    pods.create(k.pod_manifest(name, gib=app_gib, init=True, init_gib=init_gib))
+
+    def running():
+        held()
+        p = pods.get(name)
+        if p.status.phase == "Failed":
+            raise k.HarnessError(f"pod {name} failed: {p.status.reason}: {p.status.message}")
+        cs = p.status.container_statuses or []
+        return p if cs and all(s.state.running for s in cs) else None
+    k.wait_for(running, 120, f"pod {name} running", interval=0.2)
+    p = pods.get(name)
+    (init,) = p.status.init_container_statuses
+    assert init.state.terminated is not None and init.state.terminated.exit_code == 0, init.state
+    pr = podresources(c)
+    app_ids = pr[(name, "app")]
+    assert len(app_ids) == app_gib
+    init_ids = pr.get((name, "init"))
+    if init_ids is not None:  # kubelet reuses the init's devices: the app's share a GPU with them
+        assert len(init_ids) == init_gib and _gpu_of(init_ids) == _gpu_of(app_ids)
+    env = container_env(c, pods.container_id(name))
+    assert env["NVIDIA_VISIBLE_DEVICES"] == _gpu_of(app_ids)
+    assert env["NVIDIA_GPU_MEMORY_REQUEST"] == str(app_gib * 1024)
+    assert env.get("FRACPLUGIN_RESERVATION_PROOF", "") == ""  # checked once, then out of the env
+    mine = [t for t in ledger(daemon) if t["pod_name"] == name]
+    assert [(t["container"], t["request_mib"]) for t in mine] == [("app", app_gib * 1024)], mine
+    held()
+    assert max(seen) <= most, seen

@@ -343,12 +343,15 @@ class FakeKubelet:
 class FakePodResources(prpb_grpc.PodResourcesListerServicer):
     """PodResources v1 server answering from ``self.pods``:
     ``{(namespace, name): {container: {resource: [device ids]}}}``;
-    ``get_implemented = False`` answers Get UNIMPLEMENTED (the feature gate off)."""
+    ``get_implemented = False`` answers Get UNIMPLEMENTED (the feature gate off);
+    ``lists`` counts the List calls answered (a test waits for a whole
+    reconcile pass after a change)."""
 
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
         self.pods: dict[tuple[str, str], dict[str, dict[str, list[str]]]] = {}
         self.get_implemented = True
+        self.lists = 0
         self._server: grpc.Server | None = None
 
     def start(self) -> "FakePodResources":
@@ -367,7 +370,9 @@ class FakePodResources(prpb_grpc.PodResourcesListerServicer):
             for cname, res in self.pods[(ns, name)].items()])
 
     def List(self, request: prpb.ListPodResourcesRequest, context: grpc.ServicerContext) -> prpb.ListPodResourcesResponse:  # noqa: N802
-        return prpb.ListPodResourcesResponse(pod_resources=[self._pod(ns, n) for ns, n in self.pods])
+        resp = prpb.ListPodResourcesResponse(pod_resources=[self._pod(ns, n) for ns, n in self.pods])
+        self.lists += 1
+        return resp
 
     def Get(self, request: prpb.GetPodResourcesRequest, context: grpc.ServicerContext) -> prpb.GetPodResourcesResponse:  # noqa: N802
         if not self.get_implemented:

@@ -5,10 +5,15 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
+import pytest
+
 from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
-from fracplugin.model import ComputeMode, Tenancy
-from fracplugin.reservations import ReservationProofs, claim_problem, hold_of, proof_of, proofs_of, unbind_gone
+from fracplugin.model import ComputeMode, FractionError, Tenancy
+from fracplugin.noderules import status_of
+from fracplugin.reservations import (CODE_CLAIM, CODE_PENDING, ReservationProofs, claim_problem, hold_of, proof_of,
+                                     proofs_of, running_overlaps, take_over, unbind_gone)
+from fracplugin.rpcstatus import StatusCode
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01::0-3"
@@ -86,3 +91,35 @@ def test_unbind_gone_clears_containers_the_runtime_no_longer_runs() -> None:
                 reservation=KEY)
     assert [x.container_id for x in unbind_gone([t], {"c1"})] == ["c1"]
     assert [x.container_id for x in unbind_gone([t], set())] == [""]
+
+
+def test_a_pending_key_waits_for_the_running_holder_then_takes_its_devices_over(tmp_path: Path) -> None:
+    """ADR 0033 decision 2: a key Allocated while a running container of
+    another pod holds its devices is pending (kept on disk); its container
+    is refused transiently while that one runs, accepted once it stopped,
+    and ``take_over`` then releases the stopped holder's overlapping
+    reservation (the key's own entries are replaced by the admission)."""
+    node = load_node(str(REPO / "examples" / "nodes" / "gpu-node-1.yaml"))
+    ledger = Ledger(node, tmp_path / "ledger.json")
+    other = KEY.split("::")[0] + "::2-5"
+    _held(ledger, "uid-owner", "c1")  # KEY (::0-3) held by a running container of pod owner
+    proofs = proofs_of(ledger)
+    proof = proofs.issue(other)
+    proofs.pend(other)
+    assert ReservationProofs(tmp_path / "reservation-proofs.json").is_pending(other)  # survives a restart
+    assert [t.reservation for t in running_overlaps(ledger, other)] == [KEY]
+    assert running_overlaps(ledger, other, "uid-owner") == []  # the holder's own pod is not in its way
+    err = claim_problem(ledger, other, "uid-new", proof, node.name)
+    assert err is not None and err.code == CODE_PENDING and status_of(err.code) == StatusCode.UNAVAILABLE
+    assert "running container default/owner/app (pod uid uid-owner, container id c1" in err.message, err.message
+    wrong = claim_problem(ledger, other, "uid-new", "f" * 32, node.name)
+    assert wrong is not None and wrong.code == CODE_CLAIM and "names no reservation" in wrong.message
+    with pytest.raises(FractionError) as exc:
+        take_over(ledger, other, "uid-new")
+    assert exc.value.code == CODE_PENDING and [t.reservation for t in ledger.tenancies()] == [KEY]
+    _held(ledger, "uid-owner")  # its container stopped (the reservation stays with its pod)
+    assert claim_problem(ledger, other, "uid-new", proof, node.name) is None
+    assert [t.reservation for t in take_over(ledger, other, "uid-new")] == [KEY]
+    assert ledger.tenancies() == []
+    proofs.settle(other)
+    assert not proofs.is_pending(other) and take_over(ledger, other, "uid-new") == []  # not pending: nothing

@@ -9,12 +9,18 @@ Allocate (docs/reference/kubelet-device-plugin.md A.5, A.6; issue 10):
 * the request is checked (one container request, canonical IDs of this
   node, the same count on every GPU, no Unhealthy GPU);
 * the reservation key is the device IDs (``allocation.reservation_key``);
-  a reservation bound to a pod that shares a device with it is released
-  (kubelet freed it: a finished Job, or a force-deleted pod whose container
-  the runtime has not stopped yet: ADR 0033 decision 2, open); one no
-  container claimed yet is kept as one hold with the
-  new key, under the union of their devices (an init container's devices
-  reused by the app container, plus or minus some; ``reservations``: aliases);
+  when a running container of another pod holds one of its devices (a
+  force-deleted pod whose container the runtime has not stopped yet: kubelet
+  hands its devices on at once), the Allocate is answered (a refused
+  Allocate is terminal for the pod) but nothing is recorded and nothing
+  released: the reservation is *pending* (``reservations``, ADR 0033
+  decision 2), its container waits at CreateContainer until that container
+  stopped. Otherwise a reservation bound to a pod that shares a device with
+  it is released (kubelet freed it: a finished Job); one no container
+  claimed yet (or a pending one nothing blocks any more) is kept as one
+  hold with the new key, under the union of their devices (an init
+  container's devices reused by the app container, plus or minus some;
+  ``reservations``: aliases);
 * an existing reservation with the same key whose holder is known (a
   re-Allocate after a kubelet restart) gets its recorded answer at once;
 * otherwise the pending pods that may be the one being admitted are the
@@ -120,6 +126,7 @@ class Allocator:
         self._hints: dict[str, set[str]] = {}  # reservation key -> live candidate pod uids
         self._made: dict[str, float] = {}  # reservation key -> monotonic time of its Allocate
         self._holds: dict[str, str] = {}  # this Allocate's key -> the union hold it is recorded under
+        self._pending_hints: dict[str, set[str]] = {}  # pending key -> live candidate pod uids (ADR 0033)
         self._deleted: list[tuple[float, Mapping[str, Any]]] = []
         # reservation key -> pod (ns/name) gone from the API while the runtime
         # still ran its container: released once no container holds it (issue 25 item 5)
@@ -178,17 +185,27 @@ class Allocator:
         """Answer one Allocate (module docstring). Raises Refusal. The
         answer's env carries the reservation's proof
         (``reservations.ENV_RESERVATION_PROOF``: new for a new Allocate of
-        the key, the same for a re-Allocate answered as recorded; ADR 0024)."""
+        the key, the same for a re-Allocate answered as recorded; ADR 0024).
+        ``kind`` ``pending``: nothing recorded, the key is pending on the
+        release of devices a running container holds (ADR 0033)."""
         by_gpu, _ = self.validate(device_lists)
-        before = self.ledger.reservation(
-            al.reservation_key({u: [parse_device_id(d)[1] for d in v] for u, v in by_gpu.items()}))
-        a = self._allocate(device_lists)
+        key = al.reservation_key({u: [parse_device_id(d)[1] for d in v] for u, v in by_gpu.items()})
+        before = self.ledger.reservation(key)
         proofs = reservations.proofs_of(self.ledger)
+        was_pending = proofs.is_pending(key)
+        a = self._allocate(device_lists)
         # the same proof for the same allocation (a re-Allocate answered as recorded,
         # an app container reusing its init container's IDs: the reservation was
-        # unbound); a new one when kubelet gives the IDs to another holder
-        same = a.kind == "reserved" or bool(before and not before[0].bound)
+        # unbound or still pending); a new one when kubelet gives the IDs to another holder
+        if a.kind == "pending":
+            same = was_pending
+        else:
+            same = a.kind == "reserved" or bool(before and not before[0].bound)
         proof = proofs.current_or_issue(a.key) if same else proofs.issue(a.key)
+        if a.kind == "pending":
+            proofs.pend(a.key)
+        elif a.kind != "reserved":
+            proofs.settle(a.key)
         return dataclasses.replace(a, env={**a.env, reservations.ENV_RESERVATION_PROOF: proof})
 
     def _allocate(self, device_lists: Sequence[Sequence[str]]) -> Answer:
@@ -204,23 +221,46 @@ class Allocator:
             if existing and existing[0].bound:
                 if self._holder_live(existing[0]):
                     return self._stored(existing, key, "a re-Allocate of a reservation whose holder is known")
-            existing = self.ledger.reservation(key)
-            if existing and existing[0].bound:
-                # The holder ended and no container of it runs: kubelet gives the devices to another pod.
-                self.ledger.release_reservation(key)
-                self._forget(key)
-            self._absorb_overlapping(key)
+            # A running container's hold ends only with that container (ADR 0033 decision 1): devices
+            # one of them holds make this Allocate pending on their release, answered, nothing recorded.
+            waits = reservations.running_overlaps(self.ledger, key)
+            pending_on = frozenset(t.reservation for t in waits)
+            if waits:
+                reservations.proofs_of(self.ledger).unalias(key)
+                log.warning("Allocate %s: %s names devices %s holds; answered, pending on their release (the "
+                            "container waits at CreateContainer until that one stopped)", self.resource_name, key,
+                            reservations.waiting_text(waits[0]))
+            else:
+                existing = self.ledger.reservation(key)
+                if existing and existing[0].bound:
+                    # The holder ended and no container of it runs: kubelet gives the devices to another pod.
+                    self.ledger.release_reservation(key)
+                    self._forget(key)
+                self._absorb_overlapping(key)
+        answer = self._answer(uuids, key, request_mib, count, pending_on)
+        if pending_on:
+            self.counters.bump("pending")
+            return dataclasses.replace(answer, kind="pending")
+        return answer
+
+    def _answer(self, uuids: tuple[str, ...], key: str, request_mib: int, count: int,
+                pending_on: frozenset[str]) -> Answer:
+        """The planned answer for the pod being admitted, or the fallback
+        (module docstring); ``pending_on``: the reservations whose running
+        holders this one waits on (planned as if they were gone, nothing
+        recorded). Raises Refusal."""
         if self.pod_source is None:
             with self._lock:
-                return self._fallback(uuids, key, request_mib, True, "no API access configured (no pod source)")
+                return self._fallback(uuids, key, request_mib, True, "no API access configured (no pod source)",
+                                      pending_on=pending_on)
         deadline = time.monotonic() + self.allocate_deadline_s
         while True:
             with self._lock:
                 cands = self._candidates(count)
                 if cands:
-                    return self._allocate_for(cands, uuids, key, request_mib, count)
+                    return self._allocate_for(cands, uuids, key, request_mib, count, pending_on)
                 existing = self.ledger.reservation(key)
-                if existing:  # an init container's IDs again, or a re-Allocate: same reservation
+                if existing and not pending_on:  # an init container's IDs again, or a re-Allocate: same reservation
                     return self._stored(existing, key, "the same device IDs as a recorded reservation")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -228,11 +268,12 @@ class Allocator:
                     return self._fallback(
                         uuids, key, request_mib, True,
                         f"no pending pod on node {self.node.name} requests {count} {self.resource_name} "
-                        f"within {self.allocate_deadline_s:.1f} s (pod deleted or API slow)")
+                        f"within {self.allocate_deadline_s:.1f} s (pod deleted or API slow)", pending_on=pending_on)
             if not self.pod_source.ready():
                 with self._lock:
                     return self._fallback(uuids, key, request_mib, True,
-                                          "pod source not ready (API server unreachable or not synced)")
+                                          "pod source not ready (API server unreachable or not synced)",
+                                          pending_on=pending_on)
             self.pod_source.wait(min(remaining, 0.1))
 
     def _holder_live(self, t: Tenancy) -> bool:
@@ -253,14 +294,17 @@ class Allocator:
         return Answer(dict(plan.env), plan.mounts, plan.device_uuids, key, "reserved")
 
     def _absorb_overlapping(self, key: str) -> None:
-        """Reservations sharing a device with ``key``. One bound to a pod:
-        kubelet freed its devices (the pod ended, or was force-deleted while
-        its container still runs: ADR 0033, "What is left"), released. One not bound
+        """Reservations sharing a device with ``key`` (no running container
+        holds one: that Allocate is pending instead). One bound to a pod:
+        kubelet freed its devices (the pod ended), released. One not bound
         yet: kubelet handing an init container's devices again to a later
         container of the same pod (its device manager reuses them), or to the
         next pod of a deleted one; it stays one hold with ``key``, recorded
         under the union of their devices (memory counted once), every key an
-        alias of it (``reservations``; issue 34 item 1)."""
+        alias of it (``reservations``; issue 34 item 1). A pending key
+        (not in the ledger) whose devices no running container holds any
+        more is taken in the same way (an init container's Allocate
+        answered pending, its running holder stopped before the app's)."""
         self._holds.pop(key, None)
         keys = {t.reservation for t in self.ledger.tenancies() if t.door == al.DOOR_ALLOCATE and t.reservation != key}
         absorbed: list[str] = []
@@ -277,6 +321,12 @@ class Allocator:
                 who = _holder(gone[0]) if gone else "?"
                 log.info("reservation %s (%s) released: kubelet allocated its devices again (%s)", other, who, key)
         proofs = reservations.proofs_of(self.ledger)
+        for other in proofs.pending_keys():
+            if other != key and al.overlaps(other, key) and not reservations.running_overlaps(self.ledger, other):
+                proofs.settle(other)
+                absorbed.append(other)
+                log.info("pending reservation %s (nothing in its way any more) shares devices with %s: one hold",
+                         other, key)
         proofs.unalias(key)
         if absorbed:
             by: dict[str, set[int]] = {}
@@ -329,7 +379,7 @@ class Allocator:
                                   reserve_mib=self.planner_config.reserve_mib)
 
     def _plan(self, cand: podlookup.Candidate, uuids: Sequence[str], key: str, request_mib: int,
-              count: int) -> ContainerPlan:
+              count: int, pending_on: frozenset[str] = frozenset()) -> ContainerPlan:
         md = cand.pod.get("metadata") or {}
         pod = PodRef(str(md.get("namespace") or "default"), str(md.get("name") or ""), cand.uid)
         req, ignored = self.request_for(cand, uuids, request_mib, count)
@@ -342,16 +392,16 @@ class Allocator:
                                               inits + apps) + annotation_lint.ignored_forms(
                 dict(md.get("annotations") or {}), self.planner_config.annotation_prefix, cand.container, apps):
             log.warning("Allocate: pod %s container %s: %s", podlookup.pod_key(cand.pod), cand.container, x.message)
-        return self.rules.plan(req, pod, reservation=key)
+        return self.rules.plan(req, pod, reservation=key, without=pending_on)
 
     def _allocate_for(self, cands: list[podlookup.Candidate], uuids: tuple[str, ...], key: str,
-                      request_mib: int, count: int) -> Answer:
+                      request_mib: int, count: int, pending_on: frozenset[str] = frozenset()) -> Answer:
         """Called under the lock with at least one candidate."""
         everyone = cands + self._recent_deleted(count)
         outcomes: list[ContainerPlan | FractionError] = []
         for c in everyone:
             try:
-                outcomes.append(self._plan(c, uuids, key, request_mib, count))
+                outcomes.append(self._plan(c, uuids, key, request_mib, count, pending_on))
             except FractionError as e:
                 outcomes.append(e)
 
@@ -368,19 +418,20 @@ class Allocator:
         first = settings(outcomes[0])
         if len(everyone) > 1 and any(settings(o) != first for o in outcomes[1:]):
             names = ", ".join(f"{podlookup.pod_key(c.pod)}/{c.container}" for c in everyone[:5])
-            self._refuse_mixed_modes(everyone, uuids, key, request_mib, count)
+            self._refuse_mixed_modes(everyone, uuids, key, request_mib, count, pending_on)
             all_ts = all(isinstance(o, ContainerPlan) and o.compute_mode is ComputeMode.TIME_SLICING for o in outcomes)
             return self._fallback(
                 uuids, key, request_mib, all_ts,
                 f"{len(everyone)} pods may be the one admitted ({names}) and would get different settings; "
-                "answering what is right for all, NRI sets the rest", hints={c.uid for c in cands})
+                "answering what is right for all, NRI sets the rest", hints={c.uid for c in cands},
+                pending_on=pending_on)
         cand, outcome = everyone[0], outcomes[0]
         who = f"pod {podlookup.pod_key(cand.pod)} container {cand.container}"
         if len(everyone) == 1:
             self._served.add(cand.key)  # a hint for the next Allocate; the ledger records no holder
         if isinstance(outcome, FractionError):
             raise Refusal(status_of(outcome.code), f"{who}: {outcome.message}", outcome.code)
-        outcome = self._record(outcome, key, who, {c.uid for c in cands})
+        outcome = self._record(outcome, key, who, {c.uid for c in cands}, pending_on)
         self.counters.bump("planned")
         log.info("Allocate %s: %s on %s, request %d MiB, limit %d MiB, %s (reservation %s, holder confirmed by NRI)",
                  self.resource_name, who, ",".join(uuids), outcome.request_mib, outcome.limit_mib,
@@ -390,7 +441,7 @@ class Allocator:
         return Answer(dict(outcome.env), () if v3 else outcome.mounts, uuids, key, "planned")
 
     def _refuse_mixed_modes(self, everyone: Sequence[podlookup.Candidate], uuids: tuple[str, ...], key: str,
-                            request_mib: int, count: int) -> None:
+                            request_mib: int, count: int, pending_on: frozenset[str] = frozenset()) -> None:
         """Candidates that want different compute modes, on GPUs that already
         hold something else: whichever pod this is, one of them would be
         refused at CreateContainer for as long as the other tenant runs (one
@@ -406,7 +457,7 @@ class Allocator:
         if len({m for _c, m in wanted}) < 2:
             return
         for u in uuids:
-            others = [t for t in self.ledger.tenants(u) if t.reservation != key]
+            others = [t for t in self.ledger.tenants(u) if t.reservation != key and t.reservation not in pending_on]
             if others:
                 g = self.node.gpu_by_uuid(u)
                 t = others[0]
@@ -429,10 +480,15 @@ class Allocator:
         except FractionError as e:
             raise Refusal(status_of(e.code), f"{who}: {e.message}", e.code) from None
 
-    def _record(self, plan: ContainerPlan, key: str, who: str, hints: set[str]) -> ContainerPlan:
-        """Gate and record ``plan`` as an unbound reservation; returns the
-        plan to answer with. Raises Refusal."""
+    def _record(self, plan: ContainerPlan, key: str, who: str, hints: set[str],
+                pending_on: frozenset[str] = frozenset()) -> ContainerPlan:
+        """Gate and record ``plan`` as an unbound reservation (a pending one,
+        ``pending_on`` not empty: gated, not recorded); returns the plan to
+        answer with. Raises Refusal."""
         plan = self._gated(plan, who)
+        if pending_on:  # nothing recorded; dropped when every pod it may be for is gone (pod_gone)
+            self._pending_hints[key] = set(hints)
+            return plan
         hold = self._holds.pop(key, key)
         charged = plan
         if hold != key:  # one hold with an init container's devices: the union of both, counted once
@@ -450,22 +506,22 @@ class Allocator:
         return plan
 
     def _fallback(self, uuids: Sequence[str], key: str, request_mib: int, pipe_dir: bool, reason: str,
-                  hints: set[str] | None = None) -> Answer:
+                  hints: set[str] | None = None, *, pending_on: frozenset[str] = frozenset()) -> Answer:
         """The answer that is right for every candidate, recorded after every
         node guard like a planned one. ``pipe_dir``: every candidate is
         time-slicing, or none is known, so the time-slicing pipe directory
         is right for all. Raises Refusal when a guard says no."""
-        modes = {m for u in uuids if (m := self.ledger.mode(u)) is not None}
+        modes = {t.mode for u in uuids for t in self.ledger.tenants(u) if t.reservation not in pending_on}
         mode = ComputeMode.TIME_SLICING if pipe_dir or len(modes) != 1 else modes.pop()
         spec = MemorySpec(f"resources.limits[{self.resource_name}]", f"{request_mib} MiB per GPU", mib=request_mib)
         req = FractionRequest(container="", request=spec, limit=spec, compute_mode=mode, devices=tuple(uuids),
                               num_devices=len(uuids), keys={"request": spec.key, "devices": spec.key})
         who = f"reservation {key} (pod not known)"
         try:
-            plan = self.rules.plan(req, PodRef("", "", ""), reservation=key)
+            plan = self.rules.plan(req, PodRef("", "", ""), reservation=key, without=pending_on)
         except FractionError as e:
             raise Refusal(status_of(e.code), f"{who}: {e.message}", e.code) from None
-        plan = self._record(plan, key, who, set(hints or ()))
+        plan = self._record(plan, key, who, set(hints or ()), pending_on)
         self.counters.bump("fallbacks", last_fallback=reason)
         log.warning("Allocate fallback for %s on %s: %s", self.resource_name, ",".join(uuids), reason)
         env = {k: v for k, v in plan.env.items()
@@ -515,6 +571,14 @@ class Allocator:
                     self._forget(key)
                     log.info("reservation %s released: pod %s %s", key, podlookup.pod_key(pod),
                              "finished" if not bound_here or pod.get("status") else "gone")
+            proofs = reservations.proofs_of(self.ledger)
+            for key, hints in list(self._pending_hints.items()):
+                hints.discard(uid)
+                if not hints:
+                    del self._pending_hints[key]
+                    if proofs.is_pending(key):
+                        proofs.settle(key)
+                        log.info("pending reservation %s dropped: every pod it may be for is gone", key)
 
     def _release_gone(self) -> None:
         """Ledger subscriber: release the reservations of pods gone from the
@@ -547,7 +611,9 @@ class Allocator:
           UUIDs of this node holds that GPU whole (door ``other-plugin``);
         * reservations (and whole-GPU holds) not listed are released, except
           reservations younger than ``podresources_grace_s`` (kubelet records
-          an allocation only after Allocate returned) unless ``initial``.
+          an allocation only after Allocate returned) unless ``initial``;
+          pending keys (ADR 0033) not listed are dropped on the same terms
+          (the pod they were for is gone).
         """
         warnings: list[str] = []
         listed: set[str] = set()
@@ -592,6 +658,13 @@ class Allocator:
             for key in {t.reservation for t in stale}:
                 self._forget(key)
                 warnings.append(f"reservation {key} is not in PodResources; released")
+            proofs = reservations.proofs_of(self.ledger)
+            wall = time.time()
+            for key, at in proofs.pending_items():  # kubelet lists a pending key's pod once Allocate returned
+                if key not in listed and (initial or wall - at > self.podresources_grace_s):
+                    proofs.settle(key)
+                    self._pending_hints.pop(key, None)
+                    warnings.append(f"pending reservation {key} is not in PodResources; dropped")
         return warnings
 
     def _uid_of(self, p: Any) -> str:
@@ -602,6 +675,12 @@ class Allocator:
         existing = self.ledger.reservation(key)
         if existing and existing[0].bound:
             return []
+        uid = self._uid_of(p)
+        if reservations.running_overlaps(self.ledger, key, uid):
+            # kubelet lists devices a running container of another pod still holds (a pending
+            # reservation, ADR 0033): recorded once that one stopped, never both
+            return []
+        reservations.take_over(self.ledger, key, uid)  # a pending key: the holds it waited on go (their holders stopped)
         per = max(len(v) for v in by_gpu.values())
         uuids = tuple(by_gpu)
         count = sum(len(v) for v in by_gpu.values())

@@ -34,7 +34,8 @@ class Refusal(Exception):
 class Answer:
     """What Allocate answers: env, mounts, the GPUs (ordinal order), the
     reservation key and ``kind`` (``planned``, ``reserved`` = a recorded
-    reservation answered again, or ``fallback``)."""
+    reservation answered again, ``fallback``, or ``pending`` = nothing
+    recorded: a running container still holds some of the devices, ADR 0033)."""
 
     env: Mapping[str, str]
     mounts: tuple[Mount, ...]
@@ -47,13 +48,16 @@ class Answer:
 class Counters:
     """What the door did since start (``/status`` ``device_plugin``): Allocates
     answered, of which planned / reserved (a recorded reservation answered
-    again) / fallbacks, refusals, GetPreferredAllocation calls, and the last
-    fallback and refusal reasons. ``bump`` from any thread."""
+    again) / fallbacks, and pending (planned or fallback, answered while a
+    running container still held some of the devices: ADR 0033), refusals,
+    GetPreferredAllocation calls, and the last fallback and refusal reasons.
+    ``bump`` from any thread."""
 
     allocations: int = 0
     planned: int = 0
     reserved: int = 0
     fallbacks: int = 0
+    pending: int = 0
     refusals: int = 0
     preferred: int = 0
     last_fallback: str = ""

@@ -28,7 +28,7 @@ allocation for both doors), whose answer this module turns into an
 ``AllocateResponse``: env (including ``FRACPLUGIN_RESERVATION``, the
 reservation key the NRI door binds at CreateContainer), mounts, optional
 DeviceSpecs / CDI devices, and annotations ``fracplugin.io/allocate``
-(``planned`` | ``reserved`` | ``fallback``) and ``fracplugin.io/reservation``.
+(``planned`` | ``reserved`` | ``fallback`` | ``pending``, ADR 0033) and ``fracplugin.io/reservation``.
 Its parts (ADR 0032, item 3): ``devices`` (ListAndWatch), ``serving`` (the gRPC
 server), ``podresources`` and ``allocator``; ``_Servicer`` holds the gRPC handlers.
 """
@@ -319,6 +319,7 @@ class DevicePluginServer:
             "planned": c.planned,
             "reserved": c.reserved,
             "fallbacks": c.fallbacks,
+            "pending": c.pending,
             "refusals": c.refusals,
             "last_fallback": c.last_fallback,
             "last_refusal": c.last_refusal,

@@ -18,7 +18,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .._proto import nri_pb2
 from .. import allocation as al
-from ..annotations import KEY_CONTAINER_NAME
 from ..annotations import form_targets, stray_container_keys
 from ..model import ContainerPlan, FractionError, FractionRequest, PodRef
 from ..mps.layout import CONTAINER_PIPE_DIR
@@ -29,7 +28,7 @@ from ..ports import HookMetrics
 from ..reservations import claim_problem, hold_of, proof_of
 from .pod_checks import lint_pod, spec_unknown
 from .ttrpc import Code, RpcError
-from .pluginbase import _POD_LEVEL_KEYS, DoorSettings, _env_map, _FailOpen, _pod_ref
+from .pluginbase import DoorSettings, _FailOpen, _pod_ref, needs_spec
 
 log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
 
@@ -100,10 +99,8 @@ class PodReader:
         if self.pod_lookup is None:
             return None, None
         annotations = pod.annotations
-        named = annotations.get(KEY_CONTAINER_NAME)
         # the spec decides: which container is first, or whether the named one exists (issue 25 items 1, 2)
-        pod_level = (named is None and any(k in annotations for k in _POD_LEVEL_KEYS)) or (
-            named is not None and named != container)
+        pod_level = needs_spec(annotations, container)
         unchecked = pod.uid not in self._warned_pods and any(
             k.startswith(self.config.annotation_prefix) for k in annotations) if self.config.annotation_prefix else False
         if not (pod_level or unchecked):
@@ -175,12 +172,14 @@ class PodReader:
     def _check_claim(self, container: nri_pb2.Container, key: str, ref: PodRef) -> None:
         """Raise FractionError when this container may not claim reservation
         ``key`` (``reservations.claim_problem``: forged, unknown, held by
-        another running container, or without the proof Allocate answered;
-        issue 25 item 4)."""
+        another running container, or without the proof Allocate answered,
+        code ``reservation``; issue 25 item 4; a pending reservation whose
+        devices a running container of another pod still holds, code
+        ``reservation_pending``: transient, ADR 0033)."""
         proof = proof_of(container.annotations, container.env)
-        why = claim_problem(self.ledger, key, ref.uid, proof, self.node.name, pod_name=f"{ref.namespace}/{ref.name}")
-        if why is not None:
-            raise FractionError(al.ENV_RESERVATION, key, why, "reservation")
+        err = claim_problem(self.ledger, key, ref.uid, proof, self.node.name, pod_name=f"{ref.namespace}/{ref.name}")
+        if err is not None:
+            raise err
 
     def hold(self, key: str) -> str:
         """The reservation the ledger records ``key``'s container under: the
@@ -189,22 +188,13 @@ class PodReader:
         once; ``reservations.hold_of``, ADR 0033)."""
         return hold_of(self.ledger, key)
 
-    def reserved_request(self, pod: nri_pb2.PodSandbox, container: str, ref: PodRef, key: str,
-                          apps: Sequence[str] | None, *, running: bool = False) -> tuple[FractionRequest, list[Any]]:
+    def reserved_request(self, pod: nri_pb2.PodSandbox, container: str, key: str,
+                         apps: Sequence[str] | None) -> tuple[FractionRequest, list[Any]]:
         """The request of a container under kubelet's reservation ``key``
         (its GPUs and count; the limit, mode and portion its annotations add)
         and the annotations not applied. Raises FractionError for annotations
-        that break the contract, or (unless ``running``: a Synchronize
-        records what runs) a reservation another running container holds."""
+        that break the contract (who may claim ``key`` is ``read``'s check)."""
         by_gpu = al.parse_reservation_key(key)
-        if not running:
-            held = self.ledger.reservation(hold_of(self.ledger, key))
-            if held and held[0].bound and held[0].pod_uid != ref.uid and held[0].container_id:
-                t = held[0]
-                raise FractionError(
-                    al.ENV_RESERVATION, key,
-                    f"is held by running container {t.namespace}/{t.pod_name}/{t.container}; kubelet gives a "
-                    "device to one pod at a time, so this container cannot claim it", "reservation")
         gpus = sorted((self.node.gpu_by_uuid(u) for u in by_gpu), key=lambda g: g.index)  # type: ignore[union-attr]
         uuids = [g.uuid for g in gpus]  # type: ignore[union-attr]
         per = len(next(iter(by_gpu.values()))) * self.unit_mib
@@ -220,7 +210,7 @@ class PodReader:
         runs is recorded: ``NodeRules.replan``)."""
         apps, _ = self._containers_of(pod)
         ref = _pod_ref(pod)
-        req, ignored = self.reserved_request(pod, container, ref, key, apps, running=True)
+        req, ignored = self.reserved_request(pod, container, key, apps)
         return self.rules.replan(req, ref, reservation=key), ignored
 
     def warn(self, ref: PodRef, container: str, message: str, fields: Mapping[str, Any], **extra: Any) -> None:
@@ -292,8 +282,9 @@ def warn_unenforced(p: ContainerPlan, container: nri_pb2.Container, fields: Mapp
     """Pod-authored values of keys we own but do not set in this plan
     (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE without a portion) stay: NRI
     cannot remove env the pod spec set. Say so."""
-    env = _env_map(container)
-    left = [k for k in ENFORCED_ENV_KEYS if k in env and k not in p.env]
+    missing = [k for k in ENFORCED_ENV_KEYS if k not in p.env]
+    env = {kv.partition("=")[0] for kv in container.env} if missing else ()
+    left = [k for k in missing if k in env]
     if left:
         log.warning("nri pod sets env that fracplugin owns but does not set here", extra={**fields, "keys": left})
 
@@ -310,6 +301,8 @@ def _check_mounts(p: ContainerPlan, container: nri_pb2.Container, mps_root: str)
     runtime in the CRI request (issue 11: with both doors on, every container
     with devices of our resource has it); the adjustment replaces it with the
     plan's (same pipe directory, plus ``nosuid,nodev``)."""
+    if not container.mounts:
+        return
     ours = {m.destination.rstrip("/") for m in p.mounts}
     root = mps_root.rstrip("/") + "/"
     for m in container.mounts:

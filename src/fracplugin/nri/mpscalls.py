@@ -38,7 +38,7 @@ class MpsCalls:
 
     def all_up(self) -> bool:
         """Every MPS daemon answers its probe."""
-        return all(self.mps.healthy(mode) for mode in _MODES)
+        return all(map(self.mps.healthy, _MODES))
 
     def why_down(self, mode: ComputeMode) -> str:
         """The MPS layer's reason why the daemon of ``mode`` is not healthy."""
@@ -60,7 +60,7 @@ class MpsCalls:
         daemon is down or crash-looping, after waiting up to half the budget for
         it to come back: without its daemon CUDA runs without MPS and without a
         limit (issue 12). Not with ``fail_open`` (the container runs, warned)."""
-        if self.wait_healthy(time.monotonic() + mps_timeout(ctx, share=0.5), p.compute_mode):
+        if self.up(p.compute_mode) or self.wait_healthy(time.monotonic() + mps_timeout(ctx, share=0.5), p.compute_mode):
             return
         why = self.why_down(p.compute_mode)
         self.metrics.refusal("mps_unavailable")
