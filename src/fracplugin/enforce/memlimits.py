@@ -45,6 +45,26 @@ LIMIT_MAX = 0xFFFFFFFFFFFFFFFF
 MIB = 1 << 20
 
 
+HOLDS = ("cgroup", "per-process", "none")
+"""What can hold a container's total GPU memory on one GPU (``what_holds``)."""
+
+
+def what_holds(cgroup: bool | None, mps: bool) -> str:
+    """What holds a container's total memory on one GPU, one of ``HOLDS`` (issue 35 item 2; README
+    "What enforces what"; the one rule ``fracplugin status`` and ``explain`` call):
+
+    * ``cgroup`` when ``cgroup`` is True: the CUDA 13.4 limit is in force on the container's own leaf
+      cgroup (a started container: applied or verified, ``GpuLimitResult.enforced``; a plan: ``--memory-limits``
+      is not ``off`` and the node can enforce). It holds every process together, survives a worker that
+      narrows ``CUDA_VISIBLE_DEVICES`` and makes ``cudaMemGetInfo`` report the limit; a limit on a parent
+      slice would not (NVIDIA's measurements, docs/reference/enforcement-cdi-dra.md);
+    * ``per-process`` when only an MPS daemon serves the container (``mps``): the pinned limit of its
+      namespace (or, protocol 2, of its env) holds each process alone: N processes hold N x the limit, and a
+      client whose pinned list names a GPU it cannot see drops every pinned limit (same source);
+    * ``none`` otherwise."""
+    return "cgroup" if cgroup else "per-process" if mps else "none"
+
+
 class MemoryLimitMode(str, enum.Enum):
     """``--memory-limits``: auto | apply | verify | off."""
 
@@ -577,6 +597,11 @@ class MemoryLimitEnforcer:
     def result(self, container_id: str) -> ContainerLimits | None:
         with self._lock:
             return self._results.get(container_id)
+
+    def enforced_on(self, container_id: str, gpu_uuid: str) -> bool:
+        """The container's limit on that GPU was applied or verified at its start (``what_holds``'s ``cgroup``)."""
+        r = self.result(container_id) if container_id else None
+        return r is not None and any(g.gpu_uuid == gpu_uuid and g.enforced is True for g in r.gpus)
 
     def status(self) -> dict[str, Any]:
         """JSON-able: ``{"mode", "containers": [ContainerLimits.to_dict()]}``."""
