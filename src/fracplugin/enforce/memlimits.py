@@ -50,18 +50,13 @@ HOLDS = ("cgroup", "per-process", "none")
 
 
 def what_holds(cgroup: bool | None, mps: bool) -> str:
-    """What holds a container's total memory on one GPU, one of ``HOLDS`` (issue 35 item 2; README
-    "What enforces what"; the one rule ``fracplugin status`` and ``explain`` call):
-
-    * ``cgroup`` when ``cgroup`` is True: the CUDA 13.4 limit is in force on the container's own leaf
-      cgroup (a started container: applied or verified, ``GpuLimitResult.enforced``; a plan: ``--memory-limits``
-      is not ``off`` and the node can enforce). It holds every process together, survives a worker that
-      narrows ``CUDA_VISIBLE_DEVICES`` and makes ``cudaMemGetInfo`` report the limit; a limit on a parent
-      slice would not (NVIDIA's measurements, docs/reference/enforcement-cdi-dra.md);
-    * ``per-process`` when only an MPS daemon serves the container (``mps``): the pinned limit of its
-      namespace (or, protocol 2, of its env) holds each process alone: N processes hold N x the limit, and a
-      client whose pinned list names a GPU it cannot see drops every pinned limit (same source);
-    * ``none`` otherwise."""
+    """What holds a container's total memory on one GPU, one of ``HOLDS`` (issue 35 item 2; the one rule
+    ``fracplugin status`` and ``explain`` call): ``cgroup`` when the CUDA 13.4 limit is in force on its leaf
+    cgroup (``cgroup`` True: applied or verified, or for a plan, ``--memory-limits`` not off on a node that
+    can enforce), which holds every process together even when a worker narrows ``CUDA_VISIBLE_DEVICES``;
+    ``per-process`` when only MPS's pinned limit does (``mps``: each process alone, and dropped by a client
+    whose list names a GPU it cannot see: NVIDIA's measurements, docs/reference/enforcement-cdi-dra.md);
+    ``none`` otherwise."""
     return "cgroup" if cgroup else "per-process" if mps else "none"
 
 
