@@ -168,7 +168,8 @@ class NamespaceBook:
                     del found[name]
                     log.warning("deleted MPS namespace %s: no tenant owns it and it has no caps", name)
                 except MpsError as e:
-                    log.warning("MPS namespace %s has no owner and no caps, not deleted yet: %s", name, e)
+                    if name not in d.orphans:  # once, not at every probe
+                        log.warning("MPS namespace %s has no owner and no caps, not deleted yet: %s", name, e)
         except (MpsError, ValueError) as e:
             log.info("MPS %s namespaces not audited: %s", d.mode.value, e)
             return
@@ -279,22 +280,18 @@ class NamespaceBook:
                 # A brand-new container's namespace cannot exist yet: create without
                 # listing first (one control command less on the way to StartContainer).
                 self.apply(d, name, rec, t_deadline, fresh=prev is None)
-        except MpsTimeout:
-            # The daemon may still carry the create or set out (ADR 0034): the record stays and the
-            # probe thread finds out what it did (list) and finishes it, or deletes it once released.
+        except BaseException as e:
+            timed_out = isinstance(e, MpsTimeout)
             with self.c.lock:
                 if self.c.namespaces.get(name) is rec:
-                    d.restore_pending.add(name)
-            if prev != rec:
-                self.save_state()
-            raise
-        except BaseException:
-            with self.c.lock:
-                if self.c.namespaces.get(name) is rec:
-                    if prev is None:
+                    if timed_out:  # the daemon may still do it: kept, the probe thread finishes it (ADR 0034)
+                        d.restore_pending.add(name)
+                    elif prev is None:
                         del self.c.namespaces[name]
                     else:
                         self.c.namespaces[name] = prev
+            if timed_out and prev != rec:
+                self.save_state()
             raise
         path = self.c.layout.namespace_pipe_dir(name, mode)
         try:
