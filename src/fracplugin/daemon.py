@@ -59,6 +59,7 @@ from .config import Config, ConfigError
 from .parts import LogsPart, Part, Readiness
 from .parts import bounded as _bounded
 from .builders import POD_SOURCE_MISSING, Builder, Hooks, StartupError
+from .enforce.memlimits import what_holds
 
 log = logging.getLogger("fracplugin.daemon")
 
@@ -219,6 +220,7 @@ class Daemon:
         gpus = []
         health = self._gpu_healthy()
         b = self.built
+        ml, mps_on = b.memory_limits, not self.cfg.no_mps
         if b.node is not None and b.ledger is not None:
             for g in b.node.gpus:
                 tenants = b.ledger.tenants(g.uuid)
@@ -229,7 +231,10 @@ class Daemon:
                     "index": g.index, "uuid": g.uuid, "name": g.name, "memory_mib": g.memory_mib,
                     "held_mib": held, "free_mib": g.memory_mib - held, "mode": mode.value if mode else None,
                     "healthy": healthy, "unhealthy_reasons": reasons,
-                    "tenants": [t.to_dict() for t in tenants],
+                    # what holds each tenant's total on this GPU (issue 35): the one rule, what_holds
+                    "tenants": [{**t.to_dict(), "holds": what_holds(
+                        ml is not None and ml.enforcer.enforced_on(t.container_id, g.uuid), mps_on)}
+                        for t in tenants],
                 })
         events = self._status_of("events")
         if events is None and b.events is not None:
