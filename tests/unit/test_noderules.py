@@ -113,7 +113,7 @@ def test_the_no_fit_refusal_names_each_unusable_gpu_once_with_the_rule(node: Any
         r.admit(request(gpu_memory_request="8Gi"), POD)
     msg = err.value.message
     assert "is Unhealthy (xid 79)" in msg and "is Unhealthy (xid 48)" in msg and "is in MIG mode" in msg
-    assert msg.count("no new fraction on an Unhealthy GPU or a GPU in MIG mode") == 1
+    assert msg.count("no new fraction on an Unhealthy, cordoned or MIG-mode GPU") == 1
 
 
 def test_what_runs_is_replanned_whatever_the_gpu(node: Any) -> None:
