@@ -16,6 +16,7 @@ from test_node_rules import UUIDS, devices_of
 from test_one_allocation import R, Node, pod
 from test_one_allocation import node as both  # noqa: F401  pytest fixture
 
+from fracplugin.status import render_table
 from tests.helpers import wait_until
 from tests.peers.dra_kubelet import DraKubelet
 from tests.peers.resource_api import ResourceApi, claim_doc
@@ -57,6 +58,8 @@ def test_a_cordoned_gpu_takes_no_new_fraction_at_any_door_and_is_undone_by_remov
         assert wait_until(lambda: n.status()["gpus"][0]["unhealthy_reasons"] == ["cordoned"],
                           what=lambda: n.status()["gpus"][0])
         assert n.status()["cordon"]["gpus"] == [0] and n.status()["cordon"]["value"] == "0"
+        table = render_table(n.status())  # fracplugin status
+        assert f"cordon {ANN}='0': GPU(s) 0 take no new fraction" in table and " CORDONED" in table, table
         err = n.create(pod("named", None, {P + "gpu-memory.request": "8Gi", P + "gpus.devices": "0"}), "app")[0]
         assert getattr(err, "code", None) == 9, err  # FAILED_PRECONDITION: an operator's choice, not a fault
         assert f"GPU 0 ({UUIDS[0]}), which is cordoned (node annotation {ANN})" in err.message, err.message
