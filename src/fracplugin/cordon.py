@@ -19,6 +19,7 @@ request path never waits for the API server.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from pathlib import Path
@@ -114,7 +115,9 @@ class CordonWatch:
                 if self._api is None:
                     config.load_incluster_config()
                 self._core = client.CoreV1Api(self._api)
-            got = self._core.read_node(self.node_name, _request_timeout=self.timeout_s)
+            # the raw JSON: only metadata.annotations is read, no model of the whole Node is built
+            resp = self._core.read_node(self.node_name, _request_timeout=self.timeout_s, _preload_content=False)
+            annotations = (json.loads(resp.data).get("metadata") or {}).get("annotations") or {}
         except Exception as exc:
             error = f"reading node {self.node_name}: {getattr(exc, 'status', '') or ''} " \
                     f"{getattr(exc, 'reason', '') or exc}".replace("  ", " ")
@@ -124,7 +127,6 @@ class CordonWatch:
             return
         self._error = ""
         self.reads += 1
-        annotations = getattr(got.metadata, "annotations", None) or {}
         value = annotations.get(ANNOTATION)
         warnings = cordon_of(annotations, self.node, self.health)
         if value != self._value:
