@@ -60,6 +60,7 @@ from .parts import LogsPart, Part, Readiness
 from .parts import bounded as _bounded
 from .builders import POD_SOURCE_MISSING, Builder, Hooks, StartupError
 from .enforce.memlimits import what_holds
+from .gpu.health import CORDONED
 
 log = logging.getLogger("fracplugin.daemon")
 
@@ -75,7 +76,7 @@ _T = TypeVar("_T")
 # (``left / weight``; the node condition is capped at 2 s): KAI stops placing
 # pods here before the doors close, the doors close before their helpers.
 _STOP_FIRST: tuple[tuple[str, int], ...] = (("node condition", 5), ("device plugin", 4), ("dra", 4), ("nri", 3),
-                                           ("events", 3), ("pod source", 3), ("metrics", 1))
+                                           ("events", 3), ("pod source", 3), ("cordon", 1), ("metrics", 1))
 
 
 # ---- the daemon ----------------------------------------------------------------
@@ -200,14 +201,15 @@ class Daemon:
         synchronized / unadjusted containers / unfenced counts (None when the door is off or not
         started), device plugin registered (likewise), and per GPU whether the
         device plugin reports it Healthy (critical XID or its mode's MPS daemon
-        down; without the device plugin door: its mode's MPS daemon)."""
+        down; without the device plugin door: its mode's MPS daemon). A cordon
+        (``cordon.py``) is an operator's choice, not a fault: not in it."""
         nri, door = None, self.built.nri
         if door is not None:
             nri = {"connected": door.connected(), "synchronized": door.synchronized(), "unadjusted": door.unadjusted(),
                    "unfenced": door.plugin.reconciler.unfenced_status()}
         dp = self.parts.get("device plugin")
         return {"nri": nri, "device_plugin": None if dp is None else {"registered": dp.readiness().ok},
-                "gpu_healthy": {u: h for u, (h, _r) in self._gpu_healthy().items()}}
+                "gpu_healthy": {u: not [x for x in r if x != CORDONED] for u, (_h, r) in self._gpu_healthy().items()}}
 
     def _status_of(self, name: str) -> dict[str, Any] | None:
         part = self.parts.get(name)
@@ -260,6 +262,7 @@ class Daemon:
             "pod_source": self._status_of("pod source"),
             "events": events,
             "node_condition": self._status_of("node condition"),
+            "cordon": self._status_of("cordon"),
             "memory_limits": self._status_of("memory limits"),
             "over_limit": b.over_limit.status() if b.over_limit is not None else None,
             "cdi": b.cdi.status() if b.cdi is not None else None,

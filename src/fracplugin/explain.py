@@ -34,11 +34,13 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from . import cordon
 from .annotation_lint import lint
 from .annotations import DEFAULT_PREFIX, form_targets, native_sidecars, parse, stray_container_keys  # noqa: F401 (stray_container_keys: re-exported)
 from .cdi import DEFAULT_SPEC_DIRS, CdiRegistry, with_node_cdi_devices
 from .enforce.capability import described_can_enforce
 from .enforce.memlimits import what_holds
+from .gpu.health import HealthMonitor
 from .gpu.inventory import InventoryError
 from .gpu.simulated import MAX_MEMORY_MIB, load_node
 from .ledger import DEFAULT_MAX_CLIENTS_PER_GPU, Ledger
@@ -358,10 +360,12 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
             node = load_node(node_path)
         except InventoryError as exc:
             raise UsageError(str(exc)) from None
+    # the node file's annotations: its cordon (cordon.py) refuses GPUs as the daemon's rules do
+    health, cordon_warnings = (None, []) if isinstance(node_path, NodeInfo) else cordon.from_node_file(node_path, node)
     cdi = CdiRegistry(cdi_spec_dirs, node.gpus, kind=cdi_kind) if cdi_spec_dirs else None
     ledger = _scratch_ledger(node, config, tenancies, ledger_path)
     if pod.get("kind") == "ResourceClaim":
-        return _explain_claim(pod, node, ledger, config, cdi)
+        return _explain_claim(pod, node, ledger, config, cdi, health)
     problem = pod_shape_problem(pod)
     if problem is not None:
         raise UsageError(f"pod: {problem}")
@@ -382,7 +386,7 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
         can_enforce = described_can_enforce(node.gpus, node.driver_version)
     holds = what_holds(memory_limits != "off" and can_enforce, mps)
     out = []
-    rules = NodeRules(node, ledger, config)  # the doors' rules (MIG GPUs excluded); no health monitor here
+    rules = NodeRules(node, ledger, config, health=health)  # the doors' rules (MIG and cordoned GPUs excluded)
     for name in listed:
         if container is not None and name != container:
             continue
@@ -406,7 +410,7 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     warnings = [f"annotation {k} names no container of this pod (containers: {', '.join(everyone)}); it has no effect"
                 for k in stray_container_keys(annotations, config.annotation_prefix, everyone)]
     # keys not in the contract and forms ignored: the NRI door's words (issue 25 item 3)
-    warnings += [x.message for x in lint(annotations, config.annotation_prefix, targets, everyone)]
+    warnings += [x.message for x in lint(annotations, config.annotation_prefix, targets, everyone)] + cordon_warnings
     return {"pod": str(ref), "node": node.name, "containers": out, "warnings": warnings,
             "cdi": _cdi_report(cdi, warnings)}
 
@@ -438,7 +442,7 @@ def _scratch_ledger(node: NodeInfo, config: PlannerConfig, tenancies: Sequence[T
 
 
 def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: PlannerConfig,
-                   cdi: CdiRegistry | None) -> dict[str, Any]:
+                   cdi: CdiRegistry | None, health: HealthMonitor | None = None) -> dict[str, Any]:
     """What the DRA door's Prepare would give an allocated ResourceClaim
     (``status.allocation`` filled; issue 29 item 6, ADR 0031): one entry,
     the claim's plan (env, mount, the CDI devices Prepare answers: the claim's
@@ -452,7 +456,7 @@ def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: 
     entry: dict[str, Any]
     try:
         claim = dra_claims.read_claim(doc, node)
-        plan = with_node_cdi_devices(dra_claims.plan_claim(claim, NodeRules(node, ledger, config)), cdi)
+        plan = with_node_cdi_devices(dra_claims.plan_claim(claim, NodeRules(node, ledger, config, health=health)), cdi)
     except FractionError as err:
         entry = {"name": name, "fractional": True, "devices": [], "compute_mode": None,
                                  "request_mib": None, "limit_mib": None, "env": {}, "mounts": [],

@@ -76,14 +76,14 @@ DEFAULT_RESERVE_MIB = 1024
 class Unusable(NamedTuple):
     """Why a GPU takes no new fraction now (``NodeRules.unusable``): ``why``
     completes "GPU <index> (<uuid>) ..." (``is Unhealthy (xid 79)``, ``is in
-    MIG mode``) and ``code`` is the refusal's code (``unhealthy``, ``mig``)."""
+    MIG mode``) and ``code`` is the refusal's code (``unhealthy``, ``cordoned``, ``mig``)."""
 
     why: str
     code: str
 
 
 NO_UNUSABLE: Mapping[str, Unusable] = {}
-UNUSABLE_RULE = "no new fraction on an Unhealthy GPU or a GPU in MIG mode"
+UNUSABLE_RULE = "no new fraction on an Unhealthy, cordoned or MIG-mode GPU"
 
 
 class LedgerView(Protocol):

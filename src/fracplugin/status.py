@@ -77,6 +77,7 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
         tenants = g.get("tenants", [])
         rows.append((str(g["index"]), g["uuid"], g.get("mode") or "-", f"{g['held_mib']}/{g['memory_mib']}",
                      str(len(tenants)), "healthy" if g.get("healthy", True) else
+                     "CORDONED" if g.get("unhealthy_reasons") == ["cordoned"] else
                      "UNHEALTHY: " + ", ".join(g.get("unhealthy_reasons") or ["?"])))
         lines = []
         for t in tenants:
@@ -236,6 +237,13 @@ def render_table(doc: Mapping[str, Any]) -> str:
                    + (f"{pub.get('status')} ({pub.get('reason')})" if pub else "not published")
                    + f"  patches {nc.get('patches', 0)}  failures {nc.get('failures', 0)}"
                    + (f"  last error: {nc['last_error']}" if nc.get("last_error") else ""))
+    co = doc.get("cordon")
+    if isinstance(co, dict) and (co.get("value") is not None or co.get("last_error")):  # cordon.py
+        out.append("")
+        out.append(f"cordon {co.get('annotation')}={co.get('value')!r}: GPU(s) "
+                   f"{', '.join(str(i) for i in co.get('gpus') or []) or 'none'} take no new fraction"
+                   + "".join(f"\n  warning: {w}" for w in co.get("warnings") or [])
+                   + (f"\n  last error: {co['last_error']}" if co.get("last_error") else ""))
     ml = doc.get("memory_limits")
     if isinstance(ml, dict):
         out.append("")
