@@ -235,7 +235,9 @@ def test_hung_daemon_is_caught_by_the_probe_and_restarted(mps):
     wait_for(lambda: daemon(sup, TS)["pid"] not in (None, old) and sup.healthy(TS), what="restart")
     assert not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
     d = daemon(sup, TS)
-    assert d["restarts"] == 1 and "probe failed" in d["last_error"]
+    # >= 1: on a starved host the new daemon's first probes may time out too (0.5 s) and cost a second
+    # restart; what this test pins is that the hang was caught by the probe
+    assert d["restarts"] >= 1 and "probe failed" in d["last_error"]
     assert (TS, False) in mps.events
 
 
