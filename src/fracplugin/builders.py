@@ -387,7 +387,8 @@ class Builder:
 
     def _build_rules(self) -> None:
         """The node's rules (``noderules.NodeRules``, issue 33): the one GPU
-        health monitor (XIDs from the inventory, MPS health per mode), the
+        health monitor (XIDs from the inventory, MPS health per mode, the
+        cordon annotation read from the API: ``cordon.CordonWatch``), the
         memory-limit gate and the ledger, built once whichever doors are on;
         every door admits through them."""
         from .gpu.health import HealthMonitor
@@ -402,6 +403,13 @@ class Builder:
         limits = self._build_memory_limits() if any_door else None
         self.rules = NodeRules(self.node, self.ledger, self.planner_config, health=monitor,
                                limits=limits.nri if limits is not None else None)
+        if (self.cfg.kubeconfig or _in_cluster()) and self.node_name:  # the cordon annotation (issue 36 item 6)
+            from .cordon import CordonWatch
+
+            watch = CordonWatch(_api_client(self.cfg), self.node, self.node_name, monitor,
+                                poll_s=self.cfg.node_poll_interval_s)
+            self._add(ServicePart(self.cfg, "cordon", {"kubeconfig", "node_name", "node_poll_interval_s"},
+                                  watch, watch.status))
 
     def _build_over_limit(self) -> None:
         """The over-limit watch the usage poll feeds (issue 35 item 3, ADR

@@ -147,6 +147,7 @@ class Config:
     # KAI readiness gate (ADR 0005, issue 23 item 5): node condition types published from
     # readiness; both names by default (the renamed node stack / KAI's api module, older builds)
     node_condition_types: tuple[str, ...] = ("gpu-fractioning.nvidia.com/Ready", "gpu-sharing.nvidia.com/Ready")
+    node_poll_interval_s: float = 10.0  # reads of this node's cordon annotation (cordon.py, issue 36 item 6)
     max_clients_per_gpu: int = 48
     fail_open: bool = False
     # CUDA 13.4 memory limits per container (issue 23, ADR 0025)
@@ -198,7 +199,7 @@ host path must be mounted by the DaemonSet)."""
 #: setting -> flag name. ``shutdown_timeout_s`` is ``--shutdown-timeout`` (seconds).
 _FLAG_OVERRIDES = {"shutdown_timeout_s": "shutdown-timeout", "allocate_deadline_s": "allocate-deadline",
                    "pod_resources_interval_s": "pod-resources-interval", "mps_probe_timeout_s": "mps-probe-timeout",
-                   "usage_poll_interval_s": "usage-poll-interval"}
+                   "usage_poll_interval_s": "usage-poll-interval", "node_poll_interval_s": "node-poll-interval"}
 
 
 def flag_name(setting: str) -> str:
@@ -279,6 +280,8 @@ _HELP = {
                             "Unknown when the daemon stops (KAI's api module and the renamed node stack read "
                             "gpu-fractioning.nvidia.com/Ready, older builds gpu-sharing.nvidia.com/Ready; empty = "
                             "publish none; needs API access)",
+    "node_poll_interval_s": "seconds between reads of this node's fracplugin.io/cordoned-gpus annotation (GPUs that "
+                            "take no new fraction; needs API access)",
     "max_clients_per_gpu": "tenants allowed per GPU (MPS client limit)",
     "fail_open": "leave a container unadjusted (unfenced, with a warning and a counted refusal) instead of "
                  "failing it when its fraction is refused or MPS fails; --no-fail-open overrides file/env",
@@ -452,6 +455,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "allocate_deadline_s": (lambda v: 0 < v <= 3600, "must be a positive number of seconds, at most 3600"),
     "pod_resources_interval_s": (lambda v: 0 < v <= 86400, "must be a positive number of seconds, at most 86400"),
     "usage_poll_interval_s": (lambda v: 0 < v <= 86400, "must be a positive number of seconds, at most 86400"),
+    "node_poll_interval_s": (lambda v: 0 < v <= 86400, "must be a positive number of seconds, at most 86400"),
     # the handler budget bounds it anyway (ADR 0028)
     "nri_start_wait_s": (lambda v: 0 <= v <= 60,
                          "must be 0 to 60 seconds (the wait never exceeds StartContainer's budget)"),

@@ -59,6 +59,8 @@ from .config import Config, ConfigError
 from .parts import LogsPart, Part, Readiness
 from .parts import bounded as _bounded
 from .builders import POD_SOURCE_MISSING, Builder, Hooks, StartupError
+from .enforce.memlimits import what_holds
+from .gpu.health import CORDONED
 
 log = logging.getLogger("fracplugin.daemon")
 
@@ -74,7 +76,7 @@ _T = TypeVar("_T")
 # (``left / weight``; the node condition is capped at 2 s): KAI stops placing
 # pods here before the doors close, the doors close before their helpers.
 _STOP_FIRST: tuple[tuple[str, int], ...] = (("node condition", 5), ("device plugin", 4), ("dra", 4), ("nri", 3),
-                                           ("events", 3), ("pod source", 3), ("metrics", 1))
+                                           ("events", 3), ("pod source", 3), ("cordon", 1), ("metrics", 1))
 
 
 # ---- the daemon ----------------------------------------------------------------
@@ -199,14 +201,15 @@ class Daemon:
         synchronized / unadjusted containers / unfenced counts (None when the door is off or not
         started), device plugin registered (likewise), and per GPU whether the
         device plugin reports it Healthy (critical XID or its mode's MPS daemon
-        down; without the device plugin door: its mode's MPS daemon)."""
+        down; without the device plugin door: its mode's MPS daemon). A cordon
+        (``cordon.py``) is an operator's choice, not a fault: not in it."""
         nri, door = None, self.built.nri
         if door is not None:
             nri = {"connected": door.connected(), "synchronized": door.synchronized(), "unadjusted": door.unadjusted(),
                    "unfenced": door.plugin.reconciler.unfenced_status()}
         dp = self.parts.get("device plugin")
         return {"nri": nri, "device_plugin": None if dp is None else {"registered": dp.readiness().ok},
-                "gpu_healthy": {u: h for u, (h, _r) in self._gpu_healthy().items()}}
+                "gpu_healthy": {u: not [x for x in r if x != CORDONED] for u, (_h, r) in self._gpu_healthy().items()}}
 
     def _status_of(self, name: str) -> dict[str, Any] | None:
         part = self.parts.get(name)
@@ -219,6 +222,7 @@ class Daemon:
         gpus = []
         health = self._gpu_healthy()
         b = self.built
+        ml, mps_on = b.memory_limits, not self.cfg.no_mps
         if b.node is not None and b.ledger is not None:
             for g in b.node.gpus:
                 tenants = b.ledger.tenants(g.uuid)
@@ -229,7 +233,10 @@ class Daemon:
                     "index": g.index, "uuid": g.uuid, "name": g.name, "memory_mib": g.memory_mib,
                     "held_mib": held, "free_mib": g.memory_mib - held, "mode": mode.value if mode else None,
                     "healthy": healthy, "unhealthy_reasons": reasons,
-                    "tenants": [t.to_dict() for t in tenants],
+                    # what holds each tenant's total on this GPU (issue 35): the one rule, what_holds
+                    "tenants": [{**t.to_dict(), "holds": what_holds(
+                        ml is not None and ml.enforcer.enforced_on(t.container_id, g.uuid), mps_on)}
+                        for t in tenants],
                 })
         events = self._status_of("events")
         if events is None and b.events is not None:
@@ -255,6 +262,7 @@ class Daemon:
             "pod_source": self._status_of("pod source"),
             "events": events,
             "node_condition": self._status_of("node condition"),
+            "cordon": self._status_of("cordon"),
             "memory_limits": self._status_of("memory limits"),
             "over_limit": b.over_limit.status() if b.over_limit is not None else None,
             "cdi": b.cdi.status() if b.cdi is not None else None,

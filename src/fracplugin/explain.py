@@ -34,9 +34,13 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from . import cordon
 from .annotation_lint import lint
 from .annotations import DEFAULT_PREFIX, form_targets, native_sidecars, parse, stray_container_keys  # noqa: F401 (stray_container_keys: re-exported)
 from .cdi import DEFAULT_SPEC_DIRS, CdiRegistry, with_node_cdi_devices
+from .enforce.capability import described_can_enforce
+from .enforce.memlimits import what_holds
+from .gpu.health import HealthMonitor
 from .gpu.inventory import InventoryError
 from .gpu.simulated import MAX_MEMORY_MIB, load_node
 from .ledger import DEFAULT_MAX_CLIENTS_PER_GPU, Ledger
@@ -77,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"would request it (default {','.join(DEFAULT_SPEC_DIRS)}; empty = none)")
     p.add_argument("--cdi-kind", metavar="KIND", default=None,
                    help="an operator-named CDI kind looked up first (as fracplugin run --cdi-kind)")
+    p.add_argument("--memory-limits", choices=("auto", "apply", "verify", "off"), default=None,
+                   help="the daemon's --memory-limits, for what holds each GPU's total (cgroup, per-process, none): "
+                        "default the daemon's with a /status, else auto; with --node the file's driver (r615+) and "
+                        "MIG modes stand for the node's capability gate, with a /status the daemon's own gate")
     p.add_argument("--reserve-mib", type=_non_negative, default=None,
                    help=f"MiB per GPU kept out of fraction resolution (default: the daemon's with a /status, else "
                         f"{DEFAULT_RESERVE_MIB}: KAI's NvFractions binder reserve; 0 = the whole GPU)")
@@ -331,12 +339,16 @@ def config_from_status(doc: Mapping[str, Any], *, reserve_mib: int | None,
 def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | None = None,
             ledger_path: str | None = None, config: PlannerConfig = PlannerConfig(),
             tenancies: Sequence[Tenancy] = (), cdi_spec_dirs: Sequence[str] = (),
-            cdi_kind: str | None = None) -> dict[str, Any]:
+            cdi_kind: str | None = None, memory_limits: str = "auto", can_enforce: bool | None = None,
+            mps: bool = True) -> dict[str, Any]:
     """The explain report as a dict (the ``--output json`` shape): each
     container's plan with ``cdi_devices`` (the CDI devices the daemon would
     request: the scheduler's names plus each GPU's device from the specs in
-    ``cdi_spec_dirs``, ADR 0025b), and ``cdi`` (``CdiRegistry.status`` less
-    its per-GPU devices; None without spec directories).
+    ``cdi_spec_dirs``, ADR 0025b), ``holds`` (GPU UUID -> what would hold the
+    container's total there: ``memlimits.what_holds`` of ``memory_limits`` not
+    ``off`` and ``can_enforce``, None = ``described_can_enforce`` of the node,
+    and ``mps``, an MPS daemon serves it), and ``cdi``
+    (``CdiRegistry.status`` less its per-GPU devices; None without spec directories).
 
     ``node_path``: a node file, or the node itself (``node_from_status``);
     ``tenancies``: tenants already on the node (``--live``), as the ledger
@@ -348,10 +360,12 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
             node = load_node(node_path)
         except InventoryError as exc:
             raise UsageError(str(exc)) from None
+    # the node file's annotations: its cordon (cordon.py) refuses GPUs as the daemon's rules do
+    health, cordon_warnings = (None, []) if isinstance(node_path, NodeInfo) else cordon.from_node_file(node_path, node)
     cdi = CdiRegistry(cdi_spec_dirs, node.gpus, kind=cdi_kind) if cdi_spec_dirs else None
     ledger = _scratch_ledger(node, config, tenancies, ledger_path)
     if pod.get("kind") == "ResourceClaim":
-        return _explain_claim(pod, node, ledger, config, cdi)
+        return _explain_claim(pod, node, ledger, config, cdi, health)
     problem = pod_shape_problem(pod)
     if problem is not None:
         raise UsageError(f"pod: {problem}")
@@ -368,8 +382,11 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     if container is not None and container not in listed:
         raise UsageError(f"pod has no container {container!r} (it has: {', '.join(listed) or 'none'})")
     ref = PodRef(str(md.get("namespace", "default")), str(md.get("name", "")), str(md.get("uid", "")))
+    if can_enforce is None:
+        can_enforce = described_can_enforce(node.gpus, node.driver_version)
+    holds = what_holds(memory_limits != "off" and can_enforce, mps)
     out = []
-    rules = NodeRules(node, ledger, config)  # the doors' rules (MIG GPUs excluded); no health monitor here
+    rules = NodeRules(node, ledger, config, health=health)  # the doors' rules (MIG and cordoned GPUs excluded)
     for name in listed:
         if container is not None and name != container:
             continue
@@ -382,7 +399,7 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
         if plan is None:
             out.append(_unplanned(name))
         else:
-            out.append(with_node_cdi_devices(plan, cdi).to_dict())
+            out.append({**with_node_cdi_devices(plan, cdi).to_dict(), "holds": dict.fromkeys(plan.device_uuids, holds)})
             try:
                 ledger.admit(plan)
             except FractionError as err:  # the pod's own earlier containers took the room
@@ -391,7 +408,7 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     warnings = [f"annotation {k} names no container of this pod (containers: {', '.join(everyone)}); it has no effect"
                 for k in stray_container_keys(annotations, config.annotation_prefix, everyone)]
     # keys not in the contract and forms ignored: the NRI door's words (issue 25 item 3)
-    warnings += [x.message for x in lint(annotations, config.annotation_prefix, targets, everyone)]
+    warnings += [x.message for x in lint(annotations, config.annotation_prefix, targets, everyone)] + cordon_warnings
     return {"pod": str(ref), "node": node.name, "containers": out, "warnings": warnings,
             "cdi": _cdi_report(cdi, warnings)}
 
@@ -431,7 +448,7 @@ def _scratch_ledger(node: NodeInfo, config: PlannerConfig, tenancies: Sequence[T
 
 
 def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: PlannerConfig,
-                   cdi: CdiRegistry | None) -> dict[str, Any]:
+                   cdi: CdiRegistry | None, health: HealthMonitor | None = None) -> dict[str, Any]:
     """What the DRA door's Prepare would give an allocated ResourceClaim
     (``status.allocation`` filled; issue 29 item 6, ADR 0031): one entry,
     the claim's plan (env, mount, the CDI devices Prepare answers: the claim's
@@ -445,7 +462,7 @@ def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: 
     entry: dict[str, Any]
     try:
         claim = dra_claims.read_claim(doc, node)
-        plan = with_node_cdi_devices(dra_claims.plan_claim(claim, NodeRules(node, ledger, config)), cdi)
+        plan = with_node_cdi_devices(dra_claims.plan_claim(claim, NodeRules(node, ledger, config, health=health)), cdi)
     except FractionError as err:
         entry = _unplanned(name, err)
     else:
@@ -489,6 +506,8 @@ def render_table(report: dict[str, Any]) -> str:
             lines.append(f"  compute portion: {c['portion']:g}")
         if c.get("cdi_devices"):
             lines.append("  CDI devices: " + ", ".join(c["cdi_devices"]))
+        if c.get("holds"):
+            lines.append("  what holds the total per GPU: " + ", ".join(f"{u} {h}" for u, h in c["holds"].items()))
         lines.append("  env:")
         for k, v in c["env"].items():
             lines.append(f"    {k}={v}")
@@ -520,6 +539,7 @@ def main(args: argparse.Namespace) -> int:
         pod = load_pod(args.pod)
         node: str | NodeInfo
         tenancies: list[Tenancy] = []
+        limits, can, mps = args.memory_limits, None, True
         if args.node is not None:
             node = args.node
             config = PlannerConfig(
@@ -537,9 +557,14 @@ def main(args: argparse.Namespace) -> int:
             if args.live:
                 tenancies = tenancies_from_status(doc, source)
             config = config_from_status(doc, reserve_mib=args.reserve_mib, annotation_prefix=args.annotation_prefix)
+            ml: dict[str, Any] = doc["memory_limits"] if isinstance(doc.get("memory_limits"), dict) else {}
+            limits = limits or str(ml.get("mode") or "off")  # the daemon's own gate, when it reports one
+            can = bool((ml.get("node") or {}).get("can_enforce"))
+            mps = not (isinstance(doc.get("config"), dict) and doc["config"].get("no_mps"))
         dirs = [d.strip() for d in (args.cdi_spec_dirs or "").split(",") if d.strip()]
         report = explain(pod, node, container=args.container, ledger_path=args.ledger, config=config,
-                         tenancies=tenancies, cdi_spec_dirs=dirs, cdi_kind=args.cdi_kind)
+                         tenancies=tenancies, cdi_spec_dirs=dirs, cdi_kind=args.cdi_kind,
+                         memory_limits=limits or "auto", can_enforce=can, mps=mps)
     except UsageError as exc:
         print(f"fracplugin explain: {exc}", file=sys.stderr)
         return 2

@@ -582,6 +582,8 @@ class _Collector(Collector):
                                      labels=("mode",))
         probe = GaugeMetricFamily("fracplugin_mps_probe_duration_seconds", "Duration of the last active MPS probe.",
                                   labels=("mode",))
+        orphans = GaugeMetricFamily("fracplugin_mps_orphan_namespaces",
+                                    "MPS namespaces the daemon holds that no tenant owns (ADR 0034).", labels=("mode",))
         for d in status.get("daemons") or ():
             lbl = [str(d.get("mode", ""))]
             up.add_metric(lbl, 1.0 if d.get("healthy") else 0.0)
@@ -589,7 +591,8 @@ class _Collector(Collector):
             wedges.add_metric(lbl, float(d.get("wedges") or 0))
             if d.get("last_probe_s") is not None:
                 probe.add_metric(lbl, float(d["last_probe_s"]))
-        yield from (up, restarts, wedges, probe)
+            orphans.add_metric(lbl, float(len(d.get("orphans") or ())))
+        yield from (up, restarts, wedges, probe, orphans)
 
     def _usage(self, tenancies: list[Tenancy], server_pids: set[int]) -> dict[tuple[str, str, str], _Usage] | None:
         """(pod_uid, container, gpu_uuid) -> summed usage; None when NVML failed."""

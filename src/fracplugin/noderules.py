@@ -5,10 +5,11 @@ annotations or Allocate's reservation; kubelet: the device IDs and the
 candidate pod; DRA: the claim's allocation), makes one call down here, and
 encodes what comes back. ``NodeRules.admit`` runs each step once, in one
 order, whichever door asks (ADR 0032 decision 2): **health** (``unusable()``:
-an XID mark of the node's one ``gpu.health.HealthMonitor``, or MIG mode: NVML
+an XID mark of the node's one ``gpu.health.HealthMonitor``, the node's cordon
+annotation (``cordon.py``), or MIG mode: NVML
 rejects MIG handles for the memory limits and MPS pins memory per device,
 docs/reference/mps-nvml.md) -> **plan** (``planner.plan`` with those GPUs
-unusable; naming one refuses, code ``unhealthy`` / ``mig``) -> the door's
+unusable; naming one refuses, code ``unhealthy`` / ``cordoned`` / ``mig``) -> the door's
 ``check`` of the plan -> **the memory-limit gate**
 (``enforce.nri.NriMemoryLimits.admit``: code ``memory_limits_unenforceable``
 under ``--memory-limits-policy refuse``) -> **the ledger** (``Ledger.admit``,
@@ -32,6 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Collection, Mapping, Sequence
 
 from . import reservations
+from .cordon import ANNOTATION as CORDON_ANNOTATION
 from .allocation import DOOR_ALLOCATE, DOOR_NRI
 from .ledger import Ledger
 from .model import ContainerPlan, FractionRequest, NodeInfo, PodRef, Tenancy
@@ -47,9 +49,9 @@ TRANSIENT = frozenset({"unhealthy", "mps_unavailable", "ledger_io", reservations
 back, the state directory is writable again, the running container a
 pending reservation waits on stops): UNAVAILABLE, the caller retries."""
 
-PRECONDITION = frozenset({"guard", "no_fit", "mig", "memory_limits_unenforceable", "mode_ambiguous"})
+PRECONDITION = frozenset({"guard", "no_fit", "mig", "cordoned", "memory_limits_unenforceable", "mode_ambiguous"})
 """Refusal codes of a request that is well formed but the node cannot take
-now (other tenants, the GPU's mode, what the node can enforce): FAILED_PRECONDITION."""
+now (other tenants, the GPU's mode, an operator's cordon, what the node can enforce): FAILED_PRECONDITION."""
 
 
 def status_of(code: str) -> StatusCode:
@@ -74,8 +76,8 @@ class NodeRules:
             while no process uses the GPU, and NVML reports it at start).
         ledger: the one ledger (thread-safe).
         config: the planner settings.
-        health: the node's one GPU health monitor (XID marks); None: no XIDs
-            are watched (explain, unit tests).
+        health: the node's one GPU health monitor (XID marks, the cordon);
+            None: no XIDs are watched, no GPU is cordoned (unit tests).
         limits: the memory-limit admission; None: ``--memory-limits off``.
 
     Thread-safe: it keeps no state of its own beyond the MIG table.
@@ -93,13 +95,17 @@ class NodeRules:
 
     def unusable(self) -> Mapping[str, Unusable]:
         """GPU UUID -> why it takes no new fraction now (MIG mode, an XID
-        mark). Cheap: a dict lookup on the common path (no MIG, no mark)."""
+        mark, the node's cordon annotation). Cheap: a dict lookup on the
+        common path (no MIG, no mark, no cordon)."""
         marks = self.health.xid_marks() if self.health is not None else {}
-        if not marks:
+        cordoned = self.health.cordoned() if self.health is not None else ()
+        if not marks and not cordoned:
             return self._mig or NO_UNUSABLE
         out = dict(self._mig)
         for uuid, xid in marks.items():
             out.setdefault(uuid, Unusable(f"is Unhealthy (xid {xid})", "unhealthy"))
+        for uuid in cordoned:
+            out.setdefault(uuid, Unusable(f"is cordoned (node annotation {CORDON_ANNOTATION})", "cordoned"))
         return out
 
     def excluded(self) -> str:

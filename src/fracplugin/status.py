@@ -77,6 +77,7 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
         tenants = g.get("tenants", [])
         rows.append((str(g["index"]), g["uuid"], g.get("mode") or "-", f"{g['held_mib']}/{g['memory_mib']}",
                      str(len(tenants)), "healthy" if g.get("healthy", True) else
+                     "CORDONED" if g.get("unhealthy_reasons") == ["cordoned"] else
                      "UNHEALTHY: " + ", ".join(g.get("unhealthy_reasons") or ["?"])))
         lines = []
         for t in tenants:
@@ -88,8 +89,9 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
             res = f"  reservation {t['reservation']}" if t.get("reservation") else ""
             c = enforced.get(t.get("container_id")) if t.get("container_id") else None
             enf = f"  ENFORCED {enforced_cell(c.get('enforced', 'unknown'), c.get('reason') or '')}" if c else ""
+            holds = f"  HOLDS {t['holds']}" if t.get("holds") else ""  # cgroup | per-process | none (issue 35)
             lines.append(f"{holder}: request {t['request_mib']} MiB, "
-                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}  door {door}{res}{enf}")
+                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}  door {door}{res}{enf}{holds}")
         tenant_lines[len(rows) - 1] = lines
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
@@ -175,6 +177,8 @@ def render_mps(mps: Mapping[str, Any]) -> list[str]:
                               if d.get(k) not in (None, ""))
             if d.get("adopted"):
                 extra += "  adopted"
+            if d.get("repairing") or d.get("orphans"):  # ADR 0034
+                extra += f"  repairing {len(d.get('repairing') or ())}  orphans {len(d.get('orphans') or ())}"
             out.append(f"  {d.get('mode', '?'):<13} {'healthy' if d.get('healthy') else 'UNHEALTHY':<9} {extra}".rstrip())
     return out
 
@@ -233,6 +237,13 @@ def render_table(doc: Mapping[str, Any]) -> str:
                    + (f"{pub.get('status')} ({pub.get('reason')})" if pub else "not published")
                    + f"  patches {nc.get('patches', 0)}  failures {nc.get('failures', 0)}"
                    + (f"  last error: {nc['last_error']}" if nc.get("last_error") else ""))
+    co = doc.get("cordon")
+    if isinstance(co, dict) and (co.get("value") is not None or co.get("last_error")):  # cordon.py
+        out.append("")
+        out.append(f"cordon {co.get('annotation')}={co.get('value')!r}: GPU(s) "
+                   f"{', '.join(str(i) for i in co.get('gpus') or []) or 'none'} take no new fraction"
+                   + "".join(f"\n  warning: {w}" for w in co.get("warnings") or [])
+                   + (f"\n  last error: {co['last_error']}" if co.get("last_error") else ""))
     ml = doc.get("memory_limits")
     if isinstance(ml, dict):
         out.append("")

@@ -78,7 +78,7 @@ def test_plans_through_the_nri_door_become_client_envs(running):
     ts = check._plan(3, gc.pod_manifest("gpucheck-ts", "time-slicing", gc.TS_LIMIT_MIB, gpu), gc.TS_LIMIT_MIB, None)
     assert ts is not None, [f.__dict__ for f in check.report.figures]
     assert ts.env["NVIDIA_VISIBLE_DEVICES"] == gpu
-    assert ts.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2048M"
+    assert ts.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{gpu}=2048M"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in ts.env
     env, _ = gc.client_env(ts.env, ts.mounts, {"PATH": "/usr/bin", "CUDA_MPS_PIPE_DIRECTORY": "/stale"},
                            len(check.node.gpus))
@@ -107,7 +107,7 @@ def test_plans_through_the_nri_door_become_client_envs(running):
                      gc.SM_LIMIT_MIB, atp)
     assert sm is not None, [f.__dict__ for f in check.report.figures]
     assert sm.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
-    assert sm.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
+    assert sm.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{gpu}=4096M"
     env, _ = gc.client_env(sm.env, sm.mounts, {}, len(check.node.gpus))
     sm_pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
     assert os.path.isdir(sm_pipe)

@@ -173,7 +173,9 @@ def test_apply_sets_soft_and_hard_on_the_leaf_of_each_gpu_and_reads_back(started
     out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "status", "--state-dir", str(d.state)],
                          capture_output=True, text=True, timeout=30)
     assert "ENFORCED" in out.stdout and "40960/61440" in out.stdout, out.stdout
-    assert sum("door nri  ENFORCED yes" in line for line in out.stdout.splitlines()) == 4, out.stdout  # per GPU tenant
+    # per GPU tenant; the cgroup limit is what holds its total (issue 35 item 2)
+    assert sum("door nri  ENFORCED yes  HOLDS cgroup" in line for line in out.stdout.splitlines()) == 4, out.stdout
+    assert [t["holds"] for g in d.get("/status")[1]["gpus"] for t in g["tenants"]] == ["cgroup"] * 4
     code, text = d.get("/metrics", "metrics")
     assert code == 200, text
     node = yaml.safe_load(NODE.read_text())
@@ -205,6 +207,8 @@ def test_verify_reports_unenforced_and_sets_nothing(started: Any, root: Path) ->
     assert fake.read_limits(root / "limits") == {}
     [cl] = d.get("/status")[1]["memory_limits"]["containers"]
     assert cl["enforced"] == "no" and "planned soft 40960 MiB / hard 61440 MiB" in cl["reason"], cl
+    # not in force, and no MPS daemon (--no-mps): nothing holds its total (issue 35 item 2)
+    assert [t["holds"] for g in d.get("/status")[1]["gpus"] for t in g["tenants"]] == ["none"] * 4
 
 
 def test_nvml_refusal_with_policy_refuse_fails_the_start(started: Any, root: Path) -> None:

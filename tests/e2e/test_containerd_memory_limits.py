@@ -160,7 +160,7 @@ def test_apply_sets_the_containers_leaf_cgroup_limits_and_reads_them_back(ctrd, 
     out = subprocess.run([str(h.REPO / ".venv" / "bin" / "fracplugin"), "status", "--state-dir", str(d.state_dir)],
                          capture_output=True, text=True, timeout=60)
     lines = out.stdout.splitlines()
-    assert sum("limits-apply/app" in line and line.endswith("ENFORCED yes") for line in lines) == 4, out.stdout
+    assert sum("limits-apply/app" in line and line.endswith("ENFORCED yes  HOLDS cgroup") for line in lines) == 4, out.stdout
     row = re.compile(r"default/limits-apply/app\s+(GPU-\S+)\s+40960/61440\s+40960/61440\s+\S+\s+yes$")
     assert sorted(m.group(1) for m in map(row.search, lines) if m) == EXPECTED_UUIDS, out.stdout + out.stderr
     pods.remove_all()

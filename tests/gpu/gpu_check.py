@@ -326,20 +326,6 @@ def client_env(plan_env: Mapping[str, str], mounts: Sequence[tuple[str, str]], b
     return env, notes
 
 
-def pinned_limit_mib(plan_env: Mapping[str, str], ordinal: int = 0) -> int | None:
-    """The MiB of ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for ``ordinal``
-    (``0=2048M,1=...``; units M/MB/G/GB); None when absent."""
-    raw = plan_env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
-    for item in raw.split(","):
-        key, _, val = item.partition("=")
-        if key.strip() != str(ordinal):
-            continue
-        m = re.fullmatch(r"\s*(\d+)\s*([MG])B?\s*", val, re.I)
-        if m:
-            return int(m.group(1)) * (1024 if m.group(2).upper() == "G" else 1)
-    return None
-
-
 # ---- judgements (pure) -----------------------------------------------------------------------
 def judge_pinned(allocated_mib: int, limit_mib: int, stopped_by: str, step_mib: int = STEP_MIB) -> tuple[bool, str, str]:
     """A client under a pinned limit: it must stop on an allocation error
@@ -1268,7 +1254,7 @@ class GpuCheck:
         except (RpcError, TimeoutError, ConnectionError) as exc:
             r.add(step, f"{name}: planned through NRI", "placed", f"{type(exc).__name__}: {exc}", "fail")
             return None
-        want = {"NVIDIA_VISIBLE_DEVICES": self.gpu.uuid, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={limit_mib}M"}
+        want = {"NVIDIA_VISIBLE_DEVICES": self.gpu.uuid, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"{self.gpu.uuid}={limit_mib}M"}
         if atp is not None:
             want["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(atp)
         got = {k: p.env.get(k) for k in want}

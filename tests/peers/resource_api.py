@@ -9,6 +9,8 @@ nothing from ``fracplugin``).
   ResourceSlices kept in ``slices`` with a ``resourceVersion`` that grows on
   each write; a PUT with a stale ``resourceVersion`` is 409, a POST of an
   existing name 409 (as the API server does);
+* ``GET /api/v1/nodes/<name>``: the Node documents in ``nodes`` (the
+  daemon's cordon annotation is read from its own Node), 404 otherwise;
 * anything else: 404 (the daemon's pod watch and events tolerate it).
 
 ``serve(root)`` starts it on 127.0.0.1:0 and writes a kubeconfig. Shared
@@ -59,10 +61,22 @@ class ResourceApi:
     def __init__(self) -> None:
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.slices: dict[str, dict[str, Any]] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
         self.cond = threading.Condition()
         self._rv = 0
         self.server: ThreadingHTTPServer | None = None
+
+    def annotate_node(self, name: str, annotations: dict[str, str | None]) -> None:
+        """Set (a None value: remove) annotations of node ``name`` (made when missing)."""
+        with self.cond:
+            node = self.nodes.setdefault(name, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+            have = node["metadata"].setdefault("annotations", {})
+            for k, v in annotations.items():
+                if v is None:
+                    have.pop(k, None)
+                else:
+                    have[k] = v
 
     def wait_for(self, pred: Callable[["ResourceApi"], bool], timeout_s: float = 20.0) -> bool:
         deadline = time.monotonic() + scaled(timeout_s)  # a test wait (tests.helpers.scaled)
@@ -124,6 +138,9 @@ class ResourceApi:
         if path.startswith(BASE + "/namespaces/") and len(parts) == 8 and parts[6] == "resourceclaims":
             doc = self.claims.get((parts[5], parts[7]))
             return (200, copy.deepcopy(doc)) if method == "GET" and doc is not None else (404, missing)
+        if path.startswith("/api/v1/nodes/") and len(parts) == 5 and method == "GET":
+            node = self.nodes.get(parts[4])
+            return (200, copy.deepcopy(node)) if node is not None else (404, missing)
         if path == BASE + "/resourceslices" and method == "POST":
             name = body["metadata"]["name"]
             if name in self.slices:

@@ -83,7 +83,7 @@ PLAN_TS = {
     "NVIDIA_VISIBLE_DEVICES": "GPU-aaaa",
     "NVIDIA_GPU_MEMORY_REQUEST": "2048",
     "NVIDIA_GPU_MEMORY_LIMIT": "2048",
-    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2048M",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "GPU-aaaa=2048M",
     "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps",
 }
 
@@ -117,13 +117,6 @@ def test_host_path_deepest_mount_wins_and_prefixes_are_whole_components():
     assert gc.host_path("/tmp/nvidia-mps/x", mounts) == "/b/x"
     assert gc.host_path("/tmp/other", mounts) == "/a/other"
     assert gc.host_path("/var", mounts) is None
-
-
-@pytest.mark.parametrize("raw,ordinal,mib", [
-    ("0=2048M", 0, 2048), ("0=4G,1=4G", 1, 4096), ("0=512MB", 0, 512), ("1=2G", 0, None), ("", 0, None),
-    ("0=lots", 0, None)])
-def test_pinned_limit_mib(raw, ordinal, mib):
-    assert gc.pinned_limit_mib({"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": raw}, ordinal) == mib
 
 
 # ---- judgements ---------------------------------------------------------------------------------

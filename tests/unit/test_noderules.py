@@ -14,6 +14,8 @@ import pytest
 from fracplugin.allocation import DOOR_ALLOCATE, DOOR_NRI
 from fracplugin.annotations import parse
 from fracplugin.allocation import DOOR_DRA
+from fracplugin.cordon import ANNOTATION, cordon_of
+from fracplugin.cordon import parse as parse_cordon
 from fracplugin.gpu.health import HealthMonitor
 from fracplugin.gpu.inventory import XidEvent
 from fracplugin.gpu.simulated import load_node
@@ -49,13 +51,14 @@ class Gate:
 
 
 def rules(node: Any, *, mig: tuple[int, ...] = (), xid: dict[int, int] | None = None,
-          gate: Gate | None = None) -> NodeRules:
+          gate: Gate | None = None, cordon: str = "") -> NodeRules:
     if mig:
         node = dataclasses.replace(node, gpus=tuple(dataclasses.replace(g, mig_enabled=g.index in mig)
                                                     for g in node.gpus))
     health = HealthMonitor(None, [g.uuid for g in node.gpus])
     for index, x in (xid or {}).items():
         health.record_xid(XidEvent(node.gpus[index].uuid, x))
+    cordon_of({ANNOTATION: cordon}, node, health)
     return NodeRules(node, Ledger(node), PlannerConfig(), health=health, limits=gate)  # type: ignore[arg-type]
 
 
@@ -73,6 +76,7 @@ PLACED = [
     ("XID 79 on GPU 0: placed past it", {"xid": {0: 79}}, {}, [1]),
     ("MIG on GPU 0: placed past it", {"mig": (0,)}, {}, [1]),
     ("both: GPU 2", {"xid": {1: 79}, "mig": (0,)}, {}, [2]),
+    ("GPUs 0 and 1 cordoned (index, UUID): GPU 2", {"cordon": "0, GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a02"}, {}, [2]),
     ("devices \"all\" on a node with a MIG GPU: refused naming it", {"xid": {1: 79}, "mig": (0,)},
      {"gpus_devices": "all"}, "mig"),
     ("every GPU unusable: no fit naming each", {"xid": {0: 79, 1: 79, 2: 48}, "mig": (3,)}, {}, "no_fit"),
@@ -97,6 +101,7 @@ def test_unusable_gpus_are_never_planned(node: Any, what: str, shape: dict[str, 
 @pytest.mark.parametrize("shape,code,words", [
     ({"xid": {0: 79}}, "unhealthy", "which is Unhealthy (xid 79)"),
     ({"mig": (0,)}, "mig", "which is in MIG mode"),
+    ({"cordon": "0"}, "cordoned", "which is cordoned (node annotation fracplugin.io/cordoned-gpus)"),
 ])
 def test_naming_an_unusable_gpu_is_refused_with_its_kind(node: Any, shape: dict[str, Any], code: str,
                                                          words: str) -> None:
@@ -113,13 +118,28 @@ def test_the_no_fit_refusal_names_each_unusable_gpu_once_with_the_rule(node: Any
         r.admit(request(gpu_memory_request="8Gi"), POD)
     msg = err.value.message
     assert "is Unhealthy (xid 79)" in msg and "is Unhealthy (xid 48)" in msg and "is in MIG mode" in msg
-    assert msg.count("no new fraction on an Unhealthy GPU or a GPU in MIG mode") == 1
+    assert msg.count("no new fraction on an Unhealthy, cordoned or MIG-mode GPU") == 1
 
 
 def test_what_runs_is_replanned_whatever_the_gpu(node: Any) -> None:
-    """A Synchronize records what runs: ``replan`` plans on an Unhealthy or MIG GPU, against an empty ledger."""
-    r = rules(node, xid={0: 79}, mig=(1,))
-    assert [g.index for g in r.replan(request(gpu_memory_request="8Gi", gpus_devices="0,1"), POD).devices] == [0, 1]
+    """A Synchronize records what runs: ``replan`` plans on an Unhealthy, MIG or cordoned GPU, against an
+    empty ledger."""
+    r = rules(node, xid={0: 79}, mig=(1,), cordon="2")
+    assert [g.index for g in r.replan(request(gpu_memory_request="8Gi", gpus_devices="0,1,2"), POD).devices] == [
+        0, 1, 2]
+
+
+def test_a_cordon_entry_naming_no_gpu_is_a_warning_naming_it(node: Any) -> None:
+    uuids, warnings = parse_cordon(" 1,,7, GPU-nope,٣,99999999999999999999", node)
+    assert uuids == {node.gpus[1].uuid}
+    assert [w.split(": ", 1)[1].split(" names")[0] for w in warnings] == [
+        "'7'", "'GPU-nope'", "'٣'", "'99999999999999999999'"]
+    assert all(w.startswith(f"annotation {ANNOTATION}: ") for w in warnings)
+    health = HealthMonitor(None, [g.uuid for g in node.gpus])
+    assert cordon_of({ANNOTATION: "3"}, node, health) == [] and health.cordoned() == {node.gpus[3].uuid}
+    assert health.health(node.gpus[3].uuid).reasons == ("cordoned",)
+    cordon_of(None, node, health)  # the annotation removed: uncordoned
+    assert health.cordoned() == frozenset() and health.healthy(node.gpus[3].uuid)
 
 
 def test_the_steps_run_once_in_order_and_a_refusal_leaves_no_hold(node: Any) -> None:

@@ -45,6 +45,21 @@ LIMIT_MAX = 0xFFFFFFFFFFFFFFFF
 MIB = 1 << 20
 
 
+HOLDS = ("cgroup", "per-process", "none")
+"""What can hold a container's total GPU memory on one GPU (``what_holds``)."""
+
+
+def what_holds(cgroup: bool | None, mps: bool) -> str:
+    """What holds a container's total memory on one GPU, one of ``HOLDS`` (issue 35 item 2; the one rule
+    ``fracplugin status`` and ``explain`` call): ``cgroup`` when the CUDA 13.4 limit is in force on its leaf
+    cgroup (``cgroup`` True: applied or verified, or for a plan, ``--memory-limits`` not off on a node that
+    can enforce), which holds every process together even when a worker narrows ``CUDA_VISIBLE_DEVICES``;
+    ``per-process`` when only MPS's pinned limit does (``mps``: each process alone, and dropped by a client
+    whose list names a GPU it cannot see: NVIDIA's measurements, docs/reference/enforcement-cdi-dra.md);
+    ``none`` otherwise."""
+    return "cgroup" if cgroup else "per-process" if mps else "none"
+
+
 class MemoryLimitMode(str, enum.Enum):
     """``--memory-limits``: auto | apply | verify | off."""
 
@@ -577,6 +592,11 @@ class MemoryLimitEnforcer:
     def result(self, container_id: str) -> ContainerLimits | None:
         with self._lock:
             return self._results.get(container_id)
+
+    def enforced_on(self, container_id: str, gpu_uuid: str) -> bool:
+        """The container's limit on that GPU was applied or verified at its start (``what_holds``'s ``cgroup``)."""
+        r = self.result(container_id) if container_id else None
+        return r is not None and any(g.gpu_uuid == gpu_uuid and g.enforced is True for g in r.gpus)
 
     def status(self) -> dict[str, Any]:
         """JSON-able: ``{"mode", "containers": [ContainerLimits.to_dict()]}``."""

@@ -26,6 +26,10 @@ Rules (docs/reference/kubelet-device-plugin.md D.10, issue 4 item 3):
   ``xid_recovery_s=None`` disables the timed recovery (then only ``clear``).
 * MPS: a GPU is Unhealthy while its MPS source says it is down, and Healthy
   again as soon as the source says it is up (see ``MpsHealth``).
+* Cordon: a GPU is Unhealthy (reason ``cordoned``) while the node annotation
+  ``fracplugin.io/cordoned-gpus`` names it (``cordon``, set by
+  ``cordon.CordonWatch``): the device plugin and the DRA slice read health,
+  so both withdraw it, and ``NodeRules.unusable`` refuses it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 94})
 DEFAULT_XID_RECOVERY_S = 300.0
+CORDONED = "cordoned"
+"""The health reason of a GPU the node annotation cordons (``HealthMonitor.cordon``)."""
 
 MpsHealth = Optional["MpsApi"]
 """The MPS health source: the one MPS port (``mps.api.MpsApi``: the
@@ -119,6 +125,7 @@ class HealthMonitor:
         self._lock = threading.Lock()
         self._xid: dict[str, tuple[int, float]] = {}  # uuid -> (last xid, time)
         self._mps_down: set[str] = set()
+        self._cordoned: frozenset[str] = frozenset()
         self._subs: list[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -141,6 +148,8 @@ class HealthMonitor:
                 reasons.append(f"xid {self._xid[uuid][0]}")
             if uuid in self._mps_down:
                 reasons.append("mps down")
+            if uuid in self._cordoned:
+                reasons.append(CORDONED)
         return GpuHealth(uuid, not reasons, tuple(reasons))
 
     def healthy(self, uuid: str) -> bool:
@@ -151,6 +160,21 @@ class HealthMonitor:
         (the GPU's own fault; MPS health is per compute mode and not in it)."""
         with self._lock:
             return {u: x for u, (x, _t) in self._xid.items()} if self._xid else {}
+
+    def cordoned(self) -> frozenset[str]:
+        """The UUIDs of the GPUs the node's cordon names (``cordon``)."""
+        return self._cordoned
+
+    def cordon(self, uuids: Iterable[str]) -> bool:
+        """Make ``uuids`` the cordoned GPUs (the node annotation's, every
+        read); True (and subscribers told) when the set changed."""
+        new = frozenset(uuids)
+        with self._lock:
+            if new == self._cordoned:
+                return False
+            self._cordoned = new
+        self._notify()
+        return True
 
     def unhealthy(self) -> dict[str, list[str]]:
         """GPU UUID -> reasons, for every unhealthy GPU."""

@@ -11,6 +11,7 @@ File shape::
     gpus:
       - {index: 0, uuid: GPU-..., name: ..., memory_mib: 81559, minor: 0,
          pci_bus_id: "00000000:18:00.0", numa_node: 0, compute_capability: "9.0"}
+    annotations: {fracplugin.io/cordoned-gpus: "0"}  # optional: the Node's (explain reads the cordon)
 """
 
 from __future__ import annotations

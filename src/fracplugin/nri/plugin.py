@@ -67,7 +67,9 @@ Behaviour (docs/reference/design.md sections 2 and 4; issue 3 item 3):
   order, so a hold ends only with its own container) and log containers that
   should carry our env but do not; sm-sharing namespaces of the recorded
   containers are re-ensured in the background (a restarted daemon's MPS layer
-  knows none). Then the MPS layer's namespaces are reconciled with the
+  knows none); so are a mode's whenever its MPS daemon turns healthy again
+  (a new MPS role's fresh daemons: ADR 0034), and the door is not ready
+  until they are done. Then the MPS layer's namespaces are reconciled with the
   runtime's pods (``nri/orphans.py``): those of pods gone while the doors did
   not see it are released, a live pod's that nothing holds is adopted into
   the early table. ``ready()`` turns true afterwards. Unfenced containers:
@@ -85,7 +87,7 @@ from .._proto import nri_pb2
 from .. import allocation as al
 from ..cdi import CdiRegistry, container_cdi_devices, with_node_cdi_devices
 from ..annotations import parse
-from ..model import ContainerPlan, FractionError, FractionRequest, PodRef
+from ..model import ComputeMode, ContainerPlan, FractionError, FractionRequest, PodRef
 from ..mps.api import MpsApi, NullMps
 from ..ports import HookMetrics, NoMetrics
 from ..reservations import ENV_RESERVATION_PROOF
@@ -277,6 +279,21 @@ class FracNriPlugin:
         self.mounts = MountSources(rules.config.layout.root, self.metrics, self.settings)
         self.releases = Releases(rules, self.namespaces, self.calls)
         self.reconciler = Reconciler(rules, self.reader, self.namespaces, self.calls.mps, unfenced)
+        subscribe = getattr(self.calls.mps, "subscribe", None)
+        if callable(subscribe):  # a daemon healthy again (fresh daemons of a new MPS role): re-ensure, ADR 0034
+            subscribe(self._mps_back)
+
+    def _mps_back(self, mode: ComputeMode, healthy: bool) -> None:
+        """The MPS layer's health callback: when the daemon of ``mode`` is healthy again (a restart, or a
+        new MPS role whose fresh daemons know no namespace: keeper SIGTERM, ADR 0034), re-ensure the
+        namespaces of the running containers of that mode at once, as Synchronize does (before the first
+        Synchronize the ledger is not the runtime's yet: Synchronize does it). Only queues; never raises."""
+        if healthy and self.reconciler.ready():
+            try:
+                mode = ComputeMode(mode)
+                self.namespaces.renew([t for t in self.rules.ledger.tenancies() if t.mode is mode])
+            except Exception:
+                log.exception("nri MPS namespaces not re-ensured after the daemon came back", extra={"mode": mode})
 
     # -------------------------------------------------------------- status
 

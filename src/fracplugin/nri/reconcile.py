@@ -164,6 +164,11 @@ class Reconciler:
             "nri synchronized",
             extra={"pods": len(pods), "containers": len(containers), "tenancies": len(tenancies), "unadjusted": len(unadjusted)},
         )
+        self._wait_unfenced(unfenced)
+
+    def _wait_unfenced(self, unfenced: list[tuple[nri_pb2.PodSandbox, nri_pb2.Container]]) -> None:
+        """Decide each unfenced container now; those whose pod cannot be read
+        yet wait for the recheck thread (``_recheck``)."""
         waiting = {c.id: (pod, c) for pod, c in unfenced if self._decide(pod, c, "at Synchronize") is None}
         with self._lock:
             self._waiting = waiting
