@@ -68,11 +68,13 @@ def _closest(word: str, choices: Sequence[str], cutoff: float = 0.0) -> str | No
 
 
 def _one_edit(a: str, b: str) -> bool:
-    """True when ``a`` and ``b`` differ by exactly one inserted, deleted or changed character."""
+    """True when ``a`` and ``b`` differ by exactly one inserted, deleted,
+    changed or swapped (two neighbours) character (Damerau's edit distance 1)."""
     if a == b or abs(len(a) - len(b)) > 1:
         return False
     i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return a[i + 1:] == b[i + 1:] or a[i:] == b[i + 1:] or a[i + 1:] == b[i:]
+    return (a[i + 1:] == b[i + 1:] or a[i:] == b[i + 1:] or a[i + 1:] == b[i:]
+            or (a[i + 2:] == b[i + 2:] and a[i:i + 2] == b[i:i + 2][::-1]))
 
 
 def _near_prefix(key: str, prefix: str) -> tuple[str, str] | None:

@@ -549,11 +549,14 @@ def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: 
 
 def _cdi_report(cdi: CdiRegistry | None, warnings: list[str]) -> dict[str, Any] | None:
     """The report's ``cdi`` block (``CdiRegistry.status`` less its per-GPU
-    devices; None without spec directories); each ignored spec joins ``warnings``."""
+    devices; None without spec directories); each ignored spec and each
+    unreadable directory given (not a default one) joins ``warnings``."""
     if cdi is None:
         return None
     st = cdi.status()
     warnings += [f"CDI spec {i['path']} ignored: {i['reason']}" for i in st["invalid_specs"]]
+    warnings += [f"CDI spec directory {d}: {why}; no spec is read from it" for d, why in st["unreadable_dirs"].items()
+                 if d not in DEFAULT_SPEC_DIRS]  # the defaults are absent where no GPU node is: no noise
     return {k: st[k] for k in ("spec_dirs", "specs", "invalid_specs", "gpus_without_spec")}
 
 
