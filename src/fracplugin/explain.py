@@ -3,9 +3,14 @@ the planner as an operator tool.
 
 Plans every container of the pod on an empty node (or on the tenancy of a
 ledger file given with ``--ledger``, or on the running daemon's tenants with
-``--live``) and prints what each would get, or why it is refused. The pod is a
-file or ``-`` for standard input (``kubectl get pod -o yaml | fracplugin
-explain - ...``: a cluster pod as it is, status and managedFields included).
+``--live``) through the door that would take it, with that door's own code,
+and prints what each would get, or why it is refused: the NRI door's
+planning for annotations, the device plugin door (GetPreferredAllocation,
+Allocate, then CreateContainer of its reservation) for a container asking
+for the extended resource, the DRA door's Prepare for a ResourceClaim
+(``--claim``). The pod is a file or ``-`` for standard input (``kubectl get
+pods -o yaml | fracplugin explain - ...``: cluster pods as they are, status
+and managedFields included, every pod of a List explained).
 The node is a node file (``examples/nodes/gpu-node-1.yaml``), the daemon's
 ``/status`` JSON at a URL (``--node-from-status``), or the running daemon
 itself (``--live``: its health address as ``fracplugin status`` finds it;
@@ -14,7 +19,8 @@ document the daemon's own ``reserve_mib``, ``annotation_prefix``,
 ``max_clients_per_gpu``, ``mps_root`` and CDI setting are used unless given
 on the command line.
 
-Exit status: 0 every container planned or not fractional; 1 any refused;
+Exit status (the worst over the pods): 0 every container planned or not
+fractional; 1 any refused;
 2 usage errors (missing file, bad YAML, a file that is not a pod or not a
 node, unknown container) with one line on stderr naming the file and what is
 wrong, never a traceback (issue 13 item 4: "refused" must mean the planner
@@ -106,11 +112,6 @@ MAX_POD_FILE_BYTES = 8 << 20
 
 def _one_line(text: str) -> str:
     return escape_controls(" ".join(str(text).split()))[:300]
-
-
-def load_pod(path: str) -> dict[str, Any]:
-    """The first document of ``load_pods``. Raises UsageError."""
-    return load_pods(path)[0]
 
 
 def load_pods(path: str) -> list[dict[str, Any]]:
