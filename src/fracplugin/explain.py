@@ -644,7 +644,8 @@ def main(args: argparse.Namespace) -> int:
                 tenancies = tenancies_from_status(doc, source)
             config = config_from_status(doc, reserve_mib=args.reserve_mib, annotation_prefix=args.annotation_prefix)
             dp = doc.get("device_plugin") if isinstance(doc.get("device_plugin"), dict) else {}
-        unit = args.device_unit_mib or (dp.get("unit_mib") if isinstance(dp.get("unit_mib"), int) else DEFAULT_UNIT_MIB)
+        unit = args.device_unit_mib if args.device_unit_mib is not None else (
+            dp["unit_mib"] if isinstance(dp.get("unit_mib"), int) else DEFAULT_UNIT_MIB)
         resource = dp.get("resource_name") if isinstance(dp.get("resource_name"), str) else DEFAULT_RESOURCE_NAME
         raw_dirs = getattr(args, "cdi_spec_dirs", ",".join(DEFAULT_SPEC_DIRS))  # callers that build args by hand
         dirs = [d.strip() for d in (raw_dirs or "").split(",") if d.strip()]
