@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import urllib.error
@@ -617,6 +618,7 @@ def main(args: argparse.Namespace) -> int:
                           ("claim", None), ("device_unit_mib", None)):
         if not hasattr(args, name):  # a Namespace built by a caller that knows only --node
             setattr(args, name, default)
+    logging.getLogger("fracplugin").addHandler(logging.NullHandler())  # the doors' log lines: the report says it
     try:
         if args.health_address and not args.live:
             raise UsageError("--health-address is for --live (give --node-from-status a URL)")
