@@ -399,9 +399,7 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     for name in listed:
         if container is not None and name != container:
             continue
-        unplanned = _unplanned(name)
-        count = resource_count(specs.get(name, {}), resource_name)
-        if count > 0:  # the device plugin door: GetPreferredAllocation, Allocate, then CreateContainer
+        if (count := resource_count(specs.get(name, {}), resource_name)) > 0:  # the device plugin door
             kubelet = kubelet or _KubeletDoor(rules, pod, resource_name, unit_mib)
             out.append(kubelet.explain(name, count, ref, cdi))
             continue
@@ -409,10 +407,10 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
             req = parse(annotations, name, prefix=config.annotation_prefix, containers=targets)
             plan = rules.plan(req, ref) if req is not None else None
         except FractionError as err:
-            out.append({**unplanned, "fractional": True, "error": err.to_dict()})
+            out.append({**_unplanned(name), "fractional": True, "error": err.to_dict()})
             continue
         if plan is None:
-            out.append(unplanned)
+            out.append(_unplanned(name))
         else:
             out.append(with_node_cdi_devices(plan, cdi).to_dict())
             try:
