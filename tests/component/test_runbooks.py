@@ -166,6 +166,23 @@ def test_prose_kubectl_names_what_the_chart_and_daemon_name() -> None:
         assert f'printf "%s-{name}"' in templates, f"the chart makes no DaemonSet fracplugin-{name}"
 
 
+def test_the_pages_defaults_are_the_charts() -> None:
+    """The variables' defaults are the chart's: the namespace README installs
+    into (README's or docs/' helm install), hostPaths.mpsRoot and .stateDir; and the container mounts
+    hostPaths.run (which holds both) at its host path, so ``fp cat $MPS_ROOT/...``
+    reads the node's files."""
+    setup = fenced_blocks(RUNBOOKS.read_text())[0]
+    defaults = dict(re.findall(r"^(\w+)=\$\{\1:-([^}]*)\}", setup, re.M))
+    paths = yaml.safe_load((CHART / "values.yaml").read_text())["hostPaths"]
+    assert defaults["MPS_ROOT"] == paths["mpsRoot"] and defaults["STATE_DIR"] == paths["stateDir"], defaults
+    assert paths["mpsRoot"].startswith(paths["run"] + "/") and paths["stateDir"].startswith(paths["run"] + "/")
+    install = [p for p in [REPO / "README.md", *(REPO / "docs").rglob("*.md")] if p != RUNBOOKS]
+    assert any(f"helm install fracplugin deploy/helm/fracplugin -n {defaults['NS']}" in p.read_text()
+               for p in install), "no install command (README, docs/) uses the page's namespace"
+    ds = (CHART / "templates" / "daemonset.yaml").read_text()
+    assert re.search(r"- name: run\n\s+mountPath: \{\{ \$\.Values\.hostPaths\.run \}\}", ds)
+
+
 def test_every_command_runs_on_the_daemon_and_prints_what_the_page_says(node: tuple[DaemonProc, Path]) -> None:
     d, root = node
     blocks = fenced_blocks(RUNBOOKS.read_text())
