@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from .mps.api import MpsApi
     from .noderules import NodeRules
     from .overlimit import OverLimitWatch
+    from .restart import Restarter
 
 log = logging.getLogger("fracplugin.daemon")  # the daemon's log, as before the split
 
@@ -123,6 +124,7 @@ class Builder:
         self.mps: MpsApi | None = None
         self.pod_source: PodSource | None = None
         self.events: EventRecorder | NullEventRecorder | None = None
+        self.restarter: Restarter | None = None  # the one pod evicter (ADR 0035), with API access
         self.rules: NodeRules | None = None  # the node's rules, every door admits through them (issue 33)
         self.nri: NriDoor | None = None
         self.device_plugin: DevicePluginServer | None = None
@@ -307,17 +309,21 @@ class Builder:
             log.warning("no API access (no --kubeconfig, not in a cluster, no --pods-file): " + POD_SOURCE_MISSING)
 
     def _build_events(self) -> None:
+        """With API access, whichever doors are on: the event recorder and the
+        one ``restart.Restarter`` (ADR 0035); else a null recorder, no restarter."""
         from .events import EventRecorder, NullEventRecorder
+        from .restart import Restarter
 
-        if self.cfg.no_nri or not (self.cfg.kubeconfig or _in_cluster()):
+        if not (self.cfg.kubeconfig or _in_cluster()):
             self.events = NullEventRecorder()
             return
         recorder = EventRecorder(_api_client(self.cfg), self.node_name)
         self.events = recorder
-        self._add(ServicePart(self.cfg, "events", {"kubeconfig", "no_nri"}, recorder,
+        self.restarter = Restarter(_api_client(self.cfg))
+        self._add(ServicePart(self.cfg, "events", {"kubeconfig"}, recorder,
                               lambda: {"enabled": True, **recorder.stats()}))
-        log.info("refusals become Kubernetes Events", extra={
-            "via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster", "doors": "nri"})
+        log.info("refusals and warnings become Kubernetes Events",
+                 extra={"via": "kubeconfig" if self.cfg.kubeconfig else "in-cluster"})
 
     def _build_node_condition(self) -> None:
         """KAI's readiness gate: publish ``--node-condition-types`` from
@@ -403,27 +409,30 @@ class Builder:
         0035): Events through the event recorder; with ``--over-limit
         restart`` pod evictions through the API client (restart.py)."""
         from .overlimit import OverLimitWatch
-        from .restart import Restarter
 
         if self.metrics is None:
             return
-        restarter = None
-        if self.cfg.over_limit == "restart" and (self.cfg.kubeconfig or _in_cluster()):
-            restarter = Restarter(_api_client(self.cfg))
-        elif self.cfg.over_limit == "restart":
-            log.warning("--over-limit restart without API access (no --kubeconfig, not in a cluster): containers "
-                        "above their GPU memory limit are reported, not restarted")
+        self._restart_warning("over_limit", "containers above their GPU memory limit")
         ml = self.memory_limits
         self.over_limit = self.metrics.watch = OverLimitWatch(
-            self.cfg.over_limit, self.events, restarter, dmem_used=ml.dmem_used if ml is not None else None)
+            self.cfg.over_limit, self.events, self.restarter if self.cfg.over_limit == "restart" else None,
+            dmem_used=ml.dmem_used if ml is not None else None)
+
+    def _restart_warning(self, setting: str, what: str) -> None:
+        """Log that ``--<setting> restart`` only reports ``what`` without API access."""
+        if getattr(self.cfg, setting) == "restart" and self.restarter is None:
+            log.warning(f"--{setting.replace('_', '-')} restart without API access (no --kubeconfig, not in a "
+                        f"cluster): {what} are reported, not restarted")
 
     def _build_nri(self) -> None:
         if self.cfg.no_nri:
             return
         from .nri.plugin import FracNriPlugin
+        from .nri.reconcile import Unfenced
         from .nri.stub import NriStub
 
         assert self.rules is not None and self.events is not None
+        self._restart_warning("unfenced_containers", "fractional containers found running unfenced")
         events = self.events  # refusals and warnings queue an Event (never blocks)
         plugin = FracNriPlugin(self.rules, mps=self.mps,
                                metrics=self.metrics, fail_open=self.cfg.fail_open,
@@ -433,7 +442,8 @@ class Builder:
                                pod_ready=self.pod_source.ready if self.pod_source is not None else None,
                                unit_mib=self.cfg.device_unit_mib, resource_name=self.cfg.resource_name,
                                cdi=None if self.cfg.no_cdi_devices else self._cdi(),
-                               start_wait_s=self.cfg.nri_start_wait_s)
+                               start_wait_s=self.cfg.nri_start_wait_s,
+                               unfenced=Unfenced(self.cfg.unfenced_containers, self.restarter, events))
         stub = NriStub(plugin, socket_path=self.cfg.nri_socket,
                        plugin_name=self.cfg.nri_plugin_name, plugin_idx=self.cfg.nri_plugin_idx,
                        on_bound=self.metrics.nri_bound_exceeded if self.metrics is not None else None)

@@ -463,9 +463,9 @@ def container_cdi_devices(container: Any) -> tuple[str, ...]:
         if d.name:
             out[d.name] = None
     annotations = getattr(container, "annotations", None) or {}
-    for k, v in annotations.items():
+    for k in annotations:  # keys, then the few values wanted: a protobuf map's items() is Python code
         if k.startswith(CDI_ANNOTATION_PREFIX):
-            for name in str(v).split(","):
+            for name in str(annotations[k]).split(","):
                 if name.strip():
                     out[name.strip()] = None
     return tuple(out)

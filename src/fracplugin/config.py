@@ -156,6 +156,7 @@ class Config:
     # usage poll: each container's GPU memory against its limit (issue 35 item 3, ADR 0035)
     usage_poll_interval_s: float = 5.0
     over_limit: str = "report"
+    unfenced_containers: str = "restart"  # a fractional container found running unadjusted (issue 35 item 1)
     proc_root: str = "/proc"  # the host's (hostPID): where NVML's PIDs are joined to containers
     # process
     log_format: str = "json"
@@ -293,6 +294,8 @@ _HELP = {
     "over_limit": "a container above its GPU memory limit at a usage poll: report (Warning Event "
                   "GpuMemoryLimitExceeded once per episode, metric, alert) or restart (the same, then its pod is "
                   "evicted through the Kubernetes Eviction API; ADR 0035)",
+    "unfenced_containers": "a fractional container found running without fracplugin's adjustment: restart (evict "
+                           "its pod, with backoff) or report; Event ContainerRestartedUnfenced either way (ADR 0035)",
     "proc_root": "the proc filesystem where the PIDs NVML reports are joined to containers (the host's: hostPID)",
     "log_format": "log format: json or text",
     "log_level": "log level: debug, info, warning or error",
@@ -328,7 +331,7 @@ _METAVARS = {"allocation_policy": "pack|spread", "ignored_xids": "XIDS", "cdi_ki
              "nri_plugin_name": "NAME", "nri_plugin_idx": "NN", "resource_name": "NAME", "node_name": "NAME",
              "annotation_prefix": "PREFIX", "max_clients_per_gpu": "N", "node_condition_types": "TYPES",
              "memory_limits": "auto|apply|verify|off", "memory_limits_policy": "warn|refuse", "cgroup_root": "DIR",
-             "over_limit": "report|restart",
+             "over_limit": "report|restart", "unfenced_containers": "restart|report",
              "cdi_spec_dirs": "DIR[,DIR]"}
 
 
@@ -452,8 +455,9 @@ def _validate_role_and_mps(cfg: Config, bad: _Bad) -> None:
         raise bad("memory_limits", f"must be one of {', '.join(MEMORY_LIMIT_MODES)}")
     if cfg.memory_limits_policy not in MEMORY_LIMIT_POLICIES:
         raise bad("memory_limits_policy", f"must be one of {', '.join(MEMORY_LIMIT_POLICIES)}")
-    if cfg.over_limit not in OVER_LIMIT_MODES:
-        raise bad("over_limit", f"must be one of {', '.join(OVER_LIMIT_MODES)}")
+    for name in ("over_limit", "unfenced_containers"):
+        if getattr(cfg, name) not in OVER_LIMIT_MODES:
+            raise bad(name, f"must be one of {', '.join(OVER_LIMIT_MODES)}")
     for name in ("cgroup_root", "proc_root"):
         if not str(getattr(cfg, name)).startswith("/"):
             raise bad(name, "must be an absolute path")

@@ -4,8 +4,9 @@ them, serve, stop them in order. ``Daemon`` keeps the lifecycle and the read sid
 Start order (each part switchable, docs/reference/design.md section 3):
 ``builders.Builder.build``'s steps: inventory, ledger (loaded; a corrupt file
 moved aside), metrics, MPS (``NullMps`` with ``--no-mps``), pod source
-(``--pods-file`` or the API watch), refusal Events (with API access and the
-NRI door; the device plugin door has no pod in hand and writes none), the
+(``--pods-file`` or the API watch), Events and the one pod evicter
+(restart.py; with API access, whichever doors are on: the device plugin door
+has no pod in hand and writes no refusal Events), the
 node's rules (``noderules.NodeRules``: GPU health and the memory-limit gate,
 whichever doors are on; issue 33), the over-limit watch (overlimit.py, fed by the
 metrics' usage poll every ``--usage-poll-interval`` seconds: ADR 0035), the NRI door, the device plugin door (it
@@ -58,6 +59,7 @@ from .config import Config, ConfigError
 from .parts import LogsPart, Part, Readiness
 from .parts import bounded as _bounded
 from .builders import POD_SOURCE_MISSING, Builder, Hooks, StartupError
+from .enforce.memlimits import what_holds
 
 log = logging.getLogger("fracplugin.daemon")
 
@@ -195,13 +197,14 @@ class Daemon:
 
     def metric_state(self) -> dict[str, Any]:
         """What ``Metrics.attach_state`` exports at scrape time: NRI connected /
-        synchronized / unadjusted containers (None when the door is off or not
+        synchronized / unadjusted containers / unfenced counts (None when the door is off or not
         started), device plugin registered (likewise), and per GPU whether the
         device plugin reports it Healthy (critical XID or its mode's MPS daemon
         down; without the device plugin door: its mode's MPS daemon)."""
         nri, door = None, self.built.nri
         if door is not None:
-            nri = {"connected": door.connected(), "synchronized": door.synchronized(), "unadjusted": door.unadjusted()}
+            nri = {"connected": door.connected(), "synchronized": door.synchronized(), "unadjusted": door.unadjusted(),
+                   "unfenced": door.plugin.reconciler.unfenced_status()}
         dp = self.parts.get("device plugin")
         return {"nri": nri, "device_plugin": None if dp is None else {"registered": dp.readiness().ok},
                 "gpu_healthy": {u: h for u, (h, _r) in self._gpu_healthy().items()}}
@@ -217,6 +220,7 @@ class Daemon:
         gpus = []
         health = self._gpu_healthy()
         b = self.built
+        ml, mps_on = b.memory_limits, not self.cfg.no_mps
         if b.node is not None and b.ledger is not None:
             for g in b.node.gpus:
                 tenants = b.ledger.tenants(g.uuid)
@@ -227,7 +231,10 @@ class Daemon:
                     "index": g.index, "uuid": g.uuid, "name": g.name, "memory_mib": g.memory_mib,
                     "held_mib": held, "free_mib": g.memory_mib - held, "mode": mode.value if mode else None,
                     "healthy": healthy, "unhealthy_reasons": reasons,
-                    "tenants": [t.to_dict() for t in tenants],
+                    # what holds each tenant's total on this GPU (issue 35): the one rule, what_holds
+                    "tenants": [{**t.to_dict(), "holds": what_holds(
+                        ml is not None and ml.enforcer.enforced_on(t.container_id, g.uuid), mps_on)}
+                        for t in tenants],
                 })
         events = self._status_of("events")
         if events is None and b.events is not None:

@@ -60,6 +60,8 @@ REASON_LIMIT_NOT_ENFORCED = "MemoryLimitNotEnforced"
 """``reason`` of the Event written when a container's CUDA memory limit is not in force (issue 23, ADR 0025)."""
 REASON_OVER_LIMIT = "GpuMemoryLimitExceeded"
 """``reason`` of the Event written when a container uses more GPU memory than its limit (issue 35 item 3)."""
+REASON_UNFENCED = "ContainerRestartedUnfenced"
+"""``reason`` of the Event for a container found running unfenced, restarted or not (issue 35 item 1)."""
 
 MAX_MESSAGE = 1024
 """Characters of the refusal message kept in the Event (longer ones are cut)."""
@@ -87,6 +89,10 @@ class NullEventRecorder:
         return None
 
     def over_limit(self, pod: PodRef, container: str, message: str, action: str) -> None:
+        """Ignore it (still logged, in status and metrics)."""
+        return None
+
+    def unfenced(self, pod: PodRef, container: str, message: str, action: str) -> None:
         """Ignore it (still logged, in status and metrics)."""
         return None
 
@@ -167,6 +173,11 @@ class EventRecorder:
         ``message`` names the GPU, used and limit; ``action`` ``Report`` or
         ``Restart``). Never blocks, never raises."""
         self._put(pod, container, message, action, REASON_OVER_LIMIT)
+
+    def unfenced(self, pod: PodRef, container: str, message: str, action: str) -> None:
+        """Queue a ``ContainerRestartedUnfenced`` Warning Event (``action``
+        ``Restart``, ``Report`` or ``Backoff``). Never blocks, never raises."""
+        self._put(pod, container, message, action, REASON_UNFENCED)
 
     def _put(self, pod: PodRef, container: str, message: str, action: str, reason: str) -> None:
         """Queue one Event now; a full queue or a stopped recorder drops it (``dropped``)."""

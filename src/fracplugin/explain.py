@@ -37,6 +37,8 @@ import yaml
 from .annotation_lint import lint
 from .annotations import DEFAULT_PREFIX, form_targets, native_sidecars, parse, stray_container_keys  # noqa: F401 (stray_container_keys: re-exported)
 from .cdi import DEFAULT_SPEC_DIRS, CdiRegistry, with_node_cdi_devices
+from .enforce.capability import described_can_enforce
+from .enforce.memlimits import what_holds
 from .gpu.inventory import InventoryError
 from .gpu.simulated import MAX_MEMORY_MIB, load_node
 from .ledger import DEFAULT_MAX_CLIENTS_PER_GPU, Ledger
@@ -77,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"would request it (default {','.join(DEFAULT_SPEC_DIRS)}; empty = none)")
     p.add_argument("--cdi-kind", metavar="KIND", default=None,
                    help="an operator-named CDI kind looked up first (as fracplugin run --cdi-kind)")
+    p.add_argument("--memory-limits", choices=("auto", "apply", "verify", "off"), default=None,
+                   help="the daemon's --memory-limits, for what holds each GPU's total (cgroup, per-process, none): "
+                        "default the daemon's with a /status, else auto; with --node the file's driver (r615+) and "
+                        "MIG modes stand for the node's capability gate, with a /status the daemon's own gate")
     p.add_argument("--reserve-mib", type=_non_negative, default=None,
                    help=f"MiB per GPU kept out of fraction resolution (default: the daemon's with a /status, else "
                         f"{DEFAULT_RESERVE_MIB}: KAI's NvFractions binder reserve; 0 = the whole GPU)")
@@ -331,12 +337,16 @@ def config_from_status(doc: Mapping[str, Any], *, reserve_mib: int | None,
 def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | None = None,
             ledger_path: str | None = None, config: PlannerConfig = PlannerConfig(),
             tenancies: Sequence[Tenancy] = (), cdi_spec_dirs: Sequence[str] = (),
-            cdi_kind: str | None = None) -> dict[str, Any]:
+            cdi_kind: str | None = None, memory_limits: str = "auto", can_enforce: bool | None = None,
+            mps: bool = True) -> dict[str, Any]:
     """The explain report as a dict (the ``--output json`` shape): each
     container's plan with ``cdi_devices`` (the CDI devices the daemon would
     request: the scheduler's names plus each GPU's device from the specs in
-    ``cdi_spec_dirs``, ADR 0025b), and ``cdi`` (``CdiRegistry.status`` less
-    its per-GPU devices; None without spec directories).
+    ``cdi_spec_dirs``, ADR 0025b), ``holds`` (GPU UUID -> what would hold the
+    container's total there: ``memlimits.what_holds`` of ``memory_limits`` not
+    ``off`` and ``can_enforce``, None = ``described_can_enforce`` of the node,
+    and ``mps``, an MPS daemon serves it), and ``cdi``
+    (``CdiRegistry.status`` less its per-GPU devices; None without spec directories).
 
     ``node_path``: a node file, or the node itself (``node_from_status``);
     ``tenancies``: tenants already on the node (``--live``), as the ledger
@@ -368,6 +378,9 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     if container is not None and container not in listed:
         raise UsageError(f"pod has no container {container!r} (it has: {', '.join(listed) or 'none'})")
     ref = PodRef(str(md.get("namespace", "default")), str(md.get("name", "")), str(md.get("uid", "")))
+    if can_enforce is None:
+        can_enforce = described_can_enforce(node.gpus, node.driver_version)
+    holds = what_holds(memory_limits != "off" and can_enforce, mps)
     out = []
     rules = NodeRules(node, ledger, config)  # the doors' rules (MIG GPUs excluded); no health monitor here
     for name in listed:
@@ -384,7 +397,7 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
         if plan is None:
             out.append(unplanned)
         else:
-            out.append(with_node_cdi_devices(plan, cdi).to_dict())
+            out.append({**with_node_cdi_devices(plan, cdi).to_dict(), "holds": dict.fromkeys(plan.device_uuids, holds)})
             try:
                 ledger.admit(plan)
             except FractionError as err:  # the pod's own earlier containers took the room
@@ -485,6 +498,8 @@ def render_table(report: dict[str, Any]) -> str:
             lines.append(f"  compute portion: {c['portion']:g}")
         if c.get("cdi_devices"):
             lines.append("  CDI devices: " + ", ".join(c["cdi_devices"]))
+        if c.get("holds"):
+            lines.append("  what holds the total per GPU: " + ", ".join(f"{u} {h}" for u, h in c["holds"].items()))
         lines.append("  env:")
         for k, v in c["env"].items():
             lines.append(f"    {k}={v}")
@@ -518,6 +533,7 @@ def main(args: argparse.Namespace) -> int:
         pod = load_pod(args.pod)
         node: str | NodeInfo
         tenancies: list[Tenancy] = []
+        limits, can, mps = getattr(args, "memory_limits", None), None, True
         if args.node is not None:
             node = args.node
             config = PlannerConfig(
@@ -535,10 +551,15 @@ def main(args: argparse.Namespace) -> int:
             if args.live:
                 tenancies = tenancies_from_status(doc, source)
             config = config_from_status(doc, reserve_mib=args.reserve_mib, annotation_prefix=args.annotation_prefix)
+            ml: dict[str, Any] = doc["memory_limits"] if isinstance(doc.get("memory_limits"), dict) else {}
+            limits = limits or str(ml.get("mode") or "off")  # the daemon's own gate, when it reports one
+            can = bool((ml.get("node") or {}).get("can_enforce"))
+            mps = not (isinstance(doc.get("config"), dict) and doc["config"].get("no_mps"))
         raw_dirs = getattr(args, "cdi_spec_dirs", ",".join(DEFAULT_SPEC_DIRS))  # callers that build args by hand
         dirs = [d.strip() for d in (raw_dirs or "").split(",") if d.strip()]
         report = explain(pod, node, container=args.container, ledger_path=args.ledger, config=config,
-                         tenancies=tenancies, cdi_spec_dirs=dirs, cdi_kind=getattr(args, "cdi_kind", None))
+                         tenancies=tenancies, cdi_spec_dirs=dirs, cdi_kind=getattr(args, "cdi_kind", None),
+                         memory_limits=limits or "auto", can_enforce=can, mps=mps)
     except UsageError as exc:
         print(f"fracplugin explain: {exc}", file=sys.stderr)
         return 2

@@ -78,7 +78,7 @@ def holder_text(t: Tenancy) -> str:
 
 def admission_problem(
     gpu: GpuInfo,
-    tenants: Sequence[Tenancy],
+    tenants: Iterable[Tenancy],
     owner: tuple[str, str],
     mode: ComputeMode,
     request_mib: int,
@@ -94,19 +94,16 @@ def admission_problem(
     fraction. Shared by the planner (to choose) and the ledger (to enforce
     atomically).
     """
-    # One pass, no per-tenant function calls: this runs twice per admission
-    # (planner, ledger) over up to max_clients tenants (issue 14 profile).
+    # One pass, no per-tenant function calls and no list: this runs twice per
+    # admission (planner, ledger) over up to max_clients tenants (issue 14 profile).
     uid, name = owner
-    if reservation or uid:
-        others = [t for t in tenants
-                  if not ((reservation and t.reservation == reservation)
-                          or (uid and t.pod_uid == uid and t.container == name))]
-    else:
-        others = list(tenants)
-    held = 0
+    held = others = 0
     whole: Tenancy | None = None
     other_mode: Tenancy | None = None
-    for t in others:
+    for t in tenants:
+        if (reservation and t.reservation == reservation) or (uid and t.pod_uid == uid and t.container == name):
+            continue
+        others += 1
         held += t.request_mib
         if whole is None and t.door in _WHOLE_DOORS:
             whole = t
@@ -131,8 +128,8 @@ def admission_problem(
             f"GPU {gpu.index} ({gpu.uuid}) has {gpu.memory_mib - held} MiB of {gpu.memory_mib} MiB free",
             f"this container requests {request_mib} MiB",
         )
-    if len(others) >= max_clients:
-        return Problem(f"GPU {gpu.index} ({gpu.uuid}) already has {len(others)} tenants",
+    if others >= max_clients:
+        return Problem(f"GPU {gpu.index} ({gpu.uuid}) already has {others} tenants",
                        f"the MPS client limit is {max_clients} per GPU")
     return None
 
@@ -182,8 +179,8 @@ class Ledger:
 
     def subscribe(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` after every change (outside the lock)."""
-        with self._lock:
-            self._subscribers.append(callback)
+        with self._lock:  # a new list: _notify reads the current one without the lock
+            self._subscribers = [*self._subscribers, callback]
 
     # ---- persistence -------------------------------------------------------
     def load(self) -> list[str]:
@@ -237,7 +234,7 @@ class Ledger:
                 if gpu is None:
                     raise FractionError("node", t.gpu_uuid, f"is not a GPU of node {self._node.name}", "device")
                 problem = admission_problem(
-                    gpu, list(self._index.by_gpu.get(gpu.uuid, ())), owner,
+                    gpu, self._index.by_gpu.get(gpu.uuid, ()), owner,
                     t.mode, t.request_mib, self._max_clients, reservation,
                 )
                 if problem:
@@ -335,9 +332,7 @@ class Ledger:
             raise
 
     def _notify(self) -> None:
-        with self._lock:
-            subscribers = list(self._subscribers)
-        for cb in subscribers:
+        for cb in self._subscribers:
             try:
                 cb()
             except Exception:  # a subscriber never breaks the ledger

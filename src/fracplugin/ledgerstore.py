@@ -216,7 +216,7 @@ class LedgerStore:
             self.compact(live)
             return
         line = ('{"del":[%s],"add":[%s]}\n' % (
-            ",".join(self._fragment(t) for t in removed), ",".join(self._fragment(t) for t in added))).encode()
+            ",".join(map(self._fragment, removed)), ",".join(map(self._fragment, added)))).encode()
         fd = self._journal_fd
         try:
             view = memoryview(line)

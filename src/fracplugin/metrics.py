@@ -48,12 +48,15 @@ doors (only with ``attach_state``; a series is absent while its door is off):
   fracplugin_nri_unadjusted_containers             running containers that the last Synchronize found
                                                    without the env the ledger's plan gives them (the
                                                    ledger and the runtime disagree)
+  fracplugin_unfenced_containers_total             unfenced containers found, label ``action`` (ADR 0035)
+  fracplugin_unfenced_containers_waiting           those waiting for their pod's spec
   fracplugin_device_plugin_registered              1 while registered with kubelet
 per MPS daemon, label ``mode``:
   fracplugin_mps_daemon_up                         1 when healthy (probe answered), else 0
   fracplugin_mps_daemon_restarts_total             restarts since fracplugin started (counter)
   fracplugin_mps_daemon_wedges_total               drains that found the daemon wedged (counter)
   fracplugin_mps_probe_duration_seconds            duration of the last active probe
+  fracplugin_mps_orphan_namespaces                 namespaces the daemon holds that no tenant owns (ADR 0034)
 doors and node:
   fracplugin_hook_duration_seconds                 histogram, label ``door`` (``nri``, ``allocate``, ...)
   fracplugin_refusals_total                        counter, label ``reason`` (FractionError.code)
@@ -639,6 +642,16 @@ class _Collector(Collector):
                 fam = GaugeMetricFamily(name, doc)
                 fam.add_metric([], float(nri.get(key) or 0))
                 yield fam
+            uf = nri.get("unfenced") or {}
+            acted = CounterMetricFamily("fracplugin_unfenced_containers", "Fractional containers found running "
+                                        "without fracplugin's adjustment, by what was done.", labels=("action",))
+            for action in ("restarted", "reported", "backed_off"):
+                acted.add_metric([action], float(uf.get(action) or 0))
+            yield acted
+            fam = GaugeMetricFamily("fracplugin_unfenced_containers_waiting",
+                                    "Unfenced containers not restarted yet: their pod's spec is not known.")
+            fam.add_metric([], float(len(uf.get("waiting") or ())))
+            yield fam
         dp = st.get("device_plugin")
         if dp is not None:
             fam = GaugeMetricFamily("fracplugin_device_plugin_registered", "1 while the device plugin is registered with kubelet.")
@@ -653,6 +666,8 @@ class _Collector(Collector):
                                      labels=("mode",))
         probe = GaugeMetricFamily("fracplugin_mps_probe_duration_seconds", "Duration of the last active MPS probe.",
                                   labels=("mode",))
+        orphans = GaugeMetricFamily("fracplugin_mps_orphan_namespaces",
+                                    "MPS namespaces the daemon holds that no tenant owns (ADR 0034).", labels=("mode",))
         for d in status.get("daemons") or ():
             lbl = [str(d.get("mode", ""))]
             up.add_metric(lbl, 1.0 if d.get("healthy") else 0.0)
@@ -660,7 +675,8 @@ class _Collector(Collector):
             wedges.add_metric(lbl, float(d.get("wedges") or 0))
             if d.get("last_probe_s") is not None:
                 probe.add_metric(lbl, float(d["last_probe_s"]))
-        yield from (up, restarts, wedges, probe)
+            orphans.add_metric(lbl, float(len(d.get("orphans") or ())))
+        yield from (up, restarts, wedges, probe, orphans)
 
     def _usage(self, tenancies: list[Tenancy], server_pids: set[int]) -> dict[tuple[str, str, str], _Usage] | None:
         """(pod_uid, container, gpu_uuid) -> summed usage; None when NVML failed."""

@@ -208,8 +208,8 @@ class Mount:
 class ContainerPlan:
     """Exactly what one fractional container gets (docs/reference/design.md section 4).
 
-    ``devices`` are the assigned GPUs in container-ordinal order (ordinal i in
-    ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` is ``devices[i]``). ``request_mib`` and
+    ``devices`` are the assigned GPUs in container-ordinal order
+    (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` names each by UUID). ``request_mib`` and
     ``limit_mib`` are per GPU. ``env`` holds every injected variable (values are
     strings); ``mounts`` the bind mounts (the MPS pipe directory);
     ``mps_namespace`` the container's MPS v3 namespace (None with classic v2).

@@ -267,8 +267,15 @@ class MpsPart(PartBase):
         st = self.mps.status()
         bad = [f"{d.get('mode', '?')} ({d.get('reason') or d.get('state') or 'unhealthy'})"
                for d in (st.get("daemons") or []) if not d.get("healthy")]
+        # ADR 0034: not ready while a namespace may be uncapped (a timed-out one being finished, an orphan)
+        open_ = [f"{d.get('mode', '?')} namespace {n} {why}" for d in (st.get("daemons") or [])
+                 for n, why in [(n, "being finished") for n in d.get("repairing") or ()]
+                 + [(o.get("name"), "uncapped, owned by no tenant") for o in d.get("orphans") or ()
+                    if not o.get("capped")]]
         if st.get("reachable") is False:
             detail = f"MPS role unreachable at {st.get('remote')}: {st.get('error')}"
+        elif open_:
+            ok, detail = False, "; ".join(open_)
         else:
             detail = "every daemon healthy" if ok else ("unhealthy: " + "; ".join(bad) if bad else "starting")
         if st.get("exposure"):
@@ -315,7 +322,7 @@ class NriDoor(PartBase):
     name = "nri"
     check = "nri"
     reads = PLANNER_KEYS | {"nri_socket", "nri_plugin_name", "nri_plugin_idx", "fail_open", "device_unit_mib",
-                            "resource_name", "nri_start_wait_s"}
+                            "resource_name", "nri_start_wait_s", "unfenced_containers"}
     reloads = frozenset({"fail_open"})
 
     def __init__(self, cfg: Config, stub: NriStub, plugin: FracNriPlugin) -> None:
@@ -343,6 +350,9 @@ class NriDoor(PartBase):
     def readiness(self) -> Readiness:
         # readiness of the current runtime session (issue 13 item 5), not "ever synchronized"
         synced, connected = self.synchronized(), self.connected()
+        renewing = self.plugin.namespaces.renewing()  # running containers' namespaces re-ensured (ADR 0034)
+        if synced and connected and renewing:
+            return Readiness(False, f"re-ensuring the MPS namespaces of {renewing} running container(s)")
         ready = synced and connected
         before = bool(self.stub.ever_synchronized())
         return Readiness(ready, "synchronized with the runtime" if ready else

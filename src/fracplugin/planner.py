@@ -15,7 +15,7 @@ Rules (docs/reference/design.md section 4; docs/reference/gpu-fractioning-refere
   one compute mode, held MiB <= memory, tenants <= MPS client limit;
 - env: ``NVIDIA_VISIBLE_DEVICES`` (UUIDs in container-ordinal order),
   ``NVIDIA_GPU_MEMORY_REQUEST``/``_LIMIT`` (MiB), ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
-  (``0=<limit>M,...``, ordinal i = the i-th planned GPU), ``CUDA_VISIBLE_DEVICES``
+  (``<uuid>=<limit>M,...``, the planned GPUs only, keyed by UUID: issue 35), ``CUDA_VISIBLE_DEVICES``
   (the planned GPU UUIDs in that order), ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
   (sm-sharing with a portion), ``CUDA_MPS_PIPE_DIRECTORY``; one read-only bind
   mount of the container's own pipe directory (its MPS v3 namespace leaf in
@@ -150,7 +150,7 @@ def kai_compute_portion(request: FractionRequest, gpus: Sequence[GpuInfo], reque
     reserve-adjusted). The binder writes that value, capped at 1, as
     ``.gpu-compute.portion``; when it parses to 0 it falls back to request MiB
     / (GPU memory - reserve) (nv_fractions.go, ``resolveComputePortion``).
-    Python's ``%.2f`` rounds the exact binary value as Go's does.
+    Python's ``round(x, 2)`` (the correctly rounded ``%.2f``) rounds the exact binary value as Go's does.
 
     Args:
         request: the parsed request (fraction or absolute MiB).
@@ -168,7 +168,7 @@ def kai_compute_portion(request: FractionRequest, gpus: Sequence[GpuInfo], reque
         exact = request.request.fraction
     else:
         exact = math.ceil(request_mib / memory * 100) / 100
-    portion = min(float(f"{exact:.2f}"), 1.0)
+    portion = min(round(exact, 2), 1.0)
     if portion > 0:
         return portion
     usable = memory - reserve_mib
@@ -362,11 +362,15 @@ def plan_from_tenancies(tenancies: Sequence[Tenancy], node: NodeInfo, config: Pl
                    portion=None if t0.active_thread_percentage is None else t0.active_thread_percentage / 100)
 
 
-@functools.lru_cache(maxsize=1024)  # on every CreateContainer (issue 14); a pure function of two ints
-def _pinned_limit(n_gpus: int, limit_mib: int) -> str:
-    """``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``: ``0=<limit>M,1=<limit>M,...``
-    for ordinals 0..n_gpus-1 (docs/reference/mps-nvml.md 2.1)."""
-    return ",".join(f"{i}={limit_mib}M" for i in range(n_gpus))
+@functools.lru_cache(maxsize=1024)  # on every CreateContainer (issue 14); a pure function of its arguments
+def _pinned_limit(uuids: tuple[str, ...], limit_mib: int) -> str:
+    """``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``: ``<uuid>=<limit>M,...`` for the
+    container's own GPUs only (docs/reference/mps-nvml.md 2.1: ``<ordinal or
+    UUID>=<size>``). UUID keys, never ordinals: NVIDIA measured that a list
+    naming a GPU the process cannot see (a worker that narrows
+    ``CUDA_VISIBLE_DEVICES``) makes the client drop every pinned limit
+    (docs/reference/enforcement-cdi-dra.md, "NVIDIA's measured behaviour")."""
+    return ",".join(f"{u}={limit_mib}M" for u in uuids)
 
 
 @functools.lru_cache(maxsize=4096)  # frozen values, shared between plans (issue 14)
@@ -391,13 +395,11 @@ def _finish(pod: PodRef, container: str, gpus: tuple[GpuInfo, ...], request_mib:
     env: dict[str, str] = {
         ENV_VISIBLE_DEVICES: uuids,
         # The MPS server spans every GPU of its daemon: restrict the client to
-        # its own, in plan order, so that ordinal i of the pinned limit below is
-        # gpus[i] (docs/reference/mps-nvml.md 1.3 and 2.1: same syntax and ordinals as
-        # CUDA_VISIBLE_DEVICES; UUIDs recommended).
+        # its own, in plan order (docs/reference/mps-nvml.md 1.3 and 2.1).
         ENV_CUDA_VISIBLE_DEVICES: uuids,
         ENV_MEMORY_REQUEST: str(request_mib),
         ENV_MEMORY_LIMIT: str(limit_mib),
-        ENV_PINNED_LIMIT: _pinned_limit(len(gpus), limit_mib),
+        ENV_PINNED_LIMIT: _pinned_limit(tuple(g.uuid for g in gpus), limit_mib),
     }
     if atp is not None:
         env[ENV_ACTIVE_THREAD_PERCENTAGE] = str(atp)

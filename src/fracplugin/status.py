@@ -88,8 +88,9 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
             res = f"  reservation {t['reservation']}" if t.get("reservation") else ""
             c = enforced.get(t.get("container_id")) if t.get("container_id") else None
             enf = f"  ENFORCED {enforced_cell(c.get('enforced', 'unknown'), c.get('reason') or '')}" if c else ""
+            holds = f"  HOLDS {t['holds']}" if t.get("holds") else ""  # cgroup | per-process | none (issue 35)
             lines.append(f"{holder}: request {t['request_mib']} MiB, "
-                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}  door {door}{res}{enf}")
+                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}  door {door}{res}{enf}{holds}")
         tenant_lines[len(rows) - 1] = lines
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
@@ -175,6 +176,8 @@ def render_mps(mps: Mapping[str, Any]) -> list[str]:
                               if d.get(k) not in (None, ""))
             if d.get("adopted"):
                 extra += "  adopted"
+            if d.get("repairing") or d.get("orphans"):  # ADR 0034
+                extra += f"  repairing {len(d.get('repairing') or ())}  orphans {len(d.get('orphans') or ())}"
             out.append(f"  {d.get('mode', '?'):<13} {'healthy' if d.get('healthy') else 'UNHEALTHY':<9} {extra}".rstrip())
     return out
 
@@ -204,6 +207,10 @@ def render_table(doc: Mapping[str, Any]) -> str:
         unadjusted = nri.get("unadjusted") or []
         if unadjusted:
             out.append(f"  {len(unadjusted)} running container(s) lack fracplugin's settings (see /status)")
+        uf = nri.get("unfenced") or {}
+        if any(uf.get(k) for k in ("restarted", "reported", "backed_off", "waiting")):
+            out.append(f"  unfenced containers ({uf['mode']}): restarted {uf['restarted']}, reported {uf['reported']}, "
+                       f"backed off {uf['backed_off']}, waiting {len(uf['waiting'])} (see /status)")
     dp = doc.get("device_plugin")
     if isinstance(dp, dict):
         out.append("")

@@ -471,6 +471,7 @@ def defaults_problems(values: dict[str, Any]) -> list[str]:
         ("maxClientsPerGpu",): d.max_clients_per_gpu,
         ("failOpen",): d.fail_open,
         ("overLimit",): d.over_limit,
+        ("unfencedContainers",): d.unfenced_containers,
         ("log", "format"): d.log_format,
         ("log", "level"): d.log_level,
     }

@@ -30,6 +30,7 @@ ALERTS = {
     "FracpluginGPUUnhealthy", "FracpluginHookLatencyNearBudget", "FracpluginLedgerDisagreesWithRuntime",
     "FracpluginMemoryLimitNotEnforced",  # issue 23 item 4
     "FracpluginContainerOverGpuMemoryLimit",  # issue 35 item 3
+    "FracpluginSoftLimitReservationDrift",  # issue 35 item 5
 }
 RUNBOOKS = REPO / "docs" / "runbooks.md"
 

@@ -290,7 +290,7 @@ class TestDra(Scenarios):
             assert env.get("NVIDIA_VISIBLE_DEVICES") == g["uuid"], env
             assert env.get("NVIDIA_GPU_MEMORY_REQUEST") == "20480", env
             assert env.get("NVIDIA_GPU_MEMORY_LIMIT") == "24576", env
-            assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == "0=24576M", env
+            assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == f"{g['uuid']}=24576M", env
             assert env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == "50", env
             assert env.get("CUDA_MPS_PIPE_DIRECTORY") == "/tmp/nvidia-mps", env
             assert env.get("FRACPLUGIN_DRA_CLAIM") == uid, env  # the claim's CDI device, applied

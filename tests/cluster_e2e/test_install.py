@@ -393,7 +393,7 @@ class Scenarios:
             assert env.get("CUDA_VISIBLE_DEVICES") == env["NVIDIA_VISIBLE_DEVICES"], env
             assert env.get("NVIDIA_GPU_MEMORY_REQUEST") == "4096", env
             assert env.get("NVIDIA_GPU_MEMORY_LIMIT") == "6144", env
-            assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == "0=6144M", env
+            assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == f"{env['NVIDIA_VISIBLE_DEVICES']}=6144M", env
             assert env.get("CUDA_MPS_PIPE_DIRECTORY") == "/tmp/nvidia-mps", env
             pipe = self._pipe_mount(c, cid)
         steps[self.key("pod")] = {"name": name, "cid": cid, "pipe": pipe, "uid": p.metadata.uid}

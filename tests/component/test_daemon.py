@@ -713,3 +713,25 @@ def test_no_api_access_no_events(daemon: Callable[..., DaemonProc], root: Path) 
                          capture_output=True, text=True, timeout=30)
     assert "Kubernetes Events for refusals: off" in out.stdout, out.stdout
     assert d.terminate() == 0
+
+
+def test_events_are_built_on_a_device_plugin_only_node(daemon: Callable[..., DaemonProc], root: Path) -> None:
+    """The event recorder is a node service (builders._build_events): with
+    API access and only the device plugin door on, /status says Events are
+    enabled (over-limit Events need it there too; issue 35, ADR 0035)."""
+    from fake_kubelet import FakeKubelet
+
+    from tests.peers.posts_api import Api
+
+    api = Api(root)
+    dp_dir = root / "dp"
+    dp_dir.mkdir()
+    kubelet = FakeKubelet(str(dp_dir)).start()
+    try:
+        d = daemon("--no-nri", "--no-mps", "--device-plugin-dir", str(dp_dir), "--pod-resources-socket",
+                   str(root / "pr.sock"), "--kubeconfig", str(api.kubeconfig), "--node-condition-types", "")
+        assert d.get("/status")[1]["events"]["enabled"] is True
+        assert d.terminate() == 0
+    finally:
+        kubelet.stop()
+        api.close()

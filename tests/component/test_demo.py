@@ -58,7 +58,7 @@ def test_demo_inference_pod_gets_the_contract(demo_run: subprocess.CompletedProc
     assert "container default/inference/app: PLACED" in inf
     assert f"NVIDIA_VISIBLE_DEVICES={','.join(UUIDS)}" in inf
     assert "NVIDIA_GPU_MEMORY_REQUEST=40960" in inf and "NVIDIA_GPU_MEMORY_LIMIT=61440" in inf
-    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=61440M,1=61440M,2=61440M,3=61440M" in inf
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + ",".join(f"{u}=61440M" for u in UUIDS) in inf
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in inf
     assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in inf
     # one mount: the container's own sm-sharing namespace directory, nothing else
@@ -84,7 +84,7 @@ def test_demo_notebook_refused_then_placed(demo_run: subprocess.CompletedProcess
     assert "NVIDIA_GPU_MEMORY_REQUEST=40267" in second  # floor((81559 - 1024) * 0.5)
     assert "NVIDIA_GPU_MEMORY_LIMIT=64428" in second  # floor((81559 - 1024) * 0.8)
     assert f"NVIDIA_VISIBLE_DEVICES={UUIDS[0]},{UUIDS[1]}" in second
-    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=64428M,1=64428M" in second
+    assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={UUIDS[0]}=64428M,{UUIDS[1]}=64428M" in second
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in second.split("GPU tenancy")[0]
     # its own namespace leaf on the time-slicing daemon (issue 12), never the daemon's pipe directory
     assert re.search(r"/mps/ts/shared/fp_[0-9a-f]{24} -> /tmp/nvidia-mps", second)
@@ -103,7 +103,7 @@ def test_demo_device_plugin_door(demo_run: subprocess.CompletedProcess[str]) -> 
     assert "NVIDIA_GPU_MEMORY_REQUEST=8192" in sec
     dev = re.search(r"NVIDIA_VISIBLE_DEVICES=(\S+)", sec).group(1)
     assert dev in UUIDS
-    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M" in sec
+    assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={dev}=8192M" in sec
     # Allocate records the reservation under the device IDs; NRI names the holder.
     assert "(holder not known yet): request 8192 MiB" in sec and "door allocate" in sec
 

@@ -172,7 +172,7 @@ def test_allocate_env_for_limit_and_sm_sharing(running, seed_pods):
     assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(g.uuid for g in rig.node.gpus)
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "40960"
     assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "61440"  # 60Gi
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=61440M,1=61440M,2=61440M,3=61440M"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == ",".join(f"{g.uuid}=61440M" for g in rig.node.gpus)
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
     # MPS v3 (issue 12): no pipe-directory mount from this door; the NRI door mounts the container's own leaf

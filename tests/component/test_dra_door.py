@@ -126,7 +126,7 @@ def test_registration_prepare_unprepare_and_the_slice(daemon: Callable[..., Daem
         env = dict(e.split("=", 1) for e in edits["env"])
         assert env["NVIDIA_VISIBLE_DEVICES"] == GPU0 and env["NVIDIA_GPU_MEMORY_REQUEST"] == "20480"
         assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "24576" and env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
-        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=24576M" and env["FRACPLUGIN_DRA_CLAIM"] == uid
+        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{GPU0}=24576M" and env["FRACPLUGIN_DRA_CLAIM"] == uid
         (mount,) = edits["mounts"]
         assert mount["containerPath"] == "/tmp/nvidia-mps" and "ro" in mount["options"]
         assert mount["hostPath"].startswith(str(root / "mps" / "sm" / "shared"))

@@ -78,7 +78,7 @@ def test_plans_through_the_nri_door_become_client_envs(running):
     ts = check._plan(3, gc.pod_manifest("gpucheck-ts", "time-slicing", gc.TS_LIMIT_MIB, gpu), gc.TS_LIMIT_MIB, None)
     assert ts is not None, [f.__dict__ for f in check.report.figures]
     assert ts.env["NVIDIA_VISIBLE_DEVICES"] == gpu
-    assert ts.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2048M"
+    assert ts.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{gpu}=2048M"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in ts.env
     env, _ = gc.client_env(ts.env, ts.mounts, {"PATH": "/usr/bin", "CUDA_MPS_PIPE_DIRECTORY": "/stale"},
                            len(check.node.gpus))
@@ -107,7 +107,7 @@ def test_plans_through_the_nri_door_become_client_envs(running):
                      gc.SM_LIMIT_MIB, atp)
     assert sm is not None, [f.__dict__ for f in check.report.figures]
     assert sm.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
-    assert sm.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
+    assert sm.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{gpu}=4096M"
     env, _ = gc.client_env(sm.env, sm.mounts, {}, len(check.node.gpus))
     sm_pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
     assert os.path.isdir(sm_pipe)
@@ -148,7 +148,7 @@ def test_rehearsal_runs_every_step_and_writes_the_report(tmp_path, fake_libcuda,
                         metric_wait_s=1.0)
     rc = check.run()
     doc = json.loads(out.read_text())
-    assert [s["step"] for s in doc["steps"]] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [s["step"] for s in doc["steps"]] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     figs = {(s["step"], f["name"]): f for s in doc["steps"] for f in s["figures"]}
     status = {k: f["status"] for k, f in figs.items()}
     must_pass = [
@@ -176,6 +176,8 @@ def test_rehearsal_runs_every_step_and_writes_the_report(tmp_path, fake_libcuda,
     f = figs[(8, "CUDA memory limits")]
     assert f["status"] == "skipped" and "real GPU" in f["reason"]
     assert [s["status"] for s in doc["steps"] if s["step"] == 8] == ["skipped"]
+    f = figs[(9, "the field's cases")]  # issue 35 item 6: only a real GPU shows them
+    assert f["status"] == "skipped" and "real GPU" in f["reason"]
     if driver.startswith("580"):
         f = figs[(3, "sm-sharing: own MPS namespace")]
         assert f["status"] == "skipped" and "MPS v3 (driver r615+)" in f["reason"]
@@ -188,3 +190,75 @@ def test_rehearsal_runs_every_step_and_writes_the_report(tmp_path, fake_libcuda,
     leaves = sorted(cg_root.glob("fracplugin-gpu-check-*/cri-containerd-*.scope"))
     assert len(leaves) == 2 and all((leaf / "cgroup.procs").read_text().isdigit() for leaf in leaves)
     assert not check.work.exists()
+
+
+def _cgroup2_mount() -> str | None:
+    for line in Path("/proc/mounts").read_text().splitlines():
+        f = line.split()
+        if f[2] == "cgroup2" and os.access(f[1], os.W_OK):
+            return f[1]
+    return None
+
+
+def test_step9_reservations_rehearsed_on_the_fake_nvml_and_a_real_cgroup_v2(tmp_path, monkeypatch):
+    """Step 9's reservation case (issue 35 item 6) as it runs on a GPU machine, with the fake
+    ``libnvidia-ml.so.1`` (tests/fakes/nvml: NVIDIA's parent bookkeeping modelled) for the daemon and the
+    check, on this machine's real cgroup v2 hierarchy: without the repair a deleted leaf's 64 MiB stays on
+    both parents (and NVML soft 0 on the parent does not take it back, in the model); with it, the daemon
+    zeroes the soft limit when the leaf's holder process dies, before the leaf is deleted, and nothing stays."""
+    import ctypes
+
+    from tests.fakes import nvml as fake
+
+    mount = _cgroup2_mount()
+    if mount is None:
+        pytest.skip("no writable cgroup v2 hierarchy on this machine")
+    lib = fake.build_fake_nvml()
+    ctypes.CDLL(str(lib / "libnvidia-ml.so.1"), mode=ctypes.RTLD_GLOBAL)  # the check's own pynvml finds it
+    import pynvml
+    for _ in range(64):  # an earlier test of this process may have left NVML open on another node file
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            break
+    node_file, doc = _node(tmp_path, "615.71.09")
+    for k, v in fake.env(lib, fake.node_file(tmp_path / "nvml-node", doc), tmp_path / "limits").items():
+        monkeypatch.setenv(k, v)
+    from fracplugin.gpu.simulated import SimulatedInventory
+    from fracplugin.mps.control import choose_protocol
+
+    work = Path(os.path.realpath("/tmp")) / f"fpgc9{os.getpid()}"
+    work.mkdir()
+    check = gc.GpuCheck(tmp_path / "gpu-check.json", sys.executable, [str(REPO / "src")], FAKE_MPS,
+                        simulate_node=node_file, cgroup_root=mount)
+    check.work.rmdir()
+    check.work = work
+    check.node = SimulatedInventory(node_file).node()
+    check.gpu = check.node.gpus[0]
+    check.protocol = choose_protocol("615.71.09")
+    check.nri = gc.Nri(work / "nri.sock")
+    check.daemon = gc.Daemon(work, sys.executable, [str(REPO / "src")], FAKE_MPS, node_file, mount)
+    check.cgroups = gc.Cgroups(mount)
+    try:
+        check.daemon.start(60)
+        wait_until(lambda: check.daemon.get("/readyz")[0] == 200, 60, lambda: check.daemon.log_tail())
+        check.nri.server.wait_registered(10)
+        check._reservations()
+        figs = {f.name: f for f in check.report.figures}
+        assert all(f.status == "pass" for f in figs.values()), [f.__dict__ for f in figs.values()]
+        base, soft = str(check.cgroups.base), gc.RES_SOFT_MIB << 20
+        without = figs["without the repair: parents' reservation after the leaf's deletion"].observed
+        assert list(without["leftover_bytes"].values()) == [soft, soft] and base in without["leftover_bytes"]
+        assert list(figs["after the fact: NVML soft 0 on the parent"].observed["leftover_bytes"].values()) == \
+            [soft, soft]
+        assert figs["with the repair (the daemon zeroes at populated 0): soft limit zeroed before the leaf went"] \
+            .observed == 0
+        with_ = figs["with the repair (the daemon zeroes at populated 0): parents' reservation after the leaf's "
+                     "deletion"].observed
+        assert list(with_["leftover_bytes"].values()) == [0, 0], with_
+        assert with_["daemon_soft_zeroing"] == {"zeroed": 1, "leaf_gone": 0, "failed": 0}, with_
+    finally:
+        check.daemon.stop(20)
+        check.nri.close()
+        check.cgroups.cleanup()
+        shutil.rmtree(work, ignore_errors=True)

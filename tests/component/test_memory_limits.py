@@ -10,6 +10,7 @@ CreateContainer / StartContainer / RemoveContainer over the NRI socket.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -172,7 +173,9 @@ def test_apply_sets_soft_and_hard_on_the_leaf_of_each_gpu_and_reads_back(started
     out = subprocess.run([sys.executable, "-m", "fracplugin.cli", "status", "--state-dir", str(d.state)],
                          capture_output=True, text=True, timeout=30)
     assert "ENFORCED" in out.stdout and "40960/61440" in out.stdout, out.stdout
-    assert sum("door nri  ENFORCED yes" in line for line in out.stdout.splitlines()) == 4, out.stdout  # per GPU tenant
+    # per GPU tenant; the cgroup limit is what holds its total (issue 35 item 2)
+    assert sum("door nri  ENFORCED yes  HOLDS cgroup" in line for line in out.stdout.splitlines()) == 4, out.stdout
+    assert [t["holds"] for g in d.get("/status")[1]["gpus"] for t in g["tenants"]] == ["cgroup"] * 4
     code, text = d.get("/metrics", "metrics")
     assert code == 200, text
     node = yaml.safe_load(NODE.read_text())
@@ -204,6 +207,8 @@ def test_verify_reports_unenforced_and_sets_nothing(started: Any, root: Path) ->
     assert fake.read_limits(root / "limits") == {}
     [cl] = d.get("/status")[1]["memory_limits"]["containers"]
     assert cl["enforced"] == "no" and "planned soft 40960 MiB / hard 61440 MiB" in cl["reason"], cl
+    # not in force, and no MPS daemon (--no-mps): nothing holds its total (issue 35 item 2)
+    assert [t["holds"] for g in d.get("/status")[1]["gpus"] for t in g["tenants"]] == ["none"] * 4
 
 
 def test_nvml_refusal_with_policy_refuse_fails_the_start(started: Any, root: Path) -> None:
@@ -347,3 +352,82 @@ def test_a_fifo_at_dmem_capacity_blocks_nothing(started: Any) -> None:
     pod, ctrs = pod_from_manifest(INFERENCE)
     adj = rt.create_container(pod, ctrs[0])
     assert getattr(adj, "code", None) is None and adj.env, adj
+
+
+def _drift(d: Daemon) -> dict[str, float]:
+    return {lab["UUID"]: v for lab, v in _samples(d.get("/metrics", "metrics")[1],
+                                                  "fracplugin_memory_limits_reservation_drift_bytes")}
+
+
+def _zeroed(d: Daemon) -> dict[str, float]:
+    return {lab["outcome"]: v for lab, v in _samples(d.get("/metrics", "metrics")[1],
+                                                     "fracplugin_memory_limits_soft_zeroed_total")}
+
+
+def _delete(leaf: Path) -> None:
+    """As runc deletes a leaf: the directory goes at once (renamed away, then removed)."""
+    gone = leaf.with_name("deleted-" + leaf.name)
+    leaf.rename(gone)
+    shutil.rmtree(gone)
+
+
+def test_soft_limit_zeroed_when_the_leaf_empties_and_leftovers_show_as_drift(started: Any, root: Path) -> None:
+    """Issue 35 item 5, containerd's order (the leaf is deleted before NRI StopContainer/RemoveContainer;
+    ADR 0036). Container 1's last process exits (the kernel writes ``populated 0`` to its leaf's
+    ``cgroup.events``): the daemon zeroes its soft limit on each GPU (hard kept) while the leaf exists,
+    then the runtime deletes the leaf and sends Stop/Remove: nothing is left on the parents. Container 2's
+    leaf is deleted before the daemon can zero it: the fake driver keeps its 40960 MiB reserved on the
+    pod, QoS and kubepods cgroups, and /metrics and /status show it as drift on each GPU."""
+    d, rt, cg = started(["--memory-limits", "apply"])
+    pod, c, leaf = _pod_with_cgroup(cg)
+    (leaf / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    assert not hasattr(rt.create_container(pod, c), "code") and rt.start_container(pod, c) is None
+    assert _drift(d) == {u: 0.0 for u in GPUS} and _zeroed(d) == {"zeroed": 0, "leaf_gone": 0, "failed": 0}
+    (leaf / "cgroup.events").write_text("populated 0\nfrozen 0\n")
+    wait_until(lambda: all(fake.read_limits(root / "limits")[(u, str(leaf))] == (0, 61440 * MIB) for u in GPUS), 10,
+               lambda: f"soft limits zeroed: {fake.read_limits(root / 'limits')}\n{d.logs()[-2000:]}")
+    _delete(leaf)
+    rt.stop_container(pod, c)
+    rt.remove_container(pod, c)
+    assert _zeroed(d)["zeroed"] == 4 and _drift(d) == {u: 0.0 for u in GPUS}
+    c2 = copy.deepcopy(c)
+    c2.id = "e" * 64
+    c2.linux.cgroups_path = c.linux.cgroups_path.replace(c.id, c2.id)
+    leaf2 = leaf.with_name(f"cri-containerd-{c2.id}.scope")
+    leaf2.mkdir()
+    (leaf2 / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    assert not hasattr(rt.create_container(pod, c2), "code") and rt.start_container(pod, c2) is None
+    _delete(leaf2)
+    rt.stop_container(pod, c2)
+    rt.remove_container(pod, c2)
+    wait_until(lambda: _zeroed(d)["leaf_gone"] == 4, 10, lambda: f"{_zeroed(d)}\n{d.logs()[-2000:]}")
+    assert _drift(d) == {u: float(40960 * MIB) for u in GPUS}
+    rows = d.get("/status")[1]["memory_limits"]["soft_reservations"]
+    assert sorted((r["gpu"], os.path.relpath(r["cgroup"], cg), r["drift"]) for r in rows) == \
+        [(u, str(leaf.parent.relative_to(cg)), 40960 * MIB) for u in GPUS], rows
+    leaf.parent.rmdir()  # the pod's cgroup goes: the reservation stays, one level up
+    assert _drift(d) == {u: float(40960 * MIB) for u in GPUS}
+
+
+def test_synchronize_adopts_a_running_container_and_zeroes_it_when_it_ends(started: Any, root: Path) -> None:
+    """A container running before this daemon saw its StartContainer (the daemon restarted): Synchronize
+    lists it RUNNING with fracplugin's env; the daemon reads and applies its limits (status lists it) and
+    watches its leaf, so its soft limit is zeroed when it ends."""
+    from fracplugin._proto import nri_pb2
+    from nri_runtime import effective_env
+
+    d, rt, cg = started(["--memory-limits", "apply"])
+    pod, c, leaf = _pod_with_cgroup(cg)
+    (leaf / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    adj = rt.create_container(pod, c)
+    running = copy.deepcopy(c)
+    running.state = nri_pb2.CONTAINER_RUNNING
+    del running.env[:]
+    running.env.extend(f"{k}={v}" for k, v in effective_env(c, adj).items())
+    rt.synchronize([pod], [running])
+    wait_until(lambda: [x["container_id"] for x in d.get("/status")[1]["memory_limits"]["containers"]] == [c.id], 15,
+               lambda: f"adopted: {d.get('/status')[1]['memory_limits']}\n{d.logs()[-2000:]}")
+    assert all(fake.read_limits(root / "limits")[(u, str(leaf))] == (40960 * MIB, 61440 * MIB) for u in GPUS)
+    (leaf / "cgroup.events").write_text("populated 0\n")
+    wait_until(lambda: all(fake.read_limits(root / "limits")[(u, str(leaf))][0] == 0 for u in GPUS), 10,
+               lambda: f"{fake.read_limits(root / 'limits')}\n{d.logs()[-2000:]}")

@@ -376,3 +376,51 @@ def test_a_sigterm_of_the_keeper_stops_mps_on_purpose(root: Path) -> None:
     gone = [p for p in [d for d, _ in pids.values()] + servers if Path(f"/proc/{p}").exists()]
     wait_for(lambda: not [p for p in gone if Path(f"/proc/{p}").exists()], timeout_s=10,
              what=f"MPS daemons and servers {gone} gone")
+
+
+def test_a_new_mps_role_gets_every_running_containers_namespace_before_ready(root: Path) -> None:
+    """Issue 35 input 5 (ADR 0034): four running containers with MPS clients; SIGTERM of the MPS
+    role's keeper stops MPS on purpose (every namespace gone) and a new MPS role starts fresh daemons
+    that know none. The doors re-ensure every running container's namespace, with its caps, at once
+    (their MPS health callback, off the request path) and say ready only after."""
+    import nri_runtime as nr
+
+    mps = mps_role(root).start()
+    wait_for(mps.ready, timeout_s=30, what="MPS role ready")
+    rt = nr.FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+    clients: list[subprocess.Popen[bytes]] = []
+    try:
+        doors = doors_role(root).start()
+        rt.wait_registered(15)
+        wait_for(doors.ready, timeout_s=30, what="doors role ready")
+        want = {}
+        for pod in (sm_pod(nr, "sm1"), sm_pod(nr, "sm2"), ts_pod(nr, "ts1"), ts_pod(nr, "ts2")):
+            ctr = nr.make_container(pod, "app")
+            assert not isinstance(rt.create_container(pod, ctr), nr.RpcError)
+            assert start(rt, pod, ctr) is None
+            mode_dir = "sm" if pod.name.startswith("sm") else "ts"
+            ns = namespace_name(pod.uid, "app")
+            want[(mode_dir, f"shared/{ns}")] = (30, "12288M") if mode_dir == "sm" else (None, "10240M")
+
+        def capped() -> bool:
+            now = caps(root)
+            return all((now[m].get(k, {}).get("active_thread_percentage"), now[m].get(k, {}).get(
+                "pinned_memory_limit")) == v for (m, k), v in want.items())
+
+        wait_for(capped, timeout_s=30, what="the four namespaces made and capped")
+        for (mode_dir, key) in want:  # a CUDA client attached to each namespace
+            clients.append(subprocess.Popen(["sleep", "600"]))
+            control(root, mode_dir, "fake-client", "add", str(clients[-1].pid), "--server=shared",
+                    f"--namespace={key.split('/')[1]}")
+        assert mps.stop(signal.SIGTERM, group=False) == 0, mps.logs()  # pod deletion: MPS stopped on purpose
+        wait_for(lambda: not doors.ready(), timeout_s=30, what="the doors not ready while MPS is gone")
+        mps = mps_role(root).start()  # a new MPS role: fresh daemons, no namespace
+        wait_for(doors.ready, timeout_s=60, what=lambda: f"doors ready again: {doors.get('/readyz')}")
+        assert capped(), caps(root)  # every running container's namespace back with its caps before ready
+        doors.stop()
+    finally:
+        for c in clients:
+            c.kill()
+            c.wait()
+        rt.close()
+    mps.stop()

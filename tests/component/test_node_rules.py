@@ -163,7 +163,7 @@ def test_allocate_withholds_the_hooks_env_where_the_hook_would_fail(both: Callab
         assert "NVIDIA_GPU_MEMORY_REQUEST" not in env and "NVIDIA_GPU_MEMORY_LIMIT" not in env, env
         adj, merged = n.create(p, "app", env)
         assert "NVIDIA_GPU_MEMORY_REQUEST" not in merged and "NVIDIA_GPU_MEMORY_LIMIT" not in merged, merged
-        assert merged["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=12288M"
+        assert merged["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{merged['NVIDIA_VISIBLE_DEVICES']}=12288M"
         assert [(t["request_mib"], t["limit_mib"]) for t in n.tenants()] == [(8192, 12288)]
     finally:
         n.close()

@@ -199,7 +199,7 @@ def test_bound_inference_pod_gets_the_exact_env_and_mount(h):
         "NVIDIA_VISIBLE_DEVICES": ",".join(UUIDS[:4]),
         "NVIDIA_GPU_MEMORY_REQUEST": "40960",
         "NVIDIA_GPU_MEMORY_LIMIT": "61440",
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=61440M,1=61440M,2=61440M,3=61440M",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": ",".join(f"{u}=61440M" for u in UUIDS[:4]),
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
         "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps",
         "CUDA_VISIBLE_DEVICES": ",".join(UUIDS[:4]),
@@ -267,7 +267,7 @@ def test_unbound_pod_is_placed_by_the_node(h):
     env = effective_env(ctr, h.rt.create_container(pod, ctr))
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "40267"  # floor((81559 - 1024) * 0.5): KAI's reserve
     assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "64428"
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=64428M,1=64428M"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{UUIDS[0]}=64428M,{UUIDS[1]}=64428M"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
     assert len(h.ledger.tenancies()) == 2
     # issue 12: time-slicing gets its own namespace leaf too (never the daemon's control socket)

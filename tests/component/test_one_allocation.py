@@ -231,7 +231,7 @@ def test_1_limit_annotation_adds_a_limit_and_keeps_the_request(node: Callable[..
     n.record("one", "app", ids(0, 1))
     adj, got = n.create(p, "app", env)
     assert (got["NVIDIA_GPU_MEMORY_REQUEST"], got["NVIDIA_GPU_MEMORY_LIMIT"]) == ("1024", "2048")
-    assert got["NVIDIA_VISIBLE_DEVICES"] == UUIDS[0] and got["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2048M"
+    assert got["NVIDIA_VISIBLE_DEVICES"] == UUIDS[0] and got["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{UUIDS[0]}=2048M"
     (t,) = n.tenants()
     assert (t["pod_uid"], t["container"], t["gpu_uuid"], t["request_mib"], t["limit_mib"], t["door"]) == \
         ("uid-one", "app", UUIDS[0], 1024, 2048, "allocate")
@@ -469,7 +469,7 @@ def test_12_pod_authored_values_of_our_env_are_overridden(node: Callable[..., No
     env, _ = n.allocate(ids(0, 4))
     _adj, got = n.create(p, "app", env)
     assert got["NVIDIA_VISIBLE_DEVICES"] == UUIDS[0]
-    assert got["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
+    assert got["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{UUIDS[0]}=4096M"
 
 
 def test_13_a_gpu_given_whole_by_another_plugin_is_not_shared(node: Callable[..., Node]) -> None:

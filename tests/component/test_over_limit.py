@@ -11,9 +11,6 @@ POSTs (Events, pod evictions).
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,6 +20,7 @@ import yaml
 from tests.component.test_memory_limits import NODE, Daemon, _samples, root  # noqa: F401 (fixture)
 from tests.fakes import nvml as fake
 from tests.helpers import wait_until
+from tests.peers.posts_api import Api
 
 GIB = 1 << 30
 GPU0 = "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01"
@@ -30,44 +28,7 @@ UID = "3d6b1f0e-9c2a-4e7b-8a15-6f0c2d9e4b71"
 CID = "a1" * 32
 PID = 4242
 PREFIX = "nvidia.com/container.app."
-
-
-class Api:
-    """A fake API server: answers every POST with its body and records (path, body)."""
-
-    def __init__(self, root: Path) -> None:
-        self.posted: list[tuple[str, dict[str, Any]]] = []
-        outer = self
-
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.posted.append((self.path, body))
-                out = json.dumps(body).encode()
-                self.send_response(201)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.kubeconfig = root / "kubeconfig"
-        self.kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "t",
-            "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{self.httpd.server_address[1]}"}}],
-            "users": [{"name": "t", "user": {"token": "x"}}],
-            "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
-
-    def events(self) -> list[dict[str, Any]]:
-        return [b for p, b in self.posted if p.endswith("/events") and b.get("reason") == "GpuMemoryLimitExceeded"]
-
-    def evictions(self) -> list[tuple[str, dict[str, Any]]]:
-        return [(p, b) for p, b in self.posted if p.endswith("/eviction")]
+OVER = "GpuMemoryLimitExceeded"
 
 
 @pytest.fixture
@@ -93,7 +54,7 @@ def node(root: Path) -> Iterator[Any]:  # noqa: F811
                           "--node-condition-types", ""],
                    fake.env(fake.build_fake_nvml(), nf, root / "limits"), simulate=False)
         daemons.append(d)
-        peers.extend([rt, api.httpd])
+        peers.extend([rt, api])
         rt.wait_registered(15)
         pod = make_pod("trainer", "default", UID, {f"{PREFIX}gpu-memory.request": "4Gi",
                                                    f"{PREFIX}gpu-memory.limit": "8Gi", f"{PREFIX}gpus.devices": "0"})
@@ -106,7 +67,7 @@ def node(root: Path) -> Iterator[Any]:  # noqa: F811
     for d in daemons:
         d.stop()
     for p in peers:
-        p.close() if hasattr(p, "close") and not hasattr(p, "shutdown") else p.shutdown()
+        p.close()
 
 
 def _over(d: Daemon) -> dict[str, Any]:
@@ -119,14 +80,14 @@ def test_a_container_above_its_limit_gets_one_event_per_episode(node: Any) -> No
     while the episode lasts; /metrics says over; a new episode after the
     usage goes back under gets a new Event; nothing is evicted."""
     d, api, cgroup = node("report")
-    wait_until(api.events, 15, lambda: f"a GpuMemoryLimitExceeded Event; posted {api.posted}\n{d.logs()[-3000:]}")
-    [ev] = api.events()
+    wait_until(lambda: api.events(OVER), 15, lambda: f"a GpuMemoryLimitExceeded Event; posted {api.posted}\n{d.logs()[-3000:]}")
+    [ev] = api.events(OVER)
     assert ev["type"] == "Warning" and ev["action"] == "Report"
     assert ev["involvedObject"]["uid"] == UID and ev["involvedObject"]["fieldPath"] == "spec.containers{app}"
     assert f"GPU {GPU0}: used 10240 MiB" in ev["message"] and "limit 8192 MiB" in ev["message"], ev["message"]
     polls = _over(d)["polls"]
     wait_until(lambda: _over(d)["polls"] >= polls + 3, 15, lambda: f"three more polls: {_over(d)}")
-    assert len(api.events()) == 1 and _over(d)["episodes"] == 1, api.events()
+    assert len(api.events(OVER)) == 1 and _over(d)["episodes"] == 1, api.events(OVER)
     code, text = d.get("/metrics", "metrics")
     lab = {"pod": "trainer", "container": "app", "UUID": GPU0}
 
@@ -138,7 +99,7 @@ def test_a_container_above_its_limit_gets_one_event_per_episode(node: Any) -> No
     cgroup.unlink()  # the process leaves the container: usage 0, the episode ends
     wait_until(lambda: _over(d)["over"] == [], 15, lambda: f"episode over: {_over(d)}")
     cgroup.write_text(f"0::/kubepods/burstable/pod{UID}/{CID}\n")  # back (cgroupfs driver path)
-    wait_until(lambda: len(api.events()) == 2, 15, lambda: f"a second Event; {api.events()}")
+    wait_until(lambda: len(api.events(OVER)) == 2, 15, lambda: f"a second Event; {api.events(OVER)}")
     assert _over(d)["episodes"] == 2 and api.evictions() == [] and _over(d)["restarts"] is None
 
 
@@ -152,7 +113,7 @@ def test_restart_evicts_the_pod_of_a_container_above_its_limit(node: Any) -> Non
     assert path == "/api/v1/namespaces/default/pods/trainer/eviction", path
     assert body["metadata"] == {"name": "trainer", "namespace": "default"}
     assert body["deleteOptions"]["preconditions"] == {"uid": UID}, body
-    wait_until(api.events, 15, lambda: f"the Event; posted {api.posted}")
-    [ev] = api.events()
+    wait_until(lambda: api.events(OVER), 15, lambda: f"the Event; posted {api.posted}")
+    [ev] = api.events(OVER)
     assert ev["action"] == "Restart" and "restarting it (evicting pod default/trainer)" in ev["message"], ev
     wait_until(lambda: _over(d)["restarts"]["evicted"] == 1, 15, lambda: f"counted: {_over(d)}")

@@ -140,8 +140,6 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-
-
 def new_base() -> Path:
     """Create and mark a fresh short base directory under /tmp."""
     base = Path(tempfile.mkdtemp(prefix="fpe2e-", dir="/tmp"))
@@ -495,10 +493,21 @@ def cleanup_base(base: Path, ctrd: Containerd | None = None, log=print) -> None:
         log(f"cleanup: could not fully remove {base}")
 
 
+def _owner_alive(base: Path) -> bool:
+    """True while the process that made ``base`` (the pid in its MARKER) runs:
+    another e2e run beside this one, whose directories are not ours to clean."""
+    try:
+        os.kill(int((base / MARKER).read_text().split()[0]), 0)
+    except (OSError, ValueError, IndexError):
+        return False
+    return True
+
+
 def cleanup_all(log=print) -> None:
-    """Clean every marked /tmp/fpe2e-* directory (used by run.sh's trap)."""
+    """Clean every marked /tmp/fpe2e-* directory whose maker has exited (used by
+    run.sh's trap, after its pytest ended); a concurrent run's are left alone."""
     for base in Path("/tmp").glob("fpe2e-*"):
-        if (base / MARKER).exists():
+        if (base / MARKER).exists() and not _owner_alive(base):
             log(f"cleanup: {base}")
             cleanup_base(base, log=log)
 

@@ -284,7 +284,7 @@ def _assert_contract(env: dict[str, str], mounts: list[str]) -> None:
     assert env.get("NVIDIA_VISIBLE_DEVICES", "").split(",") == EXPECTED_UUIDS
     assert env.get("NVIDIA_GPU_MEMORY_REQUEST") == "40960"
     assert env.get("NVIDIA_GPU_MEMORY_LIMIT") == "61440"
-    assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == "0=61440M,1=61440M,2=61440M,3=61440M"
+    assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == ",".join(f"{u}=61440M" for u in EXPECTED_UUIDS)
     assert env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == "50"
     assert env.get("CUDA_MPS_PIPE_DIRECTORY") == PIPE_DIR
     assert PIPE_DIR in mounts, f"{PIPE_DIR} is not a mount point inside the container: {mounts}"
@@ -385,7 +385,7 @@ def test_kai_cdi_device_names_are_injected_by_the_runtime(ctrd, daemon, pods):
     env = h.container_env(ctrd, cid)
     assert env.get("NVIDIA_VISIBLE_DEVICES", "").split(",") == EXPECTED_UUIDS
     assert (env.get("NVIDIA_GPU_MEMORY_REQUEST"), env.get("NVIDIA_GPU_MEMORY_LIMIT")) == ("10240", "10240")
-    assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == "0=10240M,1=10240M,2=10240M,3=10240M"
+    assert env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == ",".join(f"{u}=10240M" for u in EXPECTED_UUIDS)
     assert PIPE_DIR in h.container_mountpoints(ctrd, cid)
     assert [env.get(f"FP_CDI_GPU{i}") for i in range(4)] == EXPECTED_UUIDS, env
     pods.remove_all()

@@ -9,7 +9,8 @@
  *   SMs            132; the context gets floor(132 * CUDA_MPS_ACTIVE_THREAD_PERCENTAGE / 100)
  *   MPS enabled    1 when $CUDA_MPS_PIPE_DIRECTORY/control exists
  *   memory         80 GiB; cuMemAlloc fails (CUDA_ERROR_OUT_OF_MEMORY, 2) past
- *                  CUDA_MPS_PINNED_DEVICE_MEM_LIMIT's "0=<n>M|G" less 300 MiB of context
+ *                  the first entry of CUDA_MPS_PINNED_DEVICE_MEM_LIMIT ("<ordinal or UUID>=<n>M|G",
+ *                  fracplugin writes the UUID) less 300 MiB of context
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -91,7 +92,8 @@ static unsigned long long limit_bytes(void) {
     const char *s = getenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT");
     unsigned long long n;
     char unit = 'M';
-    if (s && sscanf(s, "0=%llu%c", &n, &unit) >= 1) return n * (unit == 'G' ? 1024 : 1) * MIB;
+    if (s) s = strchr(s, '=');
+    if (s && sscanf(s, "=%llu%c", &n, &unit) >= 1) return n * (unit == 'G' ? 1024 : 1) * MIB;
     return 80ull * 1024 * MIB;
 }
 

@@ -42,6 +42,18 @@ The steps (issue 17), each a step of the JSON report ``gpu-check.json``:
    hard limit, an allocation past it must fail, and two processes in it
    together must stay under it. Needs driver r615+, cgroup v2 at the cgroup
    root, MIG off and NVML's memory-limit calls; else skipped with the reason.
+9. (issue 35 item 6; after step 8, same needs) the field's cases, each
+   figure a measurement recorded in the report: a worker that narrows
+   ``CUDA_VISIBLE_DEVICES`` to one GPU of a two-GPU container (outside its
+   cgroup: is the pinned limit lost? inside: the cgroup limit and
+   ``cuMemGetInfo``; skipped on a node with fewer than 2 GPUs); the parents'
+   soft-limit reservations (NVML on the parent, its ``dmem.min``) after a
+   leaf is deleted before its Stop/Remove as containerd does, without the
+   repair of ADR 0036 (then NVML set on the parent, the after-the-fact
+   repair) and with it (the daemon's leaf watch); an allocation past a
+   container's limit with its cgroup limit cleared (``--memory-limits off``
+   for that container), and what the over-limit check
+   (``GpuMemoryLimitExceeded``) reported in ``/metrics`` and the log.
 
 A figure that cannot be measured on this driver (MPS v3 namespaces before
 r615, say) is ``skipped`` with the reason, never ``pass``. Exit status: 0 all
@@ -102,6 +114,7 @@ STEPS: tuple[tuple[int, str], ...] = (
     (6, "SIGKILLed client, next client, clean stop"),
     (7, "report within 5 minutes"),
     (8, "CUDA memory limits on the container's cgroup, toolkit hook absent and present"),
+    (9, "the field's cases: narrowed CUDA_VISIBLE_DEVICES, parents' reservations, over the limit"),
 )
 STATUSES = ("pass", "fail", "skipped")
 
@@ -311,20 +324,6 @@ def client_env(plan_env: Mapping[str, str], mounts: Sequence[tuple[str, str]], b
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
         notes.append("CUDA_VISIBLE_DEVICES set from NVIDIA_VISIBLE_DEVICES (the container toolkit's job)")
     return env, notes
-
-
-def pinned_limit_mib(plan_env: Mapping[str, str], ordinal: int = 0) -> int | None:
-    """The MiB of ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for ``ordinal``
-    (``0=2048M,1=...``; units M/MB/G/GB); None when absent."""
-    raw = plan_env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
-    for item in raw.split(","):
-        key, _, val = item.partition("=")
-        if key.strip() != str(ordinal):
-            continue
-        m = re.fullmatch(r"\s*(\d+)\s*([MG])B?\s*", val, re.I)
-        if m:
-            return int(m.group(1)) * (1024 if m.group(2).upper() == "G" else 1)
-    return None
 
 
 # ---- judgements (pure) -----------------------------------------------------------------------
@@ -546,7 +545,8 @@ class Daemon:
     ``src`` + the unpacked wheels)."""
 
     def __init__(self, work: Path, python: str, pythonpath: Sequence[str], mps_binary: str,
-                 simulate_node: str | None = None) -> None:
+                 simulate_node: str | None = None, cgroup_root: str = "/sys/fs/cgroup") -> None:
+        self.cgroup_root = cgroup_root
         self.work = work
         self.python = python
         self.pythonpath = list(pythonpath)
@@ -564,7 +564,7 @@ class Daemon:
                "--mps-root", str(w / "mps"), "--mps-control-binary", self.mps_binary,
                "--nri-socket", str(self.nri_socket), "--no-device-plugin",
                "--health-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
-               "--log-format", "json", "--shutdown-timeout", "20"]
+               "--log-format", "json", "--shutdown-timeout", "20", "--cgroup-root", self.cgroup_root]
         if self.simulate_node:
             cmd += ["--simulate-node", self.simulate_node]
         return cmd
@@ -1004,6 +1004,48 @@ def run_limits_hook(binary: str, cgroup: str, gpu_uuid: str, env: Mapping[str, s
         shutil.rmtree(bundle, ignore_errors=True)
 
 
+# ---- step 9: the field's cases (issue 35 item 6) ---------------------------------------------------
+RES_SOFT_MIB = 64  # the soft limit left on purpose on a deleted leaf (a measurement; gone at the next driver load)
+OVER_LIMIT_MIB = 1024
+OVER_LIMIT_EVENT = "GpuMemoryLimitExceeded"  # issue 35 item 3's Event reason
+
+
+def read_reservation(get_soft: Callable[[str], int], cgroup: str, region: str) -> dict[str, Any]:
+    """What a parent cgroup shows of the soft limits below it: NVML's
+    softLimit on it (or the error) and its ``dmem.min`` line for ``region``
+    (None where the kernel has no dmem files: the driver's misc backend)."""
+    out: dict[str, Any] = {"cgroup": cgroup, "dmem_min": None}
+    try:
+        out["nvml_soft"] = get_soft(cgroup)
+    except Exception as exc:
+        out["nvml_soft"], out["nvml_error"] = None, f"{type(exc).__name__}: {exc}"
+    try:
+        for line in Path(cgroup, "dmem.min").read_text().splitlines():
+            if line.split()[:1] == [region]:
+                out["dmem_min"] = line.split()[1]
+    except (OSError, IndexError):
+        pass
+    return out
+
+
+def leftover(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per parent: NVML soft after minus before (bytes; None when either is unread)."""
+    b = {x["cgroup"]: x.get("nvml_soft") for x in before}
+    return {x["cgroup"]: (None if x.get("nvml_soft") is None or b.get(x["cgroup"]) is None
+                          else x["nvml_soft"] - b[x["cgroup"]]) for x in after}
+
+
+def find_over_limit(metrics_text: str, log_text: str, pod: str) -> dict[str, list[str]]:
+    """Where the over-limit check spoke of ``pod``: non-zero /metrics series
+    whose name says over-limit/exceeded (``fracplugin_container_gpu_memory_over_limit``),
+    and log lines naming the pod and ``OVER_LIMIT_EVENT`` or its limit exceeded."""
+    series = [ln for ln in metrics_text.splitlines() if not ln.startswith("#") and f'pod="{pod}"' in ln
+              and re.search(r"over_?limit|exceed", ln.split("{")[0], re.I) and not ln.endswith((" 0", " 0.0"))]
+    said = re.compile(OVER_LIMIT_EVENT + r"|above its GPU memory limit|exceed", re.I)
+    logs = [ln[:400] for ln in log_text.splitlines() if pod in ln and said.search(ln)]
+    return {"metric_series": series[:8], "log_lines": logs[-4:]}
+
+
 # ---- the check ----------------------------------------------------------------------------------
 class GpuCheck:
     """One run of steps 1-7 (module docstring). ``run()`` returns the exit status."""
@@ -1046,6 +1088,7 @@ class GpuCheck:
             if self.step1_inventory() and self.step2_daemon():
                 self.step3_to_6()
                 self.step8_memory_limits()
+                self.step9_field_cases()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM (main): clean up and still write the report
             r.add(7, "check ran to the end", "not interrupted", "interrupted (SIGINT/SIGTERM)", "fail")
         except Exception as exc:  # a driver error: report it as a failure, clean up, write the report
@@ -1145,7 +1188,8 @@ class GpuCheck:
         r.facts["mps_processes_before"] = sorted(self.mps_before)
         assert self.mps_binary is not None
         self.nri = Nri(self.work / "nri.sock")
-        self.daemon = Daemon(self.work, self.python, self.pythonpath, self.mps_binary, self.simulate_node)
+        self.daemon = Daemon(self.work, self.python, self.pythonpath, self.mps_binary, self.simulate_node,
+                             self.cgroup_root)
         t = time.monotonic()
         try:
             self.daemon.start(timeout_s=min(60.0, self.left()))
@@ -1210,7 +1254,7 @@ class GpuCheck:
         except (RpcError, TimeoutError, ConnectionError) as exc:
             r.add(step, f"{name}: planned through NRI", "placed", f"{type(exc).__name__}: {exc}", "fail")
             return None
-        want = {"NVIDIA_VISIBLE_DEVICES": self.gpu.uuid, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={limit_mib}M"}
+        want = {"NVIDIA_VISIBLE_DEVICES": self.gpu.uuid, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"{self.gpu.uuid}={limit_mib}M"}
         if atp is not None:
             want["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(atp)
         got = {k: p.env.get(k) for k in want}
@@ -1487,6 +1531,169 @@ class GpuCheck:
                 nvml.clear(leaf)
             except Exception:
                 pass
+
+    # -- 9 ---------------------------------------------------------------------------------
+    def step9_field_cases(self) -> None:
+        """Issue 35 item 6 (module docstring, step 9)."""
+        r = self.report
+        print("== 9. the field's cases", flush=True)
+        title = "the field's cases"
+        why = "needs a real GPU (simulated node)" if self.simulate_node else memory_limits_skip(
+            self.node.driver_version, self.cgroup_root, bool(self.gpu.mig_enabled), NvmlLimits.available())
+        if not why and (self.cgroups is None or self.cgroups.base is None):
+            why = "no writable cgroup here"
+        if not why and self.left() < 60:
+            why = f"{self.left():.0f} s left of the check's {DEADLINE_S:.0f} s"
+        if why:
+            r.skip(9, title, "measured", why)
+            return
+        for case in (self._narrowed, self._reservations, self._over_limit):
+            try:
+                case()
+            except Exception as exc:
+                r.add(9, case.__name__.strip("_"), "measured", f"{type(exc).__name__}: {exc}", "fail")
+
+    def _leaf(self) -> tuple[str, str, str]:
+        """(container id, leaf, cgroups path) of a new container leaf."""
+        assert self.cgroups is not None
+        cid = secrets.token_hex(32)
+        leaf = self.cgroups.for_container(cid)
+        return cid, leaf, "/" + os.path.relpath(leaf, self.cgroup_root)
+
+    def _narrowed(self) -> None:
+        r = self.report
+        gpus = [g for g in self.node.gpus if not g.mig_enabled]
+        name = "narrowed CUDA_VISIBLE_DEVICES in a two-GPU container"
+        if len(gpus) < 2:
+            r.skip(9, name, "measured", f"the node has {len(gpus)} non-MIG GPU(s); a two-GPU container needs 2")
+            return
+        cid, leaf, cg = self._leaf()
+        manifest = pod_manifest("gpucheck-narrow", "time-slicing", ML_LIMIT_MIB, f"{gpus[0].uuid},{gpus[1].uuid}",
+                                request_mib=ML_REQUEST_MIB)
+        assert self.nri is not None
+        p = self.nri.create(manifest, container_id=cid, cgroups_path=cg)
+        env, _ = client_env(p.env, p.mounts, os.environ, len(self.node.gpus))
+        env["CUDA_VISIBLE_DEVICES"] = gpus[0].uuid  # a tensor-parallel launcher's worker: one GPU of the two
+        timeout = max(1.0, min(90.0, self.left()))
+        reps = {}
+        for where, cgroup in (("outside the container's cgroup", ""), ("in the container's cgroup", leaf)):
+            c = Client(self.python, env, ML_LIMIT_MIB + 2048, cgroup, lib=self.cuda_lib)
+            self.clients.append(c)
+            reps[where] = c.wait_report(timeout)
+            c.release()
+        out = reps["outside the container's cgroup"]
+        kept = bool(out.get("ok")) and int(out.get("allocated_mib") or 0) <= ML_LIMIT_MIB
+        r.add(9, "narrowed worker, pinned limit alone", f"NVIDIA measured it dropped (allocates past {ML_LIMIT_MIB} "
+              "MiB) when the list names a GPU the process cannot see", {
+                  "pinned": p.env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "visible": gpus[0].uuid, "pinned_kept": kept,
+                  **{k: out.get(k) for k in ("ok", "allocated_mib", "stopped_by", "mem_total_mib", "error")}},
+              "pass" if out.get("ok") else "fail", "" if out.get("ok") else str(out.get("error", "")))
+        inn = reps["in the container's cgroup"]
+        if not inn.get("ok"):
+            r.add(9, "narrowed worker in its cgroup", "ran", inn, "fail", str(inn.get("error", "")))
+        else:
+            ok, exp, why = judge_capped([int(inn["allocated_mib"])], [inn.get("stopped_by", "")], ML_LIMIT_MIB)
+            r.check(9, "narrowed worker in its cgroup: the cgroup limit holds", exp,
+                    {k: inn.get(k) for k in ("allocated_mib", "stopped_by", "alloc_error")}, ok, why)
+            ok, exp, why = judge_total(inn.get("mem_total_mib"), ML_LIMIT_MIB, "cuMemGetInfo total")
+            r.check(9, "narrowed worker in its cgroup: cuMemGetInfo total", exp, inn.get("mem_total_mib"), ok, why)
+        self.nri.remove(p)
+
+    def _reservations(self) -> None:
+        from fracplugin.enforce.capability import gpu_region
+
+        r = self.report
+        assert self.cgroups is not None and self.cgroups.base is not None and self.nri is not None
+        nvml = NvmlLimits(self.gpu.uuid)
+        region = gpu_region(self.gpu)
+        try:
+            for repair in (False, True):
+                label = "with the repair (the daemon zeroes at populated 0)" if repair else "without the repair"
+                pod = self.cgroups.base / f"pod-{secrets.token_hex(4)}"
+                pod.mkdir()
+                self.cgroups.made.append(pod)
+                parents = [str(self.cgroups.base), str(pod)]
+                read = lambda: [read_reservation(lambda c: nvml.get(c)[0], x, region) for x in parents]  # noqa: E731
+                before = read()
+                cid = secrets.token_hex(32)
+                leaf = pod / f"cri-containerd-{cid}.scope"
+                leaf.mkdir()
+                self.cgroups.made.append(leaf)
+                facts: dict[str, Any] = {"before": before}
+                if repair:  # containerd's order: the process ends, runc deletes the leaf, then Stop/Remove
+                    holder = subprocess.Popen(["sh", "-c", 'echo $$ > "$1/cgroup.procs" && exec sleep 120', "sh",
+                                               str(leaf)], start_new_session=True)
+                    wait_until(lambda: str(holder.pid) in (leaf / "cgroup.procs").read_text().split(), 5.0, 0.05)
+                    p = self.nri.create(pod_manifest("gpucheck-reserve", "time-slicing", ML_LIMIT_MIB, self.gpu.uuid,
+                                                     request_mib=ML_REQUEST_MIB), container_id=cid,
+                                        cgroups_path="/" + os.path.relpath(leaf, self.cgroup_root))
+                    facts["during"] = read()
+                    holder.kill()
+                    holder.wait(10)
+                    zeroed = wait_until(lambda: nvml.get(str(leaf))[0] == 0, 10.0, 0.01)
+                    facts["leaf_soft_before_deletion"] = nvml.get(str(leaf))[0]
+                    r.check(9, f"{label}: soft limit zeroed before the leaf went", "0 within 10 s of the last exit",
+                            facts["leaf_soft_before_deletion"], bool(zeroed), "the daemon did not zero it")
+                    leaf.rmdir()
+                    self.nri.remove(p)
+                    facts["daemon_soft_zeroing"] = (self.daemon.get("/status")[1].get("memory_limits") or {}).get(
+                        "soft_zeroing") if self.daemon else None
+                else:  # set as the toolkit hook sets it (nothing zeroes it), then deleted
+                    nvml.set(str(leaf), RES_SOFT_MIB * MIB, ML_LIMIT_MIB * MIB)
+                    facts["during"] = read()
+                    leaf.rmdir()
+                facts["after"] = read()
+                facts["leftover_bytes"] = leftover(before, facts["after"])
+                left = [v for v in facts["leftover_bytes"].values() if v]
+                r.add(9, f"{label}: parents' reservation after the leaf's deletion",
+                      "NVIDIA: a soft limit not zeroed stays reserved on the parents; with the repair nothing stays",
+                      facts, "fail" if repair and left else "pass", "reservation left on the parents" if repair and left
+                      else "")
+                if not repair and left:  # the after-the-fact repair: set the parent (soft 0); does it go?
+                    try:
+                        nvml.set(str(pod), 0, NVML_DEVICE_MEMORY_LIMIT_MAX)
+                        err = ""
+                    except Exception as exc:
+                        err = f"{type(exc).__name__}: {exc}"
+                    r.add(9, "after the fact: NVML soft 0 on the parent", "measured (undocumented)",
+                          {"error": err, "after": read(), "leftover_bytes": leftover(before, read())}, "pass")
+        finally:
+            nvml.close()
+
+    def _over_limit(self) -> None:
+        r = self.report
+        assert self.nri is not None and self.daemon is not None
+        cid, leaf, cg = self._leaf()
+        p = self.nri.create(pod_manifest("gpucheck-overlimit", "time-slicing", OVER_LIMIT_MIB, self.gpu.uuid),
+                            container_id=cid, cgroups_path=cg)
+        nvml = NvmlLimits(self.gpu.uuid)
+        try:
+            nvml.clear(leaf)  # no cgroup limit for this container, as --memory-limits off leaves it
+        finally:
+            nvml.close()
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CUDA_VISIBLE_DEVICES": self.gpu.uuid}
+        c = Client(self.python, env, OVER_LIMIT_MIB + 512, leaf, lib=self.cuda_lib)  # no MPS env: no pinned limit
+        self.clients.append(c)
+        rep = c.wait_report(max(1.0, min(90.0, self.left())))
+        past = bool(rep.get("ok")) and int(rep.get("allocated_mib") or 0) > OVER_LIMIT_MIB
+        r.check(9, "allocation past the limit, no cgroup limit", f"> {OVER_LIMIT_MIB} MiB held",
+                {k: rep.get(k) for k in ("allocated_mib", "stopped_by", "error")}, past, "it did not get past the limit")
+        have = any(OVER_LIMIT_EVENT in f.read_text(errors="replace") for f in (REPO / "src" / "fracplugin").rglob("*.py"))
+        pod = p.manifest["metadata"]["name"]
+        found = wait_until(lambda: (lambda f: f if f["metric_series"] or f["log_lines"] else None)(
+            find_over_limit(self.daemon.metrics(), self.daemon.log_tail(400), pod)),  # type: ignore[union-attr]
+            min(60.0, max(1.0, self.left())), 0.5) if past and have else None
+        exp = f"a {OVER_LIMIT_EVENT} metric series or log line for {pod} (an Event needs API access, none here)"
+        if not have:
+            r.skip(9, "noticed by the over-limit check", exp, f"this build has no over-limit check ({OVER_LIMIT_EVENT} "
+                   "is nowhere in src/fracplugin)")
+        elif not past:
+            r.skip(9, "noticed by the over-limit check", exp, "the client did not get past the limit")
+        else:
+            r.check(9, "noticed by the over-limit check", exp, found or find_over_limit(
+                self.daemon.metrics(), self.daemon.log_tail(400), pod), bool(found), "nothing found within 60 s")
+        c.release()
+        self.nri.remove(p)
 
     # -- shutdown (6) ----------------------------------------------------------------------------
     def shutdown(self) -> None:

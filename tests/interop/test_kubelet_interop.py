@@ -159,7 +159,7 @@ def test_allocate_env_for_pod_with_limit_and_sm_sharing(sdir, procs):
     assert env["NVIDIA_VISIBLE_DEVICES"] == gpu
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == str(20 * UNIT_MIB)
     assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "30720"
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=30720M"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{gpu}=30720M"
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
     # MPS v3 (the simulated node's driver): Allocate carries no pipe-directory mount; the

@@ -57,7 +57,7 @@ def test_units_and_limit_run_on_kubelets_gpu(cluster, daemon, pods):
     assert env["NVIDIA_VISIBLE_DEVICES"] == gpu
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "4096"
     assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "6144"
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6144M"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{gpu}=6144M"
     held = [t for t in ledger(daemon) if t["pod_name"] == "b2"]
     assert len(held) == 1, held
     assert (held[0]["gpu_uuid"], held[0]["request_mib"], held[0]["limit_mib"]) == (gpu, 4096, 6144)

@@ -82,7 +82,7 @@ def test_register_list_and_watch_preferred_allocate_env(cluster, daemon, pods):
     assert env["NVIDIA_VISIBLE_DEVICES"] == gpu
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "2048"
     assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "2048"
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2048M"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{gpu}=2048M"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
     opts = container_mounts(c, pods.container_id("s1"))["/tmp/nvidia-mps"].split(",")
     assert "nosuid" in opts and "nodev" in opts, opts

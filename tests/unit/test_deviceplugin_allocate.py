@@ -160,7 +160,7 @@ def test_limit_and_sm_sharing_annotations_shape_the_env(make, node, src):
     assert env["NVIDIA_VISIBLE_DEVICES"] == node.gpus[1].uuid
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "20480"
     assert env["NVIDIA_GPU_MEMORY_LIMIT"] == "30720"
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=30720M"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{node.gpus[1].uuid}=30720M"
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
     # MPS v3 (issue 12): no pipe-directory mount from this door; the NRI door mounts the container's own leaf
@@ -193,7 +193,7 @@ def test_multi_gpu_request_gets_one_entry_per_gpu(make, node, src):
     env = env_of(make().allocate(areq(ids(node, 0, 40) + ids(node, 2, 40))))
     assert env["NVIDIA_VISIBLE_DEVICES"] == f"{node.gpus[0].uuid},{node.gpus[2].uuid}"
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "40960"
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=61440M,1=61440M"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{node.gpus[0].uuid}=61440M,{node.gpus[2].uuid}=61440M"
 
 
 def test_init_container_then_app_container(make, node, src):
@@ -254,7 +254,7 @@ def test_no_api_access_answers_the_fallback(make, node):
     env = env_of(resp)
     assert env["NVIDIA_VISIBLE_DEVICES"] == node.gpus[3].uuid
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == env["NVIDIA_GPU_MEMORY_LIMIT"] == "5120"
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=5120M"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{node.gpus[3].uuid}=5120M"
     assert env["CUDA_VISIBLE_DEVICES"] == node.gpus[3].uuid  # ordinal 0 is that GPU
     # issue 12: never a daemon's pipe directory (its control socket) under MPS v3; NRI mounts the leaf
     assert len(resp.container_responses[0].mounts) == 0 and env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"

@@ -74,7 +74,7 @@ def test_claim_on_two_gpus_and_configs_for_other_requests_or_drivers_ignored() -
     c = claims.read_claim(doc, NODE)
     assert [d.device for d in c.devices] == ["gpu-0", "gpu-1"]
     plan = claims.plan_claim(c, node_rules(NODE, Ledger(NODE)))
-    assert plan.device_uuids == (GPU0, GPU1) and plan.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M,1=4096M"
+    assert plan.device_uuids == (GPU0, GPU1) and plan.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{GPU0}=4096M,{GPU1}=4096M"
 
 
 def _class_config(parameters: object, requests: list[str] | None = None) -> dict:

@@ -22,8 +22,28 @@ def test_bound_inference_json(examples, node_file):
     (c,) = report["containers"]
     assert set(c) >= {"name", "fractional", "devices", "compute_mode", "env", "mounts", "error"}
     assert c["fractional"] is True and c["error"] is None and c["compute_mode"] == "sm-sharing"
-    assert c["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=61440M,1=61440M,2=61440M,3=61440M"
+    assert c["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == (  # issue 35 input 2: UUID keys, its own GPUs
+        "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01=61440M,GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a02=61440M,"
+        "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a03=61440M,GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a04=61440M")
     assert c["mounts"][0]["destination"] == "/tmp/nvidia-mps" and c["mounts"][0]["read_only"] is True
+
+
+@pytest.mark.parametrize("limits,holds", [("apply", "cgroup"), ("off", "per-process"), (None, "cgroup")])
+def test_what_holds_each_gpus_total(examples, node_file, tmp_path, limits, holds):
+    """Issue 35 input 2: per GPU, what would hold the container's total: the cgroup limit with
+    --memory-limits apply (or the default auto) on a capable node (driver r615+, no MIG), the per-process
+    pinned limit with off, and never the cgroup on a node whose driver cannot (r570)."""
+    pod = str(examples / "pods/inference-sm-sharing-4gpu.bound.yaml")
+    r = run(pod, "--node", str(node_file), "-o", "json", *(["--memory-limits", limits] if limits else []))
+    assert r.returncode == 0, r.stderr
+    (c,) = json.loads(r.stdout)["containers"]
+    assert c["holds"] == {u: holds for u in c["devices"]} and len(c["devices"]) == 4
+    old = tmp_path / "old.yaml"
+    old.write_text(node_file.read_text().replace('driver_version: "615.71.09"', 'driver_version: "570.86.15"'))
+    r = run(pod, "--node", str(old), "-o", "json", "--memory-limits", "apply")
+    assert set(json.loads(r.stdout)["containers"][0]["holds"].values()) == {"per-process"}, r.stderr
+    assert "what holds the total per GPU: GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01 per-process" in run(
+        pod, "--node", str(old)).stdout
 
 
 def test_table_output_and_refusal_exit_code(tmp_path, node_file):

@@ -83,7 +83,7 @@ PLAN_TS = {
     "NVIDIA_VISIBLE_DEVICES": "GPU-aaaa",
     "NVIDIA_GPU_MEMORY_REQUEST": "2048",
     "NVIDIA_GPU_MEMORY_LIMIT": "2048",
-    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2048M",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "GPU-aaaa=2048M",
     "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps",
 }
 
@@ -117,13 +117,6 @@ def test_host_path_deepest_mount_wins_and_prefixes_are_whole_components():
     assert gc.host_path("/tmp/nvidia-mps/x", mounts) == "/b/x"
     assert gc.host_path("/tmp/other", mounts) == "/a/other"
     assert gc.host_path("/var", mounts) is None
-
-
-@pytest.mark.parametrize("raw,ordinal,mib", [
-    ("0=2048M", 0, 2048), ("0=4G,1=4G", 1, 4096), ("0=512MB", 0, 512), ("1=2G", 0, None), ("", 0, None),
-    ("0=lots", 0, None)])
-def test_pinned_limit_mib(raw, ordinal, mib):
-    assert gc.pinned_limit_mib({"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": raw}, ordinal) == mib
 
 
 # ---- judgements ---------------------------------------------------------------------------------
@@ -206,10 +199,10 @@ def test_report_orders_steps_and_never_counts_a_skip_as_a_pass(tmp_path, capsys)
     r.check(1, "GPUs", ">= 1", 1, True)
     r.check(6, "leftovers", "none", [123], False, "MPS processes left running")
     doc = r.to_dict()
-    assert [s["step"] for s in doc["steps"]] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [s["step"] for s in doc["steps"]] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     st = {s["step"]: s["status"] for s in doc["steps"]}
     assert st == {1: "pass", 2: "skipped", 3: "skipped", 4: "skipped", 5: "pass", 6: "fail", 7: "skipped",
-                  8: "skipped"}
+                  8: "skipped", 9: "skipped"}
     assert doc["result"] == "fail" and r.exit_code() == 1
     assert doc["steps"][2]["figures"] == [{"name": "namespace", "expected": "leaf", "observed": None,
                                            "status": "skipped", "reason": "MPS protocol 2"}]
@@ -227,7 +220,7 @@ def test_report_with_only_passes_and_skips_exits_0():
     assert r.exit_code() == 0 and r.to_dict()["result"] == "pass"
 
 
-@pytest.mark.parametrize("step,status", [(0, "pass"), (9, "pass"), (1, "ok"), (1, "passed")])
+@pytest.mark.parametrize("step,status", [(0, "pass"), (10, "pass"), (1, "ok"), (1, "passed")])
 def test_report_refuses_unknown_steps_and_statuses(step, status):
     with pytest.raises(ValueError):
         gc.Report().add(step, "x", "y", 1, status)
@@ -396,3 +389,36 @@ def test_pod_manifest_with_a_request():
     ann = m["metadata"]["annotations"]
     assert ann["nvidia.com/container.app.gpu-memory.request"] == "1024Mi"
     assert ann["nvidia.com/container.app.gpu-memory.limit"] == "2048Mi"
+
+
+# ---- step 9 (issue 35 item 6): the pure parts ---------------------------------------------------
+def test_read_reservation_nvml_and_dmem_min(tmp_path):
+    (tmp_path / "dmem.min").write_text("nvidia/0000:3b:00.0/vidmem 1073741824\nnvidia/0000:5e:00.0/vidmem 0\n")
+    got = gc.read_reservation(lambda c: 4096, str(tmp_path), "nvidia/0000:3b:00.0/vidmem")
+    assert got == {"cgroup": str(tmp_path), "dmem_min": "1073741824", "nvml_soft": 4096}
+
+    def refused(c):
+        raise RuntimeError("Not Supported")
+    got = gc.read_reservation(refused, str(tmp_path / "none"), "nvidia/0000:3b:00.0/vidmem")
+    assert got == {"cgroup": str(tmp_path / "none"), "dmem_min": None, "nvml_soft": None,
+                   "nvml_error": "RuntimeError: Not Supported"}
+
+
+def test_leftover_per_parent():
+    before = [{"cgroup": "/a", "nvml_soft": 0}, {"cgroup": "/a/p", "nvml_soft": None}]
+    after = [{"cgroup": "/a", "nvml_soft": 64 << 20}, {"cgroup": "/a/p", "nvml_soft": 64 << 20}]
+    assert gc.leftover(before, after) == {"/a": 64 << 20, "/a/p": None}
+
+
+def test_find_over_limit_reads_metrics_and_log():
+    metrics = ('# HELP fracplugin_container_gpu_over_limit x\n'
+               'fracplugin_container_gpu_over_limit{pod="gpucheck-overlimit",container="app"} 1.0\n'
+               'fracplugin_container_gpu_memory_used_bytes{pod="gpucheck-overlimit"} 2.0\n'
+               'fracplugin_container_gpu_memory_over_limit{pod="gpucheck-overlimit",container="side"} 0.0\n'
+               'fracplugin_container_gpu_over_limit{pod="other"} 1.0\n')
+    log = ('{"msg": "container above its GPU memory limit", "pod": "x/gpucheck-overlimit"}\n'
+           '{"msg": "GpuMemoryLimitExceeded", "pod": "x/other"}\n{"msg": "other", "pod": "x/gpucheck-overlimit"}\n')
+    assert gc.find_over_limit(metrics, log, "gpucheck-overlimit") == {
+        "metric_series": ['fracplugin_container_gpu_over_limit{pod="gpucheck-overlimit",container="app"} 1.0'],
+        "log_lines": ['{"msg": "container above its GPU memory limit", "pod": "x/gpucheck-overlimit"}']}
+    assert gc.find_over_limit("", "", "p") == {"metric_series": [], "log_lines": []}

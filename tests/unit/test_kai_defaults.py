@@ -58,7 +58,8 @@ def test_explain_seed_notebook_default_flags(examples: Path, node_file: Path, ca
     assert explain_mod.main(args) == 0
     out = capsys.readouterr().out
     assert "40267 MiB request / 64428 MiB limit per GPU" in out
-    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=64428M,1=64428M" in out
+    assert ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01=64428M,"
+            "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a02=64428M") in out
 
 
 def test_explain_seed_notebook_reserve_zero(examples: Path, node_file: Path, capsys) -> None:
@@ -66,7 +67,8 @@ def test_explain_seed_notebook_reserve_zero(examples: Path, node_file: Path, cap
     assert explain_mod.main(args) == 0
     out = capsys.readouterr().out
     assert "40779 MiB request / 65247 MiB limit per GPU" in out
-    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=65247M,1=65247M" in out
+    assert ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01=65247M,"
+            "GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a02=65247M") in out
 
 
 def _explain_args(pod: Path, node: Path, reserve_mib: int | None = None):

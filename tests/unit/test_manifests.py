@@ -79,7 +79,8 @@ RBAC_NEEDED: dict[tuple[str, str], set[str]] = {
     # node to keep its transition time across restarts
     ("", "nodes"): {"get"},
     ("", "nodes/status"): {"patch"},
-    # --over-limit restart (ADR 0035): a running container is restarted by evicting its pod
+    # --unfenced-containers restart (the default) and --over-limit restart (ADR 0035): a running
+    # container is restarted by evicting its pod
     ("", "pods/eviction"): {"create"},
 }
 SRC = REPO / "src" / "fracplugin"

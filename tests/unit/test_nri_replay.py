@@ -168,5 +168,5 @@ def test_recorded_create_with_our_annotations_gets_the_adjustment_in_small_frame
     assert all(size <= MAX_WRITE_FRAME for size in _frame_sizes(wire))
     env = {kv.key: kv.value for kv in resp.adjust.env if not kv.key.startswith("-")}
     assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(uuids)
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=61440M,1=61440M,2=61440M,3=61440M"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == ",".join(f"{u}=61440M" for u in uuids)
     assert [t.container_id for t in plugin.rules.ledger.tenancies()] == [req.container.id] * 4

@@ -72,7 +72,7 @@ def test_both_doors_answer_the_same_env_block_for_one_allocation(node_file: Path
         "CUDA_VISIBLE_DEVICES": gpu,
         "NVIDIA_GPU_MEMORY_REQUEST": "8192",  # kubelet's 8 devices of 1 GiB
         "NVIDIA_GPU_MEMORY_LIMIT": "12288",
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=12288M",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"{gpu}=12288M",
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
         "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps",
     }

@@ -35,7 +35,7 @@ def test_bound_inference_pod_gets_the_contract(seed_pods, node):
         "NVIDIA_VISIBLE_DEVICES": ",".join(UUIDS),
         "NVIDIA_GPU_MEMORY_REQUEST": "40960",
         "NVIDIA_GPU_MEMORY_LIMIT": "61440",
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=61440M,1=61440M,2=61440M,3=61440M",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": ",".join(f"{u}=61440M" for u in UUIDS),  # UUID keys (issue 35)
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
         "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps",
         # issue 12: the client sees only its GPUs, in plan order, so pinned ordinal i is UUIDS[i]
@@ -67,7 +67,7 @@ def test_unbound_inference_pod_is_placed_on_all_four(seed_pods, node):
     p = plan_seed(seed_pods["inference-sm-sharing-4gpu"], node)
     assert p.device_uuids == tuple(UUIDS)
     assert p.env["NVIDIA_GPU_MEMORY_REQUEST"] == "40960" and p.env["NVIDIA_GPU_MEMORY_LIMIT"] == "61440"
-    assert p.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=61440M,1=61440M,2=61440M,3=61440M"
+    assert p.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == ",".join(f"{u}=61440M" for u in UUIDS)
     # no portion written: the one KAI's scheduler would hand its binder,
     # ceil(40960 / 81559 x 100) / 100 = 0.51, caps the sm-sharing namespace
     assert p.portion == 0.51 and p.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "51"
@@ -82,7 +82,7 @@ def test_notebook_is_placed_on_two_gpus_time_slicing(seed_pods, node):
     # floor(80535 x 0.8), exactly what KAI's NvFractions binder writes
     assert p.env["NVIDIA_GPU_MEMORY_REQUEST"] == "40267"
     assert p.env["NVIDIA_GPU_MEMORY_LIMIT"] == "64428"
-    assert p.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=64428M,1=64428M"
+    assert p.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{UUIDS[0]}=64428M,{UUIDS[1]}=64428M"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in p.env  # time-slicing: no cap
     assert p.portion == 0.5
     # issue 12: its own namespace leaf on the time-slicing daemon, read-only; never <root>/ts itself
@@ -93,7 +93,7 @@ def test_notebook_is_placed_on_two_gpus_time_slicing(seed_pods, node):
     assert p.mounts[0].read_only
     pinned = [kv.split("=")[0] for kv in p.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].split(",")]
     visible = p.env["CUDA_VISIBLE_DEVICES"].split(",")
-    assert visible == list(p.device_uuids) and [visible[int(i)] for i in pinned] == list(p.device_uuids)
+    assert visible == list(p.device_uuids) == pinned  # only its own GPUs, by UUID (issue 35)
 
 
 def test_classic_mps_has_no_namespaces(seed_pods, node):

@@ -254,7 +254,7 @@ def test_every_valid_annotation_set_plans_on_an_idle_node_as_the_contract_says(c
     assert env["NVIDIA_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"] == ",".join(uuids)
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == str(want.request_mib)
     assert env["NVIDIA_GPU_MEMORY_LIMIT"] == str(want.limit_mib)
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == ",".join(f"{i}={want.limit_mib}M" for i in range(len(uuids)))
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == ",".join(f"{u}={want.limit_mib}M" for u in uuids)
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
     if want.mode is ComputeMode.TIME_SLICING:
         assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env and plan.active_thread_percentage is None

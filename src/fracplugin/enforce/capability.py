@@ -209,6 +209,13 @@ def _hook(gpus: Sequence[GpuInfo], hook_of: Callable[[str], bool | None] | None)
                                         "(memory-limit hook unknown)"), hook
 
 
+def described_can_enforce(gpus: Sequence[GpuInfo], driver_version: str) -> bool:
+    """What a node description alone (a node file: ``fracplugin explain --node``) says of the gate: the
+    driver is known to be r615+ and some GPU is not in MIG mode. The kernel's inputs (cgroup v2, memory
+    accounting) and the MPS protocol are the node's own and not in a file: they do not block here."""
+    return _driver(driver_version).ok is True and _mig(gpus).ok is True
+
+
 def check_capabilities(
     gpus: Sequence[GpuInfo],
     driver_version: str,

@@ -13,8 +13,10 @@ docs/reference/mps-nvml.md section 3, 4.4). Modes (``--memory-limits``):
   known to carry it), verify where it is present.
 * ``off``: nothing (no NVML call, nothing reported as not enforced).
 
-At RemoveContainer the soft limit is zeroed (hard kept) before the cgroup
-goes: a deleted leaf keeps its ancestors' ``dmem.min`` otherwise (MPS docs).
+The soft limit is zeroed (hard kept) before the leaf goes, since the driver
+keeps a deleted leaf's soft limit reserved on its parent cgroups (NVIDIA,
+ADR 0036): when the leaf empties (``softlimits.LeafWatch``, the container's
+last process exited), else at RemoveContainer if the leaf is still there.
 
 NVML refusals (no permission, not supported, MIG), a cgroup that cannot be
 found and a missing library become a ``reason`` on the result, never an
@@ -34,12 +36,28 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 from .cgroups import DEFAULT_CGROUP_ROOT, CgroupNotFound, resolve_leaf
 from ..atomicfile import read_regular
 from .capability import MAX_KERNEL_FILE
+from .softlimits import LeafWatch, ancestors
 
 log = logging.getLogger(__name__)
 
 LIMIT_MAX = 0xFFFFFFFFFFFFFFFF
 """``NVML_DEVICE_MEMORY_LIMIT_MAX``: no hard limit."""
 MIB = 1 << 20
+
+
+HOLDS = ("cgroup", "per-process", "none")
+"""What can hold a container's total GPU memory on one GPU (``what_holds``)."""
+
+
+def what_holds(cgroup: bool | None, mps: bool) -> str:
+    """What holds a container's total memory on one GPU, one of ``HOLDS`` (issue 35 item 2; the one rule
+    ``fracplugin status`` and ``explain`` call): ``cgroup`` when the CUDA 13.4 limit is in force on its leaf
+    cgroup (``cgroup`` True: applied or verified, or for a plan, ``--memory-limits`` not off on a node that
+    can enforce), which holds every process together even when a worker narrows ``CUDA_VISIBLE_DEVICES``;
+    ``per-process`` when only MPS's pinned limit does (``mps``: each process alone, and dropped by a client
+    whose list names a GPU it cannot see: NVIDIA's measurements, docs/reference/enforcement-cdi-dra.md);
+    ``none`` otherwise."""
+    return "cgroup" if cgroup else "per-process" if mps else "none"
 
 
 class MemoryLimitMode(str, enum.Enum):
@@ -343,15 +361,21 @@ class MemoryLimitEnforcer:
             node that cannot is reported without NVML calls.
         on_not_enforced: ``f(ContainerLimits)`` after a start whose limits
             are not enforced (a Warning Event); must not block.
+        watch_leaves: zero a started container's soft limits when its leaf
+            empties (``LeafWatch``, one inotify thread made at the first start).
 
-    Thread-safe; results are kept per container id until ``remove``."""
+    Thread-safe; results are kept per container id until ``remove``.
+    ``zeroing`` counts soft limits (container x GPU) by outcome: ``zeroed``,
+    ``leaf_gone`` (deleted first: its reservation stays on the parents),
+    ``failed``."""
 
     def __init__(self, mode: MemoryLimitMode, backend: LimitsBackend | None, *,
                  cgroup_root: str = DEFAULT_CGROUP_ROOT,
                  hook_of: Callable[[str], bool | None] | None = None,
                  region_of: Callable[[str], str | None] | None = None,
                  can_enforce: Callable[[], str] | None = None,
-                 on_not_enforced: Callable[[ContainerLimits], None] | None = None) -> None:
+                 on_not_enforced: Callable[[ContainerLimits], None] | None = None,
+                 watch_leaves: bool = True) -> None:
         self.mode = mode
         self.backend = backend
         self.cgroup_root = cgroup_root
@@ -361,6 +385,12 @@ class MemoryLimitEnforcer:
         self.on_not_enforced = on_not_enforced
         self._lock = threading.Lock()
         self._results: dict[str, ContainerLimits] = {}
+        self._watch: LeafWatch | None = None
+        self._watching = watch_leaves
+        self._handled: set[str] = set()  # containers whose leaf emptied (zeroed, or found gone)
+        self._parents: set[str] = set()
+        self.zeroing = {"zeroed": 0, "leaf_gone": 0, "failed": 0}
+        self.generation = 0  # bumped whenever a soft limit may have changed (drift is cached on it)
 
     def _applies(self, uuid: str) -> bool:
         if self.mode is MemoryLimitMode.APPLY:
@@ -395,6 +425,11 @@ class MemoryLimitEnforcer:
             res.reason = f"unexpected error: {exc}"
         with self._lock:
             self._results[container_id] = res
+            self.generation += 1
+            if res.cgroup is not None:
+                self._parents.update(ancestors(res.cgroup, self.cgroup_root))
+        if res.cgroup is not None and any(g.read_soft for g in res.gpus):
+            self._arm(container_id, res.cgroup)
         if res.enforced != "yes" and self.on_not_enforced is not None:
             try:
                 self.on_not_enforced(res)
@@ -453,26 +488,75 @@ class MemoryLimitEnforcer:
             g.reason = (f"read soft {cur.soft // MIB} MiB / hard {hard}, planned soft {g.planned_soft // MIB} MiB / "
                         f"hard {g.planned_hard // MIB} MiB" + ("" if apply else " (verify mode: not set)"))
 
+    def _arm(self, container_id: str, leaf: str) -> None:
+        if self._watching and self._watch is None:
+            try:
+                self._watch = LeafWatch(self._on_empty)
+            except OSError as exc:
+                self._watching = False
+                log.warning("memory limits: no inotify; soft limits are zeroed at RemoveContainer only",
+                            extra={"reason": str(exc)})
+        if self._watch is not None and not self._watch.watch(container_id, leaf):
+            log.info("memory limits: leaf not watchable (no cgroup.events)", extra={"cgroup": leaf})
+
+    def _on_empty(self, container_id: str) -> None:
+        with self._lock:
+            res = self._results.get(container_id)
+            self._handled.add(container_id)
+        if res is not None and res.cgroup is not None:
+            self._zero(container_id, res.cgroup, [(g.gpu_uuid, g.read_hard) for g in res.gpus if g.read_soft], res)
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        with self._lock:
+            self.zeroing[outcome] += n
+            self.generation += 1
+
+    def _zero(self, container_id: str, leaf: str, todo: Sequence[tuple[str, int | None]],
+              res: ContainerLimits | None = None) -> None:
+        """Soft 0, hard kept, on each ``(gpu, hard)`` of ``todo``; counted in ``zeroing``."""
+        assert self.backend is not None
+        fields = {"container_id": container_id, "cgroup": leaf}
+        if todo and not os.path.isdir(leaf):
+            self._count("leaf_gone", len(todo))
+            log.warning("memory limits: leaf cgroup deleted before its soft limit was zeroed; the driver keeps it "
+                        "reserved on the parent cgroups (ADR 0036)", extra=fields)
+            return
+        for uuid, hard in todo:
+            try:
+                self.backend.set(uuid, leaf, 0, hard if hard is not None else LIMIT_MAX)
+            except LimitError as exc:
+                self._count("leaf_gone" if exc.code == "not_found" else "failed")
+                log.warning("memory limits: soft limit not zeroed", extra={**fields, "gpu_uuid": uuid,
+                                                                          "reason": exc.reason})
+                continue
+            self._count("zeroed")
+            for g in res.gpus if res is not None else ():
+                if g.gpu_uuid == uuid:
+                    g.read_soft = 0
+
     def remove(self, container_id: str, cgroups_path: str = "", gpus: Sequence[str] = ()) -> None:
         """Zero the soft limit (hard kept) on every GPU where it was set or
-        read, then forget the container. A container started before this
-        daemon did (no kept result) is found from ``cgroups_path``: each GPU
-        of ``gpus`` whose soft limit on its leaf is not 0 gets it zeroed.
-        Never raises (failures are logged).
+        read, unless its leaf emptied before (``LeafWatch`` did it), then
+        forget the container. A container started before this daemon did (no
+        kept result) is found from ``cgroups_path``: each GPU of ``gpus``
+        whose soft limit on its leaf is not 0 gets it zeroed. Never raises.
 
-        With containerd 2.x the leaf is usually gone already: runc deletes the
-        container's cgroup when the task is deleted, before (or racing with)
-        the NRI StopContainer/RemoveContainer events (tests/e2e, docs/e2e.md).
-        Deleting the cgroup clears its limits in the driver
-        (docs/reference/mps-nvml.md section 3); that is logged, not treated as
-        a failure."""
+        Under containerd the leaf is gone by now (runc deletes it when the
+        task is deleted, before NRI StopContainer/RemoveContainer; docs/e2e.md)
+        and a soft limit not zeroed at the leaf's emptying stays reserved on
+        the parents (counted ``leaf_gone``); CRI-O calls NRI RemoveContainer
+        before it deletes the container (ADR 0036)."""
+        if self._watch is not None:
+            self._watch.unwatch(container_id)
         with self._lock:
             res = self._results.pop(container_id, None)
-        if self.backend is None or self.mode is MemoryLimitMode.OFF:
+            self.generation += 1
+            handled = container_id in self._handled
+            self._handled.discard(container_id)
+        if self.backend is None or self.mode is MemoryLimitMode.OFF or handled:
             return
         if res is not None and res.cgroup is not None:
-            leaf = res.cgroup
-            todo = [(g.gpu_uuid, g.read_hard) for g in res.gpus if g.read_soft]
+            self._zero(container_id, res.cgroup, [(g.gpu_uuid, g.read_hard) for g in res.gpus if g.read_soft])
         elif res is None and cgroups_path and gpus:
             try:
                 leaf = resolve_leaf(cgroups_path, self.cgroup_root)
@@ -486,18 +570,19 @@ class MemoryLimitEnforcer:
                     continue
                 if cur.soft:
                     todo.append((uuid, cur.hard))
-        else:
-            return
-        if todo and not os.path.isdir(leaf):
-            log.info("memory limits: leaf cgroup already deleted by the runtime (its limits went with it)",
-                     extra={"container_id": container_id, "cgroup": leaf})
-            return
-        for uuid, hard in todo:
-            try:
-                self.backend.set(uuid, leaf, 0, hard if hard is not None else LIMIT_MAX)
-            except LimitError as exc:
-                log.warning("memory limits: soft limit not zeroed", extra={"container_id": container_id,
-                                                                          "gpu_uuid": uuid, "reason": exc.reason})
+            self._zero(container_id, leaf, todo)
+
+    def parents(self) -> set[str]:
+        """The parent cgroups (pod, QoS, kubepods) of every leaf seen, while they exist."""
+        with self._lock:
+            self._parents = {p for p in self._parents if os.path.isdir(p)}
+            return set(self._parents)
+
+    def close(self) -> None:
+        """Stop the leaf watch."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
 
     def results(self) -> list[ContainerLimits]:
         """The kept results (one per started container not removed yet)."""
@@ -507,6 +592,11 @@ class MemoryLimitEnforcer:
     def result(self, container_id: str) -> ContainerLimits | None:
         with self._lock:
             return self._results.get(container_id)
+
+    def enforced_on(self, container_id: str, gpu_uuid: str) -> bool:
+        """The container's limit on that GPU was applied or verified at its start (``what_holds``'s ``cgroup``)."""
+        r = self.result(container_id) if container_id else None
+        return r is not None and any(g.gpu_uuid == gpu_uuid and g.enforced is True for g in r.gpus)
 
     def status(self) -> dict[str, Any]:
         """JSON-able: ``{"mode", "containers": [ContainerLimits.to_dict()]}``."""

@@ -17,7 +17,11 @@ ADR 0025 decisions 2-3 give the rules, ADR 0031 item 7 the DRA case):
   enforced is reported (status, metric, Warning Event
   ``MemoryLimitNotEnforced``); with ``refuse`` the start fails with
   FAILED_PRECONDITION.
-* ``remove(container_id)`` at RemoveContainer: zero the soft limit.
+* ``remove(container_id)`` at RemoveContainer: zero the soft limit (unless
+  the enforcer's leaf watch did when the leaf emptied; ADR 0036).
+* ``adopt(pods, containers, ledger)`` after Synchronize: the running
+  containers this daemon did not start (it restarted) get their limits
+  read (and set, in apply mode) and their leaves watched, in the background.
 
 Nothing here lets an exception other than the refusals out.
 """
@@ -26,9 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Callable, Iterable, Protocol, Sequence
 
+from .._proto import nri_pb2
 from ..dra import claim_tenancies
 from ..model import ContainerPlan, FractionError, PodRef, Tenancy
 from ..planner import ENV_MEMORY_LIMIT, ENV_MEMORY_REQUEST
@@ -173,6 +179,25 @@ class NriMemoryLimits:
             self.on_not_enforced(ref, res.container, not_enforced_message(res))
         except Exception:
             log.exception("memory limits: on_not_enforced failed")
+
+    def adopt(self, pods: Iterable[PodNames], containers: Iterable[ContainerIds], ledger: HoldsContainers) -> None:
+        """Start (apply/verify, no Event) the running containers with held
+        GPUs and no kept result, in a background thread: the leaf watch
+        then zeroes their soft limits when they end (ADR 0036)."""
+        if not self.active:
+            return
+        names = {getattr(p, "id", ""): f"{p.namespace}/{p.name}" for p in pods}
+        todo = [(c, names.get(getattr(c, "pod_sandbox_id", ""), ""), gpus) for c in containers
+                if getattr(c, "state", 0) == nri_pb2.CONTAINER_RUNNING and self.enforcer.result(c.id) is None
+                and (gpus := plan_gpus(held_tenancies(c, ledger)))]
+
+        def run() -> None:
+            for c, pod, gpus in todo:
+                linux = getattr(c, "linux", None)
+                self.enforcer.start(c.id, str(getattr(linux, "cgroups_path", "") or ""), gpus, pod=pod,
+                                    container=c.name)
+        if todo:
+            threading.Thread(target=run, name="memory-limits-adopt", daemon=True).start()
 
     def remove(self, container: ContainerIds, gpus: Callable[[], Iterable[str]] | None = None) -> None:
         """Zero the soft limit of a removed container (never raises). Without

@@ -12,6 +12,7 @@ capability is missing.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 from ..model import NodeInfo, PodRef
@@ -20,6 +21,7 @@ from .capability import CAPABILITIES, CapabilityGate, gpu_region
 from .memlimits import (LimitError, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, NvmlLimits, metrics_rows,
                         read_dmem_current)
 from .nri import NriMemoryLimits
+from .softlimits import reservation_drift
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class MemoryLimits:
         self.enforcer = MemoryLimitEnforcer(mode, backend, cgroup_root=cgroup_root, hook_of=hook_of,
                                             region_of=self.regions.get, can_enforce=self.gate.reason)
         self._hist: Any = None
+        self._drift: tuple[Any, list[dict[str, Any]]] = (None, [])
         self.nri = NriMemoryLimits(self.enforcer, policy, self.gate.reason, observe=self._observe,
                                    on_not_enforced=on_not_enforced, capabilities=self.gate.current)
 
@@ -101,7 +104,31 @@ class MemoryLimits:
         if self.mode is not MemoryLimitMode.OFF:
             out["node"] = self.gate.current().to_dict()
             out["containers"] = [r.to_dict() for r in self.enforcer.results()]
+            out["soft_zeroing"] = dict(self.enforcer.zeroing)
+            out["soft_reservations"] = [r for r in self.drift() if r["drift"]]
         return out
+
+    def drift(self) -> list[dict[str, Any]]:
+        """``softlimits.reservation_drift`` over the parents of the leaves seen,
+        on every GPU NVML answers for ([] with mode off or no NVML). Costs
+        one NVML read per (parent or child cgroup, GPU); kept until a soft
+        limit may have changed (the enforcer's ``generation``), at most 60 s."""
+        backend = self.backend
+        if backend is None or self.mode is MemoryLimitMode.OFF:
+            return []
+        key = (self.enforcer.generation, int(time.monotonic() // 60))
+        if self._drift[0] == key:
+            return self._drift[1]
+
+        def soft_of(gpu: str, cgroup: str) -> int | None:
+            try:
+                return int(backend.get(gpu, cgroup).soft)
+            except LimitError:
+                return None
+        rows = reservation_drift(soft_of, [g.uuid for g in self.node.gpus if not g.mig_enabled],
+                                 self.enforcer.parents())
+        self._drift = (key, rows)
+        return rows
 
     def dmem_used(self, container_id: str, uuid: str) -> int | None:
         """Bytes the ``dmem.current`` of the container's leaf cgroup lists for
@@ -124,6 +151,7 @@ class MemoryLimits:
         registry.register(MemoryLimitsCollector(self, hostname or self.node.name))
 
     def close(self) -> None:
+        self.enforcer.close()
         if self.nvml is not None:
             self.nvml.close()
 
@@ -138,7 +166,10 @@ class MemoryLimitsCollector:
     item 3; index and model "" for a GPU the inventory lacks; kind soft|hard|used; source
     planned|enforced|dmem|nvml; named apart from the ledger's
     ``fracplugin_container_gpu_memory_limit_bytes``, which has other labels)
-    and ``fracplugin_container_cuda_memory_limit_enforced{namespace, pod, container}``."""
+    and ``fracplugin_container_cuda_memory_limit_enforced{namespace, pod, container}``;
+    ``fracplugin_memory_limits_soft_zeroed_total{outcome}`` and
+    ``fracplugin_memory_limits_reservation_drift_bytes{UUID, gpu, modelName,
+    Hostname}`` (ADR 0036)."""
 
     def __init__(self, limits: MemoryLimits, hostname: str) -> None:
         self.limits = limits
@@ -148,7 +179,7 @@ class MemoryLimitsCollector:
         return []
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
 
         if self.limits.mode is MemoryLimitMode.OFF:
             return
@@ -187,6 +218,27 @@ class MemoryLimitsCollector:
                     ns, _, name = r.pod.partition("/")
                     ne.add_metric([ns, name, r.container], 1.0 if r.enforced == "yes" else 0.0)
             yield ne
+            zc = CounterMetricFamily("fracplugin_memory_limits_soft_zeroed",
+                                     "Soft limits (container x GPU) zeroed when their leaf cgroup emptied or at "
+                                     "RemoveContainer (zeroed), found deleted first (leaf_gone: the driver keeps them "
+                                     "reserved on the parent cgroups), or refused by NVML (failed).",
+                                     labels=("outcome",))
+            for outcome, n in sorted(self.limits.enforcer.zeroing.items()):
+                zc.add_metric([outcome], float(n))
+            yield zc
+            drift = GaugeMetricFamily("fracplugin_memory_limits_reservation_drift_bytes",
+                                      "Soft-limit reservation NVML reads on the parent cgroups (pod, QoS, kubepods) "
+                                      "of containers' leaves minus what their child cgroups carry, summed per GPU: "
+                                      "reservations of cgroups deleted without zeroing (ADR 0036).",
+                                      labels=("UUID", "gpu", "modelName", "Hostname"))
+            per_gpu: dict[str, int] = {}
+            for row in self.limits.drift():
+                per_gpu[str(row["gpu"])] = per_gpu.get(str(row["gpu"]), 0) + int(row["drift"])
+            for uuid, value in sorted(per_gpu.items()):
+                gpu = self.limits.node.gpu_by_uuid(uuid)
+                drift.add_metric([uuid, str(gpu.index) if gpu else "", gpu.name if gpu else "", self.hostname],
+                                 float(value))
+            yield drift
         except Exception:
             log.exception("metrics: memory limits collection failed")
 

@@ -3,7 +3,12 @@ restore after a restart, and the record kept on disk.
 
 ``NamespaceBook`` owns ``c.namespaces`` (what the doors asked for: pod UID,
 container, mode, active thread percentage, pinned device memory limit in MiB)
-and ``c.pending_delete`` (released, still to be deleted from a daemon). A
+and ``c.pending_delete`` (released, still to be deleted from a daemon). The
+repair rule (ADR 0034, issue 35 item 4): a ``namespace create`` or ``set`` that
+timed out on our side may still be carried out by the daemon, so its record is
+kept and the probe thread lists and finishes it (``restore``), or deletes it
+once released; after each answered probe ``audit`` counts the namespaces the
+daemon holds that no record owns (orphans) and deletes the uncapped ones. A
 namespace is ``namespace_name(pod_uid, container)`` on server ``shared`` of
 the daemon of its mode (MPS v3, driver r615+). Operations on one daemon are
 serialised by its ``ns_lock`` (acquired with a timeout); a create/set that
@@ -92,26 +97,27 @@ class NamespaceBook:
                     row = next((r for r in rows if r.name == name), None)
                     if row is None:
                         raise
-            if row is None:
-                if atp is not None or pinned is not None:
-                    try:
-                        d.control.namespace_set_caps(name, SM_SERVER, atp, pinned, left())
-                    except MpsError:
-                        # Never leave an uncapped namespace behind.
-                        try:
-                            d.control.namespace_delete(name, SM_SERVER, max(left(), 0.5), force=True)
-                        except MpsError as e2:
-                            log.warning("could not remove uncapped namespace %s: %s", name, e2)
-                        raise
-            else:
+            # a namespace we just made, or one a timed-out create left without caps (ADR 0034)
+            uncapped = row is None or (row.active_thread_percentage is None
+                                       and parse_mib(row.pinned_memory_limit) is None)
+            try:
                 d.control.namespace_set_caps(
                     name, SM_SERVER,
-                    atp if atp is not None and row.active_thread_percentage != atp else None,
-                    pinned if pinned is not None and parse_mib(row.pinned_memory_limit) != pinned else None,
-                    left())
+                    atp if atp is not None and (row is None or row.active_thread_percentage != atp) else None,
+                    pinned if pinned is not None and (row is None or parse_mib(row.pinned_memory_limit) != pinned)
+                    else None, left())
+            except MpsError:
+                if uncapped and (atp is not None or pinned is not None):
+                    # Never leave an uncapped namespace behind (its clients, if any, run unfenced).
+                    try:
+                        d.control.namespace_delete(name, SM_SERVER, max(left(), 0.5), force=True)
+                    except MpsError as e2:
+                        log.warning("could not remove uncapped namespace %s: %s", name, e2)
+                raise
             with self.c.lock:
                 if self.c.namespaces.get(name) == rec:  # not released meanwhile
                     d.applied[name] = rec
+                    d.restore_pending.discard(name)
         finally:
             d.ns_lock.release()
 
@@ -140,6 +146,37 @@ class NamespaceBook:
                 continue
             with self.c.lock:
                 d.restore_pending.discard(name)
+
+    def audit(self, d: DaemonState) -> None:
+        """After an answered probe (v3): list ``d``'s namespaces; those no record of ``d``'s mode owns and
+        no release is deleting are its orphans (``d.orphans``: name -> capped, i.e. an active thread
+        percentage or a pinned limit is set). An uncapped orphan is deleted (never ``--force``: MPS refuses
+        while a client is attached; it stays counted, and the node not ready, until it goes). Under
+        ``ns_lock``, so no create, set or delete of ours is half done; a busy lock or a failed listing keeps
+        the last answer."""
+        if self.c.protocol < 3 or not d.ns_lock.acquire(timeout=self.c.probe_timeout_s):
+            return
+        try:
+            rows = d.control.namespace_list(SM_SERVER, self.c.probe_timeout_s)
+            with self.c.lock:
+                found = {r.name: r.active_thread_percentage is not None or parse_mib(r.pinned_memory_limit) is not None
+                         for r in rows if r.name != "default" and r.name not in self.c.pending_delete
+                         and getattr(self.c.namespaces.get(r.name), "mode", None) is not d.mode}
+            for name in [n for n, capped in found.items() if not capped]:
+                try:
+                    d.control.namespace_delete(name, SM_SERVER, self.c.probe_timeout_s)
+                    del found[name]
+                    log.warning("deleted MPS namespace %s: no tenant owns it and it has no caps", name)
+                except MpsError as e:
+                    if name not in d.orphans:  # once, not at every probe
+                        log.warning("MPS namespace %s has no owner and no caps, not deleted yet: %s", name, e)
+        except (MpsError, ValueError) as e:
+            log.info("MPS %s namespaces not audited: %s", d.mode.value, e)
+            return
+        finally:
+            d.ns_lock.release()
+        with self.c.lock:
+            d.orphans = found
 
     def sweep_deletes(self, d: DaemonState) -> None:
         """Retry the deletes of namespaces released on ``d`` that MPS refused (a client was attached); after each
@@ -204,7 +241,8 @@ class NamespaceBook:
         process costs no control command at all: another container of the same
         pod and name, issue 14); different caps are re-set (which MPS refuses
         while a client is attached: MpsError). The request is recorded (and persisted in the MPS role) and
-        re-applied after every daemon restart until ``release_namespace``.
+        re-applied after every daemon restart until ``release_namespace``; a
+        timed-out one is kept too and finished by the probe thread (ADR 0034).
 
         Never blocks past ``timeout_s``. Raises MpsError (no daemon for the mode,
         protocol 2, daemon not ready, command refused), MpsTimeout, ValueError
@@ -242,13 +280,18 @@ class NamespaceBook:
                 # A brand-new container's namespace cannot exist yet: create without
                 # listing first (one control command less on the way to StartContainer).
                 self.apply(d, name, rec, t_deadline, fresh=prev is None)
-        except BaseException:
+        except BaseException as e:
+            timed_out = isinstance(e, MpsTimeout)
             with self.c.lock:
                 if self.c.namespaces.get(name) is rec:
-                    if prev is None:
+                    if timed_out:  # the daemon may still do it: kept, the probe thread finishes it (ADR 0034)
+                        d.restore_pending.add(name)
+                    elif prev is None:
                         del self.c.namespaces[name]
                     else:
                         self.c.namespaces[name] = prev
+            if timed_out and prev != rec:
+                self.save_state()
             raise
         path = self.c.layout.namespace_pipe_dir(name, mode)
         try:

@@ -293,6 +293,7 @@ class DaemonProber:
             if d.restore_pending:
                 self.book.restore(d)
             self.book.sweep_deletes(d)
+            self.book.audit(d)
             self.update_servers(d)
             loop = self.check_crash_loop(d)
             self.c.set_health(d, not d.restore_pending and not loop)

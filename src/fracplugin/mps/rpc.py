@@ -652,12 +652,15 @@ class RemoteMps:
             health = {m: False for m in self.modes}
         with self._lock:
             changed = [m for m in health if self._health.get(m) != health[m]]
-            self._status = st
-            self._health = health
             subs = list(self._subs)
+        # callbacks before the new health is published: the NRI door queues its re-ensures of a mode
+        # that came back before anyone can read the mode healthy (ADR 0034)
         for m in changed:
             for cb in subs:
                 try:
                     cb(m, health[m])
                 except Exception:
                     log.exception("MPS health callback failed")
+        with self._lock:
+            self._status = st
+            self._health = health

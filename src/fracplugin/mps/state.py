@@ -124,6 +124,8 @@ class DaemonState:
     becomes ready again (a restart or an adoption re-applies every recorded
     namespace first) and per name on a release or a failed apply."""
     ns_lock: threading.Lock = field(default_factory=threading.Lock)
+    orphans: dict[str, bool] = field(default_factory=dict)
+    """The daemon's namespaces no record owns at the last audit: name -> capped (``NamespaceBook.audit``)."""
     adopted: bool = False
     adopt_tried: bool = False
     control_id: tuple[int, int] | None = None

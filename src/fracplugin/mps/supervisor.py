@@ -208,10 +208,14 @@ class MpsSupervisor(SupervisorCore):
                           "last_probe_age_s": 1.2 | None, "last_error": "",
                           "pipe_dir": "...", "log_dir": "...", "server_pids": [..],
                           "namespaces": [{"name", "pod_uid", "container",
-                                          "active_thread_percentage"}]}]}
+                                          "active_thread_percentage"}],
+                          "repairing": [name], "orphans": [{"name", "capped"}]}]}
 
         ``restarts`` counts every restart (crash, hang, wedge); ``wedges`` the
-        drains that timed out; ``last_probe_s`` is the last probe's duration.
+        drains that timed out; ``last_probe_s`` is the last probe's duration;
+        ``repairing`` the namespaces of a ready daemon whose create or set timed
+        out, being finished; ``orphans`` the namespaces it holds that no tenant
+        owns (ADR 0034).
         """
         now = self.clock()
         with self.lock:
@@ -242,6 +246,9 @@ class MpsSupervisor(SupervisorCore):
                     "log_dir": d.log_dir,
                     "server_pids": sorted(d.server_pids),
                     "namespaces": ns,
+                    # ADR 0034: timed-out namespaces still being finished; namespaces no tenant owns
+                    "repairing": sorted(d.restore_pending) if d.state == "ready" else [],
+                    "orphans": [{"name": n, "capped": c} for n, c in sorted(d.orphans.items())],
                     "adopted": d.adopted,
                     "crash_loop": d.crash_loop,
                     "server_exits_recent": len(d.server_exits),

@@ -18,7 +18,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .._proto import nri_pb2
 from .. import allocation as al
-from ..annotations import KEY_CONTAINER_NAME
 from ..annotations import form_targets, stray_container_keys
 from ..model import ContainerPlan, FractionError, FractionRequest, PodRef
 from ..mps.layout import CONTAINER_PIPE_DIR
@@ -29,7 +28,7 @@ from ..ports import HookMetrics
 from ..reservations import claim_problem, hold_of, proof_of
 from .pod_checks import lint_pod, spec_unknown
 from .ttrpc import Code, RpcError
-from .pluginbase import _POD_LEVEL_KEYS, DoorSettings, _env_map, _FailOpen, _pod_ref
+from .pluginbase import DoorSettings, _FailOpen, _pod_ref, needs_spec
 
 log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
 
@@ -100,10 +99,8 @@ class PodReader:
         if self.pod_lookup is None:
             return None, None
         annotations = pod.annotations
-        named = annotations.get(KEY_CONTAINER_NAME)
         # the spec decides: which container is first, or whether the named one exists (issue 25 items 1, 2)
-        pod_level = (named is None and any(k in annotations for k in _POD_LEVEL_KEYS)) or (
-            named is not None and named != container)
+        pod_level = needs_spec(annotations, container)
         unchecked = pod.uid not in self._warned_pods and any(
             k.startswith(self.config.annotation_prefix) for k in annotations) if self.config.annotation_prefix else False
         if not (pod_level or unchecked):
@@ -285,8 +282,9 @@ def warn_unenforced(p: ContainerPlan, container: nri_pb2.Container, fields: Mapp
     """Pod-authored values of keys we own but do not set in this plan
     (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE without a portion) stay: NRI
     cannot remove env the pod spec set. Say so."""
-    env = _env_map(container)
-    left = [k for k in ENFORCED_ENV_KEYS if k in env and k not in p.env]
+    missing = [k for k in ENFORCED_ENV_KEYS if k not in p.env]
+    env = {kv.partition("=")[0] for kv in container.env} if missing else ()
+    left = [k for k in missing if k in env]
     if left:
         log.warning("nri pod sets env that fracplugin owns but does not set here", extra={**fields, "keys": left})
 
@@ -303,6 +301,8 @@ def _check_mounts(p: ContainerPlan, container: nri_pb2.Container, mps_root: str)
     runtime in the CRI request (issue 11: with both doors on, every container
     with devices of our resource has it); the adjustment replaces it with the
     plan's (same pipe directory, plus ``nosuid,nodev``)."""
+    if not container.mounts:
+        return
     ours = {m.destination.rstrip("/") for m in p.mounts}
     root = mps_root.rstrip("/") + "/"
     for m in container.mounts:

@@ -42,7 +42,7 @@ class MpsCalls:
         """Every MPS daemon answers its probe (True when the MPS layer cannot
         tell, as ``wait_healthy``)."""
         healthy = getattr(self.mps, "healthy", None)
-        return not callable(healthy) or all(healthy(mode) for mode in _MODES)
+        return not callable(healthy) or all(map(healthy, _MODES))
 
     def why_down(self, mode: ComputeMode) -> str:
         """The MPS layer's reason why the daemon of ``mode`` is not healthy."""
@@ -68,7 +68,7 @@ class MpsCalls:
         daemon is down or crash-looping, after waiting up to half the budget for
         it to come back: without its daemon CUDA runs without MPS and without a
         limit (issue 12). Not with ``fail_open`` (the container runs, warned)."""
-        if self.wait_healthy(time.monotonic() + mps_timeout(ctx, share=0.5), p.compute_mode):
+        if self.up(p.compute_mode) or self.wait_healthy(time.monotonic() + mps_timeout(ctx, share=0.5), p.compute_mode):
             return
         why = self.why_down(p.compute_mode)
         self.metrics.refusal("mps_unavailable")

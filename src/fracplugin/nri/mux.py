@@ -73,6 +73,8 @@ def encode_frames(conn_id: int, data: bytes, max_frame: int = MAX_WRITE_FRAME) -
     chunk = min(max_frame, HEADER_SIZE + MAX_PAYLOAD) - HEADER_SIZE
     if chunk <= 0:
         raise ValueError(f"max_frame {max_frame} leaves no room for a payload")
+    if len(data) <= chunk:  # one frame (every answer fracplugin gives but a large Synchronize's)
+        return _HEADER.pack(conn_id, len(data)) + data if data else b""
     view = memoryview(data)
     out = bytearray()
     for start in range(0, len(view), chunk):

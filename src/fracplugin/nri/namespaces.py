@@ -9,7 +9,8 @@ the one lock over them. Its API is what the handler needs:
 - ``forget`` / ``release`` (StopContainer, RemoveContainer, ``abandoned``:
   the owners nothing holds lose their namespace in the background) and
   ``drain`` / ``cancel_drain`` (StopContainer's drain on the same queue);
-- ``renew`` (after Synchronize), ``adopt`` / ``release_orphan``
+- ``renew`` (after Synchronize, and when a daemon is healthy again;
+  ``renewing`` while they run), ``adopt`` / ``release_orphan``
   (Synchronize's reconcile of the MPS layer's namespaces, ``nri/orphans.py``);
 - ``status``, ``early_status``, ``close``.
 
@@ -76,6 +77,7 @@ class Namespaces:
         self._early_counts = {"queued": 0, "used": 0, "mismatched": 0, "released": 0, "adopted": 0,
                               "orphaned": 0}
         self._queue: KeyedWorkQueue | None = None
+        self._renewing: set[Future[Any]] = set()  # renew's ensures not done yet (ADR 0034)
 
     # ------------------------------------------------- CreateContainer, StartContainer
 
@@ -278,6 +280,13 @@ class Namespaces:
                 self._made.setdefault(t.owner, None)  # the MPS layer (a split MPS role) may hold it from before
                 self._queue_ensure(t.container_id, t.owner, functools.partial(
                     self._ensure_job, t.owner, t.active_thread_percentage, fields, t.mode, t.limit_mib))
+                self._renewing.add(self._pending[t.container_id][1])
+
+    def renewing(self) -> int:
+        """``renew``'s namespace ensures not done yet (the door is not ready meanwhile, ADR 0034)."""
+        with self._lock:
+            self._renewing = {f for f in self._renewing if not f.done()}
+            return len(self._renewing)
 
     def drain(self, container_id: str, job: Callable[[], Any]) -> Future[Any]:
         """Queue (or share: one drain per container, a second StopContainer
@@ -484,6 +493,7 @@ class Namespaces:
         with self._lock:
             q, self._queue = self._queue, None
             self._pending.clear()
+            self._renewing.clear()
             self._made = dict.fromkeys(self._made)  # no queue to have made them any more
         if q is not None:
             q.close()

@@ -67,10 +67,13 @@ Behaviour (docs/reference/design.md sections 2 and 4; issue 3 item 3):
   order, so a hold ends only with its own container) and log containers that
   should carry our env but do not; sm-sharing namespaces of the recorded
   containers are re-ensured in the background (a restarted daemon's MPS layer
-  knows none). Then the MPS layer's namespaces are reconciled with the
+  knows none); so are a mode's whenever its MPS daemon turns healthy again
+  (a new MPS role's fresh daemons: ADR 0034), and the door is not ready
+  until they are done. Then the MPS layer's namespaces are reconciled with the
   runtime's pods (``nri/orphans.py``): those of pods gone while the doors did
   not see it are released, a live pod's that nothing holds is adopted into
-  the early table. ``ready()`` turns true afterwards.
+  the early table. ``ready()`` turns true afterwards. Unfenced containers:
+  ``reconcile.Unfenced`` (ADR 0035).
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ from .._proto import nri_pb2
 from .. import allocation as al
 from ..cdi import CdiRegistry, container_cdi_devices, with_node_cdi_devices
 from ..annotations import parse
-from ..model import ContainerPlan, FractionError, FractionRequest, PodRef
+from ..model import ComputeMode, ContainerPlan, FractionError, FractionRequest, PodRef
 from ..mps.api import MpsApi, NullMps
 from ..ports import HookMetrics, NoMetrics
 from ..reservations import ENV_RESERVATION_PROOF
@@ -108,7 +111,7 @@ from .early import early_plans
 from .mpscalls import MpsCalls
 from .namespaces import Namespaces
 from .pluginbase import DoorSettings, _FailOpen, _pod_ref
-from .reconcile import Reconciler
+from .reconcile import Reconciler, Unfenced
 from .release import Releases
 from .ttrpc import RpcError
 
@@ -131,13 +134,17 @@ NoMps = NullMps
 """No MPS: the one null object (``mps.api.NullMps``)."""
 
 
-def build_adjustment(plan_: ContainerPlan) -> nri_pb2.ContainerAdjustment:
+def build_adjustment(plan_: ContainerPlan,
+                     adj: nri_pb2.ContainerAdjustment | None = None) -> nri_pb2.ContainerAdjustment:
     """The ``ContainerAdjustment`` of a plan: for each env key ``-KEY`` then
     ``KEY=value`` (plan order), and each mount as ``type: bind`` with
     ``Mount.options`` (``rbind``, ``rw``/``ro``, ``nosuid``, ``nodev``), and
     each of the plan's CDI device names as ``CDI_devices`` (field 8, NRI
-    v0.7+; the runtime resolves it from its CDI spec dirs, ADR 0005)."""
-    adj = nri_pb2.ContainerAdjustment.FromString(_env_adjustment(tuple(plan_.env.items())))
+    v0.7+; the runtime resolves it from its CDI spec dirs, ADR 0005).
+    ``adj``: the message to fill (a response's ``adjust``: filled in place,
+    not copied into it); default a new one."""
+    adj = nri_pb2.ContainerAdjustment() if adj is None else adj
+    adj.MergeFromString(_env_adjustment(tuple(plan_.env.items())))
     for m in plan_.mounts:
         adj.mounts.add(destination=m.destination, type="bind", source=m.source, options=list(m.options))
     for name in plan_.cdi_devices:
@@ -234,6 +241,7 @@ class FracNriPlugin:
             requests each planned GPU's CDI device, unless the container
             already has one for that GPU (``cdi.with_node_cdi_devices``;
             ADR 0025b). None: only the CDI names the scheduler wrote.
+        unfenced: ``reconcile.Unfenced`` (None: report, no Events).
     """
 
     def __init__(
@@ -253,6 +261,7 @@ class FracNriPlugin:
         resource_name: str = "fracplugin.io/gpu-memory",
         cdi: CdiRegistry | None = None,
         start_wait_s: float = 1.0,
+        unfenced: Unfenced | None = None,
     ) -> None:
         self.rules = rules
         self.settings = DoorSettings(fail_open=fail_open, namespace_timeout_s=namespace_timeout_s,
@@ -269,7 +278,22 @@ class FracNriPlugin:
                                 on_warning=on_warning, unit_mib=unit_mib, resource_name=resource_name)
         self.mounts = MountSources(rules.config.layout.root, self.metrics, self.settings)
         self.releases = Releases(rules, self.namespaces, self.calls)
-        self.reconciler = Reconciler(rules, self.reader, self.namespaces, self.calls.mps)
+        self.reconciler = Reconciler(rules, self.reader, self.namespaces, self.calls.mps, unfenced)
+        subscribe = getattr(self.calls.mps, "subscribe", None)
+        if callable(subscribe):  # a daemon healthy again (fresh daemons of a new MPS role): re-ensure, ADR 0034
+            subscribe(self._mps_back)
+
+    def _mps_back(self, mode: ComputeMode, healthy: bool) -> None:
+        """The MPS layer's health callback: when the daemon of ``mode`` is healthy again (a restart, or a
+        new MPS role whose fresh daemons know no namespace: keeper SIGTERM, ADR 0034), re-ensure the
+        namespaces of the running containers of that mode at once, as Synchronize does (before the first
+        Synchronize the ledger is not the runtime's yet: Synchronize does it). Only queues; never raises."""
+        if healthy and self.reconciler.ready():
+            try:
+                mode = ComputeMode(mode)
+                self.namespaces.renew([t for t in self.rules.ledger.tenancies() if t.mode is mode])
+            except Exception:
+                log.exception("nri MPS namespaces not re-ensured after the daemon came back", extra={"mode": mode})
 
     # -------------------------------------------------------------- status
 
@@ -279,14 +303,15 @@ class FracNriPlugin:
 
     def status(self) -> dict[str, Any]:
         """JSON-able state: ``{"ready", "fail_open", "events",
-        "pending_namespaces", "early_namespaces", "mps_jobs", "unadjusted"}``
+        "pending_namespaces", "early_namespaces", "mps_jobs", "unadjusted", "unfenced"}``
         where ``pending_namespaces`` counts containers whose background MPS
         namespace job is not done yet, ``mps_jobs`` is the background MPS work
         queue's ``{"queued", "running", "threads"}`` (at most one queued job per
         namespace owner and per drained container), ``early_namespaces`` is
         ``Namespaces.early_status()`` (namespaces queued at RunPodSandbox:
         pending, queued, used, mismatched, released, adopted, orphaned) and
-        ``unadjusted`` lists what the last Synchronize reported."""
+        ``unadjusted`` lists what the last Synchronize reported, ``unfenced``
+        is ``Reconciler.unfenced_status()``."""
         ns = self.namespaces.status()
         return {
             "ready": self.ready(),
@@ -296,6 +321,7 @@ class FracNriPlugin:
             "early_namespaces": self.namespaces.early_status(),
             "mps_jobs": ns["jobs"],
             "unadjusted": list(self.reconciler.unadjusted),
+            "unfenced": self.reconciler.unfenced_status(),
         }
 
     def may_block(self, method: str) -> bool:
@@ -341,8 +367,7 @@ class FracNriPlugin:
                 if key:
                     req, ignored = self.reader.reserved_request(pod, container.name, key, apps)
                 else:
-                    req = parse(dict(pod.annotations), container.name, prefix=config.annotation_prefix,
-                                containers=apps)
+                    req = parse(pod.annotations, container.name, prefix=config.annotation_prefix, containers=apps)
                 if req is None:
                     log.debug("nri container not fractional; untouched", extra=fields)
                     return None
@@ -382,10 +407,11 @@ class FracNriPlugin:
                         "reservation": key,
                     },
                 )
-            adjust = build_adjustment(p)
+            resp = nri_pb2.CreateContainerResponse()
+            build_adjustment(p, resp.adjust)
             if key:  # the proof was checked: out of the container's env (ADR 0033)
-                adjust.env.extend(_PROOF_REMOVAL)
-            return nri_pb2.CreateContainerResponse(adjust=adjust)
+                resp.adjust.env.extend(_PROOF_REMOVAL)
+            return resp
         finally:
             self.metrics.observe_hook("nri", time.monotonic() - start)
 
@@ -459,8 +485,10 @@ class FracNriPlugin:
 
     def close(self) -> None:
         """Stop the background MPS workers without waiting
-        (``Namespaces.close``). A later call queues on a new queue."""
+        (``Namespaces.close``; a later call queues on a new queue) and the
+        unfenced containers' re-check (``Reconciler.close``)."""
         self.namespaces.close()
+        self.reconciler.close()
 
 
 NriHandler = tuple[

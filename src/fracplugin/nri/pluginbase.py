@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from .._proto import nri_pb2
-from ..annotations import KEY_GPU_FRACTION, KEY_GPU_FRACTION_LIMIT, KEY_GPU_MEMORY, KEY_NUM_DEVICES
+from ..annotations import KEY_CONTAINER_NAME, KEY_GPU_FRACTION, KEY_GPU_FRACTION_LIMIT, KEY_GPU_MEMORY, KEY_NUM_DEVICES
 from ..model import ComputeMode, ContainerPlan, PodRef
 from .interfaces import CallContext
 
@@ -39,6 +39,14 @@ def _env_map(container: nri_pb2.Container) -> dict[str, str]:
         k, _, v = kv.partition("=")
         env[k] = v
     return env
+
+
+def needs_spec(annotations: Any, container: str) -> bool:
+    """Whether the pod's spec decides if ``container`` is the target of its
+    pod-level KAI forms (unnamed, or naming another container; issue 25)."""
+    named = annotations.get(KEY_CONTAINER_NAME)
+    return (named is None and any(k in annotations for k in _POD_LEVEL_KEYS)) or (
+        named is not None and named != container)
 
 
 def _pod_ref(pod: nri_pb2.PodSandbox) -> PodRef:

@@ -5,6 +5,11 @@ adjustment; re-ensure their MPS namespaces, release the early namespaces of
 pods gone, and reconcile the MPS layer's namespaces with the runtime's pods
 (``nri/orphans.py``). ``ready()`` is true after the first.
 
+Containers found running unfenced (issue 35 item 1, ADR 0035 decisions 5-9):
+``Reconciler._decide`` says which, at Synchronize and, while their pod's spec
+is unknown, every ``RECHECK_S``; ``Unfenced`` restarts or reports them. None
+of it runs in CreateContainer.
+
 The module docstring of ``nri/plugin.py`` describes the behaviour and the
 concurrency model; ``FracNriPlugin`` is the one class to use.
 """
@@ -14,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any, Iterable, Mapping, Sequence
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .._proto import nri_pb2
 from .. import allocation as al
@@ -23,12 +29,12 @@ from ..model import ComputeMode, ContainerPlan, FractionError, Tenancy
 from ..dra import ENV_CLAIM, claim_tenancies_of
 from ..mps.api import MpsApi
 from ..noderules import NodeRules
-from ..planner import ENV_VISIBLE_DEVICES
+from ..planner import ENV_MEMORY_LIMIT, ENV_MEMORY_REQUEST, ENV_PINNED_LIMIT, ENV_VISIBLE_DEVICES
 from ..reservations import unbind_gone
 from .admission import PodReader
 from .namespaces import Namespaces
 from .orphans import mps_namespaces
-from .pluginbase import _env_map, _pod_ref
+from .pluginbase import _env_map, _pod_ref, needs_spec
 
 log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
 
@@ -38,12 +44,17 @@ _HOLD_RANK = {nri_pb2.CONTAINER_RUNNING: 4, nri_pb2.CONTAINER_PAUSED: 3, nri_pb2
 lists holds (``Reconciler._holders``): the running one before a paused,
 created, unknown (what older runtimes report) or stopped one."""
 
+FENCE_KEYS = (ENV_MEMORY_REQUEST, ENV_MEMORY_LIMIT, ENV_PINNED_LIMIT)
+"""Only an adjustment gives these: a container with none is unfenced, one with
+any (whatever the value) has an adjustment (ADR 0035 decision 5)."""
+RECHECK_S = 1.0  # seconds between decisions on the containers waiting for their pod's spec
 
 class Reconciler:
     """Synchronize (module docstring); owns the last report (``unadjusted``)
     and whether one ran (``ready``)."""
 
-    def __init__(self, rules: NodeRules, reader: PodReader, namespaces: Namespaces, mps: MpsApi) -> None:
+    def __init__(self, rules: NodeRules, reader: PodReader, namespaces: Namespaces, mps: MpsApi,
+                 unfenced: Unfenced | None = None) -> None:
         self.rules = rules
         self.reader = reader
         self.namespaces = namespaces
@@ -52,6 +63,11 @@ class Reconciler:
         self.unadjusted: list[dict[str, Any]] = []
         """Containers found by the last Synchronize that lack our env (dicts
         with pod, container, container_id, missing, different)."""
+        self.unfenced = unfenced or Unfenced()
+        self._lock = threading.Lock()
+        self._waiting: dict[str, tuple[nri_pb2.PodSandbox, nri_pb2.Container]] = {}  # by container id
+        self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
 
     def ready(self) -> bool:
         """True after the first Synchronize rebuilt the ledger."""
@@ -64,6 +80,8 @@ class Reconciler:
         (``nri/orphans.py``: adopt a live pod's unheld ones, release those of
         pods gone while the doors did not see it)."""
         self._rebuild(pods, containers)
+        if self.rules.limits is not None:  # watch the leaves of running containers started before us (ADR 0036)
+            self.rules.limits.adopt(pods, containers, self.rules.ledger)
         live = {p.id for p in pods}
         self.namespaces.release_early(lambda uid, sandbox: sandbox not in live)
         self._reconcile_mps_namespaces(pods)
@@ -75,6 +93,7 @@ class Reconciler:
         recorded: set[tuple[str, str]] = set()
         shared: dict[str, tuple[int, list[Tenancy]]] = {}  # kubelet hold -> (its holder's rank, its entries)
         unadjusted: list[dict[str, Any]] = []
+        unfenced: list[tuple[nri_pb2.PodSandbox, nri_pb2.Container]] = []
         for c in self._holders(pods_by_id, containers):
             pod = pods_by_id[c.pod_sandbox_id]
             fields = {"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": c.name, "container_id": c.id}
@@ -120,6 +139,7 @@ class Reconciler:
                     "nri sync: container should carry fracplugin's adjustment but does not",
                     extra={**fields, "missing": missing, "different": different},
                 )
+                unfenced.append((pod, c))  # maybe: _decide says
             if not adjusted and p.placed_by_node:
                 # Unknown placement: it never got our devices; do not invent one.
                 continue
@@ -144,6 +164,69 @@ class Reconciler:
             "nri synchronized",
             extra={"pods": len(pods), "containers": len(containers), "tenancies": len(tenancies), "unadjusted": len(unadjusted)},
         )
+        self._wait_unfenced(unfenced)
+
+    def _wait_unfenced(self, unfenced: list[tuple[nri_pb2.PodSandbox, nri_pb2.Container]]) -> None:
+        """Decide each unfenced container now; those whose pod cannot be read
+        yet wait for the recheck thread (``_recheck``)."""
+        waiting = {c.id: (pod, c) for pod, c in unfenced if self._decide(pod, c, "at Synchronize") is None}
+        with self._lock:
+            self._waiting = waiting
+            if waiting and self._thread is None and self.reader.pod_lookup is not None:
+                self._closed.clear()
+                self._thread = threading.Thread(target=self._recheck, name="fracplugin-unfenced", daemon=True)
+                self._thread.start()
+
+    def _decide(self, pod: nri_pb2.PodSandbox, c: nri_pb2.Container, when: str) -> bool | None:
+        """The one decision of issue 35 item 1: is ``c`` created or running,
+        without any of ``FENCE_KEYS``, and does its pod ask a fraction for it?
+        True: handed to ``Unfenced.act``; False: left alone; None: the pod's
+        spec decides (``needs_spec``) and the pod watch lacks it: it waits."""
+        env = _env_map(c)
+        if c.state not in (nri_pb2.CONTAINER_CREATED, nri_pb2.CONTAINER_RUNNING) or any(k in env for k in FENCE_KEYS):
+            return False
+        apps = None
+        if needs_spec(pod.annotations, c.name):
+            apps, _ = self.reader._containers_of(pod)
+            if apps is None:
+                return None
+        try:
+            if parse_annotations(dict(pod.annotations), c.name, prefix=self.rules.config.annotation_prefix,
+                                 containers=apps) is None:
+                return False
+        except FractionError:
+            return False
+        self.unfenced.act(pod, c, f"found {when} running without fracplugin's adjustment (its env has none of "
+                                  f"{', '.join(FENCE_KEYS)}: it was created while fracplugin was not attached to "
+                                  "the runtime), although its pod asks for a GPU fraction for it")
+        return True
+
+    def _recheck(self) -> None:
+        """Decide the waiting containers every ``RECHECK_S`` until none waits."""
+        while not self._closed.wait(RECHECK_S):
+            with self._lock:
+                items = list(self._waiting.items())
+                if not items:
+                    break
+            for cid, (pod, c) in items:
+                if self._decide(pod, c, "when the pod watch learned its pod") is not None:
+                    with self._lock:
+                        self._waiting.pop(cid, None)
+        with self._lock:
+            self._thread = None
+
+    def unfenced_status(self) -> dict[str, Any]:
+        """``Unfenced.status()`` plus ``waiting``: containers not restarted
+        while their pod's spec is unknown (issue 35 item 1)."""
+        with self._lock:
+            waiting = [{"pod": f"{p.namespace}/{p.name}", "pod_uid": p.uid, "container": c.name, "container_id": cid,
+                        "why": "the pod watch does not know the pod's spec yet (pod-level fraction annotations)"}
+                       for cid, (p, c) in self._waiting.items()]
+        return {**self.unfenced.status(), "waiting": waiting}
+
+    def close(self) -> None:
+        """End the re-check thread (at its next wake)."""
+        self._closed.set()
 
 
     def _holders(self, pods_by_id: Mapping[str, nri_pb2.PodSandbox],
@@ -245,3 +328,82 @@ class Reconciler:
         for ns in orphans:
             self.namespaces.release_orphan(ns)
         return counts
+
+
+class Unfenced:
+    """What is done with a container ``Reconciler._decide`` found unfenced
+    (ADR 0035 decisions 7-9): ``restart`` evicts its pod (``restarter``) at
+    most once per pod name per window (``window``; a new UID inside it is
+    backed off, the same UID left to the request made), ``report`` or no
+    restarter report once per container; each with a Warning Event
+    ``ContainerRestartedUnfenced`` (``events.unfenced``) and a count.
+    ``clock``: monotonic seconds. Thread-safe (one lock)."""
+
+    BACKOFF_S = 300.0
+    BACKOFF_MAX_S = 3600.0
+
+    def __init__(self, mode: str = "report", restarter: Any = None, events: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.mode, self.restarter, self.events, self.clock = mode, restarter, events, clock
+        self._lock = threading.Lock()
+        self._pods: dict[tuple[str, str], tuple[int, float, str]] = {}  # (ns, name) -> (restarts, last, UID)
+        self._reported: dict[str, None] = {}  # container ids reported, oldest first
+        self.counts = {"restarted": 0, "reported": 0, "backed_off": 0}
+
+    def window(self, restarts: int) -> float:
+        """Seconds after a pod's ``restarts``-th restart before the next (0 for none)."""
+        return min(self.BACKOFF_S * 2 ** (restarts - 1), self.BACKOFF_MAX_S) if restarts else 0.0
+
+    def act(self, pod: nri_pb2.PodSandbox, c: nri_pb2.Container, why: str) -> str:
+        """Returns ``restarted``, ``backed_off``, ``reported`` or ``asked``
+        (nothing new). Never blocks (the restarter evicts on its thread)."""
+        ref, key, now = _pod_ref(pod), (pod.namespace, pod.name), self.clock()
+        restart = self.mode == "restart" and self.restarter is not None
+        with self._lock:
+            n, last, uid = self._pods.get(key, (0, float("-inf"), ""))
+            if now - last > 2 * self.BACKOFF_MAX_S:
+                n = 0
+            left = last + self.window(n) - now
+            if not restart:
+                if c.id in self._reported:
+                    return "asked"
+                self._reported[c.id] = None
+                while len(self._reported) > 4096:
+                    self._reported.pop(next(iter(self._reported)))
+                action = "reported"
+            elif left > 0 and uid == pod.uid:
+                return "asked"
+            elif left > 0:
+                action = "backed_off"
+            else:
+                self._pods.pop(key, None)
+                self._pods[key] = (n + 1, now, pod.uid)
+                while len(self._pods) > 4096:
+                    self._pods.pop(next(iter(self._pods)))
+                action = "restarted"
+            self.counts[action] += 1
+        if action == "restarted":
+            msg = f"{why}; restarting it so that it comes back fenced: evicting pod {ref} (restart {n + 1} of this pod)"
+        elif action == "backed_off":
+            msg = (f"{why}; not restarted: pod {ref.namespace}/{ref.name} came back unfenced after {n} restart(s) "
+                   f"for this, the last {now - last:.0f} s ago; the next no sooner than in {left:.0f} s (backoff)")
+        else:
+            msg = f"{why}; not restarted: " + (
+                "no API access to evict its pod" if self.mode == "restart" else "--unfenced-containers report")
+        log.warning("nri: a fractional container runs unfenced", extra={
+            "pod": str(ref), "pod_uid": ref.uid, "container": c.name, "container_id": c.id, "action": action})
+        if self.events is not None:
+            self.events.unfenced(ref, c.name, msg, {"restarted": "Restart", "backed_off": "Backoff"}.get(action, "Report"))
+        if action == "restarted":
+            self.restarter.restart(ref, c.name, msg)
+        return action
+
+    def status(self) -> dict[str, Any]:
+        """``{mode, restarted, reported, backed_off, backoff: [{pod, restarts, next_restart_in_s}], restarts}``."""
+        now = self.clock()
+        with self._lock:
+            backoff = [{"pod": f"{k[0]}/{k[1]}", "restarts": n, "next_restart_in_s": round(last + self.window(n) - now, 1)}
+                       for k, (n, last, _uid) in self._pods.items() if last + self.window(n) > now]
+            out: dict[str, Any] = {"mode": self.mode, **self.counts, "backoff": backoff}
+        out["restarts"] = self.restarter.stats() if self.restarter is not None else None
+        return out

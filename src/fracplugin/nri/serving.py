@@ -72,7 +72,8 @@ class _Watchdog:
         self._tick_s = tick_s
         self._heap: list[tuple[float, int, _Call]] = []
         self._seq = itertools.count()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # taken directly in add: Condition's own __enter__ is Python code
+        self._cond = threading.Condition(self._lock)
         self._stopped = False
         self._wake_at: float | None = None  # when the thread will next look; None = idle
         self._thread = threading.Thread(target=self._run, name="nri-watchdog", daemon=True)
@@ -80,7 +81,7 @@ class _Watchdog:
 
     def add(self, call: _Call) -> None:
         deadline = call.ctx.deadline
-        with self._cond:
+        with self._lock:
             heapq.heappush(self._heap, (deadline, next(self._seq), call))
             if self._wake_at is None or deadline < self._wake_at:
                 self._cond.notify()

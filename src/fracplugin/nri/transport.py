@@ -356,7 +356,7 @@ class NriTransport:
             if frame.conn_id == self.serve_conn:
                 with self._state_lock:
                     events = self._server.receive_data(frame.payload)
-                    auto = bool(events) and any(isinstance(e, RequestRejected) for e in events)
+                    auto = RequestRejected in map(type, events)
                 if auto:
                     with self._write_lock:
                         with self._state_lock:

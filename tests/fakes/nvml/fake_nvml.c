@@ -23,6 +23,15 @@
  * state. A namespace that is not an existing directory is NVML_ERROR_NOT_FOUND;
  * a GPU in MIG mode is NVML_ERROR_NOT_SUPPORTED (NVML rejects MIG); "no limit"
  * (soft 0, hard NVML_DEVICE_MEMORY_LIMIT_MAX) removes the line.
+ * Parents' reservations, as NVIDIA states them (Dynamo docs, "Per-GPU Compute and
+ * Memory Limits with MPS"; docs/adr/0036): "The driver adds each soft limit to the
+ * parent cgroups' reservations. Deleting a cgroup without zeroing its soft limit
+ * leaves that reservation on the parents." Modelled so: the softLimit that
+ * nvmlDeviceGetMemoryLimits_v1 reads on a cgroup is its own soft limit plus the soft
+ * limits of every entry set on a path below it, including paths whose directory is
+ * gone (a leaf deleted without zeroing); the deleted leaf's own entry is not readable
+ * (NOT_FOUND). That a real read of a parent reports its reservation this way is an
+ * inference (docs/adr/0036); a cgroup re-made at a deleted one's path is not modelled.
  * $FAKE_NVML_CALLS, when set, gets one line appended per Set/Get call
  * ("set|get <uuid> <namespace>") so tests can count NVML calls.
  */
@@ -512,6 +521,11 @@ API int nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t d, nvmlGetMemoryLimits_v1_t *l
             lim->softLimit = e->soft;
             lim->hardLimit = e->hard;
         }
+        size_t n = strlen(lim->nameSpace);
+        while (n > 1 && lim->nameSpace[n - 1] == '/') n--;
+        for (size_t i = 0; i < nlimits; i++)  /* the reservation: soft limits set below it */
+            if (!strcmp(table[i].uuid, g->uuid) && !strncmp(table[i].ns, lim->nameSpace, n) && table[i].ns[n] == '/')
+                lim->softLimit += table[i].soft;
     }
     if (fd >= 0) close(fd);
     pthread_mutex_unlock(&table_mu);
