@@ -12,7 +12,9 @@ exposition text to OUT. Then the memory-limit families (issue 23), which the
 demo's daemon does not export (memory limits off): a second daemon with
 ``--memory-limits apply`` on the fake ``libnvidia-ml.so.1`` (tests/fakes/nvml)
 and a cgroup v2 test tree starts the seed inference container through its NRI
-socket; its memory-limit families are appended. The alert tests (tests/chart, promtool) and the
+socket (NVML refuses to set the limit on its last GPU, NO_PERMISSION, with
+``--memory-limits-policy warn``: the capture holds a container that is not
+enforced, on one GPU, beside three that are); its memory-limit families are appended. The alert tests (tests/chart, promtool) and the
 dashboard check use this capture as the series the daemon emits;
 tests/component/test_metrics_capture.py re-captures and fails when the
 fixture's series (names and label names) are no longer what the daemon emits.
@@ -83,12 +85,14 @@ def capture_memory_limits() -> str:
         (cg / "dmem.capacity").write_text("".join(
             f"nvidia/{g['pci_bus_id'][4:].lower()}/vidmem {g['memory_mib'] << 20}\n" for g in node["gpus"]))
         lib = fake.build_fake_nvml()
-        nf = fake.node_file(root / "nvml-node", node)
+        # one GPU where the limit cannot be set: the not-enforced series (issue 36 item 5, the dashboard)
+        nf = fake.node_file(root / "nvml-node", node,
+                            fail=[("SetMemoryLimits", node["gpus"][-1]["uuid"], fake.NVML_ERROR_NO_PERMISSION)])
         rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
         cmd = [sys.executable, "-m", "fracplugin.cli", "run", "--simulate-node", str(node_yaml),
                "--state-dir", str(root / "state"), "--health-address", "127.0.0.1:0",
                "--metrics-address", "127.0.0.1:0", "--no-device-plugin", "--no-mps", "--mps-root", str(root / "mps"),
-               "--nri-socket", str(root / "nri.sock"), "--memory-limits", "apply", "--cgroup-root", str(cg)]
+               "--nri-socket", str(root / "nri.sock"), "--memory-limits", "apply", "--memory-limits-policy", "warn", "--cgroup-root", str(cg)]
         env = {**os.environ, **fake.env(lib, nf, root / "limits"),
                "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=str(root))

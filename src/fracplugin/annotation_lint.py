@@ -13,11 +13,18 @@ Keys checked (docs/reference/design.md section 4, ``annotations.py``):
   (``.gpu-memory.request``, ``.gpu-memory.limit``, ``.gpu-compute.mode``,
   ``.gpu-compute.portion``, ``.gpus.devices``). Container names are DNS
   labels (no dots), so the container is the text before the first dot.
+- a key whose head is one edit away from the prefix
+  (``nvidia.com/containers.``, ``nvidia.com/container-``) and whose rest
+  is ``<container><suffix>``: a typo in the prefix, the same words.
 - KAI's pod-level keys (``gpu-fraction``, ``gpu-fraction.limit``,
   ``gpu-memory``, ``gpu-fraction-num-devices``,
   ``gpu-fraction-container-name``) and the ``kai.scheduler/`` keys this
   contract reads: a key without ``/`` (or under ``kai.scheduler/``) close to
   one of them (difflib ratio >= 0.8) but not equal is a typo.
+
+A pod-level form (``gpu-fraction``, ``gpu-memory``) without
+``gpu-fraction-container-name`` in a pod of several containers says which
+container it went to (the first: KAI's rule).
 
 Ignored forms: a per-container memory key wins over the pod-level KAI forms
 for that container; ``gpu-fraction`` wins over ``gpu-memory``; the
@@ -60,6 +67,29 @@ def _closest(word: str, choices: Sequence[str], cutoff: float = 0.0) -> str | No
     return got[0] if got else None
 
 
+def _one_edit(a: str, b: str) -> bool:
+    """True when ``a`` and ``b`` differ by exactly one inserted, deleted,
+    changed or swapped (two neighbours) character (Damerau's edit distance 1)."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return (a[i + 1:] == b[i + 1:] or a[i:] == b[i + 1:] or a[i + 1:] == b[i:]
+            or (a[i + 2:] == b[i + 2:] and a[i:i + 2] == b[i:i + 2][::-1]))
+
+
+def _near_prefix(key: str, prefix: str) -> tuple[str, str] | None:
+    """(container, closest suffix) of a key whose head is one edit away from
+    ``prefix`` (``nvidia.com/containers.``, ``nvidia.com/container-``) and
+    whose rest is ``<container><suffix>`` with a suffix close to the
+    contract's (difflib ratio >= 0.8); None otherwise."""
+    for n in (len(prefix) - 1, len(prefix), len(prefix) + 1):
+        c, dot, tail = key[n:].partition(".")
+        best = _closest(dot + tail, SUFFIXES, _CUTOFF) if c and dot else None
+        if best is not None and _one_edit(key[:n], prefix):
+            return c, best
+    return None
+
+
 def unknown_keys(annotations: Mapping[str, str], prefix: str, containers: Sequence[str] | None = None) -> list[Lint]:
     """Keys under ``prefix`` whose suffix is not in the contract, and keys close
     to a KAI key but not one. ``containers``: every container name of the pod
@@ -84,6 +114,15 @@ def unknown_keys(annotations: Mapping[str, str], prefix: str, containers: Sequen
             out.append(Lint(key, value, f'annotation {key}="{value}" is not a key fracplugin reads (did you mean '
                                         f"{closest}?); it has no effect"))
             continue
+        near = _near_prefix(key, prefix) if prefix else None
+        if near is not None:  # a typo in the prefix itself (containers., container-): same words
+            c, suffix = near
+            if containers and c not in containers:
+                c = _closest(c, list(containers)) or c
+            closest = container_key(prefix, c, suffix)
+            out.append(Lint(key, value, f'annotation {key}="{value}" is not a key fracplugin reads (did you mean '
+                                        f"{closest}?); it has no effect"))
+            continue
         if "/" in key and not key.startswith(_KAI_PREFIX):
             continue
         if key in POD_LEVEL_KEYS or key == KEY_POD_COMPUTE_MODE:
@@ -104,7 +143,8 @@ def unknown_keys(annotations: Mapping[str, str], prefix: str, containers: Sequen
 def ignored_forms(annotations: Mapping[str, str], prefix: str, container: str,
                   containers: Sequence[str] | None = None) -> list[Lint]:
     """Forms present for ``container`` that the contract reads but does not
-    use because another form wins (module docstring). ``containers``: the
+    use because another form wins, and a pod-level form that went to it, the
+    first of several containers (module docstring). ``containers``: the
     pod's app containers in spec order when known (the pod-level forms apply
     to the named or first one; unknown: to ``container``)."""
     named = annotations.get(KEY_CONTAINER_NAME)
@@ -123,6 +163,12 @@ def ignored_forms(annotations: Mapping[str, str], prefix: str, container: str,
                         out.append(Lint(k, annotations[k], f'annotation {k}="{annotations[k]}" is ignored for '
                                                            f"container {container}: {ck} gives its {part} "
                                                            "(the per-container key wins)"))
+        pod_key = next((k for k in (KEY_GPU_FRACTION, KEY_GPU_MEMORY) if k in annotations), None)
+        if (named is None and pod_key and containers and len(containers) > 1
+                and container_key(prefix, container, SUFFIX_REQUEST) not in annotations):
+            out.append(Lint(pod_key, annotations[pod_key], f'annotation {pod_key}="{annotations[pod_key]}" applies to '
+                            f"container {container}, the first of the pod's {len(containers)} containers "
+                            f"({', '.join(containers)}); {KEY_CONTAINER_NAME} names another"))
         if (KEY_GPU_FRACTION in annotations and KEY_GPU_MEMORY in annotations
                 and container_key(prefix, container, SUFFIX_REQUEST) not in annotations):
             out.append(Lint(KEY_GPU_MEMORY, annotations[KEY_GPU_MEMORY],

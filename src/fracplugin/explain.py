@@ -3,9 +3,14 @@ the planner as an operator tool.
 
 Plans every container of the pod on an empty node (or on the tenancy of a
 ledger file given with ``--ledger``, or on the running daemon's tenants with
-``--live``) and prints what each would get, or why it is refused. The pod is a
-file or ``-`` for standard input (``kubectl get pod -o yaml | fracplugin
-explain - ...``: a cluster pod as it is, status and managedFields included).
+``--live``) through the door that would take it, with that door's own code,
+and prints what each would get, or why it is refused: the NRI door's
+planning for annotations, the device plugin door (GetPreferredAllocation,
+Allocate, then CreateContainer of its reservation) for a container asking
+for the extended resource, the DRA door's Prepare for a ResourceClaim
+(``--claim``). The pod is a file or ``-`` for standard input (``kubectl get
+pods -o yaml | fracplugin explain - ...``: cluster pods as they are, status
+and managedFields included, every pod of a List explained).
 The node is a node file (``examples/nodes/gpu-node-1.yaml``), the daemon's
 ``/status`` JSON at a URL (``--node-from-status``), or the running daemon
 itself (``--live``: its health address as ``fracplugin status`` finds it;
@@ -14,7 +19,8 @@ document the daemon's own ``reserve_mib``, ``annotation_prefix``,
 ``max_clients_per_gpu``, ``mps_root`` and CDI setting are used unless given
 on the command line.
 
-Exit status: 0 every container planned or not fractional; 1 any refused;
+Exit status (the worst over the pods): 0 every container planned or not
+fractional; 1 any refused;
 2 usage errors (missing file, bad YAML, a file that is not a pod or not a
 node, unknown container) with one line on stderr naming the file and what is
 wrong, never a traceback (issue 13 item 4: "refused" must mean the planner
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import urllib.error
 import urllib.parse
@@ -42,6 +50,8 @@ from .enforce.capability import described_can_enforce
 from .enforce.memlimits import what_holds
 from .gpu.health import HealthMonitor
 from .gpu.inventory import InventoryError
+from .kubelet.devices import DEFAULT_RESOURCE_NAME, DEFAULT_UNIT_MIB
+from .kubelet.podlookup import resource_count
 from .gpu.simulated import MAX_MEMORY_MIB, load_node
 from .ledger import DEFAULT_MAX_CLIENTS_PER_GPU, Ledger
 from .model import FractionError, GpuInfo, NodeInfo, PodRef, Tenancy
@@ -56,8 +66,8 @@ class UsageError(Exception):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("pod", help="pod manifest (YAML or JSON; the first Pod document is used), or - for "
-                              "standard input (kubectl get pod NAME -o yaml | fracplugin explain - ...)")
+    p.add_argument("pod", nargs="?", help="pod manifest (YAML or JSON; every Pod and ResourceClaim, a List's "
+                   "items too), or - for standard input (kubectl get pods -o yaml | fracplugin explain - ...)")
     node = p.add_mutually_exclusive_group(required=True)
     node.add_argument("--node", metavar="FILE", help="node file (as examples/nodes/gpu-node-1.yaml)")
     node.add_argument("--node-from-status", metavar="URL",
@@ -85,6 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the daemon's --memory-limits, for what holds each GPU's total (cgroup, per-process, none): "
                         "default the daemon's with a /status, else auto; with --node the file's driver (r615+) and "
                         "MIG modes stand for the node's capability gate, with a /status the daemon's own gate")
+    p.add_argument("--device-unit-mib", type=_non_negative, default=None, metavar="MIB",
+                   help="MiB per device of the extended resource (as fracplugin run --device-unit-mib; default: "
+                        f"the daemon's with a /status, else {DEFAULT_UNIT_MIB})")
+    p.add_argument("--claim", metavar="FILE", help="an allocated ResourceClaim: what the DRA door's Prepare gives "
+                   "(a claim given as the pod argument works too)")
     p.add_argument("--reserve-mib", type=_non_negative, default=None,
                    help=f"MiB per GPU kept out of fraction resolution (default: the daemon's with a /status, else "
                         f"{DEFAULT_RESERVE_MIB}: KAI's NvFractions binder reserve; 0 = the whole GPU)")
@@ -108,11 +123,12 @@ def _one_line(text: str) -> str:
     return escape_controls(" ".join(str(text).split()))[:300]
 
 
-def load_pod(path: str) -> dict[str, Any]:
-    """The first ``kind: Pod`` document of a YAML/JSON file (``-``: standard
-    input), checked to have the shape of a core/v1 Pod where explain reads it
-    (``pod_shape_problem``), or the first ``kind: ResourceClaim`` (the DRA
-    door's Prepare is explained for it, ADR 0031); everything else of the document (``status``,
+def load_pods(path: str) -> list[dict[str, Any]]:
+    """Every ``kind: Pod`` and ``kind: ResourceClaim`` document of a YAML/JSON
+    file (``-``: standard input), a ``List``'s items included (``kubectl get
+    pods -o yaml``), each pod checked to have the shape of a core/v1 Pod where
+    explain reads it (``pod_shape_problem``); a claim is explained as the DRA
+    door's Prepare (ADR 0031); everything else of the document (``status``,
     ``managedFields``, ``ownerReferences``...) is ignored.
     Raises UsageError naming the file and what is wrong: unreadable, larger
     than ``MAX_POD_FILE_BYTES``, not UTF-8, not YAML, nested too deeply, no
@@ -143,14 +159,17 @@ def load_pod(path: str) -> dict[str, Any]:
     # `kubectl get pods -o yaml` wraps the pods in a List: its items are read too.
     docs = [i for d in docs for i in ((d.get("items") or []) if isinstance(d, dict) and d.get("kind") == "List"
                                       and isinstance(d.get("items"), list) else [d])]
+    out = []
     for d in docs:
         if isinstance(d, dict) and d.get("kind") == "ResourceClaim" and isinstance(d.get("metadata"), dict):
-            return d  # the DRA door's Prepare is explained instead (explain -> _explain_claim)
-        if isinstance(d, dict) and d.get("kind", "Pod") == "Pod" and "metadata" in d:
+            out.append(d)  # the DRA door's Prepare is explained instead (explain -> _explain_claim)
+        elif isinstance(d, dict) and d.get("kind", "Pod") == "Pod" and "metadata" in d:
             problem = pod_shape_problem(d)
             if problem is not None:
                 raise UsageError(f"pod file {path}: {problem}")
-            return d
+            out.append(d)
+    if out:
+        return out
     if path == "(standard input)" and not docs:
         raise UsageError("standard input is empty: pipe a pod in (kubectl get pod NAME -o yaml | fracplugin explain - ...)")
     raise UsageError(f"pod file {path} holds no Pod")
@@ -340,7 +359,8 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
             ledger_path: str | None = None, config: PlannerConfig = PlannerConfig(),
             tenancies: Sequence[Tenancy] = (), cdi_spec_dirs: Sequence[str] = (),
             cdi_kind: str | None = None, memory_limits: str = "auto", can_enforce: bool | None = None,
-            mps: bool = True) -> dict[str, Any]:
+            mps: bool = True, unit_mib: int = DEFAULT_UNIT_MIB,
+            resource_name: str = DEFAULT_RESOURCE_NAME) -> dict[str, Any]:
     """The explain report as a dict (the ``--output json`` shape): each
     container's plan with ``cdi_devices`` (the CDI devices the daemon would
     request: the scheduler's names plus each GPU's device from the specs in
@@ -352,7 +372,10 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
 
     ``node_path``: a node file, or the node itself (``node_from_status``);
     ``tenancies``: tenants already on the node (``--live``), as the ledger
-    file of ``ledger_path`` would give them. Raises UsageError."""
+    file of ``ledger_path`` would give them. A container asking for
+    ``resource_name`` (``unit_mib`` MiB per device) is explained through the
+    device plugin door (``_KubeletDoor``), the others through the NRI door's
+    planning. Raises UsageError."""
     if isinstance(node_path, NodeInfo):
         node = node_path
     else:
@@ -366,19 +389,13 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     ledger = _scratch_ledger(node, config, tenancies, ledger_path)
     if pod.get("kind") == "ResourceClaim":
         return _explain_claim(pod, node, ledger, config, cdi, health)
-    problem = pod_shape_problem(pod)
-    if problem is not None:
+    if (problem := pod_shape_problem(pod)) is not None:
         raise UsageError(f"pod: {problem}")
     md = pod["metadata"]
     annotations = {str(k): str(v) for k, v in (md.get("annotations") or {}).items()}
     spec = pod.get("spec") or {}
-    names = [c.get("name", "") for c in spec.get("containers") or [] if isinstance(c, dict)]
-    init_names = [c.get("name", "") for c in spec.get("initContainers") or [] if isinstance(c, dict)]
-    # native sidecars (init containers with restartPolicy Always) run beside the app containers: listed
-    # too, first (they start first); the pod-level forms may name them (annotations.form_targets)
-    sidecars = [n for n in native_sidecars(spec) if n not in names]
+    init_names, names, listed, specs = _containers(spec)
     targets = form_targets(spec)
-    listed = sidecars + names
     if container is not None and container not in listed:
         raise UsageError(f"pod has no container {container!r} (it has: {', '.join(listed) or 'none'})")
     ref = PodRef(str(md.get("namespace", "default")), str(md.get("name", "")), str(md.get("uid", "")))
@@ -387,8 +404,13 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     holds = what_holds(memory_limits != "off" and can_enforce, mps)
     out = []
     rules = NodeRules(node, ledger, config, health=health)  # the doors' rules (MIG and cordoned GPUs excluded)
+    kubelet: _KubeletDoor | None = None
     for name in listed:
         if container is not None and name != container:
+            continue
+        if (count := resource_count(specs.get(name, {}), resource_name)) > 0:  # the device plugin door
+            kubelet = kubelet or _KubeletDoor(rules, pod, resource_name, unit_mib)
+            out.append(kubelet.explain(name, count, ref, cdi))
             continue
         try:
             req = parse(annotations, name, prefix=config.annotation_prefix, containers=targets)
@@ -409,8 +431,83 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
                 for k in stray_container_keys(annotations, config.annotation_prefix, everyone)]
     # keys not in the contract and forms ignored: the NRI door's words (issue 25 item 3)
     warnings += [x.message for x in lint(annotations, config.annotation_prefix, targets, everyone)] + cordon_warnings
+    warnings += kubelet.warnings if kubelet else []
     return {"pod": str(ref), "node": node.name, "containers": out, "warnings": warnings,
             "cdi": _cdi_report(cdi, warnings)}
+
+
+def _containers(spec: Mapping[str, Any]) -> tuple[list[str], list[str], list[str], dict[str, Any]]:
+    """(init container names, app container names, the containers explained:
+    native sidecars first, then the app containers, spec by name). Native
+    sidecars (init containers with restartPolicy Always) run beside the app
+    containers and start first; the pod-level forms may name them
+    (annotations.form_targets)."""
+    names = [str(c.get("name", "")) for c in spec.get("containers") or [] if isinstance(c, dict)]
+    init_names = [str(c.get("name", "")) for c in spec.get("initContainers") or [] if isinstance(c, dict)]
+    specs = {str(c.get("name")): c for k in ("initContainers", "containers") for c in spec.get(k) or ()
+             if isinstance(c, dict)}
+    return init_names, names, [n for n in native_sidecars(spec) if n not in names] + names, specs
+
+
+class _KubeletDoor:
+    """The device plugin door of the scratch node for one pod, as kubelet and
+    the runtime call it: GetPreferredAllocation (``preferred.PreferredAllocation``),
+    Allocate (``allocator.Allocator``, the pod its only pending pod, its
+    answer recorded in the scratch ledger as on the node) and the NRI door's
+    CreateContainer of the reservation (``Allocator.request_for`` +
+    ``NodeRules.admit``, as ``nri/admission.py`` reserved_request does).
+    ``unit_mib``: MiB per device (``--device-unit-mib``). Raises UsageError
+    for a unit the device table refuses."""
+
+    def __init__(self, rules: NodeRules, pod: dict[str, Any], resource_name: str, unit_mib: int) -> None:
+        from .kubelet.allocator import Allocator
+        from .kubelet.devices import DeviceTable
+        from .kubelet.podlookup import InMemoryPodSource
+
+        try:
+            self.table = DeviceTable.build(rules.node, unit_mib)
+        except ValueError as exc:
+            raise UsageError(f"--device-unit-mib {unit_mib}: {_one_line(str(exc))}") from None
+        self.pod = {**pod, "status": {}}  # kubelet allocates before the runtime creates any container
+        self.alloc = Allocator(rules, self.table, resource_name, InMemoryPodSource(None, [self.pod]), 0.0)
+        self.resource_name = resource_name
+        self.warnings: list[str] = []
+
+    def explain(self, name: str, count: int, ref: PodRef, cdi: CdiRegistry | None) -> dict[str, Any]:
+        """Container ``name``'s entry (the ``ContainerPlan.to_dict`` shape plus
+        ``kubelet_devices``, the device IDs Allocate gets) or its refusal."""
+        from . import allocation as al
+        from .kubelet.allocbase import Refusal
+        from .kubelet.devices import parse_device_id
+        from .kubelet.podlookup import Candidate
+        from .reservations import ENV_RESERVATION_PROOF, hold_of
+
+        rules, key = self.alloc.rules, f"resources.limits[{self.resource_name}]"
+        held = {(u, n) for t in rules.ledger.tenancies() if t.door == al.DOOR_ALLOCATE
+                for u, ns in al.parse_reservation_key(t.reservation).items() for n in ns}
+        free = [d for g in rules.node.gpus for d in self.table.ids(g.uuid) if parse_device_id(d) not in held]
+        try:
+            ids = self.alloc.preferred.devices(free, [], count)
+            ids += [d for d in free if d not in ids][:count - len(ids)]  # kubelet tops a short answer up
+            if len(ids) < count:
+                raise FractionError(key, str(count), f"the node has {len(free)} free {self.resource_name} devices "
+                                    f"of {self.table.unit_mib} MiB; kubelet cannot admit {count}", code="no_fit")
+            answer = self.alloc.allocate([ids])
+            per = count // len(answer.uuids) * self.table.unit_mib
+            req, ignored = self.alloc.request_for(Candidate(self.pod, name, False, ("", 0, 0, "")),
+                                                  answer.uuids, per, count)
+            plan = rules.admit(req, ref, door=al.DOOR_ALLOCATE, reservation=hold_of(rules.ledger, answer.key))
+        except Refusal as r:
+            return {**_unplanned(name), "fractional": True, "error": {"key": key, "value": str(count),
+                                                                      "reason": r.message}}
+        except FractionError as err:
+            return _unplanned(name, err)
+        self.warnings += [f"container {name}: {i.message}" for i in ignored]
+        env = {k: v for k, v in {**answer.env, al.ENV_RESERVATION: answer.key, **plan.env}.items()
+               if k != ENV_RESERVATION_PROOF}  # the NRI door takes the proof out (ADR 0033)
+        mounts = {m.destination: m for m in (*answer.mounts, *plan.mounts)}
+        return {**with_node_cdi_devices(plan, cdi).to_dict(), "env": env, "kubelet_devices": ids,
+                "mounts": [m.to_dict() for m in mounts.values()]}
 
 
 def _unplanned(name: str, err: FractionError | None = None) -> dict[str, Any]:
@@ -464,7 +561,9 @@ def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: 
         claim = dra_claims.read_claim(doc, node)
         plan = with_node_cdi_devices(dra_claims.plan_claim(claim, NodeRules(node, ledger, config, health=health)), cdi)
     except FractionError as err:
-        entry = _unplanned(name, err)
+        entry = {"name": name, "fractional": True, "devices": [], "compute_mode": None,
+                                 "request_mib": None, "limit_mib": None, "env": {}, "mounts": [],
+                                 "cdi_devices": [], "error": err.to_dict()}
     else:
         entry = {**plan.to_dict(), "name": name, "env": cdispec.claim_env(claim.uid, plan),
                  "cdi_devices": [cdispec.device_id(claim.uid), *plan.cdi_devices]}
@@ -475,11 +574,14 @@ def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: 
 
 def _cdi_report(cdi: CdiRegistry | None, warnings: list[str]) -> dict[str, Any] | None:
     """The report's ``cdi`` block (``CdiRegistry.status`` less its per-GPU
-    devices; None without spec directories); each ignored spec joins ``warnings``."""
+    devices; None without spec directories); each ignored spec and each
+    unreadable directory given (not a default one) joins ``warnings``."""
     if cdi is None:
         return None
     st = cdi.status()
     warnings += [f"CDI spec {i['path']} ignored: {i['reason']}" for i in st["invalid_specs"]]
+    warnings += [f"CDI spec directory {d}: {why}; no spec is read from it" for d, why in st["unreadable_dirs"].items()
+                 if d not in DEFAULT_SPEC_DIRS]  # the defaults are absent where no GPU node is: no noise
     return {k: st[k] for k in ("spec_dirs", "specs", "invalid_specs", "gpus_without_spec")}
 
 
@@ -497,11 +599,13 @@ def render_table(report: dict[str, Any]) -> str:
             lines.append(f"  reason: {escape_controls(e['reason'])}")
             continue
         if not c["fractional"]:
-            lines.append(f"container {escape_controls(c['name'])}: not fractional (no GPU memory annotation): left untouched")
+            lines.append(f"container {escape_controls(c['name'])}: not fractional (no GPU memory annotation or extended resource): left untouched")
             continue
         lines.append(f"container {escape_controls(c['name'])}: {c['compute_mode']}, {c['request_mib']} MiB request / "
                      f"{c['limit_mib']} MiB limit per GPU")
         lines.append("  devices: " + ", ".join(c["devices"]))
+        if c.get("kubelet_devices"):
+            lines.append(f"  kubelet devices (GetPreferredAllocation, Allocate): {', '.join(c['kubelet_devices'])}")
         if c.get("portion") is not None:
             lines.append(f"  compute portion: {c['portion']:g}")
         if c.get("cdi_devices"):
@@ -532,14 +636,20 @@ def _live_status(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``fracplugin explain`` with ``args`` as ``add_arguments`` parses them; returns the exit status."""
+    """Explain every pod and claim of ``args.pod`` and ``args.claim``; returns
+    the worst exit status of them (module docstring). A closed standard
+    output (``| head -n 1``) ends the output quietly, the status unchanged."""
+    logging.getLogger("fracplugin").addHandler(logging.NullHandler())  # the doors' log lines: the report says it
     try:
         if args.health_address and not args.live:
             raise UsageError("--health-address is for --live (give --node-from-status a URL)")
-        pod = load_pod(args.pod)
+        if args.pod is None and args.claim is None:
+            raise UsageError("give a pod file (or -) or --claim FILE")
+        docs = [d for path in (args.pod, args.claim) if path is not None for d in load_pods(path)]
         node: str | NodeInfo
         tenancies: list[Tenancy] = []
         limits, can, mps = args.memory_limits, None, True
+        dp: Any = {}
         if args.node is not None:
             node = args.node
             config = PlannerConfig(
@@ -561,15 +671,25 @@ def main(args: argparse.Namespace) -> int:
             limits = limits or str(ml.get("mode") or "off")  # the daemon's own gate, when it reports one
             can = bool((ml.get("node") or {}).get("can_enforce"))
             mps = not (isinstance(doc.get("config"), dict) and doc["config"].get("no_mps"))
+            dp = doc.get("device_plugin") if isinstance(doc.get("device_plugin"), dict) else {}
+        unit = args.device_unit_mib if args.device_unit_mib is not None else (
+            dp["unit_mib"] if isinstance(dp.get("unit_mib"), int) else DEFAULT_UNIT_MIB)
+        resource = dp.get("resource_name") if isinstance(dp.get("resource_name"), str) else DEFAULT_RESOURCE_NAME
         dirs = [d.strip() for d in (args.cdi_spec_dirs or "").split(",") if d.strip()]
-        report = explain(pod, node, container=args.container, ledger_path=args.ledger, config=config,
-                         tenancies=tenancies, cdi_spec_dirs=dirs, cdi_kind=args.cdi_kind,
-                         memory_limits=limits or "auto", can_enforce=can, mps=mps)
+        reports = [explain(d, node, container=args.container, ledger_path=args.ledger, config=config,
+                           tenancies=tenancies, cdi_spec_dirs=dirs, cdi_kind=args.cdi_kind,
+                           memory_limits=limits or "auto", can_enforce=can, mps=mps,
+                           unit_mib=unit, resource_name=resource) for d in docs]
     except UsageError as exc:
         print(f"fracplugin explain: {exc}", file=sys.stderr)
         return 2
-    if args.output == "json":
-        print(json.dumps(report, indent=2))
-    else:
-        print(render_table(report))
-    return 1 if any(c["error"] for c in report["containers"]) else 0
+    rc = 1 if any(c["error"] for r in reports for c in r["containers"]) else 0
+    try:
+        if args.output == "json":
+            print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+        else:
+            print("\n\n".join(render_table(r) for r in reports))
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader is gone (| head): the rest is dropped, never a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return rc

@@ -188,3 +188,41 @@ def test_series_checks_fail_on_mutated_copies(tmp_path: Path) -> None:
     assert any("fracplugin_mps_daemon_up with labels ['daemon']" in p for p in problems), problems
     rules = [{"alert": "X", "expr": "fracplugin_gpu_unhealthy_total > 0"}]
     assert rule_metric_problems(rules, captured) == ["alert X names fracplugin_gpu_unhealthy_total, which the daemon does not emit"]
+
+
+# ---------------------------------------------------------------- runbook links and the project's address
+
+
+def test_chart_home_and_sources_are_the_projects_repository() -> None:
+    """Chart.yaml's ``home`` and ``sources`` are the repository pyproject.toml's
+    [project.urls] names (issue 36 item 4), not two addresses that drift."""
+    import tomllib
+
+    urls = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["urls"]
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["home"] == urls["Homepage"] == urls["Source"] and chart["sources"] == [urls["Source"]]
+    assert urls["Documentation"] == f"{urls['Source']}/tree/main/docs"
+
+
+def test_runbook_url_comes_from_the_alerts_runbook_base_url_value(helm: str) -> None:
+    """``alerts.runbookBaseURL`` (values.yaml, values.schema.json) is where every
+    alert's runbook_url points: its default is docs/runbooks.md in the project's
+    repository at the chart's version (the file's links); another value moves
+    every link; a value that is not an http(s) URL is refused by the schema."""
+    from chartutil import objects, rendered, template
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    default = yaml.safe_load((CHART / "values.yaml").read_text())["alerts"]["runbookBaseURL"]
+    assert default == f"{chart['sources'][0]}/blob/v{chart['version']}/docs/runbooks.md"
+    assert {r["annotations"]["runbook_url"] for r in _rules()} == {f"{default}#{a.lower()}" for a in ALERTS}
+
+    def urls(*sets: str) -> dict[str, str]:
+        (rule,) = [d for d in objects(rendered(helm, [], ("prometheusRule.enabled=true", *sets)))
+                   if d["kind"] == "PrometheusRule"]
+        return {r["alert"]: r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"]}
+
+    assert urls() == {r["alert"]: r["annotations"]["runbook_url"] for r in _rules()}
+    wiki = "https://wiki.example.com/ops/fracplugin-runbooks"
+    assert urls(f"alerts.runbookBaseURL={wiki}") == {a: f"{wiki}#{a.lower()}" for a in ALERTS}
+    bad = template(helm, [], ("prometheusRule.enabled=true", "alerts.runbookBaseURL=docs/runbooks.md"))
+    assert bad.returncode != 0 and "runbookBaseURL" in bad.stderr, bad.stderr

@@ -138,16 +138,18 @@ def test_2_container_name_naming_no_container_is_refused_at_every_door(node: Cal
 def test_3_a_typo_key_is_a_warning_naming_the_closest_key(node: Callable[..., Node]) -> None:
     n = node()
     p = pod("typo2", containers=[ctr("app")], annotations={P + "app.gpu-memory.requests": "20Gi",
-                                                           "gpu-fractoin": "0.5"})
+                                                           "gpu-fractoin": "0.5",
+                                                           "nvidia.com/containers.app.gpu-memory.limit": "30Gi"})
     n.put(p)
     adj, _ = n.create(p, "app")
     assert code(adj) is None and not adj.env
     got = {w["key"]: w["reason"] for w in n.warnings()}
     assert f"did you mean {P}app.gpu-memory.request?" in got[P + "app.gpu-memory.requests"], got
     assert "did you mean gpu-fraction?" in got["gpu-fractoin"], got
+    assert f"did you mean {P}app.gpu-memory.limit?" in got["nvidia.com/containers.app.gpu-memory.limit"], got
     rep = explain(n, "typo2")
     assert sorted(w for w in rep["warnings"] if "did you mean" in w) == sorted(
-        got[k] for k in (P + "app.gpu-memory.requests", "gpu-fractoin"))
+        got[k] for k in (P + "app.gpu-memory.requests", "gpu-fractoin", "nvidia.com/containers.app.gpu-memory.limit"))
 
 
 def test_3_an_ignored_pod_level_form_says_which_and_why(node: Callable[..., Node]) -> None:

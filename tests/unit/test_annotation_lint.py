@@ -15,6 +15,10 @@ P = "nvidia.com/container."
     (P + "app.gpu-compute.modes", P + "app.gpu-compute.mode"),
     (P + "app.gpus.device", P + "app.gpus.devices"),
     (P + "app.gpu-compute-portion", P + "app.gpu-compute.portion"),
+    ("nvidia.com/containers.app.gpu-memory.request", P + "app.gpu-memory.request"),  # issue 36 input 3
+    ("nvidia.com/container-app.gpu-memory.limit", P + "app.gpu-memory.limit"),
+    ("nvidia.com/containerapp.gpu-compute.mode", P + "app.gpu-compute.mode"),
+    ("nvidia.com/contianer.app.gpus.devices", P + "app.gpus.devices"),
     ("gpu-fractoin", "gpu-fraction"),
     ("gpu-fraction-num-device", "gpu-fraction-num-devices"),
     ("kai.scheduler/gpu-compute-sharing-mod", "kai.scheduler/gpu-compute-sharing-mode"),
@@ -27,7 +31,8 @@ def test_a_key_not_read_names_the_closest_valid_key(key: str, closest: str) -> N
 def test_keys_of_the_contract_and_other_tools_are_not_warned() -> None:
     ann = {P + "app.gpu-memory.request": "1Gi", P + "app.gpus.devices": "0", "gpu-fraction": "0.5",
            "gpu-fraction-container-name": "app", "kai.scheduler/container.app.gpu-memory.portion.limit": "0.5",
-           "kubectl.kubernetes.io/last-applied-configuration": "{}", "prometheus.io/scrape": "true", "team": "a"}
+           "kubectl.kubernetes.io/last-applied-configuration": "{}", "prometheus.io/scrape": "true", "team": "a",
+           "nvidia.com/gpu.product": "H100", "nvidia.com/containers.app.image": "x"}  # near the prefix, no suffix
     assert unknown_keys(ann, P, ["app"]) == []
 
 
@@ -47,3 +52,13 @@ def test_gpu_memory_beside_gpu_fraction_and_two_modes() -> None:
     ann = {"gpu-fraction": "0.5", "gpu-memory": "8192", "kai.scheduler/gpu-compute-sharing-mode": "sm-sharing",
            P + "app.gpu-compute.mode": "time-slicing"}
     assert sorted(x.key for x in lint(ann, P, ["app"])) == ["gpu-memory", "kai.scheduler/gpu-compute-sharing-mode"]
+
+
+def test_a_pod_level_form_on_the_first_of_several_containers_says_which() -> None:
+    """Issue 36 item 2: ``gpu-fraction`` without ``gpu-fraction-container-name`` goes to the first container."""
+    ann = {"gpu-fraction": "0.5"}
+    (x,) = ignored_forms(ann, P, "sidecar", ["sidecar", "app"])
+    assert x.key == "gpu-fraction" and "applies to container sidecar, the first of the pod's 2 containers" in x.message
+    assert ignored_forms(ann, P, "app", ["sidecar", "app"]) == []  # said once, for the container it went to
+    assert ignored_forms(ann, P, "app", ["app"]) == []  # the only container: nothing to say
+    assert ignored_forms({**ann, "gpu-fraction-container-name": "sidecar"}, P, "sidecar", ["sidecar", "app"]) == []

@@ -32,6 +32,9 @@ REQUIRED = {
     "fracplugin_container_gpu_memory_request_bytes", "fracplugin_container_gpu_memory_limit_bytes",
     "fracplugin_container_gpu_memory_used_bytes", "fracplugin_container_sm_utilization_share_percent",
     "fracplugin_mps_daemon_up", "fracplugin_hook_duration_seconds_bucket", "fracplugin_refusals_total",
+    # memory-limit enforcement (issue 36 item 5)
+    "fracplugin_container_cuda_memory_limit_bytes", "fracplugin_container_cuda_memory_limit_enforced",
+    "fracplugin_node_capability", "fracplugin_container_gpu_memory_over_limit",
 }
 _METRIC = re.compile(r"\bfracplugin_[a-z0-9_]+")
 
@@ -295,3 +298,62 @@ def _duplicate_panel(text: str) -> str:
 def test_dashboard_check_fails_on_a_mutated_copy(exported: set[str], mutate, needle: str) -> None:
     problems = dashboard_problems(mutate(DASHBOARD.read_text()), exported)
     assert any(needle in p for p in problems), problems
+
+
+# ---------------------------------------------------------------- per GPU, never summed across GPUs (issue 36 item 5)
+_AGG = re.compile(r"\b(sum|max|min|avg|count)\s+(by|without)\s*\(([^)]*)\)\s*\(")
+
+
+def summed_across_gpus_problems(dash: dict[str, Any], series: list[tuple[str, dict[str, str]]]) -> list[str]:
+    """A query that aggregates a per-GPU memory series (bytes with a ``gpu``
+    label: a container's request/limit/used, its CUDA limits, a GPU's held or
+    total) without keeping ``gpu``: a container's limit holds on each of its
+    GPUs, so a sum over them (125.8 GiB for two 62.9 GiB limits) is no
+    quantity any GPU has."""
+    per_gpu = {n for n, lbl in series if n.endswith("_bytes") and "gpu" in lbl}
+    problems = []
+    for panel in dash.get("panels", []):
+        for t in panel.get("targets", []):
+            q = t.get("expr", "")
+            for m in _AGG.finditer(q):
+                labels = {x.strip() for x in m.group(3).split(",")}
+                inner = q[m.end():]
+                names = set(_METRIC.findall(inner)) & per_gpu
+                if names and (("gpu" not in labels) if m.group(2) == "by" else ("gpu" in labels)):
+                    problems.append(f"panel {panel.get('title')!r} {t.get('refId')}: {m.group(1)} {m.group(2)} "
+                                    f"({m.group(3)}) over {sorted(names)} adds up GPUs")
+    return problems
+
+
+def test_no_panel_sums_memory_across_gpus(captured) -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    assert summed_across_gpus_problems(dash, captured) == []
+    # the per-container panel as it was (one pod: a 125.8 GiB limit beside 79.6 GiB GPUs) fails
+    old = _set_expr(dash, "GPU memory per container and GPU: used vs request vs limit",
+                    'fracplugin_container_gpu_memory_limit_bytes{node=~"$node",gpu=~"$gpu"}',
+                    'sum by (node, namespace, pod, container) '
+                    '(fracplugin_container_gpu_memory_limit_bytes{node=~"$node",gpu=~"$gpu"})')
+    assert any("adds up GPUs" in p for p in summed_across_gpus_problems(old, captured))
+
+
+def test_enforcement_panels_show_planned_vs_enforced_per_gpu_and_what_is_not_enforced(captured) -> None:
+    """The enforcement section: a table of planned vs enforced (read back)
+    soft and hard limits with used, per container and GPU; the containers
+    not enforced; the node's capabilities (why none is); the over-limit series."""
+    dash = json.loads(DASHBOARD.read_text())
+    by_title = {p["title"]: p for p in dash["panels"]}
+    table = by_title["Planned vs enforced limits per container and GPU"]
+    exprs = [t["expr"] for t in table["targets"]]
+    for kind in ("soft", "hard"):
+        for source in ("planned", "enforced"):
+            assert any(f'kind="{kind}"' in e and f'source="{source}"' in e for e in exprs), (kind, source)
+    assert any('kind="used"' in e for e in exprs)
+    for e in exprs:
+        have, problems = query_labels(e, captured)
+        assert problems == [] and {"namespace", "pod", "container", "gpu"} <= have, (e, problems)
+    not_enforced = by_title["Not enforced: which containers"]["targets"][0]["expr"]
+    assert re.fullmatch(r'fracplugin_container_cuda_memory_limit_enforced\{node=~"\$node"\} == 0', not_enforced)
+    assert "fracplugin_node_capability" in by_title["Node capabilities for memory limits"]["targets"][0]["expr"]
+    over = by_title["Over limit per container and GPU"]
+    assert over["targets"][0]["legendFormat"].endswith("GPU {{gpu}}")
+    assert over["targets"][0]["expr"].startswith("fracplugin_container_gpu_memory_over_limit{")

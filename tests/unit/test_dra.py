@@ -290,7 +290,7 @@ def test_explain_shows_what_prepare_would_give_a_claim(tmp_path: Path, capsys: p
     good = tmp_path / "claim.yaml"
     good.write_text(yaml.safe_dump(claim_doc("team-a", "infer", "uid-7", memory="20Gi",
                                              parameters={**HEAD, "gpu-compute.mode": "sm-sharing"})))
-    report = explain.explain(explain.load_pod(str(good)), node)
+    report = explain.explain(explain.load_pods(str(good))[0], node)
     (entry,) = report["containers"]
     assert report["pod"] == "resourceclaim team-a/infer" and entry["error"] is None
     assert entry["devices"] == [GPU0] and entry["request_mib"] == 20480 and entry["compute_mode"] == "sm-sharing"

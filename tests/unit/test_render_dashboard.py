@@ -57,3 +57,20 @@ def test_html_has_every_panel_and_named_table_columns(rd, samples) -> None:
     assert all(json.dumps(p["title"])[1:-1] in page or p["title"].replace("'", "&#x27;") in page for p in dash["panels"])
     assert "<th>Request</th>" in page and "<th>Limit</th>" in page and "<th>Used</th>" in page
     assert "Value #" not in page
+
+
+def test_the_enforcement_panels_render_the_capture(rd, samples) -> None:
+    """docs/dashboard.png's enforcement section: the capture's inference
+    container is not enforced (NVML refused the set on its GPU 3,
+    scripts/capture_metrics.py): its planned limits on four GPUs, read-back
+    values on three, and it is listed as not enforced."""
+    dash = json.loads(rd.DASHBOARD.read_text())
+    (table,) = [p for p in dash["panels"] if p["title"] == "Planned vs enforced limits per container and GPU"]
+    got = {t["refId"]: {lbl["gpu"]: v for lbl, v in rd.evaluate(t["expr"], samples)} for t in table["targets"]}
+    assert got["B"] == {g: 61440 * MIB for g in "0123"}  # planned hard: the limit, on each GPU
+    assert got["D"] == {g: 61440 * MIB for g in "012"}  # enforced hard: not read on GPU 3
+    (ne,) = [p for p in dash["panels"] if p["title"] == "Not enforced: which containers"]
+    assert [(lbl["pod"], lbl["container"]) for lbl, _ in rd.evaluate(ne["targets"][0]["expr"], samples)] == [
+        ("inference", "app")]
+    page = rd.render_html(dash, samples, "capture")
+    assert "<th>Enforced hard</th>" in page and "<th>Planned soft</th>" in page
