@@ -23,7 +23,6 @@ from .model import ComputeMode, NodeInfo
 from .mps.layout import MpsLayout
 from .parts import (
     DevicePluginPart,
-    HealthPart,
     InventoryPart,
     LedgerPart,
     MetricsPart,
@@ -40,7 +39,7 @@ from .podsfile import PodsFileWatcher
 if TYPE_CHECKING:
     from .cdi import CdiRegistry
     from .enforce.wiring import MemoryLimits
-    from .events import EventRecorder, NullEventRecorder
+    from .events import EventRecorder
     from .gpu.inventory import Inventory
     from .gpu.simulated import SimulatedInventory
     from .kubelet.deviceplugin import DevicePluginServer
@@ -123,7 +122,7 @@ class Builder:
         self.metrics: Metrics | None = None
         self.mps: MpsApi | None = None
         self.pod_source: PodSource | None = None
-        self.events: EventRecorder | NullEventRecorder | None = None
+        self.events: EventRecorder | None = None
         self.restarter: Restarter | None = None  # the one pod evicter (ADR 0035), with API access
         self.rules: NodeRules | None = None  # the node's rules, every door admits through them (issue 33)
         self.nri: NriDoor | None = None
@@ -563,9 +562,8 @@ class Builder:
         server = HealthServer(self.cfg.health_address, self.hooks.checks, self.hooks.status, alive=self.hooks.alive,
                               simulate_xid=self.simulate_xid if self.simulated is not None else None)
         try:
-            part = self._add(HealthPart(self.cfg, server))
+            self._add(ServicePart(self.cfg, "health", {"health_address"}, server))
         except OSError as exc:
             raise StartupError(f"--health-address {self.cfg.health_address}: {exc.strerror or exc}") from None
-        assert part.bound is not None
-        self.endpoints["health"] = _fmt_addr(*part.bound)
+        self.endpoints["health"] = _fmt_addr(*server.bound)
 

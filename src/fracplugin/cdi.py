@@ -51,6 +51,7 @@ import yaml
 
 from .atomicfile import read_regular
 from .model import ContainerPlan, GpuInfo
+from .logs import guarded
 
 log = logging.getLogger(__name__)
 
@@ -299,10 +300,7 @@ class CdiRegistry:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.file_check_s):
-            try:
-                self.refresh()
-            except Exception:  # a reader bug must not end the watcher
-                log.exception("CDI spec re-read failed")
+            guarded(log, "CDI spec re-read", self.refresh)
 
     def stop(self, timeout_s: float = 2.0) -> None:
         """Stop the watcher (within ``timeout_s``)."""

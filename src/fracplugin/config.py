@@ -329,18 +329,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            help=f"{help_text} (default: {shown!s})" if shown not in (None, "") else help_text)
 
 
-_METAVARS = {"allocation_policy": "pack|spread", "ignored_xids": "XIDS", "cdi_kind": "KIND",
-             "mps_protocol": "auto|2|3", "log_format": "json|text", "log_level": "LEVEL", "mps_modes": "MODES",
-             "nri_plugin_name": "NAME", "nri_plugin_idx": "NN", "resource_name": "NAME", "node_name": "NAME",
-             "annotation_prefix": "PREFIX", "max_clients_per_gpu": "N", "node_condition_types": "TYPES",
-             "memory_limits": "auto|apply|verify|off", "memory_limits_policy": "warn|refuse", "cgroup_root": "DIR",
-             "over_limit": "report|restart", "unfenced_containers": "restart|report",
-             "cdi_spec_dirs": "DIR[,DIR]"}
+_METAVARS = {"allocation_policy": "pack|spread", "ignored_xids": "XIDS", "cdi_kind": "KIND", "log_level": "LEVEL",
+             "mps_modes": "MODES", "nri_plugin_name": "NAME", "nri_plugin_idx": "NN", "resource_name": "NAME",
+             "node_name": "NAME", "annotation_prefix": "PREFIX", "max_clients_per_gpu": "N",
+             "node_condition_types": "TYPES", "cdi_spec_dirs": "DIR[,DIR]", "unfenced_containers": "restart|report"}
 
 
 def _metavar(name: str) -> str:
     if name in _METAVARS:
         return _METAVARS[name]
+    if name in _CHOICES:
+        return "|".join(_CHOICES[name])
     if name.endswith(("_dir", "_root")):
         return "DIR"
     if name.endswith("_address"):
@@ -439,68 +438,65 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
 _Bad = Callable[[str, str], ConfigError]
 """``bad(setting, reason)``: the ConfigError naming the setting, its value and where it came from."""
 
+_CHOICES = {"log_format": LOG_FORMATS, "role": ROLES, "mps_protocol": MPS_PROTOCOLS,
+            "memory_limits": MEMORY_LIMIT_MODES, "memory_limits_policy": MEMORY_LIMIT_POLICIES,
+            "over_limit": OVER_LIMIT_MODES, "unfenced_containers": OVER_LIMIT_MODES}
+"""Settings that take one of a few words (``must be one of ...``)."""
+
+_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "mps_probe_timeout_s": (lambda v: 0 < v <= 600, "must be a positive number of seconds, at most 600"),
+    "mps_probe_failure_threshold": (lambda v: 1 <= v <= 100, "must be 1..100"),
+    "device_unit_mib": (lambda v: v > 0, "must be a positive number of MiB"),
+    "reserve_mib": (lambda v: v >= 0, "must be 0 or more MiB"),
+    "max_clients_per_gpu": (lambda v: 1 <= v <= 48,
+                            "must be 1..48 (MPS accepts at most 48 clients per GPU on Volta and later)"),
+    # inf/NaN would break every bounded wait of the stop
+    "shutdown_timeout_s": (lambda v: 0 < v <= 3600, "must be a positive number of seconds, at most 3600"),
+    "allocate_deadline_s": (lambda v: 0 < v <= 3600, "must be a positive number of seconds, at most 3600"),
+    "pod_resources_interval_s": (lambda v: 0 < v <= 86400, "must be a positive number of seconds, at most 86400"),
+    "usage_poll_interval_s": (lambda v: 0 < v <= 86400, "must be a positive number of seconds, at most 86400"),
+    "node_poll_interval_s": (lambda v: 0 < v <= 86400, "must be a positive number of seconds, at most 86400"),
+    # the handler budget bounds it anyway (ADR 0028)
+    "nri_start_wait_s": (lambda v: 0 <= v <= 60,
+                         "must be 0 to 60 seconds (the wait never exceeds StartContainer's budget)"),
+}
+"""Numeric settings: the test a value must pass and the rule it names (NaN passes none)."""
+
+_ABSOLUTE = ("state_dir", "mps_root", "device_plugin_dir", "nri_socket", "pod_resources_socket", "dra_plugins_dir",
+             "dra_registry_dir", "dra_cdi_dir", "cgroup_root", "proc_root")
+_ABSOLUTE_OR_EMPTY = ("mps_api_socket", "kubelet_socket")  # "" = derived from another setting
+
 
 def _validate_role_and_mps(cfg: Config, bad: _Bad) -> None:
-    """``validate``: log format/level, role, MPS protocol and modes. Raises ConfigError."""
-    if cfg.log_format not in LOG_FORMATS:
-        raise bad("log_format", f"must be one of {', '.join(LOG_FORMATS)}")
+    """``validate``: the word settings (``_CHOICES``), log level, role, MPS modes. Raises ConfigError."""
+    for name, choices in _CHOICES.items():
+        if getattr(cfg, name) not in choices:
+            raise bad(name, f"must be one of {', '.join(choices)}")
     if cfg.log_level.lower() not in LOG_LEVELS:
         raise bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
-    if cfg.role not in ROLES:
-        raise bad("role", f"must be one of {', '.join(ROLES)}")
     if cfg.role != "all" and cfg.no_mps:
         raise bad("role", "needs MPS: --no-mps only goes with --role all")
-    if cfg.mps_api_socket and not cfg.mps_api_socket.startswith("/"):
-        raise bad("mps_api_socket", "must be an absolute path")
-    if cfg.mps_protocol not in MPS_PROTOCOLS:
-        raise bad("mps_protocol", f"must be one of {', '.join(MPS_PROTOCOLS)}")
-    if cfg.memory_limits not in MEMORY_LIMIT_MODES:
-        raise bad("memory_limits", f"must be one of {', '.join(MEMORY_LIMIT_MODES)}")
-    if cfg.memory_limits_policy not in MEMORY_LIMIT_POLICIES:
-        raise bad("memory_limits_policy", f"must be one of {', '.join(MEMORY_LIMIT_POLICIES)}")
-    for name in ("over_limit", "unfenced_containers"):
-        if getattr(cfg, name) not in OVER_LIMIT_MODES:
-            raise bad(name, f"must be one of {', '.join(OVER_LIMIT_MODES)}")
-    for name in ("cgroup_root", "proc_root"):
-        if not str(getattr(cfg, name)).startswith("/"):
-            raise bad(name, "must be an absolute path")
     for m in cfg.mps_modes:
         if m not in MPS_MODES:
             raise bad("mps_modes", f"has the unknown mode {m!r}; modes are {', '.join(MPS_MODES)}")
-    if not 0 < cfg.mps_probe_timeout_s <= 600:
-        raise bad("mps_probe_timeout_s", "must be a positive number of seconds, at most 600")
-    if not 1 <= cfg.mps_probe_failure_threshold <= 100:
-        raise bad("mps_probe_failure_threshold", "must be 1..100")
     if not cfg.no_mps and not cfg.mps_modes:
         raise bad("mps_modes", f"is empty: name at least one of {', '.join(MPS_MODES)}, or give --no-mps")
 
 
 def _validate_numbers(cfg: Config, bad: _Bad) -> None:
-    """``validate``: addresses, sizes, counts and timeouts. Raises ConfigError."""
+    """``validate``: addresses, sizes, counts and timeouts (``_RANGES``), condition types. Raises ConfigError."""
     for name in ("metrics_address", "health_address"):
         try:
             parse_address(getattr(cfg, name))
         except ValueError as exc:
             raise bad(name, str(exc)) from None
-    if cfg.device_unit_mib <= 0:
-        raise bad("device_unit_mib", "must be a positive number of MiB")
-    if cfg.reserve_mib < 0:
-        raise bad("reserve_mib", "must be 0 or more MiB")
+    for name, (ok, rule) in _RANGES.items():
+        if not ok(getattr(cfg, name)):
+            raise bad(name, rule)
     for t in cfg.node_condition_types:
         if not _CONDITION_TYPE.match(t):
             raise bad("node_condition_types", f"has {t!r}, which is not a condition type "
                       "([<dns-subdomain>/]<name>, e.g. gpu-sharing.nvidia.com/Ready)")
-    if not 1 <= cfg.max_clients_per_gpu <= 48:
-        raise bad("max_clients_per_gpu", "must be 1..48 (MPS accepts at most 48 clients per GPU on Volta and later)")
-    if not 0 < cfg.shutdown_timeout_s <= 3600:  # inf/NaN would break every bounded wait of the stop
-        raise bad("shutdown_timeout_s", "must be a positive number of seconds, at most 3600")
-    if not 0 < cfg.allocate_deadline_s <= 3600:
-        raise bad("allocate_deadline_s", "must be a positive number of seconds, at most 3600")
-    for name in ("pod_resources_interval_s", "usage_poll_interval_s", "node_poll_interval_s"):
-        if not 0 < getattr(cfg, name) <= 86400:
-            raise bad(name, "must be a positive number of seconds, at most 86400")
-    if not 0 <= cfg.nri_start_wait_s <= 60:  # the handler budget bounds it anyway (ADR 0028)
-        raise bad("nri_start_wait_s", "must be 0 to 60 seconds (the wait never exceeds StartContainer's budget)")
 
 
 def _validate_names_and_paths(cfg: Config, bad: _Bad) -> None:
@@ -521,12 +517,10 @@ def _validate_names_and_paths(cfg: Config, bad: _Bad) -> None:
     for d in cfg.cdi_spec_dirs:
         if not d.startswith("/"):
             raise bad("cdi_spec_dirs", f"has {d!r}, which is not an absolute path")
-    for name in ("state_dir", "mps_root", "device_plugin_dir", "nri_socket", "pod_resources_socket",
-                 "dra_plugins_dir", "dra_registry_dir", "dra_cdi_dir"):
-        if not str(getattr(cfg, name)).startswith("/"):
+    for name in _ABSOLUTE + _ABSOLUTE_OR_EMPTY:
+        value = str(getattr(cfg, name))
+        if not value.startswith("/") and (value or name in _ABSOLUTE):
             raise bad(name, "must be an absolute path")
-    if cfg.kubelet_socket and not cfg.kubelet_socket.startswith("/"):
-        raise bad("kubelet_socket", "must be an absolute path")
     try:
         from .mps.layout import MpsLayout
 
@@ -537,8 +531,6 @@ def _validate_names_and_paths(cfg: Config, bad: _Bad) -> None:
         from .kubelet.devices import validate_resource_name
 
         validate_resource_name(cfg.resource_name)
-    except ImportError:  # pragma: no cover - the device plugin package is part of the tree
-        pass
     except ValueError as exc:
         raise bad("resource_name", str(exc)) from None
 

@@ -72,40 +72,6 @@ _Item = tuple[PodRef, str, str, str, float, str]
 """What the hook side enqueues: (pod, container, message, door, unix seconds, Event reason)."""
 
 
-class NullEventRecorder:
-    """An event recorder for a daemon without API access: ``refused`` does
-    nothing (the refusal is still logged and counted by the door)."""
-
-    def refused(self, pod: PodRef, container: str, err: FractionError, door: str) -> None:
-        """Ignore the refusal."""
-        return None
-
-    def warned(self, pod: PodRef, container: str, message: str, door: str) -> None:
-        """Ignore the warning."""
-        return None
-
-    def limit_not_enforced(self, pod: PodRef, container: str, message: str) -> None:
-        """Ignore it (still logged, in status and metrics)."""
-        return None
-
-    def over_limit(self, pod: PodRef, container: str, message: str, action: str) -> None:
-        """Ignore it (still logged, in status and metrics)."""
-        return None
-
-    def unfenced(self, pod: PodRef, container: str, message: str, action: str) -> None:
-        """Ignore it (still logged, in status and metrics)."""
-        return None
-
-    def start(self) -> "NullEventRecorder":
-        return self
-
-    def stop(self, timeout_s: float = 1.0) -> bool:
-        return True
-
-    def stats(self) -> dict[str, int]:
-        return {"queued": 0, "sent": 0, "failed": 0, "dropped": 0, "suppressed": 0}
-
-
 class EventRecorder:
     """Writes a core/v1 ``Warning`` Event for each refusal, in the background.
 
@@ -331,3 +297,21 @@ def _short(exc: Exception) -> str:
     if status is not None:
         return f"HTTP {status} {reason or ''}".strip()
     return f"{type(exc).__name__}: {exc}"[:300]
+
+
+class NullEventRecorder(EventRecorder):
+    """The event recorder of a daemon without API access: every Event is
+    ignored (the refusal or warning is still logged and counted by the door),
+    no thread runs, every count stays 0."""
+
+    def __init__(self) -> None:
+        super().__init__(None, "")
+
+    def _put(self, pod: PodRef, container: str, message: str, action: str, reason: str) -> None:
+        return None
+
+    def start(self) -> "NullEventRecorder":
+        return self
+
+    def stop(self, timeout_s: float = 1.0) -> bool:
+        return True

@@ -416,7 +416,7 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
             req = parse(annotations, name, prefix=config.annotation_prefix, containers=targets)
             plan = rules.plan(req, ref) if req is not None else None
         except FractionError as err:
-            out.append({**_unplanned(name), "fractional": True, "error": err.to_dict()})
+            out.append(_unplanned(name, err))
             continue
         if plan is None:
             out.append(_unplanned(name))
@@ -501,7 +501,7 @@ class _KubeletDoor:
             return {**_unplanned(name), "fractional": True, "error": {"key": key, "value": str(count),
                                                                       "reason": r.message}}
         except FractionError as err:
-            return {**_unplanned(name), "fractional": True, "error": err.to_dict()}
+            return _unplanned(name, err)
         self.warnings += [f"container {name}: {i.message}" for i in ignored]
         env = {k: v for k, v in {**answer.env, al.ENV_RESERVATION: answer.key, **plan.env}.items()
                if k != ENV_RESERVATION_PROOF}  # the NRI door takes the proof out (ADR 0033)
@@ -510,9 +510,12 @@ class _KubeletDoor:
                 "mounts": [m.to_dict() for m in mounts.values()]}
 
 
-def _unplanned(name: str) -> dict[str, Any]:
-    return {"name": name, "fractional": False, "devices": [], "compute_mode": None, "request_mib": None,
-            "limit_mib": None, "env": {}, "mounts": [], "cdi_devices": [], "error": None}
+def _unplanned(name: str, err: FractionError | None = None) -> dict[str, Any]:
+    """The report entry of a container that gets nothing: not fractional, or
+    (``err``) refused with the refusal's ``{"key","value","reason"}``."""
+    return {"name": name, "fractional": err is not None, "devices": [], "compute_mode": None, "request_mib": None,
+            "limit_mib": None, "env": {}, "mounts": [], "cdi_devices": [],
+            "error": None if err is None else err.to_dict()}
 
 
 def _scratch_ledger(node: NodeInfo, config: PlannerConfig, tenancies: Sequence[Tenancy],
@@ -636,10 +639,6 @@ def main(args: argparse.Namespace) -> int:
     """Explain every pod and claim of ``args.pod`` and ``args.claim``; returns
     the worst exit status of them (module docstring). A closed standard
     output (``| head -n 1``) ends the output quietly, the status unchanged."""
-    for name, default in (("node_from_status", None), ("live", False), ("health_address", None), ("timeout", 5.0),
-                          ("claim", None), ("device_unit_mib", None)):
-        if not hasattr(args, name):  # a Namespace built by a caller that knows only --node
-            setattr(args, name, default)
     logging.getLogger("fracplugin").addHandler(logging.NullHandler())  # the doors' log lines: the report says it
     try:
         if args.health_address and not args.live:
@@ -649,7 +648,7 @@ def main(args: argparse.Namespace) -> int:
         docs = [d for path in (args.pod, args.claim) if path is not None for d in load_pods(path)]
         node: str | NodeInfo
         tenancies: list[Tenancy] = []
-        limits, can, mps = getattr(args, "memory_limits", None), None, True
+        limits, can, mps = args.memory_limits, None, True
         dp: Any = {}
         if args.node is not None:
             node = args.node
@@ -676,10 +675,9 @@ def main(args: argparse.Namespace) -> int:
         unit = args.device_unit_mib if args.device_unit_mib is not None else (
             dp["unit_mib"] if isinstance(dp.get("unit_mib"), int) else DEFAULT_UNIT_MIB)
         resource = dp.get("resource_name") if isinstance(dp.get("resource_name"), str) else DEFAULT_RESOURCE_NAME
-        raw_dirs = getattr(args, "cdi_spec_dirs", ",".join(DEFAULT_SPEC_DIRS))  # callers that build args by hand
-        dirs = [d.strip() for d in (raw_dirs or "").split(",") if d.strip()]
+        dirs = [d.strip() for d in (args.cdi_spec_dirs or "").split(",") if d.strip()]
         reports = [explain(d, node, container=args.container, ledger_path=args.ledger, config=config,
-                           tenancies=tenancies, cdi_spec_dirs=dirs, cdi_kind=getattr(args, "cdi_kind", None),
+                           tenancies=tenancies, cdi_spec_dirs=dirs, cdi_kind=args.cdi_kind,
                            memory_limits=limits or "auto", can_enforce=can, mps=mps,
                            unit_mib=unit, resource_name=resource) for d in docs]
     except UsageError as exc:

@@ -140,6 +140,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self._reading: dict[Any, float] = {}  # socket -> when it began waiting for a request
         self._evicted: set[Any] = set()
         self.active = self.peak = self.evicted = self.refused = self.accept_errors = 0
+        self.thread: threading.Thread | None = None  # set by ``serve``
         super().__init__(address, handler)
 
     def reading(self, conn: Any, on: bool) -> None:
@@ -218,6 +219,19 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         finally:
             self._release(request)
 
+    @property
+    def bound(self) -> tuple[str, int]:
+        """(host, port) actually bound."""
+        host, port = self.server_address[:2]
+        return str(host), int(port)
+
+    def close(self, timeout_s: float) -> None:
+        """Stop serving, close the listening socket and join the serving thread."""
+        self.shutdown()
+        self.server_close()
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         exc = sys.exc_info()[1]
         if isinstance(exc, (ConnectionError, TimeoutError)):
@@ -249,10 +263,12 @@ class BoundedHandler(BaseHTTPRequestHandler):
         finally:
             self.server.reading(self.connection, False)
 
-    def send_body(self, code: int, body: bytes, ctype: str) -> None:
-        """Answer ``code`` with ``body`` (bytes, ``Content-Type: ctype``); no
-        body for HEAD. Raises OSError when the client has gone away."""
+    def send_body(self, code: int, body: bytes, ctype: str, headers: Mapping[str, str] | None = None) -> None:
+        """Answer ``code`` with ``body`` (bytes, ``Content-Type: ctype``) and
+        ``headers``; no body for HEAD. Raises OSError when the client has gone away."""
         self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -283,14 +299,30 @@ class BoundedHandler(BaseHTTPRequestHandler):
         return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
-def make_bounded_server(address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *, max_handlers: int,
-                        request_deadline_s: float, label: str) -> "BoundedHTTPServer":
-    """Bind a ``BoundedHTTPServer`` (IPv6 when the host is an IPv6 literal).
-    Raises OSError when the address cannot be bound."""
+def check_bounds(max_handlers: int, request_deadline_s: float) -> None:
+    """Raises ValueError for max_handlers < 1 or a deadline <= 0."""
+    if max_handlers < 1 or request_deadline_s <= 0:
+        raise ValueError(f"max_handlers {max_handlers} must be >= 1 and request_deadline_s "
+                         f"{request_deadline_s} > 0")
+
+
+def serve(address: str, handler: type[BaseHTTPRequestHandler], *, max_handlers: int, request_deadline_s: float,
+          label: str, thread_name: str) -> "BoundedHTTPServer":
+    """Bind a ``BoundedHTTPServer`` on ``HOST:PORT`` (``config.parse_address``;
+    empty host = all interfaces, IPv6 when the host is an IPv6 literal) and serve
+    it on a daemon thread named ``thread_name`` until ``close``. Raises
+    ValueError (bad address or bounds) and OSError (cannot bind)."""
+    check_bounds(max_handlers, request_deadline_s)
+    host, port = parse_address(address)
     cls: type[BoundedHTTPServer] = BoundedHTTPServer
-    if ":" in address[0]:  # an IPv6 literal ([::]:8080)
+    if ":" in host:  # an IPv6 literal ([::]:8080)
         cls = type("BoundedHTTPServer6", (BoundedHTTPServer,), {"address_family": socket.AF_INET6})
-    return cls(address, handler, max_handlers=max_handlers, request_deadline_s=request_deadline_s, label=label)
+    server = cls((host or "0.0.0.0", port), handler, max_handlers=max_handlers,
+                 request_deadline_s=request_deadline_s, label=label)
+    server.thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                                     name=thread_name, daemon=True)
+    server.thread.start()
+    return server
 
 
 class BadRequest(ValueError):
@@ -333,59 +365,81 @@ def parse_xid_body(body: bytes) -> tuple[str, int]:
 
 class _HealthHandler(BoundedHandler):
     """The health server's handler: ``/healthz``, ``/readyz``, ``/status``,
-    ``POST /simulate/xid`` (module docstring). ``owner`` (the ``HealthServer``
-    whose callbacks answer) is set on the per-server subclass that
-    ``HealthServer.start`` makes."""
+    ``POST /simulate/xid`` and the 404/405 answers of every other method and
+    path (module docstring). ``owner`` (the ``HealthServer`` whose callbacks
+    answer) is set on the per-server subclass that ``HealthServer.start`` makes."""
 
     owner: "HealthServer"
 
     def _json(self, code: int, doc: Any) -> None:
         self.send_body(code, (json.dumps(doc, indent=1, default=str) + "\n").encode(), "application/json")
 
+    def _text(self, code: int, msg: str, headers: Mapping[str, str] | None = None) -> None:
+        self.send_body(code, (msg.rstrip("\n") + "\n").encode(), "text/plain", headers)
+
+    def _serve(self) -> None:
+        """Every method: route, answer; a client gone before the reply is
+        logged at DEBUG, a failing callback answers 500 (never kills the server)."""
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        simulated = path == "/simulate/xid" and self.owner._simulate_xid is not None
+        try:
+            if self.command in ("GET", "HEAD") and path in _GET_PATHS:
+                self._get(path)
+            elif simulated and self.command == "POST":
+                self._inject_xid()
+            elif simulated:
+                self._text(405, "/simulate/xid answers POST only", {"Allow": "POST"})
+            elif path in _GET_PATHS:
+                self._text(405, f"{path} answers GET and HEAD only", {"Allow": "GET, HEAD"})
+            elif path == "/simulate/xid" and self.command == "POST":
+                self._text(404, "not found: /simulate/xid exists only on a simulated node (--simulate-node)")
+            else:
+                self._text(404, "not found: try /healthz, /readyz, /status" if self.command in ("GET", "HEAD")
+                           else "not found")
+        except BadRequest as exc:
+            self._try_text(exc.code, f"bad request: {exc}" if exc.code == 400 else str(exc))
+        except TimeoutError:
+            raise  # the body did not arrive in time: handle_one_request drops the connection
+        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+            self._gone(exc)
+        except Exception as exc:
+            log.exception("health endpoint %s %s failed", self.command, path)
+            self._try_text(500, f"internal error: {exc}")
+
+    do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = _serve
+
+    def _get(self, path: str) -> None:
+        if path == "/healthz":
+            reason = self.owner._alive()
+            if reason is None:
+                self._text(200, "ok")
+            else:
+                self._text(503, f"not alive: {reason}")
+        elif path == "/readyz":
+            r = self.owner.readiness()
+            self._json(200 if r["ready"] else 503, r)
+        elif self.peer_is_loopback():  # /status names every tenant: this node's own processes only
+            self._json(200, self.owner._status())
+        else:
+            self._text(404, STATUS_NOT_HERE)
+
+    def _inject_xid(self) -> None:
+        assert self.owner._simulate_xid is not None
+        uuid, xid = parse_xid_body(self._read_body())
+        try:
+            self.owner._simulate_xid(uuid, xid)
+        except LookupError as exc:
+            self._text(404, f"unknown GPU: {exc.args[0] if exc.args else exc}")
+            return
+        log.warning("simulated XID %d injected on %s", xid, uuid,
+                    extra={"gpu_uuid": uuid, "xid": xid, "client": self.client_address[0]})
+        self._json(202, {"injected": {"gpu_uuid": uuid, "xid": xid}})
+
     def _gone(self, exc: BaseException) -> None:
         """The client went away before the reply: nothing to answer."""
         log.debug("health http: client %s gone before the reply to %s %s: %s",
                   self.client_address[0], self.command, self.path, exc)
         self.close_connection = True
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
-        path = self.path.split("?", 1)[0].rstrip("/") or "/"
-        try:
-            if path == "/healthz":
-                reason = self.owner._alive()
-                if reason is None:
-                    self.send_body(200, b"ok\n", "text/plain")
-                else:
-                    self.send_body(503, f"not alive: {reason}\n".encode(), "text/plain")
-            elif path == "/readyz":
-                r = self.owner.readiness()
-                self._json(200 if r["ready"] else 503, r)
-            elif path == "/status" and self.peer_is_loopback():
-                self._json(200, self.owner._status())
-            elif path == "/status":  # names every tenant: this node's own processes only
-                self.send_body(404, STATUS_NOT_HERE.encode(), "text/plain")
-            elif path == "/simulate/xid" and self.owner._simulate_xid is not None:
-                self._text(405, "/simulate/xid answers POST only", {"Allow": "POST"})
-            else:
-                self.send_body(404, b"not found: try /healthz, /readyz, /status\n", "text/plain")
-        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
-            self._gone(exc)
-        except Exception as exc:  # a broken callback answers 500, never kills the server
-            log.exception("health endpoint %s failed", path)
-            self._try_text(500, f"internal error: {exc}")
-
-    do_HEAD = do_GET
-
-    def _text(self, code: int, msg: str, headers: Mapping[str, str] | None = None) -> None:
-        body = (msg.rstrip("\n") + "\n").encode()
-        self.send_response(code)
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.send_header("Content-Type", "text/plain")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
 
     def _try_text(self, code: int, msg: str) -> None:
         """Answer an error; a client that is gone by now is logged at DEBUG."""
@@ -408,46 +462,6 @@ class _HealthHandler(BoundedHandler):
             self.close_connection = True  # the unread body must not be parsed as a request
             raise BadRequest(413, f"body of {n} bytes is larger than {MAX_BODY}")
         return self.rfile.read(n)
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server naming)
-        path = self.path.split("?", 1)[0].rstrip("/") or "/"
-        try:
-            if path == "/simulate/xid" and self.owner._simulate_xid is not None:
-                uuid, xid = parse_xid_body(self._read_body())
-                try:
-                    self.owner._simulate_xid(uuid, xid)
-                except LookupError as exc:
-                    self._text(404, f"unknown GPU: {exc.args[0] if exc.args else exc}")
-                    return
-                log.warning("simulated XID %d injected on %s", xid, uuid,
-                            extra={"gpu_uuid": uuid, "xid": xid, "client": self.client_address[0]})
-                self._json(202, {"injected": {"gpu_uuid": uuid, "xid": xid}})
-            elif path in _GET_PATHS:
-                self._text(405, f"{path} answers GET and HEAD only", {"Allow": "GET, HEAD"})
-            elif path == "/simulate/xid":
-                self._text(404, "not found: /simulate/xid exists only on a simulated node (--simulate-node)")
-            else:
-                self._text(404, "not found")
-        except BadRequest as exc:
-            self._try_text(exc.code, f"bad request: {exc}" if exc.code == 400 else str(exc))
-        except TimeoutError:
-            raise  # the body did not arrive in time: handle_one_request drops the connection
-        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
-            self._gone(exc)
-        except Exception as exc:  # a broken callback answers 500, never kills the server
-            log.exception("health endpoint POST %s failed", path)
-            self._try_text(500, f"internal error: {exc}")
-
-    def _other_method(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/") or "/"
-        if path == "/simulate/xid" and self.owner._simulate_xid is not None:
-            self._text(405, "/simulate/xid answers POST only", {"Allow": "POST"})
-        elif path in _GET_PATHS:
-            self._text(405, f"{path} answers GET and HEAD only", {"Allow": "GET, HEAD"})
-        else:
-            self._text(404, "not found")
-
-    do_PUT = do_DELETE = do_PATCH = _other_method
 
 
 class HealthServer:
@@ -473,10 +487,9 @@ class HealthServer:
                  alive: Callable[[], str | None] = lambda: None,
                  simulate_xid: SimulateXidFn | None = None, *,
                  request_deadline_s: float = REQUEST_DEADLINE_S, max_handlers: int = MAX_HANDLERS) -> None:
-        if max_handlers < 1 or request_deadline_s <= 0:
-            raise ValueError(f"max_handlers {max_handlers} must be >= 1 and request_deadline_s "
-                             f"{request_deadline_s} > 0")
-        self._address = parse_address(address)
+        check_bounds(max_handlers, request_deadline_s)
+        parse_address(address)
+        self._address = address
         self._request_deadline_s = request_deadline_s
         self._max_handlers = max_handlers
         self._simulate_xid = simulate_xid
@@ -484,15 +497,13 @@ class HealthServer:
         self._status = status
         self._alive = alive
         self._server: BoundedHTTPServer | None = None
-        self._thread: threading.Thread | None = None
 
     @property
     def bound(self) -> tuple[str, int]:
         """(host, port) actually bound; raises RuntimeError before ``start``."""
         if self._server is None:
             raise RuntimeError("health server not started")
-        host, port = self._server.server_address[:2]
-        return str(host), int(port)
+        return self._server.bound
 
     def readiness(self) -> dict[str, Any]:
         """``{"ready": bool, "checks": {...}}`` (the /readyz body)."""
@@ -503,12 +514,8 @@ class HealthServer:
         """Bind and serve on a daemon thread; returns the bound (host, port).
         Raises OSError when the address cannot be bound."""
         handler = type("HealthHandler", (_HealthHandler,), {"owner": self})
-        server = make_bounded_server(self._address, handler, max_handlers=self._max_handlers,
-                                     request_deadline_s=self._request_deadline_s, label="health http")
-        self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="health-http", daemon=True)
-        self._thread.start()
+        self._server = serve(self._address, handler, max_handlers=self._max_handlers,
+                             request_deadline_s=self._request_deadline_s, label="health http", thread_name="health-http")
         return self.bound
 
     def stats(self) -> dict[str, int]:
@@ -524,9 +531,5 @@ class HealthServer:
     def stop(self, timeout_s: float = 2.0) -> None:
         """Stop serving and close the socket (idempotent)."""
         server, self._server = self._server, None
-        if server is None:
-            return
-        server.shutdown()
-        server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        if server is not None:
+            server.close(timeout_s)

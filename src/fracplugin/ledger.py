@@ -36,6 +36,7 @@ from .allocation import DOOR_ALLOCATE, DOOR_NRI, DOOR_OTHER_PLUGIN, DOOR_SYNC, t
 from .model import ComputeMode, ContainerPlan, FractionError, GpuInfo, NodeInfo, Tenancy
 from .ledgerindex import LedgerIndex, invariant_problems
 from .ledgerstore import LedgerStore
+from .logs import guarded
 
 log = logging.getLogger(__name__)
 
@@ -333,10 +334,7 @@ class Ledger:
 
     def _notify(self) -> None:
         for cb in self._subscribers:
-            try:
-                cb()
-            except Exception:  # a subscriber never breaks the ledger
-                log.exception("ledger subscriber failed")
+            guarded(log, "ledger subscriber", cb)
 
     # ---- reading -----------------------------------------------------------
     def tenancies(self) -> list[Tenancy]:

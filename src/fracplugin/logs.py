@@ -19,7 +19,7 @@ import logging
 import sys
 import time
 import re
-from typing import Any, TextIO
+from typing import Any, Callable, Mapping, TextIO
 
 from .safetext import escape_controls
 
@@ -107,3 +107,14 @@ def set_level(level: str) -> None:
     if not isinstance(value, int):
         raise ValueError(f"log level {level!r} must be debug, info, warning or error")
     logging.getLogger().setLevel(value)
+
+
+def guarded(logger: logging.Logger, what: str, fn: Callable[..., object], *args: Any,
+            extra: Mapping[str, Any] | None = None) -> None:
+    """Call ``fn(*args)``; an exception is logged on ``logger`` with its
+    traceback (``<what> failed``, fields ``extra``) and swallowed: a callback,
+    subscriber or hook never breaks, nor ends the thread of, its caller."""
+    try:
+        fn(*args)
+    except Exception:
+        logger.exception("%s failed", what, extra=extra)

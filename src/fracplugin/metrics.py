@@ -13,58 +13,12 @@ reads the ledger (thread-safe), the inventory (thread-safe reads) and the MPS
 supervisor's ``status()``; a scrape holds no lock of its own. Own
 ``CollectorRegistry`` (no global default registry, no process/GC metrics).
 
-Metrics (names and labels are the contract; README lists them and a test
-compares that list with ``/metrics``):
-
-every series, label ``node``: the node's name (``--node-name``/``NODE_NAME``,
-else the inventory's), added by ``render`` (``NODE_LABEL``)
-identity (issue 27 item 3):
-  fracplugin_build_info                            1, labels ``version`` (the package's), ``python_version``
-  fracplugin_gpu_info                              1 per GPU, labels ``UUID, gpu, modelName, Hostname, device``
-                                                   (``nvidia<minor>``), ``pci_bus_id``: dcgm-exporter's names
-per container and GPU, labels ``namespace, pod, pod_uid, container`` and the GPU's
-``gpu_uuid, gpu_index`` (deprecated) and ``UUID, gpu, modelName, Hostname`` (dcgm-exporter's):
-  fracplugin_container_gpu_memory_used_bytes       sum of NVML usedGpuMemory of the container's processes
-  fracplugin_container_gpu_memory_request_bytes    the ledger's request (MiB x 2^20)
-  fracplugin_container_gpu_memory_limit_bytes      the ledger's limit (MiB x 2^20)
-  fracplugin_container_sm_utilization_percent      sum of per-process SM % since the last sample, clamped to 100
-  fracplugin_container_sm_utilization_share_percent  SM % / the container's share, clamped to 100; share =
-                                                   active thread percentage / 100 when set (sm-sharing),
-                                                   else limit / GPU memory (gpu-fractioning metricsd's
-                                                   normalisation, docs/reference/gpu-fractioning-reference.md section 5)
-  fracplugin_container_gpu_memory_over_limit       1 while an over-limit episode lasts (used > limit at the
-                                                   last poll, overlimit.py), else 0; only with a watch
-per GPU, labels ``gpu_uuid, gpu_index`` (deprecated), ``UUID, gpu, modelName, Hostname``:
-  fracplugin_gpu_tenants                           ledger tenancies on the GPU
-  fracplugin_gpu_memory_held_bytes                 ledger held MiB x 2^20
-  fracplugin_gpu_memory_total_bytes                the GPU's memory (inventory MiB x 2^20)
-  fracplugin_gpu_compute_mode_info                 1, label ``mode`` = time-slicing | sm-sharing | none
-  fracplugin_gpu_healthy                           1 Healthy, 0 Unhealthy (what the device plugin tells
-                                                   kubelet: critical XID or the MPS daemon of its mode
-                                                   down); only with ``attach_state``
-doors (only with ``attach_state``; a series is absent while its door is off):
-  fracplugin_nri_connected                         1 while the NRI plugin is connected to the runtime
-  fracplugin_nri_synchronized                      1 once the runtime's Synchronize rebuilt the ledger
-  fracplugin_nri_unadjusted_containers             running containers that the last Synchronize found
-                                                   without the env the ledger's plan gives them (the
-                                                   ledger and the runtime disagree)
-  fracplugin_unfenced_containers_total             unfenced containers found, label ``action`` (ADR 0035)
-  fracplugin_unfenced_containers_waiting           those waiting for their pod's spec
-  fracplugin_device_plugin_registered              1 while registered with kubelet
-per MPS daemon, label ``mode``:
-  fracplugin_mps_daemon_up                         1 when healthy (probe answered), else 0
-  fracplugin_mps_daemon_restarts_total             restarts since fracplugin started (counter)
-  fracplugin_mps_daemon_wedges_total               drains that found the daemon wedged (counter)
-  fracplugin_mps_probe_duration_seconds            duration of the last active probe
-  fracplugin_mps_orphan_namespaces                 namespaces the daemon holds that no tenant owns (ADR 0034)
-doors and node:
-  fracplugin_hook_duration_seconds                 histogram, label ``door`` (``nri``, ``allocate``, ...)
-  fracplugin_refusals_total                        counter, label ``reason`` (FractionError.code)
-  fracplugin_ledger_entries                        number of tenancies in the ledger
-  fracplugin_nvml_failures_total                   usage samples whose NVML process query failed (counter)
-  fracplugin_gpu_memory_over_limit_episodes_total  over-limit episodes started (counter; only with a watch)
-  fracplugin_nri_bounds_exceeded_total             counter, label ``bound`` (``sync_parts``, ``sync_bytes``,
-                                                   ``unanswered``): a runtime hit a bound of nri/stub.py
+Metrics: names, types, labels and meaning are the contract, listed in
+README.md "## Metrics" (``tests/unit/test_metrics_readme.py`` checks that
+table against a capture of ``/metrics``). Every series carries ``node``
+(``NODE_LABEL``, added by ``render``); per-GPU series carry dcgm-exporter's
+``DCGM_GPU_LABELS`` and, until they go, ``DEPRECATED_GPU_LABELS``. The door
+and GPU health series need ``attach_state``, the over-limit ones a watch.
 
 Attribution (docs/reference/mps-nvml.md sections 4.3, 4.6): each ``ProcessSample`` PID is
 joined to a container through ``/proc/<pid>/cgroup`` (procfs.py, cached per
@@ -83,17 +37,18 @@ import logging
 import math
 import platform
 import threading
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from .health import REQUEST_DEADLINE_S, BoundedHandler, BoundedHTTPServer, make_bounded_server
+from .health import REQUEST_DEADLINE_S, BoundedHandler, BoundedHTTPServer, serve
 from . import __version__
 from .model import GpuInfo, NodeInfo, Tenancy
 from .procfs import CachedProcFs, ContainerRef, container_id_matches
+from .logs import guarded
 
 log = logging.getLogger(__name__)
 
@@ -117,23 +72,6 @@ SERVER_EXE = "nvidia-cuda-mps-server"
 MAX_HANDLERS = 8
 """Most concurrent handler threads of the /metrics server (a scrape takes
 milliseconds; Prometheus scrapes one target at a time)."""
-
-
-class MetricsServer(NamedTuple):
-    """A running ``/metrics`` HTTP server: ``(host, port, httpd, thread)``.
-
-    It is a tuple so ``host, port = server[:2]`` works; ``close()`` stops it."""
-
-    host: str
-    port: int
-    httpd: BoundedHTTPServer
-    thread: threading.Thread
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop serving and close the listening socket."""
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout_s)
 
 
 class Metrics:
@@ -198,7 +136,7 @@ class Metrics:
         self._stop_poll = threading.Event()
         self._collector = _Collector(self)
         self.registry.register(self._collector)
-        self._servers: list[MetricsServer] = []
+        self._servers: list[BoundedHTTPServer] = []
 
     # -- events from the doors --------------------------------------------------
     def observe_hook(self, door: str, seconds: float) -> None:
@@ -288,11 +226,11 @@ class Metrics:
         return node.name if node is not None else ""
 
     def serve(self, address: str = ":2112", *, max_handlers: int = MAX_HANDLERS,
-              request_deadline_s: float = REQUEST_DEADLINE_S) -> MetricsServer:
+              request_deadline_s: float = REQUEST_DEADLINE_S) -> BoundedHTTPServer:
         """Serve the metrics (any path, ``/metrics`` by convention; ``GET`` and
         ``HEAD``) on ``HOST:PORT`` (``:PORT`` = all interfaces; port 0 = any free
         port) from a serving thread in the background. Returns the running
-        ``MetricsServer`` (``host, port`` are the bound ones). Raises OSError
+        server (``bound``: the (host, port) bound). Raises OSError
         (address in use) and ValueError (bad address or bounds).
 
         Bounded like the health server (health.py ``BoundedHTTPServer``,
@@ -303,10 +241,6 @@ class Metrics:
         most ``max_handlers`` file descriptors and threads, however many a pod
         opens (prometheus-client's own server started a thread per connection
         and never timed a read out)."""
-        if max_handlers < 1 or request_deadline_s <= 0:
-            raise ValueError(f"max_handlers {max_handlers} must be >= 1 and request_deadline_s "
-                             f"{request_deadline_s} > 0")
-        host, port = _parse_address(address)
         outer = self
 
         class Handler(BoundedHandler):
@@ -323,13 +257,8 @@ class Metrics:
 
             do_HEAD = do_GET
 
-        httpd = make_bounded_server((host or "0.0.0.0", port), Handler, max_handlers=max_handlers,
-                                    request_deadline_s=request_deadline_s, label="metrics http")
-        thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                  name="fracplugin-metrics", daemon=True)
-        thread.start()
-        bound = httpd.server_address
-        server = MetricsServer(str(bound[0]), int(bound[1]), httpd, thread)
+        server = serve(address, Handler, max_handlers=max_handlers, request_deadline_s=request_deadline_s,
+                       label="metrics http", thread_name="fracplugin-metrics")
         with self._lock:
             self._servers.append(server)
         return server
@@ -342,10 +271,7 @@ class Metrics:
         with self._lock:
             servers, self._servers = self._servers, []
         for s in servers:
-            try:
-                s.close(timeout_s)
-            except Exception:
-                log.exception("metrics server close failed")
+            guarded(log, "metrics server close", s.close, timeout_s)
 
     # -- for the collector -----------------------------------------------------------
     def node(self) -> NodeInfo | None:
@@ -429,16 +355,6 @@ def render_text(registry: CollectorRegistry, const_labels: Mapping[str, str] | N
             else:
                 out.append(f"{smp.name} {_fmt_value(smp.value)}\n")
     return "".join(out).encode("utf-8")
-
-
-def _parse_address(value: str) -> tuple[str, int]:
-    if value.startswith("["):
-        host, sep, port = value[1:].partition("]:")
-    else:
-        host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"metrics address {value!r} is not HOST:PORT (e.g. :2112 or 127.0.0.1:0)")
-    return host, int(port)
 
 
 class _Usage:
@@ -762,6 +678,9 @@ def _match(ref: ContainerRef, gpu_uuid: str, by_cid: dict[str, list[Tenancy]],
 
 
 def _share_percent(sm_pct: float, t: Tenancy, gpu_memory_mib: int) -> float:
+    """SM % / the container's share, clamped to 100: share = active thread
+    percentage / 100 when set (sm-sharing), else limit / GPU memory
+    (gpu-fractioning metricsd's normalisation, docs/reference/gpu-fractioning-reference.md section 5)."""
     if t.active_thread_percentage:
         frac = t.active_thread_percentage / 100.0
     elif gpu_memory_mib > 0:

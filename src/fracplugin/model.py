@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Mapping
 
 from .safetext import escape_controls
@@ -305,21 +305,10 @@ class Tenancy:
         return bool(self.pod_uid)
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "pod_uid": self.pod_uid,
-            "namespace": self.namespace,
-            "pod_name": self.pod_name,
-            "container": self.container,
-            "gpu_uuid": self.gpu_uuid,
-            "request_mib": self.request_mib,
-            "limit_mib": self.limit_mib,
-            "mode": self.mode.value,
-            "container_id": self.container_id,
-            "mps_namespace": self.mps_namespace,
-            "active_thread_percentage": self.active_thread_percentage,
-            "door": self.door,
-            "reservation": self.reservation,
-        }
+        """Every field by name (``mode`` as its value): the ledger's record and ``/status``'s tenant."""
+        d: dict[str, object] = {f: getattr(self, f) for f in _TENANCY_FIELDS}
+        d["mode"] = self.mode.value
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> "Tenancy":
@@ -343,6 +332,9 @@ class Tenancy:
             door=str(d.get("door") or "nri"),
             reservation=str(d.get("reservation") or ""),
         )
+
+
+_TENANCY_FIELDS = tuple(f.name for f in fields(Tenancy))
 
 
 def _as_int(v: object) -> int:

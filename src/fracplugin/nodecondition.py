@@ -30,7 +30,7 @@ refreshed every ``heartbeat_s``. RBAC: nodes/status patch, nodes get.
 
 Concurrency model: one background thread polls the readiness function every
 ``poll_s`` and publishes a new state once it has held for ``debounce_s``;
-tenacity retries a patch (``retry_attempts`` tries) on connection errors,
+tenacity retries a patch (``RETRY_ATTEMPTS`` tries) on connection errors,
 5xx, 409 and 429, not on other 4xx. The doors never wait for the API server.
 ``stop`` publishes a last ``Unknown`` (reason ``ShuttingDown``) on every type
 within its time bound. Counters are guarded by one lock.
@@ -68,6 +68,8 @@ PART_REASONS = {
     "dra": "DRANotReady",
 }
 MAX_MESSAGE = 1024
+RETRY_ATTEMPTS = 4
+"""Tries per publish (tenacity, exponential backoff)."""
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,8 @@ class NodeConditionPublisher:
             (``lastHeartbeatTime``); after a failed publish the next try
             comes after min(heartbeat_s, 5) seconds.
         request_timeout_s: bound of one API request, seconds.
-        retry_attempts: tries per publish (tenacity, exponential backoff
-            from ``retry_base_s``).
+        retry_base_s: first pause between the ``RETRY_ATTEMPTS`` tries of a
+            publish (tenacity, exponential backoff).
 
     Raises ValueError for an empty ``types``, an empty ``node_name`` or
     non-positive intervals.
@@ -160,15 +162,14 @@ class NodeConditionPublisher:
         debounce_s: float = 2.0,
         heartbeat_s: float = 60.0,
         request_timeout_s: float = 5.0,
-        retry_attempts: int = 4,
         retry_base_s: float = 0.2,
     ) -> None:
         if not types:
             raise ValueError("types must name at least one condition type")
         if not node_name:
             raise ValueError("node_name is empty: the node condition needs this node's name (--node-name)")
-        if min(poll_s, heartbeat_s, request_timeout_s) <= 0 or debounce_s < 0 or retry_attempts < 1:
-            raise ValueError("poll_s, heartbeat_s, request_timeout_s must be > 0, debounce_s >= 0, retry_attempts >= 1")
+        if min(poll_s, heartbeat_s, request_timeout_s) <= 0 or debounce_s < 0:
+            raise ValueError("poll_s, heartbeat_s, request_timeout_s must be > 0, debounce_s >= 0")
         self._api = api
         self.node_name = node_name
         self.readiness = readiness
@@ -177,7 +178,6 @@ class NodeConditionPublisher:
         self.debounce_s = debounce_s
         self.heartbeat_s = heartbeat_s
         self.request_timeout_s = request_timeout_s
-        self.retry_attempts = retry_attempts
         self.retry_base_s = retry_base_s
         self.retry_s = min(heartbeat_s, 5.0)
         self._core: Any = None
@@ -335,7 +335,7 @@ class NodeConditionPublisher:
                                    _content_type="application/strategic-merge-patch+json")
 
         retry = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(attempts or self.retry_attempts) | tenacity.stop_when_event_set(self._abort),
+            stop=tenacity.stop_after_attempt(attempts or RETRY_ATTEMPTS) | tenacity.stop_when_event_set(self._abort),
             wait=tenacity.wait_exponential(multiplier=self.retry_base_s, max=5.0),
             retry=tenacity.retry_if_exception(_retryable),
             sleep=self._pause,

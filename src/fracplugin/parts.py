@@ -37,7 +37,6 @@ from .ports import Clock
 if TYPE_CHECKING:
     from .config import Config
     from .gpu.inventory import Inventory
-    from .health import HealthServer
     from .dra.server import DraServer
     from .dra.slices import SlicePublisher
     from .kubelet.deviceplugin import DevicePluginServer
@@ -161,7 +160,7 @@ class Service(Protocol):
 class ServicePart(PartBase):
     """A part that only starts and stops one component (``service``: the MPS
     role's API socket, refusal Events, the node condition KAI gates on, the
-    CDI registry, the GPU health monitor), named ``name``, reading the config
+    CDI registry, the GPU health monitor, ``/healthz`` and ``/status``), named ``name``, reading the config
     keys ``reads``; its ``status`` is ``status_of()`` ({} when not given)."""
 
     def __init__(self, cfg: Config, name: str, reads: Iterable[str], service: Service,
@@ -232,8 +231,7 @@ class MetricsPart(PartBase):
     def start(self) -> None:
         """Serve on ``metrics_address``; ``bound`` is the (host, port) bound;
         with a ledger, poll usage every ``usage_poll_interval_s``. Raises OSError."""
-        srv = self.metrics.serve(self.cfg.metrics_address)
-        self.bound = (str(srv.host), int(srv.port))
+        self.bound = self.metrics.serve(self.cfg.metrics_address).bound
         if self.metrics.ledger is not None:
             self.metrics.start_polling(self.cfg.usage_poll_interval_s)
 
@@ -439,25 +437,6 @@ class DraDoor(PartBase):
 
     def status(self) -> dict[str, Any]:
         return {**self.server.status(), "slices": None if self.slices is None else self.slices.status()}
-
-
-class HealthPart(PartBase):
-    """``/healthz``, ``/readyz``, ``/status``; ``bound`` after start."""
-
-    name = "health"
-    reads = frozenset({"health_address"})
-
-    def __init__(self, cfg: Config, server: HealthServer) -> None:
-        super().__init__(cfg)
-        self.server = server
-        self.bound: tuple[str, int] | None = None
-
-    def start(self) -> None:
-        """Bind and serve. Raises OSError."""
-        self.bound = self.server.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.server.stop(timeout_s)
 
 
 def bounded(name: str, fn: Callable[[], Any], timeout_s: float, clock: Clock = time.monotonic) -> bool:

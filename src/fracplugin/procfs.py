@@ -170,19 +170,29 @@ class ProcFs:
             target = target[: -len(" (deleted)")]
         return os.path.basename(target)
 
-    def ppid(self, pid: int) -> int | None:
-        """Parent PID from ``/proc/<pid>/stat`` (``None`` when gone/unreadable)."""
+    def _stat_field(self, pid: int, n: int) -> int | None:
+        """Field ``n`` (1-based, proc(5), ``n`` >= 3) of ``/proc/<pid>/stat`` as
+        an integer; None when the PID is gone or the field unreadable."""
         try:
-            with open(self._path(pid, "stat"), encoding="utf-8", errors="replace") as f:
-                stat = f.read()
+            fd = os.open(self._path(pid, "stat"), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
-        # comm may contain spaces and parentheses: split after the last ')'.
-        rest = stat.rsplit(")", 1)[-1].split()
         try:
-            return int(rest[1])
+            data = os.read(fd, 4096)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        # comm (field 2) may hold spaces and ')': fields 3.. follow the last ')'.
+        rest = data.rpartition(b")")[2].split()
+        try:
+            return int(rest[n - 3])
         except (IndexError, ValueError):
             return None
+
+    def ppid(self, pid: int) -> int | None:
+        """Parent PID (``stat`` field 4; None when gone/unreadable)."""
+        return self._stat_field(pid, 4)
 
     def pids(self) -> list[int]:
         """All numeric entries of the proc root (ascending)."""
@@ -209,6 +219,7 @@ class ProcFs:
         """PIDs whose ``exe`` basename equals ``basename``."""
         return [p for p in self.pids() if self.exe_basename(p) == basename]
 
+
 class CachedProcFs(ProcFs):
     """``ProcFs`` whose ``container_of`` and ``exe_basename`` answers are
     cached per PID, for the metrics scrape (issue 14: every scrape used to
@@ -229,22 +240,7 @@ class CachedProcFs(ProcFs):
 
     def start_time(self, pid: int) -> int | None:
         """Field 22 (``starttime``) of ``/proc/<pid>/stat``; None when unreadable."""
-        try:
-            fd = os.open(self._path(pid, "stat"), os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            data = os.read(fd, 4096)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        # comm (field 2) may hold spaces and ')': fields 3.. follow the last ')'.
-        rest = data.rpartition(b")")[2].split()
-        try:
-            return int(rest[19])  # field 22 = index 19 after the 3rd field starts the list
-        except (IndexError, ValueError):
-            return None
+        return self._stat_field(pid, 22)
 
     def _entry(self, pid: int) -> tuple[int, ContainerRef | None, str | None] | None:
         start = self.start_time(pid)

@@ -18,6 +18,7 @@ import pytest
 
 from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
+from fracplugin.mps.api import NullMps
 from fracplugin.mps.layout import MpsLayout, namespace_name
 from fracplugin.model import ComputeMode
 from fracplugin.nri.plugin import FracNriPlugin
@@ -31,7 +32,7 @@ NODE = load_node(REPO / "examples" / "nodes" / "gpu-node-1.yaml")
 P = "nvidia.com/container."
 
 
-class SlowMps:
+class SlowMps(NullMps):
     """An MPS layer whose namespace calls wait for ``gate``; records every
     call in order and the most calls of one owner in flight at once."""
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from fracplugin._proto import nri_pb2
 from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
+from fracplugin.mps.api import NullMps
 from fracplugin.mps.layout import MpsLayout, namespace_name
 from fracplugin.nri.plugin import FracNriPlugin, build_adjustment
 from fracplugin.nri.dispatch import PLUGIN_SERVICE
@@ -38,7 +39,7 @@ UUIDS = [g.uuid for g in NODE.gpus]
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-class FakeMps:
+class FakeMps(NullMps):
     """Records MPS calls; ``block`` makes ensure_namespace wait for an event."""
 
     def __init__(self) -> None:

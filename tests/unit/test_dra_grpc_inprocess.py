@@ -19,7 +19,7 @@ from fracplugin._proto import dra_v1_pb2 as v1
 from fracplugin._proto import dra_v1beta1_pb2 as v1beta1
 from fracplugin.dra import params
 from fracplugin.dra.prepare import Preparer
-from fracplugin.dra.server import DraServer, _Dra, _V1, _V1beta1
+from fracplugin.dra.server import DraServer, _Dra
 from fracplugin.gpu.simulated import load_node
 from fracplugin.gpu.health import HealthMonitor
 from fracplugin.gpu.inventory import XidEvent
@@ -50,10 +50,7 @@ def door(tmp_path: Path) -> DraServer:
 
 
 def _server(door: DraServer, pb: Any) -> Any:
-    if pb is v1:
-        servicer: Any = _V1(_Dra(door, v1, True))
-    else:
-        servicer = _V1beta1(_Dra(door, v1beta1, False))
+    servicer = _Dra(door, pb, pb is v1)
     return grpc_testing.server_from_dictionary({pb.DESCRIPTOR.services_by_name["DRAPlugin"]: servicer},
                                                grpc_testing.strict_real_time())
 

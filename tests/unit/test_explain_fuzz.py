@@ -39,6 +39,13 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
                       max_leaves=12)
 
 
+
+def explain_args(*argv: str) -> argparse.Namespace:
+    """``argv`` parsed as ``fracplugin explain`` parses it."""
+    p = argparse.ArgumentParser()
+    explain.add_arguments(p)
+    return p.parse_args(list(argv))
+
 def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
     out = [prefix]
     if isinstance(doc, dict):
@@ -78,9 +85,7 @@ def run_main(tmp: Path, pod_text: str | bytes, node_text: str | bytes | None = N
         node = NODE
     else:
         (node.write_bytes if isinstance(node_text, bytes) else node.write_text)(node_text)  # type: ignore[operator]
-    args = argparse.Namespace(pod=str(pod), node=str(node), container=None, output="table", ledger=None,
-                              annotation_prefix=explain.DEFAULT_PREFIX, reserve_mib=0)
-    rc = explain.main(args)
+    rc = explain.main(explain_args(str(pod), "--node", str(node), "--reserve-mib", "0"))
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -165,8 +170,6 @@ def test_node_file_not_utf8_or_overflowing_exit_2(tmp_path: Path, capsys: Any) -
 def test_ledger_that_is_not_a_ledger_exits_2(tmp_path: Path, capsys: Any) -> None:
     led = tmp_path / "ledger.json"
     led.write_bytes(b"\x00\xffnot json")
-    args = argparse.Namespace(pod=str(POD), node=str(NODE), container=None, output="table", ledger=str(led),
-                              annotation_prefix=explain.DEFAULT_PREFIX, reserve_mib=0)
-    assert explain.main(args) == 2
+    assert explain.main(explain_args(str(POD), "--node", str(NODE), "--ledger", str(led), "--reserve-mib", "0")) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and str(led) in err

@@ -235,7 +235,7 @@ def test_own_registry_and_http_serving(setup):
     assert b"process_cpu_seconds_total" not in metrics.render()  # no default collectors
     server = metrics.serve("127.0.0.1:0")
     try:
-        host, port = server[:2]
+        host, port = server.bound
         assert port > 0
         body = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
         assert "fracplugin_container_gpu_memory_used_bytes{" in body

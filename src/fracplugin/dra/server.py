@@ -56,7 +56,9 @@ SOCKET_NAME = "dra.sock"
 
 
 class _Dra:
-    """Shared body of the v1 and v1beta1 servicers."""
+    """The DRAPlugin service of one API version: ``pb`` its messages
+    (``dra_v1_pb2`` with ``share_id``, ``dra_v1beta1_pb2`` without), each
+    claim handed to the door's ``Preparer``."""
 
     def __init__(self, door: "DraServer", pb: Any, with_share_id: bool) -> None:
         self.door = door
@@ -75,14 +77,14 @@ class _Dra:
             devices.append(dev)
         return self.pb.NodePrepareResourceResponse(devices=devices)
 
-    def prepare(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 (gRPC name)
         self.door.count("prepare")
         out = self.pb.NodePrepareResourcesResponse()
         for c in request.claims:
             out.claims[c.uid].CopyFrom(self._answer(self.door.preparer.prepare(c.namespace, c.name, c.uid)))
         return out
 
-    def unprepare(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         self.door.count("unprepare")
         out = self.pb.NodeUnprepareResourcesResponse()
         for c in request.claims:
@@ -91,39 +93,13 @@ class _Dra:
         return out
 
 
-class _V1(v1_grpc.DRAPluginServicer):
-    def __init__(self, body: _Dra) -> None:
-        self.body = body
-
-    def NodePrepareResources(self, request: v1.NodePrepareResourcesRequest,  # noqa: N802 (gRPC name)
-                             context: grpc.ServicerContext) -> v1.NodePrepareResourcesResponse:
-        return self.body.prepare(request, context)  # type: ignore[no-any-return]
-
-    def NodeUnprepareResources(self, request: v1.NodeUnprepareResourcesRequest,  # noqa: N802
-                               context: grpc.ServicerContext) -> v1.NodeUnprepareResourcesResponse:
-        return self.body.unprepare(request, context)  # type: ignore[no-any-return]
-
-
-class _V1beta1(v1beta1_grpc.DRAPluginServicer):
-    def __init__(self, body: _Dra) -> None:
-        self.body = body
-
-    def NodePrepareResources(self, request: v1beta1.NodePrepareResourcesRequest,  # noqa: N802
-                             context: grpc.ServicerContext) -> v1beta1.NodePrepareResourcesResponse:
-        return self.body.prepare(request, context)  # type: ignore[no-any-return]
-
-    def NodeUnprepareResources(self, request: v1beta1.NodeUnprepareResourcesRequest,  # noqa: N802
-                               context: grpc.ServicerContext) -> v1beta1.NodeUnprepareResourcesResponse:
-        return self.body.unprepare(request, context)  # type: ignore[no-any-return]
-
-
 class _Registration(reg_grpc.RegistrationServicer):
     def __init__(self, door: "DraServer") -> None:
         self.door = door
 
     def GetInfo(self, request: reg.InfoRequest, context: grpc.ServicerContext) -> reg.PluginInfo:  # noqa: N802
         self.door.count("get_info")
-        return reg.PluginInfo(type=PLUGIN_TYPE, name=self.door.driver_name, endpoint=self.door.socket_path,
+        return reg.PluginInfo(type=PLUGIN_TYPE, name=DRIVER_NAME, endpoint=self.door.socket_path,
                               supported_versions=list(SUPPORTED_VERSIONS))
 
     def NotifyRegistrationStatus(self, request: reg.RegistrationStatus,  # noqa: N802
@@ -140,7 +116,6 @@ class DraServer:
         plugins_dir: kubelet's plugins directory (the DRA socket goes in
             ``<dir>/<driver>/dra.sock``).
         registry_dir: kubelet's ``plugins_registry`` directory.
-        driver_name: the DRA driver name.
         max_workers: grpcio worker threads per server.
 
     ``start`` raises OSError when a socket cannot be bound; ``stop`` is
@@ -148,12 +123,11 @@ class DraServer:
     """
 
     def __init__(self, preparer: Preparer, plugins_dir: str, registry_dir: str, *,
-                 driver_name: str = DRIVER_NAME, max_workers: int = 8,
+                 max_workers: int = 8,
                  clock: Callable[[], float] = time.time) -> None:
         self.preparer = preparer
-        self.driver_name = driver_name
-        self.socket_path = os.path.join(plugins_dir, driver_name, SOCKET_NAME)
-        self.registration_path = os.path.join(registry_dir, f"{driver_name}-reg.sock")
+        self.socket_path = os.path.join(plugins_dir, DRIVER_NAME, SOCKET_NAME)
+        self.registration_path = os.path.join(registry_dir, f"{DRIVER_NAME}-reg.sock")
         self.max_workers = max_workers
         self._clock = clock
         self._lock = threading.Lock()
@@ -167,18 +141,15 @@ class DraServer:
     def start(self) -> "DraServer":
         """Serve the DRA service, then the registration socket (kubelet may
         dial the DRA socket as soon as it reads GetInfo). Raises OSError."""
-        body_v1 = _Dra(self, v1, True)
-        body_v1beta1 = _Dra(self, v1beta1, False)
-
         def dra(server: grpc.Server) -> None:
-            v1_grpc.add_DRAPluginServicer_to_server(_V1(body_v1), server)
-            v1beta1_grpc.add_DRAPluginServicer_to_server(_V1beta1(body_v1beta1), server)
+            v1_grpc.add_DRAPluginServicer_to_server(_Dra(self, v1, True), server)
+            v1beta1_grpc.add_DRAPluginServicer_to_server(_Dra(self, v1beta1, False), server)
 
         self._serve(self.socket_path, dra, "fracplugin-dra")
         self._serve(self.registration_path,
                     lambda s: reg_grpc.add_RegistrationServicer_to_server(_Registration(self), s), "fracplugin-reg")
         log.info("dra door serving", extra={"socket": self.socket_path, "registration": self.registration_path,
-                                            "driver": self.driver_name})
+                                            "driver": DRIVER_NAME})
         return self
 
     def _serve(self, path: str, add: Callable[[grpc.Server], None], prefix: str) -> None:
@@ -213,9 +184,9 @@ class DraServer:
             self._registration_error = error
             self._registered_at = self._clock() if ok else None
         if ok:
-            log.info("dra door registered with kubelet", extra={"driver": self.driver_name})
+            log.info("dra door registered with kubelet", extra={"driver": DRIVER_NAME})
         else:
-            log.warning("kubelet refused the dra door's registration", extra={"driver": self.driver_name,
+            log.warning("kubelet refused the dra door's registration", extra={"driver": DRIVER_NAME,
                                                                               "reason": error})
 
     def readiness(self) -> tuple[bool, str]:
@@ -224,7 +195,7 @@ class DraServer:
             if not self._servers:
                 return False, "not serving"
             if self._registered:
-                return True, f"registered with kubelet as {self.driver_name}"
+                return True, f"registered with kubelet as {DRIVER_NAME}"
             if self._registration_error:
                 return False, f"kubelet refused the registration: {self._registration_error}"
             return False, f"waiting for kubelet to dial {self.registration_path}"
@@ -234,5 +205,5 @@ class DraServer:
         with self._lock:
             reg_state = {"registered": self._registered, "error": self._registration_error,
                          "registered_at": self._registered_at, "calls": dict(self.calls)}
-        return {"driver": self.driver_name, "socket": self.socket_path,
+        return {"driver": DRIVER_NAME, "socket": self.socket_path,
                 "registration_socket": self.registration_path, **reg_state, "claims": self.preparer.status()}

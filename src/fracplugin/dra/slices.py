@@ -58,9 +58,9 @@ MODE_NONE = "none"
 """``computeMode`` of a GPU no fraction is held on (any mode is admitted there)."""
 
 
-def slice_name(node_name: str, driver: str = DRIVER_NAME) -> str:
+def slice_name(node_name: str) -> str:
     """``<node>-<driver>`` (both DNS subdomains, so is the name)."""
-    return f"{node_name}-{driver}"
+    return f"{node_name}-{DRIVER_NAME}"
 
 
 def capacity_bytes(gpu: GpuInfo, reserve_mib: int) -> int:
@@ -100,8 +100,7 @@ def build_device(gpu: GpuInfo, driver_version: str, reserve_mib: int,
 
 
 def build_slice(node: NodeInfo, *, reserve_mib: int, healthy: Mapping[str, bool] | None = None,
-                modes: Mapping[str, ComputeMode | None] | None = None, generation: int = 1,
-                driver: str = DRIVER_NAME) -> dict[str, Any]:
+                modes: Mapping[str, ComputeMode | None] | None = None, generation: int = 1) -> dict[str, Any]:
     """This node's ResourceSlice (a dict in the API's JSON shape).
 
     Args:
@@ -111,7 +110,6 @@ def build_slice(node: NodeInfo, *, reserve_mib: int, healthy: Mapping[str, bool]
         modes: GPU UUID -> compute mode of its held fractions (None or
             absent: nothing held, ``computeMode: none``).
         generation: ``spec.pool.generation``.
-        driver: the driver name.
 
     MIG-enabled GPUs are left out (a MIG GPU takes no fraction). Pure.
     """
@@ -121,9 +119,9 @@ def build_slice(node: NodeInfo, *, reserve_mib: int, healthy: Mapping[str, bool]
                if health.get(g.uuid, True) and not g.mig_enabled and capacity_bytes(g, reserve_mib) > MIB]
     return {
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "ResourceSlice",
-        "metadata": {"name": slice_name(node.name, driver),
-                     "labels": {LABEL_NODE: node.name, LABEL_DRIVER: driver}},
-        "spec": {"driver": driver, "nodeName": node.name,
+        "metadata": {"name": slice_name(node.name),
+                     "labels": {LABEL_NODE: node.name, LABEL_DRIVER: DRIVER_NAME}},
+        "spec": {"driver": DRIVER_NAME, "nodeName": node.name,
                  "pool": {"name": node.name, "generation": generation, "resourceSliceCount": 1},
                  "devices": devices},
     }
@@ -150,14 +148,13 @@ class SlicePublisher:
             None}, read at each poll (the daemon gives the ledger's
             ``mode`` per GPU and calls ``poke`` on every ledger change).
         poll_s: seconds between builds.
-        resync_s: seconds after which an unchanged slice is written again.
         timeout_s: per-request timeout.
     """
 
     def __init__(self, api: Any, node: NodeInfo, *, reserve_mib: int,
                  healthy: Callable[[], Mapping[str, bool]] | None = None,
                  modes: Callable[[], Mapping[str, ComputeMode | None]] | None = None, poll_s: float = 5.0,
-                 resync_s: float = 300.0, timeout_s: float = 5.0, driver: str = DRIVER_NAME,
+                 timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._api = api
         self._objects: Any = None
@@ -166,10 +163,9 @@ class SlicePublisher:
         self.healthy = healthy or (lambda: {})
         self.modes = modes or (lambda: {})
         self.poll_s = poll_s
-        self.resync_s = resync_s
+        self.resync_s = 300.0  # seconds after which an unchanged slice is written again
         self.timeout_s = timeout_s
-        self.driver = driver
-        self.name = slice_name(node.name, driver)
+        self.name = slice_name(node.name)
         self._clock = clock
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -226,8 +222,7 @@ class SlicePublisher:
     # ---- one pass -----------------------------------------------------------
     def desired(self) -> dict[str, Any]:
         """The slice as it should be now (generation not decided yet)."""
-        return build_slice(self.node, reserve_mib=self.reserve_mib, healthy=self.healthy(), modes=self.modes(),
-                           driver=self.driver)
+        return build_slice(self.node, reserve_mib=self.reserve_mib, healthy=self.healthy(), modes=self.modes())
 
     def sync(self) -> bool:
         """Write the slice if it changed or the resync time passed; True when

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from ..model import ComputeMode
 from .inventory import Inventory, InventoryError, XidEvent
+from ..logs import guarded
 
 if TYPE_CHECKING:
     from ..mps.api import MpsApi
@@ -137,10 +138,7 @@ class HealthMonitor:
 
     def _notify(self) -> None:
         for cb in list(self._subs):
-            try:
-                cb()
-            except Exception:  # a subscriber must never stop the monitor
-                log.exception("health subscriber failed")
+            guarded(log, "health subscriber", cb)
 
     def health(self, uuid: str) -> GpuHealth:
         """Health of one GPU (an unknown UUID is reported healthy)."""

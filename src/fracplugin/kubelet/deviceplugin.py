@@ -65,6 +65,7 @@ from .devicelist import DeviceList
 from .doorserver import DoorServer
 from .podresources import DEFAULT_PODRESOURCES_SOCKET, Reconciler
 from .registration import DEFAULT_PLUGIN_DIR, KUBELET_SOCKET_NAME, Registrar
+from ..logs import guarded
 
 log = logging.getLogger(__name__)
 
@@ -400,14 +401,8 @@ class DevicePluginServer:
         self.counters.bump("refusals", last_refusal=r.message)
         log.warning("Allocate refused (%s): %s", r.code.name, r.message)
         if self.metrics is not None:
-            try:
-                self.metrics.refusal(r.label)
-            except Exception:
-                log.exception("metrics.refusal failed")
+            guarded(log, "metrics.refusal", self.metrics.refusal, r.label)
 
     def _observe(self, door: str, seconds: float) -> None:
         if self.metrics is not None:
-            try:
-                self.metrics.observe_hook(door, seconds)
-            except Exception:
-                log.exception("metrics.observe_hook failed")
+            guarded(log, "metrics.observe_hook", self.metrics.observe_hook, door, seconds)

@@ -30,14 +30,8 @@ from .registration import socket_identity
 log = logging.getLogger("fracplugin.kubelet.deviceplugin")  # the door's log, as before the split
 
 
-class _Served:
-    """One running grpcio server of the door and the worker pool it owns."""
-
-    __slots__ = ("server", "pool")
-
-    def __init__(self, server: grpc.Server, pool: futures.ThreadPoolExecutor) -> None:
-        self.server = server
-        self.pool = pool
+_Served = tuple[grpc.Server, futures.ThreadPoolExecutor]
+"""One running grpcio server of the door and the worker pool it owns."""
 
 
 class DoorServer:
@@ -80,10 +74,11 @@ class DoorServer:
         (A call whose request a peer never finishes sending counts as in
         flight until it is cancelled.)"""
         budget_s = max(budget_s, 0.0)
-        done = server.server.stop(grace=budget_s * 0.75)
+        grpc_server, pool = server
+        done = grpc_server.stop(grace=budget_s * 0.75)
         if not done.wait(budget_s):
             log.warning("device plugin server: calls still being cancelled %.1f s after stop", budget_s)
-        server.pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown(wait=False, cancel_futures=True)
 
     def serve(self) -> None:
         """Serve on ``self.socket_path`` (``grpcopts.serve_unix_renamed``: bound
@@ -100,9 +95,9 @@ class DoorServer:
         if old_path and old_path != self.socket_path and old_id is not None and socket_identity(old_path) == old_id:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(old_path)  # our previous name; kubelet dials the new one
-        server = _Served(*grpcopts.serve_unix_renamed(  # a stale socket of an earlier run goes first (A.8)
+        server = grpcopts.serve_unix_renamed(  # a stale socket of an earlier run goes first (A.8)
             self.socket_path, lambda s: pb_grpc.add_DevicePluginServicer_to_server(self._servicer, s),
-            self.max_workers, "fracplugin-dp"))
+            self.max_workers, "fracplugin-dp")
         # (-1, -1) when the file is already gone again: never equal to a real
         # identity, so the registrar serves anew.
         sid = socket_identity(self.socket_path) or (-1, -1)

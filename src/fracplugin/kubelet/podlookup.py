@@ -32,6 +32,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
+from ..logs import guarded
+
 log = logging.getLogger(__name__)
 
 Pod = Mapping[str, Any]
@@ -364,11 +366,7 @@ class _Store:
         if phase in _TERMINAL and (before is None or ((before.get("status") or {}).get("phase") or "") not in _TERMINAL):
             # kubelet frees a finished pod's devices (Succeeded / Failed): the
             # same callbacks as a deletion (ADR 0007, lifetimes).
-            for cb in list(self.on_delete):
-                try:
-                    cb(pod)
-                except Exception:
-                    log.exception("pod finished callback failed")
+            self._deleted([pod], "pod finished callback")
 
     def remove(self, pod: Pod) -> None:
         if not isinstance(pod, Mapping) or not isinstance(pod.get("metadata") or {}, Mapping):
@@ -383,11 +381,7 @@ class _Store:
             self._version += 1
             self._cond.notify_all()
         if old is not None:
-            for cb in list(self.on_delete):
-                try:
-                    cb(old)
-                except Exception:
-                    log.exception("pod delete callback failed")
+            self._deleted([old])
 
     def replace(self, pods: Iterable[Pod]) -> None:
         new = {}
@@ -408,12 +402,13 @@ class _Store:
                 self._insert(k, p)
             self._version += 1
             self._cond.notify_all()
-        for old in gone:
+        self._deleted(gone)
+
+    def _deleted(self, pods: Iterable[Pod], what: str = "pod delete callback") -> None:
+        """Run the ``on_delete`` callbacks for each of ``pods`` (outside the lock)."""
+        for pod in pods:
             for cb in list(self.on_delete):
-                try:
-                    cb(old)
-                except Exception:
-                    log.exception("pod delete callback failed")
+                guarded(log, what, cb, pod)
 
     def candidates(self, resource_name: str, count: int) -> list[Pod]:
         with self._cond:
@@ -457,6 +452,12 @@ class _StoreBackedSource:
     def wait(self, timeout_s: float) -> bool:
         return self._store.wait(timeout_s)
 
+    def pods(self) -> list[Pod]:
+        return self._store.pods()
+
+    def __len__(self) -> int:
+        return len(self._store)
+
     def subscribe_deleted(self, callback: Callable[[Pod], None]) -> None:
         """Call ``callback(pod)`` when a pod leaves the cache or reaches
         Succeeded / Failed (kubelet frees its devices either way)."""
@@ -478,8 +479,6 @@ class InMemoryPodSource(_StoreBackedSource):
         for p in pods:
             self._store.put(p)
 
-
-    # feeding
     def add(self, pod: Pod) -> None:
         """Add or replace a pod (keyed by uid, else namespace/name)."""
         self._store.put(pod)
@@ -491,13 +490,6 @@ class InMemoryPodSource(_StoreBackedSource):
     def set_ready(self, ready: bool) -> None:
         """Simulate the API connection going down (False) or up (True)."""
         self._ready = ready
-
-    def pods(self) -> list[Pod]:
-        return self._store.pods()
-
-
-    def __len__(self) -> int:
-        return len(self._store)
 
 
 class KubernetesPodSource(_StoreBackedSource):
@@ -537,10 +529,6 @@ class KubernetesPodSource(_StoreBackedSource):
         self._thread: threading.Thread | None = None
         self._watch: Any = None
         self.last_error: str | None = None
-
-
-    def __len__(self) -> int:
-        return len(self._store)
 
     def start(self) -> None:
         """Start the list/watch thread (idempotent)."""

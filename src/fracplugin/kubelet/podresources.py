@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import grpc
 
@@ -60,6 +60,7 @@ class PodDevices:
     name: str
     containers: tuple[ContainerDevices, ...]
 
+
 def _convert(p: pb.PodResources) -> PodDevices:
     conts = []
     for c in p.containers:
@@ -68,15 +69,6 @@ def _convert(p: pb.PodResources) -> PodDevices:
             devs.setdefault(d.resource_name, []).extend(d.device_ids)
         conts.append(ContainerDevices(c.name, {k: tuple(v) for k, v in devs.items()}))
     return PodDevices(p.namespace, p.name, tuple(conts))
-
-
-class _CallFailed(Exception):
-    """A PodResources call that failed: our status code and grpcio's details."""
-
-    def __init__(self, code: StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
 
 
 class PodResourcesClient:
@@ -107,26 +99,18 @@ class PodResourcesClient:
         if ch is not None:
             ch.close()
 
-    def _call(self, method: Callable[[pb_grpc.PodResourcesListerStub], Any]) -> Any:
-        """``method(stub)`` with this client's channel. Raises _CallFailed;
-        drops the channel unless the answer was UNIMPLEMENTED / NOT_FOUND
-        (dial again next time: kubelet restarted on a new socket)."""
+    def list(self) -> list[PodDevices]:
+        """Every pod kubelet knows with its containers' devices. Raises
+        PodResourcesError; the channel is dropped unless the answer was
+        UNIMPLEMENTED / NOT_FOUND (dial again next time: kubelet restarted on
+        a new socket)."""
         try:
-            return method(self._get_stub())
+            resp = self._get_stub().List(pb.ListPodResourcesRequest(), timeout=self.timeout_s)
         except grpc.RpcError as e:
             code, details = grpcopts.failure(e)
             if code not in (StatusCode.UNIMPLEMENTED, StatusCode.NOT_FOUND):
                 self._drop_channel()
-            raise _CallFailed(code, details) from None
-
-    def list(self) -> list[PodDevices]:
-        """Every pod kubelet knows with its containers' devices. Raises PodResourcesError."""
-        try:
-            resp = self._call(lambda stub: stub.List(pb.ListPodResourcesRequest(), timeout=self.timeout_s))
-        except _CallFailed as e:
-            raise PodResourcesError(
-                f"PodResources List on {self.socket_path} failed: {e.code.name}: {e.message}"
-            ) from None
+            raise PodResourcesError(f"PodResources List on {self.socket_path} failed: {code.name}: {details}") from None
         return [_convert(p) for p in resp.pod_resources]
 
     def close(self) -> None:

@@ -55,6 +55,7 @@ import tenacity
 from .._proto import deviceplugin_pb2 as pb
 from .._proto import deviceplugin_pb2_grpc as pb_grpc
 from . import grpcopts
+from ..logs import guarded
 
 log = logging.getLogger(__name__)
 
@@ -228,10 +229,17 @@ class RegistrationTarget(Protocol):
     def options(self) -> pb.DevicePluginOptions:
         ...
 
-    # Optional (checked with getattr):
-    # def rebind_as_new(self) -> None: serve on a socket with a new file name.
-    # def reset_name(self) -> None: next rebind uses the configured file name.
-    # def ready(self) -> bool: devices can be served Healthy now.
+    def rebind_as_new(self) -> None:
+        """Serve on a socket with a new file name."""
+        ...
+
+    def reset_name(self) -> None:
+        """The next ``rebind`` uses the configured file name."""
+        ...
+
+    def ready(self) -> bool:
+        """Devices can be served Healthy now."""
+        ...
 
 
 def _socket_gone(current: tuple[int, int] | None, ours: tuple[int, int] | None) -> bool:
@@ -262,17 +270,10 @@ class Registrar:
         kubelet_socket: path of kubelet.sock.
         resource_name: the extended resource.
         poll_s: watch period in seconds.
-        register_timeout_s: deadline of one Register call.
-        stream_grace_s: seconds with no open ListAndWatch (after one ended)
-            before re-registering.
-        register_grace_s: seconds after a Register for kubelet to open
-            ListAndWatch before re-registering.
         on_registered: called with the seconds from trigger to completed
             registration (bench/metrics).
         ready_timeout_s: longest wait (seconds) for ``target.ready()`` before
             the first Register of this process; then it registers anyway.
-        warn_every_s: at most one WARNING per this many seconds while
-            registration keeps failing (the first failure is always logged).
     """
 
     def __init__(
@@ -282,23 +283,19 @@ class Registrar:
         resource_name: str,
         *,
         poll_s: float = 0.1,
-        register_timeout_s: float = 10.0,
-        stream_grace_s: float = 0.5,
-        register_grace_s: float = 5.0,
         on_registered: Callable[[float], None] | None = None,
         ready_timeout_s: float = 30.0,
-        warn_every_s: float = 60.0,
     ) -> None:
         self.target = target
         self.kubelet_socket = kubelet_socket
         self.resource_name = resource_name
         self.poll_s = poll_s
-        self.register_timeout_s = register_timeout_s
-        self.stream_grace_s = stream_grace_s
-        self.register_grace_s = register_grace_s
+        self.register_timeout_s = 10.0  # deadline of one Register call, seconds
+        self.stream_grace_s = 0.5  # seconds with no open ListAndWatch (after one ended) before re-registering
+        self.register_grace_s = 5.0  # seconds after a Register for kubelet to open ListAndWatch
+        self.warn_every_s = 60.0  # at most one WARNING per this many seconds while registration keeps failing
         self.on_registered = on_registered
         self.ready_timeout_s = ready_timeout_s
-        self.warn_every_s = warn_every_s
         self.stats = RegistrationStats()
         self._ever_registered = False
         self._rotate_next = False
@@ -374,13 +371,10 @@ class Registrar:
         same_kubelet = self._registered_with is not None and self._registered_with == self._seen_ks
         rotate = self._rotate_next or same_kubelet
         self._rotate_next = False
-        new_name = getattr(self.target, "rebind_as_new", None)
-        reset = getattr(self.target, "reset_name", None)
-        if rotate and callable(new_name):
-            new_name()
+        if rotate:
+            self.target.rebind_as_new()
         else:
-            if callable(reset):
-                reset()
+            self.target.reset_name()
             self.target.rebind()
         log.info("%s; serving on %s", why, self.target.socket_path)
 
@@ -478,20 +472,16 @@ class Registrar:
         log.info("registered %s with kubelet (%s) in %.0f ms on %s", self.resource_name, trigger, took * 1000,
                  os.path.basename(self.target.socket_path))
         if self.on_registered is not None:
-            try:
-                self.on_registered(took)
-            except Exception:
-                log.exception("on_registered callback failed")
+            guarded(log, "on_registered callback", self.on_registered, took)
         return True
 
     def _wait_ready(self) -> None:
         """Before the first Register: wait (at most ``ready_timeout_s``) until
         the target says its devices can be served Healthy."""
-        ready = getattr(self.target, "ready", None)
-        if self._ever_registered or not callable(ready):
+        if self._ever_registered:
             return
         deadline = time.monotonic() + self.ready_timeout_s
-        while not self._stop.is_set() and not ready():
+        while not self._stop.is_set() and not self.target.ready():
             if time.monotonic() >= deadline:
                 log.warning("devices not all Healthy after %.0f s; registering anyway (kubelet sees them as they are)",
                             self.ready_timeout_s)

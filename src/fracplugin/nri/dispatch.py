@@ -30,6 +30,8 @@ RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
 VALID_EVENTS_MASK = 0x7FF
 """Events every runtime since NRI v0.3 accepts (``ValidEvents`` up to v0.9)."""
 DEFAULT_REQUEST_TIMEOUT_S = 2.0
+BUDGET_FRACTION = 0.75
+"""Share of the request timeout a handler may use before the stub answers for it."""
 DEFAULT_REGISTRATION_TIMEOUT_S = 5.0
 
 # Bounds on what a runtime can make the plugin hold (issue 13 item 5). A runtime

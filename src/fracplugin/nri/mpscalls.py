@@ -33,32 +33,24 @@ class MpsCalls:
         self.settings = settings
 
     def up(self, mode: ComputeMode) -> bool:
-        """The daemon of ``mode`` answers its probe now (True when the MPS
-        layer cannot tell)."""
-        healthy = getattr(self.mps, "healthy", None)
-        return not callable(healthy) or bool(healthy(mode))
+        """The daemon of ``mode`` answers its probe now."""
+        return bool(self.mps.healthy(mode))
 
     def all_up(self) -> bool:
-        """Every MPS daemon answers its probe (True when the MPS layer cannot
-        tell, as ``wait_healthy``)."""
-        healthy = getattr(self.mps, "healthy", None)
-        return not callable(healthy) or all(map(healthy, _MODES))
+        """Every MPS daemon answers its probe."""
+        return all(map(self.mps.healthy, _MODES))
 
     def why_down(self, mode: ComputeMode) -> str:
         """The MPS layer's reason why the daemon of ``mode`` is not healthy."""
-        why_fn = getattr(self.mps, "unhealthy_reason", None)
-        return str(why_fn(mode)) if callable(why_fn) else "not healthy"
+        return str(self.mps.unhealthy_reason(mode)) or "not healthy"
 
     def wait_healthy(self, deadline: float, mode: ComputeMode = ComputeMode.SM_SHARING) -> bool:
         """Absorb a short window where the daemon of ``mode`` is (re)starting:
-        when the MPS layer offers ``healthy(mode)``, poll it until ``deadline``
-        (the MPS time share of this call). Returns the last answer (True when
-        the layer cannot tell); the namespace call reports whatever is still wrong."""
-        healthy = getattr(self.mps, "healthy", None)
-        if not callable(healthy):
-            return True
+        poll ``healthy(mode)`` until ``deadline`` (the MPS time share of this
+        call). Returns the last answer; the namespace call reports whatever is
+        still wrong."""
         pause = 0.01
-        while not (ok := bool(healthy(mode))) and time.monotonic() + pause < deadline:
+        while not (ok := bool(self.mps.healthy(mode))) and time.monotonic() + pause < deadline:
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
         return ok

@@ -39,6 +39,7 @@ from .nsqueue import KeyedWorkQueue
 from .orphans import HeldNamespace, ledger_holds
 from .pluginbase import (_DEFAULT_REQUEST_TIMEOUT_S, _DRAIN, _ENSURE, _MARGIN_S, _NS_WORKERS, _RELEASE, DoorSettings,
                          Owner, _failed, _ns_settings)
+from ..logs import guarded
 
 log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log
 
@@ -380,10 +381,7 @@ class Namespaces:
         if owners:
             log.info("nri early MPS namespaces released: no container of the pod held them",
                      extra={"owners": len(owners), "pod_uid": ",".join(sorted({o[0] for o in owners}))})
-            try:
-                self.release(owners)
-            except Exception:
-                log.exception("nri early MPS namespace release failed")
+            guarded(log, "nri early MPS namespace release", self.release, owners)
 
     def early_status(self) -> dict[str, int]:
         """``{"pending": early namespaces no container holds yet, "queued":

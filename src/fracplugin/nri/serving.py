@@ -21,10 +21,11 @@ import time
 from typing import Any, Callable
 
 from ..safetext import escape_controls
-from .dispatch import Dispatcher
+from .dispatch import BUDGET_FRACTION, MAX_UNANSWERED, Dispatcher
 from .interfaces import CallContext
 from .transport import BUSY, SPILLED, ConnectionClosed, NriTransport
 from .ttrpc import Code, RequestReceived, RpcError
+from ..logs import guarded
 
 log = logging.getLogger("fracplugin.nri.stub")  # the stub's log, as before the split
 
@@ -187,12 +188,10 @@ class _Server:
     (``unanswered``); ``on_synchronized()``: a Synchronize exchange completed
     (called before its answer leaves)."""
 
-    def __init__(self, handler: object, plugin_name: str, budget_fraction: float, max_unanswered: int,
-                 max_workers: int, *, on_bound: Callable[[str], None], on_synchronized: Callable[[], None]) -> None:
+    def __init__(self, handler: object, plugin_name: str, max_workers: int, *,
+                 on_bound: Callable[[str], None], on_synchronized: Callable[[], None]) -> None:
         self.handler = handler
         self.plugin_name = plugin_name
-        self.budget_fraction = budget_fraction
-        self.max_unanswered = max_unanswered
         self._on_bound = on_bound
         self._on_synchronized = on_synchronized
         self._pool = _Workers(max_workers, "nri-handler")
@@ -218,7 +217,7 @@ class _Server:
             return
         if not self._count_unanswered(session, transport):
             return
-        call = _Call(session, ev, dispatcher.context(ev, self.budget_fraction))
+        call = _Call(session, ev, dispatcher.context(ev, BUDGET_FRACTION))
         self._watchdog.add(call)
         if dispatcher.inline(ev.method):
             self._serve(call, inline=True)
@@ -236,15 +235,15 @@ class _Server:
             if session.closing:  # already over the bound and being closed: read, not served
                 return False
             session.unanswered += 1
-            over = session.unanswered > self.max_unanswered
+            over = session.unanswered > MAX_UNANSWERED
             session.closing = over
         if over:
             log.error("nri runtime does not read the plugin's answers: %d requests unanswered (bound %d); "
-                      "closing the connection", session.unanswered, self.max_unanswered,
+                      "closing the connection", session.unanswered, MAX_UNANSWERED,
                       extra={"session": session.number, "bound": "unanswered"})
             self._on_bound("unanswered")
             transport.close(f"{session.unanswered} requests unanswered: the runtime does not read the answers "
-                            f"(bound {self.max_unanswered})")
+                            f"(bound {MAX_UNANSWERED})")
             return False
         return True
 
@@ -353,7 +352,5 @@ class _Server:
         log.warning("nri handler result arrived after its budget and was dropped", extra={"method": method})
         abandoned = getattr(self.handler, "abandoned", None)
         if callable(abandoned):
-            try:
-                abandoned(method, call.request, response if error is None else error)
-            except Exception:
-                log.exception("nri abandoned() hook failed", extra={"method": method})
+            guarded(log, "nri abandoned() hook", abandoned, method, call.request,
+                    response if error is None else error, extra={"method": method})

@@ -20,7 +20,7 @@ Concurrency model: threads.
   concurrently and RegisterPlugin never blocks the reader (Configure can
   arrive before the register reply, docs/reference/nri-protocol.md section 1.6);
 - one *watchdog* thread bounds every handler, wherever it runs: when a
-  handler has not answered within its budget (``budget_fraction`` x the
+  handler has not answered within its budget (``BUDGET_FRACTION`` x the
   request timeout, 0.75 x 2 s = 1.5 s by default, and the same fraction of
   the request's own ``timeout_nano``), the stub answers ``UNAVAILABLE``
   itself and discards the late result, calling the handler's optional
@@ -81,7 +81,6 @@ from .dispatch import (
     DEFAULT_SOCKET_PATH,
     MAX_SYNC_BYTES,
     MAX_SYNC_PARTS,
-    MAX_UNANSWERED,
     RUNTIME_SERVICE,
     Dispatcher,
     _subscription,
@@ -90,9 +89,12 @@ from .mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from .serving import _Server, _Session
 from .transport import NriTransport
 from .ttrpc import RpcError
+from ..logs import guarded
 
 log = logging.getLogger(__name__)
 
+CONNECT_TIMEOUT_S = 2.0
+"""Timeout of one ``connect()`` to the runtime's socket, seconds."""
 _NAME_RE = re.compile(r"^[a-zA-Z0-9_.+-]+$")
 _IDX_RE = re.compile(r"^[0-9]{2}$")
 
@@ -105,11 +107,10 @@ class _Reconnect:
     registration, an immediate close) the next try waits a doubling penalty,
     so such a runtime cannot turn the run loop into a busy loop (section 1.9)."""
 
-    def __init__(self, socket_path: str, fd: int | None, connect_timeout_s: float, initial_s: float,
-                 max_s: float, stop: threading.Event) -> None:
+    def __init__(self, socket_path: str, fd: int | None, initial_s: float, max_s: float,
+                 stop: threading.Event) -> None:
         self.socket_path = socket_path
         self.fd = fd
-        self.connect_timeout_s = connect_timeout_s
         self.initial_s = initial_s
         self.max_s = max_s
         self._stop = stop
@@ -166,7 +167,7 @@ class _Reconnect:
             raise ConnectionAbortedError("stopping")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(self.connect_timeout_s)
+            sock.settimeout(CONNECT_TIMEOUT_S)
             sock.connect(self.socket_path)
         except OSError:
             sock.close()
@@ -190,18 +191,12 @@ class NriStub:
             (``interfaces.handler_mask``). Must be non-zero, within 0x7FF and
             name only events the handler implements (ValueError otherwise).
         max_workers: handler threads.
-        budget_fraction: share of the request timeout a handler may use.
-        registration_timeout_s: how long to wait for the RegisterPlugin reply.
         reconnect_initial_s / reconnect_max_s: reconnection backoff (seconds,
             exponential with jitter).
-        connect_timeout_s: timeout of one ``connect()``.
         max_sync_parts / max_sync_bytes: bounds on the parts of one split
             Synchronize held until its last part (``MAX_SYNC_PARTS``,
             ``MAX_SYNC_BYTES``); past either, that Synchronize is answered
             RESOURCE_EXHAUSTED and its parts are dropped.
-        max_unanswered: most requests of one connection read but not answered
-            on the wire yet (``MAX_UNANSWERED``); past it the connection is
-            closed (a runtime that never reads its answers).
         on_bound: ``f(bound)`` called each time a bound is hit, ``bound`` one
             of ``sync_parts``, ``sync_bytes``, ``unanswered`` (the daemon counts
             them in ``fracplugin_nri_bounds_exceeded_total``); ``bounds_exceeded``
@@ -220,14 +215,10 @@ class NriStub:
         env: Mapping[str, str] | None = None,
         events: int | None = None,
         max_workers: int = 16,
-        budget_fraction: float = 0.75,
-        registration_timeout_s: float = DEFAULT_REGISTRATION_TIMEOUT_S,
         reconnect_initial_s: float = 0.1,
         reconnect_max_s: float = 5.0,
-        connect_timeout_s: float = 2.0,
         max_sync_parts: int = MAX_SYNC_PARTS,
         max_sync_bytes: int = MAX_SYNC_BYTES,
-        max_unanswered: int = MAX_UNANSWERED,
         on_bound: Callable[[str], None] | None = None,
     ) -> None:
         env = os.environ if env is None else env
@@ -248,22 +239,16 @@ class NriStub:
         self.plugin_name = plugin_name
         self.plugin_idx = plugin_idx
         self.events = _subscription(handler, events)
-        if not 0 < budget_fraction < 1:
-            raise ValueError("budget_fraction must be in (0, 1)")
-        self.budget_fraction = budget_fraction
-        self.registration_timeout_s = registration_timeout_s
         self._max_workers = max_workers
-        if min(max_sync_parts, max_sync_bytes, max_unanswered) < 1:
-            raise ValueError("max_sync_parts, max_sync_bytes and max_unanswered must be >= 1")
+        if min(max_sync_parts, max_sync_bytes) < 1:
+            raise ValueError("max_sync_parts and max_sync_bytes must be >= 1")
         self.max_sync_parts = max_sync_parts
         self.max_sync_bytes = max_sync_bytes
-        self.max_unanswered = max_unanswered
         self._on_bound = on_bound
         self.bounds_exceeded: dict[str, int] = {"sync_parts": 0, "sync_bytes": 0, "unanswered": 0}
         """How often each bound was hit, since start."""
         self._stop_ev = threading.Event()
-        self._reconnect = _Reconnect(socket_path, self.fd, connect_timeout_s, reconnect_initial_s, reconnect_max_s,
-                                     self._stop_ev)
+        self._reconnect = _Reconnect(socket_path, self.fd, reconnect_initial_s, reconnect_max_s, self._stop_ev)
         self._exited = threading.Event()
         self._synced = threading.Event()
         self._session: _Session | None = None
@@ -288,8 +273,8 @@ class NriStub:
         already started."""
         if self._thread is not None:
             raise RuntimeError("NriStub already started")
-        self._server = _Server(self.handler, self.plugin_name, self.budget_fraction, self.max_unanswered,
-                               self._max_workers, on_bound=self._bound_hit, on_synchronized=self._synchronized)
+        self._server = _Server(self.handler, self.plugin_name, self._max_workers, on_bound=self._bound_hit,
+                               on_synchronized=self._synchronized)
         self._thread = threading.Thread(target=self._run, name="nri-stub", daemon=True)
         self._thread.start()
         return self
@@ -311,10 +296,7 @@ class NriStub:
             self._server.stop()
         closer = getattr(self.handler, "close", None)
         if callable(closer):
-            try:
-                closer()
-            except Exception:
-                log.exception("nri handler close() failed")
+            guarded(log, "nri handler close()", closer)
         self._exited.set()
         return ended
 
@@ -340,10 +322,7 @@ class NriStub:
     def _bound_hit(self, bound: str) -> None:
         self.bounds_exceeded[bound] = self.bounds_exceeded.get(bound, 0) + 1
         if self._on_bound is not None:
-            try:
-                self._on_bound(bound)
-            except Exception:
-                log.exception("nri on_bound callback failed")
+            guarded(log, "nri on_bound callback", self._on_bound, bound)
 
     def connected(self) -> bool:
         """True while a connection is open and RegisterPlugin succeeded."""
@@ -444,7 +423,7 @@ class NriStub:
         transport.start()
         req = nri_pb2.RegisterPluginRequest(plugin_name=self.plugin_name, plugin_idx=self.plugin_idx)
         try:
-            transport.call(RUNTIME_SERVICE, "RegisterPlugin", req.SerializeToString(), self.registration_timeout_s)
+            transport.call(RUNTIME_SERVICE, "RegisterPlugin", req.SerializeToString(), DEFAULT_REGISTRATION_TIMEOUT_S)
         except BaseException:
             transport.close("registration failed")
             with self._session_lock:

@@ -36,7 +36,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
-from .mux import HEADER_SIZE, MAX_WRITE_FRAME, MuxDecoder, MuxError, encode_frames
+from .mux import HEADER_SIZE, MuxDecoder, MuxError, encode_frames
 from .ttrpc import (
     Code,
     MessageIgnored,
@@ -47,6 +47,7 @@ from .ttrpc import (
     TtrpcConnection,
     TtrpcError,
 )
+from ..logs import guarded
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,6 @@ class NriTransport:
         on_request: ``f(RequestReceived)`` run in the reader thread for each
             valid request; must answer later with ``respond``/``respond_error``.
         on_closed: ``f(reason: str)`` run once when the transport closes.
-        max_write_frame: largest mux frame written, bytes (4096, header incl.).
         max_read_frame: when set, a received mux frame larger than this
             (bytes, header incl.) is a protocol error, the way a Go peer
             reading into a 4096-byte buffer fails (used by the test runtime).
@@ -91,7 +91,6 @@ class NriTransport:
         call_conn: int,
         on_request: Callable[[RequestReceived], None],
         on_closed: Callable[[str], None] | None = None,
-        max_write_frame: int = MAX_WRITE_FRAME,
         max_read_frame: int | None = None,
         label: str = "nri",
     ) -> None:
@@ -101,7 +100,6 @@ class NriTransport:
         self.call_conn = call_conn
         self._on_request = on_request
         self._on_closed = on_closed
-        self._max_write_frame = max_write_frame
         self._max_read_frame = max_read_frame
         self.label = label
         self._mux = MuxDecoder((serve_conn, call_conn))
@@ -146,10 +144,7 @@ class NriTransport:
         if not self._reader.is_alive() or threading.current_thread() is self._reader:
             self._release_socket()
         if self._on_closed is not None:
-            try:
-                self._on_closed(reason)
-            except Exception:
-                log.exception("on_closed callback failed", extra={"transport": self.label})
+            guarded(log, "on_closed callback", self._on_closed, reason, extra={"transport": self.label})
 
     def join(self, timeout_s: float | None = None) -> None:
         """Wait for the reader thread to end (after ``close`` or EOF)."""
@@ -167,7 +162,7 @@ class NriTransport:
         if not data:
             return
         try:
-            self._sock.sendall(encode_frames(conn_id, data, self._max_write_frame))
+            self._sock.sendall(encode_frames(conn_id, data))
         except OSError as exc:
             raise ConnectionClosed(f"write failed: {exc}") from exc
 
@@ -258,7 +253,7 @@ class NriTransport:
                     self._server.send_response(stream_id, payload)
                 else:
                     self._server.send_error(stream_id, code, message)
-                data = encode_frames(self.serve_conn, self._server.data_to_send(), self._max_write_frame)
+                data = encode_frames(self.serve_conn, self._server.data_to_send())
             sent = self._send_nowait(data)
         except BaseException as exc:
             self._write_lock.release()

@@ -180,12 +180,11 @@ class TtrpcConnection:
     ``send_error``. ``role`` CLIENT: ``send_request`` returns the new stream id;
     ``receive_data`` yields ``ResponseReceived`` for streams in flight.
 
-    ``max_message`` (bytes) is the data-length limit, default 4 MiB.
+    The data-length limit is ``MAX_MESSAGE`` (4 MiB).
     """
 
-    def __init__(self, role: Role, *, max_message: int = MAX_MESSAGE) -> None:
+    def __init__(self, role: Role) -> None:
         self.role = role
-        self.max_message = max_message
         self._in = bytearray()
         self._out = bytearray()
         self._discard: _Discard | None = None
@@ -240,7 +239,7 @@ class TtrpcConnection:
                 raise TtrpcError(
                     f"ttrpc header announces {length} bytes on stream {stream_id}: not a ttrpc stream"
                 )
-            if length > self.max_message:
+            if length > MAX_MESSAGE:
                 pos += HEADER_SIZE
                 self._discard = _Discard(stream_id, mtype, length, length)
                 tail = memoryview(bytes(buf[pos:]))
@@ -279,7 +278,7 @@ class TtrpcConnection:
         return view[n:]
 
     def _oversized(self, d: _Discard, events: list[Event]) -> None:
-        reason = f"message length {d.length} exceeds maximum message size of {self.max_message}"
+        reason = f"message length {d.length} exceeds maximum message size of {MAX_MESSAGE}"
         if self.role is Role.SERVER and d.msg_type == MessageType.REQUEST:
             if self._accept_stream_id(d.stream_id, events):
                 self._queue_error(d.stream_id, Code.RESOURCE_EXHAUSTED, reason)
@@ -353,7 +352,7 @@ class TtrpcConnection:
         metadata: Iterable[tuple[str, str]] = (),
     ) -> int:
         """Client: queue a unary request and return its stream id (odd,
-        increasing). Raises ``MessageTooLarge`` above ``max_message`` bytes and
+        increasing). Raises ``MessageTooLarge`` above ``MAX_MESSAGE`` bytes and
         ``TtrpcError`` when the stream id space is exhausted."""
         req = ttrpc_pb2.Request(service=service, method=method, payload=payload, timeout_nano=timeout_nano)
         for k, v in metadata:
@@ -370,8 +369,8 @@ class TtrpcConnection:
         stream_id = self._next_stream_id
         if stream_id >= 2**32:
             raise TtrpcError("ttrpc stream ids exhausted on this connection")
-        if check_size and len(body) > self.max_message:
-            raise MessageTooLarge(f"request of {len(body)} bytes exceeds the ttrpc limit {self.max_message}")
+        if check_size and len(body) > MAX_MESSAGE:
+            raise MessageTooLarge(f"request of {len(body)} bytes exceeds the ttrpc limit {MAX_MESSAGE}")
         self._next_stream_id += 2
         self._in_flight.add(stream_id)
         self._frame(stream_id, MessageType.REQUEST, body)
@@ -380,15 +379,15 @@ class TtrpcConnection:
     def send_response(self, stream_id: int, payload: bytes = b"") -> bool:
         """Server: queue the OK answer of ``stream_id`` (status left unset, as
         the Go server does). Returns False when the response exceeded
-        ``max_message`` and a ``RESOURCE_EXHAUSTED`` error was sent instead.
+        ``MAX_MESSAGE`` and a ``RESOURCE_EXHAUSTED`` error was sent instead.
         Raises ValueError for a stream id that is not awaiting an answer."""
         self._take(stream_id)
         body = ttrpc_pb2.Response(payload=payload).SerializeToString() if payload else b""
-        if len(body) > self.max_message:
+        if len(body) > MAX_MESSAGE:
             self._queue_error(
                 stream_id,
                 Code.RESOURCE_EXHAUSTED,
-                f"response of {len(body)} bytes exceeds maximum message size of {self.max_message}",
+                f"response of {len(body)} bytes exceeds maximum message size of {MAX_MESSAGE}",
             )
             return False
         self._frame(stream_id, MessageType.RESPONSE, body)
