@@ -655,31 +655,16 @@ def test_nri_refusal_becomes_a_kubernetes_event(daemon: Callable[..., DaemonProc
     server the kubeconfig names (a minimal fake here); the recorder stops
     after NRI at shutdown."""
     import copy
-    from http.server import BaseHTTPRequestHandler
 
     from nri_runtime import FakeNriRuntime, pod_from_manifest
+    from tests.peers.posts_api import Api
 
-    posted: list[tuple[str, dict[str, Any]]] = []
-
-    class Api(BaseHTTPRequestHandler):
-        def log_message(self, *a: Any) -> None:
-            pass
-
-        def do_POST(self) -> None:  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            posted.append((self.path, body))
-            out = json.dumps(body).encode()
-            self.send_response(201)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-    api, kubeconfig = serve_fake_api(Api, root)
+    api = Api(root)
+    posted = api.posted
     rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
     try:
         d = daemon("--no-device-plugin", "--no-mps", "--nri-socket", str(root / "nri.sock"),
-                   "--kubeconfig", str(kubeconfig))
+                   "--kubeconfig", str(api.kubeconfig))
         rt.wait_registered(15)
         wait_until(d.ready, what=lambda: f"readiness: {d.get('/readyz')}")
         pod, ctrs = pod_from_manifest(INFERENCE)
@@ -702,7 +687,7 @@ def test_nri_refusal_becomes_a_kubernetes_event(daemon: Callable[..., DaemonProc
         assert names.index("nri") < names.index("events"), names
     finally:
         rt.close()
-        api.shutdown()
+        api.close()
 
 
 def test_no_api_access_no_events(daemon: Callable[..., DaemonProc], root: Path) -> None:

@@ -292,43 +292,19 @@ def test_not_enforced_becomes_a_warning_event(started: Any, root: Path) -> None:
     """With API access, a container whose limit is not in force gets a Warning
     Event MemoryLimitNotEnforced on its pod naming the GPU, the planned and
     read values and the reason (here: verify mode, nothing set the limits)."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from tests.peers.posts_api import Api
 
-    posted: list[dict[str, Any]] = []
-
-    class Api(BaseHTTPRequestHandler):
-        def log_message(self, *a: Any) -> None:
-            pass
-
-        def do_POST(self) -> None:  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            posted.append(body)
-            out = json.dumps(body).encode()
-            self.send_response(201)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-    api = ThreadingHTTPServer(("127.0.0.1", 0), Api)
-    api.daemon_threads = True
-    threading.Thread(target=api.serve_forever, daemon=True).start()
-    kubeconfig = root / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "t",
-        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{api.server_address[1]}"}}],
-        "users": [{"name": "t", "user": {"token": "x"}}],
-        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
+    api = Api(root)
+    kubeconfig = api.kubeconfig
     try:
         d, rt, cg = started(["--memory-limits", "verify", "--kubeconfig", str(kubeconfig),
                              "--node-condition-types", "", "--memory-limits-policy", "warn"])
         pod, c, _leaf = _pod_with_cgroup(cg)
         rt.create_container(pod, c)
         assert rt.start_container(pod, c) is None
-        wait_until(lambda: [e for e in posted if e.get("reason") == "MemoryLimitNotEnforced"], 15,
-                   lambda: f"a MemoryLimitNotEnforced Event; posted {posted}\n{d.logs()[-3000:]}")
-        [ev] = [e for e in posted if e.get("reason") == "MemoryLimitNotEnforced"]
+        wait_until(lambda: api.events("MemoryLimitNotEnforced"), 15,
+                   lambda: f"a MemoryLimitNotEnforced Event; posted {api.posted}\n{d.logs()[-3000:]}")
+        [ev] = api.events("MemoryLimitNotEnforced")
         assert ev["type"] == "Warning" and ev["action"] == "StartContainer"
         assert ev["involvedObject"]["uid"] == pod.uid and ev["involvedObject"]["fieldPath"] == "spec.containers{app}"
         msg = ev["message"]
@@ -336,7 +312,7 @@ def test_not_enforced_becomes_a_warning_event(started: Any, root: Path) -> None:
         assert "planned soft 40960 MiB / hard 61440 MiB, read soft 0 MiB / hard max" in msg, msg
         assert "verify mode" in msg
     finally:
-        api.shutdown()
+        api.close()
 
 
 def test_a_fifo_at_dmem_capacity_blocks_nothing(started: Any) -> None:
