@@ -119,3 +119,45 @@ def test_two_concurrent_prepares_of_one_claim_make_one_hold_and_the_same_answer(
     assert len(answers) == 2 and answers[0] == answers[1] and answers[0].error == ""
     assert (source.reads, mps.ensured, len(p.ledger.reservation("dra:uid-1"))) == (1, 1, 1)
     assert not p._busy
+
+
+class SubscribingMps(CountingMps):
+    """Records the health callback the Preparer subscribes; each ensure is logged with its claim uid."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.callbacks: list[Any] = []
+        self.owners: list[str] = []
+
+    def subscribe(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    def ensure_namespace(self, owner: str, *args: Any, **kwargs: Any) -> str:
+        self.owners.append(owner)
+        return super().ensure_namespace(owner, *args, **kwargs)
+
+
+def test_a_daemon_healthy_again_gets_the_prepared_claims_namespaces_back(tmp_path: Path) -> None:
+    """Issue 35 item 4 (ADR 0034), the DRA door's part: when an MPS daemon is healthy again (a new MPS
+    role's fresh daemons know no namespace), the namespaces of the claims prepared in that mode are
+    made again; claims of another mode and unprepared claims are not."""
+    from fracplugin.model import ComputeMode
+
+    ts = {**SM, "gpu-compute.mode": "time-slicing"}
+    source = Claims(claim_doc("ns", "a", "uid-a", memory="20Gi", parameters=SM, device="gpu-0"),
+                    claim_doc("ns", "b", "uid-b", memory="20Gi", parameters=SM, device="gpu-1"),
+                    claim_doc("ns", "t", "uid-t", memory="20Gi", parameters=ts, device="gpu-2"))
+    mps = SubscribingMps()
+    p = Preparer(node_rules(NODE), source, str(tmp_path), mps=mps)  # type: ignore[arg-type]
+    [back] = mps.callbacks
+    for c, u in (("a", "uid-a"), ("b", "uid-b"), ("t", "uid-t")):
+        assert p.prepare("ns", c, u).error == ""
+    assert p.unprepare("ns", "b", "uid-b") == ""
+    mps.owners.clear()
+    back(ComputeMode.SM_SHARING, False)  # down: nothing to do yet
+    back(ComputeMode.SM_SHARING, True)
+    wait_until(lambda: mps.owners, what="a namespace re-made")
+    for t in threading.enumerate():
+        if t.name == "fracplugin-dra-renew":
+            t.join(30)
+    assert mps.owners == ["uid-a"] and not p._busy

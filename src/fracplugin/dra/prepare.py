@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol
 
 from ..cdi import CdiRegistry
-from ..model import ContainerPlan, FractionError, NodeInfo
+from ..model import ComputeMode, ContainerPlan, FractionError, NodeInfo
 from ..mps.api import MpsApi
 from ..noderules import NodeRules, status_of
 from ..allocation import DOOR_DRA
@@ -122,6 +122,8 @@ class Preparer:
         self._counts = {"prepared": 0, "refused": 0, "failed": 0, "unprepared": 0}
         self._last_error = ""
         self._free = threading.Condition(self._lock)
+        if mps is not None:  # a daemon healthy again (a new MPS role's fresh daemons): re-make, ADR 0034
+            mps.subscribe(self._mps_back)
 
     @contextmanager
     def _claim_lock(self, uid: str) -> Iterator[None]:
@@ -200,6 +202,31 @@ class Preparer:
             return
         self.mps.ensure_namespace(plan.pod.uid, CLAIM_CONTAINER, plan.active_thread_percentage,
                                   self.namespace_timeout_s, mode=plan.compute_mode, pinned_limit_mib=plan.limit_mib)
+
+    def _mps_back(self, mode: ComputeMode, healthy: bool) -> None:
+        """The MPS layer's health callback: when ``mode``'s daemon is healthy
+        again (a restart, or a new MPS role whose fresh daemons know no
+        namespace: ADR 0034), re-make the namespaces of the prepared claims of
+        that mode, as the NRI door does for its running containers, on a
+        thread of its own (each ensure waits on the daemon). Never raises."""
+        with self._lock:
+            uids = [u for u, d in self._record.items()
+                    if d.plan is not None and d.plan.compute_mode is ComputeMode(mode)]
+        if healthy and uids:
+            threading.Thread(target=self._renew, args=(uids,), name="fracplugin-dra-renew", daemon=True).start()
+
+    def _renew(self, uids: list[str]) -> None:
+        """Ensure each still-prepared claim's namespace, under its claim's lock
+        (an Unprepare meanwhile wins: nothing is made for a released claim)."""
+        for uid in uids:
+            with self._claim_lock(uid):
+                with self._lock:
+                    done = self._record.get(uid)
+                try:
+                    if done is not None and done.plan is not None:
+                        self._ensure_namespace(done.plan)
+                except Exception as exc:
+                    log.warning("dra claim's MPS namespace not re-made", extra={"claim_uid": uid, "reason": str(exc)})
 
     def _devices(self, claim: claims.ClaimRequest, plan: ContainerPlan) -> tuple[PreparedDevice, ...]:
         """One answer device per allocated device: the claim's CDI device on
