@@ -307,13 +307,13 @@ def test_mps_quit_in_either_pod_finds_the_mps_roles_socket(renders, name: str) -
 
 
 def test_readme_uninstall_ends_the_daemonsets_before_their_rbac(renders) -> None:
-    """README's uninstall deletes every DaemonSet of the default rendering with
+    """The operator guide's uninstall deletes every DaemonSet of the default rendering with
     foreground cascading (kubectl waits for the pods) before `helm uninstall`.
     Found by the cluster e2e (issue 24): `helm uninstall` alone deletes the
     ServiceAccount, ClusterRole and binding together with the DaemonSets, so
     the stopping doors' last node-condition patch (Unknown) was refused and the
     KAI conditions stayed True on a node without fracplugin."""
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "operator-guide.md").read_text()
     start = text.index("Uninstall (stopping MPS on purpose)")
     block = text[text.index("```sh", start) + 5 : text.index("```", text.index("```sh", start) + 5)]
     lines = [ln.split("#")[0].strip() for ln in block.strip().splitlines()]
@@ -327,11 +327,11 @@ def test_readme_uninstall_ends_the_daemonsets_before_their_rbac(renders) -> None
 
 
 def test_readme_install_blocks_are_what_the_cluster_e2e_runs() -> None:
-    """README's install, upgrade and uninstall blocks (both layouts) are read
+    """The operator guide's install, upgrade and uninstall blocks (both layouts) are read
     and run by make cluster-e2e (tests/cluster_e2e/readme.py, issue 24): each
     exists, each line is a helm command (run as it stands, test-only values
     files appended) or a kubectl line the test knows how to run through the
-    API. A README edit the cluster e2e could not follow fails here, in the
+    API. A guide edit the cluster e2e could not follow fails here, in the
     fast suite, naming the line."""
     import importlib.util
 

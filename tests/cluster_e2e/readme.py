@@ -1,15 +1,16 @@
-"""README's install, upgrade and uninstall commands, read from README.md so
+"""The install, upgrade and uninstall commands of docs/operator-guide.md (and
+the DRA example of docs/user-guide.md), read from those pages so
 that ``make cluster-e2e`` runs exactly what a user is told to run (issue 24,
-"README's install section is exactly what the test runs").
+"the guide's install section is exactly what the test runs").
 
 ``commands(marker)`` returns the commands of the first ```sh block after
-``marker`` in README.md (backslash continuations joined, comments dropped),
-each an argv list with README's placeholders filled in (``PLACEHOLDERS``).
-The harness runs a ``helm`` command with the real helm as README has it,
+``marker`` in the guide (backslash continuations joined, comments dropped),
+each an argv list with the guide's placeholders filled in (``PLACEHOLDERS``).
+The harness runs a ``helm`` command with the real helm as the guide has it,
 adding only the test-only values files (``-f``) at the end; a ``kubectl``
 command is run through the API by ``Kubectl`` in conftest.py (kubectl is not
-built here), which knows exactly the verbs README uses and fails, naming the
-line, on any other: a README edit the test cannot follow fails the test
+built here), which knows exactly the verbs the guide uses and fails, naming the
+line, on any other: a guide edit the test cannot follow fails the test
 instead of being silently skipped.
 """
 
@@ -18,18 +19,20 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent.parent / "README.md"
+DOCS = Path(__file__).resolve().parent.parent.parent / "docs"
+OPERATOR_GUIDE = DOCS / "operator-guide.md"  # install, upgrade, uninstall
+USER_GUIDE = DOCS / "user-guide.md"  # the DRA example
 
-# The markers of README's blocks (the text right before each ```sh block).
+# The markers of the guide's blocks (the text right before each ```sh block).
 INSTALL = "push it where the nodes can pull it, and install the Helm chart"
 UPGRADE = "Upgrading to a new image with the same values"
 UNINSTALL = "Uninstall (stopping MPS on purpose)"
 UNINSTALL_SINGLE = "With `layout=single` there is no MPS role to ask"
-# README's DRA example (a ```yaml block: the ResourceClaimTemplate and the pod that uses it), created as it stands
+# The guide's DRA example (a ```yaml block: the ResourceClaimTemplate and the pod that uses it), created as it stands
 # by the DRA scenarios of tests/cluster_e2e/test_dra.py (only the pod's image is this cluster's).
 DRA_EXAMPLE = "A claim template asking 20Gi of one GPU"
 
-# README's placeholders -> what this cluster has: the image `make image` built,
+# The guide's placeholders -> what this cluster has: the image `make image` built,
 # imported into containerd as docker.io/library/fracplugin:<tag>.
 UPGRADE_TAG = "0.1.0-e2e-upgrade"  # the same archive under a second tag (fullcluster.py imports it so)
 PLACEHOLDERS = {"<registry>": "docker.io/library", "<new-tag>": UPGRADE_TAG}
@@ -39,26 +42,33 @@ ONE_WORD = {"<fracplugin-mps pod>": MPS_POD, "<new tag>": "<new-tag>"}
 
 
 class ReadmeError(AssertionError):
-    """README.md lacks a block the test runs, or has a command it cannot run."""
+    """The guide lacks a block the test runs, or has a command it cannot run."""
+
+
+def doc_of(marker: str) -> Path:
+    """The page a marker's block is read from: the user guide for the DRA
+    example, the operator guide for the install, upgrade and uninstall."""
+    return USER_GUIDE if marker == DRA_EXAMPLE else OPERATOR_GUIDE
 
 
 def block(marker: str, text: str | None = None, lang: str = "sh") -> str:
-    """The body of the first ```<lang> block after ``marker`` in README.md.
+    """The body of the first ```<lang> block after ``marker`` in the guide.
     Raises ReadmeError when the marker or the block is missing."""
-    text = README.read_text() if text is None else text
+    doc = doc_of(marker)
+    text = doc.read_text() if text is None else text
     at = text.find(marker)
     if at < 0:
-        raise ReadmeError(f"README.md has no {marker!r}: the cluster e2e runs the {lang} block after it")
+        raise ReadmeError(f"docs/{doc.name} has no {marker!r}: the cluster e2e runs the {lang} block after it")
     fence = f"```{lang}\n"
     start = text.find(fence, at)
     end = text.find("```", start + len(fence)) if start >= 0 else -1
     if start < 0 or end < 0:
-        raise ReadmeError(f"README.md has no ```{lang} block after {marker!r}")
+        raise ReadmeError(f"docs/{doc.name} has no ```{lang} block after {marker!r}")
     return text[start + len(fence):end]
 
 
 def yaml_docs(marker: str, text: str | None = None) -> dict[str, dict]:
-    """The manifests of README's ```yaml block after ``marker``, by kind
+    """The manifests of the guide's ```yaml block after ``marker``, by kind
     (one of each kind). Raises ReadmeError when the block is missing, does
     not parse, or holds two manifests of one kind."""
     import yaml
@@ -66,19 +76,19 @@ def yaml_docs(marker: str, text: str | None = None) -> dict[str, dict]:
     try:
         docs = [d for d in yaml.safe_load_all(block(marker, text, lang="yaml")) if d]
     except yaml.YAMLError as e:
-        raise ReadmeError(f"README.md's yaml block after {marker!r} does not parse: {e}") from None
+        raise ReadmeError(f"the guide's yaml block after {marker!r} does not parse: {e}") from None
     out: dict[str, dict] = {}
     for d in docs:
         kind = d.get("kind") if isinstance(d, dict) else None
         if not kind or kind in out:
-            raise ReadmeError(f"README.md's yaml block after {marker!r}: a manifest without a kind, or two of "
+            raise ReadmeError(f"the guide's yaml block after {marker!r}: a manifest without a kind, or two of "
                               f"kind {kind!r}")
         out[kind] = d
     return out
 
 
 def commands(marker: str, text: str | None = None, fill: bool = True) -> list[list[str]]:
-    """The commands of README's sh block after ``marker``: one argv per
+    """The commands of the guide's sh block after ``marker``: one argv per
     command (continuation lines joined, ``# ...`` comments dropped), with
     ``PLACEHOLDERS`` filled in when ``fill``. Raises ReadmeError."""
     out: list[list[str]] = []
@@ -102,17 +112,17 @@ def commands(marker: str, text: str | None = None, fill: bool = True) -> list[li
 
 
 def one(marker: str, tool: str, verb: str) -> list[str]:
-    """The single ``<tool> <verb> ...`` command of README's block after
+    """The single ``<tool> <verb> ...`` command of the guide's block after
     ``marker`` (e.g. ``helm install``). Raises ReadmeError when there is not
     exactly one."""
     found = [c for c in commands(marker) if c[:2] == [tool, verb]]
     if len(found) != 1:
-        raise ReadmeError(f"README.md's block after {marker!r} has {len(found)} `{tool} {verb}` commands, not 1")
+        raise ReadmeError(f"the guide's block after {marker!r} has {len(found)} `{tool} {verb}` commands, not 1")
     return found[0]
 
 
 def kubectl_op(argv: list[str]) -> tuple[str, str, list[str], list[str]]:
-    """What a README ``kubectl`` line does, as ``(op, namespace, names, cmd)``:
+    """What a guide ``kubectl`` line does, as ``(op, namespace, names, cmd)``:
 
     - ``("create-namespace", "", [name], [])``
     - ``("label-namespace", "", [name, "k=v", ...], [])``
@@ -139,12 +149,12 @@ def kubectl_op(argv: list[str]) -> tuple[str, str, list[str], list[str]]:
             return "exec", ns, [ds], rest[3:]
     if rest[:2] == ["delete", "daemonset"] and len(rest) > 3 and rest[-1] == "--cascade=foreground":
         return "delete-daemonsets-foreground", ns, rest[2:-1], []
-    raise ReadmeError(f"README's `{line}` is a kubectl line the cluster e2e cannot run through the API: teach "
+    raise ReadmeError(f"the guide's `{line}` is a kubectl line the cluster e2e cannot run through the API: teach "
                       "tests/cluster_e2e/readme.py kubectl_op and conftest.py Kubectl (and docs/e2e.md) what it does")
 
 
 def blocks_the_test_runs() -> dict[str, list[list[str]]]:
-    """README's four blocks the cluster e2e runs, by marker. Raises
+    """The guide's four blocks the cluster e2e runs, by marker. Raises
     ReadmeError when one is missing or holds a command the test cannot run
     (a ``kubectl`` line ``kubectl_op`` refuses, or neither helm nor kubectl)."""
     out = {m: commands(m) for m in (INSTALL, UPGRADE, UNINSTALL, UNINSTALL_SINGLE)}
@@ -153,7 +163,7 @@ def blocks_the_test_runs() -> dict[str, list[list[str]]]:
             if argv[0] == "kubectl":
                 kubectl_op(argv)
             elif argv[0] != "helm":
-                raise ReadmeError(f"README's block after {m!r} runs {argv[0]}: the test runs helm and kubectl only")
+                raise ReadmeError(f"the guide's block after {m!r} runs {argv[0]}: the test runs helm and kubectl only")
     one(INSTALL, "helm", "install")
     one(UPGRADE, "helm", "upgrade")
     return out

@@ -46,7 +46,7 @@ def test_every_module_of_the_package_is_named_on_the_page() -> None:
 
 def test_the_page_is_linked_from_the_readme_layout() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    layout = readme[readme.index("## Layout"):]
+    layout = readme[readme.index("## Where to read next"):]
     assert "docs/architecture.md" in layout
 
 

@@ -1,4 +1,4 @@
-"""README's metrics table ("## Metrics") names exactly the metric families
+"""The operator guide's metrics table (docs/operator-guide.md) ("## Metrics") names exactly the metric families
 of the daemon's /metrics, with their types and label names: the capture from
 the real daemon (tests/fixtures/metrics/daemon-metrics.txt, re-captured and
 compared with the live output by tests/component/test_metrics_capture.py).
@@ -12,7 +12,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+README = REPO / "docs" / "operator-guide.md"  # the metrics table lives in the operator guide
 CAPTURE = REPO / "tests" / "fixtures" / "metrics" / "daemon-metrics.txt"
 GPU = ["gpu_uuid", "gpu_index", "UUID", "gpu", "modelName", "Hostname"]
 """What the table's ``GPU`` stands for (README says so above the table)."""
@@ -25,7 +25,7 @@ def readme_table(text: str) -> dict[str, tuple[str, frozenset[str]]]:
     section (``GPU`` expanded). Raises ValueError without that section."""
     m = re.search(r"^## Metrics\b.*?(?=^## )", text, re.M | re.S)
     if m is None:
-        raise ValueError("README.md has no '## Metrics' section")
+        raise ValueError("docs/operator-guide.md has no '## Metrics' section")
     out = {}
     for line in m.group(0).splitlines():
         row = _ROW.match(line)
