@@ -89,7 +89,7 @@ def test_a_container_started_while_the_plugin_was_away_is_evicted_and_comes_back
     env = h.container_env(ctrd, new)
     assert (env.get("NVIDIA_VISIBLE_DEVICES"), env.get("NVIDIA_GPU_MEMORY_REQUEST"),
             env.get("NVIDIA_GPU_MEMORY_LIMIT"), env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")) == (
-        GPU0, "40960", "61440", "0=61440M"), env
+        GPU0, "40960", "61440", f"{GPU0}=61440M"), env
     assert PIPE_DIR in h.container_mountpoints(ctrd, new)
     cl = _limits_row(d)
     assert cl["container_id"] == new and cl["enforced"] == "yes", cl
