@@ -426,7 +426,7 @@ out = {k: get("http://127.0.0.1:" + u) for k, u in
        (("healthz", "8080/healthz"), ("readyz", "8080/readyz"), ("metrics", "2112/metrics"))}
 st = subprocess.run(["fracplugin", "status", "--output", "json", "--state-dir", "/tmp/state"],
                     capture_output=True, text=True)
-out["status"] = [st.returncode, st.stdout[-4000:], st.stderr[-2000:]]
+out["status"] = [st.returncode, st.stdout, st.stderr[-2000:]]
 d.send_signal(signal.SIGTERM)
 out["exit"] = d.wait(60)
 print(json.dumps(out))
