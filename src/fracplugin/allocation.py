@@ -117,6 +117,17 @@ def overlaps(key_a: str, key_b: str) -> bool:
     return any(a[u] & b[u] for u in a if u in b)
 
 
+def union_key(keys: Iterable[str]) -> str:
+    """The canonical key of every device of ``keys`` (canonical keys; raises
+    ReservationKeyError otherwise): the hold kubelet's reuse of an init
+    container's devices makes of a pod's keys (ADR 0033 decision 3)."""
+    by: dict[str, set[int]] = {}
+    for k in keys:
+        for u, nums in _device_sets(k).items():
+            by.setdefault(u, set()).update(nums)
+    return reservation_key(by)
+
+
 def to_tenancies(
     plan: ContainerPlan, container_id: str = "", *, door: str = DOOR_NRI, reservation: str = "", bound: bool = True
 ) -> list[Tenancy]:

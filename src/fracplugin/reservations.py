@@ -273,12 +273,13 @@ def running_overlaps(ledger: Ledger, key: str, pod_uid: str = "") -> list[Tenanc
     out: list[Tenancy] = []
     for other, held in ledger.reservations().items():
         running = next((t for t in held if t.bound and t.container_id and t.pod_uid != pod_uid), None)
-        if running is not None and (other == key or _overlaps(other, key)):
+        if running is not None and (other == key or overlaps(other, key)):
             out.append(running)
     return out
 
 
-def _overlaps(a: str, b: str) -> bool:
+def overlaps(a: str, b: str) -> bool:
+    """``allocation.overlaps``, False for a key that is not device IDs."""
     try:
         return al.overlaps(a, b)
     except al.ReservationKeyError:  # a whole GPU of another plugin, a sync hold: not device IDs
@@ -357,7 +358,7 @@ def take_over(ledger: Ledger, key: str, pod_uid: str) -> list[Tenancy]:
         raise FractionError(al.ENV_RESERVATION, key, f"waits for {waiting_text(waits[0])} to stop", CODE_PENDING)
     gone: list[Tenancy] = []
     for other, held in ledger.reservations().items():
-        if other != key and _overlaps(other, key) and not any(t.container_id for t in held):
+        if other != key and overlaps(other, key) and not any(t.container_id for t in held):
             gone += ledger.release_reservation(other)
             log.info("reservation %s released: kubelet gave its devices to pending reservation %s (pod uid %s) and "
                      "its holder stopped", other, key, pod_uid)

@@ -273,3 +273,53 @@ def test_4_a_stolen_key_and_proof_are_refused_once_a_pod_owns_the_reservation(no
     assert code(adj) is None, adj
     assert got["NVIDIA_VISIBLE_DEVICES"] == UUIDS[3] and got[PROOF] == ""
     assert [(t["pod_name"], t["container_id"]) for t in n.tenants()] == [("owner3", "ctr-uid-owner3-app")]
+
+
+@pytest.mark.parametrize(("init_units", "app_units"), [(2, 3), (3, 2)], ids=["init2-app3", "init3-app2"])
+def test_1_2_a_pending_init_and_app_stay_one_hold_when_podresources_lists_both(
+        node: Callable[..., Node], init_units: int, app_units: int) -> None:
+    """Inputs 1 and 2 together, as the real kubelet v1.35 ran them in CI: the
+    previous pod's container still runs on the devices, so both of the new
+    pod's Allocates (init, then app on the init's devices plus or minus one)
+    are pending; kubelet lists both in PodResources. While the init container
+    runs, a PodResources pass must not record the app's key beside the
+    init's hold (it did: 3072 + 2048 on GPU 0); the pod's keys are one hold,
+    never more than the larger."""
+    n = node()
+    job = pod("job4", 3)
+    n.put(job)
+    env_job, _ = n.allocate(ids(0, 3))
+    assert code(n.create(job, "app", env_job)[0]) is None
+    n.delete("job4")  # deleted from the API; the runtime still runs its container
+    p = pod("sizes", containers=[ctr("app", app_units)], init=[ctr("init", init_units)])
+    n.put(p)
+    most = max(init_units, app_units) * 1024
+    env_init, ann_init = n.allocate(ids(0, init_units))
+    env_app, ann_app = n.allocate(ids(0, app_units))
+    assert (ann_init["fracplugin.io/allocate"], ann_app["fracplugin.io/allocate"]) == ("pending", "pending")
+    n.record("sizes", "init", ids(0, init_units))
+    n.record("sizes", "app", ids(0, app_units))
+    n.stop(job, "app")
+    seen: list[int] = []
+
+    def passes(k: int) -> None:  # k whole PodResources passes, sampling what the pod holds
+        start = n.pr.lists
+        assert wait_until(lambda: n.pr.lists >= start + k, 10)
+        seen.append(pod_held(n, 0, {"uid-sizes"}))
+
+    passes(2)
+    adj, got = n.create(p, "init", env_init)
+    assert code(adj) is None, adj
+    assert got["NVIDIA_GPU_MEMORY_REQUEST"] == str(init_units * 1024)
+    passes(2)
+    assert max(seen) <= most, seen
+    n.stop(p, "init")
+    passes(2)
+    adj, got = n.create(p, "app", env_app)
+    assert code(adj) is None, adj
+    assert got["NVIDIA_GPU_MEMORY_REQUEST"] == str(app_units * 1024)
+    passes(2)
+    assert max(seen) <= most, seen
+    assert [(t["pod_name"], t["container"], t["request_mib"]) for t in n.tenants()] == [
+        ("sizes", "app", app_units * 1024)]
+    assert n.held(0) == app_units * 1024
