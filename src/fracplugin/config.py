@@ -223,7 +223,11 @@ _HELP = {
                       "default <mps-root>/api.sock = /run/fracplugin/mps/api.sock",
     "no_mps": "do not supervise nvidia-cuda-mps-control (plans still carry MPS env and mounts)",
     "mps_control_binary": "the nvidia-cuda-mps-control executable",
-    "mps_root": "host directory holding the MPS pipe and log directories",
+    "mps_root": "host directory holding the MPS pipe and log directories; put it on a nosuid,nodev filesystem "
+                "(a tmpfs such as /run on systemd hosts): a pipe directory kubelet bind-mounts from an Allocate "
+                "answer keeps the source filesystem's mount flags (the device plugin API has no mount options; the "
+                "NRI and DRA doors set nosuid,nodev themselves), and the device plugin door warns at start when "
+                "they are missing",
     "mps_protocol": "MPS control protocol: auto (from the driver version), 2 or 3",
     "mps_modes": "comma list of compute modes whose MPS daemon is supervised",
     "mps_probe_timeout_s": "seconds one MPS daemon probe may take; each timed-out probe doubles the next one's, "
@@ -233,7 +237,11 @@ _HELP = {
     "exclusive_process": "put every GPU of the node in EXCLUSIVE_PROCESS compute mode through NVML (only the MPS "
                          "server then opens contexts; off by default because it also constrains whole-GPU pods)",
     "state_dir": "directory of ledger.json and endpoints.json",
-    "no_nri": "disable the NRI plugin door",
+    "no_nri": "disable the NRI plugin door. With MPS namespaces (protocol 3) this door makes each device plugin "
+              "door container's MPS namespace (its pinned memory limit and active thread percentage) and mounts "
+              "its pipe directory, which Allocate does not: without it those containers get the env but no MPS "
+              "pipe directory, so no MPS caps (the DRA door makes its claims' namespaces itself; with protocol 2 "
+              "Allocate mounts the mode's shared pipe directory). Annotation-only (KAI) pods need this door",
     "nri_socket": "NRI socket of the container runtime",
     "nri_plugin_name": "NRI plugin name ([a-zA-Z0-9_.+-]+)",
     "nri_plugin_idx": "NRI plugin index (two digits; plugins run in index order)",
