@@ -248,7 +248,7 @@ _HELP = {
     "nri_start_wait_s": "seconds StartContainer waits for the container's MPS namespace (never past its handler "
                         "budget, which keeps the runtime's request timeout, 2 s by default); when spent while the "
                         "namespace is still being made the container starts and the log says so; a namespace whose "
-                        "creation failed still fails the start (ADR 0028)",
+                        "creation failed still fails the start",
     "no_device_plugin": "disable the kubelet device plugin door",
     "device_plugin_dir": "kubelet device plugin directory (our socket goes here)",
     "resource_name": "extended resource advertised by the device plugin",
@@ -267,7 +267,8 @@ _HELP = {
                      "Allocate; re-read when they change; empty = none",
     "dra": "enable the DRA door (driver gpu-memory.fracplugin.io): serve kubelet's DRA plugin API under "
            "--dra-plugins-dir, register in --dra-registry-dir, publish a ResourceSlice of this node's GPUs "
-           "(needs API access; off by default: ADR 0031, README \"DRA\")",
+           "(needs API access, and Kubernetes 1.36+ or the DRAConsumableCapacity feature gate turned on in 1.34/1.35; "
+           "off by default; docs/user-guide.md \"DRA claims\")",
     "dra_plugins_dir": "kubelet's plugins directory; the DRA socket is <dir>/gpu-memory.fracplugin.io/dra.sock",
     "dra_registry_dir": "kubelet's plugin registration directory (plugins_registry)",
     "dra_cdi_dir": "directory where the DRA door writes one CDI spec per prepared claim (read by the runtime)",
@@ -295,7 +296,7 @@ _HELP = {
                  "failing it when its fraction is refused or MPS fails; --no-fail-open overrides file/env",
     "memory_limits": "CUDA 13.4 per-container memory limits (soft = request, hard = limit) on each container's leaf "
                      "cgroup via NVML at StartContainer: auto (apply where the GPU's CDI spec lacks the toolkit's "
-                     "apply-cuda-memory-limits hook, verify where it has it), apply, verify, or off (ADR 0025)",
+                     "apply-cuda-memory-limits hook, verify where it has it), apply, verify, or off",
     "memory_limits_policy": "when a container's memory limit cannot be enforced: warn (start it, Warning Event "
                             "MemoryLimitNotEnforced) or refuse (fail its start; refuse fractional containers while "
                             "the node cannot enforce)",
@@ -304,9 +305,9 @@ _HELP = {
                              "container and GPU, compared with its limit and served on /metrics",
     "over_limit": "a container above its GPU memory limit at a usage poll: report (Warning Event "
                   "GpuMemoryLimitExceeded once per episode, metric, alert) or restart (the same, then its pod is "
-                  "evicted through the Kubernetes Eviction API; ADR 0035)",
+                  "evicted through the Kubernetes Eviction API)",
     "unfenced_containers": "a fractional container found running without fracplugin's adjustment: restart (evict "
-                           "its pod, with backoff) or report; Event ContainerRestartedUnfenced either way (ADR 0035)",
+                           "its pod, with backoff) or report; Event ContainerRestartedUnfenced either way",
     "proc_root": "the proc filesystem where the PIDs NVML reports are joined to containers (the host's: hostPID)",
     "log_format": "log format: json or text",
     "log_level": "log level: debug, info, warning or error",
