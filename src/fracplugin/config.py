@@ -223,7 +223,11 @@ _HELP = {
                       "default <mps-root>/api.sock = /run/fracplugin/mps/api.sock",
     "no_mps": "do not supervise nvidia-cuda-mps-control (plans still carry MPS env and mounts)",
     "mps_control_binary": "the nvidia-cuda-mps-control executable",
-    "mps_root": "host directory holding the MPS pipe and log directories",
+    "mps_root": "host directory holding the MPS pipe and log directories; put it on a nosuid,nodev filesystem "
+                "(a tmpfs such as /run on systemd hosts): a pipe directory kubelet bind-mounts from an Allocate "
+                "answer keeps the source filesystem's mount flags (the device plugin API has no mount options; the "
+                "NRI and DRA doors set nosuid,nodev themselves), and the device plugin door warns at start when "
+                "they are missing",
     "mps_protocol": "MPS control protocol: auto (from the driver version), 2 or 3",
     "mps_modes": "comma list of compute modes whose MPS daemon is supervised",
     "mps_probe_timeout_s": "seconds one MPS daemon probe may take; each timed-out probe doubles the next one's, "
@@ -233,14 +237,18 @@ _HELP = {
     "exclusive_process": "put every GPU of the node in EXCLUSIVE_PROCESS compute mode through NVML (only the MPS "
                          "server then opens contexts; off by default because it also constrains whole-GPU pods)",
     "state_dir": "directory of ledger.json and endpoints.json",
-    "no_nri": "disable the NRI plugin door",
+    "no_nri": "disable the NRI plugin door. With MPS namespaces (protocol 3) this door makes each device plugin "
+              "door container's MPS namespace (its pinned memory limit and active thread percentage) and mounts "
+              "its pipe directory, which Allocate does not: without it those containers get the env but no MPS "
+              "pipe directory, so no MPS caps (the DRA door makes its claims' namespaces itself; with protocol 2 "
+              "Allocate mounts the mode's shared pipe directory). Annotation-only (KAI) pods need this door",
     "nri_socket": "NRI socket of the container runtime",
     "nri_plugin_name": "NRI plugin name ([a-zA-Z0-9_.+-]+)",
     "nri_plugin_idx": "NRI plugin index (two digits; plugins run in index order)",
     "nri_start_wait_s": "seconds StartContainer waits for the container's MPS namespace (never past its handler "
                         "budget, which keeps the runtime's request timeout, 2 s by default); when spent while the "
                         "namespace is still being made the container starts and the log says so; a namespace whose "
-                        "creation failed still fails the start (ADR 0028)",
+                        "creation failed still fails the start",
     "no_device_plugin": "disable the kubelet device plugin door",
     "device_plugin_dir": "kubelet device plugin directory (our socket goes here)",
     "resource_name": "extended resource advertised by the device plugin",
@@ -259,7 +267,8 @@ _HELP = {
                      "Allocate; re-read when they change; empty = none",
     "dra": "enable the DRA door (driver gpu-memory.fracplugin.io): serve kubelet's DRA plugin API under "
            "--dra-plugins-dir, register in --dra-registry-dir, publish a ResourceSlice of this node's GPUs "
-           "(needs API access; off by default: ADR 0031, README \"DRA\")",
+           "(needs API access, and Kubernetes 1.36+ or the DRAConsumableCapacity feature gate turned on in 1.34/1.35; "
+           "off by default; docs/user-guide.md \"DRA claims\")",
     "dra_plugins_dir": "kubelet's plugins directory; the DRA socket is <dir>/gpu-memory.fracplugin.io/dra.sock",
     "dra_registry_dir": "kubelet's plugin registration directory (plugins_registry)",
     "dra_cdi_dir": "directory where the DRA door writes one CDI spec per prepared claim (read by the runtime)",
@@ -287,7 +296,7 @@ _HELP = {
                  "failing it when its fraction is refused or MPS fails; --no-fail-open overrides file/env",
     "memory_limits": "CUDA 13.4 per-container memory limits (soft = request, hard = limit) on each container's leaf "
                      "cgroup via NVML at StartContainer: auto (apply where the GPU's CDI spec lacks the toolkit's "
-                     "apply-cuda-memory-limits hook, verify where it has it), apply, verify, or off (ADR 0025)",
+                     "apply-cuda-memory-limits hook, verify where it has it), apply, verify, or off",
     "memory_limits_policy": "when a container's memory limit cannot be enforced: warn (start it, Warning Event "
                             "MemoryLimitNotEnforced) or refuse (fail its start; refuse fractional containers while "
                             "the node cannot enforce)",
@@ -296,9 +305,9 @@ _HELP = {
                              "container and GPU, compared with its limit and served on /metrics",
     "over_limit": "a container above its GPU memory limit at a usage poll: report (Warning Event "
                   "GpuMemoryLimitExceeded once per episode, metric, alert) or restart (the same, then its pod is "
-                  "evicted through the Kubernetes Eviction API; ADR 0035)",
+                  "evicted through the Kubernetes Eviction API)",
     "unfenced_containers": "a fractional container found running without fracplugin's adjustment: restart (evict "
-                           "its pod, with backoff) or report; Event ContainerRestartedUnfenced either way (ADR 0035)",
+                           "its pod, with backoff) or report; Event ContainerRestartedUnfenced either way",
     "proc_root": "the proc filesystem where the PIDs NVML reports are joined to containers (the host's: hostPID)",
     "log_format": "log format: json or text",
     "log_level": "log level: debug, info, warning or error",
