@@ -4,49 +4,16 @@ GetPreferredAllocation and the reconciliation with kubelet's PodResources.
 The gRPC server (``deviceplugin.py``) only moves bytes; everything here is
 plain Python on the node, the ledger, the device table and the pod source.
 
-Allocate (docs/reference/kubelet-device-plugin.md A.5, A.6; issue 10):
+Allocate checks the request (``Allocator.validate``), keys the reservation by
+the device IDs, plans for the pending pods that may be the one admitted (or
+answers the fallback) and records the reservation *unbound*, after every node
+guard; the NRI door binds it at CreateContainer. The rules, the lifetimes of a
+reservation and its pending and union holds are ADR 0007 decisions 2-5 and
+ADR 0033 (docs/reference/kubelet-device-plugin.md A.5, A.6).
 
-* the request is checked (one container request, canonical IDs of this
-  node, the same count on every GPU, no Unhealthy GPU);
-* the reservation key is the device IDs (``allocation.reservation_key``);
-  when a running container of another pod holds one of its devices (a
-  force-deleted pod whose container the runtime has not stopped yet: kubelet
-  hands its devices on at once), the Allocate is answered (a refused
-  Allocate is terminal for the pod) but nothing is recorded and nothing
-  released: the reservation is *pending* (``reservations``, ADR 0033
-  decision 2), its container waits at CreateContainer until that container
-  stopped. Otherwise a reservation bound to a pod that shares a device with
-  it is released (kubelet freed it: a finished Job); one no container
-  claimed yet (or a pending one nothing blocks any more) is kept as one
-  hold with the new key, under the union of their devices (an init
-  container's devices reused by the app container, plus or minus some;
-  ``reservations``: aliases);
-* an existing reservation with the same key whose holder is known (a
-  re-Allocate after a kubelet restart) gets its recorded answer at once;
-* otherwise the pending pods that may be the one being admitted are the
-  candidates (by unit count: ``podlookup.select_candidates``), plus pods
-  deleted in the last ``recent_deleted_s`` seconds that were never bound (a
-  deleted pod's Allocate must not be answered with another pod's settings).
-  When every candidate gets the same settings, that plan is the answer;
-  otherwise the fallback (request-sized memory, time-slicing pipe directory
-  only when all candidates are time-slicing). Either way the reservation is
-  recorded under the key, *unbound* (no pod named: that would be a guess),
-  after every node guard (free memory, tenant limit, one mode per GPU);
-* the answer carries the key (env ``FRACPLUGIN_RESERVATION``, annotation
-  ``fracplugin.io/reservation``); the NRI door binds the reservation to the
-  real pod UID, container name and container ID at CreateContainer.
-
-Lifetimes: a reservation is released when kubelet frees its devices: the
-pods it may belong to are deleted or reach Succeeded/Failed (pod source), its
-devices are allocated again (above), or PodResources no longer lists them.
-
-Its parts (issue 33 item 3: objects, not mixins): ``Allocator`` holds
-Allocate, the reservation lifetimes and the PodResources reconciliation (they
-share what Allocate remembers of each key: its candidates, when it was made);
-its ``preferred`` member (``preferred.PreferredAllocation``) answers
-GetPreferredAllocation; ``counters`` (``allocbase.Counters``) counts both.
-``allocbase.py`` holds the answer types (``Refusal``, ``Answer``,
-``Counters``: importable here as before).
+``Allocator`` holds Allocate, the reservation lifetimes and the PodResources
+reconciliation; its ``preferred`` member (``preferred.PreferredAllocation``)
+answers GetPreferredAllocation; ``counters`` (``allocbase.Counters``) counts both.
 """
 
 from __future__ import annotations
@@ -73,6 +40,8 @@ from .preferred import PreferredAllocation
 
 log = logging.getLogger(__name__)
 
+RECENT_DELETED_S = 60.0  # how long a deleted, never-bound pod stays a candidate (ADR 0007 decision 2)
+PODRESOURCES_GRACE_S = 30.0  # a younger reservation is never released for missing from PodResources (A.6)
 
 class Allocator:
     """Allocate / GetPreferredAllocation / PodResources decisions.
@@ -87,11 +56,6 @@ class Allocator:
         allocate_deadline_s: longest an Allocate waits for its pod (seconds).
         unhealthy: ``() -> {gpu uuid: [reasons]}`` of GPUs Unhealthy now.
         policy: GetPreferredAllocation policy (``pack`` | ``spread``).
-        recent_deleted_s: how long a deleted, never-bound pod stays a
-            candidate (seconds).
-        podresources_grace_s: a reservation younger than this is never
-            released for missing from PodResources (kubelet records an
-            allocation only after Allocate returns, A.6).
     """
 
     def __init__(
@@ -104,8 +68,6 @@ class Allocator:
         unhealthy: Callable[[], Mapping[str, Sequence[str]]] = dict,
         *,
         policy: str = "pack",
-        recent_deleted_s: float = 60.0,
-        podresources_grace_s: float = 30.0,
     ) -> None:
         self.rules = rules
         self.node = rules.node
@@ -118,8 +80,6 @@ class Allocator:
         self.allocate_deadline_s = allocate_deadline_s
         self.unhealthy = unhealthy
         self.policy = policy
-        self.recent_deleted_s = recent_deleted_s
-        self.podresources_grace_s = podresources_grace_s
         self.counters = Counters()
         self._lock = threading.Lock()
         self._served: set[tuple[str, str]] = set()  # hints only: never recorded as a holder
@@ -135,9 +95,7 @@ class Allocator:
         sub = getattr(pod_source, "subscribe_deleted", None)
         if callable(sub):
             sub(self.pod_gone)
-        ledger_sub = getattr(ledger, "subscribe", None)
-        if callable(ledger_sub):
-            ledger_sub(self._release_gone)
+        ledger.subscribe(self._release_gone)
         self.preferred = PreferredAllocation(rules, table, policy, None if pod_source is None else self.candidates,
                                              self.counters)
 
@@ -354,7 +312,7 @@ class Allocator:
 
     def _recent_deleted(self, count: int) -> list[podlookup.Candidate]:
         now = time.monotonic()
-        self._deleted = [(t, p) for t, p in self._deleted if now - t < self.recent_deleted_s]
+        self._deleted = [(t, p) for t, p in self._deleted if now - t < RECENT_DELETED_S]
         owners = self._owners()
         pods = [p for _t, p in self._deleted]
         return podlookup.select_candidates(pods, self.resource_name, count, lambda u, c: (u, c) in owners)
@@ -404,9 +362,7 @@ class Allocator:
         def settings(o: ContainerPlan | FractionError) -> Any:
             if isinstance(o, FractionError):
                 return ("error", o.key, o.reason)
-            # Under MPS v3 every container has its own namespace leaf (issue 12):
-            # the Allocate answer carries no pipe-directory mount (the NRI door
-            # mounts the container's own leaf), so mounts do not tell pods apart.
+            # MPS v3 (issue 12): no pipe-directory mount from this door, mounts tell no pods apart
             return (tuple(sorted(o.env.items())), () if v3 else tuple(o.mounts))
 
         v3 = self.planner_config.mps_namespaces
@@ -432,8 +388,6 @@ class Allocator:
         log.info("Allocate %s: %s on %s, request %d MiB, limit %d MiB, %s (reservation %s, holder confirmed by NRI)",
                  self.resource_name, who, ",".join(uuids), outcome.request_mib, outcome.limit_mib,
                  outcome.compute_mode, key)
-        # MPS v3: no pipe-directory mount from this door (never a daemon's
-        # directory, and a leaf is per container: the NRI door mounts it).
         return Answer(dict(outcome.env), () if v3 else outcome.mounts, uuids, key, "planned")
 
     def _refuse_mixed_modes(self, everyone: Sequence[podlookup.Candidate], uuids: tuple[str, ...], key: str,
@@ -525,11 +479,7 @@ class Allocator:
         mounts: tuple[Mount, ...] = ()
         if pipe_dir:
             env[planner_mod.ENV_PIPE_DIRECTORY] = CONTAINER_PIPE_DIR
-            if not self.planner_config.mps_namespaces:
-                # classic v2 only: the shared time-slicing directory, read-only.
-                # Under v3 no container ever gets a daemon's pipe directory (its
-                # control socket); the NRI door mounts the container's own
-                # namespace leaf (issue 12).
+            if not self.planner_config.mps_namespaces:  # v2: the shared time-slicing directory, read-only
                 mounts = (Mount(source=self.planner_config.layout.pipe_dir(ComputeMode.TIME_SLICING),
                                 destination=CONTAINER_PIPE_DIR, read_only=True),)
         return Answer(env, mounts, tuple(uuids), key, "fallback")
@@ -606,7 +556,7 @@ class Allocator:
         * a container listed with devices of another resource that are GPU
           UUIDs of this node holds that GPU whole (door ``other-plugin``);
         * reservations (and whole-GPU holds) not listed are released, except
-          reservations younger than ``podresources_grace_s`` (kubelet records
+          reservations younger than ``PODRESOURCES_GRACE_S`` (kubelet records
           an allocation only after Allocate returned) unless ``initial``;
           pending keys (ADR 0033) not listed are dropped on the same terms
           (the pod they were for is gone).
@@ -646,7 +596,7 @@ class Allocator:
             running = {t.reservation for t in current if t.door == al.DOOR_ALLOCATE and t.container_id}
             stale = [t for t in current if t.door == al.DOOR_ALLOCATE and t.reservation not in listed
                      and t.reservation not in running  # the runtime still runs its container (issue 25 item 5)
-                     and (initial or now - self._made.get(t.reservation, 0.0) > self.podresources_grace_s)]
+                     and (initial or now - self._made.get(t.reservation, 0.0) > PODRESOURCES_GRACE_S)]
             old_whole = [t for t in current if t.door == al.DOOR_OTHER_PLUGIN]
             if stale or old_whole != whole:
                 gone = {t.reservation for t in stale}
@@ -659,7 +609,7 @@ class Allocator:
             proofs = reservations.proofs_of(self.ledger)
             wall = time.time()
             for key, at in proofs.pending_items():  # kubelet lists a pending key's pod once Allocate returned
-                if key not in listed and (initial or wall - at > self.podresources_grace_s):
+                if key not in listed and (initial or wall - at > PODRESOURCES_GRACE_S):
                     proofs.settle(key)
                     self._pending_hints.pop(key, None)
                     warnings.append(f"pending reservation {key} is not in PodResources; dropped")
@@ -712,7 +662,7 @@ class Allocator:
         uuids = tuple(by_gpu)
         count = sum(len(v) for v in by_gpu.values())
         pod = self.pod_source.get(p.namespace, p.name) if self.pod_source is not None else None
-        ref = PodRef(p.namespace, p.name, podlookup.pod_uid(pod) if pod is not None else f"podresources:{p.namespace}/{p.name}")
+        ref = PodRef(p.namespace, p.name, uid)
         plan: ContainerPlan | None = None
         warnings: list[str] = []
         if existing:

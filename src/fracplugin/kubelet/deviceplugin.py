@@ -7,8 +7,8 @@ What kubelet sees (docs/reference/kubelet-device-plugin.md A): one extended reso
 directory and registered on ``kubelet.sock`` (``registration.py``).
 
 Concurrency model: grpcio's synchronous server with a thread pool
-(``max_workers`` threads ``fracplugin-dp_<n>``, default 16) and at most
-``max_workers`` RPCs at once (more are answered RESOURCE_EXHAUSTED at once,
+(``MAX_WORKERS`` threads ``fracplugin-dp_<n>``) and at most
+``MAX_WORKERS`` RPCs at once (more are answered RESOURCE_EXHAUSTED at once,
 not queued behind streams that never end). Each open ListAndWatch stream
 holds one worker while it is open: its generator waits on a condition
 variable, woken when the device list changes, the server stops or is
@@ -35,6 +35,7 @@ server), ``podresources`` and ``allocator``; ``_Servicer`` holds the gRPC handle
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -70,6 +71,9 @@ from ..logs import guarded
 log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET_NAME = "fracplugin.sock"
+MAX_WORKERS = 16
+"""grpcio worker threads, and the most RPCs served at once (each open
+ListAndWatch stream holds one); an RPC over the limit is answered RESOURCE_EXHAUSTED."""
 ANNOTATION_ALLOCATE = "fracplugin.io/allocate"
 ALLOCATE_UNADJUSTED = "unadjusted"
 """``fracplugin.io/allocate`` of a refusal answered under ``fail_open``."""
@@ -137,8 +141,7 @@ class DevicePluginServer:
             (every Allocate answers the fallback).
         resource_name: the extended resource (validated: kubelet's rule, A.3).
         unit_mib: MiB per device (default 1024).
-        plugin_dir: kubelet's device plugin directory.
-        socket_name: our socket's file name in ``plugin_dir``.
+        plugin_dir: kubelet's device plugin directory (our socket: ``DEFAULT_SOCKET_NAME`` in it).
         kubelet_socket: kubelet's registration socket (default ``<plugin_dir>/kubelet.sock``).
         allocate_deadline_s: the longest an Allocate may wait for the watch cache.
         metrics: optional ``ports.HookMetrics``: ``observe_hook(door, seconds)`` (doors
@@ -156,10 +159,6 @@ class DevicePluginServer:
         podresources_socket: kubelet's PodResources socket, read at ``start``
             to rebuild the ledger and then every ``podresources_interval_s``
             seconds to reconcile it (``Allocator.reconcile``; None: skip).
-        max_workers: grpcio worker threads, and the most RPCs served at once
-            (each open ListAndWatch stream holds one; at least 2: one stream
-            and one call). An RPC over the limit is answered RESOURCE_EXHAUSTED.
-        poll_s: registrar polling period in seconds.
         fail_open: an Allocate refused for the pod's fraction (a contract or
             node guard refusal, an Unhealthy GPU) is answered with an
             unadjusted container (no env, no mounts, annotation
@@ -168,8 +167,7 @@ class DevicePluginServer:
             internal error is refused either way. Reloadable (SIGHUP).
 
     Raises:
-        ValueError: bad resource name, unit, policy, ``max_workers`` < 2, or a
-            device ID over 63 chars;
+        ValueError: bad resource name, unit, policy, or a device ID over 63 chars;
         devices.DeviceTableTooLarge (a ValueError): the ListAndWatch response
             would exceed 3.5 MiB (kubelet's gRPC receive limit is 4 MiB), naming
             the unit, the device count and the smallest unit that fits.
@@ -182,7 +180,6 @@ class DevicePluginServer:
         resource_name: str = DEFAULT_RESOURCE_NAME,
         unit_mib: int = DEFAULT_UNIT_MIB,
         plugin_dir: str = DEFAULT_PLUGIN_DIR,
-        socket_name: str = DEFAULT_SOCKET_NAME,
         kubelet_socket: str | None = None,
         allocate_deadline_s: float = 5.0,
         metrics: HookMetrics | None = None,
@@ -193,16 +190,10 @@ class DevicePluginServer:
         cdi: CdiRegistry | None = None,
         podresources_socket: str | None = DEFAULT_PODRESOURCES_SOCKET,
         podresources_interval_s: float = 10.0,
-        max_workers: int = 16,
-        poll_s: float = 0.1,
         fail_open: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"allocation policy {policy!r} must be one of {', '.join(POLICIES)}")
-        if max_workers < 2:
-            raise ValueError(f"max_workers {max_workers} must be at least 2 (one ListAndWatch stream and one call)")
-        if "/" in socket_name:
-            raise ValueError(f"socket name {socket_name!r} must be a file name (kubelet joins it with its dir)")
         node = self.node = rules.node
         self.ledger = rules.ledger
         self.planner_config = rules.config
@@ -217,17 +208,15 @@ class DevicePluginServer:
         self.device_specs = device_specs
         self.cdi_kind = cdi_kind
         self.cdi = cdi
-        self.max_workers = max_workers
+        self.max_workers = MAX_WORKERS
         self.fail_open = fail_open
         # the node's health monitor (started by the daemon, issue 33); without one nothing is Unhealthy
         self.health = rules.health or HealthMonitor(None, [g.uuid for g in node.gpus])
         self.devices = DeviceList(node, self.table, self.health)
         self.health.subscribe(self.devices.changed)
-        self.serving = DoorServer(plugin_dir, socket_name, max_workers, self.resource_name, _Servicer(self),
+        self.serving = DoorServer(plugin_dir, DEFAULT_SOCKET_NAME, MAX_WORKERS, self.resource_name, _Servicer(self),
                                   self.devices, self.ready)
-        self.registrar = Registrar(
-            self.serving, self.kubelet_socket, self.resource_name, poll_s=poll_s, on_registered=self._on_registered,
-        )
+        self.registrar = Registrar(self.serving, self.kubelet_socket, self.resource_name, self._on_registered)
         self.allocator = Allocator(rules, self.table, self.resource_name, pod_source, allocate_deadline_s,
                                    self.health.unhealthy, policy=policy)
         self.podresources = Reconciler(self.allocator, podresources_socket, podresources_interval_s)
@@ -314,21 +303,9 @@ class DevicePluginServer:
             "policy": self.policy,
             "fail_open": self.fail_open,
             "pod_source": None if self.pod_source is None else ("ready" if self.pod_source.ready() else "not ready"),
-            "allocations": c.allocations,
-            "preferred": c.preferred,
-            "planned": c.planned,
-            "reserved": c.reserved,
-            "fallbacks": c.fallbacks,
-            "pending": c.pending,
-            "refusals": c.refusals,
-            "last_fallback": c.last_fallback,
-            "last_refusal": c.last_refusal,
+            **{f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "_lock"},
             "startup_warnings": list(self.startup_warnings),
         }
-
-    def clear_xid(self, gpu_uuid: str) -> bool:
-        """Operator action: forget an XID mark on a GPU (Healthy again unless MPS is down)."""
-        return self.health.clear(gpu_uuid)
 
     def ready(self) -> bool:
         """True when every device can be served Healthy (no GPU Unhealthy:
