@@ -20,6 +20,8 @@ from ..model import Tenancy
 DRIVER_NAME = "gpu-memory.fracplugin.io"
 """The DRA driver name (ResourceSlice ``spec.driver``, allocation results'
 ``driver``, the DeviceClass's selector, the registration's ``name``)."""
+REQUEST_TIMEOUT_S = 5.0
+"""Seconds each API request of the DRA door (claim reads, slice writes) may take."""
 CAPACITY_MEMORY = "memory"
 """The consumable capacity of each GPU device, in bytes."""
 CLAIM_CONTAINER = "dra"

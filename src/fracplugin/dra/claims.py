@@ -38,7 +38,7 @@ from .. import annotations as ann
 from .. import contract as C
 from ..model import ContainerPlan, FractionError, FractionRequest, GpuInfo, MemorySpec, NodeInfo, PodRef
 from ..noderules import NodeRules
-from . import CAPACITY_MEMORY, CLAIM_CONTAINER, DRIVER_NAME, params, reservation_of
+from . import CAPACITY_MEMORY, CLAIM_CONTAINER, DRIVER_NAME, REQUEST_TIMEOUT_S, params, reservation_of
 
 RESULTS_KEY = "status.allocation.devices.results"
 _DEVICE_RE = re.compile(r"gpu-(0|[1-9][0-9]{0,3})\Z")
@@ -251,7 +251,6 @@ class ApiClaims:
     Args:
         api: a ``kubernetes.client.ApiClient`` (from ``--kubeconfig``), or
             None for the in-cluster config (loaded on first use).
-        timeout_s: per-request timeout, seconds.
 
     ``get`` returns the claim as the API's JSON (a dict, through
     ``CustomObjectsApi``, which serves any group's REST path: the
@@ -260,10 +259,9 @@ class ApiClaims:
     them into a per-claim error. Thread-safe (the client pools connections).
     """
 
-    def __init__(self, api: Any = None, timeout_s: float = 5.0) -> None:
+    def __init__(self, api: Any = None) -> None:
         self._api = api
         self._objects: Any = None
-        self.timeout_s = timeout_s
 
     def _client(self) -> Any:
         if self._objects is None:
@@ -273,7 +271,7 @@ class ApiClaims:
     def get(self, namespace: str, name: str) -> dict[str, Any]:
         """``GET /apis/resource.k8s.io/v1/namespaces/<ns>/resourceclaims/<name>`` as a dict."""
         doc = self._client().get_namespaced_custom_object("resource.k8s.io", "v1", namespace, "resourceclaims",
-                                                          name, _request_timeout=self.timeout_s)
+                                                          name, _request_timeout=REQUEST_TIMEOUT_S)
         return dict(doc)
 
 

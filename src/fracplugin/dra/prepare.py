@@ -57,7 +57,7 @@ from . import CLAIM_CONTAINER, cdispec, claims, reservation_of
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NAMESPACE_TIMEOUT_S = 10.0
+NAMESPACE_TIMEOUT_S = 10.0
 """Seconds Prepare waits for the claim's MPS namespace (kubelet's Prepare
 call has its own deadline, 45 s in the kubelets we read; inference)."""
 MAX_ERROR = 2048
@@ -102,12 +102,10 @@ class Preparer:
         node: this node as the API names it (pool name = node name; default ``rules.node``).
         mps: the MPS interface (None: no namespaces are made).
         cdi: the node's CDI specs (None: no GPU CDI device is answered).
-        namespace_timeout_s: the MPS namespace budget, seconds.
     """
 
     def __init__(self, rules: NodeRules, claims_source: ClaimSource, cdi_dir: str, *, node: NodeInfo | None = None,
-                 mps: MpsApi | None = None, cdi: CdiRegistry | None = None,
-                 namespace_timeout_s: float = DEFAULT_NAMESPACE_TIMEOUT_S) -> None:
+                 mps: MpsApi | None = None, cdi: CdiRegistry | None = None) -> None:
         self.rules = rules
         self.node = node or rules.node
         self.ledger = rules.ledger
@@ -115,7 +113,6 @@ class Preparer:
         self.cdi_dir = cdi_dir
         self.mps = mps
         self.cdi = cdi
-        self.namespace_timeout_s = namespace_timeout_s
         self._lock = threading.Lock()  # guards the four below
         self._busy: set[str] = set()  # claim uids a call is working on (``_free`` is notified when one ends)
         self._record: dict[str, Prepared] = {}  # claim uid -> its Prepare's answer, until its Unprepare
@@ -201,7 +198,7 @@ class Preparer:
         if self.mps is None or plan.mps_namespace is None:
             return
         self.mps.ensure_namespace(plan.pod.uid, CLAIM_CONTAINER, plan.active_thread_percentage,
-                                  self.namespace_timeout_s, mode=plan.compute_mode, pinned_limit_mib=plan.limit_mib)
+                                  NAMESPACE_TIMEOUT_S, mode=plan.compute_mode, pinned_limit_mib=plan.limit_mib)
 
     def _mps_back(self, mode: ComputeMode, healthy: bool) -> None:
         """The MPS layer's health callback: when ``mode``'s daemon is healthy
@@ -264,7 +261,7 @@ class Preparer:
         gone = self.ledger.release_reservation(reservation_of(uid))
         cdispec.remove_spec(self.cdi_dir, uid)
         if self.mps is not None and any(t.mps_namespace for t in gone):
-            self.mps.release_namespace(uid, CLAIM_CONTAINER, self.namespace_timeout_s)
+            self.mps.release_namespace(uid, CLAIM_CONTAINER, NAMESPACE_TIMEOUT_S)
         return len(gone)
 
     # ---- state --------------------------------------------------------------

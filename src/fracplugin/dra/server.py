@@ -53,6 +53,7 @@ SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 """The services we serve, as kubelet's registration expects them (dra/v1 and
 dra/v1beta1 ``DRAPluginService``)."""
 SOCKET_NAME = "dra.sock"
+MAX_WORKERS = 8  # grpcio worker threads per server
 
 
 class _Dra:
@@ -116,20 +117,15 @@ class DraServer:
         plugins_dir: kubelet's plugins directory (the DRA socket goes in
             ``<dir>/<driver>/dra.sock``).
         registry_dir: kubelet's ``plugins_registry`` directory.
-        max_workers: grpcio worker threads per server.
 
     ``start`` raises OSError when a socket cannot be bound; ``stop`` is
     bounded and idempotent.
     """
 
-    def __init__(self, preparer: Preparer, plugins_dir: str, registry_dir: str, *,
-                 max_workers: int = 8,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, preparer: Preparer, plugins_dir: str, registry_dir: str) -> None:
         self.preparer = preparer
         self.socket_path = os.path.join(plugins_dir, DRIVER_NAME, SOCKET_NAME)
         self.registration_path = os.path.join(registry_dir, f"{DRIVER_NAME}-reg.sock")
-        self.max_workers = max_workers
-        self._clock = clock
         self._lock = threading.Lock()
         self._servers: list[tuple[grpc.Server, futures.ThreadPoolExecutor]] = []
         self._registered = False
@@ -153,7 +149,7 @@ class DraServer:
         return self
 
     def _serve(self, path: str, add: Callable[[grpc.Server], None], prefix: str) -> None:
-        server, pool = grpcopts.serve_unix_renamed(path, add, self.max_workers, prefix)
+        server, pool = grpcopts.serve_unix_renamed(path, add, MAX_WORKERS, prefix)
         with self._lock:
             self._servers.append((server, pool))
 
@@ -182,7 +178,7 @@ class DraServer:
         with self._lock:
             self._registered = ok
             self._registration_error = error
-            self._registered_at = self._clock() if ok else None
+            self._registered_at = time.time() if ok else None
         if ok:
             log.info("dra door registered with kubelet", extra={"driver": DRIVER_NAME})
         else:

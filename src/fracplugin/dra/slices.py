@@ -42,7 +42,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from ..model import ComputeMode, GpuInfo, NodeInfo
-from . import CAPACITY_MEMORY, DRIVER_NAME
+from . import CAPACITY_MEMORY, DRIVER_NAME, REQUEST_TIMEOUT_S
 from .claims import custom_objects, device_name
 
 log = logging.getLogger(__name__)
@@ -148,14 +148,11 @@ class SlicePublisher:
             None}, read at each poll (the daemon gives the ledger's
             ``mode`` per GPU and calls ``poke`` on every ledger change).
         poll_s: seconds between builds.
-        timeout_s: per-request timeout.
     """
 
     def __init__(self, api: Any, node: NodeInfo, *, reserve_mib: int,
                  healthy: Callable[[], Mapping[str, bool]] | None = None,
-                 modes: Callable[[], Mapping[str, ComputeMode | None]] | None = None, poll_s: float = 5.0,
-                 timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 modes: Callable[[], Mapping[str, ComputeMode | None]] | None = None, poll_s: float = 5.0) -> None:
         self._api = api
         self._objects: Any = None
         self.node = node
@@ -164,9 +161,7 @@ class SlicePublisher:
         self.modes = modes or (lambda: {})
         self.poll_s = poll_s
         self.resync_s = 300.0  # seconds after which an unchanged slice is written again
-        self.timeout_s = timeout_s
         self.name = slice_name(node.name)
-        self._clock = clock
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -230,7 +225,7 @@ class SlicePublisher:
         try:
             want = self.desired()
             content = _content(want)
-            now = self._clock()
+            now = time.monotonic()
             with self._lock:
                 fresh = self._written == content and now - self._written_at < self.resync_s
             if fresh:
@@ -250,7 +245,7 @@ class SlicePublisher:
     def _write(self, want: dict[str, Any], content: Any) -> None:
         api = self._client()
         try:
-            have = api.get_cluster_custom_object(GROUP, VERSION, PLURAL, self.name, _request_timeout=self.timeout_s)
+            have = api.get_cluster_custom_object(GROUP, VERSION, PLURAL, self.name, _request_timeout=REQUEST_TIMEOUT_S)
         except Exception as exc:
             if getattr(exc, "status", None) != 404:
                 raise
@@ -262,11 +257,11 @@ class SlicePublisher:
         gen = max(gen, 1)
         want["spec"]["pool"]["generation"] = gen
         if have is None:
-            api.create_cluster_custom_object(GROUP, VERSION, PLURAL, want, _request_timeout=self.timeout_s)
+            api.create_cluster_custom_object(GROUP, VERSION, PLURAL, want, _request_timeout=REQUEST_TIMEOUT_S)
         else:
             want["metadata"]["resourceVersion"] = (have.get("metadata") or {}).get("resourceVersion")
             api.replace_cluster_custom_object(GROUP, VERSION, PLURAL, self.name, want,
-                                              _request_timeout=self.timeout_s)
+                                              _request_timeout=REQUEST_TIMEOUT_S)
         self._generation = gen
         log.info("dra resource slice written", extra={"slice": self.name, "generation": gen,
                                                       "devices": [d["name"] for d in want["spec"]["devices"]]})
