@@ -93,7 +93,8 @@ class PodResourcesClient:
                 self._stub = pb_grpc.PodResourcesListerStub(self._channel)
             return self._stub
 
-    def _drop_channel(self) -> None:
+    def close(self) -> None:
+        """Close the channel (a later call dials again)."""
         with self._lock:
             ch, self._channel, self._stub = self._channel, None, None
         if ch is not None:
@@ -109,13 +110,9 @@ class PodResourcesClient:
         except grpc.RpcError as e:
             code, details = grpcopts.failure(e)
             if code not in (StatusCode.UNIMPLEMENTED, StatusCode.NOT_FOUND):
-                self._drop_channel()
+                self.close()
             raise PodResourcesError(f"PodResources List on {self.socket_path} failed: {code.name}: {details}") from None
         return [_convert(p) for p in resp.pod_resources]
-
-    def close(self) -> None:
-        """Close the channel (a later call dials again)."""
-        self._drop_channel()
 
 
 class Reconciler:
