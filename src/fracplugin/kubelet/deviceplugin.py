@@ -227,7 +227,7 @@ class DevicePluginServer:
     @property
     def socket_path(self) -> str:
         """The socket served now (``<plugin_dir>/<socket_name>``, or a new name
-        after kubelet refused the old one: ``DoorServer.rebind_as_new``)."""
+        after kubelet refused the old one: ``DoorServer.rebind``)."""
         return self.serving.socket_path
 
     # ---- lifecycle -----------------------------------------------------------

@@ -7,15 +7,8 @@ door names a ``grpc.*`` channel argument. Where grpcio's default is what we
 want it is not repeated, except for the receive limit, which the door's
 contract names (tests and ``devices.DeviceTableTooLarge`` rely on it).
 
-What grpcio's C core already does for the door by default (ADR 0021): it
-refuses a message over ``grpc.max_receive_message_length`` before reading it
-(RESOURCE_EXHAUSTED), stops reading a connection whose peer leaves more than
-10 000 answers it must send (PING / SETTINGS ACKs, RST_STREAMs) unread
-(``DEFAULT_MAX_PENDING_INDUCED_FRAMES`` in chttp2), answers a peer that pings
-more than ``grpc.http2.max_ping_strikes`` (2) times without data within
-``grpc.http2.min_ping_interval_without_data_ms`` (5 min) with GOAWAY
-(ENHANCE_YOUR_CALM, "too_many_pings"), and bounds streams a peer opens and
-resets at once (rapid reset, CVE-2023-44487).
+What grpcio's C core already does for the door by default (oversized
+messages, induced frames, ping floods, rapid reset) is ADR 0021's list.
 
 Channel argument names: ``include/grpc/impl/channel_arg_names.h`` in
 grpc/grpc (the ``GRPC_ARG_*`` constants).
@@ -175,18 +168,11 @@ def grpc_code(code: StatusCode) -> grpc.StatusCode:
     return grpc.StatusCode[code.name]
 
 
-def status_code(code: grpc.StatusCode | None) -> StatusCode:
-    """grpcio's status code as our ``rpcstatus.StatusCode`` (None, which
-    grpcio reports for a call that has not ended, is UNKNOWN)."""
-    if code is None:
-        return StatusCode.UNKNOWN
-    return StatusCode[code.name]
-
-
 def failure(e: grpc.RpcError) -> tuple[StatusCode, str]:
-    """(code, details) of a failed grpcio call; an error that is not a call
-    (grpcio raises none such from a unary call, but the type allows it) is
-    UNKNOWN with its text."""
+    """(code, details) of a failed grpcio call as our ``rpcstatus.StatusCode``;
+    an error that is not a call (grpcio raises none such from a unary call, but
+    the type allows it), or a call that has not ended (code None), is UNKNOWN."""
     if isinstance(e, grpc.Call):
-        return status_code(e.code()), e.details() or ""
+        code = e.code()
+        return (StatusCode.UNKNOWN if code is None else StatusCode[code.name]), e.details() or ""
     return StatusCode.UNKNOWN, str(e)

@@ -216,8 +216,9 @@ class RegistrationTarget(Protocol):
         """(inode, ctime) of the socket we listen on, as of when we bound it."""
         ...
 
-    def rebind(self) -> None:
-        """Serve again on a fresh socket (ours was deleted)."""
+    def rebind(self, new_name: bool) -> None:
+        """Serve again on a fresh socket: under a new file name when
+        ``new_name``, else under the configured one."""
         ...
 
     def active_streams(self) -> int:
@@ -229,14 +230,6 @@ class RegistrationTarget(Protocol):
         ...
 
     def options(self) -> pb.DevicePluginOptions:
-        ...
-
-    def rebind_as_new(self) -> None:
-        """Serve on a socket with a new file name."""
-        ...
-
-    def reset_name(self) -> None:
-        """The next ``rebind`` uses the configured file name."""
         ...
 
     def ready(self) -> bool:
@@ -355,13 +348,8 @@ class Registrar:
         still the one running (it may hold, or be stuck on, the old path: 1.37)
         or after an "already connected" refusal; the configured name otherwise."""
         same_kubelet = self._registered_with is not None and self._registered_with == self._seen_ks
-        rotate = self._rotate_next or same_kubelet
+        self.target.rebind(self._rotate_next or same_kubelet)
         self._rotate_next = False
-        if rotate:
-            self.target.rebind_as_new()
-        else:
-            self.target.reset_name()
-            self.target.rebind()
         log.info("%s; serving on %s", why, self.target.socket_path)
 
     def _register_once(self) -> None:
