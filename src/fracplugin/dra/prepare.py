@@ -1,26 +1,13 @@
 """NodePrepareResources / NodeUnprepareResources without gRPC: ``Preparer``.
 
-Prepare of one claim (namespace, name, UID), in order:
-
-1. read the claim from the API (``claims.ApiClaims``; kubelet sends only the
-   reference, docs/reference/kubelet-dra.md §1) and turn its allocation into a
-   ``ClaimRequest`` (``claims.read_claim``: our results, consumed memory,
-   parameters);
-2. admit it through the node's rules (``NodeRules.admit``, ADR 0032), as
-   every door does: no new fraction on an Unhealthy or MIG GPU, the planner
-   and its guards (the claim's own hold not counted), the memory-limit gate
-   (under ``--memory-limits-policy refuse`` on a node that cannot enforce,
-   refused in the NRI door's words; while the toolkit hook would fail the
-   container's start its env, ``NVIDIA_GPU_MEMORY_REQUEST`` / ``_LIMIT``, is
-   withheld from the claim's CDI spec), and the one ledger
-   (``door="dra", reservation="dra:<uid>"``, every guard re-checked
-   atomically against what the NRI and device plugin doors hold); a
-   refusal's log carries its status (``noderules.status_of``);
-3. make its MPS namespace (owner ``(<claim uid>, "dra")``) before answering,
-   with the plan's active thread percentage and pinned memory limit;
-4. write its CDI spec (``cdispec.write_spec``) and answer, per allocated
-   device, the claim's CDI device (on the first) and the GPU's own CDI device
-   from the node's specs (``cdi.CdiRegistry``).
+Prepare of one claim (namespace, name, UID), in order (ADR 0031 items 2-7):
+read the claim (``claims.ApiClaims``, ``claims.read_claim``); admit it through
+the node's rules (``NodeRules.admit``, ADR 0032: every guard, the memory-limit
+gate, the one ledger as ``door="dra", reservation="dra:<uid>"``; a refusal's
+log carries its status, ``noderules.status_of``); make its MPS namespace
+(owner ``(<claim uid>, "dra")``); write its CDI spec (``cdispec.write_spec``)
+and answer, per allocated device, the claim's CDI device (on the first) and the
+GPU's own CDI device from the node's specs (``cdi.CdiRegistry``).
 
 A repeated Prepare is answered from the record of the claim's first Prepare
 in this process, while the ledger holds the claim (ADR 0031, addendum

@@ -23,14 +23,10 @@ the planner's ``--reserve-mib``. An Unhealthy GPU's device leaves the slice;
 claims already allocated keep it (the ledger still holds them).
 
 Publisher (ADR 0031 item 7): one background thread builds the slice every
-``poll_s`` seconds and at once after ``poke`` (every ledger change), and
-writes it when it differs from what was last written, or every ``resync_s``
-(restoring a deleted slice): GET by name, then PUT with the read
-``resourceVersion`` or, on 404, POST; each content change bumps
-``spec.pool.generation``. Errors are logged and retried at the next poll;
-nothing here is on the Prepare path. ``stop(delete=True)`` deletes the slice.
-API access: ``CustomObjectsApi`` with plain dicts. RBAC: resourceslices get,
-create, update, delete.
+``poll_s`` seconds and at once after ``poke``, and writes it (GET, then PUT
+with the read ``resourceVersion`` or, on 404, POST) when it changed or every
+``resync_s``. Errors are logged and retried at the next poll; nothing here is
+on the Prepare path. RBAC: resourceslices get, create, update, delete.
 """
 
 from __future__ import annotations

@@ -67,7 +67,6 @@ class Releases:
                 self._stopped_holds[container.id] = gone
                 while len(self._stopped_holds) > 4096:
                     self._stopped_holds.pop(next(iter(self._stopped_holds)))
-        return None
 
     def remove(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container) -> None:
         """RemoveContainer: release the ledger entries of this container id and,
@@ -88,7 +87,6 @@ class Releases:
                 extra={"pod_uid": pod.uid, "container": container.name, "container_id": container.id, "gpus": len(gone)},
             )
         self.namespaces.release(owners | {t.owner for t in gone if t.mps_namespace})
-        return None
 
     def abandoned(self, method: str, request: Any, response: Any) -> None:
         """The stub answered a CreateContainer itself (budget overrun) and
