@@ -124,14 +124,14 @@ def _applies(config: Mapping[str, Any], requests: set[str]) -> bool:
     return any(r in named or r.split("/", 1)[0] in named for r in requests)
 
 
-def _configs(allocation: Mapping[str, Any], requests: set[str], driver: str) -> list[Any]:
-    """The opaque parameters of ``driver`` that apply to ``requests``, class
+def _configs(allocation: Mapping[str, Any], requests: set[str]) -> list[Any]:
+    """The opaque parameters of our driver that apply to ``requests``, class
     configs first, then claim configs, each group in written order."""
     entries = _get(allocation, "devices", "config") or []
     found: list[tuple[int, int, Any]] = []  # parameters are checked by params.parse
     for i, c in enumerate(entries if isinstance(entries, list) else []):
         opaque = _get(c, "opaque")
-        if not isinstance(opaque, Mapping) or opaque.get("driver") != driver or not _applies(c, requests):
+        if not isinstance(opaque, Mapping) or opaque.get("driver") != DRIVER_NAME or not _applies(c, requests):
             continue
         rank = 0 if c.get("source") == "FromClass" else 1
         found.append((rank, i, opaque.get("parameters")))
@@ -159,14 +159,13 @@ def _device(node: NodeInfo, i: int, r: Mapping[str, Any]) -> tuple[AllocatedDevi
             str(raw), mkey)
 
 
-def read_claim(doc: Mapping[str, Any], node: NodeInfo, *, uid: str = "", driver: str = DRIVER_NAME) -> ClaimRequest:
+def read_claim(doc: Mapping[str, Any], node: NodeInfo, *, uid: str = "") -> ClaimRequest:
     """A ResourceClaim document (the API's JSON as a dict) -> ClaimRequest.
 
     Args:
         doc: the claim (``metadata``, ``status.allocation``).
         node: this node (its name is our pool; device names ``gpu-<index>``).
         uid: the UID kubelet named (checked when given).
-        driver: our driver name.
 
     Raises:
         FractionError: a rule of the module docstring, naming key, value and rule.
@@ -181,10 +180,10 @@ def read_claim(doc: Mapping[str, Any], node: NodeInfo, *, uid: str = "", driver:
     results = _get(allocation, "devices", "results") or []
     ours: list[tuple[AllocatedDevice, str, str]] = []
     for i, r in enumerate(results if isinstance(results, list) else []):
-        if isinstance(r, Mapping) and r.get("driver") == driver:
+        if isinstance(r, Mapping) and r.get("driver") == DRIVER_NAME:
             ours.append(_device(node, i, r))
     if not ours:
-        raise FractionError(f"resourceclaim {ns}/{name}", None, NOT_OURS.format(driver=driver), "dra")
+        raise FractionError(f"resourceclaim {ns}/{name}", None, NOT_OURS.format(driver=DRIVER_NAME), "dra")
     amounts = [ann.parse_quantity_mib(key, raw) for _d, raw, key in ours]
     if len(set(amounts)) > 1:
         raise FractionError(RESULTS_KEY, ",".join(raw for _d, raw, _k in ours),
@@ -193,7 +192,7 @@ def read_claim(doc: Mapping[str, Any], node: NodeInfo, *, uid: str = "", driver:
     if len(set(gpus)) != len(gpus):  # two shares of one GPU in one claim: one fraction, counted once
         raise FractionError(RESULTS_KEY, ",".join(d.device for d, _r, _k in ours),
                             "names one GPU twice: one share per GPU of a claim", "dra")
-    parameters = params.parse(_configs(allocation, {d.request for d, _r, _k in ours}, driver))
+    parameters = params.parse(_configs(allocation, {d.request for d, _r, _k in ours}))
     _, raw0, key0 = ours[0]
     if parameters.limit_mib is not None and parameters.limit_mib < amounts[0]:
         raise FractionError(params.field_key(params.FIELD_LIMIT), parameters.limit_raw,

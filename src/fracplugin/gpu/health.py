@@ -159,7 +159,7 @@ class HealthMonitor:
         """GPU UUID -> its last critical XID, for every GPU an XID marked
         (the GPU's own fault; MPS health is per compute mode and not in it)."""
         with self._lock:
-            return {u: x for u, (x, _t) in self._xid.items()} if self._xid else {}
+            return {u: x for u, (x, _t) in self._xid.items()}
 
     def cordoned(self) -> frozenset[str]:
         """The UUIDs of the GPUs the node's cordon names (``cordon``)."""
@@ -178,12 +178,7 @@ class HealthMonitor:
 
     def unhealthy(self) -> dict[str, list[str]]:
         """GPU UUID -> reasons, for every unhealthy GPU."""
-        out: dict[str, list[str]] = {}
-        for u in self._uuids:
-            h = self.health(u)
-            if not h.healthy:
-                out[u] = list(h.reasons)
-        return out
+        return {u: list(h.reasons) for u in self._uuids if not (h := self.health(u)).healthy}
 
     # -- inputs ------------------------------------------------------------
     def record_xid(self, event: XidEvent) -> bool:
