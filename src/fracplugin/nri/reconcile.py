@@ -36,7 +36,7 @@ from .namespaces import Namespaces
 from .orphans import mps_namespaces
 from .pluginbase import _env_map, _pod_ref, needs_spec
 
-log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
+log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log
 
 _HOLD_RANK = {nri_pb2.CONTAINER_RUNNING: 4, nri_pb2.CONTAINER_PAUSED: 3, nri_pb2.CONTAINER_CREATED: 2,
               nri_pb2.CONTAINER_UNKNOWN: 1, nri_pb2.CONTAINER_STOPPED: 0}
@@ -309,8 +309,7 @@ class Reconciler:
         raises: an error is logged, nothing is released."""
         counts = {"held": 0, "adopted": 0, "orphaned": 0}
         try:
-            status = getattr(self.mps, "status", None)
-            doc = status() if callable(status) else None
+            doc = self.mps.status()
             found = mps_namespaces(doc)
         except Exception:
             log.exception("nri sync: the MPS layer's namespaces could not be read; not reconciled")
