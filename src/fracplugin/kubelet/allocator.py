@@ -146,12 +146,12 @@ class Allocator:
         the key, the same for a re-Allocate answered as recorded; ADR 0024).
         ``kind`` ``pending``: nothing recorded, the key is pending on the
         release of devices a running container holds (ADR 0033)."""
-        by_gpu, _ = self.validate(device_lists)
+        by_gpu, per_gpu = self.validate(device_lists)
         key = al.reservation_key({u: [parse_device_id(d)[1] for d in v] for u, v in by_gpu.items()})
         before = self.ledger.reservation(key)
         proofs = reservations.proofs_of(self.ledger)
         was_pending = proofs.is_pending(key)
-        a = self._allocate(device_lists)
+        a = self._allocate(by_gpu, per_gpu, key)
         # the same proof for the same allocation (a re-Allocate answered as recorded,
         # an app container reusing its init container's IDs: the reservation was
         # unbound or still pending); a new one when kubelet gives the IDs to another holder
@@ -166,11 +166,9 @@ class Allocator:
             proofs.settle(a.key)
         return dataclasses.replace(a, env={**a.env, reservations.ENV_RESERVATION_PROOF: proof})
 
-    def _allocate(self, device_lists: Sequence[Sequence[str]]) -> Answer:
-        by_gpu, per_gpu = self.validate(device_lists)
+    def _allocate(self, by_gpu: Mapping[str, list[str]], per_gpu: int, key: str) -> Answer:
         count = sum(len(v) for v in by_gpu.values())
         uuids = tuple(by_gpu)
-        key = al.reservation_key({u: [parse_device_id(d)[1] for d in v] for u, v in by_gpu.items()})
         request_mib = per_gpu * self.unit_mib
         self.counters.bump("allocations")
         with self._lock:

@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator
 
 import grpc
 
@@ -61,7 +61,7 @@ from .devices import (
     validate_resource_name,
 )
 from .allocator import Allocator
-from .allocbase import Refusal
+from .allocbase import Answer, Refusal
 from .devicelist import DeviceList
 from .doorserver import DoorServer
 from .podresources import DEFAULT_PODRESOURCES_SOCKET, Reconciler
@@ -348,29 +348,27 @@ class DevicePluginServer:
             resp = pb.AllocateResponse()
             resp.container_responses.add().annotations[ANNOTATION_ALLOCATE] = ALLOCATE_UNADJUSTED
             return resp
-        return self._response_for(a.env, a.mounts, a.uuids, a.kind, a.key)
+        return self._response_for(a)
 
-    def _response_for(
-        self, env: Mapping[str, str], mounts: Sequence[Any], uuids: Sequence[str], kind: str, key: str
-    ) -> pb.AllocateResponse:
+    def _response_for(self, a: Answer) -> pb.AllocateResponse:
         resp = pb.AllocateResponse()
         c = resp.container_responses.add()
-        c.envs.update(env)
-        c.envs[al.ENV_RESERVATION] = key
-        for m in mounts:
+        c.envs.update(a.env)
+        c.envs[al.ENV_RESERVATION] = a.key
+        for m in a.mounts:
             c.mounts.add(container_path=m.destination, host_path=m.source, read_only=m.read_only)
         if self.device_specs:
-            paths = [f"/dev/nvidia{self.node.gpu_by_uuid(u).minor}" for u in uuids]  # type: ignore[union-attr]
+            paths = [f"/dev/nvidia{self.node.gpu_by_uuid(u).minor}" for u in a.uuids]  # type: ignore[union-attr]
             for p in paths + ["/dev/nvidiactl", "/dev/nvidia-uvm"]:
                 c.devices.add(container_path=p, host_path=p, permissions="rw")
-        for u in uuids:  # the node's CDI device of each GPU (ADR 0025b), else the operator's kind
+        for u in a.uuids:  # the node's CDI device of each GPU (ADR 0025b), else the operator's kind
             dev = self.cdi.device_for(u) if self.cdi is not None else None
             if dev is not None:
                 c.cdi_devices.add(name=dev.name)
             elif self.cdi_kind:
                 c.cdi_devices.add(name=f"{self.cdi_kind}={u}")
-        c.annotations[ANNOTATION_ALLOCATE] = kind
-        c.annotations[al.ANNOTATION_RESERVATION] = key
+        c.annotations[ANNOTATION_ALLOCATE] = a.kind
+        c.annotations[al.ANNOTATION_RESERVATION] = a.key
         return resp
 
     # ---- bookkeeping ---------------------------------------------------------
