@@ -6,16 +6,11 @@ What kubelet sees (docs/reference/kubelet-device-plugin.md A): one extended reso
 0021; its options in ``grpcopts``) on a unix socket in the device plugin
 directory and registered on ``kubelet.sock`` (``registration.py``).
 
-Concurrency model: grpcio's synchronous server with a thread pool
-(``MAX_WORKERS`` threads ``fracplugin-dp_<n>``) and at most
-``MAX_WORKERS`` RPCs at once (more are answered RESOURCE_EXHAUSTED at once,
-not queued behind streams that never end). Each open ListAndWatch stream
-holds one worker while it is open: its generator waits on a condition
-variable, woken when the device list changes, the server stops or is
-replaced, or the RPC ends (``context.add_callback``). Allocate and
-GetPreferredAllocation run on workers; the part of Allocate that chooses a
-pod and writes the ledger runs under one lock (kubelet may call it
-concurrently, A.5); waiting for the watch cache happens outside that lock.
+Concurrency model: grpcio's synchronous server, ``MAX_WORKERS`` threads
+``fracplugin-dp_<n>``, each open ListAndWatch stream holding one (ADR 0021
+decision 2). Allocate and GetPreferredAllocation run on workers; the part of
+Allocate that chooses a pod and writes the ledger runs under one lock (kubelet
+may call it concurrently, A.5); waiting for the watch cache happens outside it.
 Helper threads: the registrar (``registration.Registrar``), the
 PodResources reconciler (``podresources.Reconciler``) and,
 when the daemon passes one, the pod watch (owned by the pod source).
@@ -258,12 +253,8 @@ class DevicePluginServer:
 
     def _check_pipe_mount(self) -> None:
         """Warn when the MPS root's filesystem lacks nosuid,nodev: kubelet's
-        bind mount of the pipe directory from Allocate inherits the source
-        mount's flags, the device plugin API has no mount options (issue 11,
-        D9); the NRI door's copy sets them itself. The remedy is the host
-        filesystem's (``/run`` on systemd hosts is nosuid,nodev): the chart's
-        DaemonSet can mount nothing on the host (no CAP_SYS_ADMIN, no
-        Bidirectional propagation; ADR 0008)."""
+        bind mount of the pipe directory from Allocate inherits them (ADR 0011
+        decision 6, D9); the remedy is the host filesystem's (ADR 0008)."""
         root = self.planner_config.layout.root
         remedy = ("mount the MPS root's host filesystem nosuid,nodev (a tmpfs such as /run on systemd hosts is), or "
                   "choose an MPS root on one")

@@ -20,18 +20,11 @@ Rules (docs/reference/kubelet-device-plugin.md A.5, A.8, D.7-D.9):
   new socket first), or no ListAndWatch stream open for ``stream_grace_s``
   after one ended (``register_grace_s`` after a Register).
 
-Rules learnt from a real kubelet (issue 11, ADR 0011 decisions 1-5, which
-give kubelet 1.37's "device plugin already connected" failure they answer):
-never Register while a ListAndWatch stream of ours is open; serving again for
-the *same* kubelet (our socket deleted, kubelet.sock not re-created) or after
-an "already connected" refusal uses a new socket file name
-(``fracplugin-<n>.sock``), a new kubelet starts from the configured name; "our
-socket is missing" always means serve again (``Registrar._own_gone``); the first
-Register waits until the target says its devices can be served Healthy
-(``ready()``), at most ``READY_TIMEOUT_S``; ``last_registration_ms`` counts
-from the trigger or from when the current kubelet.sock appeared, whichever is
-later; while kubelet is down the failures are logged once as a WARNING, then
-at most one WARNING per ``warn_every_s`` (default 60 s).
+Rules learnt from a real kubelet (kubelet 1.37's "device plugin already
+connected"): ADR 0011 decisions 1-5 (no Register while our ListAndWatch is
+open, a new socket name ``fracplugin-<n>.sock`` for the same kubelet, at most
+``READY_TIMEOUT_S`` waiting for ``ready()`` before the first Register, how
+``last_registration_ms`` counts, one WARNING per ``warn_every_s`` while kubelet is down).
 
 Concurrency model: one daemon thread (``Registrar``) owns the whole cycle; the
 device plugin server is driven through the narrow ``RegistrationTarget``

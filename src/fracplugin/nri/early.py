@@ -6,18 +6,12 @@ two control commands per pod (issue 28). The mask has RUN_POD_SANDBOX and
 REMOVE_POD_SANDBOX: 0x62d (docs/reference/nri-protocol.md 1.4; a v0.8
 runtime delivers both as StateChange, 1.7).
 
-RunPodSandbox plans each container the pod's per-container memory keys name
-(``annotations.annotated_containers``) as CreateContainer would
-(``NodeRules.replan``) against an empty ledger: only the namespace's
-settings (compute mode, active thread percentage, pinned limit) matter, and
-they come from the annotations and the GPUs' size. Nothing here fails the
-sandbox (RunPodSandbox carries no adjustment, and containerd fails the pod
-on a plugin's error): a refused annotation is logged at DEBUG and the
-refusal stays CreateContainer's. CreateContainer (``Namespaces.start``) then
-awaits an early ensure with the same settings or queues its own;
-RemovePodSandbox and Synchronize release early namespaces no container held;
-after a doors restart ``nri/orphans.py`` rebuilds the table from what the
-MPS layer holds.
+RunPodSandbox plans the containers the pod's per-container memory keys name
+as CreateContainer would (``NodeRules.replan``), against an empty ledger: only
+the namespace's settings matter. Nothing here fails the sandbox (containerd
+fails the pod on a plugin's error): a refused annotation is logged at DEBUG,
+the refusal stays CreateContainer's. After a doors restart ``nri/orphans.py``
+rebuilds the table from what the MPS layer holds.
 
 The table is bounded (``EARLY_MAX`` owners, ``EARLY_PER_POD`` per pod; past
 them CreateContainer does the work; the first bound is logged). ``early_plans``

@@ -91,13 +91,9 @@ class Namespaces:
         ensure's outcome instead: nothing is queued (issue 14; the MPS layer
         keeps the namespace, and re-applies it after a daemon restart before
         the daemon counts as healthy again, which CreateContainer waited for).
-
-        An early ensure of the owner queued at RunPodSandbox (``nri/early.py``)
-        with the same settings that has not failed is awaited the same way;
-        the owner leaves the early table whatever its settings (a container
-        holds it now). An entry adopted at Synchronize (``nri/orphans.py``:
-        the MPS layer held it, no ensure of ours made it) leaves it too and
-        the container gets its own ensure."""
+        An early ensure of the owner is awaited or replaced as ADR 0030
+        decision 2 says; an entry adopted at Synchronize (``nri/orphans.py``)
+        leaves the early table and the container gets its own ensure."""
         owner = (p.pod.uid, p.container)
         settings = _ns_settings(p)
         with self._lock:
@@ -126,22 +122,12 @@ class Namespaces:
     def await_start(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
                     ctx: CallContext | None = None) -> None:
         """StartContainer's wait for the container's MPS namespace job, at
-        most ``start_wait(ctx)`` seconds (``start_wait_s``, never past the
-        handler budget: the runtime's request timeout, 2 s by default,
-        docs/reference/nri-protocol.md 1.5, is kept). ADR 0028 tells slow from failed:
-
-        - done: the container starts;
-        - failed (the ensure raised, or was cancelled): ``RpcError``
-          UNAVAILABLE (the runtime fails the start; kubelet retries and the next
-          CreateContainer queues a new ensure), unless ``fail_open``;
-        - not done when the wait is spent (queued or running, merely slow): the
-          container starts, a warning says the budget was spent and a second
-          line says when the job ended; unless the mode's MPS daemon is down
-          (not slow: UNAVAILABLE, as CreateContainer's ``MpsCalls.require_up``).
-
-        A container created before a daemon restart (nothing pending, the
-        ledger holds its namespace) gets an ensure queued now, awaited the same
-        way."""
+        most ``start_wait(ctx)`` seconds; ADR 0028's table says what each state
+        of the job answers when the wait ends (done: start; failed, or not done
+        while the mode's daemon is down: ``RpcError`` UNAVAILABLE unless
+        ``fail_open``; not done on a healthy daemon: start, warned). A container
+        created before a daemon restart (nothing pending, the ledger holds its
+        namespace) gets an ensure queued now, awaited the same way."""
         fields = {"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": container.name,
                   "container_id": container.id}
         who = f"{pod.namespace}/{pod.name}/{container.name}"
@@ -175,12 +161,8 @@ class Namespaces:
     def _start_late(self, owner: Owner, container_id: str, fut: Future[Any],
                     fields: Mapping[str, Any], who: str, waited_s: float) -> None:
         """The wait of StartContainer is spent and the namespace job of
-        ``owner`` is not done (ADR 0028). A job still queued or running on a
-        healthy daemon is slow, not failed: the container starts and the log
-        says so (a second line when the job ends, with how long after).
-        Raises ``RpcError`` UNAVAILABLE (unless ``fail_open``) when the
-        daemon of the owner's mode is down: the job waits for it and may never
-        end in time."""
+        ``owner`` is not done: slow (start, logged) or its daemon down
+        (``RpcError`` UNAVAILABLE unless ``fail_open``), ADR 0028."""
         held = self.ledger.find(*owner)
         mode = held[0].mode if held else ComputeMode.SM_SHARING
         if not self.calls.up(mode):
