@@ -142,7 +142,7 @@ class Preparer:
                 return done
             try:
                 try:
-                    claim = self._read(namespace, name, uid)
+                    claim = claims.read_claim(self.claims.get(namespace, name), self.node, uid=uid)
                 except FractionError:
                     raise
                 except Exception as exc:  # the API read
@@ -176,10 +176,6 @@ class Preparer:
                                                   "request_mib": plan.request_mib, "limit_mib": plan.limit_mib,
                                                   "mode": plan.compute_mode.value})
             return done
-
-    def _read(self, namespace: str, name: str, uid: str) -> claims.ClaimRequest:
-        doc = self.claims.get(namespace, name)
-        return claims.read_claim(doc, self.node, uid=uid)
 
     def _ensure_namespace(self, plan: ContainerPlan) -> None:
         if self.mps is None or plan.mps_namespace is None:

@@ -1,23 +1,14 @@
 """The DRA door's gRPC servers (grpcio, as the device plugin door: ADR 0021).
 
-Two unix sockets (docs/reference/kubelet-dra.md §1, §2):
-
-- the DRA service, ``<plugins dir>/gpu-memory.fracplugin.io/dra.sock``:
-  ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` and ``...v1beta1.DRAPlugin``
-  (same handling; v1beta1 has no ``share_id``), each claim handed to
-  ``prepare.Preparer``;
-- the registration socket, ``<plugins_registry>/gpu-memory.fracplugin.io-reg.sock``:
-  ``pluginregistration.Registration``, which kubelet's plugin watcher dials
-  when the file appears: ``GetInfo`` answers type ``DRAPlugin``, the driver
-  name, the DRA socket's path and the supported services
-  (``v1.DRAPlugin``, ``v1beta1.DRAPlugin``); ``NotifyRegistrationStatus``
-  records kubelet's verdict (the door is ready once kubelet said registered).
-
-Each socket is bound under a temporary name in its directory and renamed into
-place once served (kubelet's watcher must never dial a file nobody serves
-yet; grpcio unlinks the temporary name when the server stops). ``stop``
-removes both files: the registration socket going away is how kubelet learns
-the plugin left.
+Two unix sockets (docs/reference/kubelet-dra.md §1, §2; ADR 0031 item 1):
+the DRA service, ``<plugins dir>/gpu-memory.fracplugin.io/dra.sock``, v1 and
+v1beta1 (v1beta1 has no ``share_id``), each claim handed to
+``prepare.Preparer``; and the registration socket,
+``<plugins_registry>/gpu-memory.fracplugin.io-reg.sock``, whose
+``NotifyRegistrationStatus`` makes the door ready. Both are bound under a
+temporary name and renamed into place (``grpcopts.serve_unix_renamed``);
+``stop`` removes both (the registration socket going is how kubelet learns
+the plugin left).
 
 Concurrency: grpcio's thread pool serves calls; each Prepare/Unprepare call
 handles its claims one after another (kubelet sends one pod's claims per

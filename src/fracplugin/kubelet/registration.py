@@ -434,12 +434,8 @@ class Registrar:
         took = done - max(t0, self._seen_at if self._seen_ks is not None else t0)
         self._registered = True
         self._ever_registered = True
-        self.stats.count += 1
-        self.stats.last_s = took
-        self.stats.last_trigger = trigger
-        self.stats.last_error = ""
-        self.stats.failures = 0
-        self.stats.registered_at = done
+        # a new record: no error, no failures since this registration
+        self.stats = RegistrationStats(self.stats.count + 1, took, trigger, registered_at=done)
         log.info("registered %s with kubelet (%s) in %.0f ms on %s", self.resource_name, trigger, took * 1000,
                  os.path.basename(self.target.socket_path))
         guarded(log, "on_registered callback", self.on_registered, took)
