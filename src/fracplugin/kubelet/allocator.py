@@ -205,12 +205,9 @@ class Allocator:
         (module docstring); ``pending_on``: the reservations whose running
         holders this one waits on (planned as if they were gone, nothing
         recorded). Raises Refusal."""
-        if self.pod_source is None:
-            with self._lock:
-                return self._fallback(uuids, key, request_mib, True, "no API access configured (no pod source)",
-                                      pending_on=pending_on)
+        why = "no API access configured (no pod source)"
         deadline = time.monotonic() + self.allocate_deadline_s
-        while True:
+        while self.pod_source is not None:
             with self._lock:
                 cands = self._candidates(count)
                 if cands:
@@ -220,17 +217,15 @@ class Allocator:
                     return self._stored(existing, key, "the same device IDs as a recorded reservation")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                with self._lock:
-                    return self._fallback(
-                        uuids, key, request_mib, True,
-                        f"no pending pod on node {self.node.name} requests {count} {self.resource_name} "
-                        f"within {self.allocate_deadline_s:.1f} s (pod deleted or API slow)", pending_on=pending_on)
+                why = (f"no pending pod on node {self.node.name} requests {count} {self.resource_name} "
+                       f"within {self.allocate_deadline_s:.1f} s (pod deleted or API slow)")
+                break
             if not self.pod_source.ready():
-                with self._lock:
-                    return self._fallback(uuids, key, request_mib, True,
-                                          "pod source not ready (API server unreachable or not synced)",
-                                          pending_on=pending_on)
+                why = "pod source not ready (API server unreachable or not synced)"
+                break
             self.pod_source.wait(min(remaining, 0.1))
+        with self._lock:
+            return self._fallback(uuids, key, request_mib, True, why, pending_on=pending_on)
 
     def _holder_live(self, t: Tenancy) -> bool:
         """True unless the pod source shows the holder deleted or finished
@@ -251,16 +246,11 @@ class Allocator:
 
     def _absorb_overlapping(self, key: str) -> None:
         """Reservations sharing a device with ``key`` (no running container
-        holds one: that Allocate is pending instead). One bound to a pod:
-        kubelet freed its devices (the pod ended), released. One not bound
-        yet: kubelet handing an init container's devices again to a later
-        container of the same pod (its device manager reuses them), or to the
-        next pod of a deleted one; it stays one hold with ``key``, recorded
-        under the union of their devices (memory counted once), every key an
-        alias of it (``reservations``; issue 34 item 1). A pending key
-        (not in the ledger) whose devices no running container holds any
-        more is taken in the same way (an init container's Allocate
-        answered pending, its running holder stopped before the app's)."""
+        holds one: that Allocate is pending instead): one bound to a pod is
+        released (kubelet freed its devices); one not bound yet, or a pending
+        key nothing blocks any more, stays one hold with ``key`` under the
+        union of their devices, every key an alias of it (ADR 0007 decision 5,
+        ADR 0033; ``reservations``)."""
         self._holds.pop(key, None)
         keys = {t.reservation for t in self.ledger.tenancies() if t.door == al.DOOR_ALLOCATE and t.reservation != key}
         absorbed: list[str] = []
@@ -274,7 +264,7 @@ class Allocator:
                 log.info("reservation %s (holder not known yet) shares devices with %s: one hold (kubelet reuses "
                          "an init container's devices)", other, key)
             else:
-                who = _holder(gone[0]) if gone else "?"
+                who = holder_text(gone[0]) if gone else "?"  # bound: namespace/pod/container
                 log.info("reservation %s (%s) released: kubelet allocated its devices again (%s)", other, who, key)
         proofs = reservations.proofs_of(self.ledger)
         for other in proofs.pending_keys():
@@ -546,19 +536,12 @@ class Allocator:
     # ---- PodResources ------------------------------------------------------------
     def reconcile(self, pods: Sequence[Any], *, initial: bool = False) -> list[str]:
         """Make the ledger agree with kubelet's PodResources List (``pods``:
-        ``podresources.PodDevices``). Returns warnings.
-
-        * a container listed with devices of our resource holds the
-          reservation of those IDs: recorded (planned from the pod when the pod
-          source knows it, request-sized otherwise) or bound when unbound;
-        * a container listed with devices of another resource that are GPU
-          UUIDs of this node holds that GPU whole (door ``other-plugin``);
-        * reservations (and whole-GPU holds) not listed are released, except
-          reservations younger than ``PODRESOURCES_GRACE_S`` (kubelet records
-          an allocation only after Allocate returned) unless ``initial``;
-          pending keys (ADR 0033) not listed are dropped on the same terms
-          (the pod they were for is gone).
-        """
+        ``podresources.PodDevices``; ADR 0007 decisions 3, 5 and 6). Returns
+        warnings. A listed container holds the reservation of its IDs (recorded,
+        or bound when unbound), or a GPU given whole by another device plugin
+        (door ``other-plugin``); what is not listed is released (a pending key
+        dropped), except a reservation younger than ``PODRESOURCES_GRACE_S``
+        unless ``initial``, or one whose container still runs."""
         warnings: list[str] = []
         listed: set[str] = set()
         whole: list[Tenancy] = []
@@ -685,7 +668,3 @@ class Allocator:
         self.ledger.transform(lambda cur: [t for t in cur if t.reservation != key] + new)
         self._hints.pop(key, None)
         return warnings
-
-
-def _holder(t: Tenancy) -> str:
-    return f"{t.namespace}/{t.pod_name}/{t.container}" if t.bound else "holder not known yet"
