@@ -7,22 +7,13 @@ turns it into a ``ClaimRequest`` here (``read_claim``), then into the
 planner's ``FractionRequest`` (``fraction_request``) and a ``ContainerPlan``
 (``plan_claim``, through the node's rules): the same planner, guards and env as the other doors.
 
-Rules, each refusal a ``FractionError`` naming key, value and rule:
-
-- the claim's ``metadata.uid`` is the UID kubelet sent (a claim deleted and
-  re-created under the same name is another claim);
-- it has ``status.allocation``, with at least one
-  ``status.allocation.devices.results`` entry whose ``driver`` is ours;
-- each of our results names a device of this node's pool (pool = node name,
-  device ``gpu-<index>``, the names ``slices.py`` publishes) and carries
-  ``consumedCapacity.memory`` (bytes; present only when the device allows
-  multiple allocations, i.e. consumable capacity is on), the same amount on
-  every GPU of the claim (the env carries one number per claim);
-- ``adminAccess`` allocations are refused (no fraction to enforce);
-- the opaque configs for our driver that apply to our results (``requests``
-  empty, or naming the result's request or its parent request) are merged,
-  class configs before claim configs (``params.parse``); the limit, when
-  given, is >= the consumed memory (``contract.LIMIT_BELOW_REQUEST_MIB``).
+Rules (ADR 0031 items 2-3), each refusal a ``FractionError`` naming key, value
+and rule (the texts below, ``NOT_ALLOCATED`` .. ``ADMIN_ACCESS``): the UID kubelet
+sent, an allocation with results of our driver on this node's pool, devices
+``gpu-<index>`` that ``slices.py`` publishes, ``consumedCapacity.memory`` the
+same on every GPU of the claim, no ``adminAccess``; the opaque configs that
+apply to our results merged class before claim (``params.parse``), the limit
+>= the consumed memory (``contract.LIMIT_BELOW_REQUEST_MIB``).
 
 The request is the consumed memory in MiB (rounded up; the slice's 1 MiB step
 makes it exact); the limit defaults to it. No I/O except in ``ApiClaims``.

@@ -2,18 +2,9 @@
 
 One slice per node (docs/reference/kubelet-dra.md §4), ``resource.k8s.io/v1``,
 named ``<node>-gpu-memory.fracplugin.io``, pool = the node's name, one device
-per healthy GPU::
-
-    name: gpu-<index>
-    allowMultipleAllocations: true          # many claims share one GPU
-    attributes: {uuid, productName, driverVersion, computeCapability, computeMode: {string: ...},
-                 index: {int: ...}}
-    capacity:
-      memory:
-        value: "<(GPU memory - reserve) x 2^20>"        # bytes
-        requestPolicy:
-          default: "<the same>"                 # a request that names no memory takes the whole GPU
-          validRange: {min: "1048576", step: "1048576"}  # whole MiB
+``gpu-<index>`` per healthy GPU (``build_device``): many claims share it, its
+``memory`` capacity is (GPU memory - reserve) bytes in whole MiB, the whole GPU
+by default (ADR 0031 item 7).
 
 ``computeMode`` is the compute mode the GPU's held fractions use now
 (``Ledger.mode``: ``time-slicing``, ``sm-sharing`` or ``none`` when nothing is

@@ -15,17 +15,12 @@ Helper threads: the registrar (``registration.Registrar``), the
 PodResources reconciler (``podresources.Reconciler``) and,
 when the daemon passes one, the pod watch (owned by the pod source).
 
-What this module decides: nothing about GPUs. The gRPC server, the
-registrar and ListAndWatch (device health from the node's ``gpu.health.HealthMonitor``)
-live here; Allocate, GetPreferredAllocation and the PodResources
-reconciliation are decided by ``allocator.Allocator`` (ADR 0007: one
-allocation for both doors), whose answer this module turns into an
-``AllocateResponse``: env (including ``FRACPLUGIN_RESERVATION``, the
-reservation key the NRI door binds at CreateContainer), mounts, optional
+What this module decides: nothing about GPUs (ADR 0007 decision 10). Its parts:
+``devices`` (ListAndWatch), ``serving`` (the gRPC server), ``podresources`` and
+``allocator`` (the decisions), whose answer ``_response_for`` turns into an
+``AllocateResponse``: env (with ``FRACPLUGIN_RESERVATION``), mounts, optional
 DeviceSpecs / CDI devices, and annotations ``fracplugin.io/allocate``
-(``planned`` | ``reserved`` | ``fallback`` | ``pending``, ADR 0033) and ``fracplugin.io/reservation``.
-Its parts (ADR 0032, item 3): ``devices`` (ListAndWatch), ``serving`` (the gRPC
-server), ``podresources`` and ``allocator``; ``_Servicer`` holds the gRPC handlers.
+(``planned`` | ``reserved`` | ``fallback`` | ``pending``) and ``fracplugin.io/reservation``.
 """
 
 from __future__ import annotations

@@ -16,12 +16,9 @@ The extended resource (docs/reference/kubelet-device-plugin.md A.3, A.5):
   digits, no sign, no leading zero (``::01``, ``::+1``, ``::\u00b2`` or
   ``::\u0661`` are not IDs of this node), so two IDs name the same device
   exactly when they are equal strings;
-* the whole ListAndWatch response must fit kubelet's gRPC receive limit
-  (grpc-go's default ``MaxCallRecvMsgSize`` of 4 MiB, which kubelet's device
-  manager client does not raise): a table whose encoded response would exceed
-  ``MAX_LIST_AND_WATCH_BYTES`` (3.5 MiB, headroom for framing) is refused at
-  build time (``DeviceTableTooLarge``), since kubelet would never receive a
-  device list and the plugin would re-register forever.
+* the whole ListAndWatch response must fit kubelet's 4 MiB gRPC receive limit
+  (``MAX_LIST_AND_WATCH_BYTES``): a larger table is refused at build time
+  (``DeviceTableTooLarge``), else the plugin would re-register forever.
 """
 
 from __future__ import annotations

@@ -80,10 +80,8 @@ class DoorServer:
         pool.shutdown(wait=False, cancel_futures=True)
 
     def serve(self) -> None:
-        """Serve on ``self.socket_path`` (``grpcopts.serve_unix_renamed``: bound
-        under a temporary name, renamed into place, so stopping the old server
-        can never delete the new socket; issue 11: the socket deleted again
-        right after it was re-created left the plugin serving on no file),
+        """Serve on ``self.socket_path`` (``grpcopts.serve_unix_renamed``: stopping
+        the old server can never delete the new socket, ADR 0011 decision 3),
         after stopping the server before it. Raises OSError when the socket
         cannot be bound."""
         with self._server_lock:

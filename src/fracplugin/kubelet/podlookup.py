@@ -1,12 +1,9 @@
 """Finding the pod behind an Allocate call (which carries only device IDs).
 
-docs/reference/kubelet-device-plugin.md A.5/A.6: kubelet calls Allocate once per container,
-init containers first (spec order), then app containers, during pod admission;
-the request names device IDs only. We keep a watch cache of the pods bound to
-this node (field selector ``spec.nodeName=<node>``) and pick, among pods that
-are still being admitted, the container whose request of our resource equals
-the device count, oldest pod first, init containers before app containers,
-skipping containers already served.
+docs/reference/kubelet-device-plugin.md A.5/A.6: kubelet calls Allocate once per
+container during pod admission, naming device IDs only. We keep a watch cache of
+the pods bound to this node (``spec.nodeName=<node>``) and pick the candidates
+among them (``select_candidates``).
 
 Pods are plain dicts in the Kubernetes JSON shape (camelCase keys, as the API
 server, ``ApiClient.sanitize_for_serialization`` and the YAML examples give

@@ -6,9 +6,7 @@ Rules (docs/reference/kubelet-device-plugin.md A.5, A.8, D.7-D.9):
   then call ``Registration.Register`` on ``kubelet.sock``: kubelet dials back
   and calls GetDevicePluginOptions + ListAndWatch before Register returns, so
   Register fails when we are not serving;
-* dial kubelet.sock over grpcio (ADR 0021) with ``:authority`` ``localhost``
-  (``grpcopts.client_options``; grpcio >= 1.57 would send the %-encoded
-  path);
+* dial kubelet.sock with ``grpcopts.client_options`` (ADR 0021);
 * retry with exponential backoff (tenacity; 50 ms doubling to 1 s) for as long
   as the plugin runs;
 * re-register without restarting the process when kubelet restarts. Triggers,

@@ -217,14 +217,10 @@ class Namespaces:
 
     def _queue_ensure(self, container_id: str, owner: Owner, job: Callable[[], Any]) -> None:
         """Queue ``job`` (an ensure of ``owner``'s namespace) as the job
-        StartContainer of ``container_id`` awaits; the caller holds
-        ``_lock``. An ensure of the owner still queued (another container of
-        the same pod and name, or a Synchronize renewal) is replaced by this
-        newer one and its waiters get this one's outcome (the namespace is the
-        owner's); a queued release is replaced (desired state: the namespace
-        exists); a job of the owner that runs now finishes first. The job is
-        urgent (a StartContainer awaits it): it runs before the ensures queued
-        early at RunPodSandbox that no container awaits yet (ADR 0030)."""
+        StartContainer of ``container_id`` awaits; the caller holds ``_lock``.
+        It replaces the owner's queued ensure (joining its waiters) or release,
+        runs after the owner's running job, and is urgent (ADR 0017, ADR 0030
+        decision 5)."""
         q = self._work()
         key = ("ns", *owner)
         fut = q.put(key, job, join=q.pending_tag(key) == _ENSURE, tag=_ENSURE, urgent=True)
