@@ -10,12 +10,9 @@ and answer, per allocated device, the claim's CDI device (on the first) and the
 GPU's own CDI device from the node's specs (``cdi.CdiRegistry``).
 
 A repeated Prepare is answered from the record of the claim's first Prepare
-in this process, while the ledger holds the claim (ADR 0031, addendum
-"Prepare answers from a record"); else the steps above run again, each
-idempotent. A refusal (``FractionError``) or a failure after the ledger step
-undoes what was done, drops the record and becomes the claim's ``error``
-string: the refusal's message (``<key>="<value>" <rule>``, as ``fracplugin
-explain`` says it); kubelet shows it in the pod's events and retries.
+while the ledger holds the claim (ADR 0031, addendum "Prepare answers from a
+record"). A refusal or a failure undoes what was done and becomes the claim's
+``error`` string (a refusal's as ``fracplugin explain`` says it).
 
 Unprepare: drop the record, release the ledger hold, remove the CDI spec,
 release the MPS namespace; unknown claims are fine (idempotent).

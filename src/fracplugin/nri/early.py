@@ -14,12 +14,10 @@ the refusal stays CreateContainer's. After a doors restart ``nri/orphans.py``
 rebuilds the table from what the MPS layer holds.
 
 The table is bounded (``EARLY_MAX`` owners, ``EARLY_PER_POD`` per pod; past
-them CreateContainer does the work; the first bound is logged). ``early_plans``
-here plans a pod's containers; the early table and its ensures are the
-namespace table's (``Namespaces.queue_early``, ``release_early``,
-``early_status`` in ``nri/namespaces.py``), under its lock. RunPodSandbox and
-RemovePodSandbox never wait (a plan, a dict update and a queue put): the stub
-serves them on its reader thread.
+them CreateContainer does the work). ``early_plans`` plans a pod's containers;
+the early table and its ensures are ``Namespaces``' (``queue_early``,
+``release_early``, ``early_status``). RunPodSandbox and RemovePodSandbox never
+wait: the stub serves them on its reader thread.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ EARLY_PER_POD = 16
 """Most containers of one pod that get an early namespace (the first, by
 name): a pod's annotations may name containers it does not have, whose
 namespaces are made for nothing until RemovePodSandbox; the rest wait for
-their CreateContainer as before."""
+their CreateContainer."""
 
 
 def early_plans(rules: NodeRules, pod: nri_pb2.PodSandbox, mode_up: Callable[[ComputeMode], bool]) -> list[ContainerPlan]:

@@ -62,13 +62,9 @@ class Namespaces:
         self._lock = threading.Lock()
         # container id -> (owner, future of the namespace job StartContainer awaits)
         self._pending: dict[str, tuple[Owner, Future[Any]]] = {}
-        # owners whose namespace may exist: an ensure for them started (or a
-        # Synchronize found them) since their last release ran. The value, once
-        # an ensure of the queue made it, is (its settings: mode, portion, pinned
-        # limit; that ensure's done future): while no job of the owner is queued
-        # or running, a new container of the owner with the same settings awaits
-        # that outcome instead of queueing another ensure (issue 14: a restart or
-        # retry of a container costs no MPS work); None = not known to be made so.
+        # owners whose namespace may exist (an ensure started, or a Synchronize found
+        # it, since their last release) -> (its settings, that ensure's done future),
+        # None = not known to be made so; reused by ``start`` (issue 14)
         self._made: dict[Owner, tuple[tuple[Any, ...], Future[Any]] | None] = {}
         # owner -> (settings, future, pod sandbox id) of an ensure queued at
         # RunPodSandbox that no container of the owner has claimed yet
@@ -284,11 +280,9 @@ class Namespaces:
     def release(self, owners: set[Owner]) -> None:
         """For each owner nothing in the ledger holds any more: drop its
         queued namespace creation and queue the release of its namespace,
-        unless that creation was all there was (it never started, and no other
-        ensure started since the owner's last release: there is nothing to
-        release). A queued release of an owner that a newer container then
-        holds is replaced by that container's ensure (``_queue_ensure``) or, if
-        it already started waiting, skipped when it runs (``_release_job``)."""
+        unless that creation was all there was (nothing to release; ADR 0017).
+        A newer container's ensure replaces a queued release, and a release
+        that runs skips an owner held again (``_release_job``)."""
         inline: list[Owner] = []
         for owner in owners:
             with self._lock:

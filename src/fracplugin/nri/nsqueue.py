@@ -8,15 +8,11 @@ Memory: at most one pending entry and one running job per key, so what the
 queue holds is bounded by the number of distinct keys with work, not by the
 rate at which work is put.
 
-Order: keys run in the order their pending entry was first queued (FIFO over
-keys); a key put again while pending keeps its place; a key put while running
-is queued behind the keys already waiting when its running job ends. Urgent
-keys (``put(..., urgent=True)``, or ``promote``: work a caller is waiting for
-now) run before the others, FIFO among themselves; the rest keep their order
-behind them (ADR 0030: a namespace queued early, at RunPodSandbox, yields to
-one a StartContainer awaits). Non-urgent work waits as long as urgent work
-is ready: a burst of creations delays releases and early ensures until it
-drains (a key with a job running is not ready, so it never blocks others).
+Order: FIFO over keys (a key put again while pending keeps its place; one put
+while running is queued behind those waiting when its job ends); urgent keys
+(``put(..., urgent=True)``, ``promote``: work a caller waits for now) run
+first, FIFO among themselves, and non-urgent work waits while urgent work is
+ready (ADR 0030 decision 5).
 
 Concurrency: every method may be called from any thread. Jobs run on up to
 ``workers`` daemon threads, started on demand; a job's exception is set on its

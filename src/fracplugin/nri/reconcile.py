@@ -332,11 +332,9 @@ class Reconciler:
 class Unfenced:
     """What is done with a container ``Reconciler._decide`` found unfenced
     (ADR 0035 decisions 7-9): ``restart`` evicts its pod (``restarter``) at
-    most once per pod name per window (``window``; a new UID inside it is
-    backed off, the same UID left to the request made), ``report`` or no
-    restarter report once per container; each with a Warning Event
-    ``ContainerRestartedUnfenced`` (``events.unfenced``) and a count.
-    ``clock``: monotonic seconds. Thread-safe (one lock)."""
+    most once per pod name per ``window``, ``report`` (or no restarter) reports
+    once per container; each with a Warning Event (``events.unfenced``) and a
+    count. ``clock``: monotonic seconds. Thread-safe (one lock)."""
 
     BACKOFF_S = 300.0
     BACKOFF_MAX_S = 3600.0
