@@ -159,8 +159,7 @@ class DevicePluginServer:
     Raises:
         ValueError: bad resource name, unit, policy, or a device ID over 63 chars;
         devices.DeviceTableTooLarge (a ValueError): the ListAndWatch response
-            would exceed 3.5 MiB (kubelet's gRPC receive limit is 4 MiB), naming
-            the unit, the device count and the smallest unit that fits.
+            would not fit kubelet's 4 MiB receive limit.
     """
 
     def __init__(
@@ -294,12 +293,9 @@ class DevicePluginServer:
         }
 
     def ready(self) -> bool:
-        """True when every device can be served Healthy (no GPU Unhealthy:
-        MPS daemons up, no XID) and Allocate can find pods (the pod source,
-        when configured, is synced): the registrar waits for this before the
-        first Register, so kubelet is not first told every device is
-        Unhealthy (issue 11, D7) and its first Allocates are not answered
-        with the fallback ("pod source not ready", seen with a real kubelet)."""
+        """True when no GPU is Unhealthy and the pod source, when configured, is
+        synced: the registrar waits for this before the first Register (ADR 0011
+        decision 4), so kubelet's first Allocates are not answered the fallback."""
         if self.health.unhealthy():
             return False
         return self.pod_source is None or bool(self.pod_source.ready())

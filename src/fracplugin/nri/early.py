@@ -1,10 +1,7 @@
 """The NRI door's early MPS namespaces (ADR 0030, decisions 1-4, which this
 module implements): a pod's namespaces are queued at RunPodSandbox, seconds
-of image pull before its CreateContainer, so that StartContainer (which
-containerd serves under its NRI lock) finds them made instead of waiting for
-two control commands per pod (issue 28). The mask has RUN_POD_SANDBOX and
-REMOVE_POD_SANDBOX: 0x62d (docs/reference/nri-protocol.md 1.4; a v0.8
-runtime delivers both as StateChange, 1.7).
+of image pull before its CreateContainer, so that StartContainer finds them
+made (issue 28; the mask 0x62d, docs/reference/nri-protocol.md 1.4, 1.7).
 
 RunPodSandbox plans the containers the pod's per-container memory keys name
 as CreateContainer would (``NodeRules.replan``), against an empty ledger: only

@@ -1,19 +1,8 @@
 """The NRI door's MPS namespace table (``Namespaces``): one object owning
 the background MPS work queue, the maps of namespace jobs and owners, and
-the one lock over them. Its API is what the handler needs:
-
-- ``start`` (CreateContainer: queue, or reuse, the owner's ensure) and
-  ``await_start`` (StartContainer: wait for it within the budget, ADR 0028);
-- ``queue_early`` / ``release_early`` (RunPodSandbox, RemovePodSandbox and
-  Synchronize: the early table, ``nri/early.py``, ADR 0030);
-- ``forget`` / ``release`` (StopContainer, RemoveContainer, ``abandoned``:
-  the owners nothing holds lose their namespace in the background) and
-  ``drain`` / ``cancel_drain`` (StopContainer's drain on the same queue);
-- ``renew`` (after Synchronize, and when a daemon is healthy again;
-  ``renewing`` while they run), ``adopt`` / ``release_orphan``
-  (Synchronize's reconcile of the MPS layer's namespaces, ``nri/orphans.py``);
-- ``status``, ``early_status``, ``close``.
-
+the one lock over them. Its methods are grouped below by the handlers that
+call them (CreateContainer / StartContainer, ADR 0028; StopContainer and
+RemoveContainer; the early table, ADR 0030; Synchronize's renew and orphans).
 How each MPS call is made is ``nri/mpscalls.py``'s. The module docstring of
 ``nri/plugin.py`` describes the behaviour and the concurrency model.
 """

@@ -1,14 +1,8 @@
-"""The NRI door's Synchronize (``Reconciler``): rebuild the ledger from the
-containers the runtime reports, re-planned against their annotations and
-the devices they got, and report containers that lack fracplugin's
-adjustment; re-ensure their MPS namespaces, release the early namespaces of
-pods gone, and reconcile the MPS layer's namespaces with the runtime's pods
-(``nri/orphans.py``). ``ready()`` is true after the first.
-
-Containers found running unfenced (issue 35 item 1, ADR 0035 decisions 5-9):
-``Reconciler._decide`` says which, at Synchronize and, while their pod's spec
-is unknown, every ``RECHECK_S``; ``Unfenced`` restarts or reports them. None
-of it runs in CreateContainer.
+"""The NRI door's Synchronize (``Reconciler``, its steps in ``synchronize``):
+rebuild the ledger from the containers the runtime reports and report those
+that lack fracplugin's adjustment. ``ready()`` is true after the first.
+Containers found running unfenced (ADR 0035 decisions 5-9): ``_decide`` says
+which, ``Unfenced`` restarts or reports them.
 
 The module docstring of ``nri/plugin.py`` describes the behaviour and the
 concurrency model; ``FracNriPlugin`` is the one class to use.
@@ -237,9 +231,7 @@ class Reconciler:
         that runs holds and the others hold nothing, whatever the list's
         order (issue 34): ``_HOLD_RANK`` of its state first, then the newest
         (``created_at``, NRI v0.10+), then the one the ledger binds now,
-        then the later in the list. A container's hold then ends only by its
-        own StopContainer / RemoveContainer, or a Synchronize that no longer
-        lists it (README, "What each door decides")."""
+        then the later in the list (README, "What each door decides")."""
         best: dict[tuple[str, str], tuple[tuple[int, int, int, int], nri_pb2.Container]] = {}
         for i, c in enumerate(containers):
             pod = pods_by_id.get(c.pod_sandbox_id)

@@ -56,11 +56,8 @@ class Releases:
             log.info("nri drain continues in the background", extra={**fields, "waited_s": timeout})
         except Exception:
             pass  # logged by the job
-        # A stopped container holds no memory (issue 10 item 4): its NRI-door
-        # hold goes now; a kubelet reservation stays with its pod (kubelet
-        # frees those devices when the pod ends), unbound from this container.
-        # Its MPS namespace goes at RemoveContainer (an MPS call here could
-        # outlast StopContainer's budget, which the drain already used).
+        # A stopped container holds no memory (ADR 0007 decision 5); its MPS namespace goes
+        # at RemoveContainer (an MPS call here could outlast the budget the drain used).
         gone = ledger.release_stopped(container.id)
         if gone:
             with self._lock:
