@@ -179,7 +179,7 @@ def test_device_plugin_reloads_fail_open_and_reports_its_restart_settings(fresh:
         with pytest.raises(Refusal):  # a malformed request is refused either way
             dp.allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["x"])]))
     finally:
-        assert dp.clear_xid(GPU0)
+        assert dp.health.clear(GPU0)
 
 
 @pytest.mark.parametrize("part, key, value", [

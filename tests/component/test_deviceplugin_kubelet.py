@@ -280,7 +280,7 @@ def test_injected_xid_flips_all_fractions_of_one_gpu_in_one_update(running):
     assert sum(1 for d, h in devs.items() if h == "Unhealthy") == 79
     assert all(h == "Healthy" for d, h in devs.items() if not d.startswith(sick))
     # Recovery: an operator clear puts the GPU back in one update.
-    assert s.clear_xid(sick)
+    assert s.health.clear(sick)
     assert rig.kubelet.wait_for(lambda: all_healthy(rig.kubelet.devices(R)), WAIT)
 
 

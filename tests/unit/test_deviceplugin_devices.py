@@ -18,6 +18,7 @@ from fracplugin.kubelet.devices import (
     list_and_watch_bytes,
     parse_device_id,
     preferred_allocation,
+    smallest_fitting_unit,
     validate_resource_name,
 )
 from fracplugin.model import ComputeMode, GpuInfo, NodeInfo
@@ -108,7 +109,7 @@ def test_list_and_watch_size_matches_the_encoded_message(node):
         for unit in ((7, 1024) if n is node else (1, 7, 1024)):
             devs = []
             for g in n.gpus:
-                for dev in DeviceTable.build(n, unit, max_message_bytes=None).ids(g.uuid):
+                for dev in (device_id(g.uuid, i) for i in range(0 if g.mig_enabled else g.memory_mib // unit)):
                     d = pb.Device(ID=dev, health="Unhealthy")
                     if g.numa_node is not None:
                         d.topology.CopyFrom(pb.TopologyInfo(nodes=[pb.NUMANode(ID=g.numa_node)]))
@@ -123,11 +124,11 @@ def test_table_whose_list_would_exceed_kubelets_receive_limit_is_refused(node):
         DeviceTable.build(node, 1)
     e = exc.value
     assert isinstance(e, ValueError)
-    assert (e.unit_mib, e.devices) == (1, 326236)
-    assert e.size_bytes > 4 * 1024 * 1024
-    assert "1 MiB" in str(e) and "326236 devices" in str(e) and f"at least {e.smallest_unit_mib} MiB" in str(e)
-    smallest = e.smallest_unit_mib
+    smallest = smallest_fitting_unit(node)
     assert smallest is not None and smallest > 1
+    size = list_and_watch_bytes(node, 1)
+    assert size > 4 * 1024 * 1024 and f"would be {size} bytes" in str(e)
+    assert "1 MiB" in str(e) and "326236 devices" in str(e) and f"at least {smallest} MiB" in str(e)
     assert list_and_watch_bytes(node, smallest) <= MAX_LIST_AND_WATCH_BYTES < list_and_watch_bytes(node, smallest - 1)
     assert len(DeviceTable.build(node, smallest)) > 0
     with pytest.raises(DeviceTableTooLarge):

@@ -20,6 +20,8 @@ from ..model import Tenancy
 DRIVER_NAME = "gpu-memory.fracplugin.io"
 """The DRA driver name (ResourceSlice ``spec.driver``, allocation results'
 ``driver``, the DeviceClass's selector, the registration's ``name``)."""
+REQUEST_TIMEOUT_S = 5.0
+"""Seconds each API request of the DRA door (claim reads, slice writes) may take."""
 CAPACITY_MEMORY = "memory"
 """The consumable capacity of each GPU device, in bytes."""
 CLAIM_CONTAINER = "dra"
@@ -45,9 +47,7 @@ def claim_tenancies(env: Iterable[str], ledger: Any) -> list[Tenancy]:
     a container's env names (``env``: NRI ``K=V`` strings, the last
     ``FRACPLUGIN_DRA_CLAIM`` wins; the runtime applied the claim's CDI env
     before NRI sees the container, ADR 0031). Empty when the env names no
-    claim or the ledger holds none of it. Used by the NRI door's Synchronize
-    (a DRA container's GPUs are its claim's, not used unfenced) and by the
-    memory limits at StartContainer (``enforce/nri.py``)."""
+    claim or the ledger holds none of it."""
     uid = ""
     for kv in env:
         k, sep, v = str(kv).partition("=")

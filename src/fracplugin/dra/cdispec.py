@@ -11,14 +11,11 @@ device IDs, kubelet passes them on). A claim's spec is::
          "mounts": [{"hostPath": "<namespace pipe dir>", "containerPath": "/tmp/nvidia-mps",
                      "type": "bind", "options": ["rbind", "ro", "nosuid", "nodev"]}]}}]}
 
-written to ``<dir>/gpu-memory.fracplugin.io-claim_<uid>.json`` (temp file
-in the same directory, fsync, rename: a reader never sees half a spec) and
-removed at Unprepare. The env is the plan's (planner.py), plus
-``FRACPLUGIN_DRA_CLAIM`` naming the claim, by which the NRI door's
-Synchronize knows a DRA container's GPUs are held by the claim, not used
-unfenced. The GPU's own CDI device (the node's ``k8s.device-plugin.nvidia.com/gpu``
-or toolkit spec, ``cdi.CdiRegistry``; the one carrying the toolkit's memory
-limit hook) is returned beside ours, not copied into this spec.
+written to ``<dir>/gpu-memory.fracplugin.io-claim_<uid>.json`` (temp file,
+fsync, rename: a reader never sees half a spec) and removed at Unprepare
+(ADR 0031 item 6). ``FRACPLUGIN_DRA_CLAIM`` tells the NRI door's Synchronize
+that a DRA container's GPUs are the claim's. The GPU's own CDI device
+(``cdi.CdiRegistry``) is answered beside ours, not copied into this spec.
 
 Concurrency: one file per claim UID; the door serialises work per claim.
 """

@@ -7,22 +7,13 @@ turns it into a ``ClaimRequest`` here (``read_claim``), then into the
 planner's ``FractionRequest`` (``fraction_request``) and a ``ContainerPlan``
 (``plan_claim``, through the node's rules): the same planner, guards and env as the other doors.
 
-Rules, each refusal a ``FractionError`` naming key, value and rule:
-
-- the claim's ``metadata.uid`` is the UID kubelet sent (a claim deleted and
-  re-created under the same name is another claim);
-- it has ``status.allocation``, with at least one
-  ``status.allocation.devices.results`` entry whose ``driver`` is ours;
-- each of our results names a device of this node's pool (pool = node name,
-  device ``gpu-<index>``, the names ``slices.py`` publishes) and carries
-  ``consumedCapacity.memory`` (bytes; present only when the device allows
-  multiple allocations, i.e. consumable capacity is on), the same amount on
-  every GPU of the claim (the env carries one number per claim);
-- ``adminAccess`` allocations are refused (no fraction to enforce);
-- the opaque configs for our driver that apply to our results (``requests``
-  empty, or naming the result's request or its parent request) are merged,
-  class configs before claim configs (``params.parse``); the limit, when
-  given, is >= the consumed memory (``contract.LIMIT_BELOW_REQUEST_MIB``).
+Rules (ADR 0031 items 2-3), each refusal a ``FractionError`` naming key, value
+and rule (the texts below, ``NOT_ALLOCATED`` .. ``ADMIN_ACCESS``): the UID kubelet
+sent, an allocation with results of our driver on this node's pool, devices
+``gpu-<index>`` that ``slices.py`` publishes, ``consumedCapacity.memory`` the
+same on every GPU of the claim, no ``adminAccess``; the opaque configs that
+apply to our results merged class before claim (``params.parse``), the limit
+>= the consumed memory (``contract.LIMIT_BELOW_REQUEST_MIB``).
 
 The request is the consumed memory in MiB (rounded up; the slice's 1 MiB step
 makes it exact); the limit defaults to it. No I/O except in ``ApiClaims``.
@@ -38,7 +29,7 @@ from .. import annotations as ann
 from .. import contract as C
 from ..model import ContainerPlan, FractionError, FractionRequest, GpuInfo, MemorySpec, NodeInfo, PodRef
 from ..noderules import NodeRules
-from . import CAPACITY_MEMORY, CLAIM_CONTAINER, DRIVER_NAME, params, reservation_of
+from . import CAPACITY_MEMORY, CLAIM_CONTAINER, DRIVER_NAME, REQUEST_TIMEOUT_S, params, reservation_of
 
 RESULTS_KEY = "status.allocation.devices.results"
 _DEVICE_RE = re.compile(r"gpu-(0|[1-9][0-9]{0,3})\Z")
@@ -124,14 +115,14 @@ def _applies(config: Mapping[str, Any], requests: set[str]) -> bool:
     return any(r in named or r.split("/", 1)[0] in named for r in requests)
 
 
-def _configs(allocation: Mapping[str, Any], requests: set[str], driver: str) -> list[Any]:
-    """The opaque parameters of ``driver`` that apply to ``requests``, class
+def _configs(allocation: Mapping[str, Any], requests: set[str]) -> list[Any]:
+    """The opaque parameters of our driver that apply to ``requests``, class
     configs first, then claim configs, each group in written order."""
     entries = _get(allocation, "devices", "config") or []
     found: list[tuple[int, int, Any]] = []  # parameters are checked by params.parse
     for i, c in enumerate(entries if isinstance(entries, list) else []):
         opaque = _get(c, "opaque")
-        if not isinstance(opaque, Mapping) or opaque.get("driver") != driver or not _applies(c, requests):
+        if not isinstance(opaque, Mapping) or opaque.get("driver") != DRIVER_NAME or not _applies(c, requests):
             continue
         rank = 0 if c.get("source") == "FromClass" else 1
         found.append((rank, i, opaque.get("parameters")))
@@ -159,14 +150,13 @@ def _device(node: NodeInfo, i: int, r: Mapping[str, Any]) -> tuple[AllocatedDevi
             str(raw), mkey)
 
 
-def read_claim(doc: Mapping[str, Any], node: NodeInfo, *, uid: str = "", driver: str = DRIVER_NAME) -> ClaimRequest:
+def read_claim(doc: Mapping[str, Any], node: NodeInfo, *, uid: str = "") -> ClaimRequest:
     """A ResourceClaim document (the API's JSON as a dict) -> ClaimRequest.
 
     Args:
         doc: the claim (``metadata``, ``status.allocation``).
         node: this node (its name is our pool; device names ``gpu-<index>``).
         uid: the UID kubelet named (checked when given).
-        driver: our driver name.
 
     Raises:
         FractionError: a rule of the module docstring, naming key, value and rule.
@@ -181,10 +171,10 @@ def read_claim(doc: Mapping[str, Any], node: NodeInfo, *, uid: str = "", driver:
     results = _get(allocation, "devices", "results") or []
     ours: list[tuple[AllocatedDevice, str, str]] = []
     for i, r in enumerate(results if isinstance(results, list) else []):
-        if isinstance(r, Mapping) and r.get("driver") == driver:
+        if isinstance(r, Mapping) and r.get("driver") == DRIVER_NAME:
             ours.append(_device(node, i, r))
     if not ours:
-        raise FractionError(f"resourceclaim {ns}/{name}", None, NOT_OURS.format(driver=driver), "dra")
+        raise FractionError(f"resourceclaim {ns}/{name}", None, NOT_OURS.format(driver=DRIVER_NAME), "dra")
     amounts = [ann.parse_quantity_mib(key, raw) for _d, raw, key in ours]
     if len(set(amounts)) > 1:
         raise FractionError(RESULTS_KEY, ",".join(raw for _d, raw, _k in ours),
@@ -193,7 +183,7 @@ def read_claim(doc: Mapping[str, Any], node: NodeInfo, *, uid: str = "", driver:
     if len(set(gpus)) != len(gpus):  # two shares of one GPU in one claim: one fraction, counted once
         raise FractionError(RESULTS_KEY, ",".join(d.device for d, _r, _k in ours),
                             "names one GPU twice: one share per GPU of a claim", "dra")
-    parameters = params.parse(_configs(allocation, {d.request for d, _r, _k in ours}, driver))
+    parameters = params.parse(_configs(allocation, {d.request for d, _r, _k in ours}))
     _, raw0, key0 = ours[0]
     if parameters.limit_mib is not None and parameters.limit_mib < amounts[0]:
         raise FractionError(params.field_key(params.FIELD_LIMIT), parameters.limit_raw,
@@ -251,7 +241,6 @@ class ApiClaims:
     Args:
         api: a ``kubernetes.client.ApiClient`` (from ``--kubeconfig``), or
             None for the in-cluster config (loaded on first use).
-        timeout_s: per-request timeout, seconds.
 
     ``get`` returns the claim as the API's JSON (a dict, through
     ``CustomObjectsApi``, which serves any group's REST path: the
@@ -260,10 +249,9 @@ class ApiClaims:
     them into a per-claim error. Thread-safe (the client pools connections).
     """
 
-    def __init__(self, api: Any = None, timeout_s: float = 5.0) -> None:
+    def __init__(self, api: Any = None) -> None:
         self._api = api
         self._objects: Any = None
-        self.timeout_s = timeout_s
 
     def _client(self) -> Any:
         if self._objects is None:
@@ -273,7 +261,7 @@ class ApiClaims:
     def get(self, namespace: str, name: str) -> dict[str, Any]:
         """``GET /apis/resource.k8s.io/v1/namespaces/<ns>/resourceclaims/<name>`` as a dict."""
         doc = self._client().get_namespaced_custom_object("resource.k8s.io", "v1", namespace, "resourceclaims",
-                                                          name, _request_timeout=self.timeout_s)
+                                                          name, _request_timeout=REQUEST_TIMEOUT_S)
         return dict(doc)
 
 

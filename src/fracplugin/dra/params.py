@@ -10,13 +10,10 @@ with ``driver: gpu-memory.fracplugin.io``; the allocation copies it into
     gpu-compute.mode: sm-sharing  # optional: time-slicing (default) or sm-sharing
     gpu-compute.portion: "0.5"    # optional: (0, 1]; the MPS active thread percentage is floor(portion x 100)
 
-The field names are the contract's per-container annotation suffixes
-(docs/reference/design.md section 4) and every value is checked by the same
-functions the annotation parser uses (``annotations.parse_quantity_mib``,
-``parse_mode``, ``parse_fraction``: the rule texts of ``contract.py``), so a
-refusal reads as ``fracplugin explain`` says it for the annotation:
-``GpuMemoryParameters.gpu-compute.mode="fast" must be exactly "time-slicing"
-or "sm-sharing"``. The memory *request* is not a parameter: it is the
+The field names are the contract's per-container annotation suffixes, checked
+by the annotation parser's own functions (ADR 0031 item 3), so a refusal reads
+as ``fracplugin explain`` says it: ``GpuMemoryParameters.gpu-compute.mode="fast"
+must be exactly "time-slicing" or "sm-sharing"``. The memory *request* is the
 ``memory`` capacity the scheduler allocated (``consumedCapacity``).
 
 Several configs may apply to one claim (the DeviceClass's first, then the

@@ -1,34 +1,18 @@
 """NodePrepareResources / NodeUnprepareResources without gRPC: ``Preparer``.
 
-Prepare of one claim (namespace, name, UID), in order:
-
-1. read the claim from the API (``claims.ApiClaims``; kubelet sends only the
-   reference, docs/reference/kubelet-dra.md §1) and turn its allocation into a
-   ``ClaimRequest`` (``claims.read_claim``: our results, consumed memory,
-   parameters);
-2. admit it through the node's rules (``NodeRules.admit``, ADR 0032), as
-   every door does: no new fraction on an Unhealthy or MIG GPU, the planner
-   and its guards (the claim's own hold not counted), the memory-limit gate
-   (under ``--memory-limits-policy refuse`` on a node that cannot enforce,
-   refused in the NRI door's words; while the toolkit hook would fail the
-   container's start its env, ``NVIDIA_GPU_MEMORY_REQUEST`` / ``_LIMIT``, is
-   withheld from the claim's CDI spec), and the one ledger
-   (``door="dra", reservation="dra:<uid>"``, every guard re-checked
-   atomically against what the NRI and device plugin doors hold); a
-   refusal's log carries its status (``noderules.status_of``);
-3. make its MPS namespace (owner ``(<claim uid>, "dra")``) before answering,
-   with the plan's active thread percentage and pinned memory limit;
-4. write its CDI spec (``cdispec.write_spec``) and answer, per allocated
-   device, the claim's CDI device (on the first) and the GPU's own CDI device
-   from the node's specs (``cdi.CdiRegistry``).
+Prepare of one claim (namespace, name, UID), in order (ADR 0031 items 2-7):
+read the claim (``claims.ApiClaims``, ``claims.read_claim``); admit it through
+the node's rules (``NodeRules.admit``, ADR 0032: every guard, the memory-limit
+gate, the one ledger as ``door="dra", reservation="dra:<uid>"``; a refusal's
+log carries its status, ``noderules.status_of``); make its MPS namespace
+(owner ``(<claim uid>, "dra")``); write its CDI spec (``cdispec.write_spec``)
+and answer, per allocated device, the claim's CDI device (on the first) and the
+GPU's own CDI device from the node's specs (``cdi.CdiRegistry``).
 
 A repeated Prepare is answered from the record of the claim's first Prepare
-in this process, while the ledger holds the claim (ADR 0031, addendum
-"Prepare answers from a record"); else the steps above run again, each
-idempotent. A refusal (``FractionError``) or a failure after the ledger step
-undoes what was done, drops the record and becomes the claim's ``error``
-string: the refusal's message (``<key>="<value>" <rule>``, as ``fracplugin
-explain`` says it); kubelet shows it in the pod's events and retries.
+while the ledger holds the claim (ADR 0031, addendum "Prepare answers from a
+record"). A refusal or a failure undoes what was done and becomes the claim's
+``error`` string (a refusal's as ``fracplugin explain`` says it).
 
 Unprepare: drop the record, release the ledger hold, remove the CDI spec,
 release the MPS namespace; unknown claims are fine (idempotent).
@@ -57,7 +41,7 @@ from . import CLAIM_CONTAINER, cdispec, claims, reservation_of
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NAMESPACE_TIMEOUT_S = 10.0
+NAMESPACE_TIMEOUT_S = 10.0
 """Seconds Prepare waits for the claim's MPS namespace (kubelet's Prepare
 call has its own deadline, 45 s in the kubelets we read; inference)."""
 MAX_ERROR = 2048
@@ -102,12 +86,10 @@ class Preparer:
         node: this node as the API names it (pool name = node name; default ``rules.node``).
         mps: the MPS interface (None: no namespaces are made).
         cdi: the node's CDI specs (None: no GPU CDI device is answered).
-        namespace_timeout_s: the MPS namespace budget, seconds.
     """
 
     def __init__(self, rules: NodeRules, claims_source: ClaimSource, cdi_dir: str, *, node: NodeInfo | None = None,
-                 mps: MpsApi | None = None, cdi: CdiRegistry | None = None,
-                 namespace_timeout_s: float = DEFAULT_NAMESPACE_TIMEOUT_S) -> None:
+                 mps: MpsApi | None = None, cdi: CdiRegistry | None = None) -> None:
         self.rules = rules
         self.node = node or rules.node
         self.ledger = rules.ledger
@@ -115,7 +97,6 @@ class Preparer:
         self.cdi_dir = cdi_dir
         self.mps = mps
         self.cdi = cdi
-        self.namespace_timeout_s = namespace_timeout_s
         self._lock = threading.Lock()  # guards the four below
         self._busy: set[str] = set()  # claim uids a call is working on (``_free`` is notified when one ends)
         self._record: dict[str, Prepared] = {}  # claim uid -> its Prepare's answer, until its Unprepare
@@ -158,7 +139,7 @@ class Preparer:
                 return done
             try:
                 try:
-                    claim = self._read(namespace, name, uid)
+                    claim = claims.read_claim(self.claims.get(namespace, name), self.node, uid=uid)
                 except FractionError:
                     raise
                 except Exception as exc:  # the API read
@@ -193,15 +174,11 @@ class Preparer:
                                                   "mode": plan.compute_mode.value})
             return done
 
-    def _read(self, namespace: str, name: str, uid: str) -> claims.ClaimRequest:
-        doc = self.claims.get(namespace, name)
-        return claims.read_claim(doc, self.node, uid=uid)
-
     def _ensure_namespace(self, plan: ContainerPlan) -> None:
         if self.mps is None or plan.mps_namespace is None:
             return
         self.mps.ensure_namespace(plan.pod.uid, CLAIM_CONTAINER, plan.active_thread_percentage,
-                                  self.namespace_timeout_s, mode=plan.compute_mode, pinned_limit_mib=plan.limit_mib)
+                                  NAMESPACE_TIMEOUT_S, mode=plan.compute_mode, pinned_limit_mib=plan.limit_mib)
 
     def _mps_back(self, mode: ComputeMode, healthy: bool) -> None:
         """The MPS layer's health callback: when ``mode``'s daemon is healthy
@@ -264,7 +241,7 @@ class Preparer:
         gone = self.ledger.release_reservation(reservation_of(uid))
         cdispec.remove_spec(self.cdi_dir, uid)
         if self.mps is not None and any(t.mps_namespace for t in gone):
-            self.mps.release_namespace(uid, CLAIM_CONTAINER, self.namespace_timeout_s)
+            self.mps.release_namespace(uid, CLAIM_CONTAINER, NAMESPACE_TIMEOUT_S)
         return len(gone)
 
     # ---- state --------------------------------------------------------------

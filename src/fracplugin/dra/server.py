@@ -1,23 +1,14 @@
 """The DRA door's gRPC servers (grpcio, as the device plugin door: ADR 0021).
 
-Two unix sockets (docs/reference/kubelet-dra.md §1, §2):
-
-- the DRA service, ``<plugins dir>/gpu-memory.fracplugin.io/dra.sock``:
-  ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` and ``...v1beta1.DRAPlugin``
-  (same handling; v1beta1 has no ``share_id``), each claim handed to
-  ``prepare.Preparer``;
-- the registration socket, ``<plugins_registry>/gpu-memory.fracplugin.io-reg.sock``:
-  ``pluginregistration.Registration``, which kubelet's plugin watcher dials
-  when the file appears: ``GetInfo`` answers type ``DRAPlugin``, the driver
-  name, the DRA socket's path and the supported services
-  (``v1.DRAPlugin``, ``v1beta1.DRAPlugin``); ``NotifyRegistrationStatus``
-  records kubelet's verdict (the door is ready once kubelet said registered).
-
-Each socket is bound under a temporary name in its directory and renamed into
-place once served (kubelet's watcher must never dial a file nobody serves
-yet; grpcio unlinks the temporary name when the server stops). ``stop``
-removes both files: the registration socket going away is how kubelet learns
-the plugin left.
+Two unix sockets (docs/reference/kubelet-dra.md §1, §2; ADR 0031 item 1):
+the DRA service, ``<plugins dir>/gpu-memory.fracplugin.io/dra.sock``, v1 and
+v1beta1 (v1beta1 has no ``share_id``), each claim handed to
+``prepare.Preparer``; and the registration socket,
+``<plugins_registry>/gpu-memory.fracplugin.io-reg.sock``, whose
+``NotifyRegistrationStatus`` makes the door ready. Both are bound under a
+temporary name and renamed into place (``grpcopts.serve_unix_renamed``);
+``stop`` removes both (the registration socket going is how kubelet learns
+the plugin left).
 
 Concurrency: grpcio's thread pool serves calls; each Prepare/Unprepare call
 handles its claims one after another (kubelet sends one pod's claims per
@@ -53,6 +44,7 @@ SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 """The services we serve, as kubelet's registration expects them (dra/v1 and
 dra/v1beta1 ``DRAPluginService``)."""
 SOCKET_NAME = "dra.sock"
+MAX_WORKERS = 8  # grpcio worker threads per server
 
 
 class _Dra:
@@ -116,20 +108,15 @@ class DraServer:
         plugins_dir: kubelet's plugins directory (the DRA socket goes in
             ``<dir>/<driver>/dra.sock``).
         registry_dir: kubelet's ``plugins_registry`` directory.
-        max_workers: grpcio worker threads per server.
 
     ``start`` raises OSError when a socket cannot be bound; ``stop`` is
     bounded and idempotent.
     """
 
-    def __init__(self, preparer: Preparer, plugins_dir: str, registry_dir: str, *,
-                 max_workers: int = 8,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, preparer: Preparer, plugins_dir: str, registry_dir: str) -> None:
         self.preparer = preparer
         self.socket_path = os.path.join(plugins_dir, DRIVER_NAME, SOCKET_NAME)
         self.registration_path = os.path.join(registry_dir, f"{DRIVER_NAME}-reg.sock")
-        self.max_workers = max_workers
-        self._clock = clock
         self._lock = threading.Lock()
         self._servers: list[tuple[grpc.Server, futures.ThreadPoolExecutor]] = []
         self._registered = False
@@ -153,7 +140,7 @@ class DraServer:
         return self
 
     def _serve(self, path: str, add: Callable[[grpc.Server], None], prefix: str) -> None:
-        server, pool = grpcopts.serve_unix_renamed(path, add, self.max_workers, prefix)
+        server, pool = grpcopts.serve_unix_renamed(path, add, MAX_WORKERS, prefix)
         with self._lock:
             self._servers.append((server, pool))
 
@@ -182,7 +169,7 @@ class DraServer:
         with self._lock:
             self._registered = ok
             self._registration_error = error
-            self._registered_at = self._clock() if ok else None
+            self._registered_at = time.time() if ok else None
         if ok:
             log.info("dra door registered with kubelet", extra={"driver": DRIVER_NAME})
         else:

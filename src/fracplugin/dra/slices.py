@@ -2,18 +2,9 @@
 
 One slice per node (docs/reference/kubelet-dra.md §4), ``resource.k8s.io/v1``,
 named ``<node>-gpu-memory.fracplugin.io``, pool = the node's name, one device
-per healthy GPU::
-
-    name: gpu-<index>
-    allowMultipleAllocations: true          # many claims share one GPU
-    attributes: {uuid, productName, driverVersion, computeCapability, computeMode: {string: ...},
-                 index: {int: ...}}
-    capacity:
-      memory:
-        value: "<(GPU memory - reserve) x 2^20>"        # bytes
-        requestPolicy:
-          default: "<the same>"                 # a request that names no memory takes the whole GPU
-          validRange: {min: "1048576", step: "1048576"}  # whole MiB
+``gpu-<index>`` per healthy GPU (``build_device``): many claims share it, its
+``memory`` capacity is (GPU memory - reserve) bytes in whole MiB, the whole GPU
+by default (ADR 0031 item 7).
 
 ``computeMode`` is the compute mode the GPU's held fractions use now
 (``Ledger.mode``: ``time-slicing``, ``sm-sharing`` or ``none`` when nothing is
@@ -23,14 +14,10 @@ the planner's ``--reserve-mib``. An Unhealthy GPU's device leaves the slice;
 claims already allocated keep it (the ledger still holds them).
 
 Publisher (ADR 0031 item 7): one background thread builds the slice every
-``poll_s`` seconds and at once after ``poke`` (every ledger change), and
-writes it when it differs from what was last written, or every ``resync_s``
-(restoring a deleted slice): GET by name, then PUT with the read
-``resourceVersion`` or, on 404, POST; each content change bumps
-``spec.pool.generation``. Errors are logged and retried at the next poll;
-nothing here is on the Prepare path. ``stop(delete=True)`` deletes the slice.
-API access: ``CustomObjectsApi`` with plain dicts. RBAC: resourceslices get,
-create, update, delete.
+``poll_s`` seconds and at once after ``poke``, and writes it (GET, then PUT
+with the read ``resourceVersion`` or, on 404, POST) when it changed or every
+``resync_s``. Errors are logged and retried at the next poll; nothing here is
+on the Prepare path. RBAC: resourceslices get, create, update, delete.
 """
 
 from __future__ import annotations
@@ -42,7 +29,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from ..model import ComputeMode, GpuInfo, NodeInfo
-from . import CAPACITY_MEMORY, DRIVER_NAME
+from . import CAPACITY_MEMORY, DRIVER_NAME, REQUEST_TIMEOUT_S
 from .claims import custom_objects, device_name
 
 log = logging.getLogger(__name__)
@@ -148,14 +135,11 @@ class SlicePublisher:
             None}, read at each poll (the daemon gives the ledger's
             ``mode`` per GPU and calls ``poke`` on every ledger change).
         poll_s: seconds between builds.
-        timeout_s: per-request timeout.
     """
 
     def __init__(self, api: Any, node: NodeInfo, *, reserve_mib: int,
                  healthy: Callable[[], Mapping[str, bool]] | None = None,
-                 modes: Callable[[], Mapping[str, ComputeMode | None]] | None = None, poll_s: float = 5.0,
-                 timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 modes: Callable[[], Mapping[str, ComputeMode | None]] | None = None, poll_s: float = 5.0) -> None:
         self._api = api
         self._objects: Any = None
         self.node = node
@@ -164,9 +148,7 @@ class SlicePublisher:
         self.modes = modes or (lambda: {})
         self.poll_s = poll_s
         self.resync_s = 300.0  # seconds after which an unchanged slice is written again
-        self.timeout_s = timeout_s
         self.name = slice_name(node.name)
-        self._clock = clock
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -230,7 +212,7 @@ class SlicePublisher:
         try:
             want = self.desired()
             content = _content(want)
-            now = self._clock()
+            now = time.monotonic()
             with self._lock:
                 fresh = self._written == content and now - self._written_at < self.resync_s
             if fresh:
@@ -250,7 +232,7 @@ class SlicePublisher:
     def _write(self, want: dict[str, Any], content: Any) -> None:
         api = self._client()
         try:
-            have = api.get_cluster_custom_object(GROUP, VERSION, PLURAL, self.name, _request_timeout=self.timeout_s)
+            have = api.get_cluster_custom_object(GROUP, VERSION, PLURAL, self.name, _request_timeout=REQUEST_TIMEOUT_S)
         except Exception as exc:
             if getattr(exc, "status", None) != 404:
                 raise
@@ -262,11 +244,11 @@ class SlicePublisher:
         gen = max(gen, 1)
         want["spec"]["pool"]["generation"] = gen
         if have is None:
-            api.create_cluster_custom_object(GROUP, VERSION, PLURAL, want, _request_timeout=self.timeout_s)
+            api.create_cluster_custom_object(GROUP, VERSION, PLURAL, want, _request_timeout=REQUEST_TIMEOUT_S)
         else:
             want["metadata"]["resourceVersion"] = (have.get("metadata") or {}).get("resourceVersion")
             api.replace_cluster_custom_object(GROUP, VERSION, PLURAL, self.name, want,
-                                              _request_timeout=self.timeout_s)
+                                              _request_timeout=REQUEST_TIMEOUT_S)
         self._generation = gen
         log.info("dra resource slice written", extra={"slice": self.name, "generation": gen,
                                                       "devices": [d["name"] for d in want["spec"]["devices"]]})

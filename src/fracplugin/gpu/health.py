@@ -69,11 +69,9 @@ def gpu_health_fn(
         return lambda _u: True
     mps = mps_health
 
-    def by_mode(uuid: str) -> bool:
+    def by_mode(uuid: str) -> bool:  # the daemon of its tenants' mode; any daemon for a GPU with none
         mode = mode_of(uuid)
-        if mode is not None:
-            return bool(mps.healthy(mode))
-        return any(bool(mps.healthy(m)) for m in ComputeMode)
+        return any(bool(mps.healthy(m)) for m in (ComputeMode if mode is None else (mode,)))
 
     return by_mode
 
@@ -159,7 +157,7 @@ class HealthMonitor:
         """GPU UUID -> its last critical XID, for every GPU an XID marked
         (the GPU's own fault; MPS health is per compute mode and not in it)."""
         with self._lock:
-            return {u: x for u, (x, _t) in self._xid.items()} if self._xid else {}
+            return {u: x for u, (x, _t) in self._xid.items()}
 
     def cordoned(self) -> frozenset[str]:
         """The UUIDs of the GPUs the node's cordon names (``cordon``)."""
@@ -178,12 +176,7 @@ class HealthMonitor:
 
     def unhealthy(self) -> dict[str, list[str]]:
         """GPU UUID -> reasons, for every unhealthy GPU."""
-        out: dict[str, list[str]] = {}
-        for u in self._uuids:
-            h = self.health(u)
-            if not h.healthy:
-                out[u] = list(h.reasons)
-        return out
+        return {u: list(h.reasons) for u in self._uuids if not (h := self.health(u)).healthy}
 
     # -- inputs ------------------------------------------------------------
     def record_xid(self, event: XidEvent) -> bool:
@@ -233,13 +226,11 @@ class HealthMonitor:
         mps_down = set()
         for u in self._uuids:
             try:
-                ok = self._mps(u)
+                if not self._mps(u):
+                    mps_down.add(u)
             except Exception as e:
                 log.warning("MPS health probe failed for %s: %s", u, e)
-                ok = False
-            if not ok:
                 mps_down.add(u)
-        changed = False
         with self._lock:
             before = set(self._xid) | self._mps_down
             if self.xid_recovery_s is not None:

@@ -16,6 +16,7 @@ File shape::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -133,15 +134,10 @@ class SimulatedInventory:
         self._events.put(XidEvent(gpu_uuid=gpu_uuid, xid=xid, timestamp_s=time.monotonic()))
 
     def events(self, timeout_s: float) -> Iterator[XidEvent]:
-        try:
+        with contextlib.suppress(queue.Empty):  # the first within ``timeout_s``, then what is queued
             yield self._events.get(timeout=max(timeout_s, 0.0))
-        except queue.Empty:
-            return
-        while True:
-            try:
+            while True:
                 yield self._events.get_nowait()
-            except queue.Empty:
-                return
 
     def close(self) -> None:
-        return None
+        """Nothing to release."""

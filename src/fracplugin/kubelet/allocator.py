@@ -4,49 +4,16 @@ GetPreferredAllocation and the reconciliation with kubelet's PodResources.
 The gRPC server (``deviceplugin.py``) only moves bytes; everything here is
 plain Python on the node, the ledger, the device table and the pod source.
 
-Allocate (docs/reference/kubelet-device-plugin.md A.5, A.6; issue 10):
+Allocate checks the request (``Allocator.validate``), keys the reservation by
+the device IDs, plans for the pending pods that may be the one admitted (or
+answers the fallback) and records the reservation *unbound*, after every node
+guard; the NRI door binds it at CreateContainer. The rules, the lifetimes of a
+reservation and its pending and union holds are ADR 0007 decisions 2-5 and
+ADR 0033 (docs/reference/kubelet-device-plugin.md A.5, A.6).
 
-* the request is checked (one container request, canonical IDs of this
-  node, the same count on every GPU, no Unhealthy GPU);
-* the reservation key is the device IDs (``allocation.reservation_key``);
-  when a running container of another pod holds one of its devices (a
-  force-deleted pod whose container the runtime has not stopped yet: kubelet
-  hands its devices on at once), the Allocate is answered (a refused
-  Allocate is terminal for the pod) but nothing is recorded and nothing
-  released: the reservation is *pending* (``reservations``, ADR 0033
-  decision 2), its container waits at CreateContainer until that container
-  stopped. Otherwise a reservation bound to a pod that shares a device with
-  it is released (kubelet freed it: a finished Job); one no container
-  claimed yet (or a pending one nothing blocks any more) is kept as one
-  hold with the new key, under the union of their devices (an init
-  container's devices reused by the app container, plus or minus some;
-  ``reservations``: aliases);
-* an existing reservation with the same key whose holder is known (a
-  re-Allocate after a kubelet restart) gets its recorded answer at once;
-* otherwise the pending pods that may be the one being admitted are the
-  candidates (by unit count: ``podlookup.select_candidates``), plus pods
-  deleted in the last ``recent_deleted_s`` seconds that were never bound (a
-  deleted pod's Allocate must not be answered with another pod's settings).
-  When every candidate gets the same settings, that plan is the answer;
-  otherwise the fallback (request-sized memory, time-slicing pipe directory
-  only when all candidates are time-slicing). Either way the reservation is
-  recorded under the key, *unbound* (no pod named: that would be a guess),
-  after every node guard (free memory, tenant limit, one mode per GPU);
-* the answer carries the key (env ``FRACPLUGIN_RESERVATION``, annotation
-  ``fracplugin.io/reservation``); the NRI door binds the reservation to the
-  real pod UID, container name and container ID at CreateContainer.
-
-Lifetimes: a reservation is released when kubelet frees its devices: the
-pods it may belong to are deleted or reach Succeeded/Failed (pod source), its
-devices are allocated again (above), or PodResources no longer lists them.
-
-Its parts (issue 33 item 3: objects, not mixins): ``Allocator`` holds
-Allocate, the reservation lifetimes and the PodResources reconciliation (they
-share what Allocate remembers of each key: its candidates, when it was made);
-its ``preferred`` member (``preferred.PreferredAllocation``) answers
-GetPreferredAllocation; ``counters`` (``allocbase.Counters``) counts both.
-``allocbase.py`` holds the answer types (``Refusal``, ``Answer``,
-``Counters``: importable here as before).
+``Allocator`` holds Allocate, the reservation lifetimes and the PodResources
+reconciliation; its ``preferred`` member (``preferred.PreferredAllocation``)
+answers GetPreferredAllocation; ``counters`` (``allocbase.Counters``) counts both.
 """
 
 from __future__ import annotations
@@ -73,6 +40,8 @@ from .preferred import PreferredAllocation
 
 log = logging.getLogger(__name__)
 
+RECENT_DELETED_S = 60.0  # how long a deleted, never-bound pod stays a candidate (ADR 0007 decision 2)
+PODRESOURCES_GRACE_S = 30.0  # a younger reservation is never released for missing from PodResources (A.6)
 
 class Allocator:
     """Allocate / GetPreferredAllocation / PodResources decisions.
@@ -87,11 +56,6 @@ class Allocator:
         allocate_deadline_s: longest an Allocate waits for its pod (seconds).
         unhealthy: ``() -> {gpu uuid: [reasons]}`` of GPUs Unhealthy now.
         policy: GetPreferredAllocation policy (``pack`` | ``spread``).
-        recent_deleted_s: how long a deleted, never-bound pod stays a
-            candidate (seconds).
-        podresources_grace_s: a reservation younger than this is never
-            released for missing from PodResources (kubelet records an
-            allocation only after Allocate returns, A.6).
     """
 
     def __init__(
@@ -104,8 +68,6 @@ class Allocator:
         unhealthy: Callable[[], Mapping[str, Sequence[str]]] = dict,
         *,
         policy: str = "pack",
-        recent_deleted_s: float = 60.0,
-        podresources_grace_s: float = 30.0,
     ) -> None:
         self.rules = rules
         self.node = rules.node
@@ -118,8 +80,6 @@ class Allocator:
         self.allocate_deadline_s = allocate_deadline_s
         self.unhealthy = unhealthy
         self.policy = policy
-        self.recent_deleted_s = recent_deleted_s
-        self.podresources_grace_s = podresources_grace_s
         self.counters = Counters()
         self._lock = threading.Lock()
         self._served: set[tuple[str, str]] = set()  # hints only: never recorded as a holder
@@ -135,9 +95,7 @@ class Allocator:
         sub = getattr(pod_source, "subscribe_deleted", None)
         if callable(sub):
             sub(self.pod_gone)
-        ledger_sub = getattr(ledger, "subscribe", None)
-        if callable(ledger_sub):
-            ledger_sub(self._release_gone)
+        ledger.subscribe(self._release_gone)
         self.preferred = PreferredAllocation(rules, table, policy, None if pod_source is None else self.candidates,
                                              self.counters)
 
@@ -188,12 +146,12 @@ class Allocator:
         the key, the same for a re-Allocate answered as recorded; ADR 0024).
         ``kind`` ``pending``: nothing recorded, the key is pending on the
         release of devices a running container holds (ADR 0033)."""
-        by_gpu, _ = self.validate(device_lists)
+        by_gpu, per_gpu = self.validate(device_lists)
         key = al.reservation_key({u: [parse_device_id(d)[1] for d in v] for u, v in by_gpu.items()})
         before = self.ledger.reservation(key)
         proofs = reservations.proofs_of(self.ledger)
         was_pending = proofs.is_pending(key)
-        a = self._allocate(device_lists)
+        a = self._allocate(by_gpu, per_gpu, key)
         # the same proof for the same allocation (a re-Allocate answered as recorded,
         # an app container reusing its init container's IDs: the reservation was
         # unbound or still pending); a new one when kubelet gives the IDs to another holder
@@ -208,11 +166,9 @@ class Allocator:
             proofs.settle(a.key)
         return dataclasses.replace(a, env={**a.env, reservations.ENV_RESERVATION_PROOF: proof})
 
-    def _allocate(self, device_lists: Sequence[Sequence[str]]) -> Answer:
-        by_gpu, per_gpu = self.validate(device_lists)
+    def _allocate(self, by_gpu: Mapping[str, list[str]], per_gpu: int, key: str) -> Answer:
         count = sum(len(v) for v in by_gpu.values())
         uuids = tuple(by_gpu)
-        key = al.reservation_key({u: [parse_device_id(d)[1] for d in v] for u, v in by_gpu.items()})
         request_mib = per_gpu * self.unit_mib
         self.counters.bump("allocations")
         with self._lock:
@@ -249,12 +205,9 @@ class Allocator:
         (module docstring); ``pending_on``: the reservations whose running
         holders this one waits on (planned as if they were gone, nothing
         recorded). Raises Refusal."""
-        if self.pod_source is None:
-            with self._lock:
-                return self._fallback(uuids, key, request_mib, True, "no API access configured (no pod source)",
-                                      pending_on=pending_on)
+        why = "no API access configured (no pod source)"
         deadline = time.monotonic() + self.allocate_deadline_s
-        while True:
+        while self.pod_source is not None:
             with self._lock:
                 cands = self._candidates(count)
                 if cands:
@@ -264,17 +217,15 @@ class Allocator:
                     return self._stored(existing, key, "the same device IDs as a recorded reservation")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                with self._lock:
-                    return self._fallback(
-                        uuids, key, request_mib, True,
-                        f"no pending pod on node {self.node.name} requests {count} {self.resource_name} "
-                        f"within {self.allocate_deadline_s:.1f} s (pod deleted or API slow)", pending_on=pending_on)
+                why = (f"no pending pod on node {self.node.name} requests {count} {self.resource_name} "
+                       f"within {self.allocate_deadline_s:.1f} s (pod deleted or API slow)")
+                break
             if not self.pod_source.ready():
-                with self._lock:
-                    return self._fallback(uuids, key, request_mib, True,
-                                          "pod source not ready (API server unreachable or not synced)",
-                                          pending_on=pending_on)
+                why = "pod source not ready (API server unreachable or not synced)"
+                break
             self.pod_source.wait(min(remaining, 0.1))
+        with self._lock:
+            return self._fallback(uuids, key, request_mib, True, why, pending_on=pending_on)
 
     def _holder_live(self, t: Tenancy) -> bool:
         """True unless the pod source shows the holder deleted or finished
@@ -295,16 +246,11 @@ class Allocator:
 
     def _absorb_overlapping(self, key: str) -> None:
         """Reservations sharing a device with ``key`` (no running container
-        holds one: that Allocate is pending instead). One bound to a pod:
-        kubelet freed its devices (the pod ended), released. One not bound
-        yet: kubelet handing an init container's devices again to a later
-        container of the same pod (its device manager reuses them), or to the
-        next pod of a deleted one; it stays one hold with ``key``, recorded
-        under the union of their devices (memory counted once), every key an
-        alias of it (``reservations``; issue 34 item 1). A pending key
-        (not in the ledger) whose devices no running container holds any
-        more is taken in the same way (an init container's Allocate
-        answered pending, its running holder stopped before the app's)."""
+        holds one: that Allocate is pending instead): one bound to a pod is
+        released (kubelet freed its devices); one not bound yet, or a pending
+        key nothing blocks any more, stays one hold with ``key`` under the
+        union of their devices, every key an alias of it (ADR 0007 decision 5,
+        ADR 0033; ``reservations``)."""
         self._holds.pop(key, None)
         keys = {t.reservation for t in self.ledger.tenancies() if t.door == al.DOOR_ALLOCATE and t.reservation != key}
         absorbed: list[str] = []
@@ -318,7 +264,7 @@ class Allocator:
                 log.info("reservation %s (holder not known yet) shares devices with %s: one hold (kubelet reuses "
                          "an init container's devices)", other, key)
             else:
-                who = _holder(gone[0]) if gone else "?"
+                who = holder_text(gone[0]) if gone else "?"  # bound: namespace/pod/container
                 log.info("reservation %s (%s) released: kubelet allocated its devices again (%s)", other, who, key)
         proofs = reservations.proofs_of(self.ledger)
         for other in proofs.pending_keys():
@@ -354,7 +300,7 @@ class Allocator:
 
     def _recent_deleted(self, count: int) -> list[podlookup.Candidate]:
         now = time.monotonic()
-        self._deleted = [(t, p) for t, p in self._deleted if now - t < self.recent_deleted_s]
+        self._deleted = [(t, p) for t, p in self._deleted if now - t < RECENT_DELETED_S]
         owners = self._owners()
         pods = [p for _t, p in self._deleted]
         return podlookup.select_candidates(pods, self.resource_name, count, lambda u, c: (u, c) in owners)
@@ -404,9 +350,7 @@ class Allocator:
         def settings(o: ContainerPlan | FractionError) -> Any:
             if isinstance(o, FractionError):
                 return ("error", o.key, o.reason)
-            # Under MPS v3 every container has its own namespace leaf (issue 12):
-            # the Allocate answer carries no pipe-directory mount (the NRI door
-            # mounts the container's own leaf), so mounts do not tell pods apart.
+            # MPS v3 (issue 12): no pipe-directory mount from this door, mounts tell no pods apart
             return (tuple(sorted(o.env.items())), () if v3 else tuple(o.mounts))
 
         v3 = self.planner_config.mps_namespaces
@@ -432,8 +376,6 @@ class Allocator:
         log.info("Allocate %s: %s on %s, request %d MiB, limit %d MiB, %s (reservation %s, holder confirmed by NRI)",
                  self.resource_name, who, ",".join(uuids), outcome.request_mib, outcome.limit_mib,
                  outcome.compute_mode, key)
-        # MPS v3: no pipe-directory mount from this door (never a daemon's
-        # directory, and a leaf is per container: the NRI door mounts it).
         return Answer(dict(outcome.env), () if v3 else outcome.mounts, uuids, key, "planned")
 
     def _refuse_mixed_modes(self, everyone: Sequence[podlookup.Candidate], uuids: tuple[str, ...], key: str,
@@ -525,11 +467,7 @@ class Allocator:
         mounts: tuple[Mount, ...] = ()
         if pipe_dir:
             env[planner_mod.ENV_PIPE_DIRECTORY] = CONTAINER_PIPE_DIR
-            if not self.planner_config.mps_namespaces:
-                # classic v2 only: the shared time-slicing directory, read-only.
-                # Under v3 no container ever gets a daemon's pipe directory (its
-                # control socket); the NRI door mounts the container's own
-                # namespace leaf (issue 12).
+            if not self.planner_config.mps_namespaces:  # v2: the shared time-slicing directory, read-only
                 mounts = (Mount(source=self.planner_config.layout.pipe_dir(ComputeMode.TIME_SLICING),
                                 destination=CONTAINER_PIPE_DIR, read_only=True),)
         return Answer(env, mounts, tuple(uuids), key, "fallback")
@@ -598,19 +536,12 @@ class Allocator:
     # ---- PodResources ------------------------------------------------------------
     def reconcile(self, pods: Sequence[Any], *, initial: bool = False) -> list[str]:
         """Make the ledger agree with kubelet's PodResources List (``pods``:
-        ``podresources.PodDevices``). Returns warnings.
-
-        * a container listed with devices of our resource holds the
-          reservation of those IDs: recorded (planned from the pod when the pod
-          source knows it, request-sized otherwise) or bound when unbound;
-        * a container listed with devices of another resource that are GPU
-          UUIDs of this node holds that GPU whole (door ``other-plugin``);
-        * reservations (and whole-GPU holds) not listed are released, except
-          reservations younger than ``podresources_grace_s`` (kubelet records
-          an allocation only after Allocate returned) unless ``initial``;
-          pending keys (ADR 0033) not listed are dropped on the same terms
-          (the pod they were for is gone).
-        """
+        ``podresources.PodDevices``; ADR 0007 decisions 3, 5 and 6). Returns
+        warnings. A listed container holds the reservation of its IDs (recorded,
+        or bound when unbound), or a GPU given whole by another device plugin
+        (door ``other-plugin``); what is not listed is released (a pending key
+        dropped), except a reservation younger than ``PODRESOURCES_GRACE_S``
+        unless ``initial``, or one whose container still runs."""
         warnings: list[str] = []
         listed: set[str] = set()
         whole: list[Tenancy] = []
@@ -646,7 +577,7 @@ class Allocator:
             running = {t.reservation for t in current if t.door == al.DOOR_ALLOCATE and t.container_id}
             stale = [t for t in current if t.door == al.DOOR_ALLOCATE and t.reservation not in listed
                      and t.reservation not in running  # the runtime still runs its container (issue 25 item 5)
-                     and (initial or now - self._made.get(t.reservation, 0.0) > self.podresources_grace_s)]
+                     and (initial or now - self._made.get(t.reservation, 0.0) > PODRESOURCES_GRACE_S)]
             old_whole = [t for t in current if t.door == al.DOOR_OTHER_PLUGIN]
             if stale or old_whole != whole:
                 gone = {t.reservation for t in stale}
@@ -659,7 +590,7 @@ class Allocator:
             proofs = reservations.proofs_of(self.ledger)
             wall = time.time()
             for key, at in proofs.pending_items():  # kubelet lists a pending key's pod once Allocate returned
-                if key not in listed and (initial or wall - at > self.podresources_grace_s):
+                if key not in listed and (initial or wall - at > PODRESOURCES_GRACE_S):
                     proofs.settle(key)
                     self._pending_hints.pop(key, None)
                     warnings.append(f"pending reservation {key} is not in PodResources; dropped")
@@ -712,7 +643,7 @@ class Allocator:
         uuids = tuple(by_gpu)
         count = sum(len(v) for v in by_gpu.values())
         pod = self.pod_source.get(p.namespace, p.name) if self.pod_source is not None else None
-        ref = PodRef(p.namespace, p.name, podlookup.pod_uid(pod) if pod is not None else f"podresources:{p.namespace}/{p.name}")
+        ref = PodRef(p.namespace, p.name, uid)
         plan: ContainerPlan | None = None
         warnings: list[str] = []
         if existing:
@@ -737,7 +668,3 @@ class Allocator:
         self.ledger.transform(lambda cur: [t for t in cur if t.reservation != key] + new)
         self._hints.pop(key, None)
         return warnings
-
-
-def _holder(t: Tenancy) -> str:
-    return f"{t.namespace}/{t.pod_name}/{t.container}" if t.bound else "holder not known yet"

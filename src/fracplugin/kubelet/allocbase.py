@@ -1,8 +1,5 @@
-"""The answer types of the device plugin door's decisions: ``Refusal``,
-``Answer`` and ``Counters`` (importable from ``kubelet/allocator.py``).
-
-The module docstring of ``kubelet/allocator.py`` describes the decisions.
-Like it, this module loads no gRPC library.
+"""The answer types of the device plugin door's decisions (``kubelet/allocator.py``):
+``Refusal``, ``Answer`` and ``Counters``. Like the decisions, this module loads no gRPC library.
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@
 node's ``gpu.health.HealthMonitor``, with its NUMA node) and the streams that
 send it.
 
-``DeviceList`` is a member of ``deviceplugin.DevicePluginServer`` (issue 33
-item 3); the module docstring of ``kubelet/deviceplugin.py`` describes the
-door and its concurrency model. Each open stream holds one grpcio worker
-while it waits on the condition variable here.
+``DeviceList`` is a member of ``deviceplugin.DevicePluginServer``, whose
+module docstring describes the door and its concurrency model. Each open
+stream holds one grpcio worker while it waits on the condition variable here.
 """
 
 from __future__ import annotations

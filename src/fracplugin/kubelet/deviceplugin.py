@@ -6,39 +6,30 @@ What kubelet sees (docs/reference/kubelet-device-plugin.md A): one extended reso
 0021; its options in ``grpcopts``) on a unix socket in the device plugin
 directory and registered on ``kubelet.sock`` (``registration.py``).
 
-Concurrency model: grpcio's synchronous server with a thread pool
-(``max_workers`` threads ``fracplugin-dp_<n>``, default 16) and at most
-``max_workers`` RPCs at once (more are answered RESOURCE_EXHAUSTED at once,
-not queued behind streams that never end). Each open ListAndWatch stream
-holds one worker while it is open: its generator waits on a condition
-variable, woken when the device list changes, the server stops or is
-replaced, or the RPC ends (``context.add_callback``). Allocate and
-GetPreferredAllocation run on workers; the part of Allocate that chooses a
-pod and writes the ledger runs under one lock (kubelet may call it
-concurrently, A.5); waiting for the watch cache happens outside that lock.
+Concurrency model: grpcio's synchronous server, ``MAX_WORKERS`` threads
+``fracplugin-dp_<n>``, each open ListAndWatch stream holding one (ADR 0021
+decision 2). Allocate and GetPreferredAllocation run on workers; the part of
+Allocate that chooses a pod and writes the ledger runs under one lock (kubelet
+may call it concurrently, A.5); waiting for the watch cache happens outside it.
 Helper threads: the registrar (``registration.Registrar``), the
 PodResources reconciler (``podresources.Reconciler``) and,
 when the daemon passes one, the pod watch (owned by the pod source).
 
-What this module decides: nothing about GPUs. The gRPC server, the
-registrar and ListAndWatch (device health from the node's ``gpu.health.HealthMonitor``)
-live here; Allocate, GetPreferredAllocation and the PodResources
-reconciliation are decided by ``allocator.Allocator`` (ADR 0007: one
-allocation for both doors), whose answer this module turns into an
-``AllocateResponse``: env (including ``FRACPLUGIN_RESERVATION``, the
-reservation key the NRI door binds at CreateContainer), mounts, optional
+What this module decides: nothing about GPUs (ADR 0007 decision 10). Its parts:
+``devices`` (ListAndWatch), ``serving`` (the gRPC server), ``podresources`` and
+``allocator`` (the decisions), whose answer ``_response_for`` turns into an
+``AllocateResponse``: env (with ``FRACPLUGIN_RESERVATION``), mounts, optional
 DeviceSpecs / CDI devices, and annotations ``fracplugin.io/allocate``
-(``planned`` | ``reserved`` | ``fallback`` | ``pending``, ADR 0033) and ``fracplugin.io/reservation``.
-Its parts (ADR 0032, item 3): ``devices`` (ListAndWatch), ``serving`` (the gRPC
-server), ``podresources`` and ``allocator``; ``_Servicer`` holds the gRPC handlers.
+(``planned`` | ``reserved`` | ``fallback`` | ``pending``) and ``fracplugin.io/reservation``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator
 
 import grpc
 
@@ -60,7 +51,7 @@ from .devices import (
     validate_resource_name,
 )
 from .allocator import Allocator
-from .allocbase import Refusal
+from .allocbase import Answer, Refusal
 from .devicelist import DeviceList
 from .doorserver import DoorServer
 from .podresources import DEFAULT_PODRESOURCES_SOCKET, Reconciler
@@ -70,6 +61,9 @@ from ..logs import guarded
 log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET_NAME = "fracplugin.sock"
+MAX_WORKERS = 16
+"""grpcio worker threads, and the most RPCs served at once (each open
+ListAndWatch stream holds one); an RPC over the limit is answered RESOURCE_EXHAUSTED."""
 ANNOTATION_ALLOCATE = "fracplugin.io/allocate"
 ALLOCATE_UNADJUSTED = "unadjusted"
 """``fracplugin.io/allocate`` of a refusal answered under ``fail_open``."""
@@ -137,8 +131,7 @@ class DevicePluginServer:
             (every Allocate answers the fallback).
         resource_name: the extended resource (validated: kubelet's rule, A.3).
         unit_mib: MiB per device (default 1024).
-        plugin_dir: kubelet's device plugin directory.
-        socket_name: our socket's file name in ``plugin_dir``.
+        plugin_dir: kubelet's device plugin directory (our socket: ``DEFAULT_SOCKET_NAME`` in it).
         kubelet_socket: kubelet's registration socket (default ``<plugin_dir>/kubelet.sock``).
         allocate_deadline_s: the longest an Allocate may wait for the watch cache.
         metrics: optional ``ports.HookMetrics``: ``observe_hook(door, seconds)`` (doors
@@ -156,10 +149,6 @@ class DevicePluginServer:
         podresources_socket: kubelet's PodResources socket, read at ``start``
             to rebuild the ledger and then every ``podresources_interval_s``
             seconds to reconcile it (``Allocator.reconcile``; None: skip).
-        max_workers: grpcio worker threads, and the most RPCs served at once
-            (each open ListAndWatch stream holds one; at least 2: one stream
-            and one call). An RPC over the limit is answered RESOURCE_EXHAUSTED.
-        poll_s: registrar polling period in seconds.
         fail_open: an Allocate refused for the pod's fraction (a contract or
             node guard refusal, an Unhealthy GPU) is answered with an
             unadjusted container (no env, no mounts, annotation
@@ -168,11 +157,9 @@ class DevicePluginServer:
             internal error is refused either way. Reloadable (SIGHUP).
 
     Raises:
-        ValueError: bad resource name, unit, policy, ``max_workers`` < 2, or a
-            device ID over 63 chars;
+        ValueError: bad resource name, unit, policy, or a device ID over 63 chars;
         devices.DeviceTableTooLarge (a ValueError): the ListAndWatch response
-            would exceed 3.5 MiB (kubelet's gRPC receive limit is 4 MiB), naming
-            the unit, the device count and the smallest unit that fits.
+            would not fit kubelet's 4 MiB receive limit.
     """
 
     def __init__(
@@ -182,7 +169,6 @@ class DevicePluginServer:
         resource_name: str = DEFAULT_RESOURCE_NAME,
         unit_mib: int = DEFAULT_UNIT_MIB,
         plugin_dir: str = DEFAULT_PLUGIN_DIR,
-        socket_name: str = DEFAULT_SOCKET_NAME,
         kubelet_socket: str | None = None,
         allocate_deadline_s: float = 5.0,
         metrics: HookMetrics | None = None,
@@ -193,16 +179,10 @@ class DevicePluginServer:
         cdi: CdiRegistry | None = None,
         podresources_socket: str | None = DEFAULT_PODRESOURCES_SOCKET,
         podresources_interval_s: float = 10.0,
-        max_workers: int = 16,
-        poll_s: float = 0.1,
         fail_open: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"allocation policy {policy!r} must be one of {', '.join(POLICIES)}")
-        if max_workers < 2:
-            raise ValueError(f"max_workers {max_workers} must be at least 2 (one ListAndWatch stream and one call)")
-        if "/" in socket_name:
-            raise ValueError(f"socket name {socket_name!r} must be a file name (kubelet joins it with its dir)")
         node = self.node = rules.node
         self.ledger = rules.ledger
         self.planner_config = rules.config
@@ -217,17 +197,15 @@ class DevicePluginServer:
         self.device_specs = device_specs
         self.cdi_kind = cdi_kind
         self.cdi = cdi
-        self.max_workers = max_workers
+        self.max_workers = MAX_WORKERS
         self.fail_open = fail_open
         # the node's health monitor (started by the daemon, issue 33); without one nothing is Unhealthy
         self.health = rules.health or HealthMonitor(None, [g.uuid for g in node.gpus])
         self.devices = DeviceList(node, self.table, self.health)
         self.health.subscribe(self.devices.changed)
-        self.serving = DoorServer(plugin_dir, socket_name, max_workers, self.resource_name, _Servicer(self),
+        self.serving = DoorServer(plugin_dir, DEFAULT_SOCKET_NAME, MAX_WORKERS, self.resource_name, _Servicer(self),
                                   self.devices, self.ready)
-        self.registrar = Registrar(
-            self.serving, self.kubelet_socket, self.resource_name, poll_s=poll_s, on_registered=self._on_registered,
-        )
+        self.registrar = Registrar(self.serving, self.kubelet_socket, self.resource_name, self._on_registered)
         self.allocator = Allocator(rules, self.table, self.resource_name, pod_source, allocate_deadline_s,
                                    self.health.unhealthy, policy=policy)
         self.podresources = Reconciler(self.allocator, podresources_socket, podresources_interval_s)
@@ -238,7 +216,7 @@ class DevicePluginServer:
     @property
     def socket_path(self) -> str:
         """The socket served now (``<plugin_dir>/<socket_name>``, or a new name
-        after kubelet refused the old one: ``DoorServer.rebind_as_new``)."""
+        after kubelet refused the old one: ``DoorServer.rebind``)."""
         return self.serving.socket_path
 
     # ---- lifecycle -----------------------------------------------------------
@@ -269,12 +247,8 @@ class DevicePluginServer:
 
     def _check_pipe_mount(self) -> None:
         """Warn when the MPS root's filesystem lacks nosuid,nodev: kubelet's
-        bind mount of the pipe directory from Allocate inherits the source
-        mount's flags, the device plugin API has no mount options (issue 11,
-        D9); the NRI door's copy sets them itself. The remedy is the host
-        filesystem's (``/run`` on systemd hosts is nosuid,nodev): the chart's
-        DaemonSet can mount nothing on the host (no CAP_SYS_ADMIN, no
-        Bidirectional propagation; ADR 0008)."""
+        bind mount of the pipe directory from Allocate inherits them (ADR 0011
+        decision 6, D9); the remedy is the host filesystem's (ADR 0008)."""
         root = self.planner_config.layout.root
         remedy = ("mount the MPS root's host filesystem nosuid,nodev (a tmpfs such as /run on systemd hosts is), or "
                   "choose an MPS root on one")
@@ -314,29 +288,14 @@ class DevicePluginServer:
             "policy": self.policy,
             "fail_open": self.fail_open,
             "pod_source": None if self.pod_source is None else ("ready" if self.pod_source.ready() else "not ready"),
-            "allocations": c.allocations,
-            "preferred": c.preferred,
-            "planned": c.planned,
-            "reserved": c.reserved,
-            "fallbacks": c.fallbacks,
-            "pending": c.pending,
-            "refusals": c.refusals,
-            "last_fallback": c.last_fallback,
-            "last_refusal": c.last_refusal,
+            **{f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "_lock"},
             "startup_warnings": list(self.startup_warnings),
         }
 
-    def clear_xid(self, gpu_uuid: str) -> bool:
-        """Operator action: forget an XID mark on a GPU (Healthy again unless MPS is down)."""
-        return self.health.clear(gpu_uuid)
-
     def ready(self) -> bool:
-        """True when every device can be served Healthy (no GPU Unhealthy:
-        MPS daemons up, no XID) and Allocate can find pods (the pod source,
-        when configured, is synced): the registrar waits for this before the
-        first Register, so kubelet is not first told every device is
-        Unhealthy (issue 11, D7) and its first Allocates are not answered
-        with the fallback ("pod source not ready", seen with a real kubelet)."""
+        """True when no GPU is Unhealthy and the pod source, when configured, is
+        synced: the registrar waits for this before the first Register (ADR 0011
+        decision 4), so kubelet's first Allocates are not answered the fallback."""
         if self.health.unhealthy():
             return False
         return self.pod_source is None or bool(self.pod_source.ready())
@@ -371,29 +330,27 @@ class DevicePluginServer:
             resp = pb.AllocateResponse()
             resp.container_responses.add().annotations[ANNOTATION_ALLOCATE] = ALLOCATE_UNADJUSTED
             return resp
-        return self._response_for(a.env, a.mounts, a.uuids, a.kind, a.key)
+        return self._response_for(a)
 
-    def _response_for(
-        self, env: Mapping[str, str], mounts: Sequence[Any], uuids: Sequence[str], kind: str, key: str
-    ) -> pb.AllocateResponse:
+    def _response_for(self, a: Answer) -> pb.AllocateResponse:
         resp = pb.AllocateResponse()
         c = resp.container_responses.add()
-        c.envs.update(env)
-        c.envs[al.ENV_RESERVATION] = key
-        for m in mounts:
+        c.envs.update(a.env)
+        c.envs[al.ENV_RESERVATION] = a.key
+        for m in a.mounts:
             c.mounts.add(container_path=m.destination, host_path=m.source, read_only=m.read_only)
         if self.device_specs:
-            paths = [f"/dev/nvidia{self.node.gpu_by_uuid(u).minor}" for u in uuids]  # type: ignore[union-attr]
+            paths = [f"/dev/nvidia{self.node.gpu_by_uuid(u).minor}" for u in a.uuids]  # type: ignore[union-attr]
             for p in paths + ["/dev/nvidiactl", "/dev/nvidia-uvm"]:
                 c.devices.add(container_path=p, host_path=p, permissions="rw")
-        for u in uuids:  # the node's CDI device of each GPU (ADR 0025b), else the operator's kind
+        for u in a.uuids:  # the node's CDI device of each GPU (ADR 0025b), else the operator's kind
             dev = self.cdi.device_for(u) if self.cdi is not None else None
             if dev is not None:
                 c.cdi_devices.add(name=dev.name)
             elif self.cdi_kind:
                 c.cdi_devices.add(name=f"{self.cdi_kind}={u}")
-        c.annotations[ANNOTATION_ALLOCATE] = kind
-        c.annotations[al.ANNOTATION_RESERVATION] = key
+        c.annotations[ANNOTATION_ALLOCATE] = a.kind
+        c.annotations[al.ANNOTATION_RESERVATION] = a.key
         return resp
 
     # ---- bookkeeping ---------------------------------------------------------

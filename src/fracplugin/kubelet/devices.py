@@ -16,12 +16,9 @@ The extended resource (docs/reference/kubelet-device-plugin.md A.3, A.5):
   digits, no sign, no leading zero (``::01``, ``::+1``, ``::\u00b2`` or
   ``::\u0661`` are not IDs of this node), so two IDs name the same device
   exactly when they are equal strings;
-* the whole ListAndWatch response must fit kubelet's gRPC receive limit
-  (grpc-go's default ``MaxCallRecvMsgSize`` of 4 MiB, which kubelet's device
-  manager client does not raise): a table whose encoded response would exceed
-  ``MAX_LIST_AND_WATCH_BYTES`` (3.5 MiB, headroom for framing) is refused at
-  build time (``DeviceTableTooLarge``), since kubelet would never receive a
-  device list and the plugin would re-register forever.
+* the whole ListAndWatch response must fit kubelet's 4 MiB gRPC receive limit
+  (``MAX_LIST_AND_WATCH_BYTES``): a larger table is refused at build time
+  (``DeviceTableTooLarge``), else the plugin would re-register forever.
 """
 
 from __future__ import annotations
@@ -57,27 +54,9 @@ class DeviceIdError(ValueError):
 
 
 class DeviceTableTooLarge(ValueError):
-    """The ListAndWatch response of a table would exceed ``MAX_LIST_AND_WATCH_BYTES``.
-
-    Attributes: ``unit_mib`` (the unit asked for), ``devices`` (device count it
-    makes), ``size_bytes`` (encoded response size), ``limit_bytes``,
-    ``smallest_unit_mib`` (the smallest unit whose response fits; None when no
-    unit does, e.g. a node with too many GPUs)."""
-
-    def __init__(self, unit_mib: int, devices: int, size_bytes: int, limit_bytes: int,
-                 smallest_unit_mib: int | None) -> None:
-        self.unit_mib = unit_mib
-        self.devices = devices
-        self.size_bytes = size_bytes
-        self.limit_bytes = limit_bytes
-        self.smallest_unit_mib = smallest_unit_mib
-        hint = (f"use a device unit of at least {smallest_unit_mib} MiB" if smallest_unit_mib is not None
-                else "no device unit makes it fit")
-        super().__init__(
-            f"device unit {unit_mib} MiB makes {devices} devices; their ListAndWatch response would be "
-            f"{size_bytes} bytes, over the {limit_bytes}-byte bound under kubelet's 4 MiB gRPC receive limit "
-            f"(kubelet would never receive the device list); {hint}"
-        )
+    """The ListAndWatch response of a table would exceed ``MAX_LIST_AND_WATCH_BYTES``;
+    the message names the unit, its device count, the response size and the
+    smallest unit whose response fits (if any: not on a node with too many GPUs)."""
 
 
 def _show_id(dev_id: str, limit: int = 80) -> str:
@@ -130,17 +109,17 @@ def list_and_watch_bytes(node: NodeInfo, unit_mib: int) -> int:
     return total
 
 
-def smallest_fitting_unit(node: NodeInfo, limit_bytes: int = MAX_LIST_AND_WATCH_BYTES) -> int | None:
+def smallest_fitting_unit(node: NodeInfo) -> int | None:
     """The smallest unit (MiB) whose ListAndWatch response is at most
-    ``limit_bytes`` (the size only shrinks as the unit grows); None when even
-    one device per GPU does not fit."""
+    ``MAX_LIST_AND_WATCH_BYTES`` (the size only shrinks as the unit grows);
+    None when even one device per GPU does not fit."""
     top = max([g.memory_mib for g in node.gpus] + [1])
-    if list_and_watch_bytes(node, top) > limit_bytes:
+    if list_and_watch_bytes(node, top) > MAX_LIST_AND_WATCH_BYTES:
         return None
     lo, hi = 1, top
     while lo < hi:
         mid = (lo + hi) // 2
-        if list_and_watch_bytes(node, mid) <= limit_bytes:
+        if list_and_watch_bytes(node, mid) <= MAX_LIST_AND_WATCH_BYTES:
             hi = mid
         else:
             lo = mid + 1
@@ -204,21 +183,23 @@ class DeviceTable:
     lookup: Mapping[str, tuple[GpuInfo, int]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def build(cls, node: NodeInfo, unit_mib: int = DEFAULT_UNIT_MIB,
-              max_message_bytes: int | None = MAX_LIST_AND_WATCH_BYTES) -> "DeviceTable":
+    def build(cls, node: NodeInfo, unit_mib: int = DEFAULT_UNIT_MIB) -> "DeviceTable":
         """Build the table. Raises ValueError when ``unit_mib`` < 1, when a GPU's
         IDs would exceed 63 characters (reference A.3, ``Device.ID``), or when
         two GPUs share a UUID; DeviceTableTooLarge (a ValueError) when the
-        ListAndWatch response would exceed ``max_message_bytes`` (None: no
-        bound), checked before any per-device work."""
+        ListAndWatch response would exceed ``MAX_LIST_AND_WATCH_BYTES``,
+        checked before any per-device work."""
         if unit_mib < 1:
             raise ValueError(f"device unit {unit_mib} MiB must be >= 1")
-        if max_message_bytes is not None:
-            size = list_and_watch_bytes(node, unit_mib)
-            if size > max_message_bytes:
-                devices = sum(0 if g.mig_enabled else g.memory_mib // unit_mib for g in node.gpus)
-                raise DeviceTableTooLarge(unit_mib, devices, size, max_message_bytes,
-                                          smallest_fitting_unit(node, max_message_bytes))
+        size = list_and_watch_bytes(node, unit_mib)
+        if size > MAX_LIST_AND_WATCH_BYTES:
+            devices = sum(0 if g.mig_enabled else g.memory_mib // unit_mib for g in node.gpus)
+            smallest = smallest_fitting_unit(node)
+            hint = f"use a device unit of at least {smallest} MiB" if smallest else "no device unit makes it fit"
+            raise DeviceTableTooLarge(
+                f"device unit {unit_mib} MiB makes {devices} devices; their ListAndWatch response would be {size} "
+                f"bytes, over the {MAX_LIST_AND_WATCH_BYTES}-byte bound under kubelet's 4 MiB gRPC receive limit "
+                f"(kubelet would never receive the device list); {hint}")
         per: dict[str, int] = {}
         for gpu in node.gpus:
             if gpu.uuid in per:

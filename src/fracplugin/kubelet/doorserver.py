@@ -4,10 +4,9 @@ place), close a server within a budget, and what the registrar asks of its
 target (``registration.RegistrationTarget``: the socket's identity, rebind
 on a fresh socket or under a new name, the stream counters).
 
-``DoorServer`` is a member of ``deviceplugin.DevicePluginServer`` (issue 33
-item 3) and the target its ``registration.Registrar`` drives; the module
-docstring of ``kubelet/deviceplugin.py`` describes the door and its
-concurrency model.
+``DoorServer`` is a member of ``deviceplugin.DevicePluginServer`` and the
+target its ``registration.Registrar`` drives; the module docstring of
+``kubelet/deviceplugin.py`` describes the door and its concurrency model.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from . import grpcopts
 from .devicelist import DeviceList
 from .registration import socket_identity
 
-log = logging.getLogger("fracplugin.kubelet.deviceplugin")  # the door's log, as before the split
+log = logging.getLogger("fracplugin.kubelet.deviceplugin")  # the door's log
 
 
 _Served = tuple[grpc.Server, futures.ThreadPoolExecutor]
@@ -81,10 +80,8 @@ class DoorServer:
         pool.shutdown(wait=False, cancel_futures=True)
 
     def serve(self) -> None:
-        """Serve on ``self.socket_path`` (``grpcopts.serve_unix_renamed``: bound
-        under a temporary name, renamed into place, so stopping the old server
-        can never delete the new socket; issue 11: the socket deleted again
-        right after it was re-created left the plugin serving on no file),
+        """Serve on ``self.socket_path`` (``grpcopts.serve_unix_renamed``: stopping
+        the old server can never delete the new socket, ADR 0011 decision 3),
         after stopping the server before it. Raises OSError when the socket
         cannot be bound."""
         with self._server_lock:
@@ -124,27 +121,18 @@ class DoorServer:
     def socket_identity(self) -> tuple[int, int] | None:
         return self._socket_id
 
-    def rebind(self) -> None:
-        """Serve on a fresh socket (kubelet wiped ours on restart)."""
+    def rebind(self, new_name: bool) -> None:
+        """Serve on a fresh socket (kubelet wiped ours on restart) under the
+        configured name (a new kubelet), or with ``new_name`` under a new file
+        name ``<stem>-<n>.sock`` (the same kubelet may hold, or be stuck on, the
+        old path: kubelet 1.37 refuses a second Register on a path it considers connected)."""
         if self._devices.stopping:
             raise RuntimeError("device plugin is stopping")
-        self.serve()
-
-    def rebind_as_new(self) -> None:
-        """Serve on a socket with a new file name ``<stem>-<n>.sock`` (the same
-        kubelet may hold, or be stuck on, the old path: kubelet 1.37 refuses a
-        second Register on a path it considers connected)."""
-        if self._devices.stopping:
-            raise RuntimeError("device plugin is stopping")
-        self._name_gen += 1
+        self._name_gen = self._name_gen + 1 if new_name else 0
         stem, ext = os.path.splitext(self.socket_name)
-        self.socket_path = os.path.join(self.plugin_dir, f"{stem}-{self._name_gen}{ext}")
+        name = f"{stem}-{self._name_gen}{ext}" if new_name else self.socket_name
+        self.socket_path = os.path.join(self.plugin_dir, name)
         self.serve()
-
-    def reset_name(self) -> None:
-        """The next ``rebind`` uses the configured socket name (a new kubelet)."""
-        self._name_gen = 0
-        self.socket_path = os.path.join(self.plugin_dir, self.socket_name)
 
     def active_streams(self) -> int:
         return self._devices.active_streams()

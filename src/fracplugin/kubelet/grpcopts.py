@@ -7,15 +7,8 @@ door names a ``grpc.*`` channel argument. Where grpcio's default is what we
 want it is not repeated, except for the receive limit, which the door's
 contract names (tests and ``devices.DeviceTableTooLarge`` rely on it).
 
-What grpcio's C core already does for the door by default (ADR 0021): it
-refuses a message over ``grpc.max_receive_message_length`` before reading it
-(RESOURCE_EXHAUSTED), stops reading a connection whose peer leaves more than
-10 000 answers it must send (PING / SETTINGS ACKs, RST_STREAMs) unread
-(``DEFAULT_MAX_PENDING_INDUCED_FRAMES`` in chttp2), answers a peer that pings
-more than ``grpc.http2.max_ping_strikes`` (2) times without data within
-``grpc.http2.min_ping_interval_without_data_ms`` (5 min) with GOAWAY
-(ENHANCE_YOUR_CALM, "too_many_pings"), and bounds streams a peer opens and
-resets at once (rapid reset, CVE-2023-44487).
+What grpcio's C core already does for the door by default (oversized
+messages, induced frames, ping floods, rapid reset) is ADR 0021's list.
 
 Channel argument names: ``include/grpc/impl/channel_arg_names.h`` in
 grpc/grpc (the ``GRPC_ARG_*`` constants).
@@ -34,18 +27,11 @@ from ..rpcstatus import StatusCode
 
 MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
 """The largest gRPC message (bytes) the door receives, as a server and as a
-client: grpcio's and grpc-go's (kubelet's) default receive limit, set
-explicitly so a different grpcio default can never widen it. A larger message
-is RESOURCE_EXHAUSTED "Received message larger than max (N vs. 4194304)"
-before it is read. Our own largest message, a ListAndWatch answer, stays
-under 3.5 MiB (``devices.DeviceTableTooLarge``)."""
+client (ADR 0021 decision 3); a larger one is RESOURCE_EXHAUSTED before it is read."""
 
 MAX_CONCURRENT_STREAMS: Final = 16
 """HTTP/2 streams one connection may hold open at once on the device plugin
-server (``grpc.max_concurrent_streams``; grpcio's default is unlimited).
-kubelet holds one ListAndWatch stream and makes one unary call at a time per
-pod admission; 16 leaves room and keeps one connection from taking every
-worker thread."""
+server (``grpc.max_concurrent_streams``, ADR 0021 decision 3)."""
 
 MAX_CONNECTIONS: Final = 64
 """Connections a door's server accepts at once (``grpc.max_allowed_incoming_connections``;
@@ -61,20 +47,13 @@ its clients (grpc-go) dial again on their next call."""
 
 RECONNECT_BACKOFF_MS: Final = (100, 1000)
 """(first, largest) pause between connection attempts of the door's clients,
-ms (``grpc.initial_reconnect_backoff_ms`` / ``grpc.max_reconnect_backoff_ms``;
-grpcio's defaults are 1 s and 120 s). kubelet's sockets are local: a
-restarted kubelet is dialled again within a second, as the registrar's own
-retry (50 ms doubling to 1 s) expects."""
+ms (``grpc.initial_reconnect_backoff_ms`` / ``grpc.max_reconnect_backoff_ms``, ADR 0021 decision 3)."""
 
 
 def server_options() -> list[tuple[str, int]]:
-    """Channel arguments of the device plugin server (``grpc.server(options=...)``).
-
-    ``grpc.so_reuseport`` 0: a second server can never share our socket
-    path (grpcio enables SO_REUSEPORT by default; it only matters for TCP, but
-    we bind a per-process temporary name and want a clash to fail, not to
-    share). The receive limit, the stream limit, the connection cap and the
-    idle timeout: see the constants."""
+    """Channel arguments of the device plugin server (``grpc.server(options=...)``):
+    the constants, and ``grpc.so_reuseport`` 0 (a clash on our temporary socket
+    name fails instead of sharing; ADR 0021 decision 3)."""
     return [
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -86,19 +65,10 @@ def server_options() -> list[tuple[str, int]]:
 
 def client_options() -> list[tuple[str, int | str]]:
     """Channel arguments of every client channel the door opens (kubelet.sock,
-    its own socket for the probe, PodResources).
-
-    * ``grpc.default_authority`` ``localhost``: grpcio >= 1.57 sends the
-      %-encoded socket path as ``:authority`` on a unix target; kubelet
-      (grpc-go) accepts both, ``localhost`` is what kubelet itself sends
-      (docs/reference/kubelet-device-plugin.md D.9).
-    * ``grpc.use_local_subchannel_pool`` 1: the channel gets its own
-      connection state. grpcio shares subchannels (and their reconnect
-      backoff) between channels to the same target by default, so a channel
-      made after kubelet came back could inherit the backoff of one that
-      failed while it was down.
-    * reconnect backoff and the receive limit: see the constants.
-    """
+    its own socket for the probe, PodResources): ``grpc.default_authority``
+    ``localhost`` (what kubelet itself sends, D.9), ``grpc.use_local_subchannel_pool``
+    1 (no backoff inherited from a channel that failed while kubelet was down),
+    the reconnect backoff and the receive limit (ADR 0021 decision 3)."""
     first, largest = RECONNECT_BACKOFF_MS
     return [
         ("grpc.default_authority", "localhost"),
@@ -175,18 +145,11 @@ def grpc_code(code: StatusCode) -> grpc.StatusCode:
     return grpc.StatusCode[code.name]
 
 
-def status_code(code: grpc.StatusCode | None) -> StatusCode:
-    """grpcio's status code as our ``rpcstatus.StatusCode`` (None, which
-    grpcio reports for a call that has not ended, is UNKNOWN)."""
-    if code is None:
-        return StatusCode.UNKNOWN
-    return StatusCode[code.name]
-
-
 def failure(e: grpc.RpcError) -> tuple[StatusCode, str]:
-    """(code, details) of a failed grpcio call; an error that is not a call
-    (grpcio raises none such from a unary call, but the type allows it) is
-    UNKNOWN with its text."""
+    """(code, details) of a failed grpcio call as our ``rpcstatus.StatusCode``;
+    an error that is not a call (grpcio raises none such from a unary call, but
+    the type allows it), or a call that has not ended (code None), is UNKNOWN."""
     if isinstance(e, grpc.Call):
-        return status_code(e.code()), e.details() or ""
+        code = e.code()
+        return (StatusCode.UNKNOWN if code is None else StatusCode[code.name]), e.details() or ""
     return StatusCode.UNKNOWN, str(e)

@@ -1,12 +1,9 @@
 """Finding the pod behind an Allocate call (which carries only device IDs).
 
-docs/reference/kubelet-device-plugin.md A.5/A.6: kubelet calls Allocate once per container,
-init containers first (spec order), then app containers, during pod admission;
-the request names device IDs only. We keep a watch cache of the pods bound to
-this node (field selector ``spec.nodeName=<node>``) and pick, among pods that
-are still being admitted, the container whose request of our resource equals
-the device count, oldest pod first, init containers before app containers,
-skipping containers already served.
+docs/reference/kubelet-device-plugin.md A.5/A.6: kubelet calls Allocate once per
+container during pod admission, naming device IDs only. We keep a watch cache of
+the pods bound to this node (``spec.nodeName=<node>``) and pick the candidates
+among them (``select_candidates``).
 
 Pods are plain dicts in the Kubernetes JSON shape (camelCase keys, as the API
 server, ``ApiClient.sanitize_for_serialization`` and the YAML examples give
@@ -39,6 +36,7 @@ log = logging.getLogger(__name__)
 Pod = Mapping[str, Any]
 _TERMINAL = ("Succeeded", "Failed")
 _COUNT = re.compile(r"[0-9]{1,18}", re.ASCII)
+REQUEST_TIMEOUT_S = 30.0  # client read timeout of the pod list/watch requests, seconds
 
 
 @runtime_checkable
@@ -181,38 +179,22 @@ def _live_on_node(pod: Pod, node_name: str | None) -> bool:
     return True
 
 
-def requests_resource(pod: Pod, resource_name: str | None) -> bool:
-    """True when any container of the pod requests ``resource_name`` (any when None)."""
-    spec = pod.get("spec") or {}
-    for key in ("initContainers", "containers"):
-        for c in spec.get(key) or ():
-            if resource_name is None:
-                return True
-            if resource_count(c, resource_name) > 0:
-                return True
-    return False
-
-
 _FRACTION_KEYS = ("gpu-fraction", "gpu-memory", "gpu-fraction.limit", "gpu-fraction-num-devices",
                   "gpu-fraction-container-name")
 _FRACTION_SUFFIXES = (".gpu-memory.request", ".gpu-memory.limit", ".gpu-compute.mode", ".gpu-compute.portion",
                       ".gpus.devices", ".gpu-memory.portion.limit")
 
 
-def has_fraction_annotations(pod: Pod) -> bool:
-    """True when the pod carries GPU-fraction annotations (pod-level KAI forms
-    or per-container keys, whatever their prefix)."""
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    if not isinstance(annotations, Mapping):
-        return False
-    return any(k in _FRACTION_KEYS or str(k).endswith(_FRACTION_SUFFIXES) for k in annotations)
-
-
 def _wanted(pod: Pod, resource_name: str) -> bool:
     """Pods the cache keeps: those requesting the resource (Allocate's
-    candidates) and those with fraction annotations (the NRI door reads their
-    spec: which containers exist, which is the first app container; ADR 0007)."""
-    return requests_resource(pod, resource_name) or has_fraction_annotations(pod)
+    candidates) and those with GPU-fraction annotations, pod-level KAI forms or
+    per-container keys whatever their prefix (the NRI door reads their spec:
+    which containers exist, which is the first app container; ADR 0007)."""
+    spec = pod.get("spec") or {}
+    if any(resource_count(c, resource_name) > 0 for k in ("initContainers", "containers") for c in spec.get(k) or ()):
+        return True
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    return any(k in _FRACTION_KEYS or str(k).endswith(_FRACTION_SUFFIXES) for k in annotations)
 
 
 @dataclass(frozen=True)
@@ -278,22 +260,19 @@ def select_candidates(
     return out
 
 
-def _extended_counts(pod: Pod, *, pending_only: bool = False) -> set[tuple[str, int]]:
+def _pending_counts(pod: Pod) -> set[tuple[str, int]]:
     """Every (resource name, count) a container of the pod requests, for
-    resources with a domain (``<domain>/<name>``: extended resources).
-
-    ``pending_only``: only containers the runtime has not created yet (no
-    ``containerID`` in the status): the only ones kubelet may still call
-    Allocate for, hence the only ones ``select_candidates`` can return. A
-    pod whose containers all run is then in no bucket, so an Allocate looks
-    at the pending pods only, not at every cached pod (issue 14: p99 18.8-34.7
-    ms at 20k cached pods before)."""
+    resources with a domain (``<domain>/<name>``: extended resources), among
+    the containers the runtime has not created yet (no ``containerID`` in the
+    status): the only ones kubelet may still call Allocate for, hence the only
+    ones ``select_candidates`` can return. A pod whose containers all run is
+    in no bucket, so an Allocate looks at the pending pods only (issue 14)."""
     out: set[tuple[str, int]] = set()
     spec = pod.get("spec") or {}
-    created = _created_container_names(pod) if pending_only else set()
+    created = _created_container_names(pod)
     for key in ("initContainers", "containers"):
         for c in spec.get(key) or ():
-            if created and str(c.get("name") or "") in created:
+            if str(c.get("name") or "") in created:
                 continue
             res = c.get("resources") or {}
             names = set((res.get("limits") or {})) | set((res.get("requests") or {}))
@@ -309,7 +288,7 @@ class _Store:
     """Thread-safe pod store with a (resource, count) index of the pending
     pods (live: on this node, not terminal, not being deleted; and with a
     container using the resource that the runtime has not created yet), so a
-    lookup does not scan every pod (``_extended_counts(pending_only=True)``)."""
+    lookup does not scan every pod (``_pending_counts``)."""
 
     def __init__(self, node_name: str | None, resource_name: str | None) -> None:
         self.node_name = node_name
@@ -343,7 +322,7 @@ class _Store:
         self._pods[key] = pod
         self._names[self._name_of(pod)] = key
         if _live_on_node(pod, self.node_name):
-            ents = _extended_counts(pod, pending_only=True)
+            ents = _pending_counts(pod)
             self._indexed[key] = ents
             for ent in ents:
                 self._index.setdefault(ent, {})[key] = pod
@@ -507,7 +486,6 @@ class KubernetesPodSource(_StoreBackedSource):
         api_client: a ``kubernetes.client.ApiClient``; None loads in-cluster
             config, then the kubeconfig.
         watch_timeout_s: server-side watch timeout before a re-watch.
-        request_timeout_s: client read timeout of list/watch requests.
     """
 
     def __init__(
@@ -517,13 +495,11 @@ class KubernetesPodSource(_StoreBackedSource):
         api_client: Any = None,
         *,
         watch_timeout_s: int = 300,
-        request_timeout_s: float = 30.0,
     ) -> None:
         self.node_name = node_name
         self._store = _Store(node_name, resource_name)
         self._api_client = api_client
         self._watch_timeout_s = watch_timeout_s
-        self._request_timeout_s = request_timeout_s
         self._ready = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -569,7 +545,7 @@ class KubernetesPodSource(_StoreBackedSource):
             try:
                 v1 = self._client()
                 lst = v1.list_pod_for_all_namespaces(
-                    field_selector=selector, _request_timeout=self._request_timeout_s
+                    field_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
                 )
                 ser = self._api_client.sanitize_for_serialization
                 self._store.replace(ser(p) for p in lst.items)
@@ -583,7 +559,7 @@ class KubernetesPodSource(_StoreBackedSource):
                     field_selector=selector,
                     resource_version=rv,
                     timeout_seconds=self._watch_timeout_s,
-                    _request_timeout=self._watch_timeout_s + self._request_timeout_s,
+                    _request_timeout=self._watch_timeout_s + REQUEST_TIMEOUT_S,
                 ):
                     if self._stop.is_set():
                         break

@@ -4,17 +4,13 @@ docs/reference/kubelet-device-plugin.md A.7: service ``v1.PodResourcesLister`` o
 ``/var/lib/kubelet/pod-resources/kubelet.sock``; we call ``List`` (GA 1.28).
 PodResources carries pod name and namespace but no pod UID.
 
-Use: the device plugin rebuilds its ledger at startup for containers
-allocated before a restart (kubelet never re-Allocates, A.5) and then
-reconciles it periodically (``Reconciler``, a member of
-``deviceplugin.DevicePluginServer``, on thread ``fracplugin-podresources``).
+Use: ``Reconciler`` (a member of ``deviceplugin.DevicePluginServer``) rebuilds
+the ledger at start (kubelet never re-Allocates, A.5), then reconciles it on
+thread ``fracplugin-podresources``.
 
-Concurrency model: a ``PodResourcesClient`` holds one grpcio channel (ADR
-0021; options in ``grpcopts``), which is thread-safe, so one client may be
-shared by threads; calls run on the caller's thread. Every call has a
-deadline (``timeout_s``). The socket is dialled lazily and the channel is
-dropped after a failure (other than an answer UNIMPLEMENTED / NOT_FOUND), so
-a kubelet restart (new socket file) is picked up on the next call.
+Concurrency model: a ``PodResourcesClient`` holds one thread-safe grpcio
+channel (``grpcopts``), dialled lazily and dropped after a failure
+(``list``); calls run on the caller's thread, each with a deadline.
 """
 
 from __future__ import annotations
@@ -93,7 +89,8 @@ class PodResourcesClient:
                 self._stub = pb_grpc.PodResourcesListerStub(self._channel)
             return self._stub
 
-    def _drop_channel(self) -> None:
+    def close(self) -> None:
+        """Close the channel (a later call dials again)."""
         with self._lock:
             ch, self._channel, self._stub = self._channel, None, None
         if ch is not None:
@@ -109,13 +106,9 @@ class PodResourcesClient:
         except grpc.RpcError as e:
             code, details = grpcopts.failure(e)
             if code not in (StatusCode.UNIMPLEMENTED, StatusCode.NOT_FOUND):
-                self._drop_channel()
+                self.close()
             raise PodResourcesError(f"PodResources List on {self.socket_path} failed: {code.name}: {details}") from None
         return [_convert(p) for p in resp.pod_resources]
-
-    def close(self) -> None:
-        """Close the channel (a later call dials again)."""
-        self._drop_channel()
 
 
 class Reconciler:

@@ -3,10 +3,8 @@ A.5): the device IDs to propose for one container, never a GPU at its tenant
 limit or held whole, never an uneven split, and the compute modes the
 pending candidates want.
 
-``PreferredAllocation`` is a member of ``allocator.Allocator`` (issue 33
-item 3: composition, not a mixin), given the device table, the node's rules
-(ledger, planner settings) and the allocator's pending candidates; the
-module docstring of ``kubelet/allocator.py`` describes the decisions.
+``PreferredAllocation`` is a member of ``allocator.Allocator``, whose module
+docstring describes the decisions.
 """
 
 from __future__ import annotations
@@ -69,11 +67,9 @@ class PreferredAllocation:
             return None
 
     def _full(self, uuid: str) -> bool:
-        try:
-            return len(self.rules.ledger.tenants(uuid)) >= self.rules.config.max_clients_per_gpu or any(
-                t.door in (al.DOOR_OTHER_PLUGIN, al.DOOR_SYNC) for t in self.rules.ledger.tenants(uuid))
-        except Exception:
-            return False
+        tenants = self._tenants_of(uuid)
+        return len(tenants) >= self.rules.config.max_clients_per_gpu or any(
+            t.door in (al.DOOR_OTHER_PLUGIN, al.DOOR_SYNC) for t in tenants)
 
     def _free_mib_of(self, uuid: str) -> int | None:
         gpu = self.rules.node.gpu_by_uuid(uuid)

@@ -6,32 +6,23 @@ Rules (docs/reference/kubelet-device-plugin.md A.5, A.8, D.7-D.9):
   then call ``Registration.Register`` on ``kubelet.sock``: kubelet dials back
   and calls GetDevicePluginOptions + ListAndWatch before Register returns, so
   Register fails when we are not serving;
-* dial kubelet.sock over grpcio (ADR 0021) with ``:authority`` ``localhost``
-  (``grpcopts.client_options``; grpcio >= 1.57 would send the %-encoded
-  path);
+* dial kubelet.sock with ``grpcopts.client_options`` (ADR 0021);
 * retry with exponential backoff (tenacity; 50 ms doubling to 1 s) for as long
   as the plugin runs;
 * re-register without restarting the process when kubelet restarts. Triggers,
   checked on every inotify event in kubelet's directory (``DirWatch``; a
-  restart is seen at once) and at least every ``poll_s`` (default 0.1 s, the
+  restart is seen at once) and at least every ``POLL_S`` (0.1 s, the
   fallback where inotify is unavailable):
   ``kubelet.sock`` re-created (its (inode, ctime) changed), our own socket
   deleted (kubelet wipes every socket of the directory on start: we serve on a
   new socket first), or no ListAndWatch stream open for ``stream_grace_s``
   after one ended (``register_grace_s`` after a Register).
 
-Rules learnt from a real kubelet (issue 11, ADR 0011 decisions 1-5, which
-give kubelet 1.37's "device plugin already connected" failure they answer):
-never Register while a ListAndWatch stream of ours is open; serving again for
-the *same* kubelet (our socket deleted, kubelet.sock not re-created) or after
-an "already connected" refusal uses a new socket file name
-(``fracplugin-<n>.sock``), a new kubelet starts from the configured name; "our
-socket is missing" always means serve again (``_socket_gone``); the first
-Register waits until the target says its devices can be served Healthy
-(``ready()``), at most ``ready_timeout_s``; ``last_registration_ms`` counts
-from the trigger or from when the current kubelet.sock appeared, whichever is
-later; while kubelet is down the failures are logged once as a WARNING, then
-at most one WARNING per ``warn_every_s`` (default 60 s).
+Rules learnt from a real kubelet (kubelet 1.37's "device plugin already
+connected"): ADR 0011 decisions 1-5 (no Register while our ListAndWatch is
+open, a new socket name ``fracplugin-<n>.sock`` for the same kubelet, at most
+``READY_TIMEOUT_S`` waiting for ``ready()`` before the first Register, how
+``last_registration_ms`` counts, one WARNING per ``warn_every_s`` while kubelet is down).
 
 Concurrency model: one daemon thread (``Registrar``) owns the whole cycle; the
 device plugin server is driven through the narrow ``RegistrationTarget``
@@ -63,6 +54,8 @@ API_VERSION = "v1beta1"
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET_NAME = "kubelet.sock"
 _ABORT_POLL_S = 0.05  # how often a Register in flight checks ``abort_if``
+POLL_S = 0.1  # the registrar's watch period, seconds (the fallback where inotify is unavailable)
+READY_TIMEOUT_S = 30.0  # longest wait for ``target.ready()`` before the first Register; then it registers anyway
 
 
 class RegistrationError(RuntimeError):
@@ -214,8 +207,9 @@ class RegistrationTarget(Protocol):
         """(inode, ctime) of the socket we listen on, as of when we bound it."""
         ...
 
-    def rebind(self) -> None:
-        """Serve again on a fresh socket (ours was deleted)."""
+    def rebind(self, new_name: bool) -> None:
+        """Serve again on a fresh socket: under a new file name when
+        ``new_name``, else under the configured one."""
         ...
 
     def active_streams(self) -> int:
@@ -229,23 +223,9 @@ class RegistrationTarget(Protocol):
     def options(self) -> pb.DevicePluginOptions:
         ...
 
-    def rebind_as_new(self) -> None:
-        """Serve on a socket with a new file name."""
-        ...
-
-    def reset_name(self) -> None:
-        """The next ``rebind`` uses the configured file name."""
-        ...
-
     def ready(self) -> bool:
         """Devices can be served Healthy now."""
         ...
-
-
-def _socket_gone(current: tuple[int, int] | None, ours: tuple[int, int] | None) -> bool:
-    """True when our socket file is missing or is not the one we bound (a
-    missing file counts even when we never captured an identity)."""
-    return current is None or current != ours
 
 
 @dataclass
@@ -269,11 +249,8 @@ class Registrar:
         target: the device plugin server.
         kubelet_socket: path of kubelet.sock.
         resource_name: the extended resource.
-        poll_s: watch period in seconds.
         on_registered: called with the seconds from trigger to completed
             registration (bench/metrics).
-        ready_timeout_s: longest wait (seconds) for ``target.ready()`` before
-            the first Register of this process; then it registers anyway.
     """
 
     def __init__(
@@ -281,21 +258,16 @@ class Registrar:
         target: RegistrationTarget,
         kubelet_socket: str,
         resource_name: str,
-        *,
-        poll_s: float = 0.1,
-        on_registered: Callable[[float], None] | None = None,
-        ready_timeout_s: float = 30.0,
+        on_registered: Callable[[float], None],
     ) -> None:
         self.target = target
         self.kubelet_socket = kubelet_socket
         self.resource_name = resource_name
-        self.poll_s = poll_s
         self.register_timeout_s = 10.0  # deadline of one Register call, seconds
         self.stream_grace_s = 0.5  # seconds with no open ListAndWatch (after one ended) before re-registering
         self.register_grace_s = 5.0  # seconds after a Register for kubelet to open ListAndWatch
         self.warn_every_s = 60.0  # at most one WARNING per this many seconds while registration keeps failing
         self.on_registered = on_registered
-        self.ready_timeout_s = ready_timeout_s
         self.stats = RegistrationStats()
         self._ever_registered = False
         self._rotate_next = False
@@ -324,9 +296,7 @@ class Registrar:
     def signal_stop(self) -> None:
         """Ask the thread to stop (no wait): no new registration starts."""
         self._stop.set()
-        self._kick.set()
-        if self._watch is not None:
-            self._watch.kick()
+        self.kick()
 
     def stop(self, timeout_s: float = 2.0) -> None:
         """Stop the thread and wait up to ``timeout_s`` (a Register call in
@@ -369,20 +339,15 @@ class Registrar:
         still the one running (it may hold, or be stuck on, the old path: 1.37)
         or after an "already connected" refusal; the configured name otherwise."""
         same_kubelet = self._registered_with is not None and self._registered_with == self._seen_ks
-        rotate = self._rotate_next or same_kubelet
+        self.target.rebind(self._rotate_next or same_kubelet)
         self._rotate_next = False
-        if rotate:
-            self.target.rebind_as_new()
-        else:
-            self.target.reset_name()
-            self.target.rebind()
         log.info("%s; serving on %s", why, self.target.socket_path)
 
     def _register_once(self) -> None:
         self._note_kubelet()
         if self._rotate_next:
             self._rebind("kubelet refused our socket path as already connected")
-        elif _socket_gone(socket_identity(self.target.socket_path), self.target.socket_identity()):
+        elif self._own_gone():
             self._rebind(f"own socket {self.target.socket_path} is gone")
         probe(self.target.socket_path, timeout_s=1.0)
         before = time.monotonic()
@@ -405,13 +370,19 @@ class Registrar:
             self._seen_ks, self._seen_at = after, before
         self._registered_with = after
 
+    def _own_gone(self) -> bool:
+        """True when our socket file is missing or is not the one we bound (a
+        missing file counts even when we never captured an identity)."""
+        current = socket_identity(self.target.socket_path)
+        return current is None or current != self.target.socket_identity()
+
     def _abort_register(self) -> str | bool:
         """Why a Register in flight is abandoned now, or False: the plugin
         stops (a kubelet that accepts and never answers would otherwise hold
         the shutdown for the call's whole deadline), or our socket was deleted."""
         if self._stop.is_set():
             return "the device plugin is stopping"
-        return _socket_gone(socket_identity(self.target.socket_path), self.target.socket_identity())
+        return self._own_gone()
 
     def _register_until_done(self, trigger: str, t0: float) -> bool:
         """Register with backoff until it works, the stop flag is set, or the
@@ -438,9 +409,7 @@ class Registrar:
                 log.debug("registration attempt %d failed: %s", state.attempt_number, err)
 
         def attempt() -> None:
-            if streams0 == 0 and self.target.active_streams() > 0 and not _socket_gone(
-                socket_identity(self.target.socket_path), self.target.socket_identity()
-            ):
+            if streams0 == 0 and self.target.active_streams() > 0 and not self._own_gone():
                 self._registered_with = socket_identity(self.kubelet_socket)
                 return
             self._register_once()
@@ -463,30 +432,25 @@ class Registrar:
         took = done - max(t0, self._seen_at if self._seen_ks is not None else t0)
         self._registered = True
         self._ever_registered = True
-        self.stats.count += 1
-        self.stats.last_s = took
-        self.stats.last_trigger = trigger
-        self.stats.last_error = ""
-        self.stats.failures = 0
-        self.stats.registered_at = done
+        # a new record: no error, no failures since this registration
+        self.stats = RegistrationStats(self.stats.count + 1, took, trigger, registered_at=done)
         log.info("registered %s with kubelet (%s) in %.0f ms on %s", self.resource_name, trigger, took * 1000,
                  os.path.basename(self.target.socket_path))
-        if self.on_registered is not None:
-            guarded(log, "on_registered callback", self.on_registered, took)
+        guarded(log, "on_registered callback", self.on_registered, took)
         return True
 
     def _wait_ready(self) -> None:
-        """Before the first Register: wait (at most ``ready_timeout_s``) until
+        """Before the first Register: wait (at most ``READY_TIMEOUT_S``) until
         the target says its devices can be served Healthy."""
         if self._ever_registered:
             return
-        deadline = time.monotonic() + self.ready_timeout_s
+        deadline = time.monotonic() + READY_TIMEOUT_S
         while not self._stop.is_set() and not self.target.ready():
             if time.monotonic() >= deadline:
                 log.warning("devices not all Healthy after %.0f s; registering anyway (kubelet sees them as they are)",
-                            self.ready_timeout_s)
+                            READY_TIMEOUT_S)
                 return
-            self._stop.wait(min(self.poll_s, 0.1))
+            self._stop.wait(POLL_S)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -510,7 +474,7 @@ class Registrar:
                         log.warning("%s disappeared: kubelet stopped", self.kubelet_socket)
                     self._registered = False
                 need, t0 = "kubelet.sock re-created", now
-            elif _socket_gone(socket_identity(self.target.socket_path), self.target.socket_identity()):
+            elif self._own_gone():
                 self._registered = False
                 need, t0 = need or "own socket deleted", now if need is None else t0
             elif self._registered and self.target.active_streams() == 0:
@@ -543,4 +507,4 @@ class Registrar:
                     need = None
                 kubelet_id = socket_identity(self.kubelet_socket) if need is None else kubelet_id
                 continue
-            self._wait(self.poll_s)
+            self._wait(POLL_S)

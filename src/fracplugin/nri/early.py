@@ -1,31 +1,20 @@
 """The NRI door's early MPS namespaces (ADR 0030, decisions 1-4, which this
 module implements): a pod's namespaces are queued at RunPodSandbox, seconds
-of image pull before its CreateContainer, so that StartContainer (which
-containerd serves under its NRI lock) finds them made instead of waiting for
-two control commands per pod (issue 28). The mask has RUN_POD_SANDBOX and
-REMOVE_POD_SANDBOX: 0x62d (docs/reference/nri-protocol.md 1.4; a v0.8
-runtime delivers both as StateChange, 1.7).
+of image pull before its CreateContainer, so that StartContainer finds them
+made (issue 28; the mask 0x62d, docs/reference/nri-protocol.md 1.4, 1.7).
 
-RunPodSandbox plans each container the pod's per-container memory keys name
-(``annotations.annotated_containers``) as CreateContainer would
-(``NodeRules.replan``) against an empty ledger: only the namespace's
-settings (compute mode, active thread percentage, pinned limit) matter, and
-they come from the annotations and the GPUs' size. Nothing here fails the
-sandbox (RunPodSandbox carries no adjustment, and containerd fails the pod
-on a plugin's error): a refused annotation is logged at DEBUG and the
-refusal stays CreateContainer's. CreateContainer (``Namespaces.start``) then
-awaits an early ensure with the same settings or queues its own;
-RemovePodSandbox and Synchronize release early namespaces no container held;
-after a doors restart ``nri/orphans.py`` rebuilds the table from what the
-MPS layer holds.
+RunPodSandbox plans the containers the pod's per-container memory keys name
+as CreateContainer would (``NodeRules.replan``), against an empty ledger: only
+the namespace's settings matter. Nothing here fails the sandbox (containerd
+fails the pod on a plugin's error): a refused annotation is logged at DEBUG,
+the refusal stays CreateContainer's. After a doors restart ``nri/orphans.py``
+rebuilds the table from what the MPS layer holds.
 
 The table is bounded (``EARLY_MAX`` owners, ``EARLY_PER_POD`` per pod; past
-them CreateContainer does the work; the first bound is logged). ``early_plans``
-here plans a pod's containers; the early table and its ensures are the
-namespace table's (``Namespaces.queue_early``, ``release_early``,
-``early_status`` in ``nri/namespaces.py``), under its lock. RunPodSandbox and
-RemovePodSandbox never wait (a plan, a dict update and a queue put): the stub
-serves them on its reader thread.
+them CreateContainer does the work). ``early_plans`` plans a pod's containers;
+the early table and its ensures are ``Namespaces``' (``queue_early``,
+``release_early``, ``early_status``). RunPodSandbox and RemovePodSandbox never
+wait: the stub serves them on its reader thread.
 """
 
 from __future__ import annotations
@@ -49,7 +38,7 @@ EARLY_PER_POD = 16
 """Most containers of one pod that get an early namespace (the first, by
 name): a pod's annotations may name containers it does not have, whose
 namespaces are made for nothing until RemovePodSandbox; the rest wait for
-their CreateContainer as before."""
+their CreateContainer."""
 
 
 def early_plans(rules: NodeRules, pod: nri_pb2.PodSandbox, mode_up: Callable[[ComputeMode], bool]) -> list[ContainerPlan]:

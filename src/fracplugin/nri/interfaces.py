@@ -11,10 +11,8 @@ Python spells the Go methods in snake case (``CreateContainer`` ->
 ``context.Context`` first. A method that is absent answers the runtime with an
 empty response of the right type.
 
-Three optional hooks are the stub's own, not NRI's: ``AbandonedInterface``
-(a late result was dropped), ``MayBlockInterface`` (which calls the stub may
-serve on its reader thread, see ``stub``'s concurrency model) and
-``CloseInterface``.
+Three optional hooks are the stub's own, not NRI's (``AbandonedInterface``,
+``MayBlockInterface``, ``CloseInterface``).
 
 Concurrency model: none (types and constant tables only).
 """
@@ -291,14 +289,6 @@ def handler_mask(handler: object) -> int:
     return event_mask(*events) if events else 0
 
 
-def _arguments(spec: EventSpec) -> list[str]:
-    """The positional parameters the stub passes to ``spec``'s handler
-    method: those of the interface's method, without ``self``."""
-    assert spec.interface is not None and spec.attr is not None
-    params = inspect.signature(getattr(spec.interface, spec.attr)).parameters
-    return [n for n in params if n != "self"]
-
-
 def check_handler(handler: object) -> None:
     """Raise ValueError when a method of ``handler`` that names an NRI
     interface's method cannot take that interface's arguments (the stub calls
@@ -316,7 +306,8 @@ def check_handler(handler: object) -> None:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):
             continue
-        args = _arguments(spec)
+        # what the stub passes: the interface method's parameters, without ``self``
+        args = [n for n in inspect.signature(getattr(spec.interface, spec.attr)).parameters if n != "self"]
         try:
             sig.bind(*args)
         except TypeError as exc:

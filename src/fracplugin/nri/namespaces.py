@@ -1,19 +1,8 @@
 """The NRI door's MPS namespace table (``Namespaces``): one object owning
 the background MPS work queue, the maps of namespace jobs and owners, and
-the one lock over them. Its API is what the handler needs:
-
-- ``start`` (CreateContainer: queue, or reuse, the owner's ensure) and
-  ``await_start`` (StartContainer: wait for it within the budget, ADR 0028);
-- ``queue_early`` / ``release_early`` (RunPodSandbox, RemovePodSandbox and
-  Synchronize: the early table, ``nri/early.py``, ADR 0030);
-- ``forget`` / ``release`` (StopContainer, RemoveContainer, ``abandoned``:
-  the owners nothing holds lose their namespace in the background) and
-  ``drain`` / ``cancel_drain`` (StopContainer's drain on the same queue);
-- ``renew`` (after Synchronize, and when a daemon is healthy again;
-  ``renewing`` while they run), ``adopt`` / ``release_orphan``
-  (Synchronize's reconcile of the MPS layer's namespaces, ``nri/orphans.py``);
-- ``status``, ``early_status``, ``close``.
-
+the one lock over them. Its methods are grouped below by the handlers that
+call them (CreateContainer / StartContainer, ADR 0028; StopContainer and
+RemoveContainer; the early table, ADR 0030; Synchronize's renew and orphans).
 How each MPS call is made is ``nri/mpscalls.py``'s. The module docstring of
 ``nri/plugin.py`` describes the behaviour and the concurrency model.
 """
@@ -62,13 +51,9 @@ class Namespaces:
         self._lock = threading.Lock()
         # container id -> (owner, future of the namespace job StartContainer awaits)
         self._pending: dict[str, tuple[Owner, Future[Any]]] = {}
-        # owners whose namespace may exist: an ensure for them started (or a
-        # Synchronize found them) since their last release ran. The value, once
-        # an ensure of the queue made it, is (its settings: mode, portion, pinned
-        # limit; that ensure's done future): while no job of the owner is queued
-        # or running, a new container of the owner with the same settings awaits
-        # that outcome instead of queueing another ensure (issue 14: a restart or
-        # retry of a container costs no MPS work); None = not known to be made so.
+        # owners whose namespace may exist (an ensure started, or a Synchronize found
+        # it, since their last release) -> (its settings, that ensure's done future),
+        # None = not known to be made so; reused by ``start`` (issue 14)
         self._made: dict[Owner, tuple[tuple[Any, ...], Future[Any]] | None] = {}
         # owner -> (settings, future, pod sandbox id) of an ensure queued at
         # RunPodSandbox that no container of the owner has claimed yet
@@ -91,13 +76,9 @@ class Namespaces:
         ensure's outcome instead: nothing is queued (issue 14; the MPS layer
         keeps the namespace, and re-applies it after a daemon restart before
         the daemon counts as healthy again, which CreateContainer waited for).
-
-        An early ensure of the owner queued at RunPodSandbox (``nri/early.py``)
-        with the same settings that has not failed is awaited the same way;
-        the owner leaves the early table whatever its settings (a container
-        holds it now). An entry adopted at Synchronize (``nri/orphans.py``:
-        the MPS layer held it, no ensure of ours made it) leaves it too and
-        the container gets its own ensure."""
+        An early ensure of the owner is awaited or replaced as ADR 0030
+        decision 2 says; an entry adopted at Synchronize (``nri/orphans.py``)
+        leaves the early table and the container gets its own ensure."""
         owner = (p.pod.uid, p.container)
         settings = _ns_settings(p)
         with self._lock:
@@ -126,22 +107,12 @@ class Namespaces:
     def await_start(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
                     ctx: CallContext | None = None) -> None:
         """StartContainer's wait for the container's MPS namespace job, at
-        most ``start_wait(ctx)`` seconds (``start_wait_s``, never past the
-        handler budget: the runtime's request timeout, 2 s by default,
-        docs/reference/nri-protocol.md 1.5, is kept). ADR 0028 tells slow from failed:
-
-        - done: the container starts;
-        - failed (the ensure raised, or was cancelled): ``RpcError``
-          UNAVAILABLE (the runtime fails the start; kubelet retries and the next
-          CreateContainer queues a new ensure), unless ``fail_open``;
-        - not done when the wait is spent (queued or running, merely slow): the
-          container starts, a warning says the budget was spent and a second
-          line says when the job ended; unless the mode's MPS daemon is down
-          (not slow: UNAVAILABLE, as CreateContainer's ``MpsCalls.require_up``).
-
-        A container created before a daemon restart (nothing pending, the
-        ledger holds its namespace) gets an ensure queued now, awaited the same
-        way."""
+        most ``start_wait(ctx)`` seconds; ADR 0028's table says what each state
+        of the job answers when the wait ends (done: start; failed, or not done
+        while the mode's daemon is down: ``RpcError`` UNAVAILABLE unless
+        ``fail_open``; not done on a healthy daemon: start, warned). A container
+        created before a daemon restart (nothing pending, the ledger holds its
+        namespace) gets an ensure queued now, awaited the same way."""
         fields = {"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid, "container": container.name,
                   "container_id": container.id}
         who = f"{pod.namespace}/{pod.name}/{container.name}"
@@ -175,12 +146,8 @@ class Namespaces:
     def _start_late(self, owner: Owner, container_id: str, fut: Future[Any],
                     fields: Mapping[str, Any], who: str, waited_s: float) -> None:
         """The wait of StartContainer is spent and the namespace job of
-        ``owner`` is not done (ADR 0028). A job still queued or running on a
-        healthy daemon is slow, not failed: the container starts and the log
-        says so (a second line when the job ends, with how long after).
-        Raises ``RpcError`` UNAVAILABLE (unless ``fail_open``) when the
-        daemon of the owner's mode is down: the job waits for it and may never
-        end in time."""
+        ``owner`` is not done: slow (start, logged) or its daemon down
+        (``RpcError`` UNAVAILABLE unless ``fail_open``), ADR 0028."""
         held = self.ledger.find(*owner)
         mode = held[0].mode if held else ComputeMode.SM_SHARING
         if not self.calls.up(mode):
@@ -235,14 +202,10 @@ class Namespaces:
 
     def _queue_ensure(self, container_id: str, owner: Owner, job: Callable[[], Any]) -> None:
         """Queue ``job`` (an ensure of ``owner``'s namespace) as the job
-        StartContainer of ``container_id`` awaits; the caller holds
-        ``_lock``. An ensure of the owner still queued (another container of
-        the same pod and name, or a Synchronize renewal) is replaced by this
-        newer one and its waiters get this one's outcome (the namespace is the
-        owner's); a queued release is replaced (desired state: the namespace
-        exists); a job of the owner that runs now finishes first. The job is
-        urgent (a StartContainer awaits it): it runs before the ensures queued
-        early at RunPodSandbox that no container awaits yet (ADR 0030)."""
+        StartContainer of ``container_id`` awaits; the caller holds ``_lock``.
+        It replaces the owner's queued ensure (joining its waiters) or release,
+        runs after the owner's running job, and is urgent (ADR 0017, ADR 0030
+        decision 5)."""
         q = self._work()
         key = ("ns", *owner)
         fut = q.put(key, job, join=q.pending_tag(key) == _ENSURE, tag=_ENSURE, urgent=True)
@@ -306,11 +269,9 @@ class Namespaces:
     def release(self, owners: set[Owner]) -> None:
         """For each owner nothing in the ledger holds any more: drop its
         queued namespace creation and queue the release of its namespace,
-        unless that creation was all there was (it never started, and no other
-        ensure started since the owner's last release: there is nothing to
-        release). A queued release of an owner that a newer container then
-        holds is replaced by that container's ensure (``_queue_ensure``) or, if
-        it already started waiting, skipped when it runs (``_release_job``)."""
+        unless that creation was all there was (nothing to release; ADR 0017).
+        A newer container's ensure replaces a queued release, and a release
+        that runs skips an owner held again (``_release_job``)."""
         inline: list[Owner] = []
         for owner in owners:
             with self._lock:

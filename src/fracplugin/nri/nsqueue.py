@@ -1,35 +1,18 @@
-"""A keyed work queue for the NRI door's background MPS work (issue 14).
-
-The idea is the Kubernetes controller workqueue's (client-go
-``util/workqueue``: a queue of keys, a *dirty* set and a *processing* set):
-work is queued per key, a key has at most one pending job, and a key that a
-worker is processing is not handed to a second worker until that run ends
-(a job put meanwhile waits and runs after it). What a key stands for is the
-caller's business; ``FracNriPlugin`` uses the MPS namespace owner
-``("ns", pod UID, container name)`` for namespace creation and release, and
-``("drain", container id)`` for StopContainer's drain.
-
-Unlike client-go's queue, a key carries its job (a callable) and a
-``concurrent.futures.Future`` for its outcome, because StartContainer and
-StopContainer wait for a particular job within their budget. A newer job for
-a key replaces the one still pending (the desired state wins: "ensure the
-namespace" after "release it" leaves only the ensure), either cancelling the
-replaced job's future (``put(..., join=False)``) or handing the replaced
-job's waiters the newer job's outcome (``join=True``).
+"""A keyed work queue for the NRI door's background MPS work (ADR 0017):
+client-go's ``util/workqueue`` idea (a key has at most one pending job, and a
+key a worker runs is not handed to a second worker: a job put meanwhile runs
+after it) with a job and a ``Future`` per key; a newer job replaces the pending
+one (``put``'s ``join``). Keys: ``("ns", pod UID, container name)``, ``("drain", container id)``.
 
 Memory: at most one pending entry and one running job per key, so what the
 queue holds is bounded by the number of distinct keys with work, not by the
 rate at which work is put.
 
-Order: keys run in the order their pending entry was first queued (FIFO over
-keys); a key put again while pending keeps its place; a key put while running
-is queued behind the keys already waiting when its running job ends. Urgent
-keys (``put(..., urgent=True)``, or ``promote``: work a caller is waiting for
-now) run before the others, FIFO among themselves; the rest keep their order
-behind them (ADR 0030: a namespace queued early, at RunPodSandbox, yields to
-one a StartContainer awaits). Non-urgent work waits as long as urgent work
-is ready: a burst of creations delays releases and early ensures until it
-drains (a key with a job running is not ready, so it never blocks others).
+Order: FIFO over keys (a key put again while pending keeps its place; one put
+while running is queued behind those waiting when its job ends); urgent keys
+(``put(..., urgent=True)``, ``promote``: work a caller waits for now) run
+first, FIFO among themselves, and non-urgent work waits while urgent work is
+ready (ADR 0030 decision 5).
 
 Concurrency: every method may be called from any thread. Jobs run on up to
 ``workers`` daemon threads, started on demand; a job's exception is set on its
@@ -196,11 +179,6 @@ class KeyedWorkQueue:
         with self._cv:
             return {"queued": len(self._pending), "running": len(self._running),
                     "threads": sum(1 for t in self._threads if t.is_alive())}
-
-    def __len__(self) -> int:
-        """Number of pending (queued, not running) jobs."""
-        with self._cv:
-            return len(self._pending)
 
     # ------------------------------------------------------------ closing
 

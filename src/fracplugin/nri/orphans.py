@@ -3,19 +3,12 @@ Synchronize (ADR 0030, "Namespaces the doors forgot": the classes of
 namespace, held / of a live pod / orphaned, and why a namespace of a pod the
 runtime does not have cannot gain a container afterwards).
 
-Each namespace the MPS layer reports (``MpsApi.status()``:
-``daemons[].namespaces[]`` with ``name``, ``pod_uid``, ``container`` and its
-caps; the MPS role's records, ADR 0022) is compared, after the ledger is
-rebuilt, with the ledger and the sandboxes Synchronize lists. An MPS layer
-that reports nothing (``NullMps``, an unreachable MPS role: ``reachable``
-false) is not reconciled; the next Synchronize tries again.
-
-Where it is done: ``Reconciler`` (``nri/reconcile.py``) reads the status and
-logs; the decision, under the namespace table's lock (``Namespaces.adopt``,
-``release_orphan``, the "held" rule in ``Namespaces._held_locked``), is
-``nri/namespaces.py``'s; this module parses the status (``mps_namespaces``)
-and scans the ledger (``ledger_holds``). The Synchronize handler's thread
-makes no MPS control call (releases run on the keyed MPS queue).
+Each namespace the MPS layer reports is compared, after the ledger is rebuilt,
+with the ledger and the sandboxes Synchronize lists (an MPS layer that reports
+nothing is not reconciled). ``Reconciler`` reads the status; the decision is
+``Namespaces.adopt`` / ``release_orphan`` / ``_held_locked``'s, under the
+namespace table's lock; this module parses the status (``mps_namespaces``) and
+scans the ledger (``ledger_holds``). Releases run on the keyed MPS queue.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ all of them), the constants and the small helpers (``_env_map``,
 
 The module docstring of ``nri/plugin.py`` describes the behaviour and the
 concurrency model; ``FracNriPlugin`` is the one class to use, its parts are
-objects it holds (issue 33 item 3).
+objects it holds.
 """
 
 from __future__ import annotations
@@ -34,11 +34,8 @@ Owner = tuple[str, str]
 
 
 def _env_map(container: nri_pb2.Container) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for kv in container.env:
-        k, _, v = kv.partition("=")
-        env[k] = v
-    return env
+    """The container's ``K=V`` env as a dict (the last of a name wins)."""
+    return dict(kv.partition("=")[::2] for kv in container.env)
 
 
 def needs_spec(annotations: Any, container: str) -> bool:

@@ -60,8 +60,6 @@ def spec_unknown(pod: nri_pb2.PodSandbox, *, pod_ready: Callable[[], bool] | Non
     ``pod_ready``: whether the pod watch is synced (None: taken as synced)."""
     what = f"{pod.namespace}/{pod.name}"
     if pod_ready is not None and not pod_ready():
-        # the watch itself is not synced (API server unreachable): as without
-        # API access, the container is planned alone; /readyz says so
         log.warning("nri pod watch not synced; pod-level forms read for this container alone",
                     extra={"pod": what, "pod_uid": pod.uid})
         return

@@ -1,14 +1,8 @@
-"""The NRI door's Synchronize (``Reconciler``): rebuild the ledger from the
-containers the runtime reports, re-planned against their annotations and
-the devices they got, and report containers that lack fracplugin's
-adjustment; re-ensure their MPS namespaces, release the early namespaces of
-pods gone, and reconcile the MPS layer's namespaces with the runtime's pods
-(``nri/orphans.py``). ``ready()`` is true after the first.
-
-Containers found running unfenced (issue 35 item 1, ADR 0035 decisions 5-9):
-``Reconciler._decide`` says which, at Synchronize and, while their pod's spec
-is unknown, every ``RECHECK_S``; ``Unfenced`` restarts or reports them. None
-of it runs in CreateContainer.
+"""The NRI door's Synchronize (``Reconciler``, its steps in ``synchronize``):
+rebuild the ledger from the containers the runtime reports and report those
+that lack fracplugin's adjustment. ``ready()`` is true after the first.
+Containers found running unfenced (ADR 0035 decisions 5-9): ``_decide`` says
+which, ``Unfenced`` restarts or reports them.
 
 The module docstring of ``nri/plugin.py`` describes the behaviour and the
 concurrency model; ``FracNriPlugin`` is the one class to use.
@@ -36,7 +30,7 @@ from .namespaces import Namespaces
 from .orphans import mps_namespaces
 from .pluginbase import _env_map, _pod_ref, needs_spec
 
-log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
+log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log
 
 _HOLD_RANK = {nri_pb2.CONTAINER_RUNNING: 4, nri_pb2.CONTAINER_PAUSED: 3, nri_pb2.CONTAINER_CREATED: 2,
               nri_pb2.CONTAINER_UNKNOWN: 1, nri_pb2.CONTAINER_STOPPED: 0}
@@ -237,9 +231,7 @@ class Reconciler:
         that runs holds and the others hold nothing, whatever the list's
         order (issue 34): ``_HOLD_RANK`` of its state first, then the newest
         (``created_at``, NRI v0.10+), then the one the ledger binds now,
-        then the later in the list. A container's hold then ends only by its
-        own StopContainer / RemoveContainer, or a Synchronize that no longer
-        lists it (README, "What each door decides")."""
+        then the later in the list (README, "What each door decides")."""
         best: dict[tuple[str, str], tuple[tuple[int, int, int, int], nri_pb2.Container]] = {}
         for i, c in enumerate(containers):
             pod = pods_by_id.get(c.pod_sandbox_id)
@@ -309,8 +301,7 @@ class Reconciler:
         raises: an error is logged, nothing is released."""
         counts = {"held": 0, "adopted": 0, "orphaned": 0}
         try:
-            status = getattr(self.mps, "status", None)
-            doc = status() if callable(status) else None
+            doc = self.mps.status()
             found = mps_namespaces(doc)
         except Exception:
             log.exception("nri sync: the MPS layer's namespaces could not be read; not reconciled")
@@ -333,11 +324,9 @@ class Reconciler:
 class Unfenced:
     """What is done with a container ``Reconciler._decide`` found unfenced
     (ADR 0035 decisions 7-9): ``restart`` evicts its pod (``restarter``) at
-    most once per pod name per window (``window``; a new UID inside it is
-    backed off, the same UID left to the request made), ``report`` or no
-    restarter report once per container; each with a Warning Event
-    ``ContainerRestartedUnfenced`` (``events.unfenced``) and a count.
-    ``clock``: monotonic seconds. Thread-safe (one lock)."""
+    most once per pod name per ``window``, ``report`` (or no restarter) reports
+    once per container; each with a Warning Event (``events.unfenced``) and a
+    count. ``clock``: monotonic seconds. Thread-safe (one lock)."""
 
     BACKOFF_S = 300.0
     BACKOFF_MAX_S = 3600.0

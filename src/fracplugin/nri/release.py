@@ -56,18 +56,14 @@ class Releases:
             log.info("nri drain continues in the background", extra={**fields, "waited_s": timeout})
         except Exception:
             pass  # logged by the job
-        # A stopped container holds no memory (issue 10 item 4): its NRI-door
-        # hold goes now; a kubelet reservation stays with its pod (kubelet
-        # frees those devices when the pod ends), unbound from this container.
-        # Its MPS namespace goes at RemoveContainer (an MPS call here could
-        # outlast StopContainer's budget, which the drain already used).
+        # A stopped container holds no memory (ADR 0007 decision 5); its MPS namespace goes
+        # at RemoveContainer (an MPS call here could outlast the budget the drain used).
         gone = ledger.release_stopped(container.id)
         if gone:
             with self._lock:
                 self._stopped_holds[container.id] = gone
                 while len(self._stopped_holds) > 4096:
                     self._stopped_holds.pop(next(iter(self._stopped_holds)))
-        return None
 
     def remove(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container) -> None:
         """RemoveContainer: release the ledger entries of this container id and,
@@ -88,7 +84,6 @@ class Releases:
                 extra={"pod_uid": pod.uid, "container": container.name, "container_id": container.id, "gpus": len(gone)},
             )
         self.namespaces.release(owners | {t.owner for t in gone if t.mps_namespace})
-        return None
 
     def abandoned(self, method: str, request: Any, response: Any) -> None:
         """The stub answered a CreateContainer itself (budget overrun) and
