@@ -338,6 +338,35 @@ def _refused(key: str, why: str) -> FractionError:
     return FractionError(al.ENV_RESERVATION, key, why, CODE_CLAIM)
 
 
+def join_pod_hold(ledger: Ledger, key: str, unit_mib: int, pod_uids: Container[str], pod: str) -> str:
+    """The hold a key PodResources lists for pod ``pod`` (namespace/name,
+    for the log; ``pod_uids``: the uids its entries may carry) belongs to,
+    when ``key`` is not in the ledger: when a reservation bound to that pod
+    shares a device with it (kubelet reused the init container's devices for
+    the app, both answered pending), both become one hold under the union of
+    their devices, charged ``unit_mib`` per device of the union on each GPU,
+    its entries kept (holder, container id), both keys aliases of it and
+    pending no more (ADR 0033 decision 3: one pod never holds the same
+    devices twice). Otherwise ``key``."""
+    for other, held in ledger.reservations().items():
+        if (held[0].door != al.DOOR_ALLOCATE or not any(t.bound and t.pod_uid in pod_uids for t in held)
+                or not overlaps(other, key)):
+            continue
+        union = al.union_key([other, key])
+        per = {u: len(v) * unit_mib for u, v in al.parse_reservation_key(union).items()}
+        new = [dataclasses.replace(t, reservation=union, request_mib=max(t.request_mib, per.get(t.gpu_uuid, 0)),
+                                   limit_mib=max(t.limit_mib, per.get(t.gpu_uuid, 0))) for t in held]
+        ledger.transform(lambda cur: [t for t in cur if t.reservation not in (other, key)] + new)
+        proofs = proofs_of(ledger)
+        for k in (key, other):
+            proofs.settle(k)
+        proofs.alias([key, other], union)
+        log.info("reservation %s of pod %s shares devices with its %s: one hold %s (kubelet reuses an init "
+                 "container's devices)", key, pod, other, union)
+        return union
+    return key
+
+
 def take_over(ledger: Ledger, key: str, pod_uid: str) -> list[Tenancy]:
     """Before a pending ``key``'s container of pod ``pod_uid`` is admitted
     (``NodeRules.admit``): release every other reservation sharing a device

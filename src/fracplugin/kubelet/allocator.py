@@ -570,7 +570,8 @@ class Allocator:
                         key = al.reservation_key({u: [parse_device_id(d)[1] for d in v] for u, v in by_gpu.items()})
                         hold = reservations.hold_of(self.ledger, key)  # an alias: the union hold (ADR 0033)
                         if not self.ledger.reservation(hold):
-                            hold = self._join_pod_hold(p, key)
+                            hold = reservations.join_pod_hold(self.ledger, key, self.unit_mib, (
+                                self._uid_of(p), f"podresources:{p.namespace}/{p.name}"), f"{p.namespace}/{p.name}")
                         listed.add(hold)
                         warnings.extend(self._bind_listed(p, c.name, by_gpu, hold))
             current = self.ledger.tenancies()
@@ -595,35 +596,6 @@ class Allocator:
                     self._pending_hints.pop(key, None)
                     warnings.append(f"pending reservation {key} is not in PodResources; dropped")
         return warnings
-
-    def _join_pod_hold(self, p: Any, key: str) -> str:
-        """The hold a listed ``key`` not in the ledger belongs to: when a
-        reservation of the same pod (``p``: ``podresources.PodDevices``)
-        shares a device with it (kubelet reused the init container's devices
-        for the app, both answered pending, ADR 0033), both become one hold
-        under the union of their devices, charged for the union on each GPU,
-        its entries kept (holder, container id), both keys aliases of it and
-        pending no more. Otherwise ``key``. Never two holds of one pod on the
-        same devices (CI, kubelet v1.35: 3072 + 2048 MiB while the init ran)."""
-        uid = self._uid_of(p)
-        mine = (uid, f"podresources:{p.namespace}/{p.name}")
-        for other, held in self.ledger.reservations().items():
-            if (held[0].door != al.DOOR_ALLOCATE or not any(t.bound and t.pod_uid in mine for t in held)
-                    or not reservations.overlaps(other, key)):
-                continue
-            union = al.union_key([other, key])
-            per = {u: len(v) * self.unit_mib for u, v in al.parse_reservation_key(union).items()}
-            new = [dataclasses.replace(t, reservation=union, request_mib=max(t.request_mib, per.get(t.gpu_uuid, 0)),
-                                       limit_mib=max(t.limit_mib, per.get(t.gpu_uuid, 0))) for t in held]
-            self.ledger.transform(lambda cur: [t for t in cur if t.reservation not in (other, key)] + new)
-            proofs = reservations.proofs_of(self.ledger)
-            for k in (key, other):
-                proofs.settle(k)
-            proofs.alias([key, other], union)
-            log.info("reservation %s of pod %s/%s shares devices with its %s: one hold %s (kubelet reuses an init "
-                     "container's devices)", key, p.namespace, p.name, other, union)
-            return union
-        return key
 
     def _uid_of(self, p: Any) -> str:
         pod = self.pod_source.get(p.namespace, p.name) if self.pod_source is not None else None
