@@ -171,3 +171,50 @@ def test_init_and_app_of_different_sizes_run(cluster, daemon, pods, init_gib, ap
     assert [(t["container"], t["request_mib"]) for t in mine] == [("app", app_gib * 1024)], mine
     held()
     assert max(seen) <= most, seen
+
+
+def test_dcgm_exporter_rule_on_the_real_podresources_list(cluster, daemon, pods):
+    """Issue 36 item 8 on a recorded List: two device-plugin-door pods (8
+    and 4 units) as this kubelet lists them in PodResources, read through
+    dcgm-exporter's attribution rule as docs/operator-guide.md states it
+    (``tests/unit/test_dcgm_exporter_join.dcgm_attribution``). With
+    ``--nvidia-resource-names fracplugin.io/gpu-memory`` every GPU they use
+    is attributed (one container per GPU, or one copy per container and
+    unit with ``--kubernetes-virtual-gpus``); without it, nothing. The List
+    is kept beside the logs (``podresources-list.json``)."""
+    import grpc
+    from google.protobuf import json_format
+
+    from fracplugin._proto import podresources_pb2 as pb
+    from fracplugin._proto import podresources_pb2_grpc as pbg
+    from tests.unit.test_dcgm_exporter_join import UUID, dcgm_attribution
+
+    c = cluster
+    _advertised(c)
+    for name, gib in (("dcgm-a", 8), ("dcgm-b", 4)):
+        pods.create(k.pod_manifest(name, gib=gib))
+    for name in ("dcgm-a", "dcgm-b"):
+        pods.wait_running(name)
+    with grpc.insecure_channel(f"unix://{c.podresources_sock}") as ch:
+        listed = pbg.PodResourcesListerStub(ch).List(pb.ListPodResourcesRequest(), timeout=10)
+    # this test's pods (an earlier test's may still be listed while they end)
+    resp = pb.ListPodResourcesResponse(pod_resources=[p for p in listed.pod_resources if p.name.startswith("dcgm-")])
+    keep = k.REPO / "build" / "kubelet-e2e-logs"
+    keep.mkdir(parents=True, exist_ok=True)
+    (keep / f"podresources-list-{c.bins.version}.json").write_text(json_format.MessageToJson(listed))
+    units: dict[int, list[tuple[str, str, str, str]]] = {}
+    index = {u: i for i, u in UUID.items()}
+    for p in resp.pod_resources:
+        for ct in p.containers:
+            for dev in ct.devices:
+                if dev.resource_name == k.RESOURCE:
+                    for d in dev.device_ids:
+                        uuid, n = d.split("::")
+                        units.setdefault(index[uuid], []).append((p.namespace, p.name, ct.name, n))
+    assert sorted(len(v) for v in units.values()) in ([12], [4, 8]), units
+    copies = dcgm_attribution(resp, [k.RESOURCE], virtual_gpus=True)
+    assert {i: sorted(v) for i, v in copies.items()} == {i: sorted(v) for i, v in units.items()}
+    one = dcgm_attribution(resp, [k.RESOURCE], virtual_gpus=False)
+    assert set(one) == set(units) and all(len(v) == 1 and v[0][:3] in {w[:3] for w in units[i]}
+                                          for i, v in one.items())
+    assert dcgm_attribution(resp, [], virtual_gpus=True) == {}

@@ -38,6 +38,7 @@ from fracplugin.gpu.simulated import load_node
 REPO = Path(__file__).resolve().parents[2]
 NODE = load_node(str(REPO / "examples" / "nodes" / "gpu-node-1.yaml"))
 FIXTURE = REPO / "tests" / "fixtures" / "podresources" / "list-gpu-node-1.json"
+RECORDED = REPO / "tests" / "fixtures" / "podresources" / "kubelet-v1.37.2-dcgm.json"
 CAPTURE = REPO / "tests" / "fixtures" / "metrics" / "daemon-metrics.txt"
 GUIDE = REPO / "docs" / "operator-guide.md"
 UUID = {g.index: g.uuid for g in NODE.gpus}
@@ -141,3 +142,14 @@ def test_fracplugin_series_carry_the_uuid_dcgm_keys_on_so_on_uuid_joins():
     guide = GUIDE.read_text()
     assert "on(UUID) group_left" in guide and "max by (UUID) (DCGM_FI_DEV_FB_USED)" in guide
     assert json.loads(FIXTURE.read_text())["podResources"]
+
+
+def test_the_recorded_list_of_a_real_kubelet_reads_the_same():
+    """kubelet v1.37.2's own List (recorded in make kubelet-e2e; one ``devices`` entry per ID):
+    pods dcgm-a (8 units) and dcgm-b (4 units), both on GPU 0, each unit one copy."""
+    resp = json_format.Parse(RECORDED.read_text(), pb.ListPodResourcesResponse())
+    got = dcgm_attribution(resp, [DEFAULT_RESOURCE_NAME], virtual_gpus=True)
+    assert {i: sorted({w[1] for w in ws}) for i, ws in got.items()} == {0: ["dcgm-a", "dcgm-b"]}
+    assert sorted(w[1] for w in got[0]) == ["dcgm-a"] * 8 + ["dcgm-b"] * 4
+    (who,) = dcgm_attribution(resp, [DEFAULT_RESOURCE_NAME], virtual_gpus=False)[0]
+    assert who[1] in ("dcgm-a", "dcgm-b")
