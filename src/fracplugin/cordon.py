@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from .events import core_v1
 from .model import NodeInfo
 
 if TYPE_CHECKING:
@@ -67,22 +68,23 @@ class CordonWatch:
     """Reads the node's cordon annotation (module docstring).
 
     Args:
-        api: a ``kubernetes.client.ApiClient``, or None for the in-cluster
-            configuration.
+        api: for ``events.core_v1``.
         node: the node's GPUs; ``node_name``: its Kubernetes name.
         health: the node's health monitor (``NodeRules.health``).
-        poll_s: seconds between reads; ``timeout_s``: bound of one read.
+        poll_s: seconds between reads.
     """
 
+    timeout_s = 2.0
+    """Bound of one read, seconds."""
+
     def __init__(self, api: Any, node: NodeInfo, node_name: str, health: HealthMonitor, *,
-                 poll_s: float = 10.0, timeout_s: float = 2.0) -> None:
+                 poll_s: float = 10.0) -> None:
         self._api = api
         self._core: Any = None
         self.node = node
         self.node_name = node_name
         self.health = health
         self.poll_s = poll_s
-        self.timeout_s = timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._value: str | None = None
@@ -110,11 +112,7 @@ class CordonWatch:
         """One read of the node; applies its annotation. Never raises."""
         try:
             if self._core is None:
-                from kubernetes import client, config
-
-                if self._api is None:
-                    config.load_incluster_config()
-                self._core = client.CoreV1Api(self._api)
+                self._core = core_v1(self._api)
             # the raw JSON: only metadata.annotations is read, no model of the whole Node is built
             resp = self._core.read_node(self.node_name, _request_timeout=self.timeout_s, _preload_content=False)
             annotations = (json.loads(resp.data).get("metadata") or {}).get("annotations") or {}

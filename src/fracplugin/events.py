@@ -72,41 +72,39 @@ _Item = tuple[PodRef, str, str, str, float, str]
 """What the hook side enqueues: (pod, container, message, door, unix seconds, Event reason)."""
 
 
+def core_v1(api: Any) -> Any:
+    """``api`` as a ``kubernetes.client.CoreV1Api``: an ``ApiClient`` is wrapped, None loads the in-cluster
+    configuration (the service account; raises ``ConfigException`` outside a pod), anything else (a
+    ``CoreV1Api``) is returned as it is."""
+    from kubernetes import client, config
+
+    if api is None:
+        config.load_incluster_config()
+        return client.CoreV1Api()
+    return client.CoreV1Api(api) if isinstance(api, client.ApiClient) else api
+
+
 class EventRecorder:
     """Writes a core/v1 ``Warning`` Event for each refusal, in the background.
 
     Args:
-        api: a ``kubernetes.client.CoreV1Api``, or a ``kubernetes.client.ApiClient``
-            (wrapped in a ``CoreV1Api``), or None to load the in-cluster
-            configuration (service account) when the thread starts.
+        api: for ``core_v1``, called when the first Event is sent.
         node_name: this node's name (``source.host``, ``reportingInstance``).
-        component: ``source.component`` / ``reportingComponent``.
-        queue_size: events waiting to be sent before new ones are dropped.
-        request_timeout_s: bound of one API request, seconds.
-        repeat_window_s: the same (pod uid, container, message) is sent at
-            most once per this many seconds (0 = every time).
-
-    Raises ValueError for a ``queue_size`` below 1.
     """
 
-    def __init__(
-        self,
-        api: Any,
-        node_name: str,
-        component: str = "fracplugin",
-        queue_size: int = 1000,
-        *,
-        request_timeout_s: float = 5.0,
-        repeat_window_s: float = 60.0,
-    ) -> None:
-        if queue_size < 1:
-            raise ValueError("queue_size must be at least 1")
+    component = "fracplugin"
+    """``source.component`` / ``reportingComponent``."""
+    queue_size = 1000
+    """Events waiting to be sent before new ones are dropped."""
+    request_timeout_s = 5.0
+    """Bound of one API request, seconds."""
+    repeat_window_s = 60.0
+    """The same (pod uid, container, message) is sent at most once per this many seconds (0 = every time)."""
+
+    def __init__(self, api: Any, node_name: str) -> None:
         self._api = api
         self.node_name = node_name
-        self.component = component
-        self.request_timeout_s = request_timeout_s
-        self.repeat_window_s = repeat_window_s
-        self._q: queue.Queue[_Item | None] = queue.Queue(maxsize=queue_size)
+        self._q: queue.Queue[_Item | None] = queue.Queue(maxsize=self.queue_size)
         self._lock = threading.Lock()
         self._sent = self._failed = self._dropped = self._suppressed = 0
         self._recent: dict[tuple[str, str, str], float] = {}  # worker thread only
@@ -221,17 +219,6 @@ class EventRecorder:
         if n:
             log.warning("kubernetes events dropped at shutdown", extra={"events": n})
 
-    def _core_v1(self) -> Any:
-        if self._core is None:
-            from kubernetes import client, config
-
-            api = self._api
-            if api is None:
-                config.load_incluster_config()
-                api = client.ApiClient()
-            self._core = api if hasattr(api, "create_namespaced_event") else client.CoreV1Api(api)
-        return self._core
-
     def _repeat(self, pod: PodRef, container: str, message: str, now: float) -> bool:
         if self.repeat_window_s <= 0:
             return False
@@ -253,7 +240,9 @@ class EventRecorder:
             return
         body = self.build_event(pod, container, message, door, at, reason)
         try:
-            self._core_v1().create_namespaced_event(pod.namespace, body, _request_timeout=self.request_timeout_s)
+            if self._core is None:
+                self._core = core_v1(self._api)
+            self._core.create_namespaced_event(pod.namespace, body, _request_timeout=self.request_timeout_s)
         except Exception as exc:  # ApiException, urllib3 errors, config errors
             with self._lock:
                 self._failed += 1

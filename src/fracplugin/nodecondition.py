@@ -34,6 +34,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import tenacity
 
+from .events import core_v1
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CONDITION_TYPE = "gpu-fractioning.nvidia.com/Ready"
@@ -117,9 +119,7 @@ class NodeConditionPublisher:
     """Keeps the KAI readiness node condition(s) current from readiness.
 
     Args:
-        api: a ``kubernetes.client.CoreV1Api``, a ``kubernetes.client.ApiClient``
-            (wrapped in a ``CoreV1Api``), or None to load the in-cluster
-            configuration (service account) when the thread starts.
+        api: for ``events.core_v1``, called on the thread at the first publish.
         node_name: the node whose status is patched.
         readiness: returns the current ``ConditionState`` (cheap, never blocks;
             the daemon passes ``condition_from_checks(self.checks())``).
@@ -253,21 +253,6 @@ class NodeConditionPublisher:
                 log.exception("node condition: unexpected error")
             self._stop.wait(self.poll_s)
 
-    def _client(self) -> Any:
-        if self._core is None:
-            from kubernetes import client as kclient
-
-            if self._api is None:
-                from kubernetes import config as kconfig
-
-                kconfig.load_incluster_config()
-                self._core = kclient.CoreV1Api()
-            elif isinstance(self._api, kclient.ApiClient):
-                self._core = kclient.CoreV1Api(self._api)
-            else:
-                self._core = self._api
-        return self._core
-
     def _body(self, state: ConditionState) -> dict[str, Any]:
         now = _now_rfc3339()
         conditions = []
@@ -300,7 +285,7 @@ class NodeConditionPublisher:
         timeout = timeout_s or self.request_timeout_s
 
         def once() -> None:
-            core = self._client()
+            core = self._core = self._core or core_v1(self._api)
             if self._read_node:
                 self._learn_transitions(core)
             core.patch_node_status(self.node_name, self._body(state), _request_timeout=timeout,

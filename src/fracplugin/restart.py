@@ -22,6 +22,7 @@ import logging
 import threading
 from typing import Any
 
+from .events import core_v1
 from .model import PodRef
 
 log = logging.getLogger(__name__)
@@ -34,16 +35,17 @@ class Restarter:
     """Evicts pods so their containers come back (module docstring).
 
     Args:
-        api: a ``kubernetes.client.CoreV1Api`` or ``ApiClient``, or None to
-            load the in-cluster configuration on first use.
-        request_timeout_s: bound of one API request, seconds.
+        api: for ``events.core_v1``, called at the first eviction.
 
     ``stats()``: ``{"requested", "evicted", "failed", "last_error"}`` counts
     since construction."""
 
-    def __init__(self, api: Any, request_timeout_s: float = 5.0) -> None:
+    request_timeout_s = 5.0
+    """Bound of one API request, seconds."""
+
+    def __init__(self, api: Any) -> None:
         self._api = api
-        self.request_timeout_s = request_timeout_s
+        self._core: Any = None
         self._lock = threading.Lock()
         self._busy: set[str] = set()  # pod UIDs with a request in flight
         self._counts = {"requested": 0, "evicted": 0, "failed": 0}
@@ -66,13 +68,9 @@ class Restarter:
 
     def _evict(self, pod: PodRef, container: str) -> None:
         try:
-            from kubernetes import client, config
+            from kubernetes import client
 
-            api = self._api
-            if api is None:
-                config.load_incluster_config()
-                api = self._api = client.ApiClient()
-            core = api if hasattr(api, "create_namespaced_pod_eviction") else client.CoreV1Api(api)
+            core = self._core = self._core or core_v1(self._api)
             body = client.V1Eviction(metadata=client.V1ObjectMeta(name=pod.name, namespace=pod.namespace),
                                      delete_options=client.V1DeleteOptions(
                                          preconditions=client.V1Preconditions(uid=pod.uid)))
