@@ -225,22 +225,13 @@ class Metrics:
         node = self.node()
         return node.name if node is not None else ""
 
-    def serve(self, address: str = ":2112", *, max_handlers: int = MAX_HANDLERS,
-              request_deadline_s: float = REQUEST_DEADLINE_S) -> BoundedHTTPServer:
+    def serve(self, address: str = ":2112") -> BoundedHTTPServer:
         """Serve the metrics (any path, ``/metrics`` by convention; ``GET`` and
         ``HEAD``) on ``HOST:PORT`` (``:PORT`` = all interfaces; port 0 = any free
-        port) from a serving thread in the background. Returns the running
-        server (``bound``: the (host, port) bound). Raises OSError
-        (address in use) and ValueError (bad address or bounds).
-
-        Bounded like the health server (health.py ``BoundedHTTPServer``,
-        issue 13 item 1): at most ``max_handlers`` (8) handler threads, each
-        request (line and headers) within ``request_deadline_s`` (10 s) in all,
-        and with every slot busy a new connection evicts the one that has
-        waited longest for its request. Idle connections therefore hold at
-        most ``max_handlers`` file descriptors and threads, however many a pod
-        opens (prometheus-client's own server started a thread per connection
-        and never timed a read out)."""
+        port) from a serving thread in the background, bounded as health.py's
+        ``BoundedHTTPServer`` (``MAX_HANDLERS`` handler threads, ``REQUEST_DEADLINE_S``
+        per request). Returns the running server (``bound``: the (host, port)
+        bound). Raises OSError (address in use) and ValueError (bad address)."""
         outer = self
 
         class Handler(BoundedHandler):
@@ -257,7 +248,7 @@ class Metrics:
 
             do_HEAD = do_GET
 
-        server = serve(address, Handler, max_handlers=max_handlers, request_deadline_s=request_deadline_s,
+        server = serve(address, Handler, max_handlers=MAX_HANDLERS, request_deadline_s=REQUEST_DEADLINE_S,
                        label="metrics http", thread_name="fracplugin-metrics")
         with self._lock:
             self._servers.append(server)
