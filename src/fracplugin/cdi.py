@@ -248,18 +248,17 @@ class CdiRegistry:
         kind: an operator-named kind (``--cdi-kind``), preferred over the
             default kinds; None = only ``k8s.device-plugin.nvidia.com/gpu``
             then ``nvidia.com/gpu``.
-        file_check_s: seconds between stats of every spec file (directory
-            mtimes are checked on every lookup).
     """
 
-    def __init__(self, dirs: Sequence[str], gpus: Sequence[GpuInfo], kind: str | None = None,
-                 file_check_s: float = 1.0) -> None:
+    file_check_s = 1.0
+    """Seconds between stats of every spec file (directory mtimes are checked on every ``refresh``)."""
+
+    def __init__(self, dirs: Sequence[str], gpus: Sequence[GpuInfo], kind: str | None = None) -> None:
         self.dirs = tuple(dirs)
         self.kinds = tuple(dict.fromkeys(([kind] if kind else []) + list(DEFAULT_KINDS)))
         self._gpus = {g.uuid: g for g in gpus}
         self._by_minor = {g.minor: g for g in gpus}
         self._by_index = {str(g.index): g.uuid for g in gpus}
-        self.file_check_s = file_check_s
         self._lock = threading.Lock()
         self._snap = _Snapshot()
         self._dir_key: tuple[Any, ...] | None = None

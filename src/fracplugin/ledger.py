@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CLIENTS_PER_GPU = 48
 _WHOLE_DOORS = (DOOR_OTHER_PLUGIN, DOOR_SYNC)
-DEFAULT_COMPACT_MIN_RECORDS = 1024
-"""Journal changes kept before a compaction, at least (issue 14)."""
 
 
 @dataclass(frozen=True)
@@ -144,9 +142,6 @@ class Ledger:
             None keeps the ledger in memory.
         max_clients_per_gpu: tenants allowed per GPU.
         read_only: read ``path`` but never write or move it (``fracplugin explain --ledger``).
-        compact_min_records: the journal is compacted into the snapshot once it
-            holds more than ``max(compact_min_records, 2 x tenancies)`` changes
-            (amortised O(1) per change).
 
     Costs: an admission or release touches only the GPUs and the hold
     concerned (per-GPU, per-owner, per-reservation and per-container-id
@@ -159,14 +154,13 @@ class Ledger:
     """
 
     def __init__(self, node: NodeInfo, path: str | os.PathLike[str] | None = None,
-                 max_clients_per_gpu: int = DEFAULT_MAX_CLIENTS_PER_GPU, *, read_only: bool = False,
-                 compact_min_records: int = DEFAULT_COMPACT_MIN_RECORDS) -> None:
+                 max_clients_per_gpu: int = DEFAULT_MAX_CLIENTS_PER_GPU, *, read_only: bool = False) -> None:
         self._node = node
         self._gpus = {g.uuid: g for g in node.gpus}
         self._max_clients = max_clients_per_gpu
         self._lock = threading.RLock()
         self._index = LedgerIndex()
-        self._store = LedgerStore(node.name, path, read_only=read_only, compact_min_records=compact_min_records)
+        self._store = LedgerStore(node.name, path, read_only=read_only)
         self._subscribers: list[Callable[[], None]] = []
 
     @property

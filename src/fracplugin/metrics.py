@@ -84,7 +84,6 @@ class Metrics:
         node: the node (default: ``inventory.node()`` on first scrape).
         mps: the MPS supervisor (anything with ``status()``); may be attached later.
         proc_root: proc filesystem for PID -> container (tests pass a temp dir).
-        registry: a ``CollectorRegistry`` to use (default: a new one).
         node_name: the node's name as kubelet knows it (the daemon's
             ``--node-name``): the ``node`` label of every series and the
             ``Hostname`` label of the GPU series. Default: ``node().name``;
@@ -99,7 +98,6 @@ class Metrics:
         mps: Any = None,
         *,
         proc_root: str = "/proc",
-        registry: CollectorRegistry | None = None,
         node_name: str | None = None,
     ) -> None:
         self.ledger = ledger
@@ -110,7 +108,7 @@ class Metrics:
         self.state: Callable[[], Mapping[str, Any]] | None = None
         self.procfs = CachedProcFs(proc_root)  # PID -> container, kept while the PID's start time holds
         self._lock = threading.Lock()
-        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=True)
         self._hook = Histogram(
             "fracplugin_hook_duration_seconds", "Time spent answering a door's request (NRI CreateContainer, Allocate).",
             ["door"], buckets=HOOK_BUCKETS, registry=self.registry,
