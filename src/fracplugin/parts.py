@@ -98,24 +98,35 @@ PLANNER_KEYS = frozenset({"reserve_mib", "max_clients_per_gpu", "mps_root", "ann
 """Config keys of ``builders.Builder.planner_config`` (read by both doors at start)."""
 
 
+class Service(Protocol):
+    """A component a part starts and stops."""
+
+    def start(self) -> object: ...
+
+    def stop(self, timeout_s: float) -> object: ...
+
+
 class PartBase:
-    """Defaults of the contract: nothing to start or stop, always ready,
-    empty status; ``reload`` diffs ``reads`` and hands the changed
-    ``reloads`` keys to ``_apply``."""
+    """Defaults of the contract: start and stop ``service`` (when set),
+    always ready, empty status; ``reload`` diffs ``reads`` and hands the
+    changed ``reloads`` keys to ``_apply``."""
 
     name = "part"
     check: str | None = None
     reads: frozenset[str] = frozenset()
     reloads: frozenset[str] = frozenset()
+    service: Service | None = None
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
 
     def start(self) -> None:
-        return None
+        if self.service is not None:
+            self.service.start()
 
     def stop(self, timeout_s: float) -> None:
-        return None
+        if self.service is not None:
+            self.service.stop(timeout_s)
 
     def readiness(self) -> Readiness:
         return Readiness(True, "running")
@@ -149,14 +160,6 @@ class LogsPart(PartBase):
         logs.setup(cfg.log_format, cfg.log_level)
 
 
-class Service(Protocol):
-    """A component a ``ServicePart`` starts and stops."""
-
-    def start(self) -> object: ...
-
-    def stop(self, timeout_s: float) -> object: ...
-
-
 class ServicePart(PartBase):
     """A part that only starts and stops one component (``service``: the MPS
     role's API socket, refusal Events, the node condition KAI gates on, the
@@ -167,12 +170,6 @@ class ServicePart(PartBase):
                  status_of: Callable[[], dict[str, Any]] | None = None) -> None:
         super().__init__(cfg)
         self.name, self.reads, self.service, self._status_of = name, frozenset(reads), service, status_of
-
-    def start(self) -> None:
-        self.service.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.service.stop(timeout_s)
 
     def status(self) -> dict[str, Any]:
         return self._status_of() if self._status_of is not None else {}
@@ -241,7 +238,9 @@ class MetricsPart(PartBase):
 
 class MpsPart(PartBase):
     """The MPS layer of this role: the supervisor (roles all, mps) or the
-    MPS role's client (role doors). Its readiness is the ``mps`` check."""
+    MPS role's client (role doors). Its readiness is the ``mps`` check. Stop:
+    role all quits the daemons, role mps leaves them running for the next
+    MPS role (ADR 0009), role doors stops polling the MPS role."""
 
     name = "mps"
     check = "mps"
@@ -250,15 +249,7 @@ class MpsPart(PartBase):
 
     def __init__(self, cfg: Config, mps: MpsApi) -> None:
         super().__init__(cfg)
-        self.mps = mps
-
-    def start(self) -> None:
-        self.mps.start()
-
-    def stop(self, timeout_s: float) -> None:
-        # role all: quit the daemons; role mps: leave them running for the next
-        # MPS role (ADR 0009); role doors: stop polling the MPS role.
-        self.mps.stop(timeout_s)
+        self.mps = self.service = mps
 
     def readiness(self) -> Readiness:
         ok = bool(self.mps.ready())
@@ -325,11 +316,8 @@ class NriDoor(PartBase):
 
     def __init__(self, cfg: Config, stub: NriStub, plugin: FracNriPlugin) -> None:
         super().__init__(cfg)
-        self.stub = stub
+        self.stub = self.service = stub
         self.plugin = plugin
-
-    def start(self) -> None:
-        self.stub.start()
 
     def stop(self, timeout_s: float) -> None:
         self.stub.stop(timeout_s)
@@ -385,13 +373,7 @@ class DevicePluginPart(PartBase):
 
     def __init__(self, cfg: Config, server: DevicePluginServer) -> None:
         super().__init__(cfg)
-        self.server = server
-
-    def start(self) -> None:
-        self.server.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.server.stop(timeout_s)
+        self.server = self.service = server
 
     def readiness(self) -> Readiness:
         reg = self.server.registered()
