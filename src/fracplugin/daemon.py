@@ -1,35 +1,11 @@
 """``fracplugin run``'s daemon (entered from ``runcmd.main``): build every part (``builders.Builder``), start
 them, serve, stop them in order. ``Daemon`` keeps the lifecycle and the read side (``checks``, ``status``).
 
-Start order (each part switchable, docs/reference/design.md section 3):
-``builders.Builder.build``'s steps: inventory, ledger (loaded; a corrupt file
-moved aside), metrics, MPS (``NullMps`` with ``--no-mps``), pod source
-(``--pods-file`` or the API watch), Events and the one pod evicter
-(restart.py; with API access, whichever doors are on: the device plugin door
-has no pod in hand and writes no refusal Events), the
-node's rules (``noderules.NodeRules``: GPU health and the memory-limit gate,
-whichever doors are on; issue 33), the over-limit watch (overlimit.py, fed by the
-metrics' usage poll every ``--usage-poll-interval`` seconds: ADR 0035), the NRI door, the device plugin door (it
-reads kubelet's PodResources at start to rebuild the ledger), the DRA door,
-the health server (``/healthz``, ``/readyz``, ``/status``; with
-``--simulate-node`` also ``POST /simulate/xid``) and the node condition. The
-bound addresses are logged and written to ``<state-dir>/endpoints.json``.
-
-Stop order (SIGTERM/SIGINT), within ``--shutdown-timeout`` seconds in all:
-health turns not-alive, the device plugin stops advertising (its socket goes,
-kubelet sees the stream end), NRI disconnects, the event recorder sends what
-is queued (bounded) and stops, the pod watch and metrics stop, MPS quits last. Every ledger change is persisted atomically when it happens
-(ledger.py), so the file is consistent whatever point a stop reaches; nothing
-is released from the ledger at shutdown: containers keep running, and the next
-start reads the same tenancy back.
-
-SIGHUP re-reads the configuration (file, env, the original flags) and hands
-it to every part (``parts.Part.reload``): each applies what it can change at
-run time (``config.RELOADABLE``: log level and format in ``logs``, fail-open
-in both doors) and reports the changed settings it reads that need a
-restart; the daemon logs both, per part.
-
-Every part is driven through one contract (``parts.Part``, ADR 0014).
+Start order: ``builders.Builder.build``'s steps (each part switchable); the bound addresses are logged and
+written to ``<state-dir>/endpoints.json``. Stop order (SIGTERM/SIGINT): ``Daemon.stop``, within
+``--shutdown-timeout`` seconds in all; nothing is released from the ledger (containers keep running, the next
+start reads the same tenancy back). SIGHUP re-reads the configuration and hands it to every part
+(``parts.Part.reload``, ADR 0014: ``config.RELOADABLE`` applied, the rest reported as needing a restart).
 
 Concurrency model: the main thread owns the lifecycle: it starts the parts,
 then sleeps on an event that the signal handlers set (handlers only set

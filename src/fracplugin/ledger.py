@@ -12,14 +12,10 @@ Invariants (checked by ``check_invariants`` and by property tests):
   Volta and later: docs/reference/kubelet-device-plugin.md B.4);
 - an owner (pod uid, container) appears at most once per GPU.
 
-Persistence (issue 14, ADR 0010, which gives the file formats and the
-recovery rules): a snapshot ``<path>`` (``{"version": 1, "node": ...,
-"generation": G, "tenancies": [...]}``) plus an append-only journal
-``<path>.journal`` (a header line, then ``{"del": [...], "add": [...]}`` per change), so a change costs O(1) in the node's tenancies; each
-change is appended and fdatasynced before it is acknowledged, compaction
-writes a new snapshot generation (``ledgerstore.LedgerStore``). A snapshot
-that cannot be read back is moved aside to ``<path>.corrupt-<unix seconds>``
-and reported, never trusted; a torn last journal line is dropped.
+Persistence (ADR 0010, which gives the file formats and the recovery rules): a
+snapshot ``<path>`` plus an append-only journal ``<path>.journal``
+(``ledgerstore.LedgerStore``), so a change costs O(1) in the node's tenancies;
+each change is appended and fdatasynced before it is acknowledged.
 """
 
 from __future__ import annotations
