@@ -561,9 +561,7 @@ def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: 
         claim = dra_claims.read_claim(doc, node)
         plan = with_node_cdi_devices(dra_claims.plan_claim(claim, NodeRules(node, ledger, config, health=health)), cdi)
     except FractionError as err:
-        entry = {"name": name, "fractional": True, "devices": [], "compute_mode": None,
-                                 "request_mib": None, "limit_mib": None, "env": {}, "mounts": [],
-                                 "cdi_devices": [], "error": err.to_dict()}
+        entry = _unplanned(name, err)
     else:
         entry = {**plan.to_dict(), "name": name, "env": cdispec.claim_env(claim.uid, plan),
                  "cdi_devices": [cdispec.device_id(claim.uid), *plan.cdi_devices]}

@@ -1,7 +1,5 @@
 """The simulated API: pods read from a YAML file (``--pods-file``), fed to
 an ``InMemoryPodSource`` and re-read when the file changes.
-
-Split out of ``daemon.py`` (issue 26, ADR 0023), moved as it was.
 """
 
 from __future__ import annotations
