@@ -122,7 +122,7 @@ class Daemon:
         reconnects forever in external mode, so that is a bug worth a restart)."""
         if self._stopping.is_set():
             return "shutting down"
-        if self.built.nri is not None and self.built.nri.exited():
+        if self.built.nri is not None and self.built.nri.stub.exited:  # its run thread ended on its own
             return "the NRI plugin stub stopped"
         return None
 
@@ -181,7 +181,8 @@ class Daemon:
         (``cordon.py``) is an operator's choice, not a fault: not in it."""
         nri, door = None, self.built.nri
         if door is not None:
-            nri = {"connected": door.connected(), "synchronized": door.synchronized(), "unadjusted": door.unadjusted(),
+            nri = {"connected": door.stub.connected(), "synchronized": door.stub.ready(),
+                   "unadjusted": len(door.plugin.status().get("unadjusted") or ()),
                    "unfenced": door.plugin.reconciler.unfenced_status()}
         dp = self.parts.get("device plugin")
         return {"nri": nri, "device_plugin": None if dp is None else {"registered": dp.readiness().ok},

@@ -323,24 +323,14 @@ class NriDoor(PartBase):
         self.stub.stop(timeout_s)
         self.plugin.close()  # background MPS namespace jobs
 
-    def connected(self) -> bool:
-        return bool(self.stub.connected())
-
-    def synchronized(self) -> bool:
-        return bool(self.stub.ready())
-
-    def exited(self) -> bool:
-        """The stub's run thread ended on its own."""
-        return bool(self.stub.exited)
-
     def readiness(self) -> Readiness:
         # readiness of the current runtime session (issue 13 item 5), not "ever synchronized"
-        synced, connected = self.synchronized(), self.connected()
+        synced, connected = self.stub.ready(), self.stub.connected()
         renewing = self.plugin.namespaces.renewing()  # running containers' namespaces re-ensured (ADR 0034)
         if synced and connected and renewing:
             return Readiness(False, f"re-ensuring the MPS namespaces of {renewing} running container(s)")
         ready = synced and connected
-        before = bool(self.stub.ever_synchronized())
+        before = self.stub.ever_synchronized()
         return Readiness(ready, "synchronized with the runtime" if ready else
                          "connected, not synchronized yet" if connected else
                          f"not connected to {self.cfg.nri_socket}" + (" (was synchronized before)" if before else ""))
@@ -350,11 +340,8 @@ class NriDoor(PartBase):
         doc: dict[str, Any] = {}
         doc.update(self.stub.status())
         doc.update(self.plugin.status())
-        doc["ready"] = self.synchronized() and self.connected()
+        doc["ready"] = self.stub.ready() and self.stub.connected()
         return doc
-
-    def unadjusted(self) -> int:
-        return len(self.plugin.status().get("unadjusted") or ())
 
     def _apply(self, cfg: Config, keys: Iterable[str]) -> None:
         self.plugin.settings.fail_open = cfg.fail_open
