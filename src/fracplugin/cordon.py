@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .events import core_v1
+from .events import api_error, core_v1
 from .model import NodeInfo
 
 if TYPE_CHECKING:
@@ -117,8 +117,7 @@ class CordonWatch:
             resp = self._core.read_node(self.node_name, _request_timeout=self.timeout_s, _preload_content=False)
             annotations = (json.loads(resp.data).get("metadata") or {}).get("annotations") or {}
         except Exception as exc:
-            error = f"reading node {self.node_name}: {getattr(exc, 'status', '') or ''} " \
-                    f"{getattr(exc, 'reason', '') or exc}".replace("  ", " ")
+            error = f"reading node {self.node_name}: {api_error(exc)}"
             if error != self._error:
                 log.warning("cordon: %s; the last cordon stays", error, extra={"annotation": ANNOTATION})
             self._error = error

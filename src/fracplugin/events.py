@@ -248,7 +248,7 @@ class EventRecorder:
                 self._failed += 1
             log.warning(
                 "kubernetes event not created",
-                extra={"pod": str(pod), "container": container, "reason": _short(exc)},
+                extra={"pod": str(pod), "container": container, "reason": api_error(exc)},
             )
             return
         with self._lock:
@@ -280,7 +280,8 @@ class EventRecorder:
         )
 
 
-def _short(exc: Exception) -> str:
+def api_error(exc: Exception) -> str:
+    """A failed API request in one line: ``HTTP <status> <reason>``, else ``<type>: <exc>`` (300 characters)."""
     status = getattr(exc, "status", None)
     reason = getattr(exc, "reason", None)
     if status is not None:

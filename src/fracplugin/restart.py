@@ -22,7 +22,7 @@ import logging
 import threading
 from typing import Any
 
-from .events import core_v1
+from .events import api_error, core_v1
 from .model import PodRef
 
 log = logging.getLogger(__name__)
@@ -77,8 +77,7 @@ class Restarter:
             core.create_namespaced_pod_eviction(pod.name, pod.namespace, body, _request_timeout=self.request_timeout_s)
             ok, err = True, ""
         except Exception as exc:  # ApiException (429 PDB, 404 gone), connection errors, config errors
-            status = getattr(exc, "status", None)
-            ok, err = False, f"HTTP {status} {getattr(exc, 'reason', '')}".strip() if status else f"{exc}"[:300]
+            ok, err = False, api_error(exc)
             log.warning("pod eviction failed", extra={"pod": str(pod), "container": container, "error": err})
         with self._lock:
             self._busy.discard(pod.uid)
