@@ -99,29 +99,19 @@ def unknown_keys(annotations: Mapping[str, str], prefix: str, containers: Sequen
         if not isinstance(key, str):
             continue
         value = str(annotations[key])
+        near: tuple[str, str] | None = None
         if prefix and key.startswith(prefix):
-            rest = key[len(prefix):]
-            c, dot, tail = rest.partition(".")
-            suffix = dot + tail
-            if suffix in SUFFIXES and c:
-                continue
-            if not c or not dot:
-                continue  # not shaped as <container>.<field>: not ours to judge
-            best = _closest(suffix, SUFFIXES)
-            if containers and c not in containers:
-                c = _closest(c, list(containers)) or c
-            closest = container_key(prefix, c, best or SUFFIX_REQUEST)
-            out.append(Lint(key, value, f'annotation {key}="{value}" is not a key fracplugin reads (did you mean '
-                                        f"{closest}?); it has no effect"))
-            continue
-        near = _near_prefix(key, prefix) if prefix else None
-        if near is not None:  # a typo in the prefix itself (containers., container-): same words
+            c, dot, tail = key[len(prefix):].partition(".")
+            if not c or not dot or dot + tail in SUFFIXES:
+                continue  # a key of the contract, or not shaped as <container>.<field>: not ours to judge
+            near = c, _closest(dot + tail, SUFFIXES) or SUFFIX_REQUEST
+        elif prefix:
+            near = _near_prefix(key, prefix)  # a typo in the prefix itself (containers., container-): same words
+        if near is not None:
             c, suffix = near
             if containers and c not in containers:
                 c = _closest(c, list(containers)) or c
-            closest = container_key(prefix, c, suffix)
-            out.append(Lint(key, value, f'annotation {key}="{value}" is not a key fracplugin reads (did you mean '
-                                        f"{closest}?); it has no effect"))
+            out.append(_did_you_mean(key, value, container_key(prefix, c, suffix)))
             continue
         if "/" in key and not key.startswith(_KAI_PREFIX):
             continue
@@ -135,9 +125,13 @@ def unknown_keys(annotations: Mapping[str, str], prefix: str, containers: Sequen
             known.append(KAI_PORTION_LIMIT.format(c=c))
         best = _closest(key, known, _CUTOFF)
         if best is not None:
-            out.append(Lint(key, value, f'annotation {key}="{value}" is not a key fracplugin reads (did you mean '
-                                        f"{best}?); it has no effect"))
+            out.append(_did_you_mean(key, value, best))
     return out
+
+
+def _did_you_mean(key: str, value: str, closest: str) -> Lint:
+    return Lint(key, value, f'annotation {key}="{value}" is not a key fracplugin reads (did you mean '
+                            f"{closest}?); it has no effect")
 
 
 def ignored_forms(annotations: Mapping[str, str], prefix: str, container: str,

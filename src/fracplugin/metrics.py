@@ -646,19 +646,11 @@ def _server_pids(status: Mapping[str, Any]) -> set[int]:
 def _match(ref: ContainerRef, gpu_uuid: str, by_cid: dict[str, list[Tenancy]],
            by_pod: dict[str, list[Tenancy]]) -> Tenancy | None:
     cands = by_cid.get(ref.container_id)
-    if cands is None:
-        # short ids recorded in the ledger: prefix match, remembered for this scrape
-        cands = []
-        for cid, ts in list(by_cid.items()):
-            if container_id_matches(cid, ref.container_id):
-                cands = ts
-                break
-        by_cid[ref.container_id] = cands
+    if cands is None:  # short ids recorded in the ledger: prefix match, remembered for this scrape
+        cands = by_cid[ref.container_id] = next(
+            (ts for cid, ts in by_cid.items() if container_id_matches(cid, ref.container_id)), [])
     if cands:
-        for t in cands:
-            if t.gpu_uuid == gpu_uuid:
-                return t
-        return None
+        return next((t for t in cands if t.gpu_uuid == gpu_uuid), None)
     if ref.pod_uid:
         on_gpu = [t for t in by_pod.get(ref.pod_uid, ()) if t.gpu_uuid == gpu_uuid]
         if len({t.container for t in on_gpu}) == 1:
