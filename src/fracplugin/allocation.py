@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -62,15 +63,10 @@ def reservation_key(by_gpu: Mapping[str, Iterable[int]]) -> str:
         if not nums:
             continue
         ranges = []
-        start = prev = nums[0]
-        tail: list[int | None] = [*nums[1:], None]  # None closes the last range
-        for n in tail:
-            if n is not None and n == prev + 1:
-                prev = n
-                continue
-            ranges.append(str(start) if start == prev else f"{start}-{prev}")
-            if n is not None:
-                start = prev = n
+        for _, run in itertools.groupby(enumerate(nums), lambda p: p[1] - p[0]):  # consecutive numbers
+            (_, first), *rest = run
+            last = rest[-1][1] if rest else first
+            ranges.append(str(first) if first == last else f"{first}-{last}")
         parts.append(f"{uuid}::{','.join(ranges)}")
     if not parts:
         raise ReservationKeyError("a reservation needs at least one device")
@@ -260,7 +256,6 @@ def parse_for_kubelet(
         parsed = ann.parse(synthetic, container, prefix=prefix, containers=containers)
         if parsed is not None:
             parsed = dataclasses.replace(
-                parsed, devices=parsed.devices,
-                keys={k: v for k, v in parsed.keys.items() if k in ("mode", "portion", "devices")},
+                parsed, keys={k: v for k, v in parsed.keys.items() if k in ("mode", "portion", "devices")},
                 request=MemorySpec("", "", mib=per_gpu_mib), limit=MemorySpec("", "", mib=per_gpu_mib))
     return parsed
