@@ -23,14 +23,9 @@
 ``BoundedHTTPServer`` and ``BoundedHandler`` are the bounded server that every
 listening HTTP surface of the daemon uses (``/metrics`` too: metrics.py).
 
-Concurrency: ``http.server.ThreadingHTTPServer`` serving on its own thread,
-one short-lived thread per connection (daemon threads), at most
-``max_handlers`` (32) at once. Each request (line, headers, body) must arrive
-within ``request_deadline_s`` (10 s) in all, however slowly it drips; when
-every slot is busy a new connection evicts the handler that has waited
-longest for its request (slowloris), so ``/healthz`` keeps answering. A
-client gone before the reply is logged at DEBUG. The callbacks it is given
-are called from the handler threads and must be thread-safe and quick.
+Concurrency: ``BoundedHTTPServer`` serving on its own thread, one short-lived thread per connection, at most
+``MAX_HANDLERS`` at once, each request within ``REQUEST_DEADLINE_S`` in all. The callbacks it is given are
+called from the handler threads and must be thread-safe and quick.
 """
 
 from __future__ import annotations
