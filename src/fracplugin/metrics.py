@@ -178,10 +178,7 @@ class Metrics:
         with self._lock:
             self._polled = usage
         if self.watch is not None:
-            try:
-                self.watch.check(tenancies, usage)
-            except Exception:
-                log.exception("metrics: over-limit check failed")
+            guarded(log, "metrics: over-limit check", self.watch.check, tenancies, usage)
         return usage
 
     def start_polling(self, interval_s: float) -> None:
@@ -189,10 +186,7 @@ class Metrics:
         until ``stop``; scrapes then serve the last poll's usage."""
         def run() -> None:
             while True:
-                try:
-                    self.poll()
-                except Exception:  # never let the thread die
-                    log.exception("metrics: usage poll failed")
+                guarded(log, "metrics: usage poll", self.poll)  # never lets the thread die
                 if self._stop_poll.wait(interval_s):
                     return
 
