@@ -98,14 +98,7 @@ def _hook_names_limit(hook: Any) -> bool:
 
 def _words_naming(values: Iterable[Any], uuids: Mapping[str, GpuInfo]) -> set[str]:
     """GPU UUIDs named by ``values`` (a word equal to a UUID, or ``...=UUID``, or a comma list of them)."""
-    out: set[str] = set()
-    for v in values:
-        if not isinstance(v, str):
-            continue
-        for part in v.rpartition("=")[2].split(","):
-            if part in uuids:
-                out.add(part)
-    return out
+    return {part for v in values if isinstance(v, str) for part in v.rpartition("=")[2].split(",") if part in uuids}
 
 
 def _edits(obj: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -291,10 +291,8 @@ class Daemon:
 
     def wakeup(self) -> None:
         """Wake ``serve_forever`` (lock-free: safe in a signal handler and from any thread)."""
-        try:
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: the main thread has wake-ups queued already
             os.write(self._wake_w, b"\0")
-        except BlockingIOError:  # the pipe is full: the main thread has wake-ups queued already
-            pass
 
     def request_stop(self, why: str) -> None:
         """Stop as at SIGTERM (from any thread; nothing once stopping): the NRI
