@@ -2,17 +2,11 @@
 error naming key, value and rule, a Kubernetes Event when API access is
 configured, a log line, and a counter").
 
-Concurrency model: threads. ``EventRecorder.refused`` may be called from any
-thread (the NRI handler threads, the device plugin's gRPC workers); it only
-builds a small tuple and ``put_nowait``s it on a bounded ``queue.Queue``, so
-it never blocks the hook that refuses: when the queue is full the event is
-dropped and counted (``dropped``). One background thread (``start``) takes
-events off the queue and creates them with the kubernetes client's
-``CoreV1Api.create_namespaced_event`` (POST
-``/api/v1/namespaces/<ns>/events``), one request at a time, each bounded by
-``request_timeout_s``. API errors (an ``ApiException``, a refused connection,
-a timeout) are logged at WARNING and counted (``failed``), never raised.
-Counters are guarded by one lock.
+Concurrency model: threads. The queueing methods (``refused``...) may be called from any thread and never
+block: a bounded ``queue.Queue`` (full: the event is dropped and counted, ``dropped``). One background thread
+(``start``) POSTs them to ``/api/v1/namespaces/<ns>/events`` one at a time, each bounded by
+``request_timeout_s``; API errors are logged at WARNING and counted (``failed``), never raised. Counters
+are guarded by one lock.
 
 The Event (core/v1, the shape kubelet's own recorder writes, so
 ``kubectl describe pod`` lists it under Events):
@@ -30,12 +24,9 @@ The Event (core/v1, the shape kubelet's own recorder writes, so
 - ``metadata.name``: ``<pod name>.<refusal time in ns, hex>`` in the pod's
   namespace (kubelet's naming rule, so names do not collide).
 
-Repeats: kubelet retries a failed CreateContainer with back-off, and every
-retry is refused again. The same (pod uid, container, message) is sent at
-most once per ``repeat_window_s`` (60 s by default); repeats inside the window
-are counted (``suppressed``) instead of sent. Events are not aggregated
-(``count`` stays 1) -- the API server's own event TTL (1 h by default) ages
-them out.
+Repeats (kubelet retries a refused CreateContainer with back-off): the same (pod uid, container, message)
+is sent at most once per ``repeat_window_s``, the others counted (``suppressed``); ``count`` stays 1 and the
+API server's event TTL ages them out.
 """
 
 from __future__ import annotations

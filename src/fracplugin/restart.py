@@ -1,15 +1,10 @@
 """Restart a running container: the one action behind ``--over-limit restart``
-(issue 35 item 3) and, later, ``--unfenced-containers restart`` (item 1).
+(issue 35 item 3) and ``--unfenced-containers restart`` (item 1).
 
-Route (ADR 0035): the Kubernetes Eviction API, ``POST
-/api/v1/namespaces/<ns>/pods/<name>/eviction`` (``policy/v1`` Eviction, with
-a UID precondition so a new pod of the same name is never hit), through the
-API client the daemon already has for Events and the pod watch. containerd
-carries out an NRI eviction only in a CreateContainer/UpdateContainer
-*response* (docs/reference/nri-protocol.md "Evictions"), and the daemon holds
-no CRI socket, so neither can stop a container that is already running.
-The pod's controller recreates it; a PodDisruptionBudget that forbids the
-eviction makes the API answer 429, which is logged and counted, not retried.
+Route (ADR 0035 decision 4, which says why not NRI or CRI): the Kubernetes Eviction API, ``POST
+/api/v1/namespaces/<ns>/pods/<name>/eviction`` (``policy/v1``, a UID precondition so a new pod of the same
+name is never hit). The pod's controller recreates it; a PodDisruptionBudget's 429 is logged and counted,
+not retried.
 
 Concurrency: ``restart`` returns at once; each request runs on its own short
 daemon thread, bounded by ``request_timeout_s``, at most ``MAX_IN_FLIGHT``
