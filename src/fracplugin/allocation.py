@@ -1,21 +1,12 @@
 """One allocation model for both doors (ADR 0007): pure functions, no I/O.
 
-kubelet's device plugin allocation is authoritative for a container that
-requests the extended resource: the GPUs and the guaranteed memory (devices x
-``--device-unit-mib`` per GPU) come from the device IDs kubelet chose
-(docs/reference/kubelet-device-plugin.md A.5: kubelet picks the devices, Allocate only sees
-their IDs). Annotations may only add what kubelet does not decide: a limit at
-or above the request, the compute mode and the portion. What they may not do
-(move the container to other GPUs, raise the request above the units kubelet
-charged) is reported as an ``Ignored`` and not applied.
-
-A reservation is keyed by the device IDs kubelet passed
-(``reservation_key``), not by a pod: Allocate does not name the pod
-(docs/reference/kubelet-device-plugin.md A.6), so the holder is learned later from evidence
-(the NRI CreateContainer of a container whose env carries the key, or
-PodResources). The key travels to the container in Allocate's answer (env
-``FRACPLUGIN_RESERVATION`` and the container annotation of the same meaning),
-which kubelet hands to the runtime in the CRI config (A.5, "Container start").
+kubelet's allocation is authoritative for a container that requests the
+extended resource (decision 1: annotations may only add a limit at or above
+the request, the compute mode and the portion; anything else is an
+``Ignored``). A reservation is keyed by the device IDs kubelet passed
+(``reservation_key``, decision 2), and its holder is learned from evidence
+(decision 3: the key travels in Allocate's answer, env ``FRACPLUGIN_RESERVATION``
+and the container annotation of the same meaning).
 
 ``to_tenancies`` is the one conversion from a plan to ledger entries; the
 ledger (both doors), the PodResources rebuild and the NRI Synchronize use it.
