@@ -9,16 +9,12 @@ so with the same words, naming the key and the closest valid one.
 Keys checked (docs/reference/design.md section 4, ``annotations.py``):
 
 - under the per-container prefix (``nvidia.com/container.``): the rest must
-  be ``<container><suffix>`` with one of the five suffixes
-  (``.gpu-memory.request``, ``.gpu-memory.limit``, ``.gpu-compute.mode``,
-  ``.gpu-compute.portion``, ``.gpus.devices``). Container names are DNS
+  be ``<container><suffix>`` with one of ``SUFFIXES``. Container names are DNS
   labels (no dots), so the container is the text before the first dot.
 - a key whose head is one edit away from the prefix
   (``nvidia.com/containers.``, ``nvidia.com/container-``) and whose rest
   is ``<container><suffix>``: a typo in the prefix, the same words.
-- KAI's pod-level keys (``gpu-fraction``, ``gpu-fraction.limit``,
-  ``gpu-memory``, ``gpu-fraction-num-devices``,
-  ``gpu-fraction-container-name``) and the ``kai.scheduler/`` keys this
+- KAI's pod-level keys (``POD_LEVEL_KEYS``) and the ``kai.scheduler/`` keys this
   contract reads: a key without ``/`` (or under ``kai.scheduler/``) close to
   one of them (difflib ratio >= 0.8) but not equal is a typo.
 
