@@ -1,16 +1,8 @@
 """The lifecycle contract of the daemon's parts, and the typed ports between them.
 
 Every part ``fracplugin run`` composes is driven through one contract,
-``Part`` (ADR 0014, which gives the rules): ``start() -> None`` (raises on
-failure; whatever a component's own ``start`` returns is read by its adapter,
-never by the daemon), ``stop(timeout_s: float) -> None`` (the daemon also
-bounds it on a helper thread), ``readiness() -> Readiness`` (the parts whose
-``check`` is set are the ``/readyz`` checks), ``status() -> dict`` (the part's
-section of ``/status``) and ``reload(cfg) -> Reloaded`` (SIGHUP: ``reads``
-and ``reloads`` declare the settings it reads and those it can change while
-running; a changed setting it reads but cannot reload is ``needs_restart``).
-The adapters here are thin, typed against their component (no reflection),
-and hold the config keys each one reads.
+``Part`` (ADR 0014, which gives the rules). The adapters here are thin, typed
+against their component (no reflection), and hold the config keys each one reads.
 
 Ports (what one part needs of another): ``MpsApi`` (mps/api.py, null object
 ``NullMps``), ``HookMetrics`` (ports.py, null object ``NoMetrics``),
