@@ -83,18 +83,9 @@ class LedgerStore:
     def load(self) -> tuple[list[Tenancy] | None, list[str]]:
         """Read the snapshot and replay its journal (if any); returns the
         entries (None: nothing to load, or nothing trusted) and warnings for
-        the operator.
-
-        A snapshot that is not valid JSON of our format, or a journal with a
-        bad record before its last line, is moved aside to
-        ``<path>.corrupt-<unix seconds>`` (the journal to
-        ``<path>.journal.corrupt-<unix seconds>``) and logged (the ledger
-        starts empty). A torn last journal line (a change whose append a crash cut:
-        it was never acknowledged, since the append's fsync comes before the
-        answer) is dropped with a warning. A journal of another generation
-        than the snapshot (a compaction that crashed between its two renames)
-        is stale: every change in it is already in the snapshot. Writes
-        nothing: the first change after ``load`` compacts.
+        the operator. Recovery as ADR 0010 says: a corrupt snapshot or journal is moved aside to
+        ``<path>[.journal].corrupt-<unix seconds>`` (the ledger starts empty), a torn last journal line is
+        dropped with a warning, a journal of another generation is stale. Writes nothing.
         """
         if self.path is None or not self.path.exists():
             return None, []
