@@ -5,13 +5,11 @@ Concurrency: ``observe_hook`` and ``refusal`` are called from any thread
 the usage poll (``poll``: every ``--usage-poll-interval`` seconds on its own
 thread, ``start_polling``; it also hands each sample to the over-limit watch,
 overlimit.py) and scrapes serve the last poll's; without a poll thread a
-scrape samples itself. Everything else is computed at
-scrape time, on the HTTP server's request thread (health.py's
-``BoundedHTTPServer``: at most ``MAX_HANDLERS`` handler threads, a whole-request
-deadline, idle connections evicted), by a custom collector that
-reads the ledger (thread-safe), the inventory (thread-safe reads) and the MPS
-supervisor's ``status()``; a scrape holds no lock of its own. Own
-``CollectorRegistry`` (no global default registry, no process/GC metrics).
+scrape samples itself. Everything else is computed at scrape time, on the
+HTTP server's request thread (``serve``), by a custom collector that reads the
+ledger, the inventory and the MPS supervisor's ``status()`` (all thread-safe);
+a scrape holds no lock of its own. Own ``CollectorRegistry`` (no global
+default registry, no process/GC metrics).
 
 Metrics: names, types, labels and meaning are the contract, listed in
 README.md "## Metrics" (``tests/unit/test_metrics_readme.py`` checks that
