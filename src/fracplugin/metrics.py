@@ -12,7 +12,7 @@ a scrape holds no lock of its own. Own ``CollectorRegistry`` (no global
 default registry, no process/GC metrics).
 
 Metrics: names, types, labels and meaning are the contract, listed in
-README.md "## Metrics" (``tests/unit/test_metrics_readme.py`` checks that
+docs/operator-guide.md "## Metrics" (``tests/unit/test_metrics_readme.py`` checks that
 table against a capture of ``/metrics``). Every series carries ``node``
 (``NODE_LABEL``, added by ``render``); per-GPU series carry dcgm-exporter's
 ``DCGM_GPU_LABELS`` and, until they go, ``DEPRECATED_GPU_LABELS``. The door
