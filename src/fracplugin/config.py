@@ -722,9 +722,7 @@ def unknown_env(env: Mapping[str, str]) -> list[tuple[str, str | None]]:
     Names are matched case-sensitively, as the environment is on Linux: a
     lower- or mixed-case ``fracplugin_mps_root`` is reported too, with the
     upper-case setting it was meant to be. Kubernetes service-link variables
-    and the names in ``_NOT_SETTINGS`` are not reported. ``difflib`` is only
-    imported when there is something to report (it is not needed on a clean
-    start).
+    and the names in ``_NOT_SETTINGS`` are not reported.
     """
     known = {env_name(n) for n in _FIELDS}
     out = []
