@@ -65,11 +65,10 @@ class Daemon:
         reload: returns a freshly loaded (Config, sources) for SIGHUP; None
             disables reloading.
 
-    Every part is driven through ``parts.Part`` (start, stop with a timeout,
-    readiness with a reason, status, reload); ``self.parts`` holds them by
-    name in start order. ``self.built`` (``builders.Builder``) builds them at
-    ``start()`` and holds what it built (node, ledger, doors, rules, ...). ``start()`` raises StartupError (after stopping what
-    had started); ``stop()`` is idempotent and bounded by ``cfg.shutdown_timeout_s``.
+    ``self.parts`` holds the parts (``parts.Part``) by name in start order; ``self.built``
+    (``builders.Builder``) builds them at ``start()`` and holds what it built (node, ledger, doors, rules, ...).
+    ``start()`` raises StartupError (after stopping what had started); ``stop()`` is idempotent and bounded
+    by ``cfg.shutdown_timeout_s``.
     """
 
     def __init__(self, cfg: Config, sources: Mapping[str, str] | None = None,
