@@ -1,7 +1,5 @@
-"""Per-GPU cordon (issue 36 item 6): the node annotation
-``fracplugin.io/cordoned-gpus: "<uuid|index>,..."`` stops new fractions on
-those GPUs at every door while their running tenants keep their holds;
-removing it (or a GPU from it) lets them take fractions again.
+"""Per-GPU cordon (issue 36 item 6; docs/operator-guide.md "Cordoning a GPU" says what it does at each
+door): the node annotation ``fracplugin.io/cordoned-gpus: "<uuid|index>,..."``.
 
 ``parse`` turns the annotation into the node's GPU UUIDs (an entry naming no
 GPU of the node is a warning naming it, never an error). ``CordonWatch``
@@ -9,11 +7,8 @@ reads the daemon's own Node (``GET /api/v1/nodes/<node>``: the ``nodes get``
 the node condition already has; a watch would need ``list``/``watch`` on
 every node, which a ClusterRole cannot narrow to the node a pod runs on) at
 start and then every ``--node-poll-interval`` seconds on its own thread, and
-hands the set to the node's health monitor (``HealthMonitor.cordon``):
-its subscribers rebuild the device plugin's list (the GPU's units
-Unhealthy) and the DRA slice (the GPU's device left out), and
-``NodeRules.unusable`` refuses the GPU (code ``cordoned``). A failed read
-keeps the last cordon (a GPU is never uncordoned by an API outage). The
+hands the set to the node's health monitor (``HealthMonitor.cordon``). A failed
+read keeps the last cordon (a GPU is never uncordoned by an API outage). The
 request path never waits for the API server.
 """
 
