@@ -1,21 +1,12 @@
 """One allocation model for both doors (ADR 0007): pure functions, no I/O.
 
-kubelet's device plugin allocation is authoritative for a container that
-requests the extended resource: the GPUs and the guaranteed memory (devices x
-``--device-unit-mib`` per GPU) come from the device IDs kubelet chose
-(docs/reference/kubelet-device-plugin.md A.5: kubelet picks the devices, Allocate only sees
-their IDs). Annotations may only add what kubelet does not decide: a limit at
-or above the request, the compute mode and the portion. What they may not do
-(move the container to other GPUs, raise the request above the units kubelet
-charged) is reported as an ``Ignored`` and not applied.
-
-A reservation is keyed by the device IDs kubelet passed
-(``reservation_key``), not by a pod: Allocate does not name the pod
-(docs/reference/kubelet-device-plugin.md A.6), so the holder is learned later from evidence
-(the NRI CreateContainer of a container whose env carries the key, or
-PodResources). The key travels to the container in Allocate's answer (env
-``FRACPLUGIN_RESERVATION`` and the container annotation of the same meaning),
-which kubelet hands to the runtime in the CRI config (A.5, "Container start").
+kubelet's allocation is authoritative for a container that requests the
+extended resource (decision 1: annotations may only add a limit at or above
+the request, the compute mode and the portion; anything else is an
+``Ignored``). A reservation is keyed by the device IDs kubelet passed
+(``reservation_key``, decision 2), and its holder is learned from evidence
+(decision 3: the key travels in Allocate's answer, env ``FRACPLUGIN_RESERVATION``
+and the container annotation of the same meaning).
 
 ``to_tenancies`` is the one conversion from a plan to ledger entries; the
 ledger (both doors), the PodResources rebuild and the NRI Synchronize use it.
@@ -25,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -62,15 +54,10 @@ def reservation_key(by_gpu: Mapping[str, Iterable[int]]) -> str:
         if not nums:
             continue
         ranges = []
-        start = prev = nums[0]
-        tail: list[int | None] = [*nums[1:], None]  # None closes the last range
-        for n in tail:
-            if n is not None and n == prev + 1:
-                prev = n
-                continue
-            ranges.append(str(start) if start == prev else f"{start}-{prev}")
-            if n is not None:
-                start = prev = n
+        for _, run in itertools.groupby(enumerate(nums), lambda p: p[1] - p[0]):  # consecutive numbers
+            (_, first), *rest = run
+            last = rest[-1][1] if rest else first
+            ranges.append(str(first) if first == last else f"{first}-{last}")
         parts.append(f"{uuid}::{','.join(ranges)}")
     if not parts:
         raise ReservationKeyError("a reservation needs at least one device")
@@ -260,7 +247,6 @@ def parse_for_kubelet(
         parsed = ann.parse(synthetic, container, prefix=prefix, containers=containers)
         if parsed is not None:
             parsed = dataclasses.replace(
-                parsed, devices=parsed.devices,
-                keys={k: v for k, v in parsed.keys.items() if k in ("mode", "portion", "devices")},
+                parsed, keys={k: v for k, v in parsed.keys.items() if k in ("mode", "portion", "devices")},
                 request=MemorySpec("", "", mib=per_gpu_mib), limit=MemorySpec("", "", mib=per_gpu_mib))
     return parsed

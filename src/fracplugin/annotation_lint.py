@@ -9,16 +9,12 @@ so with the same words, naming the key and the closest valid one.
 Keys checked (docs/reference/design.md section 4, ``annotations.py``):
 
 - under the per-container prefix (``nvidia.com/container.``): the rest must
-  be ``<container><suffix>`` with one of the five suffixes
-  (``.gpu-memory.request``, ``.gpu-memory.limit``, ``.gpu-compute.mode``,
-  ``.gpu-compute.portion``, ``.gpus.devices``). Container names are DNS
+  be ``<container><suffix>`` with one of ``SUFFIXES``. Container names are DNS
   labels (no dots), so the container is the text before the first dot.
 - a key whose head is one edit away from the prefix
   (``nvidia.com/containers.``, ``nvidia.com/container-``) and whose rest
   is ``<container><suffix>``: a typo in the prefix, the same words.
-- KAI's pod-level keys (``gpu-fraction``, ``gpu-fraction.limit``,
-  ``gpu-memory``, ``gpu-fraction-num-devices``,
-  ``gpu-fraction-container-name``) and the ``kai.scheduler/`` keys this
+- KAI's pod-level keys (``POD_LEVEL_KEYS``) and the ``kai.scheduler/`` keys this
   contract reads: a key without ``/`` (or under ``kai.scheduler/``) close to
   one of them (difflib ratio >= 0.8) but not equal is a typo.
 
@@ -99,29 +95,19 @@ def unknown_keys(annotations: Mapping[str, str], prefix: str, containers: Sequen
         if not isinstance(key, str):
             continue
         value = str(annotations[key])
+        near: tuple[str, str] | None = None
         if prefix and key.startswith(prefix):
-            rest = key[len(prefix):]
-            c, dot, tail = rest.partition(".")
-            suffix = dot + tail
-            if suffix in SUFFIXES and c:
-                continue
-            if not c or not dot:
-                continue  # not shaped as <container>.<field>: not ours to judge
-            best = _closest(suffix, SUFFIXES)
-            if containers and c not in containers:
-                c = _closest(c, list(containers)) or c
-            closest = container_key(prefix, c, best or SUFFIX_REQUEST)
-            out.append(Lint(key, value, f'annotation {key}="{value}" is not a key fracplugin reads (did you mean '
-                                        f"{closest}?); it has no effect"))
-            continue
-        near = _near_prefix(key, prefix) if prefix else None
-        if near is not None:  # a typo in the prefix itself (containers., container-): same words
+            c, dot, tail = key[len(prefix):].partition(".")
+            if not c or not dot or dot + tail in SUFFIXES:
+                continue  # a key of the contract, or not shaped as <container>.<field>: not ours to judge
+            near = c, _closest(dot + tail, SUFFIXES) or SUFFIX_REQUEST
+        elif prefix:
+            near = _near_prefix(key, prefix)  # a typo in the prefix itself (containers., container-): same words
+        if near is not None:
             c, suffix = near
             if containers and c not in containers:
                 c = _closest(c, list(containers)) or c
-            closest = container_key(prefix, c, suffix)
-            out.append(Lint(key, value, f'annotation {key}="{value}" is not a key fracplugin reads (did you mean '
-                                        f"{closest}?); it has no effect"))
+            out.append(_did_you_mean(key, value, container_key(prefix, c, suffix)))
             continue
         if "/" in key and not key.startswith(_KAI_PREFIX):
             continue
@@ -135,9 +121,13 @@ def unknown_keys(annotations: Mapping[str, str], prefix: str, containers: Sequen
             known.append(KAI_PORTION_LIMIT.format(c=c))
         best = _closest(key, known, _CUTOFF)
         if best is not None:
-            out.append(Lint(key, value, f'annotation {key}="{value}" is not a key fracplugin reads (did you mean '
-                                        f"{best}?); it has no effect"))
+            out.append(_did_you_mean(key, value, best))
     return out
+
+
+def _did_you_mean(key: str, value: str, closest: str) -> Lint:
+    return Lint(key, value, f'annotation {key}="{value}" is not a key fracplugin reads (did you mean '
+                            f"{closest}?); it has no effect")
 
 
 def ignored_forms(annotations: Mapping[str, str], prefix: str, container: str,

@@ -2,13 +2,8 @@
 crash, sees either the old content or the new, never a part (the house rule:
 "state on disk stays consistent: atomic rename or a journal, fsync'd"), and
 one way to read a file someone else writes without ever blocking on it
-(``read_regular``: cgroup interface files, CDI specs).
-
-Used by every file the daemon writes whole: the ledger's snapshot
-(``ledgerstore``), the MPS role's namespace state (``mps/namespaces``) and
-control daemon config (``mps/lifecycle``), the reservation proofs
-(``reservations``), ``endpoints.json`` (``daemon``) and the DRA door's CDI
-specs (``dra/cdispec``).
+(``read_regular``: cgroup interface files, CDI specs). Every file the daemon
+writes whole goes through ``write_atomically``.
 
 The rule it follows is POSIX ``rename(2)``: replacing a name within one
 directory is atomic. The temporary file is made in the target's own

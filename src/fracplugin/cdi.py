@@ -1,34 +1,16 @@
 """The node's CDI specs: GPU UUID -> CDI device name, and whether the device
-carries the toolkit's memory-limit hook (issue 23 item 1, ADR 0025b).
-
-A CDI spec (Container Device Interface, ``cdiVersion``/``kind``/``devices``,
-``containerEdits``) is a YAML or JSON file in one of the spec directories
-(``--cdi-spec-dirs``, default ``/etc/cdi,/var/run/cdi``; a later directory wins
-over an earlier one for the same fully qualified name, as the CDI cache orders
-them). Only the GPU kinds are read: ``k8s.device-plugin.nvidia.com/gpu`` (the
-NVIDIA device plugin's, KAI's binder with ``cdiEnabled``), ``nvidia.com/gpu``
-(the container toolkit's ``nvidia-ctk cdi generate`` / just-in-time specs) and
-an operator-named kind (``--cdi-kind``), which is preferred when given
-(docs/reference/enforcement-cdi-dra.md "CDI on GPU Operator nodes").
-
-A device is matched to a GPU by UUID (its name, or a UUID its edits name),
-or, for index-named devices, by its one ``/dev/nvidia<minor>`` node; MIG
-devices, ``all`` and devices of a UUID this node does not have are skipped
-(ADR 0025b decision 1). The memory-limit hook is the toolkit's
-``apply-cuda-memory-limits`` ``createRuntime`` hook (toolkit v1.20.1+), in the
-device's own ``containerEdits`` or the spec's; one that names GPU UUIDs counts
-for those GPUs only (decision 2).
+carries the toolkit's memory-limit hook (ADR 0025b decisions 1-2, which give the
+directories, the GPU kinds read and their priority, how a device is matched to a
+GPU and what counts as the ``apply-cuda-memory-limits`` hook).
 
 Re-reading happens off every request path (issue 34 item 5): the daemon's
-watcher (``start``) stats the spec directories (a file added, removed or
-renamed into place changes a directory's mtime) and every spec file (an edit in
-place) every ``file_check_s`` seconds; anything changed -> the specs are read
-again and the parsed snapshot swapped. Lookups only read the snapshot (the
-first lookup of a registry never read reads it once: explain, tests). Only
-specs of a GPU kind are parsed (the ``kind`` is sniffed from the file's first
-lines; other vendors' specs are skipped unparsed), with libyaml's loader where
-present; only regular files are read, never blocking. A spec that does not
-parse, or a device whose identities name different GPUs, is named in one
+watcher (``start``) stats the spec directories and every spec file every
+``file_check_s`` seconds; anything changed -> the specs are read again and the
+parsed snapshot swapped. Lookups only read the snapshot (the first lookup of a
+registry never read reads it once: explain, tests). Only specs of a GPU kind are
+parsed (the ``kind`` is sniffed from the file's first lines), with libyaml's
+loader where present; only regular files are read, never blocking. A spec that
+does not parse, or a device whose identities name different GPUs, is named in one
 warning (per file version) and ignored; the rest still count.
 
 Concurrency: lookups read an immutable snapshot; a re-read is done under one
@@ -116,14 +98,7 @@ def _hook_names_limit(hook: Any) -> bool:
 
 def _words_naming(values: Iterable[Any], uuids: Mapping[str, GpuInfo]) -> set[str]:
     """GPU UUIDs named by ``values`` (a word equal to a UUID, or ``...=UUID``, or a comma list of them)."""
-    out: set[str] = set()
-    for v in values:
-        if not isinstance(v, str):
-            continue
-        for part in v.rpartition("=")[2].split(","):
-            if part in uuids:
-                out.add(part)
-    return out
+    return {part for v in values if isinstance(v, str) for part in v.rpartition("=")[2].split(",") if part in uuids}
 
 
 def _edits(obj: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -248,18 +223,17 @@ class CdiRegistry:
         kind: an operator-named kind (``--cdi-kind``), preferred over the
             default kinds; None = only ``k8s.device-plugin.nvidia.com/gpu``
             then ``nvidia.com/gpu``.
-        file_check_s: seconds between stats of every spec file (directory
-            mtimes are checked on every lookup).
     """
 
-    def __init__(self, dirs: Sequence[str], gpus: Sequence[GpuInfo], kind: str | None = None,
-                 file_check_s: float = 1.0) -> None:
+    file_check_s = 1.0
+    """Seconds between stats of every spec file (directory mtimes are checked on every ``refresh``)."""
+
+    def __init__(self, dirs: Sequence[str], gpus: Sequence[GpuInfo], kind: str | None = None) -> None:
         self.dirs = tuple(dirs)
         self.kinds = tuple(dict.fromkeys(([kind] if kind else []) + list(DEFAULT_KINDS)))
         self._gpus = {g.uuid: g for g in gpus}
         self._by_minor = {g.minor: g for g in gpus}
         self._by_index = {str(g.index): g.uuid for g in gpus}
-        self.file_check_s = file_check_s
         self._lock = threading.Lock()
         self._snap = _Snapshot()
         self._dir_key: tuple[Any, ...] | None = None

@@ -381,20 +381,14 @@ def _convert(name: str, raw: Any, source: str) -> Any:
         if s in _FALSE:
             return False
         raise ConfigError(setting, raw, "is not a boolean (true/false, 1/0, yes/no)", source)
-    if typ == "int":
-        if isinstance(raw, bool):
-            raise ConfigError(setting, raw, "is not an integer", source)
+    if typ in ("int", "float"):
         try:
-            return int(str(raw).strip())
+            if isinstance(raw, bool):
+                raise ValueError(raw)
+            return (int if typ == "int" else float)(str(raw).strip())
         except ValueError:
-            raise ConfigError(setting, raw, "is not an integer", source) from None
-    if typ == "float":
-        if isinstance(raw, bool):
-            raise ConfigError(setting, raw, "is not a number of seconds", source)
-        try:
-            return float(str(raw).strip())
-        except ValueError:
-            raise ConfigError(setting, raw, "is not a number of seconds", source) from None
+            rule = "is not an integer" if typ == "int" else "is not a number of seconds"
+            raise ConfigError(setting, raw, rule, source) from None
     if typ == "tuple[str, ...]":
         items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
         return tuple(str(i).strip() for i in items if str(i).strip())
@@ -430,14 +424,7 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
     docs/reference/kubelet-device-plugin.md A.3), absolute paths, the MPS root length
     (socket paths must fit 108 bytes, docs/reference/mps-nvml.md 1.4).
     """
-    src = sources or {}
-
-    def bad(name: str, reason: str) -> ConfigError:
-        value = getattr(cfg, name)
-        if isinstance(value, tuple):
-            value = ",".join(value)
-        return ConfigError("--" + flag_name(name), value, reason, src.get(name, "default"))
-
+    bad = _bad_of(cfg, sources)
     _validate_role_and_mps(cfg, bad)
     _validate_numbers(cfg, bad)
     _validate_names_and_paths(cfg, bad)
@@ -446,6 +433,17 @@ def validate(cfg: Config, sources: Mapping[str, str] | None = None) -> Config:
 
 _Bad = Callable[[str, str], ConfigError]
 """``bad(setting, reason)``: the ConfigError naming the setting, its value and where it came from."""
+
+
+def _bad_of(cfg: Config, sources: Mapping[str, str] | None) -> _Bad:
+    """The ``_Bad`` of ``cfg`` whose settings came from ``sources`` (setting -> where; absent: default)."""
+
+    def bad(name: str, reason: str) -> ConfigError:
+        value = getattr(cfg, name)
+        value = ",".join(value) if isinstance(value, tuple) else value
+        return ConfigError("--" + flag_name(name), value, reason, (sources or {}).get(name, "default"))
+
+    return bad
 
 _CHOICES = {"log_format": LOG_FORMATS, "role": ROLES, "mps_protocol": MPS_PROTOCOLS,
             "memory_limits": MEMORY_LIMIT_MODES, "memory_limits_policy": MEMORY_LIMIT_POLICIES,
@@ -553,11 +551,7 @@ def check_paths(cfg: Config, sources: Mapping[str, str] | None = None) -> None:
     role's API socket and never run the binary, ADR 0009), ``--simulate-node``
     not a readable file.
     """
-    src = sources or {}
-
-    def bad(name: str, reason: str) -> ConfigError:
-        return ConfigError("--" + flag_name(name), getattr(cfg, name), reason, src.get(name, "default"))
-
+    bad = _bad_of(cfg, sources)
     if cfg.simulate_node is not None and not os.access(cfg.simulate_node, os.R_OK):
         raise bad("simulate_node", "is not a readable file")
     if not cfg.no_mps and cfg.role != "doors" and shutil.which(cfg.mps_control_binary) is None:
@@ -737,9 +731,7 @@ def unknown_env(env: Mapping[str, str]) -> list[tuple[str, str | None]]:
     Names are matched case-sensitively, as the environment is on Linux: a
     lower- or mixed-case ``fracplugin_mps_root`` is reported too, with the
     upper-case setting it was meant to be. Kubernetes service-link variables
-    and the names in ``_NOT_SETTINGS`` are not reported. ``difflib`` is only
-    imported when there is something to report (it is not needed on a clean
-    start).
+    and the names in ``_NOT_SETTINGS`` are not reported.
     """
     known = {env_name(n) for n in _FIELDS}
     out = []
@@ -761,13 +753,6 @@ def reloadable_changes(old: Config, new: Config) -> tuple[dict[str, tuple[Any, A
     setting (``RELOADABLE``) to (old, new); ``ignored`` lists the changed
     settings that need a restart.
     """
-    applied: dict[str, tuple[Any, Any]] = {}
-    ignored: list[str] = []
-    for name in _FIELDS:
-        a, b = getattr(old, name), getattr(new, name)
-        if a != b:
-            if name in RELOADABLE:
-                applied[name] = (a, b)
-            else:
-                ignored.append(name)
-    return applied, ignored
+    changed = [name for name in _FIELDS if getattr(old, name) != getattr(new, name)]
+    return ({n: (getattr(old, n), getattr(new, n)) for n in changed if n in RELOADABLE},
+            [n for n in changed if n not in RELOADABLE])

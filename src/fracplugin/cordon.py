@@ -1,7 +1,5 @@
-"""Per-GPU cordon (issue 36 item 6): the node annotation
-``fracplugin.io/cordoned-gpus: "<uuid|index>,..."`` stops new fractions on
-those GPUs at every door while their running tenants keep their holds;
-removing it (or a GPU from it) lets them take fractions again.
+"""Per-GPU cordon (issue 36 item 6; docs/operator-guide.md "Cordoning a GPU" says what it does at each
+door): the node annotation ``fracplugin.io/cordoned-gpus: "<uuid|index>,..."``.
 
 ``parse`` turns the annotation into the node's GPU UUIDs (an entry naming no
 GPU of the node is a warning naming it, never an error). ``CordonWatch``
@@ -9,11 +7,8 @@ reads the daemon's own Node (``GET /api/v1/nodes/<node>``: the ``nodes get``
 the node condition already has; a watch would need ``list``/``watch`` on
 every node, which a ClusterRole cannot narrow to the node a pod runs on) at
 start and then every ``--node-poll-interval`` seconds on its own thread, and
-hands the set to the node's health monitor (``HealthMonitor.cordon``):
-its subscribers rebuild the device plugin's list (the GPU's units
-Unhealthy) and the DRA slice (the GPU's device left out), and
-``NodeRules.unusable`` refuses the GPU (code ``cordoned``). A failed read
-keeps the last cordon (a GPU is never uncordoned by an API outage). The
+hands the set to the node's health monitor (``HealthMonitor.cordon``). A failed
+read keeps the last cordon (a GPU is never uncordoned by an API outage). The
 request path never waits for the API server.
 """
 
@@ -25,6 +20,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from .events import api_error, core_v1
 from .model import NodeInfo
 
 if TYPE_CHECKING:
@@ -67,22 +63,23 @@ class CordonWatch:
     """Reads the node's cordon annotation (module docstring).
 
     Args:
-        api: a ``kubernetes.client.ApiClient``, or None for the in-cluster
-            configuration.
+        api: for ``events.core_v1``.
         node: the node's GPUs; ``node_name``: its Kubernetes name.
         health: the node's health monitor (``NodeRules.health``).
-        poll_s: seconds between reads; ``timeout_s``: bound of one read.
+        poll_s: seconds between reads.
     """
 
+    timeout_s = 2.0
+    """Bound of one read, seconds."""
+
     def __init__(self, api: Any, node: NodeInfo, node_name: str, health: HealthMonitor, *,
-                 poll_s: float = 10.0, timeout_s: float = 2.0) -> None:
+                 poll_s: float = 10.0) -> None:
         self._api = api
         self._core: Any = None
         self.node = node
         self.node_name = node_name
         self.health = health
         self.poll_s = poll_s
-        self.timeout_s = timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._value: str | None = None
@@ -110,17 +107,12 @@ class CordonWatch:
         """One read of the node; applies its annotation. Never raises."""
         try:
             if self._core is None:
-                from kubernetes import client, config
-
-                if self._api is None:
-                    config.load_incluster_config()
-                self._core = client.CoreV1Api(self._api)
+                self._core = core_v1(self._api)
             # the raw JSON: only metadata.annotations is read, no model of the whole Node is built
             resp = self._core.read_node(self.node_name, _request_timeout=self.timeout_s, _preload_content=False)
             annotations = (json.loads(resp.data).get("metadata") or {}).get("annotations") or {}
         except Exception as exc:
-            error = f"reading node {self.node_name}: {getattr(exc, 'status', '') or ''} " \
-                    f"{getattr(exc, 'reason', '') or exc}".replace("  ", " ")
+            error = f"reading node {self.node_name}: {api_error(exc)}"
             if error != self._error:
                 log.warning("cordon: %s; the last cordon stays", error, extra={"annotation": ANNOTATION})
             self._error = error

@@ -1,35 +1,11 @@
 """``fracplugin run``'s daemon (entered from ``runcmd.main``): build every part (``builders.Builder``), start
 them, serve, stop them in order. ``Daemon`` keeps the lifecycle and the read side (``checks``, ``status``).
 
-Start order (each part switchable, docs/reference/design.md section 3):
-``builders.Builder.build``'s steps: inventory, ledger (loaded; a corrupt file
-moved aside), metrics, MPS (``NullMps`` with ``--no-mps``), pod source
-(``--pods-file`` or the API watch), Events and the one pod evicter
-(restart.py; with API access, whichever doors are on: the device plugin door
-has no pod in hand and writes no refusal Events), the
-node's rules (``noderules.NodeRules``: GPU health and the memory-limit gate,
-whichever doors are on; issue 33), the over-limit watch (overlimit.py, fed by the
-metrics' usage poll every ``--usage-poll-interval`` seconds: ADR 0035), the NRI door, the device plugin door (it
-reads kubelet's PodResources at start to rebuild the ledger), the DRA door,
-the health server (``/healthz``, ``/readyz``, ``/status``; with
-``--simulate-node`` also ``POST /simulate/xid``) and the node condition. The
-bound addresses are logged and written to ``<state-dir>/endpoints.json``.
-
-Stop order (SIGTERM/SIGINT), within ``--shutdown-timeout`` seconds in all:
-health turns not-alive, the device plugin stops advertising (its socket goes,
-kubelet sees the stream end), NRI disconnects, the event recorder sends what
-is queued (bounded) and stops, the pod watch and metrics stop, MPS quits last. Every ledger change is persisted atomically when it happens
-(ledger.py), so the file is consistent whatever point a stop reaches; nothing
-is released from the ledger at shutdown: containers keep running, and the next
-start reads the same tenancy back.
-
-SIGHUP re-reads the configuration (file, env, the original flags) and hands
-it to every part (``parts.Part.reload``): each applies what it can change at
-run time (``config.RELOADABLE``: log level and format in ``logs``, fail-open
-in both doors) and reports the changed settings it reads that need a
-restart; the daemon logs both, per part.
-
-Every part is driven through one contract (``parts.Part``, ADR 0014).
+Start order: ``builders.Builder.build``'s steps (each part switchable); the bound addresses are logged and
+written to ``<state-dir>/endpoints.json``. Stop order (SIGTERM/SIGINT): ``Daemon.stop``, within
+``--shutdown-timeout`` seconds in all; nothing is released from the ledger (containers keep running, the next
+start reads the same tenancy back). SIGHUP re-reads the configuration and hands it to every part
+(``parts.Part.reload``, ADR 0014: ``config.RELOADABLE`` applied, the rest reported as needing a restart).
 
 Concurrency model: the main thread owns the lifecycle: it starts the parts,
 then sleeps on an event that the signal handlers set (handlers only set
@@ -89,11 +65,10 @@ class Daemon:
         reload: returns a freshly loaded (Config, sources) for SIGHUP; None
             disables reloading.
 
-    Every part is driven through ``parts.Part`` (start, stop with a timeout,
-    readiness with a reason, status, reload); ``self.parts`` holds them by
-    name in start order. ``self.built`` (``builders.Builder``) builds them at
-    ``start()`` and holds what it built (node, ledger, doors, rules, ...). ``start()`` raises StartupError (after stopping what
-    had started); ``stop()`` is idempotent and bounded by ``cfg.shutdown_timeout_s``.
+    ``self.parts`` holds the parts (``parts.Part``) by name in start order; ``self.built``
+    (``builders.Builder``) builds them at ``start()`` and holds what it built (node, ledger, doors, rules, ...).
+    ``start()`` raises StartupError (after stopping what had started); ``stop()`` is idempotent and bounded
+    by ``cfg.shutdown_timeout_s``.
     """
 
     def __init__(self, cfg: Config, sources: Mapping[str, str] | None = None,
@@ -146,7 +121,7 @@ class Daemon:
         reconnects forever in external mode, so that is a bug worth a restart)."""
         if self._stopping.is_set():
             return "shutting down"
-        if self.built.nri is not None and self.built.nri.exited():
+        if self.built.nri is not None and self.built.nri.stub.exited:  # its run thread ended on its own
             return "the NRI plugin stub stopped"
         return None
 
@@ -205,7 +180,8 @@ class Daemon:
         (``cordon.py``) is an operator's choice, not a fault: not in it."""
         nri, door = None, self.built.nri
         if door is not None:
-            nri = {"connected": door.connected(), "synchronized": door.synchronized(), "unadjusted": door.unadjusted(),
+            nri = {"connected": door.stub.connected(), "synchronized": door.stub.ready(),
+                   "unadjusted": len(door.plugin.status().get("unadjusted") or ()),
                    "unfenced": door.plugin.reconciler.unfenced_status()}
         dp = self.parts.get("device plugin")
         return {"nri": nri, "device_plugin": None if dp is None else {"registered": dp.readiness().ok},
@@ -314,10 +290,8 @@ class Daemon:
 
     def wakeup(self) -> None:
         """Wake ``serve_forever`` (lock-free: safe in a signal handler and from any thread)."""
-        try:
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: the main thread has wake-ups queued already
             os.write(self._wake_w, b"\0")
-        except BlockingIOError:  # the pipe is full: the main thread has wake-ups queued already
-            pass
 
     def request_stop(self, why: str) -> None:
         """Stop as at SIGTERM (from any thread; nothing once stopping): the NRI

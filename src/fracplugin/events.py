@@ -2,17 +2,11 @@
 error naming key, value and rule, a Kubernetes Event when API access is
 configured, a log line, and a counter").
 
-Concurrency model: threads. ``EventRecorder.refused`` may be called from any
-thread (the NRI handler threads, the device plugin's gRPC workers); it only
-builds a small tuple and ``put_nowait``s it on a bounded ``queue.Queue``, so
-it never blocks the hook that refuses: when the queue is full the event is
-dropped and counted (``dropped``). One background thread (``start``) takes
-events off the queue and creates them with the kubernetes client's
-``CoreV1Api.create_namespaced_event`` (POST
-``/api/v1/namespaces/<ns>/events``), one request at a time, each bounded by
-``request_timeout_s``. API errors (an ``ApiException``, a refused connection,
-a timeout) are logged at WARNING and counted (``failed``), never raised.
-Counters are guarded by one lock.
+Concurrency model: threads. The queueing methods (``refused``...) may be called from any thread and never
+block: a bounded ``queue.Queue`` (full: the event is dropped and counted, ``dropped``). One background thread
+(``start``) POSTs them to ``/api/v1/namespaces/<ns>/events`` one at a time, each bounded by
+``request_timeout_s``; API errors are logged at WARNING and counted (``failed``), never raised. Counters
+are guarded by one lock.
 
 The Event (core/v1, the shape kubelet's own recorder writes, so
 ``kubectl describe pod`` lists it under Events):
@@ -30,12 +24,9 @@ The Event (core/v1, the shape kubelet's own recorder writes, so
 - ``metadata.name``: ``<pod name>.<refusal time in ns, hex>`` in the pod's
   namespace (kubelet's naming rule, so names do not collide).
 
-Repeats: kubelet retries a failed CreateContainer with back-off, and every
-retry is refused again. The same (pod uid, container, message) is sent at
-most once per ``repeat_window_s`` (60 s by default); repeats inside the window
-are counted (``suppressed``) instead of sent. Events are not aggregated
-(``count`` stays 1) -- the API server's own event TTL (1 h by default) ages
-them out.
+Repeats (kubelet retries a refused CreateContainer with back-off): the same (pod uid, container, message)
+is sent at most once per ``repeat_window_s``, the others counted (``suppressed``); ``count`` stays 1 and the
+API server's event TTL ages them out.
 """
 
 from __future__ import annotations
@@ -72,41 +63,39 @@ _Item = tuple[PodRef, str, str, str, float, str]
 """What the hook side enqueues: (pod, container, message, door, unix seconds, Event reason)."""
 
 
+def core_v1(api: Any) -> Any:
+    """``api`` as a ``kubernetes.client.CoreV1Api``: an ``ApiClient`` is wrapped, None loads the in-cluster
+    configuration (the service account; raises ``ConfigException`` outside a pod), anything else (a
+    ``CoreV1Api``) is returned as it is."""
+    from kubernetes import client, config
+
+    if api is None:
+        config.load_incluster_config()
+        return client.CoreV1Api()
+    return client.CoreV1Api(api) if isinstance(api, client.ApiClient) else api
+
+
 class EventRecorder:
     """Writes a core/v1 ``Warning`` Event for each refusal, in the background.
 
     Args:
-        api: a ``kubernetes.client.CoreV1Api``, or a ``kubernetes.client.ApiClient``
-            (wrapped in a ``CoreV1Api``), or None to load the in-cluster
-            configuration (service account) when the thread starts.
+        api: for ``core_v1``, called when the first Event is sent.
         node_name: this node's name (``source.host``, ``reportingInstance``).
-        component: ``source.component`` / ``reportingComponent``.
-        queue_size: events waiting to be sent before new ones are dropped.
-        request_timeout_s: bound of one API request, seconds.
-        repeat_window_s: the same (pod uid, container, message) is sent at
-            most once per this many seconds (0 = every time).
-
-    Raises ValueError for a ``queue_size`` below 1.
     """
 
-    def __init__(
-        self,
-        api: Any,
-        node_name: str,
-        component: str = "fracplugin",
-        queue_size: int = 1000,
-        *,
-        request_timeout_s: float = 5.0,
-        repeat_window_s: float = 60.0,
-    ) -> None:
-        if queue_size < 1:
-            raise ValueError("queue_size must be at least 1")
+    component = "fracplugin"
+    """``source.component`` / ``reportingComponent``."""
+    queue_size = 1000
+    """Events waiting to be sent before new ones are dropped."""
+    request_timeout_s = 5.0
+    """Bound of one API request, seconds."""
+    repeat_window_s = 60.0
+    """The same (pod uid, container, message) is sent at most once per this many seconds (0 = every time)."""
+
+    def __init__(self, api: Any, node_name: str) -> None:
         self._api = api
         self.node_name = node_name
-        self.component = component
-        self.request_timeout_s = request_timeout_s
-        self.repeat_window_s = repeat_window_s
-        self._q: queue.Queue[_Item | None] = queue.Queue(maxsize=queue_size)
+        self._q: queue.Queue[_Item | None] = queue.Queue(maxsize=self.queue_size)
         self._lock = threading.Lock()
         self._sent = self._failed = self._dropped = self._suppressed = 0
         self._recent: dict[tuple[str, str, str], float] = {}  # worker thread only
@@ -221,17 +210,6 @@ class EventRecorder:
         if n:
             log.warning("kubernetes events dropped at shutdown", extra={"events": n})
 
-    def _core_v1(self) -> Any:
-        if self._core is None:
-            from kubernetes import client, config
-
-            api = self._api
-            if api is None:
-                config.load_incluster_config()
-                api = client.ApiClient()
-            self._core = api if hasattr(api, "create_namespaced_event") else client.CoreV1Api(api)
-        return self._core
-
     def _repeat(self, pod: PodRef, container: str, message: str, now: float) -> bool:
         if self.repeat_window_s <= 0:
             return False
@@ -253,13 +231,15 @@ class EventRecorder:
             return
         body = self.build_event(pod, container, message, door, at, reason)
         try:
-            self._core_v1().create_namespaced_event(pod.namespace, body, _request_timeout=self.request_timeout_s)
+            if self._core is None:
+                self._core = core_v1(self._api)
+            self._core.create_namespaced_event(pod.namespace, body, _request_timeout=self.request_timeout_s)
         except Exception as exc:  # ApiException, urllib3 errors, config errors
             with self._lock:
                 self._failed += 1
             log.warning(
                 "kubernetes event not created",
-                extra={"pod": str(pod), "container": container, "reason": _short(exc)},
+                extra={"pod": str(pod), "container": container, "reason": api_error(exc)},
             )
             return
         with self._lock:
@@ -291,7 +271,8 @@ class EventRecorder:
         )
 
 
-def _short(exc: Exception) -> str:
+def api_error(exc: Exception) -> str:
+    """A failed API request in one line: ``HTTP <status> <reason>``, else ``<type>: <exc>`` (300 characters)."""
     status = getattr(exc, "status", None)
     reason = getattr(exc, "reason", None)
     if status is not None:

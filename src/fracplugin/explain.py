@@ -1,30 +1,20 @@
 """``fracplugin explain POD|- (--node FILE | --node-from-status URL | --live)``:
-the planner as an operator tool.
+the planner as an operator tool (docs/operator-guide.md, "Why would my pod be
+refused?", gives the inputs and how to run it on a cluster).
 
 Plans every container of the pod on an empty node (or on the tenancy of a
 ledger file given with ``--ledger``, or on the running daemon's tenants with
-``--live``) through the door that would take it, with that door's own code,
-and prints what each would get, or why it is refused: the NRI door's
-planning for annotations, the device plugin door (GetPreferredAllocation,
-Allocate, then CreateContainer of its reservation) for a container asking
-for the extended resource, the DRA door's Prepare for a ResourceClaim
-(``--claim``). The pod is a file or ``-`` for standard input (``kubectl get
-pods -o yaml | fracplugin explain - ...``: cluster pods as they are, status
-and managedFields included, every pod of a List explained).
-The node is a node file (``examples/nodes/gpu-node-1.yaml``), the daemon's
-``/status`` JSON at a URL (``--node-from-status``), or the running daemon
-itself (``--live``: its health address as ``fracplugin status`` finds it;
-node, tenants and planner settings from its ``/status``). With a ``/status``
-document the daemon's own ``reserve_mib``, ``annotation_prefix``,
-``max_clients_per_gpu``, ``mps_root`` and CDI setting are used unless given
-on the command line.
+``--live``) through the door that would take it, with that door's own code:
+the NRI door's planning for annotations, the device plugin door
+(GetPreferredAllocation, Allocate, then CreateContainer of its reservation)
+for a container asking for the extended resource, the DRA door's Prepare for
+a ResourceClaim. With a ``/status`` document the daemon's own planner
+settings are used unless given on the command line.
 
 Exit status (the worst over the pods): 0 every container planned or not
-fractional; 1 any refused;
-2 usage errors (missing file, bad YAML, a file that is not a pod or not a
-node, unknown container) with one line on stderr naming the file and what is
-wrong, never a traceback (issue 13 item 4: "refused" must mean the planner
-said no, never "the file could not be read").
+fractional; 1 any refused; 2 usage errors, with one line on stderr naming the
+file and what is wrong, never a traceback (issue 13 item 4: "refused" must
+mean the planner said no, never "the file could not be read").
 """
 
 from __future__ import annotations
@@ -561,9 +551,7 @@ def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: 
         claim = dra_claims.read_claim(doc, node)
         plan = with_node_cdi_devices(dra_claims.plan_claim(claim, NodeRules(node, ledger, config, health=health)), cdi)
     except FractionError as err:
-        entry = {"name": name, "fractional": True, "devices": [], "compute_mode": None,
-                                 "request_mib": None, "limit_mib": None, "env": {}, "mounts": [],
-                                 "cdi_devices": [], "error": err.to_dict()}
+        entry = _unplanned(name, err)
     else:
         entry = {**plan.to_dict(), "name": name, "env": cdispec.claim_env(claim.uid, plan),
                  "cdi_devices": [cdispec.device_id(claim.uid), *plan.cdi_devices]}

@@ -23,14 +23,9 @@
 ``BoundedHTTPServer`` and ``BoundedHandler`` are the bounded server that every
 listening HTTP surface of the daemon uses (``/metrics`` too: metrics.py).
 
-Concurrency: ``http.server.ThreadingHTTPServer`` serving on its own thread,
-one short-lived thread per connection (daemon threads), at most
-``max_handlers`` (32) at once. Each request (line, headers, body) must arrive
-within ``request_deadline_s`` (10 s) in all, however slowly it drips; when
-every slot is busy a new connection evicts the handler that has waited
-longest for its request (slowloris), so ``/healthz`` keeps answering. A
-client gone before the reply is logged at DEBUG. The callbacks it is given
-are called from the handler threads and must be thread-safe and quick.
+Concurrency: ``BoundedHTTPServer`` serving on its own thread, one short-lived thread per connection, at most
+``MAX_HANDLERS`` at once, each request within ``REQUEST_DEADLINE_S`` in all. The callbacks it is given are
+called from the handler threads and must be thread-safe and quick.
 """
 
 from __future__ import annotations
@@ -299,20 +294,12 @@ class BoundedHandler(BaseHTTPRequestHandler):
         return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
-def check_bounds(max_handlers: int, request_deadline_s: float) -> None:
-    """Raises ValueError for max_handlers < 1 or a deadline <= 0."""
-    if max_handlers < 1 or request_deadline_s <= 0:
-        raise ValueError(f"max_handlers {max_handlers} must be >= 1 and request_deadline_s "
-                         f"{request_deadline_s} > 0")
-
-
 def serve(address: str, handler: type[BaseHTTPRequestHandler], *, max_handlers: int, request_deadline_s: float,
           label: str, thread_name: str) -> "BoundedHTTPServer":
     """Bind a ``BoundedHTTPServer`` on ``HOST:PORT`` (``config.parse_address``;
     empty host = all interfaces, IPv6 when the host is an IPv6 literal) and serve
     it on a daemon thread named ``thread_name`` until ``close``. Raises
-    ValueError (bad address or bounds) and OSError (cannot bind)."""
-    check_bounds(max_handlers, request_deadline_s)
+    ValueError (bad address) and OSError (cannot bind)."""
     host, port = parse_address(address)
     cls: type[BoundedHTTPServer] = BoundedHTTPServer
     if ":" in host:  # an IPv6 literal ([::]:8080)
@@ -474,24 +461,18 @@ class HealthServer:
         alive: returns None when live, or the reason the daemon is not (e.g. "shutting down").
         simulate_xid: enables ``POST /simulate/xid`` (simulated node only),
             see ``SimulateXidFn``; None = the path answers 404.
-        request_deadline_s: seconds a client has for the request line, headers
-            and body of one request, in all (default 10; a client dripping
-            bytes is cut off at the deadline, not per read).
-        max_handlers: most handler threads at once (default 32).
     Raises:
-        ValueError for max_handlers < 1 or a deadline <= 0; OSError from
-        ``start`` when the address cannot be bound.
+        ValueError for a bad address; OSError from ``start`` when the address cannot be bound.
     """
+
+    request_deadline_s = REQUEST_DEADLINE_S
+    max_handlers = MAX_HANDLERS
 
     def __init__(self, address: str, checks: ReadyFn, status: Callable[[], Mapping[str, Any]],
                  alive: Callable[[], str | None] = lambda: None,
-                 simulate_xid: SimulateXidFn | None = None, *,
-                 request_deadline_s: float = REQUEST_DEADLINE_S, max_handlers: int = MAX_HANDLERS) -> None:
-        check_bounds(max_handlers, request_deadline_s)
+                 simulate_xid: SimulateXidFn | None = None) -> None:
         parse_address(address)
         self._address = address
-        self._request_deadline_s = request_deadline_s
-        self._max_handlers = max_handlers
         self._simulate_xid = simulate_xid
         self._checks = checks
         self._status = status
@@ -514,8 +495,8 @@ class HealthServer:
         """Bind and serve on a daemon thread; returns the bound (host, port).
         Raises OSError when the address cannot be bound."""
         handler = type("HealthHandler", (_HealthHandler,), {"owner": self})
-        self._server = serve(self._address, handler, max_handlers=self._max_handlers,
-                             request_deadline_s=self._request_deadline_s, label="health http", thread_name="health-http")
+        self._server = serve(self._address, handler, max_handlers=self.max_handlers,
+                             request_deadline_s=self.request_deadline_s, label="health http", thread_name="health-http")
         return self.bound
 
     def stats(self) -> dict[str, int]:

@@ -12,14 +12,10 @@ Invariants (checked by ``check_invariants`` and by property tests):
   Volta and later: docs/reference/kubelet-device-plugin.md B.4);
 - an owner (pod uid, container) appears at most once per GPU.
 
-Persistence (issue 14, ADR 0010, which gives the file formats and the
-recovery rules): a snapshot ``<path>`` (``{"version": 1, "node": ...,
-"generation": G, "tenancies": [...]}``) plus an append-only journal
-``<path>.journal`` (a header line, then ``{"del": [...], "add": [...]}`` per change), so a change costs O(1) in the node's tenancies; each
-change is appended and fdatasynced before it is acknowledged, compaction
-writes a new snapshot generation (``ledgerstore.LedgerStore``). A snapshot
-that cannot be read back is moved aside to ``<path>.corrupt-<unix seconds>``
-and reported, never trusted; a torn last journal line is dropped.
+Persistence (ADR 0010, which gives the file formats and the recovery rules): a
+snapshot ``<path>`` plus an append-only journal ``<path>.journal``
+(``ledgerstore.LedgerStore``), so a change costs O(1) in the node's tenancies;
+each change is appended and fdatasynced before it is acknowledged.
 """
 
 from __future__ import annotations
@@ -42,8 +38,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CLIENTS_PER_GPU = 48
 _WHOLE_DOORS = (DOOR_OTHER_PLUGIN, DOOR_SYNC)
-DEFAULT_COMPACT_MIN_RECORDS = 1024
-"""Journal changes kept before a compaction, at least (issue 14)."""
 
 
 @dataclass(frozen=True)
@@ -144,9 +138,6 @@ class Ledger:
             None keeps the ledger in memory.
         max_clients_per_gpu: tenants allowed per GPU.
         read_only: read ``path`` but never write or move it (``fracplugin explain --ledger``).
-        compact_min_records: the journal is compacted into the snapshot once it
-            holds more than ``max(compact_min_records, 2 x tenancies)`` changes
-            (amortised O(1) per change).
 
     Costs: an admission or release touches only the GPUs and the hold
     concerned (per-GPU, per-owner, per-reservation and per-container-id
@@ -159,14 +150,13 @@ class Ledger:
     """
 
     def __init__(self, node: NodeInfo, path: str | os.PathLike[str] | None = None,
-                 max_clients_per_gpu: int = DEFAULT_MAX_CLIENTS_PER_GPU, *, read_only: bool = False,
-                 compact_min_records: int = DEFAULT_COMPACT_MIN_RECORDS) -> None:
+                 max_clients_per_gpu: int = DEFAULT_MAX_CLIENTS_PER_GPU, *, read_only: bool = False) -> None:
         self._node = node
         self._gpus = {g.uuid: g for g in node.gpus}
         self._max_clients = max_clients_per_gpu
         self._lock = threading.RLock()
         self._index = LedgerIndex()
-        self._store = LedgerStore(node.name, path, read_only=read_only, compact_min_records=compact_min_records)
+        self._store = LedgerStore(node.name, path, read_only=read_only)
         self._subscribers: list[Callable[[], None]] = []
 
     @property

@@ -62,13 +62,15 @@ class LedgerStore:
     it. Not thread-safe: the ledger calls it under its lock, and hands it
     ``live``, its current entries (what a compaction writes)."""
 
-    def __init__(self, node_name: str, path: str | os.PathLike[str] | None, *, read_only: bool = False,
-                 compact_min_records: int = 1024) -> None:
+    compact_min = 1024
+    """The journal is compacted into the snapshot once it holds more than ``max(compact_min, 2 x tenancies)``
+    changes (amortised O(1) per change, issue 14)."""
+
+    def __init__(self, node_name: str, path: str | os.PathLike[str] | None, *, read_only: bool = False) -> None:
         self._node_name = node_name
         self.path = Path(path) if path is not None else None
         self.journal_path = self.path.with_name(self.path.name + JOURNAL_SUFFIX) if self.path else None
         self._read_only = read_only
-        self._compact_min = max(1, compact_min_records)
         # Serialised form of each tenancy (frozen, hashable): a change encodes
         # only what is new (the NRI hot path).
         self._fragments: dict[Tenancy, str] = {}
@@ -81,18 +83,9 @@ class LedgerStore:
     def load(self) -> tuple[list[Tenancy] | None, list[str]]:
         """Read the snapshot and replay its journal (if any); returns the
         entries (None: nothing to load, or nothing trusted) and warnings for
-        the operator.
-
-        A snapshot that is not valid JSON of our format, or a journal with a
-        bad record before its last line, is moved aside to
-        ``<path>.corrupt-<unix seconds>`` (the journal to
-        ``<path>.journal.corrupt-<unix seconds>``) and logged (the ledger
-        starts empty). A torn last journal line (a change whose append a crash cut:
-        it was never acknowledged, since the append's fsync comes before the
-        answer) is dropped with a warning. A journal of another generation
-        than the snapshot (a compaction that crashed between its two renames)
-        is stale: every change in it is already in the snapshot. Writes
-        nothing: the first change after ``load`` compacts.
+        the operator. Recovery as ADR 0010 says: a corrupt snapshot or journal is moved aside to
+        ``<path>[.journal].corrupt-<unix seconds>`` (the ledger starts empty), a torn last journal line is
+        dropped with a warning, a journal of another generation is stale. Writes nothing.
         """
         if self.path is None or not self.path.exists():
             return None, []
@@ -207,7 +200,7 @@ class LedgerStore:
     def persist(self, removed: Sequence[Tenancy], added: Sequence[Tenancy], live: Collection[Tenancy]) -> None:
         """Make one change durable: one journal line appended and fsynced
         (O(size of the change)); the first change after a load, and every
-        ``max(compact_min_records, 2 x tenancies)`` changes, compact instead
+        ``max(compact_min, 2 x tenancies)`` changes, compact instead
         (``live``: the entries with the change applied). Raises OSError with
         nothing of the change left in the journal."""
         if self.path is None or self._read_only:
@@ -233,7 +226,7 @@ class LedgerStore:
             raise
         self._journal_size += len(line)
         self._journal_records += 1
-        if self._journal_records > max(self._compact_min, 2 * len(live)):
+        if self._journal_records > max(self.compact_min, 2 * len(live)):
             try:
                 self.compact(live)
             except OSError as exc:  # the change is durable in the journal already

@@ -5,16 +5,14 @@ Concurrency: ``observe_hook`` and ``refusal`` are called from any thread
 the usage poll (``poll``: every ``--usage-poll-interval`` seconds on its own
 thread, ``start_polling``; it also hands each sample to the over-limit watch,
 overlimit.py) and scrapes serve the last poll's; without a poll thread a
-scrape samples itself. Everything else is computed at
-scrape time, on the HTTP server's request thread (health.py's
-``BoundedHTTPServer``: at most ``MAX_HANDLERS`` handler threads, a whole-request
-deadline, idle connections evicted), by a custom collector that
-reads the ledger (thread-safe), the inventory (thread-safe reads) and the MPS
-supervisor's ``status()``; a scrape holds no lock of its own. Own
-``CollectorRegistry`` (no global default registry, no process/GC metrics).
+scrape samples itself. Everything else is computed at scrape time, on the
+HTTP server's request thread (``serve``), by a custom collector that reads the
+ledger, the inventory and the MPS supervisor's ``status()`` (all thread-safe);
+a scrape holds no lock of its own. Own ``CollectorRegistry`` (no global
+default registry, no process/GC metrics).
 
 Metrics: names, types, labels and meaning are the contract, listed in
-README.md "## Metrics" (``tests/unit/test_metrics_readme.py`` checks that
+docs/operator-guide.md "## Metrics" (``tests/unit/test_metrics_readme.py`` checks that
 table against a capture of ``/metrics``). Every series carries ``node``
 (``NODE_LABEL``, added by ``render``); per-GPU series carry dcgm-exporter's
 ``DCGM_GPU_LABELS`` and, until they go, ``DEPRECATED_GPU_LABELS``. The door
@@ -84,7 +82,6 @@ class Metrics:
         node: the node (default: ``inventory.node()`` on first scrape).
         mps: the MPS supervisor (anything with ``status()``); may be attached later.
         proc_root: proc filesystem for PID -> container (tests pass a temp dir).
-        registry: a ``CollectorRegistry`` to use (default: a new one).
         node_name: the node's name as kubelet knows it (the daemon's
             ``--node-name``): the ``node`` label of every series and the
             ``Hostname`` label of the GPU series. Default: ``node().name``;
@@ -99,7 +96,6 @@ class Metrics:
         mps: Any = None,
         *,
         proc_root: str = "/proc",
-        registry: CollectorRegistry | None = None,
         node_name: str | None = None,
     ) -> None:
         self.ledger = ledger
@@ -110,7 +106,7 @@ class Metrics:
         self.state: Callable[[], Mapping[str, Any]] | None = None
         self.procfs = CachedProcFs(proc_root)  # PID -> container, kept while the PID's start time holds
         self._lock = threading.Lock()
-        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=True)
         self._hook = Histogram(
             "fracplugin_hook_duration_seconds", "Time spent answering a door's request (NRI CreateContainer, Allocate).",
             ["door"], buckets=HOOK_BUCKETS, registry=self.registry,
@@ -180,10 +176,7 @@ class Metrics:
         with self._lock:
             self._polled = usage
         if self.watch is not None:
-            try:
-                self.watch.check(tenancies, usage)
-            except Exception:
-                log.exception("metrics: over-limit check failed")
+            guarded(log, "metrics: over-limit check", self.watch.check, tenancies, usage)
         return usage
 
     def start_polling(self, interval_s: float) -> None:
@@ -191,10 +184,7 @@ class Metrics:
         until ``stop``; scrapes then serve the last poll's usage."""
         def run() -> None:
             while True:
-                try:
-                    self.poll()
-                except Exception:  # never let the thread die
-                    log.exception("metrics: usage poll failed")
+                guarded(log, "metrics: usage poll", self.poll)  # never lets the thread die
                 if self._stop_poll.wait(interval_s):
                     return
 
@@ -225,22 +215,13 @@ class Metrics:
         node = self.node()
         return node.name if node is not None else ""
 
-    def serve(self, address: str = ":2112", *, max_handlers: int = MAX_HANDLERS,
-              request_deadline_s: float = REQUEST_DEADLINE_S) -> BoundedHTTPServer:
+    def serve(self, address: str = ":2112") -> BoundedHTTPServer:
         """Serve the metrics (any path, ``/metrics`` by convention; ``GET`` and
         ``HEAD``) on ``HOST:PORT`` (``:PORT`` = all interfaces; port 0 = any free
-        port) from a serving thread in the background. Returns the running
-        server (``bound``: the (host, port) bound). Raises OSError
-        (address in use) and ValueError (bad address or bounds).
-
-        Bounded like the health server (health.py ``BoundedHTTPServer``,
-        issue 13 item 1): at most ``max_handlers`` (8) handler threads, each
-        request (line and headers) within ``request_deadline_s`` (10 s) in all,
-        and with every slot busy a new connection evicts the one that has
-        waited longest for its request. Idle connections therefore hold at
-        most ``max_handlers`` file descriptors and threads, however many a pod
-        opens (prometheus-client's own server started a thread per connection
-        and never timed a read out)."""
+        port) from a serving thread in the background, bounded as health.py's
+        ``BoundedHTTPServer`` (``MAX_HANDLERS`` handler threads, ``REQUEST_DEADLINE_S``
+        per request). Returns the running server (``bound``: the (host, port)
+        bound). Raises OSError (address in use) and ValueError (bad address)."""
         outer = self
 
         class Handler(BoundedHandler):
@@ -257,7 +238,7 @@ class Metrics:
 
             do_HEAD = do_GET
 
-        server = serve(address, Handler, max_handlers=max_handlers, request_deadline_s=request_deadline_s,
+        server = serve(address, Handler, max_handlers=MAX_HANDLERS, request_deadline_s=REQUEST_DEADLINE_S,
                        label="metrics http", thread_name="fracplugin-metrics")
         with self._lock:
             self._servers.append(server)
@@ -657,19 +638,11 @@ def _server_pids(status: Mapping[str, Any]) -> set[int]:
 def _match(ref: ContainerRef, gpu_uuid: str, by_cid: dict[str, list[Tenancy]],
            by_pod: dict[str, list[Tenancy]]) -> Tenancy | None:
     cands = by_cid.get(ref.container_id)
-    if cands is None:
-        # short ids recorded in the ledger: prefix match, remembered for this scrape
-        cands = []
-        for cid, ts in list(by_cid.items()):
-            if container_id_matches(cid, ref.container_id):
-                cands = ts
-                break
-        by_cid[ref.container_id] = cands
+    if cands is None:  # short ids recorded in the ledger: prefix match, remembered for this scrape
+        cands = by_cid[ref.container_id] = next(
+            (ts for cid, ts in by_cid.items() if container_id_matches(cid, ref.container_id)), [])
     if cands:
-        for t in cands:
-            if t.gpu_uuid == gpu_uuid:
-                return t
-        return None
+        return next((t for t in cands if t.gpu_uuid == gpu_uuid), None)
     if ref.pod_uid:
         on_gpu = [t for t in by_pod.get(ref.pod_uid, ()) if t.gpu_uuid == gpu_uuid]
         if len({t.container for t in on_gpu}) == 1:

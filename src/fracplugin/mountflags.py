@@ -21,9 +21,5 @@ def flags(path: str) -> set[str]:
     """The per-mount flags of the mount holding ``path`` among ``nosuid``,
     ``nodev``, ``noexec``, ``ro`` (from statvfs). Raises OSError."""
     f = os.statvfs(path).f_flag
-    out = set()
-    for name, bit in (("ro", os.ST_RDONLY), ("nosuid", os.ST_NOSUID), ("nodev", os.ST_NODEV),
-                      ("noexec", getattr(os, "ST_NOEXEC", 8))):
-        if f & bit:
-            out.add(name)
-    return out
+    return {name for name, bit in (("ro", os.ST_RDONLY), ("nosuid", os.ST_NOSUID), ("nodev", os.ST_NODEV),
+                                   ("noexec", getattr(os, "ST_NOEXEC", 8))) if f & bit}

@@ -2,14 +2,9 @@
 
 In NvFractions mode KAI's scheduler places a fractional pod only on a node
 whose readiness condition is True; otherwise its fit error reads "node is not
-ready for fractional GPU scheduling. Condition <type> is <status>. Reason:
-<reason>" (KAI-Scheduler scheduler predicate tests). Two names are in use
-(docs/reference/enforcement-cdi-dra.md "The KAI node condition"): ``gpu-fractioning.nvidia.com/Ready``
-is what the renamed node stack writes and the constant in KAI's api module
-that current KAI reads; ``gpu-sharing.nvidia.com/Ready`` is the older
-operator's name, which some older KAI builds read. fracplugin publishes both
-by default (``DEFAULT_CONDITION_TYPES``, issue 23 item 5), from its own
-readiness:
+ready for fractional GPU scheduling" (KAI-Scheduler scheduler predicate tests). Both names in use
+(docs/reference/enforcement-cdi-dra.md "The KAI node condition") are published by default
+(``DEFAULT_CONDITION_TYPES``), from the daemon's own readiness:
 
 - ``True``, reason ``FracpluginReady``, when every enabled part is ready
   (NRI synchronized, device plugin registered, MPS daemons healthy);
@@ -21,19 +16,11 @@ readiness:
   runs, as the reference node stack does (``markNodesUnknownOnShutdown``).
   KAI places fractional pods only on True, so Unknown keeps them away too.
 
-How it is written (ADR 0005 decision 1): a strategic merge patch of the
-node's ``status`` subresource (``PATCH /api/v1/nodes/<node>/status``;
-conditions merge on ``type``, so kubelet's are untouched);
-``lastTransitionTime`` changes only with the status (read once from the node
-at the first publish, a 403 there tolerated); ``lastHeartbeatTime`` is
-refreshed every ``heartbeat_s``. RBAC: nodes/status patch, nodes get.
-
-Concurrency model: one background thread polls the readiness function every
-``poll_s`` and publishes a new state once it has held for ``debounce_s``;
-tenacity retries a patch (``RETRY_ATTEMPTS`` tries) on connection errors,
-5xx, 409 and 429, not on other 4xx. The doors never wait for the API server.
-``stop`` publishes a last ``Unknown`` (reason ``ShuttingDown``) on every type
-within its time bound. Counters are guarded by one lock.
+Written as ADR 0005 decision 1 says (a strategic merge patch of ``nodes/<node>/status``, transition and
+heartbeat times, RBAC nodes/status patch and nodes get): one background thread polls readiness every
+``poll_s`` and publishes a state once it has held ``debounce_s``; a patch is retried ``RETRY_ATTEMPTS``
+times on connection errors, 5xx, 409 and 429. The doors never wait for the API server. Counters are
+guarded by one lock.
 """
 
 from __future__ import annotations
@@ -46,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import tenacity
+
+from .events import core_v1
 
 log = logging.getLogger(__name__)
 
@@ -130,56 +119,39 @@ class NodeConditionPublisher:
     """Keeps the KAI readiness node condition(s) current from readiness.
 
     Args:
-        api: a ``kubernetes.client.CoreV1Api``, a ``kubernetes.client.ApiClient``
-            (wrapped in a ``CoreV1Api``), or None to load the in-cluster
-            configuration (service account) when the thread starts.
+        api: for ``events.core_v1``, called on the thread at the first publish.
         node_name: the node whose status is patched.
         readiness: returns the current ``ConditionState`` (cheap, never blocks;
             the daemon passes ``condition_from_checks(self.checks())``).
         types: condition types to publish, all with the same status
             (default ``DEFAULT_CONDITION_TYPES``: both names).
-        poll_s: seconds between readiness polls.
-        debounce_s: seconds a new state must hold before it is published.
-        heartbeat_s: seconds between re-publishing an unchanged state
-            (``lastHeartbeatTime``); after a failed publish the next try
-            comes after min(heartbeat_s, 5) seconds.
-        request_timeout_s: bound of one API request, seconds.
-        retry_base_s: first pause between the ``RETRY_ATTEMPTS`` tries of a
-            publish (tenacity, exponential backoff).
 
-    Raises ValueError for an empty ``types``, an empty ``node_name`` or
-    non-positive intervals.
+    Raises ValueError for an empty ``types`` or an empty ``node_name``.
     """
 
-    def __init__(
-        self,
-        api: Any,
-        node_name: str,
-        readiness: Callable[[], ConditionState],
-        types: Sequence[str] = DEFAULT_CONDITION_TYPES,
-        *,
-        poll_s: float = 0.5,
-        debounce_s: float = 2.0,
-        heartbeat_s: float = 60.0,
-        request_timeout_s: float = 5.0,
-        retry_base_s: float = 0.2,
-    ) -> None:
+    poll_s = 0.5
+    """Seconds between readiness polls."""
+    debounce_s = 2.0
+    """Seconds a new state must hold before it is published."""
+    heartbeat_s = 60.0
+    """Seconds between re-publishing an unchanged state (``lastHeartbeatTime``)."""
+    retry_s = 5.0
+    """Seconds after a failed publish before the next try."""
+    request_timeout_s = 5.0
+    """Bound of one API request, seconds."""
+    retry_base_s = 0.2
+    """First pause between the ``RETRY_ATTEMPTS`` tries of a publish (tenacity, exponential backoff)."""
+
+    def __init__(self, api: Any, node_name: str, readiness: Callable[[], ConditionState],
+                 types: Sequence[str] = DEFAULT_CONDITION_TYPES) -> None:
         if not types:
             raise ValueError("types must name at least one condition type")
         if not node_name:
             raise ValueError("node_name is empty: the node condition needs this node's name (--node-name)")
-        if min(poll_s, heartbeat_s, request_timeout_s) <= 0 or debounce_s < 0:
-            raise ValueError("poll_s, heartbeat_s, request_timeout_s must be > 0, debounce_s >= 0")
         self._api = api
         self.node_name = node_name
         self.readiness = readiness
         self.types = tuple(dict.fromkeys(types))
-        self.poll_s = poll_s
-        self.debounce_s = debounce_s
-        self.heartbeat_s = heartbeat_s
-        self.request_timeout_s = request_timeout_s
-        self.retry_base_s = retry_base_s
-        self.retry_s = min(heartbeat_s, 5.0)
         self._core: Any = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -281,21 +253,6 @@ class NodeConditionPublisher:
                 log.exception("node condition: unexpected error")
             self._stop.wait(self.poll_s)
 
-    def _client(self) -> Any:
-        if self._core is None:
-            from kubernetes import client as kclient
-
-            if self._api is None:
-                from kubernetes import config as kconfig
-
-                kconfig.load_incluster_config()
-                self._core = kclient.CoreV1Api()
-            elif isinstance(self._api, kclient.ApiClient):
-                self._core = kclient.CoreV1Api(self._api)
-            else:
-                self._core = self._api
-        return self._core
-
     def _body(self, state: ConditionState) -> dict[str, Any]:
         now = _now_rfc3339()
         conditions = []
@@ -328,7 +285,7 @@ class NodeConditionPublisher:
         timeout = timeout_s or self.request_timeout_s
 
         def once() -> None:
-            core = self._client()
+            core = self._core = self._core or core_v1(self._api)
             if self._read_node:
                 self._learn_transitions(core)
             core.patch_node_status(self.node_name, self._body(state), _request_timeout=timeout,

@@ -3,17 +3,12 @@
 A door decodes its wire request into a ``FractionRequest`` (NRI: the pod's
 annotations or Allocate's reservation; kubelet: the device IDs and the
 candidate pod; DRA: the claim's allocation), makes one call down here, and
-encodes what comes back. ``NodeRules.admit`` runs each step once, in one
-order, whichever door asks (ADR 0032 decision 2): **health** (``unusable()``:
-an XID mark of the node's one ``gpu.health.HealthMonitor``, the node's cordon
-annotation (``cordon.py``), or MIG mode: NVML
-rejects MIG handles for the memory limits and MPS pins memory per device,
-docs/reference/mps-nvml.md) -> **plan** (``planner.plan`` with those GPUs
-unusable; naming one refuses, code ``unhealthy`` / ``cordoned`` / ``mig``) -> the door's
-``check`` of the plan -> **the memory-limit gate**
-(``enforce.nri.NriMemoryLimits.admit``: code ``memory_limits_unenforceable``
-under ``--memory-limits-policy refuse``) -> **the ledger** (``Ledger.admit``,
-which re-checks every guard atomically).
+encodes what comes back. ``NodeRules.admit`` runs each step once, in the
+order of ADR 0032 decision 2, whichever door asks: **health** (``unusable()``:
+an XID mark, the node's cordon annotation (``cordon.py``), or MIG mode,
+docs/reference/mps-nvml.md) -> **plan** (naming an unusable GPU refuses, code
+``unhealthy`` / ``cordoned`` / ``mig``) -> the door's ``check`` -> **the
+memory-limit gate** (code ``memory_limits_unenforceable``) -> **the ledger**.
 
 A kubelet reservation that is *pending* (Allocate answered while a running
 container still held its devices: ``reservations``, ADR 0033 decision 2)

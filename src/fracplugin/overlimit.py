@@ -1,18 +1,10 @@
 """A container above its GPU memory limit is noticed (issue 35 item 3, ADR 0035).
 
-On every usage poll (``Metrics.poll``, every ``--usage-poll-interval``
-seconds) each tenancy of the ledger (one container on one GPU) has its used
-memory compared with its hard limit (``limit_mib``). Used is the container's
-leaf ``dmem.current`` for that GPU where the kernel has it (``dmem_used``;
-the memory-limits part knows the leaf), else the sum of NVML
-``usedGpuMemory`` of its processes as metrics.py attributes them through
-``/proc/<pid>/cgroup``. An *episode* starts at the first poll that finds used
-above the limit and ends at the first that finds it at or under it (or the
-tenancy gone). At its start: one Warning Event ``GpuMemoryLimitExceeded``
-naming the GPU, used and limit, and the episode's number (events.py sends
-a message once per minute only), the episode counter grows, and with
-``--over-limit restart`` the container is restarted (restart.py). A poll
-whose NVML query failed changes nothing.
+On every usage poll (``Metrics.poll``) each tenancy of the ledger has its used memory (the leaf's
+``dmem.current``, else NVML's per-process sum as metrics.py attributes it) compared with its hard limit, and
+*episodes* above it start and end as ADR 0035 decision 2 says: at its start one Warning Event
+``GpuMemoryLimitExceeded`` (numbered), the episode counter, and with ``--over-limit restart`` a restart
+(restart.py). A poll whose NVML query failed changes nothing.
 
 Concurrency: ``check`` runs on the poll thread; ``over``, ``episodes`` and
 ``status`` may be read from any thread (one lock).

@@ -1,16 +1,8 @@
 """The lifecycle contract of the daemon's parts, and the typed ports between them.
 
 Every part ``fracplugin run`` composes is driven through one contract,
-``Part`` (ADR 0014, which gives the rules): ``start() -> None`` (raises on
-failure; whatever a component's own ``start`` returns is read by its adapter,
-never by the daemon), ``stop(timeout_s: float) -> None`` (the daemon also
-bounds it on a helper thread), ``readiness() -> Readiness`` (the parts whose
-``check`` is set are the ``/readyz`` checks), ``status() -> dict`` (the part's
-section of ``/status``) and ``reload(cfg) -> Reloaded`` (SIGHUP: ``reads``
-and ``reloads`` declare the settings it reads and those it can change while
-running; a changed setting it reads but cannot reload is ``needs_restart``).
-The adapters here are thin, typed against their component (no reflection),
-and hold the config keys each one reads.
+``Part`` (ADR 0014, which gives the rules). The adapters here are thin, typed
+against their component (no reflection), and hold the config keys each one reads.
 
 Ports (what one part needs of another): ``MpsApi`` (mps/api.py, null object
 ``NullMps``), ``HookMetrics`` (ports.py, null object ``NoMetrics``),
@@ -98,24 +90,35 @@ PLANNER_KEYS = frozenset({"reserve_mib", "max_clients_per_gpu", "mps_root", "ann
 """Config keys of ``builders.Builder.planner_config`` (read by both doors at start)."""
 
 
+class Service(Protocol):
+    """A component a part starts and stops."""
+
+    def start(self) -> object: ...
+
+    def stop(self, timeout_s: float) -> object: ...
+
+
 class PartBase:
-    """Defaults of the contract: nothing to start or stop, always ready,
-    empty status; ``reload`` diffs ``reads`` and hands the changed
-    ``reloads`` keys to ``_apply``."""
+    """Defaults of the contract: start and stop ``service`` (when set),
+    always ready, empty status; ``reload`` diffs ``reads`` and hands the
+    changed ``reloads`` keys to ``_apply``."""
 
     name = "part"
     check: str | None = None
     reads: frozenset[str] = frozenset()
     reloads: frozenset[str] = frozenset()
+    service: Service | None = None
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
 
     def start(self) -> None:
-        return None
+        if self.service is not None:
+            self.service.start()
 
     def stop(self, timeout_s: float) -> None:
-        return None
+        if self.service is not None:
+            self.service.stop(timeout_s)
 
     def readiness(self) -> Readiness:
         return Readiness(True, "running")
@@ -149,14 +152,6 @@ class LogsPart(PartBase):
         logs.setup(cfg.log_format, cfg.log_level)
 
 
-class Service(Protocol):
-    """A component a ``ServicePart`` starts and stops."""
-
-    def start(self) -> object: ...
-
-    def stop(self, timeout_s: float) -> object: ...
-
-
 class ServicePart(PartBase):
     """A part that only starts and stops one component (``service``: the MPS
     role's API socket, refusal Events, the node condition KAI gates on, the
@@ -167,12 +162,6 @@ class ServicePart(PartBase):
                  status_of: Callable[[], dict[str, Any]] | None = None) -> None:
         super().__init__(cfg)
         self.name, self.reads, self.service, self._status_of = name, frozenset(reads), service, status_of
-
-    def start(self) -> None:
-        self.service.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.service.stop(timeout_s)
 
     def status(self) -> dict[str, Any]:
         return self._status_of() if self._status_of is not None else {}
@@ -241,7 +230,9 @@ class MetricsPart(PartBase):
 
 class MpsPart(PartBase):
     """The MPS layer of this role: the supervisor (roles all, mps) or the
-    MPS role's client (role doors). Its readiness is the ``mps`` check."""
+    MPS role's client (role doors). Its readiness is the ``mps`` check. Stop:
+    role all quits the daemons, role mps leaves them running for the next
+    MPS role (ADR 0009), role doors stops polling the MPS role."""
 
     name = "mps"
     check = "mps"
@@ -250,15 +241,7 @@ class MpsPart(PartBase):
 
     def __init__(self, cfg: Config, mps: MpsApi) -> None:
         super().__init__(cfg)
-        self.mps = mps
-
-    def start(self) -> None:
-        self.mps.start()
-
-    def stop(self, timeout_s: float) -> None:
-        # role all: quit the daemons; role mps: leave them running for the next
-        # MPS role (ADR 0009); role doors: stop polling the MPS role.
-        self.mps.stop(timeout_s)
+        self.mps = self.service = mps
 
     def readiness(self) -> Readiness:
         ok = bool(self.mps.ready())
@@ -325,34 +308,21 @@ class NriDoor(PartBase):
 
     def __init__(self, cfg: Config, stub: NriStub, plugin: FracNriPlugin) -> None:
         super().__init__(cfg)
-        self.stub = stub
+        self.stub = self.service = stub
         self.plugin = plugin
-
-    def start(self) -> None:
-        self.stub.start()
 
     def stop(self, timeout_s: float) -> None:
         self.stub.stop(timeout_s)
         self.plugin.close()  # background MPS namespace jobs
 
-    def connected(self) -> bool:
-        return bool(self.stub.connected())
-
-    def synchronized(self) -> bool:
-        return bool(self.stub.ready())
-
-    def exited(self) -> bool:
-        """The stub's run thread ended on its own."""
-        return bool(self.stub.exited)
-
     def readiness(self) -> Readiness:
         # readiness of the current runtime session (issue 13 item 5), not "ever synchronized"
-        synced, connected = self.synchronized(), self.connected()
+        synced, connected = self.stub.ready(), self.stub.connected()
         renewing = self.plugin.namespaces.renewing()  # running containers' namespaces re-ensured (ADR 0034)
         if synced and connected and renewing:
             return Readiness(False, f"re-ensuring the MPS namespaces of {renewing} running container(s)")
         ready = synced and connected
-        before = bool(self.stub.ever_synchronized())
+        before = self.stub.ever_synchronized()
         return Readiness(ready, "synchronized with the runtime" if ready else
                          "connected, not synchronized yet" if connected else
                          f"not connected to {self.cfg.nri_socket}" + (" (was synchronized before)" if before else ""))
@@ -362,11 +332,8 @@ class NriDoor(PartBase):
         doc: dict[str, Any] = {}
         doc.update(self.stub.status())
         doc.update(self.plugin.status())
-        doc["ready"] = self.synchronized() and self.connected()
+        doc["ready"] = self.stub.ready() and self.stub.connected()
         return doc
-
-    def unadjusted(self) -> int:
-        return len(self.plugin.status().get("unadjusted") or ())
 
     def _apply(self, cfg: Config, keys: Iterable[str]) -> None:
         self.plugin.settings.fail_open = cfg.fail_open
@@ -385,13 +352,7 @@ class DevicePluginPart(PartBase):
 
     def __init__(self, cfg: Config, server: DevicePluginServer) -> None:
         super().__init__(cfg)
-        self.server = server
-
-    def start(self) -> None:
-        self.server.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self.server.stop(timeout_s)
+        self.server = self.service = server
 
     def readiness(self) -> Readiness:
         reg = self.server.registered()

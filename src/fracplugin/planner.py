@@ -233,16 +233,10 @@ def _memory(request: FractionRequest, gpus: Sequence[GpuInfo], reserve_mib: int)
             "limit_below_request",
         )
     for g in gpus:
-        if req > g.memory_mib:
-            raise FractionError(
-                request.request.key, request.request.raw,
-                f"is {req} MiB, more than GPU {g.index} ({g.uuid}) has ({g.memory_mib} MiB)", "too_large",
-            )
-        if lim > g.memory_mib:
-            raise FractionError(
-                request.limit.key, request.limit.raw,
-                f"is {lim} MiB, more than GPU {g.index} ({g.uuid}) has ({g.memory_mib} MiB)", "too_large",
-            )
+        for spec, mib in ((request.request, req), (request.limit, lim)):
+            if mib > g.memory_mib:
+                raise FractionError(spec.key, spec.raw, f"is {mib} MiB, more than GPU {g.index} ({g.uuid}) has "
+                                    f"({g.memory_mib} MiB)", "too_large")
     return req, lim
 
 

@@ -1,7 +1,5 @@
 """The simulated API: pods read from a YAML file (``--pods-file``), fed to
 an ``InMemoryPodSource`` and re-read when the file changes.
-
-Split out of ``daemon.py`` (issue 26, ADR 0023), moved as it was.
 """
 
 from __future__ import annotations
@@ -13,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import yaml
+
+from .logs import guarded
 
 if TYPE_CHECKING:
     from .kubelet.podlookup import InMemoryPodSource
@@ -118,19 +118,13 @@ class PodsFileWatcher:
     def start(self) -> None:
         """Read the file once (a bad file is logged, never raised: the daemon
         starts with no pods) and start polling."""
-        try:
-            self.sync()
-        except Exception as exc:  # pragma: no cover - sync handles what it knows
-            log.warning("pods file %s not read: %s: %s", self.path, type(exc).__name__, exc)
+        guarded(log, f"pods file {self.path} read", self.sync)
         self._thread = threading.Thread(target=self._run, name="fracplugin-podsfile", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            try:
-                self.sync()
-            except Exception as exc:  # never let the watcher die
-                log.warning("pods file watcher: %s: %s", type(exc).__name__, exc, extra={"path": self.path})
+            guarded(log, "pods file watcher", self.sync, extra={"path": self.path})  # never lets it die
 
     def stop(self, timeout_s: float = 1.0) -> None:
         """End the polling thread (waits at most ``timeout_s`` seconds)."""

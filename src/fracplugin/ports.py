@@ -1,11 +1,7 @@
 """Typed ports that a door needs of another part and that sit below every
 part: ``HookMetrics`` (what the doors report per call) with its null object
-``NoMetrics``, and ``Clock``.
-
-They lived in ``parts.py``; there they made an import circle (``parts.py``
-names the doors for typing, and the doors imported ``HookMetrics`` from it).
-Here they depend on nothing of fracplugin (issue 26, ADR 0023). The other
-ports are ``mps.api.MpsApi``, ``gpu.inventory.Inventory``,
+``NoMetrics``, and ``Clock``; they depend on nothing of fracplugin (ADR 0023:
+no import circle through ``parts.py``). The other ports are ``mps.api.MpsApi``, ``gpu.inventory.Inventory``,
 ``kubelet.podlookup.PodSource`` and ``ledger.Ledger``.
 """
 

@@ -273,7 +273,3 @@ class CachedProcFs(ProcFs):
         keep = set(pids)
         for pid in [p for p in self._cache if p not in keep]:
             del self._cache[pid]
-
-    def cached_pids(self) -> list[int]:
-        """PIDs with a cached answer (tests, /status)."""
-        return sorted(self._cache)

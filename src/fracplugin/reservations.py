@@ -1,53 +1,18 @@
-"""Who may claim a kubelet reservation at the NRI door (issue 25 item 4, ADR 0024;
-issue 34 items 1-2, ADR 0033).
+"""Who may claim a kubelet reservation at the NRI door (ADR 0024 decision 4, ADR 0033 decisions 1-2).
 
-The reservation key (``FRACPLUGIN_RESERVATION``, ``<uuid>::<ranges>``) is
-readable: any pod can write it into its own spec env, and kubelet puts the
-pod-spec env after the device plugin's (docs/reference/kubelet-device-plugin.md A.5). So a
-key alone proves nothing. Each Allocate answer therefore also carries a
-*proof*: 128 random bits (``secrets.token_hex(16)``) made for that Allocate,
-in the answer's env ``FRACPLUGIN_RESERVATION_PROOF`` (Allocate does not put
-it in an annotation; a container annotation
-``fracplugin.io/reservation-proof`` is still read when a runtime or an older
-answer carries one). Only the container kubelet gave the devices to sees it
-(Allocate answers are not part of the pod object, nor of ``/status``, the
-ledger or the logs); a new Allocate of the same device IDs makes a new proof
-(the old holder's stops counting); a re-Allocate of a reservation (kubelet
-restart, an init container's IDs reused by the app container) answers the
-same one. Once checked, the NRI door takes the proof out of the container's
-environment (``-FRACPLUGIN_RESERVATION_PROOF``, then the key set empty:
-containerd does not forward a removal of a variable kubelet added,
-docs/reference/nri-protocol.md "Env removal caveat"), and once bound a
-reservation belongs to its pod whatever proof another pod shows (rule 4).
+The reservation key (``FRACPLUGIN_RESERVATION``, ``<uuid>::<ranges>``) is readable by any pod, so each
+Allocate answer also carries a *proof* (128 random bits, env ``FRACPLUGIN_RESERVATION_PROOF``; a container
+annotation ``fracplugin.io/reservation-proof`` is still read), new for each new holder of the device IDs and
+the same for a re-Allocate. The NRI door takes it out of the container's environment once checked
+(docs/reference/nri-protocol.md "Env removal caveat").
 
-*Aliases* (issue 34 item 1): kubelet hands an init container's devices again
-to a later container of the same pod, plus or minus some (init ``::0-1``,
-app ``::0-2``). The app's Allocate does not end the init's reservation: both
-keys become one hold, recorded under the union of their devices (memory
-counted once), and each key that is not the union is an alias of it. A
-container claims with its own key (its own size, its own proof); the ledger
-records it under the hold (``hold_of``).
-
-The proofs and aliases are kept in memory and in
-``<state-dir>/reservation-proofs.json`` (mode 0600, beside the ledger; a
-restarted daemon still knows the proofs of running containers, whose cached
-Allocate answer kubelet reuses at every restart of the container).
-
-*Pending reservations* (issue 34 input 2, ADR 0033 decision 2): kubelet may
-Allocate device IDs a running container still holds (a force-deleted pod
-whose container the runtime has not stopped yet; its devices go to the next
-pod at once). A running container's hold ends only with that container, and
-a refused Allocate is terminal for the pod, so the Allocate is answered
-(its proof issued) without recording anything: the key is *pending* on the
-release of those devices (``ReservationProofs.pend``, kept in the proofs
-file, so it survives a daemon restart). Its container is refused
-TRANSIENTLY (code ``reservation_pending``: UNAVAILABLE, kubelet retries
-CreateContainer) while a container of another pod holding one of its
-devices runs (``running_overlaps``); once none does (its own
-StopContainer / RemoveContainer, or a Synchronize that no longer lists it)
-it is admitted through the node's rules: ``NodeRules.admit`` calls
-``take_over``, which releases the reservations it waited on (their holders
-stopped) before planning, so the GPU never holds both.
+*Aliases* (ADR 0033 decision 3): an app container handed an init container's devices plus or minus some
+joins the init's hold, recorded under the union of their devices; each other key is an alias (``hold_of``).
+*Pending* keys (ADR 0033 decision 2): an Allocate of devices a running container of another pod still holds
+is answered without recording anything (``ReservationProofs.pend``); its container is refused transiently
+(``reservation_pending``) while such a holder runs (``running_overlaps``), then ``NodeRules.admit`` calls
+``take_over``. Proofs, aliases and pending keys live in memory and in ``<state-dir>/reservation-proofs.json``
+(mode 0600, beside the ledger), so a restarted daemon still knows them.
 
 ``claim_problem`` is the rule the NRI door applies at CreateContainer (on the
 hold the key names, itself or through its alias):

@@ -1,15 +1,10 @@
 """Restart a running container: the one action behind ``--over-limit restart``
-(issue 35 item 3) and, later, ``--unfenced-containers restart`` (item 1).
+(issue 35 item 3) and ``--unfenced-containers restart`` (item 1).
 
-Route (ADR 0035): the Kubernetes Eviction API, ``POST
-/api/v1/namespaces/<ns>/pods/<name>/eviction`` (``policy/v1`` Eviction, with
-a UID precondition so a new pod of the same name is never hit), through the
-API client the daemon already has for Events and the pod watch. containerd
-carries out an NRI eviction only in a CreateContainer/UpdateContainer
-*response* (docs/reference/nri-protocol.md "Evictions"), and the daemon holds
-no CRI socket, so neither can stop a container that is already running.
-The pod's controller recreates it; a PodDisruptionBudget that forbids the
-eviction makes the API answer 429, which is logged and counted, not retried.
+Route (ADR 0035 decision 4, which says why not NRI or CRI): the Kubernetes Eviction API, ``POST
+/api/v1/namespaces/<ns>/pods/<name>/eviction`` (``policy/v1``, a UID precondition so a new pod of the same
+name is never hit). The pod's controller recreates it; a PodDisruptionBudget's 429 is logged and counted,
+not retried.
 
 Concurrency: ``restart`` returns at once; each request runs on its own short
 daemon thread, bounded by ``request_timeout_s``, at most ``MAX_IN_FLIGHT``
@@ -22,6 +17,7 @@ import logging
 import threading
 from typing import Any
 
+from .events import api_error, core_v1
 from .model import PodRef
 
 log = logging.getLogger(__name__)
@@ -34,16 +30,17 @@ class Restarter:
     """Evicts pods so their containers come back (module docstring).
 
     Args:
-        api: a ``kubernetes.client.CoreV1Api`` or ``ApiClient``, or None to
-            load the in-cluster configuration on first use.
-        request_timeout_s: bound of one API request, seconds.
+        api: for ``events.core_v1``, called at the first eviction.
 
     ``stats()``: ``{"requested", "evicted", "failed", "last_error"}`` counts
     since construction."""
 
-    def __init__(self, api: Any, request_timeout_s: float = 5.0) -> None:
+    request_timeout_s = 5.0
+    """Bound of one API request, seconds."""
+
+    def __init__(self, api: Any) -> None:
         self._api = api
-        self.request_timeout_s = request_timeout_s
+        self._core: Any = None
         self._lock = threading.Lock()
         self._busy: set[str] = set()  # pod UIDs with a request in flight
         self._counts = {"requested": 0, "evicted": 0, "failed": 0}
@@ -66,21 +63,16 @@ class Restarter:
 
     def _evict(self, pod: PodRef, container: str) -> None:
         try:
-            from kubernetes import client, config
+            from kubernetes import client
 
-            api = self._api
-            if api is None:
-                config.load_incluster_config()
-                api = self._api = client.ApiClient()
-            core = api if hasattr(api, "create_namespaced_pod_eviction") else client.CoreV1Api(api)
+            core = self._core = self._core or core_v1(self._api)
             body = client.V1Eviction(metadata=client.V1ObjectMeta(name=pod.name, namespace=pod.namespace),
                                      delete_options=client.V1DeleteOptions(
                                          preconditions=client.V1Preconditions(uid=pod.uid)))
             core.create_namespaced_pod_eviction(pod.name, pod.namespace, body, _request_timeout=self.request_timeout_s)
             ok, err = True, ""
         except Exception as exc:  # ApiException (429 PDB, 404 gone), connection errors, config errors
-            status = getattr(exc, "status", None)
-            ok, err = False, f"HTTP {status} {getattr(exc, 'reason', '')}".strip() if status else f"{exc}"[:300]
+            ok, err = False, api_error(exc)
             log.warning("pod eviction failed", extra={"pod": str(pod), "container": container, "error": err})
         with self._lock:
             self._busy.discard(pod.uid)

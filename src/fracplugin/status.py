@@ -194,10 +194,7 @@ def render_table(doc: Mapping[str, Any]) -> str:
                + f"  fail-open={'on' if doc.get('fail_open') else 'off'}")
     for part, c in (doc.get("checks") or {}).items():
         out.append(f"  {part:<14} {'ready' if c.get('ready') else 'NOT READY':<10} {c.get('detail', '')}".rstrip())
-    out.append("")
-    out.append(render_gpus(doc))
-    out.append("")
-    out.extend(render_mps(doc.get("mps") or {}))
+    out += ["", render_gpus(doc), "", *render_mps(doc.get("mps") or {})]
     nri = doc.get("nri")
     if isinstance(nri, dict):
         out.append("")
@@ -246,16 +243,13 @@ def render_table(doc: Mapping[str, Any]) -> str:
                    + (f"\n  last error: {co['last_error']}" if co.get("last_error") else ""))
     ml = doc.get("memory_limits")
     if isinstance(ml, dict):
-        out.append("")
-        out.append(render_memory_limits(ml))
+        out += ["", render_memory_limits(ml)]
     cdi = doc.get("cdi")
     if isinstance(cdi, dict):  # CDI-native GPU injection (ADR 0025b)
-        out.append("")
-        out.append(render_cdi(cdi))
+        out += ["", render_cdi(cdi)]
     eps = doc.get("endpoints") or {}
     if eps:
-        out.append("")
-        out.append("endpoints: " + "  ".join(f"{k}={v}" for k, v in eps.items() if v))
+        out += ["", "endpoints: " + "  ".join(f"{k}={v}" for k, v in eps.items() if v)]
     return "\n".join(out)
 
 

@@ -69,7 +69,8 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="fpbcdi", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     try:
         d = spec_dir(base)
-        reg = CdiRegistry([str(d)], node.gpus, file_check_s=0.2)
+        reg = CdiRegistry([str(d)], node.gpus)
+        reg.file_check_s = 0.2
         rereads = []
         for _ in range(5):
             t0 = time.perf_counter()

@@ -145,11 +145,14 @@ def node_n(gpus: int = GPUS) -> NodeInfo:
         dataclasses.replace(g0, index=i, minor=i, uuid=f"GPU-00000000-0000-4000-8000-{i:012d}") for i in range(gpus)))
 
 
-def open_ledger(variant: str, node: NodeInfo, d: Path, **kw: Any) -> Ledger:
+def open_ledger(variant: str, node: NodeInfo, d: Path, compact_min_records: int = 0, **kw: Any) -> Ledger:
     if variant == "memory":
         return Ledger(node, None, **kw)
     if variant == "journal":
-        return Ledger(node, d / "ledger.json", **kw)
+        ledger = Ledger(node, d / "ledger.json", **kw)
+        if compact_min_records:
+            ledger._store.compact_min = compact_min_records  # noqa: SLF001
+        return ledger
     sync = "FULL" if variant == "sqlite_full" else "NORMAL"
     pages = kw.pop("autocheckpoint_pages", 1000)
     ledger = Ledger(node, None, **kw)

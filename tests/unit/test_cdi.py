@@ -79,7 +79,8 @@ def test_spec_level_hook_counts_for_every_device(tmp_path: Path) -> None:
 
 def test_broken_spec_named_in_one_warning_and_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     d = tree(tmp_path, "with-hook", "broken")
-    reg = CdiRegistry([str(d)], NODE.gpus, file_check_s=0.0)
+    reg = CdiRegistry([str(d)], NODE.gpus)
+    reg.file_check_s = 0.0
     with caplog.at_level(logging.WARNING, logger="fracplugin.cdi"):
         assert reg.device_for(UUIDS[0]) is not None  # the good spec still counts
         reg.refresh(force=True)
@@ -110,7 +111,8 @@ def test_bad_spec_shapes_are_named(tmp_path: Path, body: str, words: str) -> Non
 def test_reread_on_new_file_and_on_edit_in_place(tmp_path: Path) -> None:
     d = tmp_path / "cdi"
     d.mkdir()
-    reg = CdiRegistry([str(d)], NODE.gpus, file_check_s=0.0)
+    reg = CdiRegistry([str(d)], NODE.gpus)
+    reg.file_check_s = 0.0
     assert reg.device_for(UUIDS[0]) is None
     assert reg.status()["gpus_without_spec"] == UUIDS
     shutil.copy(FIX / "no-hook" / "k8s.device-plugin.nvidia.com-gpu.yaml", d / "dp.yaml")
@@ -191,7 +193,8 @@ def test_a_device_whose_identities_disagree_matches_no_gpu_with_one_warning(
     (d / "dp.yaml").write_text(  # named GPU 0's UUID, its device node GPU 1's
         f'cdiVersion: "0.6.0"\nkind: {DP}\ndevices:\n  - name: {UUIDS[0]}\n    containerEdits:\n'
         f'      deviceNodes:\n        - path: /dev/nvidia{NODE.gpus[1].minor}\n')
-    reg = CdiRegistry([str(d)], NODE.gpus, file_check_s=0.0)
+    reg = CdiRegistry([str(d)], NODE.gpus)
+    reg.file_check_s = 0.0
     with caplog.at_level(logging.WARNING, logger="fracplugin.cdi"):
         assert reg.device_for(UUIDS[0]) is None and reg.device_for(UUIDS[1]) is None
         reg.refresh(force=True)
@@ -231,7 +234,8 @@ def test_lookups_never_wait_for_a_reread(tmp_path: Path) -> None:
     from tests.helpers import wait_until
 
     d = tree(tmp_path, "no-hook")
-    reg = _SlowRegistry([str(d)], NODE.gpus, file_check_s=0.05)
+    reg = _SlowRegistry([str(d)], NODE.gpus)
+    reg.file_check_s = 0.05
     reg.start()
     try:
         assert not reg.device_for(UUIDS[0]).has_memory_limit_hook  # type: ignore[union-attr]
@@ -253,7 +257,8 @@ def test_a_missing_spec_directory_is_one_warning_and_a_status_line(tmp_path: Pat
     from fracplugin.status import render_cdi
 
     gone = tmp_path / "nope"
-    reg = CdiRegistry([str(gone), str(tree(tmp_path, "with-hook"))], NODE.gpus, file_check_s=60)
+    reg = CdiRegistry([str(gone), str(tree(tmp_path, "with-hook"))], NODE.gpus)
+    reg.file_check_s = 60
     with caplog.at_level(logging.WARNING, logger="fracplugin.cdi"):
         reg.start()
         reg.stop()

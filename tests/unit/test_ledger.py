@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from fracplugin.gpu.simulated import load_node
 from fracplugin.ledger import Ledger
+from fracplugin.ledgerstore import LedgerStore
 from fracplugin.model import FractionError, PodRef
 from tests.helpers import plan_container
 
@@ -241,11 +242,12 @@ def test_journal_of_an_older_generation_is_ignored(node, tmp_path):
     assert again.load() == [] and [t.pod_uid for t in again.tenancies()] == ["u1", "u2"]
 
 
-def test_compaction_bounds_the_journal(node, tmp_path):
-    """Past max(compact_min_records, 2 x tenancies) changes the journal is
+def test_compaction_bounds_the_journal(node, tmp_path, monkeypatch):
+    """Past max(compact_min, 2 x tenancies) changes the journal is
     folded into a new snapshot; the state survives any number of rounds."""
+    monkeypatch.setattr(LedgerStore, "compact_min", 4)
     path = tmp_path / "ledger.json"
-    led = Ledger(node, path, compact_min_records=4)
+    led = Ledger(node, path)
     for i in range(40):
         led.admit(mkplan(node, led, f"u{i % 6}", request="1Gi", devices=str(i % 4)), container_id=f"c{i}")
         if i % 3 == 0:

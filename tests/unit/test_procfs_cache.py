@@ -57,7 +57,7 @@ def test_cached_while_start_time_holds_and_reread_when_pid_is_reused(tmp_path):
     # the PID reused by a new process (new start time): read again
     (tmp_path / "100" / "stat").write_text(_stat(100, 2000))
     assert fs.container_of(100).container_id == CID_B
-    assert fs.cached_pids() == [100]
+    assert sorted(fs._cache) == [100]
 
 
 def test_without_stat_lookups_are_uncached_and_prune_forgets(tmp_path):
@@ -67,9 +67,9 @@ def test_without_stat_lookups_are_uncached_and_prune_forgets(tmp_path):
     assert fs.container_of(5).container_id == CID_A and fs.container_of(6).container_id == CID_A
     (tmp_path / "5" / "cgroup").write_text(_cgroup(CID_B))
     assert fs.container_of(5).container_id == CID_B
-    assert fs.cached_pids() == [6]
+    assert sorted(fs._cache) == [6]
     fs.prune([5])
-    assert fs.cached_pids() == []
+    assert sorted(fs._cache) == []
 
 
 def test_host_process_exe_is_cached(tmp_path):
