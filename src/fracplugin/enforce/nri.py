@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 from .._proto import nri_pb2
 from ..dra import claim_tenancies
+from ..logs import guarded
 from ..model import ContainerPlan, FractionError, PodRef, Tenancy
 from ..planner import ENV_MEMORY_LIMIT, ENV_MEMORY_REQUEST
 from .capability import NodeCapabilities
@@ -150,9 +151,7 @@ class NriMemoryLimits:
         if not gpus:
             return None
         t0 = time.perf_counter()
-        linux = getattr(container, "linux", None)
-        cgroups_path = str(getattr(linux, "cgroups_path", "") or "") if linux is not None else ""
-        res = self.enforcer.start(container.id, cgroups_path, gpus,
+        res = self.enforcer.start(container.id, _cgroups_path(container), gpus,
                                   pod=f"{pod.namespace}/{pod.name}", container=container.name)
         if self.observe is not None:
             self.observe(time.perf_counter() - t0)
@@ -172,13 +171,10 @@ class NriMemoryLimits:
         return res
 
     def _report(self, pod: PodNames, res: ContainerLimits) -> None:
-        if self.on_not_enforced is None:
-            return
-        try:
-            ref = PodRef(namespace=pod.namespace, name=pod.name, uid=pod.uid)
-            self.on_not_enforced(ref, res.container, not_enforced_message(res))
-        except Exception:
-            log.exception("memory limits: on_not_enforced failed")
+        if self.on_not_enforced is not None:
+            guarded(log, "memory limits: on_not_enforced", self.on_not_enforced,
+                    PodRef(namespace=pod.namespace, name=pod.name, uid=pod.uid), res.container,
+                    not_enforced_message(res))
 
     def adopt(self, pods: Iterable[PodNames], containers: Iterable[ContainerIds], ledger: HoldsContainers) -> None:
         """Start (apply/verify, no Event) the running containers with held
@@ -193,9 +189,7 @@ class NriMemoryLimits:
 
         def run() -> None:
             for c, pod, gpus in todo:
-                linux = getattr(c, "linux", None)
-                self.enforcer.start(c.id, str(getattr(linux, "cgroups_path", "") or ""), gpus, pod=pod,
-                                    container=c.name)
+                self.enforcer.start(c.id, _cgroups_path(c), gpus, pod=pod, container=c.name)
         if todo:
             threading.Thread(target=run, name="memory-limits-adopt", daemon=True).start()
 
@@ -206,10 +200,13 @@ class NriMemoryLimits:
         (UUIDs)."""
         if not self.active:
             return
-        linux = getattr(container, "linux", None)
-        cgroups_path = str(getattr(linux, "cgroups_path", "") or "") if linux is not None else ""
         all_gpus = list(gpus()) if gpus is not None and self.enforcer.result(container.id) is None else []
-        self.enforcer.remove(container.id, cgroups_path, all_gpus)
+        self.enforcer.remove(container.id, _cgroups_path(container), all_gpus)
+
+
+def _cgroups_path(container: ContainerIds) -> str:
+    """NRI ``linux.cgroups_path`` of the container ("" when it has none)."""
+    return str(getattr(getattr(container, "linux", None), "cgroups_path", "") or "")
 
 
 def held_tenancies(container: ContainerIds, ledger: HoldsContainers) -> list[Tenancy]:

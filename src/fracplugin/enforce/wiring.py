@@ -38,36 +38,32 @@ class MemoryLimits:
         hook_of: ``uuid -> bool | None``: the GPU's CDI spec carries the
             toolkit's memory-limit hook (from the CDI reader; None = not read).
         on_not_enforced: ``f(pod ref, container, message)`` (the Warning Event).
-        backend: NVML limits; default ``NvmlLimits()`` opened here (when NVML
-            cannot be initialised the backend is None and the gate's
-            ``memory_accounting`` says so)."""
+
+    NVML is opened here (``NvmlLimits``, mode not off); when it cannot be
+    initialised ``nvml`` is None and the gate's ``memory_accounting`` says so."""
 
     def __init__(self, mode: MemoryLimitMode, policy: LimitPolicy, cgroup_root: str, node: NodeInfo, *,
                  mps_protocol: Callable[[], int | None] | None = None,
                  hook_of: Callable[[str], bool | None] | None = None,
-                 on_not_enforced: Callable[[PodRef, str, str], None] | None = None,
-                 backend: Any = "default") -> None:
+                 on_not_enforced: Callable[[PodRef, str, str], None] | None = None) -> None:
         self.mode = mode
         self.policy = policy
         self.cgroup_root = cgroup_root
         self.node = node
         self.nvml: NvmlLimits | None = None
         self.nvml_error = ""
-        if backend == "default":
-            backend = None
-            if mode is not MemoryLimitMode.OFF:
-                nv = NvmlLimits()
-                try:
-                    nv.open()
-                    backend = self.nvml = nv
-                except LimitError as exc:
-                    self.nvml_error = exc.reason
-                    log.warning("memory limits: NVML not available", extra={"reason": exc.reason})
-        self.backend = backend
-        probe = getattr(backend, "probe", None)
+        if mode is not MemoryLimitMode.OFF:
+            nv = NvmlLimits()
+            try:
+                nv.open()
+                self.nvml = nv
+            except LimitError as exc:
+                self.nvml_error = exc.reason
+                log.warning("memory limits: NVML not available", extra={"reason": exc.reason})
+        backend = self.nvml
         self.gate = CapabilityGate(
             lambda: node.gpus, node.driver_version, cgroup_root=cgroup_root, mps_protocol=mps_protocol,
-            nvml_probe=(lambda u: probe(u, cgroup_root)) if callable(probe) else None, hook_of=hook_of)
+            nvml_probe=(lambda u: backend.probe(u, cgroup_root)) if backend is not None else None, hook_of=hook_of)
         self.regions = {g.uuid: gpu_region(g) for g in node.gpus}
         self.enforcer = MemoryLimitEnforcer(mode, backend, cgroup_root=cgroup_root, hook_of=hook_of,
                                             region_of=self.regions.get, can_enforce=self.gate.reason)
@@ -79,7 +75,7 @@ class MemoryLimits:
     @classmethod
     def build(cls, cfg: Any, node: NodeInfo, **kw: Any) -> "MemoryLimits":
         """From the daemon's config (``memory_limits``, ``memory_limits_policy``, ``cgroup_root``)."""
-        return cls(MemoryLimitMode.parse(cfg.memory_limits), LimitPolicy.parse(cfg.memory_limits_policy),
+        return cls(MemoryLimitMode(cfg.memory_limits), LimitPolicy(cfg.memory_limits_policy),
                    cfg.cgroup_root, node, **kw)
 
     def _observe(self, seconds: float) -> None:
@@ -100,7 +96,7 @@ class MemoryLimits:
     def status(self) -> dict[str, Any]:
         """The ``/status`` ``memory_limits`` section."""
         out: dict[str, Any] = {"mode": self.mode.value, "policy": self.policy.value, "cgroup_root": self.cgroup_root,
-                               "nvml": self.backend is not None, "nvml_error": self.nvml_error}
+                               "nvml": self.nvml is not None, "nvml_error": self.nvml_error}
         if self.mode is not MemoryLimitMode.OFF:
             out["node"] = self.gate.current().to_dict()
             out["containers"] = [r.to_dict() for r in self.enforcer.results()]
@@ -113,7 +109,7 @@ class MemoryLimits:
         on every GPU NVML answers for ([] with mode off or no NVML). Costs
         one NVML read per (parent or child cgroup, GPU); kept until a soft
         limit may have changed (the enforcer's ``generation``), at most 60 s."""
-        backend = self.backend
+        backend = self.nvml
         if backend is None or self.mode is MemoryLimitMode.OFF:
             return []
         key = (self.enforcer.generation, int(time.monotonic() // 60))
