@@ -302,13 +302,6 @@ class MpsControl:
         if out and out.split()[-1] != "0":
             raise MpsError(f"terminate_client {server_pid} {client_pid}: {out}", output=out)
 
-    def set_default_active_thread_percentage(self, percentage: int, timeout_s: float) -> None:
-        self.v2(f"set_default_active_thread_percentage {int(percentage)}", timeout_s)
-
-    def set_default_device_pinned_mem_limit(self, device: str | int, mib: int, timeout_s: float) -> None:
-        """``set_default_device_pinned_mem_limit <dev> <MiB>M`` (dev = ordinal or UUID)."""
-        self.v2(f"set_default_device_pinned_mem_limit {device} {int(mib)}M", timeout_s)
-
 
 def _check_name(name: str) -> None:
     if not NAME_RE.match(name):

@@ -4,7 +4,7 @@
 whether a ready one is still healthy:
 
 * ready when the ``control`` socket exists and a real command answers; then
-  v2 defaults are applied and recorded namespaces restored (``namespaces``);
+  recorded namespaces are restored (``namespaces``);
 * an active probe every ``probe_interval_s`` (v3 ``server list``, v2
   ``get_default_active_thread_percentage``) bounded by ``probe_timeout_s``;
   ``probe_failure_threshold`` consecutive failures confirm a hang: the daemon
@@ -46,11 +46,10 @@ import stat
 import threading
 import time
 
-from ..model import ComputeMode
 from .api import MpsError, MpsResourceError, MpsTimeout
 from .lifecycle import DaemonProcesses
 from .namespaces import NamespaceBook
-from .procs import DetachedProc, is_control_daemon, pid_alive
+from .procs import DetachedProc, live_daemon, unlink_socket
 from .state import SERVER_EXIT_RE, DaemonState, SupervisorCore, control_log_size
 
 log = logging.getLogger("fracplugin.mps.supervisor")
@@ -129,12 +128,8 @@ class DaemonProber:
         control binary, and a real probe answers through ``<pipe>/control``).
         Its servers, namespaces and clients are kept; recorded namespaces that
         are missing are re-created. Returns True when adopted."""
-        try:
-            with open(os.path.join(d.pipe_dir, "nvidia-cuda-mps-control.pid"), encoding="utf-8") as f:
-                pid = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            return False
-        if not pid_alive(pid) or not is_control_daemon(pid, self.c.control_binary):
+        pid = live_daemon(d.pipe_dir, self.c.control_binary)
+        if pid is None:
             return False
         try:
             dur = d.control.probe(self.c.probe_timeout_s)
@@ -168,7 +163,7 @@ class DaemonProber:
 
     def after_ready(self, d: DaemonState, probe_s: float, fresh: bool = True) -> None:
         """The daemon answered: state ``ready``; drop namespaces released meanwhile (fresh daemon), remember the
-        control socket's identity, apply v2 defaults, restore recorded namespaces, then report health."""
+        control socket's identity, restore recorded namespaces, then report health."""
         now = self.c.clock()
         with self.c.lock:
             if self.c.stopping.is_set() or d.proc is None:
@@ -192,17 +187,12 @@ class DaemonProber:
                     dropped.append(n)
         for n in dropped:  # released while the daemon (re)started: nothing will bind there again
             leaf = self.c.layout.namespace_pipe_dir(n, d.mode)
-            try:
-                if stat.S_ISSOCK(os.lstat(os.path.join(leaf, "control")).st_mode):
-                    os.unlink(os.path.join(leaf, "control"))
-            except OSError:
-                pass
+            unlink_socket(os.path.join(leaf, "control"))
             with contextlib.suppress(OSError):
                 os.rmdir(leaf)
         d.control_id = self.control_identity(d)
         if d.log_offset is None:
             d.log_offset = control_log_size(d)
-        self.apply_defaults(d)
         self.book.restore(d, fresh=fresh)
         self.c.set_health(d, not d.restore_pending and d.control_id is not None)
         if d.control_id is None:
@@ -210,21 +200,6 @@ class DaemonProber:
                 d.last_error = f"{d.pipe_dir}/control is not a socket of ours in a directory only we can write"
         self.update_servers(d)
         log.info("MPS %s daemon ready (pid %s)", d.mode.value, d.proc.pid if d.proc else None)
-
-    def apply_defaults(self, d: DaemonState) -> None:
-        """v2 only: default active thread percentage (sm-sharing) and pinned device memory limits (MiB per
-        device). Errors are logged, never raised."""
-        if self.c.protocol >= 3:
-            return
-        try:
-            if self.c.default_atp is not None and d.mode is ComputeMode.SM_SHARING:
-                d.control.set_default_active_thread_percentage(self.c.default_atp, self.c.probe_timeout_s)
-            for dev, mib in self.c.default_pinned.items():
-                d.control.set_default_device_pinned_mem_limit(dev, mib, self.c.probe_timeout_s)
-        except MpsError as e:
-            with self.c.lock:
-                d.last_error = f"defaults: {e}"
-            log.warning("MPS %s defaults not applied: %s", d.mode.value, e)
 
     def ask(self, d: DaemonState) -> tuple[bool, bool, str] | None:
         """Run one probe command of ``d``: ``(ok, timed_out, error)``; None when this process could not even

@@ -17,6 +17,8 @@ import time
 
 SERVER_EXE = "nvidia-cuda-mps-server"
 """Basename of the MPS server binary (``/proc/<pid>/exe``), for leftover-server cleanup."""
+PID_FILE = "nvidia-cuda-mps-control.pid"
+"""The control daemon's PID file in its pipe directory (docs/reference/mps-nvml.md 1.4)."""
 
 
 class DetachedProc:
@@ -93,6 +95,28 @@ def is_control_daemon(pid: int, control_binary: str) -> bool:
     except OSError:
         return False
     return any(os.path.basename(a) == want for a in argv[:2])
+
+
+def read_pid(pipe_dir: str) -> int | None:
+    """The PID in ``<pipe_dir>/PID_FILE`` (None when absent or unreadable)."""
+    try:
+        with open(os.path.join(pipe_dir, PID_FILE), encoding="utf-8") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def live_daemon(pipe_dir: str, control_binary: str) -> int | None:
+    """``read_pid``'s PID when that process is alive and runs ``control_binary``, else None."""
+    pid = read_pid(pipe_dir)
+    return pid if pid is not None and pid_alive(pid) and is_control_daemon(pid, control_binary) else None
+
+
+def unlink_socket(path: str) -> None:
+    """Remove ``path`` when it is a socket (a dead daemon's ``control``); OSError ignored."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
 
 
 def _chain(root: str, leaf: str) -> list[str]:

@@ -26,6 +26,7 @@ import tenacity
 
 from ..model import ComputeMode
 from ..procfs import ProcFs
+from ..logs import guarded
 from .api import HealthCallback
 from .control import MpsControl, choose_protocol
 from .layout import MpsLayout
@@ -36,9 +37,6 @@ log = logging.getLogger("fracplugin.mps.supervisor")  # every part logs as the s
 _SHARED_PIPE_EXPOSURE = (
     "MPS protocol 2 has no namespaces: tenants of a mode share that daemon's pipe directory "
     "(read-only mount) and can reach its control socket (list, and as root set/quit)")
-
-STATES = ("stopped", "starting", "ready", "unhealthy", "backoff", "failed")
-"""Values of ``status()["daemons"][i]["state"]``."""
 
 
 @dataclass
@@ -159,12 +157,8 @@ class SupervisorCore:
         probe_failure_threshold: int = 2,
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
-        server_exe: str = SERVER_EXE,
-        default_active_thread_percentage: int | None = None,
-        default_pinned_mem_limits_mib: Mapping[str, int] | None = None,
         exclusive_process_gpus: Iterable[str] = (),
         detached: bool = False,
-        state_file: str | None = None,
         crash_loop_exits: int = 3,
         crash_loop_window_s: float = 60.0,
     ) -> None:
@@ -182,13 +176,10 @@ class SupervisorCore:
         self.stable_uptime_s = float(stable_uptime_s)
         self.start_timeout_s = float(start_timeout_s)
         self.probe_failure_threshold = max(1, int(probe_failure_threshold))
-        self.server_exe = server_exe
-        self.default_atp = default_active_thread_percentage
-        self.default_pinned = dict(default_pinned_mem_limits_mib or {})
+        self.server_exe = SERVER_EXE
         self.exclusive_process_gpus = tuple(exclusive_process_gpus)
         self.detached = bool(detached)
-        self.state_file = state_file if state_file is not None else (
-            os.path.join(layout.root, "namespaces.json") if self.detached else None)
+        self.state_file = os.path.join(layout.root, "namespaces.json") if self.detached else None
         self.crash_loop_exits = max(1, int(crash_loop_exits))
         self.crash_loop_window_s = float(crash_loop_window_s)
         self.shared_pipe_exposure = _SHARED_PIPE_EXPOSURE if self.protocol < 3 else ""
@@ -227,10 +218,7 @@ class SupervisorCore:
             d.healthy = healthy
             subs = list(self.subscribers)
         for cb in subs:
-            try:
-                cb(d.mode, healthy)
-            except Exception:
-                log.exception("MPS health callback failed")
+            guarded(log, "MPS health callback", cb, d.mode, healthy)
 
     def backoff_s(self, attempt: int) -> float:
         """Delay before restart ``attempt`` (1-based): 0 for the first, then

@@ -83,20 +83,14 @@ class MpsSupervisor(SupervisorCore):
             on a loaded node is not enough). A refused probe reports unhealthy at once; timed-out
             probes only at the threshold, each one doubling the next probe's timeout (``probing``).
         backoff_base_s, backoff_max_s: exponential backoff after the immediate first retry.
-        server_exe: basename of MPS server binaries (leftover-server cleanup).
-        default_active_thread_percentage: v2 only: ``set_default_active_thread_percentage``
-            applied after each start of the sm-sharing daemon.
-        default_pinned_mem_limits_mib: v2 only: ``{device: MiB}`` applied with
-            ``set_default_device_pinned_mem_limit`` after each start of every daemon.
         exclusive_process_gpus: GPU UUIDs put in EXCLUSIVE_PROCESS compute mode via
             NVML at ``start()`` (errors are logged, never fatal).
         detached: the MPS role (``fracplugin run --role mps``, ADR 0009): daemons
             started with ``-d`` (their own session), a running one adopted at
             start (pid file + live process + answered probe), left running by
-            ``stop()``; only ``quit_daemons()`` stops MPS on purpose.
-        state_file: where the recorded namespaces are kept (JSON, atomic rename
-            + fsync) so that a restarted MPS role knows whose they are; default
-            ``<root>/namespaces.json`` when ``detached``, none otherwise.
+            ``stop()``; only ``quit_daemons()`` stops MPS on purpose. Its recorded
+            namespaces are kept in ``<root>/namespaces.json`` (JSON, atomic rename
+            + fsync) so that a restarted MPS role knows whose they are.
         crash_loop_exits, crash_loop_window_s: this many non-zero server exits in
             ``control.log`` within the window make the daemon unhealthy
             ("server crash loop") until the window passes without them.
