@@ -1,28 +1,11 @@
-"""The NRI door's side of memory-limit enforcement (issue 23 item 3, ADR 0025).
+"""The NRI door's side of memory-limit enforcement (issue 23 item 3; rules: ADR 0025 decisions 2-3, ADR 0031
+item 7 for DRA containers, ADR 0036 for the soft-limit zeroing).
 
-``NriMemoryLimits`` is what ``FracNriPlugin`` calls (three one-line hooks;
-ADR 0025 decisions 2-3 give the rules, ADR 0031 item 7 the DRA case):
-
-* ``admit(plan) -> plan`` at CreateContainer: with ``--memory-limits-policy
-  refuse`` and a node that cannot enforce, a ``FractionError`` naming the
-  missing capability (key ``node``, code ``memory_limits_unenforceable``).
-  With ``warn`` it passes, but while the node lacks what the toolkit's
-  ``apply-cuda-memory-limits`` hook fails on (driver r615+, cgroup v2, memory
-  accounting, MIG off) ``NVIDIA_GPU_MEMORY_REQUEST`` / ``_LIMIT`` are withheld
-  (``withheld_keys()``): the hook would fail the container's start.
-* ``start(pod, container, ledger)`` at StartContainer: apply/verify the
-  limits of the container's GPUs (soft = request, hard = limit) on its leaf
-  cgroup (NRI ``linux.cgroups_path``); a DRA container's GPUs come from its
-  env's ``FRACPLUGIN_DRA_CLAIM=<uid>`` (reservation ``dra:<uid>``). A limit not
-  enforced is reported (status, metric, Warning Event
-  ``MemoryLimitNotEnforced``); with ``refuse`` the start fails with
-  FAILED_PRECONDITION.
-* ``remove(container_id)`` at RemoveContainer: zero the soft limit (unless
-  the enforcer's leaf watch did when the leaf emptied; ADR 0036).
-* ``adopt(pods, containers, ledger)`` after Synchronize: the running
-  containers this daemon did not start (it restarted) get their limits
-  read (and set, in apply mode) and their leaves watched, in the background.
-
+``NriMemoryLimits`` is what ``FracNriPlugin`` calls: ``admit`` at CreateContainer, ``start`` at
+StartContainer (soft = request, hard = limit on the container's leaf cgroup; a limit not enforced is
+reported: status, metric, Warning Event ``MemoryLimitNotEnforced``), ``remove`` at RemoveContainer and
+``adopt`` after Synchronize. While the node lacks what the toolkit's ``apply-cuda-memory-limits`` hook fails
+on (``HOOK_FAILS_ON``) the hook's env (``HOOK_ENV``) is withheld: it would fail the container's start.
 Nothing here lets an exception other than the refusals out.
 """
 
@@ -127,7 +110,8 @@ class NriMemoryLimits:
 
     def admit(self, plan: ContainerPlan) -> ContainerPlan:
         """The plan to answer with (``withheld_keys`` removed from its env).
-        Raises FractionError when the policy refuses and the node cannot enforce."""
+        Raises FractionError (key ``node``, code ``REFUSAL_CODE``) when the policy refuses and the node cannot
+        enforce."""
         if not self.active:
             return plan
         if self.policy is LimitPolicy.REFUSE:

@@ -153,19 +153,9 @@ class MemoryLimits:
 
 
 class MemoryLimitsCollector:
-    """``fracplugin_node_capability{capability}`` (1 ok, 0 missing, -1
-    unknown), ``fracplugin_memory_limits_enforceable``,
-    ``fracplugin_container_cuda_memory_limit_bytes{namespace, pod, container,
-    gpu_uuid, UUID, gpu, modelName, Hostname, kind, source}`` (the GPU by
-    dcgm-exporter's label names as on every per-GPU series of
-    ``fracplugin.metrics``, ``gpu_uuid`` deprecated until 0.3.0; issue 27
-    item 3; index and model "" for a GPU the inventory lacks; kind soft|hard|used; source
-    planned|enforced|dmem|nvml; named apart from the ledger's
-    ``fracplugin_container_gpu_memory_limit_bytes``, which has other labels)
-    and ``fracplugin_container_cuda_memory_limit_enforced{namespace, pod, container}``;
-    ``fracplugin_memory_limits_soft_zeroed_total{outcome}`` and
-    ``fracplugin_memory_limits_reservation_drift_bytes{UUID, gpu, modelName,
-    Hostname}`` (ADR 0036)."""
+    """The memory-limit series: names, labels and meaning are the metrics table of
+    docs/operator-guide.md "## Metrics" (``tests/unit/test_metrics_readme.py``
+    checks it). A GPU the inventory lacks gets index and model ""."""
 
     def __init__(self, limits: MemoryLimits, hostname: str) -> None:
         self.limits = limits

@@ -144,7 +144,8 @@ class MpsControl:
         pipe_dir: the daemon's ``CUDA_MPS_PIPE_DIRECTORY``.
         protocol: 2 or 3 (selects which command forms the helpers use).
         log_dir: ``CUDA_MPS_LOG_DIRECTORY`` passed along (optional).
-        env: extra environment for the client processes (tests).
+        env: extra environment for the client processes (tests); ``self.env`` is
+            theirs, and the daemon's (``lifecycle`` starts it with it).
 
     Every method raises ``MpsTimeout`` when the command outlives ``timeout_s``
     (the client is killed and reaped) and ``MpsError`` for a non-zero exit or a
@@ -163,13 +164,13 @@ class MpsControl:
         self.pipe_dir = pipe_dir
         self.protocol = protocol
         self.log_dir = log_dir
-        self._env = dict(os.environ)
-        self._env.pop("CUDA_MPS_PROTOCOL_VERSION", None)  # env would override -p (docs/reference/mps-nvml.md 1.2)
+        self.env = dict(os.environ)
+        self.env.pop("CUDA_MPS_PROTOCOL_VERSION", None)  # env would override -p (docs/reference/mps-nvml.md 1.2)
         if env:
-            self._env.update(env)
-        self._env["CUDA_MPS_PIPE_DIRECTORY"] = pipe_dir
+            self.env.update(env)
+        self.env["CUDA_MPS_PIPE_DIRECTORY"] = pipe_dir
         if log_dir:
-            self._env["CUDA_MPS_LOG_DIRECTORY"] = log_dir
+            self.env["CUDA_MPS_LOG_DIRECTORY"] = log_dir
 
     # -- transport --------------------------------------------------------------
 
@@ -188,7 +189,7 @@ class MpsControl:
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
-                env=self._env,
+                env=self.env,
                 close_fds=True,
             )
         except subprocess.TimeoutExpired as e:

@@ -83,9 +83,7 @@ class DaemonProcesses:
                     os.unlink(os.path.join(d.pipe_dir, leaf))  # stale socket of a dead daemon
             self.kill_servers(d, scan=False)
             argv = self.command_line(d)
-            env = dict(self.c.env)
-            env["CUDA_MPS_PIPE_DIRECTORY"] = d.pipe_dir
-            env["CUDA_MPS_LOG_DIRECTORY"] = d.log_dir
+            env = d.control.env  # with CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY
             d.log_offset = control_log_size(d)
             out: IO[bytes] | None = open(os.path.join(d.log_dir, "daemon.out"), "ab")
             assert out is not None

@@ -185,10 +185,6 @@ class SupervisorCore:
         self.shared_pipe_exposure = _SHARED_PIPE_EXPOSURE if self.protocol < 3 else ""
         self.clock = clock
         self.procfs = ProcFs(proc_root)
-        self.env = dict(os.environ)
-        self.env.pop("CUDA_MPS_PROTOCOL_VERSION", None)
-        if env:
-            self.env.update(env)
         self.resource_retry_s = min(1.0, float(backoff_max_s))  # retry after EMFILE & co (no budget spent)
         self.wait = tenacity.wait_chain(
             tenacity.wait_none(), tenacity.wait_exponential(multiplier=backoff_base_s, max=backoff_max_s)

@@ -23,22 +23,9 @@ Concurrency model
   one daemon are serialised by a per-daemon lock acquired with a timeout.
 * Health-change callbacks run on the supervisor thread; they must not block.
 
-What it does (issue 5; docs/reference/mps-nvml.md sections 1.2-1.8, 2.7;
-docs/reference/gpu-fractioning-reference.md section 4):
-* start: ``lifecycle.py`` (pipe and log directories 0755 whatever the umask;
-  v3 ``-p 3 -m -f|-d -a <log dir>/mps-control.toml``, ``control.render_config_toml``;
-  v2 ``-f|-d`` plus the configured defaults; ``-d`` is the MPS role's, ADR 0009);
-* ready, active probes, a replaced ``control`` socket, server crash loops:
-  ``probing.py``;
-* restarts with exponential backoff (tenacity ``wait_chain(wait_none(),
-  wait_exponential)``: the first retry is immediate) capped at
-  ``backoff_max_s`` and retried forever; ``max_restarts`` consecutive
-  restarts (reset after ``stable_uptime_s`` of healthy uptime) only decide
-  when the daemon is reported ``failed`` (issue 12);
-* recorded namespaces (both modes, with active thread percentage and pinned
-  memory limit) are re-created and re-capped after every restart;
-* drain: ``drain.Drainer.drain`` (only the daemons of the container's mode);
-* stop (role all) and ``quit_daemons()`` (role mps, on purpose): ``stop``.
+What each part does (start, probes, restarts with backoff, namespaces restored
+after every restart, drain, stop): its module's docstring (facts:
+docs/reference/mps-nvml.md sections 1.2-1.8, 2.7).
 """
 
 from __future__ import annotations
@@ -48,6 +35,7 @@ import threading
 import time
 from typing import Any, Iterable
 
+from ..logs import guarded
 from ..model import ComputeMode
 from .api import DrainResult, HealthCallback
 from .control import set_exclusive_process
@@ -278,24 +266,17 @@ class MpsSupervisor(SupervisorCore):
         self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float,
         mode: ComputeMode = ComputeMode.SM_SHARING, pinned_limit_mib: int | None = None,
     ) -> str:
-        """Create and cap the MPS v3 namespace of a container before it starts;
-        its host pipe directory. The contract (caps, idempotence, restarts, errors
-        raised: MpsError, MpsTimeout, ValueError) is ``NamespaceBook.ensure``'s."""
+        """``NamespaceBook.ensure``: the container's namespace pipe directory. Raises MpsError, MpsTimeout,
+        ValueError."""
         return self.book.ensure(pod_uid, container, active_thread_percentage, timeout_s, mode, pinned_limit_mib)
 
     def release_namespace(self, pod_uid: str, container: str, timeout_s: float | None = None) -> bool:
-        """Forget the container's namespace and delete it from its daemon
-        (``namespace delete``, bounded by ``timeout_s``, default ``probe_timeout_s``).
-        MPS refuses the delete while a client is attached: then the delete is
-        retried after each probe. Returns True when the namespace is gone now.
-        Never raises for MPS errors."""
+        """``NamespaceBook.release``: True when the namespace is gone now. Never raises for MPS errors."""
         return self.book.release(pod_uid, container, timeout_s)
 
     def drain(self, container_id: str, timeout_s: float,
               modes: Iterable[ComputeMode] | None = None) -> DrainResult:
-        """Terminate the MPS clients of a stopping container (NRI StopContainer),
-        within ``timeout_s`` per daemon; never raises for MPS errors. The contract
-        (which daemons, slowness vs hangs, ``DrainResult``) is ``Drainer.drain``'s."""
+        """``Drainer.drain``: terminate a stopping container's MPS clients. Never raises for MPS errors."""
         return self.drainer.drain(container_id, timeout_s, modes)
 
     # ------------------------------------------------------------------ thread
@@ -303,11 +284,8 @@ class MpsSupervisor(SupervisorCore):
     def _run(self) -> None:
         try:
             while not self.stopping.is_set():
-                for d in self.daemons.values():
-                    try:
-                        self._step(d)
-                    except Exception:  # keep supervising whatever happens
-                        log.exception("MPS supervisor step failed for %s", d.mode.value)
+                for d in self.daemons.values():  # keep supervising whatever happens
+                    guarded(log, f"MPS supervisor step for {d.mode.value}", self._step, d)
                 self.wake.wait(self._next_wait())
                 self.wake.clear()
         finally:
