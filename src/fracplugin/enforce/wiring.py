@@ -82,16 +82,16 @@ class MemoryLimits:
         if self._hist is not None:
             self._hist.observe(seconds)
 
-    def readiness(self) -> dict[str, Any] | None:
-        """``{"ready", "detail"}`` for ``/readyz`` (None with mode off)."""
+    def readiness(self) -> Readiness:
+        """The ``/readyz`` check ``memory_limits``: the gate's answer (ok with mode off)."""
         if self.mode is MemoryLimitMode.OFF:
-            return None
+            return Readiness(True, "memory limits off")
         caps = self.gate.current()
         if not caps.can_enforce:
-            return {"ready": False, "detail": caps.reason}
+            return Readiness(False, caps.reason)
         notes = [f"{c.name}: {c.detail}" for c in caps.items if c.ok is not True]
         detail = f"memory limits {self.mode.value}, policy {self.policy.value}"
-        return {"ready": True, "detail": detail + ("; " + "; ".join(notes) if notes else "")}
+        return Readiness(True, detail + ("; " + "; ".join(notes) if notes else ""))
 
     def status(self) -> dict[str, Any]:
         """The ``/status`` ``memory_limits`` section."""
@@ -246,10 +246,7 @@ class MemoryLimitsPart(PartBase):
         self.limits.close()
 
     def readiness(self) -> Readiness:
-        r = self.limits.readiness()
-        if r is None:
-            return Readiness(True, "memory limits off")
-        return Readiness(bool(r["ready"]), str(r["detail"]))
+        return self.limits.readiness()
 
     def status(self) -> dict[str, Any]:
         return self.limits.status()

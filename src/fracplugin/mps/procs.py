@@ -119,44 +119,19 @@ def unlink_socket(path: str) -> None:
             os.unlink(path)
 
 
-def _chain(root: str, leaf: str) -> list[str]:
-    """Directories from ``root`` down to ``leaf`` (inclusive), when leaf is under root."""
-    root = os.path.normpath(root)
-    leaf = os.path.normpath(leaf)
-    out = [root]
-    if leaf == root or not leaf.startswith(root + os.sep):
-        return out
-    cur = root
-    for part in leaf[len(root) + 1:].split(os.sep):
-        cur = os.path.join(cur, part)
-        out.append(cur)
-    return out
-
-
-def make_dir(path: str, root: str | None = None, mode: int = 0o755) -> None:
-    """``mkdir -p path`` and chmod ``mode`` on each directory it created and on
-    ``path`` itself, whatever the process umask (``os.makedirs(mode=)`` is
-    masked by it: under ``umask 077`` it makes 0700 directories that a
-    non-root container cannot enter; containers run as any UID and must traverse
-    to the socket). Directories above ``root`` are left alone.
-    Raises OSError."""
-    path = os.path.normpath(path)
-    todo = []
-    cur = path
-    while not os.path.isdir(cur):
-        todo.append(cur)
-        parent = os.path.dirname(cur)
-        if parent == cur:
-            break
-        cur = parent
-    os.makedirs(path, mode=mode, exist_ok=True)
-    floor = os.path.normpath(root) if root else None
-    for p in set(todo) | {path} | set(_chain(floor, path) if floor else ()):
-        if floor and not (p == floor or p.startswith(floor + os.sep)):
-            continue
-        st = os.stat(p)
-        if stat.S_IMODE(st.st_mode) != mode:
-            os.chmod(p, mode)
+def make_dir(path: str, root: str) -> None:
+    """``mkdir -p path``, then chmod 0755 each directory from ``root`` down to
+    ``path`` (``root`` alone when ``path`` is not under it), whatever the process
+    umask (``os.makedirs(mode=)`` is masked by it: under ``umask 077`` it makes
+    0700 directories that a non-root container cannot enter; containers run as
+    any UID and must traverse to the socket). Directories above ``root`` are
+    left alone. Raises OSError."""
+    os.makedirs(path, mode=0o755, exist_ok=True)
+    root, path = os.path.normpath(root), os.path.normpath(path)
+    parts = path[len(root) + 1:].split(os.sep) if path.startswith(root + os.sep) else []
+    for p in [root] + [os.path.join(root, *parts[:i + 1]) for i in range(len(parts))]:
+        if stat.S_IMODE(os.stat(p).st_mode) != 0o755:
+            os.chmod(p, 0o755)
 
 
 def root_problem(root: str) -> str:
