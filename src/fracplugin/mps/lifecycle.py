@@ -85,23 +85,15 @@ class DaemonProcesses:
             argv = self.command_line(d)
             env = d.control.env  # with CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY
             d.log_offset = control_log_size(d)
-            out: IO[bytes] | None = open(os.path.join(d.log_dir, "daemon.out"), "ab")
-            assert out is not None
             proc: Any
-            try:
+            with open(os.path.join(d.log_dir, "daemon.out"), "ab") as out:  # the daemon writes through its own fd
                 if self.c.detached:
                     proc = self.spawn_detached(d, argv, env, out)
-                    out.close()
-                    out = None
                 else:
                     proc = subprocess.Popen(
                         argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                         env=env, close_fds=True, start_new_session=True, umask=0o022,
                     )
-            except BaseException:
-                if out is not None:
-                    out.close()
-                raise
         except (OSError, ValueError) as e:
             log.error("cannot start MPS %s daemon: %s", d.mode.value, e)
             resource = isinstance(e, OSError) and e.errno in RESOURCE_ERRNOS
@@ -124,11 +116,8 @@ class DaemonProcesses:
         if abort:  # stop() began while we were spawning: undo
             proc.kill()
             proc.wait()
-            if out is not None:
-                out.close()
             return
         with self.c.lock:
-            d.stdout = out
             d.state = "starting"
             d.started_at = now
             d.ready_at = None
@@ -195,30 +184,23 @@ class DaemonProcesses:
             self.c.wake.set()
 
     def release_proc(self, d: DaemonState) -> None:
-        """Forget ``d``'s process (closing its stdin and output file); state ``stopped``, unhealthy."""
+        """Forget ``d``'s process (closing its stdin); state ``stopped``, unhealthy."""
         with self.c.lock:
-            proc, out = d.proc, d.stdout
+            proc = d.proc
             d.proc = None
-            d.stdout = None
             d.state = "stopped"
         if proc is not None and proc.stdin is not None:
             with contextlib.suppress(OSError):
                 proc.stdin.close()
-        if out is not None:
-            out.close()
         self.c.set_health(d, False)
 
     def release_all(self) -> None:
         """Forget the daemons without stopping them (detached stop)."""
-        for d in self.c.daemons.values():
-            with self.c.lock:
-                out = d.stdout
+        with self.c.lock:
+            for d in self.c.daemons.values():
                 d.proc = None
-                d.stdout = None
                 d.state = "stopped"
                 d.healthy = False
-            if out is not None:
-                out.close()
 
     def child_servers(self, pid: int) -> set[int]:
         """PIDs of ``nvidia-cuda-mps-server`` processes whose parent is ``pid``."""

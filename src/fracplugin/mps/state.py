@@ -20,7 +20,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import tenacity
 
@@ -95,7 +95,6 @@ class DaemonState:
     log_dir: str
     control: MpsControl
     proc: "subprocess.Popen[bytes] | DetachedProc | None" = None
-    stdout: IO[bytes] | None = None
     state: str = "stopped"
     healthy: bool = False
     started_at: float | None = None
