@@ -130,8 +130,7 @@ def render_config_toml(sm_sharing: bool, servers: Iterable[str] = ("shared",), a
         f"enabled = {'true' if sm_sharing else 'false'}",
     ]
     for name in servers:
-        if not NAME_RE.match(name):
-            raise ValueError(f"MPS server name {name!r} must match [a-z0-9_]{{1,64}}")
+        _check_name(name)
         lines += ["", f"[servers.{name}]"]
     return "\n".join(lines) + "\n"
 
@@ -310,11 +309,7 @@ def _check_name(name: str) -> None:
 
 
 def _text(b: bytes | str | None) -> str:
-    if b is None:
-        return ""
-    if isinstance(b, bytes):
-        return b.decode("utf-8", "replace")
-    return b
+    return b.decode("utf-8", "replace") if isinstance(b, bytes) else b or ""
 
 
 def set_exclusive_process(gpu_uuids: Iterable[str]) -> dict[str, str]:

@@ -9,23 +9,15 @@ whether a ready one is still healthy:
   ``get_default_active_thread_percentage``) bounded by ``probe_timeout_s``;
   ``probe_failure_threshold`` consecutive failures confirm a hang: the daemon
   is hard-killed and restarted (``lifecycle``);
-* a probe that *timed out* is not the same as one that was *refused*: on a
-  starved host (load far above the cores) a live daemon, and the control
-  client the probe starts, answer late. So a refused probe (the daemon answered
-  an error, its socket is gone or was replaced, the client exited non-zero)
-  reports the daemon unhealthy at once, while timed-out probes change the
-  reported health only once ``probe_failure_threshold`` of them in a row
-  confirm a hang; and each timed-out probe (while starting too) doubles the
-  next one's timeout, up to 8 x ``probe_timeout_s`` (``probe_timeout_for``),
-  so a daemon that is alive but slow gets the time to say so, while a hung
-  one is still confirmed within a few probe timeouts; and while the host is
-  CPU-starved (``/proc/pressure/cpu`` "some avg10" at least
-  ``STARVED_CPU_PRESSURE_PCT``: runnable tasks waited for a CPU that share of
-  the last 10 s; Linux PSI, kernel docs ``accounting/psi.rst``) a timed-out
-  probe whose timeout is still below the cap is not counted at all: on such a
-  host a hang is confirmed only by probes that waited 8 x ``probe_timeout_s``
-  (about 30 s to the first count with the defaults, rather than 2 s), which
-  is the right trade while a restart would kill every client's GPU work;
+* a *refused* probe (an error answer, a socket gone or replaced, the client
+  exiting non-zero) reports the daemon unhealthy at once; a *timed-out* one
+  (on a starved host a live daemon answers late) only once
+  ``probe_failure_threshold`` in a row confirm a hang, and each doubles the
+  next timeout, up to 8 x ``probe_timeout_s`` (``probe_timeout_for``); while
+  the host is CPU-starved (``/proc/pressure/cpu`` "some avg10" at least
+  ``STARVED_CPU_PRESSURE_PCT``; Linux PSI, kernel docs ``accounting/psi.rst``)
+  a timed-out probe below that cap is not counted at all: a restart kills
+  every client's GPU work, so there only 8x probes confirm a hang;
 * the probe first checks that ``<pipe>/control`` is still the socket the
   daemon created (owner, inode, directory writable by us only): a replaced
   socket is never talked to;

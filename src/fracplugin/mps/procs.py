@@ -32,10 +32,8 @@ class DetachedProc:
         self.returncode: int | None = None
         self.stdin = None
         self._pidfd: int | None = None
-        try:
+        with contextlib.suppress(AttributeError, OSError):
             self._pidfd = os.pidfd_open(self.pid)
-        except (AttributeError, OSError):
-            self._pidfd = None
 
     def poll(self) -> int | None:
         """The exit status (-1 once gone), or None while it runs."""

@@ -206,12 +206,9 @@ class MpsApiServer:
     # -- serving thread ---------------------------------------------------------
     def _wake(self) -> None:
         fd = self._wake_w
-        if fd < 0:
-            return
-        try:
-            os.write(fd, b"x")
-        except OSError:
-            pass  # full (a wake is pending anyway) or closed
+        if fd >= 0:
+            with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed
+                os.write(fd, b"x")
 
     def _serve_loop(self) -> None:
         sel = self._sel
