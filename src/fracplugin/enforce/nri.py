@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from .._proto import nri_pb2
 from ..dra import claim_tenancies
@@ -26,6 +26,9 @@ from .capability import NodeCapabilities
 from ..rpcstatus import StatusCode as Code
 from .memlimits import LIMIT_MAX, MIB, ContainerLimits, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, plan_gpus
 
+if TYPE_CHECKING:
+    from ..ledger import Ledger
+
 log = logging.getLogger(__name__)
 
 REFUSAL_CODE = "memory_limits_unenforceable"
@@ -35,39 +38,6 @@ HOOK_ENV = (ENV_MEMORY_REQUEST, ENV_MEMORY_LIMIT)
 
 HOOK_FAILS_ON = ("driver", "cgroup_v2", "memory_accounting", "mig_off")
 """Capabilities whose absence makes the toolkit hook fail the container's start."""
-
-
-class PodNames(Protocol):
-    """What the gate reads of the NRI pod sandbox (``nri_pb2.PodSandbox``)."""
-
-    @property
-    def namespace(self) -> str: ...
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def uid(self) -> str: ...
-
-
-class ContainerIds(Protocol):
-    """What the gate reads of the NRI container (``nri_pb2.Container``): its
-    id and name; its ``env`` and ``linux.cgroups_path`` when it has them."""
-
-    @property
-    def id(self) -> str: ...
-
-    @property
-    def name(self) -> str: ...
-
-
-class HoldsContainers(Protocol):
-    """What the gate reads of the ledger (``ledger.Ledger``): a container's
-    holds, and a DRA claim's reservation."""
-
-    def find_container_id(self, container_id: str) -> Sequence[Tenancy]: ...
-
-    def reservation(self, key: str) -> Sequence[Tenancy]: ...
 
 
 class NriMemoryLimits:
@@ -125,7 +95,7 @@ class NriMemoryLimits:
             return dataclasses.replace(plan, env={k: v for k, v in plan.env.items() if k not in withheld})
         return plan
 
-    def start(self, pod: PodNames, container: ContainerIds, ledger: HoldsContainers) -> ContainerLimits | None:
+    def start(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container, ledger: Ledger) -> ContainerLimits | None:
         """Apply/verify for a container the ledger holds by container id, or
         whose DRA claim it holds (``held_tenancies``). Raises ``RpcError``
         FAILED_PRECONDITION when not enforced and the policy refuses."""
@@ -154,13 +124,14 @@ class NriMemoryLimits:
         log.warning("memory limit not enforced: container starts (policy warn)", extra=fields)
         return res
 
-    def _report(self, pod: PodNames, res: ContainerLimits) -> None:
+    def _report(self, pod: nri_pb2.PodSandbox, res: ContainerLimits) -> None:
         if self.on_not_enforced is not None:
             guarded(log, "memory limits: on_not_enforced", self.on_not_enforced,
                     PodRef(namespace=pod.namespace, name=pod.name, uid=pod.uid), res.container,
                     not_enforced_message(res))
 
-    def adopt(self, pods: Iterable[PodNames], containers: Iterable[ContainerIds], ledger: HoldsContainers) -> None:
+    def adopt(self, pods: Iterable[nri_pb2.PodSandbox], containers: Iterable[nri_pb2.Container],
+              ledger: Ledger) -> None:
         """Start (apply/verify, no Event) the running containers with held
         GPUs and no kept result, in a background thread: the leaf watch
         then zeroes their soft limits when they end (ADR 0036)."""
@@ -177,7 +148,7 @@ class NriMemoryLimits:
         if todo:
             threading.Thread(target=run, name="memory-limits-adopt", daemon=True).start()
 
-    def remove(self, container: ContainerIds, gpus: Callable[[], Iterable[str]] | None = None) -> None:
+    def remove(self, container: nri_pb2.Container, gpus: Callable[[], Iterable[str]] | None = None) -> None:
         """Zero the soft limit of a removed container (never raises). Without
         a result kept from its start (started before this daemon), its leaf
         from ``linux.cgroups_path`` is checked on every GPU of ``gpus()``
@@ -188,12 +159,12 @@ class NriMemoryLimits:
         self.enforcer.remove(container.id, _cgroups_path(container), all_gpus)
 
 
-def _cgroups_path(container: ContainerIds) -> str:
+def _cgroups_path(container: nri_pb2.Container) -> str:
     """NRI ``linux.cgroups_path`` of the container ("" when it has none)."""
     return str(getattr(getattr(container, "linux", None), "cgroups_path", "") or "")
 
 
-def held_tenancies(container: ContainerIds, ledger: HoldsContainers) -> list[Tenancy]:
+def held_tenancies(container: nri_pb2.Container, ledger: Ledger) -> list[Tenancy]:
     """The ledger tenancies whose limits a container gets: those held under
     its container id (NRI door); else, when its env (NRI ``env``, ``K=V``
     strings, the last value wins) carries ``FRACPLUGIN_DRA_CLAIM=<uid>``, the

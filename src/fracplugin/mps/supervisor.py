@@ -189,8 +189,8 @@ class MpsSupervisor(SupervisorCore):
                           "last_probe_s": 0.05 | None, "last_probe_ok": True | None,
                           "last_probe_age_s": 1.2 | None, "last_error": "",
                           "pipe_dir": "...", "log_dir": "...", "server_pids": [..],
-                          "namespaces": [{"name", "pod_uid", "container",
-                                          "active_thread_percentage"}],
+                          "namespaces": [{"name", "pod_uid", "container", "mode",
+                                          "active_thread_percentage", "pinned_limit_mib"}],
                           "repairing": [name], "orphans": [{"name", "capped"}]}]}
 
         ``restarts`` counts every restart (crash, hang, wedge); ``wedges`` the
@@ -204,12 +204,7 @@ class MpsSupervisor(SupervisorCore):
             daemons = []
             for d in self.daemons.values():
                 running = d.proc is not None and d.proc.returncode is None
-                ns = [
-                    {"name": n, "pod_uid": r.pod_uid, "container": r.container,
-                     "active_thread_percentage": r.active_thread_percentage,
-                     "pinned_limit_mib": r.pinned_limit_mib}
-                    for n, r in sorted(self.namespaces.items()) if r.mode is d.mode
-                ]
+                ns = [{"name": n, **r.to_dict()} for n, r in sorted(self.namespaces.items()) if r.mode is d.mode]
                 daemons.append({
                     "mode": d.mode.value,
                     "state": d.state,
