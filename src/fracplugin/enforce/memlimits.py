@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .cgroups import DEFAULT_CGROUP_ROOT, CgroupNotFound, resolve_leaf
 from ..atomicfile import read_regular
@@ -98,25 +98,14 @@ class GpuLimits:
     used: int | None = None
 
 
-class LimitsBackend(Protocol):
-    """What the enforcer needs from NVML (``NvmlLimits`` in production)."""
-
-    def get(self, gpu_uuid: str, namespace: str) -> GpuLimits:
-        """Read the limits of ``namespace`` (a cgroup dir) on the GPU. Raises LimitError."""
-        ...
-
-    def set(self, gpu_uuid: str, namespace: str, soft: int, hard: int) -> None:
-        """Set them (bytes). Raises LimitError."""
-        ...
-
-
 _CODES = {3: "not_supported", 4: "no_permission", 6: "not_found", 13: "not_supported", 12: "no_nvml"}
 _HINTS = {"not_found": " (cgroup or GPU not found)", "no_permission": " (setting limits needs root)",
           "not_supported": " (driver without memory partitioning, or MIG)"}
 
 
 class NvmlLimits:
-    """``LimitsBackend`` on nvidia-ml-py (pynvml): ``nvmlDeviceGet/SetMemoryLimits_v1``.
+    """NVML's memory limits of a cgroup on a GPU through nvidia-ml-py (pynvml):
+    ``get``/``set`` (bytes; raise LimitError) on ``nvmlDeviceGet/SetMemoryLimits_v1``.
 
     Uses pynvml's own structs and wrappers when the installed version has
     them (13.615+), else our own ctypes structs through pynvml's loaded
@@ -330,7 +319,7 @@ class MemoryLimitEnforcer:
     ``leaf_gone`` (deleted first: its reservation stays on the parents),
     ``failed``."""
 
-    def __init__(self, mode: MemoryLimitMode, backend: LimitsBackend | None, *,
+    def __init__(self, mode: MemoryLimitMode, backend: NvmlLimits | None, *,
                  cgroup_root: str = DEFAULT_CGROUP_ROOT,
                  hook_of: Callable[[str], bool | None] | None = None,
                  region_of: Callable[[str], str | None] | None = None,

@@ -43,7 +43,7 @@ from .drain import Drainer
 from .lifecycle import DaemonProcesses
 from .namespaces import NamespaceBook
 from .probing import DaemonProber
-from .procs import make_dir as make_dir, root_problem  # make_dir: re-exported (tests/unit/test_mps_rooms.py)
+from .procs import make_dir as make_dir  # make_dir: re-exported (tests/unit/test_mps_rooms.py)
 from .state import DaemonState, SupervisorCore
 
 log = logging.getLogger(__name__)
@@ -250,10 +250,6 @@ class MpsSupervisor(SupervisorCore):
             return f"no {ComputeMode(mode).value} MPS daemon is supervised"
         with self.lock:
             return self.reason(d)
-
-    def root_problem(self) -> str:
-        """"" when containers can reach the MPS root, else why not (naming the directory)."""
-        return root_problem(self.layout.root)
 
     # ------------------------------------------------------------------ namespaces and drain
 
