@@ -320,12 +320,8 @@ class DaemonProber:
         """Remember server PIDs (v3 ``server list``, v2 ``get_server_list``) so a
         hard restart can kill them (only PIDs whose exe is a server are killed)."""
         pids: set[int] = set()
-        try:
-            if self.c.protocol >= 3:
-                pids |= {r.pid for r in d.control.server_list(self.c.probe_timeout_s) if r.pid}
-            else:
-                pids |= set(d.control.get_server_list(self.c.probe_timeout_s))
-        except MpsError:
-            pass
+        with contextlib.suppress(MpsError):
+            pids = ({r.pid for r in d.control.server_list(self.c.probe_timeout_s) if r.pid} if self.c.protocol >= 3
+                    else set(d.control.get_server_list(self.c.probe_timeout_s)))
         with self.c.lock:
             d.server_pids |= pids
