@@ -39,8 +39,9 @@ class MemoryLimits:
             toolkit's memory-limit hook (from the CDI reader; None = not read).
         on_not_enforced: ``f(pod ref, container, message)`` (the Warning Event).
 
-    NVML is opened here (``NvmlLimits``, mode not off); when it cannot be
-    initialised ``nvml`` is None and the gate's ``memory_accounting`` says so."""
+    Built only with ``--memory-limits`` not off (``builders._build_memory_limits``). NVML is opened here
+    (``NvmlLimits``); when it cannot be initialised ``nvml`` is None and the gate's ``memory_accounting``
+    says so."""
 
     def __init__(self, mode: MemoryLimitMode, policy: LimitPolicy, cgroup_root: str, node: NodeInfo, *,
                  mps_protocol: Callable[[], int | None] | None = None,
@@ -52,14 +53,13 @@ class MemoryLimits:
         self.node = node
         self.nvml: NvmlLimits | None = None
         self.nvml_error = ""
-        if mode is not MemoryLimitMode.OFF:
-            nv = NvmlLimits()
-            try:
-                nv.open()
-                self.nvml = nv
-            except LimitError as exc:
-                self.nvml_error = exc.reason
-                log.warning("memory limits: NVML not available", extra={"reason": exc.reason})
+        nv = NvmlLimits()
+        try:
+            nv.open()
+            self.nvml = nv
+        except LimitError as exc:
+            self.nvml_error = exc.reason
+            log.warning("memory limits: NVML not available", extra={"reason": exc.reason})
         backend = self.nvml
         self.gate = CapabilityGate(
             lambda: node.gpus, node.driver_version, cgroup_root=cgroup_root, mps_protocol=mps_protocol,
@@ -83,9 +83,7 @@ class MemoryLimits:
             self._hist.observe(seconds)
 
     def readiness(self) -> Readiness:
-        """The ``/readyz`` check ``memory_limits``: the gate's answer (ok with mode off)."""
-        if self.mode is MemoryLimitMode.OFF:
-            return Readiness(True, "memory limits off")
+        """The ``/readyz`` check ``memory_limits``: the gate's answer."""
         caps = self.gate.current()
         if not caps.can_enforce:
             return Readiness(False, caps.reason)
@@ -95,22 +93,19 @@ class MemoryLimits:
 
     def status(self) -> dict[str, Any]:
         """The ``/status`` ``memory_limits`` section."""
-        out: dict[str, Any] = {"mode": self.mode.value, "policy": self.policy.value, "cgroup_root": self.cgroup_root,
-                               "nvml": self.nvml is not None, "nvml_error": self.nvml_error}
-        if self.mode is not MemoryLimitMode.OFF:
-            out["node"] = self.gate.current().to_dict()
-            out["containers"] = [r.to_dict() for r in self.enforcer.results()]
-            out["soft_zeroing"] = dict(self.enforcer.zeroing)
-            out["soft_reservations"] = [r for r in self.drift() if r["drift"]]
-        return out
+        return {"mode": self.mode.value, "policy": self.policy.value, "cgroup_root": self.cgroup_root,
+                "nvml": self.nvml is not None, "nvml_error": self.nvml_error, "node": self.gate.current().to_dict(),
+                "containers": [r.to_dict() for r in self.enforcer.results()],
+                "soft_zeroing": dict(self.enforcer.zeroing),
+                "soft_reservations": [r for r in self.drift() if r["drift"]]}
 
     def drift(self) -> list[dict[str, Any]]:
         """``softlimits.reservation_drift`` over the parents of the leaves seen,
-        on every GPU NVML answers for ([] with mode off or no NVML). Costs
+        on every GPU NVML answers for ([] without NVML). Costs
         one NVML read per (parent or child cgroup, GPU); kept until a soft
         limit may have changed (the enforcer's ``generation``), at most 60 s."""
         backend = self.nvml
-        if backend is None or self.mode is MemoryLimitMode.OFF:
+        if backend is None:
             return []
         key = (self.enforcer.generation, int(time.monotonic() // 60))
         if self._drift[0] == key:
@@ -167,8 +162,6 @@ class MemoryLimitsCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
 
-        if self.limits.mode is MemoryLimitMode.OFF:
-            return
         try:
             caps = self.limits.gate.current()
             fam = GaugeMetricFamily("fracplugin_node_capability",
