@@ -24,7 +24,7 @@ from ..model import ContainerPlan, FractionError, PodRef, Tenancy
 from ..planner import ENV_MEMORY_LIMIT, ENV_MEMORY_REQUEST
 from .capability import NodeCapabilities
 from ..rpcstatus import StatusCode as Code
-from .memlimits import LIMIT_MAX, MIB, ContainerLimits, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, plan_gpus
+from .memlimits import LIMIT_MAX, MIB, ContainerLimits, LimitPolicy, MemoryLimitEnforcer, plan_gpus
 
 if TYPE_CHECKING:
     from ..ledger import Ledger
@@ -45,18 +45,19 @@ class NriMemoryLimits:
         enforcer: the per-container apply/verify engine.
         policy: warn or refuse.
         gate_reason: ``() -> str``: "" when the node can enforce, else why.
-        observe: ``f(seconds)`` per StartContainer apply/verify (a histogram);
-            None = not timed.
+        observe: ``f(seconds)`` per StartContainer apply/verify (a histogram).
         on_not_enforced: ``f(pod ref, container, message)`` when a started
             container's limit is not in force (the ``MemoryLimitNotEnforced``
             Warning Event); must not block; its exceptions are logged.
         capabilities: ``() -> NodeCapabilities`` (the gate's full answer):
-            decides which env the toolkit hook must not get; None = withhold nothing."""
+            decides which env the toolkit hook must not get.
+
+    Built with ``--memory-limits`` not off only (``wiring.MemoryLimits``)."""
 
     def __init__(self, enforcer: MemoryLimitEnforcer, policy: LimitPolicy,
-                 gate_reason: Callable[[], str], observe: Callable[[float], None] | None = None,
-                 on_not_enforced: Callable[[PodRef, str, str], None] | None = None,
-                 capabilities: Callable[[], NodeCapabilities] | None = None) -> None:
+                 gate_reason: Callable[[], str], observe: Callable[[float], None],
+                 on_not_enforced: Callable[[PodRef, str, str], None] | None,
+                 capabilities: Callable[[], NodeCapabilities]) -> None:
         self.capabilities = capabilities
         self.enforcer = enforcer
         self.policy = policy
@@ -64,26 +65,15 @@ class NriMemoryLimits:
         self.observe = observe
         self.on_not_enforced = on_not_enforced
 
-    @property
-    def active(self) -> bool:
-        return self.enforcer.mode is not MemoryLimitMode.OFF
-
     def withheld_keys(self) -> tuple[str, ...]:
         """Env keys not handed to containers now (``HOOK_ENV`` while a
         capability in ``HOOK_FAILS_ON`` is missing; else none)."""
-        if not self.active or self.capabilities is None:
-            return ()
-        caps = self.capabilities()
-        if any(c.name in HOOK_FAILS_ON for c in caps.missing):
-            return HOOK_ENV
-        return ()
+        return HOOK_ENV if any(c.name in HOOK_FAILS_ON for c in self.capabilities().missing) else ()
 
     def admit(self, plan: ContainerPlan) -> ContainerPlan:
         """The plan to answer with (``withheld_keys`` removed from its env).
         Raises FractionError (key ``node``, code ``REFUSAL_CODE``) when the policy refuses and the node cannot
         enforce."""
-        if not self.active:
-            return plan
         if self.policy is LimitPolicy.REFUSE:
             why = self.gate_reason()
             if why:
@@ -99,16 +89,13 @@ class NriMemoryLimits:
         """Apply/verify for a container the ledger holds by container id, or
         whose DRA claim it holds (``held_tenancies``). Raises ``RpcError``
         FAILED_PRECONDITION when not enforced and the policy refuses."""
-        if not self.active:
-            return None
         gpus = plan_gpus(held_tenancies(container, ledger))
         if not gpus:
             return None
         t0 = time.perf_counter()
         res = self.enforcer.start(container.id, _cgroups_path(container), gpus,
                                   pod=f"{pod.namespace}/{pod.name}", container=container.name)
-        if self.observe is not None:
-            self.observe(time.perf_counter() - t0)
+        self.observe(time.perf_counter() - t0)
         if res is None or res.enforced == "yes":
             return res
         fields = {"pod": res.pod, "container": res.container, "container_id": container.id, "cgroup": res.cgroup,
@@ -135,8 +122,6 @@ class NriMemoryLimits:
         """Start (apply/verify, no Event) the running containers with held
         GPUs and no kept result, in a background thread: the leaf watch
         then zeroes their soft limits when they end (ADR 0036)."""
-        if not self.active:
-            return
         names = {getattr(p, "id", ""): f"{p.namespace}/{p.name}" for p in pods}
         todo = [(c, names.get(getattr(c, "pod_sandbox_id", ""), ""), gpus) for c in containers
                 if getattr(c, "state", 0) == nri_pb2.CONTAINER_RUNNING and self.enforcer.result(c.id) is None
@@ -153,8 +138,6 @@ class NriMemoryLimits:
         a result kept from its start (started before this daemon), its leaf
         from ``linux.cgroups_path`` is checked on every GPU of ``gpus()``
         (UUIDs)."""
-        if not self.active:
-            return
         all_gpus = list(gpus()) if gpus is not None and self.enforcer.result(container.id) is None else []
         self.enforcer.remove(container.id, _cgroups_path(container), all_gpus)
 
