@@ -139,11 +139,11 @@ Read with ``atomicfile.read_regular``: a FIFO or a device at the path would
 block a request path for ever (issue 34 input 8)."""
 
 
-def dmem_regions(root: str) -> dict[str, int] | str:
-    """``<root>/dmem.capacity`` as ``{region: bytes}``, or why it cannot be
+def dmem_regions(cgroup: str, name: str = "dmem.capacity") -> dict[str, int] | str:
+    """``<cgroup>/<name>`` (``dmem.capacity``, ``dmem.current``) as ``{region: bytes}``, or why it cannot be
     used (absent, unreadable, not a regular file, too large:
     ``MAX_KERNEL_FILE``). Lines: ``<region> <bytes>`` (cgroup-v2.rst, DMEM)."""
-    path = os.path.join(root, "dmem.capacity")
+    path = os.path.join(cgroup, name)
     try:
         text = read_regular(path, MAX_KERNEL_FILE).decode(errors="replace")
     except OSError as exc:

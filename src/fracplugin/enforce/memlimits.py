@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from .cgroups import DEFAULT_CGROUP_ROOT, CgroupNotFound, resolve_leaf
-from ..atomicfile import read_regular
-from .capability import MAX_KERNEL_FILE
+from .capability import dmem_regions
 from .softlimits import LeafWatch, ancestors
 
 log = logging.getLogger(__name__)
@@ -287,15 +286,8 @@ class ContainerLimits:
 
 def read_dmem_current(leaf: str, region: str) -> int | None:
     """The ``region`` line of ``<leaf>/dmem.current`` in bytes (None when absent)."""
-    try:
-        text = read_regular(os.path.join(leaf, "dmem.current"), MAX_KERNEL_FILE).decode(errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0] == region and parts[1].isdigit():
-            return int(parts[1])
-    return None
+    found = dmem_regions(leaf, "dmem.current")
+    return found.get(region) if isinstance(found, dict) else None
 
 
 class MemoryLimitEnforcer:
