@@ -66,8 +66,7 @@ class NamespaceBook:
                 del self.c.pending_delete[name]
         return True
 
-    def apply(self, d: DaemonState, name: str, rec: NsRecord, deadline: float,
-                         fresh: bool = False) -> None:
+    def apply(self, d: DaemonState, name: str, rec: NsRecord, deadline: float, fresh: bool = False) -> None:
         """Create (``fresh``: without listing first) or re-cap namespace ``name`` on ``d`` as ``rec`` says,
         before ``deadline`` (monotonic). Never leaves an uncapped namespace behind. Raises MpsError,
         MpsTimeout."""
@@ -132,18 +131,14 @@ class NamespaceBook:
         for name in sorted(d.restore_pending):
             with self.c.lock:
                 rec = self.c.namespaces.get(name)
-            if rec is None or rec.mode is not d.mode:
-                with self.c.lock:
-                    d.restore_pending.discard(name)
-                continue
-            try:
-                self.apply(d, name, rec,
-                                      time.monotonic() + max(self.c.probe_timeout_s, 1.0) * 2, fresh=fresh)
-            except (MpsError, ValueError) as e:
-                with self.c.lock:
-                    d.last_error = f"restore {name}: {e}"
-                log.warning("MPS namespace %s not restored yet: %s", name, e)
-                continue
+            if rec is not None and rec.mode is d.mode:  # else released meanwhile: nothing to restore
+                try:
+                    self.apply(d, name, rec, time.monotonic() + max(self.c.probe_timeout_s, 1.0) * 2, fresh=fresh)
+                except (MpsError, ValueError) as e:
+                    with self.c.lock:
+                        d.last_error = f"restore {name}: {e}"
+                    log.warning("MPS namespace %s not restored yet: %s", name, e)
+                    continue
             with self.c.lock:
                 d.restore_pending.discard(name)
 

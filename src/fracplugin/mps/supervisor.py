@@ -124,21 +124,17 @@ class MpsSupervisor(SupervisorCore):
         thread = self._thread
         self.stopping.set()
         self.wake.set()
+        if not self.detached:
+            # Shut down from the caller's thread: the supervisor thread may be in
+            # the middle of a probe (bounded by probe_timeout_s) and must not
+            # delay the stop; it starts nothing once _stopping is set.
+            self.procs.shutdown_all(timeout_s)
+        if thread is not None and thread.is_alive():
+            thread.join(max(0.5, deadline - time.monotonic()))
         if self.detached:
             # The MPS role: daemons and servers outlive us (ADR 0009); the next
             # MPS role adopts them. Only quit_daemons() stops MPS on purpose.
-            if thread is not None and thread.is_alive():
-                thread.join(max(0.5, deadline - time.monotonic()))
             self.procs.release_all()
-            with self.lock:
-                self._thread = None
-            return
-        # Shut down from the caller's thread: the supervisor thread may be in
-        # the middle of a probe (bounded by probe_timeout_s) and must not
-        # delay the stop; it starts nothing once _stopping is set.
-        self.procs.shutdown_all(timeout_s)
-        if thread is not None and thread.is_alive():
-            thread.join(max(0.5, deadline - time.monotonic()))
         with self.lock:
             self._thread = None
 
