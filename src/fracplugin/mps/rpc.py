@@ -43,7 +43,7 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..logs import guarded
@@ -441,7 +441,8 @@ class MpsApiServer:
         if op == "release_namespace":
             return m.release_namespace(a["pod_uid"], a["container"], timeout_s=a["timeout_s"])
         if op == "drain":
-            return m.drain(a["container_id"], a["timeout_s"], modes=a["modes"]).to_dict()
+            # its fields as JSON (tuples as lists, modes as their values): what RemoteMps.drain reads
+            return asdict(m.drain(a["container_id"], a["timeout_s"], modes=a["modes"]))
         if op == "quit_daemons":
             m.quit_daemons(a["timeout_s"])
             return True
