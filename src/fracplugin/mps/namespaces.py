@@ -21,6 +21,7 @@ rename) so that a restarted role knows whose namespaces it holds.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 import logging
 import time
 
@@ -211,7 +212,7 @@ class NamespaceBook:
         if not self.c.state_file:
             return
         with self.c.lock:
-            doc = {"version": 1, "namespaces": {n: r.to_dict() for n, r in sorted(self.c.namespaces.items())}}
+            doc = {"version": 1, "namespaces": {n: asdict(r) for n, r in sorted(self.c.namespaces.items())}}
         try:
             write_atomically(self.c.state_file, json.dumps(doc, sort_keys=True), mode=0o644, make_parents=True)
         except OSError as e:

@@ -20,7 +20,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import tenacity
 
@@ -43,19 +43,14 @@ _SHARED_PIPE_EXPOSURE = (
 class NsRecord:
     """One recorded namespace: whose it is (pod UID, container name), its daemon's
     compute mode and its caps (active thread percentage 1..100 or None = 100 %;
-    pinned device memory limit in MiB per GPU or None = none)."""
+    pinned device memory limit in MiB per GPU or None = none). Written as JSON
+    with ``dataclasses.asdict`` (``state_file``, ``status()``)."""
 
     pod_uid: str
     container: str
     active_thread_percentage: int | None
     mode: ComputeMode = ComputeMode.SM_SHARING
     pinned_limit_mib: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record as JSON (``state_file``)."""
-        return {"pod_uid": self.pod_uid, "container": self.container, "mode": self.mode.value,
-                "active_thread_percentage": self.active_thread_percentage,
-                "pinned_limit_mib": self.pinned_limit_mib}
 
 
 SERVER_EXIT_RE = re.compile(r"server(?:\s+\S+)?\s+exited with status (-?\d+)", re.IGNORECASE)

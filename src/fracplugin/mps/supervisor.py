@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import asdict
 from typing import Any, Iterable
 
 from ..logs import guarded
@@ -200,7 +201,7 @@ class MpsSupervisor(SupervisorCore):
             daemons = []
             for d in self.daemons.values():
                 running = d.proc is not None and d.proc.returncode is None
-                ns = [{"name": n, **r.to_dict()} for n, r in sorted(self.namespaces.items()) if r.mode is d.mode]
+                ns = [{"name": n, **asdict(r)} for n, r in sorted(self.namespaces.items()) if r.mode is d.mode]
                 daemons.append({
                     "mode": d.mode.value,
                     "state": d.state,
