@@ -33,7 +33,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from ..atomicfile import read_regular
@@ -57,9 +57,6 @@ class Capability:
     name: str
     ok: bool | None
     detail: str
-
-    def to_dict(self) -> dict[str, object]:
-        return {"name": self.name, "ok": self.ok, "detail": self.detail}
 
 
 @dataclass(frozen=True)
@@ -94,7 +91,7 @@ class NodeCapabilities:
 
     def to_dict(self) -> dict[str, object]:
         return {"can_enforce": self.can_enforce, "reason": self.reason,
-                "capabilities": [c.to_dict() for c in self.items],
+                "capabilities": [asdict(c) for c in self.items],
                 "cdi_hook": dict(self.hook)}
 
 
