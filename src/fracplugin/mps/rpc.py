@@ -153,9 +153,7 @@ class MpsApiServer:
 
     def start(self) -> None:
         """Bind the socket and start the serving thread. Raises OSError."""
-        d = os.path.dirname(self.path)
-        if not os.path.isdir(d):
-            os.makedirs(d, mode=0o700, exist_ok=True)
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)  # mode: only where it creates
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
