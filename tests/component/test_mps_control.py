@@ -108,8 +108,8 @@ def test_v2_stdin_commands(pipe):
     root, procs = pipe
     c = _start(root, procs, protocol="2")
     assert c.v2("get_default_active_thread_percentage", 5).strip() == "100.0"
-    c.set_default_active_thread_percentage(40, 5)
-    c.set_default_device_pinned_mem_limit("GPU-abc", 2048, 5)
+    c.v2("set_default_active_thread_percentage 40", 5)
+    c.v2("set_default_device_pinned_mem_limit GPU-abc 2048M", 5)
     assert c.v2("get_default_device_pinned_mem_limit GPU-abc", 5).strip() == "2048M"
     assert c.v2("get_default_active_thread_percentage", 5).strip() == "40.0"
     assert c.get_server_list(5) == []

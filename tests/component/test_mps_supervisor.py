@@ -575,15 +575,11 @@ def test_drain_without_running_daemons_is_skipped(mps):
 # ---------------------------------------------------------------------------- v2
 
 
-def test_v2_daemon_defaults_probe_and_drain(mps):
-    sup = mps.supervisor(modes=(TS, SM), driver="550.54.15", proc_root=mps.proc_root,
-                         default_active_thread_percentage=50,
-                         default_pinned_mem_limits_mib={"0": 1024})
+def test_v2_daemon_probe_and_drain(mps):
+    sup = mps.supervisor(modes=(TS, SM), driver="550.54.15", proc_root=mps.proc_root)
     assert sup.protocol == 2
     wait_until(sup.ready, 15)
-    st = mps.state(SM)
-    assert st["protocol"] == 2 and st["default_active_thread_percentage"] == 50.0 and st["pinned"] == {"0": "1024M"}
-    assert mps.state(TS)["default_active_thread_percentage"] == 100.0
+    assert mps.state(SM)["protocol"] == 2
     with pytest.raises(MpsError, match="v3"):
         sup.ensure_namespace(POD_A, "app", 30, timeout_s=2)
     a = mps.client(CID_A, POD_A, mode=TS)

@@ -27,10 +27,13 @@ or callable; nothing here raises on a missing file: it becomes a reason.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
-from dataclasses import dataclass, field
+import threading
+import time
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from ..atomicfile import read_regular
@@ -54,9 +57,6 @@ class Capability:
     name: str
     ok: bool | None
     detail: str
-
-    def to_dict(self) -> dict[str, object]:
-        return {"name": self.name, "ok": self.ok, "detail": self.detail}
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class NodeCapabilities:
 
     def to_dict(self) -> dict[str, object]:
         return {"can_enforce": self.can_enforce, "reason": self.reason,
-                "capabilities": [c.to_dict() for c in self.items],
+                "capabilities": [asdict(c) for c in self.items],
                 "cdi_hook": dict(self.hook)}
 
 
@@ -136,11 +136,11 @@ Read with ``atomicfile.read_regular``: a FIFO or a device at the path would
 block a request path for ever (issue 34 input 8)."""
 
 
-def dmem_regions(root: str) -> dict[str, int] | str:
-    """``<root>/dmem.capacity`` as ``{region: bytes}``, or why it cannot be
+def dmem_regions(cgroup: str, name: str = "dmem.capacity") -> dict[str, int] | str:
+    """``<cgroup>/<name>`` (``dmem.capacity``, ``dmem.current``) as ``{region: bytes}``, or why it cannot be
     used (absent, unreadable, not a regular file, too large:
     ``MAX_KERNEL_FILE``). Lines: ``<region> <bytes>`` (cgroup-v2.rst, DMEM)."""
-    path = os.path.join(root, "dmem.capacity")
+    path = os.path.join(cgroup, name)
     try:
         text = read_regular(path, MAX_KERNEL_FILE).decode(errors="replace")
     except OSError as exc:
@@ -191,13 +191,10 @@ def _mig(gpus: Sequence[GpuInfo]) -> Capability:
 def _hook(gpus: Sequence[GpuInfo], hook_of: Callable[[str], bool | None] | None) -> tuple[Capability, dict[str, bool | None]]:
     if hook_of is None:
         return Capability("cdi_hook", None, "CDI specs not read"), {g.uuid: None for g in gpus}
-    hook: dict[str, bool | None] = {}
+    hook: dict[str, bool | None] = {g.uuid: None for g in gpus}
     for g in gpus:
-        try:
+        with contextlib.suppress(Exception):  # the CDI reader's fault must not stop the gate
             hook[g.uuid] = hook_of(g.uuid)
-        except Exception as exc:  # the CDI reader's fault must not stop the gate
-            hook[g.uuid] = None
-            del exc
     if gpus and all(v is True for v in hook.values()):
         return Capability("cdi_hook", True, "the CDI spec of every GPU carries apply-cuda-memory-limits"), hook
     absent = [u for u, v in hook.items() if v is False]
@@ -245,9 +242,13 @@ def check_capabilities(
     return NodeCapabilities(items=items, hook=hook)
 
 
+REFRESH_S = 10.0
+"""Seconds a ``CapabilityGate`` answer is kept."""
+
+
 class CapabilityGate:
     """``check_capabilities`` kept fresh: re-evaluated when older than
-    ``refresh_s`` seconds (its inputs are files and cheap NVML reads), so a
+    ``REFRESH_S`` (its inputs are files and cheap NVML reads), so a
     node that changes (a CDI spec written, MIG turned on through NVML, the
     driver upgraded after a restart) is seen without a restart.
 
@@ -258,33 +259,26 @@ class CapabilityGate:
                  cgroup_root: str = "/sys/fs/cgroup",
                  mps_protocol: Callable[[], int | None] | None = None,
                  nvml_probe: Callable[[str], str | None] | None = None,
-                 hook_of: Callable[[str], bool | None] | None = None,
-                 refresh_s: float = 10.0) -> None:
-        import threading  # noqa: PLC0415
-
+                 hook_of: Callable[[str], bool | None] | None = None) -> None:
         self._gpus = gpus
         self.driver_version = driver_version
         self.cgroup_root = cgroup_root
         self._protocol = mps_protocol
         self.nvml_probe = nvml_probe
         self.hook_of = hook_of
-        self.refresh_s = refresh_s
         self._lock = threading.Lock()
         self._at = -1.0e18
         self._last: NodeCapabilities | None = None
 
     def current(self) -> NodeCapabilities:
-        """The gate's answer, at most ``refresh_s`` old."""
-        import time  # noqa: PLC0415
-
+        """The gate's answer, at most ``REFRESH_S`` old."""
         now = time.monotonic()
         with self._lock:
-            if self._last is not None and now - self._at < self.refresh_s:
+            if self._last is not None and now - self._at < REFRESH_S:
                 return self._last
-        try:
+        protocol = None
+        with contextlib.suppress(Exception):
             protocol = self._protocol() if self._protocol is not None else None
-        except Exception:
-            protocol = None
         caps = check_capabilities(list(self._gpus()), self.driver_version, cgroup_root=self.cgroup_root,
                                   mps_protocol=protocol, nvml_probe=self.nvml_probe, hook_of=self.hook_of)
         with self._lock:

@@ -83,13 +83,12 @@ def leaf_relpath(cgroups_path: str) -> str:
     return rel
 
 
-def resolve_leaf(cgroups_path: str, root: str = DEFAULT_CGROUP_ROOT, *, must_exist: bool = True) -> str:
+def resolve_leaf(cgroups_path: str, root: str = DEFAULT_CGROUP_ROOT) -> str:
     """The absolute leaf cgroup directory of a container under ``root``.
 
-    Raises CgroupNotFound (never OSError) when the path is malformed or, with
-    ``must_exist``, the directory is not there (at StartContainer it exists:
-    runc created it at create time)."""
+    Raises CgroupNotFound (never OSError) when the path is malformed or the
+    directory is not there (at StartContainer it exists: runc created it at create time)."""
     path = os.path.join(root, leaf_relpath(cgroups_path))
-    if must_exist and not os.path.isdir(path):
+    if not os.path.isdir(path):
         raise CgroupNotFound(f"cgroup directory {path} for cgroups path {cgroups_path!r} does not exist")
     return path

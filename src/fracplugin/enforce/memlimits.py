@@ -31,11 +31,10 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .cgroups import DEFAULT_CGROUP_ROOT, CgroupNotFound, resolve_leaf
-from ..atomicfile import read_regular
-from .capability import MAX_KERNEL_FILE
+from .capability import dmem_regions
 from .softlimits import LeafWatch, ancestors
 
 log = logging.getLogger(__name__)
@@ -68,14 +67,6 @@ class MemoryLimitMode(str, enum.Enum):
     VERIFY = "verify"
     OFF = "off"
 
-    @classmethod
-    def parse(cls, text: str) -> "MemoryLimitMode":
-        """Raises ValueError naming the value and the allowed ones."""
-        try:
-            return cls(str(text).strip().lower())
-        except ValueError:
-            raise ValueError(f"--memory-limits {text!r} must be one of auto, apply, verify, off") from None
-
 
 class LimitPolicy(str, enum.Enum):
     """``--memory-limits-policy``: what happens when a limit cannot be enforced
@@ -85,14 +76,6 @@ class LimitPolicy(str, enum.Enum):
 
     WARN = "warn"
     REFUSE = "refuse"
-
-    @classmethod
-    def parse(cls, text: str) -> "LimitPolicy":
-        """Raises ValueError naming the value and the allowed ones."""
-        try:
-            return cls(str(text).strip().lower())
-        except ValueError:
-            raise ValueError(f"--memory-limits-policy {text!r} must be warn or refuse") from None
 
 
 class LimitError(Exception):
@@ -114,23 +97,14 @@ class GpuLimits:
     used: int | None = None
 
 
-class LimitsBackend(Protocol):
-    """What the enforcer needs from NVML (``NvmlLimits`` in production)."""
-
-    def get(self, gpu_uuid: str, namespace: str) -> GpuLimits:
-        """Read the limits of ``namespace`` (a cgroup dir) on the GPU. Raises LimitError."""
-        ...
-
-    def set(self, gpu_uuid: str, namespace: str, soft: int, hard: int) -> None:
-        """Set them (bytes). Raises LimitError."""
-        ...
-
-
 _CODES = {3: "not_supported", 4: "no_permission", 6: "not_found", 13: "not_supported", 12: "no_nvml"}
+_HINTS = {"not_found": " (cgroup or GPU not found)", "no_permission": " (setting limits needs root)",
+          "not_supported": " (driver without memory partitioning, or MIG)"}
 
 
 class NvmlLimits:
-    """``LimitsBackend`` on nvidia-ml-py (pynvml): ``nvmlDeviceGet/SetMemoryLimits_v1``.
+    """NVML's memory limits of a cgroup on a GPU through nvidia-ml-py (pynvml):
+    ``get``/``set`` (bytes; raise LimitError) on ``nvmlDeviceGet/SetMemoryLimits_v1``.
 
     Uses pynvml's own structs and wrappers when the installed version has
     them (13.615+), else our own ctypes structs through pynvml's loaded
@@ -187,62 +161,40 @@ class NvmlLimits:
                 self._handles[uuid] = h
             return h
 
-    def _err(self, exc: Exception, what: str, uuid: str, namespace: str) -> LimitError:
-        value = getattr(exc, "value", None)
-        code = _CODES.get(value, "nvml") if isinstance(value, int) else "nvml"
-        if code == "not_found":
-            msg = f"NVML {what} on {uuid} for {namespace}: {exc} (cgroup or GPU not found)"
-        elif code == "no_permission":
-            msg = f"NVML {what} on {uuid} for {namespace}: {exc} (setting limits needs root)"
-        elif code == "not_supported":
-            msg = f"NVML {what} on {uuid} for {namespace}: {exc} (driver without memory partitioning, or MIG)"
-        else:
-            msg = f"NVML {what} on {uuid} for {namespace}: {exc}"
-        return LimitError(code, msg)
+    def _call(self, verb: str, gpu_uuid: str, namespace: str, **limits: int) -> Any:
+        """``nvmlDevice<verb>MemoryLimits_v1`` (verb Get or Set) on the struct filled with ``namespace`` and
+        ``limits``; returns the struct. Uses pynvml's struct and wrapper when it has them, else ours through
+        its library handle. Raises LimitError (``_CODES``)."""
+        name = f"nvmlDevice{verb}MemoryLimits_v1"
+        try:
+            h = self._handle(gpu_uuid)
+            p = self._pynvml
+            st = getattr(p, f"c_nvml{verb}MemoryLimits_v1_t", _OWN[verb])()
+            st.nameSpace = os.fsencode(namespace)
+            for key, n in limits.items():
+                setattr(st, key, n)
+            fn = getattr(p, name, None)
+            if fn is not None:
+                fn(h, st)
+            else:
+                import ctypes  # noqa: PLC0415
 
-    def _structs(self) -> tuple[Any, Any]:
-        p = self._pynvml
-        if hasattr(p, "c_nvmlGetMemoryLimits_v1_t") and hasattr(p, "c_nvmlSetMemoryLimits_v1_t"):
-            return p.c_nvmlGetMemoryLimits_v1_t, p.c_nvmlSetMemoryLimits_v1_t
-        return _OwnGet, _OwnSet
-
-    def _call(self, name: str, h: Any, st: Any) -> None:
-        p = self._pynvml
-        fn = getattr(p, name, None)
-        if fn is not None:
-            fn(h, st)
-            return
-        import ctypes  # noqa: PLC0415
-
-        ret = p._nvmlGetFunctionPointer(name)(h, ctypes.byref(st))
-        p._nvmlCheckReturn(ret)
+                p._nvmlCheckReturn(p._nvmlGetFunctionPointer(name)(h, ctypes.byref(st)))
+            return st
+        except LimitError:
+            raise
+        except Exception as exc:
+            value = getattr(exc, "value", None)
+            code = _CODES.get(value, "nvml") if isinstance(value, int) else "nvml"
+            raise LimitError(code, f"NVML {name[len('nvmlDevice'):]} on {gpu_uuid} for {namespace}: {exc}"
+                                   f"{_HINTS.get(code, '')}") from None
 
     def get(self, gpu_uuid: str, namespace: str) -> GpuLimits:
-        try:
-            h = self._handle(gpu_uuid)
-            get_t, _ = self._structs()
-            st = get_t()
-            st.nameSpace = os.fsencode(namespace)
-            self._call("nvmlDeviceGetMemoryLimits_v1", h, st)
-            return GpuLimits(int(st.softLimit), int(st.hardLimit), int(getattr(st, "currentUsed", 0)) or None)
-        except LimitError:
-            raise
-        except Exception as exc:
-            raise self._err(exc, "GetMemoryLimits_v1", gpu_uuid, namespace) from None
+        st = self._call("Get", gpu_uuid, namespace)
+        return GpuLimits(int(st.softLimit), int(st.hardLimit), int(getattr(st, "currentUsed", 0)) or None)
 
     def set(self, gpu_uuid: str, namespace: str, soft: int, hard: int) -> None:
-        try:
-            h = self._handle(gpu_uuid)
-            _, set_t = self._structs()
-            st = set_t()
-            st.nameSpace = os.fsencode(namespace)
-            st.softLimit = soft
-            st.hardLimit = hard
-            self._call("nvmlDeviceSetMemoryLimits_v1", h, st)
-        except LimitError:
-            raise
-        except Exception as exc:
-            raise self._err(exc, "SetMemoryLimits_v1", gpu_uuid, namespace) from None
+        self._call("Set", gpu_uuid, namespace, softLimit=soft, hardLimit=hard)
 
     def probe(self, gpu_uuid: str, root: str = DEFAULT_CGROUP_ROOT) -> str | None:
         """None when ``nvmlDeviceGetMemoryLimits_v1`` answers on ``root`` for
@@ -254,7 +206,7 @@ class NvmlLimits:
             return exc.reason
 
 
-def _own_structs() -> tuple[Any, Any]:
+def _own_structs() -> dict[str, Any]:
     import ctypes  # noqa: PLC0415
 
     class Get(ctypes.Structure):
@@ -265,10 +217,10 @@ def _own_structs() -> tuple[Any, Any]:
         _fields_ = [("nameSpace", ctypes.c_char_p), ("softLimit", ctypes.c_ulonglong),
                     ("hardLimit", ctypes.c_ulonglong)]
 
-    return Get, Set
+    return {"Get": Get, "Set": Set}
 
 
-_OwnGet, _OwnSet = _own_structs()
+_OWN = _own_structs()
 
 
 @dataclass
@@ -334,15 +286,8 @@ class ContainerLimits:
 
 def read_dmem_current(leaf: str, region: str) -> int | None:
     """The ``region`` line of ``<leaf>/dmem.current`` in bytes (None when absent)."""
-    try:
-        text = read_regular(os.path.join(leaf, "dmem.current"), MAX_KERNEL_FILE).decode(errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0] == region and parts[1].isdigit():
-            return int(parts[1])
-    return None
+    found = dmem_regions(leaf, "dmem.current")
+    return found.get(region) if isinstance(found, dict) else None
 
 
 class MemoryLimitEnforcer:
@@ -359,34 +304,28 @@ class MemoryLimitEnforcer:
             ``dmem.current``; None = do not read.
         can_enforce: ``() -> reason`` (``""`` when the node can enforce): a
             node that cannot is reported without NVML calls.
-        on_not_enforced: ``f(ContainerLimits)`` after a start whose limits
-            are not enforced (a Warning Event); must not block.
-        watch_leaves: zero a started container's soft limits when its leaf
-            empties (``LeafWatch``, one inotify thread made at the first start).
 
-    Thread-safe; results are kept per container id until ``remove``.
+    A started container's soft limits are zeroed when its leaf empties
+    (``LeafWatch``, one inotify thread made at the first start). Thread-safe; results are kept per container id until ``remove``.
     ``zeroing`` counts soft limits (container x GPU) by outcome: ``zeroed``,
     ``leaf_gone`` (deleted first: its reservation stays on the parents),
     ``failed``."""
 
-    def __init__(self, mode: MemoryLimitMode, backend: LimitsBackend | None, *,
+    def __init__(self, mode: MemoryLimitMode, backend: NvmlLimits | None, *,
                  cgroup_root: str = DEFAULT_CGROUP_ROOT,
                  hook_of: Callable[[str], bool | None] | None = None,
                  region_of: Callable[[str], str | None] | None = None,
-                 can_enforce: Callable[[], str] | None = None,
-                 on_not_enforced: Callable[[ContainerLimits], None] | None = None,
-                 watch_leaves: bool = True) -> None:
+                 can_enforce: Callable[[], str] | None = None) -> None:
         self.mode = mode
         self.backend = backend
         self.cgroup_root = cgroup_root
         self.hook_of = hook_of
         self.region_of = region_of
         self.can_enforce = can_enforce
-        self.on_not_enforced = on_not_enforced
         self._lock = threading.Lock()
         self._results: dict[str, ContainerLimits] = {}
         self._watch: LeafWatch | None = None
-        self._watching = watch_leaves
+        self._watching = True
         self._handled: set[str] = set()  # containers whose leaf emptied (zeroed, or found gone)
         self._parents: set[str] = set()
         self.zeroing = {"zeroed": 0, "leaf_gone": 0, "failed": 0}
@@ -398,11 +337,8 @@ class MemoryLimitEnforcer:
         if self.mode is MemoryLimitMode.VERIFY:
             return False
         hook = None
-        if self.hook_of is not None:
-            try:
-                hook = self.hook_of(uuid)
-            except Exception:
-                hook = None
+        with contextlib.suppress(Exception):
+            hook = self.hook_of(uuid) if self.hook_of is not None else None
         return hook is not True
 
     def start(self, container_id: str, cgroups_path: str, gpus: Sequence[tuple[str, int, int]],
@@ -430,35 +366,23 @@ class MemoryLimitEnforcer:
                 self._parents.update(ancestors(res.cgroup, self.cgroup_root))
         if res.cgroup is not None and any(g.read_soft for g in res.gpus):
             self._arm(container_id, res.cgroup)
-        if res.enforced != "yes" and self.on_not_enforced is not None:
-            try:
-                self.on_not_enforced(res)
-            except Exception:
-                log.exception("memory limits: on_not_enforced failed")
         return res
 
     def _start(self, res: ContainerLimits, cgroups_path: str) -> None:
         why = self.can_enforce() if self.can_enforce is not None else ""
-        if why:
-            res.reason = why
-            for g in res.gpus:
-                g.enforced = False
-            return
-        try:
-            leaf = resolve_leaf(cgroups_path, self.cgroup_root)
-        except CgroupNotFound as exc:
-            res.reason = exc.reason
-            for g in res.gpus:
-                g.enforced = False
-            return
-        res.cgroup = leaf
-        if self.backend is None:
-            res.reason = "NVML is not available to read or set memory limits"
-            for g in res.gpus:
-                g.enforced = False
-            return
+        if not why:
+            try:
+                leaf = res.cgroup = resolve_leaf(cgroups_path, self.cgroup_root)
+            except CgroupNotFound as exc:
+                why = exc.reason
+        if not why and self.backend is None:
+            why = "NVML is not available to read or set memory limits"
+        res.reason = why
         for g in res.gpus:
-            self._one(g, leaf)
+            if why:
+                g.enforced = False
+            else:
+                self._one(g, leaf)
 
     def _one(self, g: GpuLimitResult, leaf: str) -> None:
         assert self.backend is not None

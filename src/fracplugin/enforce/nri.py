@@ -1,28 +1,11 @@
-"""The NRI door's side of memory-limit enforcement (issue 23 item 3, ADR 0025).
+"""The NRI door's side of memory-limit enforcement (issue 23 item 3; rules: ADR 0025 decisions 2-3, ADR 0031
+item 7 for DRA containers, ADR 0036 for the soft-limit zeroing).
 
-``NriMemoryLimits`` is what ``FracNriPlugin`` calls (three one-line hooks;
-ADR 0025 decisions 2-3 give the rules, ADR 0031 item 7 the DRA case):
-
-* ``admit(plan) -> plan`` at CreateContainer: with ``--memory-limits-policy
-  refuse`` and a node that cannot enforce, a ``FractionError`` naming the
-  missing capability (key ``node``, code ``memory_limits_unenforceable``).
-  With ``warn`` it passes, but while the node lacks what the toolkit's
-  ``apply-cuda-memory-limits`` hook fails on (driver r615+, cgroup v2, memory
-  accounting, MIG off) ``NVIDIA_GPU_MEMORY_REQUEST`` / ``_LIMIT`` are withheld
-  (``withheld_keys()``): the hook would fail the container's start.
-* ``start(pod, container, ledger)`` at StartContainer: apply/verify the
-  limits of the container's GPUs (soft = request, hard = limit) on its leaf
-  cgroup (NRI ``linux.cgroups_path``); a DRA container's GPUs come from its
-  env's ``FRACPLUGIN_DRA_CLAIM=<uid>`` (reservation ``dra:<uid>``). A limit not
-  enforced is reported (status, metric, Warning Event
-  ``MemoryLimitNotEnforced``); with ``refuse`` the start fails with
-  FAILED_PRECONDITION.
-* ``remove(container_id)`` at RemoveContainer: zero the soft limit (unless
-  the enforcer's leaf watch did when the leaf emptied; ADR 0036).
-* ``adopt(pods, containers, ledger)`` after Synchronize: the running
-  containers this daemon did not start (it restarted) get their limits
-  read (and set, in apply mode) and their leaves watched, in the background.
-
+``NriMemoryLimits`` is what ``FracNriPlugin`` calls: ``admit`` at CreateContainer, ``start`` at
+StartContainer (soft = request, hard = limit on the container's leaf cgroup; a limit not enforced is
+reported: status, metric, Warning Event ``MemoryLimitNotEnforced``), ``remove`` at RemoveContainer and
+``adopt`` after Synchronize. While the node lacks what the toolkit's ``apply-cuda-memory-limits`` hook fails
+on (``HOOK_FAILS_ON``) the hook's env (``HOOK_ENV``) is withheld: it would fail the container's start.
 Nothing here lets an exception other than the refusals out.
 """
 
@@ -32,15 +15,19 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from .._proto import nri_pb2
 from ..dra import claim_tenancies
+from ..logs import guarded
 from ..model import ContainerPlan, FractionError, PodRef, Tenancy
 from ..planner import ENV_MEMORY_LIMIT, ENV_MEMORY_REQUEST
 from .capability import NodeCapabilities
 from ..rpcstatus import StatusCode as Code
-from .memlimits import LIMIT_MAX, MIB, ContainerLimits, LimitPolicy, MemoryLimitEnforcer, MemoryLimitMode, plan_gpus
+from .memlimits import LIMIT_MAX, MIB, ContainerLimits, LimitPolicy, MemoryLimitEnforcer, plan_gpus
+
+if TYPE_CHECKING:
+    from ..ledger import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -53,56 +40,24 @@ HOOK_FAILS_ON = ("driver", "cgroup_v2", "memory_accounting", "mig_off")
 """Capabilities whose absence makes the toolkit hook fail the container's start."""
 
 
-class PodNames(Protocol):
-    """What the gate reads of the NRI pod sandbox (``nri_pb2.PodSandbox``)."""
-
-    @property
-    def namespace(self) -> str: ...
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def uid(self) -> str: ...
-
-
-class ContainerIds(Protocol):
-    """What the gate reads of the NRI container (``nri_pb2.Container``): its
-    id and name; its ``env`` and ``linux.cgroups_path`` when it has them."""
-
-    @property
-    def id(self) -> str: ...
-
-    @property
-    def name(self) -> str: ...
-
-
-class HoldsContainers(Protocol):
-    """What the gate reads of the ledger (``ledger.Ledger``): a container's
-    holds, and a DRA claim's reservation."""
-
-    def find_container_id(self, container_id: str) -> Sequence[Tenancy]: ...
-
-    def reservation(self, key: str) -> Sequence[Tenancy]: ...
-
-
 class NriMemoryLimits:
     """Args:
         enforcer: the per-container apply/verify engine.
         policy: warn or refuse.
         gate_reason: ``() -> str``: "" when the node can enforce, else why.
-        observe: ``f(seconds)`` per StartContainer apply/verify (a histogram);
-            None = not timed.
+        observe: ``f(seconds)`` per StartContainer apply/verify (a histogram).
         on_not_enforced: ``f(pod ref, container, message)`` when a started
             container's limit is not in force (the ``MemoryLimitNotEnforced``
             Warning Event); must not block; its exceptions are logged.
         capabilities: ``() -> NodeCapabilities`` (the gate's full answer):
-            decides which env the toolkit hook must not get; None = withhold nothing."""
+            decides which env the toolkit hook must not get.
+
+    Built with ``--memory-limits`` not off only (``wiring.MemoryLimits``)."""
 
     def __init__(self, enforcer: MemoryLimitEnforcer, policy: LimitPolicy,
-                 gate_reason: Callable[[], str], observe: Callable[[float], None] | None = None,
-                 on_not_enforced: Callable[[PodRef, str, str], None] | None = None,
-                 capabilities: Callable[[], NodeCapabilities] | None = None) -> None:
+                 gate_reason: Callable[[], str], observe: Callable[[float], None],
+                 on_not_enforced: Callable[[PodRef, str, str], None] | None,
+                 capabilities: Callable[[], NodeCapabilities]) -> None:
         self.capabilities = capabilities
         self.enforcer = enforcer
         self.policy = policy
@@ -110,25 +65,15 @@ class NriMemoryLimits:
         self.observe = observe
         self.on_not_enforced = on_not_enforced
 
-    @property
-    def active(self) -> bool:
-        return self.enforcer.mode is not MemoryLimitMode.OFF
-
     def withheld_keys(self) -> tuple[str, ...]:
         """Env keys not handed to containers now (``HOOK_ENV`` while a
         capability in ``HOOK_FAILS_ON`` is missing; else none)."""
-        if not self.active or self.capabilities is None:
-            return ()
-        caps = self.capabilities()
-        if any(c.name in HOOK_FAILS_ON for c in caps.missing):
-            return HOOK_ENV
-        return ()
+        return HOOK_ENV if any(c.name in HOOK_FAILS_ON for c in self.capabilities().missing) else ()
 
     def admit(self, plan: ContainerPlan) -> ContainerPlan:
         """The plan to answer with (``withheld_keys`` removed from its env).
-        Raises FractionError when the policy refuses and the node cannot enforce."""
-        if not self.active:
-            return plan
+        Raises FractionError (key ``node``, code ``REFUSAL_CODE``) when the policy refuses and the node cannot
+        enforce."""
         if self.policy is LimitPolicy.REFUSE:
             why = self.gate_reason()
             if why:
@@ -140,22 +85,17 @@ class NriMemoryLimits:
             return dataclasses.replace(plan, env={k: v for k, v in plan.env.items() if k not in withheld})
         return plan
 
-    def start(self, pod: PodNames, container: ContainerIds, ledger: HoldsContainers) -> ContainerLimits | None:
+    def start(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container, ledger: Ledger) -> ContainerLimits | None:
         """Apply/verify for a container the ledger holds by container id, or
         whose DRA claim it holds (``held_tenancies``). Raises ``RpcError``
         FAILED_PRECONDITION when not enforced and the policy refuses."""
-        if not self.active:
-            return None
         gpus = plan_gpus(held_tenancies(container, ledger))
         if not gpus:
             return None
         t0 = time.perf_counter()
-        linux = getattr(container, "linux", None)
-        cgroups_path = str(getattr(linux, "cgroups_path", "") or "") if linux is not None else ""
-        res = self.enforcer.start(container.id, cgroups_path, gpus,
+        res = self.enforcer.start(container.id, _cgroups_path(container), gpus,
                                   pod=f"{pod.namespace}/{pod.name}", container=container.name)
-        if self.observe is not None:
-            self.observe(time.perf_counter() - t0)
+        self.observe(time.perf_counter() - t0)
         if res is None or res.enforced == "yes":
             return res
         fields = {"pod": res.pod, "container": res.container, "container_id": container.id, "cgroup": res.cgroup,
@@ -171,21 +111,17 @@ class NriMemoryLimits:
         log.warning("memory limit not enforced: container starts (policy warn)", extra=fields)
         return res
 
-    def _report(self, pod: PodNames, res: ContainerLimits) -> None:
-        if self.on_not_enforced is None:
-            return
-        try:
-            ref = PodRef(namespace=pod.namespace, name=pod.name, uid=pod.uid)
-            self.on_not_enforced(ref, res.container, not_enforced_message(res))
-        except Exception:
-            log.exception("memory limits: on_not_enforced failed")
+    def _report(self, pod: nri_pb2.PodSandbox, res: ContainerLimits) -> None:
+        if self.on_not_enforced is not None:
+            guarded(log, "memory limits: on_not_enforced", self.on_not_enforced,
+                    PodRef(namespace=pod.namespace, name=pod.name, uid=pod.uid), res.container,
+                    not_enforced_message(res))
 
-    def adopt(self, pods: Iterable[PodNames], containers: Iterable[ContainerIds], ledger: HoldsContainers) -> None:
+    def adopt(self, pods: Iterable[nri_pb2.PodSandbox], containers: Iterable[nri_pb2.Container],
+              ledger: Ledger) -> None:
         """Start (apply/verify, no Event) the running containers with held
         GPUs and no kept result, in a background thread: the leaf watch
         then zeroes their soft limits when they end (ADR 0036)."""
-        if not self.active:
-            return
         names = {getattr(p, "id", ""): f"{p.namespace}/{p.name}" for p in pods}
         todo = [(c, names.get(getattr(c, "pod_sandbox_id", ""), ""), gpus) for c in containers
                 if getattr(c, "state", 0) == nri_pb2.CONTAINER_RUNNING and self.enforcer.result(c.id) is None
@@ -193,26 +129,25 @@ class NriMemoryLimits:
 
         def run() -> None:
             for c, pod, gpus in todo:
-                linux = getattr(c, "linux", None)
-                self.enforcer.start(c.id, str(getattr(linux, "cgroups_path", "") or ""), gpus, pod=pod,
-                                    container=c.name)
+                self.enforcer.start(c.id, _cgroups_path(c), gpus, pod=pod, container=c.name)
         if todo:
             threading.Thread(target=run, name="memory-limits-adopt", daemon=True).start()
 
-    def remove(self, container: ContainerIds, gpus: Callable[[], Iterable[str]] | None = None) -> None:
+    def remove(self, container: nri_pb2.Container, gpus: Callable[[], Iterable[str]] | None = None) -> None:
         """Zero the soft limit of a removed container (never raises). Without
         a result kept from its start (started before this daemon), its leaf
         from ``linux.cgroups_path`` is checked on every GPU of ``gpus()``
         (UUIDs)."""
-        if not self.active:
-            return
-        linux = getattr(container, "linux", None)
-        cgroups_path = str(getattr(linux, "cgroups_path", "") or "") if linux is not None else ""
         all_gpus = list(gpus()) if gpus is not None and self.enforcer.result(container.id) is None else []
-        self.enforcer.remove(container.id, cgroups_path, all_gpus)
+        self.enforcer.remove(container.id, _cgroups_path(container), all_gpus)
 
 
-def held_tenancies(container: ContainerIds, ledger: HoldsContainers) -> list[Tenancy]:
+def _cgroups_path(container: nri_pb2.Container) -> str:
+    """NRI ``linux.cgroups_path`` of the container ("" when it has none)."""
+    return str(getattr(getattr(container, "linux", None), "cgroups_path", "") or "")
+
+
+def held_tenancies(container: nri_pb2.Container, ledger: Ledger) -> list[Tenancy]:
     """The ledger tenancies whose limits a container gets: those held under
     its container id (NRI door); else, when its env (NRI ``env``, ``K=V``
     strings, the last value wins) carries ``FRACPLUGIN_DRA_CLAIM=<uid>``, the

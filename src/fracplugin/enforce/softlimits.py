@@ -21,6 +21,7 @@ import struct
 import threading
 from typing import Callable, Iterable
 
+from ..logs import guarded
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +95,7 @@ class LeafWatch:
             if not gone:
                 return
             del self._wds[wd]
-        try:
-            self.on_empty(item[0])
-        except Exception:
-            log.exception("leaf watch: on_empty failed", extra={"key": item[0]})
+        guarded(log, "leaf watch: on_empty", self.on_empty, item[0], extra={"key": item[0]})
 
     def _run(self) -> None:
         while True:

@@ -38,36 +38,32 @@ class MemoryLimits:
         hook_of: ``uuid -> bool | None``: the GPU's CDI spec carries the
             toolkit's memory-limit hook (from the CDI reader; None = not read).
         on_not_enforced: ``f(pod ref, container, message)`` (the Warning Event).
-        backend: NVML limits; default ``NvmlLimits()`` opened here (when NVML
-            cannot be initialised the backend is None and the gate's
-            ``memory_accounting`` says so)."""
+
+    Built only with ``--memory-limits`` not off (``builders._build_memory_limits``). NVML is opened here
+    (``NvmlLimits``); when it cannot be initialised ``nvml`` is None and the gate's ``memory_accounting``
+    says so."""
 
     def __init__(self, mode: MemoryLimitMode, policy: LimitPolicy, cgroup_root: str, node: NodeInfo, *,
                  mps_protocol: Callable[[], int | None] | None = None,
                  hook_of: Callable[[str], bool | None] | None = None,
-                 on_not_enforced: Callable[[PodRef, str, str], None] | None = None,
-                 backend: Any = "default") -> None:
+                 on_not_enforced: Callable[[PodRef, str, str], None] | None = None) -> None:
         self.mode = mode
         self.policy = policy
         self.cgroup_root = cgroup_root
         self.node = node
         self.nvml: NvmlLimits | None = None
         self.nvml_error = ""
-        if backend == "default":
-            backend = None
-            if mode is not MemoryLimitMode.OFF:
-                nv = NvmlLimits()
-                try:
-                    nv.open()
-                    backend = self.nvml = nv
-                except LimitError as exc:
-                    self.nvml_error = exc.reason
-                    log.warning("memory limits: NVML not available", extra={"reason": exc.reason})
-        self.backend = backend
-        probe = getattr(backend, "probe", None)
+        nv = NvmlLimits()
+        try:
+            nv.open()
+            self.nvml = nv
+        except LimitError as exc:
+            self.nvml_error = exc.reason
+            log.warning("memory limits: NVML not available", extra={"reason": exc.reason})
+        backend = self.nvml
         self.gate = CapabilityGate(
             lambda: node.gpus, node.driver_version, cgroup_root=cgroup_root, mps_protocol=mps_protocol,
-            nvml_probe=(lambda u: probe(u, cgroup_root)) if callable(probe) else None, hook_of=hook_of)
+            nvml_probe=(lambda u: backend.probe(u, cgroup_root)) if backend is not None else None, hook_of=hook_of)
         self.regions = {g.uuid: gpu_region(g) for g in node.gpus}
         self.enforcer = MemoryLimitEnforcer(mode, backend, cgroup_root=cgroup_root, hook_of=hook_of,
                                             region_of=self.regions.get, can_enforce=self.gate.reason)
@@ -79,42 +75,37 @@ class MemoryLimits:
     @classmethod
     def build(cls, cfg: Any, node: NodeInfo, **kw: Any) -> "MemoryLimits":
         """From the daemon's config (``memory_limits``, ``memory_limits_policy``, ``cgroup_root``)."""
-        return cls(MemoryLimitMode.parse(cfg.memory_limits), LimitPolicy.parse(cfg.memory_limits_policy),
+        return cls(MemoryLimitMode(cfg.memory_limits), LimitPolicy(cfg.memory_limits_policy),
                    cfg.cgroup_root, node, **kw)
 
     def _observe(self, seconds: float) -> None:
         if self._hist is not None:
             self._hist.observe(seconds)
 
-    def readiness(self) -> dict[str, Any] | None:
-        """``{"ready", "detail"}`` for ``/readyz`` (None with mode off)."""
-        if self.mode is MemoryLimitMode.OFF:
-            return None
+    def readiness(self) -> Readiness:
+        """The ``/readyz`` check ``memory_limits``: the gate's answer."""
         caps = self.gate.current()
         if not caps.can_enforce:
-            return {"ready": False, "detail": caps.reason}
+            return Readiness(False, caps.reason)
         notes = [f"{c.name}: {c.detail}" for c in caps.items if c.ok is not True]
         detail = f"memory limits {self.mode.value}, policy {self.policy.value}"
-        return {"ready": True, "detail": detail + ("; " + "; ".join(notes) if notes else "")}
+        return Readiness(True, detail + ("; " + "; ".join(notes) if notes else ""))
 
     def status(self) -> dict[str, Any]:
         """The ``/status`` ``memory_limits`` section."""
-        out: dict[str, Any] = {"mode": self.mode.value, "policy": self.policy.value, "cgroup_root": self.cgroup_root,
-                               "nvml": self.backend is not None, "nvml_error": self.nvml_error}
-        if self.mode is not MemoryLimitMode.OFF:
-            out["node"] = self.gate.current().to_dict()
-            out["containers"] = [r.to_dict() for r in self.enforcer.results()]
-            out["soft_zeroing"] = dict(self.enforcer.zeroing)
-            out["soft_reservations"] = [r for r in self.drift() if r["drift"]]
-        return out
+        return {"mode": self.mode.value, "policy": self.policy.value, "cgroup_root": self.cgroup_root,
+                "nvml": self.nvml is not None, "nvml_error": self.nvml_error, "node": self.gate.current().to_dict(),
+                "containers": [r.to_dict() for r in self.enforcer.results()],
+                "soft_zeroing": dict(self.enforcer.zeroing),
+                "soft_reservations": [r for r in self.drift() if r["drift"]]}
 
     def drift(self) -> list[dict[str, Any]]:
         """``softlimits.reservation_drift`` over the parents of the leaves seen,
-        on every GPU NVML answers for ([] with mode off or no NVML). Costs
+        on every GPU NVML answers for ([] without NVML). Costs
         one NVML read per (parent or child cgroup, GPU); kept until a soft
         limit may have changed (the enforcer's ``generation``), at most 60 s."""
-        backend = self.backend
-        if backend is None or self.mode is MemoryLimitMode.OFF:
+        backend = self.nvml
+        if backend is None:
             return []
         key = (self.enforcer.generation, int(time.monotonic() // 60))
         if self._drift[0] == key:
@@ -157,19 +148,9 @@ class MemoryLimits:
 
 
 class MemoryLimitsCollector:
-    """``fracplugin_node_capability{capability}`` (1 ok, 0 missing, -1
-    unknown), ``fracplugin_memory_limits_enforceable``,
-    ``fracplugin_container_cuda_memory_limit_bytes{namespace, pod, container,
-    gpu_uuid, UUID, gpu, modelName, Hostname, kind, source}`` (the GPU by
-    dcgm-exporter's label names as on every per-GPU series of
-    ``fracplugin.metrics``, ``gpu_uuid`` deprecated until 0.3.0; issue 27
-    item 3; index and model "" for a GPU the inventory lacks; kind soft|hard|used; source
-    planned|enforced|dmem|nvml; named apart from the ledger's
-    ``fracplugin_container_gpu_memory_limit_bytes``, which has other labels)
-    and ``fracplugin_container_cuda_memory_limit_enforced{namespace, pod, container}``;
-    ``fracplugin_memory_limits_soft_zeroed_total{outcome}`` and
-    ``fracplugin_memory_limits_reservation_drift_bytes{UUID, gpu, modelName,
-    Hostname}`` (ADR 0036)."""
+    """The memory-limit series: names, labels and meaning are the metrics table of
+    docs/operator-guide.md "## Metrics" (``tests/unit/test_metrics_readme.py``
+    checks it). A GPU the inventory lacks gets index and model ""."""
 
     def __init__(self, limits: MemoryLimits, hostname: str) -> None:
         self.limits = limits
@@ -181,8 +162,6 @@ class MemoryLimitsCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
 
-        if self.limits.mode is MemoryLimitMode.OFF:
-            return
         try:
             caps = self.limits.gate.current()
             fam = GaugeMetricFamily("fracplugin_node_capability",
@@ -260,10 +239,7 @@ class MemoryLimitsPart(PartBase):
         self.limits.close()
 
     def readiness(self) -> Readiness:
-        r = self.limits.readiness()
-        if r is None:
-            return Readiness(True, "memory limits off")
-        return Readiness(bool(r["ready"]), str(r["detail"]))
+        return self.limits.readiness()
 
     def status(self) -> dict[str, Any]:
         return self.limits.status()

@@ -82,18 +82,6 @@ class DrainResult:
         """Every client found was terminated in time and nothing wedged."""
         return not self.wedged and set(self.terminated) >= set(self.clients)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "container_id": self.container_id,
-            "clients": list(self.clients),
-            "terminated": list(self.terminated),
-            "wedged": self.wedged,
-            "restarted": [m.value for m in self.restarted],
-            "skipped": self.skipped,
-            "errors": list(self.errors),
-            "elapsed_s": self.elapsed_s,
-        }
-
 
 HealthCallback = Callable[[ComputeMode, bool], None]
 """``callback(mode, healthy)``: called from the supervisor thread whenever the

@@ -130,8 +130,7 @@ def render_config_toml(sm_sharing: bool, servers: Iterable[str] = ("shared",), a
         f"enabled = {'true' if sm_sharing else 'false'}",
     ]
     for name in servers:
-        if not NAME_RE.match(name):
-            raise ValueError(f"MPS server name {name!r} must match [a-z0-9_]{{1,64}}")
+        _check_name(name)
         lines += ["", f"[servers.{name}]"]
     return "\n".join(lines) + "\n"
 
@@ -144,7 +143,8 @@ class MpsControl:
         pipe_dir: the daemon's ``CUDA_MPS_PIPE_DIRECTORY``.
         protocol: 2 or 3 (selects which command forms the helpers use).
         log_dir: ``CUDA_MPS_LOG_DIRECTORY`` passed along (optional).
-        env: extra environment for the client processes (tests).
+        env: extra environment for the client processes (tests); ``self.env`` is
+            theirs, and the daemon's (``lifecycle`` starts it with it).
 
     Every method raises ``MpsTimeout`` when the command outlives ``timeout_s``
     (the client is killed and reaped) and ``MpsError`` for a non-zero exit or a
@@ -163,13 +163,13 @@ class MpsControl:
         self.pipe_dir = pipe_dir
         self.protocol = protocol
         self.log_dir = log_dir
-        self._env = dict(os.environ)
-        self._env.pop("CUDA_MPS_PROTOCOL_VERSION", None)  # env would override -p (docs/reference/mps-nvml.md 1.2)
+        self.env = dict(os.environ)
+        self.env.pop("CUDA_MPS_PROTOCOL_VERSION", None)  # env would override -p (docs/reference/mps-nvml.md 1.2)
         if env:
-            self._env.update(env)
-        self._env["CUDA_MPS_PIPE_DIRECTORY"] = pipe_dir
+            self.env.update(env)
+        self.env["CUDA_MPS_PIPE_DIRECTORY"] = pipe_dir
         if log_dir:
-            self._env["CUDA_MPS_LOG_DIRECTORY"] = log_dir
+            self.env["CUDA_MPS_LOG_DIRECTORY"] = log_dir
 
     # -- transport --------------------------------------------------------------
 
@@ -188,7 +188,7 @@ class MpsControl:
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
-                env=self._env,
+                env=self.env,
                 close_fds=True,
             )
         except subprocess.TimeoutExpired as e:
@@ -302,13 +302,6 @@ class MpsControl:
         if out and out.split()[-1] != "0":
             raise MpsError(f"terminate_client {server_pid} {client_pid}: {out}", output=out)
 
-    def set_default_active_thread_percentage(self, percentage: int, timeout_s: float) -> None:
-        self.v2(f"set_default_active_thread_percentage {int(percentage)}", timeout_s)
-
-    def set_default_device_pinned_mem_limit(self, device: str | int, mib: int, timeout_s: float) -> None:
-        """``set_default_device_pinned_mem_limit <dev> <MiB>M`` (dev = ordinal or UUID)."""
-        self.v2(f"set_default_device_pinned_mem_limit {device} {int(mib)}M", timeout_s)
-
 
 def _check_name(name: str) -> None:
     if not NAME_RE.match(name):
@@ -316,11 +309,7 @@ def _check_name(name: str) -> None:
 
 
 def _text(b: bytes | str | None) -> str:
-    if b is None:
-        return ""
-    if isinstance(b, bytes):
-        return b.decode("utf-8", "replace")
-    return b
+    return b.decode("utf-8", "replace") if isinstance(b, bytes) else b or ""
 
 
 def set_exclusive_process(gpu_uuids: Iterable[str]) -> dict[str, str]:

@@ -1,11 +1,5 @@
-"""Drain: terminate the MPS clients of a stopping container (NRI StopContainer).
-
-``Drainer`` lists the clients of the daemons of the container's mode (v3
-``client list``, v2 ``get_server_list`` + ``get_client_list``), joins them
-with ``/proc/<pid>/cgroup`` and terminates the container's, each daemon within
-its own budget (concurrently). A step that runs out of time marks that daemon
-slow (unhealthy) and asks for a probe at once: only the probe confirms a hang
-and restarts it (issue 12). Called from any thread.
+"""Drain: terminate the MPS clients of a stopping container (NRI StopContainer);
+the rules are ``Drainer.drain``'s. Called from any thread.
 """
 
 from __future__ import annotations

@@ -127,11 +127,9 @@ def _supervise(proc: subprocess.Popen[bytes], stopping: list[int], wake_r: int,
                     os.kill(proc.pid, stopping[-1])
             ready, _, _ = select.select([pidfd, wake_r], [], [])
             if wake_r in ready:
-                try:
+                with contextlib.suppress(BlockingIOError):
                     while os.read(wake_r, 512):
                         pass
-                except BlockingIOError:
-                    pass
             if pidfd in ready:
                 return proc.wait()
     finally:

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import os
 import signal
-import stat
 import subprocess
 import threading
 import time
@@ -30,7 +29,7 @@ from ..model import ComputeMode
 from .api import RESOURCE_ERRNOS, MpsError
 from .control import render_config_toml
 from .layout import SM_SERVER
-from .procs import DetachedProc, is_control_daemon, make_dir, pid_alive, root_problem
+from .procs import PID_FILE, DetachedProc, live_daemon, make_dir, read_pid, root_problem, unlink_socket
 from .state import DaemonState, SupervisorCore, control_log_size
 
 log = logging.getLogger("fracplugin.mps.supervisor")
@@ -79,32 +78,22 @@ class DaemonProcesses:
             if self.c.detached:
                 self.kill_unanswering(d)
             self.clean_stale_leaves(d)
-            for leaf in ("control", "nvidia-cuda-mps-control.pid"):
+            for leaf in ("control", PID_FILE):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(d.pipe_dir, leaf))  # stale socket of a dead daemon
             self.kill_servers(d, scan=False)
             argv = self.command_line(d)
-            env = dict(self.c.env)
-            env["CUDA_MPS_PIPE_DIRECTORY"] = d.pipe_dir
-            env["CUDA_MPS_LOG_DIRECTORY"] = d.log_dir
+            env = d.control.env  # with CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY
             d.log_offset = control_log_size(d)
-            out: IO[bytes] | None = open(os.path.join(d.log_dir, "daemon.out"), "ab")
-            assert out is not None
             proc: Any
-            try:
+            with open(os.path.join(d.log_dir, "daemon.out"), "ab") as out:  # the daemon writes through its own fd
                 if self.c.detached:
                     proc = self.spawn_detached(d, argv, env, out)
-                    out.close()
-                    out = None
                 else:
                     proc = subprocess.Popen(
                         argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                         env=env, close_fds=True, start_new_session=True, umask=0o022,
                     )
-            except BaseException:
-                if out is not None:
-                    out.close()
-                raise
         except (OSError, ValueError) as e:
             log.error("cannot start MPS %s daemon: %s", d.mode.value, e)
             resource = isinstance(e, OSError) and e.errno in RESOURCE_ERRNOS
@@ -127,11 +116,8 @@ class DaemonProcesses:
         if abort:  # stop() began while we were spawning: undo
             proc.kill()
             proc.wait()
-            if out is not None:
-                out.close()
             return
         with self.c.lock:
-            d.stdout = out
             d.state = "starting"
             d.started_at = now
             d.ready_at = None
@@ -154,12 +140,7 @@ class DaemonProcesses:
         with self.c.lock:
             keep = {n for n, r in self.c.namespaces.items() if r.mode is d.mode}
         for leaf in [server_dir] + [e.path for e in entries if e.is_dir(follow_symlinks=False)]:
-            sock = os.path.join(leaf, "control")
-            try:
-                if stat.S_ISSOCK(os.lstat(sock).st_mode):
-                    os.unlink(sock)
-            except OSError:
-                pass
+            unlink_socket(os.path.join(leaf, "control"))
             if leaf != server_dir and os.path.basename(leaf) not in keep:
                 with contextlib.suppress(OSError):
                     os.rmdir(leaf)
@@ -168,20 +149,11 @@ class DaemonProcesses:
         """Before a detached start: a control daemon of ours still alive (it
         failed adoption or a probe) is SIGKILLed with its servers, so that two
         daemons never share a pipe directory."""
-        try:
-            with open(os.path.join(d.pipe_dir, "nvidia-cuda-mps-control.pid"), encoding="utf-8") as f:
-                pid = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            return
-        if pid != os.getpid() and pid_alive(pid) and is_control_daemon(pid, self.c.control_binary):
+        pid = live_daemon(d.pipe_dir, self.c.control_binary)
+        if pid is not None and pid != os.getpid():
             with self.c.lock:
                 d.server_pids |= self.child_servers(pid)
-            old = DetachedProc(pid)
-            old.kill()
-            try:
-                old.wait(5.0)
-            except subprocess.TimeoutExpired:
-                log.error("MPS %s daemon pid %d did not die after SIGKILL", d.mode.value, pid)
+            self.sigkill(d, DetachedProc(pid))
             self.kill_servers(d, scan=False)
 
     def spawn_detached(self, d: DaemonState, argv: list[str], env: dict[str, str], out: IO[bytes]) -> DetachedProc:
@@ -196,16 +168,12 @@ class DaemonProcesses:
             raise OSError(f"{' '.join(argv)} did not return within {self.c.start_timeout_s:g}s") from None
         if r.returncode != 0:
             raise OSError(f"{' '.join(argv)} exited with status {r.returncode} (see {d.log_dir}/daemon.out)")
-        pidfile = os.path.join(d.pipe_dir, "nvidia-cuda-mps-control.pid")
         deadline = time.monotonic() + min(5.0, self.c.start_timeout_s)
-        while True:
-            try:
-                with open(pidfile, encoding="utf-8") as f:
-                    return DetachedProc(int(f.read().split()[0]))
-            except (OSError, ValueError, IndexError):
-                if time.monotonic() >= deadline:
-                    raise OSError(f"{pidfile} did not appear after the daemon started") from None
-                time.sleep(0.01)
+        while (pid := read_pid(d.pipe_dir)) is None:
+            if time.monotonic() >= deadline:
+                raise OSError(f"{d.pipe_dir}/{PID_FILE} did not appear after the daemon started")
+            time.sleep(0.01)
+        return DetachedProc(pid)
 
     def waiter(self, proc: "subprocess.Popen[bytes] | DetachedProc") -> None:
         """Body of the per-daemon waiter thread: block until ``proc`` exits (reaping it), then wake the
@@ -216,34 +184,36 @@ class DaemonProcesses:
             self.c.wake.set()
 
     def release_proc(self, d: DaemonState) -> None:
-        """Forget ``d``'s process (closing its stdin and output file); state ``stopped``, unhealthy."""
+        """Forget ``d``'s process (closing its stdin); state ``stopped``, unhealthy."""
         with self.c.lock:
-            proc, out = d.proc, d.stdout
+            proc = d.proc
             d.proc = None
-            d.stdout = None
             d.state = "stopped"
         if proc is not None and proc.stdin is not None:
             with contextlib.suppress(OSError):
                 proc.stdin.close()
-        if out is not None:
-            out.close()
         self.c.set_health(d, False)
 
     def release_all(self) -> None:
         """Forget the daemons without stopping them (detached stop)."""
-        for d in self.c.daemons.values():
-            with self.c.lock:
-                out = d.stdout
+        with self.c.lock:
+            for d in self.c.daemons.values():
                 d.proc = None
-                d.stdout = None
                 d.state = "stopped"
                 d.healthy = False
-            if out is not None:
-                out.close()
 
     def child_servers(self, pid: int) -> set[int]:
         """PIDs of ``nvidia-cuda-mps-server`` processes whose parent is ``pid``."""
         return {p for p in self.c.procfs.pids_by_exe(self.c.server_exe) if self.c.procfs.ppid(p) == pid}
+
+    def sigkill(self, d: DaemonState, proc: "subprocess.Popen[bytes] | DetachedProc") -> None:
+        """SIGKILL ``proc`` (``d``'s daemon) and wait up to 5 s for it to go (logged when it does not)."""
+        with contextlib.suppress(OSError):
+            proc.kill()
+        try:
+            proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            log.error("MPS %s daemon pid %d did not die after SIGKILL", d.mode.value, proc.pid)
 
     def hard_kill(self, d: DaemonState) -> None:
         """SIGKILL the daemon and its servers (wedged/hung daemon)."""
@@ -251,12 +221,7 @@ class DaemonProcesses:
         if proc is not None:
             with self.c.lock:
                 d.server_pids |= self.child_servers(proc.pid)
-            with contextlib.suppress(OSError):
-                proc.kill()
-            try:
-                proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                log.error("MPS %s daemon pid %d did not die after SIGKILL", d.mode.value, proc.pid)
+            self.sigkill(d, proc)
         self.release_proc(d)
         self.kill_servers(d, scan=False)
 
@@ -339,13 +304,9 @@ class DaemonProcesses:
             proc = procs[d.mode]
             if proc is None and self.c.detached:
                 # quit_daemons() after a detached stop: find the daemon again.
-                try:
-                    with open(os.path.join(d.pipe_dir, "nvidia-cuda-mps-control.pid"), encoding="utf-8") as f:
-                        pid = int(f.read().split()[0])
-                    if pid_alive(pid) and is_control_daemon(pid, self.c.control_binary):
-                        procs[d.mode] = proc = DetachedProc(pid)
-                except (OSError, ValueError, IndexError):
-                    pass
+                pid = live_daemon(d.pipe_dir, self.c.control_binary)
+                if pid is not None:
+                    procs[d.mode] = proc = DetachedProc(pid)
             if proc is None or proc.poll() is not None:
                 continue
             with self.c.lock:
@@ -369,11 +330,7 @@ class DaemonProcesses:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("MPS %s daemon ignored quit; SIGKILL", d.mode.value)
-                proc.kill()
-                try:
-                    proc.wait(5.0)
-                except subprocess.TimeoutExpired:
-                    log.error("MPS %s daemon pid %d survived SIGKILL", d.mode.value, proc.pid)
+                self.sigkill(d, proc)
             self.release_proc(d)
         for d in daemons:
             self.kill_servers(d, scan=False)

@@ -21,6 +21,7 @@ rename) so that a restarted role knows whose namespaces it holds.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 import logging
 import time
 
@@ -66,8 +67,7 @@ class NamespaceBook:
                 del self.c.pending_delete[name]
         return True
 
-    def apply(self, d: DaemonState, name: str, rec: NsRecord, deadline: float,
-                         fresh: bool = False) -> None:
+    def apply(self, d: DaemonState, name: str, rec: NsRecord, deadline: float, fresh: bool = False) -> None:
         """Create (``fresh``: without listing first) or re-cap namespace ``name`` on ``d`` as ``rec`` says,
         before ``deadline`` (monotonic). Never leaves an uncapped namespace behind. Raises MpsError,
         MpsTimeout."""
@@ -132,18 +132,14 @@ class NamespaceBook:
         for name in sorted(d.restore_pending):
             with self.c.lock:
                 rec = self.c.namespaces.get(name)
-            if rec is None or rec.mode is not d.mode:
-                with self.c.lock:
-                    d.restore_pending.discard(name)
-                continue
-            try:
-                self.apply(d, name, rec,
-                                      time.monotonic() + max(self.c.probe_timeout_s, 1.0) * 2, fresh=fresh)
-            except (MpsError, ValueError) as e:
-                with self.c.lock:
-                    d.last_error = f"restore {name}: {e}"
-                log.warning("MPS namespace %s not restored yet: %s", name, e)
-                continue
+            if rec is not None and rec.mode is d.mode:  # else released meanwhile: nothing to restore
+                try:
+                    self.apply(d, name, rec, time.monotonic() + max(self.c.probe_timeout_s, 1.0) * 2, fresh=fresh)
+                except (MpsError, ValueError) as e:
+                    with self.c.lock:
+                        d.last_error = f"restore {name}: {e}"
+                    log.warning("MPS namespace %s not restored yet: %s", name, e)
+                    continue
             with self.c.lock:
                 d.restore_pending.discard(name)
 
@@ -216,7 +212,7 @@ class NamespaceBook:
         if not self.c.state_file:
             return
         with self.c.lock:
-            doc = {"version": 1, "namespaces": {n: r.to_dict() for n, r in sorted(self.c.namespaces.items())}}
+            doc = {"version": 1, "namespaces": {n: asdict(r) for n, r in sorted(self.c.namespaces.items())}}
         try:
             write_atomically(self.c.state_file, json.dumps(doc, sort_keys=True), mode=0o644, make_parents=True)
         except OSError as e:

@@ -4,28 +4,20 @@
 whether a ready one is still healthy:
 
 * ready when the ``control`` socket exists and a real command answers; then
-  v2 defaults are applied and recorded namespaces restored (``namespaces``);
+  recorded namespaces are restored (``namespaces``);
 * an active probe every ``probe_interval_s`` (v3 ``server list``, v2
   ``get_default_active_thread_percentage``) bounded by ``probe_timeout_s``;
   ``probe_failure_threshold`` consecutive failures confirm a hang: the daemon
   is hard-killed and restarted (``lifecycle``);
-* a probe that *timed out* is not the same as one that was *refused*: on a
-  starved host (load far above the cores) a live daemon, and the control
-  client the probe starts, answer late. So a refused probe (the daemon answered
-  an error, its socket is gone or was replaced, the client exited non-zero)
-  reports the daemon unhealthy at once, while timed-out probes change the
-  reported health only once ``probe_failure_threshold`` of them in a row
-  confirm a hang; and each timed-out probe (while starting too) doubles the
-  next one's timeout, up to 8 x ``probe_timeout_s`` (``probe_timeout_for``),
-  so a daemon that is alive but slow gets the time to say so, while a hung
-  one is still confirmed within a few probe timeouts; and while the host is
-  CPU-starved (``/proc/pressure/cpu`` "some avg10" at least
-  ``STARVED_CPU_PRESSURE_PCT``: runnable tasks waited for a CPU that share of
-  the last 10 s; Linux PSI, kernel docs ``accounting/psi.rst``) a timed-out
-  probe whose timeout is still below the cap is not counted at all: on such a
-  host a hang is confirmed only by probes that waited 8 x ``probe_timeout_s``
-  (about 30 s to the first count with the defaults, rather than 2 s), which
-  is the right trade while a restart would kill every client's GPU work;
+* a *refused* probe (an error answer, a socket gone or replaced, the client
+  exiting non-zero) reports the daemon unhealthy at once; a *timed-out* one
+  (on a starved host a live daemon answers late) only once
+  ``probe_failure_threshold`` in a row confirm a hang, and each doubles the
+  next timeout, up to 8 x ``probe_timeout_s`` (``probe_timeout_for``); while
+  the host is CPU-starved (``/proc/pressure/cpu`` "some avg10" at least
+  ``STARVED_CPU_PRESSURE_PCT``; Linux PSI, kernel docs ``accounting/psi.rst``)
+  a timed-out probe below that cap is not counted at all: a restart kills
+  every client's GPU work, so there only 8x probes confirm a hang;
 * the probe first checks that ``<pipe>/control`` is still the socket the
   daemon created (owner, inode, directory writable by us only): a replaced
   socket is never talked to;
@@ -46,11 +38,10 @@ import stat
 import threading
 import time
 
-from ..model import ComputeMode
 from .api import MpsError, MpsResourceError, MpsTimeout
 from .lifecycle import DaemonProcesses
 from .namespaces import NamespaceBook
-from .procs import DetachedProc, is_control_daemon, pid_alive
+from .procs import DetachedProc, live_daemon, unlink_socket
 from .state import SERVER_EXIT_RE, DaemonState, SupervisorCore, control_log_size
 
 log = logging.getLogger("fracplugin.mps.supervisor")
@@ -129,12 +120,8 @@ class DaemonProber:
         control binary, and a real probe answers through ``<pipe>/control``).
         Its servers, namespaces and clients are kept; recorded namespaces that
         are missing are re-created. Returns True when adopted."""
-        try:
-            with open(os.path.join(d.pipe_dir, "nvidia-cuda-mps-control.pid"), encoding="utf-8") as f:
-                pid = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            return False
-        if not pid_alive(pid) or not is_control_daemon(pid, self.c.control_binary):
+        pid = live_daemon(d.pipe_dir, self.c.control_binary)
+        if pid is None:
             return False
         try:
             dur = d.control.probe(self.c.probe_timeout_s)
@@ -168,7 +155,7 @@ class DaemonProber:
 
     def after_ready(self, d: DaemonState, probe_s: float, fresh: bool = True) -> None:
         """The daemon answered: state ``ready``; drop namespaces released meanwhile (fresh daemon), remember the
-        control socket's identity, apply v2 defaults, restore recorded namespaces, then report health."""
+        control socket's identity, restore recorded namespaces, then report health."""
         now = self.c.clock()
         with self.c.lock:
             if self.c.stopping.is_set() or d.proc is None:
@@ -192,17 +179,12 @@ class DaemonProber:
                     dropped.append(n)
         for n in dropped:  # released while the daemon (re)started: nothing will bind there again
             leaf = self.c.layout.namespace_pipe_dir(n, d.mode)
-            try:
-                if stat.S_ISSOCK(os.lstat(os.path.join(leaf, "control")).st_mode):
-                    os.unlink(os.path.join(leaf, "control"))
-            except OSError:
-                pass
+            unlink_socket(os.path.join(leaf, "control"))
             with contextlib.suppress(OSError):
                 os.rmdir(leaf)
         d.control_id = self.control_identity(d)
         if d.log_offset is None:
             d.log_offset = control_log_size(d)
-        self.apply_defaults(d)
         self.book.restore(d, fresh=fresh)
         self.c.set_health(d, not d.restore_pending and d.control_id is not None)
         if d.control_id is None:
@@ -210,21 +192,6 @@ class DaemonProber:
                 d.last_error = f"{d.pipe_dir}/control is not a socket of ours in a directory only we can write"
         self.update_servers(d)
         log.info("MPS %s daemon ready (pid %s)", d.mode.value, d.proc.pid if d.proc else None)
-
-    def apply_defaults(self, d: DaemonState) -> None:
-        """v2 only: default active thread percentage (sm-sharing) and pinned device memory limits (MiB per
-        device). Errors are logged, never raised."""
-        if self.c.protocol >= 3:
-            return
-        try:
-            if self.c.default_atp is not None and d.mode is ComputeMode.SM_SHARING:
-                d.control.set_default_active_thread_percentage(self.c.default_atp, self.c.probe_timeout_s)
-            for dev, mib in self.c.default_pinned.items():
-                d.control.set_default_device_pinned_mem_limit(dev, mib, self.c.probe_timeout_s)
-        except MpsError as e:
-            with self.c.lock:
-                d.last_error = f"defaults: {e}"
-            log.warning("MPS %s defaults not applied: %s", d.mode.value, e)
 
     def ask(self, d: DaemonState) -> tuple[bool, bool, str] | None:
         """Run one probe command of ``d``: ``(ok, timed_out, error)``; None when this process could not even
@@ -353,12 +320,8 @@ class DaemonProber:
         """Remember server PIDs (v3 ``server list``, v2 ``get_server_list``) so a
         hard restart can kill them (only PIDs whose exe is a server are killed)."""
         pids: set[int] = set()
-        try:
-            if self.c.protocol >= 3:
-                pids |= {r.pid for r in d.control.server_list(self.c.probe_timeout_s) if r.pid}
-            else:
-                pids |= set(d.control.get_server_list(self.c.probe_timeout_s))
-        except MpsError:
-            pass
+        with contextlib.suppress(MpsError):
+            pids = ({r.pid for r in d.control.server_list(self.c.probe_timeout_s) if r.pid} if self.c.protocol >= 3
+                    else set(d.control.get_server_list(self.c.probe_timeout_s)))
         with self.c.lock:
             d.server_pids |= pids

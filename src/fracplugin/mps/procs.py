@@ -17,6 +17,8 @@ import time
 
 SERVER_EXE = "nvidia-cuda-mps-server"
 """Basename of the MPS server binary (``/proc/<pid>/exe``), for leftover-server cleanup."""
+PID_FILE = "nvidia-cuda-mps-control.pid"
+"""The control daemon's PID file in its pipe directory (docs/reference/mps-nvml.md 1.4)."""
 
 
 class DetachedProc:
@@ -30,10 +32,8 @@ class DetachedProc:
         self.returncode: int | None = None
         self.stdin = None
         self._pidfd: int | None = None
-        try:
+        with contextlib.suppress(AttributeError, OSError):
             self._pidfd = os.pidfd_open(self.pid)
-        except (AttributeError, OSError):
-            self._pidfd = None
 
     def poll(self) -> int | None:
         """The exit status (-1 once gone), or None while it runs."""
@@ -95,44 +95,41 @@ def is_control_daemon(pid: int, control_binary: str) -> bool:
     return any(os.path.basename(a) == want for a in argv[:2])
 
 
-def _chain(root: str, leaf: str) -> list[str]:
-    """Directories from ``root`` down to ``leaf`` (inclusive), when leaf is under root."""
-    root = os.path.normpath(root)
-    leaf = os.path.normpath(leaf)
-    out = [root]
-    if leaf == root or not leaf.startswith(root + os.sep):
-        return out
-    cur = root
-    for part in leaf[len(root) + 1:].split(os.sep):
-        cur = os.path.join(cur, part)
-        out.append(cur)
-    return out
+def read_pid(pipe_dir: str) -> int | None:
+    """The PID in ``<pipe_dir>/PID_FILE`` (None when absent or unreadable)."""
+    try:
+        with open(os.path.join(pipe_dir, PID_FILE), encoding="utf-8") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
-def make_dir(path: str, root: str | None = None, mode: int = 0o755) -> None:
-    """``mkdir -p path`` and chmod ``mode`` on each directory it created and on
-    ``path`` itself, whatever the process umask (``os.makedirs(mode=)`` is
-    masked by it: under ``umask 077`` it makes 0700 directories that a
-    non-root container cannot enter; containers run as any UID and must traverse
-    to the socket). Directories above ``root`` are left alone.
-    Raises OSError."""
-    path = os.path.normpath(path)
-    todo = []
-    cur = path
-    while not os.path.isdir(cur):
-        todo.append(cur)
-        parent = os.path.dirname(cur)
-        if parent == cur:
-            break
-        cur = parent
-    os.makedirs(path, mode=mode, exist_ok=True)
-    floor = os.path.normpath(root) if root else None
-    for p in set(todo) | {path} | set(_chain(floor, path) if floor else ()):
-        if floor and not (p == floor or p.startswith(floor + os.sep)):
-            continue
-        st = os.stat(p)
-        if stat.S_IMODE(st.st_mode) != mode:
-            os.chmod(p, mode)
+def live_daemon(pipe_dir: str, control_binary: str) -> int | None:
+    """``read_pid``'s PID when that process is alive and runs ``control_binary``, else None."""
+    pid = read_pid(pipe_dir)
+    return pid if pid is not None and pid_alive(pid) and is_control_daemon(pid, control_binary) else None
+
+
+def unlink_socket(path: str) -> None:
+    """Remove ``path`` when it is a socket (a dead daemon's ``control``); OSError ignored."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+
+
+def make_dir(path: str, root: str) -> None:
+    """``mkdir -p path``, then chmod 0755 each directory from ``root`` down to
+    ``path`` (``root`` alone when ``path`` is not under it), whatever the process
+    umask (``os.makedirs(mode=)`` is masked by it: under ``umask 077`` it makes
+    0700 directories that a non-root container cannot enter; containers run as
+    any UID and must traverse to the socket). Directories above ``root`` are
+    left alone. Raises OSError."""
+    os.makedirs(path, mode=0o755, exist_ok=True)
+    root, path = os.path.normpath(root), os.path.normpath(path)
+    parts = path[len(root) + 1:].split(os.sep) if path.startswith(root + os.sep) else []
+    for p in [root] + [os.path.join(root, *parts[:i + 1]) for i in range(len(parts))]:
+        if stat.S_IMODE(os.stat(p).st_mode) != 0o755:
+            os.chmod(p, 0o755)
 
 
 def root_problem(root: str) -> str:

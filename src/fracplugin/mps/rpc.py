@@ -43,9 +43,10 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
+from ..logs import guarded
 from ..model import ComputeMode
 from .api import DrainResult, HealthCallback, MpsApi, MpsError, MpsTimeout
 from .layout import MpsLayout, namespace_name
@@ -66,6 +67,8 @@ is still sending its request (answered ``busy``); one whose op is running is
 never evicted."""
 MAX_RUNNING_PER_PEER = 16
 """Ops of one peer process (``SO_PEERCRED`` pid) running at once; more are answered ``busy``."""
+POLL_INTERVAL_S = 0.5
+"""Seconds between the doors role's ``status`` polls of the MPS role (``RemoteMps``)."""
 INLINE_OPS = frozenset({"hello", "status"})
 """Ops answered on the serving thread itself (reads under the supervisor's
 lock, microseconds): the doors' status poll never waits behind other ops."""
@@ -150,9 +153,7 @@ class MpsApiServer:
 
     def start(self) -> None:
         """Bind the socket and start the serving thread. Raises OSError."""
-        d = os.path.dirname(self.path)
-        if not os.path.isdir(d):
-            os.makedirs(d, mode=0o700, exist_ok=True)
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)  # mode: only where it creates
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -203,12 +204,9 @@ class MpsApiServer:
     # -- serving thread ---------------------------------------------------------
     def _wake(self) -> None:
         fd = self._wake_w
-        if fd < 0:
-            return
-        try:
-            os.write(fd, b"x")
-        except OSError:
-            pass  # full (a wake is pending anyway) or closed
+        if fd >= 0:
+            with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed
+                os.write(fd, b"x")
 
     def _serve_loop(self) -> None:
         sel = self._sel
@@ -414,15 +412,6 @@ class MpsApiServer:
             c.sock.close()
 
     # -- ops --------------------------------------------------------------------
-    def handle(self, raw: bytes) -> dict[str, Any]:
-        """One request (bytes of a JSON object) -> the reply document, run on
-        the caller's thread. Never raises."""
-        try:
-            op, args = parse_request(raw)
-        except RequestError as e:
-            return _error(e.kind, str(e))
-        return self._run_op(op, args)
-
     def _run_op(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         try:
             result = self._dispatch(op, args)
@@ -450,7 +439,8 @@ class MpsApiServer:
         if op == "release_namespace":
             return m.release_namespace(a["pod_uid"], a["container"], timeout_s=a["timeout_s"])
         if op == "drain":
-            return m.drain(a["container_id"], a["timeout_s"], modes=a["modes"]).to_dict()
+            # its fields as JSON (tuples as lists, modes as their values): what RemoteMps.drain reads
+            return asdict(m.drain(a["container_id"], a["timeout_s"], modes=a["modes"]))
         if op == "quit_daemons":
             m.quit_daemons(a["timeout_s"])
             return True
@@ -461,7 +451,7 @@ class RemoteMps:
     """``MpsApi`` of the doors role: every call goes to the MPS role's socket.
 
     ``healthy``/``ready``/``status``/``unhealthy_reason`` answer from a cache
-    refreshed every ``poll_interval_s`` by a background thread (the runtime's
+    refreshed every ``POLL_INTERVAL_S`` by a background thread (the runtime's
     hot path never waits on the socket for them); while the MPS role is
     unreachable or speaks another API version every mode is unhealthy, with
     the reason. Health-change callbacks (``subscribe``) run on that thread.
@@ -472,11 +462,10 @@ class RemoteMps:
     unreachable MPS role is an MpsError naming the socket.
     """
 
-    def __init__(self, path: str, layout: MpsLayout | None = None, poll_interval_s: float = 0.5,
+    def __init__(self, path: str, layout: MpsLayout | None = None,
                  modes: tuple[ComputeMode, ...] = tuple(ComputeMode)) -> None:
         self.path = path
         self.layout = layout or MpsLayout()
-        self.poll_interval_s = float(poll_interval_s)
         self.modes = modes
         self._lock = threading.Lock()
         self._status: dict[str, Any] = {"enabled": True, "remote": path, "reachable": False, "ready": False,
@@ -622,7 +611,7 @@ class RemoteMps:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_interval_s):
+        while not self._stop.wait(POLL_INTERVAL_S):
             self.refresh()
 
     def refresh(self) -> None:
@@ -657,10 +646,7 @@ class RemoteMps:
         # that came back before anyone can read the mode healthy (ADR 0034)
         for m in changed:
             for cb in subs:
-                try:
-                    cb(m, health[m])
-                except Exception:
-                    log.exception("MPS health callback failed")
+                guarded(log, "MPS health callback", cb, m, health[m])
         with self._lock:
             self._status = st
             self._health = health

@@ -94,22 +94,17 @@ def _seconds(op: str, key: str, v: Any) -> float:
     return float(v)
 
 
-def _percent(op: str, key: str, v: Any) -> int | None:
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 100:
-        raise RequestError("value", f"{op}: args.{key}={_show(v)}: active thread percentage must be an integer "
-                                    f"1..100 or null")
-    return v
+def _int_or_null(lo: int, hi: int, rule: str) -> Callable[[str, str, Any], int | None]:
+    """A check taking None or an integer (never a bool) in ``lo..hi``; ``rule`` ends its error."""
+    def check(op: str, key: str, v: Any) -> int | None:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+            raise RequestError("value", f"{op}: args.{key}={_show(v)}: {rule} or null")
+        return v
+    return check
 
 
-def _mib(op: str, key: str, v: Any) -> int | None:
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 1 << 40:
-        raise RequestError("value", f"{op}: args.{key}={_show(v)}: pinned device memory limit must be an "
-                                    f"integer number of MiB >= 1 or null")
-    return v
+_percent = _int_or_null(1, 100, "active thread percentage must be an integer 1..100")
+_mib = _int_or_null(1, (1 << 40) - 1, "pinned device memory limit must be an integer number of MiB >= 1")
 
 
 def _mode(op: str, key: str, v: Any) -> ComputeMode:

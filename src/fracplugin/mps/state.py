@@ -20,12 +20,13 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import tenacity
 
 from ..model import ComputeMode
 from ..procfs import ProcFs
+from ..logs import guarded
 from .api import HealthCallback
 from .control import MpsControl, choose_protocol
 from .layout import MpsLayout
@@ -37,27 +38,19 @@ _SHARED_PIPE_EXPOSURE = (
     "MPS protocol 2 has no namespaces: tenants of a mode share that daemon's pipe directory "
     "(read-only mount) and can reach its control socket (list, and as root set/quit)")
 
-STATES = ("stopped", "starting", "ready", "unhealthy", "backoff", "failed")
-"""Values of ``status()["daemons"][i]["state"]``."""
-
 
 @dataclass
 class NsRecord:
     """One recorded namespace: whose it is (pod UID, container name), its daemon's
     compute mode and its caps (active thread percentage 1..100 or None = 100 %;
-    pinned device memory limit in MiB per GPU or None = none)."""
+    pinned device memory limit in MiB per GPU or None = none). Written as JSON
+    with ``dataclasses.asdict`` (``state_file``, ``status()``)."""
 
     pod_uid: str
     container: str
     active_thread_percentage: int | None
     mode: ComputeMode = ComputeMode.SM_SHARING
     pinned_limit_mib: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record as JSON (``state_file``)."""
-        return {"pod_uid": self.pod_uid, "container": self.container, "mode": self.mode.value,
-                "active_thread_percentage": self.active_thread_percentage,
-                "pinned_limit_mib": self.pinned_limit_mib}
 
 
 SERVER_EXIT_RE = re.compile(r"server(?:\s+\S+)?\s+exited with status (-?\d+)", re.IGNORECASE)
@@ -97,7 +90,6 @@ class DaemonState:
     log_dir: str
     control: MpsControl
     proc: "subprocess.Popen[bytes] | DetachedProc | None" = None
-    stdout: IO[bytes] | None = None
     state: str = "stopped"
     healthy: bool = False
     started_at: float | None = None
@@ -159,12 +151,8 @@ class SupervisorCore:
         probe_failure_threshold: int = 2,
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
-        server_exe: str = SERVER_EXE,
-        default_active_thread_percentage: int | None = None,
-        default_pinned_mem_limits_mib: Mapping[str, int] | None = None,
         exclusive_process_gpus: Iterable[str] = (),
         detached: bool = False,
-        state_file: str | None = None,
         crash_loop_exits: int = 3,
         crash_loop_window_s: float = 60.0,
     ) -> None:
@@ -182,22 +170,15 @@ class SupervisorCore:
         self.stable_uptime_s = float(stable_uptime_s)
         self.start_timeout_s = float(start_timeout_s)
         self.probe_failure_threshold = max(1, int(probe_failure_threshold))
-        self.server_exe = server_exe
-        self.default_atp = default_active_thread_percentage
-        self.default_pinned = dict(default_pinned_mem_limits_mib or {})
+        self.server_exe = SERVER_EXE
         self.exclusive_process_gpus = tuple(exclusive_process_gpus)
         self.detached = bool(detached)
-        self.state_file = state_file if state_file is not None else (
-            os.path.join(layout.root, "namespaces.json") if self.detached else None)
+        self.state_file = os.path.join(layout.root, "namespaces.json") if self.detached else None
         self.crash_loop_exits = max(1, int(crash_loop_exits))
         self.crash_loop_window_s = float(crash_loop_window_s)
         self.shared_pipe_exposure = _SHARED_PIPE_EXPOSURE if self.protocol < 3 else ""
         self.clock = clock
         self.procfs = ProcFs(proc_root)
-        self.env = dict(os.environ)
-        self.env.pop("CUDA_MPS_PROTOCOL_VERSION", None)
-        if env:
-            self.env.update(env)
         self.resource_retry_s = min(1.0, float(backoff_max_s))  # retry after EMFILE & co (no budget spent)
         self.wait = tenacity.wait_chain(
             tenacity.wait_none(), tenacity.wait_exponential(multiplier=backoff_base_s, max=backoff_max_s)
@@ -227,10 +208,7 @@ class SupervisorCore:
             d.healthy = healthy
             subs = list(self.subscribers)
         for cb in subs:
-            try:
-                cb(d.mode, healthy)
-            except Exception:
-                log.exception("MPS health callback failed")
+            guarded(log, "MPS health callback", cb, d.mode, healthy)
 
     def backoff_s(self, attempt: int) -> float:
         """Delay before restart ``attempt`` (1-based): 0 for the first, then

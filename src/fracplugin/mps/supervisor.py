@@ -23,22 +23,9 @@ Concurrency model
   one daemon are serialised by a per-daemon lock acquired with a timeout.
 * Health-change callbacks run on the supervisor thread; they must not block.
 
-What it does (issue 5; docs/reference/mps-nvml.md sections 1.2-1.8, 2.7;
-docs/reference/gpu-fractioning-reference.md section 4):
-* start: ``lifecycle.py`` (pipe and log directories 0755 whatever the umask;
-  v3 ``-p 3 -m -f|-d -a <log dir>/mps-control.toml``, ``control.render_config_toml``;
-  v2 ``-f|-d`` plus the configured defaults; ``-d`` is the MPS role's, ADR 0009);
-* ready, active probes, a replaced ``control`` socket, server crash loops:
-  ``probing.py``;
-* restarts with exponential backoff (tenacity ``wait_chain(wait_none(),
-  wait_exponential)``: the first retry is immediate) capped at
-  ``backoff_max_s`` and retried forever; ``max_restarts`` consecutive
-  restarts (reset after ``stable_uptime_s`` of healthy uptime) only decide
-  when the daemon is reported ``failed`` (issue 12);
-* recorded namespaces (both modes, with active thread percentage and pinned
-  memory limit) are re-created and re-capped after every restart;
-* drain: ``drain.Drainer.drain`` (only the daemons of the container's mode);
-* stop (role all) and ``quit_daemons()`` (role mps, on purpose): ``stop``.
+What each part does (start, probes, restarts with backoff, namespaces restored
+after every restart, drain, stop): its module's docstring (facts:
+docs/reference/mps-nvml.md sections 1.2-1.8, 2.7).
 """
 
 from __future__ import annotations
@@ -46,8 +33,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import asdict
 from typing import Any, Iterable
 
+from ..logs import guarded
 from ..model import ComputeMode
 from .api import DrainResult, HealthCallback
 from .control import set_exclusive_process
@@ -55,7 +44,7 @@ from .drain import Drainer
 from .lifecycle import DaemonProcesses
 from .namespaces import NamespaceBook
 from .probing import DaemonProber
-from .procs import make_dir as make_dir, root_problem  # make_dir: re-exported (tests/unit/test_mps_rooms.py)
+from .procs import make_dir as make_dir  # make_dir: re-exported (tests/unit/test_mps_rooms.py)
 from .state import DaemonState, SupervisorCore
 
 log = logging.getLogger(__name__)
@@ -83,20 +72,14 @@ class MpsSupervisor(SupervisorCore):
             on a loaded node is not enough). A refused probe reports unhealthy at once; timed-out
             probes only at the threshold, each one doubling the next probe's timeout (``probing``).
         backoff_base_s, backoff_max_s: exponential backoff after the immediate first retry.
-        server_exe: basename of MPS server binaries (leftover-server cleanup).
-        default_active_thread_percentage: v2 only: ``set_default_active_thread_percentage``
-            applied after each start of the sm-sharing daemon.
-        default_pinned_mem_limits_mib: v2 only: ``{device: MiB}`` applied with
-            ``set_default_device_pinned_mem_limit`` after each start of every daemon.
         exclusive_process_gpus: GPU UUIDs put in EXCLUSIVE_PROCESS compute mode via
             NVML at ``start()`` (errors are logged, never fatal).
         detached: the MPS role (``fracplugin run --role mps``, ADR 0009): daemons
             started with ``-d`` (their own session), a running one adopted at
             start (pid file + live process + answered probe), left running by
-            ``stop()``; only ``quit_daemons()`` stops MPS on purpose.
-        state_file: where the recorded namespaces are kept (JSON, atomic rename
-            + fsync) so that a restarted MPS role knows whose they are; default
-            ``<root>/namespaces.json`` when ``detached``, none otherwise.
+            ``stop()``; only ``quit_daemons()`` stops MPS on purpose. Its recorded
+            namespaces are kept in ``<root>/namespaces.json`` (JSON, atomic rename
+            + fsync) so that a restarted MPS role knows whose they are.
         crash_loop_exits, crash_loop_window_s: this many non-zero server exits in
             ``control.log`` within the window make the daemon unhealthy
             ("server crash loop") until the window passes without them.
@@ -142,21 +125,17 @@ class MpsSupervisor(SupervisorCore):
         thread = self._thread
         self.stopping.set()
         self.wake.set()
+        if not self.detached:
+            # Shut down from the caller's thread: the supervisor thread may be in
+            # the middle of a probe (bounded by probe_timeout_s) and must not
+            # delay the stop; it starts nothing once _stopping is set.
+            self.procs.shutdown_all(timeout_s)
+        if thread is not None and thread.is_alive():
+            thread.join(max(0.5, deadline - time.monotonic()))
         if self.detached:
             # The MPS role: daemons and servers outlive us (ADR 0009); the next
             # MPS role adopts them. Only quit_daemons() stops MPS on purpose.
-            if thread is not None and thread.is_alive():
-                thread.join(max(0.5, deadline - time.monotonic()))
             self.procs.release_all()
-            with self.lock:
-                self._thread = None
-            return
-        # Shut down from the caller's thread: the supervisor thread may be in
-        # the middle of a probe (bounded by probe_timeout_s) and must not
-        # delay the stop; it starts nothing once _stopping is set.
-        self.procs.shutdown_all(timeout_s)
-        if thread is not None and thread.is_alive():
-            thread.join(max(0.5, deadline - time.monotonic()))
         with self.lock:
             self._thread = None
 
@@ -207,8 +186,8 @@ class MpsSupervisor(SupervisorCore):
                           "last_probe_s": 0.05 | None, "last_probe_ok": True | None,
                           "last_probe_age_s": 1.2 | None, "last_error": "",
                           "pipe_dir": "...", "log_dir": "...", "server_pids": [..],
-                          "namespaces": [{"name", "pod_uid", "container",
-                                          "active_thread_percentage"}],
+                          "namespaces": [{"name", "pod_uid", "container", "mode",
+                                          "active_thread_percentage", "pinned_limit_mib"}],
                           "repairing": [name], "orphans": [{"name", "capped"}]}]}
 
         ``restarts`` counts every restart (crash, hang, wedge); ``wedges`` the
@@ -222,12 +201,7 @@ class MpsSupervisor(SupervisorCore):
             daemons = []
             for d in self.daemons.values():
                 running = d.proc is not None and d.proc.returncode is None
-                ns = [
-                    {"name": n, "pod_uid": r.pod_uid, "container": r.container,
-                     "active_thread_percentage": r.active_thread_percentage,
-                     "pinned_limit_mib": r.pinned_limit_mib}
-                    for n, r in sorted(self.namespaces.items()) if r.mode is d.mode
-                ]
+                ns = [{"name": n, **asdict(r)} for n, r in sorted(self.namespaces.items()) if r.mode is d.mode]
                 daemons.append({
                     "mode": d.mode.value,
                     "state": d.state,
@@ -274,34 +248,23 @@ class MpsSupervisor(SupervisorCore):
         with self.lock:
             return self.reason(d)
 
-    def root_problem(self) -> str:
-        """"" when containers can reach the MPS root, else why not (naming the directory)."""
-        return root_problem(self.layout.root)
-
     # ------------------------------------------------------------------ namespaces and drain
 
     def ensure_namespace(
         self, pod_uid: str, container: str, active_thread_percentage: int | None, timeout_s: float,
         mode: ComputeMode = ComputeMode.SM_SHARING, pinned_limit_mib: int | None = None,
     ) -> str:
-        """Create and cap the MPS v3 namespace of a container before it starts;
-        its host pipe directory. The contract (caps, idempotence, restarts, errors
-        raised: MpsError, MpsTimeout, ValueError) is ``NamespaceBook.ensure``'s."""
+        """``NamespaceBook.ensure``: the container's namespace pipe directory. Raises MpsError, MpsTimeout,
+        ValueError."""
         return self.book.ensure(pod_uid, container, active_thread_percentage, timeout_s, mode, pinned_limit_mib)
 
     def release_namespace(self, pod_uid: str, container: str, timeout_s: float | None = None) -> bool:
-        """Forget the container's namespace and delete it from its daemon
-        (``namespace delete``, bounded by ``timeout_s``, default ``probe_timeout_s``).
-        MPS refuses the delete while a client is attached: then the delete is
-        retried after each probe. Returns True when the namespace is gone now.
-        Never raises for MPS errors."""
+        """``NamespaceBook.release``: True when the namespace is gone now. Never raises for MPS errors."""
         return self.book.release(pod_uid, container, timeout_s)
 
     def drain(self, container_id: str, timeout_s: float,
               modes: Iterable[ComputeMode] | None = None) -> DrainResult:
-        """Terminate the MPS clients of a stopping container (NRI StopContainer),
-        within ``timeout_s`` per daemon; never raises for MPS errors. The contract
-        (which daemons, slowness vs hangs, ``DrainResult``) is ``Drainer.drain``'s."""
+        """``Drainer.drain``: terminate a stopping container's MPS clients. Never raises for MPS errors."""
         return self.drainer.drain(container_id, timeout_s, modes)
 
     # ------------------------------------------------------------------ thread
@@ -309,11 +272,8 @@ class MpsSupervisor(SupervisorCore):
     def _run(self) -> None:
         try:
             while not self.stopping.is_set():
-                for d in self.daemons.values():
-                    try:
-                        self._step(d)
-                    except Exception:  # keep supervising whatever happens
-                        log.exception("MPS supervisor step failed for %s", d.mode.value)
+                for d in self.daemons.values():  # keep supervising whatever happens
+                    guarded(log, f"MPS supervisor step for {d.mode.value}", self._step, d)
                 self.wake.wait(self._next_wait())
                 self.wake.clear()
         finally:
