@@ -308,18 +308,15 @@ def test_1_2_a_pending_init_and_app_stay_one_hold_when_podresources_lists_both(
         seen.append(pod_held(n, 0, {"uid-sizes"}))
 
     passes(2)
-    adj, got = n.create(p, "init", env_init)
-    assert code(adj) is None, adj
-    assert got["NVIDIA_GPU_MEMORY_REQUEST"] == str(init_units * 1024)
-    passes(2)
-    assert max(seen) <= most, seen
-    n.stop(p, "init")
-    passes(2)
-    adj, got = n.create(p, "app", env_app)
-    assert code(adj) is None, adj
-    assert got["NVIDIA_GPU_MEMORY_REQUEST"] == str(app_units * 1024)
-    passes(2)
-    assert max(seen) <= most, seen
+    for name, env, units in (("init", env_init, init_units), ("app", env_app, app_units)):
+        adj, got = n.create(p, name, env)
+        assert code(adj) is None, adj
+        assert got["NVIDIA_GPU_MEMORY_REQUEST"] == str(units * 1024)
+        passes(2)
+        assert max(seen) <= most, (name, seen)
+        if name == "init":
+            n.stop(p, "init")
+            passes(2)
     assert [(t["pod_name"], t["container"], t["request_mib"]) for t in n.tenants()] == [
         ("sizes", "app", app_units * 1024)]
     assert n.held(0) == app_units * 1024
