@@ -5,8 +5,7 @@ memory is the reader's), the request under a reservation; and the plan's
 mounts (``MountSources``: the pipe directories made; ``_check_mounts``:
 conflicts with the container's own mounts).
 
-The module docstring of ``nri/plugin.py`` describes the behaviour and the
-concurrency model; ``FracNriPlugin`` is the one class to use.
+Behaviour and concurrency model: ``nri/plugin.py``'s module docstring.
 """
 
 from __future__ import annotations
@@ -29,9 +28,9 @@ from ..reservations import claim_problem, hold_of, proof_of
 from .pod_checks import lint_pod, spec_unknown
 from .ttrpc import Code, RpcError
 from .pluginbase import DoorSettings, _FailOpen, _pod_ref, needs_spec
+from ..logs import guarded
 
-log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
-
+log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log
 
 
 class PodReader:
@@ -140,16 +139,13 @@ class PodReader:
         self._warned_pods[pod.uid] = None  # checked (the pod's spec was known)
         while len(self._warned_pods) > 4096:
             self._warned_pods.pop(next(iter(self._warned_pods)))
-        stray = stray_container_keys(dict(pod.annotations), self.config.annotation_prefix, everyone)
-        if not stray:
-            return
-        for k in stray:
+        for k in stray_container_keys(dict(pod.annotations), self.config.annotation_prefix, everyone):
             self.warn(ref, container, f'{k}="{pod.annotations[k]}" names no container of this pod '
                        f"(containers: {', '.join(everyone)}); it has no effect", fields, key=k,
                        value=pod.annotations[k])
 
     def read(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container, ref: PodRef,
-                        fields: Mapping[str, Any]) -> tuple[str, list[str] | None]:
+             fields: Mapping[str, Any]) -> tuple[str, list[str] | None]:
         """CreateContainer's reading of the pod: (the reservation key this
         container claims, "" for none; the containers the pod-level forms may
         apply to, app containers then native sidecars, None when its spec is
@@ -158,8 +154,11 @@ class PodReader:
         UNAVAILABLE while a needed spec is not known (``pod_checks.spec_unknown``).
         Stray and unread annotations are warned about once (issue 25 item 3)."""
         key = self.reservation_key(container, fields, strict=True)
-        if key:
-            self._check_claim(container, key, ref)
+        if key:  # reservations.claim_problem; a transient reservation_pending code: ADR 0033
+            err = claim_problem(self.ledger, key, ref.uid, proof_of(container.annotations, container.env),
+                                self.node.name, pod_name=f"{ref.namespace}/{ref.name}")
+            if err is not None:
+                raise err
         apps, everyone = self._spec_names(pod, container.name)
         if everyone is not None:
             self._warn_stray(pod, ref, container.name, everyone, fields)
@@ -168,18 +167,6 @@ class PodReader:
         lint_pod(self._linted, self.warn, self.config.annotation_prefix, pod, ref, container.name, apps,
                  everyone, fields)
         return key, apps
-
-    def _check_claim(self, container: nri_pb2.Container, key: str, ref: PodRef) -> None:
-        """Raise FractionError when this container may not claim reservation
-        ``key`` (``reservations.claim_problem``: forged, unknown, held by
-        another running container, or without the proof Allocate answered,
-        code ``reservation``; issue 25 item 4; a pending reservation whose
-        devices a running container of another pod still holds, code
-        ``reservation_pending``: transient, ADR 0033)."""
-        proof = proof_of(container.annotations, container.env)
-        err = claim_problem(self.ledger, key, ref.uid, proof, self.node.name, pod_name=f"{ref.namespace}/{ref.name}")
-        if err is not None:
-            raise err
 
     def hold(self, key: str) -> str:
         """The reservation the ledger records ``key``'s container under: the
@@ -217,10 +204,7 @@ class PodReader:
         """Log ``nri annotation not applied`` and hand the message to ``on_warning``."""
         log.warning("nri annotation not applied", extra={**fields, **extra, "reason": message})
         if self.on_warning is not None:
-            try:
-                self.on_warning(ref, container, message)
-            except Exception:
-                log.exception("nri on_warning callback failed", extra=dict(fields))
+            guarded(log, "nri on_warning callback", self.on_warning, ref, container, message, extra=dict(fields))
 
 
 class MountSources:
@@ -287,7 +271,6 @@ def warn_unenforced(p: ContainerPlan, container: nri_pb2.Container, fields: Mapp
     left = [k for k in missing if k in env]
     if left:
         log.warning("nri pod sets env that fracplugin owns but does not set here", extra={**fields, "keys": left})
-
 
 
 def _check_mounts(p: ContainerPlan, container: nri_pb2.Container, mps_root: str) -> None:
