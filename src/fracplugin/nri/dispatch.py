@@ -3,10 +3,8 @@ request to the handler's method, and the stub's own routes around it
 (Configure, Synchronize with its split parts, Shutdown, StateChange, the
 empty-id check of CreateContainer). Also the subscription mask a handler
 gets (``_subscription``) and the protocol constants (service names, event
-mask, bounds) the stub and its tests share.
-
-Split out of ``nri/stub.py`` (issue 26, ADR 0023); the module docstring of
-``nri/stub.py`` describes the whole stub and the protocol rules it follows.
+mask, bounds) the stub and its tests share. The whole stub and the protocol
+rules it follows: ``nri/stub.py``'s module docstring.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from ..safetext import quote
 from .interfaces import EVENTS, CallContext, EventSpec, check_handler, handler_mask, implements
 from .ttrpc import Code, RequestReceived, RpcError, unimplemented_method, unimplemented_service
 
-log = logging.getLogger("fracplugin.nri.stub")  # the stub's log, as before the split
+log = logging.getLogger("fracplugin.nri.stub")  # the stub's log
 
 DEFAULT_SOCKET_PATH = "/var/run/nri/nri.sock"
 PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
@@ -42,6 +40,8 @@ MAX_SYNC_PARTS = 64
 """Most ``more=true`` Synchronize parts held before the last one."""
 MAX_SYNC_BYTES = 16 << 20
 """Most encoded bytes (16 MiB) of Synchronize parts held before the last one."""
+MAX_WORKERS = 16
+"""Handler threads of the stub (``serving._Workers``)."""
 MAX_UNANSWERED = 1024
 """Most requests of one connection read but not yet answered on the wire. A
 runtime that sends requests and never reads the answers makes them pile up
@@ -143,25 +143,21 @@ class Dispatcher:
     ``Synchronize``, ``Shutdown``, ``StateChange`` and the empty-id check of
     ``CreateContainer`` are the stub's own around the handler's method.
 
-    State kept per connection (docs/reference/nri-protocol.md 1.5, 1.6): the request and
-    registration timeouts from ConfigureRequest (seconds; 2 s / 5 s until
-    Configure says otherwise), the runtime's name and version, and the parts
-    of a split Synchronize. Thread-safe.
+    State kept per connection (docs/reference/nri-protocol.md 1.5, 1.6): the
+    request timeout from ConfigureRequest (seconds; 2 s until Configure says
+    otherwise), the runtime's name and version, and the parts of a split
+    Synchronize. Thread-safe.
     """
 
     def __init__(self, handler: object, events: int, plugin_name: str = "plugin", *,
-                 max_sync_parts: int = MAX_SYNC_PARTS, max_sync_bytes: int = MAX_SYNC_BYTES,
                  on_bound: Callable[[str], None] | None = None) -> None:
         self.handler = handler
-        self.max_sync_parts = max_sync_parts
-        self.max_sync_bytes = max_sync_bytes
         self._on_bound = on_bound
         self._sync_parts = 0
         self._sync_bytes = 0
         self.events = events
         self.plugin_name = plugin_name
         self.request_timeout_s = DEFAULT_REQUEST_TIMEOUT_S
-        self.registration_timeout_s = DEFAULT_REGISTRATION_TIMEOUT_S
         self.runtime_name = ""
         self.runtime_version = ""
         self._sync_pods: list[Any] = []
@@ -252,8 +248,6 @@ class Dispatcher:
         with self._lock:
             if req.request_timeout > 0:
                 self.request_timeout_s = req.request_timeout / 1000.0
-            if req.registration_timeout > 0:
-                self.registration_timeout_s = req.registration_timeout / 1000.0
             self.runtime_name, self.runtime_version = req.runtime_name, req.runtime_version
         ctx.request_timeout_s = self.request_timeout_s
         ctx.runtime_name, ctx.runtime_version = self.runtime_name, self.runtime_version
@@ -268,14 +262,14 @@ class Dispatcher:
 
     def _synchronize(self, req: Any, ctx: CallContext) -> Any:
         """Hold ``more=true`` parts (bounded: RESOURCE_EXHAUSTED past
-        ``max_sync_parts`` / ``max_sync_bytes``, the parts dropped), hand
+        ``MAX_SYNC_PARTS`` / ``MAX_SYNC_BYTES``, the parts dropped), hand
         everything to the handler with the last part."""
         with self._lock:
             parts, size = self._sync_parts + 1, self._sync_bytes + req.ByteSize()
-            if parts > self.max_sync_parts or size > self.max_sync_bytes:
+            if parts > MAX_SYNC_PARTS or size > MAX_SYNC_BYTES:
                 self._sync_pods, self._sync_containers = [], []
                 self._sync_parts = self._sync_bytes = 0
-                bound = "sync_parts" if parts > self.max_sync_parts else "sync_bytes"
+                bound = "sync_parts" if parts > MAX_SYNC_PARTS else "sync_bytes"
             else:
                 bound = ""
                 self._sync_parts, self._sync_bytes = parts, size
@@ -288,7 +282,7 @@ class Dispatcher:
                 self._sync_parts = self._sync_bytes = 0
         if bound:
             msg = (f"{self.plugin_name}: Synchronize split into {parts} parts / {size} bytes so far, above the "
-                   f"bound of {self.max_sync_parts} parts / {self.max_sync_bytes} bytes; parts dropped")
+                   f"bound of {MAX_SYNC_PARTS} parts / {MAX_SYNC_BYTES} bytes; parts dropped")
             log.error("nri Synchronize too large; refused", extra={"bound": bound, "parts": parts, "bytes": size})
             if self._on_bound is not None:
                 self._on_bound(bound)

@@ -3,10 +3,7 @@
 (``_Watchdog``), the handler threads (``_Workers``), one connection's state
 (``_Session``) and the stub's serving path (``_Server``: count, route to the
 reader thread or a handler thread, run the handler, write the answer without
-blocking the reader).
-
-Split out of ``nri/stub.py`` (issue 26, ADR 0023); the module docstring of
-``nri/stub.py`` gives the concurrency model these pieces implement.
+blocking the reader). The concurrency model: ``nri/stub.py``'s module docstring.
 """
 
 from __future__ import annotations
@@ -21,13 +18,13 @@ import time
 from typing import Any, Callable
 
 from ..safetext import escape_controls
-from .dispatch import BUDGET_FRACTION, MAX_UNANSWERED, Dispatcher
+from .dispatch import BUDGET_FRACTION, MAX_UNANSWERED, MAX_WORKERS, Dispatcher
 from .interfaces import CallContext
 from .transport import BUSY, SPILLED, ConnectionClosed, NriTransport
 from .ttrpc import Code, RequestReceived, RpcError
 from ..logs import guarded
 
-log = logging.getLogger("fracplugin.nri.stub")  # the stub's log, as before the split
+log = logging.getLogger("fracplugin.nri.stub")  # the stub's log
 
 _PENDING, _DONE, _EXPIRED = 0, 1, 2
 
@@ -188,13 +185,13 @@ class _Server:
     (``unanswered``); ``on_synchronized()``: a Synchronize exchange completed
     (called before its answer leaves)."""
 
-    def __init__(self, handler: object, plugin_name: str, max_workers: int, *,
+    def __init__(self, handler: object, plugin_name: str, *,
                  on_bound: Callable[[str], None], on_synchronized: Callable[[], None]) -> None:
         self.handler = handler
         self.plugin_name = plugin_name
         self._on_bound = on_bound
         self._on_synchronized = on_synchronized
-        self._pool = _Workers(max_workers, "nri-handler")
+        self._pool = _Workers(MAX_WORKERS, "nri-handler")
         self._watchdog = _Watchdog(self._expired)
 
     def stop(self, pool: bool = True) -> None:
