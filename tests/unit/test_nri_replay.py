@@ -24,7 +24,8 @@ from fracplugin.ledger import Ledger
 from fracplugin.nri.mux import MAX_WRITE_FRAME, MuxDecoder, encode_frames
 from fracplugin.nri.plugin import FracNriPlugin
 from fracplugin.nri.dispatch import PLUGIN_SERVICE, RUNTIME_SERVICE, Dispatcher
-from fracplugin.nri.ttrpc import MessageType, RequestReceived, ResponseReceived, Role, TtrpcConnection, encode_message
+from fracplugin.nri.ttrpc import Code, MessageType, RequestReceived, ResponseReceived, Role, TtrpcConnection
+from tests.peers.ttrpc_wire import mux_frames, ttrpc_frame as encode_message
 from fracplugin.planner import PlannerConfig
 from tests.helpers import node_rules
 
@@ -61,7 +62,7 @@ def _runtime_stream(records: list[dict]) -> bytes:
         if r["dir"] != "runtime->plugin":
             continue
         msg = encode_message(r["stream"], r["type"], bytes.fromhex(r["payload_hex"]), r["flags"])
-        out += encode_frames(r["mux_conn"], msg, max_frame=GO_FRAME)
+        out += mux_frames(r["mux_conn"], msg, max_frame=GO_FRAME)
     return bytes(out)
 
 
@@ -90,7 +91,7 @@ def test_transcript_replays_and_our_answers_fit_4096_byte_frames(version, plugin
             conn = server if frame.conn_id == 1 else client
             for ev in conn.receive_data(frame.payload):
                 if isinstance(ev, ResponseReceived):
-                    assert ev.stream_id == sid and ev.ok  # the RegisterPlugin reply: absent status = OK
+                    assert ev.stream_id == sid and ev.code == Code.OK  # the RegisterPlugin reply: absent status = OK
                     continue
                 assert isinstance(ev, RequestReceived) and ev.service == PLUGIN_SERVICE
                 assert 0 < ev.timeout_nano <= 2_000_000_000
@@ -155,7 +156,7 @@ def test_recorded_create_with_our_annotations_gets_the_adjustment_in_small_frame
     body = ttrpc_pb2.Request(
         service=PLUGIN_SERVICE, method="CreateContainer", payload=req.SerializeToString(), timeout_nano=2_000_000_000
     ).SerializeToString()
-    stream = encode_frames(1, encode_message(sid, MessageType.REQUEST, body), max_frame=GO_FRAME)
+    stream = mux_frames(1, encode_message(sid, MessageType.REQUEST, body), max_frame=GO_FRAME)
     assert len(_frame_sizes(stream)) > 1
     server = TtrpcConnection(Role.SERVER)
     events = []

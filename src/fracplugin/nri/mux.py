@@ -25,8 +25,7 @@ stream and must not assume one frame is one message.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 HEADER_SIZE = 8
 """Bytes in a mux frame header (conn id u32 BE + length u32 BE)."""
@@ -52,27 +51,23 @@ class MuxError(Exception):
     truncated frame at EOF). The connection must be dropped."""
 
 
-@dataclass(frozen=True)
-class MuxFrame:
+class MuxFrame(NamedTuple):
     """One decoded mux frame: the logical conn id and the payload bytes."""
 
     conn_id: int
     payload: bytes
 
 
-def encode_frames(conn_id: int, data: bytes, max_frame: int = MAX_WRITE_FRAME) -> bytes:
-    """Wrap ``data`` for ``conn_id`` into mux frames of at most ``max_frame``
-    bytes each (header included) and return them concatenated.
-
-    Empty ``data`` yields no frames (b""): the mux has no zero-length
-    messages worth sending. Raises ValueError for a conn id outside
-    1..2**32-1 or a ``max_frame`` that leaves no room for payload.
+def encode_frames(conn_id: int, data: bytes) -> bytes:
+    """Wrap ``data`` for ``conn_id`` into mux frames of at most
+    ``MAX_WRITE_FRAME`` bytes each (header included) and return them
+    concatenated. Empty ``data`` yields no frames (b""): the mux has no
+    zero-length messages worth sending. Raises ValueError for a conn id
+    outside 1..2**32-1.
     """
     if not 0 < conn_id < 2**32:
         raise ValueError(f"mux conn id {conn_id} out of range 1..2**32-1")
-    chunk = min(max_frame, HEADER_SIZE + MAX_PAYLOAD) - HEADER_SIZE
-    if chunk <= 0:
-        raise ValueError(f"max_frame {max_frame} leaves no room for a payload")
+    chunk = MAX_WRITE_FRAME - HEADER_SIZE
     if len(data) <= chunk:  # one frame (every answer fracplugin gives but a large Synchronize's)
         return _HEADER.pack(conn_id, len(data)) + data if data else b""
     view = memoryview(data)
@@ -101,13 +96,6 @@ class MuxDecoder:
         self._conn_ids = frozenset(conn_ids)
         self._buf = bytearray()
         self._closed = False
-        self.dropped_frames = 0
-        """Count of frames dropped because their conn id is unknown."""
-
-    @property
-    def buffered(self) -> int:
-        """Bytes received but not yet part of a complete frame."""
-        return len(self._buf)
 
     def receive_data(self, data: bytes) -> list[MuxFrame]:
         """Consume ``data`` and return every frame it completes.
@@ -136,8 +124,6 @@ class MuxDecoder:
                 break
             if conn_id in self._conn_ids:
                 frames.append(MuxFrame(conn_id, bytes(buf[pos + HEADER_SIZE : end])))
-            else:
-                self.dropped_frames += 1
             pos = end
         if pos:
             del buf[:pos]
@@ -145,7 +131,7 @@ class MuxDecoder:
 
     def receive_eof(self) -> None:
         """Mark the end of the stream. Raises ``MuxError`` if a partial frame
-        is pending (``buffered`` bytes that never became a frame)."""
+        is pending (bytes that never became a frame)."""
         self._closed = True
         if self._buf:
             pending = len(self._buf)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Union
+from typing import NamedTuple, Union
 
 from .._proto import ttrpc_pb2
 from ..rpcstatus import StatusCode
@@ -107,32 +107,26 @@ def unimplemented_method(method: str) -> RpcError:
     return RpcError(Code.UNIMPLEMENTED, f"method {method}")
 
 
-@dataclass(frozen=True)
-class RequestReceived:
+class RequestReceived(NamedTuple):
     """A complete, valid request (server role). Answer it exactly once with
     ``send_response`` or ``send_error``. ``timeout_nano`` is the caller's time
-    left in nanoseconds (0 = none); ``metadata`` is (key, value) pairs."""
+    left in nanoseconds (0 = none); request metadata is not kept (NRI sends
+    none, docs/reference/nri-protocol.md 1.3)."""
 
     stream_id: int
     service: str
     method: str
     payload: bytes
     timeout_nano: int = 0
-    metadata: tuple[tuple[str, str], ...] = ()
 
 
-@dataclass(frozen=True)
-class ResponseReceived:
+class ResponseReceived(NamedTuple):
     """The answer to one of our requests (client role). ``code`` 0 = OK."""
 
     stream_id: int
     code: int
     message: str
     payload: bytes
-
-    @property
-    def ok(self) -> bool:
-        return self.code == Code.OK
 
     def raise_for_status(self) -> bytes:
         """Return the payload, or raise ``RpcError`` for an error status."""
@@ -141,8 +135,7 @@ class ResponseReceived:
         return self.payload
 
 
-@dataclass(frozen=True)
-class RequestRejected:
+class RequestRejected(NamedTuple):
     """A request we answered ourselves with an error (bad stream id,
     undecodable, oversized). Informational: the reply is already queued."""
 
@@ -151,8 +144,7 @@ class RequestRejected:
     message: str
 
 
-@dataclass(frozen=True)
-class MessageIgnored:
+class MessageIgnored(NamedTuple):
     """A frame that has no meaning for our role (a response to an unknown
     stream, a data frame, an unknown type, an oversized response)."""
 
@@ -195,18 +187,6 @@ class TtrpcConnection:
         # server state
         self._last_stream_id = 0
         self._awaiting: set[int] = set()
-
-    # ------------------------------------------------------------------ state
-
-    @property
-    def in_flight(self) -> frozenset[int]:
-        """Client: stream ids sent and not answered yet."""
-        return frozenset(self._in_flight)
-
-    @property
-    def awaiting_response(self) -> frozenset[int]:
-        """Server: stream ids received and not answered yet."""
-        return frozenset(self._awaiting)
 
     def data_to_send(self) -> bytes:
         """Drain and return the bytes queued by ``send_*`` and by automatic
@@ -281,8 +261,7 @@ class TtrpcConnection:
         reason = f"message length {d.length} exceeds maximum message size of {MAX_MESSAGE}"
         if self.role is Role.SERVER and d.msg_type == MessageType.REQUEST:
             if self._accept_stream_id(d.stream_id, events):
-                self._queue_error(d.stream_id, Code.RESOURCE_EXHAUSTED, reason)
-                events.append(RequestRejected(d.stream_id, Code.RESOURCE_EXHAUSTED, reason))
+                self._reject(d.stream_id, Code.RESOURCE_EXHAUSTED, reason, events)
         elif self.role is Role.CLIENT and d.msg_type == MessageType.RESPONSE and d.stream_id in self._in_flight:
             self._in_flight.discard(d.stream_id)
             events.append(ResponseReceived(d.stream_id, Code.RESOURCE_EXHAUSTED, reason, b""))
@@ -298,14 +277,9 @@ class TtrpcConnection:
                 return
             try:
                 req = ttrpc_pb2.Request.FromString(body)
-                metadata = tuple((kv.key, kv.value) for kv in req.metadata) if req.metadata else ()
-                event = RequestReceived(
-                    stream_id, req.service, req.method, bytes(req.payload), int(req.timeout_nano), metadata
-                )
+                event = RequestReceived(stream_id, req.service, req.method, bytes(req.payload), int(req.timeout_nano))
             except Exception as exc:  # protobuf DecodeError and friends: garbage payload
-                msg = f"unmarshal request error: {exc}"
-                self._queue_error(stream_id, Code.INVALID_ARGUMENT, msg)
-                events.append(RequestRejected(stream_id, Code.INVALID_ARGUMENT, msg))
+                self._reject(stream_id, Code.INVALID_ARGUMENT, f"unmarshal request error: {exc}", events)
                 return
             self._awaiting.add(stream_id)
             events.append(event)
@@ -336,40 +310,29 @@ class TtrpcConnection:
         else:
             self._last_stream_id = stream_id
             return True
-        self._queue_error(stream_id, Code.INVALID_ARGUMENT, msg)
-        events.append(RequestRejected(stream_id, Code.INVALID_ARGUMENT, msg))
+        self._reject(stream_id, Code.INVALID_ARGUMENT, msg, events)
         return False
+
+    def _reject(self, stream_id: int, code: int, message: str, events: list[Event]) -> None:
+        """Answer a request with an error ourselves and say so (``RequestRejected``)."""
+        self._queue_error(stream_id, code, message)
+        events.append(RequestRejected(stream_id, code, message))
 
     # ------------------------------------------------------------------- send
 
-    def send_request(
-        self,
-        service: str,
-        method: str,
-        payload: bytes,
-        *,
-        timeout_nano: int = 0,
-        metadata: Iterable[tuple[str, str]] = (),
-    ) -> int:
+    def send_request(self, service: str, method: str, payload: bytes, *, timeout_nano: int = 0) -> int:
         """Client: queue a unary request and return its stream id (odd,
-        increasing). Raises ``MessageTooLarge`` above ``MAX_MESSAGE`` bytes and
-        ``TtrpcError`` when the stream id space is exhausted."""
-        req = ttrpc_pb2.Request(service=service, method=method, payload=payload, timeout_nano=timeout_nano)
-        for k, v in metadata:
-            req.metadata.add(key=k, value=v)
-        return self.send_request_body(req.SerializeToString())
-
-    def send_request_body(self, body: bytes, *, check_size: bool = True) -> int:
-        """Client: queue an already encoded request ``body`` on the next stream
-        id and return the id. ``check_size=False`` lets tests send a message
-        above the limit to a peer. Raises ``MessageTooLarge`` / ``TtrpcError``
-        like ``send_request``."""
+        increasing). Raises ``MessageTooLarge`` above ``MAX_MESSAGE`` bytes,
+        ``TtrpcError`` when the stream id space is exhausted and ValueError
+        in the SERVER role."""
         if self.role is not Role.CLIENT:
             raise ValueError("send_request needs the CLIENT role")
         stream_id = self._next_stream_id
         if stream_id >= 2**32:
             raise TtrpcError("ttrpc stream ids exhausted on this connection")
-        if check_size and len(body) > MAX_MESSAGE:
+        body = ttrpc_pb2.Request(service=service, method=method, payload=payload,
+                                 timeout_nano=timeout_nano).SerializeToString()
+        if len(body) > MAX_MESSAGE:
             raise MessageTooLarge(f"request of {len(body)} bytes exceeds the ttrpc limit {MAX_MESSAGE}")
         self._next_stream_id += 2
         self._in_flight.add(stream_id)
@@ -415,10 +378,4 @@ class TtrpcConnection:
     def _frame(self, stream_id: int, mtype: int, body: bytes) -> None:
         self._out += _HEADER.pack(len(body), stream_id, mtype, 0)
         self._out += body
-
-
-def encode_message(stream_id: int, msg_type: int, body: bytes, flags: int = 0) -> bytes:
-    """Encode one raw ttrpc frame (header + ``body``), without any checks.
-    For tests and tools that need to craft frames by hand."""
-    return _HEADER.pack(len(body), stream_id, msg_type, flags) + body
 
