@@ -210,7 +210,7 @@ class _Server:
         err = dispatcher.check(ev)
         if err is not None:
             log.warning("nri call for an unknown service or method", extra={"service": ev.service, "method": ev.method})
-            transport.respond_error(ev.stream_id, err.code, err.message)
+            transport.respond(ev.stream_id, code=err.code, message=err.message)
             return
         if not self._count_unanswered(session, transport):
             return
@@ -279,10 +279,8 @@ class _Server:
                         self._send(call, payload, error)  # stopping: no pool left, wait here
                 elif outcome == SPILLED:
                     counted = False
-            elif code is not None:
-                transport.respond_error(call.stream_id, code, message)
             else:
-                transport.respond(call.stream_id, payload or b"")
+                transport.respond(call.stream_id, payload or b"", code, message)
         except (ConnectionClosed, ValueError) as exc:
             log.info(
                 "nri answer not sent: connection gone",
