@@ -98,7 +98,7 @@ def test_transcript_replays_and_our_answers_fit_4096_byte_frames(version, plugin
                 methods.append(ev.method)
                 ctx = dispatcher.context(ev, 0.75)
                 req = dispatcher.decode(ev)
-                resp = dispatcher.handle(ev.method, req, ctx)
+                resp = dispatcher.routes[ev.method].serve(req, ctx)
                 server.send_response(ev.stream_id, resp.SerializeToString())
                 wire = encode_frames(1, server.data_to_send())
                 assert all(size <= MAX_WRITE_FRAME for size in _frame_sizes(wire))
@@ -163,7 +163,7 @@ def test_recorded_create_with_our_annotations_gets_the_adjustment_in_small_frame
     for frame in MuxDecoder().receive_data(stream):
         events.extend(server.receive_data(frame.payload))
     (ev,) = events
-    resp = dispatcher.handle(ev.method, dispatcher.decode(ev), dispatcher.context(ev, 0.75))
+    resp = dispatcher.routes[ev.method].serve(dispatcher.decode(ev), dispatcher.context(ev, 0.75))
     server.send_response(ev.stream_id, resp.SerializeToString())
     wire = encode_frames(1, server.data_to_send())
     assert all(size <= MAX_WRITE_FRAME for size in _frame_sizes(wire))

@@ -225,22 +225,15 @@ class Dispatcher:
                            self.runtime_name, self.runtime_version)
 
     def decode(self, ev: RequestReceived) -> Any:
-        """The request message of ``ev``; raises RpcError INVALID_ARGUMENT
-        (or UNIMPLEMENTED for an unknown method)."""
-        err = self.check(ev)
-        if err is not None:
-            raise err
+        """The request message of ``ev``, a request ``check`` passed; raises
+        RpcError INVALID_ARGUMENT. Its route's ``serve(request, ctx)`` returns
+        the response message and raises RpcError (the handler's or the
+        stub's), or TypeError for a handler result of the wrong type (a bug,
+        answered INTERNAL by the caller)."""
         try:
             return self.routes[ev.method].request.FromString(ev.payload)
         except Exception as exc:
             raise RpcError(Code.INVALID_ARGUMENT, f"cannot decode {ev.method} request: {exc}") from None
-
-    def handle(self, method: str, req: Any, ctx: CallContext) -> Any:
-        """Run the route of ``method`` for one decoded request; return the
-        response message. Raises RpcError (the handler's or the stub's), or
-        TypeError for a handler result of the wrong type (a bug, answered
-        INTERNAL by the caller); KeyError for a method not in ``routes``."""
-        return self.routes[method].serve(req, ctx)
 
     # ------------------------------------------------------ the stub's own routes
 

@@ -110,10 +110,7 @@ class _Watchdog:
                         self._cond.wait()
                     continue
             for call in expired:
-                try:
-                    self._on_expired(call)
-                except Exception:
-                    log.exception("nri watchdog failed to answer an expired call")
+                guarded(log, "nri watchdog answering an expired call", self._on_expired, call)
 
 
 class _Workers:
@@ -323,7 +320,7 @@ class _Server:
             assert ev is not None
             call.request = call.session.dispatcher.decode(ev)
             del ev
-            response = call.session.dispatcher.handle(method, call.request, call.ctx)
+            response = call.session.dispatcher.routes[method].serve(call.request, call.ctx)
         except RpcError as exc:
             error = exc
         except Exception as exc:
