@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple
 from .._proto import nri_pb2
 from ..safetext import quote
 from .interfaces import EVENTS, CallContext, EventSpec, check_handler, handler_mask, implements
-from .ttrpc import Code, RequestReceived, RpcError, unimplemented_method, unimplemented_service
+from .ttrpc import Code, RequestReceived, RpcError
 
 log = logging.getLogger("fracplugin.nri.stub")  # the stub's log
 
@@ -192,11 +192,12 @@ class Dispatcher:
         return _Route(spec.request, serve, runs)
 
     def check(self, ev: RequestReceived) -> RpcError | None:
-        """The UNIMPLEMENTED error for an unknown service or method, else None."""
+        """The UNIMPLEMENTED error for an unknown service or method (the Go
+        server's words, docs/reference/nri-protocol.md 1.3), else None."""
         if ev.service != PLUGIN_SERVICE:
-            return unimplemented_service(ev.service)
+            return RpcError(Code.UNIMPLEMENTED, f"service {ev.service}")
         if ev.method not in self.routes:
-            return unimplemented_method(ev.method)
+            return RpcError(Code.UNIMPLEMENTED, f"method {ev.method}")
         return None
 
     def inline(self, method: str) -> bool:

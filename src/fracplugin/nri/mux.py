@@ -1,10 +1,8 @@
 """Sans-I/O NRI multiplexer framing (containerd/nri ``pkg/net/multiplex``).
 
-Concurrency model: none. Objects here are plain state machines with no
-sockets, threads or clocks (in the style of h11/h2). ``MuxDecoder`` holds the
-read-side buffer of one socket and must be fed by one thread at a time;
-``encode_frames`` is a pure function. The caller (``transport.py``) owns the
-socket and the locking.
+Concurrency model: none (h11/h2 style). ``MuxDecoder`` holds the read-side
+buffer of one socket and must be fed by one thread at a time;
+``encode_frames`` is a pure function.
 
 Wire format (docs/reference/nri-protocol.md section 1.2): each mux frame is an 8-byte header
 -- conn id (``uint32`` big-endian), payload length (``uint32`` big-endian) --
@@ -80,16 +78,11 @@ def encode_frames(conn_id: int, data: bytes) -> bytes:
 
 
 class MuxDecoder:
-    """Incremental decoder of the read side of one mux socket.
-
-    Feed any split of the byte stream with ``receive_data``; it returns the
-    complete frames of the known conn ids (``conn_ids``), in stream order.
-    Frames of other conn ids (0 included) are consumed and dropped, like the
-    Go mux does. At EOF call ``receive_eof``: it raises ``MuxError`` when a
-    partial frame is pending (a truncated stream).
-
-    Memory: at most one frame (<= ``MAX_PAYLOAD`` + 8 bytes) plus the
-    unconsumed tail of the last ``receive_data`` call is buffered.
+    """Incremental decoder of the read side of one mux socket: feed any
+    split of the byte stream to ``receive_data``, which returns the complete
+    frames of the known ``conn_ids`` in stream order (others are dropped), and
+    call ``receive_eof`` at EOF. Buffers at most one frame (<= ``MAX_PAYLOAD``
+    + 8 bytes) plus the unconsumed tail of the last ``receive_data``.
     """
 
     def __init__(self, conn_ids: Iterable[int] = (PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN)) -> None:

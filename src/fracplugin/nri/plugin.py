@@ -70,12 +70,9 @@ log = logging.getLogger(__name__)
 
 NRI_EVENTS_EARLY = event_mask(nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_CONTAINER, nri_pb2.REMOVE_CONTAINER,
                               nri_pb2.START_CONTAINER, nri_pb2.RUN_POD_SANDBOX, nri_pb2.REMOVE_POD_SANDBOX)
-"""0x62d, the subscription mask (docs/reference/nri-protocol.md 1.4):
-CreateContainer | StopContainer | RemoveContainer (0x608), StartContainer,
-where the container's MPS namespace is awaited (0x20), and RunPodSandbox and
-RemovePodSandbox, where a pod's MPS namespaces are queued early and those no
-container held are released (``nri/early.py``, ADR 0030; a v0.8 runtime
-sends both as StateChange)."""
+"""0x62d, the subscription mask (docs/reference/nri-protocol.md 1.4): Create|Stop|RemoveContainer
+(0x608), StartContainer (0x20: the MPS namespace is awaited), RunPodSandbox and RemovePodSandbox
+(``nri/early.py``, ADR 0030; a v0.8 runtime sends both as StateChange)."""
 
 
 def build_adjustment(plan_: ContainerPlan,
@@ -137,23 +134,16 @@ class FracNriPlugin:
             starts and the log says so (ADR 0028; ``--nri-start-wait-s``).
         on_refusal: ``f(pod: PodRef, container: str, err: FractionError)``
             called for every refusal of CreateContainer (also with
-            ``fail_open``), in the handler thread, before the answer is sent.
-            It must not block: it is meant to enqueue (e.g.
-            ``functools.partial(EventRecorder.refused, door="nri")``, which
-            writes a Kubernetes Event in the background). An exception it
+            ``fail_open``), in the handler thread, before the answer is sent:
+            it must only enqueue (``EventRecorder.refused``); an exception it
             raises is logged and ignored.
         on_warning: ``f(pod, container, message)`` for an annotation that was
-            not applied (kubelet's allocation wins, an annotation names no
-            container of the pod); same rules as ``on_refusal`` (a Warning
-            Event, ``EventRecorder.warned``).
-        pod_lookup: ``f(namespace, name) -> pod dict | None`` (the watch cache
-            of the device plugin door): with the pod's spec the NRI door knows
-            its init and app containers, so pod-level KAI forms apply to the
-            named container (an app container or a native sidecar, an init
-            container with ``restartPolicy: Always``) or the first app
-            container only, and annotations naming no
-            container are reported, exactly as ``fracplugin explain`` does.
-            None: one container at a time (ADR 0001 item 6).
+            not applied; same rules (``EventRecorder.warned``).
+        pod_lookup: ``f(namespace, name) -> pod dict | None`` (the pod
+            watch's cache): with the pod's spec, pod-level KAI forms apply to
+            the named or the first app container only and annotations naming
+            no container are reported, as ``fracplugin explain`` does. None:
+            one container at a time (ADR 0001 item 6).
         pod_ready: ``f() -> bool``, whether the pod watch behind
             ``pod_lookup`` is synced (the pod source's ``ready``): while it
             is not, a pod whose spec is needed and unknown is planned alone
@@ -223,16 +213,11 @@ class FracNriPlugin:
         return self.reconciler.ready()
 
     def status(self) -> dict[str, Any]:
-        """JSON-able state: ``{"ready", "fail_open", "events",
-        "pending_namespaces", "early_namespaces", "mps_jobs", "unadjusted", "unfenced"}``
-        where ``pending_namespaces`` counts containers whose background MPS
-        namespace job is not done yet, ``mps_jobs`` is the background MPS work
-        queue's ``{"queued", "running", "threads"}`` (at most one queued job per
-        namespace owner and per drained container), ``early_namespaces`` is
-        ``Namespaces.early_status()`` (namespaces queued at RunPodSandbox:
-        pending, queued, used, mismatched, released, adopted, orphaned) and
-        ``unadjusted`` lists what the last Synchronize reported, ``unfenced``
-        is ``Reconciler.unfenced_status()``."""
+        """JSON-able state: ``{"ready", "fail_open", "events", "pending_namespaces"
+        (containers whose MPS namespace job is not done), "early_namespaces"
+        (``Namespaces.early_status()``), "mps_jobs" (the MPS work queue's
+        ``{"queued", "running", "threads"}``), "unadjusted" (what the last
+        Synchronize reported), "unfenced" (``Reconciler.unfenced_status()``)}``."""
         ns = self.namespaces.status()
         return {
             "ready": self.ready(),
@@ -246,17 +231,12 @@ class FracNriPlugin:
         }
 
     def may_block(self, method: str) -> bool:
-        """Whether serving ``method`` may wait now (``NriStub`` serves the
-        calls that cannot on its reader thread, the others on its handler
-        threads; ``interfaces.MayBlockInterface``).
-
-        CreateContainer waits only when an MPS daemon is not healthy
-        (``MpsCalls.require_up`` waits for it to come back); otherwise it plans,
-        admits (a journal append and fdatasync) and answers. RemoveContainer,
-        RunPodSandbox and RemovePodSandbox never wait (their MPS work runs in
-        the background). StartContainer
-        (awaits the namespace), StopContainer (awaits the drain), Synchronize
-        (the whole node) and StateChange (v0.8 StartContainer) may."""
+        """Whether serving ``method`` may wait now (``interfaces.MayBlockInterface``;
+        ``NriStub`` serves the calls that cannot on its reader thread).
+        CreateContainer waits only for an MPS daemon that is not healthy
+        (``MpsCalls.require_up``); RemoveContainer, RunPodSandbox and
+        RemovePodSandbox never wait (their MPS work runs in the background);
+        the others may (a namespace, a drain, the whole node)."""
         if method == "CreateContainer":
             return not self.calls.all_up()
         return method not in ("RemoveContainer", "RunPodSandbox", "RemovePodSandbox")

@@ -1,29 +1,22 @@
 """One NRI mux socket driven by a reader thread, usable from either side.
 
 Concurrency model: threads. Each ``NriTransport`` owns one reader thread that
-reads the socket, feeds the sans-I/O ``MuxDecoder`` and the two
-``TtrpcConnection`` objects, resolves client futures and hands incoming
-requests to ``on_request`` (called *in the reader thread*: it must only
-enqueue work, never block). Any thread may call ``call``/``call_async``,
-``respond``; the reader thread itself answers with
-``answer_nowait``, which never blocks (a write lock held elsewhere, or a
-peer that does not read, hands the rest of the write to another thread).
-Two locks:
+feeds the sans-I/O ``MuxDecoder`` and the two ``TtrpcConnection`` objects,
+resolves client futures and hands incoming requests to ``on_request`` (called
+*in the reader thread*: it must only enqueue work, never block). Any thread
+may ``call``/``call_async`` and ``respond``; the reader thread answers with
+``answer_nowait``, which never blocks. Two locks, always taken write -> state:
+``_write_lock`` serialises socket writes (a ttrpc message split into several
+mux frames is never interleaved with another, and client stream ids reach the
+peer in increasing order); ``_state_lock`` guards the ttrpc state machines,
+never held while writing, so the reader keeps reading while a writer blocks.
+The plugin serves conn 1 and calls on conn 2; a runtime-side peer does the
+opposite (docs/reference/nri-protocol.md section 1.1).
 
-- ``_write_lock`` serialises socket writes, so a ttrpc message split into
-  several mux frames is never interleaved with another message on the wire and
-  client stream ids reach the peer in increasing order;
-- ``_state_lock`` guards the ttrpc state machines (held briefly, never while
-  writing the socket), so the reader keeps reading while a writer blocks.
-
-Lock order is always write -> state. The plugin side serves conn 1 and calls
-on conn 2; a runtime-side peer (the demo's ``fracplugin_demo.nri_runtime``) does the opposite
-(docs/reference/nri-protocol.md section 1.1).
-
-Failures (mux/ttrpc protocol errors, truncated streams, EOF, socket errors)
-close the transport: pending calls fail with ``ConnectionClosed``, the socket
-is shut down, ``on_closed(reason)`` runs once in the closing thread, and
-``closed`` is set. Nothing is raised out of the reader thread.
+Failures (protocol errors, truncated streams, EOF, socket errors) close the
+transport: pending calls fail with ``ConnectionClosed``, the socket is shut
+down, ``on_closed(reason)`` runs once and ``closed`` is set. Nothing is
+raised out of the reader thread.
 """
 
 from __future__ import annotations

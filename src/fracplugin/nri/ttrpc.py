@@ -1,10 +1,8 @@
 """Sans-I/O ttrpc (containerd/ttrpc) for unary calls, one object per connection.
 
 Concurrency model: none. ``TtrpcConnection`` is a plain state machine in the
-style of h2: bytes go in through ``receive_data`` and come out as events;
-``send_*`` calls queue bytes that ``data_to_send`` drains. No sockets,
-threads or clocks. The caller serialises access (``transport.py`` holds a
-lock around it).
+style of h2 (bytes in through ``receive_data``, events out; ``send_*`` queue
+bytes that ``data_to_send`` drains); the caller serialises access.
 
 Wire format (docs/reference/nri-protocol.md section 1.3, from containerd/ttrpc
 ``PROTOCOL.md`` / ``channel.go`` / ``server.go``): a 10-byte big-endian header
@@ -24,8 +22,7 @@ Wire format (docs/reference/nri-protocol.md section 1.3, from containerd/ttrpc
 - a response without ``status`` (or with code 0) is OK.
 - a request that does not decode is answered ``INVALID_ARGUMENT``.
 - unknown service / method answers (``UNIMPLEMENTED`` "service <name>" /
-  "method <name>") are produced by the dispatcher through ``send_error``;
-  ``unimplemented_service``/``unimplemented_method`` build the messages.
+  "method <name>") are the dispatcher's (``dispatch.Dispatcher.check``).
 - an outgoing response larger than 4 MiB is replaced by a
   ``RESOURCE_EXHAUSTED`` error; an outgoing request that large raises
   ``MessageTooLarge``.
@@ -95,16 +92,6 @@ def _code_name(code: int) -> str:
         return Code(code).name
     except ValueError:
         return f"code {code}"
-
-
-def unimplemented_service(service: str) -> RpcError:
-    """The Go server's answer to an unknown service."""
-    return RpcError(Code.UNIMPLEMENTED, f"service {service}")
-
-
-def unimplemented_method(method: str) -> RpcError:
-    """The Go server's answer to an unknown method."""
-    return RpcError(Code.UNIMPLEMENTED, f"method {method}")
 
 
 class RequestReceived(NamedTuple):
