@@ -73,23 +73,19 @@ class PodReader:
         if not key:
             return ""
         try:
-            by_gpu = al.parse_reservation_key(key)
+            by_gpu, problem = al.parse_reservation_key(key), ""
         except al.ReservationKeyError as exc:
-            if strict:  # a key no Allocate of ours made is refused, not ignored (issue 25 item 4)
-                raise FractionError(al.ENV_RESERVATION, key[:200], f"is not a reservation key: {exc}",
-                                    "reservation") from None
-            log.warning("nri reservation key ignored", extra={**fields, "reason": str(exc)})
-            return ""
-        for uuid in by_gpu:
+            by_gpu, problem = {}, f"is not a reservation key: {exc}"
+        for uuid, indices in by_gpu.items():
             gpu = self.node.gpu_by_uuid(uuid)
-            if gpu is None or max(by_gpu[uuid]) >= gpu.memory_mib // self.unit_mib:
-                if strict:
-                    raise FractionError(al.ENV_RESERVATION, key[:200], f"names devices node {self.node.name} does "
-                                        "not advertise: no Allocate of this node made it", "reservation")
-                log.warning("nri reservation key ignored", extra={
-                    **fields, "reason": f"{key[:120]} names devices node {self.node.name} does not advertise"})
-                return ""
-        return key
+            if gpu is None or max(indices) >= gpu.memory_mib // self.unit_mib:
+                problem = f"names devices node {self.node.name} does not advertise: no Allocate of this node made it"
+        if not problem:
+            return key
+        if strict:  # a key no Allocate of ours made is refused, not ignored (issue 25 item 4)
+            raise FractionError(al.ENV_RESERVATION, key[:200], problem, "reservation")
+        log.warning("nri reservation key ignored", extra={**fields, "reason": f"{key[:120]} {problem}"})
+        return ""
 
     def _spec_names(self, pod: nri_pb2.PodSandbox, container: str = "") -> tuple[list[str] | None, list[str] | None]:
         """``_containers_of`` only when it matters (the hot path stays a dict

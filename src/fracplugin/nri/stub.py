@@ -158,10 +158,7 @@ class NriStub:
         env: environment to read ``NRI_PLUGIN_SOCKET`` / ``NRI_PLUGIN_NAME`` /
             ``NRI_PLUGIN_IDX`` from (default ``os.environ``); when the socket
             variable is set the stub runs in fd mode and those values win.
-        events: subscription mask; default: the handler's ``events`` attribute,
-            else the events of the interfaces it implements
-            (``interfaces.handler_mask``). Must be non-zero, within 0x7FF and
-            name only events the handler implements (ValueError otherwise).
+        events: subscription mask; default and rules: ``dispatch._subscription``.
         reconnect_initial_s / reconnect_max_s: reconnection backoff (seconds,
             exponential with jitter).
         on_bound: ``f(bound)`` called each time a bound is hit, ``bound`` one
