@@ -113,11 +113,15 @@ def _env_adjustment(env: tuple[tuple[str, str], ...]) -> bytes:
     return adj.SerializeToString()
 
 
-class FracNriPlugin:
+class FracNriPlugin(CreateContainerInterface, StartContainerInterface, StopContainerInterface,
+                    RemoveContainerInterface, SynchronizeInterface, AbandonedInterface, MayBlockInterface,
+                    CloseInterface, RunPodInterface, RemovePodInterface):
     """The handler object ``NriStub`` drives: the NRI interface methods, each
     delegating to the part that owns the work (``reader``, ``mounts``,
     ``calls``, ``namespaces``, ``releases``, ``reconciler``: docs/architecture.md
-    section 1), sharing ``settings`` (``pluginbase.DoorSettings``).
+    section 1), sharing ``settings`` (``pluginbase.DoorSettings``). Its bases
+    are the ``nri.interfaces`` Protocols it implements, so mypy checks every
+    handler method against the protobuf messages they declare (issue 26 item 3).
 
     Args:
         rules: the node's rules (``noderules.NodeRules``: its GPUs, the one
@@ -385,20 +389,3 @@ class FracNriPlugin:
         self.namespaces.close()
         self.reconciler.close()
 
-
-NriHandler = tuple[
-    CreateContainerInterface, StartContainerInterface, StopContainerInterface, RemoveContainerInterface,
-    SynchronizeInterface, AbandonedInterface, MayBlockInterface, CloseInterface, RunPodInterface,
-    RemovePodInterface,
-]
-"""The ``nri.interfaces`` Protocols ``FracNriPlugin`` implements: every NRI
-event it handles and the stub's hooks it offers (a unit test keeps this list
-equal to what ``interfaces.implements`` finds on the class)."""
-
-
-def as_nri_handler(plugin: FracNriPlugin) -> NriHandler:
-    """``plugin`` as each interface of ``NriHandler``: mypy checks here that
-    every handler method of ``FracNriPlugin`` takes the protobuf messages and
-    returns what ``nri/interfaces.py`` declares (issue 26 item 3); at run time
-    it only returns ``plugin`` ten times."""
-    return (plugin, plugin, plugin, plugin, plugin, plugin, plugin, plugin, plugin, plugin)
