@@ -215,15 +215,11 @@ class MountSources:
         self._made_sources: dict[str, None] = {}
 
     def ensure(self, p: ContainerPlan, fields: Mapping[str, Any]) -> None:
-        """Create every bind-mount source of ``p`` (mode 0755) before answering.
-
-        The runtime bind-mounts them when it creates the task (runc create),
-        which comes before the NRI StartContainer event: a deferred MPS
-        namespace directory must already exist then, or the container fails
-        with "stat <dir>: no such file or directory" (seen with containerd 2.3
-        in tests/e2e). MPS later creates its sockets inside the directory,
-        which the bind mount shows. Raises RpcError UNAVAILABLE (or
-        _FailOpen) when the directory cannot be made.
+        """Create every bind-mount source of ``p`` (mode 0755) before answering:
+        the runtime bind-mounts them at task creation, before StartContainer,
+        and a missing one fails the container ("stat <dir>: no such file or
+        directory", containerd 2.3); MPS later creates its sockets inside.
+        Raises RpcError UNAVAILABLE (or _FailOpen) when one cannot be made.
         """
         for m in p.mounts:
             if self._made_before(m.source):
@@ -244,11 +240,9 @@ class MountSources:
                 ) from None
 
     def _made_before(self, path: str) -> bool:
-        """``path`` is a mount source ``make_dir`` made (or checked) before and
-        it still is a 0755 directory: one ``stat`` instead of ``make_dir``'s
-        walk up to the MPS root (issue 14: 30-40 us per CreateContainer). The
-        MPS layer may remove a released namespace's directory at any time, so
-        the directory itself is always checked."""
+        """``path`` is a mount source ``make_dir`` made before and still a 0755
+        directory (the MPS layer may remove a released namespace's at any
+        time): one ``stat`` instead of ``make_dir``'s walk (issue 14)."""
         if path not in self._made_sources:
             return False
         try:
@@ -270,16 +264,12 @@ def warn_unenforced(p: ContainerPlan, container: nri_pb2.Container, fields: Mapp
 
 
 def _check_mounts(p: ContainerPlan, container: nri_pb2.Container, mps_root: str) -> None:
-    """Refuse a container that already mounts something at a destination our
-    plan mounts the pipe directory on (the pod's own volume at
-    ``/tmp/nvidia-mps``): the adjustment would silently replace it (issue 10
-    item 8). Raises FractionError naming the mount and the rule.
-
-    A mount whose source is at or below ``mps_root`` is fracplugin's own: the
-    device plugin door's Allocate answer, which a real kubelet passes to the
-    runtime in the CRI request (issue 11: with both doors on, every container
-    with devices of our resource has it); the adjustment replaces it with the
-    plan's (same pipe directory, plus ``nosuid,nodev``)."""
+    """Refuse a container that already mounts something where our plan mounts
+    the pipe directory (the pod's own volume at ``/tmp/nvidia-mps``): the
+    adjustment would silently replace it (issue 10 item 8). Raises
+    FractionError naming the mount and the rule. A mount whose source is at or
+    below ``mps_root`` is ours (the device plugin door's Allocate answer,
+    issue 11): the plan's replaces it."""
     if not container.mounts:
         return
     ours = {m.destination.rstrip("/") for m in p.mounts}

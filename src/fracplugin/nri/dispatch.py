@@ -32,10 +32,8 @@ BUDGET_FRACTION = 0.75
 """Share of the request timeout a handler may use before the stub answers for it."""
 DEFAULT_REGISTRATION_TIMEOUT_S = 5.0
 
-# Bounds on what a runtime can make the plugin hold (issue 13 item 5). A runtime
-# splits Synchronize only to stay under ttrpc's 4 MiB message limit
-# (docs/reference/nri-protocol.md 1.6), so a real node needs a handful of parts: a node at
-# kubelet's 110-pod default with a few containers each is well under 1 MiB.
+# Bounds on what a runtime can make the plugin hold (issue 13 item 5). A runtime splits Synchronize only
+# to stay under ttrpc's 4 MiB limit (nri-protocol.md 1.6): 110 pods of a few containers are under 1 MiB.
 MAX_SYNC_PARTS = 64
 """Most ``more=true`` Synchronize parts held before the last one."""
 MAX_SYNC_BYTES = 16 << 20
@@ -133,20 +131,14 @@ _STATE_CHANGE_SHAPES = ("pod", "container")
 
 
 class Dispatcher:
-    """Per-connection request handling without I/O: check, decode, route
-    through the dispatch table, build the response message. ``NriStub`` runs
-    one per connection; tests can drive it directly with ``RequestReceived``
-    events.
-
-    ``routes`` (method -> ``_Route``) is built once from the methods
-    ``handler`` implements (``interfaces.EVENTS``); ``Configure``,
-    ``Synchronize``, ``Shutdown``, ``StateChange`` and the empty-id check of
-    ``CreateContainer`` are the stub's own around the handler's method.
-
-    State kept per connection (docs/reference/nri-protocol.md 1.5, 1.6): the
-    request timeout from ConfigureRequest (seconds; 2 s until Configure says
-    otherwise), the runtime's name and version, and the parts of a split
-    Synchronize. Thread-safe.
+    """Per-connection request handling without I/O (one per connection):
+    ``check``, ``decode``, then the route of ``routes`` (method -> ``_Route``,
+    built once from the methods ``handler`` implements, ``interfaces.EVENTS``,
+    with the stub's own Configure, Synchronize, Shutdown, StateChange and
+    CreateContainer's empty-id check). State (docs/reference/nri-protocol.md
+    1.5, 1.6): the request timeout from ConfigureRequest (seconds; 2 s until
+    then), the runtime's name and version, the parts of a split Synchronize.
+    Thread-safe.
     """
 
     def __init__(self, handler: object, events: int, plugin_name: str = "plugin", *,

@@ -249,17 +249,13 @@ class FracNriPlugin(CreateContainerInterface, StartContainerInterface, StopConta
 
     def create_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
                          ctx: CallContext | None = None) -> nri_pb2.CreateContainerResponse | None:
-        """CreateContainer: a ``CreateContainerResponse`` (empty when the
-        container is not fractional or ``fail_open`` swallowed a refusal).
-        Raises ``RpcError``: a refusal with its kind's status
-        (``noderules.status_of``), or UNAVAILABLE (MPS).
-
-        A container whose env (or annotations) carries a reservation key from
-        Allocate (``allocation.ENV_RESERVATION``) gets kubelet's allocation:
-        its GPUs and request, plus the limit, mode and portion its annotations
-        may add; the reservation is bound to this pod, container and container
-        id. Annotations that were not applied are logged and reported
-        (``on_warning``). Other containers are planned from the annotations."""
+        """CreateContainer (docs/architecture.md section 1 item 8): a
+        ``CreateContainerResponse``, None when the container is not fractional
+        or ``fail_open`` swallowed a refusal. A container with a reservation
+        key from Allocate (ADR 0007) gets kubelet's allocation plus what its
+        annotations add; others are planned from the annotations. Raises
+        ``RpcError``: a refusal with its kind's status
+        (``noderules.status_of``), or UNAVAILABLE (MPS)."""
         start = time.monotonic()
         ref = _pod_ref(pod)
         fields = {"pod": str(ref), "pod_uid": ref.uid, "container": container.name, "container_id": container.id}

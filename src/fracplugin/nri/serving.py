@@ -55,14 +55,11 @@ class _Call:
 
 
 class _Watchdog:
-    """One thread that answers calls whose handler overran its budget.
-
-    Cheap on the hot path: ``add`` only wakes the thread when the new call's
-    deadline is earlier than every deadline it already waits for (with equal
-    budgets, only the first call after an idle spell), and the thread wakes
-    at most once per ``tick_s`` (a finished call is simply skipped when its
-    deadline passes). An overrun is therefore answered at most ``tick_s``
-    late (20 ms against a 0.5 s margin before the runtime's own timeout).
+    """One thread that answers calls whose handler overran its budget. ``add``
+    only wakes it for a deadline earlier than every one it waits for, and it
+    wakes at most once per ``tick_s`` (finished calls are skipped when their
+    deadline passes): an overrun is answered at most ``tick_s`` late (20 ms
+    against a 0.5 s margin before the runtime's own timeout).
     """
 
     def __init__(self, on_expired: Callable[[_Call], None], tick_s: float = 0.02) -> None:
@@ -114,14 +111,11 @@ class _Watchdog:
 
 
 class _Workers:
-    """A fixed set of handler threads fed by one ``queue.SimpleQueue``.
-
-    Leaner than ``ThreadPoolExecutor`` on the per-request path: ``submit`` is
-    one C-level ``put`` (no Future, no idle semaphore), which matters because
-    the reader thread hands every request over here. Threads are started up
-    front (``n`` of them, blocked in ``get`` until work arrives).
-    ``shutdown`` drops queued work and ends the threads once their current
-    item is done; ``submit`` raises RuntimeError afterwards.
+    """``n`` handler threads, started up front, fed by one ``queue.SimpleQueue``:
+    ``submit`` is one C-level ``put`` (no Future, no idle semaphore, as in
+    ``ThreadPoolExecutor``) on the per-request path. ``shutdown`` drops queued
+    work and ends the threads after their current item; ``submit`` then
+    raises RuntimeError.
     """
 
     def __init__(self, n: int, name: str) -> None:
@@ -224,7 +218,7 @@ class _Server:
 
     def _count_unanswered(self, session: _Session, transport: NriTransport) -> bool:
         """Count one more request read and not answered; past
-        ``max_unanswered`` close the connection (False: do not serve it)."""
+        ``MAX_UNANSWERED`` close the connection (False: do not serve it)."""
         with session.lock:
             if session.closing:  # already over the bound and being closed: read, not served
                 return False
