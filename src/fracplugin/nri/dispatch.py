@@ -291,11 +291,10 @@ class Dispatcher:
         """A v0.8 event: the handler's method for ``req.event`` (pod and
         container events only; others are logged and answered Empty)."""
         serve = self._changes.get(req.event)
-        if serve is None:
-            if not any(s.event == req.event and s.shape in _STATE_CHANGE_SHAPES for s in EVENTS):
-                log.info("nri StateChange for an event without a state-change handler", extra={"event": req.event})
-            return E.Empty()
-        serve(req, ctx)
+        if serve is not None:
+            serve(req, ctx)
+        elif not any(s.event == req.event and s.shape in _STATE_CHANGE_SHAPES for s in EVENTS):
+            log.info("nri StateChange for an event without a state-change handler", extra={"event": req.event})
         return E.Empty()
 
     def _refuse_empty_id(self, serve: Serve, req: Any, ctx: CallContext) -> Any:

@@ -368,7 +368,6 @@ class FracNriPlugin(CreateContainerInterface, StartContainerInterface, StopConta
         except Exception:
             log.exception("nri RunPodSandbox: early MPS namespaces not queued",
                           extra={"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid})
-        return None
 
     def remove_pod_sandbox(self, pod: nri_pb2.PodSandbox, ctx: CallContext | None = None) -> None:
         """RemovePodSandbox: release the early namespaces of this sandbox
@@ -376,7 +375,6 @@ class FracNriPlugin(CreateContainerInterface, StartContainerInterface, StopConta
         entry a newer sandbox of the same pod claimed (kubelet recreates a
         dead sandbox, then removes the old one) stays."""
         self.namespaces.release_early(lambda uid, sandbox: uid == pod.uid and sandbox == pod.id)
-        return None
 
     def close(self) -> None:
         """Stop the background MPS workers without waiting
