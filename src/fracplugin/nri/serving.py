@@ -266,8 +266,10 @@ class _Server:
                                                   finish=functools.partial(self._finish_answer, call.session))
                 if outcome == BUSY:  # another thread writes: a handler thread waits for the lock instead
                     counted = False  # that _send counts it
-                    if not self._hand_over(functools.partial(self._send, call, payload, error)):
-                        self._send(call, payload, error)  # stopping: no pool left, wait here
+                    try:
+                        self._pool.submit(functools.partial(self._send, call, payload, error))
+                    except RuntimeError:  # stopping: no pool left, wait here
+                        self._send(call, payload, error)
                 elif outcome == SPILLED:
                     counted = False
             else:
@@ -281,14 +283,6 @@ class _Server:
             if counted:
                 self._answered(call.session)
 
-    def _hand_over(self, job: Callable[[], None]) -> bool:
-        """Run ``job`` on a handler thread; False when the pool is shut down."""
-        try:
-            self._pool.submit(job)
-        except RuntimeError:
-            return False
-        return True
-
     def _finish_answer(self, session: _Session, write_rest: Callable[[], None]) -> None:
         """``NriTransport.answer_nowait``'s ``finish``: the rest of an answer
         is written (and counted) on a handler thread. Raises RuntimeError when
@@ -298,8 +292,7 @@ class _Server:
                 write_rest()
             finally:
                 self._answered(session)
-        if not self._hand_over(job):
-            raise RuntimeError("handler pool is shut down")
+        self._pool.submit(job)
 
     def _serve(self, call: _Call, inline: bool = False) -> None:
         """Run the handler and answer, unless the watchdog did (a pool thread,

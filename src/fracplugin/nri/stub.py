@@ -1,23 +1,18 @@
 """Generic NRI plugin runtime: register, configure, synchronize, serve events,
 reconnect. Knows nothing about GPUs; the behaviour lives in a handler object.
 
-Concurrency model: threads (docs/architecture.md section 1, ADR 0015).
-
-- one *run* thread (``NriStub.start``) connects, registers and waits for the
-  connection to end, then reconnects with backoff (``_Reconnect``, tenacity);
-- one *reader* thread per connection (``transport.NriTransport``) routes each
-  request. It serves it itself when nothing in it can wait (a method the
-  handler does not implement, or one its ``may_block(method)`` says will not
-  wait), writing the answer without blocking (``answer_nowait``);
-- a fixed pool of handler threads (``serving._Workers``, ``MAX_WORKERS``) runs
-  every other handler call, so requests that wait are served concurrently and
-  RegisterPlugin never blocks the reader (Configure can arrive before the
-  register reply, docs/reference/nri-protocol.md section 1.6);
-- one *watchdog* thread answers ``UNAVAILABLE`` for a handler past its budget
-  (``BUDGET_FRACTION`` x the request timeout, or of the request's own
-  ``timeout_nano``) and discards the late result, calling the handler's
-  optional ``abandoned(method, request, response)``: a late reply would make
-  the runtime drop the whole plugin (section 1.8).
+Concurrency model: threads (docs/architecture.md section 1, ADR 0015): one
+*run* thread connects, registers, waits for the connection to end and
+reconnects with backoff (``_Reconnect``, tenacity); one *reader* thread per
+connection (``transport.NriTransport``) serves a request itself when nothing
+in it can wait (no handler method, or ``may_block(method)`` false), else
+hands it to the handler threads (``serving._Workers``), so RegisterPlugin
+never blocks the reader (Configure can arrive before the register reply,
+docs/reference/nri-protocol.md section 1.6); one *watchdog* thread answers
+``UNAVAILABLE`` for a handler past its budget (``BUDGET_FRACTION`` x the
+request timeout or the request's ``timeout_nano``) and discards the late
+result, calling the handler's optional ``abandoned(method, request,
+response)``: a late reply would make the runtime drop the plugin (1.8).
 
 Protocol rules followed (docs/reference/nri-protocol.md): external mode
 connects to ``socket_path``, runtime-launched mode uses fd
