@@ -1,12 +1,9 @@
 """How ``fracplugin run`` builds its parts: ``Builder`` runs the build steps
-in order from the configuration (inventory, ledger, metrics, MPS, pod source,
-events, the node's rules, the over-limit watch, the doors, health, node condition), registers and
-starts each part in the daemon's ``parts``, and holds what it built for the
+in order from the configuration (``Builder.build``), registers and starts
+each part in the daemon's ``parts``, and holds what it built for the
 daemon's read side (``Daemon.checks``, ``Daemon.status``). What the built
-parts call back into the daemon (readiness, ``/status``, liveness, the
-metrics' door state, a stop request) comes in as ``Hooks``.
-
-Also the small helpers the steps share (``StartupError``, API client, addresses).
+parts call back into the daemon comes in as ``Hooks``. Also the small
+helpers the steps share (``StartupError``, API client, addresses).
 """
 
 from __future__ import annotations

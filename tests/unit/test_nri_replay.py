@@ -87,9 +87,9 @@ def test_transcript_replays_and_our_answers_fit_4096_byte_frames(version, plugin
     stream = _runtime_stream(records)
     # Feed in odd-sized reads, as a socket would deliver them.
     for start in range(0, len(stream), 777):
-        for frame in decoder.receive_data(stream[start : start + 777]):
-            conn = server if frame.conn_id == 1 else client
-            for ev in conn.receive_data(frame.payload):
+        for conn_id, payload in decoder.receive_data(stream[start : start + 777]):
+            conn = server if conn_id == 1 else client
+            for ev in conn.receive_data(payload):
                 if isinstance(ev, ResponseReceived):
                     assert ev.stream_id == sid and ev.code == Code.OK  # the RegisterPlugin reply: absent status = OK
                     continue
@@ -160,8 +160,8 @@ def test_recorded_create_with_our_annotations_gets_the_adjustment_in_small_frame
     assert len(_frame_sizes(stream)) > 1
     server = TtrpcConnection(Role.SERVER)
     events = []
-    for frame in MuxDecoder().receive_data(stream):
-        events.extend(server.receive_data(frame.payload))
+    for _, payload in MuxDecoder().receive_data(stream):
+        events.extend(server.receive_data(payload))
     (ev,) = events
     resp = dispatcher.routes[ev.method].serve(dispatcher.decode(ev), dispatcher.context(ev, 0.75))
     server.send_response(ev.stream_id, resp.SerializeToString())

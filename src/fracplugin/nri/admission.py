@@ -1,11 +1,6 @@
-"""CreateContainer's reading of the pod (``PodReader``): kubelet's
-reservation key (ADR 0007) and whether this container may claim it, the
-pod's spec names, stray and unread annotations (warned once, the lint
-memory is the reader's), the request under a reservation; and the plan's
-mounts (``MountSources``: the pipe directories made; ``_check_mounts``:
-conflicts with the container's own mounts).
-
-Behaviour and concurrency model: ``nri/plugin.py``'s module docstring.
+"""CreateContainer's reading of the pod (``PodReader``) and the plan's mounts
+(``MountSources``, ``_check_mounts``): docs/architecture.md section 1; the
+concurrency model: ``nri/plugin.py``'s module docstring.
 """
 
 from __future__ import annotations

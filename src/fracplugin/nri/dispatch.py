@@ -1,10 +1,7 @@
-"""The NRI stub's dispatch table, without I/O: check, decode and route one
-request to the handler's method, and the stub's own routes around it
-(Configure, Synchronize with its split parts, Shutdown, StateChange, the
-empty-id check of CreateContainer). Also the subscription mask a handler
-gets (``_subscription``) and the protocol constants (service names, event
-mask, bounds) the stub and its tests share. The whole stub and the protocol
-rules it follows: ``nri/stub.py``'s module docstring.
+"""The NRI stub's dispatch table without I/O (``Dispatcher``), the subscription
+mask a handler gets (``_subscription``) and the protocol constants (service
+names, event mask, bounds). The whole stub and the protocol rules it follows:
+``nri/stub.py``'s module docstring.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ stream and must not assume one frame is one message.
 from __future__ import annotations
 
 import struct
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 HEADER_SIZE = 8
 """Bytes in a mux frame header (conn id u32 BE + length u32 BE)."""
@@ -47,13 +47,6 @@ _HEADER = struct.Struct(">II")
 class MuxError(Exception):
     """The byte stream is not a valid mux stream (oversized frame length,
     truncated frame at EOF). The connection must be dropped."""
-
-
-class MuxFrame(NamedTuple):
-    """One decoded mux frame: the logical conn id and the payload bytes."""
-
-    conn_id: int
-    payload: bytes
 
 
 def encode_frames(conn_id: int, data: bytes) -> bytes:
@@ -90,8 +83,9 @@ class MuxDecoder:
         self._buf = bytearray()
         self._closed = False
 
-    def receive_data(self, data: bytes) -> list[MuxFrame]:
-        """Consume ``data`` and return every frame it completes.
+    def receive_data(self, data: bytes) -> list[tuple[int, bytes]]:
+        """Consume ``data`` and return every frame it completes, as
+        ``(conn id, payload)``.
 
         Raises ``MuxError`` when a header announces a payload above
         ``MAX_PAYLOAD``; after that, or after ``receive_eof``, the decoder is
@@ -100,7 +94,7 @@ class MuxDecoder:
         if self._closed:
             raise MuxError("mux decoder is closed")
         self._buf += data
-        frames: list[MuxFrame] = []
+        frames: list[tuple[int, bytes]] = []
         buf = self._buf
         pos = 0
         n = len(buf)
@@ -116,7 +110,7 @@ class MuxDecoder:
             if end > n:
                 break
             if conn_id in self._conn_ids:
-                frames.append(MuxFrame(conn_id, bytes(buf[pos + HEADER_SIZE : end])))
+                frames.append((conn_id, bytes(buf[pos + HEADER_SIZE : end])))
             pos = end
         if pos:
             del buf[:pos]

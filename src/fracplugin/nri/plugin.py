@@ -94,11 +94,9 @@ def build_adjustment(plan_: ContainerPlan,
 
 
 _PROOF_REMOVAL = (nri_pb2.KeyValue(key="-" + ENV_RESERVATION_PROOF), nri_pb2.KeyValue(key=ENV_RESERVATION_PROOF, value=""))
-"""The reservation proof taken out of a container's env once checked: the
-removal, which containerd does not forward for a variable kubelet added
-(docs/reference/nri-protocol.md, "Env removal caveat"), then the key set to
-an empty value, which it does forward; the container never sees the proof
-(ADR 0033). A bound reservation no longer needs it (reservations rule 1)."""
+"""The reservation proof taken out of a container's env once checked (ADR 0033): the removal,
+which containerd does not forward for a variable kubelet added (docs/reference/nri-protocol.md,
+"Env removal caveat"), then the key set empty, which it does."""
 
 
 @functools.lru_cache(maxsize=1024)

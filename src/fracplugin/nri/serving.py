@@ -1,9 +1,7 @@
-"""How the NRI stub serves one request in flight: the call record
-(``_Call``), the watchdog that answers a handler that overran its budget
-(``_Watchdog``), the handler threads (``_Workers``), one connection's state
-(``_Session``) and the stub's serving path (``_Server``: count, route to the
-reader thread or a handler thread, run the handler, write the answer without
-blocking the reader). The concurrency model: ``nri/stub.py``'s module docstring.
+"""How the NRI stub serves one request in flight: the call record (``_Call``),
+the watchdog (``_Watchdog``), the handler threads (``_Workers``), one
+connection's state (``_Session``) and the serving path (``_Server``). The
+concurrency model: ``nri/stub.py``'s module docstring.
 """
 
 from __future__ import annotations

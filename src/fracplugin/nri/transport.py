@@ -307,10 +307,10 @@ class NriTransport:
             )
 
     def _feed(self, data: bytes) -> None:
-        for frame in self._mux.receive_data(data):
-            if frame.conn_id == self.serve_conn:
+        for conn_id, payload in self._mux.receive_data(data):
+            if conn_id == self.serve_conn:
                 with self._state_lock:
-                    events = self._server.receive_data(frame.payload)
+                    events = self._server.receive_data(payload)
                     auto = RequestRejected in map(type, events)
                 if auto:
                     with self._write_lock:
@@ -319,7 +319,7 @@ class NriTransport:
                         self._write(encode_frames(self.serve_conn, out))
             else:
                 with self._state_lock:
-                    events = self._client.receive_data(frame.payload)
+                    events = self._client.receive_data(payload)
             for ev in events:
                 self._event(ev)
 
