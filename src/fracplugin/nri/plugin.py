@@ -96,7 +96,8 @@ def build_adjustment(plan_: ContainerPlan,
 _PROOF_REMOVAL = (nri_pb2.KeyValue(key="-" + ENV_RESERVATION_PROOF), nri_pb2.KeyValue(key=ENV_RESERVATION_PROOF, value=""))
 """The reservation proof taken out of a container's env once checked (ADR 0033): the removal,
 which containerd does not forward for a variable kubelet added (docs/reference/nri-protocol.md,
-"Env removal caveat"), then the key set empty, which it does."""
+"Env removal caveat"), then the key set empty, which it does (a bound reservation no longer needs
+it: reservations rule 1)."""
 
 
 @functools.lru_cache(maxsize=1024)

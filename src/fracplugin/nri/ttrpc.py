@@ -6,26 +6,20 @@ bytes that ``data_to_send`` drains); the caller serialises access.
 
 Wire format (docs/reference/nri-protocol.md section 1.3, from containerd/ttrpc
 ``PROTOCOL.md`` / ``channel.go`` / ``server.go``): a 10-byte big-endian header
--- data length ``u32``, stream id ``u32``, message type ``u8`` (1 request,
-2 response, 3 data), flags ``u8`` -- then the data: a ``ttrpc.Request`` or
+(data length ``u32``, stream id ``u32``, message type ``u8``: 1 request,
+2 response, 3 data; flags ``u8``), then a ``ttrpc.Request`` or
 ``ttrpc.Response`` protobuf. Rules implemented here:
 
-- data longer than 4 MiB (``MAX_MESSAGE``) is discarded without being
-  buffered; a request of that size is answered with ``RESOURCE_EXHAUSTED``
-  (as the Go receiver does). A length of 16 MiB or more (first header byte,
-  "reserved", not 0) cannot come from any ttrpc peer and is a protocol error:
-  discarding gigabytes of garbage would hang the connection instead.
-- a client uses odd, strictly increasing stream ids (1, 3, 5, ...); a server
-  answers an even or non-increasing id with ``INVALID_ARGUMENT`` and the Go
-  messages "StreamID must be odd for client initiated streams" / "StreamID
-  cannot be re-used and must increment".
-- a response without ``status`` (or with code 0) is OK.
-- a request that does not decode is answered ``INVALID_ARGUMENT``.
-- unknown service / method answers (``UNIMPLEMENTED`` "service <name>" /
-  "method <name>") are the dispatcher's (``dispatch.Dispatcher.check``).
-- an outgoing response larger than 4 MiB is replaced by a
-  ``RESOURCE_EXHAUSTED`` error; an outgoing request that large raises
-  ``MessageTooLarge``.
+- data over 4 MiB (``MAX_MESSAGE``) is discarded unbuffered and such a request
+  answered ``RESOURCE_EXHAUSTED`` (as the Go receiver does); a length of
+  16 MiB or more (a "reserved" first byte not 0) comes from no ttrpc peer and
+  is a protocol error (discarding gigabytes would hang the connection);
+- a client uses odd, strictly increasing stream ids; a server answers an even
+  or non-increasing id ``INVALID_ARGUMENT`` with the Go messages (below);
+- a response without ``status`` (or with code 0) is OK; a request that does
+  not decode is answered ``INVALID_ARGUMENT``;
+- an outgoing response over 4 MiB is replaced by a ``RESOURCE_EXHAUSTED``
+  error; an outgoing request that large raises ``MessageTooLarge``.
 
 Any malformed input surfaces only as ``TtrpcError`` (drop the connection) or
 as an event; nothing else is raised by ``receive_data``.
