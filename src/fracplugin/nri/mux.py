@@ -4,20 +4,16 @@ Concurrency model: none (h11/h2 style). ``MuxDecoder`` holds the read-side
 buffer of one socket and must be fed by one thread at a time;
 ``encode_frames`` is a pure function.
 
-Wire format (docs/reference/nri-protocol.md section 1.2): each mux frame is an 8-byte header
--- conn id (``uint32`` big-endian), payload length (``uint32`` big-endian) --
-followed by the payload. Conn id 0 is reserved, 1 is ``PluginServiceConn``
-(the runtime calls the plugin), 2 is ``RuntimeServiceConn`` (the plugin calls
-the runtime). Frames for unknown conn ids are dropped silently, as the Go mux
-does. The largest payload the Go mux accepts is 10 + 4 MiB = 4 194 314 bytes;
-a larger length is a protocol error here (the stream cannot be trusted).
-
-Writes are chunked into frames of at most ``MAX_WRITE_FRAME`` (4096) bytes
-*including* the 8-byte header: a Go peer reads one mux frame per ``Read`` into
-a 4096-byte ``bufio`` buffer and drops a plugin that sends bigger frames
-(verified, docs/reference/nri-protocol.md section 1.2, "Critical interop rule"). One ttrpc
-message may therefore span many frames; the reader treats each conn as a byte
-stream and must not assume one frame is one message.
+Wire format (docs/reference/nri-protocol.md section 1.2): an 8-byte header,
+conn id and payload length (``uint32`` big-endian each), then the payload.
+Conn id 0 is reserved, 1 the Plugin service, 2 the Runtime service; frames
+of unknown conn ids are dropped silently, as the Go mux does. A payload over
+10 + 4 MiB (the Go mux's limit) is a protocol error (the stream cannot be
+trusted). Writes are chunked into frames of at most ``MAX_WRITE_FRAME`` (4096)
+bytes *including* the header: a Go peer reads one frame per ``Read`` into a
+4096-byte buffer and drops a plugin that sends bigger ones (section 1.2,
+"Critical interop rule"). One ttrpc message may span many frames: each conn
+is a byte stream.
 """
 
 from __future__ import annotations
