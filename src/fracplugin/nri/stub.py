@@ -201,7 +201,6 @@ class NriStub:
         self._stop_ev = threading.Event()
         self._reconnect = _Reconnect(socket_path, self.fd, reconnect_initial_s, reconnect_max_s, self._stop_ev)
         self._exited = threading.Event()
-        self._synced = threading.Event()
         self._session: _Session | None = None
         self._session_lock = threading.Lock()
         self._sessions = itertools.count(1)
@@ -262,13 +261,12 @@ class NriStub:
 
     def ever_synchronized(self) -> bool:
         """True once any connection completed a Synchronize since start."""
-        return self._synced.is_set()
+        return self.synchronize_count > 0
 
     def _synchronized(self) -> None:
         """A Synchronize exchange completed (counted before its answer leaves:
         the runtime proceeds on it)."""
         self.synchronize_count += 1
-        self._synced.set()
 
     def _bound_hit(self, bound: str) -> None:
         self.bounds_exceeded[bound] = self.bounds_exceeded.get(bound, 0) + 1
@@ -338,9 +336,7 @@ class NriStub:
                         "synchronized": session.synchronized,
                     },
                 )
-                with self._session_lock:
-                    if self._session is session:
-                        self._session = None
+                self._drop(session)
                 if self.fd_mode:
                     log.info("nri runtime closed the launched plugin's socket; stopping", extra={"fd": self.fd})
                     break
@@ -354,6 +350,11 @@ class NriStub:
             if self._server is not None:
                 self._server.stop(pool=False)
             self._exited.set()
+
+    def _drop(self, session: _Session) -> None:
+        with self._session_lock:
+            if self._session is session:
+                self._session = None
 
     def _register(self, sock: socket.socket) -> _Session:
         server = self._server
@@ -376,9 +377,7 @@ class NriStub:
             transport.call(RUNTIME_SERVICE, "RegisterPlugin", req.SerializeToString(), DEFAULT_REGISTRATION_TIMEOUT_S)
         except BaseException:
             transport.close("registration failed")
-            with self._session_lock:
-                if self._session is session:
-                    self._session = None
+            self._drop(session)
             raise
         session.registered.set()
         self.sessions_started += 1
