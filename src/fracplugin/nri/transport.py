@@ -96,7 +96,8 @@ class NriTransport:
         self._write_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._pending: dict[int, Future[ResponseReceived]] = {}
-        self._closed = threading.Event()
+        self.closed = threading.Event()
+        """Set once the transport is closed."""
         self._close_lock = threading.Lock()
         self.close_reason: str | None = None
         self._reader = threading.Thread(target=self._read_loop, name=f"{label}-reader", daemon=True)
@@ -108,20 +109,15 @@ class NriTransport:
         self._reader.start()
         return self
 
-    @property
-    def closed(self) -> threading.Event:
-        """Set once the transport is closed."""
-        return self._closed
-
     def close(self, reason: str = "closed locally") -> None:
         """Close the transport (idempotent): fail pending calls, shut the
         socket down (which also unblocks a writer stuck in ``sendall``) and
         run ``on_closed``. Does not wait for the reader thread; see ``join``."""
         with self._close_lock:
-            if self._closed.is_set():
+            if self.closed.is_set():
                 return
             self.close_reason = reason
-            self._closed.set()
+            self.closed.set()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         with self._state_lock:
@@ -160,7 +156,7 @@ class NriTransport:
         ``ResponseReceived`` (any status) or fails with ``ConnectionClosed``."""
         fut: Future[ResponseReceived] = Future()
         with self._write_lock:
-            if self._closed.is_set():
+            if self.closed.is_set():
                 raise ConnectionClosed(self.close_reason or "closed")
             with self._state_lock:
                 self._pending[self._client.send_request(service, method, payload, timeout_nano=timeout_nano)] = fut
@@ -191,7 +187,7 @@ class NriTransport:
         """Queue the answer (``respond``'s arguments) and return its mux
         frames; caller holds ``_write_lock``. Raises ``ConnectionClosed`` when
         the transport is closed, ValueError for a stream not awaiting one."""
-        if self._closed.is_set():
+        if self.closed.is_set():
             raise ConnectionClosed(self.close_reason or "closed")
         with self._state_lock:
             if code is None:
@@ -267,7 +263,7 @@ class NriTransport:
     def _read_loop(self) -> None:
         reason = "EOF"
         try:
-            while not self._closed.is_set():
+            while not self.closed.is_set():
                 try:
                     data = self._sock.recv(_READ_SIZE)
                 except OSError as exc:
