@@ -1,12 +1,9 @@
 """How ``fracplugin run`` builds its parts: ``Builder`` runs the build steps
-in order from the configuration (inventory, ledger, metrics, MPS, pod source,
-events, the node's rules, the over-limit watch, the doors, health, node condition), registers and
-starts each part in the daemon's ``parts``, and holds what it built for the
+in order from the configuration (``Builder.build``), registers and starts
+each part in the daemon's ``parts``, and holds what it built for the
 daemon's read side (``Daemon.checks``, ``Daemon.status``). What the built
-parts call back into the daemon (readiness, ``/status``, liveness, the
-metrics' door state, a stop request) comes in as ``Hooks``.
-
-Also the small helpers the steps share (``StartupError``, API client, addresses).
+parts call back into the daemon comes in as ``Hooks``. Also the small
+helpers the steps share (``StartupError``, API client, addresses).
 """
 
 from __future__ import annotations
@@ -129,7 +126,6 @@ class Builder:
         self.device_plugin: DevicePluginServer | None = None
         self.over_limit: OverLimitWatch | None = None  # checks every usage poll (issue 35 item 3)
         self.memory_limits: MemoryLimits | None = None  # enforce.wiring.MemoryLimits (issue 23), None with --memory-limits off
-        self.cdi_hook_of: Callable[[str], bool | None] | None = None  # the CDI reader's "spec carries the hook"
         self.cdi: CdiRegistry | None = None  # once a door needs it (ADR 0025b)
         self.endpoints: dict[str, str] = {}
 
@@ -357,17 +353,16 @@ class Builder:
             return None
 
         registry = self._cdi()
-        if registry is not None and self.cdi_hook_of is None:
-            def hook_of(uuid: str) -> bool:
-                """The gate's CDI input: does the CDI spec for this GPU carry the toolkit's
-                memory-limit hook (False where no spec lists the GPU: nothing would run it)."""
-                dev = registry.device_for(uuid)
-                return dev is not None and dev.has_memory_limit_hook
 
-            self.cdi_hook_of = hook_of
+        def hook_of(uuid: str) -> bool:
+            """The gate's CDI input: does the CDI spec for this GPU carry the toolkit's
+            memory-limit hook (False where no spec lists the GPU: nothing would run it)."""
+            dev = registry.device_for(uuid) if registry is not None else None
+            return dev is not None and dev.has_memory_limit_hook
+
         ml = self.memory_limits = MemoryLimits.build(
             self.cfg, self.node, mps_protocol=lambda: self.mps.protocol if self.mps is not None else None,
-            hook_of=self.cdi_hook_of,
+            hook_of=hook_of if registry is not None else None,
             on_not_enforced=lambda pod, c, msg: self.events.limit_not_enforced(pod, c, msg) if self.events else None)
         if self.metrics is not None:
             ml.attach_metrics(self.metrics.registry, self.metrics.node_name())

@@ -105,8 +105,6 @@ class NriRuntimeServer(_PluginDriver):
             event RPCs ("v0.8..." sends StateChange only).
         initial_sync: ``(pods, containers)`` to Synchronize right after every
             Configure; None skips it (the caller synchronizes).
-        max_read_frame: the largest mux frame read (bytes; None: no limit);
-            a bigger one drops the plugin.
         backlog: the listen backlog.
     """
 
@@ -116,7 +114,7 @@ class NriRuntimeServer(_PluginDriver):
                  runtime_name: str = "fracplugin-demo", runtime_version: str = __version__,
                  nri_version: str = "v0.12.2", config: str = "",
                  initial_sync: tuple[Sequence[Any], Sequence[Any]] | None = ([], []),
-                 max_read_frame: int | None = None, backlog: int = 4) -> None:
+                 backlog: int = 4) -> None:
         self.socket_path = str(socket_path)
         self.request_timeout_s = request_timeout_s
         self.registration_timeout_s = registration_timeout_s
@@ -125,7 +123,6 @@ class NriRuntimeServer(_PluginDriver):
         self.nri_version = nri_version
         self.config = config
         self.initial_sync = initial_sync
-        self.max_read_frame = max_read_frame
         self.backlog = backlog
         self.valid_events = valid_events(nri_version)
         self.sync_updates: list[Any] = []
@@ -206,7 +203,7 @@ class NriRuntimeServer(_PluginDriver):
             sock, serve_conn=RUNTIME_SERVICE_CONN, call_conn=PLUGIN_SERVICE_CONN,
             on_request=lambda ev: self._on_request(box[0], ev),
             on_closed=lambda reason: self._on_closed(box[0], reason),
-            max_read_frame=self.max_read_frame, label=f"{self.label}-{n}")
+            label=f"{self.label}-{n}")
         conn = PluginConn(transport)
         box.append(conn)
         with self._cond:
@@ -275,7 +272,7 @@ class NriRuntimeServer(_PluginDriver):
         # Runs on the reader thread: answer at once, never block.
         t = conn.transport
         if ev.service != RUNTIME_SERVICE:
-            t.respond_error(ev.stream_id, Code.UNIMPLEMENTED, f"service {ev.service}")
+            t.respond(ev.stream_id, code=Code.UNIMPLEMENTED, message=f"service {ev.service}")
         elif ev.method == "RegisterPlugin":
             req = nri_pb2.RegisterPluginRequest.FromString(ev.payload)
             conn.name, conn.idx = req.plugin_name, req.plugin_idx
@@ -284,7 +281,7 @@ class NriRuntimeServer(_PluginDriver):
             self._on_update_containers(nri_pb2.UpdateContainersRequest.FromString(ev.payload))
             t.respond(ev.stream_id, nri_pb2.UpdateContainersResponse().SerializeToString())
         else:
-            t.respond_error(ev.stream_id, Code.UNIMPLEMENTED, f"method {ev.method}")
+            t.respond(ev.stream_id, code=Code.UNIMPLEMENTED, message=f"method {ev.method}")
 
     def _on_register(self, conn: PluginConn, stream_id: int) -> None:
         """Answer RegisterPlugin, then configure on a setup thread (the

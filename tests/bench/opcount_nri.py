@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
                                             PREFIX + "gpus.devices": gpus[i % len(gpus)]}) for i in range(64)]
     ours, peer = socket.socketpair()
     peer.setblocking(False)
-    server = _Server(plugin, "fracplugin", 4, on_bound=lambda _: None, on_synchronized=lambda: None)
+    server = _Server(plugin, "fracplugin", on_bound=lambda _: None, on_synchronized=lambda: None)
     session = _Session(1, Dispatcher(plugin, _subscription(plugin, None), "fracplugin"))
     transport = NriTransport(ours, serve_conn=PLUGIN_SERVICE_CONN, call_conn=RUNTIME_SERVICE_CONN,
                              on_request=lambda ev: server.dispatch(session, ev))

@@ -25,6 +25,7 @@ import pytest
 from tests.helpers import scaled, wait_for
 
 from fracplugin._proto import nri_pb2
+from fracplugin.nri import dispatch
 from fracplugin.nri.dispatch import MAX_SYNC_PARTS, MAX_UNANSWERED, PLUGIN_SERVICE
 from fracplugin.nri.stub import NriStub
 
@@ -87,12 +88,13 @@ def test_synchronize_parts_beyond_the_bound_are_refused_counted_and_dropped(sock
     assert stub.status()["bounds_exceeded"] == {"sync_parts": 1, "sync_bytes": 0, "unanswered": 0}
 
 
-def test_synchronize_bytes_beyond_the_bound_are_refused(sockpath, cleanup):
+def test_synchronize_bytes_beyond_the_bound_are_refused(sockpath, cleanup, monkeypatch):
     rt = FakeNriRuntime(sockpath, initial_sync=None)
     cleanup(rt)
     hits: list[str] = []
     plugin = Plugin()
-    stub = _stub(plugin, sockpath, cleanup, on_bound=hits.append, max_sync_bytes=100_000)
+    monkeypatch.setattr(dispatch, "MAX_SYNC_BYTES", 100_000)
+    stub = _stub(plugin, sockpath, cleanup, on_bound=hits.append)
     rt.wait_registered()
     codes = []
     for _ in range(5):  # 5 parts of ~30 kB: the fourth crosses 100 kB

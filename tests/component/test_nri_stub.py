@@ -256,12 +256,12 @@ def test_dispatcher_without_sockets():
     ctr = make_container(pod, "c")
     # StateChange for an event with no state-change meaning (CreateContainer) is ignored.
     e = ev("StateChange", nri_pb2.StateChangeEvent(event=nri_pb2.CREATE_CONTAINER, pod=pod, container=ctr))
-    assert d.handle(e.method, d.decode(e), d.context(e, 0.5)) == nri_pb2.Empty()
+    assert d.routes[e.method].serve(d.decode(e), d.context(e, 0.5)) == nri_pb2.Empty()
     # Methods the handler lacks answer an empty response of the right type.
     e = ev("ValidateContainerAdjustment", nri_pb2.ValidateContainerAdjustmentRequest(pod=pod))
-    assert d.handle(e.method, d.decode(e), d.context(e, 0.5)) == nri_pb2.ValidateContainerAdjustmentResponse()
+    assert d.routes[e.method].serve(d.decode(e), d.context(e, 0.5)) == nri_pb2.ValidateContainerAdjustmentResponse()
     e = ev("UpdateContainer", nri_pb2.UpdateContainerRequest(pod=pod, container=ctr))
-    assert d.handle(e.method, d.decode(e), d.context(e, 0.5)) == nri_pb2.UpdateContainerResponse()
+    assert d.routes[e.method].serve(d.decode(e), d.context(e, 0.5)) == nri_pb2.UpdateContainerResponse()
     assert rec.seen == []
     # Budget: the smaller of the request timeout and the request's own deadline.
     e = RequestReceived(3, PLUGIN_SERVICE, "CreateContainer", b"", 800_000_000)

@@ -14,7 +14,6 @@ from fracplugin.nri.mux import (
     MAX_WRITE_FRAME,
     MuxDecoder,
     MuxError,
-    MuxFrame,
     encode_frames,
 )
 
@@ -36,16 +35,16 @@ def _split(data: bytes, cuts: list[int]) -> list[bytes]:
     return out
 
 
-def _reassemble(frames: list[MuxFrame]) -> dict[int, bytes]:
+def _reassemble(frames: list[tuple[int, bytes]]) -> dict[int, bytes]:
     per_conn: dict[int, bytearray] = {}
-    for f in frames:
-        per_conn.setdefault(f.conn_id, bytearray()).extend(f.payload)
+    for conn_id, payload in frames:
+        per_conn.setdefault(conn_id, bytearray()).extend(payload)
     return {k: bytes(v) for k, v in per_conn.items()}
 
 
 def test_header_layout_is_conn_then_length_big_endian():
     assert encode_frames(2, b"abc") == b"\x00\x00\x00\x02\x00\x00\x00\x03abc"
-    assert MuxDecoder().receive_data(b"\x00\x00\x00\x01\x00\x00\x00\x02hi") == [MuxFrame(1, b"hi")]
+    assert MuxDecoder().receive_data(b"\x00\x00\x00\x01\x00\x00\x00\x02hi") == [(1, b"hi")]
 
 
 @given(messages)
@@ -66,10 +65,10 @@ def test_written_frames_are_at_most_4096_bytes_and_reassemble_per_conn(msgs):
 
 @given(messages, st.lists(st.integers(min_value=0, max_value=10**6), max_size=12))
 def test_any_split_decodes_to_the_same_frames(msgs, cuts):
-    stream = b"".join(encode_frames(c, p, max_frame=3000) for c, p in msgs)
+    stream = b"".join(encode_frames(c, p) for c, p in msgs)
     whole = MuxDecoder().receive_data(stream)
     dec = MuxDecoder()
-    pieces: list[MuxFrame] = []
+    pieces: list[tuple[int, bytes]] = []
     for chunk in _split(stream, cuts):
         pieces.extend(dec.receive_data(chunk))
     dec.receive_eof()
@@ -80,14 +79,13 @@ def test_reads_accept_frames_larger_than_4096():
     # The Go runtime sends frames of 16 KB and more (docs/reference/nri-protocol.md 1.2).
     payload = bytes(range(256)) * 80  # 20 480 bytes
     frames = MuxDecoder().receive_data(_raw_frame(1, payload))
-    assert frames == [MuxFrame(1, payload)]
+    assert frames == [(1, payload)]
 
 
 def test_unknown_conn_ids_are_dropped_silently():
     dec = MuxDecoder()
     data = _raw_frame(0, b"reserved") + _raw_frame(7, b"other") + _raw_frame(2, b"ok")
-    assert dec.receive_data(data) == [MuxFrame(2, b"ok")]
-    assert dec.dropped_frames == 2
+    assert dec.receive_data(data) == [(2, b"ok")]
 
 
 def test_oversized_length_is_a_protocol_error_and_closes():
@@ -103,7 +101,7 @@ def test_max_payload_is_accepted():
     dec = MuxDecoder()
     assert dec.receive_data(header + b"\0" * 1000) == []
     frames = dec.receive_data(b"\0" * (MAX_PAYLOAD - 1000))
-    assert len(frames) == 1 and len(frames[0].payload) == MAX_PAYLOAD
+    assert len(frames) == 1 and len(frames[0][1]) == MAX_PAYLOAD
 
 
 def test_truncated_frame_at_eof_is_a_protocol_error():
@@ -119,14 +117,12 @@ def test_clean_eof_is_fine():
     ``receive_data`` is refused). Control: the same EOF one byte into the next
     frame is a truncated stream."""
     dec = MuxDecoder()
-    assert dec.receive_data(_raw_frame(1, b"hello")) == [MuxFrame(1, b"hello")]
-    assert dec.buffered == 0
+    assert dec.receive_data(_raw_frame(1, b"hello")) == [(1, b"hello")]
     dec.receive_eof()
     with pytest.raises(MuxError, match="closed"):
         dec.receive_data(_raw_frame(1, b"late"))
     cut = MuxDecoder()
-    assert cut.receive_data(_raw_frame(1, b"hello") + _raw_frame(2, b"x")[:1]) == [MuxFrame(1, b"hello")]
-    assert cut.buffered == 1
+    assert cut.receive_data(_raw_frame(1, b"hello") + _raw_frame(2, b"x")[:1]) == [(1, b"hello")]
     with pytest.raises(MuxError, match="1 bytes pending"):
         cut.receive_eof()
 
@@ -137,7 +133,7 @@ def test_encode_rejects_bad_conn_id_and_empty_data_gives_no_frames():
     assert encode_frames(1, b"") == b""
 
 
-def _reference_frames(data: bytes) -> tuple[list[MuxFrame], int, str]:
+def _reference_frames(data: bytes) -> tuple[list[tuple[int, bytes]], int, str]:
     """The stream read by the rules alone (docs/reference/nri-protocol.md 1.2: conn id u32,
     length u32, big-endian; frames of unknown conn ids are dropped): (frames of
     conns 1 and 2, frames dropped, "clean" | "truncated" | "too large")."""
@@ -149,7 +145,7 @@ def _reference_frames(data: bytes) -> tuple[list[MuxFrame], int, str]:
         if pos + HEADER_SIZE + length > len(data):
             break
         if conn_id in (1, 2):
-            frames.append(MuxFrame(conn_id, data[pos + HEADER_SIZE : pos + HEADER_SIZE + length]))
+            frames.append((conn_id, data[pos + HEADER_SIZE : pos + HEADER_SIZE + length]))
         else:
             dropped += 1
         pos += HEADER_SIZE + length
@@ -170,12 +166,12 @@ _junk_frames = st.tuples(
        st.lists(st.integers(min_value=0, max_value=400), max_size=5))
 def test_garbage_decodes_as_the_framing_rules_say_or_raises_only_mux_error(data, cuts):
     """Any split of any input yields exactly the frames the framing rules
-    give (unknown conns dropped and counted), or MuxError for a header above
+    give (unknown conns dropped), or MuxError for a header above
     the payload limit (after a prefix of those frames); EOF inside a frame is
     a MuxError; a decoder that raised stays closed."""
-    want, dropped, end = _reference_frames(data)
+    want, _, end = _reference_frames(data)
     dec = MuxDecoder()
-    got: list[MuxFrame] = []
+    got: list[tuple[int, bytes]] = []
     try:
         for chunk in _split(data, cuts):
             got.extend(dec.receive_data(chunk))
@@ -184,7 +180,7 @@ def test_garbage_decodes_as_the_framing_rules_say_or_raises_only_mux_error(data,
         with pytest.raises(MuxError):
             dec.receive_data(b"")
         return
-    assert end != "too large" and got == want and dec.dropped_frames == dropped
+    assert end != "too large" and got == want
     if end == "truncated":
         with pytest.raises(MuxError):
             dec.receive_eof()

@@ -24,7 +24,8 @@ from fracplugin.ledger import Ledger
 from fracplugin.nri.mux import MAX_WRITE_FRAME, MuxDecoder, encode_frames
 from fracplugin.nri.plugin import FracNriPlugin
 from fracplugin.nri.dispatch import PLUGIN_SERVICE, RUNTIME_SERVICE, Dispatcher
-from fracplugin.nri.ttrpc import MessageType, RequestReceived, ResponseReceived, Role, TtrpcConnection, encode_message
+from fracplugin.nri.ttrpc import Code, MessageType, RequestReceived, ResponseReceived, Role, TtrpcConnection
+from tests.peers.ttrpc_wire import mux_frames, ttrpc_frame as encode_message
 from fracplugin.planner import PlannerConfig
 from tests.helpers import node_rules
 
@@ -61,7 +62,7 @@ def _runtime_stream(records: list[dict]) -> bytes:
         if r["dir"] != "runtime->plugin":
             continue
         msg = encode_message(r["stream"], r["type"], bytes.fromhex(r["payload_hex"]), r["flags"])
-        out += encode_frames(r["mux_conn"], msg, max_frame=GO_FRAME)
+        out += mux_frames(r["mux_conn"], msg, max_frame=GO_FRAME)
     return bytes(out)
 
 
@@ -86,18 +87,18 @@ def test_transcript_replays_and_our_answers_fit_4096_byte_frames(version, plugin
     stream = _runtime_stream(records)
     # Feed in odd-sized reads, as a socket would deliver them.
     for start in range(0, len(stream), 777):
-        for frame in decoder.receive_data(stream[start : start + 777]):
-            conn = server if frame.conn_id == 1 else client
-            for ev in conn.receive_data(frame.payload):
+        for conn_id, payload in decoder.receive_data(stream[start : start + 777]):
+            conn = server if conn_id == 1 else client
+            for ev in conn.receive_data(payload):
                 if isinstance(ev, ResponseReceived):
-                    assert ev.stream_id == sid and ev.ok  # the RegisterPlugin reply: absent status = OK
+                    assert ev.stream_id == sid and ev.code == Code.OK  # the RegisterPlugin reply: absent status = OK
                     continue
                 assert isinstance(ev, RequestReceived) and ev.service == PLUGIN_SERVICE
                 assert 0 < ev.timeout_nano <= 2_000_000_000
                 methods.append(ev.method)
                 ctx = dispatcher.context(ev, 0.75)
                 req = dispatcher.decode(ev)
-                resp = dispatcher.handle(ev.method, req, ctx)
+                resp = dispatcher.routes[ev.method].serve(req, ctx)
                 server.send_response(ev.stream_id, resp.SerializeToString())
                 wire = encode_frames(1, server.data_to_send())
                 assert all(size <= MAX_WRITE_FRAME for size in _frame_sizes(wire))
@@ -122,7 +123,7 @@ def test_transcript_replays_and_our_answers_fit_4096_byte_frames(version, plugin
     decoder.receive_eof()
     removal = "RemoveContainer" if version == "v0.12.2" else "StateChange"
     assert methods == ["Configure", "Synchronize", "CreateContainer", "StopContainer", removal]
-    assert dispatcher.request_timeout_s == 2.0 and dispatcher.registration_timeout_s == 5.0
+    assert dispatcher.request_timeout_s == 2.0
     assert plugin.ready()
 
 
@@ -155,14 +156,14 @@ def test_recorded_create_with_our_annotations_gets_the_adjustment_in_small_frame
     body = ttrpc_pb2.Request(
         service=PLUGIN_SERVICE, method="CreateContainer", payload=req.SerializeToString(), timeout_nano=2_000_000_000
     ).SerializeToString()
-    stream = encode_frames(1, encode_message(sid, MessageType.REQUEST, body), max_frame=GO_FRAME)
+    stream = mux_frames(1, encode_message(sid, MessageType.REQUEST, body), max_frame=GO_FRAME)
     assert len(_frame_sizes(stream)) > 1
     server = TtrpcConnection(Role.SERVER)
     events = []
-    for frame in MuxDecoder().receive_data(stream):
-        events.extend(server.receive_data(frame.payload))
+    for _, payload in MuxDecoder().receive_data(stream):
+        events.extend(server.receive_data(payload))
     (ev,) = events
-    resp = dispatcher.handle(ev.method, dispatcher.decode(ev), dispatcher.context(ev, 0.75))
+    resp = dispatcher.routes[ev.method].serve(dispatcher.decode(ev), dispatcher.context(ev, 0.75))
     server.send_response(ev.stream_id, resp.SerializeToString())
     wire = encode_frames(1, server.data_to_send())
     assert all(size <= MAX_WRITE_FRAME for size in _frame_sizes(wire))

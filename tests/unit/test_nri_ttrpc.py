@@ -22,8 +22,8 @@ from fracplugin.nri.ttrpc import (
     RpcError,
     TtrpcConnection,
     TtrpcError,
-    encode_message,
 )
+from tests.peers.ttrpc_wire import ttrpc_frame as encode_message
 
 SVC = "nri.pkg.api.v1alpha1.Plugin"
 
@@ -62,16 +62,16 @@ def test_client_request_header_and_odd_increasing_ids():
 
 def test_server_roundtrip_and_absent_status_is_ok():
     server, client = TtrpcConnection(Role.SERVER), TtrpcConnection(Role.CLIENT)
-    sid = client.send_request(SVC, "Configure", b"req", timeout_nano=123, metadata=[("k", "v")])
+    sid = client.send_request(SVC, "Configure", b"req", timeout_nano=123)
     (ev,) = server.receive_data(client.data_to_send())
-    assert ev == RequestReceived(sid, SVC, "Configure", b"req", 123, (("k", "v"),))
+    assert ev == RequestReceived(sid, SVC, "Configure", b"req", 123)
     server.send_response(sid, b"")
     wire = server.data_to_send()
     assert _frames(wire)[0][0] == 0  # empty Response: status omitted, payload omitted
     (resp,) = client.receive_data(wire)
     assert resp == ResponseReceived(sid, Code.OK, "", b"")
-    assert resp.ok and resp.raise_for_status() == b""
-    assert client.in_flight == frozenset()
+    assert resp.code == Code.OK and resp.raise_for_status() == b""
+    assert client._in_flight == set()
 
 
 def test_error_response_carries_status_and_raises():
@@ -91,7 +91,7 @@ def test_explicit_status_zero_is_ok():
     sid = client.send_request(SVC, "X", b"")
     body = ttrpc_pb2.Response(status=ttrpc_pb2.Status(code=0), payload=b"pl").SerializeToString()
     (resp,) = client.receive_data(encode_message(sid, MessageType.RESPONSE, body))
-    assert resp.ok and resp.payload == b"pl"
+    assert resp.code == Code.OK and resp.payload == b"pl"
 
 
 def test_even_stream_id_rejected_with_invalid_argument():
@@ -262,7 +262,7 @@ def test_garbage_raises_only_ttrpc_error_and_keeps_the_connection_consistent(dat
         assert all(isinstance(e, (RequestReceived, RequestRejected, MessageIgnored)) for e in events), events
         received = [e.stream_id for e in events if isinstance(e, RequestReceived)]
         assert all(sid % 2 == 1 for sid in received) and received == sorted(set(received))
-        assert conn.awaiting_response == frozenset(received)
+        assert conn._awaiting == set(received)
         rejected = [(e.stream_id, e.code) for e in events if isinstance(e, RequestRejected)]
         answers = []
         for _length, sid, mtype, _flags, body in out:
@@ -273,7 +273,7 @@ def test_garbage_raises_only_ttrpc_error_and_keeps_the_connection_consistent(dat
         assert all(isinstance(e, (ResponseReceived, MessageIgnored)) for e in events), events
         answered = [e.stream_id for e in events if isinstance(e, ResponseReceived)]
         assert len(answered) == len(set(answered)) and set(answered) <= sent
-        assert conn.in_flight == frozenset(sent - set(answered))
+        assert conn._in_flight == sent - set(answered)
         assert out == []
     try:
         conn.receive_eof()

@@ -1,12 +1,6 @@
-"""CreateContainer's reading of the pod (``PodReader``): kubelet's
-reservation key (ADR 0007) and whether this container may claim it, the
-pod's spec names, stray and unread annotations (warned once, the lint
-memory is the reader's), the request under a reservation; and the plan's
-mounts (``MountSources``: the pipe directories made; ``_check_mounts``:
-conflicts with the container's own mounts).
-
-The module docstring of ``nri/plugin.py`` describes the behaviour and the
-concurrency model; ``FracNriPlugin`` is the one class to use.
+"""CreateContainer's reading of the pod (``PodReader``) and the plan's mounts
+(``MountSources``, ``_check_mounts``): docs/architecture.md section 1; the
+concurrency model: ``nri/plugin.py``'s module docstring.
 """
 
 from __future__ import annotations
@@ -29,9 +23,9 @@ from ..reservations import claim_problem, hold_of, proof_of
 from .pod_checks import lint_pod, spec_unknown
 from .ttrpc import Code, RpcError
 from .pluginbase import DoorSettings, _FailOpen, _pod_ref, needs_spec
+from ..logs import guarded
 
-log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log, as before the split
-
+log = logging.getLogger("fracplugin.nri.plugin")  # the NRI door's log
 
 
 class PodReader:
@@ -74,23 +68,19 @@ class PodReader:
         if not key:
             return ""
         try:
-            by_gpu = al.parse_reservation_key(key)
+            by_gpu, problem = al.parse_reservation_key(key), ""
         except al.ReservationKeyError as exc:
-            if strict:  # a key no Allocate of ours made is refused, not ignored (issue 25 item 4)
-                raise FractionError(al.ENV_RESERVATION, key[:200], f"is not a reservation key: {exc}",
-                                    "reservation") from None
-            log.warning("nri reservation key ignored", extra={**fields, "reason": str(exc)})
-            return ""
-        for uuid in by_gpu:
+            by_gpu, problem = {}, f"is not a reservation key: {exc}"
+        for uuid, indices in by_gpu.items():
             gpu = self.node.gpu_by_uuid(uuid)
-            if gpu is None or max(by_gpu[uuid]) >= gpu.memory_mib // self.unit_mib:
-                if strict:
-                    raise FractionError(al.ENV_RESERVATION, key[:200], f"names devices node {self.node.name} does "
-                                        "not advertise: no Allocate of this node made it", "reservation")
-                log.warning("nri reservation key ignored", extra={
-                    **fields, "reason": f"{key[:120]} names devices node {self.node.name} does not advertise"})
-                return ""
-        return key
+            if gpu is None or max(indices) >= gpu.memory_mib // self.unit_mib:
+                problem = f"names devices node {self.node.name} does not advertise: no Allocate of this node made it"
+        if not problem:
+            return key
+        if strict:  # a key no Allocate of ours made is refused, not ignored (issue 25 item 4)
+            raise FractionError(al.ENV_RESERVATION, key[:200], problem, "reservation")
+        log.warning("nri reservation key ignored", extra={**fields, "reason": f"{key[:120]} {problem}"})
+        return ""
 
     def _spec_names(self, pod: nri_pb2.PodSandbox, container: str = "") -> tuple[list[str] | None, list[str] | None]:
         """``_containers_of`` only when it matters (the hot path stays a dict
@@ -140,16 +130,13 @@ class PodReader:
         self._warned_pods[pod.uid] = None  # checked (the pod's spec was known)
         while len(self._warned_pods) > 4096:
             self._warned_pods.pop(next(iter(self._warned_pods)))
-        stray = stray_container_keys(dict(pod.annotations), self.config.annotation_prefix, everyone)
-        if not stray:
-            return
-        for k in stray:
+        for k in stray_container_keys(dict(pod.annotations), self.config.annotation_prefix, everyone):
             self.warn(ref, container, f'{k}="{pod.annotations[k]}" names no container of this pod '
                        f"(containers: {', '.join(everyone)}); it has no effect", fields, key=k,
                        value=pod.annotations[k])
 
     def read(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container, ref: PodRef,
-                        fields: Mapping[str, Any]) -> tuple[str, list[str] | None]:
+             fields: Mapping[str, Any]) -> tuple[str, list[str] | None]:
         """CreateContainer's reading of the pod: (the reservation key this
         container claims, "" for none; the containers the pod-level forms may
         apply to, app containers then native sidecars, None when its spec is
@@ -158,8 +145,11 @@ class PodReader:
         UNAVAILABLE while a needed spec is not known (``pod_checks.spec_unknown``).
         Stray and unread annotations are warned about once (issue 25 item 3)."""
         key = self.reservation_key(container, fields, strict=True)
-        if key:
-            self._check_claim(container, key, ref)
+        if key:  # reservations.claim_problem; a transient reservation_pending code: ADR 0033
+            err = claim_problem(self.ledger, key, ref.uid, proof_of(container.annotations, container.env),
+                                self.node.name, pod_name=f"{ref.namespace}/{ref.name}")
+            if err is not None:
+                raise err
         apps, everyone = self._spec_names(pod, container.name)
         if everyone is not None:
             self._warn_stray(pod, ref, container.name, everyone, fields)
@@ -168,18 +158,6 @@ class PodReader:
         lint_pod(self._linted, self.warn, self.config.annotation_prefix, pod, ref, container.name, apps,
                  everyone, fields)
         return key, apps
-
-    def _check_claim(self, container: nri_pb2.Container, key: str, ref: PodRef) -> None:
-        """Raise FractionError when this container may not claim reservation
-        ``key`` (``reservations.claim_problem``: forged, unknown, held by
-        another running container, or without the proof Allocate answered,
-        code ``reservation``; issue 25 item 4; a pending reservation whose
-        devices a running container of another pod still holds, code
-        ``reservation_pending``: transient, ADR 0033)."""
-        proof = proof_of(container.annotations, container.env)
-        err = claim_problem(self.ledger, key, ref.uid, proof, self.node.name, pod_name=f"{ref.namespace}/{ref.name}")
-        if err is not None:
-            raise err
 
     def hold(self, key: str) -> str:
         """The reservation the ledger records ``key``'s container under: the
@@ -217,10 +195,7 @@ class PodReader:
         """Log ``nri annotation not applied`` and hand the message to ``on_warning``."""
         log.warning("nri annotation not applied", extra={**fields, **extra, "reason": message})
         if self.on_warning is not None:
-            try:
-                self.on_warning(ref, container, message)
-            except Exception:
-                log.exception("nri on_warning callback failed", extra=dict(fields))
+            guarded(log, "nri on_warning callback", self.on_warning, ref, container, message, extra=dict(fields))
 
 
 class MountSources:
@@ -235,15 +210,11 @@ class MountSources:
         self._made_sources: dict[str, None] = {}
 
     def ensure(self, p: ContainerPlan, fields: Mapping[str, Any]) -> None:
-        """Create every bind-mount source of ``p`` (mode 0755) before answering.
-
-        The runtime bind-mounts them when it creates the task (runc create),
-        which comes before the NRI StartContainer event: a deferred MPS
-        namespace directory must already exist then, or the container fails
-        with "stat <dir>: no such file or directory" (seen with containerd 2.3
-        in tests/e2e). MPS later creates its sockets inside the directory,
-        which the bind mount shows. Raises RpcError UNAVAILABLE (or
-        _FailOpen) when the directory cannot be made.
+        """Create every bind-mount source of ``p`` (mode 0755) before answering:
+        the runtime bind-mounts them at task creation, before StartContainer,
+        and a missing one fails the container ("stat <dir>: no such file or
+        directory", containerd 2.3); MPS later creates its sockets inside.
+        Raises RpcError UNAVAILABLE (or _FailOpen) when one cannot be made.
         """
         for m in p.mounts:
             if self._made_before(m.source):
@@ -264,11 +235,9 @@ class MountSources:
                 ) from None
 
     def _made_before(self, path: str) -> bool:
-        """``path`` is a mount source ``make_dir`` made (or checked) before and
-        it still is a 0755 directory: one ``stat`` instead of ``make_dir``'s
-        walk up to the MPS root (issue 14: 30-40 us per CreateContainer). The
-        MPS layer may remove a released namespace's directory at any time, so
-        the directory itself is always checked."""
+        """``path`` is a mount source ``make_dir`` made before and still a 0755
+        directory (the MPS layer may remove a released namespace's at any
+        time): one ``stat`` instead of ``make_dir``'s walk (issue 14)."""
         if path not in self._made_sources:
             return False
         try:
@@ -289,18 +258,13 @@ def warn_unenforced(p: ContainerPlan, container: nri_pb2.Container, fields: Mapp
         log.warning("nri pod sets env that fracplugin owns but does not set here", extra={**fields, "keys": left})
 
 
-
 def _check_mounts(p: ContainerPlan, container: nri_pb2.Container, mps_root: str) -> None:
-    """Refuse a container that already mounts something at a destination our
-    plan mounts the pipe directory on (the pod's own volume at
-    ``/tmp/nvidia-mps``): the adjustment would silently replace it (issue 10
-    item 8). Raises FractionError naming the mount and the rule.
-
-    A mount whose source is at or below ``mps_root`` is fracplugin's own: the
-    device plugin door's Allocate answer, which a real kubelet passes to the
-    runtime in the CRI request (issue 11: with both doors on, every container
-    with devices of our resource has it); the adjustment replaces it with the
-    plan's (same pipe directory, plus ``nosuid,nodev``)."""
+    """Refuse a container that already mounts something where our plan mounts
+    the pipe directory (the pod's own volume at ``/tmp/nvidia-mps``): the
+    adjustment would silently replace it (issue 10 item 8). Raises
+    FractionError naming the mount and the rule. A mount whose source is at or
+    below ``mps_root`` is ours (the device plugin door's Allocate answer,
+    issue 11): the plan's replaces it."""
     if not container.mounts:
         return
     ours = {m.destination.rstrip("/") for m in p.mounts}

@@ -1,12 +1,7 @@
-"""The NRI stub's dispatch table, without I/O: check, decode and route one
-request to the handler's method, and the stub's own routes around it
-(Configure, Synchronize with its split parts, Shutdown, StateChange, the
-empty-id check of CreateContainer). Also the subscription mask a handler
-gets (``_subscription``) and the protocol constants (service names, event
-mask, bounds) the stub and its tests share.
-
-Split out of ``nri/stub.py`` (issue 26, ADR 0023); the module docstring of
-``nri/stub.py`` describes the whole stub and the protocol rules it follows.
+"""The NRI stub's dispatch table without I/O (``Dispatcher``), the subscription
+mask a handler gets (``_subscription``) and the protocol constants (service
+names, event mask, bounds). The whole stub and the protocol rules it follows:
+``nri/stub.py``'s module docstring.
 """
 
 from __future__ import annotations
@@ -20,9 +15,9 @@ from typing import Any, Callable, NamedTuple
 from .._proto import nri_pb2
 from ..safetext import quote
 from .interfaces import EVENTS, CallContext, EventSpec, check_handler, handler_mask, implements
-from .ttrpc import Code, RequestReceived, RpcError, unimplemented_method, unimplemented_service
+from .ttrpc import Code, RequestReceived, RpcError
 
-log = logging.getLogger("fracplugin.nri.stub")  # the stub's log, as before the split
+log = logging.getLogger("fracplugin.nri.stub")  # the stub's log
 
 DEFAULT_SOCKET_PATH = "/var/run/nri/nri.sock"
 PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
@@ -34,14 +29,14 @@ BUDGET_FRACTION = 0.75
 """Share of the request timeout a handler may use before the stub answers for it."""
 DEFAULT_REGISTRATION_TIMEOUT_S = 5.0
 
-# Bounds on what a runtime can make the plugin hold (issue 13 item 5). A runtime
-# splits Synchronize only to stay under ttrpc's 4 MiB message limit
-# (docs/reference/nri-protocol.md 1.6), so a real node needs a handful of parts: a node at
-# kubelet's 110-pod default with a few containers each is well under 1 MiB.
+# Bounds on what a runtime can make the plugin hold (issue 13 item 5). A runtime splits Synchronize only
+# to stay under ttrpc's 4 MiB limit (nri-protocol.md 1.6): 110 pods of a few containers are under 1 MiB.
 MAX_SYNC_PARTS = 64
 """Most ``more=true`` Synchronize parts held before the last one."""
 MAX_SYNC_BYTES = 16 << 20
 """Most encoded bytes (16 MiB) of Synchronize parts held before the last one."""
+MAX_WORKERS = 16
+"""Handler threads of the stub (``serving._Workers``)."""
 MAX_UNANSWERED = 1024
 """Most requests of one connection read but not yet answered on the wire. A
 runtime that sends requests and never reads the answers makes them pile up
@@ -133,35 +128,25 @@ _STATE_CHANGE_SHAPES = ("pod", "container")
 
 
 class Dispatcher:
-    """Per-connection request handling without I/O: check, decode, route
-    through the dispatch table, build the response message. ``NriStub`` runs
-    one per connection; tests can drive it directly with ``RequestReceived``
-    events.
-
-    ``routes`` (method -> ``_Route``) is built once from the methods
-    ``handler`` implements (``interfaces.EVENTS``); ``Configure``,
-    ``Synchronize``, ``Shutdown``, ``StateChange`` and the empty-id check of
-    ``CreateContainer`` are the stub's own around the handler's method.
-
-    State kept per connection (docs/reference/nri-protocol.md 1.5, 1.6): the request and
-    registration timeouts from ConfigureRequest (seconds; 2 s / 5 s until
-    Configure says otherwise), the runtime's name and version, and the parts
-    of a split Synchronize. Thread-safe.
+    """Per-connection request handling without I/O (one per connection):
+    ``check``, ``decode``, then the route of ``routes`` (method -> ``_Route``,
+    built once from the methods ``handler`` implements, ``interfaces.EVENTS``,
+    with the stub's own Configure, Synchronize, Shutdown, StateChange and
+    CreateContainer's empty-id check). State (docs/reference/nri-protocol.md
+    1.5, 1.6): the request timeout from ConfigureRequest (seconds; 2 s until
+    then), the runtime's name and version, the parts of a split Synchronize.
+    Thread-safe.
     """
 
     def __init__(self, handler: object, events: int, plugin_name: str = "plugin", *,
-                 max_sync_parts: int = MAX_SYNC_PARTS, max_sync_bytes: int = MAX_SYNC_BYTES,
                  on_bound: Callable[[str], None] | None = None) -> None:
         self.handler = handler
-        self.max_sync_parts = max_sync_parts
-        self.max_sync_bytes = max_sync_bytes
         self._on_bound = on_bound
         self._sync_parts = 0
         self._sync_bytes = 0
         self.events = events
         self.plugin_name = plugin_name
         self.request_timeout_s = DEFAULT_REQUEST_TIMEOUT_S
-        self.registration_timeout_s = DEFAULT_REGISTRATION_TIMEOUT_S
         self.runtime_name = ""
         self.runtime_version = ""
         self._sync_pods: list[Any] = []
@@ -196,11 +181,12 @@ class Dispatcher:
         return _Route(spec.request, serve, runs)
 
     def check(self, ev: RequestReceived) -> RpcError | None:
-        """The UNIMPLEMENTED error for an unknown service or method, else None."""
+        """The UNIMPLEMENTED error for an unknown service or method (the Go
+        server's words, docs/reference/nri-protocol.md 1.3), else None."""
         if ev.service != PLUGIN_SERVICE:
-            return unimplemented_service(ev.service)
+            return RpcError(Code.UNIMPLEMENTED, f"service {ev.service}")
         if ev.method not in self.routes:
-            return unimplemented_method(ev.method)
+            return RpcError(Code.UNIMPLEMENTED, f"method {ev.method}")
         return None
 
     def inline(self, method: str) -> bool:
@@ -229,22 +215,15 @@ class Dispatcher:
                            self.runtime_name, self.runtime_version)
 
     def decode(self, ev: RequestReceived) -> Any:
-        """The request message of ``ev``; raises RpcError INVALID_ARGUMENT
-        (or UNIMPLEMENTED for an unknown method)."""
-        err = self.check(ev)
-        if err is not None:
-            raise err
+        """The request message of ``ev``, a request ``check`` passed; raises
+        RpcError INVALID_ARGUMENT. Its route's ``serve(request, ctx)`` returns
+        the response message and raises RpcError (the handler's or the
+        stub's), or TypeError for a handler result of the wrong type (a bug,
+        answered INTERNAL by the caller)."""
         try:
             return self.routes[ev.method].request.FromString(ev.payload)
         except Exception as exc:
             raise RpcError(Code.INVALID_ARGUMENT, f"cannot decode {ev.method} request: {exc}") from None
-
-    def handle(self, method: str, req: Any, ctx: CallContext) -> Any:
-        """Run the route of ``method`` for one decoded request; return the
-        response message. Raises RpcError (the handler's or the stub's), or
-        TypeError for a handler result of the wrong type (a bug, answered
-        INTERNAL by the caller); KeyError for a method not in ``routes``."""
-        return self.routes[method].serve(req, ctx)
 
     # ------------------------------------------------------ the stub's own routes
 
@@ -252,8 +231,6 @@ class Dispatcher:
         with self._lock:
             if req.request_timeout > 0:
                 self.request_timeout_s = req.request_timeout / 1000.0
-            if req.registration_timeout > 0:
-                self.registration_timeout_s = req.registration_timeout / 1000.0
             self.runtime_name, self.runtime_version = req.runtime_name, req.runtime_version
         ctx.request_timeout_s = self.request_timeout_s
         ctx.runtime_name, ctx.runtime_version = self.runtime_name, self.runtime_version
@@ -268,14 +245,14 @@ class Dispatcher:
 
     def _synchronize(self, req: Any, ctx: CallContext) -> Any:
         """Hold ``more=true`` parts (bounded: RESOURCE_EXHAUSTED past
-        ``max_sync_parts`` / ``max_sync_bytes``, the parts dropped), hand
+        ``MAX_SYNC_PARTS`` / ``MAX_SYNC_BYTES``, the parts dropped), hand
         everything to the handler with the last part."""
         with self._lock:
             parts, size = self._sync_parts + 1, self._sync_bytes + req.ByteSize()
-            if parts > self.max_sync_parts or size > self.max_sync_bytes:
+            if parts > MAX_SYNC_PARTS or size > MAX_SYNC_BYTES:
                 self._sync_pods, self._sync_containers = [], []
                 self._sync_parts = self._sync_bytes = 0
-                bound = "sync_parts" if parts > self.max_sync_parts else "sync_bytes"
+                bound = "sync_parts" if parts > MAX_SYNC_PARTS else "sync_bytes"
             else:
                 bound = ""
                 self._sync_parts, self._sync_bytes = parts, size
@@ -288,7 +265,7 @@ class Dispatcher:
                 self._sync_parts = self._sync_bytes = 0
         if bound:
             msg = (f"{self.plugin_name}: Synchronize split into {parts} parts / {size} bytes so far, above the "
-                   f"bound of {self.max_sync_parts} parts / {self.max_sync_bytes} bytes; parts dropped")
+                   f"bound of {MAX_SYNC_PARTS} parts / {MAX_SYNC_BYTES} bytes; parts dropped")
             log.error("nri Synchronize too large; refused", extra={"bound": bound, "parts": parts, "bytes": size})
             if self._on_bound is not None:
                 self._on_bound(bound)
@@ -311,11 +288,10 @@ class Dispatcher:
         """A v0.8 event: the handler's method for ``req.event`` (pod and
         container events only; others are logged and answered Empty)."""
         serve = self._changes.get(req.event)
-        if serve is None:
-            if not any(s.event == req.event and s.shape in _STATE_CHANGE_SHAPES for s in EVENTS):
-                log.info("nri StateChange for an event without a state-change handler", extra={"event": req.event})
-            return E.Empty()
-        serve(req, ctx)
+        if serve is not None:
+            serve(req, ctx)
+        elif not any(s.event == req.event and s.shape in _STATE_CHANGE_SHAPES for s in EVENTS):
+            log.info("nri StateChange for an event without a state-change handler", extra={"event": req.event})
         return E.Empty()
 
     def _refuse_empty_id(self, serve: Serve, req: Any, ctx: CallContext) -> Any:

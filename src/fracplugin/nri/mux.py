@@ -1,31 +1,24 @@
 """Sans-I/O NRI multiplexer framing (containerd/nri ``pkg/net/multiplex``).
 
-Concurrency model: none. Objects here are plain state machines with no
-sockets, threads or clocks (in the style of h11/h2). ``MuxDecoder`` holds the
-read-side buffer of one socket and must be fed by one thread at a time;
-``encode_frames`` is a pure function. The caller (``transport.py``) owns the
-socket and the locking.
+Concurrency model: none (h11/h2 style). ``MuxDecoder`` holds the read-side
+buffer of one socket and must be fed by one thread at a time;
+``encode_frames`` is a pure function.
 
-Wire format (docs/reference/nri-protocol.md section 1.2): each mux frame is an 8-byte header
--- conn id (``uint32`` big-endian), payload length (``uint32`` big-endian) --
-followed by the payload. Conn id 0 is reserved, 1 is ``PluginServiceConn``
-(the runtime calls the plugin), 2 is ``RuntimeServiceConn`` (the plugin calls
-the runtime). Frames for unknown conn ids are dropped silently, as the Go mux
-does. The largest payload the Go mux accepts is 10 + 4 MiB = 4 194 314 bytes;
-a larger length is a protocol error here (the stream cannot be trusted).
-
-Writes are chunked into frames of at most ``MAX_WRITE_FRAME`` (4096) bytes
-*including* the 8-byte header: a Go peer reads one mux frame per ``Read`` into
-a 4096-byte ``bufio`` buffer and drops a plugin that sends bigger frames
-(verified, docs/reference/nri-protocol.md section 1.2, "Critical interop rule"). One ttrpc
-message may therefore span many frames; the reader treats each conn as a byte
-stream and must not assume one frame is one message.
+Wire format (docs/reference/nri-protocol.md section 1.2): an 8-byte header,
+conn id and payload length (``uint32`` big-endian each), then the payload.
+Conn id 0 is reserved, 1 the Plugin service, 2 the Runtime service; frames
+of unknown conn ids are dropped silently, as the Go mux does. A payload over
+10 + 4 MiB (the Go mux's limit) is a protocol error (the stream cannot be
+trusted). Writes are chunked into frames of at most ``MAX_WRITE_FRAME`` (4096)
+bytes *including* the header: a Go peer reads one frame per ``Read`` into a
+4096-byte buffer and drops a plugin that sends bigger ones (section 1.2,
+"Critical interop rule"). One ttrpc message may span many frames: each conn
+is a byte stream.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import Iterable
 
 HEADER_SIZE = 8
@@ -52,27 +45,16 @@ class MuxError(Exception):
     truncated frame at EOF). The connection must be dropped."""
 
 
-@dataclass(frozen=True)
-class MuxFrame:
-    """One decoded mux frame: the logical conn id and the payload bytes."""
-
-    conn_id: int
-    payload: bytes
-
-
-def encode_frames(conn_id: int, data: bytes, max_frame: int = MAX_WRITE_FRAME) -> bytes:
-    """Wrap ``data`` for ``conn_id`` into mux frames of at most ``max_frame``
-    bytes each (header included) and return them concatenated.
-
-    Empty ``data`` yields no frames (b""): the mux has no zero-length
-    messages worth sending. Raises ValueError for a conn id outside
-    1..2**32-1 or a ``max_frame`` that leaves no room for payload.
+def encode_frames(conn_id: int, data: bytes) -> bytes:
+    """Wrap ``data`` for ``conn_id`` into mux frames of at most
+    ``MAX_WRITE_FRAME`` bytes each (header included) and return them
+    concatenated. Empty ``data`` yields no frames (b""): the mux has no
+    zero-length messages worth sending. Raises ValueError for a conn id
+    outside 1..2**32-1.
     """
     if not 0 < conn_id < 2**32:
         raise ValueError(f"mux conn id {conn_id} out of range 1..2**32-1")
-    chunk = min(max_frame, HEADER_SIZE + MAX_PAYLOAD) - HEADER_SIZE
-    if chunk <= 0:
-        raise ValueError(f"max_frame {max_frame} leaves no room for a payload")
+    chunk = MAX_WRITE_FRAME - HEADER_SIZE
     if len(data) <= chunk:  # one frame (every answer fracplugin gives but a large Synchronize's)
         return _HEADER.pack(conn_id, len(data)) + data if data else b""
     view = memoryview(data)
@@ -85,32 +67,21 @@ def encode_frames(conn_id: int, data: bytes, max_frame: int = MAX_WRITE_FRAME) -
 
 
 class MuxDecoder:
-    """Incremental decoder of the read side of one mux socket.
-
-    Feed any split of the byte stream with ``receive_data``; it returns the
-    complete frames of the known conn ids (``conn_ids``), in stream order.
-    Frames of other conn ids (0 included) are consumed and dropped, like the
-    Go mux does. At EOF call ``receive_eof``: it raises ``MuxError`` when a
-    partial frame is pending (a truncated stream).
-
-    Memory: at most one frame (<= ``MAX_PAYLOAD`` + 8 bytes) plus the
-    unconsumed tail of the last ``receive_data`` call is buffered.
+    """Incremental decoder of the read side of one mux socket: feed any
+    split of the byte stream to ``receive_data``, which returns the complete
+    frames of the known ``conn_ids`` in stream order (others are dropped), and
+    call ``receive_eof`` at EOF. Buffers at most one frame (<= ``MAX_PAYLOAD``
+    + 8 bytes) plus the unconsumed tail of the last ``receive_data``.
     """
 
     def __init__(self, conn_ids: Iterable[int] = (PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN)) -> None:
         self._conn_ids = frozenset(conn_ids)
         self._buf = bytearray()
         self._closed = False
-        self.dropped_frames = 0
-        """Count of frames dropped because their conn id is unknown."""
 
-    @property
-    def buffered(self) -> int:
-        """Bytes received but not yet part of a complete frame."""
-        return len(self._buf)
-
-    def receive_data(self, data: bytes) -> list[MuxFrame]:
-        """Consume ``data`` and return every frame it completes.
+    def receive_data(self, data: bytes) -> list[tuple[int, bytes]]:
+        """Consume ``data`` and return every frame it completes, as
+        ``(conn id, payload)``.
 
         Raises ``MuxError`` when a header announces a payload above
         ``MAX_PAYLOAD``; after that, or after ``receive_eof``, the decoder is
@@ -119,7 +90,7 @@ class MuxDecoder:
         if self._closed:
             raise MuxError("mux decoder is closed")
         self._buf += data
-        frames: list[MuxFrame] = []
+        frames: list[tuple[int, bytes]] = []
         buf = self._buf
         pos = 0
         n = len(buf)
@@ -135,9 +106,7 @@ class MuxDecoder:
             if end > n:
                 break
             if conn_id in self._conn_ids:
-                frames.append(MuxFrame(conn_id, bytes(buf[pos + HEADER_SIZE : end])))
-            else:
-                self.dropped_frames += 1
+                frames.append((conn_id, bytes(buf[pos + HEADER_SIZE : end])))
             pos = end
         if pos:
             del buf[:pos]
@@ -145,7 +114,7 @@ class MuxDecoder:
 
     def receive_eof(self) -> None:
         """Mark the end of the stream. Raises ``MuxError`` if a partial frame
-        is pending (``buffered`` bytes that never became a frame)."""
+        is pending (bytes that never became a frame)."""
         self._closed = True
         if self._buf:
             pending = len(self._buf)

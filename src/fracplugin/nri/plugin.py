@@ -1,79 +1,29 @@
 """fracplugin's NRI handlers: plan, record and fence each fractional container.
 
-Concurrency model: threads. ``NriStub`` calls these handlers from its
-reader thread when ``may_block(method)`` says the call cannot wait
-(CreateContainer while every MPS daemon is healthy; RemoveContainer), else from its worker pool, several at once (ADR
-nri-reader-thread-serving). The handler holds no mutable state of its own;
-each part it holds owns its own, under its own lock: ``Namespaces`` the
-background MPS work (a keyed work queue, ``nsqueue.KeyedWorkQueue``, 4
-workers: one pending job per MPS namespace owner and per drained container,
-so its memory is bounded by the owners with work, not by the runtime's event
-rate; issue 14), the table of namespace jobs StartContainer awaits, the
-owners whose namespace may exist and the early table (dicts under its one
-lock); ``MountSources`` the mount sources made before; ``PodReader`` the
-pods already warned about; ``Releases`` the holds released at StopContainer;
-``Reconciler`` the last Synchronize report. The ledger is thread-safe and ``Ledger.admit``
-re-checks every guard atomically, so two concurrent creations cannot both take
-the last MiB of a GPU. Handlers finish within the stub's budget
-(``ctx.remaining()``); MPS calls made inside a handler get a timeout derived
-from it, background jobs ``namespace_timeout_s``.
+Behaviour, step by step, and the parts ``FracNriPlugin`` delegates to:
+docs/architecture.md section 1 (items 8-12; docs/reference/design.md sections
+2 and 4). Concurrency model: threads. ``NriStub`` calls these handlers from
+its reader thread when ``may_block(method)`` says the call cannot wait, else
+from its worker pool, several at once (ADR 0015). The handler holds no
+mutable state of its own; each part owns its own, under its own lock. The
+ledger is thread-safe and ``Ledger.admit`` re-checks every guard atomically,
+so two concurrent creations cannot both take the last MiB of a GPU. Handlers
+finish within the stub's budget (``ctx.remaining()``).
 
-Behaviour (docs/reference/design.md sections 2 and 4; issue 3 item 3):
+Rules kept here:
 
-- CreateContainer: the pod's annotations -> a ``FractionRequest``
-  (``annotations.parse``); ``None`` -> empty response (untouched). A request
-  -> one call down, ``NodeRules.admit`` (unusable GPUs, plan, this door's
-  check: its mode's MPS daemon, mounts; the memory-limit gate; the ledger,
-  ADR 0032); for sm-sharing,
-  ``mps.ensure_namespace`` runs in the background and StartContainer waits
-  for it; the answer is a ContainerAdjustment
-  with every env var of the plan set *by value* (a removal marker ``-KEY``
-  precedes each, which clears an earlier plugin's claim on the key so our
-  value wins the runtime's merge; ``-KEY`` alone would not remove a value the
-  pod spec set, docs/reference/nri-protocol.md section 1.8) and the plan's bind mounts.
-  A ``FractionError`` becomes the status of its kind
-  (``noderules.status_of``) with ``err.message`` (key, value, rule), shown by ``kubectl describe pod``; with ``fail_open`` the
-  container is left unadjusted and a warning is logged. Either way every
-  refusal is also handed to ``on_refusal(pod, container, err)`` (for a
-  Kubernetes Event, ``fracplugin.events.EventRecorder``), which only
-  enqueues. An MPS failure is UNAVAILABLE (or unadjusted with ``fail_open``).
-- A container that kubelet allocated devices of the extended resource to
-  (its env or annotations carry Allocate's reservation key,
-  ``allocation.ENV_RESERVATION``) gets kubelet's allocation (GPUs, request)
-  plus what its annotations may add; the reservation is bound to the pod UID,
-  container name and container id (ADR 0007). Annotations not applied are
-  logged and handed to ``on_warning``. A container mounting something at the
-  pipe directory destination is refused, naming the mount.
-- StopContainer: ``mps.drain(container_id, timeout)`` with at most half the
-  request timeout; then the container's NRI-door hold is released (a stopped
-  container holds no memory) and it is unbound from a kubelet reservation,
-  which stays with its pod.
-- RemoveContainer: the same release and, when the container no longer holds
-  anything, ``mps.release_namespace``.
-- Start-up: the plugin registers with the runtime at once, even while the MPS
-  daemons are still starting. An sm-sharing container that starts in that
-  window fails its StartContainer with UNAVAILABLE and kubelet retries it;
-  registering only once MPS is up would instead let every container created
-  meanwhile run unfenced (an unregistered plugin is simply not asked).
-- RunPodSandbox / RemovePodSandbox: a pod's MPS namespaces
-  are queued at RunPodSandbox and awaited by CreateContainer/StartContainer
-  when their settings match; those no container held are released at
-  RemovePodSandbox or when Synchronize no longer reports the pod
-  (``nri/early.py``, ADR 0030). RunPodSandbox never fails the sandbox.
-- Synchronize: rebuild the ledger from the containers the runtime reports
-  (re-planned against their pod annotations and the devices they actually got,
-  never refused on guards: what runs is recorded; of several containers of
-  one pod and container name, the running one holds, whatever the list's
-  order, so a hold ends only with its own container) and log containers that
-  should carry our env but do not; sm-sharing namespaces of the recorded
-  containers are re-ensured in the background (a restarted daemon's MPS layer
-  knows none); so are a mode's whenever its MPS daemon turns healthy again
-  (a new MPS role's fresh daemons: ADR 0034), and the door is not ready
-  until they are done. Then the MPS layer's namespaces are reconciled with the
-  runtime's pods (``nri/orphans.py``): those of pods gone while the doors did
-  not see it are released, a live pod's that nothing holds is adopted into
-  the early table. ``ready()`` turns true afterwards. Unfenced containers:
-  ``reconcile.Unfenced`` (ADR 0035).
+- the adjustment sets every env var of the plan *by value*, after a removal
+  marker ``-KEY`` that clears an earlier plugin's claim on the key so our
+  value wins the runtime's merge (``-KEY`` alone would not remove a value the
+  pod spec set, docs/reference/nri-protocol.md section 1.8);
+- a refusal (``FractionError``) is answered with the status of its kind
+  (``noderules.status_of``) and ``err.message`` (key, value, rule), shown by
+  ``kubectl describe pod``, and handed to ``on_refusal``; an MPS failure is
+  UNAVAILABLE; with ``fail_open`` the container is left unadjusted instead;
+- the plugin registers at once, even while the MPS daemons are starting: an
+  sm-sharing container started in that window fails its StartContainer with
+  UNAVAILABLE and kubelet retries it, whereas an unregistered plugin is not
+  asked and every container created meanwhile would run unfenced.
 """
 
 from __future__ import annotations
@@ -114,24 +64,15 @@ from .pluginbase import DoorSettings, _FailOpen, _pod_ref
 from .reconcile import Reconciler, Unfenced
 from .release import Releases
 from .ttrpc import RpcError
+from ..logs import guarded
 
 log = logging.getLogger(__name__)
 
 NRI_EVENTS_EARLY = event_mask(nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_CONTAINER, nri_pb2.REMOVE_CONTAINER,
                               nri_pb2.START_CONTAINER, nri_pb2.RUN_POD_SANDBOX, nri_pb2.REMOVE_POD_SANDBOX)
-"""0x62d, the subscription mask (docs/reference/nri-protocol.md 1.4):
-CreateContainer | StopContainer | RemoveContainer (0x608), StartContainer,
-where the container's MPS namespace is awaited (0x20), and RunPodSandbox and
-RemovePodSandbox, where a pod's MPS namespaces are queued early and those no
-container held are released (``nri/early.py``, ADR 0030; a v0.8 runtime
-sends both as StateChange)."""
-
-
-MpsHooks = MpsApi
-"""What the NRI door needs from the MPS layer: the one MPS port (``mps.api.MpsApi``)."""
-
-NoMps = NullMps
-"""No MPS: the one null object (``mps.api.NullMps``)."""
+"""0x62d, the subscription mask (docs/reference/nri-protocol.md 1.4): Create|Stop|RemoveContainer
+(0x608), StartContainer (0x20: the MPS namespace is awaited), RunPodSandbox and RemovePodSandbox
+(``nri/early.py``, ADR 0030; a v0.8 runtime sends both as StateChange)."""
 
 
 def build_adjustment(plan_: ContainerPlan,
@@ -153,19 +94,17 @@ def build_adjustment(plan_: ContainerPlan,
 
 
 _PROOF_REMOVAL = (nri_pb2.KeyValue(key="-" + ENV_RESERVATION_PROOF), nri_pb2.KeyValue(key=ENV_RESERVATION_PROOF, value=""))
-"""The reservation proof taken out of a container's env once checked: the
-removal, which containerd does not forward for a variable kubelet added
-(docs/reference/nri-protocol.md, "Env removal caveat"), then the key set to
-an empty value, which it does forward; the container never sees the proof
-(ADR 0033). A bound reservation no longer needs it (reservations rule 1)."""
+"""The reservation proof taken out of a container's env once checked (ADR 0033): the removal,
+which containerd does not forward for a variable kubelet added (docs/reference/nri-protocol.md,
+"Env removal caveat"), then the key set empty, which it does (a bound reservation no longer needs
+it: reservations rule 1)."""
 
 
 @functools.lru_cache(maxsize=1024)
 def _env_adjustment(env: tuple[tuple[str, str], ...]) -> bytes:
     """The serialized ``ContainerAdjustment`` holding only ``build_adjustment``'s
-    env part for ``env`` (issue 14: 13 ``env.add`` calls cost ~5 us per
-    CreateContainer; the env depends on the GPUs, the MiB and the portion,
-    not on the pod, so plans share it; parsing it back costs ~1 us)."""
+    env part for ``env``, cached: the env depends on the GPUs, the MiB and the
+    portion, not on the pod, so plans share it (issue 14)."""
     adj = nri_pb2.ContainerAdjustment()
     for key, value in env:
         adj.env.add(key="-" + key)
@@ -173,63 +112,41 @@ def _env_adjustment(env: tuple[tuple[str, str], ...]) -> bytes:
     return adj.SerializeToString()
 
 
-
-class FracNriPlugin:
-    """The handler object ``NriStub`` drives (see the module docstring): the
-    NRI interface methods, each delegating to the part that owns the work
-    (issue 33 item 3, composition instead of mixins):
-
-    - ``reader`` (``admission.PodReader``): CreateContainer's reading of the
-      pod (reservation key and claim, spec names, stray and lint warnings);
-    - ``mounts`` (``admission.MountSources``): the pipe directories made;
-    - ``calls`` (``mpscalls.MpsCalls``): the MPS layer's health and calls;
-    - ``namespaces`` (``namespaces.Namespaces``): the MPS namespace table,
-      its lock and its background queue (CreateContainer, StartContainer,
-      the early table, releases, status);
-    - ``releases`` (``release.Releases``): StopContainer, RemoveContainer,
-      ``abandoned``;
-    - ``reconciler`` (``reconcile.Reconciler``): Synchronize and the MPS
-      layer's namespaces against the runtime's pods.
-
-    They share ``settings`` (``pluginbase.DoorSettings``: ``fail_open``,
-    which a reload sets there, and the timeouts).
+class FracNriPlugin(CreateContainerInterface, StartContainerInterface, StopContainerInterface,
+                    RemoveContainerInterface, SynchronizeInterface, AbandonedInterface, MayBlockInterface,
+                    CloseInterface, RunPodInterface, RemovePodInterface):
+    """The handler object ``NriStub`` drives: the NRI interface methods, each
+    delegating to the part that owns the work (``reader``, ``mounts``,
+    ``calls``, ``namespaces``, ``releases``, ``reconciler``: docs/architecture.md
+    section 1), sharing ``settings`` (``pluginbase.DoorSettings``). Its bases
+    are the ``nri.interfaces`` Protocols it implements, so mypy checks every
+    handler method against the protobuf messages they declare (issue 26 item 3).
 
     Args:
         rules: the node's rules (``noderules.NodeRules``: its GPUs, the one
             ledger, the planner settings, GPU health, the memory-limit gate);
             CreateContainer admits through ``rules.admit``.
         mps: the MPS layer (``ensure_namespace``/``release_namespace``/``drain``);
-            None = ``NoMps``.
+            None = ``mps.api.NullMps``.
         metrics: ``observe_hook("nri", seconds)`` per CreateContainer and
             ``refusal(code)`` per refusal; None = ``NoMetrics``.
         fail_open: refusals and MPS failures leave the container unadjusted
             (warning logged, refusal still counted) instead of failing it.
-        namespace_timeout_s: bound of one background namespace creation.
         start_wait_s: most seconds StartContainer waits for a namespace still
             being made (never past its handler budget); then the container
             starts and the log says so (ADR 0028; ``--nri-start-wait-s``).
-        drain_timeout_s: budget of one background drain (StopContainer waits
-            for it at most half the request timeout; gpu-fractioning's
-            terminate budget is 30 s, docs/reference/mps-nvml.md 2.7).
         on_refusal: ``f(pod: PodRef, container: str, err: FractionError)``
             called for every refusal of CreateContainer (also with
-            ``fail_open``), in the handler thread, before the answer is sent.
-            It must not block: it is meant to enqueue (e.g.
-            ``functools.partial(EventRecorder.refused, door="nri")``, which
-            writes a Kubernetes Event in the background). An exception it
+            ``fail_open``), in the handler thread, before the answer is sent:
+            it must only enqueue (``EventRecorder.refused``); an exception it
             raises is logged and ignored.
         on_warning: ``f(pod, container, message)`` for an annotation that was
-            not applied (kubelet's allocation wins, an annotation names no
-            container of the pod); same rules as ``on_refusal`` (a Warning
-            Event, ``EventRecorder.warned``).
-        pod_lookup: ``f(namespace, name) -> pod dict | None`` (the watch cache
-            of the device plugin door): with the pod's spec the NRI door knows
-            its init and app containers, so pod-level KAI forms apply to the
-            named container (an app container or a native sidecar, an init
-            container with ``restartPolicy: Always``) or the first app
-            container only, and annotations naming no
-            container are reported, exactly as ``fracplugin explain`` does.
-            None: one container at a time (ADR 0001 item 6).
+            not applied; same rules (``EventRecorder.warned``).
+        pod_lookup: ``f(namespace, name) -> pod dict | None`` (the pod
+            watch's cache): with the pod's spec, pod-level KAI forms apply to
+            the named or the first app container only and annotations naming
+            no container are reported, as ``fracplugin explain`` does. None:
+            one container at a time (ADR 0001 item 6).
         pod_ready: ``f() -> bool``, whether the pod watch behind
             ``pod_lookup`` is synced (the pod source's ``ready``): while it
             is not, a pod whose spec is needed and unknown is planned alone
@@ -247,12 +164,10 @@ class FracNriPlugin:
     def __init__(
         self,
         rules: NodeRules,
-        mps: MpsHooks | None = None,
+        mps: MpsApi | None = None,
         metrics: HookMetrics | None = None,
         fail_open: bool = False,
         *,
-        namespace_timeout_s: float = 5.0,
-        drain_timeout_s: float = 30.0,
         on_refusal: Callable[[PodRef, str, FractionError], None] | None = None,
         on_warning: Callable[[PodRef, str, str], None] | None = None,
         pod_lookup: Callable[[str, str], Mapping[str, Any] | None] | None = None,
@@ -264,15 +179,14 @@ class FracNriPlugin:
         unfenced: Unfenced | None = None,
     ) -> None:
         self.rules = rules
-        self.settings = DoorSettings(fail_open=fail_open, namespace_timeout_s=namespace_timeout_s,
-                                     drain_timeout_s=drain_timeout_s, start_wait_s=start_wait_s)
+        self.settings = DoorSettings(fail_open=fail_open, start_wait_s=start_wait_s)
         self.cdi = cdi
         """Each planned GPU's CDI device joins the adjustment (ADR 0025b); None: not."""
         self.on_refusal = on_refusal
         self.metrics: HookMetrics = metrics if metrics is not None else NoMetrics()
         self.events = NRI_EVENTS_EARLY
         """Subscription mask sent in ConfigureResponse (0x62d)."""
-        self.calls = MpsCalls(mps if mps is not None else NoMps(), self.metrics, self.settings)
+        self.calls = MpsCalls(mps if mps is not None else NullMps(), self.metrics, self.settings)
         self.namespaces = Namespaces(rules.ledger, self.calls, self.settings)
         self.reader = PodReader(rules, self.settings, pod_lookup=pod_lookup, pod_ready=pod_ready,
                                 on_warning=on_warning, unit_mib=unit_mib, resource_name=resource_name)
@@ -302,16 +216,11 @@ class FracNriPlugin:
         return self.reconciler.ready()
 
     def status(self) -> dict[str, Any]:
-        """JSON-able state: ``{"ready", "fail_open", "events",
-        "pending_namespaces", "early_namespaces", "mps_jobs", "unadjusted", "unfenced"}``
-        where ``pending_namespaces`` counts containers whose background MPS
-        namespace job is not done yet, ``mps_jobs`` is the background MPS work
-        queue's ``{"queued", "running", "threads"}`` (at most one queued job per
-        namespace owner and per drained container), ``early_namespaces`` is
-        ``Namespaces.early_status()`` (namespaces queued at RunPodSandbox:
-        pending, queued, used, mismatched, released, adopted, orphaned) and
-        ``unadjusted`` lists what the last Synchronize reported, ``unfenced``
-        is ``Reconciler.unfenced_status()``."""
+        """JSON-able state: ``{"ready", "fail_open", "events", "pending_namespaces"
+        (containers whose MPS namespace job is not done), "early_namespaces"
+        (``Namespaces.early_status()``), "mps_jobs" (the MPS work queue's
+        ``{"queued", "running", "threads"}``), "unadjusted" (what the last
+        Synchronize reported), "unfenced" (``Reconciler.unfenced_status()``)}``."""
         ns = self.namespaces.status()
         return {
             "ready": self.ready(),
@@ -325,17 +234,12 @@ class FracNriPlugin:
         }
 
     def may_block(self, method: str) -> bool:
-        """Whether serving ``method`` may wait now (``NriStub`` serves the
-        calls that cannot on its reader thread, the others on its handler
-        threads; ``interfaces.MayBlockInterface``).
-
-        CreateContainer waits only when an MPS daemon is not healthy
-        (``MpsCalls.require_up`` waits for it to come back); otherwise it plans,
-        admits (a journal append and fdatasync) and answers. RemoveContainer,
-        RunPodSandbox and RemovePodSandbox never wait (their MPS work runs in
-        the background). StartContainer
-        (awaits the namespace), StopContainer (awaits the drain), Synchronize
-        (the whole node) and StateChange (v0.8 StartContainer) may."""
+        """Whether serving ``method`` may wait now (``interfaces.MayBlockInterface``;
+        ``NriStub`` serves the calls that cannot on its reader thread).
+        CreateContainer waits only for an MPS daemon that is not healthy
+        (``MpsCalls.require_up``); RemoveContainer, RunPodSandbox and
+        RemovePodSandbox never wait (their MPS work runs in the background);
+        the others may (a namespace, a drain, the whole node)."""
         if method == "CreateContainer":
             return not self.calls.all_up()
         return method not in ("RemoveContainer", "RunPodSandbox", "RemovePodSandbox")
@@ -344,17 +248,13 @@ class FracNriPlugin:
 
     def create_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container,
                          ctx: CallContext | None = None) -> nri_pb2.CreateContainerResponse | None:
-        """CreateContainer: a ``CreateContainerResponse`` (empty when the
-        container is not fractional or ``fail_open`` swallowed a refusal).
-        Raises ``RpcError``: a refusal with its kind's status
-        (``noderules.status_of``), or UNAVAILABLE (MPS).
-
-        A container whose env (or annotations) carries a reservation key from
-        Allocate (``allocation.ENV_RESERVATION``) gets kubelet's allocation:
-        its GPUs and request, plus the limit, mode and portion its annotations
-        may add; the reservation is bound to this pod, container and container
-        id. Annotations that were not applied are logged and reported
-        (``on_warning``). Other containers are planned from the annotations."""
+        """CreateContainer (docs/architecture.md section 1 item 8): a
+        ``CreateContainerResponse``, None when the container is not fractional
+        or ``fail_open`` swallowed a refusal. A container with a reservation
+        key from Allocate (ADR 0007) gets kubelet's allocation plus what its
+        annotations add; others are planned from the annotations. Raises
+        ``RpcError``: a refusal with its kind's status
+        (``noderules.status_of``), or UNAVAILABLE (MPS)."""
         start = time.monotonic()
         ref = _pod_ref(pod)
         fields = {"pod": str(ref), "pod_uid": ref.uid, "container": container.name, "container_id": container.id}
@@ -391,10 +291,7 @@ class FracNriPlugin:
             warn_unenforced(p, container, fields)
             if self.cdi is not None:  # the node's CDI device of each GPU, never twice (ADR 0025b)
                 p = with_node_cdi_devices(p, self.cdi, container_cdi_devices(container))
-            # DEBUG, not INFO: this runs on every creation, inside the runtime's
-            # serialised CreateContainer path; formatting and writing a log
-            # record there cost ~0.1 ms per call (bench_nri). Admissions stay
-            # visible in the ledger, /status and the metrics.
+            # DEBUG: a log record per creation costs ~0.1 ms (bench_nri); admissions show in the ledger and /status
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "nri container admitted",
@@ -420,10 +317,7 @@ class FracNriPlugin:
         (``noderules.status_of``) unless ``fail_open``."""
         self.metrics.refusal(err.code)
         if self.on_refusal is not None:
-            try:
-                self.on_refusal(pod, container, err)
-            except Exception:
-                log.exception("nri on_refusal callback failed", extra=dict(fields))
+            guarded(log, "nri on_refusal callback", self.on_refusal, pod, container, err, extra=dict(fields))
         extra = {**fields, "key": err.key, "value": err.value, "rule": err.reason, "code": err.code}
         if self.settings.fail_open:
             log.warning("nri refusal ignored (fail-open): container runs unfenced", extra=extra)
@@ -473,7 +367,6 @@ class FracNriPlugin:
         except Exception:
             log.exception("nri RunPodSandbox: early MPS namespaces not queued",
                           extra={"pod": f"{pod.namespace}/{pod.name}", "pod_uid": pod.uid})
-        return None
 
     def remove_pod_sandbox(self, pod: nri_pb2.PodSandbox, ctx: CallContext | None = None) -> None:
         """RemovePodSandbox: release the early namespaces of this sandbox
@@ -481,7 +374,6 @@ class FracNriPlugin:
         entry a newer sandbox of the same pod claimed (kubelet recreates a
         dead sandbox, then removes the old one) stays."""
         self.namespaces.release_early(lambda uid, sandbox: uid == pod.uid and sandbox == pod.id)
-        return None
 
     def close(self) -> None:
         """Stop the background MPS workers without waiting
@@ -490,20 +382,3 @@ class FracNriPlugin:
         self.namespaces.close()
         self.reconciler.close()
 
-
-NriHandler = tuple[
-    CreateContainerInterface, StartContainerInterface, StopContainerInterface, RemoveContainerInterface,
-    SynchronizeInterface, AbandonedInterface, MayBlockInterface, CloseInterface, RunPodInterface,
-    RemovePodInterface,
-]
-"""The ``nri.interfaces`` Protocols ``FracNriPlugin`` implements: every NRI
-event it handles and the stub's hooks it offers (a unit test keeps this list
-equal to what ``interfaces.implements`` finds on the class)."""
-
-
-def as_nri_handler(plugin: FracNriPlugin) -> NriHandler:
-    """``plugin`` as each interface of ``NriHandler``: mypy checks here that
-    every handler method of ``FracNriPlugin`` takes the protobuf messages and
-    returns what ``nri/interfaces.py`` declares (issue 26 item 3); at run time
-    it only returns ``plugin`` ten times."""
-    return (plugin, plugin, plugin, plugin, plugin, plugin, plugin, plugin, plugin, plugin)

@@ -1,12 +1,7 @@
-"""How the NRI stub serves one request in flight: the call record
-(``_Call``), the watchdog that answers a handler that overran its budget
-(``_Watchdog``), the handler threads (``_Workers``), one connection's state
-(``_Session``) and the stub's serving path (``_Server``: count, route to the
-reader thread or a handler thread, run the handler, write the answer without
-blocking the reader).
-
-Split out of ``nri/stub.py`` (issue 26, ADR 0023); the module docstring of
-``nri/stub.py`` gives the concurrency model these pieces implement.
+"""How the NRI stub serves one request in flight: the call record (``_Call``),
+the watchdog (``_Watchdog``), the handler threads (``_Workers``), one
+connection's state (``_Session``) and the serving path (``_Server``). The
+concurrency model: ``nri/stub.py``'s module docstring.
 """
 
 from __future__ import annotations
@@ -21,13 +16,13 @@ import time
 from typing import Any, Callable
 
 from ..safetext import escape_controls
-from .dispatch import BUDGET_FRACTION, MAX_UNANSWERED, Dispatcher
+from .dispatch import BUDGET_FRACTION, MAX_UNANSWERED, MAX_WORKERS, Dispatcher
 from .interfaces import CallContext
 from .transport import BUSY, SPILLED, ConnectionClosed, NriTransport
 from .ttrpc import Code, RequestReceived, RpcError
 from ..logs import guarded
 
-log = logging.getLogger("fracplugin.nri.stub")  # the stub's log, as before the split
+log = logging.getLogger("fracplugin.nri.stub")  # the stub's log
 
 _PENDING, _DONE, _EXPIRED = 0, 1, 2
 
@@ -58,14 +53,11 @@ class _Call:
 
 
 class _Watchdog:
-    """One thread that answers calls whose handler overran its budget.
-
-    Cheap on the hot path: ``add`` only wakes the thread when the new call's
-    deadline is earlier than every deadline it already waits for (with equal
-    budgets, only the first call after an idle spell), and the thread wakes
-    at most once per ``tick_s`` (a finished call is simply skipped when its
-    deadline passes). An overrun is therefore answered at most ``tick_s``
-    late (20 ms against a 0.5 s margin before the runtime's own timeout).
+    """One thread that answers calls whose handler overran its budget. ``add``
+    only wakes it for a deadline earlier than every one it waits for, and it
+    wakes at most once per ``tick_s`` (finished calls are skipped when their
+    deadline passes): an overrun is answered at most ``tick_s`` late (20 ms
+    against a 0.5 s margin before the runtime's own timeout).
     """
 
     def __init__(self, on_expired: Callable[[_Call], None], tick_s: float = 0.02) -> None:
@@ -113,21 +105,15 @@ class _Watchdog:
                         self._cond.wait()
                     continue
             for call in expired:
-                try:
-                    self._on_expired(call)
-                except Exception:
-                    log.exception("nri watchdog failed to answer an expired call")
+                guarded(log, "nri watchdog answering an expired call", self._on_expired, call)
 
 
 class _Workers:
-    """A fixed set of handler threads fed by one ``queue.SimpleQueue``.
-
-    Leaner than ``ThreadPoolExecutor`` on the per-request path: ``submit`` is
-    one C-level ``put`` (no Future, no idle semaphore), which matters because
-    the reader thread hands every request over here. Threads are started up
-    front (``n`` of them, blocked in ``get`` until work arrives).
-    ``shutdown`` drops queued work and ends the threads once their current
-    item is done; ``submit`` raises RuntimeError afterwards.
+    """``n`` handler threads, started up front, fed by one ``queue.SimpleQueue``:
+    ``submit`` is one C-level ``put`` (no Future, no idle semaphore, as in
+    ``ThreadPoolExecutor``) on the per-request path. ``shutdown`` drops queued
+    work and ends the threads after their current item; ``submit`` then
+    raises RuntimeError.
     """
 
     def __init__(self, n: int, name: str) -> None:
@@ -188,13 +174,13 @@ class _Server:
     (``unanswered``); ``on_synchronized()``: a Synchronize exchange completed
     (called before its answer leaves)."""
 
-    def __init__(self, handler: object, plugin_name: str, max_workers: int, *,
+    def __init__(self, handler: object, plugin_name: str, *,
                  on_bound: Callable[[str], None], on_synchronized: Callable[[], None]) -> None:
         self.handler = handler
         self.plugin_name = plugin_name
         self._on_bound = on_bound
         self._on_synchronized = on_synchronized
-        self._pool = _Workers(max_workers, "nri-handler")
+        self._pool = _Workers(MAX_WORKERS, "nri-handler")
         self._watchdog = _Watchdog(self._expired)
 
     def stop(self, pool: bool = True) -> None:
@@ -213,7 +199,7 @@ class _Server:
         err = dispatcher.check(ev)
         if err is not None:
             log.warning("nri call for an unknown service or method", extra={"service": ev.service, "method": ev.method})
-            transport.respond_error(ev.stream_id, err.code, err.message)
+            transport.respond(ev.stream_id, code=err.code, message=err.message)
             return
         if not self._count_unanswered(session, transport):
             return
@@ -230,7 +216,7 @@ class _Server:
 
     def _count_unanswered(self, session: _Session, transport: NriTransport) -> bool:
         """Count one more request read and not answered; past
-        ``max_unanswered`` close the connection (False: do not serve it)."""
+        ``MAX_UNANSWERED`` close the connection (False: do not serve it)."""
         with session.lock:
             if session.closing:  # already over the bound and being closed: read, not served
                 return False
@@ -278,14 +264,14 @@ class _Server:
                                                   finish=functools.partial(self._finish_answer, call.session))
                 if outcome == BUSY:  # another thread writes: a handler thread waits for the lock instead
                     counted = False  # that _send counts it
-                    if not self._hand_over(functools.partial(self._send, call, payload, error)):
-                        self._send(call, payload, error)  # stopping: no pool left, wait here
+                    try:
+                        self._pool.submit(functools.partial(self._send, call, payload, error))
+                    except RuntimeError:  # stopping: no pool left, wait here
+                        self._send(call, payload, error)
                 elif outcome == SPILLED:
                     counted = False
-            elif code is not None:
-                transport.respond_error(call.stream_id, code, message)
             else:
-                transport.respond(call.stream_id, payload or b"")
+                transport.respond(call.stream_id, payload or b"", code, message)
         except (ConnectionClosed, ValueError) as exc:
             log.info(
                 "nri answer not sent: connection gone",
@@ -294,14 +280,6 @@ class _Server:
         finally:
             if counted:
                 self._answered(call.session)
-
-    def _hand_over(self, job: Callable[[], None]) -> bool:
-        """Run ``job`` on a handler thread; False when the pool is shut down."""
-        try:
-            self._pool.submit(job)
-        except RuntimeError:
-            return False
-        return True
 
     def _finish_answer(self, session: _Session, write_rest: Callable[[], None]) -> None:
         """``NriTransport.answer_nowait``'s ``finish``: the rest of an answer
@@ -312,8 +290,7 @@ class _Server:
                 write_rest()
             finally:
                 self._answered(session)
-        if not self._hand_over(job):
-            raise RuntimeError("handler pool is shut down")
+        self._pool.submit(job)
 
     def _serve(self, call: _Call, inline: bool = False) -> None:
         """Run the handler and answer, unless the watchdog did (a pool thread,
@@ -328,7 +305,7 @@ class _Server:
             assert ev is not None
             call.request = call.session.dispatcher.decode(ev)
             del ev
-            response = call.session.dispatcher.handle(method, call.request, call.ctx)
+            response = call.session.dispatcher.routes[method].serve(call.request, call.ctx)
         except RpcError as exc:
             error = exc
         except Exception as exc:

@@ -1,66 +1,35 @@
 """Generic NRI plugin runtime: register, configure, synchronize, serve events,
 reconnect. Knows nothing about GPUs; the behaviour lives in a handler object.
 
-Concurrency model: threads.
+Concurrency model: threads (docs/architecture.md section 1, ADR 0015): one
+*run* thread connects, registers, waits for the connection to end and
+reconnects with backoff (``_Reconnect``, tenacity); one *reader* thread per
+connection (``transport.NriTransport``) serves a request itself when nothing
+in it can wait (no handler method, or ``may_block(method)`` false), else
+hands it to the handler threads (``serving._Workers``), so RegisterPlugin
+never blocks the reader (Configure can arrive before the register reply,
+docs/reference/nri-protocol.md section 1.6); one *watchdog* thread answers
+``UNAVAILABLE`` for a handler past its budget (``BUDGET_FRACTION`` x the
+request timeout or the request's ``timeout_nano``) and discards the late
+result, calling the handler's optional ``abandoned(method, request,
+response)``: a late reply would make the runtime drop the plugin (1.8).
 
-- one *run* thread (``NriStub.start``) connects, registers and waits for the
-  connection to end, then reconnects with backoff (``_Reconnect``, tenacity);
-- one *reader* thread per connection (``transport.NriTransport``) parses
-  frames and routes each request through the dispatch table. It serves a
-  request itself when nothing in it can wait: a method the handler does not
-  implement (an empty answer), or one the handler's ``may_block(method)``
-  says will not wait now (``interfaces.MayBlockInterface``). Its answer is
-  written without blocking (``NriTransport.answer_nowait``): when another
-  thread is writing, or the runtime does not read fast enough, the rest of
-  the write goes to a handler thread, so the reader never stops reading
-  (the bounds below keep working against a runtime that never reads);
-- a fixed pool of handler threads (``_Workers``, ``max_workers``, default 16)
-  runs every other handler call (all of them for a handler without
-  ``may_block``), so requests that wait (on MPS, on a drain) are served
-  concurrently and RegisterPlugin never blocks the reader (Configure can
-  arrive before the register reply, docs/reference/nri-protocol.md section 1.6);
-- one *watchdog* thread bounds every handler, wherever it runs: when a
-  handler has not answered within its budget (``BUDGET_FRACTION`` x the
-  request timeout, 0.75 x 2 s = 1.5 s by default, and the same fraction of
-  the request's own ``timeout_nano``), the stub answers ``UNAVAILABLE``
-  itself and discards the late result, calling the handler's optional
-  ``abandoned(method, request, response)`` so it can undo side effects. A
-  late reply would otherwise make the runtime drop the whole plugin (section
-  1.8, "Errors and timeouts").
+Protocol rules followed (docs/reference/nri-protocol.md): external mode
+connects to ``socket_path``, runtime-launched mode uses fd
+``NRI_PLUGIN_SOCKET`` with ``NRI_PLUGIN_NAME`` / ``NRI_PLUGIN_IDX`` (1.5); in fd
+mode EOF ends the stub, in external mode we reconnect (1.9). The
+``ConfigureResponse.events`` mask is within 0x7FF (1.4). Synchronize parts with
+``more = true`` are answered ``{more: true}`` and the handler sees everything
+with the last part (1.6). The v0.12 event RPCs and ``StateChange`` reach the
+same handler method (1.7); unknown services/methods are answered
+``UNIMPLEMENTED`` "service X" / "method X" (1.3); ``Shutdown`` with Empty (1.9).
 
-Why the reader serves: ADR 0015 (a hand-off costs two thread wake-ups and a
-GIL hand-off per call; containerd sends one CreateContainer at a time).
-
-Protocol rules followed (docs/reference/nri-protocol.md):
-
-- external mode: connect to ``socket_path`` (default ``/var/run/nri/nri.sock``);
-  runtime-launched mode: use the socket on fd ``NRI_PLUGIN_SOCKET`` with
-  ``NRI_PLUGIN_NAME`` / ``NRI_PLUGIN_IDX`` (section 1.5). In fd mode EOF ends
-  the stub (the runtime would relaunch us); in external mode EOF means the
-  runtime went away and we reconnect until the socket is back (section 1.9).
-- ``ConfigureResponse.events`` is an explicit mask within 0x7FF, valid on every
-  runtime since NRI v0.3 (section 1.4).
-- Synchronize parts with ``more = true`` are answered ``{more: true}``; the
-  handler sees all pods and containers at once on the last part (section 1.6).
-- both the v0.12 dedicated event RPCs and ``StateChange`` reach the same
-  handler method (section 1.7). Unknown services/methods are answered
-  ``UNIMPLEMENTED`` "service X" / "method X" (section 1.3).
-- ``Shutdown`` is answered with Empty (section 1.9).
-
-Handler: any object implementing some of the interfaces of
-``fracplugin.nri.interfaces`` (one typed Protocol per NRI request or event,
-as containerd/nri ``pkg/stub``: ``CreateContainerInterface.create_container(
-pod, container, ctx)`` and so on; ``ctx`` is a ``CallContext``). The
-dispatch table (``Dispatcher.routes``) is built once per connection from the
-methods the handler has; an absent method answers an empty response. The
-subscription mask follows from the same methods (``handler_mask``) unless a
-mask is configured (the ``events`` argument, else the handler's ``events``
-attribute), and, as in the Go stub, a configured mask may not name events the
-handler does not implement. Optional stub hooks: ``abandoned``,
-``may_block``, ``close``.
-
-A handler raises ``ttrpc.RpcError(code, message)`` to answer with an error
-status; any other exception is logged and answered ``INTERNAL``.
+Handler: any object implementing some of the ``nri.interfaces`` Protocols
+(as containerd/nri ``pkg/stub``); absent methods answer an empty response and
+the subscription mask follows from the methods present (``dispatch._subscription``).
+Optional hooks: ``abandoned``, ``may_block``, ``close``. A handler raises
+``ttrpc.RpcError(code, message)`` to answer an error status; any other
+exception is logged and answered ``INTERNAL``.
 """
 
 from __future__ import annotations
@@ -79,8 +48,6 @@ from .._proto import nri_pb2
 from .dispatch import (
     DEFAULT_REGISTRATION_TIMEOUT_S,
     DEFAULT_SOCKET_PATH,
-    MAX_SYNC_BYTES,
-    MAX_SYNC_PARTS,
     RUNTIME_SERVICE,
     Dispatcher,
     _subscription,
@@ -186,17 +153,9 @@ class NriStub:
         env: environment to read ``NRI_PLUGIN_SOCKET`` / ``NRI_PLUGIN_NAME`` /
             ``NRI_PLUGIN_IDX`` from (default ``os.environ``); when the socket
             variable is set the stub runs in fd mode and those values win.
-        events: subscription mask; default: the handler's ``events`` attribute,
-            else the events of the interfaces it implements
-            (``interfaces.handler_mask``). Must be non-zero, within 0x7FF and
-            name only events the handler implements (ValueError otherwise).
-        max_workers: handler threads.
+        events: subscription mask; default and rules: ``dispatch._subscription``.
         reconnect_initial_s / reconnect_max_s: reconnection backoff (seconds,
             exponential with jitter).
-        max_sync_parts / max_sync_bytes: bounds on the parts of one split
-            Synchronize held until its last part (``MAX_SYNC_PARTS``,
-            ``MAX_SYNC_BYTES``); past either, that Synchronize is answered
-            RESOURCE_EXHAUSTED and its parts are dropped.
         on_bound: ``f(bound)`` called each time a bound is hit, ``bound`` one
             of ``sync_parts``, ``sync_bytes``, ``unanswered`` (the daemon counts
             them in ``fracplugin_nri_bounds_exceeded_total``); ``bounds_exceeded``
@@ -214,11 +173,8 @@ class NriStub:
         *,
         env: Mapping[str, str] | None = None,
         events: int | None = None,
-        max_workers: int = 16,
         reconnect_initial_s: float = 0.1,
         reconnect_max_s: float = 5.0,
-        max_sync_parts: int = MAX_SYNC_PARTS,
-        max_sync_bytes: int = MAX_SYNC_BYTES,
         on_bound: Callable[[str], None] | None = None,
     ) -> None:
         env = os.environ if env is None else env
@@ -239,18 +195,12 @@ class NriStub:
         self.plugin_name = plugin_name
         self.plugin_idx = plugin_idx
         self.events = _subscription(handler, events)
-        self._max_workers = max_workers
-        if min(max_sync_parts, max_sync_bytes) < 1:
-            raise ValueError("max_sync_parts and max_sync_bytes must be >= 1")
-        self.max_sync_parts = max_sync_parts
-        self.max_sync_bytes = max_sync_bytes
         self._on_bound = on_bound
         self.bounds_exceeded: dict[str, int] = {"sync_parts": 0, "sync_bytes": 0, "unanswered": 0}
         """How often each bound was hit, since start."""
         self._stop_ev = threading.Event()
         self._reconnect = _Reconnect(socket_path, self.fd, reconnect_initial_s, reconnect_max_s, self._stop_ev)
         self._exited = threading.Event()
-        self._synced = threading.Event()
         self._session: _Session | None = None
         self._session_lock = threading.Lock()
         self._sessions = itertools.count(1)
@@ -273,7 +223,7 @@ class NriStub:
         already started."""
         if self._thread is not None:
             raise RuntimeError("NriStub already started")
-        self._server = _Server(self.handler, self.plugin_name, self._max_workers, on_bound=self._bound_hit,
+        self._server = _Server(self.handler, self.plugin_name, on_bound=self._bound_hit,
                                on_synchronized=self._synchronized)
         self._thread = threading.Thread(target=self._run, name="nri-stub", daemon=True)
         self._thread.start()
@@ -311,13 +261,12 @@ class NriStub:
 
     def ever_synchronized(self) -> bool:
         """True once any connection completed a Synchronize since start."""
-        return self._synced.is_set()
+        return self.synchronize_count > 0
 
     def _synchronized(self) -> None:
         """A Synchronize exchange completed (counted before its answer leaves:
         the runtime proceeds on it)."""
         self.synchronize_count += 1
-        self._synced.set()
 
     def _bound_hit(self, bound: str) -> None:
         self.bounds_exceeded[bound] = self.bounds_exceeded.get(bound, 0) + 1
@@ -387,9 +336,7 @@ class NriStub:
                         "synchronized": session.synchronized,
                     },
                 )
-                with self._session_lock:
-                    if self._session is session:
-                        self._session = None
+                self._drop(session)
                 if self.fd_mode:
                     log.info("nri runtime closed the launched plugin's socket; stopping", extra={"fd": self.fd})
                     break
@@ -404,12 +351,16 @@ class NriStub:
                 self._server.stop(pool=False)
             self._exited.set()
 
+    def _drop(self, session: _Session) -> None:
+        with self._session_lock:
+            if self._session is session:
+                self._session = None
+
     def _register(self, sock: socket.socket) -> _Session:
         server = self._server
         assert server is not None  # made by start(), before the run thread
-        session = _Session(next(self._sessions), Dispatcher(
-            self.handler, self.events, self.plugin_name, max_sync_parts=self.max_sync_parts,
-            max_sync_bytes=self.max_sync_bytes, on_bound=self._bound_hit))
+        session = _Session(next(self._sessions), Dispatcher(self.handler, self.events, self.plugin_name,
+                                                            on_bound=self._bound_hit))
         transport = NriTransport(
             sock,
             serve_conn=PLUGIN_SERVICE_CONN,
@@ -426,9 +377,7 @@ class NriStub:
             transport.call(RUNTIME_SERVICE, "RegisterPlugin", req.SerializeToString(), DEFAULT_REGISTRATION_TIMEOUT_S)
         except BaseException:
             transport.close("registration failed")
-            with self._session_lock:
-                if self._session is session:
-                    self._session = None
+            self._drop(session)
             raise
         session.registered.set()
         self.sessions_started += 1

@@ -1,29 +1,22 @@
 """One NRI mux socket driven by a reader thread, usable from either side.
 
 Concurrency model: threads. Each ``NriTransport`` owns one reader thread that
-reads the socket, feeds the sans-I/O ``MuxDecoder`` and the two
-``TtrpcConnection`` objects, resolves client futures and hands incoming
-requests to ``on_request`` (called *in the reader thread*: it must only
-enqueue work, never block). Any thread may call ``call``/``call_async``,
-``respond`` and ``respond_error``; the reader thread itself answers with
-``answer_nowait``, which never blocks (a write lock held elsewhere, or a
-peer that does not read, hands the rest of the write to another thread).
-Two locks:
+feeds the sans-I/O ``MuxDecoder`` and the two ``TtrpcConnection`` objects,
+resolves client futures and hands incoming requests to ``on_request`` (called
+*in the reader thread*: it must only enqueue work, never block). Any thread
+may ``call``/``call_async`` and ``respond``; the reader thread answers with
+``answer_nowait``, which never blocks. Two locks, always taken write -> state:
+``_write_lock`` serialises socket writes (a ttrpc message split into several
+mux frames is never interleaved with another, and client stream ids reach the
+peer in increasing order); ``_state_lock`` guards the ttrpc state machines,
+never held while writing, so the reader keeps reading while a writer blocks.
+The plugin serves conn 1 and calls on conn 2; a runtime-side peer does the
+opposite (docs/reference/nri-protocol.md section 1.1).
 
-- ``_write_lock`` serialises socket writes, so a ttrpc message split into
-  several mux frames is never interleaved with another message on the wire and
-  client stream ids reach the peer in increasing order;
-- ``_state_lock`` guards the ttrpc state machines (held briefly, never while
-  writing the socket), so the reader keeps reading while a writer blocks.
-
-Lock order is always write -> state. The plugin side serves conn 1 and calls
-on conn 2; a runtime-side peer (the demo's ``fracplugin_demo.nri_runtime``) does the opposite
-(docs/reference/nri-protocol.md section 1.1).
-
-Failures (mux/ttrpc protocol errors, truncated streams, EOF, socket errors)
-close the transport: pending calls fail with ``ConnectionClosed``, the socket
-is shut down, ``on_closed(reason)`` runs once in the closing thread, and
-``closed`` is set. Nothing is raised out of the reader thread.
+Failures (protocol errors, truncated streams, EOF, socket errors) close the
+transport: pending calls fail with ``ConnectionClosed``, the socket is shut
+down, ``on_closed(reason)`` runs once and ``closed`` is set. Nothing is
+raised out of the reader thread.
 """
 
 from __future__ import annotations
@@ -36,7 +29,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
-from .mux import HEADER_SIZE, MuxDecoder, MuxError, encode_frames
+from .mux import MuxDecoder, MuxError, encode_frames
 from .ttrpc import (
     Code,
     MessageIgnored,
@@ -75,11 +68,8 @@ class NriTransport:
         serve_conn: mux conn id we serve (plugin: 1, runtime: 2).
         call_conn: mux conn id we call on (plugin: 2, runtime: 1).
         on_request: ``f(RequestReceived)`` run in the reader thread for each
-            valid request; must answer later with ``respond``/``respond_error``.
+            valid request; must answer later with ``respond``.
         on_closed: ``f(reason: str)`` run once when the transport closes.
-        max_read_frame: when set, a received mux frame larger than this
-            (bytes, header incl.) is a protocol error, the way a Go peer
-            reading into a 4096-byte buffer fails (used by the test runtime).
         label: free text for log lines.
     """
 
@@ -91,7 +81,6 @@ class NriTransport:
         call_conn: int,
         on_request: Callable[[RequestReceived], None],
         on_closed: Callable[[str], None] | None = None,
-        max_read_frame: int | None = None,
         label: str = "nri",
     ) -> None:
         self._sock = sock
@@ -100,7 +89,6 @@ class NriTransport:
         self.call_conn = call_conn
         self._on_request = on_request
         self._on_closed = on_closed
-        self._max_read_frame = max_read_frame
         self.label = label
         self._mux = MuxDecoder((serve_conn, call_conn))
         self._server = TtrpcConnection(Role.SERVER)
@@ -108,7 +96,8 @@ class NriTransport:
         self._write_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._pending: dict[int, Future[ResponseReceived]] = {}
-        self._closed = threading.Event()
+        self.closed = threading.Event()
+        """Set once the transport is closed."""
         self._close_lock = threading.Lock()
         self.close_reason: str | None = None
         self._reader = threading.Thread(target=self._read_loop, name=f"{label}-reader", daemon=True)
@@ -120,20 +109,15 @@ class NriTransport:
         self._reader.start()
         return self
 
-    @property
-    def closed(self) -> threading.Event:
-        """Set once the transport is closed."""
-        return self._closed
-
     def close(self, reason: str = "closed locally") -> None:
         """Close the transport (idempotent): fail pending calls, shut the
         socket down (which also unblocks a writer stuck in ``sendall``) and
         run ``on_closed``. Does not wait for the reader thread; see ``join``."""
         with self._close_lock:
-            if self._closed.is_set():
+            if self.closed.is_set():
                 return
             self.close_reason = reason
-            self._closed.set()
+            self.closed.set()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         with self._state_lock:
@@ -157,41 +141,27 @@ class NriTransport:
 
     # -------------------------------------------------------------- writing
 
-    def _write(self, conn_id: int, data: bytes) -> None:
-        # Caller holds _write_lock.
-        if not data:
-            return
+    def _write(self, frames: bytes) -> None:
+        """Write ``frames`` (caller holds ``_write_lock``); a failed write
+        closes the transport and raises ``ConnectionClosed``."""
         try:
-            self._sock.sendall(encode_frames(conn_id, data))
+            self._sock.sendall(frames)
         except OSError as exc:
+            self.close(f"write failed: {exc}")
             raise ConnectionClosed(f"write failed: {exc}") from exc
 
-    def call_async(
-        self,
-        service: str,
-        method: str,
-        payload: bytes,
-        *,
-        timeout_nano: int = 0,
-    ) -> "Future[ResponseReceived]":
+    def call_async(self, service: str, method: str, payload: bytes, *,
+                   timeout_nano: int = 0) -> "Future[ResponseReceived]":
         """Send a request on ``call_conn``; the future resolves with the
         ``ResponseReceived`` (any status) or fails with ``ConnectionClosed``."""
-        return self._call_async(lambda: self._client.send_request(service, method, payload, timeout_nano=timeout_nano))
-
-    def _call_async(self, queue: Callable[[], int]) -> "Future[ResponseReceived]":
         fut: Future[ResponseReceived] = Future()
         with self._write_lock:
-            if self._closed.is_set():
+            if self.closed.is_set():
                 raise ConnectionClosed(self.close_reason or "closed")
             with self._state_lock:
-                sid = queue()
-                self._pending[sid] = fut
+                self._pending[self._client.send_request(service, method, payload, timeout_nano=timeout_nano)] = fut
                 data = self._client.data_to_send()
-            try:
-                self._write(self.call_conn, data)
-            except ConnectionClosed as exc:
-                self.close(str(exc))
-                raise
+            self._write(encode_frames(self.call_conn, data))
         return fut
 
     def call(self, service: str, method: str, payload: bytes, timeout_s: float) -> bytes:
@@ -205,28 +175,26 @@ class NriTransport:
             raise TimeoutError(f"{method}: no answer within {timeout_s} s") from None
         return resp.raise_for_status()
 
-    def respond(self, stream_id: int, payload: bytes) -> None:
-        """Answer request ``stream_id`` with OK and ``payload`` (a response
-        over 4 MiB becomes RESOURCE_EXHAUSTED). Raises ``ConnectionClosed``."""
-        self._answer(stream_id, lambda: self._server.send_response(stream_id, payload))
-
-    def respond_error(self, stream_id: int, code: int, message: str) -> None:
-        """Answer request ``stream_id`` with an error status. Raises
-        ``ConnectionClosed``."""
-        self._answer(stream_id, lambda: self._server.send_error(stream_id, code, message))
-
-    def _answer(self, stream_id: int, queue: Callable[[], object]) -> None:
+    def respond(self, stream_id: int, payload: bytes = b"", code: int | None = None, message: str = "") -> None:
+        """Answer request ``stream_id``: OK with ``payload`` when ``code`` is
+        None (a response over 4 MiB becomes RESOURCE_EXHAUSTED), else the
+        error status ``code``/``message``. Raises ``ConnectionClosed``, and
+        ValueError for a stream not awaiting an answer."""
         with self._write_lock:
-            if self._closed.is_set():
-                raise ConnectionClosed(self.close_reason or "closed")
-            with self._state_lock:
-                queue()
-                data = self._server.data_to_send()
-            try:
-                self._write(self.serve_conn, data)
-            except ConnectionClosed as exc:
-                self.close(str(exc))
-                raise
+            self._write(self._answer_frames(stream_id, payload, code, message))
+
+    def _answer_frames(self, stream_id: int, payload: bytes, code: int | None, message: str) -> bytes:
+        """Queue the answer (``respond``'s arguments) and return its mux
+        frames; caller holds ``_write_lock``. Raises ``ConnectionClosed`` when
+        the transport is closed, ValueError for a stream not awaiting one."""
+        if self.closed.is_set():
+            raise ConnectionClosed(self.close_reason or "closed")
+        with self._state_lock:
+            if code is None:
+                self._server.send_response(stream_id, payload)
+            else:
+                self._server.send_error(stream_id, code, message)
+            return encode_frames(self.serve_conn, self._server.data_to_send())
 
     def answer_nowait(self, stream_id: int, payload: bytes, code: int | None, message: str,
                       finish: Callable[[Callable[[], None]], None]) -> str:
@@ -235,8 +203,8 @@ class NriTransport:
         None, else the error status ``code``/``message``.
 
         Returns ``BUSY`` when another thread holds the write lock (nothing
-        done: answer with ``respond``/``respond_error`` from a thread that may
-        block); ``SENT`` when the socket took the whole answer; ``SPILLED``
+        done: answer with ``respond`` from a thread that may block); ``SENT``
+        when the socket took the whole answer; ``SPILLED``
         when it took only part (a peer that does not read fast enough): the
         write lock stays held and ``finish(write_rest)`` must run
         ``write_rest()`` on a thread that may block, which writes the rest and
@@ -246,14 +214,7 @@ class NriTransport:
         if not self._write_lock.acquire(blocking=False):
             return BUSY
         try:
-            if self._closed.is_set():
-                raise ConnectionClosed(self.close_reason or "closed")
-            with self._state_lock:
-                if code is None:
-                    self._server.send_response(stream_id, payload)
-                else:
-                    self._server.send_error(stream_id, code, message)
-                data = encode_frames(self.serve_conn, self._server.data_to_send())
+            data = self._answer_frames(stream_id, payload, code, message)
             sent = self._send_nowait(data)
         except BaseException as exc:
             self._write_lock.release()
@@ -302,7 +263,7 @@ class NriTransport:
     def _read_loop(self) -> None:
         reason = "EOF"
         try:
-            while not self._closed.is_set():
+            while not self.closed.is_set():
                 try:
                     data = self._sock.recv(_READ_SIZE)
                 except OSError as exc:
@@ -342,24 +303,19 @@ class NriTransport:
             )
 
     def _feed(self, data: bytes) -> None:
-        for frame in self._mux.receive_data(data):
-            if self._max_read_frame is not None and len(frame.payload) + HEADER_SIZE > self._max_read_frame:
-                raise MuxError(
-                    f"mux frame of {len(frame.payload) + HEADER_SIZE} bytes on conn {frame.conn_id} "
-                    f"exceeds the reader's buffer of {self._max_read_frame} bytes"
-                )
-            if frame.conn_id == self.serve_conn:
+        for conn_id, payload in self._mux.receive_data(data):
+            if conn_id == self.serve_conn:
                 with self._state_lock:
-                    events = self._server.receive_data(frame.payload)
+                    events = self._server.receive_data(payload)
                     auto = RequestRejected in map(type, events)
                 if auto:
                     with self._write_lock:
                         with self._state_lock:
                             out = self._server.data_to_send()
-                        self._write(self.serve_conn, out)
+                        self._write(encode_frames(self.serve_conn, out))
             else:
                 with self._state_lock:
-                    events = self._client.receive_data(frame.payload)
+                    events = self._client.receive_data(payload)
             for ev in events:
                 self._event(ev)
 
@@ -373,7 +329,7 @@ class NriTransport:
                     extra={"transport": self.label, "method": ev.method, "stream_id": ev.stream_id},
                 )
                 with contextlib.suppress(ConnectionClosed, ValueError):
-                    self.respond_error(ev.stream_id, Code.INTERNAL, f"dispatch failed: {exc!r}")
+                    self.respond(ev.stream_id, code=Code.INTERNAL, message=f"dispatch failed: {exc!r}")
         elif isinstance(ev, ResponseReceived):
             with self._state_lock:
                 fut = self._pending.pop(ev.stream_id, None)

@@ -1,34 +1,25 @@
 """Sans-I/O ttrpc (containerd/ttrpc) for unary calls, one object per connection.
 
 Concurrency model: none. ``TtrpcConnection`` is a plain state machine in the
-style of h2: bytes go in through ``receive_data`` and come out as events;
-``send_*`` calls queue bytes that ``data_to_send`` drains. No sockets,
-threads or clocks. The caller serialises access (``transport.py`` holds a
-lock around it).
+style of h2 (bytes in through ``receive_data``, events out; ``send_*`` queue
+bytes that ``data_to_send`` drains); the caller serialises access.
 
 Wire format (docs/reference/nri-protocol.md section 1.3, from containerd/ttrpc
 ``PROTOCOL.md`` / ``channel.go`` / ``server.go``): a 10-byte big-endian header
--- data length ``u32``, stream id ``u32``, message type ``u8`` (1 request,
-2 response, 3 data), flags ``u8`` -- then the data: a ``ttrpc.Request`` or
+(data length ``u32``, stream id ``u32``, message type ``u8``: 1 request,
+2 response, 3 data; flags ``u8``), then a ``ttrpc.Request`` or
 ``ttrpc.Response`` protobuf. Rules implemented here:
 
-- data longer than 4 MiB (``MAX_MESSAGE``) is discarded without being
-  buffered; a request of that size is answered with ``RESOURCE_EXHAUSTED``
-  (as the Go receiver does). A length of 16 MiB or more (first header byte,
-  "reserved", not 0) cannot come from any ttrpc peer and is a protocol error:
-  discarding gigabytes of garbage would hang the connection instead.
-- a client uses odd, strictly increasing stream ids (1, 3, 5, ...); a server
-  answers an even or non-increasing id with ``INVALID_ARGUMENT`` and the Go
-  messages "StreamID must be odd for client initiated streams" / "StreamID
-  cannot be re-used and must increment".
-- a response without ``status`` (or with code 0) is OK.
-- a request that does not decode is answered ``INVALID_ARGUMENT``.
-- unknown service / method answers (``UNIMPLEMENTED`` "service <name>" /
-  "method <name>") are produced by the dispatcher through ``send_error``;
-  ``unimplemented_service``/``unimplemented_method`` build the messages.
-- an outgoing response larger than 4 MiB is replaced by a
-  ``RESOURCE_EXHAUSTED`` error; an outgoing request that large raises
-  ``MessageTooLarge``.
+- data over 4 MiB (``MAX_MESSAGE``) is discarded unbuffered and such a request
+  answered ``RESOURCE_EXHAUSTED`` (as the Go receiver does); a length of
+  16 MiB or more (a "reserved" first byte not 0) comes from no ttrpc peer and
+  is a protocol error (discarding gigabytes would hang the connection);
+- a client uses odd, strictly increasing stream ids; a server answers an even
+  or non-increasing id ``INVALID_ARGUMENT`` with the Go messages (below);
+- a response without ``status`` (or with code 0) is OK; a request that does
+  not decode is answered ``INVALID_ARGUMENT``;
+- an outgoing response over 4 MiB is replaced by a ``RESOURCE_EXHAUSTED``
+  error; an outgoing request that large raises ``MessageTooLarge``.
 
 Any malformed input surfaces only as ``TtrpcError`` (drop the connection) or
 as an event; nothing else is raised by ``receive_data``.
@@ -39,7 +30,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Union
+from typing import NamedTuple, Union
 
 from .._proto import ttrpc_pb2
 from ..rpcstatus import StatusCode
@@ -97,42 +88,26 @@ def _code_name(code: int) -> str:
         return f"code {code}"
 
 
-def unimplemented_service(service: str) -> RpcError:
-    """The Go server's answer to an unknown service."""
-    return RpcError(Code.UNIMPLEMENTED, f"service {service}")
-
-
-def unimplemented_method(method: str) -> RpcError:
-    """The Go server's answer to an unknown method."""
-    return RpcError(Code.UNIMPLEMENTED, f"method {method}")
-
-
-@dataclass(frozen=True)
-class RequestReceived:
+class RequestReceived(NamedTuple):
     """A complete, valid request (server role). Answer it exactly once with
     ``send_response`` or ``send_error``. ``timeout_nano`` is the caller's time
-    left in nanoseconds (0 = none); ``metadata`` is (key, value) pairs."""
+    left in nanoseconds (0 = none); request metadata is not kept (NRI sends
+    none, docs/reference/nri-protocol.md 1.3)."""
 
     stream_id: int
     service: str
     method: str
     payload: bytes
     timeout_nano: int = 0
-    metadata: tuple[tuple[str, str], ...] = ()
 
 
-@dataclass(frozen=True)
-class ResponseReceived:
+class ResponseReceived(NamedTuple):
     """The answer to one of our requests (client role). ``code`` 0 = OK."""
 
     stream_id: int
     code: int
     message: str
     payload: bytes
-
-    @property
-    def ok(self) -> bool:
-        return self.code == Code.OK
 
     def raise_for_status(self) -> bytes:
         """Return the payload, or raise ``RpcError`` for an error status."""
@@ -141,8 +116,7 @@ class ResponseReceived:
         return self.payload
 
 
-@dataclass(frozen=True)
-class RequestRejected:
+class RequestRejected(NamedTuple):
     """A request we answered ourselves with an error (bad stream id,
     undecodable, oversized). Informational: the reply is already queued."""
 
@@ -151,8 +125,7 @@ class RequestRejected:
     message: str
 
 
-@dataclass(frozen=True)
-class MessageIgnored:
+class MessageIgnored(NamedTuple):
     """A frame that has no meaning for our role (a response to an unknown
     stream, a data frame, an unknown type, an oversized response)."""
 
@@ -195,18 +168,6 @@ class TtrpcConnection:
         # server state
         self._last_stream_id = 0
         self._awaiting: set[int] = set()
-
-    # ------------------------------------------------------------------ state
-
-    @property
-    def in_flight(self) -> frozenset[int]:
-        """Client: stream ids sent and not answered yet."""
-        return frozenset(self._in_flight)
-
-    @property
-    def awaiting_response(self) -> frozenset[int]:
-        """Server: stream ids received and not answered yet."""
-        return frozenset(self._awaiting)
 
     def data_to_send(self) -> bytes:
         """Drain and return the bytes queued by ``send_*`` and by automatic
@@ -281,8 +242,7 @@ class TtrpcConnection:
         reason = f"message length {d.length} exceeds maximum message size of {MAX_MESSAGE}"
         if self.role is Role.SERVER and d.msg_type == MessageType.REQUEST:
             if self._accept_stream_id(d.stream_id, events):
-                self._queue_error(d.stream_id, Code.RESOURCE_EXHAUSTED, reason)
-                events.append(RequestRejected(d.stream_id, Code.RESOURCE_EXHAUSTED, reason))
+                self._reject(d.stream_id, Code.RESOURCE_EXHAUSTED, reason, events)
         elif self.role is Role.CLIENT and d.msg_type == MessageType.RESPONSE and d.stream_id in self._in_flight:
             self._in_flight.discard(d.stream_id)
             events.append(ResponseReceived(d.stream_id, Code.RESOURCE_EXHAUSTED, reason, b""))
@@ -298,14 +258,9 @@ class TtrpcConnection:
                 return
             try:
                 req = ttrpc_pb2.Request.FromString(body)
-                metadata = tuple((kv.key, kv.value) for kv in req.metadata) if req.metadata else ()
-                event = RequestReceived(
-                    stream_id, req.service, req.method, bytes(req.payload), int(req.timeout_nano), metadata
-                )
+                event = RequestReceived(stream_id, req.service, req.method, bytes(req.payload), int(req.timeout_nano))
             except Exception as exc:  # protobuf DecodeError and friends: garbage payload
-                msg = f"unmarshal request error: {exc}"
-                self._queue_error(stream_id, Code.INVALID_ARGUMENT, msg)
-                events.append(RequestRejected(stream_id, Code.INVALID_ARGUMENT, msg))
+                self._reject(stream_id, Code.INVALID_ARGUMENT, f"unmarshal request error: {exc}", events)
                 return
             self._awaiting.add(stream_id)
             events.append(event)
@@ -336,40 +291,29 @@ class TtrpcConnection:
         else:
             self._last_stream_id = stream_id
             return True
-        self._queue_error(stream_id, Code.INVALID_ARGUMENT, msg)
-        events.append(RequestRejected(stream_id, Code.INVALID_ARGUMENT, msg))
+        self._reject(stream_id, Code.INVALID_ARGUMENT, msg, events)
         return False
+
+    def _reject(self, stream_id: int, code: int, message: str, events: list[Event]) -> None:
+        """Answer a request with an error ourselves and say so (``RequestRejected``)."""
+        self._queue_error(stream_id, code, message)
+        events.append(RequestRejected(stream_id, code, message))
 
     # ------------------------------------------------------------------- send
 
-    def send_request(
-        self,
-        service: str,
-        method: str,
-        payload: bytes,
-        *,
-        timeout_nano: int = 0,
-        metadata: Iterable[tuple[str, str]] = (),
-    ) -> int:
+    def send_request(self, service: str, method: str, payload: bytes, *, timeout_nano: int = 0) -> int:
         """Client: queue a unary request and return its stream id (odd,
-        increasing). Raises ``MessageTooLarge`` above ``MAX_MESSAGE`` bytes and
-        ``TtrpcError`` when the stream id space is exhausted."""
-        req = ttrpc_pb2.Request(service=service, method=method, payload=payload, timeout_nano=timeout_nano)
-        for k, v in metadata:
-            req.metadata.add(key=k, value=v)
-        return self.send_request_body(req.SerializeToString())
-
-    def send_request_body(self, body: bytes, *, check_size: bool = True) -> int:
-        """Client: queue an already encoded request ``body`` on the next stream
-        id and return the id. ``check_size=False`` lets tests send a message
-        above the limit to a peer. Raises ``MessageTooLarge`` / ``TtrpcError``
-        like ``send_request``."""
+        increasing). Raises ``MessageTooLarge`` above ``MAX_MESSAGE`` bytes,
+        ``TtrpcError`` when the stream id space is exhausted and ValueError
+        in the SERVER role."""
         if self.role is not Role.CLIENT:
             raise ValueError("send_request needs the CLIENT role")
         stream_id = self._next_stream_id
         if stream_id >= 2**32:
             raise TtrpcError("ttrpc stream ids exhausted on this connection")
-        if check_size and len(body) > MAX_MESSAGE:
+        body = ttrpc_pb2.Request(service=service, method=method, payload=payload,
+                                 timeout_nano=timeout_nano).SerializeToString()
+        if len(body) > MAX_MESSAGE:
             raise MessageTooLarge(f"request of {len(body)} bytes exceeds the ttrpc limit {MAX_MESSAGE}")
         self._next_stream_id += 2
         self._in_flight.add(stream_id)
@@ -415,10 +359,4 @@ class TtrpcConnection:
     def _frame(self, stream_id: int, mtype: int, body: bytes) -> None:
         self._out += _HEADER.pack(len(body), stream_id, mtype, 0)
         self._out += body
-
-
-def encode_message(stream_id: int, msg_type: int, body: bytes, flags: int = 0) -> bytes:
-    """Encode one raw ttrpc frame (header + ``body``), without any checks.
-    For tests and tools that need to craft frames by hand."""
-    return _HEADER.pack(len(body), stream_id, msg_type, flags) + body
 
