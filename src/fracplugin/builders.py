@@ -244,7 +244,7 @@ class Builder:
             # MPS lives in the MPS role (ADR 0009): talk to it, never start it.
             from .mps.rpc import RemoteMps
 
-            self.mps = RemoteMps(self.cfg.effective_mps_api_socket, layout, modes=modes)
+            self.mps = RemoteMps(self.cfg.effective_mps_api_socket, modes=modes)
             self._add(MpsPart(self.cfg, self.mps))
             st = self.mps.status()
             if not st.get("reachable"):

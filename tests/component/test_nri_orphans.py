@@ -282,7 +282,7 @@ def test_through_the_mps_role_api_the_orphan_leaves_the_daemon(make_harness, mps
     remotes = []
 
     def remote():
-        r = RemoteMps(api, mh.layout)
+        r = RemoteMps(api)
         r.start()
         remotes.append(r)
         return r

@@ -49,7 +49,7 @@ from typing import Any, Callable, Mapping
 from ..logs import guarded
 from ..model import ComputeMode
 from .api import DrainResult, HealthCallback, MpsApi, MpsError, MpsTimeout
-from .layout import MpsLayout, namespace_name
+from .layout import namespace_name
 from .rpcwire import API_VERSION, RequestError, parse_request
 
 log = logging.getLogger(__name__)
@@ -462,10 +462,8 @@ class RemoteMps:
     unreachable MPS role is an MpsError naming the socket.
     """
 
-    def __init__(self, path: str, layout: MpsLayout | None = None,
-                 modes: tuple[ComputeMode, ...] = tuple(ComputeMode)) -> None:
+    def __init__(self, path: str, modes: tuple[ComputeMode, ...] = tuple(ComputeMode)) -> None:
         self.path = path
-        self.layout = layout or MpsLayout()
         self.modes = modes
         self._lock = threading.Lock()
         self._status: dict[str, Any] = {"enabled": True, "remote": path, "reachable": False, "ready": False,
