@@ -36,8 +36,9 @@ from . import cordon
 from .annotation_lint import lint
 from .annotations import DEFAULT_PREFIX, form_targets, native_sidecars, parse, stray_container_keys  # noqa: F401 (stray_container_keys: re-exported)
 from .cdi import DEFAULT_SPEC_DIRS, CdiRegistry, with_node_cdi_devices
-from .enforce.capability import described_can_enforce
-from .enforce.memlimits import what_holds
+from .enforce.capability import Capability, NodeCapabilities, described, described_can_enforce
+from .enforce.memlimits import LimitPolicy, what_holds
+from .enforce.nri import LimitGate
 from .gpu.health import HealthMonitor
 from .gpu.inventory import InventoryError
 from .kubelet.devices import DEFAULT_RESOURCE_NAME, DEFAULT_UNIT_MIB
@@ -85,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the daemon's --memory-limits, for what holds each GPU's total (cgroup, per-process, none): "
                         "default the daemon's with a /status, else auto; with --node the file's driver (r615+) and "
                         "MIG modes stand for the node's capability gate, with a /status the daemon's own gate")
+    p.add_argument("--memory-limits-policy", choices=("warn", "refuse"), default=None,
+                   help="the daemon's --memory-limits-policy: refuse refuses fractional containers while the node "
+                        "cannot enforce memory limits, warn admits them without the toolkit hook's env where the "
+                        "hook would fail; default the daemon's with a /status, else refuse")
     p.add_argument("--device-unit-mib", type=_non_negative, default=None, metavar="MIB",
                    help="MiB per device of the extended resource (as fracplugin run --device-unit-mib; default: "
                         f"the daemon's with a /status, else {DEFAULT_UNIT_MIB})")
@@ -349,8 +354,8 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
             ledger_path: str | None = None, config: PlannerConfig = PlannerConfig(),
             tenancies: Sequence[Tenancy] = (), cdi_spec_dirs: Sequence[str] = (),
             cdi_kind: str | None = None, memory_limits: str = "auto", can_enforce: bool | None = None,
-            mps: bool = True, unit_mib: int = DEFAULT_UNIT_MIB,
-            resource_name: str = DEFAULT_RESOURCE_NAME) -> dict[str, Any]:
+            policy: str = "refuse", capabilities: NodeCapabilities | None = None, mps: bool = True,
+            unit_mib: int = DEFAULT_UNIT_MIB, resource_name: str = DEFAULT_RESOURCE_NAME) -> dict[str, Any]:
     """The explain report as a dict (the ``--output json`` shape): each
     container's plan with ``cdi_devices`` (the CDI devices the daemon would
     request: the scheduler's names plus each GPU's device from the specs in
@@ -365,20 +370,13 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     file of ``ledger_path`` would give them. A container asking for
     ``resource_name`` (``unit_mib`` MiB per device) is explained through the
     device plugin door (``_KubeletDoor``), the others through the NRI door's
-    planning. Raises UsageError."""
-    if isinstance(node_path, NodeInfo):
-        node = node_path
-    else:
-        try:
-            node = load_node(node_path)
-        except InventoryError as exc:
-            raise UsageError(str(exc)) from None
-    # the node file's annotations: its cordon (cordon.py) refuses GPUs as the daemon's rules do
-    health, cordon_warnings = (None, []) if isinstance(node_path, NodeInfo) else cordon.from_node_file(node_path, node)
+    planning; every door with the node's rules (``_node_rules``). Raises UsageError."""
+    rules, cordon_warnings = _node_rules(node_path, config, tenancies, ledger_path,
+                                         None if memory_limits == "off" else policy, capabilities)
+    node, ledger = rules.node, rules.ledger
     cdi = CdiRegistry(cdi_spec_dirs, node.gpus, kind=cdi_kind) if cdi_spec_dirs else None
-    ledger = _scratch_ledger(node, config, tenancies, ledger_path)
     if pod.get("kind") == "ResourceClaim":
-        return _explain_claim(pod, node, ledger, config, cdi, health)
+        return _explain_claim(pod, node, rules, cdi)
     if (problem := pod_shape_problem(pod)) is not None:
         raise UsageError(f"pod: {problem}")
     md = pod["metadata"]
@@ -393,18 +391,18 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
         can_enforce = described_can_enforce(node.gpus, node.driver_version)
     holds = what_holds(memory_limits != "off" and can_enforce, mps)
     out = []
-    rules = NodeRules(node, ledger, config, health=health)  # the doors' rules (MIG and cordoned GPUs excluded)
     kubelet: _KubeletDoor | None = None
     for name in listed:
         if container is not None and name != container:
             continue
         if (count := resource_count(specs.get(name, {}), resource_name)) > 0:  # the device plugin door
             kubelet = kubelet or _KubeletDoor(rules, pod, resource_name, unit_mib)
-            out.append(kubelet.explain(name, count, ref, cdi))
+            entry = kubelet.explain(name, count, ref, cdi)
+            out.append({**entry, "holds": dict.fromkeys(entry["devices"], holds)} if entry["devices"] else entry)
             continue
         try:
             req = parse(annotations, name, prefix=config.annotation_prefix, containers=targets)
-            plan = rules.plan(req, ref) if req is not None else None
+            plan = rules.gate(rules.plan(req, ref)) if req is not None else None
         except FractionError as err:
             out.append(_unplanned(name, err))
             continue
@@ -424,6 +422,30 @@ def explain(pod: dict[str, Any], node_path: str | NodeInfo, *, container: str | 
     warnings += kubelet.warnings if kubelet else []
     return {"pod": str(ref), "node": node.name, "containers": out, "warnings": warnings,
             "cdi": _cdi_report(cdi, warnings)}
+
+
+def _node_rules(node_path: str | NodeInfo, config: PlannerConfig, tenancies: Sequence[Tenancy],
+                ledger_path: str | None, policy: str | None,
+                capabilities: NodeCapabilities | None) -> tuple[NodeRules, list[str]]:
+    """The daemon's rules for the node of ``node_path`` (a node file, or the node itself), and the warnings of
+    the file's cordon annotation: its GPUs (MIG and cordoned ones excluded, ``cordon.from_node_file``), its
+    tenants (``_scratch_ledger``) and the memory-limit step under ``policy`` (None: ``--memory-limits off``)
+    on the node's gate: the daemon's own ``capabilities`` (from /status), or what the file says (driver, MIG
+    modes: ``capability.described``). Raises UsageError."""
+    health: HealthMonitor | None = None
+    warnings: list[str] = []
+    if isinstance(node_path, NodeInfo):
+        node = node_path
+    else:
+        try:
+            node = load_node(node_path)
+        except InventoryError as exc:
+            raise UsageError(str(exc)) from None
+        health, warnings = cordon.from_node_file(node_path, node)
+    caps = capabilities or described(node.gpus, node.driver_version)
+    gate = None if policy is None else LimitGate(LimitPolicy(policy), lambda: caps)
+    ledger = _scratch_ledger(node, config, tenancies, ledger_path)
+    return NodeRules(node, ledger, config, health=health, gate=gate), warnings
 
 
 def _containers(spec: Mapping[str, Any]) -> tuple[list[str], list[str], list[str], dict[str, Any]]:
@@ -475,7 +497,9 @@ class _KubeletDoor:
         rules, key = self.alloc.rules, f"resources.limits[{self.resource_name}]"
         held = {(u, n) for t in rules.ledger.tenancies() if t.door == al.DOOR_ALLOCATE
                 for u, ns in al.parse_reservation_key(t.reservation).items() for n in ns}
-        free = [d for g in rules.node.gpus for d in self.table.ids(g.uuid) if parse_device_id(d) not in held]
+        unusable = rules.unusable()  # the device plugin lists their units Unhealthy: kubelet allocates none
+        free = [d for g in rules.node.gpus if g.uuid not in unusable for d in self.table.ids(g.uuid)
+                if parse_device_id(d) not in held]
         try:
             ids = self.alloc.preferred.devices(free, [], count)
             ids += [d for d in free if d not in ids][:count - len(ids)]  # kubelet tops a short answer up
@@ -498,6 +522,15 @@ class _KubeletDoor:
         mounts = {m.destination: m for m in (*answer.mounts, *plan.mounts)}
         return {**with_node_cdi_devices(plan, cdi).to_dict(), "env": env, "kubelet_devices": ids,
                 "mounts": [m.to_dict() for m in mounts.values()]}
+
+
+def _live_capabilities(ml: dict[str, Any]) -> NodeCapabilities | None:
+    """The daemon's own gate from its /status ``memory_limits.node.capabilities`` (None when it reports none)."""
+    items = (ml.get("node") or {}).get("capabilities")
+    if not isinstance(items, list):
+        return None
+    return NodeCapabilities(tuple(Capability(str(c.get("name")), c.get("ok"), str(c.get("detail", "")))
+                                  for c in items if isinstance(c, dict)))
 
 
 def _unplanned(name: str, err: FractionError | None = None) -> dict[str, Any]:
@@ -534,8 +567,7 @@ def _scratch_ledger(node: NodeInfo, config: PlannerConfig, tenancies: Sequence[T
     return ledger
 
 
-def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: PlannerConfig,
-                   cdi: CdiRegistry | None, health: HealthMonitor | None = None) -> dict[str, Any]:
+def _explain_claim(doc: dict[str, Any], node: NodeInfo, rules: NodeRules, cdi: CdiRegistry | None) -> dict[str, Any]:
     """What the DRA door's Prepare would give an allocated ResourceClaim
     (``status.allocation`` filled; issue 29 item 6, ADR 0031): one entry,
     the claim's plan (env, mount, the CDI devices Prepare answers: the claim's
@@ -549,7 +581,7 @@ def _explain_claim(doc: dict[str, Any], node: NodeInfo, ledger: Ledger, config: 
     entry: dict[str, Any]
     try:
         claim = dra_claims.read_claim(doc, node)
-        plan = with_node_cdi_devices(dra_claims.plan_claim(claim, NodeRules(node, ledger, config, health=health)), cdi)
+        plan = with_node_cdi_devices(dra_claims.plan_claim(claim, rules), cdi)
     except FractionError as err:
         entry = _unplanned(name, err)
     else:
@@ -637,6 +669,7 @@ def main(args: argparse.Namespace) -> int:
         node: str | NodeInfo
         tenancies: list[Tenancy] = []
         limits, can, mps = args.memory_limits, None, True
+        policy, caps = args.memory_limits_policy, None
         dp: Any = {}
         if args.node is not None:
             node = args.node
@@ -658,6 +691,8 @@ def main(args: argparse.Namespace) -> int:
             ml: dict[str, Any] = doc["memory_limits"] if isinstance(doc.get("memory_limits"), dict) else {}
             limits = limits or str(ml.get("mode") or "off")  # the daemon's own gate, when it reports one
             can = bool((ml.get("node") or {}).get("can_enforce"))
+            policy = policy or str(ml.get("policy") or "refuse")
+            caps = _live_capabilities(ml)
             mps = not (isinstance(doc.get("config"), dict) and doc["config"].get("no_mps"))
             dp = doc.get("device_plugin") if isinstance(doc.get("device_plugin"), dict) else {}
         unit = args.device_unit_mib if args.device_unit_mib is not None else (
@@ -666,7 +701,8 @@ def main(args: argparse.Namespace) -> int:
         dirs = [d.strip() for d in (args.cdi_spec_dirs or "").split(",") if d.strip()]
         reports = [explain(d, node, container=args.container, ledger_path=args.ledger, config=config,
                            tenancies=tenancies, cdi_spec_dirs=dirs, cdi_kind=args.cdi_kind,
-                           memory_limits=limits or "auto", can_enforce=can, mps=mps,
+                           memory_limits=limits or "auto", can_enforce=can, policy=policy or "refuse",
+                           capabilities=caps, mps=mps,
                            unit_mib=unit, resource_name=resource) for d in docs]
     except UsageError as exc:
         print(f"fracplugin explain: {exc}", file=sys.stderr)

@@ -36,7 +36,7 @@ from .planner import NO_UNUSABLE, EmptyLedger, PlannerConfig, Unusable, plan, pl
 from .rpcstatus import StatusCode
 
 if TYPE_CHECKING:
-    from .enforce.nri import NriMemoryLimits
+    from .enforce.nri import LimitGate, NriMemoryLimits
     from .gpu.health import HealthMonitor
 
 TRANSIENT = frozenset({"unhealthy", "mps_unavailable", "ledger_io", reservations.CODE_PENDING})
@@ -73,18 +73,21 @@ class NodeRules:
         config: the planner settings.
         health: the node's one GPU health monitor (XID marks, the cordon);
             None: no XIDs are watched, no GPU is cordoned (unit tests).
-        limits: the memory-limit admission; None: ``--memory-limits off``.
+        limits: the memory-limit admission and enforcement; None: ``--memory-limits off``.
+        gate: the memory-limit admission alone, where nothing is enforced (``explain``); default ``limits``.
 
     Thread-safe: it keeps no state of its own beyond the MIG table.
     """
 
     def __init__(self, node: NodeInfo, ledger: Ledger, config: PlannerConfig, *,
-                 health: HealthMonitor | None = None, limits: NriMemoryLimits | None = None) -> None:
+                 health: HealthMonitor | None = None, limits: NriMemoryLimits | None = None,
+                 gate: LimitGate | None = None) -> None:
         self.node = node
         self.ledger = ledger
         self.config = config
         self.health = health
         self.limits = limits
+        self._gate = gate or limits
         self._mig: dict[str, Unusable] = {g.uuid: Unusable("is in MIG mode", "mig")
                                           for g in node.gpus if g.mig_enabled}
 
@@ -140,7 +143,7 @@ class NodeRules:
         """Step 4: the plan to answer with (the toolkit hook's env withheld
         while the hook would fail). Raises FractionError
         (``memory_limits_unenforceable``) under policy refuse."""
-        return p if self.limits is None else self.limits.admit(p)
+        return p if self._gate is None else self._gate.admit(p)
 
     def record(self, p: ContainerPlan, *, door: str = DOOR_NRI, container_id: str = "", reservation: str = "",
                bound: bool = True) -> list[Tenancy]:

@@ -40,10 +40,17 @@ def test_what_holds_each_gpus_total(examples, node_file, tmp_path, limits, holds
     assert c["holds"] == {u: holds for u in c["devices"]} and len(c["devices"]) == 4
     old = tmp_path / "old.yaml"
     old.write_text(node_file.read_text().replace('driver_version: "615.71.09"', 'driver_version: "570.86.15"'))
-    r = run(pod, "--node", str(old), "-o", "json", "--memory-limits", "apply")
-    assert set(json.loads(r.stdout)["containers"][0]["holds"].values()) == {"per-process"}, r.stderr
+    r = run(pod, "--node", str(old), "-o", "json", "--memory-limits", "apply", "--memory-limits-policy", "warn")
+    (c,) = json.loads(r.stdout)["containers"]
+    assert set(c["holds"].values()) == {"per-process"}, r.stderr
+    assert "NVIDIA_GPU_MEMORY_LIMIT" not in c["env"]  # the toolkit hook would fail the start: withheld, as the daemon
     assert "what holds the total per GPU: GPU-8f3e2d51-6a0b-4c1e-9d7a-2b5c8e1f0a01 per-process" in run(
-        pod, "--node", str(old)).stdout
+        pod, "--node", str(old), "--memory-limits-policy", "warn").stdout
+    # the daemon's default policy refuses there (review: explain planned it)
+    r = run(pod, "--node", str(old), "-o", "json")
+    (c,) = json.loads(r.stdout)["containers"]
+    assert r.returncode == 1 and c["error"]["key"] == "node", r.stdout
+    assert "driver 570.86.15 is older than r615" in c["error"]["reason"], c["error"]
 
 
 def test_table_output_and_refusal_exit_code(tmp_path, node_file):

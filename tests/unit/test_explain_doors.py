@@ -147,3 +147,30 @@ def test_input6_missing_cdi_spec_dir_is_one_warning(tmp_path: Path, node_file):
     r = run(str(f), "--node", str(node_file), "--cdi-spec-dirs", "/nonexistent")
     assert r.stdout.count("/nonexistent") == 1, r.stdout
     assert "warning: CDI spec directory /nonexistent: does not exist; no spec is read from it" in r.stdout
+
+
+def test_every_door_in_explain_applies_the_same_node_rules(tmp_path, examples, node_file):
+    """Review of 2026-12-07: explain's device plugin door placed units on a cordoned GPU (the daemon lists
+    them Unhealthy, kubelet never allocates them), gave no ``holds``, and no door of explain applied the
+    memory-limit gate (an r550 node under the default policy refuse planned a pod the daemon refuses)."""
+    node = yaml.safe_load(node_file.read_text())
+    cordoned = tmp_path / "cordoned.yaml"
+    cordoned.write_text(yaml.safe_dump({**node, "annotations": {"fracplugin.io/cordoned-gpus": "0"}}))
+    gpu0 = node["gpus"][0]["uuid"]
+    ext = examples / "pods/default-scheduler.yaml"
+    r = run(str(ext), "--node", str(cordoned), "-o", "json")
+    assert r.returncode == 0, r.stdout
+    (c,) = json.loads(r.stdout)["containers"]
+    assert c["devices"] and gpu0 not in c["devices"] and not any(d.startswith(gpu0) for d in c["kubelet_devices"])
+    assert c["holds"] == {u: "cgroup" for u in c["devices"]}
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump({**node, "driver_version": "550.54.15"}))
+    nri = examples / "pods/notebook-time-slicing-2gpu.yaml"
+    for path in (ext, nri):  # every door: the same refusal, naming the driver
+        r = run(str(path), "--node", str(old), "-o", "json")
+        (c,) = json.loads(r.stdout)["containers"]
+        assert r.returncode == 1 and "driver 550.54.15 is older than r615" in c["error"]["reason"], (path, c)
+        r = run(str(path), "--node", str(old), "-o", "json", "--memory-limits-policy", "warn")
+        (c,) = json.loads(r.stdout)["containers"]
+        assert r.returncode == 0 and c["error"] is None, (path, c)
+        assert "NVIDIA_GPU_MEMORY_REQUEST" not in c["env"] and set(c["holds"].values()) == {"per-process"}

@@ -206,6 +206,13 @@ def _hook(gpus: Sequence[GpuInfo], hook_of: Callable[[str], bool | None] | None)
                                         "(memory-limit hook unknown)"), hook
 
 
+def described(gpus: Sequence[GpuInfo], driver_version: str) -> NodeCapabilities:
+    """The gate's inputs a node description alone (a node file: ``fracplugin explain --node``) gives: the
+    driver's version and the GPUs' MIG modes; the kernel's inputs and the MPS protocol are unknown (they do not
+    block, as in the daemon's gate)."""
+    return NodeCapabilities((_driver(driver_version), _mig(gpus)))
+
+
 def described_can_enforce(gpus: Sequence[GpuInfo], driver_version: str) -> bool:
     """What a node description alone (a node file: ``fracplugin explain --node``) says of the gate: the
     driver is known to be r615+ and some GPU is not in MIG mode. The kernel's inputs (cgroup v2, memory

@@ -40,30 +40,19 @@ HOOK_FAILS_ON = ("driver", "cgroup_v2", "memory_accounting", "mig_off")
 """Capabilities whose absence makes the toolkit hook fail the container's start."""
 
 
-class NriMemoryLimits:
-    """Args:
-        enforcer: the per-container apply/verify engine.
+class LimitGate:
+    """The memory-limit step of every door's admission (``NodeRules.gate``, ADR 0025 decision 3): a plan
+    refused under policy refuse while the node cannot enforce, else answered without the toolkit hook's env
+    where the hook would fail the start. Also what ``explain`` builds from a node file.
+
+    Args:
         policy: warn or refuse.
-        gate_reason: ``() -> str``: "" when the node can enforce, else why.
-        observe: ``f(seconds)`` per StartContainer apply/verify (a histogram).
-        on_not_enforced: ``f(pod ref, container, message)`` when a started
-            container's limit is not in force (the ``MemoryLimitNotEnforced``
-            Warning Event); must not block; its exceptions are logged.
-        capabilities: ``() -> NodeCapabilities`` (the gate's full answer):
-            decides which env the toolkit hook must not get.
+        capabilities: ``() -> NodeCapabilities`` (the node's gate): why it cannot enforce, and which env the
+            toolkit hook must not get."""
 
-    Built with ``--memory-limits`` not off only (``wiring.MemoryLimits``)."""
-
-    def __init__(self, enforcer: MemoryLimitEnforcer, policy: LimitPolicy,
-                 gate_reason: Callable[[], str], observe: Callable[[float], None],
-                 on_not_enforced: Callable[[PodRef, str, str], None] | None,
-                 capabilities: Callable[[], NodeCapabilities]) -> None:
-        self.capabilities = capabilities
-        self.enforcer = enforcer
+    def __init__(self, policy: LimitPolicy, capabilities: Callable[[], NodeCapabilities]) -> None:
         self.policy = policy
-        self.gate_reason = gate_reason
-        self.observe = observe
-        self.on_not_enforced = on_not_enforced
+        self.capabilities = capabilities
 
     def withheld_keys(self) -> tuple[str, ...]:
         """Env keys not handed to containers now (``HOOK_ENV`` while a
@@ -75,7 +64,7 @@ class NriMemoryLimits:
         Raises FractionError (key ``node``, code ``REFUSAL_CODE``) when the policy refuses and the node cannot
         enforce."""
         if self.policy is LimitPolicy.REFUSE:
-            why = self.gate_reason()
+            why = self.capabilities().reason
             if why:
                 raise FractionError("node", None, f"{why} (--memory-limits-policy refuse; --memory-limits off "
                                                   f"admits fractional pods here without CUDA memory limits)",
@@ -84,6 +73,25 @@ class NriMemoryLimits:
         if withheld and any(k in plan.env for k in withheld):
             return dataclasses.replace(plan, env={k: v for k, v in plan.env.items() if k not in withheld})
         return plan
+
+
+class NriMemoryLimits(LimitGate):
+    """The gate (``LimitGate``) and the apply/verify of each container's limits. Args, beside the gate's:
+        enforcer: the per-container apply/verify engine.
+        observe: ``f(seconds)`` per StartContainer apply/verify (a histogram).
+        on_not_enforced: ``f(pod ref, container, message)`` when a started
+            container's limit is not in force (the ``MemoryLimitNotEnforced``
+            Warning Event); must not block; its exceptions are logged.
+
+    Built with ``--memory-limits`` not off only (``wiring.MemoryLimits``)."""
+
+    def __init__(self, enforcer: MemoryLimitEnforcer, policy: LimitPolicy, observe: Callable[[float], None],
+                 on_not_enforced: Callable[[PodRef, str, str], None] | None,
+                 capabilities: Callable[[], NodeCapabilities]) -> None:
+        super().__init__(policy, capabilities)
+        self.enforcer = enforcer
+        self.observe = observe
+        self.on_not_enforced = on_not_enforced
 
     def start(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container, ledger: Ledger) -> ContainerLimits | None:
         """Apply/verify for a container the ledger holds by container id, or

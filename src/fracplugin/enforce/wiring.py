@@ -69,7 +69,7 @@ class MemoryLimits:
                                             region_of=self.regions.get, can_enforce=self.gate.reason)
         self._hist: Any = None
         self._drift: tuple[Any, list[dict[str, Any]]] = (None, [])
-        self.nri = NriMemoryLimits(self.enforcer, policy, self.gate.reason, observe=self._observe,
+        self.nri = NriMemoryLimits(self.enforcer, policy, observe=self._observe,
                                    on_not_enforced=on_not_enforced, capabilities=self.gate.current)
 
     @classmethod
