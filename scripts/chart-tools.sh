@@ -10,7 +10,8 @@
 #   promtool  github.com/prometheus/prometheus/cmd/promtool  PROMTOOL_MODULE_VERSION
 #             (v0.316.0 = Prometheus 3.16.0; Prometheus tags its Go module v0.3xx.y for release 3.xx.y)
 #   actionlint  github.com/rhysd/actionlint/cmd/actionlint   ACTIONLINT_VERSION (v1.7.12; checks .github/workflows)
-# Cache: $FRACPLUGIN_TOOLS_CACHE (default /var/cache/fracplugin-e2e/chart-tools),
+# Cache: $FRACPLUGIN_TOOLS_CACHE (default $FRACPLUGIN_E2E_CACHE/chart-tools, that is
+# /var/cache/fracplugin-e2e/chart-tools: the e2e builds' cache variable moves it too),
 # one directory per tool and version, like the containerd/kubernetes builds of
 # the e2e suites. A present binary is reused; a missing Go toolchain is a failure.
 # Cold build times are recorded in docs/helm.md.
@@ -18,7 +19,7 @@ set -euo pipefail
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 PROMTOOL_MODULE_VERSION="${PROMTOOL_MODULE_VERSION:-v0.316.0}"
 ACTIONLINT_VERSION="${ACTIONLINT_VERSION:-v1.7.12}"
-CACHE="${FRACPLUGIN_TOOLS_CACHE:-/var/cache/fracplugin-e2e/chart-tools}"
+CACHE="${FRACPLUGIN_TOOLS_CACHE:-${FRACPLUGIN_E2E_CACHE:-/var/cache/fracplugin-e2e}/chart-tools}"
 HELM_MAJOR="${HELM_VERSION%%.*}"           # v3 or v4: the module path carries the major version
 HELM_PKG="helm.sh/helm/$HELM_MAJOR/cmd/helm"
 GO="$(command -v go || true)"
