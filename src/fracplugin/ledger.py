@@ -65,7 +65,7 @@ def same_hold(t: Tenancy, owner: tuple[str, str], reservation: str = "") -> bool
 def holder_text(t: Tenancy) -> str:
     """``namespace/pod/container`` of a hold, or ``reservation <key> (holder
     not known yet)`` for a kubelet reservation no container claimed yet
-    (README, "What each door decides"; never ``//``)."""
+    (docs/user-guide.md, "What each door decides when both are on"; never ``//``)."""
     if t.bound:
         return f"{t.namespace}/{t.pod_name}/{t.container}"
     return f"reservation {t.reservation} (holder not known yet)"

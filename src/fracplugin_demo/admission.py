@@ -47,7 +47,7 @@ from fracplugin import contract as C
 from fracplugin.model import ComputeMode, FractionError
 
 POLICY_NAME = "fracplugin-annotations"
-STATIC_MESSAGE = ("a fracplugin annotation of this pod breaks the contract (README \"Annotations\"); "
+STATIC_MESSAGE = ("a fracplugin annotation of this pod breaks the contract (docs/user-guide.md \"Annotations\"); "
                   "`fracplugin explain POD.yaml --node NODE.yaml` names the key, the value and the rule")
 VALIDATION_ACTIONS = ("Deny", "Warn")
 

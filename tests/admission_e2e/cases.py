@@ -1,4 +1,4 @@
-"""The contract's table (README "Annotations") as admission cases: for each
+"""The contract's table (docs/user-guide.md "Annotations") as admission cases: for each
 row, annotations that break it one way each, and good pods that must be
 admitted. The expected message is always computed by ``fracplugin explain``
 (``expected_message``), never written here: what is pinned is that the API

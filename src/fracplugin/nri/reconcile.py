@@ -231,7 +231,7 @@ class Reconciler:
         that runs holds and the others hold nothing, whatever the list's
         order (issue 34): ``_HOLD_RANK`` of its state first, then the newest
         (``created_at``, NRI v0.10+), then the one the ledger binds now,
-        then the later in the list (README, "What each door decides")."""
+        then the later in the list (docs/user-guide.md, "What each door decides when both are on")."""
         best: dict[tuple[str, str], tuple[tuple[int, int, int, int], nri_pb2.Container]] = {}
         for i, c in enumerate(containers):
             pod = pods_by_id.get(c.pod_sandbox_id)
