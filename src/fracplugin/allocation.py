@@ -115,6 +115,14 @@ def union_key(keys: Iterable[str]) -> str:
     return reservation_key(by)
 
 
+def charge_mib(key: str, unit_mib: int) -> dict[str, int]:
+    """What a device plugin door hold of ``key`` (canonical; raises
+    ReservationKeyError otherwise) is charged on each GPU: ``unit_mib`` per
+    device of the key on that GPU, MiB by GPU UUID. A union hold (ADR 0033
+    decision 3) is charged by this, once, whichever door made it."""
+    return {u: len(v) * unit_mib for u, v in _device_sets(key).items()}
+
+
 def to_tenancies(
     plan: ContainerPlan, container_id: str = "", *, door: str = DOOR_NRI, reservation: str = "", bound: bool = True
 ) -> list[Tenancy]:

@@ -318,7 +318,7 @@ def join_pod_hold(ledger: Ledger, key: str, unit_mib: int, pod_uids: Container[s
                 or not overlaps(other, key)):
             continue
         union = al.union_key([other, key])
-        per = {u: len(v) * unit_mib for u, v in al.parse_reservation_key(union).items()}
+        per = al.charge_mib(union, unit_mib)
         new = [dataclasses.replace(t, reservation=union, request_mib=max(t.request_mib, per.get(t.gpu_uuid, 0)),
                                    limit_mib=max(t.limit_mib, per.get(t.gpu_uuid, 0))) for t in held]
         ledger.transform(lambda cur: [t for t in cur if t.reservation not in (other, key)] + new)

@@ -430,7 +430,7 @@ class Allocator:
         hold = self._holds.pop(key, key)
         charged = plan
         if hold != key:  # one hold with an init container's devices: the union of both, counted once
-            mib = max(len(v) for v in al.parse_reservation_key(hold).values()) * self.unit_mib
+            mib = max(al.charge_mib(hold, self.unit_mib).values())
             charged = dataclasses.replace(plan, request_mib=max(plan.request_mib, mib),
                                           limit_mib=max(plan.limit_mib, mib))
         try:
