@@ -25,7 +25,8 @@
 # Needs root, mmdebstrap, buildah, runc, and for a foreign architecture
 # qemu-user-static and arch-test (.ci/run installs them with apt-get).
 # Env: FRACPLUGIN_IMAGE_ARCHES ("amd64 arm64"), FRACPLUGIN_IMAGE_SUITE (bookworm),
-# FRACPLUGIN_IMAGE_MIRROR (http://deb.debian.org/debian), FRACPLUGIN_IMAGE_DIR (build/image).
+# FRACPLUGIN_IMAGE_MIRROR (http://deb.debian.org/debian), FRACPLUGIN_IMAGE_DIR (build/image),
+# FRACPLUGIN_IMAGE_BUD_TIMEOUT_S (900: one bud's limit; a bud past it is tried once more).
 # Cached: the base tarballs and the uv binary per architecture under
 # build/image/<arch>/ (delete build/image for a cold build).
 set -euo pipefail
@@ -44,6 +45,10 @@ HOST_PYTHON=$(command -v python3.11 || command -v python3 || true)
 [ -n "$HOST_PYTHON" ] && "$HOST_PYTHON" -m pip --version >/dev/null 2>&1 \
   || die "no python3.11 (or python3) with pip on PATH: it downloads uv's wheel from PyPI"
 ARCHES=${FRACPLUGIN_IMAGE_ARCHES:-amd64 arm64}
+# One bud takes about 130 s native and 210 s for arm64 under qemu on an idle
+# 2-core machine; a RUN step under qemu once hung with no CPU for 30 min after
+# uv had installed (docs/e2e.md, cold4). A bud past this is killed and tried once more.
+BUD_TIMEOUT_S=${FRACPLUGIN_IMAGE_BUD_TIMEOUT_S:-900}
 SUITE=${FRACPLUGIN_IMAGE_SUITE:-bookworm}
 MIRROR=${FRACPLUGIN_IMAGE_MIRROR:-http://deb.debian.org/debian}
 OUT=$(mkdir -p "${FRACPLUGIN_IMAGE_DIR:-build/image}" && cd "${FRACPLUGIN_IMAGE_DIR:-build/image}" && pwd)
@@ -53,6 +58,16 @@ UV_VERSION=${UV_IMAGE_DEFAULT##*:}
 VERSION=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml | head -1)
 [ -n "$PYTHON_VERSION" ] && [ -n "$UV_VERSION" ] && [ -n "$VERSION" ] \
   || die "could not read PYTHON_VERSION / UV_IMAGE from Dockerfile or version from pyproject.toml"
+
+# A killed bud leaves its RUN step's processes (runc's, under qemu) holding the
+# store's overlay mounts: kill every process whose root is inside the store.
+kill_store_processes() {
+  local p root
+  for p in /proc/[0-9]*; do
+    root=$(readlink "$p/root" 2>/dev/null) || continue
+    case "$root" in "$OUT/store"/*) kill -9 "${p#/proc/}" 2>/dev/null || true ;; esac
+  done
+}
 
 # Debian architecture -> what qemu, the kernel (uname -m) and manylinux wheels call it.
 machine_of() {
@@ -183,15 +198,25 @@ PY
   # reach apt's mirror and PyPI as the host does (no uv python download:
   # PYTHON_SOURCE=system takes Debian's python3.11 from the bases). A foreign
   # architecture's RUN steps run under qemu (ensure_emulation).
-  log "$arch buildah bud --platform linux/$arch Dockerfile (BASE=$base)"
-  buildah "${STORE[@]}" rmi -f "$TAG-$arch" >/dev/null 2>&1 || true
-  if ! buildah "${STORE[@]}" bud --quiet --pull=never --network host --format oci --platform "linux/$arch" \
-    --build-arg BASE="$base" --build-arg BUILD_BASE="$build_base" --build-arg UV_IMAGE="$uv_image" \
-    --build-arg PYTHON_SOURCE=system \
-    -t "$TAG-$arch" -f Dockerfile . >"$dir/bud.log" 2>&1; then
+  local try rc=0
+  for try in 1 2; do
+    log "$arch buildah bud --platform linux/$arch Dockerfile (BASE=$base), try $try of 2, at most ${BUD_TIMEOUT_S} s"
+    buildah "${STORE[@]}" rmi -f "$TAG-$arch" >/dev/null 2>&1 || true
+    rc=0
+    timeout -k 30 "$BUD_TIMEOUT_S" buildah "${STORE[@]}" bud --quiet --pull=never --network host --format oci \
+      --platform "linux/$arch" \
+      --build-arg BASE="$base" --build-arg BUILD_BASE="$build_base" --build-arg UV_IMAGE="$uv_image" \
+      --build-arg PYTHON_SOURCE=system \
+      -t "$TAG-$arch" -f Dockerfile . >"$dir/bud.log" 2>&1 || rc=$?
+    [ "$rc" = 0 ] && break
     tail -n 40 "$dir/bud.log" >&2
-    die "buildah bud for $arch failed (whole log: $dir/bud.log)"
-  fi
+    # 124/137: timed out. Only a hang is retried; a failing step fails again.
+    case "$rc" in 124|137) ;; *) die "buildah bud for $arch failed (exit $rc; whole log: $dir/bud.log)" ;; esac
+    kill_store_processes
+    buildah "${STORE[@]}" rm --all >/dev/null 2>&1 || true
+    log "$arch buildah bud hung past ${BUD_TIMEOUT_S} s (FRACPLUGIN_IMAGE_BUD_TIMEOUT_S)"
+  done
+  [ "$rc" = 0 ] || die "buildah bud for $arch hung twice past ${BUD_TIMEOUT_S} s (whole log: $dir/bud.log)"
   buildah "${STORE[@]}" rm --all >/dev/null 2>&1 || true
   log "$arch built in $(( $(date +%s) - t0 )) s"
 }
