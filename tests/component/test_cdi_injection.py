@@ -198,3 +198,48 @@ def test_one_cdi_device_per_gpu_and_only_one_the_node_lists(daemon: Callable[...
         assert len(cdi["specs"]) == 301 and cdi["invalid_specs"] == [], cdi["invalid_specs"]
     finally:
         rt.close()
+
+
+def test_a_changed_spec_directory_is_reread_in_the_background_and_then_used(
+        daemon: Callable[..., DaemonProc], root: Path) -> None:
+    """Issue 34 input 7 through the real NRI socket: 300 specs of ~12 KB (other vendors' kinds) in a spec
+    directory; the node's own GPU spec appears and one of the 300 is touched; the next CreateContainer is
+    answered (from the snapshot the watcher last swapped in: with or without the new device, never an
+    error), and once the background re-read ended (``/status`` lists the new spec's devices) the next
+    CreateContainer gets the new spec's device for GPU 0. That the answer never waits for the re-read is
+    tests/unit/test_cdi.py::test_lookups_never_wait_for_a_reread; its cost is ``nri.create.cdi_refresh.p99_ms``
+    (tests/bench/bench_cdi.py)."""
+    import os
+
+    from nri_runtime import FakeNriRuntime, make_container, make_pod
+
+    etc, run = spec_tree(root)
+    filler = "\n".join(f"  - name: dev{i}\n    containerEdits: {{env: [X_{i}={'y' * 100}]}}" for i in range(80))
+    for i in range(300):  # ~12 KB each
+        (etc / f"vendor{i}.yaml").write_text(f'cdiVersion: "0.6.0"\nkind: vendor{i}.example/fpga\ndevices:\n{filler}\n')
+    assert (etc / "vendor7.yaml").stat().st_size > 11_000
+    rt = FakeNriRuntime(root / "nri.sock", initial_sync=([], []))
+
+    def create(name: str) -> object:
+        sandbox = make_pod(name, "team", f"uid-{name}", {"nvidia.com/container.app.gpu-memory.request": "8Gi",
+                                                          "nvidia.com/container.app.gpus.devices": "0"})
+        adj = rt.create_container(sandbox, make_container(sandbox, "app"))
+        assert getattr(adj, "code", None) is None and hasattr(adj, "env"), adj
+        return adj
+
+    try:
+        d = nri_daemon(daemon, root, etc, run)
+        rt.wait_registered(15)
+        wait_until(d.ready, what=lambda: f"readiness: {d.get('/readyz')}")
+        assert [c.name for c in create("before").CDI_devices] == []  # no spec of a GPU kind yet
+        assert d.get("/status")[1]["cdi"]["gpus_without_spec"] == UUIDS
+        shutil.copy(FIX / "with-hook" / "k8s.device-plugin.nvidia.com-gpu.yaml", run / "zz-dp.yaml")
+        os.utime(etc / "vendor7.yaml")
+        assert [c.name for c in create("during").CDI_devices] in ([], [f"{DP}={UUIDS[0]}"])
+        wait_until(lambda: d.get("/status")[1]["cdi"]["gpus_without_spec"] == [], 20,
+                   what=lambda: f"the background re-read: {d.get('/status')[1]['cdi']['gpus_without_spec']}")
+        assert [c.name for c in create("after").CDI_devices] == [f"{DP}={UUIDS[0]}"]
+        cdi = d.get("/status")[1]["cdi"]
+        assert len(cdi["specs"]) == 301 and cdi["invalid_specs"] == [], cdi["invalid_specs"]
+    finally:
+        rt.close()

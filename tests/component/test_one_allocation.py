@@ -527,6 +527,8 @@ def test_15b_a_pod_level_fraction_naming_a_native_sidecar_fences_it_and_leaves_t
         adj, env = n.create(p, c)
         assert getattr(adj, "code", None) is None, adj  # neither is refused
         got[c] = env.get("NVIDIA_GPU_MEMORY_REQUEST")
+        if c == "app":  # untouched: no env, mount or CDI device at all
+            assert (list(adj.env), list(adj.mounts), list(adj.CDI_devices)) == ([], [], []), adj
     assert got == {"sidecar": "20133", "app": None}  # floor((81559 - 1024 reserve) x 0.25)
     assert [(t["container"], t["request_mib"]) for t in n.tenants()] == [("sidecar", 20133)]
     assert n.warnings() == []
