@@ -325,6 +325,7 @@ def test_a_fifo_at_dmem_capacity_blocks_nothing(started: Any) -> None:
     wait_until(lambda: d.get("/readyz")[0] == 200, 15, lambda: f"readyz: {d.get('/readyz')}")
     acc = [c for c in d.get("/status")[1]["memory_limits"]["node"]["capabilities"] if c["name"] == "memory_accounting"]
     assert acc and acc[0]["ok"] and "NVML" in acc[0]["detail"], acc
+    assert "dmem.capacity is not a regular file" in acc[0]["detail"], acc  # why the dmem file was not used
     pod, ctrs = pod_from_manifest(INFERENCE)
     adj = rt.create_container(pod, ctrs[0])
     assert getattr(adj, "code", None) is None and adj.env, adj

@@ -168,8 +168,10 @@ def _accounting(root: str, gpus: Sequence[GpuInfo], nvml_probe: Callable[[str], 
         lacking = [g.uuid for g in gpus]
     if nvml_probe is not None:
         errors = {u: e for u in lacking if (e := nvml_probe(u)) is not None}
-        if not errors:
-            return Capability("memory_accounting", True, "NVML answers nvmlDeviceGetMemoryLimits_v1 for every GPU")
+        if not errors:  # say why the dmem files were not enough (issue 34 input 8: a FIFO, a huge file)
+            why = regions if isinstance(regions, str) else f"{root}/dmem.capacity does not list {', '.join(lacking)}"
+            return Capability("memory_accounting", True,
+                              "NVML answers nvmlDeviceGetMemoryLimits_v1 for every GPU" + (f" ({why})" if gpus else ""))
         first = next(iter(errors.items()))
         return Capability("memory_accounting", False,
                           f"NVML nvmlDeviceGetMemoryLimits_v1 failed on {len(errors)} GPU(s), {first[0]}: {first[1]}")
