@@ -99,7 +99,7 @@ def admission_problem(
         if (reservation and t.reservation == reservation) or (uid and t.pod_uid == uid and t.container == name):
             continue
         others += 1
-        held += t.request_mib
+        held += t.charged_mib
         if whole is None and t.door in _WHOLE_DOORS:
             whole = t
         if other_mode is None and t.mode is not mode:
@@ -127,6 +127,24 @@ def admission_problem(
         return Problem(f"GPU {gpu.index} ({gpu.uuid}) already has {others} tenants",
                        f"the MPS client limit is {max_clients} per GPU")
     return None
+
+
+def _keep_charge(new: list[Tenancy], old: Iterable[Tenancy]) -> list[Tenancy]:
+    """``new`` with ``held_mib`` set where the same reservation's replaced
+    entries ``old`` (unbound, or of the same pod) were charged more on that
+    GPU: kubelet counts a pod's devices as its own until the pod ends, so a
+    union hold (an init container's devices reused, charged
+    ``allocation.charge_mib`` of the union) stays charged while the smaller
+    init container runs (ADR 0033, "Consequences and known limits"). The
+    container's own request and limit are unchanged."""
+    charge: dict[str, int] = {}
+    for o in old if new else ():
+        if o.reservation and o.reservation == new[0].reservation and (not o.bound or o.pod_uid == new[0].pod_uid):
+            charge[o.gpu_uuid] = max(charge.get(o.gpu_uuid, 0), o.charged_mib)
+    if not charge:
+        return new
+    return [dataclasses.replace(t, held_mib=charge.get(t.gpu_uuid, 0)) if charge.get(t.gpu_uuid, 0) > t.request_mib
+            else t for t in new]
 
 
 class Ledger:
@@ -208,7 +226,9 @@ class Ledger:
               reservation: str = "", bound: bool = True) -> list[Tenancy]:
         """Record ``plan`` (``allocation.to_tenancies``): one Tenancy per
         assigned GPU, replacing the hold's earlier entries (same owner, or the
-        same ``reservation`` key). ``bound=False`` records a kubelet
+        same ``reservation`` key); a reservation keeps what its earlier
+        entries of the same pod (or of no pod yet) were charged on each GPU
+        (``_keep_charge``). ``bound=False`` records a kubelet
         reservation whose holder is not known yet. Atomic: either every GPU is
         admitted or none.
 
@@ -218,19 +238,20 @@ class Ledger:
             OSError: the file could not be written (the ledger is unchanged).
         """
         owner = (plan.pod.uid, plan.container) if bound else ("", "")
-        new = to_tenancies(plan, container_id, door=door, reservation=reservation, bound=bound)
         with self._lock:
+            old = self._index.held_by(owner, reservation)
+            new = _keep_charge(to_tenancies(plan, container_id, door=door, reservation=reservation, bound=bound), old)
             for t in new:
                 gpu = self._gpus.get(t.gpu_uuid)
                 if gpu is None:
                     raise FractionError("node", t.gpu_uuid, f"is not a GPU of node {self._node.name}", "device")
                 problem = admission_problem(
                     gpu, self._index.by_gpu.get(gpu.uuid, ()), owner,
-                    t.mode, t.request_mib, self._max_clients, reservation,
+                    t.mode, t.charged_mib, self._max_clients, reservation,
                 )
                 if problem:
                     raise FractionError("node", str(plan.pod) + "/" + plan.container, str(problem), "guard")
-            self._change(self._index.held_by(owner, reservation), new)
+            self._change(old, new)
         self._notify()
         return new
 
