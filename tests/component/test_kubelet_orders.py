@@ -17,6 +17,7 @@ import json
 import pytest
 from test_daemon import root  # noqa: F401 (fixture)
 from test_one_allocation import UUIDS, Node, ctr, ids, key_of, node, pod  # noqa: F401 (node: fixture)
+from fracplugin.status import render_gpus
 from tests.helpers import wait_until
 
 INVALID_ARGUMENT = 3
@@ -348,6 +349,7 @@ def test_1_the_pods_union_hold_stays_charged_while_its_init_container_runs(node:
     assert code(adj) is None, adj
     assert got["NVIDIA_GPU_MEMORY_REQUEST"] == "2048"  # the init container's own size...
     assert pod_held(n, 0, {"uid-sizes"}) == 3072, n.tenants()  # ...but the pod's hold is still its 3 devices
+    assert "/sizes/init: request 2048 MiB, limit 2048 MiB, held 3072 MiB," in render_gpus(n.status())
     kai = pod("kai", containers=[ctr("app")], annotations={
         "nvidia.com/container.app.gpu-memory.request": "2Gi", "nvidia.com/container.app.gpus.devices": "0"})
     n.put(kai)
