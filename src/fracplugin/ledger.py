@@ -129,22 +129,25 @@ def admission_problem(
     return None
 
 
-def _keep_charge(new: list[Tenancy], old: Iterable[Tenancy]) -> list[Tenancy]:
-    """``new`` with ``held_mib`` set where the same reservation's replaced
-    entries ``old`` (unbound, or of the same pod) were charged more on that
-    GPU: kubelet counts a pod's devices as its own until the pod ends, so a
-    union hold (an init container's devices reused, charged
-    ``allocation.charge_mib`` of the union) stays charged while the smaller
-    init container runs (ADR 0033, "Consequences and known limits"). The
-    container's own request and limit are unchanged."""
-    charge: dict[str, int] = {}
-    for o in old if new else ():
-        if o.reservation and o.reservation == new[0].reservation and (not o.bound or o.pod_uid == new[0].pod_uid):
-            charge[o.gpu_uuid] = max(charge.get(o.gpu_uuid, 0), o.charged_mib)
-    if not charge:
-        return new
-    return [dataclasses.replace(t, held_mib=charge.get(t.gpu_uuid, 0)) if charge.get(t.gpu_uuid, 0) > t.request_mib
-            else t for t in new]
+def keep_charge(new: Iterable[Tenancy], old: Iterable[Tenancy]) -> list[Tenancy]:
+    """``new`` with ``held_mib`` set where the replaced entries ``old`` of
+    the same reservation (unbound, or of the same pod) were charged more on
+    that GPU: kubelet counts a pod's devices as its own until the pod ends,
+    so a union hold (an init container's devices reused, charged
+    ``allocation.charge_mib`` of the union) stays charged while a smaller
+    container of the pod holds it (ADR 0033 decision 3). The container's own
+    request and limit are unchanged. ``Ledger.admit`` and the NRI
+    Synchronize's rebuild (``nri/reconcile.py``) apply it."""
+    charge: dict[tuple[str, str], list[Tenancy]] = {}
+    for o in old:
+        if o.reservation:
+            charge.setdefault((o.reservation, o.gpu_uuid), []).append(o)
+    out = []
+    for t in new:
+        mib = max((o.charged_mib for o in charge.get((t.reservation, t.gpu_uuid), ())
+                   if not o.bound or o.pod_uid == t.pod_uid), default=0)
+        out.append(dataclasses.replace(t, held_mib=mib) if mib > t.request_mib else t)
+    return out
 
 
 class Ledger:
@@ -228,7 +231,7 @@ class Ledger:
         assigned GPU, replacing the hold's earlier entries (same owner, or the
         same ``reservation`` key); a reservation keeps what its earlier
         entries of the same pod (or of no pod yet) were charged on each GPU
-        (``_keep_charge``). ``bound=False`` records a kubelet
+        (``keep_charge``). ``bound=False`` records a kubelet
         reservation whose holder is not known yet. Atomic: either every GPU is
         admitted or none.
 
@@ -240,7 +243,7 @@ class Ledger:
         owner = (plan.pod.uid, plan.container) if bound else ("", "")
         with self._lock:
             old = self._index.held_by(owner, reservation)
-            new = _keep_charge(to_tenancies(plan, container_id, door=door, reservation=reservation, bound=bound), old)
+            new = keep_charge(to_tenancies(plan, container_id, door=door, reservation=reservation, bound=bound), old)
             for t in new:
                 gpu = self._gpus.get(t.gpu_uuid)
                 if gpu is None:
