@@ -202,7 +202,7 @@ class Daemon:
         if b.node is not None and b.ledger is not None:
             for g in b.node.gpus:
                 tenants = b.ledger.tenants(g.uuid)
-                held = sum(t.request_mib for t in tenants)
+                held = sum(t.charged_mib for t in tenants)
                 mode = tenants[0].mode if tenants else None
                 healthy, reasons = health.get(g.uuid, (True, []))
                 gpus.append({

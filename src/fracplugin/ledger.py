@@ -99,7 +99,7 @@ def admission_problem(
         if (reservation and t.reservation == reservation) or (uid and t.pod_uid == uid and t.container == name):
             continue
         others += 1
-        held += t.request_mib
+        held += t.charged_mib
         if whole is None and t.door in _WHOLE_DOORS:
             whole = t
         if other_mode is None and t.mode is not mode:
@@ -127,6 +127,27 @@ def admission_problem(
         return Problem(f"GPU {gpu.index} ({gpu.uuid}) already has {others} tenants",
                        f"the MPS client limit is {max_clients} per GPU")
     return None
+
+
+def keep_charge(new: Iterable[Tenancy], old: Iterable[Tenancy]) -> list[Tenancy]:
+    """``new`` with ``held_mib`` set where the replaced entries ``old`` of
+    the same reservation (unbound, or of the same pod) were charged more on
+    that GPU: kubelet counts a pod's devices as its own until the pod ends,
+    so a union hold (an init container's devices reused, charged
+    ``allocation.charge_mib`` of the union) stays charged while a smaller
+    container of the pod holds it (ADR 0033 decision 3). The container's own
+    request and limit are unchanged. ``Ledger.admit`` and the NRI
+    Synchronize's rebuild (``nri/reconcile.py``) apply it."""
+    charge: dict[tuple[str, str], list[Tenancy]] = {}
+    for o in old:
+        if o.reservation:
+            charge.setdefault((o.reservation, o.gpu_uuid), []).append(o)
+    out = []
+    for t in new:
+        mib = max((o.charged_mib for o in charge.get((t.reservation, t.gpu_uuid), ())
+                   if not o.bound or o.pod_uid == t.pod_uid), default=0)
+        out.append(dataclasses.replace(t, held_mib=mib) if mib > t.request_mib else t)
+    return out
 
 
 class Ledger:
@@ -208,7 +229,9 @@ class Ledger:
               reservation: str = "", bound: bool = True) -> list[Tenancy]:
         """Record ``plan`` (``allocation.to_tenancies``): one Tenancy per
         assigned GPU, replacing the hold's earlier entries (same owner, or the
-        same ``reservation`` key). ``bound=False`` records a kubelet
+        same ``reservation`` key); a reservation keeps what its earlier
+        entries of the same pod (or of no pod yet) were charged on each GPU
+        (``keep_charge``). ``bound=False`` records a kubelet
         reservation whose holder is not known yet. Atomic: either every GPU is
         admitted or none.
 
@@ -218,19 +241,20 @@ class Ledger:
             OSError: the file could not be written (the ledger is unchanged).
         """
         owner = (plan.pod.uid, plan.container) if bound else ("", "")
-        new = to_tenancies(plan, container_id, door=door, reservation=reservation, bound=bound)
         with self._lock:
+            old = self._index.held_by(owner, reservation)
+            new = keep_charge(to_tenancies(plan, container_id, door=door, reservation=reservation, bound=bound), old)
             for t in new:
                 gpu = self._gpus.get(t.gpu_uuid)
                 if gpu is None:
                     raise FractionError("node", t.gpu_uuid, f"is not a GPU of node {self._node.name}", "device")
                 problem = admission_problem(
                     gpu, self._index.by_gpu.get(gpu.uuid, ()), owner,
-                    t.mode, t.request_mib, self._max_clients, reservation,
+                    t.mode, t.charged_mib, self._max_clients, reservation,
                 )
                 if problem:
                     raise FractionError("node", str(plan.pod) + "/" + plan.container, str(problem), "guard")
-            self._change(self._index.held_by(owner, reservation), new)
+            self._change(old, new)
         self._notify()
         return new
 

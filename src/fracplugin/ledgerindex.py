@@ -93,7 +93,7 @@ def invariant_problems(entries: Sequence[Tenancy], node: NodeInfo, max_clients: 
         on = [t for t in entries if t.gpu_uuid == gpu.uuid]
         if len({t.mode for t in on}) > 1:
             problems.append(f"GPU {gpu.uuid} has tenants of more than one compute mode")
-        held = sum(t.request_mib for t in on)
+        held = sum(t.charged_mib for t in on)
         if held > gpu.memory_mib:
             problems.append(f"GPU {gpu.uuid} holds {held} MiB of {gpu.memory_mib} MiB")
         if len(on) > max_clients:

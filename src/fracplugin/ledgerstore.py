@@ -43,11 +43,11 @@ def encode_tenancy(t: Tenancy) -> str:
     field (issue 14: 2 us instead of 5 us per admission). A property test
     keeps the two identical. Raises TypeError for a non-integer MiB field."""
     ns = t.mps_namespace
-    return ('{"active_thread_percentage":%s,"container":%s,"container_id":%s,"door":%s,"gpu_uuid":%s,'
+    return ('{"active_thread_percentage":%s,"container":%s,"container_id":%s,"door":%s,"gpu_uuid":%s,%s'
             '"limit_mib":%s,"mode":%s,"mps_namespace":%s,"namespace":%s,"pod_name":%s,"pod_uid":%s,'
             '"request_mib":%s,"reservation":%s}' % (
                 _int(t.active_thread_percentage), _str(t.container), _str(t.container_id), _str(t.door),
-                _str(t.gpu_uuid), _int(t.limit_mib), _str(t.mode.value), "null" if ns is None else _str(ns),
+                _str(t.gpu_uuid), '"held_mib":%s,' % _int(t.held_mib) if t.held_mib else "", _int(t.limit_mib), _str(t.mode.value), "null" if ns is None else _str(ns),
                 _str(t.namespace), _str(t.pod_name), _str(t.pod_uid), _int(t.request_mib), _str(t.reservation)))
 
 
@@ -105,9 +105,10 @@ class LedgerStore:
                 if torn:
                     warnings.append(f"ledger journal {self.journal_path}: {torn}; dropped")
             for t in entries:
-                if not 1 <= t.request_mib <= t.limit_mib:
-                    raise ValueError(f"record {t.namespace}/{t.pod_name}/{t.container} has request {t.request_mib} MiB "
-                                     f"and limit {t.limit_mib} MiB (need 1 <= request <= limit)")
+                if not 1 <= t.request_mib <= t.limit_mib or t.held_mib < 0:
+                    raise ValueError(f"record {t.namespace}/{t.pod_name}/{t.container} has request {t.request_mib} MiB, "
+                                     f"limit {t.limit_mib} MiB and held {t.held_mib} MiB "
+                                     "(need 1 <= request <= limit, held >= 0)")
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             what = "journal" if isinstance(exc, _Corrupt) else "file"
             if self._read_only:

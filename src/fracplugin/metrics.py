@@ -492,7 +492,7 @@ class _Collector(Collector):
             ts = per_gpu.get(g.uuid, [])
             labels = gpu_label_values(g.uuid, g, host)
             tenants.add_metric(labels, float(len(ts)))
-            held.add_metric(labels, float(sum(t.request_mib for t in ts) * MIB))
+            held.add_metric(labels, float(sum(t.charged_mib for t in ts) * MIB))
             mode.add_metric([*labels, ts[0].mode.value if ts else "none"], 1.0)
             total.add_metric(labels, float(g.memory_mib * MIB))
         yield from (tenants, held, total, mode)

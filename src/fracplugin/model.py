@@ -262,6 +262,9 @@ class Tenancy:
 
     ``request_mib``/``limit_mib`` are for this GPU. ``container_id`` is the
     runtime's id when known (NRI CreateContainer), empty otherwise.
+    ``held_mib`` (0: none) is what the hold keeps charged on this GPU beyond
+    the container's own request: a pod's union hold while its smaller init
+    container runs (ADR 0033); ``charged_mib`` is what the GPU counts.
 
     ``door`` says where the hold comes from (ADR 0007): ``nri`` (planned from
     the pod's annotations at CreateContainer), ``allocate`` (kubelet's device
@@ -286,6 +289,12 @@ class Tenancy:
     active_thread_percentage: int | None = None
     door: str = "nri"
     reservation: str = ""
+    held_mib: int = 0
+
+    @property
+    def charged_mib(self) -> int:
+        """MiB this entry counts on its GPU: ``max(request_mib, held_mib)``."""
+        return max(self.request_mib, self.held_mib)
 
     @property
     def owner(self) -> tuple[str, str]:
@@ -305,9 +314,12 @@ class Tenancy:
         return bool(self.pod_uid)
 
     def to_dict(self) -> dict[str, object]:
-        """Every field by name (``mode`` as its value): the ledger's record and ``/status``'s tenant."""
+        """Every field by name (``mode`` as its value; ``held_mib`` only when not 0, so a record
+        without it reads as before): the ledger's record and ``/status``'s tenant."""
         d: dict[str, object] = {f: getattr(self, f) for f in _TENANCY_FIELDS}
         d["mode"] = self.mode.value
+        if not self.held_mib:
+            del d["held_mib"]
         return d
 
     @classmethod
@@ -331,6 +343,7 @@ class Tenancy:
             active_thread_percentage=None if atp is None else _as_int(atp),
             door=str(d.get("door") or "nri"),
             reservation=str(d.get("reservation") or ""),
+            held_mib=_as_int(d.get("held_mib", 0)),
         )
 
 

@@ -309,7 +309,8 @@ def join_pod_hold(ledger: Ledger, key: str, unit_mib: int, pod_uids: Container[s
     when ``key`` is not in the ledger: when a reservation bound to that pod
     shares a device with it (kubelet reused the init container's devices for
     the app, both answered pending), both become one hold under the union of
-    their devices, charged ``unit_mib`` per device of the union on each GPU,
+    their devices, charged ``unit_mib`` per device of the union on each GPU
+    (``held_mib``: the container's own request and limit unchanged),
     its entries kept (holder, container id), both keys aliases of it and
     pending no more (ADR 0033 decision 3: one pod never holds the same
     devices twice). Otherwise ``key``."""
@@ -319,8 +320,8 @@ def join_pod_hold(ledger: Ledger, key: str, unit_mib: int, pod_uids: Container[s
             continue
         union = al.union_key([other, key])
         per = al.charge_mib(union, unit_mib)
-        new = [dataclasses.replace(t, reservation=union, request_mib=max(t.request_mib, per.get(t.gpu_uuid, 0)),
-                                   limit_mib=max(t.limit_mib, per.get(t.gpu_uuid, 0))) for t in held]
+        new = [dataclasses.replace(t, reservation=union, held_mib=max(t.held_mib, per.get(t.gpu_uuid, 0))
+                                   if per.get(t.gpu_uuid, 0) > t.request_mib else t.held_mib) for t in held]
         ledger.transform(lambda cur: [t for t in cur if t.reservation not in (other, key)] + new)
         proofs = proofs_of(ledger)
         for k in (key, other):

@@ -90,8 +90,9 @@ def render_gpus(doc: Mapping[str, Any]) -> str:
             c = enforced.get(t.get("container_id")) if t.get("container_id") else None
             enf = f"  ENFORCED {enforced_cell(c.get('enforced', 'unknown'), c.get('reason') or '')}" if c else ""
             holds = f"  HOLDS {t['holds']}" if t.get("holds") else ""  # cgroup | per-process | none (issue 35)
+            held = f", held {t['held_mib']} MiB" if t.get("held_mib") else ""  # its pod's union hold (ADR 0033)
             lines.append(f"{holder}: request {t['request_mib']} MiB, "
-                         f"limit {t['limit_mib']} MiB, {t['mode']}{atp}{cid}  door {door}{res}{enf}{holds}")
+                         f"limit {t['limit_mib']} MiB{held}, {t['mode']}{atp}{cid}  door {door}{res}{enf}{holds}")
         tenant_lines[len(rows) - 1] = lines
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []

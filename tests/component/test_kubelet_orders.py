@@ -17,6 +17,7 @@ import json
 import pytest
 from test_daemon import root  # noqa: F401 (fixture)
 from test_one_allocation import UUIDS, Node, ctr, ids, key_of, node, pod  # noqa: F401 (node: fixture)
+from fracplugin.status import render_gpus
 from tests.helpers import wait_until
 
 INVALID_ARGUMENT = 3
@@ -31,8 +32,9 @@ def code(out: Any) -> int | None:
 
 def pod_held(n: Node, gpu: int, uids: set[str]) -> int:
     """MiB held on ``gpu`` by the pods ``uids`` and by reservations no
-    container claimed yet (those may be theirs)."""
-    return sum(t["request_mib"] for t in n.status()["gpus"][gpu]["tenants"] if t["pod_uid"] in uids | {""})
+    container claimed yet (those may be theirs): each entry's charge, its
+    ``held_mib`` where the hold keeps more than the container's request."""
+    return sum(max(t["request_mib"], t.get("held_mib", 0)) for t in n.status()["gpus"][gpu]["tenants"] if t["pod_uid"] in uids | {""})
 
 
 # ---- input 1: an init container's devices given again to the app container ---------------------
@@ -64,13 +66,14 @@ def test_1_init_and_app_of_different_sizes_share_their_devices(node: Callable[..
     assert code(adj) is None, adj
     assert got["NVIDIA_GPU_MEMORY_REQUEST"] == str(app_units * 1024)
     seen.append(pod_held(n, 0, {"uid-sizes"}))
-    assert max(seen) <= most and seen[-1] == app_units * 1024, seen
+    # kubelet counts the pod's devices (the union) as its own until the pod ends: so does the hold
+    assert max(seen) <= most and seen[-1] == most, seen
     (t,) = n.status()["gpus"][0]["tenants"]
     assert (t["pod_name"], t["container"], t["container_id"]) == ("sizes", "app", "ctr-uid-sizes-app")
     # kubelet re-Allocates the running app's IDs (a kubelet restart): answered as recorded, nothing released
     env_again, ann = n.allocate(ids(0, app_units))
     assert ann["fracplugin.io/allocate"] == "reserved" and env_again[PROOF] == env_app[PROOF]
-    assert n.held(0) == app_units * 1024
+    assert n.held(0) == most
     # the app container restarts: still its own
     n.stop(p, "app")
     adj, _ = n.create(p, "app", env_app)
@@ -319,4 +322,41 @@ def test_1_2_a_pending_init_and_app_stay_one_hold_when_podresources_lists_both(
             passes(2)
     assert [(t["pod_name"], t["container"], t["request_mib"]) for t in n.tenants()] == [
         ("sizes", "app", app_units * 1024)]
-    assert n.held(0) == app_units * 1024
+    assert n.held(0) == most  # the pod's devices, the union, until the pod ends (as kubelet counts them)
+
+
+def test_1_the_pods_union_hold_stays_charged_while_its_init_container_runs(node: Callable[..., Node]) -> None:
+    """Input 1 with another door on the GPU (review of issue 34): kubelet gave the pod ``GPU0::0-2`` (init 2
+    units, app 3) and counts those 3 devices as the pod's until it ends, so the pod's one hold must stay
+    charged 3072 MiB (``allocation.charge_mib`` of the union) while the init container runs. If the init's
+    CreateContainer re-records the hold at its own 2048 MiB, the 1024 MiB kubelet still counts as the pod's
+    look free; a KAI-shape pod (NRI door) takes them, and the app container kubelet already admitted is then
+    refused at CreateContainer for want of memory (the pod does not start while the other runs).
+
+    GPU 0: 81559 MiB. Pod ``fill`` holds 75 devices (76800 MiB): with the pod's 3072 MiB, 1687 MiB are free,
+    so the 2 GiB KAI pod must be refused (with the hold re-recorded at 2048 MiB, 2711 MiB look free: it is
+    admitted, and the app's 3072 MiB then find 663 MiB free)."""
+    n = node()
+    p = pod("sizes", containers=[ctr("app", 3)], init=[ctr("init", 2)])
+    fill = pod("fill", 75)
+    n.put(p, fill)
+    env_init, _ = n.allocate(ids(0, 2))
+    env_app, _ = n.allocate(ids(0, 3))
+    env_fill, _ = n.allocate(ids(0, 75, start=3))
+    assert code(n.create(fill, "app", env_fill)[0]) is None
+    assert n.held(0) == 3072 + 76800
+    adj, got = n.create(p, "init", env_init)
+    assert code(adj) is None, adj
+    assert got["NVIDIA_GPU_MEMORY_REQUEST"] == "2048"  # the init container's own size...
+    assert pod_held(n, 0, {"uid-sizes"}) == 3072, n.tenants()  # ...but the pod's hold is still its 3 devices
+    assert "/sizes/init: request 2048 MiB, limit 2048 MiB, held 3072 MiB," in render_gpus(n.status())
+    kai = pod("kai", containers=[ctr("app")], annotations={
+        "nvidia.com/container.app.gpu-memory.request": "2Gi", "nvidia.com/container.app.gpus.devices": "0"})
+    n.put(kai)
+    err, _ = n.create(kai, "app")
+    assert code(err) is not None, "the 2 GiB KAI pod took memory kubelet counts as pod sizes'"
+    n.stop(p, "init")
+    adj, got = n.create(p, "app", env_app)
+    assert code(adj) is None, adj  # the app container kubelet admitted is admitted
+    assert got["NVIDIA_GPU_MEMORY_REQUEST"] == "3072"
+    assert n.held(0) == 3072 + 76800

@@ -91,8 +91,9 @@ def test_a_running_container_whose_key_is_an_alias_is_recorded_under_the_shared_
     of the pod's one hold (the union, ``::0-2``). The runtime (or the whole
     daemon) restarts while the app runs and the init has exited: the
     Synchronize records the app under that hold, once (2048 MiB, its own
-    size), not under its key beside the hold (4096 MiB, or the exited init's
-    3072), both through the real sockets (fake kubelet, NRI runtime, the
+    size; the hold stays charged the union's 3072 MiB, as kubelet counts the
+    pod's devices), not under its key beside the hold (4096 MiB, or the
+    exited init's 3072 as its request), both through the real sockets (fake kubelet, NRI runtime, the
     daemon's ledger and proofs files)."""
     n = node()
     p = pod("reuse", containers=[ctr("app", 2)], init=[ctr("init", 3)])
@@ -124,7 +125,7 @@ def test_a_running_container_whose_key_is_an_alias_is_recorded_under_the_shared_
     else:  # the daemon restarts: its ledger and proofs (aliases) files, then Synchronize
         n.restart_daemon()
     assert wait_until(lambda: holds() == [(union, "ctr-uid-reuse-app", 2048)], 10, holds)
-    assert n.held(0) == 2048  # counted once
+    assert n.held(0) == 3072  # counted once: the pod's devices, the union, as before the restart
 
     # the app's own Stop ends its container's hold; the reservation stays with its pod
     n.stop(p, "app")

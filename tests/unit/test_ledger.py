@@ -40,6 +40,49 @@ def test_admit_persists_and_reloads(node, tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["ledger.json", "ledger.json.journal"]
 
 
+def test_a_reservation_keeps_its_charge_while_a_smaller_container_of_its_pod_holds_it(node, tmp_path):
+    """ADR 0033: a pod's union hold (3 GiB) stays charged while its 2 GiB init container runs under it; the
+    container's own request and limit stay its own; the held amount survives the journal and a snapshot."""
+    path, gpu = tmp_path / "ledger.json", node.gpus[0]
+    led = Ledger(node, path)
+    key = f"{gpu.uuid}::0-2"
+    led.admit(mkplan(node, led, "u1", request="3Gi"), reservation=key, bound=False)
+    (init,) = led.admit(mkplan(node, led, "u1", request="2Gi", container="init"), container_id="c1",
+                        reservation=key)
+    assert (init.request_mib, init.limit_mib, init.held_mib, init.charged_mib) == (2048, 2048, 3072, 3072)
+    free = gpu.memory_mib - 3072
+    with pytest.raises(FractionError, match=f"has {free} MiB of {gpu.memory_mib} MiB free"):
+        led.admit(mkplan(node, Ledger(node), "u2", request=f"{free + 1}Mi"))
+
+    def reloaded() -> list:
+        again = Ledger(node, path, read_only=True)
+        assert again.load() == []
+        return again.tenancies()
+
+    assert reloaded() == led.tenancies()  # from the journal
+    led.close()
+    assert '"held_mib":3072' in path.read_text() and reloaded() == led.tenancies()  # from the snapshot
+    (app,) = led.admit(mkplan(node, led, "u1", request="3Gi"), container_id="c2", reservation=key)
+    assert (app.request_mib, app.held_mib) == (3072, 0)
+    (other,) = led.admit(mkplan(node, led, "u3", request="1Gi"), reservation=key)  # another pod keeps nothing
+    assert (other.request_mib, other.held_mib) == (1024, 0)
+
+
+def test_a_ledger_file_without_held_mib_loads_and_a_negative_one_is_corrupt(node, tmp_path):
+    """A file written before ``held_mib`` existed loads (0: the request is the charge); ``-1`` is refused."""
+    path = tmp_path / "ledger.json"
+    led = Ledger(node, path)
+    led.admit(mkplan(node, led, "u1"), container_id="c1")
+    led.close()
+    doc = json.loads(path.read_text())
+    assert "held_mib" not in doc["tenancies"][0]
+    again = Ledger(node, path)
+    assert again.load() == [] and [(t.request_mib, t.held_mib) for t in again.tenancies()] == [(10240, 0)]
+    doc["tenancies"][0]["held_mib"] = -1
+    path.write_text(json.dumps(doc))
+    assert "held -1 MiB" in Ledger(node, path).load()[0]
+
+
 def test_corrupt_file_is_set_aside_not_trusted(node, tmp_path):
     path = tmp_path / "ledger.json"
     path.write_text("{not json")

@@ -74,7 +74,7 @@ class PreferredAllocation:
     def _free_mib_of(self, uuid: str) -> int | None:
         gpu = self.rules.node.gpu_by_uuid(uuid)
         try:
-            return None if gpu is None else gpu.memory_mib - sum(t.request_mib for t in self.rules.ledger.tenants(uuid))
+            return None if gpu is None else gpu.memory_mib - sum(t.charged_mib for t in self.rules.ledger.tenants(uuid))
         except Exception:
             return None
 

@@ -21,6 +21,7 @@ from .. import allocation as al
 from ..annotations import parse as parse_annotations
 from ..model import ComputeMode, ContainerPlan, FractionError, Tenancy
 from ..dra import ENV_CLAIM, claim_tenancies_of
+from ..ledger import keep_charge
 from ..mps.api import MpsApi
 from ..noderules import NodeRules
 from ..planner import ENV_MEMORY_LIMIT, ENV_MEMORY_REQUEST, ENV_PINNED_LIMIT, ENV_VISIBLE_DEVICES
@@ -147,7 +148,7 @@ class Reconciler:
         reserved = set(shared)
         rebuilt = list(tenancies)
         live = {c.id for c in containers}  # a kept reservation's container the runtime no longer runs is unbound
-        self.rules.ledger.transform(lambda cur: rebuilt + unbind_gone([
+        self.rules.ledger.transform(lambda cur: keep_charge(rebuilt, cur) + unbind_gone([
             t for t in cur if (t.door in (al.DOOR_ALLOCATE, al.DOOR_OTHER_PLUGIN) and t.reservation not in reserved)
             or t.door == al.DOOR_DRA],
             live))
