@@ -48,8 +48,9 @@ def _holds(d) -> list[tuple[str, str, int]]:
 
 
 def _gpu0_mib(d) -> int:
-    """MiB the ledger holds on GPU 0 (sum of its tenancies' requests)."""
-    return sum(t["request_mib"] for t in d.tenancies() if t["gpu_uuid"] == GPU0)
+    """MiB the ledger holds on GPU 0 (sum of its tenancies' charges: the request, or a union hold's
+    ``held_mib`` when larger)."""
+    return sum(max(t["request_mib"], t.get("held_mib", 0)) for t in d.tenancies() if t["gpu_uuid"] == GPU0)
 
 
 def _state(ctrd: h.Containerd, cid: str) -> str:

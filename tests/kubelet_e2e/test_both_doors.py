@@ -139,8 +139,8 @@ def test_init_and_app_of_different_sizes_run(cluster, daemon, pods, init_gib, ap
     most = max(init_gib, app_gib) * 1024
     seen: list[int] = []
 
-    def held() -> int:  # this pod's, and reservations whose holder is not known yet (they may be its)
-        mib = sum(t["request_mib"] for t in ledger(daemon) if t["pod_name"] in (name, ""))
+    def held() -> int:  # this pod's, and reservations whose holder is not known yet (they may be its): charged
+        mib = sum(max(t["request_mib"], t.get("held_mib", 0)) for t in ledger(daemon) if t["pod_name"] in (name, ""))
         seen.append(mib)
         return mib
 
