@@ -203,9 +203,11 @@ def test_a_namespace_held_again_before_its_release_runs_is_kept(make_harness):
         for b in busy:  # four ensures hold the four MPS workers: the orphan's release stays queued
             assert h.rt.run_pod_sandbox(b) is None
         wait_for(lambda: len(h.mps.named("ensure_namespace")) == 5, what="four ensures running")
-        h.rt.disconnect()  # the runtime reconnects and Synchronizes without the pod
+        # what the next Synchronize carries and the count before it: both before the disconnect, which
+        # waits for the connection to end while the plugin may already register again (seen under load)
         h.rt.set_sync_state(busy, [])
         n = len(h.rt.registrations)
+        h.rt.disconnect()  # the runtime reconnects and Synchronizes without the pod
         wait_for(lambda: len(h.rt.registrations) > n and h.plugin.status()["early_namespaces"]["orphaned"] == 1,
                  what="the second Synchronize found the orphan")
         plan = plan_container(dict(pod.annotations), "app", PodRef(pod.namespace, pod.name, pod.uid), NODE,
