@@ -526,7 +526,9 @@ def test_slow_drain_makes_the_daemon_unhealthy_but_restarts_nothing(mps):
     assert res.wedged and res.restarted == () and res.terminated == ()
     assert res.elapsed_s < 1.0 + 3.0  # bounded by the budget (plus process start slack)
     d = daemon(sup, SM)
-    assert d["wedges"] == 1 and d["slow"].startswith("drain: terminate")
+    # marked slow; "slow" itself may already be cleared by the probe the drain asked for (an idle machine
+    # answers it before this line runs), the reason stays in last_error
+    assert d["wedges"] == 1 and d["last_error"].startswith("drain: terminate"), d
     # the immediate probe answers (only terminate is slow): healthy again, same daemon
     wait_for(lambda: sup.healthy(SM) and daemon(sup, SM)["slow"] == "", what="healthy after the probe")
     d = daemon(sup, SM)
