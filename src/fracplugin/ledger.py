@@ -146,7 +146,7 @@ def keep_charge(new: Iterable[Tenancy], old: Iterable[Tenancy]) -> list[Tenancy]
     for t in new:
         mib = max((o.charged_mib for o in charge.get((t.reservation, t.gpu_uuid), ())
                    if not o.bound or o.pod_uid == t.pod_uid), default=0)
-        out.append(dataclasses.replace(t, held_mib=mib) if mib > t.request_mib else t)
+        out.append(t.charged_at_least(mib))
     return out
 
 

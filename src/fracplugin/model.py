@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Mapping
 
 from .safetext import escape_controls
@@ -295,6 +295,12 @@ class Tenancy:
     def charged_mib(self) -> int:
         """MiB this entry counts on its GPU: ``max(request_mib, held_mib)``."""
         return max(self.request_mib, self.held_mib)
+
+    def charged_at_least(self, mib: int) -> "Tenancy":
+        """This entry, counting at least ``mib`` MiB on its GPU: ``held_mib``
+        raised where ``mib`` is more than ``charged_mib``; the container's own
+        request and limit unchanged (a union hold, ADR 0033)."""
+        return replace(self, held_mib=mib) if mib > self.charged_mib else self
 
     @property
     def owner(self) -> tuple[str, str]:

@@ -320,8 +320,7 @@ def join_pod_hold(ledger: Ledger, key: str, unit_mib: int, pod_uids: Container[s
             continue
         union = al.union_key([other, key])
         per = al.charge_mib(union, unit_mib)
-        new = [dataclasses.replace(t, reservation=union, held_mib=max(t.held_mib, per.get(t.gpu_uuid, 0))
-                                   if per.get(t.gpu_uuid, 0) > t.request_mib else t.held_mib) for t in held]
+        new = [dataclasses.replace(t, reservation=union).charged_at_least(per.get(t.gpu_uuid, 0)) for t in held]
         ledger.transform(lambda cur: [t for t in cur if t.reservation not in (other, key)] + new)
         proofs = proofs_of(ledger)
         for k in (key, other):
