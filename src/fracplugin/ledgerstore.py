@@ -43,11 +43,12 @@ def encode_tenancy(t: Tenancy) -> str:
     field (issue 14: 2 us instead of 5 us per admission). A property test
     keeps the two identical. Raises TypeError for a non-integer MiB field."""
     ns = t.mps_namespace
+    held = '"held_mib":%s,' % _int(t.held_mib) if t.held_mib else ""  # only when set: older records read as before
     return ('{"active_thread_percentage":%s,"container":%s,"container_id":%s,"door":%s,"gpu_uuid":%s,%s'
             '"limit_mib":%s,"mode":%s,"mps_namespace":%s,"namespace":%s,"pod_name":%s,"pod_uid":%s,'
             '"request_mib":%s,"reservation":%s}' % (
                 _int(t.active_thread_percentage), _str(t.container), _str(t.container_id), _str(t.door),
-                _str(t.gpu_uuid), '"held_mib":%s,' % _int(t.held_mib) if t.held_mib else "", _int(t.limit_mib), _str(t.mode.value), "null" if ns is None else _str(ns),
+                _str(t.gpu_uuid), held, _int(t.limit_mib), _str(t.mode.value), "null" if ns is None else _str(ns),
                 _str(t.namespace), _str(t.pod_name), _str(t.pod_uid), _int(t.request_mib), _str(t.reservation)))
 
 
